@@ -19,14 +19,14 @@ from typing import Any
 import grpc
 
 __all__ = [
-    "fcdaemon_pb2",
     "fcdaemon_grpc",
-    "resmngr_pb2",
-    "resmngr_grpc",
-    "mngrinfo_pb2",
-    "mngrinfo_grpc",
-    "gpuresc_pb2",
+    "fcdaemon_pb2",
     "gpuresc_grpc",
+    "gpuresc_pb2",
+    "mngrinfo_grpc",
+    "mngrinfo_pb2",
+    "resmngr_grpc",
+    "resmngr_pb2",
 ]
 
 fcdaemon_pb2: Any

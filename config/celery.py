@@ -1,0 +1,112 @@
+"""Celery configuration built from :class:`config.settings.Settings`.
+
+Queues: one per kind of operation, declared explicitly (``task_create_missing_queues``
+is off, so a task routed nowhere is an error, not a silently created queue):
+
+* ``corral.spawn`` - spawn fan-out and one task per replica;
+* ``corral.delete`` - replica deletions;
+* ``corral.scale`` - scale planning;
+* ``corral.maintenance`` - reap, reconcile, health checks, CPU hogs.
+
+Reliability, chosen on purpose:
+
+* ``task_acks_late`` - a message is acknowledged after its task ran, so a worker
+  killed mid-task does not lose it; this is safe because every task is idempotent
+  (rows keyed by request id, deletes of deleted replicas succeed).
+* ``task_reject_on_worker_lost`` - when a pool process dies mid-task, the message
+  goes back to the queue at once instead of being acknowledged as failed.
+* ``worker_prefetch_multiplier = 1`` - a worker holds one unacknowledged message
+  per process, so a slow agent does not strand a backlog in one worker.
+* soft / hard time limits (60 s / 90 s by default) bound every task, and the Redis
+  ``visibility_timeout`` (300 s) is kept above the hard limit: a message is only
+  redelivered when its worker is really gone, never while it still runs. corral's
+  own sweep (stuck Creating / Deleting rows) covers the rest, so correctness does
+  not rest on redelivery alone.
+* retries with exponential backoff and jitter are done per task, for transport
+  errors only (:class:`workers.errors.TransientBackendError`); bad input and
+  permanent agent answers fail at once.
+* ``broker_connection_retry_on_startup`` and unlimited connection retries: a
+  worker outlives a broker restart.
+* task events are on (``worker_send_task_events``, ``task_send_sent_event``) so
+  Flower shows every task; task messages carry only ids, never secrets.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from kombu import Exchange, Queue
+
+from config.settings import Settings
+
+QUEUES = ("corral.spawn", "corral.delete", "corral.scale", "corral.maintenance")
+
+ROUTES: dict[str, dict[str, str]] = {
+    "corral.spawn": {"queue": "corral.spawn"},
+    "corral.spawn_replica": {"queue": "corral.spawn"},
+    "corral.delete_replica": {"queue": "corral.delete"},
+    "corral.scale": {"queue": "corral.scale"},
+    "corral.reap": {"queue": "corral.maintenance"},
+    "corral.reconcile": {"queue": "corral.maintenance"},
+    "corral.check_health": {"queue": "corral.maintenance"},
+    "corral.hogs": {"queue": "corral.maintenance"},
+    "corral.noop": {"queue": "corral.maintenance"},
+}
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The periodic work celery beat sends; each expires before the next is due."""
+
+    def every(seconds: float, task: str) -> dict[str, Any]:
+        return {
+            "task": task,
+            "schedule": timedelta(seconds=seconds),
+            "options": {"expires": max(1.0, seconds)},
+        }
+
+    return {
+        "reap": every(settings.reap_interval_s, "corral.reap"),
+        "reconcile": every(settings.reconcile_interval_s, "corral.reconcile"),
+        "check-health": every(settings.health_interval_s, "corral.check_health"),
+    }
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Everything ``app.conf`` needs, derived from settings."""
+    exchange = Exchange("corral", type="direct")
+    return {
+        "broker_url": settings.broker_url,
+        "result_backend": settings.backend_url,
+        "task_queues": [Queue(name, exchange, routing_key=name) for name in QUEUES],
+        "task_default_queue": "corral.maintenance",
+        "task_default_exchange": "corral",
+        "task_default_routing_key": "corral.maintenance",
+        "task_create_missing_queues": False,
+        "task_routes": ROUTES,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_soft_time_limit": settings.task_soft_time_limit_s,
+        "task_time_limit": settings.task_time_limit_s,
+        "broker_transport_options": {
+            "visibility_timeout": settings.visibility_timeout_s,
+        },
+        "result_backend_transport_options": {"retry_policy": {"max_retries": 10}},
+        "result_expires": 24 * 3600,
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_track_started": True,
+        "worker_hijack_root_logger": False,
+        "task_always_eager": settings.eager,
+        "task_eager_propagates": False,
+        "task_store_eager_result": False,
+        "beat_schedule": beat_schedule(settings),
+        "timezone": "UTC",
+        "enable_utc": True,
+    }

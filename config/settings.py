@@ -1,0 +1,184 @@
+"""Typed settings read from ``CORRAL_*`` environment variables.
+
+Precedence, highest first: the process environment, the state file of a running
+``corral up`` stack in the working directory (``.corral/stack.json``, or the
+directory named by ``CORRAL_STATE_DIR``), then the defaults below. A setting that
+does not parse fails at start with a :class:`ConfigError` naming the variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "CORRAL_"
+STACK_FILE = "stack.json"
+
+
+class ConfigError(Exception):
+    """A setting is missing or malformed; the message names the variable."""
+
+
+class Settings(BaseSettings):
+    """Every knob corral reads, with its default."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    # Where things are.
+    state_dir: Path = Path(".corral")
+    database_url: str = "sqlite:///corral.sqlite"
+    broker_url: str = "redis://localhost:6379/0"
+    result_backend: str | None = None
+    eager: bool = False
+    registry_listen: str = "0.0.0.0:50052"
+    registry_address: str = "127.0.0.1:50052"
+
+    # Reliability: time limits, retries, broker redelivery.
+    task_soft_time_limit_s: float = Field(60.0, gt=0)
+    task_time_limit_s: float = Field(90.0, gt=0)
+    visibility_timeout_s: int = Field(300, gt=0)
+    retry_max: int = Field(5, ge=0, le=100)
+    retry_backoff_s: float = Field(0.5, ge=0)
+    retry_backoff_max_s: float = Field(30.0, ge=0)
+
+    # Node agents and Lambdo hosts.
+    rpc_timeout_s: float = Field(10.0, gt=0)
+    create_timeout_s: float = Field(30.0, gt=0)
+    lambdo_timeout_s: float = Field(10.0, gt=0)
+    lambdo_token: str | None = None
+    agent_token: str | None = None
+    agent_tls_ca: Path | None = None
+    agent_tls_cert: Path | None = None
+    agent_tls_key: Path | None = None
+    registry_token: str | None = None
+    registry_tls_cert: Path | None = None
+    registry_tls_key: Path | None = None
+    node_capacity: int = Field(64, ge=1, le=100_000)
+
+    # CreateRequest defaults (the seed's, overridable per function).
+    image_storage: str = "/var/run/osv-storage"
+    inet_dev: str = ""
+    name_server: str = "8.8.8.8"
+    aws_access_key_id: str | None = None
+    aws_secret_access_key: str | None = None
+
+    # Lifecycle and maintenance.
+    idle_timeout_s: float = Field(600.0, ge=0)
+    reap_interval_s: float = Field(60.0, gt=0)
+    reap_batch: int = Field(100, ge=1, le=100_000)
+    reconcile_interval_s: float = Field(60.0, gt=0)
+    orphan_grace_s: float = Field(60.0, ge=0)
+    health_interval_s: float = Field(5.0, gt=0)
+    health_misses: int = Field(3, ge=1)
+    health_timeout_s: float = Field(2.0, gt=0)
+    node_dead_grace_s: float = Field(60.0, ge=0)
+    creating_deadline_s: float = Field(300.0, gt=0)
+    boot_deadline_s: float = Field(60.0, gt=0)
+    lease_ttl_s: float = Field(300.0, gt=0)
+
+    # Placement and GPUs.
+    placement: Literal["loadbalance", "roundrobin", "spread", "random", "pack"] = "loadbalance"
+    gpu_fit: Literal["best", "first"] = "best"
+    workers_per_gpu: int = Field(4, ge=1, le=1024)
+    first_worker_port: int = Field(4000, ge=1, le=65535)
+    gpu_manager_port: int = Field(3333, ge=1, le=65535)
+
+    # Flower.
+    flower_port: int = Field(5555, ge=0, le=65535)
+    flower_user: str | None = None
+    flower_password: str | None = None
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, value: str) -> str:
+        if not value.startswith(("sqlite", "postgresql")):
+            raise ValueError("must be a sqlite:/// or postgresql+psycopg:// URL")
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _known_broker(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "memory://", "unix://")):
+            raise ValueError("must be a redis:// URL")
+        return value
+
+    @model_validator(mode="after")
+    def _limits_fit(self) -> Settings:
+        if self.task_soft_time_limit_s >= self.task_time_limit_s:
+            raise ValueError(
+                "CORRAL_TASK_SOFT_TIME_LIMIT_S must be below CORRAL_TASK_TIME_LIMIT_S"
+            )
+        if self.visibility_timeout_s <= self.task_time_limit_s:
+            raise ValueError(
+                "CORRAL_VISIBILITY_TIMEOUT_S must exceed CORRAL_TASK_TIME_LIMIT_S, or a running "
+                "task's message would be handed to a second worker"
+            )
+        return self
+
+    @property
+    def backend_url(self) -> str:
+        """The Celery result backend: explicit, or the broker's Redis."""
+        return self.result_backend or self.broker_url
+
+
+def _stack_defaults(environ: dict[str, str]) -> dict[str, Any]:
+    """Addresses published by a running ``corral up`` in this directory, if any."""
+    state_dir = Path(environ.get(ENV_PREFIX + "STATE_DIR", ".corral"))
+    path = state_dir / STACK_FILE
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    pid = data.get("pid")
+    if not isinstance(pid, int) or not _alive(pid):
+        return {}
+    published = data.get("settings", {})
+    return {k: v for k, v in published.items() if ENV_PREFIX + k.upper() not in environ}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings from the environment, a running stack's state file and overrides."""
+    values = {**_stack_defaults(dict(os.environ)), **overrides}
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+_SECRET_WORDS = ("secret", "token", "password", "key")
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for err in exc.errors():
+        field = "_".join(str(p) for p in err["loc"])
+        shown = "<redacted>" if any(w in field for w in _SECRET_WORDS) else repr(err.get("input"))
+        problems.append(f"{ENV_PREFIX}{field.upper()}: {err['msg']} (got {shown})")
+    return "bad setting: " + "; ".join(problems)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, loaded once."""
+    return load_settings()
+
+
+def reset_settings() -> None:
+    """Forget the cached settings (tests and ``corral up`` change the environment)."""
+    get_settings.cache_clear()

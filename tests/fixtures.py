@@ -1,0 +1,116 @@
+"""Fixtures for corral's own tests: settings, a migrated store, agents on loopback.
+
+``corral_env`` points every ``CORRAL_*`` setting the tests care about at a fresh
+temporary SQLite database (or a PostgreSQL one via ``pg_env``) and eager Celery,
+and re-applies them to the shared app; ``agents`` starts reference fcdaemon
+agents (memory driver) on loopback and registers them as nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.fcdaemon import RunningAgent, serve_fcdaemon
+from config.settings import Settings, get_settings, reset_settings
+from workers import clock
+from workers.app import configure
+from workers.nodes import upsert_node
+from workers.store.db import Database, get_database
+from workers.store.migrate import upgrade
+
+FAST = {
+    "CORRAL_RETRY_BACKOFF_S": "0.01",
+    "CORRAL_RETRY_BACKOFF_MAX_S": "0.05",
+    "CORRAL_RETRY_MAX": "3",
+    "CORRAL_RPC_TIMEOUT_S": "2",
+    "CORRAL_CREATE_TIMEOUT_S": "2",
+    "CORRAL_LAMBDO_TIMEOUT_S": "2",
+    "CORRAL_HEALTH_TIMEOUT_S": "0.5",
+}
+
+
+class Env:
+    """Applies ``CORRAL_*`` variables for one test and rebuilds settings and the app."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tmp: Path) -> None:
+        self._mp = monkeypatch
+        self.tmp = tmp
+        for key in list(os.environ):
+            if key.startswith("CORRAL_"):
+                monkeypatch.delenv(key)
+        monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp / "state"))
+
+    def set(self, **values: Any) -> Settings:
+        """Set variables (``database_url=...``) and return the new settings."""
+        for key, value in values.items():
+            self._mp.setenv("CORRAL_" + key.upper(), str(value))
+        reset_settings()
+        settings = get_settings()
+        configure(settings)
+        return settings
+
+    @property
+    def settings(self) -> Settings:
+        """The settings in force."""
+        return get_settings()
+
+    @property
+    def db(self) -> Database:
+        """The store in force."""
+        return get_database(get_settings().database_url)
+
+
+def _apply(env: Env, url: str, **extra: Any) -> Env:
+    base = {k[len("CORRAL_"):].lower(): v for k, v in FAST.items()}
+    env.set(database_url=url, eager="1", **base, **extra)
+    upgrade(env.db)
+    return env
+
+
+@pytest.fixture
+def corral_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Env]:
+    """Eager Celery on a fresh, migrated SQLite store."""
+    env = _apply(Env(monkeypatch, tmp_path), f"sqlite:///{tmp_path / 'corral.sqlite'}")
+    yield env
+    env.db.dispose()
+    clock.reset()
+    reset_settings()
+    configure(get_settings())
+
+
+@pytest.fixture
+def pg_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, pg_url: str) -> Iterator[Env]:
+    """Eager Celery on a fresh, migrated PostgreSQL database."""
+    env = _apply(Env(monkeypatch, tmp_path), pg_url)
+    yield env
+    env.db.dispose()
+    clock.reset()
+    reset_settings()
+    configure(get_settings())
+
+
+StartAgents = Callable[..., list[RunningAgent]]
+
+
+@pytest.fixture
+def start_agents(corral_env: Env) -> Iterator[StartAgents]:
+    """Start reference fcdaemon agents on loopback and register each as a node."""
+    started: list[RunningAgent] = []
+
+    def start(n: int = 1, *, capacity: int = 64, env: Env | None = None) -> list[RunningAgent]:
+        env = env or corral_env
+        batch = [serve_fcdaemon("127.0.0.1:0") for _ in range(n)]
+        started.extend(batch)
+        with env.db.transaction() as s:
+            for i, agent in enumerate(batch, start=len(started) - n + 1):
+                upsert_node(s, agent.address, name=f"node{i}", capacity=capacity)
+        return batch
+
+    yield start
+    for agent in started:
+        agent.stop(grace=0)

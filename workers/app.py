@@ -1,0 +1,144 @@
+"""The Celery app (``celery -A workers ...``) and the base class of corral's tasks.
+
+:func:`create_app` builds the app from settings; the module-level :data:`app` is
+the one workers, beat and Flower load. :class:`CorralTask` gives each task the
+process's settings and :class:`~workers.store.Database`, validates a message's
+arguments against the task's signature before running it (a hand-written message
+with a missing or mistyped argument fails with a one-line reason and marks its
+operation failed, without disturbing the worker), and turns :class:`InputError`
+into a failed operation instead of a retry.
+
+Per-process resources - the database engine, gRPC channels and the HTTP client -
+are dropped in ``worker_process_init`` so each prefork child makes its own; a
+worker refuses to start on an un-migrated database.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+from typing import Any
+
+from celery import Celery, Task, signals
+
+from config.celery import celery_config
+from config.settings import Settings, get_settings
+from workers.errors import InputError
+from workers.store.db import Database, get_database
+
+log = logging.getLogger(__name__)
+
+TASK_MODULES = ["tasks.replicas", "tasks.maintenance"]
+
+
+class CorralTask(Task):  # type: ignore[misc]
+    """Base task: settings, database, argument checks, input errors as failed operations."""
+
+    abstract = True
+    acks_late = True
+
+    @property
+    def settings(self) -> Settings:
+        """This process's settings."""
+        return get_settings()
+
+    @property
+    def db(self) -> Database:
+        """This process's database."""
+        return get_database(self.settings.database_url)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = inspect.signature(self.run).bind(*args, **kwargs)
+        except TypeError as exc:
+            return self._reject(kwargs.get("op_id") or (args[0] if args else None), str(exc))
+        for name, value in bound.arguments.items():
+            expected = self.run.__annotations__.get(name)
+            if not _matches(value, expected):
+                return self._reject(
+                    bound.arguments.get("op_id"),
+                    f"argument {name!r} must be {expected}, got {type(value).__name__}",
+                )
+        try:
+            return super().__call__(*args, **kwargs)
+        except InputError as exc:
+            return self._reject(bound.arguments.get("op_id"), str(exc))
+
+    def _reject(self, op_id: Any, reason: str) -> dict[str, Any]:
+        message = f"{self.name}: {reason}"
+        log.error("rejected task %s: %s", self.request.id, message)
+        if isinstance(op_id, str):
+            from workers.replicas import fail_op
+
+            try:
+                fail_op(self.db, op_id, message)
+            except Exception:  # the op id itself may be junk
+                log.exception("could not mark operation %r failed", op_id)
+        return {"error": message}
+
+    def backoff(self) -> float:
+        """Seconds before the next retry: exponential, capped, with full jitter."""
+        s = self.settings
+        ceiling = min(s.retry_backoff_max_s, s.retry_backoff_s * (2**self.request.retries))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+_SIMPLE = {"str": str, "int": int, "float": (int, float), "bool": bool}
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether a JSON-decoded argument fits a simple annotation (``str``, ``int | None``...)."""
+    if annotation is None or annotation is inspect.Parameter.empty:
+        return True
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    options = [t.strip() for t in str(text).split("|")]
+    for option in options:
+        if option == "None" and value is None:
+            return True
+        kind = _SIMPLE.get(option)
+        if kind is None:
+            return True  # not a simple type: trust the task
+        if isinstance(value, kind) and not (option == "int" and isinstance(value, bool)):
+            return True
+    return False
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    """A Celery app configured from ``settings`` (the process's by default)."""
+    settings = settings or get_settings()
+    celery = Celery("corral", task_cls=CorralTask)
+    celery.conf.update(celery_config(settings))
+    celery.conf.include = TASK_MODULES
+    return celery
+
+
+def configure(settings: Settings) -> None:
+    """Re-apply settings to the shared app (tests, ``corral up``)."""
+    app.conf.update(celery_config(settings))
+
+
+app = create_app()
+
+
+@signals.worker_process_init.connect
+def _fresh_resources(**_: Any) -> None:
+    """Drop resources inherited from the parent: each pool process makes its own."""
+    from workers.fcdaemon import reset_channels
+    from workers.lambdo import reset_client
+
+    get_database(get_settings().database_url).dispose()
+    reset_channels()
+    reset_client()
+
+
+@signals.worker_init.connect
+def _check_schema(**_: Any) -> None:
+    """Refuse to start a worker on a database that is not migrated."""
+    from workers.store.migrate import SchemaError, check_schema
+
+    try:
+        check_schema(get_database(get_settings().database_url))
+    except SchemaError as exc:
+        log.critical("%s", exc)
+        raise SystemExit(f"corral worker: {exc}") from None

@@ -1,0 +1,57 @@
+"""Errors corral raises, split by what a caller should do about them.
+
+* :class:`InputError` - the request itself is wrong (unknown function, bad count,
+  malformed label). Nothing was changed; retrying will not help.
+* :class:`BackendError` - a node agent or Lambdo host failed. ``retryable`` says
+  whether the same call may succeed later (transport trouble, overload) or not
+  (the agent refused the request). :class:`VmGone` is the "no such VM" answer,
+  which a delete treats as success.
+"""
+
+from __future__ import annotations
+
+
+class CorralError(Exception):
+    """Base of corral's own errors."""
+
+
+class InputError(CorralError, ValueError):
+    """A request that is malformed or names something that does not exist."""
+
+
+class NotFound(InputError):
+    """The named function, node, replica or operation does not exist."""
+
+
+class CapacityError(CorralError):
+    """No node or GPU has room for the replica."""
+
+
+class BackendError(CorralError):
+    """A call to a node agent or Lambdo host failed."""
+
+    retryable = False
+
+    def __init__(self, message: str, *, node: str | None = None, code: str | None = None) -> None:
+        self.node = node
+        self.code = code
+        where = f"node {node}: " if node else ""
+        super().__init__(f"{where}{message}")
+
+
+class TransientBackendError(BackendError):
+    """The call may succeed if tried again (unreachable, timed out, overloaded)."""
+
+    retryable = True
+
+
+class PermanentBackendError(BackendError):
+    """The agent refused the request; trying again will not help."""
+
+
+class VmGone(PermanentBackendError):
+    """The agent does not know the VM (already released)."""
+
+
+class Unsupported(PermanentBackendError):
+    """The agent lacks an optional extension (UNIMPLEMENTED / 404)."""

@@ -1,0 +1,214 @@
+"""Client for node agents speaking ``fcdaemon.FcService`` over gRPC.
+
+One channel per agent address per process, created on first use and dropped after
+a fork (:func:`reset_channels`), so prefork children never share a channel with
+their parent. Every call carries a deadline; gRPC status codes become
+:mod:`workers.errors` types: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED
+and ABORTED are retryable, NOT_FOUND on release means the VM is already gone,
+UNIMPLEMENTED means the agent lacks an extension, anything else is permanent.
+AWS keys travel in the request and appear in no error message or log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from protos import fcdaemon_grpc, fcdaemon_pb2
+from workers.errors import (
+    BackendError,
+    PermanentBackendError,
+    TransientBackendError,
+    Unsupported,
+    VmGone,
+)
+
+RETRYABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for TLS to agents: CA to trust, and optionally a client certificate."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+
+
+@dataclass(frozen=True)
+class CreatedVm:
+    """What an agent answered to CreateReplica."""
+
+    vmid: str
+    ip: str
+    port: int
+
+
+@dataclass(frozen=True)
+class AgentVm:
+    """One VM an agent reports through the ListReplicas extension."""
+
+    vmid: str
+    ip: str
+    port: int
+    request_id: str
+    created_unix: float
+
+
+_channels: dict[tuple[str, TlsFiles | None], grpc.Channel] = {}
+_channels_pid = os.getpid()
+_channels_lock = threading.Lock()
+
+
+def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    """This process's channel to ``address``, created once and reused."""
+    global _channels_pid
+    with _channels_lock:
+        if _channels_pid != os.getpid():
+            _channels.clear()  # inherited across fork: never reuse
+            _channels_pid = os.getpid()
+        ch = _channels.get((address, tls))
+        if ch is None:
+            options = [
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.enable_retries", 0),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ]
+            if tls is None:
+                ch = grpc.insecure_channel(address, options=options)
+            else:
+                creds = grpc.ssl_channel_credentials(
+                    root_certificates=tls.ca.read_bytes(),
+                    private_key=tls.key.read_bytes() if tls.key else None,
+                    certificate_chain=tls.cert.read_bytes() if tls.cert else None,
+                )
+                ch = grpc.secure_channel(address, creds, options=options)
+            _channels[(address, tls)] = ch
+        return ch
+
+
+def reset_channels() -> None:
+    """Close and forget every channel of this process (after fork, at shutdown)."""
+    global _channels_pid
+    with _channels_lock:
+        if _channels_pid == os.getpid():
+            for ch in _channels.values():
+                ch.close()
+        _channels.clear()
+        _channels_pid = os.getpid()
+
+
+def _error(exc: grpc.RpcError, node: str, what: str) -> BackendError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    message = f"{what} failed: {code.name}: {detail}"
+    if code in RETRYABLE_CODES:
+        return TransientBackendError(message, node=node, code=code.name)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return VmGone(message, node=node, code=code.name)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return Unsupported(message, node=node, code=code.name)
+    return PermanentBackendError(message, node=node, code=code.name)
+
+
+class AgentClient:
+    """Calls to one node agent, each with a deadline and typed errors."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        node: str | None = None,
+        timeout_s: float = 10.0,
+        create_timeout_s: float = 30.0,
+        token: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        self.address = address
+        self.node = node or address
+        self.timeout_s = timeout_s
+        self.create_timeout_s = create_timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._channel = channel(address, tls)
+        self._stub = fcdaemon_grpc.FcServiceStub(self._channel)
+
+    def _call(self, method: str, request: Any, timeout: float) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _error(exc, self.node, method) from None
+
+    def create_replica(self, request: Any) -> CreatedVm:
+        """Ask the agent for one VM; the agent picks the vmid."""
+        reply = self._call("CreateReplica", request, self.create_timeout_s)
+        if not reply.vmid:
+            raise PermanentBackendError("CreateReplica answered an empty vmid", node=self.node)
+        return CreatedVm(vmid=reply.vmid, ip=reply.ip, port=int(reply.port))
+
+    def release(self, vmid: str) -> bool:
+        """Tear a VM down; False when the agent says it is already gone."""
+        try:
+            self._call("ReleaseVMSetup", fcdaemon_pb2.ReleaseRequest(vmid=vmid), self.timeout_s)
+        except VmGone:
+            return False
+        return True
+
+    def create_cpu_hogs(self, n: int) -> None:
+        """Start ``n`` busy-loop processes on the node."""
+        self._call("CreateCPUHogs", fcdaemon_pb2.CpuHogs(n=n), self.timeout_s)
+
+    def stop_cpu_hogs(self, n: int) -> None:
+        """Stop up to ``n`` busy-loop processes on the node."""
+        self._call("StopCPUHogs", fcdaemon_pb2.CpuHogs(n=n), self.timeout_s)
+
+    def list_replicas(self) -> list[AgentVm]:
+        """The VMs the agent runs (extension; raises :class:`Unsupported` if absent)."""
+        from google.protobuf import empty_pb2
+
+        reply = self._call("ListReplicas", empty_pb2.Empty(), self.timeout_s)
+        return [
+            AgentVm(
+                vmid=r.vmid,
+                ip=r.ip,
+                port=int(r.port),
+                request_id=r.requestId,
+                created_unix=float(r.createdUnix),
+            )
+            for r in reply.replicas
+        ]
+
+    def health(self) -> bool:
+        """True when the agent's grpc.health.v1 service says SERVING.
+
+        An agent without the health service is probed with a ListReplicas call and
+        counts as healthy if it answers at all (even UNIMPLEMENTED).
+        """
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _error(exc, self.node, "health check") from None
+            with contextlib.suppress(Unsupported):
+                self.list_replicas()
+            return True
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,328 @@
+"""Functions: validating a deployment, applying the seed's labels, and the CRUD around it.
+
+A deployment arrives as a :class:`FunctionSpec` (from CLI options or a TOML file).
+The seed configured functions through labels (``KERNEL_IMAGE_PATH``,
+``com.openfaas.scale.min``, ``GPU_MEM``, ...); :func:`apply_labels` reads those,
+and explicit options win over labels. Every deploy bumps ``build_version``, which
+makes replicas of older builds *stale*: they are no longer handed out and the
+reaper replaces them.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from config.settings import Settings
+from workers.clock import now
+from workers.errors import InputError, NotFound
+from workers.lifecycle import bump_reap_at
+from workers.placement import POLICIES
+from workers.store.models import LIVE_STATES, Function, Replica
+
+MAX_REPLICAS = 10_000
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,253}$")
+
+# The seed's labels and the spec field each one fills.
+SEED_LABELS: dict[str, str] = {
+    "KERNEL_IMAGE_PATH": "kernel",
+    "INITRD_PATH": "initrd",
+    "VM_TYPE": "vm_type",
+    "KERNEL_ARGS": "kernel_args",
+    "IMAGE_STORAGE": "image_storage",
+    "INET_DEV": "inet_dev",
+    "NAMESERVER": "name_server",
+    "com.openfaas.cpu": "cpu",
+    "com.openfaas.memory": "mem",
+    "com.openfaas.scale.min": "min",
+    "com.openfaas.scale.max": "max",
+    "GPU_MEM": "gpu_mem",
+}
+SECRET_FIELDS = ("aws_access_key_id", "aws_secret_access_key")
+
+
+def check_name(name: str, what: str = "function") -> str:
+    """``name`` if it is a valid DNS-label name, else a clear :class:`InputError`."""
+    if not isinstance(name, str) or not name.isprintable() or not NAME_RE.match(name):
+        shown = name if isinstance(name, str) and name.isprintable() else repr(name)
+        if isinstance(shown, str) and len(shown) > 70:
+            shown = shown[:67] + "..."
+        raise InputError(
+            f"invalid {what} name {shown!r}: use 1-63 lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit"
+        )
+    return name
+
+
+def parse_pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    """``["K=V", ...]`` as a dict; a clear error for anything else."""
+    pairs: dict[str, str] = {}
+    key_re = ENV_KEY_RE if what == "env" else LABEL_KEY_RE
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key_re.match(key):
+            raise InputError(f"malformed {what} {item!r}: expected KEY=VALUE")
+        if not value.isprintable():
+            raise InputError(f"malformed {what} {key!r}: value has non-printable characters")
+        pairs[key] = value
+    return pairs
+
+
+class FunctionSpec(BaseModel):
+    """Everything a deploy may say about a function; ``None`` means "not given"."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    image: str | None = None
+    backend: Literal["fcdaemon", "lambdo"] | None = None
+    kernel: str | None = None
+    initrd: str | None = None
+    kernel_args: str | None = None
+    vm_type: Literal["osv", "linux"] | None = None
+    cpu: int | None = Field(None, ge=1, le=1024)
+    mem: int | None = Field(None, ge=16, le=1_048_576)
+    min: int | None = Field(None, ge=0, le=MAX_REPLICAS)
+    max: int | None = Field(None, ge=0, le=MAX_REPLICAS)
+    labels: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)
+    image_storage: str | None = None
+    inet_dev: str | None = None
+    name_server: str | None = None
+    aws_access_key_id: str | None = None
+    aws_secret_access_key: str | None = None
+    rootfs: str | None = None
+    ports: list[int] | None = None
+    idle_timeout: float | None = Field(None, ge=0, le=30 * 86400)
+    readiness: Literal["agent", "guest"] | None = None
+    exec_envs: int | None = Field(None, ge=1, le=1000)
+    gpu_mem: int | None = Field(None, ge=0, le=10_000_000)
+    placement: str | None = None
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not all(0 < p < 65536 for p in value):
+            raise ValueError("ports must be between 1 and 65535")
+        return value
+
+    @field_validator("placement")
+    @classmethod
+    def _placement(cls, value: str | None) -> str | None:
+        if value is not None and value not in POLICIES:
+            choices = ", ".join(POLICIES)
+            raise ValueError(f"unknown placement policy {value!r}; use one of {choices}")
+        return value
+
+    @field_validator("labels", "env")
+    @classmethod
+    def _pairs(cls, value: dict[str, str], info: Any) -> dict[str, str]:
+        what = "env" if info.field_name == "env" else "label"
+        return parse_pairs([f"{k}={v}" for k, v in value.items()], what)
+
+
+def spec_from(**fields: Any) -> FunctionSpec:
+    """A validated spec; pydantic's complaints become one :class:`InputError` line."""
+    try:
+        return FunctionSpec(**fields)
+    except ValidationError as exc:
+        raise InputError(_one_line(exc)) from None
+
+
+def spec_from_toml(path: Path) -> FunctionSpec:
+    """A validated spec read from a TOML file (keys as in :class:`FunctionSpec`)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"{path}: invalid TOML: {exc}") from None
+    try:
+        return FunctionSpec.model_validate(data)
+    except ValidationError as exc:
+        raise InputError(f"{path}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "spec"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{loc}: {msg}")
+    return "invalid function spec: " + "; ".join(parts)
+
+
+def _label_int(labels: dict[str, str], key: str) -> int:
+    raw = labels[key].strip()
+    if key == "com.openfaas.memory":
+        raw = re.sub(r"(?i)(mi|m|mib)$", "", raw)
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(f"malformed label {key}={labels[key]!r}: expected a number") from None
+
+
+def apply_labels(spec: FunctionSpec) -> dict[str, Any]:
+    """The spec's fields with the seed's labels filled in where no option was given."""
+    fields = spec.model_dump()
+    for label, field in SEED_LABELS.items():
+        if label not in spec.labels or fields.get(field) is not None:
+            continue
+        if field in ("cpu", "mem", "min", "max", "gpu_mem"):
+            fields[field] = _label_int(spec.labels, label)
+        else:
+            fields[field] = spec.labels[label]
+    try:
+        return FunctionSpec(**fields).model_dump()  # labels re-checked like options
+    except ValidationError as exc:
+        raise InputError(_one_line(exc)) from None
+
+
+def build_version() -> str:
+    """A new build version: the deploy time, sortable, to the microsecond."""
+    return now().strftime("%Y%m%d%H%M%S%f")
+
+
+def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Function, bool]:
+    """Create or update a function; returns (function, created)."""
+    check_name(spec.name)
+    f = apply_labels(spec)
+    fn = session.scalars(select(Function).where(Function.name == spec.name)).first()
+    created = fn is None
+    if fn is None:
+        if not f["image"]:
+            raise InputError("--image is required for a new function")
+        fn = Function(name=spec.name, image="", build_version="")
+        session.add(fn)
+
+    def pick(field: str, current: Any, default: Any) -> Any:
+        value = f.get(field)
+        if value is not None:
+            return value
+        return default if created else current
+
+    image = pick("image", fn.image, "")
+    if image.endswith(":latest"):
+        image = image[: -len(":latest")]
+    backend = pick("backend", fn.backend, "fcdaemon")
+    values: dict[str, Any] = {
+        "image": image,
+        "backend": backend,
+        "kernel": pick("kernel", fn.kernel, ""),
+        "initrd": pick("initrd", fn.initrd, ""),
+        "kernel_args": pick("kernel_args", fn.kernel_args, ""),
+        "vm_type": pick("vm_type", fn.vm_type, "osv"),
+        "cpu": pick("cpu", fn.cpu, 1),
+        "mem_mb": pick("mem", fn.mem_mb, 512),
+        "min_replicas": pick("min", fn.min_replicas, 0),
+        "max_replicas": pick("max", fn.max_replicas, 20),
+        "image_storage": pick("image_storage", fn.image_storage, ""),
+        "inet_dev": pick("inet_dev", fn.inet_dev, ""),
+        "name_server": pick("name_server", fn.name_server, ""),
+        "aws_access_key_id": pick("aws_access_key_id", fn.aws_access_key_id, None),
+        "aws_secret_access_key": pick("aws_secret_access_key", fn.aws_secret_access_key, None),
+        "rootfs": pick("rootfs", fn.rootfs, None),
+        "ports": pick("ports", fn.ports, [8080]),
+        "idle_timeout_s": pick("idle_timeout", fn.idle_timeout_s, None),
+        "readiness": pick("readiness", fn.readiness, "agent"),
+        "exec_envs": pick("exec_envs", fn.exec_envs, 1),
+        "gpu_mem_mb": pick("gpu_mem", fn.gpu_mem_mb, 0),
+        "placement": pick("placement", fn.placement, None),
+        "labels": spec.labels if (created or spec.labels) else fn.labels,
+        "env": spec.env if (created or spec.env) else fn.env,
+    }
+    if values["min_replicas"] > values["max_replicas"]:
+        raise InputError(
+            f"max ({values['max_replicas']}) is below min ({values['min_replicas']})"
+        )
+    if backend == "fcdaemon" and not values["kernel"]:
+        raise InputError("a fcdaemon function needs --kernel (or the KERNEL_IMAGE_PATH label)")
+    if backend == "lambdo" and not values["rootfs"]:
+        raise InputError("a lambdo function needs --rootfs URL")
+    if not values["ports"]:
+        raise InputError("a function needs at least one --port")
+    timeout_changed = not created and values["idle_timeout_s"] != fn.idle_timeout_s
+    for key, value in values.items():
+        setattr(fn, key, value)
+    fn.build_version = build_version()
+    if fn.target is not None:
+        fn.target = max(fn.min_replicas, min(fn.target, fn.max_replicas))
+    session.flush()
+    if timeout_changed:
+        bump_reap_at(session, fn, settings)
+    return fn, created
+
+
+def get_function(session: Session, name: str, *, lock: bool = False) -> Function:
+    """The function called ``name``, or :class:`NotFound`."""
+    check_name(name)
+    query = select(Function).where(Function.name == name)
+    if lock:
+        query = query.with_for_update()
+    fn = session.scalars(query).first()
+    if fn is None:
+        raise NotFound(f"unknown function {name!r}")
+    return fn
+
+
+def live_count(session: Session, fn: Function, states: tuple[int, ...] = LIVE_STATES) -> int:
+    """How many of the function's replicas are in ``states``."""
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(Replica)
+            .where(Replica.function_id == fn.id, Replica.status.in_(states))
+        )
+        or 0
+    )
+
+
+def function_view(fn: Function, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    """A function as the CLI and API show it; secrets are never included."""
+    view: dict[str, Any] = {
+        "id": fn.id,
+        "name": fn.name,
+        "backend": fn.backend,
+        "image": fn.image,
+        "kernel": fn.kernel,
+        "initrd": fn.initrd,
+        "kernel_args": fn.kernel_args,
+        "vm_type": fn.vm_type,
+        "cpu": fn.cpu,
+        "mem": fn.mem_mb,
+        "min": fn.min_replicas,
+        "max": fn.max_replicas,
+        "target": fn.target,
+        "labels": fn.labels,
+        "env": fn.env,
+        "rootfs": fn.rootfs,
+        "ports": fn.ports,
+        "build_version": fn.build_version,
+        "idle_timeout": fn.idle_timeout_s,
+        "readiness": fn.readiness,
+        "exec_envs": fn.exec_envs,
+        "gpu_mem": fn.gpu_mem_mb,
+        "placement": fn.placement,
+        "aws_credentials": "set" if fn.aws_access_key_id or fn.aws_secret_access_key else "unset",
+        "created_at": iso(fn.created_at),
+        "updated_at": iso(fn.updated_at),
+    }
+    if counts is not None:
+        view["replicas"] = counts
+    return view
+
+
+def iso(value: datetime | None) -> str | None:
+    """A timestamp as ISO 8601 UTC, or None."""
+    return None if value is None else value.isoformat(timespec="milliseconds") + "Z"

@@ -1,0 +1,134 @@
+"""Node health: probes, misses, and what happens to a node that stops answering.
+
+Every ``CORRAL_HEALTH_INTERVAL_S`` the health task probes each node (the gRPC
+health service, or any answer at all from an agent that lacks it; an HTTP
+answer from a Lambdo host). A probe that fails counts a miss, as does a spawn or
+delete that gave up on transport errors (:func:`note_failure`). After
+``CORRAL_HEALTH_MISSES`` misses in a row the node is unhealthy and placement
+skips it; after ``CORRAL_NODE_DEAD_GRACE_S`` more, its replicas are marked Dead
+(reconcile then brings functions back to their min elsewhere). One good answer
+makes it healthy again.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from sqlalchemy import select
+
+from config.settings import Settings
+from workers import backends
+from workers.clock import now
+from workers.errors import BackendError
+from workers.lifecycle import transition
+from workers.store.db import Database
+from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+def note_failure(db: Database, settings: Settings, node_id: str, error: str) -> bool:
+    """Count a miss for a node; returns True when this made it unhealthy."""
+    with db.transaction() as s:
+        node = s.get(Node, node_id, with_for_update=True)
+        if node is None:
+            return False
+        node.misses += 1
+        node.last_error = error[:1000]
+        if node.healthy and node.misses >= settings.health_misses:
+            node.healthy = False
+            node.unhealthy_since = now()
+            log.warning("node %s is unhealthy after %d misses: %s", node.name, node.misses, error)
+            return True
+        return False
+
+
+def note_success(db: Database, node_id: str) -> bool:
+    """Record a good answer from a node; returns True when it came back."""
+    with db.transaction() as s:
+        node = s.get(Node, node_id, with_for_update=True)
+        if node is None:
+            return False
+        back = not node.healthy
+        node.misses = 0
+        node.healthy = True
+        node.unhealthy_since = None
+        node.last_seen_at = now()
+        if back:
+            log.info("node %s is healthy again", node.name)
+        return back
+
+
+@dataclass
+class HealthReport:
+    """What one health pass saw."""
+
+    probed: int = 0
+    healthy: list[str] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)
+    became_unhealthy: list[str] = field(default_factory=list)
+    recovered: list[str] = field(default_factory=list)
+    replicas_lost: int = 0
+
+
+def _probe(node: Node, settings: Settings) -> str | None:
+    try:
+        ok = backends.probe(node, settings)
+    except BackendError as exc:
+        return str(exc)
+    except Exception as exc:  # a probe must never kill the pass
+        return f"node {node.name}: probe failed: {type(exc).__name__}: {exc}"
+    return None if ok else f"node {node.name}: health service says NOT_SERVING"
+
+
+def check_health(db: Database, settings: Settings) -> HealthReport:
+    """Probe every node once, update health, and mark replicas of long-dead nodes Dead."""
+    with db.transaction() as s:
+        nodes = list(s.scalars(select(Node).order_by(Node.name)))
+    report = HealthReport(probed=len(nodes))
+    if not nodes:
+        return report
+    probe_settings = settings.model_copy(
+        update={"rpc_timeout_s": settings.health_timeout_s,
+                "lambdo_timeout_s": settings.health_timeout_s}
+    )
+    with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
+        results = list(pool.map(lambda n: _probe(n, probe_settings), nodes))
+    for node, error in zip(nodes, results, strict=True):
+        if error is None:
+            report.healthy.append(node.name)
+            if note_success(db, node.id):
+                report.recovered.append(node.name)
+        else:
+            report.missed.append(node.name)
+            if note_failure(db, settings, node.id, error):
+                report.became_unhealthy.append(node.name)
+    report.replicas_lost = mark_lost(db, settings)
+    return report
+
+
+def mark_lost(db: Database, settings: Settings) -> int:
+    """Mark Dead the replicas of nodes unhealthy for longer than the grace period."""
+    cutoff = now() - timedelta(seconds=settings.node_dead_grace_s)
+    lost = 0
+    with db.transaction() as s:
+        gone = list(
+            s.scalars(
+                select(Node).where(Node.healthy.is_(False), Node.unhealthy_since <= cutoff)
+            )
+        )
+        for node in gone:
+            for replica in s.scalars(
+                select(Replica)
+                .where(Replica.node_id == node.id, Replica.status.in_(LIVE_STATES))
+                .with_for_update()
+            ):
+                transition(
+                    s, replica, ReplicaState.DEAD, settings,
+                    error=f"node {node.name} unreachable since {node.unhealthy_since}",
+                )
+                lost += 1
+    return lost

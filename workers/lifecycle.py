@@ -1,0 +1,172 @@
+"""Replica state transitions, and the bookkeeping that rides on them.
+
+Every change of a replica's status goes through :func:`transition`, on a row
+locked for the transaction (:func:`lock_replica`). It is the one place that:
+
+* gives back the node slot and GPU reservation when a replica reaches a final
+  state (Dead or Deleted) - exactly once, because a final state is never left;
+* stamps the clocks: ``ready_at`` and ``idle_since`` when a replica becomes Idle,
+  ``reap_at`` (idle since + the function's idle timeout) for the reaper's index,
+  ``deadline_at`` for Creating / Starting / Deleting, which the sweep enforces;
+* settles the operation waiting on the replica (``operation_id``): when the
+  replica reaches Idle, Allocated, Dead or Deleted, that operation counts one
+  more done or failed, and finishes when all its parts have.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from config.settings import Settings
+from workers.clock import now
+from workers.placement import free_gpu, free_node
+from workers.store.models import (
+    FINAL_STATES,
+    Function,
+    Operation,
+    OpStatus,
+    Replica,
+    ReplicaState,
+)
+
+SETTLING = (ReplicaState.IDLE, ReplicaState.ALLOCATED, ReplicaState.DEAD, ReplicaState.DELETED)
+MAX_OP_ERRORS = 5
+
+
+def lock_replica(session: Session, replica_id: str) -> Replica | None:
+    """The replica row, locked until the transaction ends (FOR UPDATE on PostgreSQL)."""
+    return session.scalars(
+        select(Replica).where(Replica.id == replica_id).with_for_update(of=Replica)
+    ).first()
+
+
+def lock_replica_by_request(session: Session, request_id: str) -> Replica | None:
+    """The replica written for a request id, locked."""
+    return session.scalars(
+        select(Replica).where(Replica.request_id == request_id).with_for_update(of=Replica)
+    ).first()
+
+
+def idle_timeout(fn: Function, settings: Settings) -> float:
+    """The function's idle timeout in seconds."""
+    return fn.idle_timeout_s if fn.idle_timeout_s is not None else settings.idle_timeout_s
+
+
+def deadline_for(state: ReplicaState, settings: Settings, at: datetime) -> datetime | None:
+    """When a replica left in ``state`` counts as stuck."""
+    if state in (ReplicaState.CREATING, ReplicaState.DELETING):
+        return at + timedelta(seconds=settings.creating_deadline_s)
+    if state == ReplicaState.STARTING:
+        return at + timedelta(seconds=settings.boot_deadline_s)
+    return None
+
+
+def transition(
+    session: Session,
+    replica: Replica,
+    to: ReplicaState,
+    settings: Settings,
+    *,
+    error: str | None = None,
+) -> None:
+    """Move a locked replica to ``to`` and do the bookkeeping that goes with it."""
+    at = now()
+    before = ReplicaState(replica.status)
+    if before in FINAL_STATES:
+        raise ValueError(f"replica {replica.id} is {before.label}; final states are never left")
+    replica.status = int(to)
+    replica.deadline_at = deadline_for(to, settings, at)
+    if error is not None:
+        replica.error = error
+    if to == ReplicaState.IDLE:
+        if replica.ready_at is None:
+            replica.ready_at = at
+        if replica.envs_in_use == 0:
+            replica.idle_since = replica.last_used_at or replica.ready_at
+            replica.reap_at = replica.idle_since + timedelta(
+                seconds=idle_timeout(replica.function, settings)
+            )
+    else:
+        replica.idle_since = None
+        replica.reap_at = None
+    if to in FINAL_STATES:
+        replica.retired_at = at
+        replica.envs_in_use = 0
+        if replica.node_id is not None:
+            free_node(session, replica.node_id)
+        if replica.gpu_id is not None and replica.gpu_slot is not None:
+            free_gpu(session, replica.gpu_id, replica.gpu_mem_mb)
+            replica.gpu_slot = None
+    if replica.operation_id and to in SETTLING:
+        settle(session, replica.operation_id, ok=to != ReplicaState.DEAD, error=replica.error)
+        replica.operation_id = None
+    session.flush()
+
+
+def settle(session: Session, op_id: str, *, ok: bool, error: str | None = None) -> None:
+    """Count one part of an operation as done or failed; finish it when all parts are."""
+    op = session.scalars(
+        select(Operation).where(Operation.id == op_id).with_for_update()
+    ).first()
+    if op is None:
+        return
+    if ok:
+        op.done += 1
+    else:
+        op.failed += 1
+        errors = list((op.result or {}).get("errors", []))
+        if error and len(errors) < MAX_OP_ERRORS:
+            errors.append(error)
+        op.result = {**(op.result or {}), "errors": errors}
+    maybe_finish(op)
+
+
+def maybe_finish(op: Operation) -> None:
+    """Close an operation whose parts have all settled."""
+    if op.status in (OpStatus.SUCCEEDED.value, OpStatus.FAILED.value, OpStatus.PARTIAL.value):
+        return
+    if op.done + op.failed < op.total:
+        if op.status == OpStatus.PENDING.value:
+            op.status = OpStatus.RUNNING.value
+            op.started_at = op.started_at or now()
+        return
+    finish(op, failed=op.failed, total=op.total)
+
+
+def finish(op: Operation, *, failed: int, total: int, error: str | None = None) -> None:
+    """Mark an operation finished, with a one-line reason when anything failed."""
+    op.finished_at = now()
+    op.started_at = op.started_at or op.finished_at
+    if failed == 0 and error is None:
+        op.status = OpStatus.SUCCEEDED.value
+        return
+    op.status = OpStatus.FAILED.value if failed >= total else OpStatus.PARTIAL.value
+    errors = (op.result or {}).get("errors", [])
+    first = error or (errors[0] if errors else "unknown error")
+    op.error = first if total <= 1 else f"{failed} of {total} failed; first: {first}"
+
+
+def fail_operation(session: Session, op_id: str, error: str) -> None:
+    """Mark an operation failed as a whole (bad input, nothing done)."""
+    op = session.get(Operation, op_id, with_for_update=True)
+    if op is None or op.status in (OpStatus.SUCCEEDED.value, OpStatus.FAILED.value):
+        return
+    op.total = max(op.total, 1)
+    finish(op, failed=op.total, total=op.total, error=error)
+
+
+def bump_reap_at(session: Session, fn: Function, settings: Settings) -> None:
+    """Recompute ``reap_at`` for a function's Idle replicas (its idle timeout changed)."""
+    seconds = idle_timeout(fn, settings)
+    for replica in session.scalars(
+        select(Replica).where(
+            Replica.function_id == fn.id,
+            Replica.status == ReplicaState.IDLE,
+            Replica.idle_since.is_not(None),
+        )
+    ):
+        assert replica.idle_since is not None
+        replica.reap_at = replica.idle_since + timedelta(seconds=seconds)

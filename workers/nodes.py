@@ -1,0 +1,144 @@
+"""Nodes: adding, listing, removing and draining node agents and Lambdo hosts.
+
+A node is either added by an operator (``corral nodes add``) or announces itself
+through the registry's ``RegisterNode``; both paths end in :func:`upsert_node`,
+idempotent by name (operator) or by the agent's ``node_id`` (registry).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from workers.clock import now
+from workers.errors import InputError, NotFound
+from workers.functions import check_name, iso
+from workers.store.models import LIVE_STATES, Node, Replica
+
+KINDS = ("fcdaemon", "lambdo")
+DEFAULT_AGENT_PORT = 50051
+HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?$")
+URL_RE = re.compile(r"^https?://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?/?$")
+
+
+def normalize_address(address: str, kind: str) -> str:
+    """A node address in canonical form (``host:port`` for agents, a URL for Lambdo)."""
+    if kind not in KINDS:
+        raise InputError(f"unknown node kind {kind!r}; use one of {', '.join(KINDS)}")
+    address = address.strip()
+    if kind == "lambdo":
+        m = URL_RE.match(address)
+        if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
+            raise InputError(f"invalid Lambdo host address {address!r}: expected http://HOST:PORT")
+        return address.rstrip("/")
+    m = HOSTPORT_RE.match(address)
+    if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
+        raise InputError(f"invalid agent address {address!r}: expected HOST:PORT")
+    return address if m.group(3) else f"{address}:{DEFAULT_AGENT_PORT}"
+
+
+def default_name(address: str) -> str:
+    """A node name derived from its address."""
+    bare = address.split("://", 1)[-1]
+    name = re.sub(r"[^a-z0-9]+", "-", bare.lower()).strip("-")
+    return name[:63].strip("-") or "node"
+
+
+def upsert_node(
+    session: Session,
+    address: str,
+    *,
+    name: str | None = None,
+    kind: str = "fcdaemon",
+    capacity: int | None = None,
+    external_id: str | None = None,
+    default_capacity: int = 64,
+) -> tuple[Node, bool]:
+    """Add a node or refresh the one with the same name / node_id; returns (node, created)."""
+    address = normalize_address(address, kind)
+    name = check_name(name or default_name(address), "node")
+    if capacity is not None and (capacity < 0 or capacity > 100_000):
+        raise InputError(f"capacity must be between 0 and 100000, got {capacity}")
+    node = None
+    if external_id:
+        node = session.scalars(
+            select(Node).where(Node.external_id == external_id).with_for_update()
+        ).first()
+    if node is None:
+        node = session.scalars(select(Node).where(Node.name == name).with_for_update()).first()
+    created = node is None
+    if node is None:
+        node = Node(name=name, kind=kind, address=address, live=0)
+        session.add(node)
+    elif node.kind != kind:
+        raise InputError(f"node {name!r} is a {node.kind} node, not {kind}")
+    node.address = address
+    if external_id:
+        node.external_id = external_id
+    if capacity is not None:
+        node.capacity = capacity
+    elif created:
+        node.capacity = default_capacity
+    node.healthy = True
+    node.misses = 0
+    node.unhealthy_since = None
+    node.last_seen_at = now()
+    session.flush()
+    return node, created
+
+
+def get_node(session: Session, name: str) -> Node:
+    """The node called ``name``, or :class:`NotFound`."""
+    check_name(name, "node")
+    node = session.scalars(select(Node).where(Node.name == name)).first()
+    if node is None:
+        raise NotFound(f"unknown node {name!r}")
+    return node
+
+
+def remove_node(session: Session, name: str) -> None:
+    """Remove a node that runs no replicas."""
+    node = get_node(session, name)
+    live = live_on(session, node)
+    if live:
+        raise InputError(
+            f"node {name!r} still runs {live} replica(s): drain it (`corral nodes drain "
+            f"{name}`) and wait, or delete them first"
+        )
+    session.execute(
+        Replica.__table__.update().where(Replica.node_id == node.id).values(node_id=None)
+    )
+    session.delete(node)
+
+
+def live_on(session: Session, node: Node) -> int:
+    """How many live replicas a node runs."""
+    return int(
+        session.scalar(
+            select(func.count())
+            .select_from(Replica)
+            .where(Replica.node_id == node.id, Replica.status.in_(LIVE_STATES))
+        )
+        or 0
+    )
+
+
+def node_view(node: Node) -> dict[str, Any]:
+    """A node as the CLI and API show it."""
+    return {
+        "id": node.id,
+        "name": node.name,
+        "kind": node.kind,
+        "address": node.address,
+        "capacity": node.capacity,
+        "live": node.live,
+        "healthy": node.healthy,
+        "draining": node.draining,
+        "misses": node.misses,
+        "last_seen_at": iso(node.last_seen_at),
+        "last_error": node.last_error,
+        "node_id": node.external_id,
+    }

@@ -1,0 +1,80 @@
+"""Operation records: one per producer request, created before its task is queued.
+
+A producer writes the operation (kind, parameters, ``pending``) and then enqueues
+a task carrying only the operation id, so a task message never holds a secret
+and a redelivered message finds the same record. Parameters are stored with
+secret-looking values redacted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from workers.errors import InputError, NotFound
+from workers.functions import iso
+from workers.store.models import Operation, OpStatus
+
+SECRET_HINTS = ("secret", "token", "password", "aws_access_key", "authorization")
+FINISHED = (OpStatus.SUCCEEDED.value, OpStatus.FAILED.value, OpStatus.PARTIAL.value)
+
+
+def redact(params: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``params`` with secret-looking values replaced."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if any(h in key.lower() for h in SECRET_HINTS):
+            out[key] = "<redacted>" if value else value
+        elif isinstance(value, dict):
+            out[key] = redact(value)
+        else:
+            out[key] = value
+    return out
+
+
+def create_operation(
+    session: Session, kind: str, params: dict[str, Any], *, function_id: str | None = None,
+    total: int = 0,
+) -> Operation:
+    """Write a pending operation record."""
+    op = Operation(kind=kind, params=redact(params), function_id=function_id, total=total)
+    session.add(op)
+    session.flush()
+    return op
+
+
+def get_operation(session: Session, op_id: str) -> Operation:
+    """The operation with this id, or :class:`NotFound`."""
+    if not isinstance(op_id, str) or not op_id.isalnum() or len(op_id) > 64:
+        raise InputError(f"malformed operation id {op_id!r}")
+    op = session.get(Operation, op_id)
+    if op is None:
+        raise NotFound(f"unknown operation {op_id!r}")
+    return op
+
+
+def list_operations(session: Session, limit: int = 50) -> list[Operation]:
+    """The newest operations first."""
+    return list(
+        session.scalars(select(Operation).order_by(Operation.created_at.desc()).limit(limit))
+    )
+
+
+def operation_view(op: Operation) -> dict[str, Any]:
+    """An operation as the CLI and API show it."""
+    return {
+        "id": op.id,
+        "kind": op.kind,
+        "status": op.status,
+        "params": op.params,
+        "total": op.total,
+        "done": op.done,
+        "failed": op.failed,
+        "result": op.result,
+        "error": op.error,
+        "created_at": iso(op.created_at),
+        "started_at": iso(op.started_at),
+        "finished_at": iso(op.finished_at),
+    }

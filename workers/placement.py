@@ -1,0 +1,168 @@
+"""Where a new replica goes: a node chosen by policy, and a GPU chosen by fit.
+
+Choosing and reserving are one step. A policy proposes a candidate with an
+indexed query, and the reservation is a conditional UPDATE
+(``live < capacity AND healthy AND NOT draining`` for nodes,
+``mem_free_mb >= need AND slots_free >= 1`` for GPUs) in the transaction that
+writes the replica row. If a concurrent worker took the last slot first, the
+UPDATE matches nothing and the next candidate is tried, so capacity holds under
+any number of workers; CHECK constraints on the counters back this up.
+
+Node policies: ``loadbalance`` (fewest live replicas), ``pack`` (fullest node
+that still fits), ``roundrobin`` (next node by name after the function's last),
+``random``, and ``spread`` (the caller pins one replica to every healthy node;
+here it behaves like loadbalance). GPU fit: ``best`` (least free memory that
+still fits) or ``first`` (first GPU in recording order that fits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from workers.errors import CapacityError
+from workers.store.models import Function, Gpu, Node, Replica
+
+POLICIES = ("loadbalance", "roundrobin", "spread", "random", "pack")
+FITS = ("best", "first")
+MAX_ATTEMPTS = 16
+
+
+def _placeable(kind: str) -> list[object]:
+    return [
+        Node.kind == kind,
+        Node.healthy.is_(True),
+        Node.draining.is_(False),
+        Node.live < Node.capacity,
+    ]
+
+
+def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str]) -> Node | None:
+    where = [*_placeable(fn.backend)]
+    if skip:
+        where.append(Node.id.not_in(skip))
+    query = select(Node).where(*where)
+    if policy == "pack":
+        query = query.order_by(Node.live.desc(), Node.name)
+    elif policy == "random":
+        query = query.order_by(func.random())
+    elif policy == "roundrobin":
+        after = fn.rr_last_node or ""
+        nxt = session.scalars(
+            query.where(Node.name > after).order_by(Node.name).limit(1)
+        ).first()
+        if nxt is not None:
+            return nxt
+        query = query.order_by(Node.name)
+    else:  # loadbalance, spread
+        query = query.order_by(Node.live, Node.name)
+    return session.scalars(query.limit(1)).first()
+
+
+def reserve_node(
+    session: Session, fn: Function, policy: str, pinned: str | None = None
+) -> Node:
+    """Pick a node for one replica of ``fn`` and take one of its slots."""
+    tried: list[str] = []
+    for _ in range(MAX_ATTEMPTS):
+        if pinned is not None:
+            node = session.get(Node, pinned)
+            if node is None or pinned in tried:
+                break
+        else:
+            node = _candidate(session, fn, policy, tried)
+            if node is None:
+                break
+        took = session.execute(
+            update(Node)
+            .where(Node.id == node.id, *_placeable(fn.backend))
+            .values(live=Node.live + 1)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        if took:
+            session.refresh(node)
+            if policy == "roundrobin":
+                fn.rr_last_node = node.name
+            return node
+        tried.append(node.id)
+    where = f"node {pinned}" if pinned else f"any healthy {fn.backend} node"
+    raise CapacityError(f"no capacity for {fn.name} on {where}")
+
+
+def free_node(session: Session, node_id: str) -> None:
+    """Give back one slot on a node."""
+    session.execute(
+        update(Node)
+        .where(Node.id == node_id, Node.live > 0)
+        .values(live=Node.live - 1)
+        .execution_options(synchronize_session=False)
+    )
+
+
+@dataclass(frozen=True)
+class GpuGrant:
+    """A GPU, a worker slot on it and the memory reserved there."""
+
+    gpu_id: str
+    slot: int
+    mem_mb: int
+
+
+def reserve_gpu(session: Session, fn: Function, fit: str) -> GpuGrant:
+    """Reserve GPU memory and one worker slot for one replica of ``fn``."""
+    need = fn.gpu_mem_mb
+    tried: list[str] = []
+    for _ in range(MAX_ATTEMPTS):
+        query = select(Gpu).where(Gpu.mem_free_mb >= need, Gpu.slots_free >= 1)
+        if tried:
+            query = query.where(Gpu.id.not_in(tried))
+        if fit == "first":
+            query = query.order_by(Gpu.created_at, Gpu.first_port, Gpu.uuid)
+        else:
+            query = query.order_by(Gpu.mem_free_mb, Gpu.uuid)
+        gpu = session.scalars(query.limit(1)).first()
+        if gpu is None:
+            break
+        took = session.execute(
+            update(Gpu)
+            .where(Gpu.id == gpu.id, Gpu.mem_free_mb >= need, Gpu.slots_free >= 1)
+            .values(mem_free_mb=Gpu.mem_free_mb - need, slots_free=Gpu.slots_free - 1)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        if took:
+            used = set(
+                session.scalars(
+                    select(Replica.gpu_slot).where(
+                        Replica.gpu_id == gpu.id, Replica.gpu_slot.is_not(None)
+                    )
+                )
+            )
+            slot = next(s for s in range(gpu.slots_total) if s not in used)
+            return GpuGrant(gpu.id, slot, need)
+        tried.append(gpu.id)
+    raise CapacityError(f"no GPU capacity for {fn.name} ({need} MB)")
+
+
+def free_gpu(session: Session, gpu_id: str, mem_mb: int) -> None:
+    """Give back memory and one worker slot on a GPU."""
+    session.execute(
+        update(Gpu)
+        .where(Gpu.id == gpu_id)
+        .values(mem_free_mb=Gpu.mem_free_mb + mem_mb, slots_free=Gpu.slots_free + 1)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def spread_nodes(session: Session, fn: Function) -> list[str]:
+    """Ids of every node a ``spread`` spawn puts replicas on."""
+    return list(
+        session.scalars(
+            select(Node.id)
+            .where(Node.kind == fn.backend, Node.healthy.is_(True), Node.draining.is_(False))
+            .order_by(Node.name)
+        )
+    )
+

@@ -1,0 +1,128 @@
+"""Engines and transactions, one engine per process.
+
+:class:`Database` wraps a SQLAlchemy engine and session factory. It remembers the
+process that made it: after a ``fork`` (Celery's prefork pool) the child gets a
+fresh connection pool on first use and leaves the parent's sockets alone, so no
+connection is ever shared across processes. SQLite runs in WAL mode with a busy
+timeout and takes the write lock at ``BEGIN`` (``BEGIN IMMEDIATE``), so two
+writers queue instead of failing on a lock upgrade; PostgreSQL runs at READ
+COMMITTED and relies on row locks and conditional UPDATEs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+
+class Database:
+    """An engine and session factory bound to one URL and one process."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._pid = -1
+        self._lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._sessions: sessionmaker[Session] | None = None
+
+    @property
+    def is_sqlite(self) -> bool:
+        """Whether this is the embedded SQLite store."""
+        return self.url.startswith("sqlite")
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine, created on first use after start or fork."""
+        if self._engine is None or self._pid != os.getpid():
+            with self._lock:
+                if self._engine is None or self._pid != os.getpid():
+                    if self._engine is not None:
+                        # Inherited from the parent: drop the pool without closing
+                        # the parent's connections.
+                        self._engine.dispose(close=False)
+                    self._engine = _make_engine(self.url)
+                    self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+                    self._pid = os.getpid()
+        return self._engine
+
+    def session(self) -> Session:
+        """A new session on this process's engine."""
+        _ = self.engine
+        assert self._sessions is not None
+        return self._sessions()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """One transaction: commit on success, roll back on any exception."""
+        with self.session() as session, session.begin():
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A read-only transaction (on SQLite it does not take the write lock)."""
+        with self.session() as session:
+            # Closing (not rolling back) ends the transaction and keeps loaded rows readable.
+            session.connection(execution_options={"corral_read": True})
+            yield session
+
+    def dispose(self) -> None:
+        """Close this process's connections."""
+        if self._engine is not None and self._pid == os.getpid():
+            self._engine.dispose()
+        self._engine = None
+        self._sessions = None
+
+
+def _make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        return _sqlite_engine(url)
+    kwargs: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 10}
+    return create_engine(url, **kwargs)
+
+
+def _sqlite_engine(url: str) -> Engine:
+    memory = url in ("sqlite://", "sqlite:///:memory:")
+    engine = create_engine(
+        url,
+        connect_args={"timeout": 30, "check_same_thread": False},
+        **({"poolclass": StaticPool} if memory else {}),
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event issue BEGIN itself (pysqlite would not).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        if not memory:
+            cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        read_only = conn.get_execution_options().get("corral_read", False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+_databases: dict[str, Database] = {}
+_registry_lock = threading.Lock()
+
+
+def get_database(url: str) -> Database:
+    """The shared :class:`Database` for ``url`` in this process."""
+    with _registry_lock:
+        db = _databases.get(url)
+        if db is None:
+            db = _databases[url] = Database(url)
+        return db

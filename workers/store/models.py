@@ -1,0 +1,281 @@
+"""The rows corral keeps: functions, nodes, GPUs, replicas, operations and leases.
+
+A *replica* is one microVM (or Lambdo VM) serving a function. Its ``status`` keeps
+the seed's numbers (Idle=0, Allocated=1, Creating=2, Dead=13, Starting=200,
+StartingLimit=210) and adds Deleting=220 and Deleted=230. A replica holds a slot
+on its node (``nodes.live``) and, for GPU functions, memory and a worker slot on
+one GPU (``gpus.mem_free_mb`` / ``gpus.slots_free``) exactly while it is *live*
+(any state but Dead and Deleted); :func:`workers.lifecycle.retire` is the one
+place that gives them back. Counters are guarded in the database by CHECK
+constraints and changed only by conditional UPDATEs, so no interleaving of
+workers can over-commit a node or a GPU.
+
+An *operation* is one producer request (spawn, delete, scale, reap, ...): what was
+asked, how far it got, and how it ended.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from workers.clock import now
+
+
+def new_id() -> str:
+    """A fresh random identifier for a row."""
+    return uuid.uuid4().hex
+
+
+class ReplicaState(enum.IntEnum):
+    """Replica states; the first six are the seed's numbers and never change."""
+
+    IDLE = 0
+    ALLOCATED = 1
+    CREATING = 2
+    DEAD = 13
+    STARTING = 200
+    STARTING_LIMIT = 210
+    DELETING = 220
+    DELETED = 230
+
+    @property
+    def label(self) -> str:
+        """Lowercase name used by the CLI and JSON output."""
+        return self.name.lower()
+
+
+LIVE_STATES: tuple[int, ...] = (
+    ReplicaState.CREATING,
+    ReplicaState.STARTING,
+    ReplicaState.STARTING_LIMIT,
+    ReplicaState.IDLE,
+    ReplicaState.ALLOCATED,
+    ReplicaState.DELETING,
+)
+# States that count toward a function's replica count (scale targets, min/max).
+COUNTED_STATES: tuple[int, ...] = (
+    ReplicaState.CREATING,
+    ReplicaState.STARTING,
+    ReplicaState.IDLE,
+    ReplicaState.ALLOCATED,
+)
+FINAL_STATES: tuple[int, ...] = (ReplicaState.DEAD, ReplicaState.DELETED)
+
+
+class OpStatus(enum.StrEnum):
+    """Where an operation is."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    PARTIAL = "partial"
+
+
+class Base(DeclarativeBase):
+    """Declarative base for corral's tables."""
+
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Function(Base):
+    """A deployable function: what to run and how many replicas it may have."""
+
+    __tablename__ = "functions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    backend: Mapped[str] = mapped_column(String(16), default="fcdaemon")
+    image: Mapped[str] = mapped_column(String(1024))
+    kernel: Mapped[str] = mapped_column(String(1024), default="")
+    initrd: Mapped[str] = mapped_column(String(1024), default="")
+    kernel_args: Mapped[str] = mapped_column(Text, default="")
+    vm_type: Mapped[str] = mapped_column(String(16), default="osv")
+    cpu: Mapped[int] = mapped_column(Integer, default=1)
+    mem_mb: Mapped[int] = mapped_column(Integer, default=512)
+    min_replicas: Mapped[int] = mapped_column(Integer, default=0)
+    max_replicas: Mapped[int] = mapped_column(Integer, default=20)
+    target: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    env: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    image_storage: Mapped[str] = mapped_column(String(1024), default="")
+    inet_dev: Mapped[str] = mapped_column(String(64), default="")
+    name_server: Mapped[str] = mapped_column(String(255), default="")
+    aws_access_key_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    aws_secret_access_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    rootfs: Mapped[str | None] = mapped_column(String(2048), nullable=True)
+    build_version: Mapped[str] = mapped_column(String(32))
+    ports: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    idle_timeout_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    readiness: Mapped[str] = mapped_column(String(8), default="agent")
+    exec_envs: Mapped[int] = mapped_column(Integer, default=1)
+    gpu_mem_mb: Mapped[int] = mapped_column(Integer, default=0)
+    placement: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    rr_last_node: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)
+
+    __table_args__ = (
+        CheckConstraint("min_replicas >= 0 AND min_replicas <= max_replicas", name="ck_fn_minmax"),
+        CheckConstraint("exec_envs >= 1", name="ck_fn_envs"),
+        CheckConstraint("gpu_mem_mb >= 0", name="ck_fn_gpu_mem"),
+    )
+
+
+class Node(Base):
+    """A node agent (fcdaemon) or a Lambdo host that runs replicas."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    kind: Mapped[str] = mapped_column(String(16), default="fcdaemon")
+    address: Mapped[str] = mapped_column(String(255))
+    external_id: Mapped[str | None] = mapped_column(String(255), unique=True, nullable=True)
+    capacity: Mapped[int] = mapped_column(Integer, default=64)
+    live: Mapped[int] = mapped_column(Integer, default=0)
+    healthy: Mapped[bool] = mapped_column(Boolean, default=True)
+    draining: Mapped[bool] = mapped_column(Boolean, default=False)
+    misses: Mapped[int] = mapped_column(Integer, default=0)
+    unhealthy_since: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    last_seen_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    can_list: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+
+    __table_args__ = (
+        CheckConstraint("live >= 0", name="ck_node_live"),
+        CheckConstraint("capacity >= 0", name="ck_node_capacity"),
+        Index("ix_nodes_place", "kind", "healthy", "draining", "live"),
+    )
+
+
+class Gpu(Base):
+    """One GPU on a GPU server, with its memory and AvA worker slots."""
+
+    __tablename__ = "gpus"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    uuid: Mapped[str] = mapped_column(String(128), unique=True)
+    server: Mapped[str] = mapped_column(String(255))
+    mngr_addr: Mapped[str] = mapped_column(String(255))
+    mem_total_mb: Mapped[int] = mapped_column(Integer)
+    mem_free_mb: Mapped[int] = mapped_column(Integer)
+    slots_total: Mapped[int] = mapped_column(Integer)
+    slots_free: Mapped[int] = mapped_column(Integer)
+    first_port: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+
+    __table_args__ = (
+        CheckConstraint("mem_free_mb >= 0 AND mem_free_mb <= mem_total_mb", name="ck_gpu_mem"),
+        CheckConstraint("slots_free >= 0 AND slots_free <= slots_total", name="ck_gpu_slots"),
+        Index("ix_gpus_fit", "mem_free_mb"),
+    )
+
+
+class Replica(Base):
+    """One VM of a function on a node, from the moment a spawn is accepted."""
+
+    __tablename__ = "replicas"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    function_id: Mapped[str] = mapped_column(ForeignKey("functions.id", ondelete="CASCADE"))
+    node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id"), nullable=True)
+    operation_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    status: Mapped[int] = mapped_column(Integer, default=ReplicaState.CREATING)
+    vmid: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    address: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    build_version: Mapped[str] = mapped_column(String(32))
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    envs_total: Mapped[int] = mapped_column(Integer, default=1)
+    envs_in_use: Mapped[int] = mapped_column(Integer, default=0)
+    gpu_id: Mapped[str | None] = mapped_column(ForeignKey("gpus.id"), nullable=True)
+    gpu_slot: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    gpu_mem_mb: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)
+    ready_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    idle_since: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    reap_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    deadline_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    retired_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+    function: Mapped[Function] = relationship(lazy="joined")
+    node: Mapped[Node | None] = relationship(lazy="joined")
+    gpu: Mapped[Gpu | None] = relationship(lazy="joined")
+
+    __table_args__ = (
+        CheckConstraint("envs_in_use >= 0 AND envs_in_use <= envs_total", name="ck_rep_envs"),
+        Index("ix_replicas_fn_status", "function_id", "status"),
+        Index("ix_replicas_node_status", "node_id", "status"),
+        Index("ix_replicas_reap", "status", "reap_at"),
+        Index("ix_replicas_idle", "status", "idle_since"),
+        Index("ix_replicas_deadline", "status", "deadline_at"),
+        Index("ix_replicas_vmid", "vmid"),
+        Index("ix_replicas_op", "operation_id"),
+        Index(
+            "ux_replicas_gpu_slot",
+            "gpu_id",
+            "gpu_slot",
+            unique=True,
+            sqlite_where=text("gpu_slot IS NOT NULL"),
+            postgresql_where=text("gpu_slot IS NOT NULL"),
+        ),
+    )
+
+    @property
+    def state(self) -> ReplicaState:
+        """The status as an enum."""
+        return ReplicaState(self.status)
+
+
+class Operation(Base):
+    """One producer request and its outcome."""
+
+    __tablename__ = "operations"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    kind: Mapped[str] = mapped_column(String(16))
+    function_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16), default=OpStatus.PENDING.value)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    done: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+    __table_args__ = (Index("ix_operations_created", "created_at"),)
+
+
+class Lease(Base):
+    """A named lock with an expiry: one reap or reconcile pass at a time."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[datetime] = mapped_column(DateTime)
