@@ -60,3 +60,32 @@ def safe_url(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+def regenerate_initial() -> Path:
+    """Rewrite the initial migration from the models (development only, before a release)."""
+    import tempfile
+
+    versions = MIGRATIONS / "versions"
+    for old in versions.glob("0001_*.py"):
+        old.unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = alembic_config(f"sqlite:///{tmp}/empty.sqlite")
+        command.revision(cfg, message="initial schema", autogenerate=True, rev_id="0001")
+    (path,) = versions.glob("0001_*.py")
+    import shutil
+    import subprocess
+
+    ruff = shutil.which("ruff")
+    if ruff:  # keep generated code as tidy as the rest of the tree
+        subprocess.run([ruff, "format", "-q", str(path)], check=False)
+        subprocess.run([ruff, "check", "--fix", "--unsafe-fixes", "-q", str(path)], check=False)
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["regenerate"]:
+        raise SystemExit("usage: python -m workers.store.migrate regenerate")
+    print(regenerate_initial())

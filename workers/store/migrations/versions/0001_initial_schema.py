@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30 06:34:20.931792
+Create Date: 2026-11-30 06:36:28.255734
 """
 
 from __future__ import annotations

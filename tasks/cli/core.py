@@ -1,57 +1,14 @@
-"""The ``corral`` command: operators' and scripts' way into the control plane.
-
-Every listing command takes ``--json`` and then prints exactly one JSON document
-on stdout. Errors go to stderr as one line (``corral: error: ...``) with exit
-status 1; usage errors exit 2. ``spawn``, ``delete`` and ``scale`` print the
-operation id, or with ``--wait`` follow it to the end (a progress bar on a
-terminal) and exit non-zero if it failed.
-"""
+"""Core commands: ``db``, ``nodes``, ``functions``, ``spawn``, ``delete``, ``scale``,
+``replicas`` and ``ops``."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from config.settings import ConfigError, Settings, get_settings
-from workers.errors import CorralError
-from workers.store.migrate import SchemaError
-
-Handler = Callable[[argparse.Namespace, Settings], int]
-
-
-def _emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(data, indent=2, sort_keys=True, default=str))
-    else:
-        text = human(data)
-        if text:
-            print(text)
-
-
-def _table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
-    if not rows:
-        return "(none)"
-    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def _kv(data: dict[str, Any]) -> str:
-    width = max(len(k) for k in data)
-    return "\n".join(f"{k.ljust(width)}  {_fmt(v)}" for k, v in data.items())
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, dict | list):
-        return json.dumps(value, sort_keys=True)
-    return "" if value is None else str(value)
-
+from config.settings import Settings
+from tasks.cli._output import Command, emit, integer, kv, table, wait_and_report
 
 # -- db ----------------------------------------------------------------------------------------
 
@@ -84,7 +41,7 @@ def cmd_nodes_add(args: argparse.Namespace, settings: Settings) -> int:
             default_capacity=settings.node_capacity,
         )
         view = node_view(node)
-    _emit(args, view, lambda v: f"{'added' if created else 'updated'} node {v['name']} "
+    emit(args, view, lambda v: f"{'added' if created else 'updated'} node {v['name']} "
           f"({v['kind']} at {v['address']}, capacity {v['capacity']})")
     return 0
 
@@ -99,7 +56,7 @@ def cmd_nodes_list(args: argparse.Namespace, settings: Settings) -> int:
 
     with database(settings).read() as s:
         rows = [node_view(n) for n in s.scalars(select(Node).order_by(Node.name))]
-    _emit(args, rows, lambda r: _table(
+    emit(args, rows, lambda r: table(
         r, ["name", "kind", "address", "live", "capacity", "healthy", "draining", "last_error"]))
     return 0
 
@@ -171,7 +128,7 @@ def cmd_functions_deploy(args: argparse.Namespace, settings: Settings) -> int:
     with database(settings).transaction() as s:
         fn, created = deploy(s, spec, settings)
         view = function_view(fn)
-    _emit(args, view, lambda v: f"{'deployed' if created else 'updated'} function {v['name']} "
+    emit(args, view, lambda v: f"{'deployed' if created else 'updated'} function {v['name']} "
           f"(build {v['build_version']}, {v['backend']}, min {v['min']}, max {v['max']})")
     return 0
 
@@ -208,7 +165,7 @@ def cmd_functions_list(args: argparse.Namespace, settings: Settings) -> int:
         ]
     for row in rows:
         row["live"] = sum(row["replicas"].values())
-    _emit(args, rows, lambda r: _table(
+    emit(args, rows, lambda r: table(
         r, ["name", "backend", "image", "min", "max", "target", "live", "build_version"]))
     return 0
 
@@ -221,7 +178,7 @@ def cmd_functions_show(args: argparse.Namespace, settings: Settings) -> int:
     with database(settings).read() as s:
         fn = get_function(s, args.name)
         view = function_view(fn, _function_counts(s).get(fn.id, {}))
-    _emit(args, view, _kv)
+    emit(args, view, kv)
     return 0
 
 
@@ -262,79 +219,25 @@ def cmd_functions_remove(args: argparse.Namespace, settings: Settings) -> int:
 # -- operations --------------------------------------------------------------------------------
 
 
-def _wait_and_report(args: argparse.Namespace, settings: Settings, op_id: str) -> int:
-    from tasks import api
-
-    if not args.wait:
-        if args.json:
-            print(json.dumps({"operation": op_id}))
-        else:
-            print(op_id)
-        return 0
-    bar = _ProgressBar() if sys.stderr.isatty() and not args.json else None
-    view = api.wait(op_id, timeout=args.timeout, settings=settings,
-                    progress=bar.update if bar else None)
-    if bar:
-        bar.close()
-    if args.json:
-        print(json.dumps(view, indent=2, sort_keys=True, default=str))
-    else:
-        line = f"operation {op_id} {view['status']}: {view['done']} done"
-        if view["failed"]:
-            line += f", {view['failed']} failed"
-        print(line)
-        note = ((view.get("result") or {}).get("plan") or {}).get("note")
-        if note:
-            print(f"note: {note}")
-        if view["error"]:
-            print(f"corral: error: {view['error']}", file=sys.stderr)
-    return 0 if view["status"] == "succeeded" else 1
-
-
-class _ProgressBar:
-    """A one-line progress bar on stderr for multi-replica operations."""
-
-    def __init__(self) -> None:
-        self._shown = False
-
-    def update(self, view: dict[str, Any]) -> None:
-        total = view["total"]
-        if total <= 1:
-            return
-        done = view["done"] + view["failed"]
-        width = 30
-        filled = int(width * done / total)
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-            f"({view['failed']} failed) {view['status']}   "
-        )
-        sys.stderr.flush()
-        self._shown = True
-
-    def close(self) -> None:
-        if self._shown:
-            sys.stderr.write("\n")
-
-
 def cmd_spawn(args: argparse.Namespace, settings: Settings) -> int:
     """Add replicas."""
     from tasks import api
 
-    return _wait_and_report(args, settings, api.spawn(args.name, args.n, settings=settings))
+    return wait_and_report(args, settings, api.spawn(args.name, args.n, settings=settings))
 
 
 def cmd_delete(args: argparse.Namespace, settings: Settings) -> int:
     """Delete one replica."""
     from tasks import api
 
-    return _wait_and_report(args, settings, api.delete(args.replica_id, settings=settings))
+    return wait_and_report(args, settings, api.delete(args.replica_id, settings=settings))
 
 
 def cmd_scale(args: argparse.Namespace, settings: Settings) -> int:
     """Set a function's replica target."""
     from tasks import api
 
-    return _wait_and_report(args, settings, api.scale(args.name, args.target, settings=settings))
+    return wait_and_report(args, settings, api.scale(args.name, args.target, settings=settings))
 
 
 def cmd_replicas(args: argparse.Namespace, settings: Settings) -> int:
@@ -352,7 +255,7 @@ def cmd_replicas(args: argparse.Namespace, settings: Settings) -> int:
             replica = s.get(Replica, check_id(args.replica_id, "replica"))
             if replica is None:
                 raise NotFound(f"unknown replica {args.replica_id!r}")
-            _emit(args, replica_view(replica), _kv)
+            emit(args, replica_view(replica), kv)
             return 0
         query = select(Replica).order_by(Replica.created_at)
         if args.function:
@@ -360,7 +263,7 @@ def cmd_replicas(args: argparse.Namespace, settings: Settings) -> int:
         if not args.all:
             query = query.where(Replica.status.in_(LIVE_STATES))
         rows = [replica_view(r) for r in s.scalars(query)]
-    _emit(args, rows, lambda r: _table(
+    emit(args, rows, lambda r: table(
         r, ["id", "function", "node", "status", "vmid", "address", "error"]))
     return 0
 
@@ -372,39 +275,16 @@ def cmd_ops(args: argparse.Namespace, settings: Settings) -> int:
 
     with database(settings).read() as s:
         if args.op_id:
-            _emit(args, operation_view(get_operation(s, args.op_id)), _kv)
+            emit(args, operation_view(get_operation(s, args.op_id)), kv)
             return 0
         rows = [operation_view(o) for o in list_operations(s, args.limit)]
-    _emit(args, rows, lambda r: _table(
+    emit(args, rows, lambda r: table(
         r, ["id", "kind", "status", "total", "done", "failed", "created_at", "error"]))
     return 0
 
 
-# -- parser ------------------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for every ``corral`` command."""
-    parser = argparse.ArgumentParser(
-        prog="corral", description="Control plane for serverless microVM fleets."
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, handler: Handler, help: str, parent: Any = sub,
-                listing: bool = False) -> argparse.ArgumentParser:
-        p: argparse.ArgumentParser = parent.add_parser(name, help=help, description=help)
-        p.set_defaults(handler=handler)
-        if listing:
-            p.add_argument("--json", action="store_true", help="print one JSON document")
-        return p
-
+def register(sub: Any, command: Command) -> None:
+    """Add the core commands to the ``corral`` parser."""
     db = sub.add_parser("db", help="database schema").add_subparsers(dest="db_cmd", required=True)
     command("upgrade", cmd_db_upgrade, "migrate the database to the newest schema", db)
 
@@ -414,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", help="HOST:PORT of an fcdaemon agent, or http://HOST:PORT of Lambdo")
     p.add_argument("--name")
     p.add_argument("--kind", choices=["fcdaemon", "lambdo"], default="fcdaemon")
-    p.add_argument("--capacity", type=_positive_int, help="most live replicas on this node")
+    p.add_argument("--capacity", type=integer, help="most live replicas on this node")
     command("list", cmd_nodes_list, "list nodes", nodes, listing=True)
     p = command("remove", cmd_nodes_remove, "remove a node that runs no replicas", nodes)
     p.add_argument("name")
@@ -433,18 +313,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initrd")
     p.add_argument("--kernel-args")
     p.add_argument("--vm-type", choices=["osv", "linux"])
-    p.add_argument("--cpu", type=_positive_int)
-    p.add_argument("--mem", type=_positive_int, help="memory in MiB")
-    p.add_argument("--min", type=_positive_int)
-    p.add_argument("--max", type=_positive_int)
+    p.add_argument("--cpu", type=integer)
+    p.add_argument("--mem", type=integer, help="memory in MiB")
+    p.add_argument("--min", type=integer)
+    p.add_argument("--max", type=integer)
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--env", action="append", metavar="K=V")
     p.add_argument("--rootfs", help="Lambdo rootfs location (URL)")
-    p.add_argument("--port", type=_positive_int, action="append", help="guest port (default 8080)")
+    p.add_argument("--port", type=integer, action="append", help="guest port (default 8080)")
     p.add_argument("--idle-timeout", type=float, help="seconds idle before the reaper deletes")
     p.add_argument("--readiness", choices=["agent", "guest"])
-    p.add_argument("--exec-envs", type=_positive_int, help="concurrent requests per replica")
-    p.add_argument("--gpu-mem", type=_positive_int, help="GPU memory per replica in MB")
+    p.add_argument("--exec-envs", type=integer, help="concurrent requests per replica")
+    p.add_argument("--gpu-mem", type=integer, help="GPU memory per replica in MB")
     p.add_argument("--placement")
     p.add_argument("--aws-access-key-id")
     p.add_argument("--aws-secret-access-key")
@@ -463,14 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("spawn", cmd_spawn, "add replicas of a function")
     p.add_argument("name")
-    p.add_argument("-n", type=_positive_int, default=1, help="how many (default 1)")
+    p.add_argument("-n", type=integer, default=1, help="how many (default 1)")
     waiting(p)
     p = command("delete", cmd_delete, "delete a replica")
     p.add_argument("replica_id")
     waiting(p)
     p = command("scale", cmd_scale, "set a function's replica target")
     p.add_argument("name")
-    p.add_argument("target", type=_positive_int)
+    p.add_argument("target", type=integer)
     waiting(p)
 
     p = command("replicas", cmd_replicas, "list replicas", listing=True)
@@ -483,29 +363,5 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("ops", cmd_ops, "list operations (or show one)", listing=True)
     p.add_argument("op_id", nargs="?")
-    p.add_argument("--limit", type=_positive_int, default=50)
+    p.add_argument("--limit", type=integer, default=50)
 
-    for extend in _EXTENSIONS:
-        extend(sub, command)
-    return parser
-
-
-_EXTENSIONS: list[Callable[[Any, Callable[..., argparse.ArgumentParser]], None]] = []
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``corral`` command line; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    try:
-        settings = get_settings()
-        return int(args.handler(args, settings))
-    except (ConfigError, SchemaError, CorralError, TimeoutError) as exc:
-        print(f"corral: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("corral: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""``python -m tasks.cli`` runs the corral command."""
+
+from tasks.cli import main
+
+raise SystemExit(main())
