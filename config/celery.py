@@ -27,6 +27,11 @@ Reliability, chosen on purpose:
   permanent agent answers fail at once.
 * ``broker_connection_retry_on_startup`` and unlimited connection retries: a
   worker outlives a broker restart.
+* results are not stored (``task_ignore_result``): the outcome of every request
+  is its operation record in the database, which ``corral ops`` and
+  ``tasks.api.wait`` read; producers therefore never subscribe to the result
+  backend. The backend (``CORRAL_RESULT_BACKEND``) stays configured for tasks
+  that ask for a result explicitly and for tools that expect one.
 * task events are on (``worker_send_task_events``, ``task_send_sent_event``) so
   Flower shows every task; task messages carry only ids, never secrets.
 """
@@ -97,6 +102,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         },
         "result_backend_transport_options": {"retry_policy": {"max_retries": 10}},
         "result_expires": 24 * 3600,
+        "task_ignore_result": True,
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,
         "worker_send_task_events": True,

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-pytest_plugins = ["tests.services", "tests.fixtures"]
+pytest_plugins = ["tests.services", "tests.fixtures", "tests.celery_workers"]

@@ -98,15 +98,19 @@ StartAgents = Callable[..., list[RunningAgent]]
 
 
 @pytest.fixture
-def start_agents(corral_env: Env) -> Iterator[StartAgents]:
-    """Start reference fcdaemon agents on loopback and register each as a node."""
+def start_agents() -> Iterator[StartAgents]:
+    """Start reference fcdaemon agents on loopback and register each as a node.
+
+    Nodes are written to the store of the settings in force, so request an
+    environment fixture (``corral_env``, ``broker_env``...) first.
+    """
     started: list[RunningAgent] = []
 
     def start(n: int = 1, *, capacity: int = 64, env: Env | None = None) -> list[RunningAgent]:
-        env = env or corral_env
+        db = env.db if env is not None else get_database(get_settings().database_url)
         batch = [serve_fcdaemon("127.0.0.1:0") for _ in range(n)]
         started.extend(batch)
-        with env.db.transaction() as s:
+        with db.transaction() as s:
             for i, agent in enumerate(batch, start=len(started) - n + 1):
                 upsert_node(s, agent.address, name=f"node{i}", capacity=capacity)
         return batch

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import logging
 import random
+import threading
 from typing import Any
 
 from celery import Celery, Task, signals
@@ -114,7 +115,15 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 def configure(settings: Settings) -> None:
-    """Re-apply settings to the shared app (tests, ``corral up``)."""
+    """Re-apply settings to the shared app (tests, ``corral up``).
+
+    Connection and producer pools and the result backend were built from the old
+    settings, so they are dropped and rebuilt on next use.
+    """
+    app._pool = None
+    if "amqp" in app.__dict__:
+        app.amqp._producer_pool = None
+    app._local = threading.local()  # the result backend is cached per thread
     app.conf.update(celery_config(settings))
 
 

@@ -1,0 +1,125 @@
+"""Real Celery workers for tests: in a thread (``celery.contrib.testing``) or as processes.
+
+``broker_env`` switches the test's settings from eager mode to the session's real
+Redis broker (results on the same server) with a fresh, migrated SQLite store.
+``thread_worker`` then runs a real worker in this process, consuming every corral
+queue; :class:`WorkerProcess` runs ``celery -A workers worker`` as a child process
+(prefork pool), which a test can SIGKILL and replace.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+
+from config.celery import QUEUES
+from tests.fixtures import FAST, Env, _apply
+from workers.app import app
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def broker_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, redis_url: str) -> Iterator[Env]:
+    """Settings for a real broker: Redis from the session server, SQLite store, not eager."""
+    env = _apply(
+        Env(monkeypatch, tmp_path),
+        f"sqlite:///{tmp_path / 'corral.sqlite'}",
+        broker_url=redis_url,
+        result_backend=redis_url,
+    )
+    env.set(eager="0")
+    yield env
+    env.db.dispose()
+
+
+@pytest.fixture
+def thread_worker(broker_env: Env) -> Iterator[Env]:
+    """A real Celery worker (thread pool) on the test broker, in this process."""
+    with start_worker(
+        app,
+        pool="threads",
+        concurrency=4,
+        perform_ping_check=False,
+        loglevel="WARNING",
+        shutdown_timeout=10,
+        queues=list(QUEUES),
+    ):
+        yield broker_env
+
+
+class WorkerProcess:
+    """``celery -A workers worker`` as a child process with the test's environment."""
+
+    def __init__(self, log_dir: Path, *, concurrency: int = 2, pool: str = "prefork",
+                 extra_env: dict[str, str] | None = None, name: str = "w1") -> None:
+        self.log_path = log_dir / f"worker-{name}.log"
+        self.concurrency = concurrency
+        self.pool = pool
+        self.name = name
+        self.env = {**os.environ, **FAST, **(extra_env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> WorkerProcess:
+        """Start the worker and wait until it says it is ready."""
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "celery", "-A", "workers", "worker",
+                "-P", self.pool, "-c", str(self.concurrency), "-l", "INFO",
+                "-n", f"{self.name}@%h", "-Q", ",".join(QUEUES),
+                "--without-gossip", "--without-mingle",
+            ],
+            cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited early:\n{self.tail()}")
+            if b" ready." in self.log_path.read_bytes():
+                return self
+            time.sleep(0.1)
+        raise TimeoutError(f"worker not ready after {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        """The last lines of the worker's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool processes at once (a crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Warm shutdown (SIGTERM), SIGKILL if it does not finish in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        finally:
+            self._log.close()
+
+
+@pytest.fixture
+def worker_processes(broker_env: Env, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
+    """A list to append started :class:`WorkerProcess` objects to; all stopped afterwards."""
+    started: list[WorkerProcess] = []
+    yield started
+    for worker in started:
+        worker.stop()

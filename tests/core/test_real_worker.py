@@ -1,0 +1,119 @@
+"""The pipeline through a real Redis broker and real Celery workers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from tasks import api
+from tests.celery_workers import WorkerProcess
+from tests.fixtures import Env, StartAgents
+from workers.functions import deploy, spec_from
+from workers.store.models import Replica, ReplicaState
+
+
+def _deploy(env: Env, **fields: object) -> None:
+    with env.db.transaction() as s:
+        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=50, **fields),
+               env.settings)
+
+
+def _live(env: Env) -> list[Replica]:
+    with env.db.read() as s:
+        return list(s.scalars(select(Replica).where(Replica.status == ReplicaState.IDLE)))
+
+
+@pytest.mark.timeout(60)
+def test_spawn_scale_delete_through_a_thread_worker(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    a, b = start_agents(2, env=thread_worker)
+    _deploy(thread_worker)
+    view = api.wait(api.spawn("hello", 6), timeout=30)
+    assert view["status"] == "succeeded", view
+    assert len(_live(thread_worker)) == 6
+    assert len(a.driver.list()) + len(b.driver.list()) == 6
+    assert api.wait(api.scale("hello", 2), timeout=30)["status"] == "succeeded"
+    assert len(_live(thread_worker)) == 2
+    assert len(a.driver.list()) + len(b.driver.list()) == 2
+
+
+def _publish_raw(env: Env, task: str, args: list[object], queue: str) -> str:
+    """Put a task message on a queue by hand, as a second delivery of the same request would."""
+    from workers.app import app
+
+    task_id = uuid.uuid4().hex
+    app.send_task(task, args=args, queue=queue, task_id=task_id, ignore_result=True)
+    return task_id
+
+
+@pytest.mark.timeout(60)
+def test_same_spawn_message_twice_creates_one_vm(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=thread_worker)
+    _deploy(thread_worker)
+    # An operation of one replica, and its spawn_replica message published twice.
+    with thread_worker.db.transaction() as s:
+        from workers.functions import get_function
+        from workers.operations import create_operation
+
+        fn = get_function(s, "hello")
+        op = create_operation(s, "spawn", {"function": "hello", "count": 1},
+                              function_id=fn.id, total=1)
+        fn_id = fn.id
+    for _ in range(2):
+        _publish_raw(thread_worker, "corral.spawn_replica",
+                     [op.id, f"{op.id}.0.0", fn_id, None], "corral.spawn")
+    view = api.wait(op.id, timeout=30)
+    assert view["status"] == "succeeded", view
+    assert (view["done"], view["failed"]) == (1, 0)
+    # give the second delivery time to run, then count VMs
+    import time
+
+    time.sleep(0.5)
+    assert len(agent.driver.list()) == 1
+    assert len(_live(thread_worker)) == 1
+
+
+@pytest.mark.timeout(60)
+def test_malformed_task_message_fails_the_operation_and_worker_lives(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=thread_worker)
+    _deploy(thread_worker)
+    with thread_worker.db.transaction() as s:
+        from workers.operations import create_operation
+
+        op = create_operation(s, "spawn", {"function": "hello", "count": 1}, total=1)
+    _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 42], "corral.spawn")
+    view = api.wait(op.id, timeout=15)
+    assert view["status"] == "failed"
+    assert "corral.spawn_replica" in view["error"] and "missing" in view["error"]
+    _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 7, "x", None], "corral.spawn")
+    # the worker still serves real work afterwards
+    assert api.wait(api.spawn("hello", 1), timeout=15)["status"] == "succeeded"
+
+
+@pytest.mark.timeout(90)
+def test_prefork_worker_process_spawns(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
+    tmp_path: object,
+) -> None:
+    (agent,) = start_agents(1, env=broker_env)
+    _deploy(broker_env)
+    worker = WorkerProcess(broker_env.tmp, concurrency=2)
+    worker_processes.append(worker.start())
+    view = api.wait(api.spawn("hello", 4), timeout=30)
+    assert view["status"] == "succeeded", (view, worker.tail())
+    assert len(agent.driver.list()) == 4
+    # task messages carry ids only: nothing secret could reach Flower or the broker
+    r = redis.Redis.from_url(broker_env.settings.broker_url)
+    for key in r.keys("*"):
+        if r.type(key) == b"list":
+            for raw in r.lrange(key, 0, -1):
+                assert b"aws" not in json.loads(raw).get("body", "").encode()
