@@ -1,0 +1,495 @@
+"""VM drivers: how a reference agent turns "start a replica" into something that runs.
+
+An agent speaks a wire protocol (fcdaemon gRPC, Lambdo HTTP) and delegates the VMs
+themselves to a :class:`VMDriver`. A driver starts a replica from a :class:`VMSpec`,
+stops it, lists what is running, and stops everything on close. The driver is the
+truth about what runs: ``list()`` never reports a replica that has died.
+
+Two drivers ship here:
+
+* :class:`MemoryDriver` - a VM is only a record. Nothing runs and nothing listens;
+  it is for tests and benchmarks of the control plane, so it is fast and thread-safe.
+* :class:`ProcessDriver` - a replica is a real OS process standing in for a microVM:
+  its own process group, killed with the agent (see :mod:`agents.procs`), serving
+  HTTP on ``127.0.0.1:$PORT`` (``$HOST`` is the address to bind). The image names what
+  to run: a module of the :mod:`examples` package (``examples.hello`` or ``hello``) runs
+  as ``python -m examples.<name>``; anything else is a shell-split command line.
+
+A real Firecracker/QEMU driver would implement the same protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import os
+import random
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from agents.procs import kill_group, spawn
+from agents.runtime import WILDCARD_HOSTS
+
+__all__ = [
+    "VM",
+    "DriverError",
+    "ImageNotFound",
+    "MemoryDriver",
+    "PortAllocator",
+    "ProcessDriver",
+    "VMDriver",
+    "VMSpec",
+    "parse_env_args",
+    "resolve_command",
+]
+
+log = logging.getLogger(__name__)
+
+
+class DriverError(RuntimeError):
+    """A driver could not start or stop a VM (the agent answers an internal error)."""
+
+
+class ImageNotFound(DriverError):
+    """The spec's image names nothing this driver can run (bad input, not a crash)."""
+
+
+@dataclass
+class VM:
+    """A running replica as a driver reports it."""
+
+    vmid: str
+    ip: str
+    port: int
+    request_id: str
+    created_unix: float
+    pid: int | None
+    #: (host port, guest port) pairs; the first pair is the function's port.
+    port_mapping: list[tuple[int, int]] = field(default_factory=list)
+    image: str = ""
+
+
+def parse_env_args(kernel_args: str) -> dict[str, str]:
+    """Collect ``--env=K=V`` tokens of a kernel command line into a dict (later wins)."""
+    try:
+        tokens = shlex.split(kernel_args)
+    except ValueError:
+        tokens = kernel_args.split()
+    env: dict[str, str] = {}
+    for token in tokens:
+        if not token.startswith("--env="):
+            continue
+        key, sep, value = token[len("--env=") :].partition("=")
+        if key and sep:
+            env[key] = value
+    return env
+
+
+@dataclass
+class VMSpec:
+    """What to start: the fcdaemon CreateRequest / Lambdo body, normalised."""
+
+    image: str
+    kernel: str = ""
+    initrd: str = ""
+    kernel_args: str = ""
+    vm_type: str = "osv"
+    cpu: int = 1
+    mem_mb: int = 512
+    #: Function environment; ``--env=K=V`` tokens of ``kernel_args`` are merged in
+    #: (explicit entries win).
+    env: dict[str, str] = field(default_factory=dict)
+    guest_port: int = 8080
+    request_id: str = ""
+    #: Further guest ports to map to host ports (Lambdo ``requestedPorts[1:]``).
+    extra_guest_ports: tuple[int, ...] = ()
+    #: Host port wanted for a guest port (Lambdo ``/start`` port mappings).
+    host_ports: dict[int, int] = field(default_factory=dict)
+    #: The vmid to use; empty means the driver picks ``uuid4().hex``.
+    vmid: str = ""
+
+    def __post_init__(self) -> None:
+        self.env = {**parse_env_args(self.kernel_args), **self.env}
+
+    @property
+    def guest_ports(self) -> list[int]:
+        """All guest ports, the function's own first."""
+        return [self.guest_port, *self.extra_guest_ports]
+
+
+@runtime_checkable
+class VMDriver(Protocol):
+    """What an agent needs from whatever actually runs VMs."""
+
+    def start(self, spec: VMSpec) -> VM:
+        """Start one replica and return it; raise :class:`DriverError` on failure."""
+        ...
+
+    def stop(self, vmid: str) -> bool:
+        """Stop a replica; False if the vmid is unknown (already gone)."""
+        ...
+
+    def list(self) -> list[VM]:
+        """The replicas running now, oldest first."""
+        ...
+
+    def close(self) -> None:
+        """Stop every replica and release the driver's resources."""
+        ...
+
+
+def _validate_ports(spec: VMSpec) -> list[int]:
+    ports = spec.guest_ports
+    for port in ports:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ImageNotFound(f"invalid guest port {port!r}")
+    if len(set(ports)) != len(ports):
+        raise ImageNotFound(f"duplicate guest ports in {ports}")
+    return ports
+
+
+# Ports claimed by any allocator of this process, so two agents in one process (tests,
+# the local stack) never hand out the same port before either child has bound it.
+_CLAIMED: set[int] = set()
+_CLAIMED_LOCK = threading.Lock()
+
+
+class PortAllocator:
+    """Hands out host ports from ``[low, high]``, skipping ports already in use."""
+
+    def __init__(
+        self,
+        low: int,
+        high: int,
+        host: str = "127.0.0.1",
+        *,
+        check_bind: bool = True,
+    ) -> None:
+        """``check_bind`` probes each candidate with a bind on ``host`` (off for fake ports)."""
+        if not 0 < low <= high < 65536:
+            raise ValueError(f"bad port range {low}-{high}")
+        self.low, self.high, self.host = low, high, host
+        self._check_bind = check_bind
+        # Real ports are shared process-wide; fake ones only within this allocator.
+        self._claimed = _CLAIMED if check_bind else set()
+        self._lock = _CLAIMED_LOCK if check_bind else threading.Lock()
+        # Start at a random point so separate agent processes rarely race for a port.
+        self._next = random.randint(low, high)
+
+    def _bindable(self, port: int) -> bool:
+        if not self._check_bind:
+            return True
+        host = "0.0.0.0" if self.host in WILDCARD_HOSTS else self.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
+        return True
+
+    def allocate(self, want: int | None = None) -> int:
+        """Claim ``want`` (must be free) or the next free port of the range."""
+        with self._lock:
+            if want:
+                if want in self._claimed or not self._bindable(want):
+                    raise DriverError(f"host port {want} is in use")
+                self._claimed.add(want)
+                return want
+            size = self.high - self.low + 1
+            for _ in range(size):
+                port = self._next
+                self._next = self.low if port >= self.high else port + 1
+                if port in self._claimed or not self._bindable(port):
+                    continue
+                self._claimed.add(port)
+                return port
+        raise DriverError(f"no free host port in {self.low}-{self.high}")
+
+    def release(self, ports: Iterable[int]) -> None:
+        """Give ports back."""
+        with self._lock:
+            for port in ports:
+                self._claimed.discard(port)
+
+
+class MemoryDriver:
+    """VMs as records only: nothing runs; for tests and benchmarks."""
+
+    def __init__(self, port_range: tuple[int, int] | None = None, ip: str = "127.0.0.1") -> None:
+        """Without ``port_range`` a VM's port is its guest port; with it, unique fake ports."""
+        self.ip = ip
+        self._ports = (
+            PortAllocator(*port_range, check_bind=False) if port_range is not None else None
+        )
+        self._vms: dict[str, VM] = {}
+        self._lock = threading.Lock()
+
+    def start(self, spec: VMSpec) -> VM:
+        """Record a new VM."""
+        if not spec.image:
+            raise ImageNotFound("empty image name")
+        guest_ports = _validate_ports(spec)
+        if self._ports is None:
+            mapping = [(g, g) for g in guest_ports]
+        else:
+            mapping = []
+            try:
+                for g in guest_ports:
+                    mapping.append((self._ports.allocate(spec.host_ports.get(g)), g))
+            except DriverError:
+                self._ports.release(h for h, _ in mapping)
+                raise
+        vm = VM(
+            vmid=spec.vmid or uuid.uuid4().hex,
+            ip=self.ip,
+            port=mapping[0][0],
+            request_id=spec.request_id,
+            created_unix=time.time(),
+            pid=None,
+            port_mapping=mapping,
+            image=spec.image,
+        )
+        with self._lock:
+            if vm.vmid in self._vms:
+                raise DriverError(f"vmid {vm.vmid} already exists")
+            self._vms[vm.vmid] = vm
+        return dataclasses.replace(vm, port_mapping=list(mapping))
+
+    def get(self, vmid: str) -> VM | None:
+        """The VM with this id, or None."""
+        with self._lock:
+            vm = self._vms.get(vmid)
+        return dataclasses.replace(vm, port_mapping=list(vm.port_mapping)) if vm else None
+
+    def stop(self, vmid: str) -> bool:
+        """Forget a VM; False if unknown."""
+        with self._lock:
+            vm = self._vms.pop(vmid, None)
+        if vm is None:
+            return False
+        if self._ports is not None:
+            self._ports.release(h for h, _ in vm.port_mapping)
+        return True
+
+    def list(self) -> list[VM]:
+        """All recorded VMs, oldest first."""
+        with self._lock:
+            vms = list(self._vms.values())
+        return [dataclasses.replace(v, port_mapping=list(v.port_mapping)) for v in vms]
+
+    def close(self) -> None:
+        """Forget every VM."""
+        with self._lock:
+            vms = list(self._vms.values())
+            self._vms.clear()
+        if self._ports is not None:
+            for vm in vms:
+                self._ports.release(h for h, _ in vm.port_mapping)
+
+
+_MODULE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")
+
+
+def _examples_root() -> str:
+    spec = importlib.util.find_spec("examples")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImageNotFound("the examples package is not importable")
+    return str(Path(next(iter(spec.submodule_search_locations))).resolve().parent)
+
+
+def resolve_command(image: str) -> tuple[list[str], bool]:
+    """Map an image name to an argv; the flag says it is a module of :mod:`examples`."""
+    name = image.strip().removesuffix(":latest")
+    if not name:
+        raise ImageNotFound("empty image name")
+    if _MODULE_RE.fullmatch(name):
+        module = name if name.startswith("examples.") else f"examples.{name}"
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            return [sys.executable, "-m", module], True
+    try:
+        argv = shlex.split(image)
+    except ValueError as exc:
+        raise ImageNotFound(f"cannot parse image command {image!r}: {exc}") from exc
+    if not argv:
+        raise ImageNotFound("empty image name")
+    if shutil.which(argv[0]) is None:
+        raise ImageNotFound(f"image {image!r}: no examples module and no executable {argv[0]!r}")
+    return argv, False
+
+
+@dataclass
+class _Replica:
+    vm: VM
+    proc: subprocess.Popen[bytes]
+
+
+class ProcessDriver:
+    """Each replica is a real process serving HTTP on its host port, dying with the agent."""
+
+    def __init__(
+        self,
+        port_range: tuple[int, int] = (20000, 29999),
+        *,
+        bind_host: str = "127.0.0.1",
+        advertise_ip: str | None = None,
+        ready_timeout: float = 0.0,
+        stop_grace: float = 2.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """``ready_timeout`` > 0 makes ``start`` wait until the port accepts connections."""
+        self.bind_host = bind_host
+        if advertise_ip:
+            self.ip = advertise_ip
+        else:
+            self.ip = "127.0.0.1" if bind_host in WILDCARD_HOSTS else bind_host
+        self.ready_timeout = ready_timeout
+        self.stop_grace = stop_grace
+        self._env = dict(env or {})
+        self._ports = PortAllocator(*port_range, host=bind_host)
+        self._replicas: dict[str, _Replica] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _child_env(self, spec: VMSpec, vmid: str, port: int, is_example: bool) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+        env.update(self._env)
+        env.update(spec.env)
+        env["PORT"] = str(port)
+        env["HOST"] = self.bind_host
+        env["VMID"] = vmid
+        if is_example:
+            root = _examples_root()
+            old = env.get("PYTHONPATH")
+            env["PYTHONPATH"] = root if not old else root + os.pathsep + old
+        return env
+
+    def start(self, spec: VMSpec) -> VM:
+        """Allocate host ports and start the image's process on the first one."""
+        if self._closed:
+            raise DriverError("driver is closed")
+        argv, is_example = resolve_command(spec.image)
+        guest_ports = _validate_ports(spec)
+        vmid = spec.vmid or uuid.uuid4().hex
+        mapping: list[tuple[int, int]] = []
+        try:
+            for g in guest_ports:
+                mapping.append((self._ports.allocate(spec.host_ports.get(g)), g))
+            env = self._child_env(spec, vmid, mapping[0][0], is_example)
+            proc = spawn(argv, env)
+        except OSError as exc:
+            self._ports.release(h for h, _ in mapping)
+            raise DriverError(f"cannot start {spec.image!r}: {exc}") from exc
+        except BaseException:
+            self._ports.release(h for h, _ in mapping)
+            raise
+        vm = VM(
+            vmid=vmid,
+            ip=self.ip,
+            port=mapping[0][0],
+            request_id=spec.request_id,
+            created_unix=time.time(),
+            pid=proc.pid,
+            port_mapping=mapping,
+            image=spec.image,
+        )
+        with self._lock:
+            self._replicas[vmid] = _Replica(vm, proc)
+            closed = self._closed
+        if closed:  # close() raced with us: do not leave this one behind
+            self.stop(vmid)
+            raise DriverError("driver is closed")
+        log.debug("replica %s: pid %d, %s on port %d", vmid, proc.pid, spec.image, vm.port)
+        if self.ready_timeout > 0 and not self._wait_ready(vm, proc, self.ready_timeout):
+            self.stop(vmid)
+            raise DriverError(
+                f"replica of {spec.image!r} did not listen on port {vm.port} "
+                f"within {self.ready_timeout:.1f}s"
+            )
+        return dataclasses.replace(vm, port_mapping=list(mapping))
+
+    def _wait_ready(self, vm: VM, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+        host = "127.0.0.1" if self.bind_host in WILDCARD_HOSTS else self.bind_host
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
+            with contextlib.suppress(OSError), socket.create_connection((host, vm.port), 0.5):
+                return True
+            time.sleep(0.02)
+        return False
+
+    def get(self, vmid: str) -> VM | None:
+        """The live VM with this id, or None."""
+        with self._lock:
+            rep = self._replicas.get(vmid)
+        if rep is None:
+            return None
+        if rep.proc.poll() is not None:
+            self._forget_dead(vmid)
+            return None
+        return dataclasses.replace(rep.vm, port_mapping=list(rep.vm.port_mapping))
+
+    def _forget_dead(self, vmid: str) -> None:
+        with self._lock:
+            rep = self._replicas.pop(vmid, None)
+        if rep is None:
+            return
+        log.warning(
+            "replica %s (pid %d) exited with code %s", vmid, rep.proc.pid, rep.proc.returncode
+        )
+        kill_group(rep.proc, grace=0.0)  # reap, and kill anything it left in its group
+        self._ports.release(h for h, _ in rep.vm.port_mapping)
+
+    def stop(self, vmid: str) -> bool:
+        """Kill the replica's process group (SIGTERM, then SIGKILL) and reap it."""
+        with self._lock:
+            rep = self._replicas.pop(vmid, None)
+        if rep is None:
+            return False
+        code = kill_group(rep.proc, grace=self.stop_grace)
+        self._ports.release(h for h, _ in rep.vm.port_mapping)
+        log.info("replica %s: stopped (pid %d, exit %s)", vmid, rep.proc.pid, code)
+        return True
+
+    def list(self) -> list[VM]:
+        """Live replicas, oldest first; replicas whose process exited are reaped and dropped."""
+        with self._lock:
+            reps = list(self._replicas.values())
+        live: list[VM] = []
+        for rep in reps:
+            if rep.proc.poll() is None:
+                live.append(dataclasses.replace(rep.vm, port_mapping=list(rep.vm.port_mapping)))
+            else:
+                self._forget_dead(rep.vm.vmid)
+        live.sort(key=lambda v: v.created_unix)
+        return live
+
+    def close(self) -> None:
+        """Stop every replica (in parallel) and refuse new ones."""
+        with self._lock:
+            self._closed = True
+            vmids = list(self._replicas)
+        if not vmids:
+            return
+        with ThreadPoolExecutor(max_workers=min(16, len(vmids))) as pool:
+            list(pool.map(self.stop, vmids))

@@ -1,0 +1,720 @@
+"""Reference node agent: serves ``fcdaemon.FcService`` over gRPC, backed by a VM driver.
+
+The node agent is what corral's workers call to run replicas on a node. This one
+speaks the seed's wire contract (CreateReplica, ReleaseVMSetup, CreateCPUHogs,
+StopCPUHogs) plus corral's wire-compatible extensions:
+
+* ``CreateRequest.requestId`` - idempotency: a repeated request whose id belongs to a
+  live VM is answered with that VM, so a redelivered spawn never makes a second one;
+* ``CreateRequest.guestPort`` / ``CreateReply.port`` - which port the function serves on;
+* ``ListReplicas`` - the VMs running here, for corral's reconcile;
+* the standard ``grpc.health.v1`` service.
+
+VMs come from a :class:`agents.drivers.VMDriver` (processes or records); CPU hogs are
+real busy-loop processes. With a registry address the agent announces itself
+(``RegisterNode``, retried with backoff until the registry answers) and reports each
+replica READY (``UpdateStatus``) once its HTTP port answers; a DESTROY reply releases it.
+
+For tests, :class:`FcAgent` records every call in ``calls`` and accepts scripted faults
+(:meth:`FcAgent.inject`, see :mod:`agents.faults`). AWS credentials in requests are
+never logged.
+
+Command line: ``corral agent fcdaemon`` / ``python -m agents.fcdaemon``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import logging
+import sys
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from google.protobuf import empty_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from agents.drivers import (
+    VM,
+    DriverError,
+    ImageNotFound,
+    MemoryDriver,
+    ProcessDriver,
+    VMDriver,
+    VMSpec,
+)
+from agents.faults import Fault, FaultPlan, record_call
+from agents.procs import kill_group, spawn
+from agents.runtime import (
+    WILDCARD_HOSTS,
+    add_common_arguments,
+    configure_logging,
+    connect_host,
+    guess_node_ip,
+    parse_port_range,
+    split_hostport,
+    until_signalled,
+)
+from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
+
+__all__ = [
+    "DEFAULT_PORT_RANGE",
+    "SERVICE_NAME",
+    "FcAgent",
+    "HogPool",
+    "RegistryReporter",
+    "RunningAgent",
+    "main",
+    "serve_fcdaemon",
+    "spec_from_request",
+]
+
+log = logging.getLogger("agents.fcdaemon")  # not __name__: also right under -m
+
+SERVICE_NAME = "fcdaemon.FcService"
+DEFAULT_PORT_RANGE = (20000, 29999)
+HOG_ARGV = (sys.executable, "-c", "while True: pass")
+
+
+def spec_from_request(request: Any) -> VMSpec:
+    """Translate a ``CreateRequest`` into a :class:`VMSpec` (guestPort 0 means 8080)."""
+    return VMSpec(
+        image=request.imageName,
+        kernel=request.kernelImagePath,
+        initrd=request.initrdPath,
+        kernel_args=request.kernelArgs,
+        vm_type=request.vmType or "osv",
+        cpu=int(request.cpu),
+        mem_mb=int(request.mem),
+        guest_port=int(request.guestPort) or 8080,
+        request_id=request.requestId,
+        vmid=uuid.uuid4().hex,
+    )
+
+
+class HogPool:
+    """CPU-hog processes: busy loops in their own process groups, dying with the agent."""
+
+    def __init__(self, limit: int = 64) -> None:
+        """At most ``limit`` hogs run at once."""
+        self.limit = limit
+        self._procs: list[Any] = []
+        self._lock = threading.Lock()
+
+    def _prune(self) -> None:
+        dead = [p for p in self._procs if p.poll() is not None]
+        for proc in dead:
+            self._procs.remove(proc)
+            kill_group(proc, grace=0.0)
+
+    @property
+    def count(self) -> int:
+        """Hogs running now."""
+        with self._lock:
+            self._prune()
+            return len(self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running hogs."""
+        with self._lock:
+            self._prune()
+            return [p.pid for p in self._procs]
+
+    def start(self, n: int) -> int:
+        """Start ``n`` more hogs; raise ValueError beyond the limit; return the new count."""
+        if n < 0:
+            raise ValueError("n must not be negative")
+        with self._lock:
+            self._prune()
+            if len(self._procs) + n > self.limit:
+                raise ValueError(
+                    f"{len(self._procs)} hogs running; {n} more exceeds the limit of {self.limit}"
+                )
+            for _ in range(n):
+                self._procs.append(spawn(HOG_ARGV, {"PATH": "/usr/bin:/bin"}))
+            return len(self._procs)
+
+    def stop(self, n: int) -> int:
+        """Stop up to ``n`` hogs (newest first); return how many were stopped."""
+        if n < 0:
+            raise ValueError("n must not be negative")
+        with self._lock:
+            self._prune()
+            victims = self._procs[len(self._procs) - min(n, len(self._procs)) :]
+            del self._procs[len(self._procs) - len(victims) :]
+        for proc in victims:
+            kill_group(proc, grace=1.0)
+        return len(victims)
+
+    def close(self) -> None:
+        """Stop every hog."""
+        self.stop(sys.maxsize)
+
+
+#: Registry answers that retrying cannot change.
+_FINAL_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+def _http_answers(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True if ``GET /`` on host:port gets any HTTP response."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/")
+        conn.getresponse().read()
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+class RegistryReporter:
+    """Talks to corral's registry: RegisterNode with backoff, then READY per replica."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        node_ip: str,
+        node_port: int,
+        node_id: str,
+        token: str | None = None,
+        on_destroy: Callable[[str], object] | None = None,
+        is_live: Callable[[str], bool] | None = None,
+        heartbeat: float | None = None,
+        ready_timeout: float = 60.0,
+        max_backoff: float = 5.0,
+    ) -> None:
+        """``on_destroy(vmid)`` runs when the registry answers DESTROY to a READY report."""
+        self.target = target
+        self.node_ip, self.node_port, self.node_id = node_ip, node_port, node_id
+        self.heartbeat = heartbeat
+        self.ready_timeout = ready_timeout
+        self.max_backoff = max_backoff
+        self.on_destroy = on_destroy
+        self.is_live = is_live or (lambda vmid: True)
+        self.registered = threading.Event()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        # gRPC's own reconnect backoff grows to 120 s; keep it near ours so a registry
+        # that comes back is noticed within seconds.
+        self._channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", int(max_backoff * 1000)),
+            ],
+        )
+        self._stub = resmngr_grpc.ResMngrServiceStub(self._channel)
+        self._stop = threading.Event()
+        self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="corral-ready")
+        self._thread = threading.Thread(
+            target=self._register_loop, name="corral-register", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start announcing the node in the background."""
+        self._thread.start()
+
+    def _register_loop(self) -> None:
+        request = resmngr_pb2.RegisterNodeRequest(
+            ip=self.node_ip, port=self.node_port, node_id=self.node_id
+        )
+        backoff, failures = 0.1, 0
+        while not self._stop.is_set():
+            try:
+                self._stub.RegisterNode(request, timeout=5.0, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                failures += 1
+                code = exc.code()  # type: ignore[attr-defined]
+                if failures in (1, 10) or failures % 100 == 0:
+                    level = logging.ERROR if code in _FINAL_CODES else logging.WARNING
+                    log.log(
+                        level,
+                        "RegisterNode to %s failed (%s, attempt %d); retrying",
+                        self.target,
+                        code,
+                        failures,
+                    )
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+                continue
+            if not self.registered.is_set():
+                log.info(
+                    "registered node %s (%s:%d) with %s",
+                    self.node_id,
+                    self.node_ip,
+                    self.node_port,
+                    self.target,
+                )
+            self.registered.set()
+            backoff, failures = 0.1, 0
+            if not self.heartbeat:
+                return
+            self._stop.wait(self.heartbeat)
+
+    def report_ready(self, vm: VM, probe: bool) -> None:
+        """Report ``vm`` READY in the background, after its HTTP port answers if ``probe``."""
+        with contextlib.suppress(RuntimeError):  # pool shut down: the agent is stopping
+            self._pool.submit(self._report_ready, vm, probe)
+
+    def _report_ready(self, vm: VM, probe: bool) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        if probe:
+            host = connect_host(vm.ip)
+            while not _http_answers(host, vm.port):
+                if self._stop.is_set() or not self.is_live(vm.vmid):
+                    return
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "replica %s never answered on port %d; not reporting READY",
+                        vm.vmid,
+                        vm.port,
+                    )
+                    return
+                self._stop.wait(0.05)
+        request = resmngr_pb2.StatusUpdateRequest(
+            vmid=vm.vmid, status=resmngr_pb2.StatusUpdateRequest.READY
+        )
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                reply = self._stub.UpdateStatus(request, timeout=5.0, metadata=self._metadata)
+                break
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                if code in _FINAL_CODES or time.monotonic() > deadline or not self.is_live(vm.vmid):
+                    log.warning("READY of %s not delivered: %s %s", vm.vmid, code, exc.details())  # type: ignore[attr-defined]
+                    return
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.max_backoff)
+        else:
+            return
+        action = resmngr_pb2.StatusUpdateReply.Action.Name(reply.action)
+        log.info("replica %s READY; registry says %s", vm.vmid, action)
+        if reply.action == resmngr_pb2.StatusUpdateReply.DESTROY and self.on_destroy:
+            self.on_destroy(vm.vmid)
+
+    def close(self) -> None:
+        """Stop background work and close the channel."""
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._channel.close()
+
+
+class FcAgent(fcdaemon_grpc.FcServiceServicer):  # type: ignore[misc]
+    """The ``fcdaemon.FcService`` servicer: VMs from a driver, hogs, calls log, faults."""
+
+    METHODS = ("CreateReplica", "ReleaseVMSetup", "CreateCPUHogs", "StopCPUHogs", "ListReplicas")
+
+    def __init__(
+        self,
+        driver: VMDriver,
+        *,
+        hogs: HogPool | None = None,
+        on_created: Callable[[VM], object] | None = None,
+    ) -> None:
+        """``on_created(vm)`` runs after each new replica (used to report READY)."""
+        self.driver = driver
+        self.hogs = hogs or HogPool()
+        self.on_created = on_created
+        #: Every RPC received, in order: (method name, request message).
+        self.calls: list[tuple[str, object]] = []
+        self.faults = FaultPlan(self.METHODS)
+        self._vm_by_request: dict[str, str] = {}
+        self._request_by_vm: dict[str, str] = {}
+        self._map_lock = threading.Lock()
+        self._stripes = [threading.Lock() for _ in range(64)]
+
+    # -- test hooks ---------------------------------------------------------------------
+
+    def inject(self, method: str, *faults: Fault) -> None:
+        """Make the next calls of ``method`` misbehave, one fault per call, in order."""
+        self.faults.inject(method, *faults)
+
+    def calls_of(self, method: str) -> list[Any]:
+        """The requests received for one method, in order."""
+        return [req for name, req in list(self.calls) if name == method]
+
+    def _begin(self, method: str, request: Any, context: grpc.ServicerContext) -> tuple[bool, Any]:
+        """Record the call and apply the next fault; (True, reply) means answer that."""
+        record_call(self.calls, method, request)
+        fault = self.faults.take(method)
+        if fault is None:
+            return False, None
+        log.info("%s: injected fault %s", method, fault.kind)
+        if fault.kind == "delay":
+            time.sleep(fault.seconds)
+            return False, None
+        if fault.kind == "reply":
+            return True, fault.value
+        if fault.kind == "abort":
+            code = fault.code
+            if not isinstance(code, grpc.StatusCode):
+                code = grpc.StatusCode.UNKNOWN
+            context.abort(code, fault.message or f"injected {code.name}")
+        context.abort(grpc.StatusCode.UNAVAILABLE, "injected hangup")
+        raise AssertionError("unreachable")  # context.abort raises
+
+    # -- VM bookkeeping -----------------------------------------------------------------
+
+    def _lookup(self, vmid: str) -> VM | None:
+        getter = getattr(self.driver, "get", None)
+        if callable(getter):
+            return getter(vmid)  # type: ignore[no-any-return]
+        return next((vm for vm in self.driver.list() if vm.vmid == vmid), None)
+
+    def is_live(self, vmid: str) -> bool:
+        """True if the driver still runs ``vmid``."""
+        return self._lookup(vmid) is not None
+
+    def release(self, vmid: str) -> bool:
+        """Stop a VM and forget its request id; False if it was unknown."""
+        stopped = self.driver.stop(vmid)
+        with self._map_lock:
+            rid = self._request_by_vm.pop(vmid, None)
+            if rid is not None and self._vm_by_request.get(rid) == vmid:
+                del self._vm_by_request[rid]
+        return stopped
+
+    def _existing(self, request_id: str) -> VM | None:
+        with self._map_lock:
+            vmid = self._vm_by_request.get(request_id)
+        if vmid is None:
+            return None
+        vm = self._lookup(vmid)
+        if vm is None:  # died since: a retry may create a fresh one
+            with self._map_lock:
+                self._vm_by_request.pop(request_id, None)
+                self._request_by_vm.pop(vmid, None)
+        return vm
+
+    # -- RPCs ---------------------------------------------------------------------------
+
+    def CreateReplica(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Start one replica (or answer the live one that has this requestId)."""
+        canned, reply = self._begin("CreateReplica", request, context)
+        if canned:
+            return reply
+        # Log what identifies the request - never the message itself (it carries AWS keys).
+        log.debug(
+            "CreateReplica image=%s vmType=%s cpu=%d mem=%d guestPort=%d requestId=%s",
+            request.imageName,
+            request.vmType,
+            request.cpu,
+            request.mem,
+            request.guestPort,
+            request.requestId or "-",
+        )
+        if not request.imageName:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "imageName is required")
+        if request.cpu < 0 or request.mem < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cpu and mem must not be negative")
+        if request.guestPort > 65535:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "guestPort must be below 65536")
+        rid = request.requestId
+        lock = self._stripes[zlib.crc32(rid.encode()) % len(self._stripes)] if rid else None
+        with lock or contextlib.nullcontext():
+            existing = self._existing(rid) if rid else None
+            if existing is not None:
+                log.info("CreateReplica requestId=%s: already running as %s", rid, existing.vmid)
+                return fcdaemon_pb2.CreateReply(
+                    ip=existing.ip, vmid=existing.vmid, port=existing.port
+                )
+            try:
+                vm: VM = self.driver.start(spec_from_request(request))
+            except ImageNotFound as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except DriverError as exc:
+                log.error("CreateReplica image=%s failed: %s", request.imageName, exc)
+                context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            except Exception as exc:
+                log.exception("CreateReplica image=%s crashed", request.imageName)
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            if rid:
+                with self._map_lock:
+                    self._vm_by_request[rid] = vm.vmid
+                    self._request_by_vm[vm.vmid] = rid
+        log.info(
+            "CreateReplica image=%s requestId=%s: %s at %s:%d",
+            request.imageName,
+            rid or "-",
+            vm.vmid,
+            vm.ip,
+            vm.port,
+        )
+        if self.on_created is not None:
+            try:
+                self.on_created(vm)
+            except Exception:
+                log.exception("post-create hook failed for %s", vm.vmid)
+        return fcdaemon_pb2.CreateReply(ip=vm.ip, vmid=vm.vmid, port=vm.port)
+
+    def ReleaseVMSetup(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Tear a replica down; NOT_FOUND if the vmid is unknown."""
+        canned, reply = self._begin("ReleaseVMSetup", request, context)
+        if canned:
+            return reply
+        if not request.vmid:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "vmid is required")
+        try:
+            stopped = self.release(request.vmid)
+        except Exception as exc:
+            log.exception("ReleaseVMSetup %s failed", request.vmid)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if not stopped:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown vmid {request.vmid}")
+        log.info("ReleaseVMSetup: %s released", request.vmid)
+        return empty_pb2.Empty()
+
+    def CreateCPUHogs(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Start ``n`` busy-loop processes."""
+        canned, reply = self._begin("CreateCPUHogs", request, context)
+        if canned:
+            return reply
+        if request.n < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n must not be negative")
+        try:
+            count = self.hogs.start(request.n)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except OSError as exc:
+            context.abort(grpc.StatusCode.INTERNAL, f"cannot start hogs: {exc}")
+        log.info("CreateCPUHogs n=%d: %d running", request.n, count)
+        return empty_pb2.Empty()
+
+    def StopCPUHogs(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Stop up to ``n`` busy-loop processes."""
+        canned, reply = self._begin("StopCPUHogs", request, context)
+        if canned:
+            return reply
+        if request.n < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n must not be negative")
+        stopped = self.hogs.stop(request.n)
+        log.info("StopCPUHogs n=%d: stopped %d, %d running", request.n, stopped, self.hogs.count)
+        return empty_pb2.Empty()
+
+    def ListReplicas(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """The replicas the driver runs now (extension)."""
+        canned, reply = self._begin("ListReplicas", request, context)
+        if canned:
+            return reply
+        return fcdaemon_pb2.ReplicaList(
+            replicas=[
+                fcdaemon_pb2.ReplicaInfo(
+                    vmid=vm.vmid,
+                    ip=vm.ip,
+                    port=vm.port,
+                    requestId=vm.request_id,
+                    createdUnix=vm.created_unix,
+                )
+                for vm in self.driver.list()
+            ]
+        )
+
+
+class RunningAgent:
+    """A node agent serving in background threads; ``stop()`` tears everything down."""
+
+    def __init__(
+        self,
+        *,
+        server: grpc.Server,
+        port: int,
+        host: str,
+        agent: FcAgent,
+        driver: VMDriver,
+        health_servicer: health.HealthServicer,
+        reporter: RegistryReporter | None,
+    ) -> None:
+        """Wrap the parts built by :func:`serve_fcdaemon`."""
+        self.server = server
+        self.port = port
+        #: Where a local client dials this agent, e.g. ``127.0.0.1:50051``.
+        self.address = f"{connect_host(host)}:{port}"
+        self.agent = agent
+        self.driver = driver
+        self.health = health_servicer
+        self.reporter = reporter
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Stop serving, then stop every replica and hog (idempotent)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.health.enter_graceful_shutdown()
+        if self.reporter is not None:
+            self.reporter.close()
+        self.server.stop(grace).wait()
+        self.driver.close()
+        self.agent.hogs.close()
+        log.info("fcdaemon on port %d stopped", self.port)
+
+    def __enter__(self) -> RunningAgent:
+        """Use as a context manager that stops on exit."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the agent."""
+        self.stop()
+
+
+def serve_fcdaemon(
+    listen: str = "127.0.0.1:0",
+    driver: VMDriver | None = None,
+    registry: str | None = None,
+    node_id: str | None = None,
+    readiness_probe: bool = True,
+    token: str | None = None,
+    *,
+    advertise_ip: str | None = None,
+    heartbeat: float | None = None,
+    max_hogs: int = 64,
+    max_workers: int = 32,
+) -> RunningAgent:
+    """Start a node agent on ``listen`` (default driver: :class:`MemoryDriver`)."""
+    host, _ = split_hostport(listen)
+    driver = driver if driver is not None else MemoryDriver()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fcdaemon"),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    agent = FcAgent(driver, hogs=HogPool(max_hogs))
+    fcdaemon_grpc.add_FcServiceServicer_to_server(agent, server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
+    if port == 0:
+        raise OSError(f"cannot listen on {listen}")
+    reporter: RegistryReporter | None = None
+    if registry:
+        node_ip = advertise_ip or guess_node_ip(host)
+        reporter = RegistryReporter(
+            registry,
+            node_ip=node_ip,
+            node_port=port,
+            node_id=node_id or f"{node_ip}:{port}",
+            token=token,
+            on_destroy=agent.release,
+            is_live=agent.is_live,
+            heartbeat=heartbeat,
+        )
+        if readiness_probe:
+            rep = reporter
+            agent.on_created = lambda vm: rep.report_ready(vm, probe=vm.pid is not None)
+    server.start()
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if reporter is not None:
+        reporter.start()
+    log.info("fcdaemon listening on %s:%d", host or "0.0.0.0", port)
+    return RunningAgent(
+        server=server,
+        port=port,
+        host=host,
+        agent=agent,
+        driver=driver,
+        health_servicer=health_servicer,
+        reporter=reporter,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``corral agent fcdaemon`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="corral agent fcdaemon",
+        description="Reference node agent serving fcdaemon.FcService (gRPC).",
+    )
+    parser.add_argument("--listen", default="0.0.0.0:50051", help="HOST:PORT (default %(default)s)")
+    parser.add_argument("--registry", help="corral registry HOST:PORT to register with")
+    parser.add_argument("--node-id", help="node id to register (default IP:PORT)")
+    parser.add_argument("--advertise-ip", help="IP the registry and clients should use")
+    parser.add_argument(
+        "--driver",
+        choices=["process", "memory"],
+        default="process",
+        help="process: replicas are real processes; memory: records only",
+    )
+    parser.add_argument(
+        "--port-range",
+        default="{}-{}".format(*DEFAULT_PORT_RANGE),
+        help="host ports for process replicas (default %(default)s)",
+    )
+    parser.add_argument("--token", help="bearer token for registry calls")
+    parser.add_argument(
+        "--heartbeat",
+        type=float,
+        default=0.0,
+        help="re-send RegisterNode every N seconds (default 0: only at start)",
+    )
+    parser.add_argument("--max-hogs", type=int, default=64, help="CPU hog limit (default 64)")
+    add_common_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the node agent until SIGINT/SIGTERM; return the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        host, _ = split_hostport(args.listen)
+        port_range = parse_port_range(args.port_range)
+    except ValueError as exc:
+        parser.error(str(exc))
+    advertise = args.advertise_ip or guess_node_ip(host)
+    driver: VMDriver
+    if args.driver == "process":
+        bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
+        driver = ProcessDriver(port_range, bind_host=bind, advertise_ip=advertise)
+    else:
+        driver = MemoryDriver(ip=advertise)
+    with until_signalled() as stop:
+        try:
+            running = serve_fcdaemon(
+                args.listen,
+                driver=driver,
+                registry=args.registry,
+                node_id=args.node_id,
+                token=args.token,
+                advertise_ip=advertise,
+                heartbeat=args.heartbeat or None,
+                max_hogs=args.max_hogs,
+            )
+        except OSError as exc:
+            log.error("%s", exc)
+            driver.close()
+            return 1
+        try:
+            while not stop.wait(1.0):
+                pass
+        finally:
+            running.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""Reference GPU inventory server: ``gpuresc.GPUResc.GetGPUResource`` over gRPC.
+
+Each GPU server's AvA manager tells corral which GPUs it has and how much memory
+each holds (``ResourceReply.memory``: GPU UUID -> MB). This server answers from a
+fixed map given on the command line (``--gpus UUID:MB,...``) or, without one, from
+``nvidia-smi --query-gpu=uuid,memory.total --format=csv,noheader,nounits``.
+
+For tests, :class:`GpuAgent` records calls, takes scripted faults (operation
+``GetGPUResource``) and its ``gpus`` map may be changed while serving.
+
+Command line: ``corral agent gpus`` / ``python -m agents.gpus``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import subprocess
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from agents.faults import Fault, FaultPlan, record_call
+from agents.runtime import (
+    add_common_arguments,
+    configure_logging,
+    connect_host,
+    split_hostport,
+    until_signalled,
+)
+from protos import gpuresc_grpc, gpuresc_pb2
+
+__all__ = [
+    "SERVICE_NAME",
+    "GpuAgent",
+    "RunningGpus",
+    "main",
+    "parse_gpus",
+    "query_nvidia_smi",
+    "serve_gpus",
+]
+
+log = logging.getLogger("agents.gpus")  # not __name__: also right under -m
+
+SERVICE_NAME = "gpuresc.GPUResc"
+
+
+def parse_gpus(text: str) -> dict[str, int]:
+    """Parse ``UUID:MB,UUID:MB`` into a map; raise ValueError on malformed entries."""
+    gpus: dict[str, int] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        uuid, sep, mb = item.rpartition(":")
+        uuid, mb = uuid.strip(), mb.strip()
+        if not sep or not uuid or not mb.isdigit():
+            raise ValueError(f"expected UUID:MB, got {item!r}")
+        if uuid in gpus:
+            raise ValueError(f"GPU {uuid} listed twice")
+        if int(mb) >= 1 << 32:
+            raise ValueError(f"GPU {uuid}: {mb} MB does not fit in uint32")
+        gpus[uuid] = int(mb)
+    if not gpus:
+        raise ValueError("no GPUs given")
+    return gpus
+
+
+def query_nvidia_smi(executable: str = "nvidia-smi") -> dict[str, int]:
+    """Read GPU UUIDs and total memory (MB) from nvidia-smi; raise RuntimeError if unusable."""
+    path = shutil.which(executable)
+    if path is None:
+        raise RuntimeError(f"{executable} not found; pass --gpus UUID:MB,...")
+    try:
+        out = subprocess.run(
+            [path, "--query-gpu=uuid,memory.total", "--format=csv,noheader,nounits"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{executable} failed: {exc}") from exc
+    entries = [
+        ":".join(part.strip() for part in line.split(",", 1))
+        for line in out.splitlines()
+        if line.strip()
+    ]
+    try:
+        return parse_gpus(",".join(entries))
+    except ValueError as exc:
+        raise RuntimeError(f"cannot parse {executable} output: {exc}") from exc
+
+
+class GpuAgent(gpuresc_grpc.GPURescServicer):  # type: ignore[misc]
+    """The ``gpuresc.GPUResc`` servicer: answers the ``gpus`` map."""
+
+    METHODS = ("GetGPUResource",)
+
+    def __init__(self, gpus: dict[str, int]) -> None:
+        """Serve ``gpus`` (UUID -> MB); the dict may be replaced or changed later."""
+        self.gpus = dict(gpus)
+        #: Every RPC received, in order: (method name, request message).
+        self.calls: list[tuple[str, object]] = []
+        self.faults = FaultPlan(self.METHODS)
+
+    def inject(self, method: str, *faults: Fault) -> None:
+        """Make the next calls of ``method`` misbehave, one fault per call."""
+        self.faults.inject(method, *faults)
+
+    def GetGPUResource(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """GPU UUID -> memory in MB."""
+        record_call(self.calls, "GetGPUResource", request)
+        fault = self.faults.take("GetGPUResource")
+        if fault is not None:
+            if fault.kind == "delay":
+                time.sleep(fault.seconds)
+            elif fault.kind == "reply":
+                return fault.value
+            else:
+                code = fault.code if isinstance(fault.code, grpc.StatusCode) else None
+                code = code or grpc.StatusCode.UNAVAILABLE
+                context.abort(code, fault.message or f"injected {code.name}")
+        return gpuresc_pb2.ResourceReply(memory=dict(self.gpus))
+
+
+class RunningGpus:
+    """A GPU inventory server in background threads."""
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        host: str,
+        port: int,
+        agent: GpuAgent,
+        health_servicer: health.HealthServicer,
+    ) -> None:
+        """Wrap the parts built by :func:`serve_gpus`."""
+        self.server = server
+        self.port = port
+        self.address = f"{connect_host(host)}:{port}"
+        self.agent = agent
+        self.health = health_servicer
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Stop serving (idempotent)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+
+    def __enter__(self) -> RunningGpus:
+        """Use as a context manager that stops on exit."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the server."""
+        self.stop()
+
+
+def serve_gpus(listen: str = "127.0.0.1:0", gpus: dict[str, int] | None = None) -> RunningGpus:
+    """Start a GPU inventory server answering ``gpus`` on ``listen``."""
+    host, _ = split_hostport(listen)
+    agent = GpuAgent(gpus or {})
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpus"),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    gpuresc_grpc.add_GPURescServicer_to_server(agent, server)
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {listen}: {exc}") from exc
+    server.start()
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("gpus listening on %s:%d serving %d GPU(s)", host or "0.0.0.0", port, len(agent.gpus))
+    return RunningGpus(server, host, port, agent, health_servicer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``corral agent gpus`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="corral agent gpus",
+        description="Reference GPU inventory server (gpuresc.GPUResc).",
+    )
+    parser.add_argument("--listen", default="0.0.0.0:50053", help="HOST:PORT (default %(default)s)")
+    parser.add_argument("--gpus", help="UUID:MB,... (default: ask nvidia-smi)")
+    add_common_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the GPU inventory until SIGINT/SIGTERM; return the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        split_hostport(args.listen)
+        gpus = parse_gpus(args.gpus) if args.gpus is not None else query_nvidia_smi()
+    except ValueError as exc:
+        parser.error(str(exc))
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 2
+    with until_signalled() as stop:
+        try:
+            running = serve_gpus(args.listen, gpus)
+        except OSError as exc:
+            log.error("%s", exc)
+            return 1
+        try:
+            while not stop.wait(1.0):
+                pass
+        finally:
+            running.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

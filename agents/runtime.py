@@ -1,0 +1,99 @@
+"""Plumbing shared by the agents' servers and command lines: addresses, signals, logging."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+__all__ = [
+    "WILDCARD_HOSTS",
+    "add_common_arguments",
+    "configure_logging",
+    "connect_host",
+    "guess_node_ip",
+    "parse_port_range",
+    "split_hostport",
+    "until_signalled",
+]
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def split_hostport(address: str) -> tuple[str, int]:
+    """Split ``host:port`` / ``[v6]:port``; raise ValueError on anything else."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def connect_host(host: str) -> str:
+    """The address a local client should dial for a server bound to ``host``."""
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host.strip("[]")
+
+
+def guess_node_ip(listen_host: str) -> str:
+    """The IP others should use to reach this node: the listen host, else the hostname's IP."""
+    if listen_host not in WILDCARD_HOSTS:
+        return listen_host.strip("[]")
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """Parse ``LOW-HIGH`` into a checked port range."""
+    low, sep, high = text.partition("-")
+    if not sep or not low.isdigit() or not high.isdigit():
+        raise ValueError(f"expected LOW-HIGH, got {text!r}")
+    lo, hi = int(low), int(high)
+    if not 0 < lo <= hi < 65536:
+        raise ValueError(f"bad port range {text!r}")
+    return lo, hi
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Log to stderr with timestamps, once per process."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--log-level`` to an argparse parser."""
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="stderr log level (default INFO)",
+    )
+
+
+@contextmanager
+def until_signalled() -> Iterator[threading.Event]:
+    """Yield an Event set by SIGINT/SIGTERM; restore the previous handlers afterwards."""
+    stop = threading.Event()
+
+    def _handler(signum: int, frame: FrameType | None) -> None:
+        logging.getLogger("agents").info("received %s; stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous: dict[signal.Signals, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _handler)
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]

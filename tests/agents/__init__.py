@@ -1,0 +1,1 @@
+"""Tests of the reference agents over real gRPC and HTTP on loopback."""

@@ -1,0 +1,118 @@
+"""Helpers for the agent tests: a recording registry server, polling, process checks."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import empty_pb2
+
+from agents.procs import is_alive
+from protos import resmngr_grpc, resmngr_pb2
+
+__all__ = [
+    "RecordingRegistry",
+    "children_of",
+    "http_get",
+    "is_alive",
+    "start_registry",
+    "wait_until",
+]
+
+T = TypeVar("T")
+
+
+def wait_until(pred: Callable[[], T], timeout: float = 5.0, what: str = "condition") -> T:
+    """Poll ``pred`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def http_get(
+    host: str, port: int, path: str = "/", timeout: float = 2.0
+) -> tuple[int, bytes] | None:
+    """GET ``path``; (status, body), or None if nothing answers."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def children_of(pid: int) -> list[int]:
+    """Live (non-zombie) processes whose parent is ``pid``, from ``/proc``."""
+    kids: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
+            kids.append(int(entry.name))
+    return kids
+
+
+class RecordingRegistry(resmngr_grpc.ResMngrServiceServicer):  # type: ignore[misc]
+    """A tiny ``resmngr.ResMngrService`` that records calls and answers a set action."""
+
+    def __init__(self, action: int = resmngr_pb2.StatusUpdateReply.OK) -> None:
+        """Answer every UpdateStatus with ``action``."""
+        self.action = action
+        #: Status codes UpdateStatus fails with, one per call, before answering normally.
+        self.failures: list[grpc.StatusCode] = []
+        self.calls: list[tuple[str, Any, dict[str, str]]] = []
+        self._lock = threading.Lock()
+
+    def _record(self, name: str, request: Any, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            self.calls.append((name, request, dict(context.invocation_metadata())))
+
+    def of(self, name: str) -> list[tuple[Any, dict[str, str]]]:
+        """(request, metadata) of each recorded call of ``name``."""
+        with self._lock:
+            return [(req, md) for n, req, md in self.calls if n == name]
+
+    def RegisterNode(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Record the node."""
+        self._record("RegisterNode", request, context)
+        return empty_pb2.Empty()
+
+    def UpdateStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Record the status and answer the configured action."""
+        self._record("UpdateStatus", request, context)
+        with self._lock:
+            failure = self.failures.pop(0) if self.failures else None
+        if failure is not None:
+            context.abort(failure, "scripted failure")
+        return resmngr_pb2.StatusUpdateReply(action=self.action)
+
+
+def start_registry(
+    listen: str = "127.0.0.1:0", servicer: RecordingRegistry | None = None
+) -> tuple[grpc.Server, str, RecordingRegistry]:
+    """Serve a recording registry; return (server, address, servicer)."""
+    servicer = servicer or RecordingRegistry()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    resmngr_grpc.add_ResMngrServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(listen)
+    server.start()
+    return server, f"127.0.0.1:{port}", servicer

@@ -1,0 +1,142 @@
+"""VM drivers on their own: specs, port allocation, process replicas, examples."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agents.drivers import (
+    DriverError,
+    ImageNotFound,
+    MemoryDriver,
+    PortAllocator,
+    ProcessDriver,
+    VMDriver,
+    VMSpec,
+    parse_env_args,
+    resolve_command,
+)
+from tests.agents.helpers import http_get, is_alive, wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_env_comes_from_kernel_args_and_explicit_env_wins() -> None:
+    assert parse_env_args('console=ttyS0 --env=A=1 --env=B="x y" --env=C=a=b --env=bad') == {
+        "A": "1",
+        "B": "x y",
+        "C": "a=b",
+    }
+    spec = VMSpec(image="hello", kernel_args="--env=A=1 --env=B=2", env={"B": "3"})
+    assert spec.env == {"A": "1", "B": "3"}
+    assert spec.guest_port == 8080 and spec.guest_ports == [8080]
+
+
+def test_resolve_command() -> None:
+    assert resolve_command("hello") == ([sys.executable, "-m", "examples.hello"], True)
+    assert resolve_command("examples.echo:latest")[0][-1] == "examples.echo"
+    assert resolve_command("sleep 5") == (["sleep", "5"], False)
+    for bad in ("", "no-such-binary-xyz", "'unterminated"):
+        with pytest.raises(ImageNotFound):
+            resolve_command(bad)
+
+
+def test_memory_driver_records_vms() -> None:
+    driver = MemoryDriver()
+    assert isinstance(driver, VMDriver)
+    a = driver.start(VMSpec(image="x", request_id="r1", guest_port=9000))
+    b = driver.start(VMSpec(image="x"))
+    assert (a.ip, a.port, a.pid, a.request_id) == ("127.0.0.1", 9000, None, "r1")
+    assert [vm.vmid for vm in driver.list()] == [a.vmid, b.vmid]
+    assert driver.stop(a.vmid) and not driver.stop(a.vmid)
+    driver.close()
+    assert driver.list() == []
+    with pytest.raises(ImageNotFound):
+        driver.start(VMSpec(image=""))
+
+
+def test_memory_driver_with_a_port_range_hands_out_unique_ports() -> None:
+    driver = MemoryDriver(port_range=(10000, 10002))
+    vms = [driver.start(VMSpec(image="x")) for _ in range(3)]
+    assert sorted(vm.port for vm in vms) == [10000, 10001, 10002]
+    with pytest.raises(DriverError):
+        driver.start(VMSpec(image="x"))
+    driver.stop(vms[0].vmid)
+    assert driver.start(VMSpec(image="x")).port == vms[0].port
+
+
+def test_port_allocator_skips_ports_in_use() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        if port >= 65535:
+            pytest.skip("ephemeral port at the top of the range")
+        alloc = PortAllocator(port, port + 1)
+        got = alloc.allocate()
+        assert got == port + 1
+        with pytest.raises(DriverError):
+            alloc.allocate()
+        with pytest.raises(DriverError):
+            alloc.allocate(port)
+        alloc.release([got])
+        assert alloc.allocate() == got
+        alloc.release([got])
+
+
+def test_process_driver_passes_port_and_env(tmp_path: Path) -> None:
+    out = tmp_path / "env.txt"
+    code = (
+        "import os, pathlib, time; "
+        f"pathlib.Path({str(out)!r}).write_text("
+        "os.environ['PORT'] + ' ' + os.environ['MSG'] + ' ' + os.environ['VMID']); "
+        "time.sleep(60)"
+    )
+    driver = ProcessDriver((20000, 29999))
+    try:
+        vm = driver.start(VMSpec(image=f"{sys.executable} -c {code!r}", kernel_args="--env=MSG=hi"))
+        text = wait_until(lambda: out.exists() and out.read_text(), what="child env")
+        assert text == f"{vm.port} hi {vm.vmid}"
+        assert vm.pid is not None and is_alive(vm.pid)
+    finally:
+        driver.close()
+    assert not is_alive(vm.pid)
+    assert driver.list() == []
+    with pytest.raises(DriverError):
+        driver.start(VMSpec(image="hello"))
+
+
+def test_process_driver_ready_timeout_waits_for_the_port() -> None:
+    driver = ProcessDriver((20000, 29999), ready_timeout=10)
+    try:
+        vm = driver.start(VMSpec(image="hello"))
+        assert http_get("127.0.0.1", vm.port) == (200, b"hello from corral\n")
+        with pytest.raises(DriverError):  # exits at once, never listens
+            driver.start(VMSpec(image="false"))
+        assert [v.vmid for v in driver.list()] == [vm.vmid]
+    finally:
+        driver.close()
+
+
+def test_echo_example_echoes_and_delays() -> None:
+    driver = ProcessDriver((20000, 29999), ready_timeout=10)
+    try:
+        vm = driver.start(VMSpec(image="echo", env={"ECHO_DELAY": "0.3"}))
+        with httpx.Client(base_url=f"http://127.0.0.1:{vm.port}", timeout=5) as c:
+            t0 = time.monotonic()
+            assert c.get("/").status_code == 200
+            assert time.monotonic() - t0 < 0.3  # GET ignores ECHO_DELAY (readiness probes)
+            t0 = time.monotonic()
+            resp = c.post("/", content=b"ping", headers={"content-type": "text/plain"})
+            assert time.monotonic() - t0 >= 0.3
+            assert (resp.status_code, resp.content) == (200, b"ping")
+            assert resp.headers["content-type"] == "text/plain"
+            assert c.post("/?delay=0", content=b"fast").content == b"fast"
+            assert c.post("/?delay=abc", content=b"x").status_code == 400
+    finally:
+        driver.close()
