@@ -1,0 +1,120 @@
+"""Child processes of ``corral up``: started with logs, watched, stopped in order.
+
+Each child runs in its own session (so a terminal's Ctrl-C reaches only
+``corral up``, which then stops the children in the right order) and gets
+``PR_SET_PDEATHSIG`` = SIGKILL, so even if ``corral up`` itself is killed no child
+outlives it. Stopping sends SIGTERM to the child's process group, waits, then
+SIGKILLs whatever is left of the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: be killed when the parent dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    cwd: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    _log: object = field(default=None, repr=False)
+
+    def start(self) -> None:
+        """Start (or restart) the process, appending to its log."""
+        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the child runs
+        self._log = log
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        self.started_at = time.monotonic()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process is running."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL it if it lingers."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # the group: pool children, replicas, hogs
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+
+    def tail(self, lines: int = 20) -> str:
+        """The end of the child's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class Supervisor:
+    """Starts children in order, restarts ones that die, stops them in reverse order."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.children: list[Child] = []
+        self.say = say
+
+    def start(self, child: Child, ready: Callable[[], bool] | None = None,
+              timeout: float = 60.0) -> Child:
+        """Start a child and wait until ``ready()`` says it serves."""
+        self.children.append(child)
+        child.start()
+        deadline = time.monotonic() + timeout
+        while ready is not None and not ready():
+            if not child.alive:
+                raise RuntimeError(f"{child.name} exited at start:\n{child.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{child.name} not ready after {timeout:g}s:\n{child.tail()}")
+            time.sleep(0.1)
+        return child
+
+    def watch_once(self) -> None:
+        """Restart any child that died (at most once every 5 s each)."""
+        for child in self.children:
+            if not child.alive and time.monotonic() - child.started_at > 5:
+                code = child.proc.returncode if child.proc else None
+                child.restarts += 1
+                self.say(f"{child.name} exited ({code}); restarting (#{child.restarts}); "
+                         f"log: {child.log_path}")
+                child.start()
+
+    def stop_all(self) -> None:
+        """Stop every child, last started first."""
+        for child in reversed(self.children):
+            if child.proc is not None:
+                self.say(f"stopping {child.name}")
+                child.stop()

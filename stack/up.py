@@ -1,0 +1,228 @@
+"""``corral up``: broker, store, registry, worker, beat, Flower and two agents, on one machine.
+
+Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite
+store (migrated), the registry, one Celery worker on every queue with task events,
+celery beat, Flower, then an fcdaemon agent (which registers itself through the
+registry) and a Lambdo host (added as a node), both with the process driver. Stop
+order is the reverse. Everything lives under the state directory (``.corral/`` in
+the working directory by default): data, logs, the lock that keeps a second
+``corral up`` out, and ``stack.json``, from which the CLI run in the same
+directory learns the broker, database and registry addresses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stack.redis import free_port, redis_argv
+from stack.supervisor import Child, Supervisor
+
+DEFAULT_PORTS = {"redis": 6379, "registry": 50052, "flower": 5555, "fcdaemon": 50051,
+                 "lambdo": 3000}
+
+
+class AlreadyRunning(RuntimeError):
+    """Another ``corral up`` holds this state directory."""
+
+
+@dataclass
+class UpOptions:
+    """What ``corral up`` was asked to run."""
+
+    state_dir: Path
+    agents: bool = True
+    worker_concurrency: int = 2
+
+
+def _say(message: str) -> None:
+    print(f"corral up: {message}", flush=True)
+
+
+def _port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.3):
+            return True
+    except OSError:
+        return False
+
+
+def _lock(state_dir: Path) -> Any:
+    """Hold ``up.lock`` for as long as this process lives (released by the kernel on exit)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(state_dir / "up.lock", "a+")  # noqa: SIM115 - held for the process lifetime
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        pid = handle.read().strip() or "?"
+        handle.close()
+        raise AlreadyRunning(
+            f"corral up is already running in {state_dir.resolve()} (pid {pid}); "
+            "stop it first, or use --state-dir for a second stack"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def run(options: UpOptions) -> int:
+    """Run the stack until SIGINT / SIGTERM; returns the exit status."""
+    state = options.state_dir.resolve()
+    lock = _lock(state)
+    logs = state / "logs"
+    logs.mkdir(exist_ok=True)
+    sup = Supervisor(_say)
+    stop_requested = False
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    stack_file = state / "stack.json"
+    try:
+        published = _start(options, state, logs, sup)
+        if published is None:  # interrupted during start
+            return 130
+        stack_file.write_text(json.dumps({"pid": os.getpid(), "settings": published}, indent=2))
+        _summary(published, state, options)
+        while not stop_requested:
+            sup.watch_once()
+            time.sleep(0.5)
+        _say("stopping (Ctrl-C)")
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        _say(f"error: {exc}")
+        return 1
+    finally:
+        with contextlib.suppress(OSError):
+            stack_file.unlink()
+        sup.stop_all()
+        _say("stopped; nothing left running")
+        lock.close()
+
+
+def _start(options: UpOptions, state: Path, logs: Path, sup: Supervisor) -> dict[str, Any] | None:
+    from config.settings import load_settings
+
+    base = load_settings()  # validates CORRAL_* now, naming any bad one
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("CORRAL_")})
+    published: dict[str, Any] = {}
+
+    broker = os.environ.get("CORRAL_BROKER_URL")
+    if not broker:
+        (state / "redis").mkdir(exist_ok=True)
+        port = free_port(DEFAULT_PORTS["redis"])
+        sup.start(Child("redis", redis_argv(state / "redis", port), env, logs / "redis.log",
+                        state), ready=lambda: _port_open(port), timeout=20)
+        broker = f"redis://127.0.0.1:{port}/0"
+    published["broker_url"] = broker
+    published["result_backend"] = os.environ.get("CORRAL_RESULT_BACKEND", broker)
+    database = os.environ.get("CORRAL_DATABASE_URL") or f"sqlite:///{state / 'corral.sqlite'}"
+    published["database_url"] = database
+
+    from workers.store.db import get_database
+    from workers.store.migrate import safe_url, upgrade
+
+    before, after = upgrade(get_database(database))
+    _say(f"database {safe_url(database)} at revision {after}"
+         + ("" if before == after else f" (migrated from {before or 'empty'})"))
+
+    reg_port = free_port(DEFAULT_PORTS["registry"])
+    published["registry_address"] = f"127.0.0.1:{reg_port}"
+    flower_port = free_port(base.flower_port or DEFAULT_PORTS["flower"])
+    published["flower_port"] = flower_port
+    for key, value in published.items():
+        env["CORRAL_" + key.upper()] = str(value)
+    env["CORRAL_REGISTRY_LISTEN"] = f"127.0.0.1:{reg_port}"
+    env["CORRAL_STATE_DIR"] = str(state)
+    py = sys.executable
+
+    sup.start(Child("registry", [py, "-m", "tasks.cli", "registry"], env,
+                    logs / "registry.log", state), ready=lambda: _port_open(reg_port))
+    worker_log = logs / "worker.log"
+    sup.start(
+        Child("worker", [py, "-m", "celery", "-A", "workers", "worker", "-E", "-l", "INFO",
+                         "-c", str(options.worker_concurrency), "-n", "corral@%h",
+                         "-Q", "corral.spawn,corral.delete,corral.scale,corral.maintenance"],
+              env, worker_log, state),
+        ready=lambda: worker_log.exists() and b" ready." in worker_log.read_bytes(),
+        timeout=60,
+    )
+    sup.start(Child("beat", [py, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
+                             "-s", str(state / "beat-schedule")], env, logs / "beat.log", state))
+    flower_argv = [py, "-m", "celery", "-A", "workers", "flower", f"--port={flower_port}",
+                   "--address=127.0.0.1"]
+    if base.flower_user and base.flower_password:
+        # through the environment, not argv, so `ps` does not show the password
+        env["FLOWER_BASIC_AUTH"] = f"{base.flower_user}:{base.flower_password}"
+    sup.start(Child("flower", flower_argv, env, logs / "flower.log", state),
+              ready=lambda: _port_open(flower_port), timeout=60)
+    if options.agents:
+        fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
+        published["fcdaemon_address"] = f"127.0.0.1:{fc_port}"
+        sup.start(Child("fcdaemon", [py, "-m", "agents.fcdaemon", "--listen",
+                                     f"127.0.0.1:{fc_port}", "--registry",
+                                     f"127.0.0.1:{reg_port}", "--node-id", "local-fcdaemon",
+                                     "--driver", "process"], env, logs / "fcdaemon.log", state),
+                  ready=lambda: _node_registered(database, "local-fcdaemon"), timeout=30)
+        lb_port = free_port(DEFAULT_PORTS["lambdo"])
+        published["lambdo_url"] = f"http://127.0.0.1:{lb_port}"
+        sup.start(Child("lambdo", [py, "-m", "agents.lambdo", "--listen",
+                                   f"127.0.0.1:{lb_port}", "--driver", "process"], env,
+                        logs / "lambdo.log", state), ready=lambda: _port_open(lb_port))
+        _add_lambdo_node(database, published["lambdo_url"])
+    return published
+
+
+def _node_registered(database: str, external_id: str) -> bool:
+    from sqlalchemy import select
+
+    from workers.store.db import get_database
+    from workers.store.models import Node
+
+    with get_database(database).read() as s:
+        return s.scalar(select(Node.id).where(Node.external_id == external_id)) is not None
+
+
+def _add_lambdo_node(database: str, url: str) -> None:
+    from config.settings import get_settings
+    from workers.nodes import upsert_node
+    from workers.store.db import get_database
+
+    with get_database(database).transaction() as s:
+        upsert_node(s, url, name="local-lambdo", kind="lambdo",
+                    default_capacity=get_settings().node_capacity)
+
+
+def _summary(published: dict[str, Any], state: Path, options: UpOptions) -> None:
+    lines = [
+        "corral is up",
+        f"  state directory  {state}",
+        f"  broker           {published['broker_url']}",
+        f"  database         {published['database_url']}",
+        f"  registry         {published['registry_address']}",
+        f"  flower           http://127.0.0.1:{published['flower_port']}/",
+    ]
+    if options.agents:
+        lines += [
+            f"  fcdaemon agent   {published['fcdaemon_address']} (node local-fcdaemon)",
+            f"  lambdo host      {published['lambdo_url']} (node local-lambdo)",
+        ]
+    lines += [f"  logs             {state / 'logs'}",
+              "run `corral ...` from this directory in another terminal; Ctrl-C stops everything"]
+    print("\n".join(lines), flush=True)
