@@ -5,6 +5,8 @@ locked for the transaction (:func:`lock_replica`). It is the one place that:
 
 * gives back the node slot and GPU reservation when a replica reaches a final
   state (Dead or Deleted) - exactly once, because a final state is never left;
+* keeps ``functions.replica_count`` equal to the function's replicas in
+  ``COUNTED_STATES`` (one less when a replica leaves them);
 * stamps the clocks: ``ready_at`` and ``idle_since`` when a replica becomes Idle,
   ``reap_at`` (idle since + the function's idle timeout) for the reaper's index,
   ``deadline_at`` for Creating / Starting / Deleting, which the sweep enforces;
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
 from workers.placement import free_gpu, free_node
 from workers.store.models import (
+    COUNTED_STATES,
     FINAL_STATES,
     Function,
     Operation,
@@ -92,6 +95,13 @@ def transition(
     else:
         replica.idle_since = None
         replica.reap_at = None
+    if before in COUNTED_STATES and to not in COUNTED_STATES:
+        session.execute(
+            update(Function)
+            .where(Function.id == replica.function_id)
+            .values(replica_count=Function.replica_count - 1)
+            .execution_options(synchronize_session=False)
+        )
     if to in FINAL_STATES:
         replica.retired_at = at
         replica.envs_in_use = 0

@@ -37,16 +37,10 @@ from sqlalchemy import select
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers.errors import CorralError
-from workers.functions import live_count
 from workers.lifecycle import lock_replica, transition
 from workers.nodes import default_name, upsert_node
 from workers.store.db import Database, get_database
-from workers.store.models import (
-    COUNTED_STATES,
-    LIVE_STATES,
-    Replica,
-    ReplicaState,
-)
+from workers.store.models import LIVE_STATES, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +164,7 @@ class Registry:
                 reason = "stale build"
             elif node is not None and node.draining:
                 reason = f"node {node.name} draining"
-            elif fn.target is not None and live_count(s, fn, COUNTED_STATES) > max(
-                fn.target, fn.min_replicas
-            ):
+            elif fn.target is not None and fn.replica_count > max(fn.target, fn.min_replicas):
                 reason = "above target"
             if reason is None or replica.envs_in_use > 0:
                 return KEEP_ALIVE

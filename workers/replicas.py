@@ -26,13 +26,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers import backends
+from workers.clock import now
 from workers.errors import BackendError, CapacityError, InputError, NotFound
-from workers.functions import MAX_REPLICAS, live_count
+from workers.functions import MAX_REPLICAS
 from workers.lifecycle import (
+    deadline_for,
     fail_operation,
     finish,
     lock_replica,
@@ -44,7 +47,6 @@ from workers.lifecycle import (
 from workers.placement import reserve_gpu, reserve_node, spread_nodes
 from workers.store.db import Database
 from workers.store.models import (
-    COUNTED_STATES,
     FINAL_STATES,
     Function,
     Node,
@@ -123,7 +125,7 @@ def begin_spawn(
             if replica.status == ReplicaState.CREATING and replica.node is not None:
                 return Pending(replica.id, request_id, replica.node, replica.function)
             return None
-        fn = s.get(Function, function_id, with_for_update=True)
+        fn = s.get(Function, function_id)
         if fn is None:
             if op_id:
                 settle(s, op_id, ok=False, error=f"function {function_id} was removed")
@@ -135,12 +137,20 @@ def begin_spawn(
             status=int(ReplicaState.CREATING),
             build_version=fn.build_version,
             envs_total=fn.exec_envs,
+            deadline_at=deadline_for(ReplicaState.CREATING, settings, now()),
         )
         s.add(replica)
+        if not _count_in(s, fn):
+            # Never counted, never placed: record why, without going through transition.
+            replica.status = int(ReplicaState.DEAD)
+            replica.error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
+            replica.retired_at, replica.operation_id = now(), None
+            s.flush()
+            if op_id:
+                settle(s, op_id, ok=False, error=replica.error)
+            return None
         s.flush()
         try:
-            if live_count(s, fn, COUNTED_STATES) > fn.max_replicas:
-                raise CapacityError(f"{fn.name} is at its max of {fn.max_replicas} replicas")
             node = reserve_node(s, fn, fn.placement or settings.placement, pinned=node_id)
             replica.node_id = node.id
             if fn.gpu_mem_mb:
@@ -150,13 +160,23 @@ def begin_spawn(
                     grant.slot,
                     grant.mem_mb,
                 )
-            transition(s, replica, ReplicaState.CREATING, settings)
+            s.flush()
         except CapacityError as exc:
             transition(s, replica, ReplicaState.DEAD, settings, error=str(exc))
             return None
-        s.refresh(replica)
-        assert replica.node is not None
-        return Pending(replica.id, request_id, replica.node, fn)
+        return Pending(replica.id, request_id, node, fn)
+
+
+def _count_in(session: Session, fn: Function) -> bool:
+    """Count one more replica toward ``fn``'s max; False when it is already there."""
+    return bool(
+        session.execute(
+            update(Function)
+            .where(Function.id == fn.id, Function.replica_count < Function.max_replicas)
+            .values(replica_count=Function.replica_count + 1)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    )
 
 
 def create_vm(settings: Settings, pending: Pending) -> backends.Vm:
@@ -286,7 +306,7 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
         if isinstance(target, bool) or not isinstance(target, int):
             raise InputError(f"target must be an integer, got {target!r}")
         check_target(fn, target)
-        counted = live_count(s, fn, COUNTED_STATES)
+        counted = fn.replica_count
         spawns: list[SpawnJob] = []
         deletes: list[str] = []
         note = None

@@ -5,8 +5,10 @@ the seed's numbers (Idle=0, Allocated=1, Creating=2, Dead=13, Starting=200,
 StartingLimit=210) and adds Deleting=220 and Deleted=230. A replica holds a slot
 on its node (``nodes.live``) and, for GPU functions, memory and a worker slot on
 one GPU (``gpus.mem_free_mb`` / ``gpus.slots_free``) exactly while it is *live*
-(any state but Dead and Deleted); :func:`workers.lifecycle.retire` is the one
-place that gives them back. Counters are guarded in the database by CHECK
+(any state but Dead and Deleted), and counts toward its function's
+``replica_count`` (capped at ``max_replicas``) while it is Creating, Starting,
+Idle or Allocated; :func:`workers.lifecycle.transition` is the one place that
+moves these counters. Counters are guarded in the database by CHECK
 constraints and changed only by conditional UPDATEs, so no interleaving of
 workers can over-commit a node or a GPU.
 
@@ -114,6 +116,8 @@ class Function(Base):
     min_replicas: Mapped[int] = mapped_column(Integer, default=0)
     max_replicas: Mapped[int] = mapped_column(Integer, default=20)
     target: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Replicas in COUNTED_STATES; kept by lifecycle.transition, capped at max_replicas.
+    replica_count: Mapped[int] = mapped_column(Integer, default=0)
     labels: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     env: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     image_storage: Mapped[str] = mapped_column(String(1024), default="")
@@ -136,6 +140,7 @@ class Function(Base):
     __table_args__ = (
         CheckConstraint("min_replicas >= 0 AND min_replicas <= max_replicas", name="ck_fn_minmax"),
         CheckConstraint("exec_envs >= 1", name="ck_fn_envs"),
+        CheckConstraint("replica_count >= 0", name="ck_fn_replica_count"),
         CheckConstraint("gpu_mem_mb >= 0", name="ck_fn_gpu_mem"),
     )
 

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30 06:36:28.255734
+Create Date: 2026-11-30 06:45:49.826564
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def upgrade() -> None:
         sa.Column("min_replicas", sa.Integer(), nullable=False),
         sa.Column("max_replicas", sa.Integer(), nullable=False),
         sa.Column("target", sa.Integer(), nullable=True),
+        sa.Column("replica_count", sa.Integer(), nullable=False),
         sa.Column("labels", sa.JSON(), nullable=False),
         sa.Column("env", sa.JSON(), nullable=False),
         sa.Column("image_storage", sa.String(length=1024), nullable=False),
@@ -57,6 +58,7 @@ def upgrade() -> None:
         sa.CheckConstraint(
             "min_replicas >= 0 AND min_replicas <= max_replicas", name="ck_fn_minmax"
         ),
+        sa.CheckConstraint("replica_count >= 0", name="ck_fn_replica_count"),
         sa.PrimaryKeyConstraint("id"),
         sa.UniqueConstraint("name"),
     )
