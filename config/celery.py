@@ -21,7 +21,9 @@ Reliability, chosen on purpose:
   ``visibility_timeout`` (300 s) is kept above the hard limit: a message is only
   redelivered when its worker is really gone, never while it still runs. corral's
   own sweep (stuck Creating / Deleting rows) covers the rest, so correctness does
-  not rest on redelivery alone.
+  not rest on redelivery alone. kombu looks for such abandoned messages every
+  few seconds (``unacked_restore_interval`` / ``unacked_restore_throttle``)
+  instead of its default of every 100 s.
 * retries with exponential backoff and jitter are done per task, for transport
   errors only (:class:`workers.errors.TransientBackendError`); bad input and
   permanent agent answers fail at once.
@@ -99,6 +101,15 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_time_limit": settings.task_time_limit_s,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
+            # kombu sweeps for abandoned messages every interval x throttle seconds
+            # (100 s by default); sweep every few seconds so a message whose worker
+            # died comes back soon after its visibility timeout.
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 5)),
+            "unacked_restore_throttle": 1,
+            # a publish to a broker that vanished without closing the socket fails
+            # instead of hanging forever
+            "socket_timeout": 30,
+            "socket_connect_timeout": 5,
         },
         "result_backend_transport_options": {"retry_policy": {"max_retries": 10}},
         "result_expires": 24 * 3600,

@@ -1,0 +1,161 @@
+"""Faults with real processes: a worker SIGKILLed mid-spawn, an agent down, the broker restarted.
+
+Each test runs real ``celery -A workers worker`` processes (or an in-process
+worker) against the session's Redis and asserts the final state of both the
+rows and the agents.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from sqlalchemy import select
+
+from agents.faults import Fault
+from agents.fcdaemon import serve_fcdaemon
+from tasks import api
+from tests.celery_workers import WorkerProcess
+from tests.fixtures import Env, StartAgents
+from tests.services import RedisServer
+from workers.functions import deploy, spec_from
+from workers.store.models import Node, Replica, ReplicaState
+
+SHORT = {  # a short visibility timeout so redelivery happens within the test
+    "CORRAL_TASK_SOFT_TIME_LIMIT_S": "4",
+    "CORRAL_TASK_TIME_LIMIT_S": "5",
+    "CORRAL_VISIBILITY_TIMEOUT_S": "6",
+}
+
+
+def _deploy(env: Env, **fields: object) -> None:
+    with env.db.transaction() as s:
+        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=100,
+                            **fields), env.settings)
+
+
+def _rows(env: Env) -> list[Replica]:
+    with env.db.read() as s:
+        return list(s.scalars(select(Replica)))
+
+
+def _wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(120)
+def test_worker_killed_mid_spawn_completes_with_exactly_one_vm(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
+) -> None:
+    broker_env.set(**{k[len("CORRAL_"):].lower(): v for k, v in SHORT.items()})
+    (agent,) = start_agents(1, env=broker_env)
+    _deploy(broker_env)
+    agent.agent.inject("CreateReplica", Fault.delay(2.0))  # a slow agent
+    first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT)
+    worker_processes.append(first.start())
+    op = api.spawn("hello", 1)
+    _wait_for(lambda: agent.agent.calls_of("CreateReplica"), 20, "the CreateReplica call")
+    first.kill()  # SIGKILL the whole worker while it waits on the agent
+    (row,) = _rows(broker_env)
+    assert row.status == ReplicaState.CREATING and row.vmid is None
+    second = WorkerProcess(broker_env.tmp, concurrency=1, name="second", extra_env=SHORT)
+    worker_processes.append(second.start())
+    view = api.wait(op, timeout=60)
+    assert view["status"] == "succeeded", (view, second.tail())
+    vms = agent.driver.list()
+    assert len(vms) == 1  # the redelivered request found its row and the agent its VM
+    (row,) = _rows(broker_env)
+    assert row.status == ReplicaState.IDLE
+    assert row.vmid == vms[0].vmid
+    assert len(agent.agent.calls_of("CreateReplica")) == 2
+    assert {c.requestId for c in agent.agent.calls_of("CreateReplica")} == {row.request_id}
+
+
+@pytest.mark.timeout(90)
+def test_agent_down_then_back_within_the_retry_window(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    thread_worker.set(retry_backoff_s="0.4", retry_backoff_max_s="2", retry_max="6")
+    (agent,) = start_agents(1, env=thread_worker)
+    port = agent.port
+    _deploy(thread_worker)
+    agent.stop(grace=0)
+    op = api.spawn("hello", 1)
+    time.sleep(1.0)  # a couple of failed attempts
+    back = serve_fcdaemon(f"127.0.0.1:{port}")
+    try:
+        view = api.wait(op, timeout=60)
+        assert view["status"] == "succeeded", view
+        assert len(back.driver.list()) == 1
+        (row,) = _rows(thread_worker)
+        assert row.status == ReplicaState.IDLE and row.vmid == back.driver.list()[0].vmid
+    finally:
+        back.stop(grace=0)
+
+
+@pytest.mark.timeout(90)
+def test_agent_down_for_good_fails_cleanly_and_placement_moves_on(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    thread_worker.set(retry_max="2", health_misses="2")
+    dead, alive = start_agents(2, env=thread_worker)
+    _deploy(thread_worker)
+    dead.stop(grace=0)
+    view = api.wait(api.spawn("hello", 1), timeout=60)  # loadbalance picks node1 first
+    assert view["status"] == "failed"
+    assert "node node1" in view["error"] and "UNAVAILABLE" in view["error"]
+    (row,) = _rows(thread_worker)
+    assert row.status == ReplicaState.DEAD and "node1" in (row.error or "")
+    from workers.health import check_health
+
+    check_health(thread_worker.db, thread_worker.settings)  # second miss
+    with thread_worker.db.read() as s:
+        nodes = {n.name: n for n in s.scalars(select(Node))}
+    assert nodes["node1"].healthy is False and nodes["node1"].live == 0
+    assert nodes["node2"].healthy is True
+    view = api.wait(api.spawn("hello", 2), timeout=60)
+    assert view["status"] == "succeeded", view
+    assert len(alive.driver.list()) == 2
+
+
+@pytest.mark.timeout(120)
+def test_broker_restart_mid_run_loses_nothing(
+    broker_env: Env, redis_server: RedisServer, start_agents: StartAgents,
+    worker_processes: list[WorkerProcess],
+) -> None:
+    broker_env.set(**{k[len("CORRAL_"):].lower(): v for k, v in SHORT.items()})
+    (agent,) = start_agents(1, env=broker_env)
+    _deploy(broker_env)
+    agent.agent.inject("CreateReplica", *[Fault.delay(0.1)] * 20)
+    worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=SHORT)
+    worker_processes.append(worker.start())
+    op = api.spawn("hello", 20)
+    _wait_for(lambda: len(agent.agent.calls_of("CreateReplica")) >= 3, 30, "spawns under way")
+    redis_server.restart()  # appendonly: queued messages survive
+    view = api.wait(op, timeout=90)
+    assert view["status"] == "succeeded", (view, worker.tail())
+    rows = _rows(broker_env)
+    assert len(rows) == 20
+    assert {r.status for r in rows} == {ReplicaState.IDLE}
+    assert len(agent.driver.list()) == 20  # no duplicate VM, none lost
+    assert sorted(r.vmid for r in rows) == sorted(vm.vmid for vm in agent.driver.list())
+    with broker_env.db.read() as s:
+        assert s.scalars(select(Node)).one().live == 20
+
+
+@pytest.mark.timeout(60)
+def test_agent_unavailable_is_retried_by_a_real_worker(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=thread_worker)
+    _deploy(thread_worker)
+    agent.agent.inject("CreateReplica", *[Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")] * 2)
+    view = api.wait(api.spawn("hello", 1), timeout=30)
+    assert view["status"] == "succeeded"
+    assert len(agent.agent.calls_of("CreateReplica")) == 3
