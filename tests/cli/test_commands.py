@@ -1,0 +1,88 @@
+"""The CLI contract scripts depend on: JSON documents, operation ids, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tasks.cli import main
+from tests.fixtures import Env, StartAgents
+
+
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> object:
+    capsys.readouterr()
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_listing_commands_print_one_json_document(
+    corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start_agents(2)
+    deployed = _json(capsys, ["functions", "deploy", "hello", "--image", "examples.hello",
+                              "--kernel", "/k", "--env", "A=1", "--label", "team=x", "--json"])
+    assert isinstance(deployed, dict) and deployed["name"] == "hello"
+    op = _json(capsys, ["spawn", "hello", "-n", "3", "--wait", "--json"])
+    assert isinstance(op, dict) and op["status"] == "succeeded" and op["done"] == 3
+    replicas = _json(capsys, ["replicas", "--function", "hello", "--json"])
+    assert isinstance(replicas, list) and len(replicas) == 3
+    for r in replicas:
+        for key in ("id", "function", "node", "status", "vmid", "address", "created_at",
+                    "last_used_at"):
+            assert key in r
+        assert r["status"] == "idle" and r["function"] == "hello"
+    shown = _json(capsys, ["replicas", "show", replicas[0]["id"], "--json"])
+    assert isinstance(shown, dict) and shown["id"] == replicas[0]["id"]
+    nodes = _json(capsys, ["nodes", "list", "--json"])
+    assert isinstance(nodes, list) and sum(n["live"] for n in nodes) == 3
+    fns = _json(capsys, ["functions", "list", "--json"])
+    assert isinstance(fns, list) and fns[0]["replicas"] == {"idle": 3}
+    ops = _json(capsys, ["ops", "--json"])
+    assert isinstance(ops, list) and ops[0]["kind"] == "spawn"
+    one = _json(capsys, ["ops", op["id"], "--json"])  # type: ignore[index]
+    assert isinstance(one, dict) and one["status"] == "succeeded"
+
+
+def test_without_wait_commands_print_the_operation_id(
+    corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start_agents(1)
+    assert main(["functions", "deploy", "hello", "--image", "i", "--kernel", "/k"]) == 0
+    capsys.readouterr()
+    assert main(["scale", "hello", "2"]) == 0
+    op_id = capsys.readouterr().out.strip()
+    assert len(op_id) == 32 and op_id.isalnum()
+    status = _json(capsys, ["ops", op_id, "--json"])
+    assert isinstance(status, dict) and status["kind"] == "scale"
+
+
+def test_remove_refuses_with_replicas_unless_forced(
+    corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (agent,) = start_agents(1)
+    assert main(["functions", "deploy", "hello", "--image", "i", "--kernel", "/k"]) == 0
+    assert main(["spawn", "hello", "-n", "2", "--wait"]) == 0
+    capsys.readouterr()
+    assert main(["functions", "remove", "hello"]) == 1
+    assert "has 2 replica(s); delete them or use --force" in capsys.readouterr().err
+    assert main(["functions", "remove", "hello", "--force"]) == 0
+    assert "removed function hello and 2 replica(s)" in capsys.readouterr().out
+    assert len(agent.agent.calls_of("ReleaseVMSetup")) == 2
+    assert agent.driver.list() == []
+    assert _json(capsys, ["functions", "list", "--json"]) == []
+
+
+def test_failed_wait_exits_non_zero(
+    corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agents.faults import Fault
+    from protos import fcdaemon_pb2
+
+    (agent,) = start_agents(1)
+    assert main(["functions", "deploy", "hello", "--image", "i", "--kernel", "/k"]) == 0
+    agent.agent.inject("CreateReplica", Fault.reply(fcdaemon_pb2.CreateReply()))
+    capsys.readouterr()
+    assert main(["spawn", "hello", "--wait"]) == 1
+    out, err = capsys.readouterr()
+    assert "failed" in out and "empty vmid" in err
