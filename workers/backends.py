@@ -40,8 +40,8 @@ class ListedVm:
     created_unix: float
 
 
-def agent_client(node: Node, settings: Settings) -> AgentClient:
-    """A gRPC client for an fcdaemon node."""
+def agent_client(node: Node, settings: Settings, *, shared: bool = True) -> AgentClient:
+    """A gRPC client for an fcdaemon node (``shared=False``: on a channel of its own)."""
     tls = None
     if settings.agent_tls_ca:
         tls = TlsFiles(settings.agent_tls_ca, settings.agent_tls_cert, settings.agent_tls_key)
@@ -52,6 +52,7 @@ def agent_client(node: Node, settings: Settings) -> AgentClient:
         create_timeout_s=settings.create_timeout_s,
         token=settings.agent_token,
         tls=tls,
+        shared=shared,
     )
 
 
@@ -149,4 +150,8 @@ def probe(node: Node, settings: Settings) -> bool:
     if node.kind == "lambdo":
         lambdo_client(node, settings).probe()
         return True
-    return agent_client(node, settings).health()
+    client = agent_client(node, settings, shared=False)
+    try:
+        return client.health()
+    finally:
+        client.close()

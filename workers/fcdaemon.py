@@ -73,6 +73,23 @@ _channels_pid = os.getpid()
 _channels_lock = threading.Lock()
 
 
+def new_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
+    """A new channel to ``address`` (callers normally want the shared :func:`channel`)."""
+    options = [
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.enable_retries", 0),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+    if tls is None:
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=tls.ca.read_bytes(),
+        private_key=tls.key.read_bytes() if tls.key else None,
+        certificate_chain=tls.cert.read_bytes() if tls.cert else None,
+    )
+    return grpc.secure_channel(address, creds, options=options)
+
+
 def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
     """This process's channel to ``address``, created once and reused."""
     global _channels_pid
@@ -82,21 +99,7 @@ def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
             _channels_pid = os.getpid()
         ch = _channels.get((address, tls))
         if ch is None:
-            options = [
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.enable_retries", 0),
-                ("grpc.max_reconnect_backoff_ms", 2_000),
-            ]
-            if tls is None:
-                ch = grpc.insecure_channel(address, options=options)
-            else:
-                creds = grpc.ssl_channel_credentials(
-                    root_certificates=tls.ca.read_bytes(),
-                    private_key=tls.key.read_bytes() if tls.key else None,
-                    certificate_chain=tls.cert.read_bytes() if tls.cert else None,
-                )
-                ch = grpc.secure_channel(address, creds, options=options)
-            _channels[(address, tls)] = ch
+            ch = _channels[(address, tls)] = new_channel(address, tls)
         return ch
 
 
@@ -136,14 +139,23 @@ class AgentClient:
         create_timeout_s: float = 30.0,
         token: str | None = None,
         tls: TlsFiles | None = None,
+        shared: bool = True,
     ) -> None:
         self.address = address
+        self._owned = not shared
         self.node = node or address
         self.timeout_s = timeout_s
         self.create_timeout_s = create_timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = channel(address, tls)
+        # A probe uses its own channel: a shared one may sit in reconnect backoff
+        # after failures and would report a node that is back as still down.
+        self._channel = channel(address, tls) if shared else new_channel(address, tls)
         self._stub = fcdaemon_grpc.FcServiceStub(self._channel)
+
+    def close(self) -> None:
+        """Close the channel if this client owns it (``shared=False``)."""
+        if self._owned:
+            self._channel.close()
 
     def _call(self, method: str, request: Any, timeout: float) -> Any:
         try:
