@@ -1,4 +1,4 @@
-"""Periodic and operator-triggered maintenance: health checks (and, below, reap and reconcile).
+"""Periodic and operator-triggered maintenance: health checks, reap and reconcile.
 
 Beat sends these on the ``corral.maintenance`` queue; each expires before the next
 one is due, so a stopped worker does not come back to a pile of stale passes.
@@ -17,3 +17,69 @@ from workers.app import CorralTask, app
 def check_health(self: CorralTask) -> dict[str, Any]:
     """Probe every node and update its health."""
     return asdict(health.check_health(self.db, self.settings))
+
+
+
+@app.task(bind=True, name="corral.reap")
+def reap(
+    self: CorralTask, idle_timeout: float | None = None, op_id: str | None = None
+) -> dict[str, Any]:
+    """One reaper pass (beat sends one every ``CORRAL_REAP_INTERVAL_S``); returns its report.
+
+    Stale replicas kept only for their function's min are replaced: the pass reports how
+    many fresh replicas each such function needs, and this task asks for them (a later
+    pass then retires the stale ones).
+    """
+    import os
+    import socket
+
+    from tasks import api
+    from workers import reaper
+    from workers.errors import CorralError, InputError
+    from workers.replicas import fail_op
+
+    settings = self.settings
+    holder = f"{socket.gethostname()}:{os.getpid()}:{self.request.id or 'direct'}"[:128]
+    if op_id:
+        reaper.start(self.db, op_id)
+    try:
+        report = reaper.reap(self.db, settings, idle_timeout=idle_timeout, holder=holder)
+    except Exception as exc:
+        if op_id and not isinstance(exc, InputError):  # input errors: CorralTask fails the op
+            fail_op(self.db, op_id, f"reap pass failed: {type(exc).__name__}: {exc}")
+        raise
+    replacements: dict[str, str] = {}
+    for name, n in report.replace.items():
+        try:
+            replacements[name] = api.spawn(name, n, settings=settings)
+        except CorralError as exc:
+            replacements[name] = f"error: {exc}"
+    extra = {"replacements": replacements}
+    if op_id:
+        reaper.record(self.db, op_id, report, extra)
+    return {**report.as_dict(), **extra}
+
+
+@app.task(bind=True, name="corral.reconcile")
+def reconcile(self: CorralTask, op_id: str | None = None) -> dict[str, Any]:
+    """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""
+    import os
+    import socket
+
+    from tasks import api
+    from workers import reconcile as reconciler
+    from workers.errors import CorralError
+    from workers.operations import record_result
+
+    holder = f"{socket.gethostname()}:{os.getpid()}:{self.request.id or 'direct'}"[:128]
+    report = reconciler.reconcile(self.db, self.settings, holder=holder)
+    spawned: dict[str, str] = {}
+    for name, n in report.top_up.items():
+        try:
+            spawned[name] = api.spawn(name, n, settings=self.settings)
+        except CorralError as exc:
+            spawned[name] = f"error: {exc}"
+    result = {**report.as_dict(), "spawned": spawned}
+    if op_id:
+        record_result(self.db, op_id, result)
+    return result

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from workers.errors import InputError, NotFound
 from workers.functions import iso
+from workers.store.db import Database
 from workers.store.models import Operation, OpStatus
 
 SECRET_HINTS = ("secret", "token", "password", "aws_access_key", "authorization")
@@ -78,3 +79,16 @@ def operation_view(op: Operation) -> dict[str, Any]:
         "started_at": iso(op.started_at),
         "finished_at": iso(op.finished_at),
     }
+
+
+def record_result(db: Database, op_id: str, result: dict[str, Any]) -> None:
+    """Finish a one-step operation (reap, reconcile...) with its result."""
+    from workers.lifecycle import finish
+
+    with db.transaction() as s:
+        op = s.get(Operation, op_id, with_for_update=True)
+        if op is None or op.status in FINISHED:
+            return
+        op.total, op.done = 1, 1
+        op.result = result
+        finish(op, failed=0, total=1)
