@@ -170,6 +170,9 @@ def _start(options: UpOptions, state: Path, logs: Path, sup: Supervisor) -> dict
     if base.flower_user and base.flower_password:
         # through the environment, not argv, so `ps` does not show the password
         env["FLOWER_BASIC_AUTH"] = f"{base.flower_user}:{base.flower_password}"
+    else:
+        # Flower listens on loopback only here; let local scripts read its API
+        env["FLOWER_UNAUTHENTICATED_API"] = "true"
     sup.start(Child("flower", flower_argv, env, logs / "flower.log", state),
               ready=lambda: _port_open(flower_port), timeout=60)
     if options.agents:

@@ -1,0 +1,139 @@
+"""``corral up`` end to end: driven by the CLI as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+AWS_ID = "AKIAEXAMPLESECRET01"
+AWS_SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def _corral(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "tasks.cli", *args], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    if check:
+        assert proc.returncode == 0, f"corral {' '.join(args)}: {proc.stderr}"
+    return proc
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(240)
+def test_corral_up_end_to_end(tmp_path: Path) -> None:
+    up_log = (tmp_path / "up.out").open("w")
+    up = subprocess.Popen([sys.executable, "-m", "tasks.cli", "up"], cwd=tmp_path, env=_env(),
+                          stdout=up_log, stderr=subprocess.STDOUT)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while "corral is up" not in (tmp_path / "up.out").read_text():
+            assert up.poll() is None, (tmp_path / "up.out").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "up.out").read_text()
+            time.sleep(0.2)
+        stack = json.loads((tmp_path / ".corral" / "stack.json").read_text())["settings"]
+
+        # a second `corral up` in the same directory refuses
+        second = _corral(tmp_path, "up", check=False)
+        assert second.returncode == 1 and "already running" in second.stderr
+
+        nodes = json.loads(_corral(tmp_path, "nodes", "list", "--json").stdout)
+        assert {n["name"] for n in nodes} == {"local-fcdaemon", "local-lambdo"}
+
+        out = _corral(tmp_path, "functions", "deploy", "hello", "--image", "examples.hello",
+                      "--kernel", "/boot/vmlinux", "--idle-timeout", "1",
+                      "--aws-access-key-id", AWS_ID, "--aws-secret-access-key", AWS_SECRET)
+        assert AWS_ID not in out.stdout and AWS_SECRET not in out.stdout
+        _corral(tmp_path, "functions", "deploy", "web", "--backend", "lambdo",
+                "--image", "examples.hello", "--rootfs", "examples.hello", "--idle-timeout", "1")
+        _corral(tmp_path, "scale", "hello", "3", "--wait")
+        _corral(tmp_path, "scale", "web", "2", "--wait")
+        replicas = json.loads(_corral(tmp_path, "replicas", "--json").stdout)
+        by_fn = {fn: [r for r in replicas if r["function"] == fn] for fn in ("hello", "web")}
+        assert len(by_fn["hello"]) == 3 and len(by_fn["web"]) == 2
+        assert all(r["status"] == "idle" for r in replicas)
+
+        claimed = json.loads(_corral(tmp_path, "claim", "web", "--json").stdout)
+        answer = httpx.get(claimed["address"], timeout=10)
+        assert answer.status_code == 200 and "hello from corral" in answer.text
+        fc = by_fn["hello"][0]
+        assert "hello from corral" in httpx.get(fc["address"], timeout=10).text
+        _corral(tmp_path, "release", claimed["replica_id"])
+
+        started = _descendants(up.pid)
+        assert len(started) >= 8  # redis, registry, worker(+pool), beat, flower, agents, replicas
+
+        reap = json.loads(_corral(tmp_path, "reap", "--idle-timeout", "0", "--wait",
+                                  "--json").stdout)
+        assert reap["status"] == "succeeded", reap
+        left = json.loads(_corral(tmp_path, "replicas", "--json").stdout)
+        assert left == []
+
+        flower = f"http://127.0.0.1:{stack['flower_port']}"
+        deadline = time.monotonic() + 30
+        names: set[str] = set()
+        while time.monotonic() < deadline:
+            tasks = httpx.get(f"{flower}/api/tasks", timeout=10).json()
+            names = {t.get("name") for t in tasks.values()}
+            if {"corral.spawn_replica", "corral.scale", "corral.reap"} <= names:
+                break
+            time.sleep(1)
+        assert {"corral.spawn_replica", "corral.scale", "corral.reap"} <= names, names
+        flower_text = httpx.get(f"{flower}/api/tasks", timeout=10).text
+        assert AWS_ID not in flower_text and AWS_SECRET not in flower_text
+        ops = _corral(tmp_path, "ops", "--json").stdout
+        assert AWS_ID not in ops and AWS_SECRET not in ops
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        finally:
+            up_log.close()
+    text = (tmp_path / "up.out").read_text()
+    assert up.returncode == 0, text
+    assert "stopped; nothing left running" in text
+    time.sleep(0.5)
+    assert [p for p in started if _alive(p)] == []
+    for log in (tmp_path / ".corral" / "logs").iterdir():
+        content = log.read_text(errors="replace")
+        assert AWS_ID not in content and AWS_SECRET not in content, log.name
