@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import http.client
 import logging
+import os
 import sys
 import threading
 import time
@@ -663,7 +664,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="{}-{}".format(*DEFAULT_PORT_RANGE),
         help="host ports for process replicas (default %(default)s)",
     )
-    parser.add_argument("--token", help="bearer token for registry calls")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("CORRAL_REGISTRY_TOKEN") or None,
+        help="bearer token for registry calls (default $CORRAL_REGISTRY_TOKEN; "
+        "prefer the variable: argv is visible in ps)",
+    )
     parser.add_argument(
         "--heartbeat",
         type=float,

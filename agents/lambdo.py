@@ -38,6 +38,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import random
 import socket
 import threading
@@ -571,7 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="host ports for VMs (default %(default)s)",
     )
     parser.add_argument("--advertise-ip", help="IP reported for VMs (default: listen host)")
-    parser.add_argument("--token", help="require Authorization: Bearer TOKEN")
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("CORRAL_LAMBDO_TOKEN") or None,
+        help="require Authorization: Bearer TOKEN (default $CORRAL_LAMBDO_TOKEN)",
+    )
     parser.add_argument(
         "--default-image",
         default="examples.hello",

@@ -1,0 +1,13 @@
+# The image every corral service in compose.yaml runs.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY config config
+COPY tasks tasks
+COPY workers workers
+COPY agents agents
+COPY protos protos
+COPY examples examples
+COPY stack stack
+RUN pip install --no-cache-dir . && useradd --system corral
+USER corral
