@@ -150,7 +150,7 @@ def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
 def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgents) -> None:
     from tasks.cli import main
 
-    a, b = start_agents(2)
+    a, _b = start_agents(2)
     _deploy(corral_env, min=2)
     api.wait(api.spawn("hello", 2), timeout=10)
     assert main(["nodes", "drain", "node1"]) == 0

@@ -1,0 +1,72 @@
+"""Two celery beats at once: each reap / reconcile pass still runs alone; nothing deleted twice."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from tasks import api
+from tests.celery_workers import ROOT, WorkerProcess
+from tests.fixtures import FAST, Env, StartAgents
+from workers.functions import deploy, spec_from
+from workers.store.models import Replica, ReplicaState
+
+FAST_BEAT = {
+    "CORRAL_REAP_INTERVAL_S": "0.5",
+    "CORRAL_RECONCILE_INTERVAL_S": "0.5",
+    "CORRAL_HEALTH_INTERVAL_S": "1",
+}
+
+
+def _beat(tmp: Path, name: str) -> subprocess.Popen[bytes]:
+    log = (tmp / f"beat-{name}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
+         "--max-interval", "1", "-s", str(tmp / f"beat-{name}.schedule")],
+        cwd=ROOT, env={**os.environ, **FAST, **FAST_BEAT}, stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_two_beats_reap_each_replica_once(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
+) -> None:
+    a, b = start_agents(2, env=broker_env)
+    with broker_env.db.transaction() as s:
+        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", min=2,
+                            idle_timeout=1), broker_env.settings)
+    worker = WorkerProcess(broker_env.tmp, concurrency=4, extra_env=FAST_BEAT)
+    worker_processes.append(worker.start())
+    assert api.wait(api.spawn("hello", 12), timeout=60)["status"] == "succeeded"
+    # a second after they became idle, both beats' reap passes cut 12 down to min (2)
+    beats = [_beat(broker_env.tmp, "one"), _beat(broker_env.tmp, "two")]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with broker_env.db.read() as s:
+                live = s.scalars(select(Replica).where(Replica.status == ReplicaState.IDLE)).all()
+            if len(live) <= 2:
+                break
+            time.sleep(0.3)
+        time.sleep(2)  # let further passes from both beats run and find nothing
+    finally:
+        for beat in beats:
+            beat.terminate()
+            beat.wait(20)
+    releases = [r.vmid for agent in (a, b) for r in agent.agent.calls_of("ReleaseVMSetup")]
+    assert len(releases) == 10, worker.tail()
+    assert max(collections.Counter(releases).values()) == 1  # nobody released twice
+    with broker_env.db.read() as s:
+        rows = list(s.scalars(select(Replica)))
+    assert sum(r.status == ReplicaState.IDLE for r in rows) == 2  # min kept
+    assert sum(r.status == ReplicaState.DELETED for r in rows) == 10
+    assert not any(r.status == ReplicaState.DEAD for r in rows)
+    assert len(a.driver.list()) + len(b.driver.list()) == 2
