@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import http.client
 import logging
 import os
@@ -580,6 +581,28 @@ class RunningAgent:
         self.stop()
 
 
+class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Refuses FcService calls without the shared bearer token (health stays open)."""
+
+    def __init__(self, token: str) -> None:
+        """Expect ``authorization: Bearer <token>``."""
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid agent token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        """Let the call through only with the right token."""
+        if details.method.startswith("/grpc.health."):
+            return continuation(details)
+        sent = dict(details.invocation_metadata).get("authorization", "")
+        if hmac.compare_digest(sent.encode(), self._expected):
+            return continuation(details)
+        return self._deny
+
+
 def serve_fcdaemon(
     listen: str = "127.0.0.1:0",
     driver: VMDriver | None = None,
@@ -592,20 +615,32 @@ def serve_fcdaemon(
     heartbeat: float | None = None,
     max_hogs: int = 64,
     max_workers: int = 32,
+    tls: tuple[bytes, bytes] | None = None,
+    require_token: str | None = None,
 ) -> RunningAgent:
-    """Start a node agent on ``listen`` (default driver: :class:`MemoryDriver`)."""
+    """Start a node agent on ``listen`` (default driver: :class:`MemoryDriver`).
+
+    ``tls`` is a (private key, certificate chain) PEM pair to serve TLS instead of
+    plaintext; with ``require_token`` every FcService call must carry
+    ``authorization: Bearer <token>`` or is refused UNAUTHENTICATED.
+    """
     host, _ = split_hostport(listen)
     driver = driver if driver is not None else MemoryDriver()
+    interceptors = [TokenInterceptor(require_token)] if require_token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fcdaemon"),
         options=[("grpc.so_reuseport", 0)],
+        interceptors=interceptors,
     )
     agent = FcAgent(driver, hogs=HogPool(max_hogs))
     fcdaemon_grpc.add_FcServiceServicer_to_server(agent, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(listen)
+        if tls is not None:
+            port = server.add_secure_port(listen, grpc.ssl_server_credentials([tls]))
+        else:
+            port = server.add_insecure_port(listen)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {listen}: {exc}") from exc
     if port == 0:
@@ -677,6 +712,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-send RegisterNode every N seconds (default 0: only at start)",
     )
     parser.add_argument("--max-hogs", type=int, default=64, help="CPU hog limit (default 64)")
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    parser.add_argument(
+        "--require-token",
+        default=os.environ.get("CORRAL_AGENT_TOKEN") or None,
+        help="refuse FcService calls without this bearer token (default $CORRAL_AGENT_TOKEN)",
+    )
     add_common_arguments(parser)
     return parser
 
@@ -692,6 +734,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     advertise = args.advertise_ip or guess_node_ip(host)
+    tls = None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_cert:
+        with open(args.tls_key, "rb") as key, open(args.tls_cert, "rb") as cert:
+            tls = (key.read(), cert.read())
     driver: VMDriver
     if args.driver == "process":
         bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
@@ -709,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
                 advertise_ip=advertise,
                 heartbeat=args.heartbeat or None,
                 max_hogs=args.max_hogs,
+                tls=tls,
+                require_token=args.require_token,
             )
         except OSError as exc:
             log.error("%s", exc)
