@@ -30,7 +30,7 @@ from workers.store.db import Database, get_database
 
 log = logging.getLogger(__name__)
 
-TASK_MODULES = ["tasks.replicas", "tasks.maintenance"]
+TASK_MODULES = ["tasks.replicas", "tasks.maintenance", "tasks.hogs"]
 
 
 class CorralTask(Task):  # type: ignore[misc]

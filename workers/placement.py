@@ -9,7 +9,8 @@ UPDATE matches nothing and the next candidate is tried, so capacity holds under
 any number of workers; CHECK constraints on the counters back this up.
 
 Node policies: ``loadbalance`` (fewest live replicas), ``pack`` (fullest node
-that still fits), ``roundrobin`` (next node by name after the function's last),
+that still fits), ``roundrobin`` (next node by name after the function's last,
+read and written under the function's row lock so concurrent spawns take turns),
 ``random``, and ``spread`` (the caller pins one replica to every healthy node;
 here it behaves like loadbalance). GPU fit: ``best`` (least free memory that
 still fits) or ``first`` (first GPU in recording order that fits).
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
-from sqlalchemy import func, select, update
+from sqlalchemy import ColumnElement, CursorResult, func, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from workers.errors import CapacityError
 from workers.store.models import Function, Gpu, Node, Replica
@@ -31,13 +34,18 @@ FITS = ("best", "first")
 MAX_ATTEMPTS = 16
 
 
-def _placeable(kind: str) -> list[object]:
+def _placeable(kind: str) -> list[ColumnElement[bool]]:
     return [
         Node.kind == kind,
         Node.healthy.is_(True),
         Node.draining.is_(False),
         Node.live < Node.capacity,
     ]
+
+
+def _rowcount(result: Any) -> int:
+    """Rows a conditional UPDATE changed (0: someone else took the last room first)."""
+    return int(cast(CursorResult[Any], result).rowcount)
 
 
 def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str]) -> Node | None:
@@ -50,7 +58,13 @@ def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str])
     elif policy == "random":
         query = query.order_by(func.random())
     elif policy == "roundrobin":
-        after = fn.rr_last_node or ""
+        # Read the last node fresh and locked, not from ``fn``: ``fn`` may have been
+        # loaded before a concurrent spawn of the same function committed, and a stale
+        # value sends both to the same node. FOR NO KEY UPDATE (held until commit) is
+        # the lock the replica-count UPDATE already took, and it does not conflict with
+        # the key-share locks that concurrent replica INSERTs take on the function.
+        last = select(Function.rr_last_node).where(Function.id == fn.id)
+        after = session.scalar(last.with_for_update(key_share=True)) or ""
         nxt = session.scalars(
             query.where(Node.name > after).order_by(Node.name).limit(1)
         ).first()
@@ -67,28 +81,38 @@ def reserve_node(
 ) -> Node:
     """Pick a node for one replica of ``fn`` and take one of its slots."""
     tried: list[str] = []
+    pinned_name = pinned
     for _ in range(MAX_ATTEMPTS):
         if pinned is not None:
             node = session.get(Node, pinned)
             if node is None or pinned in tried:
                 break
+            pinned_name = node.name
         else:
             node = _candidate(session, fn, policy, tried)
             if node is None:
                 break
-        took = session.execute(
-            update(Node)
-            .where(Node.id == node.id, *_placeable(fn.backend))
-            .values(live=Node.live + 1)
-            .execution_options(synchronize_session=False)
-        ).rowcount
+        took = _rowcount(
+            session.execute(
+                update(Node)
+                .where(Node.id == node.id, *_placeable(fn.backend))
+                .values(live=Node.live + 1)
+                .execution_options(synchronize_session=False)
+            )
+        )
         if took:
             session.refresh(node)
             if policy == "roundrobin":
-                fn.rr_last_node = node.name
+                session.execute(
+                    update(Function)
+                    .where(Function.id == fn.id)
+                    .values(rr_last_node=node.name)
+                    .execution_options(synchronize_session=False)
+                )
+                set_committed_value(fn, "rr_last_node", node.name)
             return node
         tried.append(node.id)
-    where = f"node {pinned}" if pinned else f"any healthy {fn.backend} node"
+    where = f"node {pinned_name}" if pinned else f"any healthy {fn.backend} node"
     raise CapacityError(f"no capacity for {fn.name} on {where}")
 
 
@@ -126,13 +150,18 @@ def reserve_gpu(session: Session, fn: Function, fit: str) -> GpuGrant:
         gpu = session.scalars(query.limit(1)).first()
         if gpu is None:
             break
-        took = session.execute(
-            update(Gpu)
-            .where(Gpu.id == gpu.id, Gpu.mem_free_mb >= need, Gpu.slots_free >= 1)
-            .values(mem_free_mb=Gpu.mem_free_mb - need, slots_free=Gpu.slots_free - 1)
-            .execution_options(synchronize_session=False)
-        ).rowcount
+        took = _rowcount(
+            session.execute(
+                update(Gpu)
+                .where(Gpu.id == gpu.id, Gpu.mem_free_mb >= need, Gpu.slots_free >= 1)
+                .values(mem_free_mb=Gpu.mem_free_mb - need, slots_free=Gpu.slots_free - 1)
+                .execution_options(synchronize_session=False)
+            )
+        )
         if took:
+            # The UPDATE holds the GPU's row lock until commit, so the slots read
+            # here include every committed grant and no concurrent one can pick
+            # the same slot (the unique index on (gpu_id, gpu_slot) backs this up).
             used = set(
                 session.scalars(
                     select(Replica.gpu_slot).where(
@@ -140,8 +169,12 @@ def reserve_gpu(session: Session, fn: Function, fit: str) -> GpuGrant:
                     )
                 )
             )
-            slot = next(s for s in range(gpu.slots_total) if s not in used)
-            return GpuGrant(gpu.id, slot, need)
+            slot = next((s for s in range(gpu.slots_total) if s not in used), None)
+            if slot is not None:
+                return GpuGrant(gpu.id, slot, need)
+            # Counters said a slot was free but replicas hold them all: give the
+            # reservation back and try another GPU rather than fail obscurely.
+            free_gpu(session, gpu.id, need)
         tried.append(gpu.id)
     raise CapacityError(f"no GPU capacity for {fn.name} ({need} MB)")
 

@@ -1,0 +1,21 @@
+"""The ``corral.hogs`` task: CPU hogs on node agents (logic in :mod:`workers.hogs`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.app import CorralTask, app
+from workers.hogs import run_hogs
+
+
+@app.task(bind=True, name="corral.hogs")
+def hogs(
+    self: CorralTask, action: str, n: int, node: str | None = None, op_id: str | None = None
+) -> dict[str, Any]:
+    """Start or stop ``n`` CPU hogs on one node or every healthy fcdaemon node."""
+    settings = self.settings
+    last_try = op_id is None or self.request.retries >= settings.retry_max
+    report = run_hogs(self.db, settings, action, n, node, op_id, last_try=last_try)
+    if report["retry"]:
+        raise self.retry(countdown=self.backoff(), max_retries=settings.retry_max)
+    return {"op_id": op_id, "action": action, "n": n, "nodes": report["nodes"]}

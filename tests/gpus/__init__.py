@@ -1,0 +1,1 @@
+"""GPU inventory, GPU allocation, placement policies and CPU hogs."""

@@ -1,0 +1,41 @@
+"""Small helpers shared by the GPU tests."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from sqlalchemy import select
+
+from tests.fixtures import Env
+from workers.functions import deploy, spec_from
+from workers.store.models import LIVE_STATES, Gpu, Node, Replica
+
+
+def deploy_fn(env: Env, name: str, **fields: object) -> None:
+    """Deploy a function with test defaults (max 50 replicas)."""
+    base: dict[str, object] = {"image": "examples.hello", "kernel": "/k", "max": 50}
+    base.update(fields)
+    with env.db.transaction() as s:
+        deploy(s, spec_from(name=name, **base), env.settings)
+
+
+def live(env: Env, function: str | None = None) -> list[Replica]:
+    """Live replicas (of one function, if named), oldest first."""
+    with env.db.read() as s:
+        query = select(Replica).where(Replica.status.in_(LIVE_STATES))
+        rows = list(s.scalars(query.order_by(Replica.created_at)))
+    return [r for r in rows if function is None or r.function.name == function]
+
+
+def per_node(env: Env) -> dict[str, int]:
+    """Live replicas per node name (every node listed, zeros included)."""
+    with env.db.read() as s:
+        names = {n.id: n.name for n in s.scalars(select(Node))}
+    counts = Counter(names[r.node_id] for r in live(env) if r.node_id)
+    return {name: counts.get(name, 0) for name in sorted(names.values())}
+
+
+def gpus_by_uuid(env: Env) -> dict[str, Gpu]:
+    """Every GPU row by UUID."""
+    with env.db.read() as s:
+        return {g.uuid: g for g in s.scalars(select(Gpu))}
