@@ -150,3 +150,27 @@ def test_bad_counts_change_nothing(corral_env: Env, start_agents: StartAgents, c
     with pytest.raises(ValueError, match="count must be between 1 and 10000"):
         api.spawn("hello", count)
     assert _replicas(corral_env) == []
+
+
+def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    """Delete while the agent is still creating: the late VM is torn down, no orphan."""
+    from workers import replicas
+    from workers.store.models import Function
+
+    (agent,) = start_agents(1)
+    _deploy(corral_env)
+    with corral_env.db.read() as s:
+        fn_id = s.scalars(select(Function.id)).one()
+    pending = replicas.begin_spawn(corral_env.db, corral_env.settings, None, "req-x", fn_id)
+    assert pending is not None
+    assert api.wait(api.delete(pending.replica_id), timeout=10)["status"] == "succeeded"
+    vm = replicas.create_vm(corral_env.settings, pending)  # the agent answers late
+    assert replicas.finish_spawn(corral_env.db, corral_env.settings, pending, vm) == "deleted"
+    assert agent.driver.list() == []
+    assert [r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")] == [vm.vmid]
+    (row,) = _replicas(corral_env)
+    assert row.status == ReplicaState.DELETED
+    # a redelivered spawn for the same request does nothing
+    assert replicas.begin_spawn(corral_env.db, corral_env.settings, None, "req-x", fn_id) is None
