@@ -18,12 +18,12 @@ from typing import Any
 
 from config.settings import Settings, get_settings
 from workers.errors import CorralError, InputError
-from workers.functions import get_function, live_count
+from workers.functions import get_function
 from workers.operations import FINISHED, create_operation, get_operation, operation_view
+from workers.placement import spread_nodes
 from workers.replicas import check_count, check_target
 from workers.store.db import Database, get_database
 from workers.store.migrate import check_schema
-from workers.store.models import COUNTED_STATES
 
 _checked: set[str] = set()
 
@@ -64,10 +64,13 @@ def spawn(function: str, count: int = 1, *, settings: Settings | None = None) ->
     count = check_count(count)
     with db.transaction() as s:
         fn = get_function(s, function)
-        have = live_count(s, fn, COUNTED_STATES)
-        if have + count > fn.max_replicas:
+        adding = count
+        if fn.placement == "spread":  # n on every healthy node
+            adding = count * max(1, len(spread_nodes(s, fn)))
+        have = fn.replica_count
+        if have + adding > fn.max_replicas:
             raise InputError(
-                f"spawning {count} would give {function} {have + count} replicas, "
+                f"spawning {adding} would give {function} {have + adding} replicas, "
                 f"above its max of {fn.max_replicas}"
             )
         op = create_operation(s, "spawn", {"function": function, "count": count},
@@ -146,3 +149,117 @@ def wait(
             )
         time.sleep(delay)
         delay = min(delay * 1.5, 1.0)
+
+
+def hogs(
+    action: str, n: int, node: str | None = None, *, settings: Settings | None = None
+) -> str:
+    """Start or stop ``n`` CPU hogs on ``node`` (default: all healthy agents); returns the op id."""
+    from tasks.hogs import hogs as hogs_task
+    from workers.hogs import check_hogs, hog_targets
+
+    db = database(settings)
+    action, n = check_hogs(action, n)
+    with db.transaction() as s:
+        hog_targets(s, node)  # unknown node, Lambdo host or no healthy agents: refuse now
+        op = create_operation(s, "hogs", {"action": action, "n": n, "node": node})
+    return _enqueue(
+        db, op.id, lambda: hogs_task.delay(action=action, n=n, node=node, op_id=op.id)
+    )
+
+
+# -- claims and the reaper ---------------------------------------------------------------------
+
+MAX_COLD_START_S = 3600.0
+
+
+def claim(
+    function: str, *, cold_start_timeout: float = 0.0, settings: Settings | None = None
+) -> dict[str, Any]:
+    """Take one execution environment of an Idle replica of ``function``.
+
+    With nothing Idle and ``cold_start_timeout > 0``, wait up to that many seconds for
+    a new replica: concurrent waiters of one function share spawns (a spawn is asked
+    for only while waiters outnumber the environments already on their way).
+    """
+    from workers import claims
+
+    settings = settings or get_settings()
+    if isinstance(cold_start_timeout, bool) or not isinstance(cold_start_timeout, int | float):
+        raise InputError(f"cold-start timeout must be a number, got {cold_start_timeout!r}")
+    if not 0 <= cold_start_timeout <= MAX_COLD_START_S:
+        raise InputError(
+            f"cold-start timeout must be between 0 and {MAX_COLD_START_S:g}s, "
+            f"got {cold_start_timeout!r}"
+        )
+    db = database(settings)
+    started = time.monotonic()
+
+    def view(got: claims.Claimed, spawned: list[str]) -> dict[str, Any]:
+        return {**got.as_dict(), "waited_s": round(time.monotonic() - started, 3),
+                "spawned": spawned}
+
+    try:
+        return view(claims.claim(db, settings, function), [])
+    except claims.NoIdleReplica:
+        if cold_start_timeout <= 0:
+            raise
+    waiter = claims.join_waiters(db, function, cold_start_timeout)
+    spawned: list[str] = []
+    settled: set[str] = set()
+    deadline = started + cold_start_timeout
+    delay = 0.02
+    try:
+        while True:
+            try:
+                return view(claims.claim(db, settings, function, waiter=waiter), spawned)
+            except claims.NoIdleReplica:
+                pass
+            for op_id in [o for o in spawned if o not in settled]:
+                mine = operation(op_id, settings=settings)
+                if mine["status"] == "failed":
+                    raise claims.NoIdleReplica(
+                        f"cold start of {function} failed: {mine['error']}"
+                    )
+                if mine["status"] in FINISHED:
+                    settled.add(op_id)
+            if time.monotonic() >= deadline:
+                raise claims.ClaimTimeout(
+                    f"no ready replica of {function} after {cold_start_timeout:g}s"
+                )
+            plan = claims.plan_cold_start(db, settings, waiter)
+            if plan.spawn is not None:
+                try:
+                    op_id = spawn(function, 1, settings=settings)
+                except CorralError as exc:
+                    claims.drop_spawn(db, plan.spawn)
+                    raise claims.NoIdleReplica(
+                        f"no idle replica of {function}, and a cold start was refused: {exc}"
+                    ) from None
+                claims.note_spawn(db, plan.spawn, op_id)
+                spawned.append(op_id)
+                continue  # the new replica may be ready already (eager mode)
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 1.5, 0.5)
+    finally:
+        claims.leave_waiters(db, waiter)
+
+
+def release(replica_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
+    """Give back one execution environment of a claimed replica."""
+    from workers import claims
+
+    settings = settings or get_settings()
+    return claims.release(database(settings), settings, check_id(replica_id, "replica"))
+
+
+def reap(idle_timeout: float | None = None, *, settings: Settings | None = None) -> str:
+    """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
+    from tasks.maintenance import reap as reap_task
+    from workers.reaper import check_idle_timeout
+
+    db = database(settings)
+    idle_timeout = check_idle_timeout(idle_timeout)
+    with db.transaction() as s:
+        op = create_operation(s, "reap", {"idle_timeout": idle_timeout})
+    return _enqueue(db, op.id, lambda: reap_task.delay(idle_timeout=idle_timeout, op_id=op.id))

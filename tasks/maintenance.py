@@ -19,7 +19,6 @@ def check_health(self: CorralTask) -> dict[str, Any]:
     return asdict(health.check_health(self.db, self.settings))
 
 
-
 @app.task(bind=True, name="corral.reap")
 def reap(
     self: CorralTask, idle_timeout: float | None = None, op_id: str | None = None
@@ -43,7 +42,10 @@ def reap(
     if op_id:
         reaper.start(self.db, op_id)
     try:
-        report = reaper.reap(self.db, settings, idle_timeout=idle_timeout, holder=holder)
+        # An operator's pass waits a little for a periodic one to end instead of failing.
+        wait = settings.task_soft_time_limit_s / 4 if op_id else 0.0
+        report = reaper.reap(self.db, settings, idle_timeout=idle_timeout, holder=holder,
+                             lease_wait_s=wait)
     except Exception as exc:
         if op_id and not isinstance(exc, InputError):  # input errors: CorralTask fails the op
             fail_op(self.db, op_id, f"reap pass failed: {type(exc).__name__}: {exc}")

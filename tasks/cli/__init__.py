@@ -18,12 +18,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from config.settings import ConfigError, get_settings
-from tasks.cli import core
+from tasks.cli import claims as claim_cmds
+from tasks.cli import core, gpus, services
 from tasks.cli._output import Command, Handler
 from workers.errors import CorralError
 from workers.store.migrate import SchemaError
 
-GROUPS: list[Callable[[Any, Command], None]] = [core.register]
+GROUPS: list[Callable[[Any, Command], None]] = [
+    core.register, gpus.register, services.register, claim_cmds.register
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -232,6 +232,9 @@ class Replica(Base):
     __table_args__ = (
         CheckConstraint("envs_in_use >= 0 AND envs_in_use <= envs_total", name="ck_rep_envs"),
         Index("ix_replicas_fn_status", "function_id", "status"),
+        # Claims (Idle replicas of the current build) and the reaper's stale sweep (Idle
+        # replicas of any other build) are each one range of this index.
+        Index("ix_replicas_claim", "function_id", "status", "build_version"),
         Index("ix_replicas_node_status", "node_id", "status"),
         Index("ix_replicas_reap", "status", "reap_at"),
         Index("ix_replicas_idle", "status", "idle_since"),

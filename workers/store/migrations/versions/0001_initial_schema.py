@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30 06:45:49.826564
+Create Date: 2026-11-30 07:02:04.818815
 """
 
 from __future__ import annotations
@@ -176,6 +176,9 @@ def upgrade() -> None:
         sa.UniqueConstraint("request_id"),
     )
     with op.batch_alter_table("replicas", schema=None) as batch_op:
+        batch_op.create_index(
+            "ix_replicas_claim", ["function_id", "status", "build_version"], unique=False
+        )
         batch_op.create_index("ix_replicas_deadline", ["status", "deadline_at"], unique=False)
         batch_op.create_index("ix_replicas_fn_status", ["function_id", "status"], unique=False)
         batch_op.create_index("ix_replicas_idle", ["status", "idle_since"], unique=False)
@@ -210,6 +213,7 @@ def downgrade() -> None:
         batch_op.drop_index("ix_replicas_idle")
         batch_op.drop_index("ix_replicas_fn_status")
         batch_op.drop_index("ix_replicas_deadline")
+        batch_op.drop_index("ix_replicas_claim")
 
     op.drop_table("replicas")
     with op.batch_alter_table("operations", schema=None) as batch_op:

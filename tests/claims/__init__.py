@@ -1,0 +1,1 @@
+"""Claims, cold starts, leases and the reaper."""

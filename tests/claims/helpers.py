@@ -1,0 +1,55 @@
+"""Shared helpers for the claims and reaper tests: deploy, spawn Idle replicas, count RPCs."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select
+
+from agents.fcdaemon import RunningAgent
+from tasks import api
+from tests.fixtures import Env
+from workers.functions import deploy, spec_from
+from workers.store.models import Replica, ReplicaState
+
+
+def deploy_fn(corral: Env, name: str = "hello", **fields: Any) -> None:
+    """Create (or redeploy, bumping the build) a fcdaemon function."""
+    base: dict[str, Any] = {"image": "examples.hello:latest", "kernel": "/boot/vmlinux",
+                            "max": 50}
+    base.update(fields)
+    with corral.db.transaction() as s:
+        deploy(s, spec_from(name=name, **base), corral.settings)
+
+
+def spawn_idle(env: Env, name: str, n: int) -> list[Replica]:
+    """Spawn ``n`` replicas (eager mode); returns the function's Idle replicas."""
+    view = api.wait(api.spawn(name, n), timeout=30)
+    assert view["status"] == "succeeded", view
+    return [r for r in replicas(env, name) if r.status == ReplicaState.IDLE]
+
+
+def replicas(env: Env, name: str | None = None) -> list[Replica]:
+    """Every replica row (of one function), oldest first."""
+    with env.db.read() as s:
+        rows = list(s.scalars(select(Replica).order_by(Replica.created_at)))
+    return [r for r in rows if name is None or r.function.name == name]
+
+
+def by_id(env: Env) -> dict[str, Replica]:
+    """Every replica row by id."""
+    return {r.id: r for r in replicas(env)}
+
+
+def released(agents: Iterable[RunningAgent]) -> Counter[str]:
+    """How many ReleaseVMSetup calls each vmid got, over all agents."""
+    return Counter(
+        req.vmid for agent in agents for req in agent.agent.calls_of("ReleaseVMSetup")
+    )
+
+
+def created(agents: Iterable[RunningAgent]) -> int:
+    """How many CreateReplica calls the agents got."""
+    return sum(len(agent.agent.calls_of("CreateReplica")) for agent in agents)

@@ -1,0 +1,309 @@
+"""Claims: handing one execution environment of an Idle replica to one request.
+
+The model
+---------
+A replica runs ``envs_total`` execution environments (the function's
+``exec_envs``); ``envs_in_use`` says how many serve a request now. A replica is
+*Idle* while at least one environment is free and *Allocated* when all are
+taken, so "Idle" always means "can take a request" (the CHECK constraint
+``envs_in_use <= envs_total`` backs this up).
+
+:func:`claim` takes one environment of an Idle replica of the function's
+**current** build (a replica whose ``build_version`` differs from the
+function's is stale: it finishes what it serves but is never handed out again,
+and the reaper removes it). :func:`release` gives one back. Both change the
+status only through :func:`workers.lifecycle.transition`, which keeps the idle
+clock: a replica whose last environment is released becomes idle *since that
+moment* (``idle_since = last_used_at``) and gets its ``reap_at``; a replica that
+takes a request is busy, with no ``idle_since`` and no ``reap_at``, so the reaper
+cannot see it.
+
+Two claims never get the same environment. On PostgreSQL the candidate row is
+picked with ``SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1`` on the
+``(function_id, status, build_version)`` index, so concurrent claimers lock *different* rows
+instead of queueing on one. When every candidate is locked, the claimer does not
+block on a lock (a blocking ``FOR UPDATE`` keeps the rows it rejected on re-check
+locked, and claimers then deadlock on one another); it looks without locking
+whether any Idle row exists at all, and if so tries ``SKIP LOCKED`` again a few
+milliseconds later, so a replica whose second environment is still free is not
+missed. On SQLite the write transaction itself is the lock (``BEGIN
+IMMEDIATE``): claims run one at a time. Either way the pick is one index probe,
+O(log n) in the number of replicas.
+
+Cold starts
+-----------
+When nothing is Idle, a producer may wait for a new replica
+(:func:`tasks.api.claim` with a cold-start timeout). Concurrent waiters of one
+function *share* spawns: each waiter is a lease-like row ``cw:<function>:<token>``
+in the ``leases`` table (it expires by itself if the waiting process dies, and is
+deleted in the very transaction whose claim serves it), each spawn a waiter asked
+for is a row ``cs:<function>:<token>`` whose holder becomes the spawn's operation
+id. :func:`plan_cold_start` - one transaction, with the function row locked so
+decisions for one function are serialised - counts the waiters and the
+environments already on their way (replicas of the current build in Creating /
+Starting, and waiter-requested spawns not finished yet, each counted once) and
+asks for one more spawn only when waiters outnumber them and nothing is Idle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from config.settings import Settings
+from workers.clock import now
+from workers.errors import CorralError, InputError, NotFound
+from workers.functions import get_function
+from workers.lifecycle import lock_replica, transition
+from workers.operations import FINISHED
+from workers.store.db import Database
+from workers.store.models import (
+    Function,
+    Lease,
+    Operation,
+    OpStatus,
+    Replica,
+    ReplicaState,
+    new_id,
+)
+
+WAITER_PREFIX = "cw"
+SPAWN_PREFIX = "cs"
+PENDING_SPAWN = "pending:"  # + the waiter's token, until the operation id replaces it
+LOCKED_RETRY_S = 2.0  # how long a claim keeps looking while every Idle row is locked
+
+
+class NoIdleReplica(CorralError):
+    """No Idle replica of the function's current build could be claimed."""
+
+
+class ClaimTimeout(NoIdleReplica):
+    """A cold-start claim found no ready replica before its timeout."""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One execution environment handed to a caller: where to send the request."""
+
+    replica_id: str
+    address: str | None
+    vmid: str | None
+    function: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The claim as a JSON-ready mapping."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A claimer registered as waiting for a cold start of one function."""
+
+    function: str
+    function_id: str
+    token: str
+
+
+def _candidate(session: Session, fn: Function, lock: str = "skip") -> str | None:
+    """The id of one claimable replica of ``fn``.
+
+    ``lock``: ``skip`` locks it, skipping rows others hold; ``none`` only looks
+    (SQLite ignores row locks: its write transaction is the lock).
+    """
+    query = (
+        select(Replica.id)
+        .where(
+            Replica.function_id == fn.id,
+            Replica.status == ReplicaState.IDLE,
+            Replica.build_version == fn.build_version,
+            Replica.envs_in_use < Replica.envs_total,
+        )
+        .limit(1)
+    )
+    if lock == "skip":
+        query = query.with_for_update(skip_locked=True)
+    return session.scalars(query).first()
+
+
+def claim(
+    db: Database, settings: Settings, function_name: str, *, waiter: Waiter | None = None
+) -> Claimed:
+    """Take one execution environment of an Idle, current-build replica of the function.
+
+    A cold-start ``waiter`` stops being counted in the same transaction that serves it,
+    so no other waiter sees it still waiting and asks for a spawn on its behalf.
+    """
+    give_up = time.monotonic() + LOCKED_RETRY_S
+    with db.transaction() as s:
+        fn = get_function(s, function_name)
+        rid = _candidate(s, fn, "skip")
+        pause = 0.001
+        while rid is None and not db.is_sqlite and time.monotonic() < give_up:
+            # Nothing unlocked. If Idle rows are merely locked by other claimers (or a
+            # reaper pass), they may keep a free environment: look again shortly. Each
+            # statement sees the newest commits (READ COMMITTED), and no lock is held
+            # while waiting, so claimers can never deadlock on one another.
+            if _candidate(s, fn, "none") is None:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+            rid = _candidate(s, fn, "skip")
+        if rid is None:
+            raise NoIdleReplica(f"no idle replica of {function_name}")
+        replica = lock_replica(s, rid)
+        if replica is None or replica.status != ReplicaState.IDLE:
+            raise NoIdleReplica(f"no idle replica of {function_name}")
+        replica.envs_in_use += 1
+        replica.last_used_at = now()
+        if replica.envs_in_use >= replica.envs_total:
+            transition(s, replica, ReplicaState.ALLOCATED, settings)
+        else:  # still Idle (another environment is free) but busy: off the reaper's index
+            replica.idle_since = None
+            replica.reap_at = None
+            s.flush()
+        if waiter is not None:
+            s.execute(delete(Lease).where(Lease.name == waiter.token))
+        return Claimed(replica.id, replica.address, replica.vmid, fn.name)
+
+
+def release(db: Database, settings: Settings, replica_id: str) -> dict[str, Any]:
+    """Give one execution environment back; the replica is Idle again afterwards."""
+    with db.transaction() as s:
+        replica = lock_replica(s, replica_id)
+        if replica is None:
+            raise NotFound(f"unknown replica {replica_id!r}")
+        state = ReplicaState(replica.status)
+        if replica.envs_in_use <= 0:
+            raise InputError(
+                f"replica {replica_id} has no execution environment in use "
+                f"(it is {state.label}); nothing to release"
+            )
+        replica.envs_in_use -= 1
+        replica.last_used_at = now()
+        if state in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+            transition(s, replica, ReplicaState.IDLE, settings)
+        else:  # being deleted: just count the environment back
+            s.flush()
+        return {
+            "replica_id": replica.id,
+            "function": replica.function.name,
+            "status": ReplicaState(replica.status).label,
+            "envs_in_use": replica.envs_in_use,
+            "envs_total": replica.envs_total,
+        }
+
+
+# -- cold starts -------------------------------------------------------------------------------
+
+
+def _range(prefix: str, function_id: str) -> tuple[str, str]:
+    """Lease names ``<prefix>:<function id>:*`` as an index range on the primary key."""
+    return f"{prefix}:{function_id}:", f"{prefix}:{function_id};"
+
+
+def _rows(session: Session, prefix: str, function_id: str) -> list[Lease]:
+    lo, hi = _range(prefix, function_id)
+    return list(session.scalars(select(Lease).where(Lease.name >= lo, Lease.name < hi)))
+
+
+def join_waiters(db: Database, function_name: str, wait_s: float) -> Waiter:
+    """Register a claimer that waits up to ``wait_s`` seconds for a cold start."""
+    with db.transaction() as s:
+        fn = get_function(s, function_name)
+        token = f"{_range(WAITER_PREFIX, fn.id)[0]}{new_id()[:16]}"
+        # The row outlives the wait a little, then lapses by itself if we never delete it.
+        s.add(Lease(name=token, holder="claim", expires_at=now() + timedelta(seconds=wait_s + 5)))
+        return Waiter(fn.name, fn.id, token)
+
+
+def leave_waiters(db: Database, waiter: Waiter) -> None:
+    """Stop counting this claimer as waiting."""
+    with db.transaction() as s:
+        s.execute(delete(Lease).where(Lease.name == waiter.token))
+
+
+def in_flight_envs(session: Session, fn: Function, spawn_ops: set[str]) -> int:
+    """Environments of the current build already on their way (Creating or Starting)."""
+    query = select(func.coalesce(func.sum(Replica.envs_total), 0)).where(
+        Replica.function_id == fn.id,
+        Replica.status.in_((ReplicaState.CREATING, ReplicaState.STARTING)),
+        Replica.build_version == fn.build_version,
+    )
+    if spawn_ops:  # these are counted through their spawn rows already
+        query = query.where(
+            (Replica.operation_id.is_(None)) | Replica.operation_id.not_in(spawn_ops)
+        )
+    return int(session.scalar(query) or 0)
+
+
+@dataclass(frozen=True)
+class ColdStartPlan:
+    """What :func:`plan_cold_start` saw and decided."""
+
+    waiters: int
+    in_flight: int
+    spawn: str | None  # the spawn row to fill in with the operation id, when a spawn is due
+
+
+def plan_cold_start(db: Database, settings: Settings, waiter: Waiter) -> ColdStartPlan:
+    """Decide whether this waiter must ask for one more spawn (waiters > environments coming)."""
+    with db.transaction() as s:
+        fn = s.get(Function, waiter.function_id, with_for_update=True)
+        if fn is None:
+            raise NotFound(f"function {waiter.function!r} was removed")
+        at = now()
+        alive: set[str] = set()
+        for row in _rows(s, WAITER_PREFIX, fn.id):
+            if row.expires_at <= at:
+                s.delete(row)
+            else:
+                alive.add(row.name)
+        waiters = len(alive)
+        pending = 0
+        spawn_ops: set[str] = set()
+        spawns = _rows(s, SPAWN_PREFIX, fn.id)
+        op_ids = [r.holder for r in spawns if not r.holder.startswith(PENDING_SPAWN)]
+        ops: dict[str, str] = {}
+        if op_ids:
+            rows = s.execute(
+                select(Operation.id, Operation.status).where(Operation.id.in_(op_ids))
+            )
+            ops = {op_id: status for op_id, status in rows}
+        for row in spawns:
+            if row.holder.startswith(PENDING_SPAWN):
+                # Being asked for right now by a waiter; if that waiter is gone (its
+                # process died between deciding and asking), the spawn never will be.
+                done = row.holder[len(PENDING_SPAWN):] not in alive
+            else:
+                done = ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED
+            if row.expires_at <= at or done:
+                s.delete(row)
+            elif row.holder.startswith(PENDING_SPAWN):
+                pending += 1
+            else:
+                spawn_ops.add(row.holder)
+        coming = (pending + len(spawn_ops)) * fn.exec_envs + in_flight_envs(s, fn, spawn_ops)
+        if waiters <= coming or _candidate(s, fn, "none") is not None:
+            return ColdStartPlan(waiters, coming, None)
+        name = f"{_range(SPAWN_PREFIX, fn.id)[0]}{new_id()[:16]}"
+        ttl = settings.creating_deadline_s + settings.boot_deadline_s
+        s.add(Lease(name=name, holder=f"{PENDING_SPAWN}{waiter.token}",
+                    expires_at=at + timedelta(seconds=ttl)))
+        return ColdStartPlan(waiters, coming, name)
+
+
+def note_spawn(db: Database, spawn: str, op_id: str) -> None:
+    """Record the operation that carries out a waiter-requested spawn."""
+    with db.transaction() as s:
+        s.execute(update(Lease).where(Lease.name == spawn).values(holder=op_id))
+
+
+def drop_spawn(db: Database, spawn: str) -> None:
+    """Forget a waiter-requested spawn that was refused."""
+    with db.transaction() as s:
+        s.execute(delete(Lease).where(Lease.name == spawn))

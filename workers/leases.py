@@ -1,0 +1,109 @@
+"""Named leases: a lock in the database with an owner and an expiry.
+
+A lease is one row of the ``leases`` table: ``(name, holder, expires_at)``. Whoever
+holds an unexpired row owns the name; everyone else is refused. Both steps are
+single conditional statements, so two processes racing for a name get exactly
+one winner on SQLite and on PostgreSQL alike:
+
+* take over an existing row - ``UPDATE ... WHERE name = :n AND (holder = :me OR
+  expires_at <= now)``: an expired lease (its holder crashed) is taken over, our
+  own lease is renewed, anyone else's live lease matches nothing. On PostgreSQL
+  the second of two concurrent updaters waits for the first's row lock and then
+  re-checks the condition against the new row, so it loses;
+* create a missing row - ``INSERT ... ON CONFLICT DO NOTHING RETURNING name``: of two
+  concurrent inserts exactly one writes (and returns) the row; the other returns nothing.
+
+The expiry is the safety net, not the protocol: a holder releases its lease when
+done (:func:`release` deletes the row only if it still holds it), and a crashed
+holder's lease lapses after ``ttl_s``. Times come from :mod:`workers.clock`, so
+tests can let a lease expire with ``clock.travel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import cast
+
+from sqlalchemy import Table, delete, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from workers.clock import now
+from workers.errors import InputError
+from workers.store.db import Database
+from workers.store.models import Lease
+
+MAX_NAME = 64
+MAX_HOLDER = 128
+LEASES = cast(Table, Lease.__table__)
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """Who holds a lease and until when."""
+
+    name: str
+    holder: str
+    expires_at: datetime
+
+
+def _check(name: str, holder: str, ttl_s: float | None = None) -> None:
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME:
+        raise InputError(f"lease name must be 1-{MAX_NAME} characters, got {name!r}")
+    if not isinstance(holder, str) or not 0 < len(holder) <= MAX_HOLDER:
+        raise InputError(f"lease holder must be 1-{MAX_HOLDER} characters, got {holder!r}")
+    if ttl_s is not None and not ttl_s > 0:
+        raise InputError(f"lease ttl must be positive, got {ttl_s!r}")
+
+
+def take(session: Session, name: str, holder: str, ttl_s: float) -> bool:
+    """Acquire or renew ``name`` inside the caller's transaction; True if ``holder`` has it."""
+    _check(name, holder, ttl_s)
+    at = now()
+    expires = at + timedelta(seconds=ttl_s)
+    conn = session.connection()
+    table = LEASES
+    took = conn.execute(
+        update(table)
+        .where(Lease.name == name, or_(Lease.holder == holder, Lease.expires_at <= at))
+        .values(holder=holder, expires_at=expires)
+        .returning(table.c.name)
+    ).first()
+    if took is not None:
+        return True
+    values = {"name": name, "holder": holder, "expires_at": expires}
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    stmt = insert(table).values(**values).on_conflict_do_nothing()
+    # RETURNING names the row only if this statement wrote it (a driver's rowcount for
+    # ON CONFLICT DO NOTHING is not to be trusted: psycopg reports -1 for it).
+    return conn.execute(stmt.returning(table.c.name)).first() is not None
+
+
+def drop(session: Session, name: str, holder: str) -> bool:
+    """Release ``name`` inside the caller's transaction if ``holder`` still holds it."""
+    _check(name, holder)
+    table = LEASES
+    gone = session.connection().execute(
+        delete(table).where(Lease.name == name, Lease.holder == holder).returning(table.c.name)
+    ).first()
+    return gone is not None
+
+
+def acquire(db: Database, name: str, holder: str, ttl_s: float) -> bool:
+    """Take the lease ``name`` for ``ttl_s`` seconds; False if someone else holds it."""
+    with db.transaction() as s:
+        return take(s, name, holder, ttl_s)
+
+
+def release(db: Database, name: str, holder: str) -> bool:
+    """Give the lease back; False if ``holder`` no longer held it (expired, taken over)."""
+    with db.transaction() as s:
+        return drop(s, name, holder)
+
+
+def current(db: Database, name: str) -> LeaseInfo | None:
+    """The unexpired holder of ``name``, or None."""
+    with db.read() as s:
+        row = s.scalars(select(Lease).where(Lease.name == name, Lease.expires_at > now())).first()
+        return None if row is None else LeaseInfo(row.name, row.holder, row.expires_at)
