@@ -34,8 +34,10 @@ Reliability, chosen on purpose:
   ``tasks.api.wait`` read; producers therefore never subscribe to the result
   backend. The backend (``CORRAL_RESULT_BACKEND``) stays configured for tasks
   that ask for a result explicitly and for tools that expect one.
-* task events are on (``worker_send_task_events``, ``task_send_sent_event``) so
-  Flower shows every task; task messages carry only ids, never secrets.
+* worker task events are on (``worker_send_task_events``) so Flower shows every
+  task from the moment a worker receives it; ``task-sent`` events are off: they
+  would double the cost of every publish (a spawn fan-out publishes one message
+  per replica). Task messages carry only ids, never secrets.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ QUEUES = ("corral.spawn", "corral.delete", "corral.scale", "corral.maintenance")
 
 ROUTES: dict[str, dict[str, str]] = {
     "corral.spawn": {"queue": "corral.spawn"},
+    "corral.spawn_batch": {"queue": "corral.spawn"},
     "corral.spawn_replica": {"queue": "corral.spawn"},
     "corral.delete_replica": {"queue": "corral.delete"},
     "corral.scale": {"queue": "corral.scale"},
@@ -114,10 +117,19 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "result_backend_transport_options": {"retry_policy": {"max_retries": 10}},
         "result_expires": 24 * 3600,
         "task_ignore_result": True,
+        # A publish (a producer's request, or a fan-out queueing its children) waits
+        # out a broker restart of up to ~20 s instead of failing after ~1 s.
+        "task_publish_retry": True,
+        "task_publish_retry_policy": {
+            "max_retries": 12,
+            "interval_start": 0,
+            "interval_step": 0.5,
+            "interval_max": 2,
+        },
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,
         "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        "task_send_sent_event": False,
         "task_track_started": True,
         "worker_hijack_root_logger": False,
         "task_always_eager": settings.eager,

@@ -263,3 +263,13 @@ def reap(idle_timeout: float | None = None, *, settings: Settings | None = None)
     with db.transaction() as s:
         op = create_operation(s, "reap", {"idle_timeout": idle_timeout})
     return _enqueue(db, op.id, lambda: reap_task.delay(idle_timeout=idle_timeout, op_id=op.id))
+
+
+def reconcile(*, settings: Settings | None = None) -> str:
+    """Ask for one reconcile pass now; returns the operation id."""
+    from tasks.maintenance import reconcile as reconcile_task
+
+    db = database(settings)
+    with db.transaction() as s:
+        op = create_operation(s, "reconcile", {})
+    return _enqueue(db, op.id, lambda: reconcile_task.delay(op_id=op.id))

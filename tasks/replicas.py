@@ -1,5 +1,14 @@
 """Replica tasks: spawn fan-out, one task per replica, delete, scale.
 
+A fan-out (``spawn``, or the growing half of ``scale``) splits its replicas into
+``spawn_batch`` tasks of up to 50, so every worker process shares the work of a
+large spawn. A batch writes its replica rows in one transaction - each row
+Creating, with its node and GPU reserved - and then queues one ``spawn_replica``
+task per row. Each of those asks the node for the VM and records it; a
+``spawn_replica`` whose row is missing (a message sent by hand) writes it first,
+the same way. Request ids are fixed by the operation, so a redelivered batch
+writes nothing twice.
+
 Thin wrappers: each loads its operation's inputs by id, calls the plain logic in
 :mod:`workers.replicas`, and decides retries. Only transport errors
 (:class:`~workers.errors.TransientBackendError`) are retried, with exponential
@@ -13,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import group
+from celery import Signature
 
 from workers import replicas
 from workers.app import CorralTask, app
@@ -22,13 +31,48 @@ from workers.health import note_failure
 
 log = logging.getLogger(__name__)
 
+# Rows written per transaction by a fan-out: big enough to amortize a transaction,
+# small enough that the first VMs are asked for while later rows are still written.
+PLACE_BATCH = 50
+
 
 @app.task(bind=True, name="corral.spawn")
 def spawn(self: CorralTask, op_id: str) -> dict[str, Any]:
     """Fan a spawn operation out into one ``spawn_replica`` task per replica."""
     function_id, jobs = replicas.plan_spawn(self.db, op_id)
-    _send([spawn_replica.si(op_id, job.request_id, function_id, job.node_id) for job in jobs])
+    _spawn_all(self, op_id, function_id, jobs)
     return {"op_id": op_id, "replicas": len(jobs)}
+
+
+def _spawn_all(
+    task: CorralTask, op_id: str, function_id: str, jobs: list[replicas.SpawnJob]
+) -> None:
+    """Place and queue ``jobs`` here if they fit one batch, else as ``spawn_batch`` tasks."""
+    if len(jobs) <= PLACE_BATCH:
+        _place_and_queue(task, op_id, function_id, jobs)
+        return
+    _send([
+        spawn_batch.si(op_id, function_id,
+                       [[j.request_id, j.node_id] for j in jobs[i : i + PLACE_BATCH]])
+        for i in range(0, len(jobs), PLACE_BATCH)
+    ])
+
+
+def _place_and_queue(
+    task: CorralTask, op_id: str, function_id: str, jobs: list[replicas.SpawnJob]
+) -> None:
+    replicas.place(task.db, task.settings, op_id, function_id, jobs)
+    _send([spawn_replica.si(op_id, j.request_id, function_id, j.node_id) for j in jobs])
+
+
+@app.task(bind=True, name="corral.spawn_batch")
+def spawn_batch(
+    self: CorralTask, op_id: str, function_id: str, jobs: list
+) -> dict[str, Any]:
+    """Write the rows of up to 50 replicas in one transaction, then queue their spawns."""
+    parsed = replicas.parse_jobs(jobs)
+    _place_and_queue(self, op_id, function_id, parsed)
+    return {"op_id": op_id, "replicas": len(parsed)}
 
 
 @app.task(bind=True, name="corral.spawn_replica")
@@ -90,18 +134,19 @@ def delete_replica(self: CorralTask, replica_id: str, op_id: str | None = None) 
 def scale(self: CorralTask, op_id: str) -> dict[str, Any]:
     """Bring a function to its target: spawn the missing, delete surplus Idle replicas."""
     plan = replicas.plan_scale(self.db, self.settings, op_id)
-    _send(
-        [spawn_replica.si(op_id, job.request_id, plan.function_id) for job in plan.spawns]
-        + [delete_replica.si(rid, op_id) for rid in plan.deletes]
-    )
+    _send([delete_replica.si(rid, op_id) for rid in plan.deletes])
+    _spawn_all(self, op_id, plan.function_id, plan.spawns)
     return {"op_id": op_id, "spawn": len(plan.spawns), "delete": len(plan.deletes),
             "note": plan.note}
 
 
-def _send(signatures: list[Any]) -> None:
-    """Queue child tasks (each to its own queue by route)."""
-    if signatures:
-        group(signatures).apply_async()
+def _send(signatures: list[Signature]) -> None:
+    """Queue child tasks (each to its own queue by route) over one producer connection."""
+    if not signatures:
+        return
+    with app.producer_or_acquire() as producer:
+        for signature in signatures:
+            signature.apply_async(producer=producer)
 
 
 @app.task(name="corral.noop")

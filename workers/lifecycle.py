@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.orm import Session, lazyload
 
 from config.settings import Settings
 from workers.clock import now
@@ -36,14 +36,37 @@ from workers.store.models import (
 )
 
 SETTLING = (ReplicaState.IDLE, ReplicaState.ALLOCATED, ReplicaState.DEAD, ReplicaState.DELETED)
+_OPEN = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
+_COUNT_DONE = (
+    update(Operation)
+    .where(Operation.id == bindparam("op_id"), Operation.status.in_(_OPEN))
+    .values(done=Operation.done + 1)
+    .returning(Operation.done, Operation.failed, Operation.total, Operation.status)
+    .execution_options(synchronize_session=False)
+)
 MAX_OP_ERRORS = 5
+
+
+# The statements on the spawn path are built once: building a SQLAlchemy statement
+# costs more than running it on SQLite. Transitions need the replica and its
+# function; node and GPU rows are loaded only when touched.
+_LOCK_REPLICA = (
+    select(Replica)
+    .options(lazyload(Replica.node), lazyload(Replica.gpu))
+    .where(Replica.id == bindparam("replica_id"))
+    .with_for_update(of=Replica)
+)
+_UNCOUNT = (
+    update(Function)
+    .where(Function.id == bindparam("function_id"))
+    .values(replica_count=Function.replica_count - 1, updated_at=Function.updated_at)
+    .execution_options(synchronize_session=False)
+)
 
 
 def lock_replica(session: Session, replica_id: str) -> Replica | None:
     """The replica row, locked until the transaction ends (FOR UPDATE on PostgreSQL)."""
-    return session.scalars(
-        select(Replica).where(Replica.id == replica_id).with_for_update(of=Replica)
-    ).first()
+    return session.scalars(_LOCK_REPLICA, {"replica_id": replica_id}).first()
 
 
 def lock_replica_by_request(session: Session, request_id: str) -> Replica | None:
@@ -96,12 +119,7 @@ def transition(
         replica.idle_since = None
         replica.reap_at = None
     if before in COUNTED_STATES and to not in COUNTED_STATES:
-        session.execute(
-            update(Function)
-            .where(Function.id == replica.function_id)
-            .values(replica_count=Function.replica_count - 1)
-            .execution_options(synchronize_session=False)
-        )
+        session.execute(_UNCOUNT, {"function_id": replica.function_id})
     if to in FINAL_STATES:
         replica.retired_at = at
         replica.envs_in_use = 0
@@ -110,27 +128,40 @@ def transition(
         if replica.gpu_id is not None and replica.gpu_slot is not None:
             free_gpu(session, replica.gpu_id, replica.gpu_mem_mb)
             replica.gpu_slot = None
-    if replica.operation_id and to in SETTLING:
-        settle(session, replica.operation_id, ok=to != ReplicaState.DEAD, error=replica.error)
-        replica.operation_id = None
+    waiting_op = replica.operation_id if to in SETTLING else None
+    if waiting_op:
+        replica.operation_id = None  # before the flush below: one UPDATE of the row
     session.flush()
+    if waiting_op:
+        settle(session, waiting_op, ok=to != ReplicaState.DEAD, error=replica.error)
 
 
 def settle(session: Session, op_id: str, *, ok: bool, error: str | None = None) -> None:
     """Count one part of an operation as done or failed; finish it when all parts are."""
+    if ok:
+        # The common case in one statement: count it; load the row only to finish it.
+        counted = session.execute(_COUNT_DONE, {"op_id": op_id}).first()
+        if counted is None:
+            return
+        done, failed, total, status = counted
+        if done + failed < total and status != OpStatus.PENDING.value:
+            return
+        op = session.get(Operation, op_id, with_for_update=True, populate_existing=True)
+        if op is not None:
+            maybe_finish(op)
+        return
     op = session.scalars(
         select(Operation).where(Operation.id == op_id).with_for_update()
     ).first()
     if op is None:
         return
-    if ok:
-        op.done += 1
-    else:
-        op.failed += 1
-        errors = list((op.result or {}).get("errors", []))
-        if error and len(errors) < MAX_OP_ERRORS:
-            errors.append(error)
-        op.result = {**(op.result or {}), "errors": errors}
+    if op.status not in _OPEN:
+        return
+    op.failed += 1
+    errors = list((op.result or {}).get("errors", []))
+    if error and len(errors) < MAX_OP_ERRORS:
+        errors.append(error)
+    op.result = {**(op.result or {}), "errors": errors}
     maybe_finish(op)
 
 

@@ -34,13 +34,15 @@ FITS = ("best", "first")
 MAX_ATTEMPTS = 16
 
 
+_PLACEABLE: tuple[ColumnElement[bool], ...] = (
+    Node.healthy.is_(True),
+    Node.draining.is_(False),
+    Node.live < Node.capacity,
+)
+
+
 def _placeable(kind: str) -> list[ColumnElement[bool]]:
-    return [
-        Node.kind == kind,
-        Node.healthy.is_(True),
-        Node.draining.is_(False),
-        Node.live < Node.capacity,
-    ]
+    return [Node.kind == kind, *_PLACEABLE]
 
 
 def _rowcount(result: Any) -> int:
@@ -101,7 +103,7 @@ def reserve_node(
             )
         )
         if took:
-            session.refresh(node)
+            set_committed_value(node, "live", node.live + 1)  # what the UPDATE wrote
             if policy == "roundrobin":
                 session.execute(
                     update(Function)

@@ -3,8 +3,9 @@
 Each operation is split at the network call so that no database transaction is
 held open across an RPC:
 
-* spawn - :func:`begin_spawn` writes the replica row as Creating (keyed by its
-  request id) and reserves a node slot and any GPU in one transaction;
+* spawn - :func:`place` writes replica rows as Creating (keyed by their
+  request ids) and reserves a node slot and any GPU for each, a batch per
+  transaction; :func:`begin_spawn` finds one (placing it first if missing);
   :func:`create_vm` asks the node; :func:`finish_spawn` records the vmid and
   address and makes the replica Idle (or Starting, when the guest reports its own
   readiness). A redelivered request finds its row: a finished one is left alone,
@@ -26,8 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import bindparam, select, update
 
 from config.settings import Settings
 from workers import backends
@@ -77,6 +77,23 @@ class Pending:
     function: Function
 
 
+def parse_jobs(raw: object) -> list[SpawnJob]:
+    """``[[request_id, node_id or null], ...]`` from a task message, or :class:`InputError`."""
+    if not isinstance(raw, list) or not raw:
+        raise InputError(f"jobs must be a non-empty list, got {type(raw).__name__}")
+    jobs = []
+    for item in raw:
+        if (
+            not isinstance(item, list | tuple)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not (item[1] is None or isinstance(item[1], str))
+        ):
+            raise InputError(f"malformed job {item!r}: expected [request_id, node_id or null]")
+        jobs.append(SpawnJob(item[0], item[1]))
+    return jobs
+
+
 def check_count(count: object, what: str = "count") -> int:
     """``count`` as an int in 1..10,000, or a clear :class:`InputError`."""
     if isinstance(count, bool) or not isinstance(count, int):
@@ -110,6 +127,106 @@ def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
         return fn.id, jobs
 
 
+def place(
+    db: Database,
+    settings: Settings,
+    op_id: str | None,
+    function_id: str,
+    jobs: list[SpawnJob],
+) -> int:
+    """Write the Creating rows of ``jobs`` that have none yet, each with its node and GPU.
+
+    One transaction for the whole batch: the function's count toward max is taken
+    for as many as fit, then each replica reserves a node slot (and GPU) and all
+    rows are inserted together. A job that does not fit is written Dead with the
+    reason, and settles its operation as failed. Returns how many rows were written.
+    """
+    if not jobs:
+        return 0
+    with db.transaction() as s:
+        ids = [job.request_id for job in jobs]
+        known = set(s.scalars(select(Replica.request_id).where(Replica.request_id.in_(ids))))
+        todo = [job for job in jobs if job.request_id not in known]
+        if not todo:
+            return 0
+        # FOR NO KEY UPDATE on PostgreSQL: serializes the count with other spawns of this
+        # function without blocking the key-share locks that replica INSERTs take.
+        fn = s.get(Function, function_id, with_for_update={"key_share": True})
+        if fn is None:
+            for _ in todo:
+                if op_id:
+                    settle(s, op_id, ok=False, error=f"function {function_id} was removed")
+            return 0
+        room = max(0, min(len(todo), fn.max_replicas - fn.replica_count))
+        if room:
+            s.execute(
+                update(Function)
+                .where(Function.id == fn.id)
+                .values(replica_count=Function.replica_count + room,
+                        updated_at=Function.updated_at)
+                .execution_options(synchronize_session=False)
+            )
+        at = now()
+        placed: list[Replica] = []
+        failed: list[tuple[Replica, str]] = []
+        policy = fn.placement or settings.placement
+        for i, job in enumerate(todo):
+            replica = Replica(
+                request_id=job.request_id,
+                function_id=fn.id,
+                operation_id=op_id,
+                status=int(ReplicaState.CREATING),
+                build_version=fn.build_version,
+                envs_total=fn.exec_envs,
+                deadline_at=deadline_for(ReplicaState.CREATING, settings, at),
+            )
+            if i >= room:
+                # Never counted, never placed: record why, without going through transition.
+                replica.status, replica.retired_at, replica.operation_id = (
+                    int(ReplicaState.DEAD), at, None)
+                replica.error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
+                s.add(replica)
+                if op_id:
+                    settle(s, op_id, ok=False, error=replica.error)
+                continue
+            try:
+                replica.node_id = reserve_node(s, fn, policy, pinned=job.node_id).id
+                if fn.gpu_mem_mb:
+                    grant = reserve_gpu(s, fn, settings.gpu_fit)
+                    replica.gpu_id, replica.gpu_slot, replica.gpu_mem_mb = (
+                        grant.gpu_id, grant.slot, grant.mem_mb)
+                    s.add(replica)  # its slot must be visible to the next reserve_gpu
+                placed.append(replica)
+            except CapacityError as exc:
+                failed.append((replica, str(exc)))
+        s.add_all(placed + [replica for replica, _ in failed])
+        s.flush()
+        for replica, error in failed:  # counted, maybe holding a node: transition frees it
+            transition(s, replica, ReplicaState.DEAD, settings, error=error)
+        return len(todo)
+
+
+# Built once (see workers.lifecycle): the replica's id, its node and its function.
+_PENDING = (
+    select(Replica.id, Node, Function)
+    .join(Node, Node.id == Replica.node_id)
+    .join(Function, Function.id == Replica.function_id)
+    .where(
+        Replica.request_id == bindparam("request_id"),
+        Replica.status == int(ReplicaState.CREATING),
+    )
+)
+
+
+def pending_spawn(db: Database, request_id: str) -> Pending | None:
+    """The replica of a request if it still waits for its VM, with where to create it."""
+    with db.read() as s:
+        row = s.execute(_PENDING, {"request_id": request_id}).first()
+        if row is None:
+            return None
+        return Pending(row[0], request_id, row[1], row[2])
+
+
 def begin_spawn(
     db: Database,
     settings: Settings,
@@ -118,65 +235,17 @@ def begin_spawn(
     function_id: str,
     node_id: str | None = None,
 ) -> Pending | None:
-    """Write (or find) the replica row for a request and reserve its place; None if done."""
-    with db.transaction() as s:
-        replica = lock_replica_by_request(s, request_id)
-        if replica is not None:
-            if replica.status == ReplicaState.CREATING and replica.node is not None:
-                return Pending(replica.id, request_id, replica.node, replica.function)
-            return None
-        fn = s.get(Function, function_id)
-        if fn is None:
-            if op_id:
-                settle(s, op_id, ok=False, error=f"function {function_id} was removed")
-            return None
-        replica = Replica(
-            request_id=request_id,
-            function_id=fn.id,
-            operation_id=op_id,
-            status=int(ReplicaState.CREATING),
-            build_version=fn.build_version,
-            envs_total=fn.exec_envs,
-            deadline_at=deadline_for(ReplicaState.CREATING, settings, now()),
-        )
-        s.add(replica)
-        if not _count_in(s, fn):
-            # Never counted, never placed: record why, without going through transition.
-            replica.status = int(ReplicaState.DEAD)
-            replica.error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
-            replica.retired_at, replica.operation_id = now(), None
-            s.flush()
-            if op_id:
-                settle(s, op_id, ok=False, error=replica.error)
-            return None
-        s.flush()
-        try:
-            node = reserve_node(s, fn, fn.placement or settings.placement, pinned=node_id)
-            replica.node_id = node.id
-            if fn.gpu_mem_mb:
-                grant = reserve_gpu(s, fn, settings.gpu_fit)
-                replica.gpu_id, replica.gpu_slot, replica.gpu_mem_mb = (
-                    grant.gpu_id,
-                    grant.slot,
-                    grant.mem_mb,
-                )
-            s.flush()
-        except CapacityError as exc:
-            transition(s, replica, ReplicaState.DEAD, settings, error=str(exc))
-            return None
-        return Pending(replica.id, request_id, node, fn)
+    """The replica row of a request, written (and placed) first if missing; None if done.
 
-
-def _count_in(session: Session, fn: Function) -> bool:
-    """Count one more replica toward ``fn``'s max; False when it is already there."""
-    return bool(
-        session.execute(
-            update(Function)
-            .where(Function.id == fn.id, Function.replica_count < Function.max_replicas)
-            .values(replica_count=Function.replica_count + 1)
-            .execution_options(synchronize_session=False)
-        ).rowcount
-    )
+    A redelivered request, or a retry after a transport error, finds its row and
+    gets the same node back.
+    """
+    pending = pending_spawn(db, request_id)
+    if pending is not None:
+        return pending
+    if place(db, settings, op_id, function_id, [SpawnJob(request_id, node_id)]):
+        return pending_spawn(db, request_id)
+    return None
 
 
 def create_vm(settings: Settings, pending: Pending) -> backends.Vm:

@@ -19,13 +19,17 @@ from typing import Any
 
 from config.settings import ConfigError, get_settings
 from tasks.cli import claims as claim_cmds
-from tasks.cli import core, gpus, services
+from tasks.cli import core, gpus, maintenance, services
 from tasks.cli._output import Command, Handler
 from workers.errors import CorralError
 from workers.store.migrate import SchemaError
 
 GROUPS: list[Callable[[Any, Command], None]] = [
-    core.register, gpus.register, services.register, claim_cmds.register
+    core.register,
+    claim_cmds.register,
+    maintenance.register,
+    gpus.register,
+    services.register,
 ]
 
 

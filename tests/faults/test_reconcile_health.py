@@ -159,3 +159,25 @@ def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgent
     assert a.driver.list() == []
     # min is 2: the next pass replaces it on the other node
     assert reconcile(corral_env.db, corral_env.settings, holder="t").top_up == {"hello": 1}
+
+
+def test_reconcile_command_reports_what_it_found(
+    corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from tasks.cli import main
+
+    (agent,) = start_agents(1)
+    _deploy(corral_env, min=1)
+    corral_env.set(orphan_grace_s="0")
+    orphan = agent.driver.start(VMSpec(image="examples.hello"))
+    capsys.readouterr()
+    assert main(["reconcile", "--wait"]) == 0
+    out = capsys.readouterr().out
+    assert f"destroyed orphan node1/{orphan.vmid}" in out
+    assert "hello below its min: spawn" in out
+    assert main(["reconcile", "--wait", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["status"] == "succeeded" and view["result"]["orphans_destroyed"] == []
+    assert len(agent.driver.list()) == 1  # the orphan is gone, min 1 was spawned
