@@ -15,6 +15,7 @@ worker refuses to start on an un-migrated database.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import random
@@ -49,9 +50,13 @@ class CorralTask(Task):  # type: ignore[misc]
         """This process's database."""
         return get_database(self.settings.database_url)
 
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.signature(self.run)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            bound = inspect.signature(self.run).bind(*args, **kwargs)
+            bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
             return self._reject(kwargs.get("op_id") or (args[0] if args else None), str(exc))
         for name, value in bound.arguments.items():

@@ -171,6 +171,16 @@ def claim(
         return Claimed(replica.id, replica.address, replica.vmid, fn.name)
 
 
+def give_back(session: Session, replica: Replica, settings: Settings) -> None:
+    """Return one execution environment of a locked replica: Idle again, last used now."""
+    replica.envs_in_use -= 1
+    replica.last_used_at = now()
+    if replica.status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+        transition(session, replica, ReplicaState.IDLE, settings)
+    else:  # being deleted: just count the environment back
+        session.flush()
+
+
 def release(db: Database, settings: Settings, replica_id: str) -> dict[str, Any]:
     """Give one execution environment back; the replica is Idle again afterwards."""
     with db.transaction() as s:
@@ -183,12 +193,7 @@ def release(db: Database, settings: Settings, replica_id: str) -> dict[str, Any]
                 f"replica {replica_id} has no execution environment in use "
                 f"(it is {state.label}); nothing to release"
             )
-        replica.envs_in_use -= 1
-        replica.last_used_at = now()
-        if state in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
-            transition(s, replica, ReplicaState.IDLE, settings)
-        else:  # being deleted: just count the environment back
-            s.flush()
+        give_back(s, replica, settings)
         return {
             "replica_id": replica.id,
             "function": replica.function.name,

@@ -36,6 +36,7 @@ from sqlalchemy import select
 
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
+from workers.claims import give_back
 from workers.errors import CorralError
 from workers.lifecycle import lock_replica, transition
 from workers.nodes import default_name, upsert_node
@@ -150,12 +151,7 @@ class Registry:
             if replica is None or replica.status not in LIVE_STATES:
                 return DESTROY
             if replica.envs_in_use > 0:
-                replica.envs_in_use -= 1
-                replica.last_used_at = _now()
-            if replica.status == ReplicaState.ALLOCATED or (
-                replica.status == ReplicaState.IDLE and replica.envs_in_use == 0
-            ):
-                transition(s, replica, ReplicaState.IDLE, self.settings)
+                give_back(s, replica, self.settings)
             fn, node = replica.function, replica.node
             reason = None
             if replica.status == ReplicaState.DELETING:
@@ -180,12 +176,6 @@ class Registry:
 
         with self.db.read() as s:
             return manager_info(s, vmid)
-
-
-def _now() -> Any:
-    from workers.clock import now
-
-    return now()
 
 
 def _queue_delete(replica_id: str) -> None:

@@ -160,3 +160,23 @@ def test_registry_token_is_enforced(corral_env: Env) -> None:
             assert len(list(s.scalars(select(Node)))) == 1
     finally:
         running.stop(0)
+
+
+def test_finished_gives_the_claimed_environment_back(
+    corral_env: Env, registry: RunningRegistry, start_agents: StartAgents
+) -> None:
+    start_agents(1)
+    _guest_function(corral_env, readiness="agent")
+    api.wait(api.spawn("g", 1), timeout=5)
+    claimed = api.claim("g")
+    with corral_env.db.read() as s:
+        assert s.get(Replica, claimed["replica_id"]).status == ReplicaState.ALLOCATED  # type: ignore[union-attr]
+    reply = _stub(registry).UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(vmid=claimed["vmid"], status=FINISHED), timeout=5
+    )
+    assert reply.action == Reply.KEEP_ALIVE
+    with corral_env.db.read() as s:
+        replica = s.get(Replica, claimed["replica_id"])
+        assert replica is not None
+        assert (replica.status, replica.envs_in_use) == (ReplicaState.IDLE, 0)
+        assert replica.last_used_at is not None
