@@ -90,7 +90,9 @@ class CorralTask(Task):  # type: ignore[misc]
         return random.uniform(ceiling / 2, ceiling)
 
 
-_SIMPLE = {"str": str, "int": int, "float": (int, float), "bool": bool}
+_SIMPLE: dict[str, type | tuple[type, ...]] = {
+    "str": str, "int": int, "float": (int, float), "bool": bool,
+}
 
 
 def _matches(value: Any, annotation: Any) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from workers.clock import now
@@ -109,7 +109,10 @@ def remove_node(session: Session, name: str) -> None:
             f"{name}`) and wait, or delete them first"
         )
     session.execute(
-        Replica.__table__.update().where(Replica.node_id == node.id).values(node_id=None)
+        update(Replica)
+        .where(Replica.node_id == node.id)
+        .values(node_id=None)
+        .execution_options(synchronize_session=False)
     )
     session.delete(node)
 

@@ -134,11 +134,15 @@ def _reconcile_node(db: Database, settings: Settings, node: Node, report: Reconc
             log.warning("destroyed orphan VM %s on %s", vm.vmid, node.name)
         except BackendError as exc:
             report.errors.append(f"orphan {vm.vmid}: {exc}")
-    for row in rows:
-        if row.vmid is None or row.vmid in on_node or row.status == ReplicaState.CREATING:
+    for listed in rows:
+        if (
+            listed.vmid is None
+            or listed.vmid in on_node
+            or listed.status == ReplicaState.CREATING
+        ):
             continue
         with db.transaction() as s:
-            replica = lock_replica(s, row.id)
+            replica = lock_replica(s, listed.id)
             if replica is None or replica.status not in LIVE_STATES or replica.vmid in on_node:
                 continue
             if replica.status == ReplicaState.DELETING:

@@ -11,18 +11,11 @@ config = context.config
 url = config.get_main_option("sqlalchemy.url")
 assert url, "workers.store.migrate sets sqlalchemy.url"
 
-connectable = config.attributes.get("connection") or create_engine(url, poolclass=pool.NullPool)
-
-if hasattr(connectable, "connect"):
-    with connectable.connect() as connection:
-        context.configure(
-            connection=connection,
-            target_metadata=Base.metadata,
-            render_as_batch=url.startswith("sqlite"),
-        )
-        with context.begin_transaction():
-            context.run_migrations()
-else:
-    context.configure(connection=connectable, target_metadata=Base.metadata)
+with create_engine(url, poolclass=pool.NullPool).connect() as connection:
+    context.configure(
+        connection=connection,
+        target_metadata=Base.metadata,
+        render_as_batch=url.startswith("sqlite"),
+    )
     with context.begin_transaction():
         context.run_migrations()
