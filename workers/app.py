@@ -55,6 +55,7 @@ class CorralTask(Task):  # type: ignore[misc]
         return inspect.signature(self.run)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task after checking its arguments; bad input fails the operation."""
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
