@@ -52,7 +52,7 @@ def _publish_raw(env: Env, task: str, args: list[object], queue: str) -> str:
 
 
 @pytest.mark.timeout(60)
-def test_same_spawn_message_twice_creates_one_vm(
+def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
     (agent,) = start_agents(1, env=thread_worker)
@@ -77,7 +77,20 @@ def test_same_spawn_message_twice_creates_one_vm(
 
     time.sleep(0.5)
     assert len(agent.driver.list()) == 1
-    assert len(_live(thread_worker)) == 1
+    (replica,) = _live(thread_worker)
+
+    # the same delete message twice: one ReleaseVMSetup, no error
+    with thread_worker.db.transaction() as s:
+        delete_op = create_operation(s, "delete", {"replica": replica.id}, total=1)
+    for _ in range(2):
+        _publish_raw(thread_worker, "corral.delete_replica", [replica.id, delete_op.id],
+                     "corral.delete")
+    view = api.wait(delete_op.id, timeout=30)
+    assert view["status"] == "succeeded" and view["error"] is None, view
+    time.sleep(0.5)
+    assert [r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")] == [replica.vmid]
+    assert agent.driver.list() == []
+    assert api.operation(delete_op.id)["done"] == 1  # the second delivery counted nothing
 
 
 @pytest.mark.timeout(60)
