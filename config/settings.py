@@ -37,7 +37,6 @@ class Settings(BaseSettings):
     result_backend: str | None = None
     eager: bool = False
     registry_listen: str = "0.0.0.0:50052"
-    registry_address: str = "127.0.0.1:50052"
     ready_grace_s: float = Field(2.0, ge=0)
 
     # Reliability: time limits, retries, broker redelivery.

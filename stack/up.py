@@ -94,11 +94,10 @@ def run(options: UpOptions) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     stack_file = state / "stack.json"
     try:
-        published = _start(options, state, logs, sup)
-        if published is None:  # interrupted during start
-            return 130
-        stack_file.write_text(json.dumps({"pid": os.getpid(), "settings": published}, indent=2))
-        _summary(published, state, options)
+        published, services = _start(options, state, logs, sup)
+        stack_file.write_text(json.dumps(
+            {"pid": os.getpid(), "settings": published, "services": services}, indent=2))
+        _summary(published, services, state, options)
         while not stop_requested:
             sup.watch_once()
             time.sleep(0.5)
@@ -115,13 +114,17 @@ def run(options: UpOptions) -> int:
         lock.close()
 
 
-def _start(options: UpOptions, state: Path, logs: Path, sup: Supervisor) -> dict[str, Any] | None:
+def _start(
+    options: UpOptions, state: Path, logs: Path, sup: Supervisor
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Start every service; returns (settings the CLI should use, where services listen)."""
     from config.settings import load_settings
 
     base = load_settings()  # validates CORRAL_* now, naming any bad one
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({k: v for k, v in os.environ.items() if k.startswith("CORRAL_")})
-    published: dict[str, Any] = {}
+    published: dict[str, Any] = {}  # CORRAL_* settings for children and the CLI
+    services: dict[str, str] = {}
 
     broker = os.environ.get("CORRAL_BROKER_URL")
     if not broker:
@@ -143,12 +146,12 @@ def _start(options: UpOptions, state: Path, logs: Path, sup: Supervisor) -> dict
          + ("" if before == after else f" (migrated from {before or 'empty'})"))
 
     reg_port = free_port(DEFAULT_PORTS["registry"])
-    published["registry_address"] = f"127.0.0.1:{reg_port}"
+    published["registry_listen"] = services["registry"] = f"127.0.0.1:{reg_port}"
     flower_port = free_port(base.flower_port or DEFAULT_PORTS["flower"])
     published["flower_port"] = flower_port
+    services["flower"] = f"http://127.0.0.1:{flower_port}/"
     for key, value in published.items():
         env["CORRAL_" + key.upper()] = str(value)
-    env["CORRAL_REGISTRY_LISTEN"] = f"127.0.0.1:{reg_port}"
     env["CORRAL_STATE_DIR"] = str(state)
     py = sys.executable
 
@@ -177,19 +180,19 @@ def _start(options: UpOptions, state: Path, logs: Path, sup: Supervisor) -> dict
               ready=lambda: _port_open(flower_port), timeout=60)
     if options.agents:
         fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
-        published["fcdaemon_address"] = f"127.0.0.1:{fc_port}"
+        services["fcdaemon"] = f"127.0.0.1:{fc_port}"
         sup.start(Child("fcdaemon", [py, "-m", "agents.fcdaemon", "--listen",
                                      f"127.0.0.1:{fc_port}", "--registry",
                                      f"127.0.0.1:{reg_port}", "--node-id", "local-fcdaemon",
                                      "--driver", "process"], env, logs / "fcdaemon.log", state),
                   ready=lambda: _node_registered(database, "local-fcdaemon"), timeout=30)
         lb_port = free_port(DEFAULT_PORTS["lambdo"])
-        published["lambdo_url"] = f"http://127.0.0.1:{lb_port}"
+        services["lambdo"] = f"http://127.0.0.1:{lb_port}"
         sup.start(Child("lambdo", [py, "-m", "agents.lambdo", "--listen",
                                    f"127.0.0.1:{lb_port}", "--driver", "process"], env,
                         logs / "lambdo.log", state), ready=lambda: _port_open(lb_port))
-        _add_lambdo_node(database, published["lambdo_url"])
-    return published
+        _add_lambdo_node(database, services["lambdo"])
+    return published, services
 
 
 def _node_registered(database: str, external_id: str) -> bool:
@@ -212,19 +215,20 @@ def _add_lambdo_node(database: str, url: str) -> None:
                     default_capacity=get_settings().node_capacity)
 
 
-def _summary(published: dict[str, Any], state: Path, options: UpOptions) -> None:
+def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
+             options: UpOptions) -> None:
     lines = [
         "corral is up",
         f"  state directory  {state}",
         f"  broker           {published['broker_url']}",
         f"  database         {published['database_url']}",
-        f"  registry         {published['registry_address']}",
-        f"  flower           http://127.0.0.1:{published['flower_port']}/",
+        f"  registry         {services['registry']}",
+        f"  flower           {services['flower']}",
     ]
     if options.agents:
         lines += [
-            f"  fcdaemon agent   {published['fcdaemon_address']} (node local-fcdaemon)",
-            f"  lambdo host      {published['lambdo_url']} (node local-lambdo)",
+            f"  fcdaemon agent   {services['fcdaemon']} (node local-fcdaemon)",
+            f"  lambdo host      {services['lambdo']} (node local-lambdo)",
         ]
     lines += [f"  logs             {state / 'logs'}",
               "run `corral ...` from this directory in another terminal; Ctrl-C stops everything"]
