@@ -61,8 +61,8 @@ from agents.runtime import (
     connect_host,
     guess_node_ip,
     parse_port_range,
+    serve_until_signalled,
     split_hostport,
-    until_signalled,
 )
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 
@@ -746,30 +746,21 @@ def main(argv: list[str] | None = None) -> int:
         driver = ProcessDriver(port_range, bind_host=bind, advertise_ip=advertise)
     else:
         driver = MemoryDriver(ip=advertise)
-    with until_signalled() as stop:
-        try:
-            running = serve_fcdaemon(
-                args.listen,
-                driver=driver,
-                registry=args.registry,
-                node_id=args.node_id,
-                token=args.token,
-                advertise_ip=advertise,
-                heartbeat=args.heartbeat or None,
-                max_hogs=args.max_hogs,
-                tls=tls,
-                require_token=args.require_token,
-            )
-        except OSError as exc:
-            log.error("%s", exc)
-            driver.close()
-            return 1
-        try:
-            while not stop.wait(1.0):
-                pass
-        finally:
-            running.stop()
-    return 0
+    return serve_until_signalled(
+        lambda: serve_fcdaemon(
+            args.listen,
+            driver=driver,
+            registry=args.registry,
+            node_id=args.node_id,
+            token=args.token,
+            advertise_ip=advertise,
+            heartbeat=args.heartbeat or None,
+            max_hogs=args.max_hogs,
+            tls=tls,
+            require_token=args.require_token,
+        ),
+        on_failure=driver.close,
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ from agents.runtime import (
     add_common_arguments,
     configure_logging,
     connect_host,
+    serve_until_signalled,
     split_hostport,
-    until_signalled,
 )
 from protos import gpuresc_grpc, gpuresc_pb2
 
@@ -214,18 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         log.error("%s", exc)
         return 2
-    with until_signalled() as stop:
-        try:
-            running = serve_gpus(args.listen, gpus)
-        except OSError as exc:
-            log.error("%s", exc)
-            return 1
-        try:
-            while not stop.wait(1.0):
-                pass
-        finally:
-            running.stop()
-    return 0
+    return serve_until_signalled(lambda: serve_gpus(args.listen, gpus))
 
 
 if __name__ == "__main__":

@@ -65,8 +65,8 @@ from agents.runtime import (
     configure_logging,
     connect_host,
     parse_port_range,
+    serve_until_signalled,
     split_hostport,
-    until_signalled,
 )
 
 __all__ = [
@@ -604,21 +604,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         driver = MemoryDriver(port_range=port_range)
-    with until_signalled() as stop:
-        try:
-            running = serve_lambdo(
-                args.listen, driver=driver, token=args.token, default_image=args.default_image
-            )
-        except OSError as exc:
-            log.error("cannot listen on %s: %s", args.listen, exc)
-            driver.close()
-            return 1
-        try:
-            while not stop.wait(1.0):
-                pass
-        finally:
-            running.stop()
-    return 0
+    return serve_until_signalled(
+        lambda: serve_lambdo(
+            args.listen, driver=driver, token=args.token, default_image=args.default_image
+        ),
+        on_failure=driver.close,
+    )
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Protocol
 
 __all__ = [
     "WILDCARD_HOSTS",
@@ -19,6 +20,7 @@ __all__ = [
     "connect_host",
     "guess_node_ip",
     "parse_port_range",
+    "serve_until_signalled",
     "split_hostport",
     "until_signalled",
 ]
@@ -97,3 +99,30 @@ def until_signalled() -> Iterator[threading.Event]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)  # type: ignore[arg-type]
+
+
+class Stoppable(Protocol):
+    """A running server that can be stopped."""
+
+    def stop(self) -> None:
+        """Stop serving and release what it holds."""
+
+
+def serve_until_signalled(
+    start: Callable[[], Stoppable], on_failure: Callable[[], None] | None = None
+) -> int:
+    """Start a server, run it until SIGINT/SIGTERM, stop it; the process exit code."""
+    with until_signalled() as stop:
+        try:
+            running = start()
+        except OSError as exc:
+            logging.getLogger("agents").error("%s", exc)
+            if on_failure is not None:
+                on_failure()
+            return 1
+        try:
+            while not stop.wait(1.0):
+                pass
+        finally:
+            running.stop()
+    return 0
