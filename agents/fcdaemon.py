@@ -57,10 +57,9 @@ from agents.procs import kill_group, spawn
 from agents.runtime import (
     WILDCARD_HOSTS,
     add_common_arguments,
-    configure_logging,
     connect_host,
     guess_node_ip,
-    parse_port_range,
+    parse_agent_args,
     serve_until_signalled,
     split_hostport,
 )
@@ -726,13 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the node agent until SIGINT/SIGTERM; return the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        host, _ = split_hostport(args.listen)
-        port_range = parse_port_range(args.port_range)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args, host, port_range = parse_agent_args(parser, argv)
+    assert port_range is not None
     advertise = args.advertise_ip or guess_node_ip(host)
     tls = None
     if bool(args.tls_cert) != bool(args.tls_key):

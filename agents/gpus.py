@@ -28,8 +28,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from agents.faults import Fault, FaultPlan, record_call
 from agents.runtime import (
     add_common_arguments,
-    configure_logging,
     connect_host,
+    parse_agent_args,
     serve_until_signalled,
     split_hostport,
 )
@@ -204,10 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Serve the GPU inventory until SIGINT/SIGTERM; return the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
+    args, _, _ = parse_agent_args(parser, argv, port_range=False)
     try:
-        split_hostport(args.listen)
         gpus = parse_gpus(args.gpus) if args.gpus is not None else query_nvidia_smi()
     except ValueError as exc:
         parser.error(str(exc))

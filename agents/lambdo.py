@@ -62,9 +62,8 @@ from agents.faults import Fault, FaultPlan, record_call
 from agents.runtime import (
     WILDCARD_HOSTS,
     add_common_arguments,
-    configure_logging,
     connect_host,
-    parse_port_range,
+    parse_agent_args,
     serve_until_signalled,
     split_hostport,
 )
@@ -589,13 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the Lambdo host until SIGINT/SIGTERM; return the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    try:
-        host, _ = split_hostport(args.listen)
-        port_range = parse_port_range(args.port_range)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args, host, port_range = parse_agent_args(parser, argv)
+    assert port_range is not None
     driver: VMDriver
     if args.driver == "process":
         bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")

@@ -19,6 +19,7 @@ __all__ = [
     "configure_logging",
     "connect_host",
     "guess_node_ip",
+    "parse_agent_args",
     "parse_port_range",
     "serve_until_signalled",
     "split_hostport",
@@ -79,6 +80,20 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="stderr log level (default INFO)",
     )
+
+
+def parse_agent_args(
+    parser: argparse.ArgumentParser, argv: list[str] | None, *, port_range: bool = True
+) -> tuple[argparse.Namespace, str, tuple[int, int] | None]:
+    """Parse an agent's argv, set up logging; returns (args, listen host, port range)."""
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        host, _ = split_hostport(args.listen)
+        ports = parse_port_range(args.port_range) if port_range else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args, host, ports
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
@@ -25,7 +25,7 @@ from workers.clock import now
 from workers.errors import InputError, NotFound
 from workers.lifecycle import bump_reap_at
 from workers.placement import POLICIES
-from workers.store.models import LIVE_STATES, Function, Replica
+from workers.store.models import Function
 
 MAX_REPLICAS = 10_000
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -274,18 +274,6 @@ def get_function(session: Session, name: str, *, lock: bool = False) -> Function
     if fn is None:
         raise NotFound(f"unknown function {name!r}")
     return fn
-
-
-def live_count(session: Session, fn: Function, states: tuple[int, ...] = LIVE_STATES) -> int:
-    """How many of the function's replicas are in ``states``."""
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(Replica)
-            .where(Replica.function_id == fn.id, Replica.status.in_(states))
-        )
-        or 0
-    )
 
 
 def function_view(fn: Function, counts: dict[str, int] | None = None) -> dict[str, Any]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from workers.clock import now
 from workers.errors import InputError, NotFound
 from workers.functions import check_name, iso
-from workers.store.models import LIVE_STATES, Node, Replica
+from workers.store.models import Node, Replica
 
 KINDS = ("fcdaemon", "lambdo")
 DEFAULT_AGENT_PORT = 50051
@@ -102,10 +102,9 @@ def get_node(session: Session, name: str) -> Node:
 def remove_node(session: Session, name: str) -> None:
     """Remove a node that runs no replicas."""
     node = get_node(session, name)
-    live = live_on(session, node)
-    if live:
+    if node.live:
         raise InputError(
-            f"node {name!r} still runs {live} replica(s): drain it (`corral nodes drain "
+            f"node {name!r} still runs {node.live} replica(s): drain it (`corral nodes drain "
             f"{name}`) and wait, or delete them first"
         )
     session.execute(
@@ -115,18 +114,6 @@ def remove_node(session: Session, name: str) -> None:
         .execution_options(synchronize_session=False)
     )
     session.delete(node)
-
-
-def live_on(session: Session, node: Node) -> int:
-    """How many live replicas a node runs."""
-    return int(
-        session.scalar(
-            select(func.count())
-            .select_from(Replica)
-            .where(Replica.node_id == node.id, Replica.status.in_(LIVE_STATES))
-        )
-        or 0
-    )
 
 
 def node_view(node: Node) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -11,7 +12,9 @@ from sqlalchemy import select
 from agents.fcdaemon import RunningAgent
 from tasks import api
 from tests.fixtures import Env
+from workers import leases
 from workers.functions import deploy, spec_from
+from workers.store.db import Database
 from workers.store.models import Replica, ReplicaState
 
 
@@ -53,3 +56,21 @@ def released(agents: Iterable[RunningAgent]) -> Counter[str]:
 def created(agents: Iterable[RunningAgent]) -> int:
     """How many CreateReplica calls the agents got."""
     return sum(len(agent.agent.calls_of("CreateReplica")) for agent in agents)
+
+
+def race_for_lease(db: Database, racers: int = 8) -> list[str]:
+    """Let ``racers`` threads try to take the lease ``race`` at once; returns the winners."""
+    barrier = threading.Barrier(racers)
+    wins: list[str] = []
+
+    def one(i: int) -> None:
+        barrier.wait()
+        if leases.acquire(db, "race", f"h{i}", 60):
+            wins.append(f"h{i}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(racers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return wins

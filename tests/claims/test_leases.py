@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
+from tests.claims.helpers import race_for_lease
 from tests.fixtures import Env
 from workers import clock, leases
 from workers.errors import InputError
@@ -41,20 +40,7 @@ def test_expired_lease_is_taken_over(corral_env: Env) -> None:
 
 
 def test_race_has_one_winner(corral_env: Env) -> None:
-    barrier = threading.Barrier(8)
-    wins: list[str] = []
-
-    def one(i: int) -> None:
-        barrier.wait()
-        if leases.acquire(corral_env.db, "race", f"h{i}", 60):
-            wins.append(f"h{i}")
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert len(wins) == 1
+    assert len(race_for_lease(corral_env.db)) == 1
 
 
 @pytest.mark.parametrize(("name", "holder", "ttl"), [("", "a", 1), ("x" * 65, "a", 1),

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from tests.claims.helpers import by_id, deploy_fn, released, spawn_idle
+from tests.claims.helpers import by_id, deploy_fn, race_for_lease, released, spawn_idle
 from tests.claims.pg_child import THREADS, claimer
 from tests.fixtures import Env, StartAgents
 from workers.store.models import ReplicaState
@@ -119,19 +119,7 @@ def test_reaper_passes_without_the_lease_still_delete_each_replica_once(
 def test_lease_race_has_one_winner(pg_env: Env) -> None:
     from workers import leases
 
-    barrier = threading.Barrier(8)
-    wins: list[str] = []
-
-    def one(i: int) -> None:
-        barrier.wait()
-        if leases.acquire(pg_env.db, "race", f"h{i}", 60):
-            wins.append(f"h{i}")
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    wins = race_for_lease(pg_env.db)
     assert len(wins) == 1
     info = leases.current(pg_env.db, "race")
     assert info is not None and info.holder == wins[0]
