@@ -79,6 +79,7 @@ class Settings(BaseSettings):
     health_timeout_s: float = Field(2.0, gt=0)
     node_dead_grace_s: float = Field(60.0, ge=0)
     creating_deadline_s: float = Field(300.0, gt=0)
+    redrive_after_s: float = Field(120.0, gt=0)
     boot_deadline_s: float = Field(60.0, gt=0)
     lease_ttl_s: float = Field(300.0, gt=0)
 

@@ -16,14 +16,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from celery import Signature
+
 from config.settings import Settings, get_settings
 from workers.errors import CorralError, InputError
 from workers.functions import get_function
 from workers.operations import FINISHED, create_operation, get_operation, operation_view
 from workers.placement import spread_nodes
+from workers.redrive import Redrive
 from workers.replicas import check_count, check_target
 from workers.store.db import Database, get_database
 from workers.store.migrate import check_schema
+from workers.store.models import Operation
 
 _checked: set[str] = set()
 
@@ -42,9 +46,46 @@ def database(settings: Settings | None = None) -> Database:
     return db
 
 
-def _enqueue(db: Database, op_id: str, send: Callable[[], Any]) -> str:
+# Operations whose first task may run twice: everything it does is keyed by the
+# operation and its request ids. Not CPU hogs: a second CreateCPUHogs starts more.
+RESENDABLE = ("spawn", "scale", "delete", "reap", "reconcile")
+
+
+def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:
+    """The task that carries out an operation of ``kind``, built from its stored params."""
+    from tasks.hogs import hogs as hogs_task
+    from tasks.maintenance import reap as reap_task
+    from tasks.maintenance import reconcile as reconcile_task
+    from tasks.replicas import delete_replica
+    from tasks.replicas import scale as scale_task
+    from tasks.replicas import spawn as spawn_task
+
+    if kind == "spawn":
+        return spawn_task.si(op_id)
+    if kind == "scale":
+        return scale_task.si(op_id)
+    if kind == "delete":
+        return delete_replica.si(params["replica"], op_id)
+    if kind == "hogs":
+        return hogs_task.si(action=params["action"], n=params["n"], node=params["node"],
+                            op_id=op_id)
+    if kind == "reap":
+        return reap_task.si(idle_timeout=params.get("idle_timeout"), op_id=op_id)
+    if kind == "reconcile":
+        return reconcile_task.si(op_id=op_id)
+    raise ValueError(f"no task carries out operations of kind {kind!r}")
+
+
+def resend(redrive: Redrive) -> None:
+    """Send the first task of an operation that stopped moving again (see workers.redrive)."""
+    first_task(redrive.kind, redrive.op_id, redrive.params).apply_async()
+
+
+def _enqueue(db: Database, op: Operation) -> str:
+    """Queue the first task of a freshly written operation; fail the operation if we cannot."""
+    op_id = op.id
     try:
-        send()
+        first_task(op.kind, op_id, op.params).apply_async()
     except CorralError:
         raise
     except Exception as exc:  # kombu/redis raise many types when the broker is down
@@ -58,8 +99,6 @@ def _enqueue(db: Database, op_id: str, send: Callable[[], Any]) -> str:
 
 def spawn(function: str, count: int = 1, *, settings: Settings | None = None) -> str:
     """Ask for ``count`` more replicas of ``function``; returns the operation id."""
-    from tasks.replicas import spawn as spawn_task
-
     db = database(settings)
     count = check_count(count)
     with db.transaction() as s:
@@ -75,13 +114,11 @@ def spawn(function: str, count: int = 1, *, settings: Settings | None = None) ->
             )
         op = create_operation(s, "spawn", {"function": function, "count": count},
                               function_id=fn.id)
-    return _enqueue(db, op.id, lambda: spawn_task.delay(op.id))
+    return _enqueue(db, op)
 
 
 def scale(function: str, target: int, *, settings: Settings | None = None) -> str:
     """Set ``function``'s replica target; returns the operation id."""
-    from tasks.replicas import scale as scale_task
-
     db = database(settings)
     if isinstance(target, bool) or not isinstance(target, int):
         raise InputError(f"target must be an integer, got {target!r}")
@@ -90,12 +127,11 @@ def scale(function: str, target: int, *, settings: Settings | None = None) -> st
         check_target(fn, target)
         op = create_operation(s, "scale", {"function": function, "target": target},
                               function_id=fn.id)
-    return _enqueue(db, op.id, lambda: scale_task.delay(op.id))
+    return _enqueue(db, op)
 
 
 def delete(replica_id: str, *, settings: Settings | None = None) -> str:
     """Delete one replica; returns the operation id."""
-    from tasks.replicas import delete_replica
     from workers.store.models import Replica
 
     db = database(settings)
@@ -108,7 +144,7 @@ def delete(replica_id: str, *, settings: Settings | None = None) -> str:
             raise NotFound(f"unknown replica {replica_id!r}")
         op = create_operation(s, "delete", {"replica": replica_id},
                               function_id=replica.function_id, total=1)
-    return _enqueue(db, op.id, lambda: delete_replica.delay(replica_id, op.id))
+    return _enqueue(db, op)
 
 
 def check_id(value: str, what: str) -> str:
@@ -155,7 +191,6 @@ def hogs(
     action: str, n: int, node: str | None = None, *, settings: Settings | None = None
 ) -> str:
     """Start or stop ``n`` CPU hogs on ``node`` (default: all healthy agents); returns the op id."""
-    from tasks.hogs import hogs as hogs_task
     from workers.hogs import check_hogs, hog_targets
 
     db = database(settings)
@@ -163,9 +198,7 @@ def hogs(
     with db.transaction() as s:
         hog_targets(s, node)  # unknown node, Lambdo host or no healthy agents: refuse now
         op = create_operation(s, "hogs", {"action": action, "n": n, "node": node})
-    return _enqueue(
-        db, op.id, lambda: hogs_task.delay(action=action, n=n, node=node, op_id=op.id)
-    )
+    return _enqueue(db, op)
 
 
 # -- claims and the reaper ---------------------------------------------------------------------
@@ -255,21 +288,18 @@ def release(replica_id: str, *, settings: Settings | None = None) -> dict[str, A
 
 def reap(idle_timeout: float | None = None, *, settings: Settings | None = None) -> str:
     """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
-    from tasks.maintenance import reap as reap_task
     from workers.reaper import check_idle_timeout
 
     db = database(settings)
     idle_timeout = check_idle_timeout(idle_timeout)
     with db.transaction() as s:
         op = create_operation(s, "reap", {"idle_timeout": idle_timeout})
-    return _enqueue(db, op.id, lambda: reap_task.delay(idle_timeout=idle_timeout, op_id=op.id))
+    return _enqueue(db, op)
 
 
 def reconcile(*, settings: Settings | None = None) -> str:
     """Ask for one reconcile pass now; returns the operation id."""
-    from tasks.maintenance import reconcile as reconcile_task
-
     db = database(settings)
     with db.transaction() as s:
         op = create_operation(s, "reconcile", {})
-    return _enqueue(db, op.id, lambda: reconcile_task.delay(op_id=op.id))
+    return _enqueue(db, op)

@@ -27,7 +27,8 @@ def reap(
 
     Stale replicas kept only for their function's min are replaced: the pass reports how
     many fresh replicas each such function needs, and this task asks for them (a later
-    pass then retires the stale ones).
+    pass then retires the stale ones). Operations that stopped moving get their first
+    task sent again (:mod:`workers.redrive`).
     """
     import os
     import socket
@@ -56,10 +57,26 @@ def reap(
             replacements[name] = api.spawn(name, n, settings=settings)
         except CorralError as exc:
             replacements[name] = f"error: {exc}"
-    extra = {"replacements": replacements}
+    extra = {"replacements": replacements, "redriven": _redrive(self)}
     if op_id:
         reaper.record(self.db, op_id, report, extra)
     return {**report.as_dict(), **extra}
+
+
+def _redrive(task: CorralTask) -> dict[str, str]:
+    """Re-send the first task of every operation that stopped moving; op id -> outcome."""
+    from tasks import api
+    from workers import redrive
+
+    sent: dict[str, str] = {}
+    for due in redrive.due(task.db, task.settings, api.RESENDABLE):
+        try:
+            api.resend(due)
+        except Exception as exc:  # the broker is down again: the next pass retries
+            sent[due.op_id] = f"error: {type(exc).__name__}: {exc}"
+        else:
+            sent[due.op_id] = f"re-sent {due.kind} ({due.attempt} of {redrive.REDRIVE_MAX})"
+    return sent
 
 
 @app.task(bind=True, name="corral.reconcile")

@@ -4,7 +4,8 @@
 Redis broker (results on the same server) with a fresh, migrated SQLite store.
 ``thread_worker`` then runs a real worker in this process, consuming every corral
 queue; :class:`WorkerProcess` runs ``celery -A workers worker`` as a child process
-(prefork pool), which a test can SIGKILL and replace.
+(prefork pool), which a test can SIGKILL and replace; :func:`start_beat` runs
+``celery -A workers beat``.
 """
 
 from __future__ import annotations
@@ -123,3 +124,14 @@ def worker_processes(broker_env: Env, tmp_path: Path) -> Iterator[list[WorkerPro
     yield started
     for worker in started:
         worker.stop()
+
+
+def start_beat(tmp: Path, name: str, extra_env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``celery -A workers beat`` as a child process (log and schedule under ``tmp``)."""
+    log = (tmp / f"beat-{name}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
+         "--max-interval", "1", "-s", str(tmp / f"beat-{name}.schedule")],
+        cwd=ROOT, env={**os.environ, **FAST, **extra_env}, stdout=log,
+        stderr=subprocess.STDOUT,
+    )

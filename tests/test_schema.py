@@ -9,6 +9,7 @@ import pytest
 
 from config.settings import reset_settings
 from tasks.cli import main
+from workers.store.migrate import head_revision
 
 
 @pytest.fixture
@@ -32,9 +33,10 @@ def test_unmigrated_database_is_refused_then_upgrade_fixes_it(
     assert "is not migrated: run `corral db upgrade`" in err
     assert len(err.strip().splitlines()) == 1
     assert main(["db", "upgrade"]) == 0
-    assert "migrated empty -> 0001" in capsys.readouterr().out
+    head = head_revision()
+    assert f"migrated empty -> {head}" in capsys.readouterr().out
     assert main(["db", "upgrade"]) == 0
-    assert "already at revision 0001" in capsys.readouterr().out
+    assert f"already at revision {head}" in capsys.readouterr().out
     assert main(["nodes", "list", "--json"]) == 0
     assert capsys.readouterr().out.strip() == "[]"
 
@@ -44,3 +46,54 @@ def test_a_worker_refuses_an_unmigrated_database(fresh_db: Path) -> None:
 
     with pytest.raises(SystemExit, match="not migrated"):
         _check_schema()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_migrations_build_exactly_the_models(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from workers.store.db import Database
+    from workers.store.migrate import upgrade
+    from workers.store.models import Base
+
+    url = (f"sqlite:///{tmp_path / 'm.sqlite'}" if backend == "sqlite"
+           else request.getfixturevalue("pg_url"))
+    db = Database(url)
+    try:
+        upgrade(db)
+        with db.engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    finally:
+        db.dispose()
+
+
+def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(
+    tmp_path: Path,
+) -> None:
+    from alembic import command
+    from sqlalchemy import text
+
+    from workers.store.db import Database
+    from workers.store.migrate import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    command.upgrade(alembic_config(url), "0001")
+    db = Database(url)
+    try:
+        with db.engine.begin() as conn:
+            for op_id, status in (("a", "running"), ("b", "succeeded")):
+                conn.execute(text(
+                    "INSERT INTO operations (id, kind, params, status, total, done, failed,"
+                    " created_at) VALUES (:id, 'spawn', '{}', :status, 1, 0, 0,"
+                    " '2026-01-01 00:00:00')"), {"id": op_id, "status": status})
+        command.upgrade(alembic_config(url), "head")
+        with db.engine.connect() as conn:
+            rows = dict(conn.execute(text(
+                "SELECT id, progress_at IS NOT NULL FROM operations")).all())
+            assert rows == {"a": 1, "b": 0}  # open operations start their clock, others not
+            assert conn.execute(text("SELECT sum(redrives) FROM operations")).scalar() == 0
+    finally:
+        db.dispose()

@@ -40,7 +40,7 @@ _OPEN = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
 _COUNT_DONE = (
     update(Operation)
     .where(Operation.id == bindparam("op_id"), Operation.status.in_(_OPEN))
-    .values(done=Operation.done + 1)
+    .values(done=Operation.done + 1, progress_at=bindparam("at"))
     .returning(Operation.done, Operation.failed, Operation.total, Operation.status)
     .execution_options(synchronize_session=False)
 )
@@ -140,7 +140,7 @@ def settle(session: Session, op_id: str, *, ok: bool, error: str | None = None) 
     """Count one part of an operation as done or failed; finish it when all parts are."""
     if ok:
         # The common case in one statement: count it; load the row only to finish it.
-        counted = session.execute(_COUNT_DONE, {"op_id": op_id}).first()
+        counted = session.execute(_COUNT_DONE, {"op_id": op_id, "at": now()}).first()
         if counted is None:
             return
         done, failed, total, status = counted
@@ -158,6 +158,7 @@ def settle(session: Session, op_id: str, *, ok: bool, error: str | None = None) 
     if op.status not in _OPEN:
         return
     op.failed += 1
+    op.progress_at = now()
     errors = list((op.result or {}).get("errors", []))
     if error and len(errors) < MAX_OP_ERRORS:
         errors.append(error)

@@ -78,6 +78,8 @@ def operation_view(op: Operation) -> dict[str, Any]:
         "created_at": iso(op.created_at),
         "started_at": iso(op.started_at),
         "finished_at": iso(op.finished_at),
+        "progress_at": iso(op.progress_at),
+        "redrives": op.redrives,  # times its first task was re-sent (workers.redrive)
     }
 
 

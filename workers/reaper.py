@@ -507,4 +507,4 @@ def start(db: Database, op_id: str) -> None:
         op = s.get(Operation, op_id, with_for_update=True)
         if op is not None and op.status == OpStatus.PENDING.value:
             op.status = OpStatus.RUNNING.value
-            op.started_at = now()
+            op.started_at = op.progress_at = now()

@@ -109,6 +109,7 @@ def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
         op = s.get(Operation, op_id, with_for_update=True)
         if op is None:
             raise NotFound(f"unknown operation {op_id!r}")
+        op.progress_at = now()
         fn = s.get(Function, op.function_id) if op.function_id else None
         if fn is None:
             raise InputError("the function of this spawn no longer exists")
@@ -360,6 +361,7 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
         op = s.get(Operation, op_id, with_for_update=True)
         if op is None:
             raise NotFound(f"unknown operation {op_id!r}")
+        op.progress_at = now()
         stored = (op.result or {}).get("plan")
         if stored is not None:
             return ScalePlan(

@@ -2,7 +2,8 @@
 
 Each asks a worker for one pass and prints the operation id, or with ``--wait``
 what the pass did: for ``reap``, what it deleted and why (exit 1 if it was
-skipped or a VM could not be released); for ``reconcile``, the orphans it
+skipped or a VM could not be released) and which stalled operations it sent
+again; for ``reconcile``, the orphans it
 destroyed, the rows whose VM vanished, and the spawns it asked for to keep
 functions at their min.
 """
@@ -37,11 +38,11 @@ def _reap_text(view: dict[str, Any]) -> str:
         lines.append("kept for min: " + ", ".join(f"{k}={v}" for k, v in sorted(kept.items())))
     for name, op in sorted((report.get("replacements") or {}).items()):
         lines.append(f"replacing stale replicas of {name}: {op}")
+    for op_id, outcome in sorted((report.get("redriven") or {}).items()):
+        lines.append(f"operation {op_id} stopped moving: {outcome}")
     if report.get("more"):
         lines.append("note: the batch limit was reached; the next pass continues")
     return "\n".join(lines)
-
-
 
 
 def _reconcile_text(view: dict[str, Any]) -> str:

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import collections
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
 from tasks import api
-from tests.celery_workers import ROOT, WorkerProcess
-from tests.fixtures import FAST, Env, StartAgents
+from tests.celery_workers import WorkerProcess, start_beat
+from tests.fixtures import Env, StartAgents
 from workers.functions import deploy, spec_from
 from workers.store.models import Replica, ReplicaState
 
@@ -23,16 +19,6 @@ FAST_BEAT = {
     "CORRAL_RECONCILE_INTERVAL_S": "0.5",
     "CORRAL_HEALTH_INTERVAL_S": "1",
 }
-
-
-def _beat(tmp: Path, name: str) -> subprocess.Popen[bytes]:
-    log = (tmp / f"beat-{name}.log").open("wb")
-    return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
-         "--max-interval", "1", "-s", str(tmp / f"beat-{name}.schedule")],
-        cwd=ROOT, env={**os.environ, **FAST, **FAST_BEAT}, stdout=log,
-        stderr=subprocess.STDOUT,
-    )
 
 
 @pytest.mark.timeout(120)
@@ -47,7 +33,7 @@ def test_two_beats_reap_each_replica_once(
     worker_processes.append(worker.start())
     assert api.wait(api.spawn("hello", 12), timeout=60)["status"] == "succeeded"
     # a second after they became idle, both beats' reap passes cut 12 down to min (2)
-    beats = [_beat(broker_env.tmp, "one"), _beat(broker_env.tmp, "two")]
+    beats = [start_beat(broker_env.tmp, name, FAST_BEAT) for name in ("one", "two")]
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -275,8 +275,15 @@ class Operation(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
     started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # When the operation last moved (created, its task ran, a part settled), and how
+    # often its task was re-sent for want of progress (workers.redrive).
+    progress_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True, default=now)
+    redrives: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
-    __table_args__ = (Index("ix_operations_created", "created_at"),)
+    __table_args__ = (
+        Index("ix_operations_created", "created_at"),
+        Index("ix_operations_status_progress", "status", "progress_at"),
+    )
 
 
 class Lease(Base):

@@ -1,0 +1,91 @@
+"""Re-sending the task of an operation whose message the broker lost.
+
+The model
+---------
+An operation's record is written before its task is queued, and every task is
+idempotent (keyed by operation and request ids), so the record, not the
+message, is the request. The broker can still lose a message after accepting
+it: Redis loses its last writes when it crashes between fsyncs, and kombu's
+Redis transport takes a message off its queue and records it as unacknowledged
+in two steps, so a message taken in the instant the broker goes down is gone.
+No worker will run it, and its operation would stay open for ever.
+
+So an open operation records when it last moved (``progress_at``: created, its
+first task ran, a part settled). Each reap pass calls :func:`due`, which takes
+the open operations that have not moved for ``CORRAL_REDRIVE_AFTER_S`` (doubled
+after every re-send), stamps them as re-sent, and returns them; the caller sends
+each one's first task again (``tasks.api.resend``). If the first message was
+only late, the second delivery finds the work done and does nothing more. After
+:data:`REDRIVE_MAX` re-sends an operation is left alone and logged; the reaper's
+stuck sweep still retires its replica rows.
+
+Only kinds whose first task is safe to repeat are passed in (not CPU hogs: a
+second ``CreateCPUHogs`` would start more hogs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select
+
+from config.settings import Settings
+from workers.clock import now
+from workers.store.db import Database
+from workers.store.models import Operation, OpStatus
+
+log = logging.getLogger(__name__)
+
+REDRIVE_MAX = 3  # re-sends per operation
+SWEEP_LIMIT = 100  # operations re-sent per pass at most
+OPEN = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
+
+
+@dataclass(frozen=True)
+class Redrive:
+    """An operation whose first task is to be sent again."""
+
+    op_id: str
+    kind: str
+    params: dict[str, Any]
+    attempt: int  # 1 for the first re-send
+
+
+def due(
+    db: Database, settings: Settings, kinds: Collection[str], *, limit: int = SWEEP_LIMIT
+) -> list[Redrive]:
+    """Open operations of ``kinds`` that stopped moving, each stamped as re-sent once more."""
+    at = now()
+    after = timedelta(seconds=settings.redrive_after_s)
+    out: list[Redrive] = []
+    with db.transaction() as s:
+        candidates = s.scalars(
+            select(Operation)
+            .where(
+                Operation.status.in_(OPEN),
+                Operation.progress_at <= at - after,
+                Operation.kind.in_(list(kinds)),
+                Operation.redrives < REDRIVE_MAX,
+            )
+            .order_by(Operation.progress_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
+        for op in candidates:
+            assert op.progress_at is not None  # the query's condition
+            still = at - op.progress_at
+            if still < after * (2**op.redrives):
+                continue  # re-sent before and not yet due again
+            op.redrives += 1
+            op.progress_at = at
+            out.append(Redrive(op.id, op.kind, dict(op.params or {}), op.redrives))
+            log.warning(
+                "operation %s (%s, %s) made no progress for %ds; re-sending its task "
+                "(%d of %d)", op.id, op.kind, op.status, still.total_seconds(), op.redrives,
+                REDRIVE_MAX,
+            )
+    return out

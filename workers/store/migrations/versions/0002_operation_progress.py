@@ -1,0 +1,42 @@
+"""operations: progress time and re-send count (workers.redrive)
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-11-30 09:00:00
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0002"
+down_revision = "0001"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    """Apply this revision."""
+    op.add_column("operations", sa.Column("progress_at", sa.DateTime(), nullable=True))
+    op.add_column(
+        "operations",
+        sa.Column("redrives", sa.Integer(), server_default="0", nullable=False),
+    )
+    # Operations still open when this runs count as having moved now: the first
+    # redrive sweep gives them the full CORRAL_REDRIVE_AFTER_S before re-sending.
+    op.execute(
+        "UPDATE operations SET progress_at = CURRENT_TIMESTAMP "
+        "WHERE status IN ('pending', 'running')"
+    )
+    op.create_index(
+        "ix_operations_status_progress", "operations", ["status", "progress_at"], unique=False
+    )
+
+
+def downgrade() -> None:
+    """Revert this revision."""
+    op.drop_index("ix_operations_status_progress", table_name="operations")
+    with op.batch_alter_table("operations") as batch:
+        batch.drop_column("redrives")
+        batch.drop_column("progress_at")
