@@ -13,6 +13,12 @@ locked for the transaction (:func:`lock_replica`). It is the one place that:
 * settles the operation waiting on the replica (``operation_id``): when the
   replica reaches Idle, Allocated, Dead or Deleted, that operation counts one
   more done or failed, and finishes when all its parts have.
+
+One move has a second, faster form: :func:`arrive`, a Creating replica getting
+its VM, is the spawn path's hot spot, and it touches no counter and frees
+nothing, so it is one conditional ``UPDATE`` that stamps the same clocks and
+settles the same operation as :func:`transition` would (the tests check both
+give the same row).
 """
 
 from __future__ import annotations
@@ -48,7 +54,11 @@ MAX_OP_ERRORS = 5
 
 
 # The statements on the spawn path are built once: building a SQLAlchemy statement
-# costs more than running it on SQLite. Transitions need the replica and its
+# costs more than running it on SQLite. The UPDATEs run on the session's
+# connection (Core), which costs half of the ORM's bulk-update path; like the
+# ORM with ``synchronize_session=False`` they leave loaded objects as they were
+# (settle reloads the operation when it finishes it), and they do not autoflush:
+# transition flushes the replica itself. Transitions need the replica and its
 # function; node and GPU rows are loaded only when touched.
 _LOCK_REPLICA = (
     select(Replica)
@@ -62,6 +72,53 @@ _UNCOUNT = (
     .values(replica_count=Function.replica_count - 1, updated_at=Function.updated_at)
     .execution_options(synchronize_session=False)
 )
+
+
+_ARRIVE = (
+    update(Replica)
+    .where(Replica.id == bindparam("replica_id"),
+           Replica.status == int(ReplicaState.CREATING))
+    .values(
+        vmid=bindparam("vmid"), address=bindparam("address"), status=bindparam("to"),
+        deadline_at=bindparam("deadline_at"), ready_at=bindparam("ready_at"),
+        idle_since=bindparam("ready_at"), reap_at=bindparam("reap_at"),
+        operation_id=bindparam("operation_id"),
+    )
+    .execution_options(synchronize_session=False)
+)
+
+
+def arrive(
+    session: Session,
+    replica_id: str,
+    operation_id: str | None,
+    vm: tuple[str, str],
+    fn: Function,
+    settings: Settings,
+) -> ReplicaState | None:
+    """Record a Creating replica's VM ``(vmid, address)``: Idle, or Starting for guest readiness.
+
+    The same move as :func:`transition` from Creating, in one statement; returns the
+    new state, or None if the row is no longer Creating (nothing changed).
+    """
+    at = now()
+    to = ReplicaState.STARTING if fn.readiness == "guest" else ReplicaState.IDLE
+    idle = to == ReplicaState.IDLE
+    done = session.connection().execute(_ARRIVE, {
+        "replica_id": replica_id,
+        "vmid": vm[0],
+        "address": vm[1],
+        "to": int(to),
+        "deadline_at": deadline_for(to, settings, at),
+        "ready_at": at if idle else None,
+        "reap_at": at + timedelta(seconds=idle_timeout(fn, settings)) if idle else None,
+        "operation_id": None if to in SETTLING else operation_id,
+    })
+    if done.rowcount != 1:
+        return None
+    if operation_id and to in SETTLING:
+        settle(session, operation_id, ok=True)
+    return to
 
 
 def lock_replica(session: Session, replica_id: str) -> Replica | None:
@@ -119,7 +176,7 @@ def transition(
         replica.idle_since = None
         replica.reap_at = None
     if before in COUNTED_STATES and to not in COUNTED_STATES:
-        session.execute(_UNCOUNT, {"function_id": replica.function_id})
+        session.connection().execute(_UNCOUNT, {"function_id": replica.function_id})
     if to in FINAL_STATES:
         replica.retired_at = at
         replica.envs_in_use = 0
@@ -140,7 +197,8 @@ def settle(session: Session, op_id: str, *, ok: bool, error: str | None = None) 
     """Count one part of an operation as done or failed; finish it when all parts are."""
     if ok:
         # The common case in one statement: count it; load the row only to finish it.
-        counted = session.execute(_COUNT_DONE, {"op_id": op_id, "at": now()}).first()
+        counted = session.connection().execute(
+            _COUNT_DONE, {"op_id": op_id, "at": now()}).first()
         if counted is None:
             return
         done, failed, total, status = counted

@@ -35,6 +35,7 @@ from workers.clock import now
 from workers.errors import BackendError, CapacityError, InputError, NotFound
 from workers.functions import MAX_REPLICAS
 from workers.lifecycle import (
+    arrive,
     deadline_for,
     fail_operation,
     finish,
@@ -75,6 +76,7 @@ class Pending:
     request_id: str
     node: Node
     function: Function
+    operation_id: str | None  # the operation waiting for this replica
 
 
 def parse_jobs(raw: object) -> list[SpawnJob]:
@@ -209,7 +211,7 @@ def place(
 
 # Built once (see workers.lifecycle): the replica's id, its node and its function.
 _PENDING = (
-    select(Replica.id, Node, Function)
+    select(Replica.id, Node, Function, Replica.operation_id)
     .join(Node, Node.id == Replica.node_id)
     .join(Function, Function.id == Replica.function_id)
     .where(
@@ -225,7 +227,7 @@ def pending_spawn(db: Database, request_id: str) -> Pending | None:
         row = s.execute(_PENDING, {"request_id": request_id}).first()
         if row is None:
             return None
-        return Pending(row[0], request_id, row[1], row[2])
+        return Pending(row[0], request_id, row[1], row[2], row[3])
 
 
 def begin_spawn(
@@ -262,18 +264,15 @@ def finish_spawn(db: Database, settings: Settings, pending: Pending, vm: backend
     """
     release = False
     with db.transaction() as s:
+        arrived = arrive(s, pending.replica_id, pending.operation_id, (vm.vmid, vm.address),
+                         pending.function, settings)
+        if arrived is not None:  # the common case, in one statement
+            return arrived.label
         replica = lock_replica(s, pending.replica_id)
         if replica is None:
             release = True
             state = "gone"
-        elif replica.status == ReplicaState.CREATING:
-            replica.vmid, replica.address = vm.vmid, vm.address
-            ready = replica.function.readiness != "guest"
-            transition(
-                s, replica, ReplicaState.IDLE if ready else ReplicaState.STARTING, settings
-            )
-            state = replica.state.label
-        elif replica.vmid == vm.vmid:
+        elif replica.vmid == vm.vmid:  # a redelivery that the first delivery beat to it
             state = replica.state.label
         else:
             release = True
