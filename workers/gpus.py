@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -286,30 +285,11 @@ def gpu_view(gpu: Gpu) -> dict[str, Any]:
     }
 
 
-def audit_gpus(session: Session, gpu_ids: Sequence[str] | None = None) -> list[str]:
+def audit_gpus(session: Session) -> list[str]:
     """Mismatches between each GPU's counters and the replicas holding it (empty: all good)."""
-    held = select(
-        Replica.gpu_id,
-        func.count(Replica.id),
-        func.coalesce(func.sum(Replica.gpu_mem_mb), 0),
-    ).where(Replica.gpu_slot.is_not(None)).group_by(Replica.gpu_id)
-    usage = {gid: (int(n), int(mb)) for gid, n, mb in session.execute(held)}
-    problems: list[str] = []
-    query = select(Gpu)
-    if gpu_ids is not None:
-        query = query.where(Gpu.id.in_(list(gpu_ids)))
-    for gpu in session.scalars(query):
-        slots, mem = usage.get(gpu.id, (0, 0))
-        if slots != gpu.slots_total - gpu.slots_free:
-            problems.append(
-                f"GPU {gpu.uuid}: {slots} replicas hold slots, counter says "
-                f"{gpu.slots_total - gpu.slots_free}"
-            )
-        if mem != gpu.mem_total_mb - gpu.mem_free_mb:
-            problems.append(
-                f"GPU {gpu.uuid}: replicas hold {mem} MB, counter says "
-                f"{gpu.mem_total_mb - gpu.mem_free_mb}"
-            )
+    from workers.audit import audit
+
+    problems = [d.message for d in audit(session, lock=False).drifts if d.kind == "gpu"]
     stray = session.scalar(
         select(func.count(Replica.id)).where(
             Replica.gpu_slot.is_not(None), Replica.status.not_in(LIVE_STATES)

@@ -27,6 +27,29 @@ def cmd_db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_db_check(args: argparse.Namespace, settings: Settings) -> int:
+    """Recount node, function and GPU counters from the replica rows (exit 1 on drift)."""
+    from tasks.api import database
+    from workers.audit import audit
+
+    with database(settings).transaction() as s:
+        found = audit(s, fix=args.fix)
+    drifts, checked = found.drifts, found.checked
+    if args.json:
+        emit(args, {"checked": checked, "drift": [d.as_dict() for d in drifts],
+                    "fixed": bool(drifts) and args.fix}, kv)
+    elif not drifts:
+        print(f"counters agree with the replica rows ({checked['nodes']} nodes, "
+              f"{checked['functions']} functions, {checked['gpus']} GPUs)")
+    else:
+        for d in drifts:
+            print(d.message)
+        print(f"fixed {len(drifts)} counter(s)" if args.fix else
+              f"{len(drifts)} counter(s) disagree; `corral db check --fix` sets them to the "
+              "rows' values")
+    return 0 if not drifts or args.fix else 1
+
+
 # -- nodes -------------------------------------------------------------------------------------
 
 
@@ -287,6 +310,10 @@ def register(sub: Any, command: Command) -> None:
     """Add the core commands to the ``corral`` parser."""
     db = sub.add_parser("db", help="database schema").add_subparsers(dest="db_cmd", required=True)
     command("upgrade", cmd_db_upgrade, "migrate the database to the newest schema", db)
+    p = command("check", cmd_db_check,
+                "recount node, function and GPU counters from the replica rows", db,
+                listing=True)
+    p.add_argument("--fix", action="store_true", help="set drifted counters to the rows' values")
 
     nodes = sub.add_parser("nodes", help="node agents and Lambdo hosts").add_subparsers(
         dest="nodes_cmd", required=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,6 +14,7 @@ from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.fixtures import Env, StartAgents
 from tests.gpus.helpers import deploy_fn
+from workers.audit import audit
 from workers.gpus import add_gpu_server, audit_gpus
 from workers.store.models import LIVE_STATES, Gpu, Node, Replica, ReplicaState
 
@@ -69,7 +71,24 @@ def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
 
     started = time.monotonic()
     ops = [api.spawn(name, 20) for name in FUNCTIONS]
-    views = [api.wait(op, timeout=45) for op in ops]
+    # `corral db check --fix` in a loop while the spawns race: it locks the counters
+    # before counting, so it never sees (or "fixes") a counter mid-change.
+    stop = threading.Event()
+
+    def audit_loop() -> list[object]:
+        seen: list[object] = []
+        while not stop.is_set():
+            with env.db.transaction() as s:
+                seen.extend(audit(s, fix=True).drifts)
+        return seen
+
+    with ThreadPoolExecutor(1) as auditor:
+        audits = auditor.submit(audit_loop)
+        try:
+            views = [api.wait(op, timeout=45) for op in ops]
+        finally:
+            stop.set()
+        assert audits.result() == []
     tails = "\n".join(w.tail(20) for w in workers)
     assert all(v["total"] == 20 and v["done"] + v["failed"] == 20 for v in views), (views, tails)
     placed = sum(v["done"] for v in views)
