@@ -28,9 +28,10 @@ Reliability, chosen on purpose:
   errors only (:class:`workers.errors.TransientBackendError`); bad input and
   permanent agent answers fail at once.
 * ``broker_connection_retry_on_startup`` and unlimited connection retries: a
-  worker outlives a broker restart. Redis brokers use
-  :mod:`workers.broker`, kombu's transport with a fix that keeps a worker from
-  exiting when the broker vanishes while it waits for messages.
+  worker outlives a broker restart. ``redis://`` brokers use
+  :mod:`workers.broker` (installed by ``workers.app``), kombu's transport with a
+  fix that keeps a worker from exiting when the broker vanishes while it waits
+  for messages.
 * results are not stored (``task_ignore_result``): the outcome of every request
   is its operation record in the database, which ``corral ops`` and
   ``tasks.api.wait`` read; producers therefore never subscribe to the result
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 from kombu import Exchange, Queue
 
@@ -85,19 +85,11 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     }
 
 
-def broker_transport(broker_url: str) -> str | None:
-    """The kombu transport for a broker URL: corral's Redis transport for Redis URLs."""
-    if urlsplit(broker_url).scheme in ("redis", "rediss"):
-        return "workers.broker:Transport"
-    return None  # kombu picks the transport from the URL's scheme
-
-
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Everything ``app.conf`` needs, derived from settings."""
     exchange = Exchange("corral", type="direct")
     return {
         "broker_url": settings.broker_url,
-        "broker_transport": broker_transport(settings.broker_url),
         "result_backend": settings.backend_url,
         "task_queues": [Queue(name, exchange, routing_key=name) for name in QUEUES],
         "task_default_queue": "corral.maintenance",

@@ -26,6 +26,7 @@ from celery import Celery, Task, signals
 
 from config.celery import celery_config
 from config.settings import Settings, get_settings
+from workers import broker
 from workers.errors import InputError
 from workers.store.db import Database, get_database
 
@@ -116,6 +117,7 @@ def _matches(value: Any, annotation: Any) -> bool:
 def create_app(settings: Settings | None = None) -> Celery:
     """A Celery app configured from ``settings`` (the process's by default)."""
     settings = settings or get_settings()
+    broker.install()
     celery = Celery("corral", task_cls=CorralTask)
     celery.conf.update(celery_config(settings))
     celery.conf.include = TASK_MODULES

@@ -15,8 +15,10 @@ expect that and carry on: the worker reconnects, and the messages it held stay
 in Redis's unacked set, so kombu's sweep puts them back after the visibility
 timeout (tasks are idempotent, so a redelivery is harmless).
 
-``config.celery`` selects this transport for ``redis://`` and ``rediss://``
-broker URLs.
+:func:`install` (called when the Celery app is created) maps the ``redis`` and
+``rediss`` URL schemes to this transport in kombu's alias table, so broker URLs
+stay ``redis://...`` everywhere (logs, ``celery inspect``, Flower's broker
+page, which picks its Redis client by URL scheme).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from typing import Any
 import redis
 from kombu.transport import redis as kombu_redis
 
-__all__ = ["Channel", "Transport"]
+__all__ = ["Channel", "Transport", "install"]
+
+SCHEMES = ("redis", "rediss")
 
 
 class Channel(kombu_redis.Channel):  # type: ignore[misc]
@@ -43,3 +47,11 @@ class Transport(kombu_redis.Transport):  # type: ignore[misc]
     """kombu's Redis transport with :class:`Channel`."""
 
     Channel = Channel
+
+
+def install() -> None:
+    """Make ``redis://`` and ``rediss://`` broker URLs use :class:`Transport` in this process."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    for scheme in SCHEMES:
+        TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"

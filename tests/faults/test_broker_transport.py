@@ -17,8 +17,6 @@ import pytest
 from kombu import Connection, Exchange, Queue
 from kombu.transport import redis as kombu_redis
 
-from config.celery import broker_transport
-from config.settings import Settings
 from tests.services import RedisServer
 from workers.broker import Transport
 
@@ -75,13 +73,15 @@ def test_kombus_own_channel_still_has_the_bug(broker_url: str) -> None:
             channel.close()  # type: ignore[attr-defined]
 
 
-def test_redis_urls_use_corrals_transport() -> None:
-    assert broker_transport("redis://127.0.0.1:6379/0") == "workers.broker:Transport"
-    assert broker_transport("rediss://h:6380/0") == "workers.broker:Transport"
-    assert broker_transport("memory://") is None
-    assert broker_transport("amqp://guest@h//") is None
+def test_redis_urls_use_corrals_transport_and_still_read_redis(redis_server: RedisServer) -> None:
     from workers import app
 
-    app_conf = app.conf
-    settings = Settings()
-    assert app_conf.broker_transport == broker_transport(settings.broker_url)
+    with app.connection_for_write() as connection:
+        assert isinstance(connection.transport, Transport)
+        # the scheme stays redis://: Flower picks its broker client by it
+        assert connection.as_uri().startswith("redis://")
+    with Connection("rediss://127.0.0.1:1/0") as tls:
+        assert tls.transport_cls == "rediss"
+        assert issubclass(type(tls.transport), Transport)
+    with Connection("memory://") as memory:
+        assert not isinstance(memory.transport, Transport)

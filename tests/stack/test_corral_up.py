@@ -120,6 +120,8 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
             time.sleep(1)
         assert {"corral.spawn_replica", "corral.scale", "corral.reap"} <= names, names
         flower_text = httpx.get(f"{flower}/api/tasks", timeout=10).text
+        broker_page = httpx.get(f"{flower}/broker", timeout=10)  # queue lengths, read from Redis
+        assert broker_page.status_code == 200 and "corral.spawn" in broker_page.text
         assert AWS_ID not in flower_text and AWS_SECRET not in flower_text
         ops = _corral(tmp_path, "ops", "--json").stdout
         assert AWS_ID not in ops and AWS_SECRET not in ops
