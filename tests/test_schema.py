@@ -70,19 +70,29 @@ def test_the_migrations_build_exactly_the_models(
         db.dispose()
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(
-    tmp_path: Path,
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     from alembic import command
-    from sqlalchemy import text
+    from sqlalchemy import select, text
 
+    from workers.clock import now
     from workers.store.db import Database
     from workers.store.migrate import alembic_config
+    from workers.store.models import Operation
 
-    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    url = (f"sqlite:///{tmp_path / 'old.sqlite'}" if backend == "sqlite"
+           else request.getfixturevalue("pg_url"))
     command.upgrade(alembic_config(url), "0001")
     db = Database(url)
     try:
+        if backend == "postgresql":  # a server far from UTC: timestamps must stay UTC
+            with db.engine.connect() as conn:
+                name = conn.execute(text("SELECT current_database()")).scalar()
+                conn.execute(text(f'ALTER DATABASE "{name}" SET timezone TO \'Asia/Tokyo\''))
+                conn.commit()
+            db.dispose()
         with db.engine.begin() as conn:
             for op_id, status in (("a", "running"), ("b", "succeeded")):
                 conn.execute(text(
@@ -90,10 +100,12 @@ def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(
                     " created_at) VALUES (:id, 'spawn', '{}', :status, 1, 0, 0,"
                     " '2026-01-01 00:00:00')"), {"id": op_id, "status": status})
         command.upgrade(alembic_config(url), "head")
+        with db.read() as s:
+            stamped = {op.id: op.progress_at for op in s.scalars(select(Operation))}
+        assert stamped["b"] is None  # finished operations are never re-sent
+        assert stamped["a"] is not None  # open ones start their clock at the upgrade, in UTC
+        assert abs((stamped["a"] - now()).total_seconds()) < 60
         with db.engine.connect() as conn:
-            rows = dict(conn.execute(text(
-                "SELECT id, progress_at IS NOT NULL FROM operations")).all())
-            assert rows == {"a": 1, "b": 0}  # open operations start their clock, others not
             assert conn.execute(text("SELECT sum(redrives) FROM operations")).scalar() == 0
     finally:
         db.dispose()

@@ -7,6 +7,8 @@ Create Date: 2026-11-30 09:00:00
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -25,9 +27,12 @@ def upgrade() -> None:
     )
     # Operations still open when this runs count as having moved now: the first
     # redrive sweep gives them the full CORRAL_REDRIVE_AFTER_S before re-sending.
+    # Naive UTC like every timestamp corral writes (CURRENT_TIMESTAMP would be local
+    # time on a PostgreSQL server whose time zone is not UTC).
     op.execute(
-        "UPDATE operations SET progress_at = CURRENT_TIMESTAMP "
-        "WHERE status IN ('pending', 'running')"
+        sa.text(
+            "UPDATE operations SET progress_at = :at WHERE status IN ('pending', 'running')"
+        ).bindparams(at=datetime.now(UTC).replace(tzinfo=None))
     )
     op.create_index(
         "ix_operations_status_progress", "operations", ["status", "progress_at"], unique=False
