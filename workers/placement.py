@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, func, select, update
+from sqlalchemy import ColumnElement, CursorResult, bindparam, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -45,12 +45,30 @@ def _placeable(kind: str) -> list[ColumnElement[bool]]:
     return [Node.kind == kind, *_PLACEABLE]
 
 
+# Built once, like the statements of workers.lifecycle: the common candidate query
+# (loadbalance / spread, nothing to skip) and the slot reservation.
+_LEAST_LOADED = (
+    select(Node)
+    .where(Node.kind == bindparam("backend"), *_PLACEABLE)
+    .order_by(Node.live, Node.name)
+    .limit(1)
+)
+_TAKE_SLOT = (
+    update(Node)
+    .where(Node.id == bindparam("node_id"), Node.kind == bindparam("backend"), *_PLACEABLE)
+    .values(live=Node.live + 1)
+    .execution_options(synchronize_session=False)
+)
+
+
 def _rowcount(result: Any) -> int:
     """Rows a conditional UPDATE changed (0: someone else took the last room first)."""
     return int(cast(CursorResult[Any], result).rowcount)
 
 
 def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str]) -> Node | None:
+    if policy in ("loadbalance", "spread") and not skip:
+        return session.scalars(_LEAST_LOADED, {"backend": fn.backend}).first()
     where = [*_placeable(fn.backend)]
     if skip:
         where.append(Node.id.not_in(skip))
@@ -94,14 +112,8 @@ def reserve_node(
             node = _candidate(session, fn, policy, tried)
             if node is None:
                 break
-        took = _rowcount(
-            session.execute(
-                update(Node)
-                .where(Node.id == node.id, *_placeable(fn.backend))
-                .values(live=Node.live + 1)
-                .execution_options(synchronize_session=False)
-            )
-        )
+        took = _rowcount(session.connection().execute(
+            _TAKE_SLOT, {"node_id": node.id, "backend": fn.backend}))
         if took:
             set_committed_value(node, "live", node.live + 1)  # what the UPDATE wrote
             if policy == "roundrobin":
