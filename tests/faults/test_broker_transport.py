@@ -73,7 +73,7 @@ def test_kombus_own_channel_still_has_the_bug(broker_url: str) -> None:
             channel.close()  # type: ignore[attr-defined]
 
 
-def test_redis_urls_use_corrals_transport_and_still_read_redis(redis_server: RedisServer) -> None:
+def test_redis_urls_keep_their_scheme_and_use_corrals_transport() -> None:
     from workers import app
 
     with app.connection_for_write() as connection:
