@@ -48,10 +48,15 @@ def test_a_worker_refuses_an_unmigrated_database(fresh_db: Path) -> None:
         _check_schema()
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_the_migrations_build_exactly_the_models(
-    backend: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'empty.sqlite'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+def test_the_migrations_build_exactly_the_models(empty_url: str) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
@@ -59,9 +64,7 @@ def test_the_migrations_build_exactly_the_models(
     from workers.store.migrate import upgrade
     from workers.store.models import Base
 
-    url = (f"sqlite:///{tmp_path / 'm.sqlite'}" if backend == "sqlite"
-           else request.getfixturevalue("pg_url"))
-    db = Database(url)
+    db = Database(empty_url)
     try:
         upgrade(db)
         with db.engine.connect() as conn:
@@ -70,9 +73,8 @@ def test_the_migrations_build_exactly_the_models(
         db.dispose()
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(
-    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+    empty_url: str,
 ) -> None:
     from alembic import command
     from sqlalchemy import select, text
@@ -82,12 +84,11 @@ def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(
     from workers.store.migrate import alembic_config
     from workers.store.models import Operation
 
-    url = (f"sqlite:///{tmp_path / 'old.sqlite'}" if backend == "sqlite"
-           else request.getfixturevalue("pg_url"))
+    url = empty_url
     command.upgrade(alembic_config(url), "0001")
     db = Database(url)
     try:
-        if backend == "postgresql":  # a server far from UTC: timestamps must stay UTC
+        if url.startswith("postgresql"):  # a server far from UTC: timestamps must stay UTC
             with db.engine.connect() as conn:
                 name = conn.execute(text("SELECT current_database()")).scalar()
                 conn.execute(text(f'ALTER DATABASE "{name}" SET timezone TO \'Asia/Tokyo\''))
