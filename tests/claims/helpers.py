@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 
@@ -13,9 +13,12 @@ from agents.fcdaemon import RunningAgent
 from tasks import api
 from tests.fixtures import Env
 from workers import leases
+from workers.claims import Claimed, NoIdleReplica, claim
 from workers.functions import deploy, spec_from
 from workers.store.db import Database
 from workers.store.models import Replica, ReplicaState
+
+T = TypeVar("T")
 
 
 def deploy_fn(corral: Env, name: str = "hello", **fields: Any) -> None:
@@ -58,19 +61,40 @@ def created(agents: Iterable[RunningAgent]) -> int:
     return sum(len(agent.agent.calls_of("CreateReplica")) for agent in agents)
 
 
-def race_for_lease(db: Database, racers: int = 8) -> list[str]:
-    """Let ``racers`` threads try to take the lease ``race`` at once; returns the winners."""
-    barrier = threading.Barrier(racers)
-    wins: list[str] = []
+def at_once(n: int, work: Callable[[int], T], timeout: float = 30.0) -> list[T]:
+    """Run ``work(0) .. work(n - 1)`` in ``n`` threads released together; their results."""
+    barrier = threading.Barrier(n)
+    results: list[T] = []
 
     def one(i: int) -> None:
         barrier.wait()
-        if leases.acquire(db, "race", f"h{i}", 60):
-            wins.append(f"h{i}")
+        results.append(work(i))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(racers)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
-    return wins
+        t.join(timeout)
+    return results
+
+
+def claim_race(
+    env: Env, name: str, claimers: int, timeout: float = 30.0
+) -> tuple[list[Claimed], list[str]]:
+    """``claimers`` threads claim ``name`` at once; returns (claims, error messages)."""
+
+    def one(_: int) -> Claimed | str:
+        try:
+            return claim(env.db, env.settings, name)
+        except NoIdleReplica as exc:
+            return str(exc)
+
+    results = at_once(claimers, one, timeout)
+    return ([r for r in results if not isinstance(r, str)],
+            [r for r in results if isinstance(r, str)])
+
+
+def race_for_lease(db: Database, racers: int = 8) -> list[str]:
+    """Let ``racers`` threads try to take the lease ``race`` at once; returns the winners."""
+    won = at_once(racers, lambda i: f"h{i}" if leases.acquire(db, "race", f"h{i}", 60) else "")
+    return [w for w in won if w]

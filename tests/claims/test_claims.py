@@ -2,44 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 import pytest
 
 from tasks import api
-from tests.claims.helpers import by_id, deploy_fn, spawn_idle
+from tests.claims.helpers import by_id, claim_race, deploy_fn, spawn_idle
 from tests.fixtures import Env, StartAgents
 from workers import clock
-from workers.claims import Claimed, NoIdleReplica, claim, release
+from workers.claims import NoIdleReplica, claim, release
 from workers.errors import InputError, NotFound
 from workers.store.models import ReplicaState
-
-
-def _race(env: Env, name: str, claimers: int) -> tuple[list[Claimed], list[str]]:
-    """``claimers`` threads claim at once; returns (claims, error messages)."""
-    barrier = threading.Barrier(claimers)
-    got: list[Claimed] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def one() -> None:
-        barrier.wait()
-        try:
-            c = claim(env.db, env.settings, name)
-        except NoIdleReplica as exc:
-            with lock:
-                errors.append(str(exc))
-        else:
-            with lock:
-                got.append(c)
-
-    threads = [threading.Thread(target=one) for _ in range(claimers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return got, errors
 
 
 def test_sixteen_threads_ten_idle_replicas(corral_env: Env, start_agents: StartAgents) -> None:
@@ -47,7 +20,7 @@ def test_sixteen_threads_ten_idle_replicas(corral_env: Env, start_agents: StartA
     deploy_fn(corral_env)
     idle = spawn_idle(corral_env, "hello", 10)
     assert len(idle) == 10
-    got, errors = _race(corral_env, "hello", 16)
+    got, errors = claim_race(corral_env, "hello", 16)
     assert len(got) == 10
     assert len({c.replica_id for c in got}) == 10
     assert {c.replica_id for c in got} == {r.id for r in idle}

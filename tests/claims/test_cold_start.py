@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from tasks import api
-from tests.claims.helpers import by_id, created, deploy_fn, replicas, spawn_idle
+from tests.claims.helpers import at_once, by_id, created, deploy_fn, replicas, spawn_idle
 from tests.fixtures import Env, StartAgents
 from workers.claims import ClaimTimeout, NoIdleReplica
 from workers.store.models import Lease, ReplicaState
@@ -20,28 +20,16 @@ from workers.store.models import Lease, ReplicaState
 
 def _claim_all(n: int, timeout: float = 20.0) -> tuple[list[dict[str, Any]], list[str]]:
     """``n`` threads cold-start-claim ``hello`` at once."""
-    barrier = threading.Barrier(n)
-    got: list[dict[str, Any]] = []
-    errors: list[str] = []
-    lock = threading.Lock()
 
-    def one() -> None:
-        barrier.wait()
+    def one(_: int) -> dict[str, Any] | str:
         try:
-            view = api.claim("hello", cold_start_timeout=timeout)
+            return api.claim("hello", cold_start_timeout=timeout)
         except Exception as exc:
-            with lock:
-                errors.append(f"{type(exc).__name__}: {exc}")
-        else:
-            with lock:
-                got.append(view)
+            return f"{type(exc).__name__}: {exc}"
 
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 10)
-    return got, errors
+    results = at_once(n, one, timeout + 10)
+    return ([r for r in results if not isinstance(r, str)],
+            [r for r in results if isinstance(r, str)])
 
 
 def _no_waiters_left(env: Env) -> None:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import multiprocessing
-import threading
 from collections import Counter
 
 import pytest
 
-from tests.claims.helpers import by_id, deploy_fn, race_for_lease, released, spawn_idle
+from tests.claims.helpers import (
+    at_once,
+    by_id,
+    claim_race,
+    deploy_fn,
+    race_for_lease,
+    released,
+    spawn_idle,
+)
 from tests.claims.pg_child import THREADS, claimer
 from tests.fixtures import Env, StartAgents
 from workers.store.models import ReplicaState
@@ -54,32 +61,11 @@ def test_two_env_replicas_under_sixteen_threads(
     pg_env: Env, start_agents: StartAgents
 ) -> None:
     """A locked replica with a free environment is waited for, not skipped and missed."""
-    from workers.claims import NoIdleReplica, claim
-
     start_agents(1)
     deploy_fn(pg_env, exec_envs=2)
     idle = spawn_idle(pg_env, "hello", 5)
-    barrier = threading.Barrier(16)
-    got: list[str] = []
-    misses: list[str] = []
-    lock = threading.Lock()
-
-    def one() -> None:
-        barrier.wait()
-        try:
-            rid = claim(pg_env.db, pg_env.settings, "hello").replica_id
-        except NoIdleReplica as exc:
-            with lock:
-                misses.append(str(exc))
-        else:
-            with lock:
-                got.append(rid)
-
-    threads = [threading.Thread(target=one) for _ in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    claims, misses = claim_race(pg_env, "hello", 16, timeout=60)
+    got = [c.replica_id for c in claims]
     assert len(got) == 10 and len(misses) == 6
     assert Counter(got) == {r.id: 2 for r in idle}
     rows = by_id(pg_env)
@@ -92,25 +78,14 @@ def test_reaper_passes_without_the_lease_still_delete_each_replica_once(
 ) -> None:
     """Row locks (FOR UPDATE SKIP LOCKED, then Deleting) alone keep passes apart."""
     from workers import clock, leases
-    from workers.reaper import ReapReport, reap
+    from workers.reaper import reap
 
     agents = start_agents(2)
     deploy_fn(pg_env, idle_timeout=10)
     idle = spawn_idle(pg_env, "hello", 12)
     monkeypatch.setattr(leases, "acquire", lambda *a, **k: True)
     clock.travel(11)
-    barrier = threading.Barrier(4)
-    reports: list[ReapReport] = []
-
-    def one(i: int) -> None:
-        barrier.wait()
-        reports.append(reap(pg_env.db, pg_env.settings, holder=f"p{i}"))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    reports = at_once(4, lambda i: reap(pg_env.db, pg_env.settings, holder=f"p{i}"))
     assert not any(r.skipped for r in reports)
     assert sum(len(r.deleted) for r in reports) == 12
     assert released(agents) == {r.vmid: 1 for r in idle}

@@ -11,7 +11,7 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from tasks import api
-from tests.claims.helpers import by_id, deploy_fn, released, replicas, spawn_idle
+from tests.claims.helpers import at_once, by_id, deploy_fn, released, replicas, spawn_idle
 from tests.fixtures import Env, StartAgents
 from workers import clock, leases
 from workers.claims import claim, release
@@ -189,18 +189,7 @@ def test_concurrent_passes_delete_each_replica_once(
     idle = spawn_idle(corral_env, "hello", 12)
     agents[0].agent.inject("ReleaseVMSetup", Fault.delay(0.3))  # the winner holds the lease
     clock.travel(11)
-    barrier = threading.Barrier(4)
-    reports: list[ReapReport] = []
-
-    def one(i: int) -> None:
-        barrier.wait()
-        reports.append(reap(corral_env.db, corral_env.settings, holder=f"pass-{i}"))
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    reports = at_once(4, lambda i: reap(corral_env.db, corral_env.settings, holder=f"pass-{i}"))
     assert len(reports) == 4
     assert sum(len(r.deleted) for r in reports) == 12
     assert released(agents) == {r.vmid: 1 for r in idle}
