@@ -17,5 +17,5 @@ def hogs(
     last_try = op_id is None or self.request.retries >= settings.retry_max
     report = run_hogs(self.db, settings, action, n, node, op_id, last_try=last_try)
     if report["retry"]:
-        raise self.retry(countdown=self.backoff(), max_retries=settings.retry_max)
+        self.retry_within_budget(f"{action} {n} on {node or 'all nodes'}")
     return {"op_id": op_id, "action": action, "n": n, "nodes": report["nodes"]}

@@ -88,11 +88,7 @@ def spawn_replica(
     try:
         vm = replicas.create_vm(settings, pending)
     except TransientBackendError as exc:
-        if self.request.retries < settings.retry_max:
-            log.warning("spawn %s: %s; retry %d", request_id, exc, self.request.retries + 1)
-            raise self.retry(
-                exc=exc, countdown=self.backoff(), max_retries=settings.retry_max
-            ) from None
+        self.retry_within_budget(request_id, exc)
         error = f"{exc} (gave up after {self.request.retries + 1} attempts)"
         note_failure(self.db, settings, pending.node.id, str(exc))
         replicas.fail_spawn(self.db, settings, request_id, error)
@@ -114,10 +110,7 @@ def delete_replica(self: CorralTask, replica_id: str, op_id: str | None = None) 
     try:
         released = replicas.release_vm(settings, doomed)
     except TransientBackendError as exc:
-        if self.request.retries < settings.retry_max:
-            raise self.retry(
-                exc=exc, countdown=self.backoff(), max_retries=settings.retry_max
-            ) from None
+        self.retry_within_budget(replica_id, exc)
         error = f"{exc}; reconcile will destroy the VM once the node answers"
         if doomed.node is not None:
             note_failure(self.db, settings, doomed.node.id, str(exc))

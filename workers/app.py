@@ -85,6 +85,18 @@ class CorralTask(Task):  # type: ignore[misc]
                 log.exception("could not mark operation %r failed", op_id)
         return {"error": message}
 
+    def retry_within_budget(self, what: str, exc: Exception | None = None) -> None:
+        """Retry this task after :meth:`backoff` unless ``CORRAL_RETRY_MAX`` retries are spent.
+
+        Raises Celery's ``Retry`` while retries remain; returns when they are spent,
+        so the caller goes on to record the failure.
+        """
+        retries, most = self.request.retries, self.settings.retry_max
+        if retries < most:
+            log.warning("%s %s: %s; retry %d of %d", self.name, what, exc or "retrying",
+                        retries + 1, most)
+            raise self.retry(exc=exc, countdown=self.backoff(), max_retries=most) from None
+
     def backoff(self) -> float:
         """Seconds before the next retry: exponential, capped, with full jitter."""
         s = self.settings
