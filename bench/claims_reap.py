@@ -195,12 +195,12 @@ def measure(db: Any, settings: Any, claims: int, agent: Any) -> Figures:
 
     figures = Figures(replicas=0, build_s=0.0)
     for _ in range(20):  # warm the statement caches
-        release(db, settings, claim(db, settings, "fn-00").replica_id)
+        release(db, settings, claim(db, settings, "fn-00").claim_id)
     for _ in range(claims):
         t0 = time.perf_counter()
         got = claim(db, settings, "fn-00")
         t1 = time.perf_counter()
-        release(db, settings, got.replica_id)
+        release(db, settings, got.claim_id)
         t2 = time.perf_counter()
         figures.claim_ms.append((t1 - t0) * 1000)
         figures.release_ms.append((t2 - t1) * 1000)

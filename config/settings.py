@@ -82,6 +82,7 @@ class Settings(BaseSettings):
     redrive_after_s: float = Field(120.0, gt=0)
     boot_deadline_s: float = Field(60.0, gt=0)
     lease_ttl_s: float = Field(300.0, gt=0)
+    claim_ttl_s: float = Field(300.0, gt=0, le=86_400)
 
     # Placement and GPUs.
     placement: Literal["loadbalance", "roundrobin", "spread", "random", "pack"] = "loadbalance"

@@ -207,13 +207,20 @@ MAX_COLD_START_S = 3600.0
 
 
 def claim(
-    function: str, *, cold_start_timeout: float = 0.0, settings: Settings | None = None
+    function: str,
+    *,
+    cold_start_timeout: float = 0.0,
+    ttl: float | None = None,
+    settings: Settings | None = None,
 ) -> dict[str, Any]:
-    """Take one execution environment of an Idle replica of ``function``.
+    """Take one execution environment of an Idle replica of ``function``, as a lease.
 
-    With nothing Idle and ``cold_start_timeout > 0``, wait up to that many seconds for
-    a new replica: concurrent waiters of one function share spawns (a spawn is asked
-    for only while waiters outnumber the environments already on their way).
+    Returns the claim (``claim_id``, ``replica_id``, ``address``, ``expires_at``, ...): give it
+    back with :func:`release`; unreleased, the reaper gives it back after ``ttl`` seconds
+    (default ``CORRAL_CLAIM_TTL_S``). With nothing Idle and ``cold_start_timeout > 0``,
+    wait up to that many seconds for a new replica: concurrent waiters of one function
+    share spawns (a spawn is asked for only while waiters outnumber the environments
+    already on their way).
     """
     from workers import claims
 
@@ -225,6 +232,7 @@ def claim(
             f"cold-start timeout must be between 0 and {MAX_COLD_START_S:g}s, "
             f"got {cold_start_timeout!r}"
         )
+    ttl = claims.check_ttl(ttl)
     db = database(settings)
     started = time.monotonic()
 
@@ -233,7 +241,7 @@ def claim(
                 "spawned": spawned}
 
     try:
-        return view(claims.claim(db, settings, function), [])
+        return view(claims.claim(db, settings, function, ttl_s=ttl), [])
     except claims.NoIdleReplica:
         if cold_start_timeout <= 0:
             raise
@@ -245,7 +253,8 @@ def claim(
     try:
         while True:
             try:
-                return view(claims.claim(db, settings, function, waiter=waiter), spawned)
+                return view(claims.claim(db, settings, function, waiter=waiter, ttl_s=ttl),
+                            spawned)
             except claims.NoIdleReplica:
                 pass
             for op_id in [o for o in spawned if o not in settled]:
@@ -278,12 +287,12 @@ def claim(
         claims.leave_waiters(db, waiter)
 
 
-def release(replica_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
-    """Give back one execution environment of a claimed replica."""
+def release(claim_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
+    """Give back exactly the environment a claim holds (``released`` False: it was not held)."""
     from workers import claims
 
     settings = settings or get_settings()
-    return claims.release(database(settings), settings, check_id(replica_id, "replica"))
+    return claims.release(database(settings), settings, check_id(claim_id, "claim"))
 
 
 def reap(idle_timeout: float | None = None, *, settings: Settings | None = None) -> str:

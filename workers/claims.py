@@ -1,4 +1,4 @@
-"""Claims: handing one execution environment of an Idle replica to one request.
+"""Claims: lending one execution environment of an Idle replica to one caller, as a lease.
 
 The model
 ---------
@@ -11,7 +11,22 @@ taken, so "Idle" always means "can take a request" (the CHECK constraint
 :func:`claim` takes one environment of an Idle replica of the function's
 **current** build (a replica whose ``build_version`` differs from the
 function's is stale: it finishes what it serves but is never handed out again,
-and the reaper removes it). :func:`release` gives one back. Both change the
+and the reaper removes it) and writes a *claim* row: a claim id and an expiry
+(``CORRAL_CLAIM_TTL_S``, or the caller's ``ttl_s``). A replica's ``envs_in_use``
+is the number of its claim rows, and an environment comes back in exactly one of
+three ways, each of which deletes that one row in the transaction that gives the
+environment back - so it is given back at most once, whoever comes first:
+
+* :func:`release` of the claim id (a second release, or a release of a claim
+  that expired, finds no row and changes nothing: a stale release can never free
+  an environment a newer claim holds);
+* :func:`expire`, run by every reaper pass, for claims past their expiry (the
+  caller died or forgot);
+* :func:`finish_oldest`, when the guest reports FINISHED: the replica's oldest claim.
+
+Each takes the replica's row lock first and deletes the claim row second, so
+concurrent releases, expiries and FINISHED reports of one claim serialise on the
+replica and only the first finds the row. All of them change the
 status only through :func:`workers.lifecycle.transition`, which keeps the idle
 clock: a replica whose last environment is released becomes idle *since that
 moment* (``idle_since = last_used_at``) and gets its ``reap_at``; a replica that
@@ -49,7 +64,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
@@ -63,6 +78,7 @@ from workers.lifecycle import lock_replica, transition
 from workers.operations import FINISHED
 from workers.store.db import Database
 from workers.store.models import (
+    Claim,
     Function,
     Lease,
     Operation,
@@ -76,6 +92,8 @@ WAITER_PREFIX = "cw"
 SPAWN_PREFIX = "cs"
 PENDING_SPAWN = "pending:"  # + the waiter's token, until the operation id replaces it
 LOCKED_RETRY_S = 2.0  # how long a claim keeps looking while every Idle row is locked
+MAX_TTL_S = 86_400.0
+EXPIRE_BATCH = 1000  # expired claims one reaper pass gives back at most
 
 
 class NoIdleReplica(CorralError):
@@ -88,16 +106,31 @@ class ClaimTimeout(NoIdleReplica):
 
 @dataclass(frozen=True)
 class Claimed:
-    """One execution environment handed to a caller: where to send the request."""
+    """One execution environment lent to a caller: the claim, and where to send the request."""
 
+    claim_id: str
     replica_id: str
     address: str | None
     vmid: str | None
     function: str
+    expires_at: datetime
 
     def as_dict(self) -> dict[str, Any]:
-        """The claim as a JSON-ready mapping."""
-        return asdict(self)
+        """The claim as a JSON-ready mapping (``expires_at`` as ISO 8601 UTC)."""
+        data = asdict(self)
+        data["expires_at"] = self.expires_at.isoformat() + "Z"
+        return data
+
+
+def check_ttl(value: object) -> float | None:
+    """A claim's time to live in seconds (None: the default), else :class:`InputError`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputError(f"claim ttl must be a number of seconds, got {value!r}")
+    if not 0 < value <= MAX_TTL_S:
+        raise InputError(f"claim ttl must be above 0 and at most {MAX_TTL_S:g}s, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -131,13 +164,20 @@ def _candidate(session: Session, fn: Function, lock: str = "skip") -> str | None
 
 
 def claim(
-    db: Database, settings: Settings, function_name: str, *, waiter: Waiter | None = None
+    db: Database,
+    settings: Settings,
+    function_name: str,
+    *,
+    waiter: Waiter | None = None,
+    ttl_s: float | None = None,
 ) -> Claimed:
     """Take one execution environment of an Idle, current-build replica of the function.
 
-    A cold-start ``waiter`` stops being counted in the same transaction that serves it,
+    The claim expires ``ttl_s`` (default ``CORRAL_CLAIM_TTL_S``) seconds from now. A
+    cold-start ``waiter`` stops being counted in the same transaction that serves it,
     so no other waiter sees it still waiting and asks for a spawn on its behalf.
     """
+    ttl = check_ttl(ttl_s) or settings.claim_ttl_s
     give_up = time.monotonic() + LOCKED_RETRY_S
     with db.transaction() as s:
         fn = get_function(s, function_name)
@@ -158,8 +198,12 @@ def claim(
         replica = lock_replica(s, rid)
         if replica is None or replica.status != ReplicaState.IDLE:
             raise NoIdleReplica(f"no idle replica of {function_name}")
+        at = now()
         replica.envs_in_use += 1
-        replica.last_used_at = now()
+        replica.last_used_at = at
+        lent = Claim(id=new_id(), replica_id=replica.id, function_id=fn.id, created_at=at,
+                     expires_at=at + timedelta(seconds=ttl))
+        s.add(lent)
         if replica.envs_in_use >= replica.envs_total:
             transition(s, replica, ReplicaState.ALLOCATED, settings)
         else:  # still Idle (another environment is free) but busy: off the reaper's index
@@ -168,10 +212,11 @@ def claim(
             s.flush()
         if waiter is not None:
             s.execute(delete(Lease).where(Lease.name == waiter.token))
-        return Claimed(replica.id, replica.address, replica.vmid, fn.name)
+        return Claimed(lent.id, replica.id, replica.address, replica.vmid, fn.name,
+                       lent.expires_at)
 
 
-def give_back(session: Session, replica: Replica, settings: Settings) -> None:
+def _give_back(session: Session, replica: Replica, settings: Settings) -> None:
     """Return one execution environment of a locked replica: Idle again, last used now."""
     replica.envs_in_use -= 1
     replica.last_used_at = now()
@@ -181,26 +226,69 @@ def give_back(session: Session, replica: Replica, settings: Settings) -> None:
         session.flush()
 
 
-def release(db: Database, settings: Settings, replica_id: str) -> dict[str, Any]:
-    """Give one execution environment back; the replica is Idle again afterwards."""
+def _take_back(session: Session, replica: Replica, settings: Settings, claim_id: str,
+               *, expired_by: datetime | None = None) -> bool:
+    """Delete one claim row of a locked replica and give its environment back, if it is there.
+
+    With ``expired_by``, only a claim that expired by then is taken back.
+    """
+    query = delete(Claim).where(Claim.id == claim_id, Claim.replica_id == replica.id)
+    if expired_by is not None:
+        query = query.where(Claim.expires_at <= expired_by)
+    taken = query.returning(Claim.id).execution_options(synchronize_session=False)
+    if session.execute(taken).first() is None:  # not there (any more): nothing to give back
+        return False
+    _give_back(session, replica, settings)
+    return True
+
+
+def release(db: Database, settings: Settings, claim_id: str) -> dict[str, Any]:
+    """Give back exactly the environment a claim holds; a claim no longer held changes nothing.
+
+    The result's ``released`` says which: False for a second release, or a release of a
+    claim the reaper already took back after it expired.
+    """
     with db.transaction() as s:
-        replica = lock_replica(s, replica_id)
-        if replica is None:
-            raise NotFound(f"unknown replica {replica_id!r}")
-        state = ReplicaState(replica.status)
-        if replica.envs_in_use <= 0:
-            raise InputError(
-                f"replica {replica_id} has no execution environment in use "
-                f"(it is {state.label}); nothing to release"
-            )
-        give_back(s, replica, settings)
+        held = s.execute(select(Claim.replica_id).where(Claim.id == claim_id)).first()
+        replica = lock_replica(s, held[0]) if held is not None else None
+        if replica is None or not _take_back(s, replica, settings, claim_id):
+            return {"claim_id": claim_id, "released": False,
+                    "detail": f"claim {claim_id} is not held (already released, or expired "
+                              "and given back): nothing changed"}
         return {
+            "claim_id": claim_id,
+            "released": True,
             "replica_id": replica.id,
             "function": replica.function.name,
             "status": ReplicaState(replica.status).label,
             "envs_in_use": replica.envs_in_use,
             "envs_total": replica.envs_total,
         }
+
+
+def expire(db: Database, settings: Settings, *, batch: int = EXPIRE_BATCH) -> int:
+    """Give back the environments of claims past their expiry (oldest first); how many."""
+    at = now()
+    with db.transaction() as s:
+        due = s.execute(
+            select(Claim.id, Claim.replica_id).where(Claim.expires_at <= at)
+            .order_by(Claim.expires_at).limit(batch)
+        ).all()
+        taken = 0
+        for claim_id, replica_id in sorted(due, key=lambda row: row[1]):  # lock in id order
+            replica = lock_replica(s, replica_id)
+            if replica is not None and _take_back(s, replica, settings, claim_id, expired_by=at):
+                taken += 1
+        return taken
+
+
+def finish_oldest(session: Session, replica: Replica, settings: Settings) -> bool:
+    """A guest finished a piece of work: give back the locked replica's oldest claim, if any."""
+    oldest = session.scalar(
+        select(Claim.id).where(Claim.replica_id == replica.id)
+        .order_by(Claim.created_at, Claim.id).limit(1)
+    )
+    return oldest is not None and _take_back(session, replica, settings, oldest)
 
 
 # -- cold starts -------------------------------------------------------------------------------

@@ -17,6 +17,11 @@ A pass removes three kinds of replica, in this order, at most
   ``(status, reap_at)`` index, or, with an explicit ``idle_timeout`` override,
   ``idle_since <= now - idle_timeout`` on ``(status, idle_since)``.
 
+Before choosing victims a pass gives back the environments of claims past their
+expiry (:func:`workers.claims.expire`; ``claims_expired`` in the report): a
+replica whose caller died holding a claim is Idle again, its idle clock starting
+now, instead of Allocated for ever.
+
 Idle and stale deletions never take a function below its ``min_replicas``
 (replicas in Creating, Starting, Idle or Allocated count: the function row's
 ``replica_count``, read once per function the pass touches). A stale replica kept for
@@ -57,7 +62,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers import leases
+from workers import claims, leases
 from workers.clock import now
 from workers.errors import BackendError, InputError, TransientBackendError
 from workers.functions import iso
@@ -113,6 +118,7 @@ class ReapReport:
     kept_for_min: dict[str, int] = field(default_factory=dict)
     replace: dict[str, int] = field(default_factory=dict)
     more: bool = False  # the batch was full: the next pass continues
+    claims_expired: int = 0  # expired claims whose environment the pass gave back
     started_at: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -390,6 +396,7 @@ def reap(
         log.info("reap pass %s skipped: lease held by %s", holder, report.held_by)
         return report
     try:
+        report.claims_expired = claims.expire(db, settings)
         _run(db, settings, report, idle_timeout, budget)
     finally:
         leases.release(db, LEASE, holder)

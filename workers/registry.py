@@ -9,7 +9,7 @@
   vmid is given a grace period (longer while any spawn is still waiting for its
   vmid) before it is answered DESTROY - a merely early VM is not killed, a true
   orphan is not kept.
-* ``UpdateStatus(vmid, FINISHED)`` gives back one execution environment and
+* ``UpdateStatus(vmid, FINISHED)`` gives back the replica's oldest claim and
   answers KEEP_ALIVE, or DESTROY when the replica should go (stale build, more
   replicas than the function's target, node draining); corral then deletes it.
 
@@ -36,7 +36,7 @@ from sqlalchemy import select
 
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
-from workers.claims import give_back
+from workers.claims import finish_oldest
 from workers.errors import CorralError
 from workers.lifecycle import lock_replica, transition
 from workers.nodes import default_name, upsert_node
@@ -150,8 +150,7 @@ class Registry:
             replica = lock_replica(s, replica_id)
             if replica is None or replica.status not in LIVE_STATES:
                 return DESTROY
-            if replica.envs_in_use > 0:
-                give_back(s, replica, self.settings)
+            finish_oldest(s, replica, self.settings)
             fn, node = replica.function, replica.node
             reason = None
             if replica.status == ReplicaState.DELETING:

@@ -33,6 +33,8 @@ def _reap_text(view: dict[str, Any]) -> str:
     if deleted:
         lines.append(table(deleted, ["replica_id", "function", "reason", "detail", "node",
                                      "outcome", "error"]))
+    if report.get("claims_expired"):
+        lines.append(f"gave back {report['claims_expired']} expired claim(s)")
     kept = report.get("kept_for_min") or {}
     if kept:
         lines.append("kept for min: " + ", ".join(f"{k}={v}" for k, v in sorted(kept.items())))

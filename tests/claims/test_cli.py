@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -21,14 +22,19 @@ def test_claim_release_reap_json(
     spawn_idle(corral_env, "hello", 2)
     clock.travel(20)
 
-    assert main(["claim", "hello", "--json"]) == 0
+    assert main(["claim", "hello", "--json", "--ttl", "60"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["function"] == "hello" and got["address"].startswith("http://127.0.0.1:")
+    assert {"claim_id", "replica_id", "address", "expires_at"} <= set(got)
     assert by_id(corral_env)[got["replica_id"]].status == ReplicaState.ALLOCATED
+    assert got["expires_at"].endswith("Z")  # ISO 8601 UTC, one minute from now
+    expires = datetime.fromisoformat(got["expires_at"][:-1])
+    assert abs((expires - clock.now() - timedelta(seconds=60)).total_seconds()) < 5
 
-    assert main(["release", got["replica_id"], "--json"]) == 0
+    assert main(["release", got["claim_id"], "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out == {"replica_id": got["replica_id"], "function": "hello", "status": "idle",
+    assert out == {"claim_id": got["claim_id"], "released": True,
+                   "replica_id": got["replica_id"], "function": "hello", "status": "idle",
                    "envs_in_use": 0, "envs_total": 1}
 
     clock.travel(15)  # never used: idle 35 s; the released one: 15 s
@@ -53,10 +59,15 @@ def test_human_output(
     deploy_fn(corral_env, idle_timeout=30, min=1)
     spawn_idle(corral_env, "hello", 2)
     assert main(["claim", "hello"]) == 0
-    rid, address = capsys.readouterr().out.split()
-    assert len(rid) == 32 and address.startswith("http://")
-    assert main(["release", rid]) == 0
-    assert capsys.readouterr().out.startswith(f"released {rid}: idle")
+    claim_id, address = capsys.readouterr().out.split()
+    assert len(claim_id) == 32 and address.startswith("http://")
+    assert main(["release", claim_id]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"released {claim_id}: replica ") and " idle (0 of 1" in out
+    assert main(["release", claim_id]) == 0  # a second release changes nothing, and says so
+    assert capsys.readouterr().out == (
+        f"claim {claim_id} is not held (already released, or expired and given back): "
+        "nothing changed\n")
     clock.travel(31)
     assert main(["reap", "--idle-timeout", "10", "--wait"]) == 0
     out = capsys.readouterr().out
@@ -69,10 +80,11 @@ def test_errors_are_one_line(
 ) -> None:
     start_agents(1)
     deploy_fn(corral_env)
-    assert main(["release", "0123456789abcdef0123456789abcdef"]) == 1
+    assert main(["release", "not-a-claim"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == "corral: error: unknown replica '0123456789abcdef0123456789abcdef'\n"
+    assert captured.err == (
+        "corral: error: malformed claim id 'not-a-claim': expected 32 hex characters\n")
 
     assert main(["claim", "hello", "--json"]) == 1
     assert capsys.readouterr().err == "corral: error: no idle replica of hello\n"
@@ -82,6 +94,7 @@ def test_errors_are_one_line(
     assert err.startswith("corral: error: idle timeout must be between") and err.count("\n") == 1
 
     (replica,) = spawn_idle(corral_env, "hello", 1)
-    assert main(["release", replica.id]) == 1
+    assert main(["claim", "hello", "--ttl", "0"]) == 1
     err = capsys.readouterr().err
-    assert "has no execution environment in use" in err and err.count("\n") == 1
+    assert err.startswith("corral: error: claim ttl must be above 0") and err.count("\n") == 1
+    assert by_id(corral_env)[replica.id].envs_in_use == 0

@@ -37,8 +37,9 @@ def test_idle_past_timeout_deleted_counting_from_last_use_or_readiness(
     deploy_fn(corral_env, idle_timeout=60)
     a, b, c = spawn_idle(corral_env, "hello", 3)
     clock.travel(30)
-    used = claim(corral_env.db, corral_env.settings, "hello").replica_id
-    release(corral_env.db, corral_env.settings, used)  # its idle clock restarts now
+    lent = claim(corral_env.db, corral_env.settings, "hello")
+    used = lent.replica_id
+    release(corral_env.db, corral_env.settings, lent.claim_id)  # its idle clock restarts now
     never = {r.id: r.vmid for r in (a, b, c) if r.id != used}
     assert len(never) == 2
 
@@ -84,15 +85,17 @@ def test_allocated_and_busy_replicas_are_never_reaped(
     deploy_fn(corral_env, "duo", idle_timeout=10, exec_envs=2)
     spawn_idle(corral_env, "hello", 2)
     spawn_idle(corral_env, "duo", 1)
-    first = claim(corral_env.db, corral_env.settings, "hello").replica_id
-    second = claim(corral_env.db, corral_env.settings, "hello").replica_id
-    busy = claim(corral_env.db, corral_env.settings, "duo").replica_id  # Idle, 1 of 2 in use
+    day = 86_400  # claims that outlive the test: none expires
+    lent = claim(corral_env.db, corral_env.settings, "hello", ttl_s=day)
+    first = lent.replica_id
+    second = claim(corral_env.db, corral_env.settings, "hello", ttl_s=day).replica_id
+    busy = claim(corral_env.db, corral_env.settings, "duo", ttl_s=day).replica_id  # 1 of 2 busy
     clock.travel(1000)
     assert _reap(corral_env).deleted == []
     assert _reap(corral_env, idle_timeout=0).deleted == []
     assert released(agents) == {}
 
-    release(corral_env.db, corral_env.settings, first)
+    release(corral_env.db, corral_env.settings, lent.claim_id)
     clock.travel(11)
     report = _reap(corral_env)
     assert [d.replica_id for d in report.deleted] == [first]

@@ -180,3 +180,4 @@ def test_finished_gives_the_claimed_environment_back(
         assert replica is not None
         assert (replica.status, replica.envs_in_use) == (ReplicaState.IDLE, 0)
         assert replica.last_used_at is not None
+    assert not api.release(claimed["claim_id"])["released"]  # FINISHED gave that claim back

@@ -98,7 +98,7 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
         assert answer.status_code == 200 and "hello from corral" in answer.text
         fc = by_fn["hello"][0]
         assert "hello from corral" in httpx.get(fc["address"], timeout=10).text
-        _corral(tmp_path, "release", claimed["replica_id"])
+        _corral(tmp_path, "release", claimed["claim_id"])
 
         started = _descendants(up.pid)
         assert len(started) >= 8  # redis, registry, worker(+pool), beat, flower, agents, replicas

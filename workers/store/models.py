@@ -12,6 +12,10 @@ moves these counters. Counters are guarded in the database by CHECK
 constraints and changed only by conditional UPDATEs, so no interleaving of
 workers can over-commit a node or a GPU.
 
+A *claim* is one execution environment of a replica lent to one caller until it is
+released or its ``expires_at`` passes (the reaper then gives it back): a replica's
+``envs_in_use`` equals the number of its claim rows.
+
 An *operation* is one producer request (spawn, delete, scale, reap, ...): what was
 asked, how far it got, and how it ended.
 """
@@ -294,3 +298,22 @@ class Lease(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128))
     expires_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class Claim(Base):
+    """One execution environment of a replica, lent to one caller until released or expired."""
+
+    __tablename__ = "claims"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    replica_id: Mapped[str] = mapped_column(ForeignKey("replicas.id", ondelete="CASCADE"))
+    function_id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+    expires_at: Mapped[datetime] = mapped_column(DateTime)
+
+    __table_args__ = (
+        # A replica's oldest claim (a guest's FINISHED gives it back) and its claim count.
+        Index("ix_claims_replica", "replica_id", "created_at"),
+        # The reaper's expiry sweep: one range of this index.
+        Index("ix_claims_expires", "expires_at"),
+    )
