@@ -232,59 +232,19 @@ def claim(
             f"cold-start timeout must be between 0 and {MAX_COLD_START_S:g}s, "
             f"got {cold_start_timeout!r}"
         )
-    ttl = claims.check_ttl(ttl)
-    db = database(settings)
-    started = time.monotonic()
-
-    def view(got: claims.Claimed, spawned: list[str]) -> dict[str, Any]:
-        return {**got.as_dict(), "waited_s": round(time.monotonic() - started, 3),
-                "spawned": spawned}
-
-    try:
-        return view(claims.claim(db, settings, function, ttl_s=ttl), [])
-    except claims.NoIdleReplica:
-        if cold_start_timeout <= 0:
-            raise
-    waiter = claims.join_waiters(db, function, cold_start_timeout)
-    spawned: list[str] = []
-    settled: set[str] = set()
-    deadline = started + cold_start_timeout
-    delay = 0.02
+    attempt = claims.ClaimAttempt(
+        database(settings), settings, function, cold_start_timeout=cold_start_timeout,
+        ttl_s=ttl, spawn=lambda name: spawn(name, 1, settings=settings),
+    )
     try:
         while True:
-            try:
-                return view(claims.claim(db, settings, function, waiter=waiter, ttl_s=ttl),
-                            spawned)
-            except claims.NoIdleReplica:
-                pass
-            for op_id in [o for o in spawned if o not in settled]:
-                mine = operation(op_id, settings=settings)
-                if mine["status"] == "failed":
-                    raise claims.NoIdleReplica(
-                        f"cold start of {function} failed: {mine['error']}"
-                    )
-                if mine["status"] in FINISHED:
-                    settled.add(op_id)
-            if time.monotonic() >= deadline:
-                raise claims.ClaimTimeout(
-                    f"no ready replica of {function} after {cold_start_timeout:g}s"
-                )
-            plan = claims.plan_cold_start(db, settings, waiter)
-            if plan.spawn is not None:
-                try:
-                    op_id = spawn(function, 1, settings=settings)
-                except CorralError as exc:
-                    claims.drop_spawn(db, plan.spawn)
-                    raise claims.NoIdleReplica(
-                        f"no idle replica of {function}, and a cold start was refused: {exc}"
-                    ) from None
-                claims.note_spawn(db, plan.spawn, op_id)
-                spawned.append(op_id)
-                continue  # the new replica may be ready already (eager mode)
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(delay * 1.5, 0.5)
+            got = attempt.step()
+            if isinstance(got, claims.Claimed):
+                return {**got.as_dict(), "waited_s": round(attempt.waited_s, 3),
+                        "spawned": attempt.spawned}
+            time.sleep(got)
     finally:
-        claims.leave_waiters(db, waiter)
+        attempt.close()
 
 
 def release(claim_id: str, *, settings: Settings | None = None) -> dict[str, Any]:

@@ -58,11 +58,17 @@ decisions for one function are serialised - counts the waiters and the
 environments already on their way (replicas of the current build in Creating /
 Starting, and waiter-requested spawns not finished yet, each counted once) and
 asks for one more spawn only when waiters outnumber them and nothing is Idle.
+
+:class:`ClaimAttempt` is one caller's whole claim, cold start included, as a series
+of short steps (each a few store calls, never a sleep): :func:`tasks.api.claim`
+runs them with ``time.sleep`` between, the gateway with ``asyncio.sleep`` and each
+step in a thread, so both share one mechanism.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -75,7 +81,7 @@ from workers.clock import now
 from workers.errors import CorralError, InputError, NotFound
 from workers.functions import get_function
 from workers.lifecycle import lock_replica, transition
-from workers.operations import FINISHED
+from workers.operations import FINISHED, get_operation
 from workers.store.db import Database
 from workers.store.models import (
     Claim,
@@ -400,3 +406,102 @@ def drop_spawn(db: Database, spawn: str) -> None:
     """Forget a waiter-requested spawn that was refused."""
     with db.transaction() as s:
         s.execute(delete(Lease).where(Lease.name == spawn))
+
+
+class ClaimAttempt:
+    """One caller's claim as steps: claim at once, else wait for a (shared) cold start.
+
+    :meth:`step` returns the :class:`Claimed` environment, or how many seconds to wait
+    before the next step; it raises :class:`NoIdleReplica` (no cold start allowed, the
+    cold start failed or was refused) or :class:`ClaimTimeout`. :meth:`close` must run
+    at the end, whatever happened. ``spawn(function) -> operation id`` asks for one
+    replica. With ``wait_at_max`` a spawn refused because the function is at its max
+    is not an error: the caller waits for an environment to be released instead.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        function: str,
+        *,
+        spawn: Callable[[str], str],
+        cold_start_timeout: float = 0.0,
+        ttl_s: float | None = None,
+        wait_at_max: bool = False,
+    ) -> None:
+        self.db, self.settings, self.function = db, settings, function
+        self.timeout = cold_start_timeout
+        self.ttl_s = check_ttl(ttl_s)
+        self.spawned: list[str] = []  # operations this caller asked for
+        self.started = time.monotonic()
+        self._spawn = spawn
+        self._wait_at_max = wait_at_max
+        self._deadline = self.started + cold_start_timeout
+        self._waiter: Waiter | None = None
+        self._settled: set[str] = set()
+        self._delay = 0.02
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds since the attempt began."""
+        return time.monotonic() - self.started
+
+    def step(self) -> Claimed | float:
+        """Try once: the claimed environment, or the seconds to wait before trying again."""
+        if self._waiter is None:
+            try:
+                return claim(self.db, self.settings, self.function, ttl_s=self.ttl_s)
+            except NoIdleReplica:
+                if self.timeout <= 0:
+                    raise
+            self._waiter = join_waiters(self.db, self.function, self.timeout)
+        try:
+            return claim(self.db, self.settings, self.function, waiter=self._waiter,
+                         ttl_s=self.ttl_s)
+        except NoIdleReplica:
+            pass
+        self._check_spawns()
+        if time.monotonic() >= self._deadline:
+            raise ClaimTimeout(f"no ready replica of {self.function} after {self.timeout:g}s")
+        plan = plan_cold_start(self.db, self.settings, self._waiter)
+        if plan.spawn is not None:
+            try:
+                op_id = self._spawn(self.function)
+            except CorralError as exc:
+                drop_spawn(self.db, plan.spawn)
+                if not (self._wait_at_max and self._at_max()):
+                    raise NoIdleReplica(f"no idle replica of {self.function}, and a cold start "
+                                        f"was refused: {exc}") from None
+            else:
+                note_spawn(self.db, plan.spawn, op_id)
+                self.spawned.append(op_id)
+                return 0.0  # the new replica may be ready already (eager mode)
+        wait = max(0.0, min(self._delay, self._deadline - time.monotonic()))
+        self._delay = min(self._delay * 1.5, 0.5)
+        return wait
+
+    def _check_spawns(self) -> None:
+        """Fail the attempt when a spawn it asked for failed."""
+        pending = [o for o in self.spawned if o not in self._settled]
+        if not pending:
+            return
+        with self.db.read() as s:
+            for op_id in pending:
+                op = get_operation(s, op_id)
+                if op.status == OpStatus.FAILED.value:
+                    raise NoIdleReplica(f"cold start of {self.function} failed: {op.error}")
+                if op.status in FINISHED:
+                    self._settled.add(op_id)
+
+    def _at_max(self) -> bool:
+        """True when the function has as many replicas as its max allows."""
+        with self.db.read() as s:
+            fn = get_function(s, self.function)
+            return fn.replica_count >= fn.max_replicas
+
+    def close(self) -> None:
+        """Stop counting this caller as a cold-start waiter."""
+        if self._waiter is not None:
+            leave_waiters(self.db, self._waiter)
+            self._waiter = None
