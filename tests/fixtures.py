@@ -9,11 +9,14 @@ agents (memory driver) on loopback and registers them as nodes.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from sqlalchemy import text
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings, get_settings, reset_settings
@@ -22,6 +25,7 @@ from workers.app import configure
 from workers.nodes import upsert_node
 from workers.store.db import Database, get_database
 from workers.store.migrate import upgrade
+from workers.store.models import Base
 
 FAST = {
     "CORRAL_RETRY_BACKOFF_S": "0.01",
@@ -70,6 +74,65 @@ def _apply(env: Env, url: str, **extra: Any) -> Env:
     env.set(database_url=url, eager="1", **base, **extra)
     upgrade(env.db)
     return env
+
+
+STORES = ("sqlite", "postgres")
+
+
+@pytest.fixture(scope="module")
+def pg_module_url(postgres_server: Any) -> Iterator[str]:
+    """One migrated PostgreSQL database for the test module, dropped after it."""
+    name = f"corral_m_{uuid.uuid4().hex[:16]}"
+    url = postgres_server.create_database(name)
+    db = get_database(url)
+    upgrade(db)
+    db.dispose()
+    try:
+        yield url
+    finally:
+        get_database(url).dispose()
+        postgres_server.drop_database(name)
+
+
+def truncate(url: str) -> None:
+    """Empty every corral table of a PostgreSQL database (the schema and its version stay).
+
+    Connections a previous test left open would block ``TRUNCATE``: they are ended first.
+    """
+    tables = ", ".join(t.name for t in Base.metadata.sorted_tables)
+    db = get_database(url)
+    db.dispose()
+    with db.engine.connect() as conn:
+        conn.execute(text(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"))
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+        conn.commit()
+    db.dispose()
+
+
+@pytest.fixture(params=STORES)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The URL of an empty, migrated store: a fresh SQLite file, or this module's PostgreSQL.
+
+    Parametrized: a test that uses it (through ``store_env``) runs once per store.
+    """
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'corral.sqlite'}"
+    url: str = request.getfixturevalue("pg_module_url")
+    truncate(url)
+    return url
+
+
+@pytest.fixture
+def store_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -> Iterator[Env]:
+    """Eager Celery on an empty, migrated store: SQLite and PostgreSQL in turn."""
+    env = _apply(Env(monkeypatch, tmp_path), store_url)
+    yield env
+    env.db.dispose()
+    clock.reset()
+    reset_settings()
+    configure(get_settings())
 
 
 @pytest.fixture

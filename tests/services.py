@@ -621,5 +621,7 @@ def pg_url(postgres_server: PostgresServer) -> Iterator[str]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that uses the Postgres fixtures with ``@pytest.mark.postgres``."""
     for item in items:
-        if "postgres_server" in getattr(item, "fixturenames", ()):
+        callspec = getattr(item, "callspec", None)
+        on_pg = callspec is not None and callspec.params.get("store_url") == "postgres"
+        if on_pg or "postgres_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.postgres)

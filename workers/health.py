@@ -124,7 +124,7 @@ def mark_lost(db: Database, settings: Settings) -> int:
             for replica in s.scalars(
                 select(Replica)
                 .where(Replica.node_id == node.id, Replica.status.in_(LIVE_STATES))
-                .with_for_update()
+                .with_for_update(of=Replica)  # not the outer-joined node/GPU (PostgreSQL)
             ):
                 transition(
                     s, replica, ReplicaState.DEAD, settings,

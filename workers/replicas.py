@@ -396,7 +396,9 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
                     Replica.idle_since.asc(),
                 )
                 .limit(want)
-                .with_for_update(skip_locked=not db.is_sqlite)
+                # OF replicas: the eagerly joined function/node/GPU are outer joins,
+                # whose nullable side PostgreSQL refuses to lock.
+                .with_for_update(of=Replica, skip_locked=not db.is_sqlite)
             ).all()
             for replica in idle:
                 replica.operation_id = op.id

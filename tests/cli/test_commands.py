@@ -86,3 +86,20 @@ def test_failed_wait_exits_non_zero(
     assert main(["spawn", "hello", "--wait"]) == 1
     out, err = capsys.readouterr()
     assert "failed" in out and "empty vmid" in err
+
+
+def test_scale_below_the_count_deletes_the_surplus_idle_replicas(
+    store_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`corral scale F N` under the current count (on PostgreSQL: a locked select of Replica)."""
+    (agent,) = start_agents(1)
+    assert main(["functions", "deploy", "hello", "--image", "i", "--kernel", "/k"]) == 0
+    assert main(["scale", "hello", "4", "--wait"]) == 0
+    op = _json(capsys, ["scale", "hello", "1", "--wait", "--json"])
+    assert isinstance(op, dict) and op["status"] == "succeeded", op
+    assert (op["done"], op["total"]) == (3, 3)
+    assert len(agent.agent.calls_of("ReleaseVMSetup")) == 3
+    assert len(agent.driver.list()) == 1
+    replicas = _json(capsys, ["replicas", "--function", "hello", "--json"])
+    assert isinstance(replicas, list)
+    assert [r["status"] for r in replicas] == ["idle"]  # deleted rows are not listed

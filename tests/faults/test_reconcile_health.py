@@ -118,22 +118,22 @@ def test_only_one_reconcile_pass_at_a_time(corral_env: Env, start_agents: StartA
 
 @pytest.mark.timeout(30)
 def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
-    corral_env: Env, start_agents: StartAgents
+    store_env: Env, start_agents: StartAgents
 ) -> None:
     from agents.fcdaemon import serve_fcdaemon
 
-    corral_env.set(health_misses="2", node_dead_grace_s="0")
+    store_env.set(health_misses="2", node_dead_grace_s="0")
     a, b = start_agents(2)
-    _deploy(corral_env)
+    _deploy(store_env)
     api.wait(api.spawn("hello", 2), timeout=10)  # one on each node
     port = a.port
     a.stop(grace=0)
-    first = check_health(corral_env.db, corral_env.settings)
+    first = check_health(store_env.db, store_env.settings)
     assert first.missed == ["node1"] and first.became_unhealthy == []
-    second = check_health(corral_env.db, corral_env.settings)
+    second = check_health(store_env.db, store_env.settings)
     assert second.became_unhealthy == ["node1"]
     assert second.replicas_lost == 1  # grace 0: its replica is Dead at once
-    with corral_env.db.read() as s:
+    with store_env.db.read() as s:
         nodes = {n.name: n for n in s.scalars(select(Node))}
     assert not nodes["node1"].healthy and nodes["node1"].live == 0
     view = api.wait(api.spawn("hello", 2), timeout=10)
@@ -141,7 +141,7 @@ def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
     assert len(b.driver.list()) == 3  # placement skipped the unhealthy node
     back = serve_fcdaemon(f"127.0.0.1:{port}")
     try:
-        third = check_health(corral_env.db, corral_env.settings)
+        third = check_health(store_env.db, store_env.settings)
         assert third.recovered == ["node1"]
     finally:
         back.stop(grace=0)
