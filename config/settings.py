@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     first_worker_port: int = Field(4000, ge=1, le=65535)
     gpu_manager_port: int = Field(3333, ge=1, le=65535)
 
+    # Test-only: task names (comma separated) that raise before running (workers.app).
+    fault_raise_in: str = ""
+
     # Flower.
     flower_port: int = Field(5555, ge=0, le=65535)
     flower_user: str | None = None

@@ -21,13 +21,13 @@ from celery import Signature
 from config.settings import Settings, get_settings
 from workers.errors import CorralError, InputError
 from workers.functions import get_function
-from workers.operations import FINISHED, create_operation, get_operation, operation_view
+from workers.operations import create_operation, get_operation, operation_view
 from workers.placement import spread_nodes
 from workers.redrive import Redrive
 from workers.replicas import check_count, check_target
 from workers.store.db import Database, get_database
 from workers.store.migrate import check_schema
-from workers.store.models import Operation
+from workers.store.models import OP_FINISHED, Operation
 
 _checked: set[str] = set()
 
@@ -176,7 +176,7 @@ def wait(
         view = operation(op_id, settings=settings)
         if progress is not None:
             progress(view)
-        if view["status"] in FINISHED:
+        if view["status"] in OP_FINISHED:
             return view
         if time.monotonic() >= deadline:
             raise TimeoutError(

@@ -35,22 +35,17 @@ def reap(
 
     from tasks import api
     from workers import reaper
-    from workers.errors import CorralError, InputError
-    from workers.replicas import fail_op
+    from workers.errors import CorralError
 
     settings = self.settings
     holder = f"{socket.gethostname()}:{os.getpid()}:{self.request.id or 'direct'}"[:128]
     if op_id:
         reaper.start(self.db, op_id)
-    try:
-        # An operator's pass waits a little for a periodic one to end instead of failing.
-        wait = settings.task_soft_time_limit_s / 4 if op_id else 0.0
-        report = reaper.reap(self.db, settings, idle_timeout=idle_timeout, holder=holder,
-                             lease_wait_s=wait)
-    except Exception as exc:
-        if op_id and not isinstance(exc, InputError):  # input errors: CorralTask fails the op
-            fail_op(self.db, op_id, f"reap pass failed: {type(exc).__name__}: {exc}")
-        raise
+    # An operator's pass waits a little for a periodic one to end instead of failing.
+    # Any error fails the operation (CorralTask).
+    wait = settings.task_soft_time_limit_s / 4 if op_id else 0.0
+    report = reaper.reap(self.db, settings, idle_timeout=idle_timeout, holder=holder,
+                         lease_wait_s=wait)
     replacements: dict[str, str] = {}
     for name, n in report.replace.items():
         try:
@@ -68,7 +63,8 @@ def _redrive(task: CorralTask) -> dict[str, str]:
     from tasks import api
     from workers import redrive
 
-    sent: dict[str, str] = {}
+    sent = {op_id: f"failed: {reason}"
+            for op_id, reason in redrive.give_up(task.db, task.settings, api.RESENDABLE).items()}
     for due in redrive.due(task.db, task.settings, api.RESENDABLE):
         try:
             api.resend(due)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from sqlalchemy import text
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon

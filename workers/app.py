@@ -8,6 +8,17 @@ with a missing or mistyped argument fails with a one-line reason and marks its
 operation failed, without disturbing the worker), and turns :class:`InputError`
 into a failed operation instead of a retry.
 
+No exception leaves a task's operation open: besides a Celery retry (or
+ignore / reject), any exception the task raises ends its operation (the task's
+``op_id`` argument) ``failed``, with the task's name, the error's type and its
+first line - SQL parameters and secret-looking values removed - as the reason,
+so ``wait`` returns at once and ``corral ops`` shows the cause. The exception
+is then re-raised for Celery to log.
+
+``CORRAL_FAULT_RAISE_IN`` (test-only, empty by default) names tasks (comma
+separated) that raise :class:`FaultInjected` before running: how the tests make
+a task fail unexpectedly in a real worker.
+
 Per-process resources - the database engine, gRPC channels and the HTTP client -
 are dropped in ``worker_process_init`` so each prefork child makes its own; a
 worker refuses to start on an un-migrated database.
@@ -23,6 +34,7 @@ import threading
 from typing import Any
 
 from celery import Celery, Task, signals
+from celery.exceptions import TaskPredicate
 
 from config.celery import celery_config
 from config.settings import Settings, get_settings
@@ -68,10 +80,32 @@ class CorralTask(Task):  # type: ignore[misc]
                     bound.arguments.get("op_id"),
                     f"argument {name!r} must be {expected}, got {type(value).__name__}",
                 )
+        op_id = bound.arguments.get("op_id")
         try:
+            inject_fault(self.settings, self.name)
             return super().__call__(*args, **kwargs)
         except InputError as exc:
-            return self._reject(bound.arguments.get("op_id"), str(exc))
+            return self._reject(op_id, str(exc))
+        except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
+            raise
+        except Exception as exc:
+            self._fail(op_id, exc)
+            raise
+
+    def _fail(self, op_id: Any, exc: Exception) -> None:
+        """End the operation of a task that raised: failed, with the redacted error."""
+        from workers.operations import describe_error
+
+        message = f"{self.name}: {describe_error(exc)}"
+        log.error("task %s failed: %s", self.request.id, message)
+        if not isinstance(op_id, str):
+            return
+        from workers.replicas import fail_op
+
+        try:
+            fail_op(self.db, op_id, message)
+        except Exception as failed:  # the store itself is down: redrive gives up later
+            log.error("could not mark operation %s failed: %s", op_id, describe_error(failed))
 
     def _reject(self, op_id: Any, reason: str) -> dict[str, Any]:
         message = f"{self.name}: {reason}"
@@ -102,6 +136,16 @@ class CorralTask(Task):  # type: ignore[misc]
         s = self.settings
         ceiling = min(s.retry_backoff_max_s, s.retry_backoff_s * (2**self.request.retries))
         return random.uniform(ceiling / 2, ceiling)
+
+
+class FaultInjected(RuntimeError):
+    """The test-only fault hook fired (``CORRAL_FAULT_RAISE_IN``)."""
+
+
+def inject_fault(settings: Settings, task_name: str) -> None:
+    """Raise :class:`FaultInjected` if ``CORRAL_FAULT_RAISE_IN`` names this task (tests only)."""
+    if settings.fault_raise_in and task_name in settings.fault_raise_in.split(","):
+        raise FaultInjected(f"fault injected in {task_name} (CORRAL_FAULT_RAISE_IN)")
 
 
 _SIMPLE: dict[str, type | tuple[type, ...]] = {

@@ -31,9 +31,8 @@ from workers.errors import BackendError, InputError
 from workers.health import note_failure
 from workers.lifecycle import finish
 from workers.nodes import get_node
-from workers.operations import FINISHED
 from workers.store.db import Database
-from workers.store.models import Node, Operation
+from workers.store.models import OP_FINISHED, Node, Operation
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ def run_hogs(
         op = s.get(Operation, op_id, with_for_update=True) if op_id else None
         if op_id and op is None:
             raise InputError(f"unknown operation {op_id!r}")
-        if op is not None and op.status in FINISHED:
+        if op is not None and op.status in OP_FINISHED:
             return {"nodes": (op.result or {}).get("nodes", {}), "retry": False}
         outcomes: dict[str, dict[str, Any]] = dict((op.result or {}).get("nodes", {})) if op else {}
         if not outcomes:
@@ -157,7 +156,7 @@ def run_hogs(
             op.result = {"action": action, "n": n, "nodes": outcomes}
             op.done = sum(1 for o in outcomes.values() if o["state"] == "ok")
             op.failed = sum(1 for o in outcomes.values() if o["state"] == "failed")
-            if not retry and op.status not in FINISHED:
+            if not retry and op.status not in OP_FINISHED:
                 errors = [o["error"] for o in outcomes.values() if o.get("error")]
                 op.result = {**op.result, "errors": errors[:5]}
                 finish(op, failed=op.failed, total=op.total)

@@ -34,6 +34,8 @@ from workers.placement import free_gpu, free_node
 from workers.store.models import (
     COUNTED_STATES,
     FINAL_STATES,
+    OP_FINISHED,
+    OP_OPEN,
     Function,
     Operation,
     OpStatus,
@@ -42,10 +44,9 @@ from workers.store.models import (
 )
 
 SETTLING = (ReplicaState.IDLE, ReplicaState.ALLOCATED, ReplicaState.DEAD, ReplicaState.DELETED)
-_OPEN = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
 _COUNT_DONE = (
     update(Operation)
-    .where(Operation.id == bindparam("op_id"), Operation.status.in_(_OPEN))
+    .where(Operation.id == bindparam("op_id"), Operation.status.in_(OP_OPEN))
     .values(done=Operation.done + 1, progress_at=bindparam("at"))
     .returning(Operation.done, Operation.failed, Operation.total, Operation.status)
     .execution_options(synchronize_session=False)
@@ -213,7 +214,7 @@ def settle(session: Session, op_id: str, *, ok: bool, error: str | None = None) 
     ).first()
     if op is None:
         return
-    if op.status not in _OPEN:
+    if op.status not in OP_OPEN:
         return
     op.failed += 1
     op.progress_at = now()
@@ -226,7 +227,7 @@ def settle(session: Session, op_id: str, *, ok: bool, error: str | None = None) 
 
 def maybe_finish(op: Operation) -> None:
     """Close an operation whose parts have all settled."""
-    if op.status in (OpStatus.SUCCEEDED.value, OpStatus.FAILED.value, OpStatus.PARTIAL.value):
+    if op.status in OP_FINISHED:
         return
     if op.done + op.failed < op.total:
         if op.status == OpStatus.PENDING.value:
@@ -250,12 +251,20 @@ def finish(op: Operation, *, failed: int, total: int, error: str | None = None) 
 
 
 def fail_operation(session: Session, op_id: str, error: str) -> None:
-    """Mark an operation failed as a whole (bad input, nothing done)."""
+    """Mark an open operation failed as a whole, ``error`` its reason; a finished one stays.
+
+    For bad input, an unexpected error in its task, or an operation given up on.
+    Its part counts stay as they were. A finished operation (a late redelivery's
+    failure) is left as it ended: succeeded, failed or partial.
+    """
     op = session.get(Operation, op_id, with_for_update=True)
-    if op is None or op.status in (OpStatus.SUCCEEDED.value, OpStatus.FAILED.value):
+    if op is None or op.status in OP_FINISHED:
         return
     op.total = max(op.total, 1)
-    finish(op, failed=op.total, total=op.total, error=error)
+    op.finished_at = now()
+    op.started_at = op.started_at or op.finished_at
+    op.status = OpStatus.FAILED.value
+    op.error = error
 
 
 def bump_reap_at(session: Session, fn: Function, settings: Settings) -> None:

@@ -8,6 +8,7 @@ secret-looking values redacted.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sqlalchemy import select
@@ -16,10 +17,10 @@ from sqlalchemy.orm import Session
 from workers.errors import InputError, NotFound
 from workers.functions import iso
 from workers.store.db import Database
-from workers.store.models import Operation, OpStatus
+from workers.store.models import OP_FINISHED, Operation
 
 SECRET_HINTS = ("secret", "token", "password", "aws_access_key", "authorization")
-FINISHED = (OpStatus.SUCCEEDED.value, OpStatus.FAILED.value, OpStatus.PARTIAL.value)
+FINISHED = OP_FINISHED  # the one definition is on the status type (workers.store.models)
 
 
 def redact(params: dict[str, Any]) -> dict[str, Any]:
@@ -33,6 +34,38 @@ def redact(params: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+_SECRET_TEXT = (
+    (re.compile(r"(?i)\bbearer\s+\S+"), "Bearer <redacted>"),
+    # user:password@ in URLs
+    (re.compile(r"(//[^/\s:@]*):[^@\s/]*@"), r"\1:<redacted>@"),
+    # password=..., token: ..., secret '...', aws_secret_access_key=...
+    (re.compile(r"(?i)\b([\w-]*(?:" + "|".join(SECRET_HINTS) + r")[\w-]*)(['\"]?\s*[=:]\s*)"
+                r"(['\"]?)[^\s,;'\")]+"), r"\1\2\3<redacted>"),
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "<redacted>"),
+)
+MAX_ERROR_CHARS = 500
+
+
+def redact_text(text: str) -> str:
+    """``text`` with secret-looking values (URL passwords, key=value secrets, tokens) masked."""
+    for pattern, replacement in _SECRET_TEXT:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: first line of the message`` for an operation's error, secrets masked.
+
+    A database error shows its driver's message, never the statement or its parameters.
+    """
+    from sqlalchemy.exc import StatementError
+
+    inner = exc.orig if isinstance(exc, StatementError) and exc.orig is not None else exc
+    lines = str(inner).strip().splitlines()
+    first = redact_text(lines[0].strip())[:MAX_ERROR_CHARS] if lines else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def create_operation(
@@ -89,7 +122,7 @@ def record_result(db: Database, op_id: str, result: dict[str, Any]) -> None:
 
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True)
-        if op is None or op.status in FINISHED:
+        if op is None or op.status in OP_FINISHED:
             return
         op.total, op.done = 1, 1
         op.result = result

@@ -68,11 +68,11 @@ from workers.errors import BackendError, InputError, TransientBackendError
 from workers.functions import iso
 from workers.health import note_failure
 from workers.lifecycle import MAX_OP_ERRORS, finish, transition
-from workers.operations import FINISHED
 from workers.replicas import Doomed, finish_delete, release_vm
 from workers.store.db import Database
 from workers.store.models import (
     COUNTED_STATES,
+    OP_FINISHED,
     Function,
     Operation,
     OpStatus,
@@ -492,7 +492,7 @@ def record(db: Database, op_id: str, report: ReapReport, extra: dict[str, Any]) 
     """Store a pass's report as its operation's result and finish the operation."""
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True)
-        if op is None or op.status in FINISHED:
+        if op is None or op.status in OP_FINISHED:
             return
         op.result = {**report.as_dict(), **extra}
         if report.skipped:

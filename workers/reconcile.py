@@ -37,10 +37,10 @@ from workers.lifecycle import lock_replica, transition
 from workers.store.db import Database
 from workers.store.models import (
     LIVE_STATES,
+    OP_OPEN,
     Function,
     Node,
     Operation,
-    OpStatus,
     Replica,
     ReplicaState,
 )
@@ -189,7 +189,7 @@ def below_min(db: Database, settings: Settings) -> dict[str, int]:
             for fid in s.scalars(
                 select(Operation.function_id).where(
                     Operation.kind == "spawn",
-                    Operation.status.in_([OpStatus.PENDING.value, OpStatus.RUNNING.value]),
+                    Operation.status.in_(OP_OPEN),
                     Operation.created_at
                     >= now() - timedelta(seconds=settings.creating_deadline_s),
                 )

@@ -15,12 +15,17 @@ first task ran, a part settled). Each reap pass calls :func:`due`, which takes
 the open operations that have not moved for ``CORRAL_REDRIVE_AFTER_S`` (doubled
 after every re-send), stamps them as re-sent, and returns them; the caller sends
 each one's first task again (``tasks.api.resend``). If the first message was
-only late, the second delivery finds the work done and does nothing more. After
-:data:`REDRIVE_MAX` re-sends an operation is left alone and logged; the reaper's
-stuck sweep still retires its replica rows.
+only late, the second delivery finds the work done and does nothing more.
 
 Only kinds whose first task is safe to repeat are passed in (not CPU hogs: a
 second ``CreateCPUHogs`` would start more hogs).
+
+No operation stays open for ever: :func:`give_up` (also run by each reap pass)
+fails an open operation that is past hope - re-sent :data:`REDRIVE_MAX` times
+and still not moving, or of a kind that is never re-sent - once it has not
+moved for ``CORRAL_REDRIVE_AFTER_S`` x 2^REDRIVE_MAX, with the reason as its
+error ("no progress after 3 re-sends of its task"). The reaper's stuck sweep
+still retires its replica rows.
 """
 
 from __future__ import annotations
@@ -36,13 +41,12 @@ from sqlalchemy import select
 from config.settings import Settings
 from workers.clock import now
 from workers.store.db import Database
-from workers.store.models import Operation, OpStatus
+from workers.store.models import OP_OPEN, Operation
 
 log = logging.getLogger(__name__)
 
 REDRIVE_MAX = 3  # re-sends per operation
 SWEEP_LIMIT = 100  # operations re-sent per pass at most
-OPEN = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def due(
         candidates = s.scalars(
             select(Operation)
             .where(
-                Operation.status.in_(OPEN),
+                Operation.status.in_(OP_OPEN),
                 Operation.progress_at <= at - after,
                 Operation.kind.in_(list(kinds)),
                 Operation.redrives < REDRIVE_MAX,
@@ -88,4 +92,44 @@ def due(
                 "(%d of %d)", op.id, op.kind, op.status, still.total_seconds(), op.redrives,
                 REDRIVE_MAX,
             )
+    return out
+
+
+def give_up(
+    db: Database, settings: Settings, resendable: Collection[str], *, limit: int = SWEEP_LIMIT
+) -> dict[str, str]:
+    """Fail the open operations that stopped moving for good; op id -> the reason recorded.
+
+    That is: re-sent :data:`REDRIVE_MAX` times (or of a kind not in ``resendable``,
+    never re-sent) and unmoved for ``CORRAL_REDRIVE_AFTER_S`` x 2^REDRIVE_MAX since.
+    """
+    from workers.lifecycle import fail_operation
+
+    at = now()
+    wait = timedelta(seconds=settings.redrive_after_s) * (2**REDRIVE_MAX)
+    out: dict[str, str] = {}
+    with db.transaction() as s:
+        hopeless = s.scalars(
+            select(Operation)
+            .where(
+                Operation.status.in_(OP_OPEN),
+                Operation.progress_at <= at - wait,
+                (Operation.redrives >= REDRIVE_MAX) | Operation.kind.not_in(list(resendable)),
+            )
+            .order_by(Operation.progress_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        ).all()
+        for op in hopeless:
+            assert op.progress_at is not None  # the query's condition
+            still = int((at - op.progress_at).total_seconds())
+            if op.kind in resendable:
+                reason = (f"no progress after {op.redrives} re-sends of its task "
+                          f"(last {still}s ago); gave up")
+            else:
+                reason = (f"no progress for {still}s, and a {op.kind} task is never re-sent "
+                          "(not safe to repeat); gave up")
+            log.error("operation %s (%s, %s): %s", op.id, op.kind, op.status, reason)
+            fail_operation(s, op.id, reason)
+            out[op.id] = reason
     return out

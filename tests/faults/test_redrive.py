@@ -113,10 +113,35 @@ def test_re_sends_back_off_and_stop(corral_env: Env) -> None:
     assert due() == [stalled]
     clock.travel(4 * after + 1)
     assert due() == [stalled]
-    clock.travel(100 * after)
-    assert due() == []  # three re-sends, then it is left to the stuck sweep
+    clock.travel(8 * after - 1)
+    assert due() == []  # three re-sends, then no more
     assert _op(corral_env, stalled).redrives == redrive.REDRIVE_MAX
     assert _op(corral_env, hogs).redrives == 0
+    # never silently: each fails, with its reason - hogs (never re-sent) long unmoved,
+    # the spawn once its third re-send has waited as long
+    gave_up = redrive.give_up(corral_env.db, settings, kinds)
+    assert set(gave_up) == {hogs}
+    clock.travel(2)
+    gave_up.update(redrive.give_up(corral_env.db, settings, kinds))
+    assert set(gave_up) == {stalled, hogs}
+    assert gave_up[stalled].startswith("no progress after 3 re-sends of its task")
+    assert "a hogs task is never re-sent" in gave_up[hogs]
+    for op_id in (stalled, hogs):
+        op = _op(corral_env, op_id)
+        assert (op.status, op.error) == ("failed", gave_up[op_id])
+    assert redrive.give_up(corral_env.db, settings, kinds) == {}
+
+
+def test_the_reap_pass_reports_an_operation_it_gave_up_on(corral_env: Env) -> None:
+    function_id = _deploy(corral_env)
+    stalled = _lost(corral_env, "scale", {"function": "hello", "target": 1}, function_id)
+    with corral_env.db.transaction() as s:
+        s.get(Operation, stalled).redrives = redrive.REDRIVE_MAX  # type: ignore[union-attr]
+    clock.travel(corral_env.settings.redrive_after_s * 2**redrive.REDRIVE_MAX + 1)
+    view = api.wait(api.reap(), timeout=30)
+    reason = view["result"]["redriven"][stalled]
+    assert reason.startswith("failed: no progress after 3 re-sends")
+    assert api.wait(stalled, timeout=5)["error"] == reason.removeprefix("failed: ")
 
 
 def test_progress_and_finished_operations_are_left_alone(corral_env: Env) -> None:

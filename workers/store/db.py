@@ -83,7 +83,10 @@ class Database:
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         return _sqlite_engine(url)
-    kwargs: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 10}
+    # hide_parameters: a database error's text (logged, or an operation's error) never
+    # carries the statement's parameters, which may hold a function's secrets.
+    kwargs: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 10,
+                              "hide_parameters": True}
     return create_engine(url, **kwargs)
 
 
@@ -92,6 +95,7 @@ def _sqlite_engine(url: str) -> Engine:
     engine = create_engine(
         url,
         connect_args={"timeout": 30, "check_same_thread": False},
+        hide_parameters=True,
         **({"poolclass": StaticPool} if memory else {}),
     )
 

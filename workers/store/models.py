@@ -87,13 +87,28 @@ FINAL_STATES: tuple[int, ...] = (ReplicaState.DEAD, ReplicaState.DELETED)
 
 
 class OpStatus(enum.StrEnum):
-    """Where an operation is."""
+    """Where an operation is: open (pending, running) or finished (the other three).
+
+    :data:`OP_FINISHED` and :data:`OP_OPEN` (the stored string values) are the one
+    definition of each; ``OpStatus(op.status).finished`` asks it of one status.
+    """
 
     PENDING = "pending"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     PARTIAL = "partial"
+
+    @property
+    def finished(self) -> bool:
+        """Whether an operation in this status is over (never left again)."""
+        return self.value in OP_FINISHED
+
+
+# The stored values of finished and of open operations: never changed again / still moving.
+OP_FINISHED: tuple[str, ...] = (
+    OpStatus.SUCCEEDED.value, OpStatus.FAILED.value, OpStatus.PARTIAL.value)
+OP_OPEN: tuple[str, ...] = tuple(s.value for s in OpStatus if s.value not in OP_FINISHED)
 
 
 class Base(DeclarativeBase):
