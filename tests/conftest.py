@@ -1,5 +1,21 @@
-"""Shared fixtures: real services (tests.services) plus a migrated store and the Celery app."""
+"""Shared fixtures: real services (tests.services) plus a migrated store and the Celery app.
+
+Tests that start a broker, worker processes or a whole stack are marked ``slow`` here, by
+the fixtures they use, so the fast local loop (``nox -s fast``) can leave them out.
+"""
 
 from __future__ import annotations
 
+import pytest
+
 pytest_plugins = ["tests.services", "tests.fixtures", "tests.celery_workers"]
+
+SLOW_FIXTURES = frozenset({"broker_env", "thread_worker", "worker_processes"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark tests that need a broker, worker processes or a whole stack as ``slow``."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & SLOW_FIXTURES or item.nodeid.startswith("tests/stack/"):
+            item.add_marker(pytest.mark.slow)

@@ -1,0 +1,44 @@
+"""The local loop: ``nox -s lint types fast`` before a commit, ``nox -s full`` as CI runs it.
+
+Each session installs corral with its ``dev`` extra into its own virtualenv. ``fast`` runs
+the tests that need neither a broker, worker processes nor PostgreSQL (SQLite, eager mode);
+``full`` is the whole suite with PostgreSQL required, like ``.ci/run``.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "types", "fast"]
+nox.options.reuse_existing_virtualenvs = True
+
+CHECKED = ["config", "tasks", "workers", "stack", "agents", "examples", "bench", "protos"]
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the tree."""
+    session.install("-e", ".[dev]")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def types(session: nox.Session) -> None:
+    """mypy over the packages, and the generated protocol modules checked against the protos."""
+    session.install("-e", ".[dev]")
+    session.run("mypy", *CHECKED)
+    session.run("python", "-m", "protos.generate", "--check")
+
+
+@nox.session
+def fast(session: nox.Session) -> None:
+    """The tests that need no broker, worker processes or PostgreSQL."""
+    session.install("-e", ".[dev]")
+    session.run("pytest", "-q", "-m", "not slow and not postgres", *session.posargs)
+
+
+@nox.session
+def full(session: nox.Session) -> None:
+    """The whole suite, PostgreSQL required (what CI runs)."""
+    session.install("-e", ".[dev]")
+    session.run("pytest", "-q", *session.posargs, env={"CORRAL_REQUIRE_POSTGRES": "1"})
