@@ -201,8 +201,11 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
     fn = session.scalars(select(Function).where(Function.name == spec.name)).first()
     created = fn is None
     if fn is None:
-        if not f["image"]:
-            raise InputError("--image is required for a new function")
+        if not f["image"] and not (f.get("backend") == "lambdo" and f.get("rootfs")):
+            raise InputError(
+                "--image is required for a new function (a lambdo function may give "
+                "only --rootfs: its rootfs is its image)"
+            )
         fn = Function(name=spec.name, image="", build_version="")
         session.add(fn)
 
@@ -216,6 +219,8 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
     if image.endswith(":latest"):
         image = image[: -len(":latest")]
     backend = pick("backend", fn.backend, "fcdaemon")
+    if backend == "lambdo" and not image:
+        image = pick("rootfs", fn.rootfs, None) or ""
     values: dict[str, Any] = {
         "image": image,
         "backend": backend,

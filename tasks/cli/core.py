@@ -334,7 +334,7 @@ def register(sub: Any, command: Command) -> None:
     p = command("deploy", cmd_functions_deploy, "create or update a function", fns, listing=True)
     p.add_argument("name", nargs="?")
     p.add_argument("--file", help="a TOML file describing the function")
-    p.add_argument("--image")
+    p.add_argument("--image", help="the image to run (a lambdo function defaults to its --rootfs)")
     p.add_argument("--backend", choices=["fcdaemon", "lambdo"])
     p.add_argument("--kernel")
     p.add_argument("--initrd")

@@ -12,7 +12,7 @@ from agents.faults import Fault
 from agents.lambdo import RunningLambdo, serve_lambdo
 from tasks import api
 from tests.fixtures import Env
-from workers.errors import PermanentBackendError, TransientBackendError
+from workers.errors import InputError, PermanentBackendError, TransientBackendError
 from workers.functions import deploy, spec_from
 from workers.lambdo import LambdoClient
 from workers.nodes import upsert_node
@@ -158,3 +158,11 @@ def test_bearer_token(corral_env: Env) -> None:
         assert vm.vmid
     finally:
         host.stop()
+
+
+def test_a_lambdo_function_needs_no_image_its_rootfs_is_its_image(corral_env: Env) -> None:
+    fn = _deploy(corral_env, image=None)
+    assert fn.image == ROOTFS
+    with pytest.raises(InputError, match="--image is required"):
+        _deploy(corral_env, name="fc", image=None, backend="fcdaemon", rootfs=None,
+                kernel="/boot/vmlinux")
