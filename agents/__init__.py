@@ -1,7 +1,7 @@
 """Reference agents: the servers corral's workers talk to, runnable locally and in tests.
 
-corral drives machines it does not own through two wire protocols (see DESIGN.md,
-"Wire protocols"): node agents speaking ``fcdaemon.FcService`` over gRPC and Lambdo
+corral drives machines it does not own through two wire protocols (gRPC in ``protos/*.proto``,
+HTTP in :mod:`agents.lambdo`): node agents speaking ``fcdaemon.FcService`` over gRPC and Lambdo
 hosts speaking HTTP; it learns GPU inventory from ``gpuresc.GPUResc``. This package
 holds a reference implementation of each, so the local stack and the tests run against
 real servers on real sockets instead of mocks:

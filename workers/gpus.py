@@ -283,18 +283,3 @@ def gpu_view(gpu: Gpu) -> dict[str, Any]:
         "ports": f"{gpu.first_port}-{last_port}",
         "created_at": iso(gpu.created_at),
     }
-
-
-def audit_gpus(session: Session) -> list[str]:
-    """Mismatches between each GPU's counters and the replicas holding it (empty: all good)."""
-    from workers.audit import audit
-
-    problems = [d.message for d in audit(session, lock=False).drifts if d.kind == "gpu"]
-    stray = session.scalar(
-        select(func.count(Replica.id)).where(
-            Replica.gpu_slot.is_not(None), Replica.status.not_in(LIVE_STATES)
-        )
-    )
-    if stray:
-        problems.append(f"{stray} retired replica(s) still hold a GPU slot")
-    return problems

@@ -480,14 +480,6 @@ def _outcome(v: _Victim, *, released: bool, error: str | None = None) -> None:
     v.reaped.error = v.error
 
 
-def report_line(item: Reaped) -> str:
-    """One deletion as a line of text."""
-    where = f" on {item.node}" if item.node else ""
-    end = f" ({item.error})" if item.error else ""
-    return (f"{item.replica_id}  {item.function}  {item.reason}: {item.detail}{where} -> "
-            f"{item.outcome}{end}")
-
-
 def record(db: Database, op_id: str, report: ReapReport, extra: dict[str, Any]) -> None:
     """Store a pass's report as its operation's result and finish the operation."""
     with db.transaction() as s:

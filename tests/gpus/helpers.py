@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sqlalchemy import select
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from tests.fixtures import Env
+from workers.audit import audit
 from workers.functions import deploy, spec_from
 from workers.store.models import LIVE_STATES, Gpu, Node, Replica
 
@@ -39,3 +41,16 @@ def gpus_by_uuid(env: Env) -> dict[str, Gpu]:
     """Every GPU row by UUID."""
     with env.db.read() as s:
         return {g.uuid: g for g in s.scalars(select(Gpu))}
+
+
+def audit_gpus(session: Session) -> list[str]:
+    """Mismatches between each GPU's counters and the replicas holding it (empty: all good)."""
+    problems = [d.message for d in audit(session, lock=False).drifts if d.kind == "gpu"]
+    stray = session.scalar(
+        select(func.count(Replica.id)).where(
+            Replica.gpu_slot.is_not(None), Replica.status.not_in(LIVE_STATES)
+        )
+    )
+    if stray:
+        problems.append(f"{stray} retired replica(s) still hold a GPU slot")
+    return problems

@@ -15,8 +15,8 @@ from protos import mngrinfo_grpc, mngrinfo_pb2
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
-from tests.gpus.helpers import deploy_fn, gpus_by_uuid, live
-from workers.gpus import add_gpu_server, audit_gpus, manager_info, record_gpus
+from tests.gpus.helpers import audit_gpus, deploy_fn, gpus_by_uuid, live
+from workers.gpus import add_gpu_server, manager_info, record_gpus
 from workers.registry import serve_registry
 from workers.store.models import Gpu, Node, Replica, ReplicaState
 
