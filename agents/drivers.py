@@ -11,9 +11,12 @@ Two drivers ship here:
   it is for tests and benchmarks of the control plane, so it is fast and thread-safe.
 * :class:`ProcessDriver` - a replica is a real OS process standing in for a microVM:
   its own process group, killed with the agent (see :mod:`agents.procs`), serving
-  HTTP on ``127.0.0.1:$PORT`` (``$HOST`` is the address to bind). The image names what
-  to run: a module of the :mod:`examples` package (``examples.hello`` or ``hello``) runs
-  as ``python -m examples.<name>``; anything else is a shell-split command line.
+  HTTP on ``127.0.0.1:$PORT`` (``$HOST`` is the address to bind). The image names a
+  Python module to run as ``python -m MODULE``, and only from an allow-list: the
+  :mod:`examples` package (``examples.hello`` or ``hello``) and the modules named with
+  ``allow_images`` (``--allow-image MODULE``). An image is never a command line: the
+  name arrives over the network, and running it through a shell would hand anyone who
+  can reach the agent a shell on the node.
 
 A real Firecracker/QEMU driver would implement the same protocol.
 """
@@ -28,7 +31,6 @@ import os
 import random
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -53,6 +55,8 @@ __all__ = [
     "ProcessDriver",
     "VMDriver",
     "VMSpec",
+    "check_module_name",
+    "image_module",
     "parse_env_args",
     "resolve_command",
 ]
@@ -303,38 +307,53 @@ class MemoryDriver:
                 self._ports.release(h for h, _ in vm.port_mapping)
 
 
-_MODULE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*(\.[A-Za-z][A-Za-z0-9_]*)*")
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+EXAMPLES = "examples"
 
 
 def _examples_root() -> str:
-    spec = importlib.util.find_spec("examples")
+    spec = importlib.util.find_spec(EXAMPLES)
     if spec is None or not spec.submodule_search_locations:
         raise ImageNotFound("the examples package is not importable")
     return str(Path(next(iter(spec.submodule_search_locations))).resolve().parent)
 
 
-def resolve_command(image: str) -> tuple[list[str], bool]:
-    """Map an image name to an argv; the flag says it is a module of :mod:`examples`."""
+def check_module_name(name: str) -> str:
+    """``name`` if it is a dotted Python module name; raise ValueError otherwise."""
+    if not _MODULE_RE.fullmatch(name):
+        raise ValueError(f"{name!r} is not a Python module name")
+    return name
+
+
+def image_module(image: str, allowed: Iterable[str] = ()) -> str:
+    """The allowed module an image names (``hello`` is ``examples.hello``), or ImageNotFound."""
     name = image.strip().removesuffix(":latest")
     if not name:
         raise ImageNotFound("empty image name")
-    if _MODULE_RE.fullmatch(name):
-        module = name if name.startswith("examples.") else f"examples.{name}"
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if found:
-            return [sys.executable, "-m", module], True
+    if not _MODULE_RE.fullmatch(name):
+        raise ImageNotFound(
+            f"image {image!r} refused: an image is a Python module name, never a command line"
+        )
+    allow = set(allowed)
+    module = name if "." in name or name in allow else f"{EXAMPLES}.{name}"
+    if not module.startswith(EXAMPLES + ".") and module not in allow:
+        raise ImageNotFound(
+            f"image {image!r} refused: not an examples.* module and not allowed "
+            "with --allow-image"
+        )
     try:
-        argv = shlex.split(image)
-    except ValueError as exc:
-        raise ImageNotFound(f"cannot parse image command {image!r}: {exc}") from exc
-    if not argv:
-        raise ImageNotFound("empty image name")
-    if shutil.which(argv[0]) is None:
-        raise ImageNotFound(f"image {image!r}: no examples module and no executable {argv[0]!r}")
-    return argv, False
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ImageNotFound(f"image {image!r}: no module {module!r}")
+    return module
+
+
+def resolve_command(image: str, allowed: Iterable[str] = ()) -> tuple[list[str], bool]:
+    """The argv running an allowed image; the flag says it is a module of :mod:`examples`."""
+    module = image_module(image, allowed)
+    return [sys.executable, "-m", module], module.startswith(EXAMPLES + ".")
 
 
 @dataclass
@@ -355,8 +374,13 @@ class ProcessDriver:
         ready_timeout: float = 0.0,
         stop_grace: float = 2.0,
         env: dict[str, str] | None = None,
+        allow_images: Iterable[str] = (),
     ) -> None:
-        """``ready_timeout`` > 0 makes ``start`` wait until the port accepts connections."""
+        """``ready_timeout`` > 0 makes ``start`` wait until the port accepts connections.
+
+        ``allow_images`` names modules beyond ``examples.*`` that an image may run.
+        """
+        self.allow_images = frozenset(check_module_name(m) for m in allow_images)
         self.bind_host = bind_host
         if advertise_ip:
             self.ip = advertise_ip
@@ -387,7 +411,7 @@ class ProcessDriver:
         """Allocate host ports and start the image's process on the first one."""
         if self._closed:
             raise DriverError("driver is closed")
-        argv, is_example = resolve_command(spec.image)
+        argv, is_example = resolve_command(spec.image, self.allow_images)
         guest_ports = _validate_ports(spec)
         vmid = spec.vmid or uuid.uuid4().hex
         mapping: list[tuple[int, int]] = []

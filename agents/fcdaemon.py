@@ -59,7 +59,9 @@ from agents.runtime import (
     add_common_arguments,
     connect_host,
     guess_node_ip,
+    is_loopback,
     parse_agent_args,
+    refuse_to_listen,
     serve_until_signalled,
     split_hostport,
 )
@@ -213,6 +215,10 @@ class RegistryReporter:
         self.is_live = is_live or (lambda vmid: True)
         self.registered = threading.Event()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if token and not is_loopback(split_hostport(target)[0]):
+            log.warning(
+                "the registry token travels in plain text to %s: use a private network", target
+            )
         # gRPC's own reconnect backoff grows to 120 s; keep it near ours so a registry
         # that comes back is noticed within seconds.
         self._channel = grpc.insecure_channel(
@@ -683,7 +689,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent fcdaemon",
         description="Reference node agent serving fcdaemon.FcService (gRPC).",
     )
-    parser.add_argument("--listen", default="0.0.0.0:50051", help="HOST:PORT (default %(default)s)")
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:50051",
+        help="HOST:PORT (default %(default)s; off loopback needs --require-token)",
+    )
     parser.add_argument("--registry", help="corral registry HOST:PORT to register with")
     parser.add_argument("--node-id", help="node id to register (default IP:PORT)")
     parser.add_argument("--advertise-ip", help="IP the registry and clients should use")
@@ -710,6 +720,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="re-send RegisterNode every N seconds (default 0: only at start)",
     )
+    parser.add_argument(
+        "--allow-image",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also let images run this Python module (repeatable; examples.* always may)",
+    )
     parser.add_argument("--max-hogs", type=int, default=64, help="CPU hog limit (default 64)")
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key for --tls-cert")
@@ -727,6 +744,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, host, port_range = parse_agent_args(parser, argv)
     assert port_range is not None
+    if refuse_to_listen(
+        "corral agent fcdaemon", host, args.require_token, "CORRAL_AGENT_TOKEN", args.insecure
+    ):
+        return 2
     advertise = args.advertise_ip or guess_node_ip(host)
     tls = None
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -737,7 +758,12 @@ def main(argv: list[str] | None = None) -> int:
     driver: VMDriver
     if args.driver == "process":
         bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
-        driver = ProcessDriver(port_range, bind_host=bind, advertise_ip=advertise)
+        try:
+            driver = ProcessDriver(
+                port_range, bind_host=bind, advertise_ip=advertise, allow_images=args.allow_image
+            )
+        except ValueError as exc:
+            parser.error(f"--allow-image: {exc}")
     else:
         driver = MemoryDriver(ip=advertise)
     return serve_until_signalled(

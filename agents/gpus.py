@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shutil
 import subprocess
 import threading
@@ -30,6 +31,7 @@ from agents.runtime import (
     add_common_arguments,
     connect_host,
     parse_agent_args,
+    refuse_to_listen,
     serve_until_signalled,
     split_hostport,
 )
@@ -167,13 +169,20 @@ class RunningGpus:
         self.stop()
 
 
-def serve_gpus(listen: str = "127.0.0.1:0", gpus: dict[str, int] | None = None) -> RunningGpus:
-    """Start a GPU inventory server answering ``gpus`` on ``listen``."""
+def serve_gpus(
+    listen: str = "127.0.0.1:0",
+    gpus: dict[str, int] | None = None,
+    require_token: str | None = None,
+) -> RunningGpus:
+    """Start a GPU inventory server answering ``gpus`` on ``listen`` (token: as fcdaemon's)."""
+    from agents.fcdaemon import TokenInterceptor
+
     host, _ = split_hostport(listen)
     agent = GpuAgent(gpus or {})
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpus"),
         options=[("grpc.so_reuseport", 0)],
+        interceptors=[TokenInterceptor(require_token)] if require_token else [],
     )
     gpuresc_grpc.add_GPURescServicer_to_server(agent, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -195,7 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent gpus",
         description="Reference GPU inventory server (gpuresc.GPUResc).",
     )
-    parser.add_argument("--listen", default="0.0.0.0:50053", help="HOST:PORT (default %(default)s)")
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:50053",
+        help="HOST:PORT (default %(default)s; off loopback needs --require-token)",
+    )
+    parser.add_argument(
+        "--require-token",
+        default=os.environ.get("CORRAL_AGENT_TOKEN") or None,
+        help="refuse calls without this bearer token (default $CORRAL_AGENT_TOKEN)",
+    )
     parser.add_argument("--gpus", help="UUID:MB,... (default: ask nvidia-smi)")
     add_common_arguments(parser)
     return parser
@@ -204,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Serve the GPU inventory until SIGINT/SIGTERM; return the exit code."""
     parser = build_parser()
-    args, _, _ = parse_agent_args(parser, argv, port_range=False)
+    args, host, _ = parse_agent_args(parser, argv, port_range=False)
+    if refuse_to_listen("corral agent gpus", host, args.require_token, "CORRAL_AGENT_TOKEN",
+                        args.insecure):
+        return 2
     try:
         gpus = parse_gpus(args.gpus) if args.gpus is not None else query_nvidia_smi()
     except ValueError as exc:
@@ -212,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         log.error("%s", exc)
         return 2
-    return serve_until_signalled(lambda: serve_gpus(args.listen, gpus))
+    return serve_until_signalled(lambda: serve_gpus(args.listen, gpus, args.require_token))
 
 
 if __name__ == "__main__":

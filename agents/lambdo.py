@@ -19,9 +19,11 @@ object passes environment to the function, and an optional bearer token guards e
 endpoint (401 without it).
 
 Which image runs (with :class:`~agents.drivers.ProcessDriver`): ``rootfs.image`` if
-present, else ``rootfs.location`` when it names a runnable (``examples.hello``),
+present, else ``rootfs.location`` when it is a Python module name (``examples.hello``),
 else the host's ``default_image`` - a real object-store URL such as
-``…/functions/<uuid>/rootfs.ext4`` cannot be run by a process driver. The process
+``…/functions/<uuid>/rootfs.ext4`` cannot be run by a process driver. Only modules of
+the driver's allow-list run (``examples.*`` and ``--allow-image MODULE``); any other
+image, and any command line, is refused with 400 and nothing runs. The process
 listens on the host port of the first requested guest port. Host ports come from
 10000-19999.
 
@@ -43,6 +45,7 @@ import random
 import socket
 import threading
 import time
+import urllib.parse
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -57,6 +60,7 @@ from agents.drivers import (
     ProcessDriver,
     VMDriver,
     VMSpec,
+    check_module_name,
 )
 from agents.faults import Fault, FaultPlan, record_call
 from agents.runtime import (
@@ -64,6 +68,7 @@ from agents.runtime import (
     add_common_arguments,
     connect_host,
     parse_agent_args,
+    refuse_to_listen,
     serve_until_signalled,
     split_hostport,
 )
@@ -145,7 +150,12 @@ def _env(obj: dict[str, Any]) -> dict[str, str]:
 
 
 def _is_runnable_location(location: str) -> bool:
-    return "://" not in location and not location.endswith((".ext4", ".img"))
+    """True when a rootfs location names a Python module (the driver checks its allow-list)."""
+    try:
+        check_module_name(location.removesuffix(":latest"))
+    except ValueError:
+        return False
+    return True
 
 
 class LambdoAgent:
@@ -218,8 +228,8 @@ class LambdoAgent:
                         return self._answer(vm)
             try:
                 vm = self.driver.start(spec)
-            except ImageNotFound as exc:
-                return Response.text(500, f"cannot run image: {exc}")
+            except ImageNotFound as exc:  # bad input: retrying cannot help
+                return Response.text(400, f"cannot run image: {exc}")
             except DriverError as exc:
                 return Response.text(500, str(exc))
             with self._lock:
@@ -395,7 +405,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/vms":
             return ("vms", "") if method == "GET" else Response.text(405, "use GET")
         if path.startswith("/destroy/"):
-            vmid = path[len("/destroy/") :]
+            vmid = urllib.parse.unquote(path[len("/destroy/") :])  # corral percent-encodes it
             if method != "DELETE":
                 return Response.text(405, "use DELETE")
             if not vmid or "/" in vmid:
@@ -558,7 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent lambdo",
         description="Reference Lambdo-compatible host (HTTP /spawn, /destroy/{id}, /start).",
     )
-    parser.add_argument("--listen", default="0.0.0.0:3000", help="HOST:PORT (default %(default)s)")
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:3000",
+        help="HOST:PORT (default %(default)s; off loopback needs --token)",
+    )
     parser.add_argument(
         "--driver",
         choices=["process", "memory"],
@@ -577,6 +591,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="require Authorization: Bearer TOKEN (default $CORRAL_LAMBDO_TOKEN)",
     )
     parser.add_argument(
+        "--allow-image",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also let rootfs.image run this Python module (repeatable; examples.* always may)",
+    )
+    parser.add_argument(
         "--default-image",
         default="examples.hello",
         help="image run when a rootfs names no runnable (default %(default)s)",
@@ -590,12 +611,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, host, port_range = parse_agent_args(parser, argv)
     assert port_range is not None
+    if refuse_to_listen("corral agent lambdo", host, args.token, "CORRAL_LAMBDO_TOKEN",
+                        args.insecure):
+        return 2
     driver: VMDriver
     if args.driver == "process":
         bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
-        driver = ProcessDriver(
-            port_range, bind_host=bind, advertise_ip=args.advertise_ip, ready_timeout=10.0
-        )
+        try:
+            driver = ProcessDriver(
+                port_range, bind_host=bind, advertise_ip=args.advertise_ip, ready_timeout=10.0,
+                allow_images=args.allow_image,
+            )
+        except ValueError as exc:
+            parser.error(f"--allow-image: {exc}")
     else:
         driver = MemoryDriver(port_range=port_range)
     return serve_until_signalled(

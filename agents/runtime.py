@@ -1,8 +1,14 @@
-"""Plumbing shared by the agents' servers and command lines: addresses, signals, logging."""
+"""Plumbing shared by the agents' servers and command lines: addresses, signals, logging.
+
+It also holds the one listening rule every corral server follows (the registry too):
+nothing listens off loopback without a token. :func:`listen_refusal` says why a
+server must not start; ``--insecure`` overrides it, with a warning at every start.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import socket
@@ -19,14 +25,61 @@ __all__ = [
     "configure_logging",
     "connect_host",
     "guess_node_ip",
+    "is_loopback",
+    "listen_refusal",
     "parse_agent_args",
     "parse_port_range",
+    "refuse_to_listen",
     "serve_until_signalled",
     "split_hostport",
     "until_signalled",
 ]
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IPs (``127.0.0.0/8``, ``::1``); wildcards are not."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_refusal(
+    what: str, host: str, token: str | None, variable: str, *, insecure: bool = False
+) -> str | None:
+    """Why ``what`` must not listen on ``host`` (None: it may); warns when ``insecure`` allows it.
+
+    Off loopback a server needs a token (named by ``variable``); ``insecure`` accepts
+    the risk and logs a warning each time.
+    """
+    if token or is_loopback(host):
+        return None
+    shown = host.strip("[]") or "0.0.0.0"
+    if insecure:
+        logging.getLogger("corral.security").warning(
+            "%s listens on %s WITHOUT a token (--insecure): anyone who reaches this address "
+            "can call it; set %s", what, shown, variable,
+        )
+        return None
+    return (
+        f"{what} refuses to listen on {shown} without a token: set {variable} "
+        "(or listen on 127.0.0.1, or pass --insecure to accept the risk)"
+    )
+
+
+def refuse_to_listen(
+    prog: str, host: str, token: str | None, variable: str, insecure: bool
+) -> bool:
+    """Print the one-line refusal for a command line and return True if it must not start."""
+    reason = listen_refusal(prog, host, token, variable, insecure=insecure)
+    if reason is not None:
+        print(f"{prog}: error: {reason}", file=sys.stderr)
+    return reason is not None
 
 
 def split_hostport(address: str) -> tuple[str, int]:
@@ -73,7 +126,12 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--log-level`` to an argparse parser."""
+    """Add ``--log-level`` and ``--insecure`` to an argparse parser."""
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen off loopback without a token (logs a warning at every start)",
+    )
     parser.add_argument(
         "--log-level",
         default="INFO",

@@ -36,7 +36,7 @@ class Settings(BaseSettings):
     broker_url: str = "redis://localhost:6379/0"
     result_backend: str | None = None
     eager: bool = False
-    registry_listen: str = "0.0.0.0:50052"
+    registry_listen: str = "127.0.0.1:50052"
     ready_grace_s: float = Field(2.0, ge=0)
 
     # Reliability: time limits, retries, broker redelivery.

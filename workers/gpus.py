@@ -73,8 +73,8 @@ def server_address(address: str) -> str:
     return f"{host}:{port}"
 
 
-def fetch_gpus(address: str, timeout_s: float) -> dict[str, int]:
-    """Ask a GPU server's ``GetGPUResource`` for its GPUs (UUID -> MB)."""
+def fetch_gpus(address: str, timeout_s: float, token: str | None = None) -> dict[str, int]:
+    """Ask a GPU server's ``GetGPUResource`` for its GPUs (UUID -> MB), with the agent token."""
     from google.protobuf import empty_pb2
 
     from protos import gpuresc_grpc
@@ -82,7 +82,8 @@ def fetch_gpus(address: str, timeout_s: float) -> dict[str, int]:
     with grpc.insecure_channel(address) as channel:
         stub = gpuresc_grpc.GPURescStub(channel)
         try:
-            reply = stub.GetGPUResource(empty_pb2.Empty(), timeout=timeout_s)
+            metadata = (("authorization", f"Bearer {token}"),) if token else None
+            reply = stub.GetGPUResource(empty_pb2.Empty(), timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as exc:
             raise _rpc_error(exc, address) from None
     return {str(k): int(v) for k, v in reply.memory.items()}
@@ -104,7 +105,7 @@ def add_gpu_server(
 ) -> list[Gpu]:
     """Record (or refresh) the GPUs a server reports; returns its GPUs by port."""
     server = server_address(address)
-    gpus = fetch_gpus(server, settings.rpc_timeout_s)
+    gpus = fetch_gpus(server, settings.rpc_timeout_s, settings.agent_token)
     if not gpus:
         raise PermanentBackendError(f"GPU server {server} reports no GPUs")
     for uuid, mb in gpus.items():

@@ -3,29 +3,36 @@
 ``resmngr.ResMngrService``:
 
 * ``RegisterNode(ip, port, node_id)`` adds the agent as an fcdaemon node or
-  refreshes it (idempotent by ``node_id``) and marks it healthy.
-* ``UpdateStatus(vmid, READY)`` moves a Starting replica to Idle. A guest can
-  report READY before the agent's CreateReply has reached corral, so an unknown
-  vmid is given a grace period (longer while any spawn is still waiting for its
-  vmid) before it is answered DESTROY - a merely early VM is not killed, a true
-  orphan is not kept.
+  refreshes it and marks it healthy. ``node_id`` is matched exactly (``Gpu.1`` and
+  ``gpu-1`` are two nodes; a new node whose derived name is taken gets a suffix). A
+  known node may refresh itself from its own host (a restarted agent may come back on
+  another port); re-pointing it to another host is refused while the node is healthy,
+  and allowed once its old address has failed its health checks - both logged.
+* ``UpdateStatus(vmid, READY)`` moves a Starting replica to Idle. It is answered at
+  once: a READY for a vmid no row has yet, while a spawn is in flight, is remembered
+  (:mod:`workers.reports`) and applied when the spawn records the VM; with no spawn
+  in flight the VM is an orphan and is answered DESTROY.
 * ``UpdateStatus(vmid, FINISHED)`` gives back the replica's oldest claim and
   answers KEEP_ALIVE, or DESTROY when the replica should go (stale build, more
   replicas than the function's target, node draining); corral then deletes it.
+
+A report about a vmid is accepted only from that replica's IP or its node's IP
+(when the peer's address is known); any other caller is refused PERMISSION_DENIED.
 
 ``mngrinfo.AvAManagerInfo.GetAvAManagerInfo(vmid)`` tells a guest which GPU and
 AvA worker it was given (NOT_FOUND for an unknown vmid or a replica without GPU).
 
 When ``CORRAL_REGISTRY_TOKEN`` is set, every call must carry
 ``authorization: Bearer <token>`` metadata or it is refused UNAUTHENTICATED; TLS
-is on when ``CORRAL_REGISTRY_TLS_CERT`` / ``_KEY`` are set.
+is on when ``CORRAL_REGISTRY_TLS_CERT`` / ``_KEY`` are set. The registry refuses to
+listen off loopback without a token unless started with ``insecure=True``.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import time
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -34,14 +41,16 @@ import grpc
 from google.protobuf import empty_pb2
 from sqlalchemy import select
 
+from agents.runtime import listen_refusal, split_hostport
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
+from workers import reports
 from workers.claims import finish_oldest
-from workers.errors import CorralError
+from workers.errors import CorralError, InputError
 from workers.lifecycle import lock_replica, transition
-from workers.nodes import default_name, upsert_node
+from workers.nodes import default_name, normalize_address, upsert_node
 from workers.store.db import Database, get_database
-from workers.store.models import LIVE_STATES, Replica, ReplicaState
+from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,12 @@ FINISHED = resmngr_pb2.StatusUpdateRequest.FINISHED
 DESTROY = resmngr_pb2.StatusUpdateReply.DESTROY
 KEEP_ALIVE = resmngr_pb2.StatusUpdateReply.KEEP_ALIVE
 OK = resmngr_pb2.StatusUpdateReply.OK
+#: Early READYs one registry remembers at most (each is a row until applied or expired).
+MAX_PENDING = 10_000
+
+
+class Refused(CorralError):
+    """A caller may not do this (answered PERMISSION_DENIED / FAILED_PRECONDITION)."""
 
 
 def _find_live(db: Database, vmid: str) -> str | None:
@@ -71,6 +86,21 @@ def _spawns_in_flight(db: Database) -> bool:
         )
 
 
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def _free_name(session: Any, base: str) -> str:
+    """``base``, or ``base-2``, ``base-3``... whichever no node has yet."""
+    taken = set(session.scalars(select(Node.name).where(Node.name.startswith(base[:50]))))
+    if base not in taken:
+        return base
+    n = 2
+    while f"{base[:58]}-{n}" in taken:
+        n += 1
+    return f"{base[:58]}-{n}"
+
+
 class Registry:
     """The registry's logic, independent of gRPC plumbing."""
 
@@ -80,62 +110,106 @@ class Registry:
         settings: Settings,
         *,
         on_destroy: Callable[[str], None] | None = None,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.db = db
         self.settings = settings
         self.on_destroy = on_destroy or _queue_delete
-        self._sleep = sleep
+        #: vmids of early READYs remembered here, until applied or expired (see sweep).
+        self.pending: set[str] = set()
+        self._lock = threading.Lock()
 
     def register_node(self, ip: str, port: int, node_id: str) -> str:
         """Add or refresh the node an agent announces; returns its name."""
         if not ip or not 0 < port < 65536:
-            raise CorralError(f"RegisterNode needs an ip and a port, got {ip!r}:{port}")
+            raise InputError(f"RegisterNode needs an ip and a port, got {ip!r}:{port}")
         external = node_id or f"{ip}:{port}"
+        address = normalize_address(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}",
+                                    "fcdaemon")
         with self.db.transaction() as s:
+            node = s.scalars(
+                select(Node).where(Node.external_id == external).with_for_update()
+            ).first()
+            if node is None:
+                name = _free_name(s, default_name(external))
+            else:
+                name = node.name
+                if node.address != address and _host(node.address) != _host(address):
+                    if node.healthy:
+                        log.warning(
+                            "RegisterNode refused: node %s (node_id %r) is healthy at %s; "
+                            "not re-pointing it to %s until that address fails its health "
+                            "checks", name, external, node.address, address,
+                        )
+                        raise Refused(
+                            f"node {external!r} is registered at another address and is "
+                            "healthy; it cannot be re-pointed until that address fails"
+                        )
+                    log.warning("node %s (node_id %r) re-pointed from %s (unhealthy) to %s",
+                                name, external, node.address, address)
             node, created = upsert_node(
-                s, f"{ip}:{port}", name=default_name(external), kind="fcdaemon",
-                external_id=external, default_capacity=self.settings.node_capacity,
+                s, address, name=name, kind="fcdaemon", external_id=external,
+                default_capacity=self.settings.node_capacity,
             )
             name = node.name
-        log.info("%s node %s at %s:%d", "registered" if created else "refreshed", name, ip, port)
+        log.info("%s node %s at %s", "registered" if created else "refreshed", name, address)
         return name
 
-    def wait_for(self, vmid: str) -> str | None:
-        """The live replica with this vmid, waiting out a READY that beat its CreateReply."""
-        grace = self.settings.ready_grace_s
-        started = time.monotonic()
-        delay = 0.05
-        while True:
-            replica_id = _find_live(self.db, vmid)
-            if replica_id is not None:
-                return replica_id
-            waited = time.monotonic() - started
-            limit = grace
-            if waited >= grace and _spawns_in_flight(self.db):
-                limit = max(grace, self.settings.create_timeout_s)
-            if waited >= limit:
-                return None
-            self._sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-    def update_status(self, vmid: str, status: int) -> int:
-        """Apply a guest's READY / FINISHED; returns the action to answer."""
+    def update_status(self, vmid: str, status: int, peer: str | None = None) -> int:
+        """Apply a guest's READY / FINISHED from ``peer`` (an IP, if known); the action."""
         if not vmid:
             return DESTROY
-        replica_id = self.wait_for(vmid)
+        replica_id = _find_live(self.db, vmid)
         if replica_id is None:
-            log.warning("status %s for unknown vmid %s: answering DESTROY", status, vmid)
-            return DESTROY
+            if not _spawns_in_flight(self.db):
+                log.warning("status %s for unknown vmid %s: answering DESTROY", status, vmid)
+                return DESTROY
+            if status != READY:
+                return KEEP_ALIVE
+            self._remember(vmid, peer)
+            replica_id = _find_live(self.db, vmid)  # recorded meanwhile?
+            if replica_id is None:
+                return OK
+            if not reports.apply_reports(self.db, self.settings, [vmid]):
+                with self._lock:
+                    self.pending.discard(vmid)
         if status == READY:
-            return self._ready(replica_id)
-        return self._finished(replica_id)
+            return self._ready(replica_id, peer)
+        return self._finished(replica_id, peer)
 
-    def _ready(self, replica_id: str) -> int:
+    def _remember(self, vmid: str, peer: str | None) -> None:
+        with self._lock:
+            if len(self.pending) >= MAX_PENDING and vmid not in self.pending:
+                raise Refused(f"{MAX_PENDING} early READY reports already wait; try again")
+            self.pending.add(vmid)
+        if not reports.remember(self.db, self.settings, vmid, peer):
+            log.warning("early READY for %s from %s: another peer's report is already held",
+                        vmid, peer)
+        else:
+            log.info("READY for %s before its VM is recorded: remembered", vmid)
+
+    def sweep(self) -> None:
+        """Apply remembered READYs whose VM got recorded; forget the ones that expired."""
+        with self._lock:
+            vmids = set(self.pending)
+        if not vmids:
+            return
+        waiting = reports.apply_reports(self.db, self.settings, vmids)
+        with self._lock:
+            self.pending -= vmids - waiting
+        reports.forget_expired(self.db)
+
+    def _check_peer(self, replica: Replica, peer: str | None) -> None:
+        if not reports.peer_allowed(peer, replica):
+            log.warning("status report for %s from %s refused: not its replica's or node's IP",
+                        replica.vmid, peer)
+            raise Refused(f"{peer} may not report on vmid {replica.vmid}")
+
+    def _ready(self, replica_id: str, peer: str | None = None) -> int:
         with self.db.transaction() as s:
             replica = lock_replica(s, replica_id)
             if replica is None or replica.status not in LIVE_STATES:
                 return DESTROY
+            self._check_peer(replica, peer)
             if replica.status == ReplicaState.STARTING:
                 transition(s, replica, ReplicaState.IDLE, self.settings)
                 return OK
@@ -145,11 +219,12 @@ class Registry:
                 return OK  # its spawn will record it; readiness=agent functions go Idle then
             return DESTROY  # Deleting or past its boot deadline
 
-    def _finished(self, replica_id: str) -> int:
+    def _finished(self, replica_id: str, peer: str | None = None) -> int:
         with self.db.transaction() as s:
             replica = lock_replica(s, replica_id)
             if replica is None or replica.status not in LIVE_STATES:
                 return DESTROY
+            self._check_peer(replica, peer)
             finish_oldest(s, replica, self.settings)
             fn, node = replica.function, replica.node
             reason = None
@@ -206,6 +281,8 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):  # type: ignore[misc
         _check_token(context, self.registry.settings.registry_token)
         try:
             self.registry.register_node(request.ip, int(request.port), request.node_id)
+        except Refused as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except CorralError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return empty_pb2.Empty()
@@ -213,7 +290,11 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):  # type: ignore[misc
     def UpdateStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
         """A guest reports READY or FINISHED."""
         _check_token(context, self.registry.settings.registry_token)
-        action = self.registry.update_status(request.vmid, int(request.status))
+        peer = reports.peer_ip(context.peer())
+        try:
+            action = self.registry.update_status(request.vmid, int(request.status), peer)
+        except Refused as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return resmngr_pb2.StatusUpdateReply(action=action)
 
 
@@ -237,16 +318,29 @@ class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):  # type: ign
 
 
 class RunningRegistry:
-    """A registry server running in background threads."""
+    """A registry server running in background threads (and its early-READY sweep)."""
+
+    SWEEP_S = 0.5
 
     def __init__(self, server: grpc.Server, port: int, registry: Registry) -> None:
         self.server = server
         self.port = port
         self.registry = registry
         self.address = f"127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="registry-sweep", daemon=True)
+        self._sweeper.start()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self.SWEEP_S):
+            try:
+                self.registry.sweep()
+            except Exception:  # the store may be briefly away; the next pass retries
+                log.exception("early READY sweep failed")
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (in-flight calls get ``grace`` seconds)."""
+        self._stop.set()
         self.server.stop(grace).wait()
 
     def wait(self) -> None:
@@ -255,17 +349,30 @@ class RunningRegistry:
 
 
 def serve_registry(settings: Settings, listen: str | None = None,
-                   registry: Registry | None = None) -> RunningRegistry:
-    """Start the registry on ``listen`` (default ``CORRAL_REGISTRY_LISTEN``)."""
+                   registry: Registry | None = None, *,
+                   insecure: bool = False) -> RunningRegistry:
+    """Start the registry on ``listen`` (default ``CORRAL_REGISTRY_LISTEN``).
+
+    Off loopback it needs ``CORRAL_REGISTRY_TOKEN`` (:class:`CorralError` otherwise),
+    unless ``insecure``, which logs a warning.
+    """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    address = listen or settings.registry_listen
+    try:
+        host, _ = split_hostport(address)
+    except ValueError as exc:
+        raise InputError(f"CORRAL_REGISTRY_LISTEN: {exc}") from None
+    refusal = listen_refusal("corral registry", host, settings.registry_token,
+                             "CORRAL_REGISTRY_TOKEN", insecure=insecure)
+    if refusal is not None:
+        raise CorralError(refusal)
     registry = registry or Registry(get_database(settings.database_url), settings)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"))
     resmngr_grpc.add_ResMngrServiceServicer_to_server(ResMngrServicer(registry), server)
     mngrinfo_grpc.add_AvAManagerInfoServicer_to_server(AvAManagerInfoServicer(registry), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = listen or settings.registry_listen
     if settings.registry_tls_cert and settings.registry_tls_key:
         creds = grpc.ssl_server_credentials(
             [(settings.registry_tls_key.read_bytes(), settings.registry_tls_cert.read_bytes())]

@@ -46,6 +46,7 @@ from workers.lifecycle import (
     transition,
 )
 from workers.placement import reserve_gpu, reserve_node, spread_nodes
+from workers.reports import apply_early_reports
 from workers.store.db import Database
 from workers.store.models import (
     FINAL_STATES,
@@ -267,6 +268,8 @@ def finish_spawn(db: Database, settings: Settings, pending: Pending, vm: backend
         arrived = arrive(s, pending.replica_id, pending.operation_id, (vm.vmid, vm.address),
                          pending.function, settings)
         if arrived is not None:  # the common case, in one statement
+            if arrived == ReplicaState.STARTING and apply_early_reports(s, settings, [vm.vmid]):
+                return ReplicaState.IDLE.label  # its guest said READY before we recorded it
             return arrived.label
         replica = lock_replica(s, pending.replica_id)
         if replica is None:

@@ -20,7 +20,7 @@ def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     database(settings)  # refuse an un-migrated store before listening
-    running = serve_registry(settings, args.listen)
+    running = serve_registry(settings, args.listen, insecure=args.insecure)
     print(f"registry listening on {args.listen or settings.registry_listen}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -53,7 +53,10 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 def register(sub: Any, command: Command) -> None:
     """Add the long-running commands to the ``corral`` parser."""
     p = command("registry", cmd_registry, "serve the registry (resmngr, mngrinfo) over gRPC")
-    p.add_argument("--listen", help="HOST:PORT (default CORRAL_REGISTRY_LISTEN, 0.0.0.0:50052)")
+    p.add_argument("--listen", help="HOST:PORT (default CORRAL_REGISTRY_LISTEN, 127.0.0.1:50052; "
+                   "off loopback needs CORRAL_REGISTRY_TOKEN)")
+    p.add_argument("--insecure", action="store_true",
+                   help="listen off loopback without a token (logs a warning at every start)")
     p = command("agent", cmd_agent, "run a reference agent: fcdaemon, lambdo or gpus")
     p.add_argument("kind", choices=["fcdaemon", "lambdo", "gpus"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the agent's own options")

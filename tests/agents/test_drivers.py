@@ -37,11 +37,13 @@ def test_env_comes_from_kernel_args_and_explicit_env_wins() -> None:
     assert spec.guest_port == 8080 and spec.guest_ports == [8080]
 
 
-def test_resolve_command() -> None:
+def test_resolve_command_runs_only_allowed_modules() -> None:
     assert resolve_command("hello") == ([sys.executable, "-m", "examples.hello"], True)
     assert resolve_command("examples.echo:latest")[0][-1] == "examples.echo"
-    assert resolve_command("sleep 5") == (["sleep", "5"], False)
-    for bad in ("", "no-such-binary-xyz", "'unterminated"):
+    assert resolve_command("json.tool", ["json.tool"]) == (
+        [sys.executable, "-m", "json.tool"], False)
+    for bad in ("", "sleep 5", "sh -c 'touch /tmp/x'", "no-such-binary-xyz", "'unterminated",
+                "json.tool", "examples.nope", "/bin/sh", "hello; true"):
         with pytest.raises(ImageNotFound):
             resolve_command(bad)
 
@@ -89,17 +91,28 @@ def test_port_allocator_skips_ports_in_use() -> None:
         alloc.release([got])
 
 
-def test_process_driver_passes_port_and_env(tmp_path: Path) -> None:
+def _allowed_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+                    code: str) -> dict[str, str]:
+    """Write module ``name`` under tmp_path, importable here and in children (their env)."""
+    (tmp_path / f"{name}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+def test_process_driver_passes_port_and_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "env.txt"
     code = (
-        "import os, pathlib, time; "
+        "import os, pathlib, time\n"
         f"pathlib.Path({str(out)!r}).write_text("
-        "os.environ['PORT'] + ' ' + os.environ['MSG'] + ' ' + os.environ['VMID']); "
-        "time.sleep(60)"
+        "os.environ['PORT'] + ' ' + os.environ['MSG'] + ' ' + os.environ['VMID'])\n"
+        "time.sleep(60)\n"
     )
-    driver = ProcessDriver((20000, 29999))
+    env = _allowed_module(tmp_path, monkeypatch, "envdump", code)
+    driver = ProcessDriver((20000, 29999), env=env, allow_images=["envdump"])
     try:
-        vm = driver.start(VMSpec(image=f"{sys.executable} -c {code!r}", kernel_args="--env=MSG=hi"))
+        vm = driver.start(VMSpec(image="envdump", kernel_args="--env=MSG=hi"))
         text = wait_until(lambda: out.exists() and out.read_text(), what="child env")
         assert text == f"{vm.port} hi {vm.vmid}"
         assert vm.pid is not None and is_alive(vm.pid)
@@ -111,13 +124,16 @@ def test_process_driver_passes_port_and_env(tmp_path: Path) -> None:
         driver.start(VMSpec(image="hello"))
 
 
-def test_process_driver_ready_timeout_waits_for_the_port() -> None:
-    driver = ProcessDriver((20000, 29999), ready_timeout=10)
+def test_process_driver_ready_timeout_waits_for_the_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = _allowed_module(tmp_path, monkeypatch, "quits", "raise SystemExit(1)\n")
+    driver = ProcessDriver((20000, 29999), ready_timeout=10, env=env, allow_images=["quits"])
     try:
         vm = driver.start(VMSpec(image="hello"))
         assert http_get("127.0.0.1", vm.port) == (200, b"hello from corral\n")
         with pytest.raises(DriverError):  # exits at once, never listens
-            driver.start(VMSpec(image="false"))
+            driver.start(VMSpec(image="quits"))
         assert [v.vmid for v in driver.list()] == [vm.vmid]
     finally:
         driver.close()

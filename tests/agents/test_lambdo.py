@@ -96,12 +96,12 @@ def test_spawn_of_an_object_store_url_runs_the_default_image(
     assert http_get("127.0.0.1", host) == (200, b"hello from corral\n")
 
 
-def test_spawn_of_an_unrunnable_image_is_a_plain_text_500(
+def test_spawn_of_an_unrunnable_image_is_a_plain_text_400(
     process_lambdo: RunningLambdo,
 ) -> None:
     with httpx.Client(base_url=process_lambdo.url, timeout=15) as c:
         resp = c.post("/spawn", json=spawn_body(image="no-such-binary-xyz"))
-    assert resp.status_code == 500
+    assert resp.status_code == 400
     assert resp.headers["content-type"].startswith("text/plain")
     assert "no-such-binary-xyz" in resp.text
     assert process_lambdo.driver.list() == []
