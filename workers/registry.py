@@ -348,6 +348,21 @@ class RunningRegistry:
         self.server.wait_for_termination()
 
 
+def check_listen(settings: Settings, listen: str | None = None, *,
+                 insecure: bool = False) -> str:
+    """The address to listen on; :class:`CorralError` if off loopback without a token."""
+    address = listen or settings.registry_listen
+    try:
+        host, _ = split_hostport(address)
+    except ValueError as exc:
+        raise InputError(f"CORRAL_REGISTRY_LISTEN: {exc}") from None
+    refusal = listen_refusal("corral registry", host, settings.registry_token,
+                             "CORRAL_REGISTRY_TOKEN", insecure=insecure)
+    if refusal is not None:
+        raise CorralError(refusal)
+    return address
+
+
 def serve_registry(settings: Settings, listen: str | None = None,
                    registry: Registry | None = None, *,
                    insecure: bool = False) -> RunningRegistry:
@@ -358,15 +373,7 @@ def serve_registry(settings: Settings, listen: str | None = None,
     """
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    address = listen or settings.registry_listen
-    try:
-        host, _ = split_hostport(address)
-    except ValueError as exc:
-        raise InputError(f"CORRAL_REGISTRY_LISTEN: {exc}") from None
-    refusal = listen_refusal("corral registry", host, settings.registry_token,
-                             "CORRAL_REGISTRY_TOKEN", insecure=insecure)
-    if refusal is not None:
-        raise CorralError(refusal)
+    address = check_listen(settings, listen, insecure=insecure)
     registry = registry or Registry(get_database(settings.database_url), settings)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"))
     resmngr_grpc.add_ResMngrServiceServicer_to_server(ResMngrServicer(registry), server)

@@ -16,8 +16,10 @@ from tasks.cli._output import Command, integer
 def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
     """Serve the registry until SIGINT / SIGTERM."""
     from tasks.api import database
-    from workers.registry import serve_registry
+    from workers.registry import check_listen, serve_registry
 
+    if not args.insecure:
+        check_listen(settings, args.listen)  # refuse before anything else is said
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     database(settings)  # refuse an un-migrated store before listening
     running = serve_registry(settings, args.listen, insecure=args.insecure)

@@ -1,0 +1,210 @@
+"""Agents: nothing received over the network runs as a command, nothing listens off
+loopback without a token. Real agent processes started by their command lines."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from google.protobuf import empty_pb2
+
+from agents.drivers import ProcessDriver
+from agents.lambdo import serve_lambdo
+from protos import fcdaemon_grpc, fcdaemon_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    return {**env, **extra}
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1].decode()
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+@pytest.fixture
+def fcdaemon_cli(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """``corral agent fcdaemon --driver process`` as an operator starts it: (address, cwd)."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "agent", "fcdaemon", "--listen",
+         f"127.0.0.1:{port}", "--driver", "process"],
+        cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_port(port, proc)
+        yield f"127.0.0.1:{port}", tmp_path
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("image", [
+    "sh -c 'touch {marker}'",
+    "/bin/sh -c 'touch {marker}'",
+    "touch {marker}",
+    "os.system",  # a module, but not on the allow-list
+])
+def test_a_shell_line_as_image_is_refused_and_nothing_runs(
+    fcdaemon_cli: tuple[str, Path], image: str
+) -> None:
+    address, tmp = fcdaemon_cli
+    marker = tmp / "x"
+    stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(address))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.CreateReplica(fcdaemon_pb2.CreateRequest(
+            imageName=image.format(marker=marker), requestId="evil"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "refused" in (err.value.details() or "")
+    time.sleep(1.0)
+    assert not marker.exists()
+    assert list(stub.ListReplicas(empty_pb2.Empty(), timeout=10).replicas) == []
+    # an examples module still runs
+    reply = stub.CreateReplica(fcdaemon_pb2.CreateRequest(imageName="examples.hello"), timeout=30)
+    assert reply.vmid
+
+
+def test_lambdo_rootfs_image_is_allow_listed_too(tmp_path: Path) -> None:
+    marker = tmp_path / "x"
+    shell = f"sh -c 'touch {marker}'"
+    driver = ProcessDriver((10000, 19999), ready_timeout=10)
+    running = serve_lambdo("127.0.0.1:0", driver=driver)
+    try:
+        with httpx.Client(base_url=running.url, timeout=30) as c:
+            for path, body in (
+                ("/spawn", {"rootfs": {"id": "f_1", "location": "l", "image": shell},
+                            "requestedPorts": [8080]}),
+                ("/start", {"kernel": "/k", "image": shell, "portMapping": [[0, 8080]]}),
+            ):
+                resp = c.post(path, json=body)
+                assert resp.status_code == 400, resp.text
+                assert "refused" in resp.text
+            # a location that is not a module name is not run either: the default image is
+            resp = c.post("/spawn", json={"rootfs": {"id": "f_1", "location": shell},
+                                          "requestedPorts": [8080]})
+            assert resp.status_code == 200, resp.text
+        time.sleep(1.0)
+        assert not marker.exists()
+        assert [vm.image for vm in driver.list()] == ["examples.hello"]
+    finally:
+        running.stop()
+
+
+def test_allow_image_lets_an_operator_add_a_module(tmp_path: Path) -> None:
+    (tmp_path / "myfn.py").write_text(
+        "import os, pathlib\npathlib.Path(os.environ['OUT']).write_text('ran')\n")
+    out = tmp_path / "out.txt"
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agents.fcdaemon", "--listen", f"127.0.0.1:{port}",
+         "--driver", "process", "--allow-image", "myfn"],
+        cwd=ROOT, env=_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        _wait_port(port, proc)
+        stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        stub.CreateReplica(fcdaemon_pb2.CreateRequest(
+            imageName="myfn", kernelArgs=f"--env=OUT={out}"), timeout=30)
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert out.read_text() == "ran"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# -- listeners -------------------------------------------------------------------------
+
+AGENTS = [
+    (["agent", "fcdaemon"], "CORRAL_AGENT_TOKEN", {}),
+    (["agent", "lambdo"], "CORRAL_LAMBDO_TOKEN", {}),
+    (["agent", "gpus", "--gpus", "GPU-1:1000"], "CORRAL_AGENT_TOKEN", {}),
+    (["registry"], "CORRAL_REGISTRY_TOKEN", {}),
+]
+
+
+def _run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tasks.cli", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def migrated(tmp_path: Path) -> dict[str, str]:
+    url = f"sqlite:///{tmp_path / 'c.sqlite'}"
+    env = _env(CORRAL_DATABASE_URL=url, CORRAL_STATE_DIR=str(tmp_path / "state"),
+               PYTHONPATH=str(ROOT))
+    done = _run(["db", "upgrade"], env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    return env
+
+
+@pytest.mark.parametrize(("argv", "variable", "_"), AGENTS, ids=lambda v: str(v))
+def test_no_listener_off_loopback_without_a_token(
+    argv: list[str], variable: str, _: object, migrated: dict[str, str], tmp_path: Path
+) -> None:
+    done = _run([*argv, "--listen", f"0.0.0.0:{_free_port()}"], migrated, tmp_path)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert variable in lines[0] and "refuses to listen on 0.0.0.0" in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("argv", "variable", "_"), AGENTS, ids=lambda v: str(v))
+def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
+    argv: list[str], variable: str, _: object, migrated: dict[str, str], tmp_path: Path
+) -> None:
+    for extra, env in (
+        (["--insecure"], migrated),
+        ([], {**migrated, variable: "a-long-enough-token"}),
+    ):
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tasks.cli", *argv, "--listen", f"0.0.0.0:{port}", *extra],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        try:
+            _wait_port(port, proc)
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=30)
+        warned = "WITHOUT a token (--insecure)" in err.decode()
+        assert warned == bool(extra), err.decode()
+
+
+def test_default_listen_addresses_are_loopback() -> None:
+    from agents.fcdaemon import build_parser as fc
+    from agents.gpus import build_parser as gp
+    from agents.lambdo import build_parser as lb
+    from agents.runtime import is_loopback, split_hostport
+    from config.settings import Settings
+
+    for parser in (fc(), gp(), lb()):
+        assert is_loopback(split_hostport(parser.parse_args([]).listen)[0])
+    assert is_loopback(split_hostport(Settings().registry_listen)[0])
