@@ -94,6 +94,16 @@ class Settings(BaseSettings):
     # Test-only: task names (comma separated) that raise before running (workers.app).
     fault_raise_in: str = ""
 
+    # The invocation gateway (workers/gateway).
+    gateway_listen: str = "127.0.0.1:8080"
+    gateway_token: str | None = None
+    gateway_max_body: int = Field(10 * 1024 * 1024, ge=0)  # bytes
+    gateway_timeout_s: float = Field(60.0, gt=0)  # one call to a replica, response included
+    gateway_cold_start_timeout_s: float = Field(30.0, ge=0, le=3600)
+    gateway_queue: int = Field(1000, ge=0, le=1_000_000)  # waiting requests per function
+    gateway_store_threads: int = Field(16, ge=1, le=256)
+    gateway_report_interval_s: float = Field(1.0, gt=0)
+
     # Flower.
     flower_port: int = Field(5555, ge=0, le=65535)
     flower_user: str | None = None

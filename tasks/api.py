@@ -255,6 +255,15 @@ def release(claim_id: str, *, settings: Settings | None = None) -> dict[str, Any
     return claims.release(database(settings), settings, check_id(claim_id, "claim"))
 
 
+def suspect(claim_id: str, reason: str, *, settings: Settings | None = None) -> str | None:
+    """Give back a claim whose replica failed to answer and delete that replica; the op id."""
+    from workers import claims
+
+    db = database(settings)
+    op = claims.suspect(db, settings or get_settings(), check_id(claim_id, "claim"), reason)
+    return _enqueue(db, op) if op is not None else None
+
+
 def reap(idle_timeout: float | None = None, *, settings: Settings | None = None) -> str:
     """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
     from workers.reaper import check_idle_timeout

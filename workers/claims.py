@@ -81,7 +81,7 @@ from workers.clock import now
 from workers.errors import CorralError, InputError, NotFound
 from workers.functions import get_function
 from workers.lifecycle import lock_replica, transition
-from workers.operations import FINISHED, get_operation
+from workers.operations import FINISHED, create_operation, get_operation
 from workers.store.db import Database
 from workers.store.models import (
     Claim,
@@ -297,6 +297,28 @@ def finish_oldest(session: Session, replica: Replica, settings: Settings) -> boo
     return oldest is not None and _take_back(session, replica, settings, oldest)
 
 
+def suspect(db: Database, settings: Settings, claim_id: str, reason: str) -> Operation | None:
+    """Give a claim back and retire its replica, which failed to answer a request.
+
+    In one transaction the claim is taken back and the replica (if still Idle or
+    Allocated) goes Deleting with ``reason`` as its error, so no claim can pick it
+    again, under a new delete operation the caller must queue (returned; None when the
+    claim was no longer held or the replica is already on its way out).
+    """
+    with db.transaction() as s:
+        held = s.execute(select(Claim.replica_id).where(Claim.id == claim_id)).first()
+        replica = lock_replica(s, held[0]) if held is not None else None
+        if replica is None or not _take_back(s, replica, settings, claim_id):
+            return None
+        if replica.status not in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+            return None
+        op = create_operation(s, "delete", {"replica": replica.id},
+                              function_id=replica.function_id, total=1)
+        replica.operation_id = op.id
+        transition(s, replica, ReplicaState.DELETING, settings, error=reason)
+        return op
+
+
 # -- cold starts -------------------------------------------------------------------------------
 
 
@@ -415,8 +437,9 @@ class ClaimAttempt:
     before the next step; it raises :class:`NoIdleReplica` (no cold start allowed, the
     cold start failed or was refused) or :class:`ClaimTimeout`. :meth:`close` must run
     at the end, whatever happened. ``spawn(function) -> operation id`` asks for one
-    replica. With ``wait_at_max`` a spawn refused because the function is at its max
-    is not an error: the caller waits for an environment to be released instead.
+    replica. With ``wait_at_max`` a spawn refused (or failed) because the function is
+    at its max is not an error: the caller waits for an environment to be released
+    instead (several gateways may ask for the last replica at once).
     """
 
     def __init__(
@@ -441,6 +464,11 @@ class ClaimAttempt:
         self._waiter: Waiter | None = None
         self._settled: set[str] = set()
         self._delay = 0.02
+
+    @property
+    def waiting(self) -> bool:
+        """True while this caller is registered as a cold-start waiter (close() needed)."""
+        return self._waiter is not None
 
     @property
     def waited_s(self) -> float:
@@ -489,10 +517,11 @@ class ClaimAttempt:
         with self.db.read() as s:
             for op_id in pending:
                 op = get_operation(s, op_id)
-                if op.status == OpStatus.FAILED.value:
-                    raise NoIdleReplica(f"cold start of {self.function} failed: {op.error}")
                 if op.status in FINISHED:
                     self._settled.add(op_id)
+                if op.status == OpStatus.FAILED.value and not (
+                        self._wait_at_max and self._at_max()):
+                    raise NoIdleReplica(f"cold start of {self.function} failed: {op.error}")
 
     def _at_max(self) -> bool:
         """True when the function has as many replicas as its max allows."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from config.settings import ConfigError, get_settings
 from tasks.cli import claims as claim_cmds
-from tasks.cli import core, gpus, maintenance, services
+from tasks.cli import core, gateway, gpus, maintenance, services
 from tasks.cli._output import Command, Handler
 from workers.errors import CorralError
 from workers.store.migrate import SchemaError
@@ -30,6 +30,7 @@ GROUPS: list[Callable[[Any, Command], None]] = [
     maintenance.register,
     gpus.register,
     services.register,
+    gateway.register,
 ]
 
 

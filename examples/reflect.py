@@ -1,0 +1,53 @@
+"""A function that answers, as JSON, the request it received: method, path, query, headers, body.
+
+For checking what a proxy in front of it forwards (the gateway tests use it). The
+answer carries a ``X-Reflect-Vmid`` header with the replica's ``$VMID`` so a caller
+can tell replicas apart::
+
+    PORT=8080 python -m examples.reflect
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from urllib.parse import urlsplit
+
+from examples._http import QuietHandler, run
+
+__all__ = ["ReflectHandler", "main"]
+
+
+class ReflectHandler(QuietHandler):
+    """Answers every method with a JSON description of the request."""
+
+    def _reflect(self) -> None:
+        parts = urlsplit(self.path)
+        body = self.read_body()
+        answer = {
+            "method": self.command,
+            "path": parts.path,
+            "query": parts.query,
+            "headers": {k.lower(): v for k, v in self.headers.items()},
+            "body": body.decode("utf-8", "replace"),
+            "vmid": os.environ.get("VMID", ""),
+        }
+        data = json.dumps(answer, sort_keys=True).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("X-Reflect-Vmid", answer["vmid"])
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _reflect
+
+
+def main() -> int:
+    """Serve until SIGTERM."""
+    return run(ReflectHandler)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""The invocation gateway: HTTP requests to functions, through claims, to replicas.
+
+``corral gateway`` serves ``ANY /function/NAME[/PATH]``: it claims an execution
+environment of one of the function's replicas (a cold start when none is Idle,
+shared with every other waiter through the store), forwards the request there,
+streams the answer back and releases the claim on every way out. Several gateways
+may serve one control plane: everything they share lives in the store (claims,
+cold-start waiters) and in Redis (the demand signal the autoscaler reads).
+
+* :mod:`workers.gateway.proxy` - one request, step by step, and its error answers;
+* :mod:`workers.gateway.admission` - per-function concurrency limit and bounded queue;
+* :mod:`workers.gateway.metrics` - the Prometheus metrics served at ``/metrics``;
+* :mod:`workers.gateway.app` - the ASGI app, demand reports, listening rules, uvicorn.
+"""
+
+from workers.gateway.app import (
+    GatewayApp,
+    ListenRefused,
+    RunningGateway,
+    build_app,
+    check_listen,
+    run_gateway,
+    serve_gateway,
+)
+from workers.gateway.proxy import Gateway
+
+__all__ = [
+    "Gateway",
+    "GatewayApp",
+    "ListenRefused",
+    "RunningGateway",
+    "build_app",
+    "check_listen",
+    "run_gateway",
+    "serve_gateway",
+]

@@ -1,0 +1,239 @@
+"""The gateway's ASGI application and server: routes, demand reports, listening rules.
+
+Routes: ``/function/NAME[/PATH]`` (any method) goes to the proxy
+(:mod:`workers.gateway.proxy`); ``GET /metrics`` serves the Prometheus text
+(:mod:`workers.gateway.metrics`); ``GET /healthz`` answers ``ok``. With a token set,
+``/metrics`` needs it too; ``/healthz`` never does (it says nothing).
+
+While it runs, the gateway publishes each function's demand once per
+``CORRAL_GATEWAY_REPORT_INTERVAL_S`` (:func:`workers.demand.report`, to the broker's
+Redis) for the autoscaler: every function that had a request in the last minute,
+idle ones with zeros so their demand is seen to fall.
+
+It is served by uvicorn on one asyncio loop; the store calls run in a bounded
+thread pool. It refuses to listen on a non-loopback address without
+``CORRAL_GATEWAY_TOKEN`` unless told ``insecure`` (then it warns at every start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from config.settings import Settings
+from workers.errors import CorralError
+from workers.gateway.proxy import PREFIX, Gateway, Receive, Scope, Send
+from workers.store.db import Database
+
+log = logging.getLogger(__name__)
+
+ACTIVE_S = 60.0  # a function is reported for this long after its last request
+
+
+class ListenRefused(CorralError):
+    """The gateway may not listen where it was asked to."""
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port), or :class:`ListenRefused`."""
+    host, sep, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ListenRefused(f"gateway listen address must be HOST:PORT, got {listen!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP addresses."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(settings: Settings, listen: str, *, insecure: bool = False) -> tuple[str, int]:
+    """Where to listen; refuses a non-loopback address without a token unless ``insecure``."""
+    host, port = split_listen(listen)
+    if not is_loopback(host) and not settings.gateway_token:
+        if not insecure:
+            raise ListenRefused(
+                f"refusing to listen on {listen} without a token: set CORRAL_GATEWAY_TOKEN "
+                "(or pass --insecure to accept anyone who can reach it)")
+        log.warning("gateway listening on %s WITHOUT a token (--insecure): anyone who can "
+                    "reach it can call every function", listen)
+    return host, port
+
+
+class GatewayApp:
+    """The ASGI application: the proxy for ``/function/``, Starlette for the rest."""
+
+    def __init__(self, gateway: Gateway, *, redis_url: str | None = None,
+                 gateway_id: str | None = None) -> None:
+        self.gateway = gateway
+        self.redis_url = redis_url
+        self.gateway_id = gateway_id or (
+            f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
+        self._reporter: asyncio.Task[None] | None = None
+        self.site = Starlette(
+            routes=[Route("/metrics", self.metrics), Route("/healthz", self.healthz)],
+            lifespan=self.lifespan,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI entry point."""
+        if scope["type"] == "http" and scope["path"].startswith(PREFIX):
+            await self.gateway.handle(scope, receive, send)
+        else:
+            await self.site(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        """Open the upstream client and start the demand reports; undo both at shutdown."""
+        await self.gateway.start()
+        if self.redis_url and self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            self._reporter = asyncio.create_task(self._report_forever(self.redis_url))
+        try:
+            yield
+        finally:
+            if self._reporter is not None:
+                self._reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._reporter
+            await self.gateway.close()
+
+    async def metrics(self, request: Request) -> Response:
+        """The Prometheus exposition text."""
+        if not self.gateway.authorized(request.scope):
+            return PlainTextResponse("missing or invalid gateway token\n", 401,
+                                     headers={"www-authenticate": "Bearer"})
+        body, content_type = self.gateway.metrics.render()
+        return Response(body, headers={"content-type": content_type})
+
+    async def healthz(self, _request: Request) -> Response:
+        """Liveness."""
+        return PlainTextResponse("ok\n")
+
+    async def _report_forever(self, url: str) -> None:
+        import redis
+
+        from workers import demand
+
+        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        interval = self.gateway.settings.gateway_report_interval_s
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                now = time.monotonic()
+                samples = {name: gate.sample() for name, gate in self.gateway.gates.items()
+                           if gate.active or gate.queued or now - gate.last_used < ACTIVE_S}
+                if not samples:
+                    continue
+                try:
+                    await self.gateway.store(demand.report, client, self.gateway_id, samples)
+                except Exception as exc:  # Redis away: the next interval tries again
+                    log.warning("gateway: demand report failed: %s", exc)
+        finally:
+            client.close()
+
+
+def build_app(db: Database, settings: Settings) -> GatewayApp:
+    """The gateway application over a store, reporting demand to the broker's Redis."""
+    return GatewayApp(Gateway(db, settings), redis_url=settings.broker_url)
+
+
+class RunningGateway:
+    """A gateway served by uvicorn in a background thread (tests, ``corral up``)."""
+
+    def __init__(self, server: Any, thread: threading.Thread, host: str, port: int,
+                 app: GatewayApp) -> None:
+        self.server = server
+        self.thread = thread
+        self.port = port
+        self.app = app
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and wait for the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def _server(app: GatewayApp, settings: Settings) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            server_header=False, date_header=False,
+                            timeout_graceful_shutdown=int(settings.gateway_timeout_s),
+                            timeout_keep_alive=30)
+    return uvicorn.Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ListenRefused(f"gateway cannot listen on {host}:{port}: {exc}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def serve_gateway(
+    settings: Settings,
+    listen: str | None = None,
+    *,
+    insecure: bool = False,
+    db: Database | None = None,
+    app: GatewayApp | None = None,
+) -> RunningGateway:
+    """Start a gateway in a background thread; returns once it accepts connections."""
+    from workers.store.db import get_database
+
+    host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
+    sock = _bind(host, port)
+    app = app or build_app(db or get_database(settings.database_url), settings)
+    server = _server(app, settings)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name="gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise ListenRefused(f"gateway did not start on {host}:{port}")
+        time.sleep(0.01)
+    return RunningGateway(server, thread, host, sock.getsockname()[1], app)
+
+
+def run_gateway(settings: Settings, listen: str | None = None, *, insecure: bool = False,
+                on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve a gateway in the foreground until SIGINT / SIGTERM."""
+    from workers.store.db import get_database
+
+    host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
+    sock = _bind(host, port)
+    app = build_app(get_database(settings.database_url), settings)
+    server = _server(app, settings)
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
+    if on_ready is not None:
+        on_ready(url)
+    server.run(sockets=[sock])

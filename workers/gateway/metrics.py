@@ -1,0 +1,79 @@
+"""The gateway's Prometheus metrics, in a registry of its own (one per gateway).
+
+Names follow Prometheus' conventions: base units (seconds), ``_total`` on counters
+(``prometheus_client`` adds it), one ``function`` label with the function's name.
+Requests for a function corral does not know are counted under
+``function="(unknown)"`` so random paths cannot grow the label set without bound.
+
+* ``corral_function_invocations_total{function,code}`` - requests answered, by
+  HTTP status code (the gateway's own 404 / 413 / 429 / 502 / 503 / 504 included);
+* ``corral_function_duration_seconds{function}`` - arrival to the last byte sent;
+* ``corral_inflight{function}`` - requests admitted (claiming or being forwarded);
+* ``corral_queue_depth{function}`` - requests waiting for a free environment;
+* ``corral_cold_starts_total{function}`` - requests that found nothing Idle and
+  waited for a replica to become ready;
+* ``corral_cold_start_seconds{function}`` - for those, claim start to ready.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+UNKNOWN = "(unknown)"
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    """The gateway's counters, gauges and histograms."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.invocations = Counter(
+            "corral_function_invocations", "Requests the gateway answered, by HTTP status code.",
+            ["function", "code"], registry=r)
+        self.duration = Histogram(
+            "corral_function_duration_seconds",
+            "Time from a request's arrival to the last byte of its response.",
+            ["function"], buckets=DURATION_BUCKETS, registry=r)
+        self.inflight = Gauge(
+            "corral_inflight", "Requests admitted: claiming an environment or being forwarded.",
+            ["function"], registry=r)
+        self.queue_depth = Gauge(
+            "corral_queue_depth", "Requests waiting for a free execution environment.",
+            ["function"], registry=r)
+        self.cold_starts = Counter(
+            "corral_cold_starts", "Requests that found no Idle replica and waited for one.",
+            ["function"], registry=r)
+        self.cold_start_seconds = Histogram(
+            "corral_cold_start_seconds",
+            "For cold starts: time from the start of the claim to a ready replica.",
+            ["function"], buckets=COLD_START_BUCKETS, registry=r)
+
+    def answered(self, function: str, code: int, seconds: float) -> None:
+        """Count one answered request and its duration."""
+        self.invocations.labels(function, str(code)).inc()
+        self.duration.labels(function).observe(seconds)
+
+    def cold_start(self, function: str, seconds: float) -> None:
+        """Count one cold start and how long it took."""
+        self.cold_starts.labels(function).inc()
+        self.cold_start_seconds.labels(function).observe(seconds)
+
+    def load(self, function: str, inflight: int, queued: int) -> None:
+        """Set a function's in-flight and queued gauges."""
+        self.inflight.labels(function).set(inflight)
+        self.queue_depth.labels(function).set(queued)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
