@@ -24,19 +24,20 @@ class ReflectHandler(QuietHandler):
     def _reflect(self) -> None:
         parts = urlsplit(self.path)
         body = self.read_body()
+        vmid = os.environ.get("VMID", "")
         answer = {
             "method": self.command,
             "path": parts.path,
             "query": parts.query,
             "headers": {k.lower(): v for k, v in self.headers.items()},
             "body": body.decode("utf-8", "replace"),
-            "vmid": os.environ.get("VMID", ""),
+            "vmid": vmid,
         }
         data = json.dumps(answer, sort_keys=True).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        self.send_header("X-Reflect-Vmid", answer["vmid"])
+        self.send_header("X-Reflect-Vmid", vmid)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)

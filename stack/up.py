@@ -1,8 +1,9 @@
-"""``corral up``: broker, store, registry, worker, beat, Flower and two agents, on one machine.
+"""``corral up``: broker, store, registry, worker, beat, Flower, gateway and two agents.
 
 Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite
 store (migrated), the registry, one Celery worker on every queue with task events,
-celery beat, Flower, then an fcdaemon agent (which registers itself through the
+celery beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port
+is taken), then an fcdaemon agent (which registers itself through the
 registry) and a Lambdo host (added as a node), both with the process driver. Stop
 order is the reverse. Everything lives under the state directory (``.corral/`` in
 the working directory by default): data, logs, the lock that keeps a second
@@ -28,7 +29,7 @@ from stack.redis import free_port, redis_argv
 from stack.supervisor import Child, Supervisor
 
 DEFAULT_PORTS = {"redis": 6379, "registry": 50052, "flower": 5555, "fcdaemon": 50051,
-                 "lambdo": 3000}
+                 "lambdo": 3000, "gateway": 8080}
 
 
 class AlreadyRunning(RuntimeError):
@@ -178,6 +179,11 @@ def _start(
         env["FLOWER_UNAUTHENTICATED_API"] = "true"
     sup.start(Child("flower", flower_argv, env, logs / "flower.log", state),
               ready=lambda: _port_open(flower_port), timeout=60)
+    gw_port = free_port(DEFAULT_PORTS["gateway"])
+    services["gateway"] = f"http://127.0.0.1:{gw_port}"
+    sup.start(Child("gateway", [py, "-m", "tasks.cli", "gateway", "--listen",
+                                f"127.0.0.1:{gw_port}"], env, logs / "gateway.log", state),
+              ready=lambda: _port_open(gw_port), timeout=30)
     if options.agents:
         fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
         services["fcdaemon"] = f"127.0.0.1:{fc_port}"
@@ -224,6 +230,7 @@ def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
         f"  database         {published['database_url']}",
         f"  registry         {services['registry']}",
         f"  flower           {services['flower']}",
+        f"  gateway          {services['gateway']} (call {services['gateway']}/function/NAME)",
     ]
     if options.agents:
         lines += [

@@ -76,7 +76,8 @@ def test_two_hundred_concurrent_first_requests_start_at_most_max_replicas(stack:
                 for i in range(200)))
 
     answers = asyncio.run(run())
-    assert [a.status_code for a in answers] == [200] * 200, {a.text for a in answers if a.status_code != 200}
+    refused = {a.text for a in answers if a.status_code != 200}
+    assert [a.status_code for a in answers] == [200] * 200, refused
     assert [a.text for a in answers] == [f"request {i}" for i in range(200)]
     assert 1 <= stack.creates() <= 4  # VMs the agent was asked for
     made = [r for r in stack.replicas("echo") if r.status not in FINAL_STATES]
@@ -105,3 +106,34 @@ def test_a_client_that_goes_away_releases_its_claim(stack: Stack) -> None:
     assert _metric(text, 'corral_function_invocations_total{code="499",function="echo"}') == 1
     again = httpx.get(f"{gw.url}/function/echo", timeout=60)  # the environment serves again
     assert again.status_code == 200 and len(stack.replicas("echo")) == 1
+
+
+def test_each_gateway_reports_its_demand_to_redis(stack: Stack) -> None:
+    import redis
+
+    from workers import demand
+
+    stack.deploy("echo", image="examples.echo", max=2)
+    first, second = stack.gateway(), stack.gateway()
+    client = redis.Redis.from_url(stack.env.settings.broker_url)
+
+    async def load() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            await asyncio.gather(*(http.get(f"{gw.url}/function/echo?delay=1.5")
+                                   for gw in (first, second, first)))
+
+    async def busy_then_read() -> dict[str, demand.Demand]:
+        task = asyncio.ensure_future(load())
+        await asyncio.sleep(1.2)  # both gateways reported (every 0.2 s) while busy
+        seen = demand.read(client, ["echo"])
+        await task
+        return seen
+
+    seen = asyncio.run(busy_then_read())["echo"]
+    assert seen.gateways == 2
+    assert seen.inflight + seen.queued == 3  # two environments busy, one request queued
+    assert seen.concurrency > 0 and seen.last_request_at is not None
+    time.sleep(0.5)
+    after = demand.read(client, ["echo"])["echo"]
+    assert (after.inflight, after.queued, after.gateways) == (0, 0, 2)  # demand seen to fall
+    client.close()

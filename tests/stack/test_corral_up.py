@@ -71,7 +71,8 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
             assert up.poll() is None, (tmp_path / "up.out").read_text()
             assert time.monotonic() < deadline, (tmp_path / "up.out").read_text()
             time.sleep(0.2)
-        stack = json.loads((tmp_path / ".corral" / "stack.json").read_text())["settings"]
+        published = json.loads((tmp_path / ".corral" / "stack.json").read_text())
+        stack, services = published["settings"], published["services"]
 
         # a second `corral up` in the same directory refuses
         second = _corral(tmp_path, "up", check=False)
@@ -99,6 +100,11 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
         fc = by_fn["hello"][0]
         assert "hello from corral" in httpx.get(fc["address"], timeout=10).text
         _corral(tmp_path, "release", claimed["claim_id"])
+        gateway = services["gateway"]  # the data path: a function called over HTTP
+        assert f"gateway          {gateway}" in (tmp_path / "up.out").read_text()
+        called = httpx.get(f"{gateway}/function/hello", timeout=60)
+        assert called.status_code == 200 and called.text == "hello from corral\n"
+        assert httpx.get(f"{gateway}/function/nope", timeout=10).status_code == 404
 
         started = _descendants(up.pid)
         assert len(started) >= 8  # redis, registry, worker(+pool), beat, flower, agents, replicas

@@ -12,7 +12,8 @@ A request goes through these steps, each with its own answer when it fails:
    exec_envs`` requests the request queues; a full queue -> 429, no place within the
    cold-start timeout -> 503 with ``Retry-After``.
 5. **Claim** (:class:`workers.claims.ClaimAttempt`, each store step in the gateway's
-   thread pool, waits with ``asyncio.sleep``): an Idle environment, else a cold start
+   thread pool - ``CORRAL_GATEWAY_STORE_THREADS``, one on SQLite - waits with
+   ``asyncio.sleep``): an Idle environment, else a cold start
    shared with every other waiter of the function, in this gateway or another; a
    spawn refused because the function is at its max waits for a release. Nothing
    ready within ``CORRAL_GATEWAY_COLD_START_TIMEOUT_S`` -> 503 with ``Retry-After``.
@@ -123,8 +124,10 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.gates: dict[str, Gate] = {}
         self._functions: dict[str, tuple[FunctionInfo, float]] = {}
-        self._pool = ThreadPoolExecutor(settings.gateway_store_threads,
-                                        thread_name_prefix="gateway-store")
+        # SQLite takes one write at a time anyway: more threads only wait in its busy
+        # handler (sleeps of up to 100 ms each), so they would add latency, not speed.
+        threads = 1 if db.is_sqlite else settings.gateway_store_threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="gateway-store")
         self._client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Future[Any]] = set()
         self._token = (f"Bearer {settings.gateway_token}".encode()
