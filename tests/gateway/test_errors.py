@@ -163,5 +163,6 @@ def test_no_listening_off_loopback_without_a_token(
     assert check_listen(settings, "[::1]:9000") == ("::1", 9000)
     assert main(["gateway", "--listen", "0.0.0.0:0"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("corral: error: refusing to listen on 0.0.0.0:0 without a token")
+    assert err.startswith("corral: error: corral gateway refuses to listen on 0.0.0.0 "
+                          "without a token: set CORRAL_GATEWAY_TOKEN")
     assert err.count("\n") == 1

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import socket
@@ -48,36 +47,19 @@ class ListenRefused(CorralError):
     """The gateway may not listen where it was asked to."""
 
 
-def split_listen(listen: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port), or :class:`ListenRefused`."""
-    host, sep, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ListenRefused(f"gateway listen address must be HOST:PORT, got {listen!r}")
-    return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_listen(settings: Settings, listen: str, *, insecure: bool = False) -> tuple[str, int]:
     """Where to listen; refuses a non-loopback address without a token unless ``insecure``."""
-    host, port = split_listen(listen)
-    if not is_loopback(host) and not settings.gateway_token:
-        if not insecure:
-            raise ListenRefused(
-                f"refusing to listen on {listen} without a token: set CORRAL_GATEWAY_TOKEN "
-                "(or pass --insecure to accept anyone who can reach it)")
-        log.warning("gateway listening on %s WITHOUT a token (--insecure): anyone who can "
-                    "reach it can call every function", listen)
-    return host, port
+    from agents.runtime import listen_refusal, split_hostport
+
+    try:
+        host, port = split_hostport(listen)
+    except ValueError as exc:
+        raise ListenRefused(f"CORRAL_GATEWAY_LISTEN: {exc}") from None
+    refusal = listen_refusal("corral gateway", host, settings.gateway_token,
+                             "CORRAL_GATEWAY_TOKEN", insecure=insecure)
+    if refusal is not None:
+        raise ListenRefused(refusal)
+    return host.strip("[]"), port
 
 
 class GatewayApp:
