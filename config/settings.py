@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(300.0, gt=0)
     claim_ttl_s: float = Field(300.0, gt=0, le=86_400)
 
+    # PostgreSQL guards (0 turns one off): a statement waiting this long for a row lock,
+    # or running this long at all, fails with an error the task retries, instead of
+    # hanging a worker on a stuck lock holder.
+    db_lock_timeout_s: float = Field(10.0, ge=0)
+    db_statement_timeout_s: float = Field(60.0, ge=0)
+
     # Placement and GPUs.
     placement: Literal["loadbalance", "roundrobin", "spread", "random", "pack"] = "loadbalance"
     gpu_fit: Literal["best", "first"] = "best"

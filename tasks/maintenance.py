@@ -9,14 +9,15 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from workers import health
+from workers import health, leases
 from workers.app import CorralTask, app
 
 
 @app.task(bind=True, name="corral.check_health")
 def check_health(self: CorralTask) -> dict[str, Any]:
     """Probe every node and update its health."""
-    return asdict(health.check_health(self.db, self.settings))
+    holder = leases.holder_name(self.request.id)
+    return asdict(health.check_health(self.db, self.settings, holder=holder))
 
 
 @app.task(bind=True, name="corral.reap")
@@ -30,15 +31,12 @@ def reap(
     pass then retires the stale ones). Operations that stopped moving get their first
     task sent again (:mod:`workers.redrive`).
     """
-    import os
-    import socket
-
     from tasks import api
     from workers import reaper
     from workers.errors import CorralError
 
     settings = self.settings
-    holder = f"{socket.gethostname()}:{os.getpid()}:{self.request.id or 'direct'}"[:128]
+    holder = leases.holder_name(self.request.id)
     if op_id:
         reaper.start(self.db, op_id)
     # An operator's pass waits a little for a periodic one to end instead of failing.
@@ -78,15 +76,12 @@ def _redrive(task: CorralTask) -> dict[str, str]:
 @app.task(bind=True, name="corral.reconcile")
 def reconcile(self: CorralTask, op_id: str | None = None) -> dict[str, Any]:
     """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""
-    import os
-    import socket
-
     from tasks import api
     from workers import reconcile as reconciler
     from workers.errors import CorralError
     from workers.operations import record_result
 
-    holder = f"{socket.gethostname()}:{os.getpid()}:{self.request.id or 'direct'}"[:128]
+    holder = leases.holder_name(self.request.id)
     report = reconciler.reconcile(self.db, self.settings, holder=holder)
     spawned: dict[str, str] = {}
     for name, n in report.top_up.items():

@@ -8,6 +8,12 @@ delete that gave up on transport errors (:func:`note_failure`). After
 skips it; after ``CORRAL_NODE_DEAD_GRACE_S`` more, its replicas are marked Dead
 (reconcile then brings functions back to their min elsewhere). One good answer
 makes it healthy again.
+
+One pass runs at a time: a pass takes the ``health`` lease (:mod:`workers.leases`)
+like reap and reconcile, and a pass that cannot is skipped, so two passes that
+overlap (a slow pass and the next beat) never count the same miss twice. The
+lease lives a few intervals, so a worker killed mid-pass holds health up only
+briefly.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from datetime import timedelta
 from sqlalchemy import select
 
 from config.settings import Settings
-from workers import backends
+from workers import backends, leases
 from workers.clock import now
 from workers.errors import BackendError
 from workers.lifecycle import transition
@@ -28,6 +34,7 @@ from workers.store.db import Database
 from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
+LEASE = "health"
 
 
 def note_failure(db: Database, settings: Settings, node_id: str, error: str) -> bool:
@@ -66,6 +73,7 @@ def note_success(db: Database, node_id: str) -> bool:
 class HealthReport:
     """What one health pass saw."""
 
+    skipped: bool = False  # another pass holds the lease
     probed: int = 0
     healthy: list[str] = field(default_factory=list)
     missed: list[str] = field(default_factory=list)
@@ -84,8 +92,26 @@ def _probe(node: Node, settings: Settings) -> str | None:
     return None if ok else f"node {node.name}: health service says NOT_SERVING"
 
 
-def check_health(db: Database, settings: Settings) -> HealthReport:
-    """Probe every node once, update health, and mark replicas of long-dead nodes Dead."""
+def lease_ttl(settings: Settings) -> float:
+    """How long a health pass holds its lease: a few intervals, and longer than its probes."""
+    return max(3 * settings.health_interval_s, 4 * settings.health_timeout_s)
+
+
+def check_health(db: Database, settings: Settings, *, holder: str | None = None) -> HealthReport:
+    """Probe every node once, update health, and mark replicas of long-dead nodes Dead.
+
+    Skipped (``report.skipped``) while another pass holds the ``health`` lease.
+    """
+    holder = holder or leases.holder_name()
+    if not leases.acquire(db, LEASE, holder, lease_ttl(settings)):
+        return HealthReport(skipped=True)
+    try:
+        return _check_health(db, settings)
+    finally:
+        leases.release(db, LEASE, holder)
+
+
+def _check_health(db: Database, settings: Settings) -> HealthReport:
     with db.transaction() as s:
         nodes = list(s.scalars(select(Node).order_by(Node.name)))
     report = HealthReport(probed=len(nodes))

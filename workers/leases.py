@@ -21,6 +21,9 @@ tests can let a lease expire with ``clock.travel``.
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import cast
@@ -46,6 +49,11 @@ class LeaseInfo:
     name: str
     holder: str
     expires_at: datetime
+
+
+def holder_name(tag: str | None = None) -> str:
+    """A holder name unique to this process and ``tag`` (a task id; a fresh one if None)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{tag or uuid.uuid4().hex}"[:MAX_HOLDER]
 
 
 def _check(name: str, holder: str, ttl_s: float | None = None) -> None:

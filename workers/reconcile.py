@@ -12,6 +12,10 @@ One pass (under the ``reconcile`` lease, so never two at once):
      of a replica still Creating, it is destroyed;
    * a row whose VM the node no longer runs is marked Dead ("VM vanished"),
      which frees its reservations; a Deleting row whose VM is gone is Deleted.
+     Only rows that already had their VM *before* the node was listed are
+     judged (they are read first, and re-checked under the row lock): a spawn
+     that records its VM while the listing is in flight is not mistaken for a
+     vanished one (and its VM then for an orphan).
 
    A node that answers UNIMPLEMENTED / 404 cannot list: it is skipped, and the
    report says so the first time (``nodes.can_list`` remembers).
@@ -34,6 +38,7 @@ from workers import backends, leases
 from workers.clock import now
 from workers.errors import BackendError, Unsupported
 from workers.lifecycle import lock_replica, transition
+from workers.replicas import unplaced
 from workers.store.db import Database
 from workers.store.models import (
     LIVE_STATES,
@@ -88,9 +93,25 @@ def reconcile(db: Database, settings: Settings, *, holder: str) -> ReconcileRepo
     return report
 
 
+def _live_rows(db: Database, node: Node) -> list[Any]:
+    """The node's live rows: id, vmid, status and request id."""
+    with db.read() as s:
+        return list(
+            s.execute(
+                select(Replica.id, Replica.vmid, Replica.status, Replica.request_id).where(
+                    Replica.node_id == node.id, Replica.status.in_(LIVE_STATES)
+                )
+            )
+        )
+
+
 def _reconcile_node(db: Database, settings: Settings, node: Node, report: ReconcileReport) -> None:
     if node.can_list is False:
         return
+    # Rows read *before* the listing: a VM recorded on one of these rows existed before the
+    # node was asked, so its absence from the listing means it is gone. A spawn that records
+    # its VM while the node is being listed is not among them (it is judged next pass).
+    before = _live_rows(db, node)
     try:
         vms = backends.list_vms(node, settings)
     except Unsupported:
@@ -111,14 +132,8 @@ def _reconcile_node(db: Database, settings: Settings, node: Node, report: Reconc
             if row is not None:
                 row.can_list = True
     on_node = {vm.vmid: vm for vm in vms}
-    with db.read() as s:
-        rows = list(
-            s.execute(
-                select(Replica.id, Replica.vmid, Replica.status, Replica.request_id).where(
-                    Replica.node_id == node.id, Replica.status.in_(LIVE_STATES)
-                )
-            )
-        )
+    # Rows read *after* the listing: a listed VM with no row here has none (orphans).
+    rows = _live_rows(db, node)
     known = {r.vmid for r in rows if r.vmid}
     creating = {r.request_id for r in rows if r.status == ReplicaState.CREATING}
     cutoff = (now() - EPOCH).total_seconds() - settings.orphan_grace_s
@@ -134,7 +149,7 @@ def _reconcile_node(db: Database, settings: Settings, node: Node, report: Reconc
             log.warning("destroyed orphan VM %s on %s", vm.vmid, node.name)
         except BackendError as exc:
             report.errors.append(f"orphan {vm.vmid}: {exc}")
-    for listed in rows:
+    for listed in before:
         if (
             listed.vmid is None
             or listed.vmid in on_node
@@ -143,7 +158,11 @@ def _reconcile_node(db: Database, settings: Settings, node: Node, report: Reconc
             continue
         with db.transaction() as s:
             replica = lock_replica(s, listed.id)
-            if replica is None or replica.status not in LIVE_STATES or replica.vmid in on_node:
+            if (
+                replica is None
+                or replica.status not in LIVE_STATES
+                or replica.vmid != listed.vmid
+            ):
                 continue
             if replica.status == ReplicaState.DELETING:
                 transition(s, replica, ReplicaState.DELETED, settings)
@@ -178,7 +197,10 @@ def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:
 
 
 def below_min(db: Database, settings: Settings) -> dict[str, int]:
-    """Functions under their min with no recent spawn pending: name -> how many to add."""
+    """Functions under their min, counting replicas planned but not yet placed: name -> how many.
+
+    A function with a spawn pending from the last few minutes is left alone.
+    """
     with db.read() as s:
         short = s.execute(
             select(Function.id, Function.name, Function.min_replicas, Function.replica_count)
@@ -195,8 +217,11 @@ def below_min(db: Database, settings: Settings) -> dict[str, int]:
                 )
             )
         }
-    wanted: dict[str, int] = {}
-    for fid, name, minimum, count in short:
-        if fid not in pending:
-            wanted[name] = minimum - count
+        wanted: dict[str, int] = {}
+        for fid, name, minimum, count in short:
+            if fid in pending:
+                continue
+            missing = minimum - count - unplaced(s, fid)  # a scale on its way counts
+            if missing > 0:
+                wanted[name] = missing
     return wanted

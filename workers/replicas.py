@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, func, select, update
+from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers import backends
@@ -45,6 +47,7 @@ from workers.lifecycle import (
     settle,
     transition,
 )
+from workers.operations import FINISHED
 from workers.placement import reserve_gpu, reserve_node, spread_nodes
 from workers.reports import apply_early_reports
 from workers.store.db import Database
@@ -59,6 +62,7 @@ from workers.store.models import (
 )
 
 log = logging.getLogger(__name__)
+OPEN = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
 
 
 @dataclass(frozen=True)
@@ -106,27 +110,90 @@ def check_count(count: object, what: str = "count") -> int:
     return count
 
 
+def _lock_op(s: Session, op_id: str) -> tuple[Operation, Function | None]:
+    """Lock an operation and its function in the documented order: function, then operation."""
+    function_id = s.scalar(select(Operation.function_id).where(Operation.id == op_id))
+    fn = s.get(Function, function_id, with_for_update=True) if function_id else None
+    op = s.get(Operation, op_id, with_for_update=True)
+    if op is None:
+        raise NotFound(f"unknown operation {op_id!r}")
+    return op, fn
+
+
+def spawn_jobs(op_id: str, plan: dict[str, Any]) -> list[SpawnJob]:
+    """The jobs of a stored spawn plan: ``count`` replicas on each planned node."""
+    nodes: list[str | None] = plan.get("nodes") or [None]
+    return [
+        SpawnJob(f"{op_id}.{i}.{n}", node)
+        for n, node in enumerate(nodes)
+        for i in range(int(plan.get("count", 0)))
+    ]
+
+
+def planned_requests(op: Operation) -> list[str]:
+    """The request ids a spawn or scale operation planned to create (none before its plan)."""
+    plan = (op.result or {}).get("plan")
+    if not isinstance(plan, dict):
+        return []
+    if op.kind == "scale":
+        return list(plan.get("spawns") or [])
+    return [job.request_id for job in spawn_jobs(op.id, plan)]
+
+
+def unplaced(s: Session, function_id: str, *, exclude: str | None = None) -> int:
+    """Replicas that open spawn/scale plans of a function will add but have not written yet.
+
+    ``functions.replica_count`` counts rows; a plan's replicas become rows only when
+    its fan-out places them. Anything sizing a function against a target adds these.
+    """
+    ops = s.scalars(
+        select(Operation).where(
+            Operation.function_id == function_id,
+            Operation.kind.in_(("spawn", "scale")),
+            Operation.status.in_(OPEN),
+        )
+    ).all()
+    missing = 0
+    for op in ops:
+        if op.id == exclude:
+            continue
+        wanted = planned_requests(op)
+        written = 0
+        for i in range(0, len(wanted), 1000):
+            chunk = wanted[i : i + 1000]
+            written += int(s.scalar(
+                select(func.count()).select_from(Replica).where(Replica.request_id.in_(chunk))
+            ) or 0)
+        missing += max(0, len(wanted) - written)
+    return missing
+
+
 def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
-    """Decide the request ids of a spawn operation (the same ones on every delivery)."""
+    """Decide the request ids of a spawn operation (the same ones on every delivery).
+
+    The plan (the nodes of a ``spread`` spawn, the count) is stored on the operation
+    the first time, so a redelivery repeats it even if nodes came or went since. A
+    finished operation (failed when its task could not be queued, say) plans nothing.
+    """
     with db.transaction() as s:
-        op = s.get(Operation, op_id, with_for_update=True)
-        if op is None:
-            raise NotFound(f"unknown operation {op_id!r}")
+        op, fn = _lock_op(s, op_id)
+        if op.status in FINISHED:
+            return op.function_id or "", []
         op.progress_at = now()
-        fn = s.get(Function, op.function_id) if op.function_id else None
+        stored = (op.result or {}).get("plan")
+        if isinstance(stored, dict):
+            return stored["function_id"], spawn_jobs(op.id, stored)
         if fn is None:
             raise InputError("the function of this spawn no longer exists")
         count = check_count(op.params.get("count"))
         nodes: list[str | None] = [None]
         if (fn.placement or "") == "spread":
             nodes = list(spread_nodes(s, fn)) or [None]
-        jobs = [
-            SpawnJob(f"{op.id}.{i}.{n}", node)
-            for n, node in enumerate(nodes)
-            for i in range(count)
-        ]
+        plan = {"function_id": fn.id, "nodes": nodes, "count": count}
+        jobs = spawn_jobs(op.id, plan)
+        op.result = {**(op.result or {}), "plan": plan}
+        op.total = len(jobs)
         if op.status == OpStatus.PENDING.value:
-            op.total = len(jobs)
             op.status = OpStatus.RUNNING.value
         return fn.id, jobs
 
@@ -153,6 +220,8 @@ def place(
         todo = [job for job in jobs if job.request_id not in known]
         if not todo:
             return 0
+        if op_id and s.scalar(select(Operation.status).where(Operation.id == op_id)) in FINISHED:
+            return 0  # the operation ended (failed to queue, say): its leftovers do nothing
         # FOR NO KEY UPDATE on PostgreSQL: serializes the count with other spawns of this
         # function without blocking the key-share locks that replica INSERTs take.
         fn = s.get(Function, function_id, with_for_update={"key_share": True})
@@ -322,8 +391,14 @@ def begin_delete(
                 settle(s, op_id, ok=True)
             return None
         if replica.status != ReplicaState.DELETING:
+            waiting = replica.operation_id
             replica.operation_id = op_id
             transition(s, replica, ReplicaState.DELETING, settings)
+            if waiting and waiting != op_id:
+                # A Creating or Starting replica is still owed to its spawn: that part
+                # of the spawn fails now, or the spawn would wait for it for good.
+                settle(s, waiting, ok=False,
+                       error=f"replica {replica.id} was deleted before it was ready")
         elif op_id and replica.operation_id not in (None, op_id):
             settle(s, op_id, ok=True)  # another operation is already deleting it
         return Doomed(replica.id, replica.vmid, replica.node)
@@ -358,13 +433,19 @@ class ScalePlan:
 
 
 def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
-    """Decide (once per operation) how to reach the operation's target."""
+    """Decide (once per operation) how to reach the operation's target.
+
+    Plans of one function are serialised on its row lock, and each counts what the
+    others planned but have not placed yet (:func:`unplaced`), so two scales (or a
+    scale and a top-up) never plan the same missing replicas twice. A finished
+    operation plans nothing.
+    """
     with db.transaction() as s:
-        op = s.get(Operation, op_id, with_for_update=True)
-        if op is None:
-            raise NotFound(f"unknown operation {op_id!r}")
-        op.progress_at = now()
+        op, fn = _lock_op(s, op_id)
         stored = (op.result or {}).get("plan")
+        if op.status in FINISHED:
+            return ScalePlan(op.function_id or "", [], [], None)
+        op.progress_at = now()
         if stored is not None:
             return ScalePlan(
                 stored["function_id"],
@@ -372,14 +453,13 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
                 stored["deletes"],
                 stored.get("note"),
             )
-        fn = s.get(Function, op.function_id, with_for_update=True) if op.function_id else None
         if fn is None:
             raise InputError("the function of this scale no longer exists")
         target = op.params.get("target")
         if isinstance(target, bool) or not isinstance(target, int):
             raise InputError(f"target must be an integer, got {target!r}")
         check_target(fn, target)
-        counted = fn.replica_count
+        counted = fn.replica_count + unplaced(s, fn.id, exclude=op.id)
         spawns: list[SpawnJob] = []
         deletes: list[str] = []
         note = None

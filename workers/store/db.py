@@ -6,7 +6,10 @@ fresh connection pool on first use and leaves the parent's sockets alone, so no
 connection is ever shared across processes. SQLite runs in WAL mode with a busy
 timeout and takes the write lock at ``BEGIN`` (``BEGIN IMMEDIATE``), so two
 writers queue instead of failing on a lock upgrade; PostgreSQL runs at READ
-COMMITTED and relies on row locks and conditional UPDATEs.
+COMMITTED and relies on row locks and conditional UPDATEs; every PostgreSQL
+connection sets ``lock_timeout`` and ``statement_timeout`` (``CORRAL_DB_LOCK_TIMEOUT_S``,
+``CORRAL_DB_STATEMENT_TIMEOUT_S``), so a statement stuck behind a lock fails with an
+``OperationalError`` (which tasks retry) instead of hanging its worker.
 """
 
 from __future__ import annotations
@@ -80,13 +83,25 @@ class Database:
         self._sessions = None
 
 
+def pg_options(lock_timeout_s: float, statement_timeout_s: float) -> str:
+    """libpq ``options`` setting the session's lock and statement timeouts (0: none)."""
+    return (f"-c lock_timeout={round(lock_timeout_s * 1000)} "
+            f"-c statement_timeout={round(statement_timeout_s * 1000)}")
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         return _sqlite_engine(url)
+    from config.settings import get_settings
+
+    settings = get_settings()
     # hide_parameters: a database error's text (logged, or an operation's error) never
     # carries the statement's parameters, which may hold a function's secrets.
-    kwargs: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 5, "max_overflow": 10,
-                              "hide_parameters": True}
+    kwargs: dict[str, Any] = {
+        "pool_pre_ping": True, "pool_size": 5, "max_overflow": 10, "hide_parameters": True,
+        "connect_args": {"options": pg_options(settings.db_lock_timeout_s,
+                                               settings.db_statement_timeout_s)},
+    }
     return create_engine(url, **kwargs)
 
 

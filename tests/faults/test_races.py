@@ -1,0 +1,224 @@
+"""Races a code review traced, each pinned by a test that failed before its fix.
+
+Interleavings that depend on timing are forced with a hook at the exact point
+(a listing that returns just before a spawn records its VM, a health probe that
+waits for a second pass), against real agents and the real store; concurrent
+planning runs on PostgreSQL with threads released together.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from tasks import api
+from tests.claims.helpers import at_once, deploy_fn, replicas
+from tests.fixtures import Env, StartAgents
+from workers import backends, health, leases
+from workers.lifecycle import fail_operation
+from workers.operations import create_operation
+from workers.reconcile import below_min, reconcile
+from workers.replicas import (
+    begin_spawn,
+    create_vm,
+    finish_spawn,
+    plan_scale,
+    plan_spawn,
+)
+from workers.store.models import Function, Node, Operation, ReplicaState
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest) -> Iterator[Env]:
+    """The same test on SQLite and on PostgreSQL."""
+    yield request.getfixturevalue("corral_env" if request.param == "sqlite" else "pg_env")
+
+
+def _fn_id(env: Env, name: str = "hello") -> str:
+    with env.db.read() as s:
+        return s.scalars(select(Function.id).where(Function.name == name)).one()
+
+
+def _new_op(env: Env, kind: str, **params: Any) -> str:
+    """An operation written as the API writes it, without queueing its task."""
+    with env.db.transaction() as s:
+        op = create_operation(s, kind, {"function": "hello", **params},
+                              function_id=_fn_id(env))
+        return op.id
+
+
+def _op(env: Env, op_id: str) -> Operation:
+    with env.db.read() as s:
+        op = s.get(Operation, op_id)
+        assert op is not None
+        return op
+
+
+# -- 1. reconcile vs. a spawn that lands while the node is listed ------------------------------
+
+
+def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
+    corral_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env)
+    settings = corral_env.set(orphan_grace_s="0")
+    pending = begin_spawn(corral_env.db, settings, None, "req-1", _fn_id(corral_env))
+    assert pending is not None
+    listing = backends.list_vms
+
+    def list_then_spawn_lands(node: Node, s: Any) -> Any:
+        vms = listing(node, s)  # the node is listed before the VM exists...
+        finish_spawn(corral_env.db, settings, pending, create_vm(settings, pending))
+        return vms  # ...and the spawn records its VM before reconcile reads the rows
+
+    monkeypatch.setattr(backends, "list_vms", list_then_spawn_lands)
+    first = reconcile(corral_env.db, settings, holder="t")
+    monkeypatch.setattr(backends, "list_vms", listing)
+    second = reconcile(corral_env.db, settings, holder="t")
+
+    assert first.vanished == [] and second.vanished == []
+    assert second.orphans_destroyed == []
+    (row,) = replicas(corral_env)
+    assert row.status == ReplicaState.IDLE
+    assert [vm.vmid for vm in agent.driver.list()] == [row.vmid]
+
+
+# -- 2. deleting a replica its spawn still waits for -------------------------------------------
+
+
+@pytest.mark.parametrize("readiness", ["agent", "guest"])
+def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
+    corral_env: Env, start_agents: StartAgents, readiness: str
+) -> None:
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env, readiness=readiness)
+    settings = corral_env.settings
+    spawn_op = _new_op(corral_env, "spawn", count=1)
+    fn_id, (job,) = plan_spawn(corral_env.db, spawn_op)
+    pending = begin_spawn(corral_env.db, settings, spawn_op, job.request_id, fn_id)
+    assert pending is not None
+    vm = None
+    if readiness == "guest":  # the VM exists; the replica waits in Starting for its guest
+        vm = create_vm(settings, pending)
+        assert finish_spawn(corral_env.db, settings, pending, vm) == "starting"
+
+    deleted = api.wait(api.delete(pending.replica_id), timeout=10)
+    assert deleted["status"] == "succeeded"
+    spawned = api.wait(spawn_op, timeout=5)  # timed out here before the fix
+    assert spawned["status"] == "failed" and "deleted before it was ready" in spawned["error"]
+    if vm is None:  # the VM the node was still making arrives late and is released
+        assert finish_spawn(corral_env.db, settings, pending,
+                            create_vm(settings, pending)) == "deleted"
+    assert agent.driver.list() == []
+    assert replicas(corral_env)[0].status == ReplicaState.DELETED
+
+
+# -- 3. concurrent scales, scale + top-up, redelivered spread spawns ----------------------------
+
+
+def test_two_concurrent_scales_to_five_plan_five_replicas(
+    store: Env, start_agents: StartAgents
+) -> None:
+    start_agents(2)
+    deploy_fn(store)
+    ops = [_new_op(store, "scale", target=5) for _ in range(2)]
+    plans = at_once(2, lambda i: plan_scale(store.db, store.settings, ops[i]))
+    assert len(plans) == 2
+    assert sorted(len(p.spawns) for p in plans) == [0, 5]  # 5 and 5 before the fix
+    for op_id in ops:  # carry the plans out (eager): five replicas, not ten
+        api.wait(_resend(op_id), timeout=30)
+    assert [r.status for r in replicas(store)] == [ReplicaState.IDLE] * 5
+
+
+def _resend(op_id: str) -> str:
+    """Run an operation's first task again (eager): a redelivery."""
+    from tasks.replicas import scale
+
+    scale.delay(op_id)
+    return op_id
+
+
+def test_a_scale_planned_but_not_placed_counts_for_top_up(
+    store: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1)
+    deploy_fn(store, min=2)
+    plan = plan_scale(store.db, store.settings, _new_op(store, "scale", target=5))
+    assert len(plan.spawns) == 5
+    assert below_min(store.db, store.settings) == {}  # {"hello": 2} before the fix
+    # and a second scale sees the first's five on their way
+    again = plan_scale(store.db, store.settings, _new_op(store, "scale", target=6))
+    assert len(again.spawns) == 1
+
+
+def test_a_redelivered_spread_spawn_keeps_its_node_list(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(2)
+    deploy_fn(corral_env, placement="spread")
+    op_id = _new_op(corral_env, "spawn", count=1)
+    _, first = plan_spawn(corral_env.db, op_id)
+    start_agents(1)  # a third node comes up before the message is redelivered
+    _, again = plan_spawn(corral_env.db, op_id)
+    assert again == first and len(first) == 2
+    assert _op(corral_env, op_id).total == 2
+
+
+# -- 5. a task whose operation already ended -----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["spawn", "scale"])
+def test_a_task_for_a_failed_operation_does_nothing(
+    corral_env: Env, start_agents: StartAgents, kind: str
+) -> None:
+    from tasks.replicas import scale, spawn
+
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env)
+    op_id = _new_op(corral_env, kind, **({"count": 2} if kind == "spawn" else {"target": 2}))
+    with corral_env.db.transaction() as s:  # what a publish that timed out records
+        fail_operation(s, op_id, "could not queue the task: TimeoutError")
+    (spawn if kind == "spawn" else scale).delay(op_id)  # ...yet Redis had taken it
+    assert replicas(corral_env) == [] and agent.driver.list() == []
+    assert _op(corral_env, op_id).status == "failed"
+
+
+# -- 6. health passes --------------------------------------------------------------------------
+
+
+def test_overlapping_health_passes_count_one_miss(
+    store: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (agent,) = start_agents(1)
+    agent.stop(grace=0)  # every probe fails
+    second_done = threading.Event()
+    probe = backends.probe
+    calls: list[int] = []
+
+    def slow_first(node: Node, s: Any) -> bool:
+        calls.append(1)
+        try:
+            return probe(node, s)
+        finally:
+            if len(calls) == 1:  # the first pass is still probing when the next starts
+                second_done.wait(20)
+
+    monkeypatch.setattr(backends, "probe", slow_first)
+    results: list[health.HealthReport] = []
+    first = threading.Thread(
+        target=lambda: results.append(health.check_health(store.db, store.settings)))
+    first.start()
+    while not calls:
+        threading.Event().wait(0.01)
+    results.append(health.check_health(store.db, store.settings))
+    second_done.set()
+    first.join(30)
+    with store.db.read() as s:
+        assert s.scalars(select(Node.misses)).one() == 1  # 2 before the fix
+    assert sorted(r.skipped for r in results) == [False, True]
+    assert leases.current(store.db, health.LEASE) is None  # given back
