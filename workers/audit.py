@@ -12,7 +12,7 @@ They cannot drift through corral, but a row edited by hand, a restore from a
 backup or a bug would leave a node "full" or a GPU "busy" for good. :func:`audit`
 recounts every counter from the rows and reports each one that disagrees; with
 ``fix`` it sets it to the rows' value. It locks the counter rows first (functions,
-nodes, GPUs: the order placement and transitions take them), then counts, so a
+nodes, GPUs: the one order of :mod:`workers.locks`), then counts, so a
 change in flight either committed before the count or applies its own change on
 top of the corrected value.
 """

@@ -138,10 +138,11 @@ def record_gpus(
         session.scalars(
             select(Gpu)
             .where((Gpu.server == server) | Gpu.uuid.in_(list(gpus)))
-            .order_by(Gpu.first_port)
+            .order_by(Gpu.uuid)  # GPUs are locked by uuid (workers.locks)
             .with_for_update()
         )
     )
+    known.sort(key=lambda g: g.first_port)
     for gpu in known:
         if gpu.server != server:
             raise InputError(

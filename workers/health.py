@@ -30,6 +30,7 @@ from workers import backends, leases
 from workers.clock import now
 from workers.errors import BackendError
 from workers.lifecycle import transition
+from workers.locks import lock_functions
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
 
@@ -146,11 +147,15 @@ def mark_lost(db: Database, settings: Settings) -> int:
                 select(Node).where(Node.healthy.is_(False), Node.unhealthy_since <= cutoff)
             )
         )
+        if gone:
+            lock_functions(s)  # counters of any function may move (workers.locks)
         for node in gone:
             for replica in s.scalars(
                 select(Replica)
                 .where(Replica.node_id == node.id, Replica.status.in_(LIVE_STATES))
-                .with_for_update(of=Replica)  # not the outer-joined node/GPU (PostgreSQL)
+                # of=Replica: not the outer-joined node/GPU; one someone else is moving is
+                # left for the next pass
+                .with_for_update(of=Replica, skip_locked=True)
             ):
                 transition(
                     s, replica, ReplicaState.DEAD, settings,

@@ -68,6 +68,7 @@ from workers.errors import BackendError, InputError, TransientBackendError
 from workers.functions import iso
 from workers.health import note_failure
 from workers.lifecycle import MAX_OP_ERRORS, finish, transition
+from workers.locks import lock_functions
 from workers.replicas import Doomed, finish_delete, release_vm
 from workers.store.db import Database
 from workers.store.models import (
@@ -409,6 +410,7 @@ def _run(
 ) -> None:
     t0 = time.perf_counter()
     with db.transaction() as s:
+        lock_functions(s)  # the pass may move counters of any function (workers.locks)
         p = _Pass(s, settings, now(), budget, idle_timeout)
         p.stuck()
         p.stale()

@@ -38,6 +38,7 @@ from workers import backends, leases
 from workers.clock import now
 from workers.errors import BackendError, Unsupported
 from workers.lifecycle import lock_replica, transition
+from workers.locks import lock_functions
 from workers.replicas import unplaced
 from workers.store.db import Database
 from workers.store.models import (
@@ -178,6 +179,9 @@ def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:
 
     doomed: list[str] = []
     with db.transaction() as s:
+        if s.scalar(select(Node.id).where(Node.draining.is_(True)).limit(1)) is None:
+            return
+        lock_functions(s)  # counters of any function may move (workers.locks)
         rows = s.scalars(
             select(Replica)
             .join(Node, Replica.node_id == Node.id)
@@ -187,6 +191,7 @@ def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:
                 Replica.envs_in_use == 0,
             )
             .limit(settings.reap_batch)
+            .with_for_update(of=Replica, skip_locked=True)
         ).all()
         for replica in rows:
             transition(s, replica, ReplicaState.DELETING, settings)

@@ -47,6 +47,7 @@ from workers.lifecycle import (
     settle,
     transition,
 )
+from workers.locks import lock_gpus, lock_nodes
 from workers.operations import FINISHED
 from workers.placement import reserve_gpu, reserve_node, spread_nodes
 from workers.reports import apply_early_reports
@@ -177,9 +178,9 @@ def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
     """
     with db.transaction() as s:
         op, fn = _lock_op(s, op_id)
+        op.progress_at = now()  # its task ran (a late one, too)
         if op.status in FINISHED:
             return op.function_id or "", []
-        op.progress_at = now()
         stored = (op.result or {}).get("plan")
         if isinstance(stored, dict):
             return stored["function_id"], spawn_jobs(op.id, stored)
@@ -230,6 +231,10 @@ def place(
                 if op_id:
                     settle(s, op_id, ok=False, error=f"function {function_id} was removed")
             return 0
+        if len(todo) > 1:  # several reservations: every node (and GPU) first, in order
+            lock_nodes(s, fn.backend)
+            if fn.gpu_mem_mb:
+                lock_gpus(s)
         room = max(0, min(len(todo), fn.max_replicas - fn.replica_count))
         if room:
             s.execute(
@@ -443,9 +448,9 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
     with db.transaction() as s:
         op, fn = _lock_op(s, op_id)
         stored = (op.result or {}).get("plan")
+        op.progress_at = now()  # its task ran (a late one, too)
         if op.status in FINISHED:
             return ScalePlan(op.function_id or "", [], [], None)
-        op.progress_at = now()
         if stored is not None:
             return ScalePlan(
                 stored["function_id"],

@@ -222,3 +222,63 @@ def test_overlapping_health_passes_count_one_miss(
         assert s.scalars(select(Node.misses)).one() == 1  # 2 before the fix
     assert sorted(r.skipped for r in results) == [False, True]
     assert leases.current(store.db, health.LEASE) is None  # given back
+
+
+# -- 4. one lock order; timeouts on PostgreSQL ---------------------------------------------------
+
+
+def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
+    pg_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from workers import placement, replicas as replica_logic
+    from workers.replicas import SpawnJob, place
+
+    start_agents(2)
+    deploy_fn(pg_env, name="f1")
+    deploy_fn(pg_env, name="f2")
+    with pg_env.db.read() as s:
+        a, b = s.scalars(select(Node.id).order_by(Node.name)).all()
+    both_hold_one = threading.Barrier(2, timeout=3)
+    reserve = placement.reserve_node
+    taken: dict[int, int] = {}
+
+    def reserve_then_wait(session: Any, fn: Function, policy: str,
+                          pinned: str | None = None) -> Node:
+        node = reserve(session, fn, policy, pinned=pinned)
+        me = threading.get_ident()
+        taken[me] = taken.get(me, 0) + 1
+        if taken[me] == 1:  # each batch holds its first node while the other takes its own
+            try:
+                both_hold_one.wait()
+            except threading.BrokenBarrierError:
+                pass  # the other batch waits for our nodes: the order held
+        return node
+
+    monkeypatch.setattr(replica_logic, "reserve_node", reserve_then_wait)
+    orders = {"f1": [a, b], "f2": [b, a]}
+
+    def batch(i: int) -> str | None:
+        name = f"f{i + 1}"
+        jobs = [SpawnJob(f"{name}.{n}", node) for n, node in enumerate(orders[name])]
+        try:
+            place(pg_env.db, pg_env.settings, None, _fn_id(pg_env, name), jobs)
+        except Exception as exc:  # a deadlock before the fix
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    assert at_once(2, batch) == [None, None]
+    rows = replicas(pg_env)
+    assert len(rows) == 4 and {r.status for r in rows} == {ReplicaState.CREATING}
+    with pg_env.db.read() as s:
+        assert [n.live for n in s.scalars(select(Node).order_by(Node.name))] == [2, 2]
+
+
+def test_postgres_connections_carry_lock_and_statement_timeouts(pg_env: Env) -> None:
+    from sqlalchemy import text
+
+    settings = pg_env.set(db_lock_timeout_s="2.5", db_statement_timeout_s="40")
+    pg_env.db.dispose()
+    with pg_env.db.read() as s:
+        assert s.scalar(text("SHOW lock_timeout")) == "2500ms"
+        assert s.scalar(text("SHOW statement_timeout")) == "40s"
+    assert settings.db_lock_timeout_s == 2.5
