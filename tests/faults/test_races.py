@@ -8,6 +8,7 @@ planning runs on PostgreSQL with threads released together.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -230,7 +231,8 @@ def test_overlapping_health_passes_count_one_miss(
 def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
     pg_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers import placement, replicas as replica_logic
+    from workers import placement
+    from workers import replicas as replica_logic
     from workers.replicas import SpawnJob, place
 
     start_agents(2)
@@ -248,10 +250,9 @@ def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
         me = threading.get_ident()
         taken[me] = taken.get(me, 0) + 1
         if taken[me] == 1:  # each batch holds its first node while the other takes its own
-            try:
+            # broken: the other batch waits for our nodes, which is the order holding
+            with contextlib.suppress(threading.BrokenBarrierError):
                 both_hold_one.wait()
-            except threading.BrokenBarrierError:
-                pass  # the other batch waits for our nodes: the order held
         return node
 
     monkeypatch.setattr(replica_logic, "reserve_node", reserve_then_wait)
