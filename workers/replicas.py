@@ -48,12 +48,13 @@ from workers.lifecycle import (
     transition,
 )
 from workers.locks import lock_gpus, lock_nodes
-from workers.operations import FINISHED
 from workers.placement import reserve_gpu, reserve_node, spread_nodes
 from workers.reports import apply_early_reports
 from workers.store.db import Database
 from workers.store.models import (
     FINAL_STATES,
+    OP_FINISHED,
+    OP_OPEN,
     Function,
     Node,
     Operation,
@@ -63,7 +64,6 @@ from workers.store.models import (
 )
 
 log = logging.getLogger(__name__)
-OPEN = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def unplaced(s: Session, function_id: str, *, exclude: str | None = None) -> int
         select(Operation).where(
             Operation.function_id == function_id,
             Operation.kind.in_(("spawn", "scale")),
-            Operation.status.in_(OPEN),
+            Operation.status.in_(OP_OPEN),
         )
     ).all()
     missing = 0
@@ -179,7 +179,7 @@ def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
     with db.transaction() as s:
         op, fn = _lock_op(s, op_id)
         op.progress_at = now()  # its task ran (a late one, too)
-        if op.status in FINISHED:
+        if op.status in OP_FINISHED:
             return op.function_id or "", []
         stored = (op.result or {}).get("plan")
         if isinstance(stored, dict):
@@ -221,7 +221,7 @@ def place(
         todo = [job for job in jobs if job.request_id not in known]
         if not todo:
             return 0
-        if op_id and s.scalar(select(Operation.status).where(Operation.id == op_id)) in FINISHED:
+        if op_id and s.scalar(select(Operation.status).where(Operation.id == op_id)) in OP_FINISHED:
             return 0  # the operation ended (failed to queue, say): its leftovers do nothing
         # FOR NO KEY UPDATE on PostgreSQL: serializes the count with other spawns of this
         # function without blocking the key-share locks that replica INSERTs take.
@@ -449,7 +449,7 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
         op, fn = _lock_op(s, op_id)
         stored = (op.result or {}).get("plan")
         op.progress_at = now()  # its task ran (a late one, too)
-        if op.status in FINISHED:
+        if op.status in OP_FINISHED:
             return ScalePlan(op.function_id or "", [], [], None)
         if stored is not None:
             return ScalePlan(
