@@ -3,13 +3,21 @@
 Precedence, highest first: the process environment, the state file of a running
 ``corral up`` stack in the working directory (``.corral/stack.json``, or the
 directory named by ``CORRAL_STATE_DIR``), then the defaults below. A setting that
-does not parse fails at start with a :class:`ConfigError` naming the variable.
+does not parse fails at start with a :class:`ConfigError` naming the variable; the
+message never shows a secret setting's value nor a password inside a URL.
+
+The state file is trusted only if it is owned by the current user and writable by
+nobody else: it names the database and broker every command then talks to, so a
+file another user could plant or edit would redirect this user's commands.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import stat
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -153,14 +161,30 @@ def _stack_defaults(environ: dict[str, str]) -> dict[str, Any]:
     state_dir = Path(environ.get(ENV_PREFIX + "STATE_DIR", ".corral"))
     path = state_dir / STACK_FILE
     try:
+        if not _trusted(path):
+            return {}
         data = json.loads(path.read_text())
     except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
         return {}
     pid = data.get("pid")
     if not isinstance(pid, int) or not _alive(pid):
         return {}
     published = data.get("settings", {})
     return {k: v for k, v in published.items() if ENV_PREFIX + k.upper() not in environ}
+
+
+def _trusted(path: Path) -> bool:
+    """True if ``path`` is owned by this user and not writable by group or others."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        logging.getLogger(__name__).warning(
+            "ignoring %s: it must be owned by uid %d and writable by nobody else "
+            "(owner %d, mode %o)", path, os.getuid(), info.st_uid, stat.S_IMODE(info.st_mode),
+        )
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -183,13 +207,20 @@ def load_settings(**overrides: Any) -> Settings:
 
 
 _SECRET_WORDS = ("secret", "token", "password", "key")
+_URL_PASSWORD = re.compile(r"(://[^/\s:@]*:)[^\s/]*@")
+
+
+def hide_url_password(text: str) -> str:
+    """``text`` with the password of any ``scheme://user:password@host`` replaced by ***."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
 
 
 def _describe(exc: ValidationError) -> str:
     problems = []
     for err in exc.errors():
         field = "_".join(str(p) for p in err["loc"])
-        shown = "<redacted>" if any(w in field for w in _SECRET_WORDS) else repr(err.get("input"))
+        shown = ("<redacted>" if any(w in field for w in _SECRET_WORDS)
+                 else hide_url_password(repr(err.get("input"))))
         problems.append(f"{ENV_PREFIX}{field.upper()}: {err['msg']} (got {shown})")
     return "bad setting: " + "; ".join(problems)
 

@@ -96,7 +96,7 @@ def run(options: UpOptions) -> int:
     stack_file = state / "stack.json"
     try:
         published, services = _start(options, state, logs, sup)
-        stack_file.write_text(json.dumps(
+        _write_private(stack_file, json.dumps(
             {"pid": os.getpid(), "settings": published, "services": services}, indent=2))
         _summary(published, services, state, options)
         while not stop_requested:
@@ -199,6 +199,15 @@ def _start(
                         logs / "lambdo.log", state), ready=lambda: _port_open(lb_port))
         _add_lambdo_node(database, services["lambdo"])
     return published, services
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``path`` readable and writable by this user only (settings trust nothing else)."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
 
 
 def _node_registered(database: str, external_id: str) -> bool:

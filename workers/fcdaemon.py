@@ -28,6 +28,7 @@ from workers.errors import (
     Unsupported,
     VmGone,
 )
+from workers.untrusted import check_ip, check_vmid, redact, warn_plaintext
 
 RETRYABLE_CODES = frozenset(
     {
@@ -114,9 +115,9 @@ def reset_channels() -> None:
         _channels_pid = os.getpid()
 
 
-def _error(exc: grpc.RpcError, node: str, what: str) -> BackendError:
+def _error(exc: grpc.RpcError, node: str, what: str, secrets: tuple[str, ...] = ()) -> BackendError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    detail = redact(exc.details() if hasattr(exc, "details") else str(exc), secrets)
     message = f"{what} failed: {code.name}: {detail}"
     if code in RETRYABLE_CODES:
         return TransientBackendError(message, node=node, code=code.name)
@@ -143,10 +144,14 @@ class AgentClient:
     ) -> None:
         self.address = address
         self._owned = not shared
+        self._channel_plain = tls is None
         self.node = node or address
         self.timeout_s = timeout_s
         self.create_timeout_s = create_timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._token = token
+        if token and tls is None:
+            warn_plaintext(address.rsplit(":", 1)[0].strip("[]"), "the agent token")
         # A probe uses its own channel: a shared one may sit in reconnect backoff
         # after failures and would report a node that is back as still down.
         self._channel = channel(address, tls) if shared else new_channel(address, tls)
@@ -161,14 +166,18 @@ class AgentClient:
         try:
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise _error(exc, self.node, method) from None
+            secrets = (self._token or "", getattr(request, "awsAccessKeyID", ""),
+                       getattr(request, "awsSecretAccessKey", ""))
+            raise _error(exc, self.node, method, secrets) from None
 
     def create_replica(self, request: Any) -> CreatedVm:
-        """Ask the agent for one VM; the agent picks the vmid."""
+        """Ask the agent for one VM; the agent picks the vmid (checked, as is its ip)."""
+        if request.awsSecretAccessKey and self._channel_plain:
+            warn_plaintext(self.address.rsplit(":", 1)[0].strip("[]"), "AWS keys")
         reply = self._call("CreateReplica", request, self.create_timeout_s)
-        if not reply.vmid:
-            raise PermanentBackendError("CreateReplica answered an empty vmid", node=self.node)
-        return CreatedVm(vmid=reply.vmid, ip=reply.ip, port=int(reply.port))
+        vmid = check_vmid(reply.vmid, self.node)
+        ip = check_ip(reply.ip, self.node) if reply.ip else ""
+        return CreatedVm(vmid=vmid, ip=ip, port=int(reply.port))
 
     def release(self, vmid: str) -> bool:
         """Tear a VM down; False when the agent says it is already gone."""

@@ -19,7 +19,7 @@ briefly.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -93,6 +93,31 @@ def _probe(node: Node, settings: Settings) -> str | None:
     return None if ok else f"node {node.name}: health service says NOT_SERVING"
 
 
+PROBE_THREADS = 16
+
+
+def _probe_all(nodes: list[Node], settings: Settings) -> list[str | None]:
+    """Probe nodes in parallel; a probe still running at the pass's deadline counts a miss.
+
+    Each probe has its own deadline, but a hung one (a stuck name lookup, a peer
+    that never answers) must not stall the pass: it is left behind and counted.
+    """
+    rounds = -(-len(nodes) // PROBE_THREADS)
+    limit = rounds * 2 * settings.health_timeout_s + 1.0
+    pool = ThreadPoolExecutor(max_workers=min(PROBE_THREADS, len(nodes)),
+                              thread_name_prefix="health-probe")
+    try:
+        futs = [pool.submit(_probe, node, settings) for node in nodes]
+        wait(futs, timeout=limit)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return [
+        fut.result() if fut.done() and not fut.cancelled()
+        else f"node {node.name}: probe did not finish within {limit:g}s"
+        for node, fut in zip(nodes, futs, strict=True)
+    ]
+
+
 def lease_ttl(settings: Settings) -> float:
     """How long a health pass holds its lease: a few intervals, and longer than its probes."""
     return max(3 * settings.health_interval_s, 4 * settings.health_timeout_s)
@@ -122,8 +147,7 @@ def _check_health(db: Database, settings: Settings) -> HealthReport:
         update={"rpc_timeout_s": settings.health_timeout_s,
                 "lambdo_timeout_s": settings.health_timeout_s}
     )
-    with ThreadPoolExecutor(max_workers=min(16, len(nodes))) as pool:
-        results = list(pool.map(lambda n: _probe(n, probe_settings), nodes))
+    results = _probe_all(nodes, probe_settings)
     for node, error in zip(nodes, results, strict=True):
         if error is None:
             report.healthy.append(node.name)

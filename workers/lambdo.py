@@ -21,6 +21,14 @@ from workers.errors import (
     TransientBackendError,
     Unsupported,
 )
+from workers.untrusted import (
+    DeadlineTransport,
+    bounded_request,
+    check_vmid,
+    redact,
+    vmid_path,
+    warn_plaintext,
+)
 
 MAX_ERROR_TEXT = 500
 
@@ -34,7 +42,10 @@ def http_client() -> httpx.Client:
     global _client, _client_pid
     with _client_lock:
         if _client is None or _client_pid != os.getpid():
-            _client = httpx.Client(limits=httpx.Limits(max_connections=100), trust_env=False)
+            limits = httpx.Limits(max_connections=100)
+            _client = httpx.Client(
+                transport=DeadlineTransport(limits=limits, trust_env=False), trust_env=False
+            )
             _client_pid = os.getpid()
         return _client
 
@@ -67,7 +78,7 @@ class HostVm:
 
 
 def _text(response: httpx.Response) -> str:
-    body = response.text.strip().replace("\n", " ")
+    body = redact(response.text.strip().replace("\n", " "))
     return body[:MAX_ERROR_TEXT] or response.reason_phrase
 
 
@@ -101,26 +112,16 @@ class LambdoClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.node = node or base_url
-        self.timeout = httpx.Timeout(timeout_s)
+        self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if token and not self.base_url.startswith("https://"):
+            warn_plaintext(httpx.URL(self.base_url).host, "the Lambdo token")
 
     def _request(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = http_client().request(
-                method,
-                self.base_url + path,
-                timeout=self.timeout,
-                headers=self._headers,
-                **kwargs,
-            )
-        except httpx.TimeoutException:
-            raise TransientBackendError(
-                f"{what} timed out after {self.timeout.read}s", node=self.node, code="timeout"
-            ) from None
-        except httpx.HTTPError as exc:
-            raise TransientBackendError(
-                f"{what} failed: {type(exc).__name__}: {exc}", node=self.node, code="transport"
-            ) from None
+        response = bounded_request(
+            http_client(), method, self.base_url + path, timeout_s=self.timeout_s, what=what,
+            node=self.node, headers=self._headers, **kwargs,
+        )
         if response.status_code >= 500:
             raise TransientBackendError(
                 f"{what} answered {response.status_code}: {_text(response)}",
@@ -141,9 +142,7 @@ class LambdoClient:
             )
         try:
             data = response.json()
-            vmid = data["id"]
-            if not isinstance(vmid, str) or not vmid:
-                raise ValueError("empty or non-string id")
+            vmid = check_vmid(data["id"], self.node)
             mapping = _parse_mapping(data["port_mapping"])
         except (ValueError, KeyError, TypeError) as exc:
             raise PermanentBackendError(
@@ -154,7 +153,7 @@ class LambdoClient:
 
     def destroy(self, vmid: str) -> bool:
         """Destroy a VM; False when the host says it is already gone (404)."""
-        response = self._request("DELETE", f"/destroy/{vmid}", "destroy")
+        response = self._request("DELETE", f"/destroy/{vmid_path(vmid)}", "destroy")
         if response.status_code == 404:
             return False
         if response.status_code not in (200, 204):

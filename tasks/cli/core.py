@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +146,7 @@ def cmd_functions_deploy(args: argparse.Namespace, settings: Settings) -> int:
             "exec_envs": args.exec_envs,
             "gpu_mem": args.gpu_mem,
             "placement": args.placement,
-            "aws_access_key_id": args.aws_access_key_id,
-            "aws_secret_access_key": args.aws_secret_access_key,
+            **_aws_keys(args),
         }
         spec = spec_from(**{k: v for k, v in fields.items() if v is not None})
     with database(settings).transaction() as s:
@@ -154,6 +155,30 @@ def cmd_functions_deploy(args: argparse.Namespace, settings: Settings) -> int:
     emit(args, view, lambda v: f"{'deployed' if created else 'updated'} function {v['name']} "
           f"(build {v['build_version']}, {v['backend']}, min {v['min']}, max {v['max']})")
     return 0
+
+
+def _aws_keys(args: argparse.Namespace) -> dict[str, str | None]:
+    """The function's AWS keys from a file, the environment or (discouraged) argv."""
+    from workers.errors import InputError
+
+    key_id, secret = args.aws_access_key_id, args.aws_secret_access_key
+    if secret is not None:
+        print("corral: warning: --aws-secret-access-key shows the key to anyone who can run "
+              "ps; prefer --aws-secret-access-key-file or --aws-keys-from-env", file=sys.stderr)
+    if args.aws_secret_access_key_file:
+        try:
+            secret = Path(args.aws_secret_access_key_file).read_text().strip()
+        except OSError as exc:
+            raise InputError(f"cannot read --aws-secret-access-key-file: {exc.strerror}") from None
+        if not secret:
+            raise InputError("--aws-secret-access-key-file is empty")
+    if args.aws_keys_from_env:
+        key_id = key_id or os.environ.get("AWS_ACCESS_KEY_ID")
+        secret = secret or os.environ.get("AWS_SECRET_ACCESS_KEY")
+        if not key_id or not secret:
+            raise InputError(
+                "--aws-keys-from-env: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    return {"aws_access_key_id": key_id, "aws_secret_access_key": secret}
 
 
 def _function_counts(s: Any) -> dict[str, dict[str, int]]:
@@ -354,7 +379,12 @@ def register(sub: Any, command: Command) -> None:
     p.add_argument("--gpu-mem", type=integer, help="GPU memory per replica in MB")
     p.add_argument("--placement")
     p.add_argument("--aws-access-key-id")
-    p.add_argument("--aws-secret-access-key")
+    aws = p.add_mutually_exclusive_group()
+    aws.add_argument("--aws-secret-access-key", help="discouraged: argv is visible in ps")
+    aws.add_argument("--aws-secret-access-key-file", metavar="PATH",
+                     help="read the secret access key from this file")
+    p.add_argument("--aws-keys-from-env", action="store_true",
+                   help="take AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from the environment")
     command("list", cmd_functions_list, "list functions", fns, listing=True)
     p = command("show", cmd_functions_show, "show a function", fns, listing=True)
     p.add_argument("name")

@@ -141,6 +141,10 @@ def test_client_maps_unordered_pairs_and_rejects_garbage(lambdo: RunningLambdo) 
     assert all(10000 <= h <= 19999 for h in vm.port_mapping.values())
     lambdo.agent.inject("spawn", Fault.reply(200, '{"id": "", "port_mapping": []}',
                                              "application/json"))
+    with pytest.raises(PermanentBackendError, match="empty vmid"):
+        client.spawn("x_1", "examples.hello", [8080])
+    lambdo.agent.inject("spawn", Fault.reply(200, '{"id": "a", "port_mapping": 3}',
+                                             "application/json"))
     with pytest.raises(PermanentBackendError, match="unreadable"):
         client.spawn("x_1", "examples.hello", [8080])
     assert client.destroy(vm.vmid) is True

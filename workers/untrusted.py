@@ -1,0 +1,252 @@
+"""What corral accepts from the network: checks on agents' replies, and secrets kept out of text.
+
+Node agents and Lambdo hosts are other people's servers; a broken or hostile one must
+not be able to make corral store garbage, hang a worker, or fill its memory. So:
+
+* a vmid must match ``[A-Za-z0-9._:-]{1,128}`` (:func:`check_vmid`) and is
+  percent-encoded wherever it goes into a URL (:func:`vmid_path`);
+* an agent's ``ip`` must parse as an IP address (:func:`check_ip`);
+* an HTTP reply body is read up to :data:`MAX_BODY` (1 MiB) and every HTTP call has
+  a total deadline, not only a per-read one (:func:`bounded_request` over
+  :class:`DeadlineTransport`: each socket read and write is clipped to what is left
+  of the call's deadline, so a host that drips a byte a second times out too);
+* text that came back from an agent has known secrets and credential-shaped strings
+  replaced before it is stored or logged (:func:`redact`);
+* a token or AWS keys about to travel in plain text off loopback log a warning
+  (:func:`warn_plaintext`, once per peer).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ipaddress
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import quote
+
+import httpcore
+import httpx
+
+from agents.runtime import is_loopback
+from workers.errors import PermanentBackendError, TransientBackendError
+
+__all__ = [
+    "MAX_BODY",
+    "VMID_RE",
+    "DeadlineTransport",
+    "bounded_request",
+    "check_ip",
+    "check_vmid",
+    "redact",
+    "vmid_path",
+    "warn_plaintext",
+]
+
+log = logging.getLogger(__name__)
+
+VMID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_BODY = 1 << 20
+REDACTED = "***"
+
+
+def check_vmid(vmid: object, node: str | None = None) -> str:
+    """``vmid`` if it is a well-formed VM id; PermanentBackendError otherwise."""
+    if not vmid:
+        raise PermanentBackendError("answered an empty vmid", node=node)
+    if not isinstance(vmid, str) or not VMID_RE.fullmatch(vmid):
+        shown = repr(vmid)[:60]
+        raise PermanentBackendError(
+            f"answered a malformed vmid {shown} (expected [A-Za-z0-9._:-]{{1,128}})", node=node
+        )
+    return vmid
+
+
+def vmid_path(vmid: str) -> str:
+    """``vmid`` percent-encoded as one URL path segment."""
+    return quote(vmid, safe="")
+
+
+def check_ip(ip: object, node: str | None = None) -> str:
+    """``ip`` as a canonical IP address string; PermanentBackendError if it is not one."""
+    try:
+        return str(ipaddress.ip_address(str(ip).strip("[]")))
+    except ValueError:
+        raise PermanentBackendError(
+            f"answered {str(ip)[:60]!r} as its ip, which is not an IP address", node=node
+        ) from None
+
+
+# -- total deadlines for HTTP ----------------------------------------------------------
+
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "corral_http_deadline", default=None
+)
+
+
+def _clip(timeout: float | None, exc: type[Exception]) -> float | None:
+    deadline = _deadline.get()
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise exc("the call's total deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _Stream(httpcore.NetworkStream):
+    """A socket stream whose every read and write ends by the call's deadline."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _clip(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _clip(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _Stream(self._inner.start_tls(
+            ssl_context, server_hostname, _clip(timeout, httpcore.ConnectTimeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _Backend(httpcore.NetworkBackend):
+    """The default network backend, with streams clipped to the call's deadline."""
+
+    def __init__(self) -> None:
+        self._inner = httpcore.SyncBackend()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        return _Stream(self._inner.connect_tcp(
+            host, port, _clip(timeout, httpcore.ConnectTimeout), local_address, socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Iterable[Any] | None = None
+                            ) -> httpcore.NetworkStream:
+        return _Stream(self._inner.connect_unix_socket(
+            path, _clip(timeout, httpcore.ConnectTimeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+class DeadlineTransport(httpx.HTTPTransport):
+    """An httpx transport on which :func:`bounded_request` calls end by their deadline."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._pool._network_backend = _Backend()  # type: ignore[union-attr]
+
+
+@contextmanager
+def _deadline_of(seconds: float) -> Iterator[float]:
+    at = time.monotonic() + seconds
+    token = _deadline.set(at)
+    try:
+        yield at
+    finally:
+        _deadline.reset(token)
+
+
+def bounded_request(
+    client: httpx.Client,
+    method: str,
+    url: str,
+    *,
+    timeout_s: float,
+    what: str,
+    node: str | None = None,
+    max_body: int = MAX_BODY,
+    **kwargs: Any,
+) -> httpx.Response:
+    """One HTTP call that ends within ``timeout_s`` in total, its body read up to ``max_body``.
+
+    Timeouts and transport trouble raise :class:`TransientBackendError`, a bigger body
+    :class:`PermanentBackendError`. The client should use a :class:`DeadlineTransport`
+    (elsewhere only the per-read timeout holds).
+    """
+    headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}
+    try:
+        with _deadline_of(timeout_s) as deadline, client.stream(
+            method, url, timeout=httpx.Timeout(timeout_s), headers=headers, **kwargs
+        ) as response:
+            body = bytearray()
+            for chunk in response.iter_raw():
+                body += chunk
+                if len(body) > max_body:
+                    raise PermanentBackendError(
+                        f"{what} answered more than {max_body} bytes", node=node, code="too-large"
+                    )
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the call's total deadline passed")
+            return httpx.Response(
+                response.status_code,
+                headers=[(k, v) for k, v in response.headers.raw
+                         if k.lower() not in (b"content-encoding", b"transfer-encoding")],
+                content=bytes(body),
+                request=response.request,
+            )
+    except httpx.TimeoutException:
+        raise TransientBackendError(
+            f"{what} timed out after {timeout_s:g}s", node=node, code="timeout"
+        ) from None
+    except httpx.HTTPError as exc:
+        raise TransientBackendError(
+            f"{what} failed: {type(exc).__name__}: {redact(str(exc))}", node=node,
+            code="transport",
+        ) from None
+
+
+# -- secrets ---------------------------------------------------------------------------
+
+_PATTERNS = [
+    re.compile(r"(?i)(bearer\s+)[^\s'\"]+"),
+    re.compile(r"(://[^/\s:@]*:)[^\s/]+(@)"),  # user:password@ in URLs
+    re.compile(r"(?i)((?:password|passwd|secret|token|api[_-]?key|secret[_-]?access[_-]?key)"
+               r"[\"']?\s*[=:]\s*[\"']?)[^\s'\",;&]+"),
+    re.compile(r"\b((?:AKIA|ASIA))[A-Z0-9]{16}\b"),
+]
+
+
+def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """``text`` with each of ``secrets`` and credential-shaped strings replaced by ``***``."""
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, REDACTED)
+    for pattern in _PATTERNS:
+        text = pattern.sub(_mask, text)
+    return text
+
+
+def _mask(match: re.Match[str]) -> str:
+    tail = match.group(2) if match.re.groups > 1 else ""
+    return match.group(1) + REDACTED + tail
+
+
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_plaintext(host: str, what: str) -> None:
+    """Warn once per (host, what) that ``what`` goes in plain text to a non-loopback ``host``."""
+    if is_loopback(host):
+        return
+    with _warned_lock:
+        if (host, what) in _warned:
+            return
+        _warned.add((host, what))
+    log.warning("%s travel(s) in plain text to %s: use TLS or a private network", what, host)
