@@ -232,11 +232,13 @@ def _add_lambdo_node(database: str, url: str) -> None:
 
 def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
              options: UpOptions) -> None:
+    from config.settings import hide_url_password
+
     lines = [
         "corral is up",
         f"  state directory  {state}",
-        f"  broker           {published['broker_url']}",
-        f"  database         {published['database_url']}",
+        f"  broker           {hide_url_password(published['broker_url'])}",
+        f"  database         {hide_url_password(published['database_url'])}",
         f"  registry         {services['registry']}",
         f"  flower           {services['flower']}",
         f"  gateway          {services['gateway']} (call {services['gateway']}/function/NAME)",

@@ -58,7 +58,7 @@ def check_vmid(vmid: object, node: str | None = None) -> str:
     """``vmid`` if it is a well-formed VM id; PermanentBackendError otherwise."""
     if not vmid:
         raise PermanentBackendError("answered an empty vmid", node=node)
-    if not isinstance(vmid, str) or not VMID_RE.fullmatch(vmid):
+    if not isinstance(vmid, str) or not VMID_RE.fullmatch(vmid) or set(vmid) == {"."}:
         shown = repr(vmid)[:60]
         raise PermanentBackendError(
             f"answered a malformed vmid {shown} (expected [A-Za-z0-9._:-]{{1,128}})", node=node
