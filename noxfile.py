@@ -24,9 +24,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def types(session: nox.Session) -> None:
-    """mypy over the packages."""
+    """mypy over the packages, and the generated protocol modules checked against the protos."""
     session.install("-e", ".[dev]")
     session.run("mypy", *CHECKED)
+    session.run("python", "-m", "protos.generate", "--check")
 
 
 @nox.session

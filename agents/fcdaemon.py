@@ -596,7 +596,7 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid agent token")
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny: Any = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         """Let the call through only with the right token."""
@@ -631,7 +631,9 @@ def serve_fcdaemon(
     """
     host, _ = split_hostport(listen)
     driver = driver if driver is not None else MemoryDriver()
-    interceptors = [TokenInterceptor(require_token)] if require_token else []
+    interceptors: list[grpc.ServerInterceptor] = (
+        [TokenInterceptor(require_token)] if require_token else []
+    )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fcdaemon"),
         options=[("grpc.so_reuseport", 0)],

@@ -117,7 +117,7 @@ def reset_channels() -> None:
 
 def _error(exc: grpc.RpcError, node: str, what: str, secrets: tuple[str, ...] = ()) -> BackendError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    detail = redact(exc.details() if hasattr(exc, "details") else str(exc), secrets)
+    detail = redact((exc.details() if hasattr(exc, "details") else str(exc)) or "", secrets)
     message = f"{what} failed: {code.name}: {detail}"
     if code in RETRYABLE_CODES:
         return TransientBackendError(message, node=node, code=code.name)

@@ -265,7 +265,7 @@ def _queue_delete(replica_id: str) -> None:
 def _check_token(context: grpc.ServicerContext, token: str | None) -> None:
     if not token:
         return
-    sent = dict(context.invocation_metadata()).get("authorization", "")
+    sent = str(dict(context.invocation_metadata()).get("authorization", ""))
     if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid registry token")
 
@@ -295,7 +295,9 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):  # type: ignore[misc
             action = self.registry.update_status(request.vmid, int(request.status), peer)
         except Refused as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        return resmngr_pb2.StatusUpdateReply(action=action)
+        return resmngr_pb2.StatusUpdateReply(
+            action=resmngr_pb2.StatusUpdateReply.Action.ValueType(action)
+        )
 
 
 class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):  # type: ignore[misc]
