@@ -1,7 +1,8 @@
 """Real Celery workers for tests: in a thread (``celery.contrib.testing``) or as processes.
 
 ``broker_env`` switches the test's settings from eager mode to the session's real
-Redis broker (results on the same server) with a fresh, migrated SQLite store.
+Redis broker (results on the same server), on an empty migrated store: SQLite and
+PostgreSQL in turn (``store_url`` in ``tests/fixtures.py``).
 ``thread_worker`` then runs a real worker in this process, consuming every corral
 queue; :class:`WorkerProcess` runs ``celery -A workers worker`` as a child process
 (prefork pool), which a test can SIGKILL and replace; :func:`start_beat` runs
@@ -22,18 +23,21 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from config.celery import QUEUES
-from tests.fixtures import FAST, Env, _apply
+from tests.fixtures import FAST, Env, _apply, migrated_already
 from workers.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def broker_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, redis_url: str) -> Iterator[Env]:
-    """Settings for a real broker: Redis from the session server, SQLite store, not eager."""
+def broker_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, redis_url: str, store_url: str
+) -> Iterator[Env]:
+    """Settings for a real broker: Redis from the session server, not eager, on each store."""
     env = _apply(
         Env(monkeypatch, tmp_path),
-        f"sqlite:///{tmp_path / 'corral.sqlite'}",
+        store_url,
+        migrate=not migrated_already(store_url),
         broker_url=redis_url,
         result_backend=redis_url,
     )

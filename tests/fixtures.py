@@ -1,9 +1,33 @@
 """Fixtures for corral's own tests: settings, a migrated store, agents on loopback.
 
-``corral_env`` points every ``CORRAL_*`` setting the tests care about at a fresh
-temporary SQLite database (or a PostgreSQL one via ``pg_env``) and eager Celery,
-and re-applies them to the shared app; ``agents`` starts reference fcdaemon
-agents (memory driver) on loopback and registers them as nodes.
+Store parity: every test that touches the store runs on SQLite *and* PostgreSQL.
+``store_url`` is parametrized over :data:`STORES`, and the environment fixtures
+build on it, so a test that asks for one of them runs twice, as
+``test_x[sqlite]`` and ``test_x[postgres]``:
+
+* ``corral_env`` - eager Celery on the store (``store_env`` is the same fixture);
+* ``broker_env`` / ``thread_worker`` / ``worker_processes``
+  (``tests/celery_workers.py``) - the session's Redis and real workers on it.
+
+SQLite is a fresh file per test. PostgreSQL is the session's server (started
+once, ``tests/services.py``) with one migrated database per test module
+(``pg_module_url``), emptied (``TRUNCATE``) before each test: no per-test
+``CREATE DATABASE`` or migration. Nothing to do to adopt it: request
+``corral_env`` (or ``broker_env``...) as before. Select one store with
+``-k sqlite`` / ``-k postgres``, or ``-m postgres``.
+
+A test that is inherently single-store says so with a decorator and a comment
+saying why::
+
+    @sqlite_only  # corrupts the SQLite file by hand
+    def test_x(corral_env: Env) -> None: ...
+
+(:data:`sqlite_only` / :data:`postgres_only` override the parametrization.)
+``pg_env`` keeps a fresh PostgreSQL database of its own per test, for tests that
+need one (several processes racing, a server restart).
+
+``start_agents`` starts reference fcdaemon agents (memory driver) on loopback and
+registers them as nodes.
 """
 
 from __future__ import annotations
@@ -68,14 +92,23 @@ class Env:
         return get_database(get_settings().database_url)
 
 
-def _apply(env: Env, url: str, **extra: Any) -> Env:
+def _apply(env: Env, url: str, *, migrate: bool = True, **extra: Any) -> Env:
     base = {k[len("CORRAL_"):].lower(): v for k, v in FAST.items()}
     env.set(database_url=url, eager="1", **base, **extra)
-    upgrade(env.db)
+    if migrate:
+        upgrade(env.db)
     return env
 
 
+def migrated_already(url: str) -> bool:
+    """Whether ``store_url`` gave a database migrated before (a module's PostgreSQL one)."""
+    return not url.startswith("sqlite")
+
+
 STORES = ("sqlite", "postgres")
+# Decorators for the few tests that are inherently single-store (say why next to each).
+sqlite_only = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+postgres_only = pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +123,8 @@ def pg_module_url(postgres_server: Any) -> Iterator[str]:
         yield url
     finally:
         get_database(url).dispose()
-        postgres_server.drop_database(name)
+        if postgres_server.is_running():
+            postgres_server.drop_database(name)
 
 
 def truncate(url: str) -> None:
@@ -114,19 +148,23 @@ def truncate(url: str) -> None:
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The URL of an empty, migrated store: a fresh SQLite file, or this module's PostgreSQL.
 
-    Parametrized: a test that uses it (through ``store_env``) runs once per store.
+    Parametrized: a test that uses it (through ``corral_env``, ``broker_env``...) runs
+    once per store.
     """
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'corral.sqlite'}"
+    postgres_server = request.getfixturevalue("postgres_server")
+    if not postgres_server.is_running():  # a previous test may have stopped it
+        postgres_server.start()
     url: str = request.getfixturevalue("pg_module_url")
     truncate(url)
     return url
 
 
 @pytest.fixture
-def store_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -> Iterator[Env]:
+def corral_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -> Iterator[Env]:
     """Eager Celery on an empty, migrated store: SQLite and PostgreSQL in turn."""
-    env = _apply(Env(monkeypatch, tmp_path), store_url)
+    env = _apply(Env(monkeypatch, tmp_path), store_url, migrate=not migrated_already(store_url))
     yield env
     env.db.dispose()
     clock.reset()
@@ -135,14 +173,9 @@ def store_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -
 
 
 @pytest.fixture
-def corral_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Env]:
-    """Eager Celery on a fresh, migrated SQLite store."""
-    env = _apply(Env(monkeypatch, tmp_path), f"sqlite:///{tmp_path / 'corral.sqlite'}")
-    yield env
-    env.db.dispose()
-    clock.reset()
-    reset_settings()
-    configure(get_settings())
+def store_env(corral_env: Env) -> Env:
+    """The same as ``corral_env`` (a name that says the test runs on both stores)."""
+    return corral_env
 
 
 @pytest.fixture

@@ -13,12 +13,13 @@ from workers.store.migrate import head_revision
 
 
 @pytest.fixture
-def fresh_db(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+def fresh_db(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, empty_url: str) -> Path:
+    """Settings pointing at an empty, never migrated database (each store in turn)."""
     for key in list(os.environ):
         if key.startswith("CORRAL_"):
             monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("CORRAL_DATABASE_URL", f"sqlite:///{tmp_path / 'new.sqlite'}")
+    monkeypatch.setenv("CORRAL_DATABASE_URL", empty_url)
     monkeypatch.setenv("CORRAL_EAGER", "1")
     reset_settings()
     yield tmp_path

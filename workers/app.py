@@ -13,7 +13,12 @@ ignore / reject), any exception the task raises ends its operation (the task's
 ``op_id`` argument) ``failed``, with the task's name, the error's type and its
 first line - SQL parameters and secret-looking values removed - as the reason,
 so ``wait`` returns at once and ``corral ops`` shows the cause. The exception
-is then re-raised for Celery to log.
+is then re-raised for Celery to log. A transient database error
+(:func:`~workers.store.db.is_transient`: a deadlock, serialization failure,
+lock or statement timeout, lost connection, server shutdown) is first retried
+with :meth:`CorralTask.backoff` within the task's retry budget
+(``CORRAL_RETRY_MAX``), the whole task again: tasks are idempotent and the
+failed transaction was rolled back.
 
 ``CORRAL_FAULT_RAISE_IN`` (test-only, empty by default) names tasks (comma
 separated) that raise :class:`FaultInjected` before running: how the tests make
@@ -40,7 +45,7 @@ from config.celery import celery_config
 from config.settings import Settings, get_settings
 from workers import broker
 from workers.errors import InputError
-from workers.store.db import Database, get_database
+from workers.store.db import Database, get_database, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,8 @@ class CorralTask(Task):  # type: ignore[misc]
         except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
             raise
         except Exception as exc:
+            if is_transient(exc):  # deadlock, lock timeout, connection lost...: run it again
+                self.retry_within_budget("hit a transient database error", exc)
             self._fail(op_id, exc)
             raise
 

@@ -31,12 +31,13 @@ still retires its replica rows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
@@ -59,6 +60,17 @@ class Redrive:
     attempt: int  # 1 for the first re-send
 
 
+def _stalled(s: Session, since: datetime, limit: int, *where: Any) -> Sequence[Operation]:
+    """Open operations unmoved since ``since`` matching ``where``, oldest first, locked."""
+    return s.scalars(
+        select(Operation)
+        .where(Operation.status.in_(OP_OPEN), Operation.progress_at <= since, *where)
+        .order_by(Operation.progress_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()
+
+
 def due(
     db: Database, settings: Settings, kinds: Collection[str], *, limit: int = SWEEP_LIMIT
 ) -> list[Redrive]:
@@ -67,19 +79,8 @@ def due(
     after = timedelta(seconds=settings.redrive_after_s)
     out: list[Redrive] = []
     with db.transaction() as s:
-        candidates = s.scalars(
-            select(Operation)
-            .where(
-                Operation.status.in_(OP_OPEN),
-                Operation.progress_at <= at - after,
-                Operation.kind.in_(list(kinds)),
-                Operation.redrives < REDRIVE_MAX,
-            )
-            .order_by(Operation.progress_at)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        ).all()
-        for op in candidates:
+        for op in _stalled(s, at - after, limit, Operation.kind.in_(list(kinds)),
+                           Operation.redrives < REDRIVE_MAX):
             assert op.progress_at is not None  # the query's condition
             still = at - op.progress_at
             if still < after * (2**op.redrives):
@@ -109,18 +110,8 @@ def give_up(
     wait = timedelta(seconds=settings.redrive_after_s) * (2**REDRIVE_MAX)
     out: dict[str, str] = {}
     with db.transaction() as s:
-        hopeless = s.scalars(
-            select(Operation)
-            .where(
-                Operation.status.in_(OP_OPEN),
-                Operation.progress_at <= at - wait,
-                (Operation.redrives >= REDRIVE_MAX) | Operation.kind.not_in(list(resendable)),
-            )
-            .order_by(Operation.progress_at)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-        ).all()
-        for op in hopeless:
+        hopeless = (Operation.redrives >= REDRIVE_MAX) | Operation.kind.not_in(list(resendable))
+        for op in _stalled(s, at - wait, limit, hopeless):
             assert op.progress_at is not None  # the query's condition
             still = int((at - op.progress_at).total_seconds())
             if op.kind in resendable:

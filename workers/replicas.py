@@ -215,17 +215,22 @@ def place(
     """
     if not jobs:
         return 0
+    ids = [job.request_id for job in jobs]
+    known_query = select(Replica.request_id).where(Replica.request_id.in_(ids))
     with db.transaction() as s:
-        ids = [job.request_id for job in jobs]
-        known = set(s.scalars(select(Replica.request_id).where(Replica.request_id.in_(ids))))
-        todo = [job for job in jobs if job.request_id not in known]
-        if not todo:
-            return 0
+        if set(s.scalars(known_query)) >= set(ids):
+            return 0  # a redelivery: every row is written already
         if op_id and s.scalar(select(Operation.status).where(Operation.id == op_id)) in OP_FINISHED:
             return 0  # the operation ended (failed to queue, say): its leftovers do nothing
         # FOR NO KEY UPDATE on PostgreSQL: serializes the count with other spawns of this
         # function without blocking the key-share locks that replica INSERTs take.
         fn = s.get(Function, function_id, with_for_update={"key_share": True})
+        # Read again under that lock: a second delivery of the same jobs that was
+        # waiting for it now sees the first one's rows (PostgreSQL, READ COMMITTED).
+        known = set(s.scalars(known_query))
+        todo = [job for job in jobs if job.request_id not in known]
+        if not todo:
+            return 0
         if fn is None:
             for _ in todo:
                 if op_id:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -20,10 +19,10 @@ from workers.registry import FINISHED, KEEP_ALIVE, Registry
 from workers.store.models import Claim, ReplicaState
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest) -> Iterator[Env]:
-    """Eager Celery on a fresh SQLite store, then on a fresh PostgreSQL database."""
-    yield request.getfixturevalue("corral_env" if request.param == "sqlite" else "pg_env")
+@pytest.fixture
+def store(corral_env: Env) -> Env:
+    """Eager Celery on SQLite, then on PostgreSQL (``corral_env`` runs on both)."""
+    return corral_env
 
 
 def _claims(env: Env) -> dict[str, str]:

@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from agents.gpus import serve_gpus
 from tasks import api
 from tests.celery_workers import WorkerProcess
-from tests.fixtures import Env, StartAgents
+from tests.fixtures import Env, StartAgents, postgres_only
 from tests.gpus.helpers import audit_gpus, deploy_fn
 from workers.audit import audit
 from workers.gpus import add_gpu_server
@@ -55,6 +55,7 @@ def _check_invariants(env: Env) -> tuple[int, int]:
     return live_gpu, len(dead)
 
 
+@postgres_only  # concurrent prefork writers: SQLite serializes them, PostgreSQL races them
 @pytest.mark.timeout(120)
 def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
     pg_broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]

@@ -134,6 +134,31 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
+# SQLSTATEs worth running a task again for: deadlock, serialization failure, lock
+# not available (lock_timeout), query canceled (statement_timeout), server shutting
+# down or not yet accepting connections; class 08 (connection exceptions) below.
+TRANSIENT_SQLSTATES = frozenset({"40P01", "40001", "55P03", "57014", "57P01", "57P02", "57P03"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a database error may pass if the transaction is simply tried again."""
+    from sqlalchemy.exc import DBAPIError, OperationalError
+
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:  # the connection was lost mid-statement
+        return True
+    orig = exc.orig
+    code = getattr(orig, "sqlstate", None)
+    if code is not None:
+        return code in TRANSIENT_SQLSTATES or code.startswith("08")
+    if not isinstance(exc, OperationalError):
+        return False
+    if type(orig).__module__.startswith("psycopg"):
+        return True  # no SQLSTATE: the connection failed (refused, closed, reset)
+    return "locked" in str(orig) or "busy" in str(orig)  # SQLite past its busy timeout
+
+
 _databases: dict[str, Database] = {}
 _registry_lock = threading.Lock()
 
