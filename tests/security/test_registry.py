@@ -27,12 +27,10 @@ FINISHED = resmngr_pb2.StatusUpdateRequest.FINISHED
 Reply = resmngr_pb2.StatusUpdateReply
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def store(request: pytest.FixtureRequest) -> Env:
-    """The store on SQLite and on PostgreSQL."""
-    name = "corral_env" if request.param == "sqlite" else "pg_env"
-    env: Env = request.getfixturevalue(name)
-    return env
+@pytest.fixture
+def store(corral_env: Env) -> Env:
+    """The store on SQLite and on PostgreSQL (``corral_env`` runs on both)."""
+    return corral_env
 
 
 @pytest.fixture
