@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -33,10 +32,10 @@ from workers.replicas import (
 from workers.store.models import Function, Node, Operation, ReplicaState
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def store(request: pytest.FixtureRequest) -> Iterator[Env]:
-    """The same test on SQLite and on PostgreSQL."""
-    yield request.getfixturevalue("corral_env" if request.param == "sqlite" else "pg_env")
+@pytest.fixture
+def store(corral_env: Env) -> Env:
+    """The same test on SQLite and on PostgreSQL (``corral_env`` runs on both)."""
+    return corral_env
 
 
 def _fn_id(env: Env, name: str = "hello") -> str:
