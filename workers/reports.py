@@ -117,14 +117,14 @@ def apply_early_reports(session: Session, settings: Settings, vmids: Iterable[st
     ).all()
     applied = 0
     for name, holder in rows:
-        session.execute(delete(Lease).where(Lease.name == name))
         vmid = names[name]
         replica = session.scalars(
-            select(Replica)
-            .where(Replica.vmid == vmid, Replica.status == int(ReplicaState.STARTING))
-            .with_for_update(of=Replica)
+            select(Replica).where(Replica.vmid == vmid).with_for_update(of=Replica)
         ).first()
         if replica is None:
+            continue  # not recorded yet: the report keeps waiting
+        session.execute(delete(Lease).where(Lease.name == name))
+        if replica.status != ReplicaState.STARTING:
             continue
         peer = None if holder == UNKNOWN_PEER else holder
         if not peer_allowed(peer, replica):

@@ -168,3 +168,19 @@ def test_reports_count_only_from_the_replicas_or_its_nodes_ip(
     assert reply.action == Reply.OK
     with store.db.read() as s:
         assert s.get(Replica, near_id).status == ReplicaState.IDLE  # type: ignore[union-attr]
+
+
+def test_an_early_ready_nobody_records_expires(store: Env, registry: RunningRegistry) -> None:
+    from workers import clock
+
+    _guest_spawn(store, "127.0.0.1:50051", "req-never")
+    reply = _stub(registry).UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(vmid="vm-never", status=READY), timeout=5, metadata=TOKEN)
+    assert reply.action == Reply.OK
+    registry.registry.sweep()  # not recorded yet: still waiting
+    assert registry.registry.pending == {"vm-never"}
+    clock.travel(store.settings.create_timeout_s + store.settings.ready_grace_s + 1)
+    registry.registry.sweep()
+    assert registry.registry.pending == set()
+    with store.db.read() as s:
+        assert s.scalars(select(Lease.name).where(Lease.name.startswith("ready:"))).all() == []

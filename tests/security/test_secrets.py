@@ -4,6 +4,7 @@ AWS keys without argv, and a stack file trusted only if it is ours."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -119,3 +120,30 @@ def test_the_stack_file_is_trusted_only_if_ours_and_private(
         stack.chmod(0o600)
         os.chown(stack, 65534, 65534)
         assert load_settings().database_url != planted
+
+
+def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    from protos import fcdaemon_pb2
+    from workers.errors import BackendError
+    from workers.fcdaemon import AgentClient, TlsFiles
+    from workers.lambdo import LambdoClient
+
+    caplog.set_level(logging.WARNING, logger="workers.untrusted")
+    AgentClient("127.0.0.1:1", token="t", shared=False).close()  # loopback: fine
+    LambdoClient("http://127.0.0.1:1", token="t")
+    assert caplog.text == ""
+    (tmp_path / "ca.pem").write_text("")
+    AgentClient("192.0.2.10:50051", token="t", shared=False,
+                tls=TlsFiles(tmp_path / "ca.pem")).close()  # TLS: fine
+    assert caplog.text == ""
+    plain = AgentClient("192.0.2.11:50051", token="t", shared=False, timeout_s=0.2,
+                        create_timeout_s=0.2)
+    LambdoClient("http://192.0.2.12:3000", token="t")
+    with pytest.raises(BackendError):  # TEST-NET: nothing answers
+        plain.create_replica(fcdaemon_pb2.CreateRequest(imageName="i", awsSecretAccessKey="s"))
+    plain.close()
+    for what, host in (("the agent token", "192.0.2.11"), ("AWS keys", "192.0.2.11"),
+                       ("the Lambdo token", "192.0.2.12")):
+        assert f"{what} travel(s) in plain text to {host}" in caplog.text
