@@ -4,7 +4,8 @@ Every change of a replica's status goes through :func:`transition`, on a row
 locked for the transaction (:func:`lock_replica`). It is the one place that:
 
 * gives back the node slot and GPU reservation when a replica reaches a final
-  state (Dead or Deleted) - exactly once, because a final state is never left;
+  state (Dead or Deleted) - exactly once, because a final state is never left -
+  and ends its claims (their rows go, ``envs_in_use`` is 0);
 * keeps ``functions.replica_count`` equal to the function's replicas in
   ``COUNTED_STATES`` (one less when a replica leaves them);
 * stamps the clocks: ``ready_at`` and ``idle_since`` when a replica becomes Idle,
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.orm import Session, lazyload
 
 from config.settings import Settings
@@ -36,6 +37,7 @@ from workers.store.models import (
     FINAL_STATES,
     OP_FINISHED,
     OP_OPEN,
+    Claim,
     Function,
     Operation,
     OpStatus,
@@ -180,6 +182,11 @@ def transition(
         session.connection().execute(_UNCOUNT, {"function_id": replica.function_id})
     if to in FINAL_STATES:
         replica.retired_at = at
+        if replica.envs_in_use:
+            # Claims end with their replica: ``envs_in_use`` counts claim rows, and a row
+            # left behind would make its release (or expiry) count below zero.
+            session.execute(delete(Claim).where(Claim.replica_id == replica.id)
+                            .execution_options(synchronize_session=False))
         replica.envs_in_use = 0
         if replica.node_id is not None:
             free_node(session, replica.node_id)

@@ -282,3 +282,34 @@ def test_postgres_connections_carry_lock_and_statement_timeouts(pg_env: Env) -> 
         assert s.scalar(text("SHOW lock_timeout")) == "2500ms"
         assert s.scalar(text("SHOW statement_timeout")) == "40s"
     assert settings.db_lock_timeout_s == 2.5
+
+
+# -- found by the soak: a claim on a replica that was deleted under it ---------------------------
+
+
+@pytest.mark.parametrize("ends", ["released", "expired"])
+def test_a_claim_on_a_replica_deleted_under_it_ends_with_it(
+    store: Env, start_agents: StartAgents, ends: str
+) -> None:
+    from workers import clock
+    from workers.claims import claim, release
+    from workers.reaper import reap
+    from workers.store.models import Claim
+
+    start_agents(1)
+    deploy_fn(store)
+    assert api.wait(api.spawn("hello", 1), timeout=30)["status"] == "succeeded"
+    held = claim(store.db, store.settings, "hello", ttl_s=5)
+    assert api.wait(api.delete(held.replica_id), timeout=30)["status"] == "succeeded"
+    if ends == "released":  # an IntegrityError (envs_in_use -1) before the fix
+        assert release(store.db, store.settings, held.claim_id)["released"] is False
+    else:  # the reaper's expiry failed the same way, and with it every reap pass
+        clock.travel(10)
+        try:
+            assert not reap(store.db, store.settings, holder="t").skipped
+        finally:
+            clock.reset()
+    with store.db.read() as s:
+        assert s.scalars(select(Claim)).all() == []
+    (row,) = replicas(store)
+    assert row.status == ReplicaState.DELETED and row.envs_in_use == 0
