@@ -1,0 +1,755 @@
+"""A fleet under fire: steady load on a PostgreSQL-backed corral while things break together.
+
+Run: ``python -m bench.soak [--minutes 5] [--rate 2] [--seed 1] [--json FILE]``
+
+What runs, all on loopback, started by this command:
+
+* PostgreSQL (the store) and Redis (the broker), from ``tests/services.py``;
+* three ``celery -A workers worker`` processes (prefork, two children each), one
+  ``celery beat`` (health every second, reap and reconcile every five), and the
+  registry (``corral registry``);
+* four nodes with the memory driver: three reference fcdaemon agents (which register
+  with the registry) and one Lambdo host.
+
+A load generator issues, at ``--rate`` actions a second: spawns, scales, deletes of
+a random Idle or Creating replica, claims (each released one to four seconds later),
+and every 30 s a re-deploy (a new build, so the reaper retires the old one's replicas). At the
+same time a fault schedule, scaled to the duration (each window shrinks so that a
+90-second run still has every kind at least once), fires:
+
+* ``worker_kill`` - SIGKILL one worker (its whole process group) every 20 s, and
+  start a new one;
+* ``redis_stop`` - stop Redis for 10 s;
+* ``postgres_restart`` - restart PostgreSQL;
+* ``agent_stop`` - stop one agent's server for 30 s (its VMs keep running, as
+  under a real fcdaemon restart), then serve again on the same port;
+* ``agent_delay`` - delay another agent's replies by 2 s for a minute.
+
+Then it quiesces (load stopped, every claim released, faults over) and waits, up
+to ``--quiesce`` seconds, for the fleet to settle. It then checks, and prints the
+violations of, each invariant (all must be 0):
+
+* ``orphan_vms`` / ``duplicate_rows`` / ``rows_without_vm`` - every VM a node
+  lists has exactly one live row, and every live row's VM is listed by its node;
+* ``ops_not_final`` - every operation the load generator got an id for has
+  succeeded, failed or partly failed;
+* ``counter_drift`` - ``corral db check`` (:func:`workers.audit.audit`) finds none;
+* ``claims_outstanding`` - no claim outlives its release;
+* ``unexpected_deaths`` - no worker, beat or registry process died except the
+  workers the schedule killed.
+
+It also prints operations submitted and completed per minute, faults injected by
+kind, and p50 / p99 of spawn completion time (operation created -> finished).
+Exit status 0 only when every invariant holds and every fault kind fired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULT_KINDS = ("worker_kill", "redis_stop", "postgres_restart", "agent_stop", "agent_delay")
+WORKERS = 3
+FUNCTIONS = ("soak-a", "soak-b", "soak-l")
+REDEPLOY_EVERY_S = 30.0
+KILL_EVERY_S = 20.0
+DELAYED_METHODS = ("CreateReplica", "ReleaseVMSetup", "ListReplicas")
+SPECS: dict[str, dict[str, Any]] = {
+    "soak-a": {"image": "examples.hello", "kernel": "/k", "min": 1, "max": 10, "exec_envs": 2},
+    "soak-b": {"image": "examples.hello", "kernel": "/k", "min": 0, "max": 10,
+               "placement": "roundrobin"},
+    "soak-l": {"image": "examples.hello", "min": 0, "max": 6, "backend": "lambdo",
+               "rootfs": "https://objects.example/soak/rootfs.ext4"},
+}
+
+# Settings for every process of the soak: short intervals and deadlines, so that what
+# the faults leave behind is found and repaired within the quiesce window.
+SOAK_ENV = {
+    "CORRAL_HEALTH_INTERVAL_S": "1",
+    "CORRAL_HEALTH_TIMEOUT_S": "1",
+    "CORRAL_HEALTH_MISSES": "3",
+    "CORRAL_NODE_DEAD_GRACE_S": "60",
+    "CORRAL_REAP_INTERVAL_S": "5",
+    "CORRAL_RECONCILE_INTERVAL_S": "5",
+    "CORRAL_ORPHAN_GRACE_S": "10",
+    "CORRAL_IDLE_TIMEOUT_S": "40",
+    "CORRAL_CREATING_DEADLINE_S": "45",
+    "CORRAL_BOOT_DEADLINE_S": "30",
+    "CORRAL_REDRIVE_AFTER_S": "15",
+    "CORRAL_LEASE_TTL_S": "20",
+    "CORRAL_TASK_SOFT_TIME_LIMIT_S": "15",
+    "CORRAL_TASK_TIME_LIMIT_S": "20",
+    "CORRAL_VISIBILITY_TIMEOUT_S": "30",
+    "CORRAL_RETRY_MAX": "4",
+    "CORRAL_RETRY_BACKOFF_S": "0.5",
+    "CORRAL_RETRY_BACKOFF_MAX_S": "4",
+    "CORRAL_RPC_TIMEOUT_S": "5",
+    "CORRAL_CREATE_TIMEOUT_S": "10",
+    "CORRAL_LAMBDO_TIMEOUT_S": "5",
+    "CORRAL_NODE_CAPACITY": "40",
+    "CORRAL_CLAIM_TTL_S": "60",
+}
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """One fault of the schedule: when (seconds into the run), what, for how long."""
+
+    at_s: float
+    kind: str
+    duration_s: float = 0.0
+
+
+def schedule(duration_s: float) -> list[FaultEvent]:
+    """The fault schedule for a run of ``duration_s``: windows shrink to fit short runs."""
+    events = [FaultEvent(t, "worker_kill")
+              for t in _steps(min(KILL_EVERY_S, duration_s / 4), duration_s)]
+    events += [
+        FaultEvent(0.05 * duration_s, "agent_delay", min(60.0, duration_s / 4)),
+        FaultEvent(0.30 * duration_s, "redis_stop", min(10.0, duration_s / 9)),
+        FaultEvent(0.50 * duration_s, "postgres_restart"),
+        FaultEvent(0.62 * duration_s, "agent_stop", min(30.0, duration_s / 6)),
+    ]
+    return sorted(events, key=lambda e: e.at_s)
+
+
+def _steps(every: float, until: float) -> list[float]:
+    out, t = [], every
+    while t < until:
+        out.append(round(t, 3))
+        t += every
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``values``, None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+@dataclass
+class Tracked:
+    """An operation the load generator got an id for."""
+
+    op_id: str
+    kind: str
+    submitted_s: float  # seconds into the run
+
+
+@dataclass
+class Results:
+    """Everything the soak counts; printed at the end, and as JSON with ``--json``."""
+
+    minutes: float
+    ops: list[Tracked] = field(default_factory=list)
+    refused: Counter[str] = field(default_factory=Counter)  # clear refusals (InputError...)
+    errors: Counter[str] = field(default_factory=Counter)  # faults seen by the producer
+    claims: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    deaths: list[str] = field(default_factory=list)
+    violations: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+    per_minute: list[dict[str, int]] = field(default_factory=list)
+    spawn_p50_s: float | None = None
+    spawn_p99_s: float | None = None
+    spawns_timed: int = 0
+    settled_after_s: float | None = None
+    wall_s: float = 0.0  # start of the fleet to the last check
+    final: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def ok(self) -> bool:
+        """Every invariant held and every fault kind fired."""
+        return (all(v == 0 for v in self.violations.values())
+                and all(self.faults[k] > 0 for k in FAULT_KINDS))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready figures."""
+        return {
+            "minutes": self.minutes, "submitted": len(self.ops), "final": dict(self.final),
+            "refused": dict(self.refused), "errors": dict(self.errors),
+            "claims": dict(self.claims), "faults": dict(self.faults), "deaths": self.deaths,
+            "violations": self.violations, "examples": self.examples,
+            "per_minute": self.per_minute, "spawn_p50_s": self.spawn_p50_s,
+            "spawn_p99_s": self.spawn_p99_s, "spawns_timed": self.spawns_timed,
+            "settled_after_s": self.settled_after_s, "wall_s": self.wall_s, "ok": self.ok,
+        }
+
+
+class Fleet:
+    """The processes and in-process nodes of one soak, and the faults done to them."""
+
+    def __init__(self, tmp: Path, log: Callable[[str], None]) -> None:
+        self.tmp = tmp
+        self.say = log
+        self.logs = tmp / "logs"
+        self.logs.mkdir(parents=True)
+        self.lock = threading.Lock()
+        self.expected_dead: set[int] = set()
+        self.workers: list[Any] = []
+        self.generation = 0
+        self.agents: list[Any] = []
+        self.agent_ports: list[int] = []
+        self.lambdo: Any = None
+        self.beat: subprocess.Popen[bytes] | None = None
+        self.registry: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}
+
+    # -- start -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start PostgreSQL, Redis, the registry, the nodes, the workers and beat."""
+        from tests.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
+
+        self.redis = RedisServer(self.tmp / "redis")
+        (self.tmp / "redis").mkdir()
+        self.redis.start()
+        self.pg = PostgresServer(make_shared_tempdir("corral-soak-pg-"))
+        self.pg.start()
+        database_url = self.pg.create_database("soak")
+        reg_port = free_port()
+        self.registry_addr = f"127.0.0.1:{reg_port}"
+        self.env = {
+            **SOAK_ENV,
+            "CORRAL_DATABASE_URL": database_url,
+            "CORRAL_BROKER_URL": self.redis.url_for(0),
+            "CORRAL_RESULT_BACKEND": self.redis.url_for(1),
+            "CORRAL_STATE_DIR": str(self.tmp / "state"),
+            "CORRAL_REGISTRY_LISTEN": self.registry_addr,
+            "CORRAL_EAGER": "0",
+        }
+        os.environ.update(self.env)
+        from config.settings import get_settings, reset_settings
+        from workers.app import configure
+        from workers.store.migrate import upgrade
+
+        reset_settings()
+        configure(get_settings())
+        from tasks.api import database
+
+        upgrade(self._db())
+        database()
+        self.registry = subprocess.Popen(
+            [sys.executable, "-m", "tasks.cli", "registry"], cwd=ROOT,
+            env={**os.environ, **self.env}, stdout=(self.logs / "registry.log").open("wb"),
+            stderr=subprocess.STDOUT, start_new_session=True)
+        self._start_nodes()
+        self._deploy_all()
+        for i in range(WORKERS):
+            self.workers.append(self._new_worker(i))
+        from tests.celery_workers import start_beat
+
+        self.beat = start_beat(self.logs, "soak", self.env)
+
+    def _db(self) -> Any:
+        from config.settings import get_settings
+        from workers.store.db import get_database
+
+        return get_database(get_settings().database_url)
+
+    def _start_nodes(self) -> None:
+        from agents.lambdo import serve_lambdo
+        from tests.services import free_port
+        from workers.nodes import upsert_node
+
+        for i in range(3):
+            port = free_port()
+            self.agent_ports.append(port)
+            self.agents.append(self._serve_agent(i, port, None))
+        self.lambdo = serve_lambdo("127.0.0.1:0")
+        with self._db().transaction() as s:
+            for i, port in enumerate(self.agent_ports):
+                upsert_node(s, f"127.0.0.1:{port}", name=f"soak-fc{i + 1}",
+                            external_id=f"soak-fc{i + 1}", capacity=40)
+            upsert_node(s, self.lambdo.url, name="soak-lambdo", kind="lambdo", capacity=40)
+
+    def _serve_agent(self, i: int, port: int, driver: Any) -> Any:
+        from agents.fcdaemon import serve_fcdaemon
+
+        return serve_fcdaemon(f"127.0.0.1:{port}", driver=driver, registry=self.registry_addr,
+                              node_id=f"soak-fc{i + 1}", heartbeat=2.0)
+
+    def _deploy_all(self) -> None:
+        from config.settings import get_settings
+        from workers.functions import deploy, spec_from
+
+        with self._db().transaction() as s:
+            for name in FUNCTIONS:
+                deploy(s, spec_from(name=name, **SPECS[name]), get_settings())
+
+    def redeploy(self, name: str, build: int) -> None:
+        """Deploy ``name`` again with a new build (the reaper retires the old replicas)."""
+        from config.settings import get_settings
+        from workers.functions import deploy, spec_from
+
+        with self._db().transaction() as s:
+            deploy(s, spec_from(name=name, **SPECS[name], env={"BUILD": str(build)}),
+                   get_settings())
+
+    def _new_worker(self, slot: int) -> Any:
+        from tests.celery_workers import WorkerProcess
+
+        self.generation += 1
+        worker = WorkerProcess(self.logs, concurrency=2, name=f"w{slot + 1}g{self.generation}",
+                               extra_env=self.env)
+        return worker.start(timeout=90)
+
+    # -- faults ------------------------------------------------------------------------------
+
+    def kill_worker(self, n: int) -> None:
+        """SIGKILL worker ``n % 3`` (its whole process group) and start a replacement."""
+        slot = n % len(self.workers)
+        worker = self.workers[slot]
+        with self.lock:
+            if worker.proc is not None:
+                self.expected_dead.add(worker.proc.pid)
+        worker.kill()
+        worker._log.close()
+        self.workers[slot] = self._new_worker(slot)
+
+    def stop_redis(self, seconds: float) -> None:
+        """Stop the broker for ``seconds``, then start it again on the same port."""
+        self.redis.stop()
+        time.sleep(seconds)
+        self.redis.start()
+
+    def restart_postgres(self) -> None:
+        """Restart the store (every connection drops)."""
+        self.pg.restart()
+
+    def stop_agent(self, i: int, seconds: float) -> None:
+        """Stop agent ``i``'s server (its VMs keep running) and serve again after ``seconds``."""
+        agent = self.agents[i]
+        if agent.reporter is not None:
+            agent.reporter.close()
+        agent.server.stop(0).wait()
+        time.sleep(seconds)
+        for attempt in range(20):  # the port may take a moment to be free again
+            try:
+                self.agents[i] = self._serve_agent(i, self.agent_ports[i], agent.driver)
+                return
+            except OSError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.5)
+
+    def delay_agent(self, i: int, seconds: float, delay: float = 2.0) -> None:
+        """Delay agent ``i``'s replies by ``delay`` seconds for ``seconds``."""
+        from agents.faults import Fault
+
+        agent = self.agents[i]
+        for method in DELAYED_METHODS:
+            agent.agent.inject(method, *[Fault.delay(delay)] * 100_000)
+        time.sleep(seconds)
+        agent.agent.faults.clear()
+
+    # -- watch -------------------------------------------------------------------------------
+
+    def dead(self) -> list[str]:
+        """Processes (workers, beat, registry) that exited without the schedule killing them."""
+        out = []
+        with self.lock:
+            for worker in self.workers:
+                proc = worker.proc
+                if proc is not None and proc.poll() is not None \
+                        and proc.pid not in self.expected_dead:
+                    out.append(f"worker {worker.name} (exit {proc.returncode})")
+        for name, proc in (("beat", self.beat), ("registry", self.registry)):
+            if proc is not None and proc.poll() is not None:
+                out.append(f"{name} (exit {proc.returncode})")
+        return out
+
+    def stop(self) -> None:
+        """Stop everything this fleet started."""
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                worker.stop(timeout=10)
+        for proc in (self.beat, self.registry):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+                if proc.poll() is None:
+                    proc.kill()
+        for agent in self.agents:
+            with contextlib.suppress(Exception):
+                agent.stop(grace=0)
+        if self.lambdo is not None:
+            self.lambdo.stop()
+        with contextlib.suppress(Exception):
+            self._db().dispose()
+        self.redis.stop()
+        self.pg.stop()
+
+
+class Load:
+    """The load generator: one action every ``1 / rate`` seconds until stopped."""
+
+    def __init__(self, fleet: Fleet, results: Results, rate: float, seed: int,
+                 t0: float) -> None:
+        self.fleet = fleet
+        self.results = results
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.t0 = t0
+        self.stop = threading.Event()
+        self.held: list[tuple[float, str]] = []  # (release at, claim id)
+        self.builds = 0
+
+    def run(self) -> None:
+        """Issue actions at the steady rate until :attr:`stop` is set."""
+        next_at = time.monotonic()
+        next_deploy = time.monotonic() + REDEPLOY_EVERY_S
+        actions = [(self.spawn, 3), (self.scale, 2), (self.delete, 3), (self.claim, 3)]
+        population = [a for a, w in actions for _ in range(w)]
+        while not self.stop.is_set():
+            self.release_due()
+            if time.monotonic() >= next_deploy:
+                next_deploy += REDEPLOY_EVERY_S
+                self.attempt("redeploy", self.redeploy)
+            self.attempt("action", self.rng.choice(population))
+            next_at += 1.0 / self.rate
+            self.stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def attempt(self, what: str, action: Callable[[], None]) -> None:
+        """Run one action; count a refusal or an error instead of stopping."""
+        from workers.claims import NoIdleReplica
+        from workers.errors import InputError
+
+        try:
+            action()
+        except (InputError, NoIdleReplica) as exc:  # unknown, above max, nothing idle
+            self.results.refused[type(exc).__name__] += 1
+        except Exception as exc:  # the broker or the store is down: the producer sees it
+            self.results.errors[type(exc).__name__] += 1
+
+    def _track(self, op_id: str, kind: str) -> None:
+        self.results.ops.append(Tracked(op_id, kind, time.monotonic() - self.t0))
+
+    def spawn(self) -> None:
+        """Ask for one or two more replicas of a random function."""
+        from tasks import api
+
+        self._track(api.spawn(self.rng.choice(FUNCTIONS), self.rng.randint(1, 2)), "spawn")
+
+    def scale(self) -> None:
+        """Scale a random function to a random target in [min, 6]."""
+        from tasks import api
+
+        name = self.rng.choice(FUNCTIONS)
+        self._track(api.scale(name, self.rng.randint(1 if name == "soak-a" else 0, 6)),
+                    "scale")
+
+    def delete(self) -> None:
+        """Delete a random Idle or Creating replica."""
+        from sqlalchemy import select
+
+        from tasks import api
+        from workers.store.models import Replica, ReplicaState
+
+        with self.fleet._db().read() as s:
+            ids = list(s.scalars(select(Replica.id).where(
+                Replica.status.in_([ReplicaState.IDLE, ReplicaState.CREATING]))))
+        if ids:
+            self._track(api.delete(self.rng.choice(ids)), "delete")
+
+    def claim(self) -> None:
+        """Claim an environment of a random function; it is released 1-4 s later."""
+        from tasks import api
+
+        got = api.claim(self.rng.choice(FUNCTIONS))
+        self.results.claims["claimed"] += 1
+        self.held.append((time.monotonic() + self.rng.uniform(1, 4), got["claim_id"]))
+
+    def release_due(self, everything: bool = False) -> None:
+        """Release the claims whose time has come (all of them with ``everything``)."""
+        from tasks import api
+
+        now = time.monotonic()
+        keep = []
+        for at, claim_id in self.held:
+            if not everything and at > now:
+                keep.append((at, claim_id))
+                continue
+            try:
+                api.release(claim_id)
+                self.results.claims["released"] += 1
+            except Exception as exc:
+                self.results.errors[f"release: {type(exc).__name__}"] += 1
+                keep.append((at, claim_id))  # the store was down: try again
+        self.held = keep
+
+    def redeploy(self) -> None:
+        """Deploy a random function again with a new build."""
+        self.builds += 1
+        self.fleet.redeploy(self.rng.choice(FUNCTIONS), self.builds)
+        self.results.claims["redeploys"] += 1
+
+
+class Faults:
+    """Fires the schedule; each event in its own thread, so windows may overlap."""
+
+    def __init__(self, fleet: Fleet, results: Results, events: list[FaultEvent], t0: float,
+                 log: Callable[[str], None]) -> None:
+        self.fleet, self.results, self.events, self.t0, self.say = fleet, results, events, t0, log
+        self.threads: list[threading.Thread] = []
+        self.kills = 0
+
+    def run(self) -> None:
+        """Wait for each event's time and start it."""
+        for event in self.events:
+            delay = self.t0 + event.at_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            t = threading.Thread(target=self._fire, args=(event,), daemon=True)
+            t.start()
+            self.threads.append(t)
+        for t in self.threads:
+            t.join()
+
+    def _fire(self, event: FaultEvent) -> None:
+        fleet = self.fleet
+        self.say(f"[{time.monotonic() - self.t0:6.1f}s] fault {event.kind}"
+                 + (f" for {event.duration_s:g}s" if event.duration_s else ""))
+        try:
+            if event.kind == "worker_kill":
+                with fleet.lock:
+                    n = self.kills
+                    self.kills += 1
+                fleet.kill_worker(n)
+            elif event.kind == "redis_stop":
+                fleet.stop_redis(event.duration_s)
+            elif event.kind == "postgres_restart":
+                fleet.restart_postgres()
+            elif event.kind == "agent_stop":
+                fleet.stop_agent(0, event.duration_s)
+            elif event.kind == "agent_delay":
+                fleet.delay_agent(1, event.duration_s)
+        except Exception as exc:
+            self.results.errors[f"fault {event.kind}: {type(exc).__name__}: {exc}"] += 1
+            return
+        self.results.faults[event.kind] += 1
+
+
+def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """Every invariant's violations now, with a few examples of each."""
+    from sqlalchemy import func, select
+
+    from config.settings import get_settings
+    from workers import backends
+    from workers.audit import audit
+    from workers.store.models import (
+        LIVE_STATES,
+        OP_FINISHED,
+        Claim,
+        Node,
+        Operation,
+        Replica,
+    )
+
+    settings = get_settings()
+    db = fleet._db()
+    bad: dict[str, list[str]] = {k: [] for k in (
+        "orphan_vms", "duplicate_rows", "rows_without_vm", "ops_not_final", "counter_drift",
+        "claims_outstanding", "unexpected_deaths")}
+    with db.read() as s:
+        nodes = list(s.scalars(select(Node).order_by(Node.name)))
+        rows = s.execute(select(Replica.id, Replica.node_id, Replica.vmid, Replica.status)
+                         .where(Replica.status.in_(LIVE_STATES))).all()
+        ops = dict(s.execute(select(Operation.id, Operation.status)
+                             .where(Operation.id.in_([o.op_id for o in results.ops]))).all())
+        claims = s.scalar(select(func.count()).select_from(Claim)) or 0
+        in_use = s.scalar(select(func.coalesce(func.sum(Replica.envs_in_use), 0))
+                          .where(Replica.status.in_(LIVE_STATES))) or 0
+    by_vm: dict[tuple[str, str], list[str]] = {}
+    for rid, node_id, vmid, status in rows:
+        if vmid is None:
+            bad["rows_without_vm"].append(f"{rid} (status {status}, no VM yet)")
+            continue
+        by_vm.setdefault((node_id, vmid), []).append(rid)
+    listed: set[tuple[str, str]] = set()
+    for node in nodes:
+        try:
+            vms = backends.list_vms(node, settings)
+        except Exception as exc:
+            bad["rows_without_vm"].append(f"node {node.name} cannot list: {exc}")
+            continue
+        for vm in vms:
+            key = (node.id, vm.vmid)
+            listed.add(key)
+            owners = by_vm.get(key, [])
+            if not owners:
+                bad["orphan_vms"].append(f"{node.name}/{vm.vmid}")
+            elif len(owners) > 1:
+                bad["duplicate_rows"].append(f"{node.name}/{vm.vmid}: {owners}")
+    for key, owners in by_vm.items():
+        if key not in listed:
+            bad["rows_without_vm"].extend(f"{rid} (VM {key[1]} not on its node)" for rid in owners)
+    for tracked in results.ops:
+        status = ops.get(tracked.op_id)
+        if status not in OP_FINISHED:
+            bad["ops_not_final"].append(f"{tracked.kind} {tracked.op_id} ({status})")
+    with db.transaction() as s:
+        drifts = audit(s).drifts
+    bad["counter_drift"] = [d.message for d in drifts]
+    if claims or in_use:
+        bad["claims_outstanding"].append(f"{claims} claim rows, {in_use} environments in use")
+    bad["unexpected_deaths"] = fleet.dead()
+    return {k: len(v) for k, v in bad.items()}, {k: v[:5] for k, v in bad.items() if v}
+
+
+def figures(fleet: Fleet, results: Results) -> None:
+    """Fill in per-minute counts, final states and spawn completion percentiles."""
+    from sqlalchemy import select
+
+    from workers.store.models import Operation
+
+    with fleet._db().read() as s:
+        rows = {r.id: r for r in s.scalars(
+            select(Operation).where(Operation.id.in_([o.op_id for o in results.ops])))}
+    minutes = max(1, int(results.minutes + 0.999))
+    per = [{"minute": m + 1, "submitted": 0, "completed": 0} for m in range(minutes)]
+    spawn_s: list[float] = []
+    for tracked in results.ops:
+        minute = min(minutes - 1, int(tracked.submitted_s // 60))
+        per[minute]["submitted"] += 1
+        op = rows.get(tracked.op_id)
+        if op is None:
+            continue
+        results.final[op.status] += 1
+        if op.finished_at is None:
+            continue
+        took = (op.finished_at - op.created_at).total_seconds()
+        done_minute = int((tracked.submitted_s + took) // 60)
+        if done_minute < minutes:
+            per[done_minute]["completed"] += 1
+        else:
+            per[-1]["completed"] += 1  # completed while quiescing
+        if tracked.kind == "spawn" and op.status == "succeeded":
+            spawn_s.append(took)
+    results.per_minute = per
+    results.spawn_p50_s = percentile(spawn_s, 50)
+    results.spawn_p99_s = percentile(spawn_s, 99)
+    results.spawns_timed = len(spawn_s)
+
+
+def report(results: Results) -> str:
+    """The figures as text."""
+    lines = [f"corral soak: {results.minutes:g} min, {WORKERS} prefork workers (2 children "
+             f"each), 1 beat, registry, 3 fcdaemon agents + 1 Lambdo host, PostgreSQL store"]
+    lines.append(f"operations submitted: {len(results.ops)}; final states: "
+                 f"{dict(sorted(results.final.items()))}")
+    lines.append(f"refused (clear errors): {dict(results.refused)}; producer errors during "
+                 f"faults: {dict(results.errors)}")
+    lines.append(f"claims: {dict(results.claims)}")
+    lines.append("minute  submitted  completed")
+    for row in results.per_minute:
+        lines.append(f"{row['minute']:>6}  {row['submitted']:>9}  {row['completed']:>9}")
+    lines.append("faults injected: " + ", ".join(f"{k} {results.faults[k]}" for k in FAULT_KINDS))
+
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f}s"
+
+    lines.append(f"spawn completion: p50 {fmt(results.spawn_p50_s)}, p99 "
+                 f"{fmt(results.spawn_p99_s)} ({results.spawns_timed} succeeded spawns)")
+    settled = "never" if results.settled_after_s is None else f"{results.settled_after_s:.0f}s"
+    lines.append(f"settled after quiescing: {settled}; wall time {results.wall_s:.0f}s")
+    lines.append("invariant violations (all must be 0):")
+    for name, n in results.violations.items():
+        example = results.examples.get(name)
+        lines.append(f"  {name:<20} {n}" + (f"   e.g. {example}" if example else ""))
+    lines.append("RESULT: " + ("ok" if results.ok else "FAILED"))
+    return "\n".join(lines)
+
+
+def run(minutes: float, rate: float, seed: int, quiesce_s: float,
+        log: Callable[[str], None] = print) -> Results:
+    """Start the fleet, run load and faults for ``minutes``, quiesce, check; the results."""
+    results = Results(minutes=minutes)
+    began = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="corral-soak-"))
+    fleet = Fleet(tmp, log)
+    try:
+        log(f"starting the fleet under {tmp}")
+        fleet.start()
+        duration = minutes * 60
+        t0 = time.monotonic()
+        load = Load(fleet, results, rate, seed, t0)
+        faults = Faults(fleet, results, schedule(duration), t0, log)
+        threads = [threading.Thread(target=load.run, daemon=True),
+                   threading.Thread(target=faults.run, daemon=True)]
+        for t in threads:
+            t.start()
+        deaths_seen: set[str] = set()
+        while time.monotonic() < t0 + duration:
+            time.sleep(1.0)
+            for death in fleet.dead():
+                if death not in deaths_seen:
+                    deaths_seen.add(death)
+                    log(f"unexpected death: {death}")
+        load.stop.set()
+        threads[0].join(30)
+        threads[1].join()  # every fault window closed
+        log(f"[{time.monotonic() - t0:6.1f}s] load stopped; quiescing")
+        quiet = time.monotonic()
+        while load.held and time.monotonic() < quiet + 30:
+            load.release_due(everything=True)
+            if load.held:
+                time.sleep(1)
+        while True:
+            violations, examples = check(fleet, results)
+            if all(v == 0 for v in violations.values()):
+                results.settled_after_s = time.monotonic() - quiet
+                break
+            if time.monotonic() > quiet + quiesce_s:
+                break
+            time.sleep(3)
+        results.violations, results.examples = violations, examples
+        results.deaths = sorted(deaths_seen | set(fleet.dead()))
+        figures(fleet, results)
+        results.wall_s = time.monotonic() - began
+    finally:
+        fleet.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak and print its figures; 0 only if every invariant held."""
+    parser = argparse.ArgumentParser(prog="python -m bench.soak")
+    parser.add_argument("--minutes", type=float, default=5.0, help="load and faults for this long")
+    parser.add_argument("--rate", type=float, default=2.0, help="load actions per second")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--quiesce", type=float, default=150.0,
+                        help="seconds to wait for the fleet to settle afterwards")
+    parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
+    args = parser.parse_args(argv)
+    if args.minutes <= 0 or args.rate <= 0:
+        parser.error("--minutes and --rate must be positive")
+    results = run(args.minutes, args.rate, args.seed, args.quiesce,
+                  log=lambda m: print(m, flush=True))
+    print(report(results), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results.as_dict(), indent=2, default=str))
+    return 0 if results.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
