@@ -93,8 +93,8 @@ class Settings(BaseSettings):
     claim_ttl_s: float = Field(300.0, gt=0, le=86_400)
 
     # PostgreSQL guards (0 turns one off): a statement waiting this long for a row lock,
-    # or running this long at all, fails with an error the task retries, instead of
-    # hanging a worker on a stuck lock holder.
+    # or running this long at all, fails with an OperationalError instead of hanging a
+    # worker behind a stuck lock holder.
     db_lock_timeout_s: float = Field(10.0, ge=0)
     db_statement_timeout_s: float = Field(60.0, ge=0)
 

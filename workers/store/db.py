@@ -9,7 +9,7 @@ writers queue instead of failing on a lock upgrade; PostgreSQL runs at READ
 COMMITTED and relies on row locks and conditional UPDATEs; every PostgreSQL
 connection sets ``lock_timeout`` and ``statement_timeout`` (``CORRAL_DB_LOCK_TIMEOUT_S``,
 ``CORRAL_DB_STATEMENT_TIMEOUT_S``), so a statement stuck behind a lock fails with an
-``OperationalError`` (which tasks retry) instead of hanging its worker.
+``OperationalError`` instead of hanging its worker.
 """
 
 from __future__ import annotations
