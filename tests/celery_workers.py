@@ -23,7 +23,7 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from config.celery import QUEUES
-from tests.fixtures import FAST, Env, _apply, migrated_already
+from tests.fixtures import FAST, Env, _apply
 from workers.app import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ def broker_env(
     env = _apply(
         Env(monkeypatch, tmp_path),
         store_url,
-        migrate=not migrated_already(store_url),
+        migrate=False,  # store_url's store is migrated already
         broker_url=redis_url,
         result_backend=redis_url,
     )

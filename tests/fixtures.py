@@ -9,7 +9,8 @@ build on it, so a test that asks for one of them runs twice, as
 * ``broker_env`` / ``thread_worker`` / ``worker_processes``
   (``tests/celery_workers.py``) - the session's Redis and real workers on it.
 
-SQLite is a fresh file per test. PostgreSQL is the session's server (started
+SQLite is a fresh file per test (a copy of one migrated at the start of the
+session). PostgreSQL is the session's server (started
 once, ``tests/services.py``) with one migrated database per test module
 (``pg_module_url``), emptied (``TRUNCATE``) before each test: no per-test
 ``CREATE DATABASE`` or migration. Nothing to do to adopt it: request
@@ -33,6 +34,7 @@ registers them as nodes.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -100,9 +102,6 @@ def _apply(env: Env, url: str, *, migrate: bool = True, **extra: Any) -> Env:
     return env
 
 
-def migrated_already(url: str) -> bool:
-    """Whether ``store_url`` gave a database migrated before (a module's PostgreSQL one)."""
-    return not url.startswith("sqlite")
 
 
 STORES = ("sqlite", "postgres")
@@ -144,6 +143,16 @@ def truncate(url: str) -> None:
     db.dispose()
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated, empty SQLite file, made once; each test gets a copy (migrating costs more)."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "corral.sqlite"
+    db = Database(f"sqlite:///{path}")
+    upgrade(db)
+    db.dispose()  # the last connection to close checkpoints the WAL into the file
+    return path
+
+
 @pytest.fixture(params=STORES)
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The URL of an empty, migrated store: a fresh SQLite file, or this module's PostgreSQL.
@@ -152,7 +161,9 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     once per store.
     """
     if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'corral.sqlite'}"
+        path = tmp_path / "corral.sqlite"
+        shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
+        return f"sqlite:///{path}"
     postgres_server = request.getfixturevalue("postgres_server")
     if not postgres_server.is_running():  # a previous test may have stopped it
         postgres_server.start()
@@ -164,7 +175,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def corral_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -> Iterator[Env]:
     """Eager Celery on an empty, migrated store: SQLite and PostgreSQL in turn."""
-    env = _apply(Env(monkeypatch, tmp_path), store_url, migrate=not migrated_already(store_url))
+    env = _apply(Env(monkeypatch, tmp_path), store_url, migrate=False)  # migrated already
     yield env
     env.db.dispose()
     clock.reset()
