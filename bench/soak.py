@@ -174,6 +174,7 @@ class Results:
     settled_after_s: float | None = None
     wall_s: float = 0.0  # start of the fleet to the last check
     final: Counter[str] = field(default_factory=Counter)
+    reasons: Counter[str] = field(default_factory=Counter)  # why ops failed (first error)
 
     @property
     def ok(self) -> bool:
@@ -190,7 +191,8 @@ class Results:
             "violations": self.violations, "examples": self.examples,
             "per_minute": self.per_minute, "spawn_p50_s": self.spawn_p50_s,
             "spawn_p99_s": self.spawn_p99_s, "spawns_timed": self.spawns_timed,
-            "settled_after_s": self.settled_after_s, "wall_s": self.wall_s, "ok": self.ok,
+            "settled_after_s": self.settled_after_s, "wall_s": self.wall_s,
+            "failure_reasons": dict(self.reasons), "ok": self.ok,
         }
 
 
@@ -635,6 +637,8 @@ def figures(fleet: Fleet, results: Results) -> None:
         if op is None:
             continue
         results.final[op.status] += 1
+        if op.error:
+            results.reasons[f"{tracked.kind}: {_reason(op.error)}"] += 1
         if op.finished_at is None:
             continue
         took = (op.finished_at - op.created_at).total_seconds()
@@ -651,6 +655,14 @@ def figures(fleet: Fleet, results: Results) -> None:
     results.spawns_timed = len(spawn_s)
 
 
+def _reason(error: str) -> str:
+    """An operation's error without its ids and counts, so alike failures group together."""
+    import re
+
+    text = error.split("first: ", 1)[-1]
+    return re.sub(r"[0-9a-f]{32}(\.[0-9.]+)?|\b\d+(\.\d+)?\b", "#", text)[:100]
+
+
 def report(results: Results) -> str:
     """The figures as text."""
     lines = [f"corral soak: {results.minutes:g} min, {WORKERS} prefork workers (2 children "
@@ -660,6 +672,8 @@ def report(results: Results) -> str:
     lines.append(f"refused (clear errors): {dict(results.refused)}; producer errors during "
                  f"faults: {dict(results.errors)}")
     lines.append(f"claims: {dict(results.claims)}")
+    for reason, n in results.reasons.most_common(8):
+        lines.append(f"  failed or partial ({n}): {reason}")
     lines.append("minute  submitted  completed")
     for row in results.per_minute:
         lines.append(f"{row['minute']:>6}  {row['submitted']:>9}  {row['completed']:>9}")
