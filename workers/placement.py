@@ -2,7 +2,7 @@
 
 Choosing and reserving are one step. A policy proposes a candidate with an
 indexed query, and the reservation is a conditional UPDATE
-(``live < capacity AND healthy AND NOT draining`` for nodes,
+(``live < capacity AND healthy AND NOT draining AND not quarantined`` for nodes,
 ``mem_free_mb >= need AND slots_free >= 1`` for GPUs) in the transaction that
 writes the replica row. If a concurrent worker took the last slot first, the
 UPDATE matches nothing and the next candidate is tried, so capacity holds under
@@ -14,6 +14,10 @@ read and written under the function's row lock so concurrent spawns take turns),
 ``random``, and ``spread`` (the caller pins one replica to every healthy node;
 here it behaves like loadbalance). GPU fit: ``best`` (least free memory that
 still fits) or ``first`` (first GPU in recording order that fits).
+
+A node whose creates keep failing is quarantined for a while
+(:func:`workers.nodes.note_creates`); placement skips it until the quarantine
+ends, and a replica moved off a failing node names that node in ``avoid``.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, bindparam, func, select, update
+from sqlalchemy import ColumnElement, CursorResult, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
+from workers.clock import now
 from workers.errors import CapacityError
 from workers.store.models import Function, Gpu, Node, Replica
 
@@ -38,6 +43,7 @@ _PLACEABLE: tuple[ColumnElement[bool], ...] = (
     Node.healthy.is_(True),
     Node.draining.is_(False),
     Node.live < Node.capacity,
+    or_(Node.quarantined_until.is_(None), Node.quarantined_until <= bindparam("now")),
 )
 
 
@@ -67,8 +73,9 @@ def _rowcount(result: Any) -> int:
 
 
 def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str]) -> Node | None:
+    at = {"now": now()}
     if policy in ("loadbalance", "spread") and not skip:
-        return session.scalars(_LEAST_LOADED, {"backend": fn.backend}).first()
+        return session.scalars(_LEAST_LOADED, {"backend": fn.backend, **at}).first()
     where = [*_placeable(fn.backend)]
     if skip:
         where.append(Node.id.not_in(skip))
@@ -86,21 +93,22 @@ def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str])
         last = select(Function.rr_last_node).where(Function.id == fn.id)
         after = session.scalar(last.with_for_update(key_share=True)) or ""
         nxt = session.scalars(
-            query.where(Node.name > after).order_by(Node.name).limit(1)
+            query.where(Node.name > after).order_by(Node.name).limit(1), at
         ).first()
         if nxt is not None:
             return nxt
         query = query.order_by(Node.name)
     else:  # loadbalance, spread
         query = query.order_by(Node.live, Node.name)
-    return session.scalars(query.limit(1)).first()
+    return session.scalars(query.limit(1), at).first()
 
 
 def reserve_node(
-    session: Session, fn: Function, policy: str, pinned: str | None = None
+    session: Session, fn: Function, policy: str, pinned: str | None = None,
+    avoid: Sequence[str] = (),
 ) -> Node:
-    """Pick a node for one replica of ``fn`` and take one of its slots."""
-    tried: list[str] = []
+    """Pick a node for one replica of ``fn`` (not one in ``avoid``) and take one of its slots."""
+    tried: list[str] = list(avoid)
     pinned_name = pinned
     for _ in range(MAX_ATTEMPTS):
         if pinned is not None:
@@ -113,7 +121,7 @@ def reserve_node(
             if node is None:
                 break
         took = _rowcount(session.connection().execute(
-            _TAKE_SLOT, {"node_id": node.id, "backend": fn.backend}))
+            _TAKE_SLOT, {"node_id": node.id, "backend": fn.backend, "now": now()}))
         if took:
             set_committed_value(node, "live", node.live + 1)  # what the UPDATE wrote
             if policy == "roundrobin":
@@ -208,7 +216,8 @@ def spread_nodes(session: Session, fn: Function) -> list[str]:
     return list(
         session.scalars(
             select(Node.id)
-            .where(Node.kind == fn.backend, Node.healthy.is_(True), Node.draining.is_(False))
+            .where(Node.kind == fn.backend, Node.healthy.is_(True), Node.draining.is_(False),
+                   or_(Node.quarantined_until.is_(None), Node.quarantined_until <= now()))
             .order_by(Node.name)
         )
     )

@@ -31,12 +31,13 @@ replicas, and a later pass retires the stale ones once they exist.
 A deletion is split at the network call like every other: the pass's one
 transaction picks its victims with indexed ``LIMIT`` queries (``FOR UPDATE SKIP
 LOCKED`` on PostgreSQL) and marks them Deleting, so no claim can take them and no
-other pass can pick them; then each VM is released (:func:`workers.replicas.
-release_vm`; a VM already gone counts as released) and the row retired
-(:func:`workers.replicas.finish_delete`): Deleted, or Dead with an error when the
-node could not be reached (the error says reconcile will destroy the VM). Releases
-run one node at a time per thread, nodes in parallel; after a transport failure
-the rest of that node's VMs are not waited for again in the same pass. A pass
+other pass can pick them; then every VM is released at once
+(:func:`workers.replicas.release_all`, bounded per node and per process; a VM
+already gone counts as released) and the rows retired in one transaction
+(:func:`workers.replicas.finish_deletes`): Deleted, or Dead with an error when the
+node could not be reached (the error says reconcile will destroy the VM). After
+``CORRAL_NODE_FAILURES`` transport failures in a row from one node, the rest of
+that node's VMs are not waited for again in the same pass. A pass
 therefore costs in proportion to what it deletes (plus two probes of the
 ``(function_id, status, build_version)`` index per function for stale builds), not
 to the size of the replica table. A pass that dies after marking rows leaves them
@@ -53,7 +54,6 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -67,9 +67,9 @@ from workers.clock import now
 from workers.errors import BackendError, InputError, TransientBackendError
 from workers.functions import iso
 from workers.health import note_failure
-from workers.lifecycle import MAX_OP_ERRORS, finish, transition
+from workers.lifecycle import MAX_OP_ERRORS, finish, mark_deleting, transition
 from workers.locks import lock_functions
-from workers.replicas import Doomed, finish_delete, release_vm
+from workers.replicas import Doomed, finish_deletes, release_all
 from workers.store.db import Database
 from workers.store.models import (
     COUNTED_STATES,
@@ -84,7 +84,6 @@ from workers.store.models import (
 log = logging.getLogger(__name__)
 
 LEASE = "reap"
-MAX_RELEASE_THREADS = 8
 LEASE_POLL_S = 0.2
 MAX_EXAMINED = 10  # rows a pass may look at, per unit of batch, while skipping kept ones
 REASONS = ("stuck", "stale", "idle")
@@ -268,6 +267,7 @@ class _Pass:
 
     def _take(self, rows: Sequence[Replica], reason: str) -> None:
         """Mark what the min allows; the rest is kept (and counted as such)."""
+        taken: list[Replica] = []
         for replica in rows:
             self.seen.append(replica.id)
             if self.left <= 0:
@@ -283,8 +283,9 @@ class _Pass:
             else:
                 idle_for = (self.at - (replica.idle_since or self.at)).total_seconds()
                 detail = f"idle {idle_for:.0f}s"
-            transition(self.s, replica, ReplicaState.DELETING, self.settings)
+            taken.append(replica)
             self._mark(replica, reason, detail)
+        mark_deleting(self.s, self.settings, taken, None)  # the page's victims, at once
 
     def _pages(self, base: Any, reason: str) -> None:
         """Walk an indexed query a page at a time; rows kept for min do not use the budget.
@@ -422,9 +423,7 @@ def _run(
     t1 = time.perf_counter()
     _release_all(db, settings, [v for v in victims if not v.retired])
     t2 = time.perf_counter()
-    for v in victims:
-        if not v.retired:
-            finish_delete(db, settings, v.doomed.replica_id, v.error)
+    finish_deletes(db, settings, {v.doomed.replica_id: v.error for v in victims if not v.retired})
     t3 = time.perf_counter()
     report.deleted = [v.reaped for v in victims]
     report.timings = {
@@ -438,37 +437,22 @@ def _run(
 
 
 def _release_all(db: Database, settings: Settings, victims: list[_Victim]) -> None:
-    """Release every victim's VM: nodes in parallel, one node's VMs in turn."""
-    by_node: dict[str | None, list[_Victim]] = defaultdict(list)
+    """Release every victim's VM at once (bounded per node); outcomes on the victims."""
+    outcomes = release_all(settings, [v.doomed for v in victims])
+    noted: set[str] = set()
     for v in victims:
-        by_node[v.doomed.node.id if v.doomed.node else None].append(v)
-
-    def one_node(group: list[_Victim]) -> None:
-        down: str | None = None
-        for v in group:
-            if down is not None:  # the node did not answer this pass: do not wait again
-                _outcome(v, released=False, error=down)
-                continue
-            try:
-                released = release_vm(settings, v.doomed)
-            except TransientBackendError as exc:
-                down = f"{exc}; reconcile will destroy the VM once the node answers"
-                if v.doomed.node is not None:
-                    note_failure(db, settings, v.doomed.node.id, str(exc))
-                _outcome(v, released=False, error=down)
-            except BackendError as exc:
-                _outcome(v, released=False, error=str(exc))
-            else:
-                _outcome(v, released=released)
-
-    groups = list(by_node.values())
-    if len(groups) <= 1:
-        for g in groups:
-            one_node(g)
-        return
-    with ThreadPoolExecutor(max_workers=min(MAX_RELEASE_THREADS, len(groups)),
-                            thread_name_prefix="reap") as pool:
-        list(pool.map(one_node, groups))
+        outcome = outcomes[v.doomed.replica_id]
+        if isinstance(outcome, TransientBackendError):
+            node = v.doomed.node
+            if node is not None and node.id not in noted:  # one miss per node and pass
+                noted.add(node.id)
+                note_failure(db, settings, node.id, str(outcome))
+            _outcome(v, released=False,
+                     error=f"{outcome}; reconcile will destroy the VM once the node answers")
+        elif isinstance(outcome, BackendError):
+            _outcome(v, released=False, error=str(outcome))
+        else:
+            _outcome(v, released=outcome)
 
 
 def _outcome(v: _Victim, *, released: bool, error: str | None = None) -> None:

@@ -18,6 +18,7 @@ not be able to make corral store garbage, hang a worker, or fill its memory. So:
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import ipaddress
 import logging
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_BODY",
     "VMID_RE",
     "DeadlineTransport",
+    "abounded_request",
     "bounded_request",
     "check_ip",
     "check_vmid",
@@ -186,29 +188,69 @@ def bounded_request(
         ) as response:
             body = bytearray()
             for chunk in response.iter_raw():
-                body += chunk
-                if len(body) > max_body:
-                    raise PermanentBackendError(
-                        f"{what} answered more than {max_body} bytes", node=node, code="too-large"
-                    )
+                _grow(body, chunk, max_body, what, node)
                 if time.monotonic() > deadline:
                     raise httpx.ReadTimeout("the call's total deadline passed")
-            return httpx.Response(
-                response.status_code,
-                headers=[(k, v) for k, v in response.headers.raw
-                         if k.lower() not in (b"content-encoding", b"transfer-encoding")],
-                content=bytes(body),
-                request=response.request,
-            )
-    except httpx.TimeoutException:
-        raise TransientBackendError(
-            f"{what} timed out after {timeout_s:g}s", node=node, code="timeout"
-        ) from None
+            return _buffered(response, body)
     except httpx.HTTPError as exc:
-        raise TransientBackendError(
-            f"{what} failed: {type(exc).__name__}: {redact(str(exc))}", node=node,
-            code="transport",
-        ) from None
+        raise _transport_error(exc, what, node, timeout_s) from None
+
+
+async def abounded_request(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    *,
+    timeout_s: float,
+    what: str,
+    node: str | None = None,
+    max_body: int = MAX_BODY,
+    **kwargs: Any,
+) -> httpx.Response:
+    """:func:`bounded_request` on an ``httpx.AsyncClient`` (the deadline: ``asyncio.timeout``)."""
+    headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}
+    try:
+        async with asyncio.timeout(timeout_s), client.stream(
+            method, url, timeout=httpx.Timeout(timeout_s), headers=headers, **kwargs
+        ) as response:
+            body = bytearray()
+            async for chunk in response.aiter_raw():
+                _grow(body, chunk, max_body, what, node)
+            return _buffered(response, body)
+    except TimeoutError:
+        raise _transport_error(httpx.ReadTimeout("total deadline"), what, node,
+                               timeout_s) from None
+    except httpx.HTTPError as exc:
+        raise _transport_error(exc, what, node, timeout_s) from None
+
+
+def _grow(body: bytearray, chunk: bytes, max_body: int, what: str, node: str | None) -> None:
+    body += chunk
+    if len(body) > max_body:
+        raise PermanentBackendError(
+            f"{what} answered more than {max_body} bytes", node=node, code="too-large"
+        )
+
+
+def _buffered(response: httpx.Response, body: bytearray) -> httpx.Response:
+    """The streamed ``response`` as a plain one holding ``body``."""
+    return httpx.Response(
+        response.status_code,
+        headers=[(k, v) for k, v in response.headers.raw
+                 if k.lower() not in (b"content-encoding", b"transfer-encoding")],
+        content=bytes(body),
+        request=response.request,
+    )
+
+
+def _transport_error(
+    exc: httpx.HTTPError, what: str, node: str | None, timeout_s: float
+) -> TransientBackendError:
+    if isinstance(exc, httpx.TimeoutException):
+        return TransientBackendError(
+            f"{what} timed out after {timeout_s:g}s", node=node, code="timeout")
+    return TransientBackendError(
+        f"{what} failed: {type(exc).__name__}: {redact(str(exc))}", node=node, code="transport")
 
 
 # -- secrets ---------------------------------------------------------------------------

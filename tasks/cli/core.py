@@ -82,7 +82,8 @@ def cmd_nodes_list(args: argparse.Namespace, settings: Settings) -> int:
     with database(settings).read() as s:
         rows = [node_view(n) for n in s.scalars(select(Node).order_by(Node.name))]
     emit(args, rows, lambda r: table(
-        r, ["name", "kind", "address", "live", "capacity", "healthy", "draining", "last_error"]))
+        r, ["name", "kind", "address", "live", "capacity", "healthy", "draining", "quarantined",
+            "last_error"]))
     return 0
 
 

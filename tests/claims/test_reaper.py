@@ -9,7 +9,7 @@ import grpc
 import pytest
 from sqlalchemy import select
 
-from agents.faults import Fault
+from agents.faults import Fault, FaultPlan
 from tasks import api
 from tests.claims.helpers import at_once, by_id, deploy_fn, released, replicas, spawn_idle
 from tests.fixtures import Env, StartAgents
@@ -238,27 +238,39 @@ def test_batch_limit(corral_env: Env, start_agents: StartAgents) -> None:
 
 
 def test_release_failures(corral_env: Env, start_agents: StartAgents) -> None:
+    # One call at a time to the node, so the order of outcomes is the order of calls.
+    corral_env.set(node_max_inflight="1", node_failures="2")
     (agent,) = start_agents(1)
     deploy_fn(corral_env, idle_timeout=10)
-    gone, down, other = spawn_idle(corral_env, "hello", 3)
-    assert gone.vmid is not None
-    agent.driver.stop(gone.vmid)  # the node lost it already
+    spawn_idle(corral_env, "hello", 5)
     clock.travel(11)
-    agent.agent.inject("ReleaseVMSetup", Fault.delay(0), Fault.abort(
-        grpc.StatusCode.UNAVAILABLE, "node rebooting"))
+    agent.agent.inject("ReleaseVMSetup", *[Fault.abort(
+        grpc.StatusCode.UNAVAILABLE, "node rebooting")] * 10)
     report = _reap(corral_env)
-    outcomes = {d.replica_id: d.outcome for d in report.deleted}
-    assert outcomes[gone.id] == "gone"
     failed = [d for d in report.deleted if d.outcome == "failed"]
-    # The first transport failure marks the node down for the rest of the pass.
-    assert len(failed) == 2 and report.failed == 2
+    # After CORRAL_NODE_FAILURES transport failures in a row the node is not asked again
+    # in this pass: the other VMs fail with the same error, without a call.
+    assert len(agent.agent.calls_of("ReleaseVMSetup")) == 2
+    assert len(failed) == 5 and report.failed == 5
     rows = by_id(corral_env)
-    assert rows[gone.id].status == ReplicaState.DELETED
     for d in failed:
         assert rows[d.replica_id].status == ReplicaState.DEAD
         assert "reconcile" in (rows[d.replica_id].error or "")
+        assert "node rebooting" in (rows[d.replica_id].error or "")
     assert _live_on_nodes(corral_env) == 0
-    assert {down.id, other.id} == {d.replica_id for d in failed}
+
+    # A VM the node no longer has counts as released; other answers as they come.
+    corral_env.set(node_max_inflight="16", node_failures="3")
+    agent.agent.faults = FaultPlan(agent.agent.METHODS)  # the node answers again
+    gone, ok = spawn_idle(corral_env, "hello", 2)
+    assert gone.vmid is not None
+    agent.driver.stop(gone.vmid)
+    clock.travel(11)
+    report = _reap(corral_env)
+    outcomes = {d.replica_id: d.outcome for d in report.deleted}
+    assert outcomes == {gone.id: "gone", ok.id: "deleted"}
+    rows = by_id(corral_env)
+    assert rows[gone.id].status == rows[ok.id].status == ReplicaState.DELETED
 
 
 def test_reap_through_the_api_records_the_report(

@@ -67,7 +67,7 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
     start_agents(1, env=thread_worker)
     _deploy(thread_worker)
     assert api.wait(api.spawn("hello", 1), timeout=30)["status"] == "succeeded"
-    thread_worker.set(fault_raise_in="corral.spawn,corral.delete_replica")
+    thread_worker.set(fault_raise_in="corral.spawn,corral.delete_batch")
     started = time.monotonic()
     view = api.wait(api.spawn("hello", 1), timeout=30)
     assert time.monotonic() - started < 10
@@ -77,7 +77,7 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
     # a task carrying part of a scale: the scale ends failed too, not open for good
     view = api.wait(api.scale("hello", 0), timeout=30)
     assert view["status"] == "failed", view
-    assert "corral.delete_replica: FaultInjected" in view["error"]
+    assert "corral.delete_batch: FaultInjected" in view["error"]
 
 
 def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) -> None:

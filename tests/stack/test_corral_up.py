@@ -121,10 +121,10 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
         while time.monotonic() < deadline:
             tasks = httpx.get(f"{flower}/api/tasks", timeout=10).json()
             names = {t.get("name") for t in tasks.values()}
-            if {"corral.spawn_replica", "corral.scale", "corral.reap"} <= names:
+            if {"corral.scale", "corral.reap", "corral.check_health"} <= names:
                 break
             time.sleep(1)
-        assert {"corral.spawn_replica", "corral.scale", "corral.reap"} <= names, names
+        assert {"corral.scale", "corral.reap", "corral.check_health"} <= names, names
         flower_text = httpx.get(f"{flower}/api/tasks", timeout=10).text
         broker_page = httpx.get(f"{flower}/broker", timeout=10)  # queue lengths, read from Redis
         assert broker_page.status_code == 200 and "corral.spawn" in broker_page.text

@@ -183,6 +183,12 @@ class Node(Base):
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     can_list: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    # Placement learns (workers.nodes.note_creates): failed creates in a row, when the
+    # last create succeeded (None: never - a new node is on probation), and a quarantine.
+    create_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_create_ok_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    quarantined_until: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    quarantine_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
 
     __table_args__ = (
@@ -235,6 +241,7 @@ class Replica(Base):
     gpu_id: Mapped[str | None] = mapped_column(ForeignKey("gpus.id"), nullable=True)
     gpu_slot: Mapped[int | None] = mapped_column(Integer, nullable=True)
     gpu_mem_mb: Mapped[int] = mapped_column(Integer, default=0)
+    placements: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)
     ready_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
