@@ -27,10 +27,10 @@ from workers.nodes import note_creates, upsert_node
 from workers.store.models import Node, Replica, ReplicaState
 
 
-@pytest.fixture(params=["corral_env", "pg_env"])
-def env(request: pytest.FixtureRequest) -> Env:
-    """Eager Celery on SQLite and on PostgreSQL."""
-    return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
+@pytest.fixture
+def env(corral_env: Env) -> Env:
+    """Eager Celery on a fresh store (corral_env runs each test on SQLite and PostgreSQL)."""
+    return corral_env
 
 
 def _deploy(env: Env, name: str = "hello", **fields: object) -> str:
