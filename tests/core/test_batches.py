@@ -322,3 +322,22 @@ def test_creates_not_sent_to_a_node_that_stopped_answering_go_elsewhere(
     assert nodes["node2"].live == 0
     # the three it failed in a row were retried alone, then counted against it
     assert nodes["node2"].create_failures == 3 and nodes["node2"].quarantined_until
+
+
+def test_a_batch_delete_of_a_claimed_replica_ends_its_claims(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    from tasks.replicas import delete_batch
+    from workers.store.models import Claim
+
+    start_agents(1, env=corral_env)
+    _deploy(corral_env)
+    assert api.wait(api.spawn("hello", 2), timeout=30)["status"] == "succeeded"
+    claimed = api.claim("hello")
+    assert delete_batch.apply(args=(None, [r.id for r in _rows(corral_env)])).successful()
+    rows = _rows(corral_env)
+    assert {r.status for r in rows} == {ReplicaState.DELETED}
+    assert {r.envs_in_use for r in rows} == {0}
+    with corral_env.db.read() as s:
+        assert s.scalars(select(Claim)).all() == []
+    assert claimed["replica_id"] in {r.id for r in rows}
