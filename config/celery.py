@@ -6,7 +6,7 @@ is off, so a task routed nowhere is an error, not a silently created queue):
 * ``corral.spawn`` - spawn fan-out and batches, lone retries of one replica;
 * ``corral.delete`` - replica deletions, in batches and alone;
 * ``corral.scale`` - scale planning;
-* ``corral.maintenance`` - reap, reconcile, health checks, CPU hogs.
+* ``corral.maintenance`` - reap, reconcile, health checks, autoscaler passes, CPU hogs.
 
 Reliability, chosen on purpose:
 
@@ -64,6 +64,7 @@ ROUTES: dict[str, dict[str, str]] = {
     "corral.reap": {"queue": "corral.maintenance"},
     "corral.reconcile": {"queue": "corral.maintenance"},
     "corral.check_health": {"queue": "corral.maintenance"},
+    "corral.autoscale": {"queue": "corral.maintenance"},
     "corral.hogs": {"queue": "corral.maintenance"},
     "corral.noop": {"queue": "corral.maintenance"},
 }
@@ -83,6 +84,7 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
         "reap": every(settings.reap_interval_s, "corral.reap"),
         "reconcile": every(settings.reconcile_interval_s, "corral.reconcile"),
         "check-health": every(settings.health_interval_s, "corral.check_health"),
+        "autoscale": every(settings.autoscale_interval_s, "corral.autoscale"),
     }
 
 

@@ -106,6 +106,19 @@ class Settings(BaseSettings):
     db_lock_timeout_s: float = Field(10.0, ge=0)
     db_statement_timeout_s: float = Field(60.0, ge=0)
 
+    # Autoscaler (workers.autoscale) for functions deployed with --autoscale.
+    autoscale_interval_s: float = Field(2.0, gt=0)
+    autoscale_target_utilization: float = Field(0.7, gt=0, le=1)
+    autoscale_stable_window_s: float = Field(60.0, gt=0)
+    autoscale_panic_window_s: float = Field(6.0, gt=0)
+    autoscale_panic_threshold: float = Field(2.0, ge=1)
+    autoscale_max_scale_up_rate: float = Field(10.0, ge=1)
+    autoscale_demand_stale_s: float = Field(10.0, gt=0)
+
+    # The control-plane Prometheus exporter (corral metrics).
+    metrics_listen: str = "127.0.0.1:9808"
+    metrics_token: str | None = None
+
     # Placement and GPUs.
     placement: Literal["loadbalance", "roundrobin", "spread", "random", "pack"] = "loadbalance"
     gpu_fit: Literal["best", "first"] = "best"
@@ -150,6 +163,10 @@ class Settings(BaseSettings):
         if self.task_soft_time_limit_s >= self.task_time_limit_s:
             raise ValueError(
                 "CORRAL_TASK_SOFT_TIME_LIMIT_S must be below CORRAL_TASK_TIME_LIMIT_S"
+            )
+        if self.autoscale_panic_window_s > self.autoscale_stable_window_s:
+            raise ValueError(
+                "CORRAL_AUTOSCALE_PANIC_WINDOW_S must not exceed CORRAL_AUTOSCALE_STABLE_WINDOW_S"
             )
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(

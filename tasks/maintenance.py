@@ -73,6 +73,24 @@ def _redrive(task: CorralTask) -> dict[str, str]:
     return sent
 
 
+@app.task(bind=True, name="corral.autoscale")
+def autoscale(self: CorralTask) -> dict[str, Any]:
+    """One autoscaler pass (beat sends one every ``CORRAL_AUTOSCALE_INTERVAL_S``)."""
+    from tasks import api
+    from workers.autoscale_pass import run_pass
+    from workers.redis_client import redis_client
+
+    settings = self.settings
+    client = redis_client(settings.broker_url)
+    if client is None:
+        return {"skipped": True, "reason": "the autoscaler needs a Redis broker"}
+
+    def scale(name: str, target: int) -> str:
+        return api.scale(name, target, settings=settings)
+
+    return run_pass(self.db, settings, client, scale).as_dict()
+
+
 @app.task(bind=True, name="corral.reconcile")
 def reconcile(self: CorralTask, op_id: str | None = None) -> dict[str, Any]:
     """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""

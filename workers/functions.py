@@ -107,6 +107,9 @@ class FunctionSpec(BaseModel):
     exec_envs: int | None = Field(None, ge=1, le=1000)
     gpu_mem: int | None = Field(None, ge=0, le=10_000_000)
     placement: str | None = None
+    autoscale: bool | None = None
+    # seconds without a request before the autoscaler may go to zero; 0 turns it off
+    scale_to_zero_after: float | None = Field(None, ge=0, le=30 * 86400)
 
     @field_validator("ports")
     @classmethod
@@ -244,6 +247,9 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
         "exec_envs": pick("exec_envs", fn.exec_envs, 1),
         "gpu_mem_mb": pick("gpu_mem", fn.gpu_mem_mb, 0),
         "placement": pick("placement", fn.placement, None),
+        "autoscale": pick("autoscale", fn.autoscale, False),
+        "scale_to_zero_after_s": pick("scale_to_zero_after", fn.scale_to_zero_after_s, None)
+        or None,  # 0 turns it off
         "labels": spec.labels if (created or spec.labels) else fn.labels,
         "env": spec.env if (created or spec.env) else fn.env,
     }
@@ -251,6 +257,9 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
         raise InputError(
             f"max ({values['max_replicas']}) is below min ({values['min_replicas']})"
         )
+    if f.get("scale_to_zero_after") and not values["autoscale"]:
+        raise InputError("--scale-to-zero-after needs --autoscale: only the autoscaler "
+                         "scales a function to zero")
     if backend == "fcdaemon" and not values["kernel"]:
         raise InputError("a fcdaemon function needs --kernel (or the KERNEL_IMAGE_PATH label)")
     if backend == "lambdo" and not values["rootfs"]:
@@ -307,6 +316,8 @@ def function_view(fn: Function, counts: dict[str, int] | None = None) -> dict[st
         "exec_envs": fn.exec_envs,
         "gpu_mem": fn.gpu_mem_mb,
         "placement": fn.placement,
+        "autoscale": fn.autoscale,
+        "scale_to_zero_after": fn.scale_to_zero_after_s,
         "aws_credentials": "set" if fn.aws_access_key_id or fn.aws_secret_access_key else "unset",
         "created_at": iso(fn.created_at),
         "updated_at": iso(fn.updated_at),

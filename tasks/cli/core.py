@@ -147,6 +147,8 @@ def cmd_functions_deploy(args: argparse.Namespace, settings: Settings) -> int:
             "exec_envs": args.exec_envs,
             "gpu_mem": args.gpu_mem,
             "placement": args.placement,
+            "autoscale": args.autoscale,
+            "scale_to_zero_after": args.scale_to_zero_after,
             **_aws_keys(args),
         }
         spec = spec_from(**{k: v for k, v in fields.items() if v is not None})
@@ -379,6 +381,11 @@ def register(sub: Any, command: Command) -> None:
     p.add_argument("--exec-envs", type=integer, help="concurrent requests per replica")
     p.add_argument("--gpu-mem", type=integer, help="GPU memory per replica in MB")
     p.add_argument("--placement")
+    p.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=None,
+                   help="let the autoscaler set the replica target from gateway demand")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="S",
+                   help="with --autoscale: go to zero after S seconds without requests "
+                        "(0: never, the default)")
     p.add_argument("--aws-access-key-id")
     aws = p.add_mutually_exclusive_group()
     aws.add_argument("--aws-secret-access-key", help="discouraged: argv is visible in ps")

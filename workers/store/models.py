@@ -152,6 +152,10 @@ class Function(Base):
     exec_envs: Mapped[int] = mapped_column(Integer, default=1)
     gpu_mem_mb: Mapped[int] = mapped_column(Integer, default=0)
     placement: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    # Demand-driven scaling (workers.autoscale): off unless deployed with --autoscale;
+    # scale_to_zero_after_s None keeps at least one replica (or min) while autoscaled.
+    autoscale: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    scale_to_zero_after_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     rr_last_node: Mapped[str | None] = mapped_column(String(63), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)
