@@ -15,7 +15,7 @@ from sqlalchemy import select
 from tasks import api
 from tests.fixtures import Env, StartAgents
 from workers import demand
-from workers.autoscale_pass import LOCK_KEY, run_pass, state_key
+from workers.autoscale_pass import LOCK_KEY, ScaleFn, run_pass, state_key
 from workers.functions import deploy, spec_from
 from workers.store.models import Function, Operation, Replica, ReplicaState
 
@@ -30,7 +30,7 @@ def env(request: pytest.FixtureRequest, redis_url: str) -> Env:
     return e
 
 
-def scaler(env: Env) -> object:
+def scaler(env: Env) -> ScaleFn:
     return lambda name, target: api.scale(name, target, settings=env.settings)
 
 
@@ -48,7 +48,8 @@ def live(env: Env, name: str) -> int:
 
 def report(client: redis.Redis, name: str, concurrency: float, at: float) -> None:
     demand.report(client, "gw-test", {name: demand.Sample(
-        inflight=int(concurrency), queued=0, concurrency=concurrency, requests=int(concurrency > 0), at=at)})
+        inflight=int(concurrency), queued=0, concurrency=concurrency,
+        requests=int(concurrency > 0), at=at)})
 
 
 def test_a_pass_scales_only_autoscaled_functions_and_keeps_its_window_in_redis(
@@ -61,7 +62,7 @@ def test_a_pass_scales_only_autoscaled_functions_and_keeps_its_window_in_redis(
     t = time.time()
     report(client, "auto", 2.8, t)  # asks for 4
     report(client, "plain", 2.8, t)  # not autoscaled: ignored
-    result = run_pass(env.db, env.settings, client, scaler(env), now=t)  # type: ignore[arg-type]
+    result = run_pass(env.db, env.settings, client, scaler(env), now=t)
     assert set(result.functions) == {"auto"}
     out = result.functions["auto"]
     assert out.action == "scaled" and out.decision.desired == 4 and out.op_id
@@ -69,21 +70,22 @@ def test_a_pass_scales_only_autoscaled_functions_and_keeps_its_window_in_redis(
     assert live(env, "auto") == 4 and live(env, "plain") == 0
     with env.db.read() as s:
         assert s.scalar(select(Function.target).where(Function.name == "plain")) is None
-        fid = s.scalar(select(Function.id).where(Function.name == "auto"))
-    assert b"samples" in client.get(state_key(fid))  # type: ignore[operator]
+        fid = s.scalars(select(Function.id).where(Function.name == "auto")).one()
+    kept = client.get(state_key(fid))
+    assert isinstance(kept, bytes) and b"samples" in kept
 
     # the same demand again: the target is already 4, no new operation
-    again = run_pass(env.db, env.settings, client, scaler(env), now=t + 2)  # type: ignore[arg-type]
+    again = run_pass(env.db, env.settings, client, scaler(env), now=t + 2)
     assert again.functions["auto"].action == "kept"
     with env.db.read() as s:
         assert len(s.scalars(select(Operation).where(Operation.kind == "scale")).all()) == 1
 
     # demand gone: the window (10 s) holds 4 until the peak has left it, then 1 (no zero)
     report(client, "auto", 0.0, t + 4)
-    held = run_pass(env.db, env.settings, client, scaler(env), now=t + 4)  # type: ignore[arg-type]
+    held = run_pass(env.db, env.settings, client, scaler(env), now=t + 4)
     assert held.functions["auto"].decision.desired == 4
     report(client, "auto", 0.0, t + 12)  # the pass at t + 2 still saw 2.8: 10 s after that
-    down = run_pass(env.db, env.settings, client, scaler(env), now=t + 12)  # type: ignore[arg-type]
+    down = run_pass(env.db, env.settings, client, scaler(env), now=t + 12)
     assert down.functions["auto"].action == "scaled"
     assert down.functions["auto"].decision.desired == 1
     assert live(env, "auto") == 1
@@ -119,10 +121,10 @@ def test_a_pass_is_skipped_while_another_holds_the_lock(env: Env, redis_url: str
     fn_deploy(env, "auto", autoscale=True)
     client = redis.Redis.from_url(redis_url)
     client.set(LOCK_KEY, "someone else", px=5000)
-    assert run_pass(env.db, env.settings, client, scaler(env)).skipped  # type: ignore[arg-type]
+    assert run_pass(env.db, env.settings, client, scaler(env)).skipped
     assert client.get(LOCK_KEY) == b"someone else"  # not released by the skipped pass
     client.delete(LOCK_KEY)
-    assert not run_pass(env.db, env.settings, client, scaler(env)).skipped  # type: ignore[arg-type]
+    assert not run_pass(env.db, env.settings, client, scaler(env)).skipped
     assert client.get(LOCK_KEY) is None
 
 
@@ -133,14 +135,14 @@ def test_scale_to_zero_after_no_requests(env: Env, start_agents: StartAgents,
     client = redis.Redis.from_url(redis_url)
     t = time.time()
     report(client, "zero", 0.5, t)
-    run_pass(env.db, env.settings, client, scaler(env), now=t)  # type: ignore[arg-type]
+    run_pass(env.db, env.settings, client, scaler(env), now=t)
     assert live(env, "zero") == 1
     for dt in (2, 6, 12, 14):  # window over after 10 s, but the last request was < 15 s ago
         report(client, "zero", 0.0, t + dt)  # the gateway sees no load (and no requests)
-        r = run_pass(env.db, env.settings, client, scaler(env), now=t + dt)  # type: ignore[arg-type]
+        r = run_pass(env.db, env.settings, client, scaler(env), now=t + dt)
         assert r.functions["zero"].decision.desired == 1
     report(client, "zero", 0.0, t + 16)
-    r = run_pass(env.db, env.settings, client, scaler(env), now=t + 16)  # type: ignore[arg-type]
+    r = run_pass(env.db, env.settings, client, scaler(env), now=t + 16)
     assert r.functions["zero"].action == "scaled" and r.functions["zero"].decision.desired == 0
     assert live(env, "zero") == 0
 
