@@ -77,6 +77,7 @@ class Facts:
     ready: int  # replicas Idle or Allocated
     target: int  # the target now (the last scale's, or the replica count if never scaled)
     scale_to_zero_after_s: float | None = None
+    counted: int | None = None  # replicas Creating, Starting, Idle or Allocated (None: target)
 
 
 @dataclass(frozen=True)
@@ -192,5 +193,9 @@ def floor_for(facts: Facts, first_seen: float, obs: Observation) -> int:
 
 
 def should_scale(decision: Decision, facts: Facts, scale_open: bool) -> bool:
-    """Whether to ask for a scale: the target moves and no scale of the function is open."""
-    return not scale_open and decision.desired != facts.target
+    """Whether to ask for a scale: no scale of the function is open, and the target moves
+    or fewer replicas exist than it (the reaper took some, spawns failed)."""
+    if scale_open:
+        return False
+    counted = facts.target if facts.counted is None else facts.counted
+    return decision.desired != facts.target or decision.desired > counted

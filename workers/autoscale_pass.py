@@ -9,7 +9,8 @@ ready replicas, the current target, whether a ``scale`` operation of it is still
 open), the summed demand of every gateway (:func:`workers.demand.read`) and the
 function's window state, runs :func:`workers.autoscale.decide`, stores the new
 state, and - when the target moves and no scale of that function is still open -
-asks for an ordinary ``scale`` operation through ``scale`` (the task passes
+asks for an ordinary ``scale`` operation (also when the target stands but fewer
+replicas exist: the reaper took some, or spawns failed) through ``scale`` (the task passes
 :func:`tasks.api.scale`), so every change shows in ``corral ops`` and Flower.
 
 Where the window state lives, and why
@@ -118,6 +119,7 @@ def load_facts(db: Database) -> dict[str, tuple[str, Facts, bool]]:
                     ready=int(ready.get(f.id, 0)),
                     target=f.target if f.target is not None else f.replica_count,
                     scale_to_zero_after_s=f.scale_to_zero_after_s,
+                    counted=f.replica_count,
                 ),
                 f.id in open_scales,
             )
@@ -175,7 +177,7 @@ def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
                 outcome.action, outcome.error = "error", str(exc)
                 log.warning("autoscale %s: could not scale to %d: %s", name,
                             decision.desired, exc)
-        elif scale_open and decision.desired != fn_facts.target:
+        elif scale_open:
             outcome.action = "waiting"
         report.functions[name] = outcome
     pipe.execute()

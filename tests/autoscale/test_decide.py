@@ -191,3 +191,10 @@ def test_should_scale_only_on_a_change_and_with_no_scale_open() -> None:
     up = Decision(desired=5, stable=5, panic=5, panicking=False, floor=1, capped=False)
     assert should_scale(up, f, scale_open=False)
     assert not should_scale(up, f, scale_open=True)
+
+
+def test_should_scale_tops_up_a_target_that_lost_replicas() -> None:
+    d = Decision(desired=3, stable=3, panic=3, panicking=False, floor=1, capped=False)
+    assert should_scale(d, facts(target=3, counted=1), scale_open=False)  # reaped under it
+    assert not should_scale(d, facts(target=3, counted=5), scale_open=False)  # busy surplus
+    assert not should_scale(d, facts(target=3, counted=1), scale_open=True)

@@ -103,3 +103,16 @@ def test_scale_below_the_count_deletes_the_surplus_idle_replicas(
     replicas = _json(capsys, ["replicas", "--function", "hello", "--json"])
     assert isinstance(replicas, list)
     assert [r["status"] for r in replicas] == ["idle"]  # deleted rows are not listed
+
+
+def test_deploy_autoscale_options(corral_env: Env, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["functions", "deploy", "web", "--image", "i", "--kernel", "/k", "--json"]
+    plain = _json(capsys, base)
+    assert plain["autoscale"] is False and plain["scale_to_zero_after"] is None  # type: ignore[index]
+    auto = _json(capsys, [*base, "--autoscale", "--scale-to-zero-after", "120"])
+    assert auto["autoscale"] is True and auto["scale_to_zero_after"] == 120.0  # type: ignore[index]
+    off = _json(capsys, [*base, "--no-autoscale", "--scale-to-zero-after", "0"])
+    assert off["autoscale"] is False and off["scale_to_zero_after"] is None  # type: ignore[index]
+    capsys.readouterr()
+    assert main([*base, "--scale-to-zero-after", "60"]) == 1
+    assert "needs --autoscale" in capsys.readouterr().err
