@@ -6,11 +6,14 @@ one is due, so a stopped worker does not come back to a pile of stale passes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from typing import Any
 
 from workers import health, leases
 from workers.app import CorralTask, app
+
+log = logging.getLogger(__name__)
 
 
 @app.task(bind=True, name="corral.check_health")
@@ -44,6 +47,7 @@ def reap(
     wait = settings.task_soft_time_limit_s / 4 if op_id else 0.0
     report = reaper.reap(self.db, settings, idle_timeout=idle_timeout, holder=holder,
                          lease_wait_s=wait)
+    _count_reaped(settings, report.counts)
     replacements: dict[str, str] = {}
     for name, n in report.replace.items():
         try:
@@ -54,6 +58,20 @@ def reap(
     if op_id:
         reaper.record(self.db, op_id, report, extra)
     return {**report.as_dict(), **extra}
+
+
+def _count_reaped(settings: Any, counts: dict[str, int]) -> None:
+    """Add the pass's deletions to the shared per-reason totals (``corral_reaped_total``)."""
+    from workers.metrics import count_reaped
+    from workers.redis_client import redis_client
+
+    client = redis_client(settings.broker_url)
+    if client is None or not any(counts.values()):
+        return
+    try:
+        count_reaped(client, counts)
+    except Exception as exc:  # a metric is not worth failing the pass over
+        log.warning("could not count reaped replicas: %s", exc)
 
 
 def _redrive(task: CorralTask) -> dict[str, str]:

@@ -27,6 +27,7 @@ a pass that finds the lock held is skipped, as a reap pass is.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 STATE_PREFIX = "corral:autoscale:"
 LOCK_KEY = STATE_PREFIX + "lock"
+# function name -> its last decision as JSON ({"desired": n, "panicking": b}), for metrics
+DECISIONS_KEY = STATE_PREFIX + "decisions"
 _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('del', KEYS[1]) else return 0 end")
 READY_STATES = (ReplicaState.IDLE, ReplicaState.ALLOCATED)
@@ -180,6 +183,9 @@ def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
         elif scale_open:
             outcome.action = "waiting"
         report.functions[name] = outcome
+        pipe.hset(DECISIONS_KEY, name, json.dumps(
+            {"desired": decision.desired, "panicking": decision.panicking}))
+    pipe.expire(DECISIONS_KEY, keep_ms // 1000)
     pipe.execute()
     return report
 

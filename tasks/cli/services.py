@@ -1,4 +1,4 @@
-"""Long-running commands: ``registry``, ``agent`` (reference agents), ``up`` (local stack)."""
+"""Long-running commands: ``registry``, ``metrics``, ``agent`` (reference agents), ``up``."""
 
 from __future__ import annotations
 
@@ -24,12 +24,33 @@ def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
     database(settings)  # refuse an un-migrated store before listening
     running = serve_registry(settings, args.listen, insecure=args.insecure)
     print(f"registry listening on {args.listen or settings.registry_listen}", flush=True)
+    _until_signalled()
+    running.stop(2.0)
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace, settings: Settings) -> int:
+    """Serve the control plane's Prometheus metrics until SIGINT / SIGTERM."""
+    from tasks.api import database
+    from workers.metrics import serve
+    from workers.redis_client import redis_client
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    running = serve(database(settings), redis_client(settings.broker_url),
+                    args.listen or settings.metrics_listen, token=settings.metrics_token,
+                    insecure=args.insecure)
+    print(f"metrics at {running.url}", flush=True)
+    _until_signalled()
+    running.stop()
+    return 0
+
+
+def _until_signalled() -> None:
+    """Block until SIGINT or SIGTERM."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    running.stop(2.0)
-    return 0
 
 
 def cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
@@ -59,6 +80,10 @@ def register(sub: Any, command: Command) -> None:
                    "off loopback needs CORRAL_REGISTRY_TOKEN)")
     p.add_argument("--insecure", action="store_true",
                    help="listen off loopback without a token (logs a warning at every start)")
+    p = command("metrics", cmd_metrics, "serve the control plane's Prometheus metrics")
+    p.add_argument("--listen", help="HOST:PORT (default CORRAL_METRICS_LISTEN, 127.0.0.1:9808)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow an address off loopback without CORRAL_METRICS_TOKEN")
     p = command("agent", cmd_agent, "run a reference agent: fcdaemon, lambdo or gpus")
     p.add_argument("kind", choices=["fcdaemon", "lambdo", "gpus"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the agent's own options")

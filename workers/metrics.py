@@ -1,0 +1,346 @@
+"""The control plane's Prometheus exporter (``corral metrics``): computed at scrape time.
+
+The model
+---------
+Celery runs corral's work in many prefork processes on many hosts; counters kept
+in any one of them would see a fraction of the work and vanish with it. So the
+exporter keeps no counters of its own: each scrape, :class:`StoreCollector` reads
+what the fleet already records - the SQL store and the broker's Redis - and turns
+it into metrics. Any number of exporters give the same answers.
+
+From the store:
+
+* ``corral_replicas{function,state}`` - live replicas per function and state
+  (every live state of every function, zeros included);
+* ``corral_spawn_seconds`` - histogram of enqueue -> Idle for every replica that
+  ever became ready: its operation's ``created_at`` (the request was accepted and
+  queued; a replica's request id starts with its operation's id) to the replica's
+  ``ready_at``; bucketed in SQL, one aggregate query;
+* ``corral_node_healthy{node}`` (1 or 0), ``corral_node_replicas{node}``,
+  ``corral_node_capacity{node}``;
+* ``corral_operations_total{kind,status}`` - finished operations (succeeded,
+  failed, partial): a counter, it only grows; ``corral_operations_open{kind,status}``
+  - operations still pending or running: a gauge.
+
+From Redis:
+
+* ``corral_reaped_total{reason}`` - replicas the reaper deleted, per reason
+  (stuck, stale, idle); the reap task adds each pass's counts to one Redis hash
+  (:func:`count_reaped`), so every worker process adds to the same total;
+* ``corral_queue_length{queue}`` - messages waiting in each of corral's Celery
+  queues (``LLEN`` of the queue's list, over kombu's priority lists), and
+  ``corral_queue_unacked`` - messages delivered to a worker and not yet
+  acknowledged;
+* ``corral_autoscale_desired_replicas{function}`` and
+  ``corral_autoscale_panic{function}`` - the autoscaler's last decision.
+
+``corral_exporter_source_up{source}`` says whether the store and Redis answered
+this scrape; a source that fails leaves its metrics out instead of failing the scrape.
+
+Serving: :func:`serve` runs a small threaded WSGI server. It refuses an address
+off loopback unless a token is set (``CORRAL_METRICS_TOKEN``; Prometheus sends it
+as ``Authorization: Bearer ...``) or ``insecure`` is asked for; with a token set,
+every request must carry it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import redis
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from sqlalchemy import Float, case, cast, func, select
+from sqlalchemy.sql.elements import ColumnElement
+
+from agents.runtime import listen_refusal, split_hostport
+from config.celery import QUEUES
+from workers.autoscale_pass import DECISIONS_KEY
+from workers.errors import InputError
+from workers.store.db import Database
+from workers.store.models import (
+    LIVE_STATES,
+    Function,
+    Node,
+    Operation,
+    OpStatus,
+    Replica,
+    ReplicaState,
+)
+
+log = logging.getLogger(__name__)
+
+REAPED_KEY = "corral:metrics:reaped"
+REAP_REASONS = ("stuck", "stale", "idle")
+# enqueue -> Idle: a VM create takes 0.1-2 s on a real host, a cold guest longer
+SPAWN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+OPEN_STATUSES = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
+# kombu's Redis transport keeps a queue's messages of priority p > 0 in "<queue>\x06\x16<p>"
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (0, 3, 6, 9)
+UNACKED_KEY = "unacked"
+
+
+def count_reaped(client: redis.Redis, counts: Mapping[str, int]) -> None:
+    """Add one reaper pass's deletions per reason to the shared totals."""
+    pipe = client.pipeline(transaction=False)
+    for reason, n in counts.items():
+        if n:
+            pipe.hincrby(REAPED_KEY, reason, n)
+    pipe.execute()
+
+
+def _seconds(db: Database, later: Any, earlier: Any) -> ColumnElement[Any]:
+    """``later - earlier`` in seconds, as this database spells it."""
+    if db.is_sqlite:
+        return (func.julianday(later) - func.julianday(earlier)) * 86400.0
+    return cast(func.extract("epoch", later - earlier), Float)
+
+
+class StoreCollector(Collector):
+    """Metrics read from the store and Redis on every scrape."""
+
+    def __init__(self, db: Database, client: redis.Redis | None) -> None:
+        self.db = db
+        self.client = client
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric, computed now."""
+        up = GaugeMetricFamily("corral_exporter_source_up",
+                               "Whether a source answered this scrape (1) or not (0).",
+                               labels=["source"])
+        try:
+            families = list(self._from_store())
+        except Exception as exc:  # the store is down: say so, keep the scrape
+            log.warning("metrics: the store did not answer: %s", exc)
+            families = []
+            up.add_metric(["store"], 0)
+        else:
+            up.add_metric(["store"], 1)
+        if self.client is not None:
+            try:
+                families += list(self._from_redis(self.client))
+            except redis.RedisError as exc:
+                log.warning("metrics: Redis did not answer: %s", exc)
+                up.add_metric(["redis"], 0)
+            else:
+                up.add_metric(["redis"], 1)
+        yield from families
+        yield up
+
+    def _from_store(self) -> Iterable[Metric]:
+        with self.db.read() as s:
+            names = dict(s.execute(select(Function.id, Function.name)).all())
+            counts = {(fid, status): n for fid, status, n in s.execute(
+                select(Replica.function_id, Replica.status, func.count())
+                .where(Replica.status.in_(LIVE_STATES))
+                .group_by(Replica.function_id, Replica.status))}
+            nodes = s.execute(select(Node.name, Node.healthy, Node.live, Node.capacity)
+                              .order_by(Node.name)).all()
+            ops = s.execute(select(Operation.kind, Operation.status, func.count())
+                            .group_by(Operation.kind, Operation.status)).all()
+            spawn = self._spawn_histogram(s)
+
+        replicas = GaugeMetricFamily("corral_replicas", "Live replicas per function and state.",
+                                     labels=["function", "state"])
+        for fid, name in sorted(names.items(), key=lambda kv: kv[1]):
+            for state in LIVE_STATES:
+                replicas.add_metric([name, ReplicaState(state).label],
+                                    counts.get((fid, state), 0))
+        yield replicas
+        yield spawn
+
+        healthy = GaugeMetricFamily("corral_node_healthy",
+                                    "Whether a node passes its health checks (1) or not (0).",
+                                    labels=["node"])
+        live = GaugeMetricFamily("corral_node_replicas", "Live replicas on a node.",
+                                 labels=["node"])
+        capacity = GaugeMetricFamily("corral_node_capacity", "Replicas a node may hold.",
+                                     labels=["node"])
+        for name, ok, n, cap in nodes:
+            healthy.add_metric([name], 1 if ok else 0)
+            live.add_metric([name], n)
+            capacity.add_metric([name], cap)
+        yield from (healthy, live, capacity)
+
+        finished = CounterMetricFamily("corral_operations", "Finished operations by kind and "
+                                       "outcome.", labels=["kind", "status"])
+        still = GaugeMetricFamily("corral_operations_open", "Operations pending or running.",
+                                  labels=["kind", "status"])
+        for kind, status, n in sorted(ops):
+            (still if status in OPEN_STATUSES else finished).add_metric([kind, status], n)
+        yield from (finished, still)
+
+    def _spawn_histogram(self, s: Any) -> HistogramMetricFamily:
+        dt = _seconds(self.db, Replica.ready_at, Operation.created_at)
+        row = s.execute(
+            select(func.count(), func.coalesce(func.sum(dt), 0.0),
+                   *[func.coalesce(func.sum(case((dt <= b, 1), else_=0)), 0)
+                     for b in SPAWN_BUCKETS])
+            .select_from(Replica)
+            .join(Operation, Operation.id == func.substr(Replica.request_id, 1, 32))
+            .where(Replica.ready_at.is_not(None), Operation.kind.in_(("spawn", "scale")))
+        ).one()
+        total, seconds, *cumulative = row
+        buckets = [(_le(b), float(n)) for b, n in zip(SPAWN_BUCKETS, cumulative, strict=True)]
+        buckets.append(("+Inf", float(total)))
+        return HistogramMetricFamily(
+            "corral_spawn_seconds",
+            "Seconds from a spawn's enqueue (its operation accepted) to its replica Idle.",
+            buckets=buckets, sum_value=float(seconds))
+
+    def _from_redis(self, client: redis.Redis) -> Iterable[Metric]:
+        pipe = client.pipeline(transaction=False)
+        pipe.hgetall(REAPED_KEY)
+        for queue in QUEUES:
+            for step in PRIORITY_STEPS:
+                pipe.llen(queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}")
+        pipe.hlen(UNACKED_KEY)
+        pipe.hgetall(DECISIONS_KEY)
+        replies = pipe.execute()
+        reaped_raw, lengths, unacked, decisions = (
+            replies[0], replies[1:-2], replies[-2], replies[-1])
+
+        reaped = CounterMetricFamily("corral_reaped", "Replicas the reaper deleted, by reason.",
+                                     labels=["reason"])
+        got = {_text(k): int(v) for k, v in reaped_raw.items()}
+        for reason in sorted(set(REAP_REASONS) | set(got)):
+            reaped.add_metric([reason], got.get(reason, 0))
+        yield reaped
+
+        queued = GaugeMetricFamily("corral_queue_length",
+                                   "Messages waiting in a Celery queue.", labels=["queue"])
+        steps = len(PRIORITY_STEPS)
+        for i, queue in enumerate(QUEUES):
+            queued.add_metric([queue], sum(lengths[i * steps:(i + 1) * steps]))
+        yield queued
+        yield GaugeMetricFamily("corral_queue_unacked",
+                                "Messages delivered to workers and not yet acknowledged.",
+                                value=unacked)
+
+        desired = GaugeMetricFamily("corral_autoscale_desired_replicas",
+                                    "The autoscaler's last target for a function.",
+                                    labels=["function"])
+        panic = GaugeMetricFamily("corral_autoscale_panic",
+                                  "Whether the autoscaler is in panic mode for a function.",
+                                  labels=["function"])
+        for name, raw in sorted((_text(k), v) for k, v in decisions.items()):
+            try:
+                last = json.loads(raw)
+                desired.add_metric([name], float(last["desired"]))
+                panic.add_metric([name], 1 if last["panicking"] else 0)
+            except (ValueError, KeyError, TypeError):
+                continue
+        yield from (desired, panic)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+# -- serving ---------------------------------------------------------------------------------
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as a pair, or a clear :class:`InputError`."""
+    try:
+        host, port = split_hostport(listen)
+    except ValueError:
+        host, port = "", 0
+    host = host.strip("[]")
+    if not host:
+        raise InputError(f"--listen must be HOST:PORT, got {listen!r}")
+    return host, port
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("metrics: " + format, *args)
+
+
+def guarded(app: Callable[..., Any], token: str | None) -> Callable[..., Any]:
+    """``app`` behind ``Authorization: Bearer <token>`` (when a token is set), on /metrics only."""
+    expected = f"Bearer {token}".encode() if token else None
+
+    def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") not in ("/metrics", "/"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found; metrics are at /metrics\n"]
+        if expected is not None:
+            given = environ.get("HTTP_AUTHORIZATION", "").encode()
+            if not hmac.compare_digest(given, expected):
+                start_response("401 Unauthorized", [("Content-Type", "text/plain"),
+                                                    ("WWW-Authenticate", "Bearer")])
+                return [b"a bearer token is required\n"]
+        return app(environ, start_response)  # type: ignore[no-any-return]
+
+    return wsgi
+
+
+@dataclass
+class RunningExporter:
+    """A serving exporter: where it listens, and how to stop it."""
+
+    host: str
+    port: int
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        """The scrape URL."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def serve(
+    db: Database, client: redis.Redis | None, listen: str, *, token: str | None = None,
+    insecure: bool = False,
+) -> RunningExporter:
+    """Serve the metrics on ``listen`` in a background thread (port 0 picks a free one)."""
+    host, port = parse_listen(listen)
+    refusal = listen_refusal("corral metrics", host, token, "CORRAL_METRICS_TOKEN",
+                             insecure=insecure)
+    if refusal is not None:
+        raise InputError(refusal)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(db, client))
+    app = guarded(make_wsgi_app(registry), token)
+    server = make_server(host, port, app, server_class=_Server6 if ":" in host else _Server,
+                         handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="corral-metrics", daemon=True)
+    thread.start()
+    return RunningExporter(host, server.server_port, server, thread)
