@@ -1,12 +1,13 @@
-"""``corral up``: broker, store, registry, worker, beat, Flower, gateway and two agents.
+"""``corral up``: broker, store, registry, worker, beat, Flower, gateway, metrics, agents.
 
 Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite
 store (migrated), the registry, one Celery worker on every queue with task events,
 celery beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port
-is taken), then an fcdaemon agent (which registers itself through the
-registry) and a Lambdo host (added as a node), both with the process driver. Stop
-order is the reverse. Everything lives under the state directory (``.corral/`` in
-the working directory by default): data, logs, the lock that keeps a second
+is taken), the Prometheus exporter (``corral metrics``, 127.0.0.1:9808 unless
+taken), then an fcdaemon agent (which registers itself through the registry) and a
+Lambdo host (added as a node), both with the process driver. Stop order is the
+reverse. Everything lives under the state directory (``.corral/`` in the working
+directory by default): data, logs, the lock that keeps a second
 ``corral up`` out, and ``stack.json``, from which the CLI run in the same
 directory learns the broker, database and registry addresses.
 """
@@ -29,7 +30,7 @@ from stack.redis import free_port, redis_argv
 from stack.supervisor import Child, Supervisor
 
 DEFAULT_PORTS = {"redis": 6379, "registry": 50052, "flower": 5555, "fcdaemon": 50051,
-                 "lambdo": 3000, "gateway": 8080}
+                 "lambdo": 3000, "gateway": 8080, "metrics": 9808}
 
 
 class AlreadyRunning(RuntimeError):
@@ -184,6 +185,11 @@ def _start(
     sup.start(Child("gateway", [py, "-m", "tasks.cli", "gateway", "--listen",
                                 f"127.0.0.1:{gw_port}"], env, logs / "gateway.log", state),
               ready=lambda: _port_open(gw_port), timeout=30)
+    metrics_port = free_port(DEFAULT_PORTS["metrics"])
+    services["metrics"] = f"http://127.0.0.1:{metrics_port}/metrics"
+    sup.start(Child("metrics", [py, "-m", "tasks.cli", "metrics", "--listen",
+                                f"127.0.0.1:{metrics_port}"], env, logs / "metrics.log", state),
+              ready=lambda: _port_open(metrics_port), timeout=30)
     if options.agents:
         fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
         services["fcdaemon"] = f"127.0.0.1:{fc_port}"
@@ -242,6 +248,7 @@ def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
         f"  registry         {services['registry']}",
         f"  flower           {services['flower']}",
         f"  gateway          {services['gateway']} (call {services['gateway']}/function/NAME)",
+        f"  metrics          {services['metrics']} (Prometheus)",
     ]
     if options.agents:
         lines += [

@@ -45,6 +45,9 @@ def test_services_are_the_production_shape(compose: dict[str, Any]) -> None:
     for name in ("redis", "postgres", "worker", "flower", "registry", "agent", "gateway"):
         assert "healthcheck" in services[name], name
     assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]
+    # the exporter listens off loopback in its container: only with a token
+    assert "CORRAL_METRICS_TOKEN" in services["metrics"]["environment"]
+    assert "healthcheck" in services["metrics"]
 
 
 def test_every_dependency_is_a_declared_service(compose: dict[str, Any]) -> None:

@@ -107,7 +107,7 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
         assert httpx.get(f"{gateway}/function/nope", timeout=10).status_code == 404
 
         started = _descendants(up.pid)
-        assert len(started) >= 8  # redis, registry, worker(+pool), beat, flower, agents, replicas
+        assert len(started) >= 9  # redis, registry, worker(+pool), beat, flower, metrics, agents...
 
         reap = json.loads(_corral(tmp_path, "reap", "--idle-timeout", "0", "--wait",
                                   "--json").stdout)
@@ -131,6 +131,17 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
         assert AWS_ID not in flower_text and AWS_SECRET not in flower_text
         ops = _corral(tmp_path, "ops", "--json").stdout
         assert AWS_ID not in ops and AWS_SECRET not in ops
+
+        # the exporter corral up started: its URL printed, the work above in its numbers
+        services = json.loads((tmp_path / ".corral" / "stack.json").read_text())["services"]
+        assert f"metrics          {services['metrics']}" in (tmp_path / "up.out").read_text()
+        metrics = httpx.get(services["metrics"], timeout=10).text
+        assert 'corral_reaped_total{reason="idle"} 5.0' in metrics
+        assert 'corral_operations_total{kind="scale",status="succeeded"} 2.0' in metrics
+        assert "corral_spawn_seconds_count 5.0" in metrics
+        assert 'corral_replicas{function="hello",state="idle"} 0.0' in metrics
+        assert 'corral_node_healthy{node="local-fcdaemon"} 1.0' in metrics
+        assert AWS_ID not in metrics and AWS_SECRET not in metrics
     finally:
         up.send_signal(signal.SIGINT)
         try:
