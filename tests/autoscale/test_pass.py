@@ -22,12 +22,11 @@ from workers.store.models import Function, Operation, Replica, ReplicaState
 FAST = {"autoscale_stable_window_s": "10", "autoscale_panic_window_s": "2"}
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def env(request: pytest.FixtureRequest, redis_url: str) -> Env:
-    name = "corral_env" if request.param == "sqlite" else "pg_env"
-    e: Env = request.getfixturevalue(name)
-    e.set(broker_url=redis_url, **FAST)
-    return e
+@pytest.fixture
+def env(corral_env: Env, redis_url: str) -> Env:
+    """Eager scale operations on each store, with the session's Redis for demand and state."""
+    corral_env.set(broker_url=redis_url, **FAST)
+    return corral_env
 
 
 def scaler(env: Env) -> ScaleFn:

@@ -44,11 +44,11 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def env(request: pytest.FixtureRequest, redis_url: str) -> Env:
-    e: Env = request.getfixturevalue("corral_env" if request.param == "sqlite" else "pg_env")
-    e.set(broker_url=redis_url)
-    return e
+@pytest.fixture
+def env(corral_env: Env, redis_url: str) -> Env:
+    """Each store, with the session's Redis."""
+    corral_env.set(broker_url=redis_url)
+    return corral_env
 
 
 @pytest.fixture
