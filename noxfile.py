@@ -17,9 +17,10 @@ CHECKED = ["config", "tasks", "workers", "stack", "agents", "examples", "bench",
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the tree."""
+    """ruff over the tree, and the import layers."""
     session.install("-e", ".[dev]")
     session.run("ruff", "check", ".")
+    session.run("lint-imports")
 
 
 @nox.session

@@ -250,7 +250,7 @@ class RegistryReporter:
                 self._stub.RegisterNode(request, timeout=5.0, metadata=self._metadata)
             except grpc.RpcError as exc:
                 failures += 1
-                code = exc.code()  # type: ignore[attr-defined]
+                code = exc.code()
                 if failures in (1, 10) or failures % 100 == 0:
                     level = logging.ERROR if code in _FINAL_CODES else logging.WARNING
                     log.log(
@@ -306,9 +306,9 @@ class RegistryReporter:
                 reply = self._stub.UpdateStatus(request, timeout=5.0, metadata=self._metadata)
                 break
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
+                code = exc.code()
                 if code in _FINAL_CODES or time.monotonic() > deadline or not self.is_live(vm.vmid):
-                    log.warning("READY of %s not delivered: %s %s", vm.vmid, code, exc.details())  # type: ignore[attr-defined]
+                    log.warning("READY of %s not delivered: %s %s", vm.vmid, code, exc.details())
                     return
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
@@ -326,7 +326,7 @@ class RegistryReporter:
         self._channel.close()
 
 
-class FcAgent(fcdaemon_grpc.FcServiceServicer):  # type: ignore[misc]
+class FcAgent(fcdaemon_grpc.FcServiceServicer):
     """The ``fcdaemon.FcService`` servicer: VMs from a driver, hogs, calls log, faults."""
 
     METHODS = ("CreateReplica", "ReleaseVMSetup", "CreateCPUHogs", "StopCPUHogs", "ListReplicas")
@@ -586,7 +586,7 @@ class RunningAgent:
         self.stop()
 
 
-class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses FcService calls without the shared bearer token (health stays open)."""
 
     def __init__(self, token: str) -> None:

@@ -99,7 +99,7 @@ def query_nvidia_smi(executable: str = "nvidia-smi") -> dict[str, int]:
         raise RuntimeError(f"cannot parse {executable} output: {exc}") from exc
 
 
-class GpuAgent(gpuresc_grpc.GPURescServicer):  # type: ignore[misc]
+class GpuAgent(gpuresc_grpc.GPURescServicer):
     """The ``gpuresc.GPUResc`` servicer: answers the ``gpus`` map."""
 
     METHODS = ("GetGPUResource",)

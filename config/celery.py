@@ -48,7 +48,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from kombu import Exchange, Queue
+from kombu.entity import Exchange, Queue
 
 from config.settings import Settings
 

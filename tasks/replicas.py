@@ -33,7 +33,7 @@ from typing import Any
 
 from celery import Signature
 
-from workers import replicas
+from workers import dispatch, replicas
 from workers.app import CorralTask, app
 from workers.errors import BackendError, TransientBackendError
 from workers.health import note_failure
@@ -89,7 +89,7 @@ def _spawn_jobs(
 
 @app.task(bind=True, name="corral.spawn_batch")
 def spawn_batch(
-    self: CorralTask, op_id: str, function_id: str, jobs: list
+    self: CorralTask, op_id: str, function_id: str, jobs: list[Any]
 ) -> dict[str, Any]:
     """Spawn up to ``SPAWN_BATCH`` replicas: rows in one transaction, VMs at once."""
     parsed = replicas.parse_jobs(jobs)
@@ -132,7 +132,7 @@ def spawn_replica(
 
 
 @app.task(bind=True, name="corral.delete_batch")
-def delete_batch(self: CorralTask, op_id: str | None, replica_ids: list) -> dict[str, Any]:
+def delete_batch(self: CorralTask, op_id: str | None, replica_ids: list[Any]) -> dict[str, Any]:
     """Delete up to ``DELETE_BATCH`` replicas: mark, release at once, retire in one transaction."""
     if not replica_ids or not all(isinstance(r, str) for r in replica_ids):
         from workers.errors import InputError
@@ -155,7 +155,7 @@ def delete_batch(self: CorralTask, op_id: str | None, replica_ids: list) -> dict
     return {"op_id": op_id, "deleted": len(errors), "retrying": len(retry)}
 
 
-@app.task(bind=True, name="corral.delete_replica")
+@app.task(bind=True, name=dispatch.DELETE_REPLICA)
 def delete_replica(self: CorralTask, replica_id: str, op_id: str | None = None) -> dict[str, Any]:
     """Release a replica's VM and retire its row; an already deleted replica is fine."""
     settings = self.settings

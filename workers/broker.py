@@ -33,7 +33,7 @@ __all__ = ["Channel", "Transport", "install"]
 SCHEMES = ("redis", "rediss")
 
 
-class Channel(kombu_redis.Channel):  # type: ignore[misc]
+class Channel(kombu_redis.Channel):
     """kombu's Redis channel, which never opens a pool for a closed transport."""
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
@@ -43,7 +43,7 @@ class Channel(kombu_redis.Channel):  # type: ignore[misc]
         return params
 
 
-class Transport(kombu_redis.Transport):  # type: ignore[misc]
+class Transport(kombu_redis.Transport):
     """kombu's Redis transport with :class:`Channel`."""
 
     Channel = Channel

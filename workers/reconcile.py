@@ -34,7 +34,7 @@ from typing import Any
 from sqlalchemy import select
 
 from config.settings import Settings
-from workers import backends, leases
+from workers import backends, dispatch, leases
 from workers.clock import now
 from workers.errors import BackendError, Unsupported
 from workers.lifecycle import lock_replica, transition
@@ -175,8 +175,6 @@ def _reconcile_node(db: Database, settings: Settings, node: Node, report: Reconc
 
 def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:
     """Delete Idle replicas of draining nodes; their functions get replacements."""
-    from tasks.replicas import delete_replica
-
     doomed: list[str] = []
     with db.transaction() as s:
         if s.scalar(select(Node.id).where(Node.draining.is_(True)).limit(1)) is None:
@@ -198,7 +196,7 @@ def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:
             doomed.append(replica.id)
             report.drained.append(replica.id)
     for replica_id in doomed:
-        delete_replica.delay(replica_id)
+        dispatch.delete_replica(replica_id)
 
 
 def below_min(db: Database, settings: Settings) -> dict[str, int]:

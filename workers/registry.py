@@ -44,7 +44,7 @@ from sqlalchemy import select
 from agents.runtime import listen_refusal, split_hostport
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
-from workers import reports
+from workers import dispatch, reports
 from workers.claims import finish_oldest
 from workers.errors import CorralError, InputError
 from workers.lifecycle import lock_replica, transition
@@ -254,10 +254,8 @@ class Registry:
 
 def _queue_delete(replica_id: str) -> None:
     """Have a worker release the VM and retire the row."""
-    from tasks.replicas import delete_replica
-
     try:
-        delete_replica.delay(replica_id)
+        dispatch.delete_replica(replica_id)
     except Exception as exc:  # the reaper's stuck sweep will finish it
         log.warning("could not queue delete of %s: %s", replica_id, exc)
 
@@ -270,7 +268,7 @@ def _check_token(context: grpc.ServicerContext, token: str | None) -> None:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid registry token")
 
 
-class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):  # type: ignore[misc]
+class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
     """``resmngr.ResMngrService`` over a :class:`Registry`."""
 
     def __init__(self, registry: Registry) -> None:
@@ -300,7 +298,7 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):  # type: ignore[misc
         )
 
 
-class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):  # type: ignore[misc]
+class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
     """``mngrinfo.AvAManagerInfo`` over a :class:`Registry`."""
 
     def __init__(self, registry: Registry) -> None:

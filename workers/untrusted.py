@@ -151,7 +151,7 @@ class DeadlineTransport(httpx.HTTPTransport):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._pool._network_backend = _Backend()  # type: ignore[union-attr]
+        self._pool._network_backend = _Backend()
 
 
 @contextmanager

@@ -17,12 +17,12 @@ from tasks.cli._output import Command
 
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     """Serve the invocation gateway until SIGINT / SIGTERM."""
-    from tasks.api import database
+    from tasks import api
     from workers.gateway import run_gateway
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    database(settings)  # refuse an un-migrated store before listening
-    run_gateway(settings, args.listen, insecure=args.insecure,
+    api.database(settings)  # refuse an un-migrated store before listening
+    run_gateway(settings, args.listen, producer=api, insecure=args.insecure,
                 on_ready=lambda url: print(f"gateway listening on {url}", flush=True))
     return 0
 

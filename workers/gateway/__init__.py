@@ -22,12 +22,13 @@ from workers.gateway.app import (
     run_gateway,
     serve_gateway,
 )
-from workers.gateway.proxy import Gateway
+from workers.gateway.proxy import Gateway, Producer
 
 __all__ = [
     "Gateway",
     "GatewayApp",
     "ListenRefused",
+    "Producer",
     "RunningGateway",
     "build_app",
     "check_listen",

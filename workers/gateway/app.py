@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from config.settings import Settings
 from workers.errors import CorralError
-from workers.gateway.proxy import PREFIX, Gateway, Receive, Scope, Send
+from workers.gateway.proxy import PREFIX, Gateway, Producer, Receive, Scope, Send
 from workers.store.db import Database
 
 log = logging.getLogger(__name__)
@@ -134,9 +134,9 @@ class GatewayApp:
             client.close()
 
 
-def build_app(db: Database, settings: Settings) -> GatewayApp:
+def build_app(db: Database, settings: Settings, producer: Producer) -> GatewayApp:
     """The gateway application over a store, reporting demand to the broker's Redis."""
-    return GatewayApp(Gateway(db, settings), redis_url=settings.broker_url)
+    return GatewayApp(Gateway(db, settings, producer), redis_url=settings.broker_url)
 
 
 class RunningGateway:
@@ -184,6 +184,7 @@ def serve_gateway(
     settings: Settings,
     listen: str | None = None,
     *,
+    producer: Producer,
     insecure: bool = False,
     db: Database | None = None,
     app: GatewayApp | None = None,
@@ -193,7 +194,7 @@ def serve_gateway(
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
-    app = app or build_app(db or get_database(settings.database_url), settings)
+    app = app or build_app(db or get_database(settings.database_url), settings, producer)
     server = _server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="gateway", daemon=True)
@@ -206,14 +207,14 @@ def serve_gateway(
     return RunningGateway(server, thread, host, sock.getsockname()[1], app)
 
 
-def run_gateway(settings: Settings, listen: str | None = None, *, insecure: bool = False,
-                on_ready: Callable[[str], None] | None = None) -> None:
+def run_gateway(settings: Settings, listen: str | None = None, *, producer: Producer,
+                insecure: bool = False, on_ready: Callable[[str], None] | None = None) -> None:
     """Serve a gateway in the foreground until SIGINT / SIGTERM."""
     from workers.store.db import get_database
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
-    app = build_app(get_database(settings.database_url), settings)
+    app = build_app(get_database(settings.database_url), settings, producer)
     server = _server(app, settings)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
     if on_ready is not None:

@@ -48,7 +48,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -114,13 +114,35 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+class Producer(Protocol):
+    """What the gateway asks of the producer API; the ``tasks.api`` module is one.
+
+    The gateway sits below ``tasks`` (it is logic, in ``workers``), so the command that
+    starts it hands it the producer API instead of the gateway importing it.
+    """
+
+    def spawn(self, function: str, count: int = 1, *, settings: Settings | None = None) -> str:
+        """Ask for ``count`` new replicas of ``function``; the operation id."""
+        ...
+
+    def release(self, claim_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
+        """Give back a claim's environment."""
+        ...
+
+    def suspect(self, claim_id: str, reason: str, *,
+                settings: Settings | None = None) -> str | None:
+        """Give back a claim and retire its replica as suspect; the delete's operation id."""
+        ...
+
+
 class Gateway:
     """The proxy's state: settings, the store thread pool, the upstream client, the gates."""
 
-    def __init__(self, db: Database, settings: Settings,
+    def __init__(self, db: Database, settings: Settings, producer: Producer,
                  metrics: GatewayMetrics | None = None) -> None:
         self.db = db
         self.settings = settings
+        self.producer = producer
         self.metrics = metrics or GatewayMetrics()
         self.gates: dict[str, Gate] = {}
         self._functions: dict[str, tuple[FunctionInfo, float]] = {}
@@ -308,14 +330,12 @@ class Gateway:
                 log.info("gateway: retrying %s %s on another replica", scope["method"], info.name)
 
     async def _claim(self, info: FunctionInfo) -> Claimed:
-        from tasks import api
-
         settings = self.settings
         attempt = ClaimAttempt(
             self.db, settings, info.name,
             cold_start_timeout=settings.gateway_cold_start_timeout_s,
             ttl_s=min(settings.gateway_timeout_s + CLAIM_MARGIN_S, 86_400.0),
-            spawn=lambda name: api.spawn(name, 1, settings=settings), wait_at_max=True,
+            spawn=lambda name: self.producer.spawn(name, 1, settings=settings), wait_at_max=True,
         )
         cold = False
         try:
@@ -462,17 +482,13 @@ class Gateway:
                 if k.decode("latin-1").lower() not in HOP_BY_HOP]
 
     async def _release(self, claimed: Claimed) -> None:
-        from tasks import api
-
-        await self._shielded(api.release, claimed.claim_id, settings=self.settings)
+        await self._shielded(self.producer.release, claimed.claim_id, settings=self.settings)
 
     async def _retire(self, claimed: Claimed, reason: str) -> None:
-        from tasks import api
-
         log.warning("gateway: replica %s of %s is suspect: %s", claimed.replica_id,
                     claimed.function, reason)
         try:
-            await self._shielded(api.suspect, claimed.claim_id, f"suspect: {reason}",
+            await self._shielded(self.producer.suspect, claimed.claim_id, f"suspect: {reason}",
                                  settings=self.settings)
         except CorralError as exc:  # the broker is down: the stuck sweep finishes the delete
             log.warning("gateway: could not queue the delete of %s: %s", claimed.replica_id, exc)
