@@ -73,13 +73,13 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, case, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
 from workers.errors import CorralError, InputError, NotFound
-from workers.functions import get_function
+from workers.functions import check_name, get_function
 from workers.lifecycle import lock_replica, transition
 from workers.operations import FINISHED, create_operation, get_operation
 from workers.store.db import Database
@@ -148,7 +148,50 @@ class Waiter:
     token: str
 
 
-def _candidate(session: Session, fn: Function, lock: str = "skip") -> str | None:
+@dataclass(frozen=True)
+class _Fn:
+    """The columns of a function a claim needs (loading the whole row costs more)."""
+
+    id: str
+    name: str
+    build_version: str
+
+
+_FUNCTION = select(Function.id, Function.name, Function.build_version).where(
+    Function.name == bindparam("name"))
+# Take one environment of a chosen replica in one statement: Idle -> still Idle (another
+# environment free) or Allocated (the last one), busy either way (no idle clock). The same
+# bookkeeping as lifecycle.transition for this move: an Idle replica never has an
+# operation waiting on it (transition settles that when it becomes Idle), so none is due.
+_TAKE = (
+    update(Replica)
+    .where(Replica.id == bindparam("replica_id"), Replica.status == int(ReplicaState.IDLE),
+           Replica.envs_in_use < Replica.envs_total, Replica.operation_id.is_(None))
+    .values(envs_in_use=Replica.envs_in_use + 1, last_used_at=bindparam("at"),
+            updated_at=bindparam("at"), idle_since=None, reap_at=None, deadline_at=None,
+            status=case((Replica.envs_in_use + 1 >= Replica.envs_total,
+                         int(ReplicaState.ALLOCATED)), else_=int(ReplicaState.IDLE)))
+    .returning(Replica.address, Replica.vmid)
+    .execution_options(synchronize_session=False)
+)
+_LEND = insert(Claim)
+_HELD = select(Claim.replica_id).where(Claim.id == bindparam("claim_id"))
+_LOCK_FOR_RELEASE = (
+    select(Replica.status, Replica.envs_in_use, Replica.envs_total, Replica.ready_at,
+           Replica.operation_id, Function.name, Function.idle_timeout_s)
+    .join(Function, Function.id == Replica.function_id)
+    .where(Replica.id == bindparam("replica_id"))
+    .with_for_update(of=Replica)
+)
+_UNLEND = (
+    delete(Claim)
+    .where(Claim.id == bindparam("claim_id"), Claim.replica_id == bindparam("replica_id"))
+    .returning(Claim.id)
+    .execution_options(synchronize_session=False)
+)
+
+
+def _candidate(session: Session, fn: _Fn | Function, lock: str = "skip") -> str | None:
     """The id of one claimable replica of ``fn``.
 
     ``lock``: ``skip`` locks it, skipping rows others hold; ``none`` only looks
@@ -184,9 +227,13 @@ def claim(
     so no other waiter sees it still waiting and asks for a spawn on its behalf.
     """
     ttl = check_ttl(ttl_s) or settings.claim_ttl_s
+    check_name(function_name)
     give_up = time.monotonic() + LOCKED_RETRY_S
     with db.transaction() as s:
-        fn = get_function(s, function_name)
+        row = s.execute(_FUNCTION, {"name": function_name}).first()
+        if row is None:
+            raise NotFound(f"unknown function {function_name!r}")
+        fn = _Fn(*row)
         rid = _candidate(s, fn, "skip")
         pause = 0.001
         while rid is None and not db.is_sqlite and time.monotonic() < give_up:
@@ -201,30 +248,22 @@ def claim(
             rid = _candidate(s, fn, "skip")
         if rid is None:
             raise NoIdleReplica(f"no idle replica of {function_name}")
-        replica = lock_replica(s, rid)
-        if replica is None or replica.status != ReplicaState.IDLE:
-            raise NoIdleReplica(f"no idle replica of {function_name}")
         at = now()
-        replica.envs_in_use += 1
-        replica.last_used_at = at
-        lent = Claim(id=new_id(), replica_id=replica.id, function_id=fn.id, created_at=at,
-                     expires_at=at + timedelta(seconds=ttl))
-        s.add(lent)
-        if replica.envs_in_use >= replica.envs_total:
-            transition(s, replica, ReplicaState.ALLOCATED, settings)
-        else:  # still Idle (another environment is free) but busy: off the reaper's index
-            replica.idle_since = None
-            replica.reap_at = None
-            s.flush()
+        conn = s.connection()
+        took = conn.execute(_TAKE, {"replica_id": rid, "at": at}).first()
+        if took is None:
+            raise NoIdleReplica(f"no idle replica of {function_name}")
+        claim_id, expires = new_id(), at + timedelta(seconds=ttl)
+        conn.execute(_LEND, {"id": claim_id, "replica_id": rid, "function_id": fn.id,
+                             "created_at": at, "expires_at": expires})
         if waiter is not None:
             s.execute(delete(Lease).where(Lease.name == waiter.token))
-        return Claimed(lent.id, replica.id, replica.address, replica.vmid, fn.name,
-                       lent.expires_at)
+        return Claimed(claim_id, rid, took.address, took.vmid, fn.name, expires)
 
 
 def _give_back(session: Session, replica: Replica, settings: Settings) -> None:
     """Return one execution environment of a locked replica: Idle again, last used now."""
-    replica.envs_in_use -= 1
+    replica.envs_in_use = max(0, replica.envs_in_use - 1)  # a final state counts none
     replica.last_used_at = now()
     if replica.status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
         transition(session, replica, ReplicaState.IDLE, settings)
@@ -252,23 +291,48 @@ def release(db: Database, settings: Settings, claim_id: str) -> dict[str, Any]:
     """Give back exactly the environment a claim holds; a claim no longer held changes nothing.
 
     The result's ``released`` says which: False for a second release, or a release of a
-    claim the reaper already took back after it expired.
+    claim the reaper already took back after it expired. The common case runs as four
+    Core statements (the hot path of every gateway request): the same bookkeeping as
+    :func:`_take_back`, which the rare cases (an operation waiting on the replica) use.
     """
     with db.transaction() as s:
-        held = s.execute(select(Claim.replica_id).where(Claim.id == claim_id)).first()
-        replica = lock_replica(s, held[0]) if held is not None else None
-        if replica is None or not _take_back(s, replica, settings, claim_id):
+        conn = s.connection()
+        held = conn.execute(_HELD, {"claim_id": claim_id}).first()
+        row = (conn.execute(_LOCK_FOR_RELEASE, {"replica_id": held[0]}).first()
+               if held is not None else None)
+        if held is None or row is None or conn.execute(
+                _UNLEND, {"claim_id": claim_id, "replica_id": held[0]}).first() is None:
             return {"claim_id": claim_id, "released": False,
                     "detail": f"claim {claim_id} is not held (already released, or expired "
                               "and given back): nothing changed"}
+        rid = held[0]
+        status, in_use, total, ready_at, op_id, fn_name, fn_idle = row
+        if op_id is not None:  # an operation waits on this replica: the full transition
+            replica = lock_replica(s, rid)
+            assert replica is not None
+            _give_back(s, replica, settings)
+            status, in_use = replica.status, replica.envs_in_use
+        else:
+            at = now()
+            in_use = max(0, in_use - 1)
+            values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at,
+                                      "updated_at": at}
+            if status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+                status = int(ReplicaState.IDLE)
+                values.update(status=status, deadline_at=None, ready_at=ready_at or at)
+                if in_use == 0:  # idle from now: the reaper's clock starts
+                    timeout = fn_idle if fn_idle is not None else settings.idle_timeout_s
+                    values.update(idle_since=at, reap_at=at + timedelta(seconds=timeout))
+            conn.execute(update(Replica).where(Replica.id == rid).values(**values)
+                         .execution_options(synchronize_session=False))
         return {
             "claim_id": claim_id,
             "released": True,
-            "replica_id": replica.id,
-            "function": replica.function.name,
-            "status": ReplicaState(replica.status).label,
-            "envs_in_use": replica.envs_in_use,
-            "envs_total": replica.envs_total,
+            "replica_id": rid,
+            "function": fn_name,
+            "status": ReplicaState(status).label,
+            "envs_in_use": in_use,
+            "envs_total": total,
         }
 
 

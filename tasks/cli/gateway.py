@@ -21,6 +21,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     from workers.gateway import run_gateway
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     api.database(settings)  # refuse an un-migrated store before listening
     run_gateway(settings, args.listen, producer=api, insecure=args.insecure,
                 on_ready=lambda url: print(f"gateway listening on {url}", flush=True))

@@ -195,3 +195,21 @@ def test_upgrading_gives_environments_in_use_claim_rows(tmp_path: Path) -> None:
         assert all(r.function_id == "f" and r.expires_at > r.created_at for r in rows)
     finally:
         db.dispose()
+
+
+def test_a_claim_on_a_replica_that_died_can_still_be_released(
+    store: Env, start_agents: StartAgents
+) -> None:
+    from workers.lifecycle import lock_replica, transition
+
+    start_agents(1)
+    deploy_fn(store)
+    (replica,) = spawn_idle(store, "hello", 1)
+    got = claim(store.db, store.settings, "hello")
+    with store.db.transaction() as s:  # its VM vanished: reconcile marks the row Dead
+        row = lock_replica(s, replica.id)
+        assert row is not None
+        transition(s, row, ReplicaState.DEAD, store.settings, error="vanished")
+    out = release(store.db, store.settings, got.claim_id)
+    assert out["released"] and (out["status"], out["envs_in_use"]) == ("dead", 0)
+    assert _claims(store) == {}

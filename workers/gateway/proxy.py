@@ -55,6 +55,7 @@ import httpx
 from config.settings import Settings
 from workers.claims import ClaimAttempt, Claimed, NoIdleReplica
 from workers.errors import CorralError, NotFound
+from workers.functions import get_function
 from workers.gateway.admission import Gate, QueueFull, QueueTimeout
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
 from workers.store.db import Database
@@ -288,8 +289,6 @@ class Gateway:
         return info
 
     def _load_function(self, name: str) -> FunctionInfo:
-        from workers.functions import get_function
-
         with self.db.read() as s:
             fn = get_function(s, name)
             return FunctionInfo(fn.name, max(1, fn.max_replicas * fn.exec_envs))
