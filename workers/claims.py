@@ -263,7 +263,7 @@ def claim(
 
 def _give_back(session: Session, replica: Replica, settings: Settings) -> None:
     """Return one execution environment of a locked replica: Idle again, last used now."""
-    replica.envs_in_use = max(0, replica.envs_in_use - 1)  # a final state counts none
+    replica.envs_in_use -= 1
     replica.last_used_at = now()
     if replica.status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
         transition(session, replica, ReplicaState.IDLE, settings)
@@ -314,7 +314,7 @@ def release(db: Database, settings: Settings, claim_id: str) -> dict[str, Any]:
             status, in_use = replica.status, replica.envs_in_use
         else:
             at = now()
-            in_use = max(0, in_use - 1)
+            in_use -= 1
             values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at,
                                       "updated_at": at}
             if status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):

@@ -197,7 +197,7 @@ def test_upgrading_gives_environments_in_use_claim_rows(tmp_path: Path) -> None:
         db.dispose()
 
 
-def test_a_claim_on_a_replica_that_died_can_still_be_released(
+def test_a_claim_on_a_replica_that_died_ends_with_it(
     store: Env, start_agents: StartAgents
 ) -> None:
     from workers.lifecycle import lock_replica, transition
@@ -210,6 +210,7 @@ def test_a_claim_on_a_replica_that_died_can_still_be_released(
         row = lock_replica(s, replica.id)
         assert row is not None
         transition(s, row, ReplicaState.DEAD, store.settings, error="vanished")
+    assert _claims(store) == {}  # its claims ended with it
     out = release(store.db, store.settings, got.claim_id)
-    assert out["released"] and (out["status"], out["envs_in_use"]) == ("dead", 0)
-    assert _claims(store) == {}
+    assert not out["released"] and "not held" in out["detail"]
+    assert by_id(store)[replica.id].envs_in_use == 0
