@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["MAX_CALLS", "Fault", "FaultKind", "FaultPlan", "record_call"]
+__all__ = ["MAX_CALLS", "Fault", "FaultHooks", "FaultKind", "FaultPlan", "record_call"]
 
 FaultKind = Literal["abort", "delay", "reply", "hangup"]
 
@@ -135,3 +135,21 @@ class FaultPlan:
         with self._lock:
             for queue in self._queues.values():
                 queue.clear()
+
+
+class FaultHooks:
+    """The test hooks every agent has: a log of the calls received and scripted faults."""
+
+    def __init__(self, operations: Iterable[str]) -> None:
+        """Record calls and accept faults for the named ``operations``."""
+        #: Every call received, in order: (operation name, request payload).
+        self.calls: list[tuple[str, object]] = []
+        self.faults = FaultPlan(operations)
+
+    def inject(self, operation: str, *faults: Fault) -> None:
+        """Make the next calls of ``operation`` misbehave, one fault per call, in order."""
+        self.faults.inject(operation, *faults)
+
+    def calls_of(self, operation: str) -> list[Any]:
+        """The recorded payloads of one operation, in order."""
+        return [payload for name, payload in list(self.calls) if name == operation]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import http.client
 import logging
 import os
@@ -41,7 +40,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import empty_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 
 from agents.drivers import (
     VM,
@@ -52,7 +51,13 @@ from agents.drivers import (
     VMDriver,
     VMSpec,
 )
-from agents.faults import Fault, FaultPlan, record_call
+from agents.grpcserve import (
+    GrpcFaultHooks,
+    add_health,
+    bind_port,
+    mark_serving,
+    token_interceptors,
+)
 from agents.procs import kill_group, spawn
 from agents.runtime import (
     WILDCARD_HOSTS,
@@ -326,7 +331,7 @@ class RegistryReporter:
         self._channel.close()
 
 
-class FcAgent(fcdaemon_grpc.FcServiceServicer):
+class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
     """The ``fcdaemon.FcService`` servicer: VMs from a driver, hogs, calls log, faults."""
 
     METHODS = ("CreateReplica", "ReleaseVMSetup", "CreateCPUHogs", "StopCPUHogs", "ListReplicas")
@@ -342,43 +347,11 @@ class FcAgent(fcdaemon_grpc.FcServiceServicer):
         self.driver = driver
         self.hogs = hogs or HogPool()
         self.on_created = on_created
-        #: Every RPC received, in order: (method name, request message).
-        self.calls: list[tuple[str, object]] = []
-        self.faults = FaultPlan(self.METHODS)
+        super().__init__(self.METHODS)
         self._vm_by_request: dict[str, str] = {}
         self._request_by_vm: dict[str, str] = {}
         self._map_lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(64)]
-
-    # -- test hooks ---------------------------------------------------------------------
-
-    def inject(self, method: str, *faults: Fault) -> None:
-        """Make the next calls of ``method`` misbehave, one fault per call, in order."""
-        self.faults.inject(method, *faults)
-
-    def calls_of(self, method: str) -> list[Any]:
-        """The requests received for one method, in order."""
-        return [req for name, req in list(self.calls) if name == method]
-
-    def _begin(self, method: str, request: Any, context: grpc.ServicerContext) -> tuple[bool, Any]:
-        """Record the call and apply the next fault; (True, reply) means answer that."""
-        record_call(self.calls, method, request)
-        fault = self.faults.take(method)
-        if fault is None:
-            return False, None
-        log.info("%s: injected fault %s", method, fault.kind)
-        if fault.kind == "delay":
-            time.sleep(fault.seconds)
-            return False, None
-        if fault.kind == "reply":
-            return True, fault.value
-        if fault.kind == "abort":
-            code = fault.code
-            if not isinstance(code, grpc.StatusCode):
-                code = grpc.StatusCode.UNKNOWN
-            context.abort(code, fault.message or f"injected {code.name}")
-        context.abort(grpc.StatusCode.UNAVAILABLE, "injected hangup")
-        raise AssertionError("unreachable")  # context.abort raises
 
     # -- VM bookkeeping -----------------------------------------------------------------
 
@@ -586,28 +559,6 @@ class RunningAgent:
         self.stop()
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses FcService calls without the shared bearer token (health stays open)."""
-
-    def __init__(self, token: str) -> None:
-        """Expect ``authorization: Bearer <token>``."""
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid agent token")
-
-        self._deny: Any = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        """Let the call through only with the right token."""
-        if details.method.startswith("/grpc.health."):
-            return continuation(details)
-        sent = dict(details.invocation_metadata).get("authorization", "")
-        if hmac.compare_digest(sent.encode(), self._expected):
-            return continuation(details)
-        return self._deny
-
-
 def serve_fcdaemon(
     listen: str = "127.0.0.1:0",
     driver: VMDriver | None = None,
@@ -631,27 +582,15 @@ def serve_fcdaemon(
     """
     host, _ = split_hostport(listen)
     driver = driver if driver is not None else MemoryDriver()
-    interceptors: list[grpc.ServerInterceptor] = (
-        [TokenInterceptor(require_token)] if require_token else []
-    )
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fcdaemon"),
         options=[("grpc.so_reuseport", 0)],
-        interceptors=interceptors,
+        interceptors=token_interceptors(require_token),
     )
     agent = FcAgent(driver, hogs=HogPool(max_hogs))
     fcdaemon_grpc.add_FcServiceServicer_to_server(agent, server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        if tls is not None:
-            port = server.add_secure_port(listen, grpc.ssl_server_credentials([tls]))
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
+    health_servicer = add_health(server)
+    port = bind_port(server, listen, tls)
     reporter: RegistryReporter | None = None
     if registry:
         node_ip = advertise_ip or guess_node_ip(host)
@@ -669,8 +608,7 @@ def serve_fcdaemon(
             rep = reporter
             agent.on_created = lambda vm: rep.report_ready(vm, probe=vm.pid is not None)
     server.start()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    mark_serving(health_servicer, SERVICE_NAME)
     if reporter is not None:
         reporter.start()
     log.info("fcdaemon listening on %s:%d", host or "0.0.0.0", port)

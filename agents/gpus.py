@@ -19,14 +19,19 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health
 
-from agents.faults import Fault, FaultPlan, record_call
+from agents.grpcserve import (
+    GrpcFaultHooks,
+    add_health,
+    bind_port,
+    mark_serving,
+    token_interceptors,
+)
 from agents.runtime import (
     add_common_arguments,
     connect_host,
@@ -99,35 +104,21 @@ def query_nvidia_smi(executable: str = "nvidia-smi") -> dict[str, int]:
         raise RuntimeError(f"cannot parse {executable} output: {exc}") from exc
 
 
-class GpuAgent(gpuresc_grpc.GPURescServicer):
+class GpuAgent(GrpcFaultHooks, gpuresc_grpc.GPURescServicer):
     """The ``gpuresc.GPUResc`` servicer: answers the ``gpus`` map."""
 
     METHODS = ("GetGPUResource",)
 
     def __init__(self, gpus: dict[str, int]) -> None:
         """Serve ``gpus`` (UUID -> MB); the dict may be replaced or changed later."""
+        super().__init__(self.METHODS)
         self.gpus = dict(gpus)
-        #: Every RPC received, in order: (method name, request message).
-        self.calls: list[tuple[str, object]] = []
-        self.faults = FaultPlan(self.METHODS)
-
-    def inject(self, method: str, *faults: Fault) -> None:
-        """Make the next calls of ``method`` misbehave, one fault per call."""
-        self.faults.inject(method, *faults)
 
     def GetGPUResource(self, request: Any, context: grpc.ServicerContext) -> Any:
         """GPU UUID -> memory in MB."""
-        record_call(self.calls, "GetGPUResource", request)
-        fault = self.faults.take("GetGPUResource")
-        if fault is not None:
-            if fault.kind == "delay":
-                time.sleep(fault.seconds)
-            elif fault.kind == "reply":
-                return fault.value
-            else:
-                code = fault.code if isinstance(fault.code, grpc.StatusCode) else None
-                code = code or grpc.StatusCode.UNAVAILABLE
-                context.abort(code, fault.message or f"injected {code.name}")
+        canned, reply = self._begin("GetGPUResource", request, context)
+        if canned:
+            return reply
         return gpuresc_pb2.ResourceReply(memory=dict(self.gpus))
 
 
@@ -175,25 +166,18 @@ def serve_gpus(
     require_token: str | None = None,
 ) -> RunningGpus:
     """Start a GPU inventory server answering ``gpus`` on ``listen`` (token: as fcdaemon's)."""
-    from agents.fcdaemon import TokenInterceptor
-
     host, _ = split_hostport(listen)
     agent = GpuAgent(gpus or {})
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpus"),
         options=[("grpc.so_reuseport", 0)],
-        interceptors=[TokenInterceptor(require_token)] if require_token else [],
+        interceptors=token_interceptors(require_token),
     )
     gpuresc_grpc.add_GPURescServicer_to_server(agent, server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = server.add_insecure_port(listen)
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {listen}: {exc}") from exc
+    health_servicer = add_health(server)
+    port = bind_port(server, listen)
     server.start()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    mark_serving(health_servicer, SERVICE_NAME)
     log.info("gpus listening on %s:%d serving %d GPU(s)", host or "0.0.0.0", port, len(agent.gpus))
     return RunningGpus(server, host, port, agent, health_servicer)
 

@@ -62,7 +62,7 @@ from agents.drivers import (
     VMSpec,
     check_module_name,
 )
-from agents.faults import Fault, FaultPlan, record_call
+from agents.faults import FaultHooks, record_call
 from agents.runtime import (
     WILDCARD_HOSTS,
     add_common_arguments,
@@ -158,7 +158,7 @@ def _is_runnable_location(location: str) -> bool:
     return True
 
 
-class LambdoAgent:
+class LambdoAgent(FaultHooks):
     """The Lambdo API's logic over a driver, independent of the HTTP server."""
 
     def __init__(
@@ -174,22 +174,13 @@ class LambdoAgent:
         self.token = token
         self.default_image = default_image
         self.port_order: PortOrder = port_order
-        #: Every authorised request, in order: (path kind, parsed JSON body, raw bytes if it
-        #: was not JSON, the vm id for ``destroy``, None for ``vms``).
-        self.calls: list[tuple[str, object]] = []
-        self.faults = FaultPlan(PATH_KINDS)
+        #: ``calls`` holds every authorised request, in order: (path kind, parsed JSON body,
+        #: raw bytes if it was not JSON, the vm id for ``destroy``, None for ``vms``).
+        super().__init__(PATH_KINDS)
         self._rootfs: dict[str, str] = {}
         self._by_request: dict[str, str] = {}
         self._lock = threading.Lock()
         self._stripes = [threading.Lock() for _ in range(64)]
-
-    def inject(self, path_kind: str, *faults: Fault) -> None:
-        """Make the next requests of ``path_kind`` misbehave, one fault per request."""
-        self.faults.inject(path_kind, *faults)
-
-    def calls_of(self, path_kind: str) -> list[object]:
-        """The recorded payloads of one path kind, in order."""
-        return [payload for kind, payload in list(self.calls) if kind == path_kind]
 
     def authorized(self, header: str | None) -> bool:
         """True if no token is configured or ``header`` is ``Bearer <token>``."""

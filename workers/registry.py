@@ -23,14 +23,14 @@ A report about a vmid is accepted only from that replica's IP or its node's IP
 AvA worker it was given (NOT_FOUND for an unknown vmid or a replica without GPU).
 
 When ``CORRAL_REGISTRY_TOKEN`` is set, every call must carry
-``authorization: Bearer <token>`` metadata or it is refused UNAUTHENTICATED; TLS
+``authorization: Bearer <token>`` metadata or it is refused UNAUTHENTICATED (the
+agents' :class:`~agents.grpcserve.TokenInterceptor`; the health service stays open); TLS
 is on when ``CORRAL_REGISTRY_TLS_CERT`` / ``_KEY`` are set. The registry refuses to
 listen off loopback without a token unless started with ``insecure=True``.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -41,6 +41,7 @@ import grpc
 from google.protobuf import empty_pb2
 from sqlalchemy import select
 
+from agents.grpcserve import add_health, mark_serving, token_interceptors
 from agents.runtime import listen_refusal, split_hostport
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
@@ -260,14 +261,6 @@ def _queue_delete(replica_id: str) -> None:
         log.warning("could not queue delete of %s: %s", replica_id, exc)
 
 
-def _check_token(context: grpc.ServicerContext, token: str | None) -> None:
-    if not token:
-        return
-    sent = str(dict(context.invocation_metadata()).get("authorization", ""))
-    if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid registry token")
-
-
 class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
     """``resmngr.ResMngrService`` over a :class:`Registry`."""
 
@@ -276,7 +269,6 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
 
     def RegisterNode(self, request: Any, context: grpc.ServicerContext) -> Any:
         """An agent announces itself."""
-        _check_token(context, self.registry.settings.registry_token)
         try:
             self.registry.register_node(request.ip, int(request.port), request.node_id)
         except Refused as exc:
@@ -287,7 +279,6 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
 
     def UpdateStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
         """A guest reports READY or FINISHED."""
-        _check_token(context, self.registry.settings.registry_token)
         peer = reports.peer_ip(context.peer())
         try:
             action = self.registry.update_status(request.vmid, int(request.status), peer)
@@ -306,7 +297,6 @@ class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
 
     def GetAvAManagerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
         """Which GPU and AvA worker a guest was given."""
-        _check_token(context, self.registry.settings.registry_token)
         info = self.registry.manager_info(request.vmid)
         if info is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no GPU replica with vmid {request.vmid!r}")
@@ -371,15 +361,15 @@ def serve_registry(settings: Settings, listen: str | None = None,
     Off loopback it needs ``CORRAL_REGISTRY_TOKEN`` (:class:`CorralError` otherwise),
     unless ``insecure``, which logs a warning.
     """
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
     address = check_listen(settings, listen, insecure=insecure)
     registry = registry or Registry(get_database(settings.database_url), settings)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"),
+        interceptors=token_interceptors(settings.registry_token, "registry"),
+    )
     resmngr_grpc.add_ResMngrServiceServicer_to_server(ResMngrServicer(registry), server)
     mngrinfo_grpc.add_AvAManagerInfoServicer_to_server(AvAManagerInfoServicer(registry), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = add_health(server, non_blocking=False)
     if settings.registry_tls_cert and settings.registry_tls_key:
         creds = grpc.ssl_server_credentials(
             [(settings.registry_tls_key.read_bytes(), settings.registry_tls_cert.read_bytes())]
@@ -390,6 +380,6 @@ def serve_registry(settings: Settings, listen: str | None = None,
     if port == 0:
         raise OSError(f"registry cannot listen on {address}")
     server.start()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    mark_serving(health_servicer)
     log.info("registry listening on %s (port %d)", address, port)
     return RunningRegistry(server, port, registry)
