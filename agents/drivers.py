@@ -23,6 +23,7 @@ A real Firecracker/QEMU driver would implement the same protocol.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import importlib.util
@@ -37,11 +38,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from agents.procs import kill_group, spawn
 from agents.runtime import WILDCARD_HOSTS
@@ -55,7 +56,9 @@ __all__ = [
     "ProcessDriver",
     "VMDriver",
     "VMSpec",
+    "add_driver_arguments",
     "check_module_name",
+    "driver_from_args",
     "image_module",
     "parse_env_args",
     "resolve_command",
@@ -517,3 +520,52 @@ class ProcessDriver:
             return
         with ThreadPoolExecutor(max_workers=min(16, len(vmids))) as pool:
             list(pool.map(self.stop, vmids))
+
+
+def add_driver_arguments(
+    parser: argparse.ArgumentParser,
+    port_range: tuple[int, int],
+    *,
+    vms: str,
+    port_help: str,
+    image_source: str,
+) -> None:
+    """Add ``--driver``, ``--port-range`` and ``--allow-image`` to an agent's parser."""
+    parser.add_argument(
+        "--driver",
+        choices=["process", "memory"],
+        default="process",
+        help=f"process: {vms} are real processes; memory: records only",
+    )
+    parser.add_argument(
+        "--port-range",
+        default="{}-{}".format(*port_range),
+        help=f"{port_help} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--allow-image",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help=f"also let {image_source} run this Python module (repeatable; examples.* always may)",
+    )
+
+
+def driver_from_args(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    host: str,
+    port_range: tuple[int, int],
+    memory: Callable[[], VMDriver],
+    **process_options: Any,
+) -> VMDriver:
+    """The driver ``--driver`` asks for: processes bound to the listen host, or ``memory()``."""
+    if args.driver != "process":
+        return memory()
+    bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
+    try:
+        return ProcessDriver(
+            port_range, bind_host=bind, allow_images=args.allow_image, **process_options
+        )
+    except ValueError as exc:
+        parser.error(f"--allow-image: {exc}")

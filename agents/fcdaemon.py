@@ -47,9 +47,10 @@ from agents.drivers import (
     DriverError,
     ImageNotFound,
     MemoryDriver,
-    ProcessDriver,
     VMDriver,
     VMSpec,
+    add_driver_arguments,
+    driver_from_args,
 )
 from agents.grpcserve import (
     GrpcFaultHooks,
@@ -60,8 +61,9 @@ from agents.grpcserve import (
 )
 from agents.procs import kill_group, spawn
 from agents.runtime import (
-    WILDCARD_HOSTS,
+    Running,
     add_common_arguments,
+    add_listen_argument,
     connect_host,
     guess_node_ip,
     is_loopback,
@@ -510,7 +512,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         )
 
 
-class RunningAgent:
+class RunningAgent(Running):
     """A node agent serving in background threads; ``stop()`` tears everything down."""
 
     def __init__(
@@ -525,6 +527,7 @@ class RunningAgent:
         reporter: RegistryReporter | None,
     ) -> None:
         """Wrap the parts built by :func:`serve_fcdaemon`."""
+        super().__init__()
         self.server = server
         self.port = port
         #: Where a local client dials this agent, e.g. ``127.0.0.1:50051``.
@@ -533,15 +536,9 @@ class RunningAgent:
         self.driver = driver
         self.health = health_servicer
         self.reporter = reporter
-        self._stopped = False
-        self._lock = threading.Lock()
 
-    def stop(self, grace: float = 0.5) -> None:
-        """Stop serving, then stop every replica and hog (idempotent)."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
+    def _shutdown(self, grace: float) -> None:
+        """Stop serving, then stop every replica and hog."""
         self.health.enter_graceful_shutdown()
         if self.reporter is not None:
             self.reporter.close()
@@ -549,14 +546,6 @@ class RunningAgent:
         self.driver.close()
         self.agent.hogs.close()
         log.info("fcdaemon on port %d stopped", self.port)
-
-    def __enter__(self) -> RunningAgent:
-        """Use as a context manager that stops on exit."""
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Stop the agent."""
-        self.stop()
 
 
 def serve_fcdaemon(
@@ -629,24 +618,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent fcdaemon",
         description="Reference node agent serving fcdaemon.FcService (gRPC).",
     )
-    parser.add_argument(
-        "--listen",
-        default="127.0.0.1:50051",
-        help="HOST:PORT (default %(default)s; off loopback needs --require-token)",
+    add_listen_argument(
+        parser,
+        "127.0.0.1:50051",
+        "--require-token",
+        token_help="refuse FcService calls without this bearer token",
     )
     parser.add_argument("--registry", help="corral registry HOST:PORT to register with")
     parser.add_argument("--node-id", help="node id to register (default IP:PORT)")
     parser.add_argument("--advertise-ip", help="IP the registry and clients should use")
-    parser.add_argument(
-        "--driver",
-        choices=["process", "memory"],
-        default="process",
-        help="process: replicas are real processes; memory: records only",
-    )
-    parser.add_argument(
-        "--port-range",
-        default="{}-{}".format(*DEFAULT_PORT_RANGE),
-        help="host ports for process replicas (default %(default)s)",
+    add_driver_arguments(
+        parser,
+        DEFAULT_PORT_RANGE,
+        vms="replicas",
+        port_help="host ports for process replicas",
+        image_source="images",
     )
     parser.add_argument(
         "--token",
@@ -660,21 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="re-send RegisterNode every N seconds (default 0: only at start)",
     )
-    parser.add_argument(
-        "--allow-image",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="also let images run this Python module (repeatable; examples.* always may)",
-    )
     parser.add_argument("--max-hogs", type=int, default=64, help="CPU hog limit (default 64)")
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key for --tls-cert")
-    parser.add_argument(
-        "--require-token",
-        default=os.environ.get("CORRAL_AGENT_TOKEN") or None,
-        help="refuse FcService calls without this bearer token (default $CORRAL_AGENT_TOKEN)",
-    )
     add_common_arguments(parser)
     return parser
 
@@ -695,17 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls_cert:
         with open(args.tls_key, "rb") as key, open(args.tls_cert, "rb") as cert:
             tls = (key.read(), cert.read())
-    driver: VMDriver
-    if args.driver == "process":
-        bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
-        try:
-            driver = ProcessDriver(
-                port_range, bind_host=bind, advertise_ip=advertise, allow_images=args.allow_image
-            )
-        except ValueError as exc:
-            parser.error(f"--allow-image: {exc}")
-    else:
-        driver = MemoryDriver(ip=advertise)
+    driver = driver_from_args(
+        parser, args, host, port_range, lambda: MemoryDriver(ip=advertise), advertise_ip=advertise
+    )
     return serve_until_signalled(
         lambda: serve_fcdaemon(
             args.listen,

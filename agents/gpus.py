@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import subprocess
-import threading
 from concurrent import futures
 from typing import Any
 
@@ -33,7 +31,9 @@ from agents.grpcserve import (
     token_interceptors,
 )
 from agents.runtime import (
+    Running,
     add_common_arguments,
+    add_listen_argument,
     connect_host,
     parse_agent_args,
     refuse_to_listen,
@@ -122,7 +122,7 @@ class GpuAgent(GrpcFaultHooks, gpuresc_grpc.GPURescServicer):
         return gpuresc_pb2.ResourceReply(memory=dict(self.gpus))
 
 
-class RunningGpus:
+class RunningGpus(Running):
     """A GPU inventory server in background threads."""
 
     def __init__(
@@ -134,30 +134,17 @@ class RunningGpus:
         health_servicer: health.HealthServicer,
     ) -> None:
         """Wrap the parts built by :func:`serve_gpus`."""
+        super().__init__()
         self.server = server
         self.port = port
         self.address = f"{connect_host(host)}:{port}"
         self.agent = agent
         self.health = health_servicer
-        self._lock = threading.Lock()
-        self._stopped = False
 
-    def stop(self, grace: float = 0.5) -> None:
-        """Stop serving (idempotent)."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
+    def _shutdown(self, grace: float) -> None:
+        """Stop serving."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
-
-    def __enter__(self) -> RunningGpus:
-        """Use as a context manager that stops on exit."""
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Stop the server."""
-        self.stop()
 
 
 def serve_gpus(
@@ -188,15 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent gpus",
         description="Reference GPU inventory server (gpuresc.GPUResc).",
     )
-    parser.add_argument(
-        "--listen",
-        default="127.0.0.1:50053",
-        help="HOST:PORT (default %(default)s; off loopback needs --require-token)",
-    )
-    parser.add_argument(
+    add_listen_argument(
+        parser,
+        "127.0.0.1:50053",
         "--require-token",
-        default=os.environ.get("CORRAL_AGENT_TOKEN") or None,
-        help="refuse calls without this bearer token (default $CORRAL_AGENT_TOKEN)",
+        token_help="refuse calls without this bearer token",
     )
     parser.add_argument("--gpus", help="UUID:MB,... (default: ask nvidia-smi)")
     add_common_arguments(parser)

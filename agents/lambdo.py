@@ -57,15 +57,17 @@ from agents.drivers import (
     DriverError,
     ImageNotFound,
     MemoryDriver,
-    ProcessDriver,
     VMDriver,
     VMSpec,
+    add_driver_arguments,
     check_module_name,
+    driver_from_args,
 )
 from agents.faults import FaultHooks, record_call
 from agents.runtime import (
-    WILDCARD_HOSTS,
+    Running,
     add_common_arguments,
+    add_listen_argument,
     connect_host,
     parse_agent_args,
     refuse_to_listen,
@@ -489,21 +491,20 @@ class _LambdoServer(ThreadingHTTPServer):
         super().__init__(address, handler)
 
 
-class RunningLambdo:
+class RunningLambdo(Running):
     """A Lambdo host serving in a background thread; ``stop()`` tears everything down."""
 
     def __init__(
         self, server: ThreadingHTTPServer, host: str, agent: LambdoAgent, driver: VMDriver
     ) -> None:
         """Wrap the parts built by :func:`serve_lambdo` and start serving."""
+        super().__init__()
         self.server = server
         self.port: int = server.server_address[1]
         #: Base URL for a local client, e.g. ``http://127.0.0.1:3000``.
         self.url = f"http://{connect_host(host)}:{self.port}"
         self.agent = agent
         self.driver = driver
-        self._stopped = False
-        self._lock = threading.Lock()
         self._thread = threading.Thread(
             target=server.serve_forever,
             kwargs={"poll_interval": 0.1},
@@ -512,25 +513,13 @@ class RunningLambdo:
         )
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop serving and stop every VM (idempotent)."""
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
+    def _shutdown(self, grace: float) -> None:
+        """Stop serving and stop every VM."""
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(timeout=5)
         self.driver.close()
         log.info("lambdo on port %d stopped", self.port)
-
-    def __enter__(self) -> RunningLambdo:
-        """Use as a context manager that stops on exit."""
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        """Stop the host."""
-        self.stop()
 
 
 def serve_lambdo(
@@ -559,34 +548,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent lambdo",
         description="Reference Lambdo-compatible host (HTTP /spawn, /destroy/{id}, /start).",
     )
-    parser.add_argument(
-        "--listen",
-        default="127.0.0.1:3000",
-        help="HOST:PORT (default %(default)s; off loopback needs --token)",
-    )
-    parser.add_argument(
-        "--driver",
-        choices=["process", "memory"],
-        default="process",
-        help="process: VMs are real processes; memory: records only",
-    )
-    parser.add_argument(
-        "--port-range",
-        default="{}-{}".format(*DEFAULT_PORT_RANGE),
-        help="host ports for VMs (default %(default)s)",
+    add_listen_argument(parser, "127.0.0.1:3000", "--token")
+    add_driver_arguments(
+        parser,
+        DEFAULT_PORT_RANGE,
+        vms="VMs",
+        port_help="host ports for VMs",
+        image_source="rootfs.image",
     )
     parser.add_argument("--advertise-ip", help="IP reported for VMs (default: listen host)")
     parser.add_argument(
         "--token",
         default=os.environ.get("CORRAL_LAMBDO_TOKEN") or None,
         help="require Authorization: Bearer TOKEN (default $CORRAL_LAMBDO_TOKEN)",
-    )
-    parser.add_argument(
-        "--allow-image",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="also let rootfs.image run this Python module (repeatable; examples.* always may)",
     )
     parser.add_argument(
         "--default-image",
@@ -605,18 +579,15 @@ def main(argv: list[str] | None = None) -> int:
     if refuse_to_listen("corral agent lambdo", host, args.token, "CORRAL_LAMBDO_TOKEN",
                         args.insecure):
         return 2
-    driver: VMDriver
-    if args.driver == "process":
-        bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
-        try:
-            driver = ProcessDriver(
-                port_range, bind_host=bind, advertise_ip=args.advertise_ip, ready_timeout=10.0,
-                allow_images=args.allow_image,
-            )
-        except ValueError as exc:
-            parser.error(f"--allow-image: {exc}")
-    else:
-        driver = MemoryDriver(port_range=port_range)
+    driver = driver_from_args(
+        parser,
+        args,
+        host,
+        port_range,
+        lambda: MemoryDriver(port_range=port_range),
+        advertise_ip=args.advertise_ip,
+        ready_timeout=10.0,
+    )
     return serve_until_signalled(
         lambda: serve_lambdo(
             args.listen, driver=driver, token=args.token, default_image=args.default_image

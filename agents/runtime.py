@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -17,11 +18,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Protocol
+from typing import Protocol, Self
 
 __all__ = [
     "WILDCARD_HOSTS",
+    "Running",
     "add_common_arguments",
+    "add_listen_argument",
     "configure_logging",
     "connect_host",
     "guess_node_ip",
@@ -140,6 +143,23 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_listen_argument(
+    parser: argparse.ArgumentParser, default: str, token_flag: str, *, token_help: str | None = None
+) -> None:
+    """Add ``--listen`` and, with ``token_help``, ``--require-token`` (from $CORRAL_AGENT_TOKEN)."""
+    parser.add_argument(
+        "--listen",
+        default=default,
+        help=f"HOST:PORT (default %(default)s; off loopback needs {token_flag})",
+    )
+    if token_help is not None:
+        parser.add_argument(
+            "--require-token",
+            default=os.environ.get("CORRAL_AGENT_TOKEN") or None,
+            help=f"{token_help} (default $CORRAL_AGENT_TOKEN)",
+        )
+
+
 def parse_agent_args(
     parser: argparse.ArgumentParser, argv: list[str] | None, *, port_range: bool = True
 ) -> tuple[argparse.Namespace, str, tuple[int, int] | None]:
@@ -179,6 +199,35 @@ class Stoppable(Protocol):
 
     def stop(self) -> None:
         """Stop serving and release what it holds."""
+
+
+class Running:
+    """A server running in the background: stopped once by :meth:`stop`, or on leaving ``with``."""
+
+    def __init__(self) -> None:
+        """Not stopped yet."""
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Stop serving and release what it holds (idempotent)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._shutdown(grace)
+
+    def _shutdown(self, grace: float) -> None:
+        """Tear the server down; called once, by the first :meth:`stop`."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        """Use as a context manager that stops on exit."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop the server."""
+        self.stop()
 
 
 def serve_until_signalled(
