@@ -554,18 +554,16 @@ def add_driver_arguments(
 def driver_from_args(
     parser: argparse.ArgumentParser,
     args: argparse.Namespace,
-    host: str,
-    port_range: tuple[int, int],
     memory: Callable[[], VMDriver],
     **process_options: Any,
 ) -> VMDriver:
-    """The driver ``--driver`` asks for: processes bound to the listen host, or ``memory()``."""
+    """The driver ``--driver`` asks for: processes bound to ``args.host``, or ``memory()``."""
     if args.driver != "process":
         return memory()
-    bind = "0.0.0.0" if host in WILDCARD_HOSTS else host.strip("[]")
+    bind = "0.0.0.0" if args.host in WILDCARD_HOSTS else args.host.strip("[]")
     try:
         return ProcessDriver(
-            port_range, bind_host=bind, allow_images=args.allow_image, **process_options
+            args.port_range, bind_host=bind, allow_images=args.allow_image, **process_options
         )
     except ValueError as exc:
         parser.error(f"--allow-image: {exc}")

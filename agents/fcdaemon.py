@@ -52,23 +52,15 @@ from agents.drivers import (
     add_driver_arguments,
     driver_from_args,
 )
-from agents.grpcserve import (
-    GrpcFaultHooks,
-    add_health,
-    bind_port,
-    mark_serving,
-    token_interceptors,
-)
+from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving
 from agents.procs import kill_group, spawn
 from agents.runtime import (
     Running,
     add_common_arguments,
-    add_listen_argument,
     connect_host,
     guess_node_ip,
     is_loopback,
     parse_agent_args,
-    refuse_to_listen,
     serve_until_signalled,
     split_hostport,
 )
@@ -466,13 +458,20 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         log.info("ReleaseVMSetup: %s released", request.vmid)
         return empty_pb2.Empty()
 
+    def _begin_hogs(
+        self, method: str, request: Any, context: grpc.ServicerContext
+    ) -> tuple[bool, Any]:
+        """:meth:`_begin` for a hog call, then refuse a negative ``n``."""
+        canned, reply = self._begin(method, request, context)
+        if not canned and request.n < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n must not be negative")
+        return canned, reply
+
     def CreateCPUHogs(self, request: Any, context: grpc.ServicerContext) -> Any:
         """Start ``n`` busy-loop processes."""
-        canned, reply = self._begin("CreateCPUHogs", request, context)
+        canned, reply = self._begin_hogs("CreateCPUHogs", request, context)
         if canned:
             return reply
-        if request.n < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n must not be negative")
         try:
             count = self.hogs.start(request.n)
         except ValueError as exc:
@@ -484,11 +483,9 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
 
     def StopCPUHogs(self, request: Any, context: grpc.ServicerContext) -> Any:
         """Stop up to ``n`` busy-loop processes."""
-        canned, reply = self._begin("StopCPUHogs", request, context)
+        canned, reply = self._begin_hogs("StopCPUHogs", request, context)
         if canned:
             return reply
-        if request.n < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n must not be negative")
         stopped = self.hogs.stop(request.n)
         log.info("StopCPUHogs n=%d: stopped %d, %d running", request.n, stopped, self.hogs.count)
         return empty_pb2.Empty()
@@ -527,11 +524,8 @@ class RunningAgent(Running):
         reporter: RegistryReporter | None,
     ) -> None:
         """Wrap the parts built by :func:`serve_fcdaemon`."""
-        super().__init__()
+        super().__init__(host, port)  # address: where a local client dials, 127.0.0.1:50051
         self.server = server
-        self.port = port
-        #: Where a local client dials this agent, e.g. ``127.0.0.1:50051``.
-        self.address = f"{connect_host(host)}:{port}"
         self.agent = agent
         self.driver = driver
         self.health = health_servicer
@@ -571,15 +565,11 @@ def serve_fcdaemon(
     """
     host, _ = split_hostport(listen)
     driver = driver if driver is not None else MemoryDriver()
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fcdaemon"),
-        options=[("grpc.so_reuseport", 0)],
-        interceptors=token_interceptors(require_token),
+    server, health_servicer, port = agent_server(
+        "fcdaemon", listen, max_workers=max_workers, require_token=require_token, tls=tls
     )
     agent = FcAgent(driver, hogs=HogPool(max_hogs))
     fcdaemon_grpc.add_FcServiceServicer_to_server(agent, server)
-    health_servicer = add_health(server)
-    port = bind_port(server, listen, tls)
     reporter: RegistryReporter | None = None
     if registry:
         node_ip = advertise_ip or guess_node_ip(host)
@@ -618,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent fcdaemon",
         description="Reference node agent serving fcdaemon.FcService (gRPC).",
     )
-    add_listen_argument(
+    add_common_arguments(
         parser,
         "127.0.0.1:50051",
         "--require-token",
@@ -649,20 +639,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-hogs", type=int, default=64, help="CPU hog limit (default 64)")
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key for --tls-cert")
-    add_common_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the node agent until SIGINT/SIGTERM; return the exit code."""
     parser = build_parser()
-    args, host, port_range = parse_agent_args(parser, argv)
-    assert port_range is not None
-    if refuse_to_listen(
-        "corral agent fcdaemon", host, args.require_token, "CORRAL_AGENT_TOKEN", args.insecure
-    ):
+    args = parse_agent_args(parser, argv, "require_token", "CORRAL_AGENT_TOKEN")
+    if args is None:
         return 2
-    advertise = args.advertise_ip or guess_node_ip(host)
+    advertise = args.advertise_ip or guess_node_ip(args.host)
     tls = None
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
@@ -670,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.tls_key, "rb") as key, open(args.tls_cert, "rb") as cert:
             tls = (key.read(), cert.read())
     driver = driver_from_args(
-        parser, args, host, port_range, lambda: MemoryDriver(ip=advertise), advertise_ip=advertise
+        parser, args, lambda: MemoryDriver(ip=advertise), advertise_ip=advertise
     )
     return serve_until_signalled(
         lambda: serve_fcdaemon(

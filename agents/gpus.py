@@ -17,26 +17,16 @@ import argparse
 import logging
 import shutil
 import subprocess
-from concurrent import futures
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health
 
-from agents.grpcserve import (
-    GrpcFaultHooks,
-    add_health,
-    bind_port,
-    mark_serving,
-    token_interceptors,
-)
+from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving
 from agents.runtime import (
     Running,
     add_common_arguments,
-    add_listen_argument,
-    connect_host,
     parse_agent_args,
-    refuse_to_listen,
     serve_until_signalled,
     split_hostport,
 )
@@ -134,10 +124,8 @@ class RunningGpus(Running):
         health_servicer: health.HealthServicer,
     ) -> None:
         """Wrap the parts built by :func:`serve_gpus`."""
-        super().__init__()
+        super().__init__(host, port)
         self.server = server
-        self.port = port
-        self.address = f"{connect_host(host)}:{port}"
         self.agent = agent
         self.health = health_servicer
 
@@ -155,14 +143,10 @@ def serve_gpus(
     """Start a GPU inventory server answering ``gpus`` on ``listen`` (token: as fcdaemon's)."""
     host, _ = split_hostport(listen)
     agent = GpuAgent(gpus or {})
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="gpus"),
-        options=[("grpc.so_reuseport", 0)],
-        interceptors=token_interceptors(require_token),
+    server, health_servicer, port = agent_server(
+        "gpus", listen, max_workers=8, require_token=require_token
     )
     gpuresc_grpc.add_GPURescServicer_to_server(agent, server)
-    health_servicer = add_health(server)
-    port = bind_port(server, listen)
     server.start()
     mark_serving(health_servicer, SERVICE_NAME)
     log.info("gpus listening on %s:%d serving %d GPU(s)", host or "0.0.0.0", port, len(agent.gpus))
@@ -175,23 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent gpus",
         description="Reference GPU inventory server (gpuresc.GPUResc).",
     )
-    add_listen_argument(
+    add_common_arguments(
         parser,
         "127.0.0.1:50053",
         "--require-token",
         token_help="refuse calls without this bearer token",
     )
     parser.add_argument("--gpus", help="UUID:MB,... (default: ask nvidia-smi)")
-    add_common_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Serve the GPU inventory until SIGINT/SIGTERM; return the exit code."""
     parser = build_parser()
-    args, host, _ = parse_agent_args(parser, argv, port_range=False)
-    if refuse_to_listen("corral agent gpus", host, args.require_token, "CORRAL_AGENT_TOKEN",
-                        args.insecure):
+    args = parse_agent_args(parser, argv, "require_token", "CORRAL_AGENT_TOKEN")
+    if args is None:
         return 2
     try:
         gpus = parse_gpus(args.gpus) if args.gpus is not None else query_nvidia_smi()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ __all__ = [
     "GrpcFaultHooks",
     "TokenInterceptor",
     "add_health",
+    "agent_server",
     "bind_port",
     "mark_serving",
     "token_interceptors",
@@ -58,6 +60,27 @@ class TokenInterceptor(grpc.ServerInterceptor):
 def token_interceptors(token: str | None, what: str = "agent") -> list[grpc.ServerInterceptor]:
     """The interceptors a server needs: the token check when ``token`` is set, else none."""
     return [TokenInterceptor(token, what)] if token else []
+
+
+def agent_server(
+    name: str,
+    listen: str,
+    *,
+    max_workers: int,
+    require_token: str | None = None,
+    tls: tuple[bytes, bytes] | None = None,
+) -> tuple[grpc.Server, health.HealthServicer, int]:
+    """An agent's gRPC server bound to ``listen``: (server, its health service, port).
+
+    Add the agent's servicer, then ``server.start()`` and :func:`mark_serving`.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
+        options=[("grpc.so_reuseport", 0)],
+        interceptors=token_interceptors(require_token),
+    )
+    health_servicer = add_health(server)
+    return server, health_servicer, bind_port(server, listen, tls)
 
 
 def add_health(server: grpc.Server, *, non_blocking: bool = True) -> health.HealthServicer:

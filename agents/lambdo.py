@@ -67,10 +67,7 @@ from agents.faults import FaultHooks, record_call
 from agents.runtime import (
     Running,
     add_common_arguments,
-    add_listen_argument,
-    connect_host,
     parse_agent_args,
-    refuse_to_listen,
     serve_until_signalled,
     split_hostport,
 )
@@ -498,11 +495,10 @@ class RunningLambdo(Running):
         self, server: ThreadingHTTPServer, host: str, agent: LambdoAgent, driver: VMDriver
     ) -> None:
         """Wrap the parts built by :func:`serve_lambdo` and start serving."""
-        super().__init__()
+        super().__init__(host, server.server_address[1])
         self.server = server
-        self.port: int = server.server_address[1]
         #: Base URL for a local client, e.g. ``http://127.0.0.1:3000``.
-        self.url = f"http://{connect_host(host)}:{self.port}"
+        self.url = f"http://{self.address}"
         self.agent = agent
         self.driver = driver
         self._thread = threading.Thread(
@@ -548,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent lambdo",
         description="Reference Lambdo-compatible host (HTTP /spawn, /destroy/{id}, /start).",
     )
-    add_listen_argument(parser, "127.0.0.1:3000", "--token")
+    add_common_arguments(parser, "127.0.0.1:3000", "--token")
     add_driver_arguments(
         parser,
         DEFAULT_PORT_RANGE,
@@ -567,24 +563,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="examples.hello",
         help="image run when a rootfs names no runnable (default %(default)s)",
     )
-    add_common_arguments(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the Lambdo host until SIGINT/SIGTERM; return the exit code."""
     parser = build_parser()
-    args, host, port_range = parse_agent_args(parser, argv)
-    assert port_range is not None
-    if refuse_to_listen("corral agent lambdo", host, args.token, "CORRAL_LAMBDO_TOKEN",
-                        args.insecure):
+    args = parse_agent_args(parser, argv, "token", "CORRAL_LAMBDO_TOKEN")
+    if args is None:
         return 2
     driver = driver_from_args(
         parser,
         args,
-        host,
-        port_range,
-        lambda: MemoryDriver(port_range=port_range),
+        lambda: MemoryDriver(port_range=args.port_range),
         advertise_ip=args.advertise_ip,
         ready_timeout=10.0,
     )

@@ -24,7 +24,6 @@ __all__ = [
     "WILDCARD_HOSTS",
     "Running",
     "add_common_arguments",
-    "add_listen_argument",
     "configure_logging",
     "connect_host",
     "guess_node_ip",
@@ -128,8 +127,29 @@ def configure_logging(level: str = "INFO") -> None:
     )
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--log-level`` and ``--insecure`` to an argparse parser."""
+def add_common_arguments(
+    parser: argparse.ArgumentParser,
+    listen: str,
+    token_flag: str,
+    *,
+    token_help: str | None = None,
+) -> None:
+    """Add ``--listen``, ``--insecure`` and ``--log-level`` to an agent's argparse parser.
+
+    ``token_flag`` names the option that makes listening off loopback allowed; with
+    ``token_help`` the parser also gets ``--require-token`` (default $CORRAL_AGENT_TOKEN).
+    """
+    parser.add_argument(
+        "--listen",
+        default=listen,
+        help=f"HOST:PORT (default %(default)s; off loopback needs {token_flag})",
+    )
+    if token_help is not None:
+        parser.add_argument(
+            "--require-token",
+            default=os.environ.get("CORRAL_AGENT_TOKEN") or None,
+            help=f"{token_help} (default $CORRAL_AGENT_TOKEN)",
+        )
     parser.add_argument(
         "--insecure",
         action="store_true",
@@ -143,35 +163,29 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_listen_argument(
-    parser: argparse.ArgumentParser, default: str, token_flag: str, *, token_help: str | None = None
-) -> None:
-    """Add ``--listen`` and, with ``token_help``, ``--require-token`` (from $CORRAL_AGENT_TOKEN)."""
-    parser.add_argument(
-        "--listen",
-        default=default,
-        help=f"HOST:PORT (default %(default)s; off loopback needs {token_flag})",
-    )
-    if token_help is not None:
-        parser.add_argument(
-            "--require-token",
-            default=os.environ.get("CORRAL_AGENT_TOKEN") or None,
-            help=f"{token_help} (default $CORRAL_AGENT_TOKEN)",
-        )
-
-
 def parse_agent_args(
-    parser: argparse.ArgumentParser, argv: list[str] | None, *, port_range: bool = True
-) -> tuple[argparse.Namespace, str, tuple[int, int] | None]:
-    """Parse an agent's argv, set up logging; returns (args, listen host, port range)."""
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    token: str,
+    variable: str,
+) -> argparse.Namespace | None:
+    """Parse an agent's argv and set up logging; ``args.host`` is the listen host.
+
+    ``args.port_range``, if the parser has it, becomes a checked (low, high) pair. None
+    when the agent must not listen there without a token (option ``token``, set by
+    ``variable``): the refusal is printed and the command exits 2.
+    """
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
-        host, _ = split_hostport(args.listen)
-        ports = parse_port_range(args.port_range) if port_range else None
+        args.host, _ = split_hostport(args.listen)
+        if hasattr(args, "port_range"):
+            args.port_range = parse_port_range(args.port_range)
     except ValueError as exc:
         parser.error(str(exc))
-    return args, host, ports
+    if refuse_to_listen(parser.prog, args.host, getattr(args, token), variable, args.insecure):
+        return None
+    return args
 
 
 @contextmanager
@@ -204,8 +218,10 @@ class Stoppable(Protocol):
 class Running:
     """A server running in the background: stopped once by :meth:`stop`, or on leaving ``with``."""
 
-    def __init__(self) -> None:
-        """Not stopped yet."""
+    def __init__(self, host: str, port: int) -> None:
+        """A server bound to ``host``:``port``; ``address`` is what a local client dials."""
+        self.port = port
+        self.address = f"{connect_host(host)}:{port}"
         self._stopped = False
         self._lock = threading.Lock()
 
