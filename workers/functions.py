@@ -22,10 +22,11 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
-from workers.errors import InputError, NotFound
+from workers.errors import InputError
 from workers.lifecycle import bump_reap_at
 from workers.placement import POLICIES
 from workers.store.models import Function
+from workers.store.rows import one_or_not_found
 
 MAX_REPLICAS = 10_000
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -282,12 +283,7 @@ def get_function(session: Session, name: str, *, lock: bool = False) -> Function
     """The function called ``name``, or :class:`NotFound`."""
     check_name(name)
     query = select(Function).where(Function.name == name)
-    if lock:
-        query = query.with_for_update()
-    fn = session.scalars(query).first()
-    if fn is None:
-        raise NotFound(f"unknown function {name!r}")
-    return fn
+    return one_or_not_found(session, query, f"function {name!r}", lock=lock)
 
 
 def function_view(fn: Function, counts: dict[str, int] | None = None) -> dict[str, Any]:

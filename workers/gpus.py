@@ -29,7 +29,7 @@ import re
 from typing import Any
 
 import grpc
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -37,7 +37,6 @@ from config.settings import Settings
 from workers.errors import (
     BackendError,
     InputError,
-    NotFound,
     PermanentBackendError,
     TransientBackendError,
     Unsupported,
@@ -46,6 +45,7 @@ from workers.fcdaemon import RETRYABLE_CODES
 from workers.functions import iso
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, Gpu, Replica
+from workers.store.rows import delete_unlinking_replicas, one_or_not_found
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +219,8 @@ def get_gpu(session: Session, uuid: str, *, lock: bool = False) -> Gpu:
     """The GPU with this UUID, or :class:`NotFound`."""
     if not isinstance(uuid, str) or not UUID_RE.match(uuid):
         raise InputError(f"malformed GPU UUID {uuid!r}")
-    query = select(Gpu).where(Gpu.uuid == uuid)
-    if lock:
-        query = query.with_for_update()
-    gpu = session.scalars(query).first()
-    if gpu is None:
-        raise NotFound(f"unknown GPU {uuid!r}")
-    return gpu
+    return one_or_not_found(session, select(Gpu).where(Gpu.uuid == uuid), f"GPU {uuid!r}",
+                            lock=lock)
 
 
 def remove_gpu(session: Session, uuid: str) -> None:
@@ -236,13 +231,7 @@ def remove_gpu(session: Session, uuid: str) -> None:
             f"GPU {uuid} is in use: {gpu.slots_total - gpu.slots_free} slot(s) and "
             f"{gpu.mem_total_mb - gpu.mem_free_mb} MB held by live replicas; delete them first"
         )
-    session.execute(
-        update(Replica)
-        .where(Replica.gpu_id == gpu.id)
-        .values(gpu_id=None)
-        .execution_options(synchronize_session=False)
-    )
-    session.delete(gpu)
+    delete_unlinking_replicas(session, gpu, Replica.gpu_id)
     session.flush()
 
 

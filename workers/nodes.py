@@ -21,14 +21,15 @@ import re
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
-from workers.errors import InputError, NotFound
+from workers.errors import InputError
 from workers.functions import check_name, iso
 from workers.store.models import Node, Replica
+from workers.store.rows import delete_unlinking_replicas, one_or_not_found
 
 KINDS = ("fcdaemon", "lambdo")
 DEFAULT_AGENT_PORT = 50051
@@ -105,10 +106,7 @@ def upsert_node(
 def get_node(session: Session, name: str) -> Node:
     """The node called ``name``, or :class:`NotFound`."""
     check_name(name, "node")
-    node = session.scalars(select(Node).where(Node.name == name)).first()
-    if node is None:
-        raise NotFound(f"unknown node {name!r}")
-    return node
+    return one_or_not_found(session, select(Node).where(Node.name == name), f"node {name!r}")
 
 
 def remove_node(session: Session, name: str) -> None:
@@ -119,13 +117,7 @@ def remove_node(session: Session, name: str) -> None:
             f"node {name!r} still runs {node.live} replica(s): drain it (`corral nodes drain "
             f"{name}`) and wait, or delete them first"
         )
-    session.execute(
-        update(Replica)
-        .where(Replica.node_id == node.id)
-        .values(node_id=None)
-        .execution_options(synchronize_session=False)
-    )
-    session.delete(node)
+    delete_unlinking_replicas(session, node, Replica.node_id)
 
 
 def probation(node: Node, settings: Settings) -> int | None:
