@@ -1,47 +1,37 @@
-"""Shared helpers for the claims and reaper tests: deploy, spawn Idle replicas, count RPCs."""
+"""Shared helpers for the claims and reaper tests: spawn Idle replicas, races, count RPCs."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
-
-from sqlalchemy import select
+from typing import TypeVar
 
 from agents.fcdaemon import RunningAgent
-from tasks import api
-from tests.fixtures import Env
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn as deploy_fn  # re-exported: tests/gateway imports it here
+from tests.helpers import replicas, spawn_ok
 from workers import leases
 from workers.claims import Claimed, NoIdleReplica, claim
-from workers.functions import deploy, spec_from
 from workers.store.db import Database
 from workers.store.models import Replica, ReplicaState
 
 T = TypeVar("T")
 
 
-def deploy_fn(corral: Env, name: str = "hello", **fields: Any) -> None:
-    """Create (or redeploy, bumping the build) a fcdaemon function."""
-    base: dict[str, Any] = {"image": "examples.hello:latest", "kernel": "/boot/vmlinux",
-                            "max": 50}
-    base.update(fields)
-    with corral.db.transaction() as s:
-        deploy(s, spec_from(name=name, **base), corral.settings)
+def one_node_idle(
+    env: Env, start_agents: StartAgents, n: int = 1, /, **fields: object
+) -> list[Replica]:
+    """One node agent, ``hello`` deployed with ``fields``, and ``n`` Idle replicas of it."""
+    start_agents(1)
+    deploy_fn(env, **fields)
+    return spawn_idle(env, "hello", n)
 
 
 def spawn_idle(env: Env, name: str, n: int) -> list[Replica]:
     """Spawn ``n`` replicas (eager mode); returns the function's Idle replicas."""
-    view = api.wait(api.spawn(name, n), timeout=30)
-    assert view["status"] == "succeeded", view
+    spawn_ok(name, n, timeout=30)
     return [r for r in replicas(env, name) if r.status == ReplicaState.IDLE]
-
-
-def replicas(env: Env, name: str | None = None) -> list[Replica]:
-    """Every replica row (of one function), oldest first."""
-    with env.db.read() as s:
-        rows = list(s.scalars(select(Replica).order_by(Replica.created_at)))
-    return [r for r in rows if name is None or r.function.name == name]
 
 
 def by_id(env: Env) -> dict[str, Replica]:

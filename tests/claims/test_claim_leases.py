@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from tasks import api
-from tests.claims.helpers import at_once, by_id, deploy_fn, spawn_idle
+from tests.claims.helpers import at_once, by_id, one_node_idle
 from tests.fixtures import Env, StartAgents
 from workers import clock
 from workers.claims import claim, expire, release
@@ -34,9 +34,7 @@ def _claims(env: Env) -> dict[str, str]:
 def test_a_stale_release_does_not_free_a_newer_claims_environment(
     store: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(store)
-    (replica,) = spawn_idle(store, "hello", 1)
+    (replica,) = one_node_idle(store, start_agents)
     old = api.claim("hello")
     assert old["replica_id"] == replica.id and len(old["claim_id"]) == 32
     assert api.release(old["claim_id"])["released"]
@@ -60,9 +58,7 @@ def test_a_stale_release_does_not_free_a_newer_claims_environment(
 def test_eight_concurrent_releases_of_one_claim_give_back_one_environment(
     store: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(store, exec_envs=3)
-    (replica,) = spawn_idle(store, "hello", 1)
+    (replica,) = one_node_idle(store, start_agents, exec_envs=3)
     mine, other = (claim(store.db, store.settings, "hello") for _ in range(2))
     assert by_id(store)[replica.id].envs_in_use == 2
 
@@ -76,9 +72,7 @@ def test_eight_concurrent_releases_of_one_claim_give_back_one_environment(
 def test_an_expired_claim_is_given_back_by_the_reaper(
     store: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(store, exec_envs=2, idle_timeout=30)
-    (replica,) = spawn_idle(store, "hello", 1)
+    (replica,) = one_node_idle(store, start_agents, exec_envs=2, idle_timeout=30)
     short = api.claim("hello", ttl=10)
     long = api.claim("hello")  # the default CORRAL_CLAIM_TTL_S, 300 s
     assert by_id(store)[replica.id].status == ReplicaState.ALLOCATED
@@ -109,9 +103,7 @@ def test_an_expired_claim_is_given_back_by_the_reaper(
 
 
 def test_release_and_expiry_racing_give_back_once(store: Env, start_agents: StartAgents) -> None:
-    start_agents(1)
-    deploy_fn(store, exec_envs=8, max=4)
-    spawn_idle(store, "hello", 1)
+    one_node_idle(store, start_agents, exec_envs=8, max=4)
     got = [claim(store.db, store.settings, "hello", ttl_s=5) for _ in range(6)]
     clock.travel(6)
 
@@ -129,9 +121,7 @@ def test_release_and_expiry_racing_give_back_once(store: Env, start_agents: Star
 def test_finished_gives_back_the_replicas_oldest_claim(
     store: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(store, exec_envs=2)
-    (replica,) = spawn_idle(store, "hello", 1)
+    (replica,) = one_node_idle(store, start_agents, exec_envs=2)
     first = claim(store.db, store.settings, "hello")
     clock.travel(1)
     second = claim(store.db, store.settings, "hello")
@@ -153,9 +143,7 @@ def test_finished_gives_back_the_replicas_oldest_claim(
 def test_a_bad_ttl_is_refused_and_claims_nothing(
     corral_env: Env, start_agents: StartAgents, bad: object
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env)
-    (replica,) = spawn_idle(corral_env, "hello", 1)
+    (replica,) = one_node_idle(corral_env, start_agents)
     with pytest.raises(InputError, match="claim ttl"):
         api.claim("hello", ttl=bad)  # type: ignore[arg-type]
     assert by_id(corral_env)[replica.id].envs_in_use == 0

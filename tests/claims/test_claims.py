@@ -7,8 +7,9 @@ from datetime import timedelta
 import pytest
 
 from tasks import api
-from tests.claims.helpers import by_id, claim_race, deploy_fn, spawn_idle
+from tests.claims.helpers import by_id, claim_race, one_node_idle, spawn_idle
 from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn
 from workers import clock
 from workers.claims import NoIdleReplica, claim, release
 from workers.errors import InputError, NotFound
@@ -37,9 +38,7 @@ def test_sixteen_threads_ten_idle_replicas(corral_env: Env, start_agents: StartA
 def test_two_envs_serve_two_claims_then_allocated(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env, exec_envs=2, idle_timeout=60)
-    (replica,) = spawn_idle(corral_env, "hello", 1)
+    (replica,) = one_node_idle(corral_env, start_agents, exec_envs=2, idle_timeout=60)
     assert replica.idle_since is not None and replica.reap_at is not None
 
     first = claim(corral_env.db, corral_env.settings, "hello")
@@ -99,9 +98,7 @@ def test_claim_unknown_function(corral_env: Env) -> None:
 def test_stale_replicas_are_never_handed_out(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env)
-    old = spawn_idle(corral_env, "hello", 2)
+    old = one_node_idle(corral_env, start_agents, 2)
     deploy_fn(corral_env, env={"V": "2"})  # a new build: the two replicas are stale
     with pytest.raises(NoIdleReplica):
         claim(corral_env.db, corral_env.settings, "hello")
@@ -119,9 +116,7 @@ def test_release_of_a_replica_being_deleted_counts_the_env_back(
 ) -> None:
     from workers.replicas import begin_delete
 
-    start_agents(1)
-    deploy_fn(corral_env)
-    spawn_idle(corral_env, "hello", 1)
+    one_node_idle(corral_env, start_agents)
     got = claim(corral_env.db, corral_env.settings, "hello")
     begin_delete(corral_env.db, corral_env.settings, got.replica_id)
     out = release(corral_env.db, corral_env.settings, got.claim_id)

@@ -8,8 +8,9 @@ from datetime import datetime, timedelta
 import pytest
 
 from tasks.cli import main
-from tests.claims.helpers import by_id, deploy_fn, released, spawn_idle
+from tests.claims.helpers import by_id, one_node_idle, released, spawn_idle
 from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn
 from workers import clock
 from workers.store.models import ReplicaState
 
@@ -55,9 +56,7 @@ def test_claim_release_reap_json(
 def test_human_output(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env, idle_timeout=30, min=1)
-    spawn_idle(corral_env, "hello", 2)
+    one_node_idle(corral_env, start_agents, 2, idle_timeout=30, min=1)
     assert main(["claim", "hello"]) == 0
     claim_id, address = capsys.readouterr().out.split()
     assert len(claim_id) == 32 and address.startswith("http://")

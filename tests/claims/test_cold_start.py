@@ -12,8 +12,9 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from tasks import api
-from tests.claims.helpers import at_once, by_id, created, deploy_fn, replicas, spawn_idle
+from tests.claims.helpers import at_once, by_id, created, one_node_idle
 from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, replicas
 from workers.claims import ClaimTimeout, NoIdleReplica
 from workers.store.models import Lease, ReplicaState
 
@@ -108,9 +109,7 @@ def test_four_single_env_cold_starts_spawn_at_most_four(
 def test_cold_start_above_max_is_refused_clearly(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env, max=1)
-    spawn_idle(corral_env, "hello", 1)
+    one_node_idle(corral_env, start_agents, max=1)
     api.claim("hello")
     with pytest.raises(NoIdleReplica, match=r"cold start was refused: .*above its max of 1"):
         api.claim("hello", cold_start_timeout=5)

@@ -11,13 +11,14 @@ from tests.claims.helpers import (
     at_once,
     by_id,
     claim_race,
-    deploy_fn,
+    one_node_idle,
     race_for_lease,
     released,
     spawn_idle,
 )
 from tests.claims.pg_child import THREADS, claimer
 from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn
 from workers.store.models import ReplicaState
 
 PROCESSES = 4
@@ -61,9 +62,7 @@ def test_two_env_replicas_under_sixteen_threads(
     pg_env: Env, start_agents: StartAgents
 ) -> None:
     """A locked replica with a free environment is waited for, not skipped and missed."""
-    start_agents(1)
-    deploy_fn(pg_env, exec_envs=2)
-    idle = spawn_idle(pg_env, "hello", 5)
+    idle = one_node_idle(pg_env, start_agents, 5, exec_envs=2)
     claims, misses = claim_race(pg_env, "hello", 16, timeout=60)
     got = [c.replica_id for c in claims]
     assert len(got) == 10 and len(misses) == 6

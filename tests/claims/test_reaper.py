@@ -11,8 +11,9 @@ from sqlalchemy import select
 
 from agents.faults import Fault, FaultPlan
 from tasks import api
-from tests.claims.helpers import at_once, by_id, deploy_fn, released, replicas, spawn_idle
+from tests.claims.helpers import at_once, by_id, one_node_idle, released, spawn_idle
 from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, replicas
 from workers import clock, leases
 from workers.claims import claim, release
 from workers.errors import InputError
@@ -107,9 +108,7 @@ def test_allocated_and_busy_replicas_are_never_reaped(
 def test_idle_timeout_override_uses_idle_since(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env, idle_timeout=3600)
-    spawn_idle(corral_env, "hello", 2)
+    one_node_idle(corral_env, start_agents, 2, idle_timeout=3600)
     clock.travel(10)
     assert _reap(corral_env).deleted == []
     assert _reap(corral_env, idle_timeout=20).deleted == []
@@ -276,9 +275,7 @@ def test_release_failures(corral_env: Env, start_agents: StartAgents) -> None:
 def test_reap_through_the_api_records_the_report(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env, idle_timeout=10)
-    spawn_idle(corral_env, "hello", 2)
+    one_node_idle(corral_env, start_agents, 2, idle_timeout=10)
     clock.travel(11)
     view = api.wait(api.reap(), timeout=30)
     assert view["status"] == "succeeded"

@@ -10,6 +10,7 @@ from sqlalchemy import select, update
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
+from tests.helpers import spawn_ok
 from workers.store.models import Function, Gpu, Node
 
 
@@ -27,7 +28,7 @@ def test_drifted_counters_are_reported_then_fixed(
     start_agents(1, capacity=3, env=corral_env)
     assert main(["functions", "deploy", "hello", "--image", "examples.hello",
                  "--kernel", "/k", "--max", "10"]) == 0
-    assert api.wait(api.spawn("hello", 2))["status"] == "succeeded"
+    spawn_ok("hello", 2)
     with corral_env.db.transaction() as s:
         s.add(Gpu(uuid="GPU-1", server="127.0.0.1:50053", mngr_addr="127.0.0.1:3333",
                   mem_total_mb=16000, mem_free_mb=16000, slots_total=4, slots_free=4,
@@ -57,7 +58,7 @@ def test_drifted_counters_are_reported_then_fixed(
     assert main(["db", "check", "--fix"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "fixed 4 counter(s)"
     assert _counters(corral_env) == (2, 2, (4, 16000))
-    assert api.wait(api.spawn("hello", 1))["status"] == "succeeded"
+    spawn_ok("hello", 1)
     assert main(["db", "check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report == {"checked": {"functions": 1, "gpus": 1, "nodes": 1}, "drift": [],

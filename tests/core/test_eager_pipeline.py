@@ -9,28 +9,18 @@ from sqlalchemy import select
 from agents.faults import Fault
 from tasks import api
 from tests.fixtures import Env, StartAgents
-from workers.functions import deploy, spec_from
+from tests.helpers import deploy_fn
+from tests.helpers import replicas as replica_rows
 from workers.store.models import Node, Replica, ReplicaState
-
-
-def _deploy(corral: Env, name: str = "hello", **fields: object) -> None:
-    base = {"image": "examples.hello:latest", "kernel": "/boot/vmlinux", "max": 50}
-    base.update(fields)
-    with corral.db.transaction() as s:
-        deploy(s, spec_from(name=name, **base), corral.settings)
-
-
-def _replicas(env: Env) -> list[Replica]:
-    with env.db.read() as s:
-        return list(s.scalars(select(Replica).order_by(Replica.created_at)))
 
 
 def test_spawn_five_on_two_nodes_places_three_and_two(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     a, b = start_agents(2)
-    _deploy(corral_env, env={"GREETING": "hi there"}, cpu=2, mem=256,
-            aws_access_key_id="AKIAEXAMPLE", aws_secret_access_key="s3cr3t")
+    deploy_fn(corral_env, image="examples.hello:latest", kernel="/boot/vmlinux",
+              env={"GREETING": "hi there"}, cpu=2, mem=256,
+              aws_access_key_id="AKIAEXAMPLE", aws_secret_access_key="s3cr3t")
     op = api.spawn("hello", 5)
     view = api.wait(op, timeout=10)
     assert view["status"] == "succeeded", view
@@ -46,7 +36,7 @@ def test_spawn_five_on_two_nodes_places_three_and_two(
     assert req.nameServer == "8.8.8.8"
     assert (req.awsAccessKeyID, req.awsSecretAccessKey) == ("AKIAEXAMPLE", "s3cr3t")
     assert req.requestId
-    rows = _replicas(corral_env)
+    rows = replica_rows(corral_env)
     assert len(rows) == 5
     assert {r.status for r in rows} == {ReplicaState.IDLE}
     assert all(r.vmid and r.address and r.address.startswith("http://127.0.0.1:") for r in rows)
@@ -58,15 +48,15 @@ def test_delete_sends_release_with_the_vmid_and_twice_is_fine(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     (agent,) = start_agents(1)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     api.wait(api.spawn("hello", 1), timeout=10)
-    (replica,) = _replicas(corral_env)
+    (replica,) = replica_rows(corral_env)
     assert api.wait(api.delete(replica.id), timeout=10)["status"] == "succeeded"
     releases = agent.agent.calls_of("ReleaseVMSetup")
     assert [r.vmid for r in releases] == [replica.vmid]
     assert api.wait(api.delete(replica.id), timeout=10)["status"] == "succeeded"
     assert len(agent.agent.calls_of("ReleaseVMSetup")) == 1
-    (after,) = _replicas(corral_env)
+    (after,) = replica_rows(corral_env)
     assert after.status == ReplicaState.DELETED
     with corral_env.db.read() as s:
         assert s.scalars(select(Node)).one().live == 0
@@ -76,9 +66,9 @@ def test_scale_five_to_two_deletes_three_idle_and_no_other(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     a, b = start_agents(2)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     assert api.wait(api.scale("hello", 5), timeout=10)["status"] == "succeeded"
-    rows = _replicas(corral_env)
+    rows = replica_rows(corral_env)
     # One replica is serving a request: scale-down must leave it alone.
     busy = rows[0]
     with corral_env.db.transaction() as s:
@@ -90,7 +80,7 @@ def test_scale_five_to_two_deletes_three_idle_and_no_other(
     released = {r.vmid for r in a.agent.calls_of("ReleaseVMSetup")} | {
         r.vmid for r in b.agent.calls_of("ReleaseVMSetup")
     }
-    after = {r.id: r for r in _replicas(corral_env)}
+    after = {r.id: r for r in replica_rows(corral_env)}
     deleted = [r for r in after.values() if r.status == ReplicaState.DELETED]
     assert len(deleted) == 3
     assert released == {r.vmid for r in deleted}
@@ -101,7 +91,7 @@ def test_scale_five_to_two_deletes_three_idle_and_no_other(
 
 def test_unavailable_twice_then_success(corral_env: Env, start_agents: StartAgents) -> None:
     (agent,) = start_agents(1)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     agent.agent.inject(
         "CreateReplica",
         Fault.abort(grpc.StatusCode.UNAVAILABLE, "warming up"),
@@ -110,7 +100,7 @@ def test_unavailable_twice_then_success(corral_env: Env, start_agents: StartAgen
     view = api.wait(api.spawn("hello", 1), timeout=10)
     assert view["status"] == "succeeded", view
     assert len(agent.agent.calls_of("CreateReplica")) == 3
-    (replica,) = _replicas(corral_env)
+    (replica,) = replica_rows(corral_env)
     assert replica.status == ReplicaState.IDLE
 
 
@@ -119,12 +109,12 @@ def test_agent_that_never_answers_fails_naming_the_node(
 ) -> None:
     corral_env.set(create_timeout_s="0.3", retry_max="1")
     (agent,) = start_agents(1)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     agent.agent.inject("CreateReplica", Fault.delay(1.0), Fault.delay(1.0))
     view = api.wait(api.spawn("hello", 1), timeout=10)
     assert view["status"] == "failed"
     assert "node1" in view["error"] and "DEADLINE_EXCEEDED" in view["error"]
-    (replica,) = _replicas(corral_env)
+    (replica,) = replica_rows(corral_env)
     assert replica.status == ReplicaState.DEAD
     assert "node1" in (replica.error or "")
     with corral_env.db.read() as s:
@@ -135,7 +125,7 @@ def test_empty_vmid_is_a_permanent_failure(corral_env: Env, start_agents: StartA
     from protos import fcdaemon_pb2
 
     (agent,) = start_agents(1)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     agent.agent.inject("CreateReplica", Fault.reply(fcdaemon_pb2.CreateReply(ip="1.2.3.4")))
     view = api.wait(api.spawn("hello", 1), timeout=10)
     assert view["status"] == "failed"
@@ -146,10 +136,10 @@ def test_empty_vmid_is_a_permanent_failure(corral_env: Env, start_agents: StartA
 @pytest.mark.parametrize("count", [0, -1, 10_001])
 def test_bad_counts_change_nothing(corral_env: Env, start_agents: StartAgents, count: int) -> None:
     start_agents(1)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     with pytest.raises(ValueError, match="count must be between 1 and 10000"):
         api.spawn("hello", count)
-    assert _replicas(corral_env) == []
+    assert replica_rows(corral_env) == []
 
 
 def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
@@ -160,7 +150,7 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
     from workers.store.models import Function
 
     (agent,) = start_agents(1)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     with corral_env.db.read() as s:
         fn_id = s.scalars(select(Function.id)).one()
     pending = replicas.begin_spawn(corral_env.db, corral_env.settings, None, "req-x", fn_id)
@@ -170,7 +160,7 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
     assert replicas.finish_spawn(corral_env.db, corral_env.settings, pending, vm) == "deleted"
     assert agent.driver.list() == []
     assert [r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")] == [vm.vmid]
-    (row,) = _replicas(corral_env)
+    (row,) = replica_rows(corral_env)
     assert row.status == ReplicaState.DELETED
     # a redelivered spawn for the same request does nothing
     assert replicas.begin_spawn(corral_env.db, corral_env.settings, None, "req-x", fn_id) is None

@@ -11,14 +11,8 @@ from sqlalchemy import select
 from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.fixtures import Env, StartAgents
-from workers.functions import deploy, spec_from
+from tests.helpers import deploy_fn, spawn_ok
 from workers.store.models import Replica, ReplicaState
-
-
-def _deploy(env: Env, **fields: object) -> None:
-    with env.db.transaction() as s:
-        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=50, **fields),
-               env.settings)
 
 
 def _live(env: Env) -> list[Replica]:
@@ -31,7 +25,7 @@ def test_spawn_scale_delete_through_a_thread_worker(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
     a, b = start_agents(2, env=thread_worker)
-    _deploy(thread_worker)
+    deploy_fn(thread_worker)
     view = api.wait(api.spawn("hello", 6), timeout=30)
     assert view["status"] == "succeeded", view
     assert len(_live(thread_worker)) == 6
@@ -55,7 +49,7 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
     (agent,) = start_agents(1, env=thread_worker)
-    _deploy(thread_worker)
+    deploy_fn(thread_worker)
     # An operation of one replica, and its spawn_replica message published twice.
     with thread_worker.db.transaction() as s:
         from workers.functions import get_function
@@ -100,7 +94,7 @@ def test_malformed_task_message_fails_the_operation_and_worker_lives(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
     start_agents(1, env=thread_worker)
-    _deploy(thread_worker)
+    deploy_fn(thread_worker)
     with thread_worker.db.transaction() as s:
         from workers.operations import create_operation
 
@@ -111,7 +105,7 @@ def test_malformed_task_message_fails_the_operation_and_worker_lives(
     assert "corral.spawn_replica" in view["error"] and "missing" in view["error"]
     _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 7, "x", None], "corral.spawn")
     # the worker still serves real work afterwards
-    assert api.wait(api.spawn("hello", 1), timeout=15)["status"] == "succeeded"
+    spawn_ok("hello", 1, timeout=15)
 
 
 @pytest.mark.timeout(90)
@@ -119,7 +113,7 @@ def test_prefork_worker_process_spawns_and_keeps_secrets_out_of_messages_and_log
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
 ) -> None:
     (agent,) = start_agents(1, env=broker_env)
-    _deploy(broker_env, aws_access_key_id="AKIASECRETID0001", aws_secret_access_key="s3cr3t/KEY")
+    deploy_fn(broker_env, aws_access_key_id="AKIASECRETID0001", aws_secret_access_key="s3cr3t/KEY")
     # Publish while no worker consumes, so the queued messages can be read as sent.
     op = api.spawn("hello", 4)
     r = redis.Redis.from_url(broker_env.settings.broker_url)

@@ -14,16 +14,10 @@ from sqlalchemy.exc import IntegrityError
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
-from workers.functions import deploy, spec_from
+from tests.helpers import deploy_fn, spawn_ok
 from workers.lifecycle import settle
 from workers.operations import create_operation, describe_error
 from workers.store.models import OP_FINISHED, OP_OPEN, Function, Operation, OpStatus
-
-
-def _deploy(env: Env, **fields: object) -> str:
-    with env.db.transaction() as s:
-        return deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=10,
-                                   **fields), env.settings)[0].id
 
 
 def test_finished_is_one_definition_on_the_status_type() -> None:
@@ -38,7 +32,7 @@ def test_a_raising_task_fails_its_operation_and_wait_returns_with_the_error(
     store_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
     start_agents(1)
-    _deploy(store_env)
+    deploy_fn(store_env)
     store_env.set(fault_raise_in="corral.scale")
     started = time.monotonic()
     assert main(["scale", "hello", "2", "--wait", "--timeout", "30"]) == 1
@@ -65,8 +59,8 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
     start_agents(1, env=thread_worker)
-    _deploy(thread_worker)
-    assert api.wait(api.spawn("hello", 1), timeout=30)["status"] == "succeeded"
+    deploy_fn(thread_worker)
+    spawn_ok("hello", 1, timeout=30)
     thread_worker.set(fault_raise_in="corral.spawn,corral.delete_batch")
     started = time.monotonic()
     view = api.wait(api.spawn("hello", 1), timeout=30)
@@ -83,7 +77,7 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
 def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) -> None:
     from tasks.replicas import spawn
 
-    function_id = _deploy(store_env)
+    function_id = deploy_fn(store_env)
     with store_env.db.transaction() as s:
         op_id = create_operation(s, "spawn", {"function": "hello", "count": 2},
                                  function_id=function_id, total=2).id
@@ -104,7 +98,7 @@ def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) ->
 
 
 def test_a_database_error_is_described_without_parameters_or_secrets(store_env: Env) -> None:
-    _deploy(store_env, aws_access_key_id="AKIAABCDEFGHIJKLMNOP", aws_secret_access_key="s3cr3t")
+    deploy_fn(store_env, aws_access_key_id="AKIAABCDEFGHIJKLMNOP", aws_secret_access_key="s3cr3t")
     with pytest.raises(IntegrityError) as caught, store_env.db.transaction() as s:
         s.add(Function(name="hello", image="i", build_version="1",
                        aws_access_key_id="AKIAABCDEFGHIJKLMNOP", aws_secret_access_key="s3cr3t"))

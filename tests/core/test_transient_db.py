@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 from tasks import api
 from tests.fixtures import Env, StartAgents, postgres_only
-from workers.functions import deploy, spec_from
+from tests.helpers import deploy_fn, spawn_ok
 
 pytestmark = [postgres_only, pytest.mark.timeout(120)]
 
@@ -32,10 +32,8 @@ def _connect(env: Env) -> psycopg.Connection:
 def worker(thread_worker: Env, start_agents: StartAgents) -> Iterator[Env]:
     """A real worker with a deployed function of one replica and a generous retry budget."""
     start_agents(1, env=thread_worker)
-    with thread_worker.db.transaction() as s:
-        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=10),
-               thread_worker.settings)
-    assert api.wait(api.spawn("hello", 1), timeout=30)["status"] == "succeeded"
+    deploy_fn(thread_worker, max=10)
+    spawn_ok("hello", 1, timeout=30)
     thread_worker.set(retry_max="30", retry_backoff_s="0.05", retry_backoff_max_s="0.2")
     yield thread_worker
 

@@ -16,8 +16,9 @@ import pytest
 from sqlalchemy import select
 
 from tasks import api
-from tests.claims.helpers import at_once, deploy_fn, replicas
+from tests.claims.helpers import at_once
 from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, operation, replicas, spawn_ok
 from workers import backends, health, leases
 from workers.lifecycle import fail_operation
 from workers.operations import create_operation
@@ -29,7 +30,7 @@ from workers.replicas import (
     plan_scale,
     plan_spawn,
 )
-from workers.store.models import Function, Node, Operation, ReplicaState
+from workers.store.models import Function, Node, ReplicaState
 
 
 @pytest.fixture
@@ -49,13 +50,6 @@ def _new_op(env: Env, kind: str, **params: Any) -> str:
         op = create_operation(s, kind, {"function": "hello", **params},
                               function_id=_fn_id(env))
         return op.id
-
-
-def _op(env: Env, op_id: str) -> Operation:
-    with env.db.read() as s:
-        op = s.get(Operation, op_id)
-        assert op is not None
-        return op
 
 
 # -- 1. reconcile vs. a spawn that lands while the node is listed ------------------------------
@@ -166,7 +160,7 @@ def test_a_redelivered_spread_spawn_keeps_its_node_list(
     start_agents(1)  # a third node comes up before the message is redelivered
     _, again = plan_spawn(corral_env.db, op_id)
     assert again == first and len(first) == 2
-    assert _op(corral_env, op_id).total == 2
+    assert operation(corral_env, op_id).total == 2
 
 
 # -- 5. a task whose operation already ended -----------------------------------------------------
@@ -185,7 +179,7 @@ def test_a_task_for_a_failed_operation_does_nothing(
         fail_operation(s, op_id, "could not queue the task: TimeoutError")
     (spawn if kind == "spawn" else scale).delay(op_id)  # ...yet Redis had taken it
     assert replicas(corral_env) == [] and agent.driver.list() == []
-    assert _op(corral_env, op_id).status == "failed"
+    assert operation(corral_env, op_id).status == "failed"
 
 
 # -- 6. health passes --------------------------------------------------------------------------
@@ -298,7 +292,7 @@ def test_a_claim_on_a_replica_deleted_under_it_ends_with_it(
 
     start_agents(1)
     deploy_fn(store)
-    assert api.wait(api.spawn("hello", 1), timeout=30)["status"] == "succeeded"
+    spawn_ok("hello", 1, timeout=30)
     held = claim(store.db, store.settings, "hello", ttl_s=5)
     assert api.wait(api.delete(held.replica_id), timeout=30)["status"] == "succeeded"
     if ends == "released":  # an IntegrityError (envs_in_use -1) before the fix

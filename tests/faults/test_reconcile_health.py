@@ -8,28 +8,17 @@ from sqlalchemy import select
 from agents.drivers import VMSpec
 from tasks import api
 from tests.fixtures import Env, StartAgents
-from workers.functions import deploy, spec_from
+from tests.helpers import deploy_fn, replicas
 from workers.health import check_health
 from workers.reconcile import reconcile
-from workers.store.models import Node, Replica, ReplicaState
-
-
-def _deploy(env: Env, **fields: object) -> None:
-    with env.db.transaction() as s:
-        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=20,
-                            **fields), env.settings)
-
-
-def _rows(env: Env) -> list[Replica]:
-    with env.db.read() as s:
-        return list(s.scalars(select(Replica).order_by(Replica.created_at)))
+from workers.store.models import Node, ReplicaState
 
 
 def test_orphan_vm_is_destroyed_after_its_grace(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     (agent,) = start_agents(1)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     api.wait(api.spawn("hello", 1), timeout=10)
     orphan = agent.driver.start(VMSpec(image="examples.hello"))  # behind corral's back
     corral_env.set(orphan_grace_s="3600")
@@ -38,7 +27,7 @@ def test_orphan_vm_is_destroyed_after_its_grace(
     corral_env.set(orphan_grace_s="0")
     report = reconcile(corral_env.db, corral_env.settings, holder="t")
     assert report.orphans_destroyed == [f"node1/{orphan.vmid}"]
-    assert [vm.vmid for vm in agent.driver.list()] == [_rows(corral_env)[0].vmid]
+    assert [vm.vmid for vm in agent.driver.list()] == [replicas(corral_env)[0].vmid]
     assert {r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")} == {orphan.vmid}
 
 
@@ -48,7 +37,7 @@ def test_vm_of_a_spawn_in_flight_is_not_an_orphan(
     from workers.replicas import begin_spawn
 
     (agent,) = start_agents(1)
-    _deploy(corral_env)
+    deploy_fn(corral_env)
     corral_env.set(orphan_grace_s="0")
     with corral_env.db.read() as s:
         from workers.store.models import Function
@@ -66,14 +55,14 @@ def test_vanished_vm_marks_the_row_dead_and_min_is_restored(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     (agent,) = start_agents(1)
-    _deploy(corral_env, min=2)
+    deploy_fn(corral_env, min=2)
     api.wait(api.spawn("hello", 2), timeout=10)
-    gone = _rows(corral_env)[0]
+    gone = replicas(corral_env)[0]
     assert agent.driver.stop(gone.vmid or "")  # the VM dies on the node
     report = reconcile(corral_env.db, corral_env.settings, holder="t")
     assert report.vanished == [gone.id]
     assert report.top_up == {"hello": 1}
-    dead = next(r for r in _rows(corral_env) if r.id == gone.id)
+    dead = next(r for r in replicas(corral_env) if r.id == gone.id)
     assert dead.status == ReplicaState.DEAD and "vanished" in (dead.error or "")
     with corral_env.db.read() as s:
         assert s.scalars(select(Node)).one().live == 1
@@ -83,7 +72,7 @@ def test_reconcile_task_tops_up_to_min(corral_env: Env, start_agents: StartAgent
     from tasks.maintenance import reconcile as reconcile_task
 
     (agent,) = start_agents(1)
-    _deploy(corral_env, min=3)
+    deploy_fn(corral_env, min=3)
     result = reconcile_task.delay().get()
     assert result["top_up"] == {"hello": 3}
     assert len(agent.driver.list()) == 3
@@ -124,7 +113,7 @@ def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
 
     store_env.set(health_misses="2", node_dead_grace_s="0")
     a, b = start_agents(2)
-    _deploy(store_env)
+    deploy_fn(store_env)
     api.wait(api.spawn("hello", 2), timeout=10)  # one on each node
     port = a.port
     a.stop(grace=0)
@@ -151,7 +140,7 @@ def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgent
     from tasks.cli import main
 
     a, _b = start_agents(2)
-    _deploy(corral_env, min=2)
+    deploy_fn(corral_env, min=2)
     api.wait(api.spawn("hello", 2), timeout=10)
     assert main(["nodes", "drain", "node1"]) == 0
     report = reconcile(corral_env.db, corral_env.settings, holder="t")
@@ -169,7 +158,7 @@ def test_reconcile_command_reports_what_it_found(
     from tasks.cli import main
 
     (agent,) = start_agents(1)
-    _deploy(corral_env, min=1)
+    deploy_fn(corral_env, min=1)
     corral_env.set(orphan_grace_s="0")
     orphan = agent.driver.start(VMSpec(image="examples.hello"))
     capsys.readouterr()

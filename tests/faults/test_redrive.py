@@ -14,8 +14,8 @@ from sqlalchemy import select
 
 from tasks import api
 from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, operation, spawn_ok
 from workers import clock, redrive
-from workers.functions import deploy, spec_from
 from workers.operations import create_operation
 from workers.store.models import Operation, Replica, ReplicaState
 
@@ -26,34 +26,21 @@ def _clock() -> Iterator[None]:
     clock.reset()
 
 
-def _deploy(env: Env) -> str:
-    with env.db.transaction() as s:
-        return deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=10),
-                      env.settings)[0].id
-
-
 def _lost(env: Env, kind: str, params: dict[str, object], function_id: str | None) -> str:
     """An operation whose message never reached a worker."""
     with env.db.transaction() as s:
         return create_operation(s, kind, params, function_id=function_id).id
 
 
-def _op(env: Env, op_id: str) -> Operation:
-    with env.db.read() as s:
-        op = s.get(Operation, op_id)
-        assert op is not None
-        return op
-
-
 def test_a_lost_spawn_is_sent_again_by_the_reap_pass_and_only_once(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
     (agent,) = start_agents(1, env=thread_worker)
-    function_id = _deploy(thread_worker)
+    function_id = deploy_fn(thread_worker)
     op_id = _lost(thread_worker, "spawn", {"function": "hello", "count": 2}, function_id)
     early = api.wait(api.reap(), timeout=30)
     assert early["result"]["redriven"] == {}  # not yet: it may only be late
-    assert _op(thread_worker, op_id).status == "pending"
+    assert operation(thread_worker, op_id).status == "pending"
 
     clock.travel(thread_worker.settings.redrive_after_s + 1)
     pass_view = api.wait(api.reap(), timeout=30)
@@ -64,10 +51,10 @@ def test_a_lost_spawn_is_sent_again_by_the_reap_pass_and_only_once(
     assert len(agent.driver.list()) == 2
 
     # the original message turning up after all changes nothing
-    before = _op(thread_worker, op_id).progress_at
+    before = operation(thread_worker, op_id).progress_at
     api.resend(redrive.Redrive(op_id, "spawn", {}, 2))
     deadline = time.monotonic() + 30
-    while _op(thread_worker, op_id).progress_at == before:  # the late task ran
+    while operation(thread_worker, op_id).progress_at == before:  # the late task ran
         assert time.monotonic() < deadline, "the late spawn never ran"
         time.sleep(0.05)
     time.sleep(1.0)  # and its per-replica tasks, which find their rows settled
@@ -80,8 +67,8 @@ def test_a_lost_spawn_is_sent_again_by_the_reap_pass_and_only_once(
 
 def test_a_lost_delete_is_sent_again(thread_worker: Env, start_agents: StartAgents) -> None:
     (agent,) = start_agents(1, env=thread_worker)
-    _deploy(thread_worker)
-    assert api.wait(api.spawn("hello", 1), timeout=30)["status"] == "succeeded"
+    deploy_fn(thread_worker)
+    spawn_ok("hello", 1, timeout=30)
     with thread_worker.db.read() as s:
         replica = s.scalars(select(Replica)).one()
     op_id = _lost(thread_worker, "delete", {"replica": replica.id}, replica.function_id)
@@ -95,7 +82,7 @@ def test_a_lost_delete_is_sent_again(thread_worker: Env, start_agents: StartAgen
 def test_re_sends_back_off_and_stop(corral_env: Env) -> None:
     settings = corral_env.settings
     after = settings.redrive_after_s
-    function_id = _deploy(corral_env)
+    function_id = deploy_fn(corral_env)
     stalled = _lost(corral_env, "spawn", {"function": "hello", "count": 1}, function_id)
     hogs = _lost(corral_env, "hogs", {"action": "start", "n": 1, "node": None}, None)
     kinds = api.RESENDABLE
@@ -115,8 +102,8 @@ def test_re_sends_back_off_and_stop(corral_env: Env) -> None:
     assert due() == [stalled]
     clock.travel(8 * after - 1)
     assert due() == []  # three re-sends, then no more
-    assert _op(corral_env, stalled).redrives == redrive.REDRIVE_MAX
-    assert _op(corral_env, hogs).redrives == 0
+    assert operation(corral_env, stalled).redrives == redrive.REDRIVE_MAX
+    assert operation(corral_env, hogs).redrives == 0
     # never silently: each fails, with its reason - hogs (never re-sent) long unmoved,
     # the spawn once its third re-send has waited as long
     gave_up = redrive.give_up(corral_env.db, settings, kinds)
@@ -127,13 +114,13 @@ def test_re_sends_back_off_and_stop(corral_env: Env) -> None:
     assert gave_up[stalled].startswith("no progress after 3 re-sends of its task")
     assert "a hogs task is never re-sent" in gave_up[hogs]
     for op_id in (stalled, hogs):
-        op = _op(corral_env, op_id)
+        op = operation(corral_env, op_id)
         assert (op.status, op.error) == ("failed", gave_up[op_id])
     assert redrive.give_up(corral_env.db, settings, kinds) == {}
 
 
 def test_the_reap_pass_reports_an_operation_it_gave_up_on(corral_env: Env) -> None:
-    function_id = _deploy(corral_env)
+    function_id = deploy_fn(corral_env)
     stalled = _lost(corral_env, "scale", {"function": "hello", "target": 1}, function_id)
     with corral_env.db.transaction() as s:
         s.get(Operation, stalled).redrives = redrive.REDRIVE_MAX  # type: ignore[union-attr]
@@ -148,7 +135,7 @@ def test_progress_and_finished_operations_are_left_alone(corral_env: Env) -> Non
     from workers.lifecycle import settle
 
     after = corral_env.settings.redrive_after_s
-    function_id = _deploy(corral_env)
+    function_id = deploy_fn(corral_env)
     moving = _lost(corral_env, "spawn", {"function": "hello", "count": 2}, function_id)
     done = _lost(corral_env, "spawn", {"function": "hello", "count": 1}, function_id)
     with corral_env.db.transaction() as s:
@@ -158,7 +145,7 @@ def test_progress_and_finished_operations_are_left_alone(corral_env: Env) -> Non
     with corral_env.db.transaction() as s:
         settle(s, moving, ok=True)  # one of two parts done: it moves
         settle(s, done, ok=True)  # its only part: it finished
-    assert _op(corral_env, done).status == "succeeded"
+    assert operation(corral_env, done).status == "succeeded"
     clock.travel(2)
     assert redrive.due(corral_env.db, corral_env.settings, api.RESENDABLE) == []
     clock.travel(after)

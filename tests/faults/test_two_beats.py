@@ -8,10 +8,9 @@ import time
 import pytest
 from sqlalchemy import select
 
-from tasks import api
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
-from workers.functions import deploy, spec_from
+from tests.helpers import deploy_fn, spawn_ok
 from workers.store.models import Replica, ReplicaState
 
 FAST_BEAT = {
@@ -26,12 +25,10 @@ def test_two_beats_reap_each_replica_once(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
 ) -> None:
     a, b = start_agents(2, env=broker_env)
-    with broker_env.db.transaction() as s:
-        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", min=2,
-                            idle_timeout=1), broker_env.settings)
+    deploy_fn(broker_env, max=None, min=2, idle_timeout=1)
     worker = WorkerProcess(broker_env.tmp, concurrency=4, extra_env=FAST_BEAT)
     worker_processes.append(worker.start())
-    assert api.wait(api.spawn("hello", 12), timeout=60)["status"] == "succeeded"
+    spawn_ok("hello", 12, timeout=60)
     # a second after they became idle, both beats' reap passes cut 12 down to min (2)
     beats = [start_beat(broker_env.tmp, name, FAST_BEAT) for name in ("one", "two")]
     try:

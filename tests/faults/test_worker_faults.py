@@ -18,8 +18,8 @@ from agents.fcdaemon import serve_fcdaemon
 from tasks import api
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn
 from tests.services import RedisServer
-from workers.functions import deploy, spec_from
 from workers.store.models import Node, Replica, ReplicaState
 
 SHORT = {  # a short visibility timeout so redelivery happens within the test
@@ -27,12 +27,6 @@ SHORT = {  # a short visibility timeout so redelivery happens within the test
     "CORRAL_TASK_TIME_LIMIT_S": "5",
     "CORRAL_VISIBILITY_TIMEOUT_S": "6",
 }
-
-
-def _deploy(env: Env, **fields: object) -> None:
-    with env.db.transaction() as s:
-        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=100,
-                            **fields), env.settings)
 
 
 def _rows(env: Env) -> list[Replica]:
@@ -55,7 +49,7 @@ def test_worker_killed_mid_spawn_completes_with_exactly_one_vm(
 ) -> None:
     broker_env.set(**{k[len("CORRAL_"):].lower(): v for k, v in SHORT.items()})
     (agent,) = start_agents(1, env=broker_env)
-    _deploy(broker_env)
+    deploy_fn(broker_env)
     agent.agent.inject("CreateReplica", Fault.delay(2.0))  # a slow agent
     first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT)
     worker_processes.append(first.start())
@@ -84,7 +78,7 @@ def test_agent_down_then_back_within_the_retry_window(
     thread_worker.set(retry_backoff_s="0.4", retry_backoff_max_s="2", retry_max="6")
     (agent,) = start_agents(1, env=thread_worker)
     port = agent.port
-    _deploy(thread_worker)
+    deploy_fn(thread_worker)
     agent.stop(grace=0)
     op = api.spawn("hello", 1)
     time.sleep(1.0)  # a couple of failed attempts
@@ -105,7 +99,7 @@ def test_agent_down_for_good_moves_the_replica_to_a_node_that_answers(
 ) -> None:
     thread_worker.set(retry_max="2", health_misses="2")
     dead, alive = start_agents(2, env=thread_worker)
-    _deploy(thread_worker)
+    deploy_fn(thread_worker)
     dead.stop(grace=0)
     view = api.wait(api.spawn("hello", 1), timeout=60)  # loadbalance picks node1 first
     assert view["status"] == "succeeded", view
@@ -142,7 +136,7 @@ def test_broker_restart_mid_run_loses_nothing(
     redrive = {**SHORT, "CORRAL_REDRIVE_AFTER_S": "3", "CORRAL_REAP_INTERVAL_S": "1"}
     broker_env.set(**{k[len("CORRAL_"):].lower(): v for k, v in redrive.items()})
     (agent,) = start_agents(1, env=broker_env)
-    _deploy(broker_env)
+    deploy_fn(broker_env)
     agent.agent.inject("CreateReplica", *[Fault.delay(0.1)] * 20)
     worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=redrive)
     worker_processes.append(worker.start())
@@ -174,7 +168,7 @@ def test_agent_unavailable_is_retried_by_a_real_worker(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
     (agent,) = start_agents(1, env=thread_worker)
-    _deploy(thread_worker)
+    deploy_fn(thread_worker)
     agent.agent.inject("CreateReplica", *[Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")] * 2)
     view = api.wait(api.spawn("hello", 1), timeout=30)
     assert view["status"] == "succeeded"

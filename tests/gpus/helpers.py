@@ -8,25 +8,14 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tests.fixtures import Env
+from tests.helpers import replicas
 from workers.audit import audit
-from workers.functions import deploy, spec_from
 from workers.store.models import LIVE_STATES, Gpu, Node, Replica
-
-
-def deploy_fn(env: Env, name: str, **fields: object) -> None:
-    """Deploy a function with test defaults (max 50 replicas)."""
-    base: dict[str, object] = {"image": "examples.hello", "kernel": "/k", "max": 50}
-    base.update(fields)
-    with env.db.transaction() as s:
-        deploy(s, spec_from(name=name, **base), env.settings)
 
 
 def live(env: Env, function: str | None = None) -> list[Replica]:
     """Live replicas (of one function, if named), oldest first."""
-    with env.db.read() as s:
-        query = select(Replica).where(Replica.status.in_(LIVE_STATES))
-        rows = list(s.scalars(query.order_by(Replica.created_at)))
-    return [r for r in rows if function is None or r.function.name == function]
+    return replicas(env, function, live=True)
 
 
 def per_node(env: Env) -> dict[str, int]:

@@ -15,7 +15,8 @@ from protos import mngrinfo_grpc, mngrinfo_pb2
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
-from tests.gpus.helpers import audit_gpus, deploy_fn, gpus_by_uuid, live
+from tests.gpus.helpers import audit_gpus, gpus_by_uuid, live
+from tests.helpers import deploy_fn, spawn_ok
 from workers.gpus import add_gpu_server, manager_info, record_gpus
 from workers.registry import serve_registry
 from workers.store.models import Gpu, Node, Replica, ReplicaState
@@ -84,7 +85,7 @@ def test_four_fit_the_fifth_fails_and_a_delete_makes_room(
     assert api.wait(api.delete(victim.id), timeout=10)["status"] == "succeeded"
     freed = gpus_by_uuid(corral_env)
     assert sum(g.mem_free_mb for g in freed.values()) == 4000 + 4000 + 6000
-    assert api.wait(api.spawn("infer", 1), timeout=10)["status"] == "succeeded"
+    spawn_ok("infer", 1, timeout=10)
     newest = live(corral_env)[-1]
     assert newest.gpu_id == victim.gpu_id  # the only GPU with room
     view = api.wait(api.spawn("infer", 1), timeout=10)
@@ -116,8 +117,8 @@ def test_manager_info_answers_for_gpu_replicas_only(
     add_gpu_server(corral_env.db, corral_env.settings, gpu_server.address)
     deploy_fn(corral_env, "infer", gpu_mem=6000)
     deploy_fn(corral_env, "plain")
-    assert api.wait(api.spawn("infer", 3), timeout=10)["status"] == "succeeded"
-    assert api.wait(api.spawn("plain", 1), timeout=10)["status"] == "succeeded"
+    spawn_ok("infer", 3, timeout=10)
+    spawn_ok("plain", 1, timeout=10)
     gpus = {g.id: g for g in gpus_by_uuid(corral_env).values()}
     ports = set()
     with corral_env.db.read() as s:
@@ -143,9 +144,9 @@ def test_manager_info_over_grpc(
     start_agents(1)
     add_gpu_server(corral_env.db, corral_env.settings, gpu_server.address)
     deploy_fn(corral_env, "infer", gpu_mem=6000)
-    assert api.wait(api.spawn("infer", 2), timeout=10)["status"] == "succeeded"
+    spawn_ok("infer", 2, timeout=10)
     deploy_fn(corral_env, "plain")
-    assert api.wait(api.spawn("plain", 1), timeout=10)["status"] == "succeeded"
+    spawn_ok("plain", 1, timeout=10)
     registry = serve_registry(corral_env.settings, "127.0.0.1:0")  # the real one
     try:
         with grpc.insecure_channel(registry.address) as channel:
@@ -178,7 +179,7 @@ def test_best_fit_and_first_fit_choose_different_gpus(
     with corral_env.db.transaction() as s:
         record_gpus(s, settings, "gpu-2:50053", {"GPU-a-small": 8000})
     deploy_fn(corral_env, "infer", gpu_mem=6000)
-    assert api.wait(api.spawn("infer", 1), timeout=10)["status"] == "succeeded"
+    spawn_ok("infer", 1, timeout=10)
     (replica,) = live(corral_env)
     assert replica.gpu is not None and replica.gpu.uuid == expected
     # best fit then still has room for an 11000 MB replica; first fit has split the big GPU

@@ -13,7 +13,8 @@ from agents.gpus import serve_gpus
 from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.fixtures import Env, StartAgents, postgres_only
-from tests.gpus.helpers import audit_gpus, deploy_fn
+from tests.gpus.helpers import audit_gpus
+from tests.helpers import deploy_fn
 from workers.audit import audit
 from workers.gpus import add_gpu_server
 from workers.store.models import LIVE_STATES, Gpu, Node, Replica, ReplicaState

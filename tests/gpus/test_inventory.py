@@ -13,7 +13,8 @@ from agents.gpus import serve_gpus
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
-from tests.gpus.helpers import deploy_fn, gpus_by_uuid, live
+from tests.gpus.helpers import gpus_by_uuid, live
+from tests.helpers import deploy_fn, spawn_ok
 from workers.errors import InputError, NotFound, PermanentBackendError, TransientBackendError
 from workers.gpus import add_gpu_server, list_gpus, remove_gpu, server_address
 
@@ -55,7 +56,7 @@ def test_re_add_refreshes_totals_keeps_ports_and_appends_new_gpus(
     with serve_gpus(gpus={A: 8000, B: 16000}) as server:
         add_gpu_server(corral_env.db, corral_env.settings, server.address)
         deploy_fn(corral_env, "g", gpu_mem=6000)
-        assert api.wait(api.spawn("g", 1), timeout=10)["status"] == "succeeded"
+        spawn_ok("g", 1, timeout=10)
         # best fit put it on A (8000 MB); now the server reports more memory and a new GPU
         # whose UUID sorts first: it must not take A's ports.
         server.agent.gpus = {A: 10000, B: 16000, C: 24000}
@@ -74,7 +75,7 @@ def test_refresh_refuses_to_shrink_below_what_replicas_hold(
     with serve_gpus(gpus={A: 8000}) as server:
         add_gpu_server(corral_env.db, corral_env.settings, server.address)
         deploy_fn(corral_env, "g", gpu_mem=6000)
-        assert api.wait(api.spawn("g", 1), timeout=10)["status"] == "succeeded"
+        spawn_ok("g", 1, timeout=10)
         server.agent.gpus = {A: 4000}
         with pytest.raises(InputError, match="hold 6000 MB"):
             add_gpu_server(corral_env.db, corral_env.settings, server.address)
@@ -140,7 +141,7 @@ def test_cli_add_list_remove(
         assert f"GPU server {server.address}: 2 GPU(s)" in text
         assert "0/8000 MB" in text and "4000-4003" in text
     deploy_fn(corral_env, "g", gpu_mem=6000)
-    assert api.wait(api.spawn("g", 1), timeout=10)["status"] == "succeeded"
+    spawn_ok("g", 1, timeout=10)
     assert main(["gpus", "remove", A]) == 1
     assert "is in use: 1 slot(s) and 6000 MB" in capsys.readouterr().err
     assert main(["gpus", "remove", B]) == 0
@@ -157,7 +158,7 @@ def test_remove_after_replicas_are_gone(corral_env: Env, start_agents: StartAgen
     with serve_gpus(gpus={A: 8000}) as server:
         add_gpu_server(corral_env.db, corral_env.settings, server.address)
     deploy_fn(corral_env, "g", gpu_mem=6000)
-    assert api.wait(api.spawn("g", 1), timeout=10)["status"] == "succeeded"
+    spawn_ok("g", 1, timeout=10)
     with corral_env.db.transaction() as s, pytest.raises(InputError, match="in use"):
         remove_gpu(s, A)
     (replica,) = live(corral_env)

@@ -7,7 +7,8 @@ from sqlalchemy import select, update
 
 from tasks import api
 from tests.fixtures import Env, StartAgents
-from tests.gpus.helpers import deploy_fn, live, per_node
+from tests.gpus.helpers import live, per_node
+from tests.helpers import deploy_fn, spawn_ok
 from workers.errors import InputError
 from workers.store.models import Node
 
@@ -26,14 +27,14 @@ def test_loadbalance_is_the_default_and_evens_out(
 ) -> None:
     a, b, c = start_agents(3)
     deploy_fn(corral_env, "f")
-    assert api.wait(api.spawn("f", 6), timeout=20)["status"] == "succeeded"
+    spawn_ok("f", 6, timeout=20)
     assert per_node(corral_env) == {"node1": 2, "node2": 2, "node3": 2}
     assert [len(x.agent.calls_of("CreateReplica")) for x in (a, b, c)] == [2, 2, 2]
     # a node that already runs more gets fewer of the next ones
     deploy_fn(corral_env, "g", placement="pack")
-    assert api.wait(api.spawn("g", 3), timeout=20)["status"] == "succeeded"
+    spawn_ok("g", 3, timeout=20)
     assert per_node(corral_env) == {"node1": 5, "node2": 2, "node3": 2}
-    assert api.wait(api.spawn("f", 3), timeout=20)["status"] == "succeeded"
+    spawn_ok("f", 3, timeout=20)
     assert per_node(corral_env) == {"node1": 5, "node2": 4, "node3": 3}
 
 
@@ -42,7 +43,7 @@ def test_pack_fills_one_node_to_capacity_first(
 ) -> None:
     start_agents(3, capacity=4)
     deploy_fn(corral_env, "f", placement="pack")
-    assert api.wait(api.spawn("f", 6), timeout=20)["status"] == "succeeded"
+    spawn_ok("f", 6, timeout=20)
     assert per_node(corral_env) == {"node1": 4, "node2": 2, "node3": 0}
     view = api.wait(api.spawn("f", 7), timeout=20)
     assert (view["status"], view["done"], view["failed"]) == ("partial", 6, 1)
@@ -55,9 +56,9 @@ def test_roundrobin_cycles_in_name_order_across_operations(
 ) -> None:
     start_agents(3)
     deploy_fn(corral_env, "f", placement="roundrobin")
-    assert api.wait(api.spawn("f", 4), timeout=20)["status"] == "succeeded"
+    spawn_ok("f", 4, timeout=20)
     assert _order(corral_env) == ["node1", "node2", "node3", "node1"]
-    assert api.wait(api.spawn("f", 2), timeout=20)["status"] == "succeeded"
+    spawn_ok("f", 2, timeout=20)
     assert _order(corral_env) == ["node1", "node2", "node3", "node1", "node2", "node3"]
 
 
@@ -66,7 +67,7 @@ def test_roundrobin_skips_a_full_node(corral_env: Env, start_agents: StartAgents
     with corral_env.db.transaction() as s:
         s.execute(update(Node).where(Node.name == "node2").values(capacity=1))
     deploy_fn(corral_env, "f", placement="roundrobin")
-    assert api.wait(api.spawn("f", 5), timeout=20)["status"] == "succeeded"
+    spawn_ok("f", 5, timeout=20)
     assert _order(corral_env) == ["node1", "node2", "node3", "node1", "node3"]
 
 
@@ -90,7 +91,7 @@ def test_random_stays_within_capacity_and_uses_every_node(
 ) -> None:
     start_agents(3, capacity=3)
     deploy_fn(corral_env, "f", placement="random")
-    assert api.wait(api.spawn("f", 9), timeout=20)["status"] == "succeeded"
+    spawn_ok("f", 9, timeout=20)
     assert per_node(corral_env) == {"node1": 3, "node2": 3, "node3": 3}
     view = api.wait(api.spawn("f", 1), timeout=20)
     assert view["status"] == "failed" and "no capacity" in view["error"]
@@ -99,7 +100,7 @@ def test_random_stays_within_capacity_and_uses_every_node(
 def test_random_uses_more_than_one_node(corral_env: Env, start_agents: StartAgents) -> None:
     start_agents(3)
     deploy_fn(corral_env, "f", placement="random")
-    assert api.wait(api.spawn("f", 15), timeout=20)["status"] == "succeeded"
+    spawn_ok("f", 15, timeout=20)
     # all 15 on one node has probability 3 * (1/3)**15, about 2e-7
     assert sum(1 for n in per_node(corral_env).values() if n) > 1
 
@@ -111,9 +112,9 @@ def test_global_placement_setting_applies_unless_the_function_names_one(
     start_agents(3)
     deploy_fn(corral_env, "packed")
     deploy_fn(corral_env, "even", placement="loadbalance")
-    assert api.wait(api.spawn("packed", 3), timeout=20)["status"] == "succeeded"
+    spawn_ok("packed", 3, timeout=20)
     assert per_node(corral_env) == {"node1": 3, "node2": 0, "node3": 0}
-    assert api.wait(api.spawn("even", 3), timeout=20)["status"] == "succeeded"
+    spawn_ok("even", 3, timeout=20)
     assert per_node(corral_env) == {"node1": 3, "node2": 2, "node3": 1}
 
 

@@ -12,6 +12,7 @@ from agents.faults import Fault
 from agents.lambdo import RunningLambdo, serve_lambdo
 from tasks import api
 from tests.fixtures import Env
+from tests.helpers import spawn_ok
 from workers.errors import InputError, PermanentBackendError, TransientBackendError
 from workers.functions import deploy, spec_from
 from workers.lambdo import LambdoClient
@@ -105,7 +106,7 @@ def test_500_text_is_retried_then_reported(corral_env: Env, lambdo: RunningLambd
 def test_500_once_then_success(corral_env: Env, lambdo: RunningLambdo) -> None:
     _deploy(corral_env)
     lambdo.agent.inject("spawn", Fault.abort(500, "busy"))
-    assert api.wait(api.spawn("fn", 1), timeout=10)["status"] == "succeeded"
+    spawn_ok("fn", 1, timeout=10)
     assert len(lambdo.agent.calls_of("spawn")) == 2
 
 

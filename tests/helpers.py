@@ -1,0 +1,49 @@
+"""Helpers shared by the tests: deploy a test function, spawn replicas, read the replica rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+
+from tasks import api
+from tests.fixtures import Env
+from workers.functions import deploy, spec_from
+from workers.store.models import LIVE_STATES, Operation, Replica
+
+
+def deploy_fn(env: Env, /, name: str = "hello", **fields: object) -> str:
+    """Deploy (or redeploy, bumping the build) a fcdaemon function; returns its id.
+
+    Test defaults: image ``examples.hello``, kernel ``/k``, at most 50 replicas;
+    ``fields`` (any :class:`~workers.functions.FunctionSpec` field) override them.
+    """
+    spec: dict[str, object] = {"image": "examples.hello", "kernel": "/k", "max": 50, **fields}
+    with env.db.transaction() as s:
+        fn, _ = deploy(s, spec_from(name=name, **spec), env.settings)
+        return fn.id
+
+
+def spawn_ok(function: str, count: int, timeout: float = 120.0) -> dict[str, Any]:
+    """Spawn ``count`` replicas of ``function`` and wait; asserts the operation succeeded."""
+    view = api.wait(api.spawn(function, count), timeout=timeout)
+    assert view["status"] == "succeeded", view
+    return view
+
+
+def replicas(env: Env, name: str | None = None, *, live: bool = False) -> list[Replica]:
+    """Every replica row (of one function; only live ones with ``live``), oldest first."""
+    with env.db.read() as s:
+        query = select(Replica).order_by(Replica.created_at)
+        if live:
+            query = query.where(Replica.status.in_(LIVE_STATES))
+        rows = list(s.scalars(query))
+    return [r for r in rows if name is None or r.function.name == name]
+
+
+def operation(env: Env, op_id: str) -> Operation:
+    """The operation row ``op_id`` (which must exist)."""
+    with env.db.read() as s:
+        op = s.get(Operation, op_id)
+        assert op is not None
+        return op
