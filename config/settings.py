@@ -25,8 +25,6 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from agents.procs import is_alive
-
 ENV_PREFIX = "CORRAL_"
 STACK_FILE = "stack.json"
 
@@ -196,7 +194,7 @@ def _stack_defaults(environ: dict[str, str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {}
     pid = data.get("pid")
-    if not isinstance(pid, int) or not is_alive(pid):
+    if not isinstance(pid, int) or not _alive(pid):
         return {}
     published = data.get("settings", {})
     return {k: v for k, v in published.items() if ENV_PREFIX + k.upper() not in environ}
@@ -211,6 +209,16 @@ def _trusted(path: Path) -> bool:
             "(owner %d, mode %o)", path, os.getuid(), info.st_uid, stat.S_IMODE(info.st_mode),
         )
         return False
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
 
 
