@@ -190,9 +190,7 @@ def test_a_claim_on_a_replica_that_died_ends_with_it(
 ) -> None:
     from workers.lifecycle import lock_replica, transition
 
-    start_agents(1)
-    deploy_fn(store)
-    (replica,) = spawn_idle(store, "hello", 1)
+    (replica,) = one_node_idle(store, start_agents)
     got = claim(store.db, store.settings, "hello")
     with store.db.transaction() as s:  # its VM vanished: reconcile marks the row Dead
         row = lock_replica(s, replica.id)
