@@ -28,6 +28,7 @@ __all__ = [
     "connect_host",
     "guess_node_ip",
     "is_loopback",
+    "listen_address",
     "listen_refusal",
     "parse_agent_args",
     "parse_port_range",
@@ -72,6 +73,25 @@ def listen_refusal(
         f"{what} refuses to listen on {shown} without a token: set {variable} "
         "(or listen on 127.0.0.1, or pass --insecure to accept the risk)"
     )
+
+
+def listen_address(
+    what: str, address: str, listen_variable: str, token: str | None, token_variable: str,
+    *, insecure: bool = False,
+) -> tuple[str, int]:
+    """Host and port ``what`` may listen on; ValueError naming the variable otherwise.
+
+    A malformed address is named by ``listen_variable``; off loopback without a token
+    the message is :func:`listen_refusal`'s.
+    """
+    try:
+        host, port = split_hostport(address)
+    except ValueError as exc:
+        raise ValueError(f"{listen_variable}: {exc}") from None
+    refusal = listen_refusal(what, host, token, token_variable, insecure=insecure)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return host, port
 
 
 def refuse_to_listen(

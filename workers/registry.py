@@ -42,7 +42,7 @@ from google.protobuf import empty_pb2
 from sqlalchemy import select
 
 from agents.grpcserve import add_health, mark_serving, token_interceptors
-from agents.runtime import listen_refusal, split_hostport
+from agents.runtime import listen_address
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers import dispatch, reports
@@ -340,16 +340,13 @@ class RunningRegistry:
 
 def check_listen(settings: Settings, listen: str | None = None, *,
                  insecure: bool = False) -> str:
-    """The address to listen on; :class:`CorralError` if off loopback without a token."""
+    """The address to listen on; :class:`InputError` if malformed or off loopback tokenless."""
     address = listen or settings.registry_listen
     try:
-        host, _ = split_hostport(address)
+        listen_address("corral registry", address, "CORRAL_REGISTRY_LISTEN",
+                       settings.registry_token, "CORRAL_REGISTRY_TOKEN", insecure=insecure)
     except ValueError as exc:
-        raise InputError(f"CORRAL_REGISTRY_LISTEN: {exc}") from None
-    refusal = listen_refusal("corral registry", host, settings.registry_token,
-                             "CORRAL_REGISTRY_TOKEN", insecure=insecure)
-    if refusal is not None:
-        raise CorralError(refusal)
+        raise InputError(str(exc)) from None
     return address
 
 

@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from agents.runtime import listen_address
 from config.settings import Settings
 from workers.errors import CorralError
 from workers.gateway.proxy import PREFIX, Gateway, Producer, Receive, Scope, Send
@@ -49,16 +50,12 @@ class ListenRefused(CorralError):
 
 def check_listen(settings: Settings, listen: str, *, insecure: bool = False) -> tuple[str, int]:
     """Where to listen; refuses a non-loopback address without a token unless ``insecure``."""
-    from agents.runtime import listen_refusal, split_hostport
-
     try:
-        host, port = split_hostport(listen)
+        host, port = listen_address("corral gateway", listen, "CORRAL_GATEWAY_LISTEN",
+                                    settings.gateway_token, "CORRAL_GATEWAY_TOKEN",
+                                    insecure=insecure)
     except ValueError as exc:
-        raise ListenRefused(f"CORRAL_GATEWAY_LISTEN: {exc}") from None
-    refusal = listen_refusal("corral gateway", host, settings.gateway_token,
-                             "CORRAL_GATEWAY_TOKEN", insecure=insecure)
-    if refusal is not None:
-        raise ListenRefused(refusal)
+        raise ListenRefused(str(exc)) from None
     return host.strip("[]"), port
 
 
