@@ -12,13 +12,12 @@ keeps a time-weighted average of their sum over its report interval
   sample as JSON; the whole hash expires ``ttl_s`` after the last report, and a
   reader ignores a field older than ``stale_after_s`` (a gateway that died stops
   counting within that time);
-* ``corral:demand:functions`` - the set of function names ever reported, so a
-  reader needs no ``SCAN``;
 * ``corral:demand:last:<function>`` - when a request last arrived at any gateway
   (seconds since the epoch), for scale-to-zero.
 
 :func:`read` adds up the fresh samples of all gateways into one :class:`Demand`
-per function; the autoscaler turns that into a replica target. Timestamps are
+for each function it is asked about (the autoscaler asks about the functions in the
+store); the autoscaler turns that into a replica target. Timestamps are
 wall-clock seconds (``time.time()``): gateways and beat run on different hosts.
 """
 
@@ -32,7 +31,6 @@ from dataclasses import asdict, dataclass
 import redis
 
 PREFIX = "corral:demand:"
-FUNCTIONS_KEY = PREFIX + "functions"
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,6 @@ def report(
     if not samples:
         return
     pipe = client.pipeline(transaction=False)
-    pipe.sadd(FUNCTIONS_KEY, *samples)
     for function, sample in samples.items():
         pipe.hset(_key(function), gateway_id, json.dumps(asdict(sample)))
         pipe.pexpire(_key(function), int(ttl_s * 1000))
@@ -84,15 +81,13 @@ def report(
 
 def read(
     client: redis.Redis,
-    functions: Iterable[str] | None = None,
+    functions: Iterable[str],
     *,
     now: float | None = None,
     stale_after_s: float = 10.0,
 ) -> dict[str, Demand]:
-    """The summed demand of each function (all reported ones unless ``functions`` is given)."""
-    names = sorted(functions) if functions is not None else sorted(
-        m.decode() if isinstance(m, bytes) else str(m) for m in client.smembers(FUNCTIONS_KEY)
-    )
+    """The summed demand of each of ``functions`` (zeros for one no gateway reported)."""
+    names = sorted(functions)
     if not names:
         return {}
     current = time.time() if now is None else now
@@ -115,12 +110,6 @@ def read(
             last_request_at=float(last) if last is not None else None,
         )
     return out
-
-
-def forget(client: redis.Redis, function: str) -> None:
-    """Drop a function's demand records (it was removed)."""
-    client.delete(_key(function), _last_key(function))
-    client.srem(FUNCTIONS_KEY, function)
 
 
 def _parse(raw: bytes | str) -> Sample | None:
