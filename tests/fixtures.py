@@ -45,7 +45,7 @@ from sqlalchemy import text
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings, get_settings, reset_settings
-from workers import clock
+from workers import clock, fcdaemon, inflight
 from workers.app import configure
 from workers.nodes import upsert_node
 from workers.store.db import Database, get_database
@@ -224,3 +224,7 @@ def start_agents() -> Iterator[StartAgents]:
     yield start
     for agent in started:
         agent.stop(grace=0)
+    # A later test's agent may get one of these ports again: a channel cached here
+    # would still sit in reconnect backoff (up to 2 s) and refuse its first calls.
+    fcdaemon.reset_channels()
+    inflight.reset()
