@@ -12,10 +12,10 @@ min guard runs) and live on a real reference fcdaemon agent (gRPC on loopback,
 
 Timed:
 
-* claim + release: ``--claims`` (200) pairs of :func:`workers.claims.claim` /
-  :func:`workers.claims.release` on a function with 2,000 (or 20) replicas, each
+* claim + release: ``--claims`` (200) pairs of :func:`workers.replicas.claims.claim` /
+  :func:`workers.replicas.claims.release` on a function with 2,000 (or 20) replicas, each
   its own write transaction; median and 99th percentile;
-* one reaper pass (:func:`workers.reaper.reap`, batch 100): the selection
+* one reaper pass (:func:`workers.maintenance.reaper.reap`, batch 100): the selection
   transaction, the 100 release RPCs and the 100 row retirements, separately and
   in total.
 
@@ -190,8 +190,8 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
 
 def measure(db: Any, settings: Any, claims: int, agent: Any) -> Figures:
     """Claim/release latency and one reaper pass in a built store."""
-    from workers.claims import claim, release
-    from workers.reaper import reap
+    from workers.maintenance.reaper import reap
+    from workers.replicas.claims import claim, release
 
     figures = Figures(replicas=0, build_s=0.0)
     for _ in range(20):  # warm the statement caches

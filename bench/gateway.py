@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start("redis", redis_argv(tmp, redis_port))
         from tasks import api
+        from workers.fleet.nodes import upsert_node
         from workers.functions import deploy, spec_from
-        from workers.nodes import upsert_node
         from workers.store.db import get_database
         from workers.store.migrate import upgrade
 

@@ -2,7 +2,7 @@
 
 Run: ``python -m bench.placement [-n 150] [--database-url URL]``
 
-What is timed is one placement decision as :func:`workers.replicas.begin_spawn`
+What is timed is one placement decision as :func:`workers.replicas.actions.begin_spawn`
 makes it, in one transaction: write the Creating replica row, count it toward
 the function's max (conditional UPDATE), reserve a node slot by the
 policy (conditional UPDATE) and a GPU's memory and worker slot by the fit
@@ -106,7 +106,7 @@ def decide(db: Any, fn_id: str, policy: str, fit: str, pinned: str | None) -> No
     """One begin_spawn-equivalent placement decision, rolled back."""
     from sqlalchemy import update
 
-    from workers.placement import reserve_gpu, reserve_node
+    from workers.fleet.placement import reserve_gpu, reserve_node
     from workers.store.models import Function, Replica, ReplicaState, new_id
 
     with db.session() as s:
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(fleets: dict[str, tuple[Any, str]], n: int, kind: str) -> float:
     """Time every policy and fit on both fleets, print a table; returns the worst ratio."""
-    from workers.placement import FITS, POLICIES
+    from workers.fleet.placement import FITS, POLICIES
 
     print(f"placement decision time on {kind}: small = {SMALL[0]} nodes / {SMALL[1]} GPUs, "
           f"large = {LARGE[0]} nodes / {LARGE[1]} GPUs; {n} decisions per case")

@@ -33,7 +33,7 @@ violations of, each invariant (all must be 0):
   lists has exactly one live row, and every live row's VM is listed by its node;
 * ``ops_not_final`` - every operation the load generator got an id for has
   succeeded, failed or partly failed;
-* ``counter_drift`` - ``corral db check`` (:func:`workers.audit.audit`) finds none;
+* ``counter_drift`` - ``corral db check`` (:func:`workers.maintenance.audit.audit`) finds none;
 * ``claims_outstanding`` - no claim outlives its release;
 * ``unexpected_deaths`` - no worker, beat or registry process died except the
   workers the schedule killed.
@@ -240,7 +240,7 @@ class Fleet:
         }
         os.environ.update(self.env)
         from config.settings import get_settings, reset_settings
-        from workers.app import configure
+        from workers.celery import configure
         from workers.store.migrate import upgrade
 
         reset_settings()
@@ -270,7 +270,7 @@ class Fleet:
     def _start_nodes(self) -> None:
         from agents.lambdo import serve_lambdo
         from tests.services import free_port
-        from workers.nodes import upsert_node
+        from workers.fleet.nodes import upsert_node
 
         for i in range(3):
             port = free_port()
@@ -433,8 +433,8 @@ class Load:
 
     def attempt(self, what: str, action: Callable[[], None]) -> None:
         """Run one action; count a refusal or an error instead of stopping."""
-        from workers.claims import NoIdleReplica
         from workers.errors import InputError
+        from workers.replicas.claims import NoIdleReplica
 
         try:
             action()
@@ -557,7 +557,7 @@ def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, lis
 
     from config.settings import get_settings
     from workers import backends
-    from workers.audit import audit
+    from workers.maintenance.audit import audit
     from workers.store.models import (
         LIVE_STATES,
         OP_FINISHED,

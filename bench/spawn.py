@@ -20,7 +20,7 @@ default prefork pool):
 4. **P5** - ``spawn`` of ``--slow`` replicas on 10 agents that take 0.5 s per
    create and serve 32 at once (``CORRAL_NODE_MAX_INFLIGHT=32``, the bench's
    setting for every phase); the agents are first proven with one create each
-   (a new node is on probation: workers.nodes).
+   (a new node is on probation: workers.fleet.nodes).
 
 It prints each rate, the worker's peak resident memory, and the ratios. Aims:
 P1 / baseline >= 1.0, P5 / P1 >= 0.8, delete / baseline >= 1.0. A slow-agent run
@@ -177,9 +177,9 @@ def run_once(args: argparse.Namespace) -> Run:
         from agents.fcdaemon import serve_fcdaemon
         from config.settings import get_settings, reset_settings
         from tasks import api
-        from workers.app import configure
+        from workers.celery import configure
+        from workers.fleet.nodes import upsert_node
         from workers.functions import deploy, spec_from
-        from workers.nodes import upsert_node
         from workers.store.db import get_database
         from workers.store.migrate import upgrade
         from workers.store.models import Node

@@ -29,7 +29,7 @@ Reliability, chosen on purpose:
   permanent agent answers fail at once.
 * ``broker_connection_retry_on_startup`` and unlimited connection retries: a
   worker outlives a broker restart. ``redis://`` brokers use
-  :mod:`workers.broker` (installed by ``workers.app``), kombu's transport with a
+  :mod:`workers.broker` (installed by ``workers.celery``), kombu's transport with a
   fix that keeps a worker from exiting when the broker vanishes while it waits
   for messages.
 * results are not stored (``task_ignore_result``): the outcome of every request

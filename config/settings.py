@@ -106,7 +106,7 @@ class Settings(BaseSettings):
     db_lock_timeout_s: float = Field(10.0, ge=0)
     db_statement_timeout_s: float = Field(60.0, ge=0)
 
-    # Autoscaler (workers.autoscale) for functions deployed with --autoscale.
+    # Autoscaler (workers.autoscale.decision) for functions deployed with --autoscale.
     autoscale_interval_s: float = Field(2.0, gt=0)
     autoscale_target_utilization: float = Field(0.7, gt=0, le=1)
     autoscale_stable_window_s: float = Field(60.0, gt=0)
@@ -126,7 +126,7 @@ class Settings(BaseSettings):
     first_worker_port: int = Field(4000, ge=1, le=65535)
     gpu_manager_port: int = Field(3333, ge=1, le=65535)
 
-    # Test-only: task names (comma separated) that raise before running (workers.app).
+    # Test-only: task names (comma separated) that raise before running (workers.celery).
     fault_raise_in: str = ""
 
     # The invocation gateway (workers/gateway).

@@ -228,7 +228,7 @@ def _node_registered(database: str, external_id: str) -> bool:
 
 def _add_lambdo_node(database: str, url: str) -> None:
     from config.settings import get_settings
-    from workers.nodes import upsert_node
+    from workers.fleet.nodes import upsert_node
     from workers.store.db import get_database
 
     with get_database(database).transaction() as s:

@@ -20,11 +20,11 @@ from celery import Signature
 
 from config.settings import Settings, get_settings
 from workers.errors import CorralError, InputError
+from workers.fleet.placement import spread_nodes
 from workers.functions import get_function
+from workers.maintenance.redrive import Redrive
 from workers.operations import create_operation, get_operation, operation_view
-from workers.placement import spread_nodes
-from workers.redrive import Redrive
-from workers.replicas import check_count, check_target
+from workers.replicas.actions import check_count, check_target
 from workers.store.db import Database, get_database
 from workers.store.migrate import check_schema
 from workers.store.models import OP_FINISHED, Operation
@@ -77,7 +77,7 @@ def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:
 
 
 def resend(redrive: Redrive) -> None:
-    """Send the first task of an operation that stopped moving again (see workers.redrive)."""
+    """Send the first task of an operation that stopped moving again (see maintenance.redrive)."""
     first_task(redrive.kind, redrive.op_id, redrive.params).apply_async()
 
 
@@ -89,7 +89,7 @@ def _enqueue(db: Database, op: Operation) -> str:
     except CorralError:
         raise
     except Exception as exc:  # kombu/redis raise many types when the broker is down
-        from workers.replicas import fail_op
+        from workers.operations import fail_op
 
         reason = f"could not queue the task: {type(exc).__name__}: {exc}"
         fail_op(db, op_id, reason)
@@ -191,7 +191,7 @@ def hogs(
     action: str, n: int, node: str | None = None, *, settings: Settings | None = None
 ) -> str:
     """Start or stop ``n`` CPU hogs on ``node`` (default: all healthy agents); returns the op id."""
-    from workers.hogs import check_hogs, hog_targets
+    from workers.fleet.hogs import check_hogs, hog_targets
 
     db = database(settings)
     action, n = check_hogs(action, n)
@@ -222,7 +222,7 @@ def claim(
     share spawns (a spawn is asked for only while waiters outnumber the environments
     already on their way).
     """
-    from workers import claims
+    from workers.replicas import claims
 
     settings = settings or get_settings()
     if isinstance(cold_start_timeout, bool) or not isinstance(cold_start_timeout, int | float):
@@ -249,7 +249,7 @@ def claim(
 
 def release(claim_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
     """Give back exactly the environment a claim holds (``released`` False: it was not held)."""
-    from workers import claims
+    from workers.replicas import claims
 
     settings = settings or get_settings()
     return claims.release(database(settings), settings, check_id(claim_id, "claim"))
@@ -257,7 +257,7 @@ def release(claim_id: str, *, settings: Settings | None = None) -> dict[str, Any
 
 def suspect(claim_id: str, reason: str, *, settings: Settings | None = None) -> str | None:
     """Give back a claim whose replica failed to answer and delete that replica; the op id."""
-    from workers import claims
+    from workers.replicas import claims
 
     db = database(settings)
     op = claims.suspect(db, settings or get_settings(), check_id(claim_id, "claim"), reason)
@@ -266,7 +266,7 @@ def suspect(claim_id: str, reason: str, *, settings: Settings | None = None) -> 
 
 def reap(idle_timeout: float | None = None, *, settings: Settings | None = None) -> str:
     """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
-    from workers.reaper import check_idle_timeout
+    from workers.maintenance.reaper import check_idle_timeout
 
     db = database(settings)
     idle_timeout = check_idle_timeout(idle_timeout)

@@ -1,11 +1,11 @@
-"""The ``corral.hogs`` task: CPU hogs on node agents (logic in :mod:`workers.hogs`)."""
+"""The ``corral.hogs`` task: CPU hogs on node agents (logic in :mod:`workers.fleet.hogs`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from workers.app import CorralTask, app
-from workers.hogs import run_hogs
+from workers.celery import CorralTask, app
+from workers.fleet.hogs import run_hogs
 
 
 @app.task(bind=True, name="corral.hogs")

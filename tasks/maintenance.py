@@ -10,8 +10,9 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
-from workers import health, leases
-from workers.app import CorralTask, app
+from workers import leases
+from workers.celery import CorralTask, app
+from workers.fleet import health
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,11 @@ def reap(
     Stale replicas kept only for their function's min are replaced: the pass reports how
     many fresh replicas each such function needs, and this task asks for them (a later
     pass then retires the stale ones). Operations that stopped moving get their first
-    task sent again (:mod:`workers.redrive`).
+    task sent again (:mod:`workers.maintenance.redrive`).
     """
     from tasks import api
-    from workers import reaper
     from workers.errors import CorralError
+    from workers.maintenance import reaper
 
     settings = self.settings
     holder = leases.holder_name(self.request.id)
@@ -77,7 +78,7 @@ def _count_reaped(settings: Any, counts: dict[str, int]) -> None:
 def _redrive(task: CorralTask) -> dict[str, str]:
     """Re-send the first task of every operation that stopped moving; op id -> outcome."""
     from tasks import api
-    from workers import redrive
+    from workers.maintenance import redrive
 
     sent = {op_id: f"failed: {reason}"
             for op_id, reason in redrive.give_up(task.db, task.settings, api.RESENDABLE).items()}
@@ -95,7 +96,7 @@ def _redrive(task: CorralTask) -> dict[str, str]:
 def autoscale(self: CorralTask) -> dict[str, Any]:
     """One autoscaler pass (beat sends one every ``CORRAL_AUTOSCALE_INTERVAL_S``)."""
     from tasks import api
-    from workers.autoscale_pass import run_pass
+    from workers.autoscale.passes import run_pass
     from workers.redis_client import redis_client
 
     settings = self.settings
@@ -113,8 +114,8 @@ def autoscale(self: CorralTask) -> dict[str, Any]:
 def reconcile(self: CorralTask, op_id: str | None = None) -> dict[str, Any]:
     """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""
     from tasks import api
-    from workers import reconcile as reconciler
     from workers.errors import CorralError
+    from workers.maintenance import reconcile as reconciler
     from workers.operations import record_result
 
     holder = leases.holder_name(self.request.id)

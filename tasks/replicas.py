@@ -6,7 +6,7 @@ and queues a ``spawn_batch`` task for each other one, so every worker process
 shares a large spawn. A batch writes its replica rows in one transaction - each
 row Creating, with its node and GPU reserved - then asks the agents for all of
 its VMs at once and records the answers as they come, in one transaction or a
-few (:func:`workers.replicas.spawn_pending`). Request ids are fixed by the operation,
+few (:func:`workers.replicas.actions.spawn_pending`). Request ids are fixed by the operation,
 so a redelivered batch writes nothing twice and creates no second VM.
 
 A replica whose create hit a transport error is retried alone: the batch queues a
@@ -22,7 +22,7 @@ one transaction; a transport error sends that replica alone to ``delete_replica`
 with backoff. ``delete_replica`` is also the task of a single ``corral delete``.
 
 Tasks are thin wrappers: each loads its operation's inputs by id and calls the
-plain logic in :mod:`workers.replicas`.
+plain logic in :mod:`workers.replicas.actions`.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from typing import Any
 
 from celery import Signature
 
-from workers import dispatch, replicas
-from workers.app import CorralTask, app
+from workers import dispatch
+from workers.celery import CorralTask, app
 from workers.errors import BackendError, TransientBackendError
-from workers.health import note_failure
+from workers.fleet.health import note_failure
+from workers.replicas import actions as replicas
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from celery.contrib.testing.worker import start_worker
 
 from config.celery import QUEUES
 from tests.fixtures import FAST, Env, _apply
-from workers.app import app
+from workers.celery import app
 
 ROOT = Path(__file__).resolve().parent.parent
 

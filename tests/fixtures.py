@@ -45,9 +45,10 @@ from sqlalchemy import text
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings, get_settings, reset_settings
-from workers import clock, fcdaemon, inflight
-from workers.app import configure
-from workers.nodes import upsert_node
+from workers import clock
+from workers.backends import fcdaemon, inflight
+from workers.celery import configure
+from workers.fleet.nodes import upsert_node
 from workers.store.db import Database, get_database
 from workers.store.migrate import upgrade
 from workers.store.models import Base

@@ -1,8 +1,15 @@
-"""What executes tasks: the Celery app, the store, placement, agent clients, the registry.
+"""What executes tasks: the logic the Celery tasks call, in one sub-package per domain.
 
-``celery -A workers worker|beat|flower`` loads :data:`app` from here.
+``celery -A workers worker|beat|flower`` finds the app in :mod:`workers.celery` by Celery's
+convention; importing :mod:`workers` itself builds nothing.
+
+* :mod:`workers.celery`, :mod:`workers.broker`, :mod:`workers.dispatch`: the Celery glue.
+* :mod:`workers.backends`: clients of node agents (gRPC) and Lambdo hosts (HTTP).
+* :mod:`workers.fleet`: nodes, health, placement, GPUs.
+* :mod:`workers.replicas`: spawn, delete, scale, claims, the replica state machine.
+* :mod:`workers.operations`: operation records, their statuses, settling and finishing them.
+* :mod:`workers.maintenance`: reaper, reconcile, audit, redrive (beat's passes).
+* :mod:`workers.autoscale`, :mod:`workers.gateway`, :mod:`workers.registry`,
+  :mod:`workers.metrics`: the data path and what agents, guests and Prometheus talk to.
+* :mod:`workers.store`: the SQL store.
 """
-
-from workers.app import app
-
-__all__ = ["app"]

@@ -27,3 +27,8 @@ def reset() -> None:
     """Undo every :func:`travel`."""
     global _offset
     _offset = timedelta(0)
+
+
+def iso(value: datetime | None) -> str | None:
+    """A timestamp as ISO 8601 UTC, or None."""
+    return None if value is None else value.isoformat(timespec="milliseconds") + "Z"

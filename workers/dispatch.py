@@ -11,7 +11,7 @@ worker, eager mode) that is the task's own ``apply_async``, elsewhere (the regis
 
 from __future__ import annotations
 
-from workers.app import app
+from workers.celery import app
 
 DELETE_REPLICA = "corral.delete_replica"
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import tomllib
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,10 +20,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
+from workers.clock import iso, now
 from workers.errors import InputError
-from workers.lifecycle import bump_reap_at
-from workers.placement import POLICIES
+from workers.fleet.placement import POLICIES
+from workers.replicas.lifecycle import bump_reap_at
 from workers.store.models import Function
 from workers.store.rows import one_or_not_found
 
@@ -323,6 +322,3 @@ def function_view(fn: Function, counts: dict[str, int] | None = None) -> dict[st
     return view
 
 
-def iso(value: datetime | None) -> str | None:
-    """A timestamp as ISO 8601 UTC, or None."""
-    return None if value is None else value.isoformat(timespec="milliseconds") + "Z"

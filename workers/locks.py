@@ -17,8 +17,8 @@ functions, nodes and GPUs. While holding counter rows they lock replicas only wi
 ``SKIP LOCKED`` (a replica someone else is moving is left for the next pass), so
 they never wait for a replica.
 
-The one exception is the single-replica transition (:func:`workers.lifecycle.
-transition` after :func:`~workers.lifecycle.lock_replica`): it cannot know its
+The one exception is the single-replica transition (:func:`workers.replicas.lifecycle.
+transition` after :func:`~workers.replicas.lifecycle.lock_replica`): it cannot know its
 function and node before reading the replica, so it locks the replica and then the
 one function, node and GPU it holds, in that order. It never waits for a second
 replica and never holds two rows of one kind, and everything that holds several

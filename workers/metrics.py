@@ -70,7 +70,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from agents.runtime import listen_refusal, split_hostport
 from config.celery import QUEUES
-from workers.autoscale_pass import DECISIONS_KEY
+from workers.autoscale.passes import DECISIONS_KEY
 from workers.errors import InputError
 from workers.store.db import Database
 from workers.store.models import (

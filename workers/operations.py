@@ -11,16 +11,24 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
+from workers.clock import iso, now
 from workers.errors import InputError, NotFound
-from workers.functions import iso
 from workers.store.db import Database
-from workers.store.models import OP_FINISHED, Operation
+from workers.store.models import OP_FINISHED, OP_OPEN, Operation, OpStatus
 
 SECRET_HINTS = ("secret", "token", "password", "aws_access_key", "authorization")
 FINISHED = OP_FINISHED  # the one definition is on the status type (workers.store.models)
+_COUNT_DONE = (
+    update(Operation)
+    .where(Operation.id == bindparam("op_id"), Operation.status.in_(OP_OPEN))
+    .values(done=Operation.done + bindparam("n"), progress_at=bindparam("at"))
+    .returning(Operation.done, Operation.failed, Operation.total, Operation.status)
+    .execution_options(synchronize_session=False)
+)
+MAX_OP_ERRORS = 5
 
 
 def redact(params: dict[str, Any]) -> dict[str, Any]:
@@ -112,14 +120,12 @@ def operation_view(op: Operation) -> dict[str, Any]:
         "started_at": iso(op.started_at),
         "finished_at": iso(op.finished_at),
         "progress_at": iso(op.progress_at),
-        "redrives": op.redrives,  # times its first task was re-sent (workers.redrive)
+        "redrives": op.redrives,  # times its first task was re-sent (workers.maintenance.redrive)
     }
 
 
 def record_result(db: Database, op_id: str, result: dict[str, Any]) -> None:
     """Finish a one-step operation (reap, reconcile...) with its result."""
-    from workers.lifecycle import finish
-
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True)
         if op is None or op.status in OP_FINISHED:
@@ -127,3 +133,84 @@ def record_result(db: Database, op_id: str, result: dict[str, Any]) -> None:
         op.total, op.done = 1, 1
         op.result = result
         finish(op, failed=0, total=1)
+
+
+def settle(
+    session: Session, op_id: str, *, ok: bool, error: str | None = None, n: int = 1
+) -> None:
+    """Count a part of an operation done (``n`` of them) or failed; finish it when all are."""
+    if ok:
+        # The common case in one statement: count it; load the row only to finish it.
+        counted = session.connection().execute(
+            _COUNT_DONE, {"op_id": op_id, "at": now(), "n": n}).first()
+        if counted is None:
+            return
+        done, failed, total, status = counted
+        if done + failed < total and status != OpStatus.PENDING.value:
+            return
+        op = session.get(Operation, op_id, with_for_update=True, populate_existing=True)
+        if op is not None:
+            maybe_finish(op)
+        return
+    op = session.scalars(
+        select(Operation).where(Operation.id == op_id).with_for_update()
+    ).first()
+    if op is None:
+        return
+    if op.status not in OP_OPEN:
+        return
+    op.failed += 1
+    op.progress_at = now()
+    errors = list((op.result or {}).get("errors", []))
+    if error and len(errors) < MAX_OP_ERRORS:
+        errors.append(error)
+    op.result = {**(op.result or {}), "errors": errors}
+    maybe_finish(op)
+
+
+def maybe_finish(op: Operation) -> None:
+    """Close an operation whose parts have all settled."""
+    if op.status in OP_FINISHED:
+        return
+    if op.done + op.failed < op.total:
+        if op.status == OpStatus.PENDING.value:
+            op.status = OpStatus.RUNNING.value
+            op.started_at = op.started_at or now()
+        return
+    finish(op, failed=op.failed, total=op.total)
+
+
+def finish(op: Operation, *, failed: int, total: int, error: str | None = None) -> None:
+    """Mark an operation finished, with a one-line reason when anything failed."""
+    op.finished_at = now()
+    op.started_at = op.started_at or op.finished_at
+    if failed == 0 and error is None:
+        op.status = OpStatus.SUCCEEDED.value
+        return
+    op.status = OpStatus.FAILED.value if failed >= total else OpStatus.PARTIAL.value
+    errors = (op.result or {}).get("errors", [])
+    first = error or (errors[0] if errors else "unknown error")
+    op.error = first if total <= 1 else f"{failed} of {total} failed; first: {first}"
+
+
+def fail_operation(session: Session, op_id: str, error: str) -> None:
+    """Mark an open operation failed as a whole, ``error`` its reason; a finished one stays.
+
+    For bad input, an unexpected error in its task, or an operation given up on.
+    Its part counts stay as they were. A finished operation (a late redelivery's
+    failure) is left as it ended: succeeded, failed or partial.
+    """
+    op = session.get(Operation, op_id, with_for_update=True)
+    if op is None or op.status in OP_FINISHED:
+        return
+    op.total = max(op.total, 1)
+    op.finished_at = now()
+    op.started_at = op.started_at or op.finished_at
+    op.status = OpStatus.FAILED.value
+    op.error = error
+
+
+def fail_op(db: Database, op_id: str, error: str) -> None:
+    """Mark a whole operation failed with a one-line reason."""
+    with db.transaction() as s:
+        fail_operation(s, op_id, error)

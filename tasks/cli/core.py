@@ -32,7 +32,7 @@ def cmd_db_upgrade(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_db_check(args: argparse.Namespace, settings: Settings) -> int:
     """Recount node, function and GPU counters from the replica rows (exit 1 on drift)."""
     from tasks.api import database
-    from workers.audit import audit
+    from workers.maintenance.audit import audit
 
     with database(settings).transaction() as s:
         found = audit(s, fix=args.fix)
@@ -58,7 +58,7 @@ def cmd_db_check(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_nodes_add(args: argparse.Namespace, settings: Settings) -> int:
     """Add (or update) a node."""
     from tasks.api import database
-    from workers.nodes import node_view, upsert_node
+    from workers.fleet.nodes import node_view, upsert_node
 
     with database(settings).transaction() as s:
         node, created = upsert_node(
@@ -76,7 +76,7 @@ def cmd_nodes_list(args: argparse.Namespace, settings: Settings) -> int:
     from sqlalchemy import select
 
     from tasks.api import database
-    from workers.nodes import node_view
+    from workers.fleet.nodes import node_view
     from workers.store.models import Node
 
     with database(settings).read() as s:
@@ -90,7 +90,7 @@ def cmd_nodes_list(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_nodes_remove(args: argparse.Namespace, settings: Settings) -> int:
     """Remove a node that runs nothing."""
     from tasks.api import database
-    from workers.nodes import remove_node
+    from workers.fleet.nodes import remove_node
 
     with database(settings).transaction() as s:
         remove_node(s, args.name)
@@ -101,7 +101,7 @@ def cmd_nodes_remove(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_nodes_drain(args: argparse.Namespace, settings: Settings) -> int:
     """Stop placing replicas on a node."""
     from tasks.api import database
-    from workers.nodes import get_node
+    from workers.fleet.nodes import get_node
 
     with database(settings).transaction() as s:
         node = get_node(s, args.name)
@@ -298,7 +298,7 @@ def cmd_replicas(args: argparse.Namespace, settings: Settings) -> int:
     from tasks.api import check_id, database
     from workers.errors import NotFound
     from workers.functions import get_function
-    from workers.replica_views import replica_view
+    from workers.replicas.views import replica_view
     from workers.store.models import LIVE_STATES, Replica
 
     with database(settings).read() as s:

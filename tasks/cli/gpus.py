@@ -35,7 +35,7 @@ def _rows(views: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def cmd_gpus_add(args: argparse.Namespace, settings: Settings) -> int:
     """Record (or refresh) the GPUs of a GPU server."""
     from tasks.api import database
-    from workers.gpus import add_gpu_server, gpu_view, server_address
+    from workers.fleet.gpus import add_gpu_server, gpu_view, server_address
 
     gpus = add_gpu_server(database(settings), settings, args.address, mngr_addr=args.manager)
     views = [gpu_view(g) for g in gpus]
@@ -48,7 +48,7 @@ def cmd_gpus_add(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_gpus_list(args: argparse.Namespace, settings: Settings) -> int:
     """List recorded GPUs with memory and slots in use."""
     from tasks.api import database
-    from workers.gpus import gpu_view, list_gpus
+    from workers.fleet.gpus import gpu_view, list_gpus
 
     with database(settings).read() as s:
         views = [gpu_view(g) for g in list_gpus(s)]
@@ -59,7 +59,7 @@ def cmd_gpus_list(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_gpus_remove(args: argparse.Namespace, settings: Settings) -> int:
     """Forget a GPU no live replica uses."""
     from tasks.api import database
-    from workers.gpus import remove_gpu
+    from workers.fleet.gpus import remove_gpu
 
     with database(settings).transaction() as s:
         remove_gpu(s, args.uuid)

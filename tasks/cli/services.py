@@ -16,7 +16,7 @@ from tasks.cli._output import Command, integer
 def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
     """Serve the registry until SIGINT / SIGTERM."""
     from tasks.api import database
-    from workers.registry import check_listen, serve_registry
+    from workers.registry.service import check_listen, serve_registry
 
     if not args.insecure:
         check_listen(settings, args.listen)  # refuse before anything else is said

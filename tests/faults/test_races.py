@@ -16,14 +16,14 @@ import pytest
 from sqlalchemy import select
 
 from tasks import api
-from tests.claims.helpers import at_once
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas, spawn_ok
-from workers import backends, health, leases
-from workers.lifecycle import fail_operation
-from workers.operations import create_operation
-from workers.reconcile import below_min, reconcile
-from workers.replicas import (
+from tests.workers.replicas.helpers import at_once
+from workers import backends, leases
+from workers.fleet import health
+from workers.maintenance.reconcile import below_min, reconcile
+from workers.operations import create_operation, fail_operation
+from workers.replicas.actions import (
     begin_spawn,
     create_vm,
     finish_spawn,
@@ -224,9 +224,9 @@ def test_overlapping_health_passes_count_one_miss(
 def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
     pg_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers import placement
-    from workers import replicas as replica_logic
-    from workers.replicas import SpawnJob, place
+    from workers.fleet import placement
+    from workers.replicas import actions as replica_logic
+    from workers.replicas.actions import SpawnJob, place
 
     start_agents(2)
     deploy_fn(pg_env, name="f1")
@@ -286,8 +286,8 @@ def test_a_claim_on_a_replica_deleted_under_it_ends_with_it(
     store: Env, start_agents: StartAgents, ends: str
 ) -> None:
     from workers import clock
-    from workers.claims import claim, release
-    from workers.reaper import reap
+    from workers.maintenance.reaper import reap
+    from workers.replicas.claims import claim, release
     from workers.store.models import Claim
 
     start_agents(1)

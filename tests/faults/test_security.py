@@ -15,9 +15,9 @@ from protos import resmngr_grpc, resmngr_pb2
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env
+from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
-from workers.nodes import upsert_node
-from workers.registry import serve_registry
+from workers.registry.service import serve_registry
 from workers.store.models import Node, Replica, ReplicaState
 
 AWS_ID = "AKIATESTSECRETKEY123"

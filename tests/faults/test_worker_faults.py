@@ -112,7 +112,7 @@ def test_agent_down_for_good_moves_the_replica_to_a_node_that_answers(
     assert nodes["node1"].create_failures == 1 and nodes["node1"].misses == 1
     assert "UNAVAILABLE" in (nodes["node1"].last_error or "")
     assert nodes["node1"].live == 0 and nodes["node2"].live == 1
-    from workers.health import check_health
+    from workers.fleet.health import check_health
 
     check_health(thread_worker.db, thread_worker.settings)  # second miss
     with thread_worker.db.read() as s:

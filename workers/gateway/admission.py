@@ -6,7 +6,7 @@ environment inside the store, each holding a thread and a waiter row. So they wa
 here instead, in arrival order, in a queue of at most ``queue`` requests; one more
 is refused (429). A request leaving hands its place straight to the first in the
 queue. The gate also keeps what the demand signal reports
-(:class:`workers.demand.Sample`): requests admitted and queued now, their
+(:class:`workers.autoscale.demand.Sample`): requests admitted and queued now, their
 time-weighted mean since the last report, and the arrivals.
 
 Everything here runs on the gateway's event loop: no locks.
@@ -18,7 +18,7 @@ import asyncio
 import time
 from collections import deque
 
-from workers.demand import Sample
+from workers.autoscale.demand import Sample
 
 
 class QueueFull(Exception):

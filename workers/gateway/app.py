@@ -6,7 +6,7 @@ Routes: ``/function/NAME[/PATH]`` (any method) goes to the proxy
 ``/metrics`` needs it too; ``/healthz`` never does (it says nothing).
 
 While it runs, the gateway publishes each function's demand once per
-``CORRAL_GATEWAY_REPORT_INTERVAL_S`` (:func:`workers.demand.report`, to the broker's
+``CORRAL_GATEWAY_REPORT_INTERVAL_S`` (:func:`workers.autoscale.demand.report`, to the broker's
 Redis) for the autoscaler: every function that had a request in the last minute,
 idle ones with zeros so their demand is seen to fall.
 
@@ -111,7 +111,7 @@ class GatewayApp:
     async def _report_forever(self, url: str) -> None:
         import redis
 
-        from workers import demand
+        from workers.autoscale import demand
 
         client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         interval = self.gateway.settings.gateway_report_interval_s

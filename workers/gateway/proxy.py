@@ -11,7 +11,7 @@ A request goes through these steps, each with its own answer when it fails:
 4. **Admission** (:mod:`workers.gateway.admission`): beyond ``max_replicas x
    exec_envs`` requests the request queues; a full queue -> 429, no place within the
    cold-start timeout -> 503 with ``Retry-After``.
-5. **Claim** (:class:`workers.claims.ClaimAttempt`, each store step in the gateway's
+5. **Claim** (:class:`workers.replicas.claims.ClaimAttempt`, each store step in the gateway's
    thread pool - ``CORRAL_GATEWAY_STORE_THREADS``, one on SQLite - waits with
    ``asyncio.sleep``): an Idle environment, else a cold start
    shared with every other waiter of the function, in this gateway or another; a
@@ -53,11 +53,11 @@ from typing import Any, Protocol, TypeVar
 import httpx
 
 from config.settings import Settings
-from workers.claims import ClaimAttempt, Claimed, NoIdleReplica
 from workers.errors import CorralError, NotFound
 from workers.functions import get_function
 from workers.gateway.admission import Gate, QueueFull, QueueTimeout
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
+from workers.replicas.claims import ClaimAttempt, Claimed, NoIdleReplica
 from workers.store.db import Database
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ on its node (``nodes.live``) and, for GPU functions, memory and a worker slot on
 one GPU (``gpus.mem_free_mb`` / ``gpus.slots_free``) exactly while it is *live*
 (any state but Dead and Deleted), and counts toward its function's
 ``replica_count`` (capped at ``max_replicas``) while it is Creating, Starting,
-Idle or Allocated; :func:`workers.lifecycle.transition` is the one place that
+Idle or Allocated; :func:`workers.replicas.lifecycle.transition` is the one place that
 moves these counters. Counters are guarded in the database by CHECK
 constraints and changed only by conditional UPDATEs, so no interleaving of
 workers can over-commit a node or a GPU.
@@ -152,7 +152,7 @@ class Function(Base):
     exec_envs: Mapped[int] = mapped_column(Integer, default=1)
     gpu_mem_mb: Mapped[int] = mapped_column(Integer, default=0)
     placement: Mapped[str | None] = mapped_column(String(16), nullable=True)
-    # Demand-driven scaling (workers.autoscale): off unless deployed with --autoscale;
+    # Demand-driven scaling (workers.autoscale.decision): off unless deployed with --autoscale;
     # scale_to_zero_after_s None keeps at least one replica (or min) while autoscaled.
     autoscale: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
     scale_to_zero_after_s: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -187,7 +187,7 @@ class Node(Base):
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     can_list: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
-    # Placement learns (workers.nodes.note_creates): failed creates in a row, when the
+    # Placement learns (workers.fleet.nodes.note_creates): failed creates in a row, when the
     # last create succeeded (None: never - a new node is on probation), and a quarantine.
     create_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     last_create_ok_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
@@ -306,7 +306,7 @@ class Operation(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     # When the operation last moved (created, its task ran, a part settled), and how
-    # often its task was re-sent for want of progress (workers.redrive).
+    # often its task was re-sent for want of progress (workers.maintenance.redrive).
     progress_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True, default=now)
     redrives: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 

@@ -1,4 +1,4 @@
-"""operations: progress time and re-send count (workers.redrive)
+"""operations: progress time and re-send count (workers.maintenance.redrive)
 
 Revision ID: 0002
 Revises: 0001

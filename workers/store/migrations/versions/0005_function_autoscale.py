@@ -1,4 +1,4 @@
-"""functions: autoscale opt-in and scale-to-zero delay (workers.autoscale)
+"""functions: autoscale opt-in and scale-to-zero delay (workers.autoscale.decision)
 
 Revision ID: 0005
 Revises: 0004

@@ -1,0 +1,133 @@
+"""The pipeline through a real Redis broker and real Celery workers."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from tasks import api
+from tests.celery_workers import WorkerProcess
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, spawn_ok
+from workers.store.models import Replica, ReplicaState
+
+
+def _live(env: Env) -> list[Replica]:
+    with env.db.read() as s:
+        return list(s.scalars(select(Replica).where(Replica.status == ReplicaState.IDLE)))
+
+
+@pytest.mark.timeout(60)
+def test_spawn_scale_delete_through_a_thread_worker(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    a, b = start_agents(2, env=thread_worker)
+    deploy_fn(thread_worker)
+    view = api.wait(api.spawn("hello", 6), timeout=30)
+    assert view["status"] == "succeeded", view
+    assert len(_live(thread_worker)) == 6
+    assert len(a.driver.list()) + len(b.driver.list()) == 6
+    assert api.wait(api.scale("hello", 2), timeout=30)["status"] == "succeeded"
+    assert len(_live(thread_worker)) == 2
+    assert len(a.driver.list()) + len(b.driver.list()) == 2
+
+
+def _publish_raw(env: Env, task: str, args: list[object], queue: str) -> str:
+    """Put a task message on a queue by hand, as a second delivery of the same request would."""
+    from workers.celery import app
+
+    task_id = uuid.uuid4().hex
+    app.send_task(task, args=args, queue=queue, task_id=task_id, ignore_result=True)
+    return task_id
+
+
+@pytest.mark.timeout(60)
+def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=thread_worker)
+    deploy_fn(thread_worker)
+    # An operation of one replica, and its spawn_replica message published twice.
+    with thread_worker.db.transaction() as s:
+        from workers.functions import get_function
+        from workers.operations import create_operation
+
+        fn = get_function(s, "hello")
+        op = create_operation(s, "spawn", {"function": "hello", "count": 1},
+                              function_id=fn.id, total=1)
+        fn_id = fn.id
+    for _ in range(2):
+        _publish_raw(thread_worker, "corral.spawn_replica",
+                     [op.id, f"{op.id}.0.0", fn_id, None], "corral.spawn")
+    view = api.wait(op.id, timeout=30)
+    assert view["status"] == "succeeded", view
+    assert (view["done"], view["failed"]) == (1, 0)
+    # give the second delivery time to run, then count VMs
+    import time
+
+    time.sleep(0.5)
+    assert len(agent.driver.list()) == 1
+    (replica,) = _live(thread_worker)
+
+    # the same delete message twice: the VM is released once, no error. Two deliveries
+    # running at the same moment may both ask; the second hears NOT_FOUND (already gone).
+    with thread_worker.db.transaction() as s:
+        delete_op = create_operation(s, "delete", {"replica": replica.id}, total=1)
+    for _ in range(2):
+        _publish_raw(thread_worker, "corral.delete_replica", [replica.id, delete_op.id],
+                     "corral.delete")
+    view = api.wait(delete_op.id, timeout=30)
+    assert view["status"] == "succeeded" and view["error"] is None, view
+    time.sleep(0.5)
+    assert {r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")} == {replica.vmid}
+    assert agent.driver.list() == []
+    with thread_worker.db.read() as s:
+        assert s.get(Replica, replica.id).status == ReplicaState.DELETED  # type: ignore[union-attr]
+    assert api.operation(delete_op.id)["done"] == 1  # the second delivery counted nothing
+
+
+@pytest.mark.timeout(60)
+def test_malformed_task_message_fails_the_operation_and_worker_lives(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=thread_worker)
+    deploy_fn(thread_worker)
+    with thread_worker.db.transaction() as s:
+        from workers.operations import create_operation
+
+        op = create_operation(s, "spawn", {"function": "hello", "count": 1}, total=1)
+    _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 42], "corral.spawn")
+    view = api.wait(op.id, timeout=15)
+    assert view["status"] == "failed"
+    assert "corral.spawn_replica" in view["error"] and "missing" in view["error"]
+    _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 7, "x", None], "corral.spawn")
+    # the worker still serves real work afterwards
+    spawn_ok("hello", 1, timeout=15)
+
+
+@pytest.mark.timeout(90)
+def test_prefork_worker_process_spawns_and_keeps_secrets_out_of_messages_and_logs(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
+) -> None:
+    (agent,) = start_agents(1, env=broker_env)
+    deploy_fn(broker_env, aws_access_key_id="AKIASECRETID0001", aws_secret_access_key="s3cr3t/KEY")
+    # Publish while no worker consumes, so the queued messages can be read as sent.
+    op = api.spawn("hello", 4)
+    r = redis.Redis.from_url(broker_env.settings.broker_url)
+    queued = [raw for key in r.keys("corral.*") if r.type(key) == b"list"
+              for raw in r.lrange(key, 0, -1)]
+    assert queued, "the spawn message should be waiting in its queue"
+    for raw in queued:
+        assert b"AKIASECRETID0001" not in raw and b"s3cr3t" not in raw
+    worker = WorkerProcess(broker_env.tmp, concurrency=2)
+    worker_processes.append(worker.start())
+    view = api.wait(op, timeout=30)
+    assert view["status"] == "succeeded", (view, worker.tail())
+    assert len(agent.driver.list()) == 4
+    (req, *_) = agent.agent.calls_of("CreateReplica")
+    assert req.awsAccessKeyID == "AKIASECRETID0001"  # the agent gets them; nothing else does
+    log = worker.log_path.read_text()
+    assert "spawn_replica" in log and "AKIASECRETID0001" not in log and "s3cr3t" not in log

@@ -1,0 +1,105 @@
+"""The autoscaler driven by real traffic: clients -> gateway -> replicas, beat and a prefork worker.
+
+Demand is not written by the test here: a real gateway (uvicorn, in this process)
+forwards four clients' requests to replicas the process agent runs, and reports its
+in-flight and queued counts to Redis as it does in production. Under that load the
+autoscaler asks for more replicas than the four the gateway's own cold starts give
+(ceil(4 / 0.7) = 6, the max); once the clients stop it takes the function to zero
+(``--scale-to-zero-after``) after its windows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from agents import ProcessDriver, RunningAgent, serve_fcdaemon
+from tasks import api
+from tests.celery_workers import WorkerProcess, start_beat
+from tests.fixtures import Env
+from workers.fleet.nodes import upsert_node
+from workers.functions import deploy, spec_from
+from workers.gateway import serve_gateway
+from workers.store.models import Function, Operation, Replica, ReplicaState
+
+FAST_AUTOSCALE = {
+    "CORRAL_AUTOSCALE_INTERVAL_S": "0.5",
+    "CORRAL_AUTOSCALE_STABLE_WINDOW_S": "4",
+    "CORRAL_AUTOSCALE_PANIC_WINDOW_S": "1",
+    "CORRAL_AUTOSCALE_DEMAND_STALE_S": "2",
+}
+SERVING = (ReplicaState.IDLE, ReplicaState.ALLOCATED)
+
+
+@pytest.fixture
+def agent(broker_env: Env) -> Iterator[RunningAgent]:
+    running = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver())
+    with broker_env.db.transaction() as s:
+        upsert_node(s, running.address, name="node1", capacity=64)
+    yield running
+    running.stop(grace=0)
+
+
+def serving(env: Env) -> int:
+    with env.db.read() as s:
+        return len(s.scalars(select(Replica).where(Replica.status.in_(SERVING))).all())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
+    broker_env: Env, agent: RunningAgent, worker_processes: list[WorkerProcess]
+) -> None:
+    with broker_env.db.transaction() as s:
+        deploy(s, spec_from(name="echo", image="examples.echo", kernel="/k", min=0, max=6,
+                            exec_envs=1, autoscale=True, scale_to_zero_after=3.0),
+               broker_env.settings)
+    gateway = serve_gateway(broker_env.settings.model_copy(update={
+        "gateway_cold_start_timeout_s": 60.0, "gateway_report_interval_s": 0.25}),
+        "127.0.0.1:0", producer=api)
+    worker = WorkerProcess(broker_env.tmp, concurrency=3, extra_env=FAST_AUTOSCALE)
+    worker_processes.append(worker.start())
+    beat = start_beat(broker_env.tmp, "one", FAST_AUTOSCALE)
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def client() -> None:
+        with httpx.Client(timeout=90) as http:
+            while not stop.is_set():
+                codes.append(http.post(f"{gateway.url}/function/echo?delay=0.3",
+                                       content=b"x").status_code)
+
+    clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    try:
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + 120
+        while serving(broker_env) < 6 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert serving(broker_env) == 6, worker.tail()  # 4 clients, 6 replicas: the autoscaler
+        stop.set()
+        for c in clients:
+            c.join(100)
+        assert codes and set(codes) == {200}, sorted(set(codes))
+        deadline = time.monotonic() + 90
+        while serving(broker_env) > 0 and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert serving(broker_env) == 0, worker.tail()
+    finally:
+        stop.set()
+        beat.terminate()
+        beat.wait(20)
+        gateway.stop()
+    with broker_env.db.read() as s:
+        ops = s.scalars(select(Operation).where(Operation.kind == "scale")
+                        .order_by(Operation.created_at)).all()
+        target = s.scalar(select(Function.target))
+    targets = [op.params["target"] for op in ops]
+    assert 6 in targets and targets[-1] == 0 and target == 0, targets
+    assert all(op.status == "succeeded" for op in ops), [(o.params, o.error) for o in ops]
+    assert agent.driver.list() == []  # every VM the load made is gone

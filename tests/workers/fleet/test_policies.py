@@ -1,0 +1,163 @@
+"""Node placement policies over three real agents: where each policy puts replicas."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select, update
+
+from tasks import api
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, spawn_ok
+from tests.workers.fleet.helpers import live, per_node
+from workers.errors import InputError
+from workers.store.models import Node
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _order(env: Env) -> list[str]:
+    """Node names of live replicas in creation order."""
+    with env.db.read() as s:
+        names = {n.id: n.name for n in s.scalars(select(Node))}
+    return [names[r.node_id] for r in live(env) if r.node_id]
+
+
+def test_loadbalance_is_the_default_and_evens_out(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    a, b, c = start_agents(3)
+    deploy_fn(corral_env, "f")
+    spawn_ok("f", 6, timeout=20)
+    assert per_node(corral_env) == {"node1": 2, "node2": 2, "node3": 2}
+    assert [len(x.agent.calls_of("CreateReplica")) for x in (a, b, c)] == [2, 2, 2]
+    # a node that already runs more gets fewer of the next ones
+    deploy_fn(corral_env, "g", placement="pack")
+    spawn_ok("g", 3, timeout=20)
+    assert per_node(corral_env) == {"node1": 5, "node2": 2, "node3": 2}
+    spawn_ok("f", 3, timeout=20)
+    assert per_node(corral_env) == {"node1": 5, "node2": 4, "node3": 3}
+
+
+def test_pack_fills_one_node_to_capacity_first(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(3, capacity=4)
+    deploy_fn(corral_env, "f", placement="pack")
+    spawn_ok("f", 6, timeout=20)
+    assert per_node(corral_env) == {"node1": 4, "node2": 2, "node3": 0}
+    view = api.wait(api.spawn("f", 7), timeout=20)
+    assert (view["status"], view["done"], view["failed"]) == ("partial", 6, 1)
+    assert "no capacity for f on any healthy fcdaemon node" in view["error"]
+    assert per_node(corral_env) == {"node1": 4, "node2": 4, "node3": 4}
+
+
+def test_roundrobin_cycles_in_name_order_across_operations(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(3)
+    deploy_fn(corral_env, "f", placement="roundrobin")
+    spawn_ok("f", 4, timeout=20)
+    assert _order(corral_env) == ["node1", "node2", "node3", "node1"]
+    spawn_ok("f", 2, timeout=20)
+    assert _order(corral_env) == ["node1", "node2", "node3", "node1", "node2", "node3"]
+
+
+def test_roundrobin_skips_a_full_node(corral_env: Env, start_agents: StartAgents) -> None:
+    start_agents(3)
+    with corral_env.db.transaction() as s:
+        s.execute(update(Node).where(Node.name == "node2").values(capacity=1))
+    deploy_fn(corral_env, "f", placement="roundrobin")
+    spawn_ok("f", 5, timeout=20)
+    assert _order(corral_env) == ["node1", "node2", "node3", "node1", "node3"]
+
+
+def test_spread_puts_n_on_every_healthy_node(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(3)
+    deploy_fn(corral_env, "f", placement="spread")
+    view = api.wait(api.spawn("f", 2), timeout=20)
+    assert (view["status"], view["total"]) == ("succeeded", 6)
+    assert per_node(corral_env) == {"node1": 2, "node2": 2, "node3": 2}
+    with corral_env.db.transaction() as s:
+        s.execute(update(Node).where(Node.name == "node3").values(healthy=False))
+    view = api.wait(api.spawn("f", 1), timeout=20)
+    assert (view["status"], view["total"]) == ("succeeded", 2)
+    assert per_node(corral_env) == {"node1": 3, "node2": 3, "node3": 2}
+
+
+def test_random_stays_within_capacity_and_uses_every_node(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(3, capacity=3)
+    deploy_fn(corral_env, "f", placement="random")
+    spawn_ok("f", 9, timeout=20)
+    assert per_node(corral_env) == {"node1": 3, "node2": 3, "node3": 3}
+    view = api.wait(api.spawn("f", 1), timeout=20)
+    assert view["status"] == "failed" and "no capacity" in view["error"]
+
+
+def test_random_uses_more_than_one_node(corral_env: Env, start_agents: StartAgents) -> None:
+    start_agents(3)
+    deploy_fn(corral_env, "f", placement="random")
+    spawn_ok("f", 15, timeout=20)
+    # all 15 on one node has probability 3 * (1/3)**15, about 2e-7
+    assert sum(1 for n in per_node(corral_env).values() if n) > 1
+
+
+def test_global_placement_setting_applies_unless_the_function_names_one(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    corral_env.set(placement="pack")
+    start_agents(3)
+    deploy_fn(corral_env, "packed")
+    deploy_fn(corral_env, "even", placement="loadbalance")
+    spawn_ok("packed", 3, timeout=20)
+    assert per_node(corral_env) == {"node1": 3, "node2": 0, "node3": 0}
+    spawn_ok("even", 3, timeout=20)
+    assert per_node(corral_env) == {"node1": 3, "node2": 2, "node3": 1}
+
+
+@pytest.mark.parametrize("policy", ["loadbalance", "roundrobin", "spread", "random", "pack"])
+def test_no_policy_places_on_unhealthy_draining_or_full_nodes(
+    corral_env: Env, start_agents: StartAgents, policy: str
+) -> None:
+    start_agents(4, capacity=5)
+    with corral_env.db.transaction() as s:
+        s.execute(update(Node).where(Node.name == "node1").values(healthy=False))
+        s.execute(update(Node).where(Node.name == "node2").values(draining=True))
+        s.execute(update(Node).where(Node.name == "node3").values(capacity=0))
+    deploy_fn(corral_env, "f", placement=policy)
+    view = api.wait(api.spawn("f", 3), timeout=20)
+    counts = per_node(corral_env)
+    assert counts["node4"] == 3 and counts["node1"] == counts["node2"] == counts["node3"] == 0
+    if policy == "spread":  # one per healthy, non-draining node: node3 (full) and node4
+        assert (view["total"], view["done"], view["failed"]) == (6, 3, 3)
+        assert view["error"] == "3 of 6 failed; first: no capacity for f on node node3"
+    else:
+        assert view["status"] == "succeeded"
+
+
+def test_unknown_policy_is_refused_at_deploy(corral_env: Env) -> None:
+    with pytest.raises(InputError, match="unknown placement policy 'fastest'"):
+        deploy_fn(corral_env, "f", placement="fastest")
+
+
+def test_placement_bench_decision_changes_nothing(corral_env: Env) -> None:
+    from bench.placement import decide, populate
+    from workers.store.models import Gpu, Replica
+
+    fn_id = populate(corral_env.db, 5, 8)
+
+    def snapshot() -> tuple[list[int], list[int], int]:
+        with corral_env.db.read() as s:
+            return (
+                [n.live for n in s.scalars(select(Node).order_by(Node.name))],
+                [g.mem_free_mb for g in s.scalars(select(Gpu).order_by(Gpu.uuid))],
+                len(list(s.scalars(select(Replica.id)))),
+            )
+
+    before = snapshot()
+    for policy in ("loadbalance", "roundrobin", "random", "pack"):
+        decide(corral_env.db, fn_id, policy, "best", None)
+    assert snapshot() == before

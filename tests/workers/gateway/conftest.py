@@ -1,0 +1,70 @@
+"""A real data path for the gateway tests: Redis broker, a Celery worker, a process agent.
+
+``stack`` gives a migrated SQLite store, a real Celery worker (threads) on the session's
+Redis, one fcdaemon agent whose replicas are real processes serving HTTP on loopback,
+and :meth:`Stack.gateway` to start gateways (uvicorn, in threads) with settings of the
+test's choosing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from agents import ProcessDriver, RunningAgent, serve_fcdaemon
+from tasks import api
+from tests.fixtures import Env
+from tests.workers.replicas.helpers import deploy_fn, replicas
+from workers.fleet.nodes import upsert_node
+from workers.gateway import RunningGateway, serve_gateway
+from workers.store.models import Claim, Replica
+
+
+class Stack:
+    """The running parts of one test's data path."""
+
+    def __init__(self, env: Env, agent: RunningAgent) -> None:
+        self.env = env
+        self.agent = agent
+        self.gateways: list[RunningGateway] = []
+
+    def gateway(self, **overrides: Any) -> RunningGateway:
+        """Start a gateway on a free loopback port (settings: the test's, plus ``overrides``)."""
+        base = {"gateway_cold_start_timeout_s": 30.0, "gateway_report_interval_s": 0.2}
+        settings = self.env.settings.model_copy(update={**base, **overrides})
+        running = serve_gateway(settings, "127.0.0.1:0", producer=api)
+        self.gateways.append(running)
+        return running
+
+    def deploy(self, name: str, image: str = "examples.hello", **fields: Any) -> None:
+        """Deploy a function the process agent can run."""
+        deploy_fn(self.env, name, image=image, **fields)
+
+    def claims(self) -> int:
+        """Claim rows held now."""
+        with self.env.db.read() as s:
+            return int(s.scalar(select(func.count()).select_from(Claim)) or 0)
+
+    def replicas(self, name: str) -> list[Replica]:
+        """The function's replica rows, oldest first."""
+        return replicas(self.env, name)
+
+    def creates(self) -> int:
+        """CreateReplica calls the agent served."""
+        return len(self.agent.agent.calls_of("CreateReplica"))
+
+
+@pytest.fixture
+def stack(thread_worker: Env) -> Iterator[Stack]:
+    """Broker, worker, store, a process agent (registered as node ``node1``)."""
+    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver())
+    with thread_worker.db.transaction() as s:
+        upsert_node(s, agent.address, name="node1", capacity=64)
+    running = Stack(thread_worker, agent)
+    yield running
+    for gateway in running.gateways:
+        gateway.stop()
+    agent.stop(grace=0)

@@ -1,0 +1,168 @@
+"""Each error answer of the gateway, with real HTTP, broker, worker and process agent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tasks import api
+from tasks.cli import main
+from tests.workers.gateway.conftest import Stack
+from workers.gateway import ListenRefused, check_listen
+from workers.store.models import ReplicaState
+
+
+def test_unknown_function_is_404_and_starts_nothing(stack: Stack) -> None:
+    gw = stack.gateway()
+    for path in ("/function/ghost", "/function/ghost/x?y=1", "/function/Not_A_Name"):
+        answer = httpx.get(gw.url + path, timeout=30)
+        assert answer.status_code == 404, path
+        assert "unknown function" in answer.text or "function name" in answer.text
+    assert stack.creates() == 0
+
+
+def test_a_body_over_the_limit_is_413_before_anything_is_claimed(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo")
+    gw = stack.gateway(gateway_max_body=1000)
+    ok = httpx.post(f"{gw.url}/function/echo", content=b"x" * 1000, timeout=60)
+    assert ok.status_code == 200 and ok.content == b"x" * 1000
+    announced = httpx.post(f"{gw.url}/function/echo", content=b"x" * 1001, timeout=30)
+    assert announced.status_code == 413
+
+    def chunked():  # no Content-Length: counted as it arrives
+        for _ in range(20):
+            yield b"y" * 100
+
+    streamed = httpx.post(f"{gw.url}/function/echo", content=chunked(), timeout=30)
+    assert streamed.status_code == 413
+    assert stack.creates() == 1 and stack.claims() == 0
+
+
+def test_no_replica_within_the_cold_start_timeout_is_503_with_retry_after(stack: Stack) -> None:
+    stack.deploy("never", readiness="guest")  # no guest ever says READY here
+    gw = stack.gateway(gateway_cold_start_timeout_s=1.0)
+    started = time.monotonic()
+    answer = httpx.get(f"{gw.url}/function/never", timeout=30)
+    assert answer.status_code == 503
+    assert int(answer.headers["retry-after"]) > 0
+    assert "no ready replica of never after 1s" in answer.text
+    assert 1.0 <= time.monotonic() - started < 10
+    assert stack.creates() == 1 and stack.claims() == 0
+
+
+def _kill_process_of(stack: Stack, vmid: str) -> None:
+    """Kill a replica's process behind corral's back: it refuses connections from now on."""
+    (vm,) = [vm for vm in stack.agent.driver.list() if vm.vmid == vmid]
+    assert vm.pid is not None
+    os.kill(vm.pid, signal.SIGKILL)
+
+
+def test_a_replica_that_fails_is_retired_and_an_idempotent_request_retried(stack: Stack) -> None:
+    stack.deploy("reflect", image="examples.reflect", max=5)
+    gw = stack.gateway()
+    view = api.wait(api.spawn("reflect", 2), timeout=60)
+    assert view["status"] == "succeeded", view
+    good, bad = stack.replicas("reflect")
+    held = api.claim("reflect")  # one environment held elsewhere: the gateway gets the other
+    if held["replica_id"] == bad.id:
+        good, bad = bad, good
+    assert bad.vmid is not None
+    _kill_process_of(stack, bad.vmid)
+
+    answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)
+    assert answer.status_code == 200  # served by a replica other than the dead one
+    assert answer.headers["x-reflect-vmid"] not in (bad.vmid, "")
+    rows = {r.id: r for r in stack.replicas("reflect")}
+    assert rows[bad.id].status in (ReplicaState.DELETING, ReplicaState.DELETED)
+    assert (rows[bad.id].error or "").startswith("suspect: ")
+    assert api.release(held["claim_id"])["released"]
+    assert stack.claims() == 0
+
+
+def test_a_non_idempotent_request_to_a_failed_replica_is_502_without_retry(stack: Stack) -> None:
+    stack.deploy("reflect", image="examples.reflect", max=5)
+    gw = stack.gateway()
+    assert api.wait(api.spawn("reflect", 1), timeout=60)["status"] == "succeeded"
+    (bad,) = stack.replicas("reflect")
+    assert bad.vmid is not None
+    _kill_process_of(stack, bad.vmid)
+    answer = httpx.post(f"{gw.url}/function/reflect", content=b"once", timeout=60)
+    assert answer.status_code == 502
+    assert "failed to answer" in answer.text
+    assert stack.creates() == 1  # not tried again: no cold start for a second replica
+    (row,) = stack.replicas("reflect")
+    assert row.status in (ReplicaState.DELETING, ReplicaState.DELETED)
+    assert stack.claims() == 0
+
+
+def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo", max=1, exec_envs=1)
+    gw = stack.gateway(gateway_queue=2)
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # warm
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            busy = asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=2"))
+            await asyncio.sleep(0.5)  # it holds the only environment
+            queued = [asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=0.1"))
+                      for _ in range(2)]
+            await asyncio.sleep(0.5)
+            refused = await client.get(f"{gw.url}/function/echo")
+            assert refused.headers["retry-after"] == "1"
+            metrics = (await client.get(f"{gw.url}/metrics")).text
+            assert 'corral_queue_depth{function="echo"} 2.0' in metrics
+            assert 'corral_inflight{function="echo"} 1.0' in metrics
+            rest = await asyncio.gather(busy, *queued)
+            return [refused.status_code] + [r.status_code for r in rest]
+
+    assert asyncio.run(run()) == [429, 200, 200, 200]
+    assert stack.creates() == 1 and stack.claims() == 0
+
+
+def test_a_call_past_the_timeout_is_504_and_releases(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo")
+    gw = stack.gateway(gateway_timeout_s=1.0)
+    answer = httpx.get(f"{gw.url}/function/echo?delay=5", timeout=30)
+    assert answer.status_code == 504
+    assert stack.claims() == 0
+    (row,) = stack.replicas("echo")
+    assert (row.status, row.envs_in_use) == (ReplicaState.IDLE, 0)  # slow is not broken
+
+
+def test_a_token_is_required_and_not_forwarded(stack: Stack) -> None:
+    stack.deploy("reflect", image="examples.reflect")
+    gw = stack.gateway(gateway_token="s3cret")
+    assert httpx.get(f"{gw.url}/function/reflect", timeout=30).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert httpx.get(f"{gw.url}/function/reflect", headers=wrong, timeout=30).status_code == 401
+    assert httpx.get(f"{gw.url}/metrics", timeout=30).status_code == 401
+    assert httpx.get(f"{gw.url}/healthz", timeout=30).status_code == 200
+    assert stack.creates() == 0
+    right = {"Authorization": "Bearer s3cret"}
+    answer = httpx.get(f"{gw.url}/function/reflect", headers=right, timeout=60)
+    assert answer.status_code == 200
+    assert "authorization" not in answer.json()["headers"]
+    assert httpx.get(f"{gw.url}/metrics", headers=right, timeout=30).status_code == 200
+
+
+def test_no_listening_off_loopback_without_a_token(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = stack.env.settings
+    with pytest.raises(ListenRefused, match="CORRAL_GATEWAY_TOKEN"):
+        check_listen(settings, "0.0.0.0:8080")
+    assert check_listen(settings, "0.0.0.0:8080", insecure=True) == ("0.0.0.0", 8080)
+    with_token = settings.model_copy(update={"gateway_token": "t"})
+    assert check_listen(with_token, "0.0.0.0:8080") == ("0.0.0.0", 8080)
+    assert check_listen(settings, "127.0.0.1:0") == ("127.0.0.1", 0)
+    assert check_listen(settings, "[::1]:9000") == ("::1", 9000)
+    assert main(["gateway", "--listen", "0.0.0.0:0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("corral: error: corral gateway refuses to listen on 0.0.0.0 "
+                          "without a token: set CORRAL_GATEWAY_TOKEN")
+    assert err.count("\n") == 1

@@ -1,0 +1,139 @@
+"""The gateway end to end: real HTTP, Redis broker, Celery worker, process agent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.workers.gateway.conftest import Stack
+from workers.store.models import FINAL_STATES, ReplicaState
+
+
+def _metric(text: str, line_start: str) -> float:
+    """The value of the first exposition line starting with ``line_start``."""
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric line {line_start!r} in:\n{text}")
+
+
+def test_a_function_at_zero_replicas_is_answered_by_a_cold_start(stack: Stack) -> None:
+    stack.deploy("hello", max=3)
+    gw = stack.gateway()
+    assert stack.replicas("hello") == []
+    first = httpx.get(f"{gw.url}/function/hello", timeout=60)
+    assert first.status_code == 200 and first.text == "hello from corral\n"
+    (replica,) = stack.replicas("hello")
+    assert (replica.status, replica.envs_in_use) == (ReplicaState.IDLE, 0)
+    assert stack.claims() == 0  # released before the client saw the last byte
+    second = httpx.get(f"{gw.url}/function/hello/any/path?x=1", timeout=60)
+    assert second.status_code == 200
+    assert len(stack.replicas("hello")) == 1 and stack.creates() == 1  # warm: no new replica
+
+    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    assert _metric(text, 'corral_function_invocations_total{code="200",function="hello"}') == 2
+    assert _metric(text, 'corral_cold_starts_total{function="hello"}') == 1
+    assert _metric(text, 'corral_cold_start_seconds_count{function="hello"}') == 1
+    assert _metric(text, 'corral_function_duration_seconds_count{function="hello"}') == 2
+    assert _metric(text, 'corral_inflight{function="hello"}') == 0
+    assert _metric(text, 'corral_queue_depth{function="hello"}') == 0
+
+
+def test_method_path_query_headers_and_body_are_forwarded(stack: Stack) -> None:
+    stack.deploy("reflect", image="examples.reflect")
+    gw = stack.gateway()
+    answer = httpx.request(
+        "PATCH", f"{gw.url}/function/reflect/a/b%20c?q=1&q=2&x=%2F",
+        headers={"X-Custom": "yes", "Connection": "keep-alive"}, content=b"payload", timeout=60)
+    assert answer.status_code == 200
+    seen = json.loads(answer.content)
+    assert seen["method"] == "PATCH"
+    assert seen["path"] == "/a/b%20c"
+    assert seen["query"] == "q=1&q=2&x=%2F"
+    assert seen["body"] == "payload"
+    assert seen["headers"]["x-custom"] == "yes"
+    assert seen["headers"]["x-forwarded-for"] == "127.0.0.1"
+    assert seen["headers"]["x-forwarded-host"] == gw.url.removeprefix("http://")
+    assert answer.headers["x-reflect-vmid"] == seen["vmid"] != ""
+    assert stack.claims() == 0
+
+
+def test_two_hundred_concurrent_first_requests_start_at_most_max_replicas(stack: Stack) -> None:
+    """Two gateways, one control plane: every request answered, never more than max replicas."""
+    stack.deploy("echo", image="examples.echo", max=4, exec_envs=1)
+    gateways = [stack.gateway(), stack.gateway()]
+
+    async def run() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(
+                client.post(f"{gateways[i % 2].url}/function/echo?delay=0.05",
+                            content=f"request {i}".encode())
+                for i in range(200)))
+
+    answers = asyncio.run(run())
+    refused = {a.text for a in answers if a.status_code != 200}
+    assert [a.status_code for a in answers] == [200] * 200, refused
+    assert [a.text for a in answers] == [f"request {i}" for i in range(200)]
+    assert 1 <= stack.creates() <= 4  # VMs the agent was asked for
+    made = [r for r in stack.replicas("echo") if r.status not in FINAL_STATES]
+    assert len(made) == stack.creates()
+    assert all((r.status, r.envs_in_use) == (ReplicaState.IDLE, 0) for r in made)
+    # A spawn two gateways asked for at once beyond max fails before any VM is made.
+    failed = [r for r in stack.replicas("echo") if r.id not in {m.id for m in made}]
+    assert all("max" in (r.error or "") for r in failed), [r.error for r in failed]
+    assert stack.claims() == 0
+
+
+def test_a_client_that_goes_away_releases_its_claim(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo")
+    gw = stack.gateway()
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # warm up
+    (replica,) = stack.replicas("echo")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.get(f"{gw.url}/function/echo?delay=20", timeout=1.0)  # gives up after 1 s
+    deadline = time.monotonic() + 10
+    while stack.claims() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.claims() == 0  # released long before the replica would have answered
+    (row,) = stack.replicas("echo")
+    assert (row.id, row.status, row.envs_in_use) == (replica.id, ReplicaState.IDLE, 0)
+    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    assert _metric(text, 'corral_function_invocations_total{code="499",function="echo"}') == 1
+    again = httpx.get(f"{gw.url}/function/echo", timeout=60)  # the environment serves again
+    assert again.status_code == 200 and len(stack.replicas("echo")) == 1
+
+
+def test_each_gateway_reports_its_demand_to_redis(stack: Stack) -> None:
+    import redis
+
+    from workers.autoscale import demand
+
+    stack.deploy("echo", image="examples.echo", max=2)
+    first, second = stack.gateway(), stack.gateway()
+    client = redis.Redis.from_url(stack.env.settings.broker_url)
+
+    async def load() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            await asyncio.gather(*(http.get(f"{gw.url}/function/echo?delay=1.5")
+                                   for gw in (first, second, first)))
+
+    async def busy_then_read() -> dict[str, demand.Demand]:
+        task = asyncio.ensure_future(load())
+        await asyncio.sleep(1.2)  # both gateways reported (every 0.2 s) while busy
+        seen = demand.read(client, ["echo"])
+        await task
+        return seen
+
+    seen = asyncio.run(busy_then_read())["echo"]
+    assert seen.gateways == 2
+    assert seen.inflight + seen.queued == 3  # two environments busy, one request queued
+    assert seen.concurrency > 0 and seen.last_request_at is not None
+    time.sleep(0.5)
+    after = demand.read(client, ["echo"])["echo"]
+    assert (after.inflight, after.queued, after.gateways) == (0, 0, 2)  # demand seen to fall
+    client.close()

@@ -1,0 +1,299 @@
+"""The reaper against real agents on loopback, with a controllable clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from sqlalchemy import select
+
+from agents.faults import Fault, FaultPlan
+from tasks import api
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, replicas
+from tests.workers.replicas.helpers import at_once, by_id, one_node_idle, released, spawn_idle
+from workers import clock, leases
+from workers.errors import InputError
+from workers.maintenance.reaper import LEASE, ReapReport, reap
+from workers.replicas.actions import begin_delete, begin_spawn
+from workers.replicas.claims import claim, release
+from workers.store.models import Function, Node, ReplicaState
+
+
+def _reap(env: Env, **kwargs: object) -> ReapReport:
+    return reap(env.db, env.settings, holder="test", **kwargs)  # type: ignore[arg-type]
+
+
+def _live_on_nodes(env: Env) -> int:
+    with env.db.read() as s:
+        return sum(n.live for n in s.scalars(select(Node)))
+
+
+def test_idle_past_timeout_deleted_counting_from_last_use_or_readiness(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(2)
+    deploy_fn(corral_env, idle_timeout=60)
+    a, b, c = spawn_idle(corral_env, "hello", 3)
+    clock.travel(30)
+    lent = claim(corral_env.db, corral_env.settings, "hello")
+    used = lent.replica_id
+    release(corral_env.db, corral_env.settings, lent.claim_id)  # its idle clock restarts now
+    never = {r.id: r.vmid for r in (a, b, c) if r.id != used}
+    assert len(never) == 2
+
+    clock.travel(29)  # never-used: idle 59 s, used: idle 29 s
+    assert _reap(corral_env).deleted == []
+    clock.travel(2)  # never-used: 61 s, used: 31 s
+    report = _reap(corral_env)
+    assert {d.replica_id for d in report.deleted} == set(never)
+    assert {d.reason for d in report.deleted} == {"idle"}
+    assert {d.outcome for d in report.deleted} == {"deleted"}
+    assert released(agents) == {vmid: 1 for vmid in never.values()}
+    rows = by_id(corral_env)
+    assert all(rows[rid].status == ReplicaState.DELETED for rid in never)
+    assert rows[used].status == ReplicaState.IDLE
+    assert _live_on_nodes(corral_env) == 1
+
+    clock.travel(30)  # the used one reaches 61 s idle
+    report = _reap(corral_env)
+    assert [d.replica_id for d in report.deleted] == [used]
+    assert sum(released(agents).values()) == 3
+
+
+def test_min_replicas_are_kept(corral_env: Env, start_agents: StartAgents) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env, idle_timeout=10, min=2)
+    spawn_idle(corral_env, "hello", 5)
+    clock.travel(11)
+    report = _reap(corral_env)
+    assert len(report.deleted) == 3
+    assert report.kept_for_min == {"hello": 2}
+    assert report.replace == {}  # current build: nothing to replace
+    assert _reap(corral_env).deleted == []
+    live = [r for r in replicas(corral_env) if r.status == ReplicaState.IDLE]
+    assert len(live) == 2
+    assert len(released(agents)) == 3
+
+
+def test_allocated_and_busy_replicas_are_never_reaped(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env, idle_timeout=10)
+    deploy_fn(corral_env, "duo", idle_timeout=10, exec_envs=2)
+    spawn_idle(corral_env, "hello", 2)
+    spawn_idle(corral_env, "duo", 1)
+    day = 86_400  # claims that outlive the test: none expires
+    lent = claim(corral_env.db, corral_env.settings, "hello", ttl_s=day)
+    first = lent.replica_id
+    second = claim(corral_env.db, corral_env.settings, "hello", ttl_s=day).replica_id
+    busy = claim(corral_env.db, corral_env.settings, "duo", ttl_s=day).replica_id  # 1 of 2 busy
+    clock.travel(1000)
+    assert _reap(corral_env).deleted == []
+    assert _reap(corral_env, idle_timeout=0).deleted == []
+    assert released(agents) == {}
+
+    release(corral_env.db, corral_env.settings, lent.claim_id)
+    clock.travel(11)
+    report = _reap(corral_env)
+    assert [d.replica_id for d in report.deleted] == [first]
+    rows = by_id(corral_env)
+    assert rows[second].status == ReplicaState.ALLOCATED
+    assert (rows[busy].status, rows[busy].envs_in_use) == (ReplicaState.IDLE, 1)
+
+
+def test_idle_timeout_override_uses_idle_since(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    one_node_idle(corral_env, start_agents, 2, idle_timeout=3600)
+    clock.travel(10)
+    assert _reap(corral_env).deleted == []
+    assert _reap(corral_env, idle_timeout=20).deleted == []
+    report = _reap(corral_env, idle_timeout=5)
+    assert len(report.deleted) == 2 and report.idle_timeout == 5.0
+    with pytest.raises(InputError, match="idle timeout"):
+        _reap(corral_env, idle_timeout=-1)
+
+
+def test_stale_builds_removed_and_replaced_when_at_min(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env)
+    deploy_fn(corral_env, "pinned", min=1)
+    old = spawn_idle(corral_env, "hello", 2)
+    (pinned_old,) = spawn_idle(corral_env, "pinned", 1)
+    deploy_fn(corral_env, env={"BUILD": "2"})
+    deploy_fn(corral_env, "pinned", env={"BUILD": "2"})
+
+    report = _reap(corral_env)  # no time passes: staleness alone is enough
+    assert {d.replica_id for d in report.deleted} == {r.id for r in old}
+    assert {d.reason for d in report.deleted} == {"stale"}
+    assert report.kept_for_min == {"pinned": 1}
+    assert report.replace == {"pinned": 1}
+    assert released(agents) == {r.vmid: 1 for r in old}
+
+    # Through the task: the kept stale replica gets a fresh replacement, then goes.
+    view = api.wait(api.reap(), timeout=30)
+    assert view["status"] == "succeeded", view
+    assert set(view["result"]["replacements"]) == {"pinned"}
+    fresh = [r for r in replicas(corral_env, "pinned") if r.id != pinned_old.id]
+    assert len(fresh) == 1 and fresh[0].status == ReplicaState.IDLE
+    view = api.wait(api.reap(), timeout=30)
+    assert [d["replica_id"] for d in view["result"]["deleted"]] == [pinned_old.id]
+    assert view["result"]["replacements"] == {}
+    assert by_id(corral_env)[fresh[0].id].status == ReplicaState.IDLE
+
+
+def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env)
+    deploy_fn(corral_env, "booting", readiness="guest")
+    with corral_env.db.read() as s:
+        fn_id = s.scalars(select(Function.id).where(Function.name == "hello")).one()
+    # A spawn whose worker died after writing the row: Creating, no VM.
+    pending = begin_spawn(corral_env.db, corral_env.settings, None, "req-stuck", fn_id)
+    assert pending is not None
+    # A guest that never reports READY: Starting, with a VM.
+    api.spawn("booting", 1)  # eager: ran already; its operation waits for READY
+    (booting,) = replicas(corral_env, "booting")
+    assert booting.status == ReplicaState.STARTING
+    # A delete whose worker died after marking it: Deleting, with a VM.
+    (doomed,) = spawn_idle(corral_env, "hello", 1)
+    begin_delete(corral_env.db, corral_env.settings, doomed.id)
+    assert _live_on_nodes(corral_env) == 3
+
+    clock.travel(corral_env.settings.boot_deadline_s + 1)
+    report = _reap(corral_env)
+    assert [d.replica_id for d in report.deleted] == [booting.id]
+    clock.travel(corral_env.settings.creating_deadline_s)
+    report = _reap(corral_env)
+    assert {d.replica_id: d.reason for d in report.deleted} == {
+        pending.replica_id: "stuck", doomed.id: "stuck"}
+    rows = by_id(corral_env)
+    assert rows[pending.replica_id].status == ReplicaState.DEAD
+    assert "stuck in creating" in (rows[pending.replica_id].error or "")
+    assert rows[booting.id].status == ReplicaState.DEAD
+    assert "stuck in starting" in (rows[booting.id].error or "")
+    assert rows[doomed.id].status == ReplicaState.DELETED
+    assert released(agents) == {booting.vmid: 1, doomed.vmid: 1}
+    assert _live_on_nodes(corral_env) == 0
+
+
+def test_concurrent_passes_delete_each_replica_once(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(2)
+    deploy_fn(corral_env, idle_timeout=10)
+    idle = spawn_idle(corral_env, "hello", 12)
+    agents[0].agent.inject("ReleaseVMSetup", Fault.delay(0.3))  # the winner holds the lease
+    clock.travel(11)
+    reports = at_once(4, lambda i: reap(corral_env.db, corral_env.settings, holder=f"pass-{i}"))
+    assert len(reports) == 4
+    assert sum(len(r.deleted) for r in reports) == 12
+    assert released(agents) == {r.vmid: 1 for r in idle}
+    skipped = [r for r in reports if r.skipped]
+    assert skipped, "the lease let no pass skip"
+    assert all(r.deleted == [] for r in skipped)
+    assert leases.current(corral_env.db, LEASE) is None  # released after the pass
+
+
+def test_a_held_lease_skips_the_pass_until_it_expires(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env, idle_timeout=10)
+    idle = spawn_idle(corral_env, "hello", 3)
+    assert leases.acquire(corral_env.db, LEASE, "crashed-worker", 120)
+    clock.travel(11)
+    report = _reap(corral_env)
+    assert report.skipped and report.held_by == "crashed-worker"
+    assert report.deleted == [] and released(agents) == {}
+    clock.travel(120)  # the crashed holder's lease lapses
+    report = _reap(corral_env)
+    assert not report.skipped
+    assert released(agents) == {r.vmid: 1 for r in idle}
+
+
+def test_batch_limit(corral_env: Env, start_agents: StartAgents) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env, idle_timeout=10)
+    idle = spawn_idle(corral_env, "hello", 7)
+    clock.travel(11)
+    sizes = []
+    for _ in range(3):
+        report = _reap(corral_env, batch=3)
+        sizes.append((len(report.deleted), report.more))
+    assert sizes == [(3, True), (3, True), (1, False)]
+    assert released(agents) == {r.vmid: 1 for r in idle}
+
+    corral_env.set(reap_batch=2)
+    spawn_idle(corral_env, "hello", 5)
+    clock.travel(11)
+    assert len(_reap(corral_env).deleted) == 2
+
+
+def test_release_failures(corral_env: Env, start_agents: StartAgents) -> None:
+    # One call at a time to the node, so the order of outcomes is the order of calls.
+    corral_env.set(node_max_inflight="1", node_failures="2")
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env, idle_timeout=10)
+    spawn_idle(corral_env, "hello", 5)
+    clock.travel(11)
+    agent.agent.inject("ReleaseVMSetup", *[Fault.abort(
+        grpc.StatusCode.UNAVAILABLE, "node rebooting")] * 10)
+    report = _reap(corral_env)
+    failed = [d for d in report.deleted if d.outcome == "failed"]
+    # After CORRAL_NODE_FAILURES transport failures in a row the node is not asked again
+    # in this pass: the other VMs fail with the same error, without a call.
+    assert len(agent.agent.calls_of("ReleaseVMSetup")) == 2
+    assert len(failed) == 5 and report.failed == 5
+    rows = by_id(corral_env)
+    for d in failed:
+        assert rows[d.replica_id].status == ReplicaState.DEAD
+        assert "reconcile" in (rows[d.replica_id].error or "")
+        assert "node rebooting" in (rows[d.replica_id].error or "")
+    assert _live_on_nodes(corral_env) == 0
+
+    # A VM the node no longer has counts as released; other answers as they come.
+    corral_env.set(node_max_inflight="16", node_failures="3")
+    agent.agent.faults = FaultPlan(agent.agent.METHODS)  # the node answers again
+    gone, ok = spawn_idle(corral_env, "hello", 2)
+    assert gone.vmid is not None
+    agent.driver.stop(gone.vmid)
+    clock.travel(11)
+    report = _reap(corral_env)
+    outcomes = {d.replica_id: d.outcome for d in report.deleted}
+    assert outcomes == {gone.id: "gone", ok.id: "deleted"}
+    rows = by_id(corral_env)
+    assert rows[gone.id].status == rows[ok.id].status == ReplicaState.DELETED
+
+
+def test_reap_through_the_api_records_the_report(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    one_node_idle(corral_env, start_agents, 2, idle_timeout=10)
+    clock.travel(11)
+    view = api.wait(api.reap(), timeout=30)
+    assert view["status"] == "succeeded"
+    assert view["kind"] == "reap"
+    assert view["result"]["counts"] == {"idle": 2, "stale": 0, "stuck": 0}
+    assert (view["total"], view["done"], view["failed"]) == (2, 2, 0)
+
+    corral_env.set(task_soft_time_limit_s="2")  # an asked-for pass waits 0.5 s for the lease
+    assert leases.acquire(corral_env.db, LEASE, "someone", 60)
+    started = time.monotonic()
+    view = api.wait(api.reap(idle_timeout=0), timeout=30)
+    assert time.monotonic() - started >= 0.5
+    assert view["status"] == "failed"
+    assert "another reap pass holds the lease (someone)" in view["error"]
+    # A periodic pass that ends while we wait lets the asked-for pass run.
+    threading.Timer(0.2, leases.release, (corral_env.db, LEASE, "someone")).start()
+    assert leases.acquire(corral_env.db, LEASE, "someone", 60)
+    view = api.wait(api.reap(idle_timeout=0), timeout=30)
+    assert view["status"] == "succeeded", view
+    with pytest.raises(InputError, match="idle timeout"):
+        api.reap(idle_timeout="soon")  # type: ignore[arg-type]

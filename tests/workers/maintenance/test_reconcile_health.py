@@ -1,0 +1,172 @@
+"""Reconcile (rows vs. what agents run) and node health, against real agents on loopback."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from agents.drivers import VMSpec
+from tasks import api
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, replicas
+from workers.fleet.health import check_health
+from workers.maintenance.reconcile import reconcile
+from workers.store.models import Node, ReplicaState
+
+
+def test_orphan_vm_is_destroyed_after_its_grace(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env)
+    api.wait(api.spawn("hello", 1), timeout=10)
+    orphan = agent.driver.start(VMSpec(image="examples.hello"))  # behind corral's back
+    corral_env.set(orphan_grace_s="3600")
+    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    assert report.orphans_destroyed == [] and report.orphans_waiting == 1  # too young
+    corral_env.set(orphan_grace_s="0")
+    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    assert report.orphans_destroyed == [f"node1/{orphan.vmid}"]
+    assert [vm.vmid for vm in agent.driver.list()] == [replicas(corral_env)[0].vmid]
+    assert {r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")} == {orphan.vmid}
+
+
+def test_vm_of_a_spawn_in_flight_is_not_an_orphan(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    from workers.replicas.actions import begin_spawn
+
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env)
+    corral_env.set(orphan_grace_s="0")
+    with corral_env.db.read() as s:
+        from workers.store.models import Function
+
+        fn_id = s.scalars(select(Function.id)).one()
+    pending = begin_spawn(corral_env.db, corral_env.settings, None, "req-1", fn_id)
+    assert pending is not None
+    agent.driver.start(VMSpec(image="examples.hello", request_id="req-1"))
+    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    assert report.orphans_destroyed == []
+    assert len(agent.driver.list()) == 1
+
+
+def test_vanished_vm_marks_the_row_dead_and_min_is_restored(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env, min=2)
+    api.wait(api.spawn("hello", 2), timeout=10)
+    gone = replicas(corral_env)[0]
+    assert agent.driver.stop(gone.vmid or "")  # the VM dies on the node
+    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    assert report.vanished == [gone.id]
+    assert report.top_up == {"hello": 1}
+    dead = next(r for r in replicas(corral_env) if r.id == gone.id)
+    assert dead.status == ReplicaState.DEAD and "vanished" in (dead.error or "")
+    with corral_env.db.read() as s:
+        assert s.scalars(select(Node)).one().live == 1
+
+
+def test_reconcile_task_tops_up_to_min(corral_env: Env, start_agents: StartAgents) -> None:
+    from tasks.maintenance import reconcile as reconcile_task
+
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env, min=3)
+    result = reconcile_task.delay().get()
+    assert result["top_up"] == {"hello": 3}
+    assert len(agent.driver.list()) == 3
+    assert reconcile_task.delay().get()["top_up"] == {}  # already at min
+
+
+def test_node_without_list_extension_is_skipped_once(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    import grpc
+
+    from agents.faults import Fault
+
+    (agent,) = start_agents(1)
+    agent.agent.inject("ListReplicas", Fault.abort(grpc.StatusCode.UNIMPLEMENTED, "old agent"))
+    first = reconcile(corral_env.db, corral_env.settings, holder="t")
+    assert first.nodes_unlistable == ["node1"]
+    second = reconcile(corral_env.db, corral_env.settings, holder="t")
+    assert second.nodes_unlistable == [] and second.nodes_checked == []
+    assert len(agent.agent.calls_of("ListReplicas")) == 1
+
+
+def test_only_one_reconcile_pass_at_a_time(corral_env: Env, start_agents: StartAgents) -> None:
+    from workers import leases
+
+    start_agents(1)
+    assert leases.acquire(corral_env.db, "reconcile", "other", 60)
+    assert reconcile(corral_env.db, corral_env.settings, holder="me").skipped
+    leases.release(corral_env.db, "reconcile", "other")
+    assert not reconcile(corral_env.db, corral_env.settings, holder="me").skipped
+
+
+@pytest.mark.timeout(30)
+def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
+    store_env: Env, start_agents: StartAgents
+) -> None:
+    from agents.fcdaemon import serve_fcdaemon
+
+    store_env.set(health_misses="2", node_dead_grace_s="0")
+    a, b = start_agents(2)
+    deploy_fn(store_env)
+    api.wait(api.spawn("hello", 2), timeout=10)  # one on each node
+    port = a.port
+    a.stop(grace=0)
+    first = check_health(store_env.db, store_env.settings)
+    assert first.missed == ["node1"] and first.became_unhealthy == []
+    second = check_health(store_env.db, store_env.settings)
+    assert second.became_unhealthy == ["node1"]
+    assert second.replicas_lost == 1  # grace 0: its replica is Dead at once
+    with store_env.db.read() as s:
+        nodes = {n.name: n for n in s.scalars(select(Node))}
+    assert not nodes["node1"].healthy and nodes["node1"].live == 0
+    view = api.wait(api.spawn("hello", 2), timeout=10)
+    assert view["status"] == "succeeded"
+    assert len(b.driver.list()) == 3  # placement skipped the unhealthy node
+    back = serve_fcdaemon(f"127.0.0.1:{port}")
+    try:
+        third = check_health(store_env.db, store_env.settings)
+        assert third.recovered == ["node1"]
+    finally:
+        back.stop(grace=0)
+
+
+def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgents) -> None:
+    from tasks.cli import main
+
+    a, _b = start_agents(2)
+    deploy_fn(corral_env, min=2)
+    api.wait(api.spawn("hello", 2), timeout=10)
+    assert main(["nodes", "drain", "node1"]) == 0
+    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    assert len(report.drained) == 1
+    assert a.driver.list() == []
+    # min is 2: the next pass replaces it on the other node
+    assert reconcile(corral_env.db, corral_env.settings, holder="t").top_up == {"hello": 1}
+
+
+def test_reconcile_command_reports_what_it_found(
+    corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from tasks.cli import main
+
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env, min=1)
+    corral_env.set(orphan_grace_s="0")
+    orphan = agent.driver.start(VMSpec(image="examples.hello"))
+    capsys.readouterr()
+    assert main(["reconcile", "--wait"]) == 0
+    out = capsys.readouterr().out
+    assert f"destroyed orphan node1/{orphan.vmid}" in out
+    assert "hello below its min: spawn" in out
+    assert main(["reconcile", "--wait", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["status"] == "succeeded" and view["result"]["orphans_destroyed"] == []
+    assert len(agent.driver.list()) == 1  # the orphan is gone, min 1 was spawned

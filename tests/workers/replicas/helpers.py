@@ -1,0 +1,90 @@
+"""Shared helpers for the claims and reaper tests: spawn Idle replicas, races, count RPCs."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from agents.fcdaemon import RunningAgent
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn as deploy_fn  # re-exported: tests/gateway imports it here
+from tests.helpers import replicas, spawn_ok
+from workers import leases
+from workers.replicas.claims import Claimed, NoIdleReplica, claim
+from workers.store.db import Database
+from workers.store.models import Replica, ReplicaState
+
+T = TypeVar("T")
+
+
+def one_node_idle(
+    env: Env, start_agents: StartAgents, n: int = 1, /, **fields: object
+) -> list[Replica]:
+    """One node agent, ``hello`` deployed with ``fields``, and ``n`` Idle replicas of it."""
+    start_agents(1)
+    deploy_fn(env, **fields)
+    return spawn_idle(env, "hello", n)
+
+
+def spawn_idle(env: Env, name: str, n: int) -> list[Replica]:
+    """Spawn ``n`` replicas (eager mode); returns the function's Idle replicas."""
+    spawn_ok(name, n, timeout=30)
+    return [r for r in replicas(env, name) if r.status == ReplicaState.IDLE]
+
+
+def by_id(env: Env) -> dict[str, Replica]:
+    """Every replica row by id."""
+    return {r.id: r for r in replicas(env)}
+
+
+def released(agents: Iterable[RunningAgent]) -> Counter[str]:
+    """How many ReleaseVMSetup calls each vmid got, over all agents."""
+    return Counter(
+        req.vmid for agent in agents for req in agent.agent.calls_of("ReleaseVMSetup")
+    )
+
+
+def created(agents: Iterable[RunningAgent]) -> int:
+    """How many CreateReplica calls the agents got."""
+    return sum(len(agent.agent.calls_of("CreateReplica")) for agent in agents)
+
+
+def at_once(n: int, work: Callable[[int], T], timeout: float = 30.0) -> list[T]:
+    """Run ``work(0) .. work(n - 1)`` in ``n`` threads released together; their results."""
+    barrier = threading.Barrier(n)
+    results: list[T] = []
+
+    def one(i: int) -> None:
+        barrier.wait()
+        results.append(work(i))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return results
+
+
+def claim_race(
+    env: Env, name: str, claimers: int, timeout: float = 30.0
+) -> tuple[list[Claimed], list[str]]:
+    """``claimers`` threads claim ``name`` at once; returns (claims, error messages)."""
+
+    def one(_: int) -> Claimed | str:
+        try:
+            return claim(env.db, env.settings, name)
+        except NoIdleReplica as exc:
+            return str(exc)
+
+    results = at_once(claimers, one, timeout)
+    return ([r for r in results if not isinstance(r, str)],
+            [r for r in results if isinstance(r, str)])
+
+
+def race_for_lease(db: Database, racers: int = 8) -> list[str]:
+    """Let ``racers`` threads try to take the lease ``race`` at once; returns the winners."""
+    won = at_once(racers, lambda i: f"h{i}" if leases.acquire(db, "race", f"h{i}", 60) else "")
+    return [w for w in won if w]

@@ -1,0 +1,153 @@
+"""Cold starts: a claim that finds nothing Idle asks for a replica, and waiters share spawns."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from agents.faults import Fault
+from tasks import api
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, replicas
+from tests.workers.replicas.helpers import at_once, by_id, created, one_node_idle
+from workers.replicas.claims import ClaimTimeout, NoIdleReplica
+from workers.store.models import Lease, ReplicaState
+
+
+def _claim_all(n: int, timeout: float = 20.0) -> tuple[list[dict[str, Any]], list[str]]:
+    """``n`` threads cold-start-claim ``hello`` at once."""
+
+    def one(_: int) -> dict[str, Any] | str:
+        try:
+            return api.claim("hello", cold_start_timeout=timeout)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    results = at_once(n, one, timeout + 10)
+    return ([r for r in results if not isinstance(r, str)],
+            [r for r in results if isinstance(r, str)])
+
+
+def _no_waiters_left(env: Env) -> None:
+    with env.db.read() as s:
+        names = list(s.scalars(select(Lease.name).where(Lease.name.like("cw:%"))))
+    assert names == []
+
+
+def test_cold_start_spawns_one_and_returns_it(corral_env: Env, start_agents: StartAgents) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env)
+    with pytest.raises(NoIdleReplica, match="no idle replica of hello"):
+        api.claim("hello")  # no timeout: no cold start
+    assert created(agents) == 0
+    got = api.claim("hello", cold_start_timeout=10)
+    assert created(agents) == 1
+    assert len(got["spawned"]) == 1
+    (replica,) = replicas(corral_env, "hello")
+    assert got["replica_id"] == replica.id and got["address"] == replica.address
+    assert (replica.status, replica.envs_in_use) == (ReplicaState.ALLOCATED, 1)
+    _no_waiters_left(corral_env)
+
+
+def test_four_cold_starts_of_two_env_replicas_share_spawns(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env, exec_envs=2)
+    got, errors = _claim_all(4)
+    assert errors == []
+    assert len(got) == 4
+    # Four environments at two per replica: two spawns, each replica serving two claims.
+    assert created(agents) == 2
+    assert sorted(Counter(g["replica_id"] for g in got).values()) == [2, 2]
+    assert sum(len(g["spawned"]) for g in got) == 2
+    rows = by_id(corral_env)
+    assert all(rows[g["replica_id"]].status == ReplicaState.ALLOCATED for g in got)
+    _no_waiters_left(corral_env)
+
+
+def test_cold_starts_count_a_spawn_already_in_flight(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env)
+    agent.agent.inject("CreateReplica", Fault.delay(1.5))  # someone's slow spawn
+    background = threading.Thread(target=lambda: api.spawn("hello", 1))
+    background.start()
+    deadline = time.monotonic() + 5
+    while not replicas(corral_env, "hello") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.status for r in replicas(corral_env, "hello")] == [ReplicaState.CREATING]
+
+    got, errors = _claim_all(4)
+    background.join(10)
+    assert errors == []
+    assert len({g["replica_id"] for g in got}) == 4
+    # Four claimers, one replica already coming: they asked for three, not four.
+    assert sum(len(g["spawned"]) for g in got) == 3
+    assert created([agent]) == 4
+    _no_waiters_left(corral_env)
+
+
+def test_four_single_env_cold_starts_spawn_at_most_four(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(2)
+    deploy_fn(corral_env)
+    got, errors = _claim_all(4)
+    assert errors == []
+    assert len({g["replica_id"] for g in got}) == 4
+    assert created(agents) <= 4
+    assert created(agents) == sum(len(g["spawned"]) for g in got)
+
+
+def test_cold_start_above_max_is_refused_clearly(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    one_node_idle(corral_env, start_agents, max=1)
+    api.claim("hello")
+    with pytest.raises(NoIdleReplica, match=r"cold start was refused: .*above its max of 1"):
+        api.claim("hello", cold_start_timeout=5)
+    with corral_env.db.read() as s:
+        assert list(s.scalars(select(Lease.name))) == []  # no waiter, no spawn row left
+
+
+def test_cold_start_times_out_without_spawning_per_poll(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env, readiness="guest")  # no guest will ever say READY here
+    started = time.monotonic()
+    with pytest.raises(ClaimTimeout, match=r"no ready replica of hello after 0\.6s"):
+        api.claim("hello", cold_start_timeout=0.6)
+    assert 0.6 <= time.monotonic() - started < 5
+    assert created(agents) == 1  # one spawn, however many polls
+    _no_waiters_left(corral_env)
+
+
+def test_spawn_decisions_count_waiters_and_spawns_in_flight(corral_env: Env) -> None:
+    from workers.replicas import claims
+
+    deploy_fn(corral_env, exec_envs=2)
+    db, settings = corral_env.db, corral_env.settings
+    w1 = claims.join_waiters(db, "hello", 30)
+    first = claims.plan_cold_start(db, settings, w1)
+    assert (first.waiters, first.in_flight) == (1, 0) and first.spawn is not None
+    w2 = claims.join_waiters(db, "hello", 30)
+    # w1's spawn (two environments) is being asked for: enough for both waiters.
+    assert claims.plan_cold_start(db, settings, w2).spawn is None
+    w3 = claims.join_waiters(db, "hello", 30)
+    third = claims.plan_cold_start(db, settings, w3)
+    assert (third.waiters, third.in_flight) == (3, 2) and third.spawn is not None
+    # w1 dies before asking: its spawn no longer counts (w3's covers the two left).
+    claims.leave_waiters(db, w1)
+    second = claims.plan_cold_start(db, settings, w2)
+    assert (second.waiters, second.in_flight) == (2, 2) and second.spawn is None
+    claims.drop_spawn(db, third.spawn)  # w3's spawn was refused: now w2 must ask
+    again = claims.plan_cold_start(db, settings, w2)
+    assert (again.waiters, again.in_flight) == (2, 0) and again.spawn is not None

@@ -1,0 +1,149 @@
+"""Secrets stay secret: no password from a URL in errors, no agent-echoed secret stored,
+AWS keys without argv, and a stack file trusted only if it is ours."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from sqlalchemy import select
+
+from agents.faults import Fault
+from agents.fcdaemon import serve_fcdaemon
+from config.settings import load_settings
+from tasks import api
+from tasks.cli import main
+from tests.fixtures import Env
+from workers.fleet.nodes import upsert_node
+from workers.functions import deploy, spec_from
+from workers.store.models import Function, Node, Operation, Replica
+
+ROOT = Path(__file__).resolve().parents[2]
+PASSWORD = "hunter2pw-Secret"
+AWS_ID = "AKIAEXAMPLEKEY000001"
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
+
+
+@pytest.mark.parametrize("variable, url", [
+    ("CORRAL_DATABASE_URL", f"postgres://bob:{PASSWORD}@127.0.0.1:1/corral"),
+    ("CORRAL_DATABASE_URL", f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:1/corral"),
+    ("CORRAL_DATABASE_URL", f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:notaport/corral"),
+    ("CORRAL_BROKER_URL", f"amqp://bob:{PASSWORD}@127.0.0.1:1/"),
+])
+def test_a_bad_url_with_a_password_never_prints_it(
+    tmp_path: Path, variable: str, url: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    env.update({variable: url, "CORRAL_STATE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)})
+    for argv in (["functions", "list"], ["db", "check"]):
+        done = subprocess.run([sys.executable, "-m", "tasks.cli", *argv], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0
+        assert PASSWORD not in done.stdout + done.stderr, done.stderr
+
+
+def test_agent_error_text_is_redacted_before_it_is_stored(corral_env: Env) -> None:
+    agent = serve_fcdaemon("127.0.0.1:0", require_token="agent-t0ken-value")
+    corral_env.set(agent_token="agent-t0ken-value", retry_max="0")
+    try:
+        with corral_env.db.transaction() as s:
+            upsert_node(s, agent.address, name="n1")
+            deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k",
+                                aws_access_key_id=AWS_ID, aws_secret_access_key=AWS_SECRET),
+                   corral_env.settings)
+        # a hostile or careless agent echoes what it was sent
+        agent.agent.inject("CreateReplica", Fault.abort(
+            grpc.StatusCode.INTERNAL,
+            f"bad creds {AWS_ID}/{AWS_SECRET} with Bearer agent-t0ken-value, "
+            f"db postgresql://u:{PASSWORD}@db/x password={PASSWORD}"))
+        view = api.wait(api.spawn("hello", 1), timeout=30)
+        assert view["status"] == "failed" and "bad creds" in view["error"]
+        with corral_env.db.read() as s:
+            stored = [str(v) for v in (
+                *[(o.error, o.result) for o in s.scalars(select(Operation))],
+                *[r.error for r in s.scalars(select(Replica))],
+                *[n.last_error for n in s.scalars(select(Node))],
+            )]
+        text = " ".join(stored)
+        assert "bad creds" in text
+        for secret in (AWS_ID, AWS_SECRET, "agent-t0ken-value", PASSWORD):
+            assert secret not in text, text
+    finally:
+        agent.stop(grace=0)
+
+
+def test_aws_keys_from_a_file_or_the_environment(
+    corral_env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    secret_file = tmp_path / "aws-secret"
+    secret_file.write_text(AWS_SECRET + "\n")
+    assert main(["functions", "deploy", "f1", "--image", "examples.hello", "--kernel", "/k",
+                 "--aws-access-key-id", AWS_ID,
+                 "--aws-secret-access-key-file", str(secret_file)]) == 0
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", AWS_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET + "2")
+    assert main(["functions", "deploy", "f2", "--image", "examples.hello", "--kernel", "/k",
+                 "--aws-keys-from-env"]) == 0
+    assert main(["functions", "deploy", "f3", "--image", "examples.hello", "--kernel", "/k",
+                 "--aws-secret-access-key-file", str(tmp_path / "missing")]) == 1
+    out = capsys.readouterr()
+    assert AWS_SECRET not in out.out + out.err
+    with corral_env.db.read() as s:
+        keys = {f.name: (f.aws_access_key_id, f.aws_secret_access_key)
+                for f in s.scalars(select(Function))}
+    assert keys == {"f1": (AWS_ID, AWS_SECRET), "f2": (AWS_ID, AWS_SECRET + "2")}
+
+
+def test_the_stack_file_is_trusted_only_if_ours_and_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in list(os.environ):
+        if key.startswith("CORRAL_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("CORRAL_STATE_DIR", str(tmp_path))
+    planted = f"sqlite:///{tmp_path / 'planted.sqlite'}"
+    stack = tmp_path / "stack.json"
+    stack.write_text(json.dumps({"pid": os.getpid(), "settings": {"database_url": planted}}))
+    stack.chmod(0o600)
+    assert load_settings().database_url == planted
+    for mode in (0o666, 0o620, 0o602):
+        stack.chmod(mode)
+        assert load_settings().database_url != planted, oct(mode)
+    if os.getuid() == 0:  # root can hand the file to someone else
+        stack.chmod(0o600)
+        os.chown(stack, 65534, 65534)
+        assert load_settings().database_url != planted
+
+
+def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    from protos import fcdaemon_pb2
+    from workers.backends.fcdaemon import AgentClient, TlsFiles
+    from workers.backends.lambdo import LambdoClient
+    from workers.errors import BackendError
+
+    caplog.set_level(logging.WARNING, logger="workers.untrusted")
+    AgentClient("127.0.0.1:1", token="t", shared=False).close()  # loopback: fine
+    LambdoClient("http://127.0.0.1:1", token="t")
+    assert caplog.text == ""
+    (tmp_path / "ca.pem").write_text("")
+    AgentClient("192.0.2.10:50051", token="t", shared=False,
+                tls=TlsFiles(tmp_path / "ca.pem")).close()  # TLS: fine
+    assert caplog.text == ""
+    plain = AgentClient("192.0.2.11:50051", token="t", shared=False, timeout_s=0.2,
+                        create_timeout_s=0.2)
+    LambdoClient("http://192.0.2.12:3000", token="t")
+    with pytest.raises(BackendError):  # TEST-NET: nothing answers
+        plain.create_replica(fcdaemon_pb2.CreateRequest(imageName="i", awsSecretAccessKey="s"))
+    plain.close()
+    for what, host in (("the agent token", "192.0.2.11"), ("AWS keys", "192.0.2.11"),
+                       ("the Lambdo token", "192.0.2.12")):
+        assert f"{what} travel(s) in plain text to {host}" in caplog.text

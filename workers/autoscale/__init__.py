@@ -1,0 +1,1 @@
+"""The autoscaler: the demand gateways report, the decision, and the pass on beat."""

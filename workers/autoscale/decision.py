@@ -1,0 +1,201 @@
+"""The autoscaler's decision: from a function's demand over time to a replica target.
+
+Pure and typed: no store, no Redis, no clock. :func:`decide` takes a function's
+facts (:class:`Facts`, from the store), its window state (:class:`Window`, kept
+between passes) and this pass's observation (:class:`Observation`, from the
+gateways' demand, :mod:`workers.autoscale.demand`), and returns the target to set and the
+new window state. :mod:`workers.autoscale.passes` does the I/O around it.
+
+The model (Knative's, with corral's units)
+------------------------------------------
+* **Observed demand** is the requests in flight plus those queued for an
+  execution environment, summed over every gateway (their time-weighted
+  ``concurrency``). One replica serves ``exec_envs`` requests at once and is
+  meant to run at ``target_utilization`` (0.7) of that, so the demand of one
+  sample asks for ``ceil(demand / (exec_envs x 0.7))`` replicas.
+* **Stable window** (60 s): the target is the *largest* such count over the
+  samples of the last ``stable_window_s``. A rise shows at once (the newest
+  sample is in the window), a fall only after the whole window has seen less:
+  scale-up is immediate, scale-down waits out the window (Knative's
+  scale-down delay).
+* **Scale-up rate**: one pass raises the target to at most
+  ``max_scale_up_rate`` x the ready replicas (at least 1 counted), never lower
+  than the current target: a burst cannot ask for a thousand VMs off one sample.
+* **Panic mode**: the *panic window* (6 s) averages the recent samples; when
+  that asks for at least ``panic_threshold`` (2) x the ready replicas, the
+  function panics. While panicking the target never goes down; panic ends once a
+  whole stable window has passed without crossing the threshold again.
+* **Bounds**: the result is clamped to ``[floor, max]``. The floor is the
+  function's min, raised to 1 unless the function may go to zero: it has a
+  ``scale_to_zero_after_s`` and no request arrived in that long (the newest
+  request at any gateway, or since the autoscaler first saw it if none ever
+  did). Demand still in flight keeps the stable window above zero, so a long
+  request is never scaled away under.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# A demand within this of a whole number of replicas does not ask for one more
+# (0.7 x 3 envs is 2.0999999999999996 in floating point).
+EPSILON = 1e-9
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The autoscaler's knobs (``CORRAL_AUTOSCALE_*``)."""
+
+    target_utilization: float = 0.7
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
+    panic_threshold: float = 2.0
+    max_scale_up_rate: float = 10.0
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Policy:
+        """The policy of a :class:`config.settings.Settings`."""
+        return cls(
+            target_utilization=settings.autoscale_target_utilization,
+            stable_window_s=settings.autoscale_stable_window_s,
+            panic_window_s=settings.autoscale_panic_window_s,
+            panic_threshold=settings.autoscale_panic_threshold,
+            max_scale_up_rate=settings.autoscale_max_scale_up_rate,
+        )
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the store says about one function now."""
+
+    min_replicas: int
+    max_replicas: int
+    exec_envs: int  # requests one replica serves at once
+    ready: int  # replicas Idle or Allocated
+    target: int  # the target now (the last scale's, or the replica count if never scaled)
+    scale_to_zero_after_s: float | None = None
+    counted: int | None = None  # replicas Creating, Starting, Idle or Allocated (None: target)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One pass's reading of the gateways' demand for one function."""
+
+    at: float  # epoch seconds
+    demand: float  # in flight + queued, summed over gateways
+    last_request_at: float | None = None  # newest request at any gateway, epoch seconds
+
+
+@dataclass
+class Window:
+    """A function's state between passes: recent samples and panic mode."""
+
+    samples: list[tuple[float, float]] = field(default_factory=list)  # (at, demand), oldest first
+    panic_since: float | None = None  # when the threshold was last crossed, while panicking
+    first_seen: float | None = None  # the first pass that saw this function
+
+    def to_json(self) -> str:
+        """The state as a JSON document (kept in Redis between passes)."""
+        return json.dumps({"samples": self.samples, "panic_since": self.panic_since,
+                           "first_seen": self.first_seen})
+
+    @classmethod
+    def from_json(cls, raw: str | bytes | None) -> Window:
+        """A state read back; missing or malformed data is a fresh window."""
+        if not raw:
+            return cls()
+        try:
+            data = json.loads(raw)
+            samples = [(float(a), float(d)) for a, d in data.get("samples", [])]
+            panic = data.get("panic_since")
+            first = data.get("first_seen")
+            return cls(samples, None if panic is None else float(panic),
+                       None if first is None else float(first))
+        except (ValueError, TypeError, AttributeError):
+            return cls()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one pass decided for one function, and why."""
+
+    desired: int  # the target to hold
+    stable: int  # replicas the stable window asks for (max over its samples)
+    panic: int  # replicas the panic window asks for (its mean)
+    panicking: bool
+    floor: int  # the lower bound applied (min, 1, or 0 when allowed to go to zero)
+    capped: bool  # the scale-up rate limited the rise
+
+    def as_dict(self) -> dict[str, Any]:
+        """The decision as plain data (task results, logs)."""
+        return {"desired": self.desired, "stable": self.stable, "panic": self.panic,
+                "panicking": self.panicking, "floor": self.floor, "capped": self.capped}
+
+
+def replicas_for(demand: float, exec_envs: int, utilization: float) -> int:
+    """Replicas that serve ``demand`` concurrent requests at the target utilization."""
+    if demand <= 0:
+        return 0
+    return max(0, math.ceil(demand / (max(1, exec_envs) * utilization) - EPSILON))
+
+
+def decide(policy: Policy, facts: Facts, window: Window, obs: Observation) -> tuple[
+        Decision, Window]:
+    """The target for this pass and the window state to keep for the next."""
+    now = obs.at
+    horizon = now - policy.stable_window_s
+    samples = [(a, d) for a, d in window.samples if horizon < a <= now]
+    samples.append((now, max(0.0, obs.demand)))
+    first_seen = window.first_seen if window.first_seen is not None else now
+
+    def need(demand: float) -> int:
+        return replicas_for(demand, facts.exec_envs, policy.target_utilization)
+
+    stable = max(need(d) for _, d in samples)
+    recent = [d for a, d in samples if a > now - policy.panic_window_s]
+    panic = need(sum(recent) / len(recent))
+    ready = max(1, facts.ready)
+
+    panic_since = window.panic_since
+    if panic >= policy.panic_threshold * ready:
+        panic_since = now  # enter panic, or stay in it
+    elif panic_since is not None and now - panic_since >= policy.stable_window_s:
+        panic_since = None  # a whole stable window without crossing: calm again
+    panicking = panic_since is not None
+
+    desired = max(stable, panic)
+    if panicking:
+        desired = max(desired, facts.target)  # never scale down in panic
+    capped = False
+    if desired > facts.target:
+        ceiling = max(facts.target, math.ceil(ready * policy.max_scale_up_rate))
+        if desired > ceiling:
+            desired, capped = ceiling, True
+
+    floor = floor_for(facts, first_seen, obs)
+    desired = max(floor, min(desired, facts.max_replicas))
+    decision = Decision(desired, stable, panic, panicking, floor, capped)
+    return decision, Window(samples, panic_since, first_seen)
+
+
+def floor_for(facts: Facts, first_seen: float, obs: Observation) -> int:
+    """The least replicas to keep: min, raised to 1 unless the function may be at zero now."""
+    floor = facts.min_replicas
+    after = facts.scale_to_zero_after_s
+    quiet_since = obs.last_request_at if obs.last_request_at is not None else first_seen
+    may_be_zero = after is not None and obs.at - quiet_since >= after
+    if not may_be_zero:
+        floor = max(floor, 1)
+    return min(floor, facts.max_replicas)
+
+
+def should_scale(decision: Decision, facts: Facts, scale_open: bool) -> bool:
+    """Whether to ask for a scale: no scale of the function is open, and the target moves
+    or fewer replicas exist than it (the reaper took some, spawns failed)."""
+    if scale_open:
+        return False
+    counted = facts.target if facts.counted is None else facts.counted
+    return decision.desired != facts.target or decision.desired > counted

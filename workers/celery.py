@@ -1,0 +1,226 @@
+"""The Celery app (``celery -A workers ...``) and the base class of corral's tasks.
+
+:func:`create_app` builds the app from settings; the module-level :data:`app` is
+the one workers, beat and Flower load. :class:`CorralTask` gives each task the
+process's settings and :class:`~workers.store.Database`, validates a message's
+arguments against the task's signature before running it (a hand-written message
+with a missing or mistyped argument fails with a one-line reason and marks its
+operation failed, without disturbing the worker), and turns :class:`InputError`
+into a failed operation instead of a retry.
+
+No exception leaves a task's operation open: besides a Celery retry (or
+ignore / reject), any exception the task raises ends its operation (the task's
+``op_id`` argument) ``failed``, with the task's name, the error's type and its
+first line - SQL parameters and secret-looking values removed - as the reason,
+so ``wait`` returns at once and ``corral ops`` shows the cause. The exception
+is then re-raised for Celery to log. A transient database error
+(:func:`~workers.store.db.is_transient`: a deadlock, serialization failure,
+lock or statement timeout, lost connection, server shutdown) is first retried
+with :meth:`CorralTask.backoff` within the task's retry budget
+(``CORRAL_RETRY_MAX``), the whole task again: tasks are idempotent and the
+failed transaction was rolled back.
+
+``CORRAL_FAULT_RAISE_IN`` (test-only, empty by default) names tasks (comma
+separated) that raise :class:`FaultInjected` before running: how the tests make
+a task fail unexpectedly in a real worker.
+
+Per-process resources - the database engine, gRPC channels and the HTTP client -
+are dropped in ``worker_process_init`` so each prefork child makes its own; a
+worker refuses to start on an un-migrated database.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import random
+import threading
+from typing import Any
+
+from celery import Celery, Task, signals
+from celery.exceptions import TaskPredicate
+
+from config.celery import celery_config
+from config.settings import Settings, get_settings
+from workers import broker
+from workers.errors import InputError
+from workers.store.db import Database, get_database, is_transient
+
+log = logging.getLogger(__name__)
+
+TASK_MODULES = ["tasks.replicas", "tasks.maintenance", "tasks.hogs"]
+
+
+class CorralTask(Task):  # type: ignore[misc]
+    """Base task: settings, database, argument checks, input errors as failed operations."""
+
+    abstract = True
+    acks_late = True
+
+    @property
+    def settings(self) -> Settings:
+        """This process's settings."""
+        return get_settings()
+
+    @property
+    def db(self) -> Database:
+        """This process's database."""
+        return get_database(self.settings.database_url)
+
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.signature(self.run)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the task after checking its arguments; bad input fails the operation."""
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            return self._reject(kwargs.get("op_id") or (args[0] if args else None), str(exc))
+        for name, value in bound.arguments.items():
+            expected = self.run.__annotations__.get(name)
+            if not _matches(value, expected):
+                return self._reject(
+                    bound.arguments.get("op_id"),
+                    f"argument {name!r} must be {expected}, got {type(value).__name__}",
+                )
+        op_id = bound.arguments.get("op_id")
+        try:
+            inject_fault(self.settings, self.name)
+            return super().__call__(*args, **kwargs)
+        except InputError as exc:
+            return self._reject(op_id, str(exc))
+        except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
+            raise
+        except Exception as exc:
+            if is_transient(exc):  # deadlock, lock timeout, connection lost...: run it again
+                self.retry_within_budget("hit a transient database error", exc)
+            self._fail(op_id, exc)
+            raise
+
+    def _fail(self, op_id: Any, exc: Exception) -> None:
+        """End the operation of a task that raised: failed, with the redacted error."""
+        from workers.operations import describe_error
+
+        message = f"{self.name}: {describe_error(exc)}"
+        log.error("task %s failed: %s", self.request.id, message)
+        if not isinstance(op_id, str):
+            return
+        from workers.operations import fail_op
+
+        try:
+            fail_op(self.db, op_id, message)
+        except Exception as failed:  # the store itself is down: redrive gives up later
+            log.error("could not mark operation %s failed: %s", op_id, describe_error(failed))
+
+    def _reject(self, op_id: Any, reason: str) -> dict[str, Any]:
+        message = f"{self.name}: {reason}"
+        log.error("rejected task %s: %s", self.request.id, message)
+        if isinstance(op_id, str):
+            from workers.operations import fail_op
+
+            try:
+                fail_op(self.db, op_id, message)
+            except Exception:  # the op id itself may be junk
+                log.exception("could not mark operation %r failed", op_id)
+        return {"error": message}
+
+    def retry_within_budget(self, what: str, exc: Exception | None = None) -> None:
+        """Retry this task after :meth:`backoff` unless ``CORRAL_RETRY_MAX`` retries are spent.
+
+        Raises Celery's ``Retry`` while retries remain; returns when they are spent,
+        so the caller goes on to record the failure.
+        """
+        retries, most = self.request.retries, self.settings.retry_max
+        if retries < most:
+            log.warning("%s %s: %s; retry %d of %d", self.name, what, exc or "retrying",
+                        retries + 1, most)
+            raise self.retry(exc=exc, countdown=self.backoff(), max_retries=most) from None
+
+    def backoff(self) -> float:
+        """Seconds before the next retry: exponential, capped, with full jitter."""
+        s = self.settings
+        ceiling = min(s.retry_backoff_max_s, s.retry_backoff_s * (2**self.request.retries))
+        return random.uniform(ceiling / 2, ceiling)
+
+
+class FaultInjected(RuntimeError):
+    """The test-only fault hook fired (``CORRAL_FAULT_RAISE_IN``)."""
+
+
+def inject_fault(settings: Settings, task_name: str) -> None:
+    """Raise :class:`FaultInjected` if ``CORRAL_FAULT_RAISE_IN`` names this task (tests only)."""
+    if settings.fault_raise_in and task_name in settings.fault_raise_in.split(","):
+        raise FaultInjected(f"fault injected in {task_name} (CORRAL_FAULT_RAISE_IN)")
+
+
+_SIMPLE: dict[str, type | tuple[type, ...]] = {
+    "str": str, "int": int, "float": (int, float), "bool": bool,
+}
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether a JSON-decoded argument fits a simple annotation (``str``, ``int | None``...)."""
+    if annotation is None or annotation is inspect.Parameter.empty:
+        return True
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    options = [t.strip() for t in str(text).split("|")]
+    for option in options:
+        if option == "None" and value is None:
+            return True
+        kind = _SIMPLE.get(option)
+        if kind is None:
+            return True  # not a simple type: trust the task
+        if isinstance(value, kind) and not (option == "int" and isinstance(value, bool)):
+            return True
+    return False
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    """A Celery app configured from ``settings`` (the process's by default)."""
+    settings = settings or get_settings()
+    broker.install()
+    celery = Celery("corral", task_cls=CorralTask)
+    celery.conf.update(celery_config(settings))
+    celery.conf.include = TASK_MODULES
+    return celery
+
+
+def configure(settings: Settings) -> None:
+    """Re-apply settings to the shared app (tests, ``corral up``).
+
+    Connection and producer pools and the result backend were built from the old
+    settings, so they are dropped and rebuilt on next use.
+    """
+    app._pool = None
+    if "amqp" in app.__dict__:
+        app.amqp._producer_pool = None
+    app._local = threading.local()  # the result backend is cached per thread
+    app.conf.update(celery_config(settings))
+
+
+app = create_app()
+
+
+@signals.worker_process_init.connect
+def _fresh_resources(**_: Any) -> None:
+    """Drop resources inherited from the parent: each pool process makes its own."""
+    from workers.backends.fcdaemon import reset_channels
+    from workers.backends.lambdo import reset_client
+
+    get_database(get_settings().database_url).dispose()
+    reset_channels()
+    reset_client()
+
+
+@signals.worker_init.connect
+def _check_schema(**_: Any) -> None:
+    """Refuse to start a worker on a database that is not migrated."""
+    from workers.store.migrate import SchemaError, check_schema
+
+    try:
+        check_schema(get_database(get_settings().database_url))
+    except SchemaError as exc:
+        log.critical("%s", exc)
+        raise SystemExit(f"corral worker: {exc}") from None

@@ -1,0 +1,1 @@
+"""Fleet: nodes, their health, and where replicas are placed on them and their GPUs."""

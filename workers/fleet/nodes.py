@@ -1,0 +1,196 @@
+"""Nodes: adding, listing, removing and draining node agents and Lambdo hosts.
+
+A node is either added by an operator (``corral nodes add``) or announces itself
+through the registry's ``RegisterNode``; both paths end in :func:`upsert_node`,
+idempotent by name (operator) or by the agent's ``node_id`` (registry).
+
+Placement learns from creates (:func:`note_creates`, called by the spawn path in
+the transaction that records a batch's results): a create that failed - a
+permanent answer, or a transport error after its retries - counts against its
+node, a success resets the count. After ``CORRAL_NODE_FAILURES`` failures in a row
+the node is quarantined for ``CORRAL_NODE_QUARANTINE_S``, a back-off that doubles
+(up to ``CORRAL_NODE_QUARANTINE_MAX_S``) each time it fails again after a
+quarantine; placement skips it meanwhile and ``nodes list`` says why. A node that
+never created a VM, or whose last creates failed, is on probation: a batch sends
+it only as many calls as it may still fail until one succeeds (:func:`probation`).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from config.settings import Settings
+from workers.clock import iso, now
+from workers.errors import InputError
+from workers.functions import check_name
+from workers.store.models import Node, Replica
+from workers.store.rows import delete_unlinking_replicas, one_or_not_found
+
+KINDS = ("fcdaemon", "lambdo")
+DEFAULT_AGENT_PORT = 50051
+HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?$")
+URL_RE = re.compile(r"^https?://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?/?$")
+
+
+def normalize_address(address: str, kind: str) -> str:
+    """A node address in canonical form (``host:port`` for agents, a URL for Lambdo)."""
+    if kind not in KINDS:
+        raise InputError(f"unknown node kind {kind!r}; use one of {', '.join(KINDS)}")
+    address = address.strip()
+    if kind == "lambdo":
+        m = URL_RE.match(address)
+        if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
+            raise InputError(f"invalid Lambdo host address {address!r}: expected http://HOST:PORT")
+        return address.rstrip("/")
+    m = HOSTPORT_RE.match(address)
+    if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
+        raise InputError(f"invalid agent address {address!r}: expected HOST:PORT")
+    return address if m.group(3) else f"{address}:{DEFAULT_AGENT_PORT}"
+
+
+def default_name(address: str) -> str:
+    """A node name derived from its address."""
+    bare = address.split("://", 1)[-1]
+    name = re.sub(r"[^a-z0-9]+", "-", bare.lower()).strip("-")
+    return name[:63].strip("-") or "node"
+
+
+def upsert_node(
+    session: Session,
+    address: str,
+    *,
+    name: str | None = None,
+    kind: str = "fcdaemon",
+    capacity: int | None = None,
+    external_id: str | None = None,
+    default_capacity: int = 64,
+) -> tuple[Node, bool]:
+    """Add a node or refresh the one with the same name / node_id; returns (node, created)."""
+    address = normalize_address(address, kind)
+    name = check_name(name or default_name(address), "node")
+    if capacity is not None and (capacity < 0 or capacity > 100_000):
+        raise InputError(f"capacity must be between 0 and 100000, got {capacity}")
+    node = None
+    if external_id:
+        node = session.scalars(
+            select(Node).where(Node.external_id == external_id).with_for_update()
+        ).first()
+    if node is None:
+        node = session.scalars(select(Node).where(Node.name == name).with_for_update()).first()
+    created = node is None
+    if node is None:
+        node = Node(name=name, kind=kind, address=address, live=0)
+        session.add(node)
+    elif node.kind != kind:
+        raise InputError(f"node {name!r} is a {node.kind} node, not {kind}")
+    node.address = address
+    if external_id:
+        node.external_id = external_id
+    if capacity is not None:
+        node.capacity = capacity
+    elif created:
+        node.capacity = default_capacity
+    node.healthy = True
+    node.misses = 0
+    node.unhealthy_since = None
+    node.last_seen_at = now()
+    session.flush()
+    return node, created
+
+
+def get_node(session: Session, name: str) -> Node:
+    """The node called ``name``, or :class:`NotFound`."""
+    check_name(name, "node")
+    return one_or_not_found(session, select(Node).where(Node.name == name), f"node {name!r}")
+
+
+def remove_node(session: Session, name: str) -> None:
+    """Remove a node that runs no replicas."""
+    node = get_node(session, name)
+    if node.live:
+        raise InputError(
+            f"node {name!r} still runs {node.live} replica(s): drain it (`corral nodes drain "
+            f"{name}`) and wait, or delete them first"
+        )
+    delete_unlinking_replicas(session, node, Replica.node_id)
+
+
+def probation(node: Node, settings: Settings) -> int | None:
+    """Creates a batch may send ``node`` before one succeeds (None: not on probation).
+
+    A node that never created a VM, or whose last creates failed, gets only as many
+    as it may still fail before quarantine (at least one).
+    """
+    if node.last_create_ok_at is not None and node.create_failures == 0:
+        return None
+    return max(1, settings.node_failures - node.create_failures)
+
+
+def note_creates(
+    session: Session, settings: Settings, node_id: str, outcomes: list[str | None]
+) -> str | None:
+    """Record a batch's creates on one node (None: success, else the error), in order.
+
+    Returns why the node was quarantined, if these outcomes quarantined it.
+    """
+    node = session.get(Node, node_id, with_for_update=True, populate_existing=True)
+    if node is None or not outcomes:
+        return None
+    at = now()
+    streak = node.create_failures
+    for error in outcomes:
+        streak = 0 if error is None else streak + 1
+    node.create_failures = streak
+    if any(error is None for error in outcomes):
+        node.last_create_ok_at = at
+    if streak == 0:
+        node.quarantine_s = None
+        node.quarantined_until = None
+        return None
+    last = next(error for error in reversed(outcomes) if error is not None)
+    node.last_error = last[:1000]
+    if streak < settings.node_failures or (
+        node.quarantined_until is not None and node.quarantined_until > at
+    ):
+        return None
+    backoff = settings.node_quarantine_s if node.quarantine_s is None else min(
+        settings.node_quarantine_max_s, node.quarantine_s * 2)
+    node.quarantine_s = backoff
+    node.quarantined_until = at + timedelta(seconds=backoff)
+    why = f"quarantined for {backoff:g}s after {streak} failed creates in a row: {last}"
+    node.last_error = why[:1000]
+    return why
+
+
+def quarantine_view(node: Node) -> str | None:
+    """Why placement skips ``node`` now (its quarantine), or None."""
+    if node.quarantined_until is None or node.quarantined_until <= now():
+        return None
+    left = (node.quarantined_until - now()).total_seconds()
+    return f"{left:.0f}s left of {node.quarantine_s or 0:g}s, {node.create_failures} failures"
+
+
+def node_view(node: Node) -> dict[str, Any]:
+    """A node as the CLI and API show it."""
+    return {
+        "id": node.id,
+        "name": node.name,
+        "kind": node.kind,
+        "address": node.address,
+        "capacity": node.capacity,
+        "live": node.live,
+        "healthy": node.healthy,
+        "draining": node.draining,
+        "misses": node.misses,
+        "last_seen_at": iso(node.last_seen_at),
+        "last_error": node.last_error,
+        "create_failures": node.create_failures,
+        "quarantined": quarantine_view(node),
+        "quarantined_until": iso(node.quarantined_until),
+        "node_id": node.external_id,
+    }

@@ -1,0 +1,224 @@
+"""Where a new replica goes: a node chosen by policy, and a GPU chosen by fit.
+
+Choosing and reserving are one step. A policy proposes a candidate with an
+indexed query, and the reservation is a conditional UPDATE
+(``live < capacity AND healthy AND NOT draining AND not quarantined`` for nodes,
+``mem_free_mb >= need AND slots_free >= 1`` for GPUs) in the transaction that
+writes the replica row. If a concurrent worker took the last slot first, the
+UPDATE matches nothing and the next candidate is tried, so capacity holds under
+any number of workers; CHECK constraints on the counters back this up.
+
+Node policies: ``loadbalance`` (fewest live replicas), ``pack`` (fullest node
+that still fits), ``roundrobin`` (next node by name after the function's last,
+read and written under the function's row lock so concurrent spawns take turns),
+``random``, and ``spread`` (the caller pins one replica to every healthy node;
+here it behaves like loadbalance). GPU fit: ``best`` (least free memory that
+still fits) or ``first`` (first GPU in recording order that fits).
+
+A node whose creates keep failing is quarantined for a while
+(:func:`workers.fleet.nodes.note_creates`); placement skips it until the quarantine
+ends, and a replica moved off a failing node names that node in ``avoid``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import ColumnElement, CursorResult, bindparam, func, or_, select, update
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+
+from workers.clock import now
+from workers.errors import CapacityError
+from workers.store.models import Function, Gpu, Node, Replica
+
+POLICIES = ("loadbalance", "roundrobin", "spread", "random", "pack")
+FITS = ("best", "first")
+MAX_ATTEMPTS = 16
+
+
+_PLACEABLE: tuple[ColumnElement[bool], ...] = (
+    Node.healthy.is_(True),
+    Node.draining.is_(False),
+    Node.live < Node.capacity,
+    or_(Node.quarantined_until.is_(None), Node.quarantined_until <= bindparam("now")),
+)
+
+
+def _placeable(kind: str) -> list[ColumnElement[bool]]:
+    return [Node.kind == kind, *_PLACEABLE]
+
+
+# Built once, like the statements of workers.replicas.lifecycle: the common candidate query
+# (loadbalance / spread, nothing to skip) and the slot reservation.
+_LEAST_LOADED = (
+    select(Node)
+    .where(Node.kind == bindparam("backend"), *_PLACEABLE)
+    .order_by(Node.live, Node.name)
+    .limit(1)
+)
+_TAKE_SLOT = (
+    update(Node)
+    .where(Node.id == bindparam("node_id"), Node.kind == bindparam("backend"), *_PLACEABLE)
+    .values(live=Node.live + 1)
+    .execution_options(synchronize_session=False)
+)
+
+
+def _rowcount(result: Any) -> int:
+    """Rows a conditional UPDATE changed (0: someone else took the last room first)."""
+    return int(cast(CursorResult[Any], result).rowcount)
+
+
+def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str]) -> Node | None:
+    at = {"now": now()}
+    if policy in ("loadbalance", "spread") and not skip:
+        return session.scalars(_LEAST_LOADED, {"backend": fn.backend, **at}).first()
+    where = [*_placeable(fn.backend)]
+    if skip:
+        where.append(Node.id.not_in(skip))
+    query = select(Node).where(*where)
+    if policy == "pack":
+        query = query.order_by(Node.live.desc(), Node.name)
+    elif policy == "random":
+        query = query.order_by(func.random())
+    elif policy == "roundrobin":
+        # Read the last node fresh and locked, not from ``fn``: ``fn`` may have been
+        # loaded before a concurrent spawn of the same function committed, and a stale
+        # value sends both to the same node. FOR NO KEY UPDATE (held until commit) is
+        # the lock the replica-count UPDATE already took, and it does not conflict with
+        # the key-share locks that concurrent replica INSERTs take on the function.
+        last = select(Function.rr_last_node).where(Function.id == fn.id)
+        after = session.scalar(last.with_for_update(key_share=True)) or ""
+        nxt = session.scalars(
+            query.where(Node.name > after).order_by(Node.name).limit(1), at
+        ).first()
+        if nxt is not None:
+            return nxt
+        query = query.order_by(Node.name)
+    else:  # loadbalance, spread
+        query = query.order_by(Node.live, Node.name)
+    return session.scalars(query.limit(1), at).first()
+
+
+def reserve_node(
+    session: Session, fn: Function, policy: str, pinned: str | None = None,
+    avoid: Sequence[str] = (),
+) -> Node:
+    """Pick a node for one replica of ``fn`` (not one in ``avoid``) and take one of its slots."""
+    tried: list[str] = list(avoid)
+    pinned_name = pinned
+    for _ in range(MAX_ATTEMPTS):
+        if pinned is not None:
+            node = session.get(Node, pinned)
+            if node is None or pinned in tried:
+                break
+            pinned_name = node.name
+        else:
+            node = _candidate(session, fn, policy, tried)
+            if node is None:
+                break
+        took = _rowcount(session.connection().execute(
+            _TAKE_SLOT, {"node_id": node.id, "backend": fn.backend, "now": now()}))
+        if took:
+            set_committed_value(node, "live", node.live + 1)  # what the UPDATE wrote
+            if policy == "roundrobin":
+                session.execute(
+                    update(Function)
+                    .where(Function.id == fn.id)
+                    .values(rr_last_node=node.name)
+                    .execution_options(synchronize_session=False)
+                )
+                set_committed_value(fn, "rr_last_node", node.name)
+            return node
+        tried.append(node.id)
+    where = f"node {pinned_name}" if pinned else f"any healthy {fn.backend} node"
+    raise CapacityError(f"no capacity for {fn.name} on {where}")
+
+
+def free_node(session: Session, node_id: str) -> None:
+    """Give back one slot on a node."""
+    session.execute(
+        update(Node)
+        .where(Node.id == node_id, Node.live > 0)
+        .values(live=Node.live - 1)
+        .execution_options(synchronize_session=False)
+    )
+
+
+@dataclass(frozen=True)
+class GpuGrant:
+    """A GPU, a worker slot on it and the memory reserved there."""
+
+    gpu_id: str
+    slot: int
+    mem_mb: int
+
+
+def reserve_gpu(session: Session, fn: Function, fit: str) -> GpuGrant:
+    """Reserve GPU memory and one worker slot for one replica of ``fn``."""
+    need = fn.gpu_mem_mb
+    tried: list[str] = []
+    for _ in range(MAX_ATTEMPTS):
+        query = select(Gpu).where(Gpu.mem_free_mb >= need, Gpu.slots_free >= 1)
+        if tried:
+            query = query.where(Gpu.id.not_in(tried))
+        if fit == "first":
+            query = query.order_by(Gpu.created_at, Gpu.first_port, Gpu.uuid)
+        else:
+            query = query.order_by(Gpu.mem_free_mb, Gpu.uuid)
+        gpu = session.scalars(query.limit(1)).first()
+        if gpu is None:
+            break
+        took = _rowcount(
+            session.execute(
+                update(Gpu)
+                .where(Gpu.id == gpu.id, Gpu.mem_free_mb >= need, Gpu.slots_free >= 1)
+                .values(mem_free_mb=Gpu.mem_free_mb - need, slots_free=Gpu.slots_free - 1)
+                .execution_options(synchronize_session=False)
+            )
+        )
+        if took:
+            # The UPDATE holds the GPU's row lock until commit, so the slots read
+            # here include every committed grant and no concurrent one can pick
+            # the same slot (the unique index on (gpu_id, gpu_slot) backs this up).
+            used = set(
+                session.scalars(
+                    select(Replica.gpu_slot).where(
+                        Replica.gpu_id == gpu.id, Replica.gpu_slot.is_not(None)
+                    )
+                )
+            )
+            slot = next((s for s in range(gpu.slots_total) if s not in used), None)
+            if slot is not None:
+                return GpuGrant(gpu.id, slot, need)
+            # Counters said a slot was free but replicas hold them all: give the
+            # reservation back and try another GPU rather than fail obscurely.
+            free_gpu(session, gpu.id, need)
+        tried.append(gpu.id)
+    raise CapacityError(f"no GPU capacity for {fn.name} ({need} MB)")
+
+
+def free_gpu(session: Session, gpu_id: str, mem_mb: int) -> None:
+    """Give back memory and one worker slot on a GPU."""
+    session.execute(
+        update(Gpu)
+        .where(Gpu.id == gpu_id)
+        .values(mem_free_mb=Gpu.mem_free_mb + mem_mb, slots_free=Gpu.slots_free + 1)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def spread_nodes(session: Session, fn: Function) -> list[str]:
+    """Ids of every node a ``spread`` spawn puts replicas on."""
+    return list(
+        session.scalars(
+            select(Node.id)
+            .where(Node.kind == fn.backend, Node.healthy.is_(True), Node.draining.is_(False),
+                   or_(Node.quarantined_until.is_(None), Node.quarantined_until <= now()))
+            .order_by(Node.name)
+        )
+    )
+

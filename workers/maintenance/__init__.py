@@ -1,0 +1,1 @@
+"""Maintenance passes on beat: reaping, reconciling, auditing and re-driving."""

@@ -1,0 +1,496 @@
+"""The reaper: delete replicas nobody needs, at a bounded rate, one pass at a time.
+
+The model
+---------
+A pass removes three kinds of replica, in this order, at most
+``CORRAL_REAP_BATCH`` (or ``batch``) of them in total:
+
+* ``stuck`` - rows left past their ``deadline_at`` in Creating, Starting or
+  Deleting (a worker died mid-request, a guest never said READY). Creating
+  becomes Dead ("stuck in creating"); Starting goes through StartingLimit to
+  Dead; Deleting is finished. Their VM, if they have one, is released.
+* ``stale`` - Idle replicas of an older build than their function's
+  (``build_version`` differs): they are never handed out again.
+* ``idle`` - Idle replicas with no environment in use whose idle time (since
+  their last request ended, or since they became ready if they never served one)
+  reached the function's idle timeout: ``reap_at <= now`` on the
+  ``(status, reap_at)`` index, or, with an explicit ``idle_timeout`` override,
+  ``idle_since <= now - idle_timeout`` on ``(status, idle_since)``.
+
+Before choosing victims a pass gives back the environments of claims past their
+expiry (:func:`workers.replicas.claims.expire`; ``claims_expired`` in the report): a
+replica whose caller died holding a claim is Idle again, its idle clock starting
+now, instead of Allocated for ever.
+
+Idle and stale deletions never take a function below its ``min_replicas``
+(replicas in Creating, Starting, Idle or Allocated count: the function row's
+``replica_count``, read once per function the pass touches). A stale replica kept for
+the minimum is reported in ``replace``: the reap task asks for that many fresh
+replicas, and a later pass retires the stale ones once they exist.
+
+A deletion is split at the network call like every other: the pass's one
+transaction picks its victims with indexed ``LIMIT`` queries (``FOR UPDATE SKIP
+LOCKED`` on PostgreSQL) and marks them Deleting, so no claim can take them and no
+other pass can pick them; then every VM is released at once
+(:func:`workers.replicas.actions.release_all`, bounded per node and per process; a VM
+already gone counts as released) and the rows retired in one transaction
+(:func:`workers.replicas.actions.finish_deletes`): Deleted, or Dead with an error when the
+node could not be reached (the error says reconcile will destroy the VM). After
+``CORRAL_NODE_FAILURES`` transport failures in a row from one node, the rest of
+that node's VMs are not waited for again in the same pass. A pass
+therefore costs in proportion to what it deletes (plus two probes of the
+``(function_id, status, build_version)`` index per function for stale builds), not
+to the size of the replica table. A pass that dies after marking rows leaves them
+Deleting; the next pass finds them past their deadline and finishes them.
+
+Exactly one pass runs at a time: a pass first takes the ``reap`` lease
+(:mod:`workers.leases`); a pass that cannot is skipped and says who holds it (one
+that an operator asked for may first wait a little for the running pass to end).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from config.settings import Settings
+from workers import leases
+from workers.clock import iso, now
+from workers.errors import BackendError, InputError, TransientBackendError
+from workers.fleet.health import note_failure
+from workers.locks import lock_functions
+from workers.operations import MAX_OP_ERRORS, finish
+from workers.replicas import claims
+from workers.replicas.actions import Doomed, finish_deletes, release_all
+from workers.replicas.lifecycle import mark_deleting, transition
+from workers.store.db import Database
+from workers.store.models import (
+    COUNTED_STATES,
+    OP_FINISHED,
+    Function,
+    Operation,
+    OpStatus,
+    Replica,
+    ReplicaState,
+)
+
+log = logging.getLogger(__name__)
+
+LEASE = "reap"
+LEASE_POLL_S = 0.2
+MAX_EXAMINED = 10  # rows a pass may look at, per unit of batch, while skipping kept ones
+REASONS = ("stuck", "stale", "idle")
+
+
+@dataclass
+class Reaped:
+    """One replica a pass deleted: why, and how it ended."""
+
+    replica_id: str
+    function: str
+    reason: str  # stuck | stale | idle
+    detail: str
+    vmid: str | None
+    node: str | None
+    # deleted | gone (the node no longer had the VM) | retired (stuck: the row ends Dead, as
+    # meant) | failed (the VM could not be released: the row is Dead with the error)
+    outcome: str = "pending"
+    error: str | None = None
+
+
+@dataclass
+class ReapReport:
+    """What one reaper pass did (or that it was skipped)."""
+
+    holder: str
+    skipped: bool = False
+    held_by: str | None = None
+    idle_timeout: float | None = None
+    batch: int = 0
+    deleted: list[Reaped] = field(default_factory=list)
+    kept_for_min: dict[str, int] = field(default_factory=dict)
+    replace: dict[str, int] = field(default_factory=dict)
+    more: bool = False  # the batch was full: the next pass continues
+    claims_expired: int = 0  # expired claims whose environment the pass gave back
+    started_at: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Deletions per reason."""
+        return {r: sum(1 for d in self.deleted if d.reason == r) for r in REASONS}
+
+    @property
+    def failed(self) -> int:
+        """Deletions whose VM could not be released (left Dead with an error)."""
+        return sum(1 for d in self.deleted if d.outcome == "failed")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as a JSON-ready mapping."""
+        data = asdict(self)
+        data["counts"] = self.counts
+        return data
+
+
+@dataclass
+class _Victim:
+    """A replica marked Deleting by this pass, with what the release needs."""
+
+    reaped: Reaped
+    doomed: Doomed
+    error: str | None = None  # a stuck replica ends Dead with this error
+    retired: bool = False  # already Dead in the pass's transaction (no VM to release)
+
+
+class _Pass:
+    """The selection step of one pass: one transaction, a budget, the min guard."""
+
+    def __init__(
+        self, session: Session, settings: Settings, at: datetime, budget: int,
+        idle_timeout: float | None,
+    ) -> None:
+        self.s = session
+        self.settings = settings
+        self.at = at
+        self.budget = budget
+        self.idle_timeout = idle_timeout
+        self.victims: list[_Victim] = []
+        self.kept: dict[str, int] = defaultdict(int)
+        self.stale_kept: dict[str, Function] = {}
+        self._allow: dict[str, int] = {}
+        self.seen: list[str] = []  # rows this pass looked at: never looked at twice
+
+    @property
+    def left(self) -> int:
+        return self.budget - len(self.victims)
+
+    def _lock(self, query: Any) -> Any:
+        return query.with_for_update(of=Replica, skip_locked=True)
+
+    def _mark(self, replica: Replica, reason: str, detail: str, error: str | None = None) -> None:
+        doomed = Doomed(replica.id, replica.vmid, replica.node)
+        self.victims.append(
+            _Victim(
+                Reaped(replica.id, replica.function.name, reason, detail, replica.vmid,
+                       replica.node.name if replica.node else None),
+                doomed,
+                error,
+            )
+        )
+
+    # -- stuck ------------------------------------------------------------------------------
+
+    def stuck(self) -> None:
+        """Retire rows past their deadline in Creating, Starting or Deleting."""
+        for state in (ReplicaState.CREATING, ReplicaState.STARTING, ReplicaState.DELETING):
+            if self.left <= 0:
+                return
+            rows = self.s.scalars(
+                self._lock(
+                    select(Replica)
+                    .where(Replica.status == state, Replica.deadline_at <= self.at)
+                    .order_by(Replica.deadline_at)
+                    .limit(self.left)
+                )
+            ).all()
+            for replica in rows:
+                self._stuck_one(replica, state)
+
+    def _stuck_one(self, replica: Replica, state: ReplicaState) -> None:
+        since = replica.updated_at or replica.created_at
+        if state == ReplicaState.DELETING:
+            # Someone's delete died midway: finish it (re-stamping the deadline keeps any
+            # other sweep off it while we do).
+            transition(self.s, replica, ReplicaState.DELETING, self.settings)
+            self._mark(replica, "stuck", "stuck in deleting")
+            return
+        if state == ReplicaState.CREATING:
+            error = (f"stuck in creating: no answer from the node within "
+                     f"{self.settings.creating_deadline_s:g}s")
+        else:
+            transition(self.s, replica, ReplicaState.STARTING_LIMIT, self.settings)
+            error = (f"stuck in starting: the guest did not report ready within "
+                     f"{self.settings.boot_deadline_s:g}s")
+        log.info("replica %s %s (since %s)", replica.id, error, since)
+        detail = error.split(":")[0]
+        if replica.vmid is None or replica.node is None:
+            self._mark(replica, "stuck", detail, error)
+            self.victims[-1].retired = True
+            self.victims[-1].reaped.outcome = "retired"
+            self.victims[-1].reaped.error = error
+            transition(self.s, replica, ReplicaState.DEAD, self.settings, error=error)
+            return
+        transition(self.s, replica, ReplicaState.DELETING, self.settings)
+        self._mark(replica, "stuck", detail, error)
+
+    # -- the min guard ----------------------------------------------------------------------
+
+    def _counted(self, fn: Function) -> int:
+        """``fn``'s replicas that count toward its min, read fresh from the function row.
+
+        ``functions.replica_count`` is kept by :func:`workers.replicas.lifecycle.transition` with
+        UPDATEs the session does not reflect in loaded objects, so this re-reads it
+        (after this pass's own transitions, which the same transaction sees).
+        """
+        return int(
+            self.s.scalar(select(Function.replica_count).where(Function.id == fn.id)) or 0
+        )
+
+    def _fresh_upto(self, fn: Function, cap: int) -> int:
+        """How many of ``fn``'s counted replicas are of its current build, at most ``cap``."""
+        inner = (
+            select(Replica.id)
+            .where(Replica.function_id == fn.id, Replica.status.in_(COUNTED_STATES),
+                   Replica.build_version == fn.build_version)
+            .limit(cap)
+            .subquery()
+        )
+        return int(self.s.scalar(select(func.count()).select_from(inner)) or 0)
+
+    def _may_delete(self, fn: Function) -> bool:
+        """Whether one more of ``fn``'s replicas may go without breaking its min."""
+        if fn.min_replicas <= 0:
+            return True
+        if fn.id not in self._allow:
+            self._allow[fn.id] = max(0, self._counted(fn) - fn.min_replicas)
+        if self._allow[fn.id] <= 0:
+            return False
+        self._allow[fn.id] -= 1
+        return True
+
+    def _take(self, rows: Sequence[Replica], reason: str) -> None:
+        """Mark what the min allows; the rest is kept (and counted as such)."""
+        taken: list[Replica] = []
+        for replica in rows:
+            self.seen.append(replica.id)
+            if self.left <= 0:
+                break
+            fn = replica.function
+            if not self._may_delete(fn):
+                self.kept[fn.name] += 1
+                if reason == "stale":
+                    self.stale_kept[fn.id] = fn
+                continue
+            if reason == "stale":
+                detail = f"build {replica.build_version}, current {fn.build_version}"
+            else:
+                idle_for = (self.at - (replica.idle_since or self.at)).total_seconds()
+                detail = f"idle {idle_for:.0f}s"
+            taken.append(replica)
+            self._mark(replica, reason, detail)
+        mark_deleting(self.s, self.settings, taken, None)  # the page's victims, at once
+
+    def _pages(self, base: Any, reason: str) -> None:
+        """Walk an indexed query a page at a time; rows kept for min do not use the budget.
+
+        Each page is one ``LIMIT`` query over the index range; it is repeated only when
+        a full page had rows kept for min, and the rows looked at are bounded by
+        ``MAX_EXAMINED`` times the batch, so a pass stays bounded whatever the table holds.
+        """
+        while self.left > 0 and len(self.seen) < MAX_EXAMINED * self.budget:
+            limit = self.left
+            query = base if not self.seen else base.where(Replica.id.not_in(self.seen))
+            rows = self.s.scalars(self._lock(query.limit(limit))).all()
+            self._take(rows, reason)
+            if len(rows) < limit:
+                return  # the range is exhausted
+
+    # -- stale and idle ---------------------------------------------------------------------
+
+    def stale(self) -> None:
+        """Idle replicas of an older build than their function's."""
+        functions = self.s.execute(
+            select(Function.id, Function.build_version).order_by(Function.name)
+        ).all()
+        for fn_id, version in functions:
+            for other in (Replica.build_version < version, Replica.build_version > version):
+                if self.left <= 0:
+                    return
+                self._pages(
+                    select(Replica).where(
+                        Replica.function_id == fn_id,
+                        Replica.status == ReplicaState.IDLE,
+                        other,
+                        Replica.envs_in_use == 0,
+                    ),
+                    "stale",
+                )
+
+    def idle(self) -> None:
+        """Idle replicas past their idle timeout (or the override)."""
+        if self.left <= 0:
+            return
+        if self.idle_timeout is None:
+            base = (
+                select(Replica)
+                .where(Replica.status == ReplicaState.IDLE, Replica.reap_at <= self.at,
+                       Replica.envs_in_use == 0)
+                .order_by(Replica.reap_at)
+            )
+        else:
+            cutoff = self.at - timedelta(seconds=self.idle_timeout)
+            base = (
+                select(Replica)
+                .where(Replica.status == ReplicaState.IDLE, Replica.idle_since <= cutoff,
+                       Replica.envs_in_use == 0)
+                .order_by(Replica.idle_since)
+            )
+        self._pages(base, "idle")
+
+    def replacements(self) -> dict[str, int]:
+        """Fresh replicas needed before min-protected stale replicas can go."""
+        out: dict[str, int] = {}
+        for fn in self.stale_kept.values():
+            fresh = self._fresh_upto(fn, fn.min_replicas)
+            room = fn.max_replicas - self._counted(fn)
+            want = min(fn.min_replicas - fresh, room)
+            if want > 0:
+                out[fn.name] = want
+        return out
+
+
+def check_idle_timeout(value: object) -> float | None:
+    """``value`` as a non-negative number of seconds (or None), else :class:`InputError`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputError(f"idle timeout must be a number of seconds, got {value!r}")
+    if not 0 <= value <= 365 * 86400:
+        raise InputError(f"idle timeout must be between 0 and one year, got {value!r}")
+    return float(value)
+
+
+def reap(
+    db: Database,
+    settings: Settings,
+    *,
+    idle_timeout: float | None = None,
+    batch: int | None = None,
+    holder: str,
+    lease_wait_s: float = 0.0,
+) -> ReapReport:
+    """Run one reaper pass under the ``reap`` lease; a pass that cannot take it is skipped.
+
+    ``lease_wait_s`` lets a pass someone asked for wait that long for a running pass
+    to end instead of being skipped at once (periodic passes do not wait).
+    """
+    idle_timeout = check_idle_timeout(idle_timeout)
+    budget = settings.reap_batch if batch is None else batch
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise InputError(f"reap batch must be a positive integer, got {budget!r}")
+    report = ReapReport(holder=holder, idle_timeout=idle_timeout, batch=budget,
+                        started_at=iso(now()))
+    give_up = time.monotonic() + lease_wait_s
+    while not leases.acquire(db, LEASE, holder, settings.lease_ttl_s):
+        if time.monotonic() < give_up:
+            time.sleep(min(LEASE_POLL_S, max(0.0, give_up - time.monotonic())))
+            continue
+        info = leases.current(db, LEASE)
+        report.skipped = True
+        report.held_by = info.holder if info else None
+        log.info("reap pass %s skipped: lease held by %s", holder, report.held_by)
+        return report
+    try:
+        report.claims_expired = claims.expire(db, settings)
+        _run(db, settings, report, idle_timeout, budget)
+    finally:
+        leases.release(db, LEASE, holder)
+    return report
+
+
+def _run(
+    db: Database, settings: Settings, report: ReapReport, idle_timeout: float | None,
+    budget: int,
+) -> None:
+    t0 = time.perf_counter()
+    with db.transaction() as s:
+        lock_functions(s)  # the pass may move counters of any function (workers.locks)
+        p = _Pass(s, settings, now(), budget, idle_timeout)
+        p.stuck()
+        p.stale()
+        p.idle()
+        report.replace = p.replacements()
+        report.kept_for_min = dict(p.kept)
+        report.more = p.left <= 0
+    victims = p.victims
+    t1 = time.perf_counter()
+    _release_all(db, settings, [v for v in victims if not v.retired])
+    t2 = time.perf_counter()
+    finish_deletes(db, settings, {v.doomed.replica_id: v.error for v in victims if not v.retired})
+    t3 = time.perf_counter()
+    report.deleted = [v.reaped for v in victims]
+    report.timings = {
+        "select_s": round(t1 - t0, 6),
+        "release_s": round(t2 - t1, 6),
+        "finish_s": round(t3 - t2, 6),
+        "total_s": round(t3 - t0, 6),
+    }
+    if victims:
+        log.info("reap pass %s: %s", report.holder, report.counts)
+
+
+def _release_all(db: Database, settings: Settings, victims: list[_Victim]) -> None:
+    """Release every victim's VM at once (bounded per node); outcomes on the victims."""
+    outcomes = release_all(settings, [v.doomed for v in victims])
+    noted: set[str] = set()
+    for v in victims:
+        outcome = outcomes[v.doomed.replica_id]
+        if isinstance(outcome, TransientBackendError):
+            node = v.doomed.node
+            if node is not None and node.id not in noted:  # one miss per node and pass
+                noted.add(node.id)
+                note_failure(db, settings, node.id, str(outcome))
+            _outcome(v, released=False,
+                     error=f"{outcome}; reconcile will destroy the VM once the node answers")
+        elif isinstance(outcome, BackendError):
+            _outcome(v, released=False, error=str(outcome))
+        else:
+            _outcome(v, released=outcome)
+
+
+def _outcome(v: _Victim, *, released: bool, error: str | None = None) -> None:
+    if error is not None:
+        v.error = f"{v.error}; {error}" if v.error else error
+        v.reaped.outcome = "failed"
+    elif v.error is not None:  # stuck: VM released, the row still ends Dead
+        v.reaped.outcome = "retired"
+    else:
+        v.reaped.outcome = "deleted" if released else "gone"
+    v.reaped.error = v.error
+
+
+def record(db: Database, op_id: str, report: ReapReport, extra: dict[str, Any]) -> None:
+    """Store a pass's report as its operation's result and finish the operation."""
+    with db.transaction() as s:
+        op = s.get(Operation, op_id, with_for_update=True)
+        if op is None or op.status in OP_FINISHED:
+            return
+        op.result = {**report.as_dict(), **extra}
+        if report.skipped:
+            op.total, op.failed = 1, 1
+            finish(op, failed=1, total=1, error=(
+                f"skipped: another reap pass holds the lease ({report.held_by or 'unknown'})"))
+            return
+        op.total = len(report.deleted)
+        op.failed = report.failed
+        op.done = op.total - op.failed
+        errors = [f"{d.replica_id}: {d.error}" for d in report.deleted if d.outcome == "failed"]
+        op.result["errors"] = errors[:MAX_OP_ERRORS]
+        finish(op, failed=op.failed, total=op.total)
+
+
+def start(db: Database, op_id: str) -> None:
+    """Mark a reap operation running."""
+    with db.transaction() as s:
+        op = s.get(Operation, op_id, with_for_update=True)
+        if op is not None and op.status == OpStatus.PENDING.value:
+            op.status = OpStatus.RUNNING.value
+            op.started_at = op.progress_at = now()

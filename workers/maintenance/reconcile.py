@@ -1,0 +1,230 @@
+"""Reconcile: make the rows and the fleet agree, because agents are the truth about what runs.
+
+One pass (under the ``reconcile`` lease, so never two at once):
+
+1. For every healthy node that can list its VMs (``ListReplicas`` on agents,
+   ``GET /vms`` on Lambdo hosts) compare what it runs with the live rows on it:
+
+   * a VM with no row is an *orphan* (a spawn whose worker died between the
+     agent's answer and the commit, a delete that could not reach the node, a VM
+     made behind corral's back). Once older than ``CORRAL_ORPHAN_GRACE_S`` - so a
+     spawn still in flight is never hit - and unless it carries the request id
+     of a replica still Creating, it is destroyed;
+   * a row whose VM the node no longer runs is marked Dead ("VM vanished"),
+     which frees its reservations; a Deleting row whose VM is gone is Deleted.
+     Only rows that already had their VM *before* the node was listed are
+     judged (they are read first, and re-checked under the row lock): a spawn
+     that records its VM while the listing is in flight is not mistaken for a
+     vanished one (and its VM then for an orphan).
+
+   A node that answers UNIMPLEMENTED / 404 cannot list: it is skipped, and the
+   report says so the first time (``nodes.can_list`` remembers).
+2. Idle replicas on draining nodes are deleted and replaced elsewhere.
+3. Functions below their min get a spawn for the difference (queued by the
+   task), unless a spawn for them is still pending from the last few minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+
+from config.settings import Settings
+from workers import backends, dispatch, leases
+from workers.clock import now
+from workers.errors import BackendError, Unsupported
+from workers.locks import lock_functions
+from workers.replicas.actions import unplaced
+from workers.replicas.lifecycle import lock_replica, transition
+from workers.store.db import Database
+from workers.store.models import (
+    LIVE_STATES,
+    OP_OPEN,
+    Function,
+    Node,
+    Operation,
+    Replica,
+    ReplicaState,
+)
+
+log = logging.getLogger(__name__)
+LEASE = "reconcile"
+EPOCH = datetime(1970, 1, 1)
+
+
+@dataclass
+class ReconcileReport:
+    """What one reconcile pass found and did."""
+
+    skipped: bool = False
+    nodes_checked: list[str] = field(default_factory=list)
+    nodes_unlistable: list[str] = field(default_factory=list)
+    node_errors: dict[str, str] = field(default_factory=dict)
+    orphans_destroyed: list[str] = field(default_factory=list)
+    orphans_waiting: int = 0
+    vanished: list[str] = field(default_factory=list)
+    drained: list[str] = field(default_factory=list)
+    top_up: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data."""
+        return asdict(self)
+
+
+def reconcile(db: Database, settings: Settings, *, holder: str) -> ReconcileReport:
+    """Run one reconcile pass, unless another holds the lease."""
+    report = ReconcileReport()
+    if not leases.acquire(db, LEASE, holder, settings.lease_ttl_s):
+        report.skipped = True
+        return report
+    try:
+        with db.read() as s:
+            nodes = list(s.scalars(select(Node).where(Node.healthy.is_(True)).order_by(Node.name)))
+        for node in nodes:
+            _reconcile_node(db, settings, node, report)
+        _drain(db, settings, report)
+        report.top_up = below_min(db, settings)
+    finally:
+        leases.release(db, LEASE, holder)
+    return report
+
+
+def _live_rows(db: Database, node: Node) -> list[Any]:
+    """The node's live rows: id, vmid, status and request id."""
+    with db.read() as s:
+        return list(
+            s.execute(
+                select(Replica.id, Replica.vmid, Replica.status, Replica.request_id).where(
+                    Replica.node_id == node.id, Replica.status.in_(LIVE_STATES)
+                )
+            )
+        )
+
+
+def _reconcile_node(db: Database, settings: Settings, node: Node, report: ReconcileReport) -> None:
+    if node.can_list is False:
+        return
+    # Rows read *before* the listing: a VM recorded on one of these rows existed before the
+    # node was asked, so its absence from the listing means it is gone. A spawn that records
+    # its VM while the node is being listed is not among them (it is judged next pass).
+    before = _live_rows(db, node)
+    try:
+        vms = backends.list_vms(node, settings)
+    except Unsupported:
+        with db.transaction() as s:
+            row = s.get(Node, node.id)
+            if row is not None:
+                row.can_list = False
+        report.nodes_unlistable.append(node.name)
+        log.info("node %s cannot list its VMs; reconcile skips it from now on", node.name)
+        return
+    except BackendError as exc:
+        report.node_errors[node.name] = str(exc)
+        return
+    report.nodes_checked.append(node.name)
+    if node.can_list is None:
+        with db.transaction() as s:
+            row = s.get(Node, node.id)
+            if row is not None:
+                row.can_list = True
+    on_node = {vm.vmid: vm for vm in vms}
+    # Rows read *after* the listing: a listed VM with no row here has none (orphans).
+    rows = _live_rows(db, node)
+    known = {r.vmid for r in rows if r.vmid}
+    creating = {r.request_id for r in rows if r.status == ReplicaState.CREATING}
+    cutoff = (now() - EPOCH).total_seconds() - settings.orphan_grace_s
+    for vm in vms:
+        if vm.vmid in known or (vm.request_id and vm.request_id in creating):
+            continue
+        if vm.created_unix and vm.created_unix > cutoff:
+            report.orphans_waiting += 1
+            continue
+        try:
+            backends.release_vm(node, vm.vmid, settings)
+            report.orphans_destroyed.append(f"{node.name}/{vm.vmid}")
+            log.warning("destroyed orphan VM %s on %s", vm.vmid, node.name)
+        except BackendError as exc:
+            report.errors.append(f"orphan {vm.vmid}: {exc}")
+    for listed in before:
+        if (
+            listed.vmid is None
+            or listed.vmid in on_node
+            or listed.status == ReplicaState.CREATING
+        ):
+            continue
+        with db.transaction() as s:
+            replica = lock_replica(s, listed.id)
+            if (
+                replica is None
+                or replica.status not in LIVE_STATES
+                or replica.vmid != listed.vmid
+            ):
+                continue
+            if replica.status == ReplicaState.DELETING:
+                transition(s, replica, ReplicaState.DELETED, settings)
+            else:
+                transition(s, replica, ReplicaState.DEAD, settings,
+                           error=f"VM {replica.vmid} vanished from node {node.name}")
+                report.vanished.append(replica.id)
+
+
+def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:
+    """Delete Idle replicas of draining nodes; their functions get replacements."""
+    doomed: list[str] = []
+    with db.transaction() as s:
+        if s.scalar(select(Node.id).where(Node.draining.is_(True)).limit(1)) is None:
+            return
+        lock_functions(s)  # counters of any function may move (workers.locks)
+        rows = s.scalars(
+            select(Replica)
+            .join(Node, Replica.node_id == Node.id)
+            .where(
+                Node.draining.is_(True),
+                Replica.status == ReplicaState.IDLE,
+                Replica.envs_in_use == 0,
+            )
+            .limit(settings.reap_batch)
+            .with_for_update(of=Replica, skip_locked=True)
+        ).all()
+        for replica in rows:
+            transition(s, replica, ReplicaState.DELETING, settings)
+            doomed.append(replica.id)
+            report.drained.append(replica.id)
+    for replica_id in doomed:
+        dispatch.delete_replica(replica_id)
+
+
+def below_min(db: Database, settings: Settings) -> dict[str, int]:
+    """Functions under their min, counting replicas planned but not yet placed: name -> how many.
+
+    A function with a spawn pending from the last few minutes is left alone.
+    """
+    with db.read() as s:
+        short = s.execute(
+            select(Function.id, Function.name, Function.min_replicas, Function.replica_count)
+            .where(Function.replica_count < Function.min_replicas)
+        ).all()
+        pending = {
+            fid
+            for fid in s.scalars(
+                select(Operation.function_id).where(
+                    Operation.kind == "spawn",
+                    Operation.status.in_(OP_OPEN),
+                    Operation.created_at
+                    >= now() - timedelta(seconds=settings.creating_deadline_s),
+                )
+            )
+        }
+        wanted: dict[str, int] = {}
+        for fid, name, minimum, count in short:
+            if fid in pending:
+                continue
+            missing = minimum - count - unplaced(s, fid)  # a scale on its way counts
+            if missing > 0:
+                wanted[name] = missing
+    return wanted

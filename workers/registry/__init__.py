@@ -1,0 +1,1 @@
+"""The registry: the gRPC service node agents and guests call into corral."""

@@ -1,0 +1,383 @@
+"""The registry: the gRPC service node agents and guests call into corral.
+
+``resmngr.ResMngrService``:
+
+* ``RegisterNode(ip, port, node_id)`` adds the agent as an fcdaemon node or
+  refreshes it and marks it healthy. ``node_id`` is matched exactly (``Gpu.1`` and
+  ``gpu-1`` are two nodes; a new node whose derived name is taken gets a suffix). A
+  known node may refresh itself from its own host (a restarted agent may come back on
+  another port); re-pointing it to another host is refused while the node is healthy,
+  and allowed once its old address has failed its health checks - both logged.
+* ``UpdateStatus(vmid, READY)`` moves a Starting replica to Idle. It is answered at
+  once: a READY for a vmid no row has yet, while a spawn is in flight, is remembered
+  (:mod:`workers.replicas.reports`) and applied when the spawn records the VM; with no spawn
+  in flight the VM is an orphan and is answered DESTROY.
+* ``UpdateStatus(vmid, FINISHED)`` gives back the replica's oldest claim and
+  answers KEEP_ALIVE, or DESTROY when the replica should go (stale build, more
+  replicas than the function's target, node draining); corral then deletes it.
+
+A report about a vmid is accepted only from that replica's IP or its node's IP
+(when the peer's address is known); any other caller is refused PERMISSION_DENIED.
+
+``mngrinfo.AvAManagerInfo.GetAvAManagerInfo(vmid)`` tells a guest which GPU and
+AvA worker it was given (NOT_FOUND for an unknown vmid or a replica without GPU).
+
+When ``CORRAL_REGISTRY_TOKEN`` is set, every call must carry
+``authorization: Bearer <token>`` metadata or it is refused UNAUTHENTICATED (the
+agents' :class:`~agents.grpcserve.TokenInterceptor`; the health service stays open); TLS
+is on when ``CORRAL_REGISTRY_TLS_CERT`` / ``_KEY`` are set. The registry refuses to
+listen off loopback without a token unless started with ``insecure=True``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+from google.protobuf import empty_pb2
+from sqlalchemy import select
+
+from agents.grpcserve import add_health, mark_serving, token_interceptors
+from agents.runtime import listen_address
+from config.settings import Settings
+from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
+from workers import dispatch
+from workers.errors import CorralError, InputError
+from workers.fleet.nodes import default_name, normalize_address, upsert_node
+from workers.replicas import reports
+from workers.replicas.claims import finish_oldest
+from workers.replicas.lifecycle import lock_replica, transition
+from workers.store.db import Database, get_database
+from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
+
+log = logging.getLogger(__name__)
+
+READY = resmngr_pb2.StatusUpdateRequest.READY
+FINISHED = resmngr_pb2.StatusUpdateRequest.FINISHED
+DESTROY = resmngr_pb2.StatusUpdateReply.DESTROY
+KEEP_ALIVE = resmngr_pb2.StatusUpdateReply.KEEP_ALIVE
+OK = resmngr_pb2.StatusUpdateReply.OK
+#: Early READYs one registry remembers at most (each is a row until applied or expired).
+MAX_PENDING = 10_000
+
+
+class Refused(CorralError):
+    """A caller may not do this (answered PERMISSION_DENIED / FAILED_PRECONDITION)."""
+
+
+def _find_live(db: Database, vmid: str) -> str | None:
+    with db.read() as s:
+        return s.scalar(
+            select(Replica.id).where(Replica.vmid == vmid, Replica.status.in_(LIVE_STATES))
+        )
+
+
+def _spawns_in_flight(db: Database) -> bool:
+    with db.read() as s:
+        return (
+            s.scalar(
+                select(Replica.id)
+                .where(Replica.status == ReplicaState.CREATING, Replica.vmid.is_(None))
+                .limit(1)
+            )
+            is not None
+        )
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def _free_name(session: Any, base: str) -> str:
+    """``base``, or ``base-2``, ``base-3``... whichever no node has yet."""
+    taken = set(session.scalars(select(Node.name).where(Node.name.startswith(base[:50]))))
+    if base not in taken:
+        return base
+    n = 2
+    while f"{base[:58]}-{n}" in taken:
+        n += 1
+    return f"{base[:58]}-{n}"
+
+
+class Registry:
+    """The registry's logic, independent of gRPC plumbing."""
+
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        *,
+        on_destroy: Callable[[str], None] | None = None,
+    ) -> None:
+        self.db = db
+        self.settings = settings
+        self.on_destroy = on_destroy or _queue_delete
+        #: vmids of early READYs remembered here, until applied or expired (see sweep).
+        self.pending: set[str] = set()
+        self._lock = threading.Lock()
+
+    def register_node(self, ip: str, port: int, node_id: str) -> str:
+        """Add or refresh the node an agent announces; returns its name."""
+        if not ip or not 0 < port < 65536:
+            raise InputError(f"RegisterNode needs an ip and a port, got {ip!r}:{port}")
+        external = node_id or f"{ip}:{port}"
+        address = normalize_address(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}",
+                                    "fcdaemon")
+        with self.db.transaction() as s:
+            node = s.scalars(
+                select(Node).where(Node.external_id == external).with_for_update()
+            ).first()
+            if node is None:
+                name = _free_name(s, default_name(external))
+            else:
+                name = node.name
+                if node.address != address and _host(node.address) != _host(address):
+                    if node.healthy:
+                        log.warning(
+                            "RegisterNode refused: node %s (node_id %r) is healthy at %s; "
+                            "not re-pointing it to %s until that address fails its health "
+                            "checks", name, external, node.address, address,
+                        )
+                        raise Refused(
+                            f"node {external!r} is registered at another address and is "
+                            "healthy; it cannot be re-pointed until that address fails"
+                        )
+                    log.warning("node %s (node_id %r) re-pointed from %s (unhealthy) to %s",
+                                name, external, node.address, address)
+            node, created = upsert_node(
+                s, address, name=name, kind="fcdaemon", external_id=external,
+                default_capacity=self.settings.node_capacity,
+            )
+            name = node.name
+        log.info("%s node %s at %s", "registered" if created else "refreshed", name, address)
+        return name
+
+    def update_status(self, vmid: str, status: int, peer: str | None = None) -> int:
+        """Apply a guest's READY / FINISHED from ``peer`` (an IP, if known); the action."""
+        if not vmid:
+            return DESTROY
+        replica_id = _find_live(self.db, vmid)
+        if replica_id is None:
+            if not _spawns_in_flight(self.db):
+                log.warning("status %s for unknown vmid %s: answering DESTROY", status, vmid)
+                return DESTROY
+            if status != READY:
+                return KEEP_ALIVE
+            self._remember(vmid, peer)
+            replica_id = _find_live(self.db, vmid)  # recorded meanwhile?
+            if replica_id is None:
+                return OK
+            if not reports.apply_reports(self.db, self.settings, [vmid]):
+                with self._lock:
+                    self.pending.discard(vmid)
+        if status == READY:
+            return self._ready(replica_id, peer)
+        return self._finished(replica_id, peer)
+
+    def _remember(self, vmid: str, peer: str | None) -> None:
+        with self._lock:
+            if len(self.pending) >= MAX_PENDING and vmid not in self.pending:
+                raise Refused(f"{MAX_PENDING} early READY reports already wait; try again")
+            self.pending.add(vmid)
+        if not reports.remember(self.db, self.settings, vmid, peer):
+            log.warning("early READY for %s from %s: another peer's report is already held",
+                        vmid, peer)
+        else:
+            log.info("READY for %s before its VM is recorded: remembered", vmid)
+
+    def sweep(self) -> None:
+        """Apply remembered READYs whose VM got recorded; forget the ones that expired."""
+        with self._lock:
+            vmids = set(self.pending)
+        if not vmids:
+            return
+        waiting = reports.apply_reports(self.db, self.settings, vmids)
+        with self._lock:
+            self.pending -= vmids - waiting
+        reports.forget_expired(self.db)
+
+    def _check_peer(self, replica: Replica, peer: str | None) -> None:
+        if not reports.peer_allowed(peer, replica):
+            log.warning("status report for %s from %s refused: not its replica's or node's IP",
+                        replica.vmid, peer)
+            raise Refused(f"{peer} may not report on vmid {replica.vmid}")
+
+    def _ready(self, replica_id: str, peer: str | None = None) -> int:
+        with self.db.transaction() as s:
+            replica = lock_replica(s, replica_id)
+            if replica is None or replica.status not in LIVE_STATES:
+                return DESTROY
+            self._check_peer(replica, peer)
+            if replica.status == ReplicaState.STARTING:
+                transition(s, replica, ReplicaState.IDLE, self.settings)
+                return OK
+            if replica.status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+                return OK
+            if replica.status == ReplicaState.CREATING:
+                return OK  # its spawn will record it; readiness=agent functions go Idle then
+            return DESTROY  # Deleting or past its boot deadline
+
+    def _finished(self, replica_id: str, peer: str | None = None) -> int:
+        with self.db.transaction() as s:
+            replica = lock_replica(s, replica_id)
+            if replica is None or replica.status not in LIVE_STATES:
+                return DESTROY
+            self._check_peer(replica, peer)
+            finish_oldest(s, replica, self.settings)
+            fn, node = replica.function, replica.node
+            reason = None
+            if replica.status == ReplicaState.DELETING:
+                reason = "being deleted"
+            elif replica.build_version != fn.build_version:
+                reason = "stale build"
+            elif node is not None and node.draining:
+                reason = f"node {node.name} draining"
+            elif fn.target is not None and fn.replica_count > max(fn.target, fn.min_replicas):
+                reason = "above target"
+            if reason is None or replica.envs_in_use > 0:
+                return KEEP_ALIVE
+            if replica.status != ReplicaState.DELETING:
+                transition(s, replica, ReplicaState.DELETING, self.settings)
+        log.info("replica %s finished and goes (%s)", replica_id, reason)
+        self.on_destroy(replica_id)
+        return DESTROY
+
+    def manager_info(self, vmid: str) -> tuple[str, str, int] | None:
+        """(GPU uuid, manager address, worker port) given to the replica with this vmid."""
+        from workers.fleet.gpus import manager_info
+
+        with self.db.read() as s:
+            return manager_info(s, vmid)
+
+
+def _queue_delete(replica_id: str) -> None:
+    """Have a worker release the VM and retire the row."""
+    try:
+        dispatch.delete_replica(replica_id)
+    except Exception as exc:  # the reaper's stuck sweep will finish it
+        log.warning("could not queue delete of %s: %s", replica_id, exc)
+
+
+class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
+    """``resmngr.ResMngrService`` over a :class:`Registry`."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def RegisterNode(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """An agent announces itself."""
+        try:
+            self.registry.register_node(request.ip, int(request.port), request.node_id)
+        except Refused as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except CorralError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return empty_pb2.Empty()
+
+    def UpdateStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """A guest reports READY or FINISHED."""
+        peer = reports.peer_ip(context.peer())
+        try:
+            action = self.registry.update_status(request.vmid, int(request.status), peer)
+        except Refused as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return resmngr_pb2.StatusUpdateReply(
+            action=resmngr_pb2.StatusUpdateReply.Action.ValueType(action)
+        )
+
+
+class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
+    """``mngrinfo.AvAManagerInfo`` over a :class:`Registry`."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def GetAvAManagerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """Which GPU and AvA worker a guest was given."""
+        info = self.registry.manager_info(request.vmid)
+        if info is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no GPU replica with vmid {request.vmid!r}")
+        assert info is not None
+        uuid, mngr_addr, port = info
+        return mngrinfo_pb2.AvAManagerInfoReply(
+            gpu_uuid=uuid, mngr_addr=mngr_addr, worker_port=port
+        )
+
+
+class RunningRegistry:
+    """A registry server running in background threads (and its early-READY sweep)."""
+
+    SWEEP_S = 0.5
+
+    def __init__(self, server: grpc.Server, port: int, registry: Registry) -> None:
+        self.server = server
+        self.port = port
+        self.registry = registry
+        self.address = f"127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="registry-sweep", daemon=True)
+        self._sweeper.start()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self.SWEEP_S):
+            try:
+                self.registry.sweep()
+            except Exception:  # the store may be briefly away; the next pass retries
+                log.exception("early READY sweep failed")
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (in-flight calls get ``grace`` seconds)."""
+        self._stop.set()
+        self.server.stop(grace).wait()
+
+    def wait(self) -> None:
+        """Block until the server stops."""
+        self.server.wait_for_termination()
+
+
+def check_listen(settings: Settings, listen: str | None = None, *,
+                 insecure: bool = False) -> str:
+    """The address to listen on; :class:`InputError` if malformed or off loopback tokenless."""
+    address = listen or settings.registry_listen
+    try:
+        listen_address("corral registry", address, "CORRAL_REGISTRY_LISTEN",
+                       settings.registry_token, "CORRAL_REGISTRY_TOKEN", insecure=insecure)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    return address
+
+
+def serve_registry(settings: Settings, listen: str | None = None,
+                   registry: Registry | None = None, *,
+                   insecure: bool = False) -> RunningRegistry:
+    """Start the registry on ``listen`` (default ``CORRAL_REGISTRY_LISTEN``).
+
+    Off loopback it needs ``CORRAL_REGISTRY_TOKEN`` (:class:`CorralError` otherwise),
+    unless ``insecure``, which logs a warning.
+    """
+    address = check_listen(settings, listen, insecure=insecure)
+    registry = registry or Registry(get_database(settings.database_url), settings)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"),
+        interceptors=token_interceptors(settings.registry_token, "registry"),
+    )
+    resmngr_grpc.add_ResMngrServiceServicer_to_server(ResMngrServicer(registry), server)
+    mngrinfo_grpc.add_AvAManagerInfoServicer_to_server(AvAManagerInfoServicer(registry), server)
+    health_servicer = add_health(server, non_blocking=False)
+    if settings.registry_tls_cert and settings.registry_tls_key:
+        creds = grpc.ssl_server_credentials(
+            [(settings.registry_tls_key.read_bytes(), settings.registry_tls_cert.read_bytes())]
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"registry cannot listen on {address}")
+    server.start()
+    mark_serving(health_servicer)
+    log.info("registry listening on %s (port %d)", address, port)
+    return RunningRegistry(server, port, registry)

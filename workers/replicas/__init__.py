@@ -1,0 +1,1 @@
+"""Replicas: spawning, deleting, scaling and lending them, and their state machine."""

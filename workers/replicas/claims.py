@@ -1,0 +1,600 @@
+"""Claims: lending one execution environment of an Idle replica to one caller, as a lease.
+
+The model
+---------
+A replica runs ``envs_total`` execution environments (the function's
+``exec_envs``); ``envs_in_use`` says how many serve a request now. A replica is
+*Idle* while at least one environment is free and *Allocated* when all are
+taken, so "Idle" always means "can take a request" (the CHECK constraint
+``envs_in_use <= envs_total`` backs this up).
+
+:func:`claim` takes one environment of an Idle replica of the function's
+**current** build (a replica whose ``build_version`` differs from the
+function's is stale: it finishes what it serves but is never handed out again,
+and the reaper removes it) and writes a *claim* row: a claim id and an expiry
+(``CORRAL_CLAIM_TTL_S``, or the caller's ``ttl_s``). A replica's ``envs_in_use``
+is the number of its claim rows, and an environment comes back in exactly one of
+three ways, each of which deletes that one row in the transaction that gives the
+environment back - so it is given back at most once, whoever comes first:
+
+* :func:`release` of the claim id (a second release, or a release of a claim
+  that expired, finds no row and changes nothing: a stale release can never free
+  an environment a newer claim holds);
+* :func:`expire`, run by every reaper pass, for claims past their expiry (the
+  caller died or forgot);
+* :func:`finish_oldest`, when the guest reports FINISHED: the replica's oldest claim.
+
+Each takes the replica's row lock first and deletes the claim row second, so
+concurrent releases, expiries and FINISHED reports of one claim serialise on the
+replica and only the first finds the row. All of them change the
+status only through :func:`workers.replicas.lifecycle.transition`, which keeps the idle
+clock: a replica whose last environment is released becomes idle *since that
+moment* (``idle_since = last_used_at``) and gets its ``reap_at``; a replica that
+takes a request is busy, with no ``idle_since`` and no ``reap_at``, so the reaper
+cannot see it.
+
+Two claims never get the same environment. On PostgreSQL the candidate row is
+picked with ``SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1`` on the
+``(function_id, status, build_version)`` index, so concurrent claimers lock *different* rows
+instead of queueing on one. When every candidate is locked, the claimer does not
+block on a lock (a blocking ``FOR UPDATE`` keeps the rows it rejected on re-check
+locked, and claimers then deadlock on one another); it looks without locking
+whether any Idle row exists at all, and if so tries ``SKIP LOCKED`` again a few
+milliseconds later, so a replica whose second environment is still free is not
+missed. On SQLite the write transaction itself is the lock (``BEGIN
+IMMEDIATE``): claims run one at a time. Either way the pick is one index probe,
+O(log n) in the number of replicas.
+
+Cold starts
+-----------
+When nothing is Idle, a producer may wait for a new replica
+(:func:`tasks.api.claim` with a cold-start timeout). Concurrent waiters of one
+function *share* spawns: each waiter is a lease-like row ``cw:<function>:<token>``
+in the ``leases`` table (it expires by itself if the waiting process dies, and is
+deleted in the very transaction whose claim serves it), each spawn a waiter asked
+for is a row ``cs:<function>:<token>`` whose holder becomes the spawn's operation
+id. :func:`plan_cold_start` - one transaction, with the function row locked so
+decisions for one function are serialised - counts the waiters and the
+environments already on their way (replicas of the current build in Creating /
+Starting, and waiter-requested spawns not finished yet, each counted once) and
+asks for one more spawn only when waiters outnumber them and nothing is Idle.
+
+:class:`ClaimAttempt` is one caller's whole claim, cold start included, as a series
+of short steps (each a few store calls, never a sleep): :func:`tasks.api.claim`
+runs them with ``time.sleep`` between, the gateway with ``asyncio.sleep`` and each
+step in a thread, so both share one mechanism.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import bindparam, case, delete, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from config.settings import Settings
+from workers.clock import now
+from workers.errors import CorralError, InputError, NotFound
+from workers.functions import check_name, get_function
+from workers.operations import FINISHED, create_operation, get_operation
+from workers.replicas.lifecycle import lock_replica, transition
+from workers.store.db import Database
+from workers.store.models import (
+    Claim,
+    Function,
+    Lease,
+    Operation,
+    OpStatus,
+    Replica,
+    ReplicaState,
+    new_id,
+)
+
+WAITER_PREFIX = "cw"
+SPAWN_PREFIX = "cs"
+PENDING_SPAWN = "pending:"  # + the waiter's token, until the operation id replaces it
+LOCKED_RETRY_S = 2.0  # how long a claim keeps looking while every Idle row is locked
+MAX_TTL_S = 86_400.0
+EXPIRE_BATCH = 1000  # expired claims one reaper pass gives back at most
+
+
+class NoIdleReplica(CorralError):
+    """No Idle replica of the function's current build could be claimed."""
+
+
+class ClaimTimeout(NoIdleReplica):
+    """A cold-start claim found no ready replica before its timeout."""
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """One execution environment lent to a caller: the claim, and where to send the request."""
+
+    claim_id: str
+    replica_id: str
+    address: str | None
+    vmid: str | None
+    function: str
+    expires_at: datetime
+
+    def as_dict(self) -> dict[str, Any]:
+        """The claim as a JSON-ready mapping (``expires_at`` as ISO 8601 UTC)."""
+        data = asdict(self)
+        data["expires_at"] = self.expires_at.isoformat() + "Z"
+        return data
+
+
+def check_ttl(value: object) -> float | None:
+    """A claim's time to live in seconds (None: the default), else :class:`InputError`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputError(f"claim ttl must be a number of seconds, got {value!r}")
+    if not 0 < value <= MAX_TTL_S:
+        raise InputError(f"claim ttl must be above 0 and at most {MAX_TTL_S:g}s, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A claimer registered as waiting for a cold start of one function."""
+
+    function: str
+    function_id: str
+    token: str
+
+
+@dataclass(frozen=True)
+class _Fn:
+    """The columns of a function a claim needs (loading the whole row costs more)."""
+
+    id: str
+    name: str
+    build_version: str
+
+
+_FUNCTION = select(Function.id, Function.name, Function.build_version).where(
+    Function.name == bindparam("name"))
+# Take one environment of a chosen replica in one statement: Idle -> still Idle (another
+# environment free) or Allocated (the last one), busy either way (no idle clock). The same
+# bookkeeping as lifecycle.transition for this move: an Idle replica never has an
+# operation waiting on it (transition settles that when it becomes Idle), so none is due.
+_TAKE = (
+    update(Replica)
+    .where(Replica.id == bindparam("replica_id"), Replica.status == int(ReplicaState.IDLE),
+           Replica.envs_in_use < Replica.envs_total, Replica.operation_id.is_(None))
+    .values(envs_in_use=Replica.envs_in_use + 1, last_used_at=bindparam("at"),
+            updated_at=bindparam("at"), idle_since=None, reap_at=None, deadline_at=None,
+            status=case((Replica.envs_in_use + 1 >= Replica.envs_total,
+                         int(ReplicaState.ALLOCATED)), else_=int(ReplicaState.IDLE)))
+    .returning(Replica.address, Replica.vmid)
+    .execution_options(synchronize_session=False)
+)
+_LEND = insert(Claim)
+_HELD = select(Claim.replica_id).where(Claim.id == bindparam("claim_id"))
+_LOCK_FOR_RELEASE = (
+    select(Replica.status, Replica.envs_in_use, Replica.envs_total, Replica.ready_at,
+           Replica.operation_id, Function.name, Function.idle_timeout_s)
+    .join(Function, Function.id == Replica.function_id)
+    .where(Replica.id == bindparam("replica_id"))
+    .with_for_update(of=Replica)
+)
+_UNLEND = (
+    delete(Claim)
+    .where(Claim.id == bindparam("claim_id"), Claim.replica_id == bindparam("replica_id"))
+    .returning(Claim.id)
+    .execution_options(synchronize_session=False)
+)
+
+
+def _candidate(session: Session, fn: _Fn | Function, lock: str = "skip") -> str | None:
+    """The id of one claimable replica of ``fn``.
+
+    ``lock``: ``skip`` locks it, skipping rows others hold; ``none`` only looks
+    (SQLite ignores row locks: its write transaction is the lock).
+    """
+    query = (
+        select(Replica.id)
+        .where(
+            Replica.function_id == fn.id,
+            Replica.status == ReplicaState.IDLE,
+            Replica.build_version == fn.build_version,
+            Replica.envs_in_use < Replica.envs_total,
+        )
+        .limit(1)
+    )
+    if lock == "skip":
+        query = query.with_for_update(skip_locked=True)
+    return session.scalars(query).first()
+
+
+def claim(
+    db: Database,
+    settings: Settings,
+    function_name: str,
+    *,
+    waiter: Waiter | None = None,
+    ttl_s: float | None = None,
+) -> Claimed:
+    """Take one execution environment of an Idle, current-build replica of the function.
+
+    The claim expires ``ttl_s`` (default ``CORRAL_CLAIM_TTL_S``) seconds from now. A
+    cold-start ``waiter`` stops being counted in the same transaction that serves it,
+    so no other waiter sees it still waiting and asks for a spawn on its behalf.
+    """
+    ttl = check_ttl(ttl_s) or settings.claim_ttl_s
+    check_name(function_name)
+    give_up = time.monotonic() + LOCKED_RETRY_S
+    with db.transaction() as s:
+        row = s.execute(_FUNCTION, {"name": function_name}).first()
+        if row is None:
+            raise NotFound(f"unknown function {function_name!r}")
+        fn = _Fn(*row)
+        rid = _candidate(s, fn, "skip")
+        pause = 0.001
+        while rid is None and not db.is_sqlite and time.monotonic() < give_up:
+            # Nothing unlocked. If Idle rows are merely locked by other claimers (or a
+            # reaper pass), they may keep a free environment: look again shortly. Each
+            # statement sees the newest commits (READ COMMITTED), and no lock is held
+            # while waiting, so claimers can never deadlock on one another.
+            if _candidate(s, fn, "none") is None:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+            rid = _candidate(s, fn, "skip")
+        if rid is None:
+            raise NoIdleReplica(f"no idle replica of {function_name}")
+        at = now()
+        conn = s.connection()
+        took = conn.execute(_TAKE, {"replica_id": rid, "at": at}).first()
+        if took is None:
+            raise NoIdleReplica(f"no idle replica of {function_name}")
+        claim_id, expires = new_id(), at + timedelta(seconds=ttl)
+        conn.execute(_LEND, {"id": claim_id, "replica_id": rid, "function_id": fn.id,
+                             "created_at": at, "expires_at": expires})
+        if waiter is not None:
+            s.execute(delete(Lease).where(Lease.name == waiter.token))
+        return Claimed(claim_id, rid, took.address, took.vmid, fn.name, expires)
+
+
+def _give_back(session: Session, replica: Replica, settings: Settings) -> None:
+    """Return one execution environment of a locked replica: Idle again, last used now."""
+    replica.envs_in_use -= 1
+    replica.last_used_at = now()
+    if replica.status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+        transition(session, replica, ReplicaState.IDLE, settings)
+    else:  # being deleted: just count the environment back
+        session.flush()
+
+
+def _take_back(session: Session, replica: Replica, settings: Settings, claim_id: str,
+               *, expired_by: datetime | None = None) -> bool:
+    """Delete one claim row of a locked replica and give its environment back, if it is there.
+
+    With ``expired_by``, only a claim that expired by then is taken back.
+    """
+    query = delete(Claim).where(Claim.id == claim_id, Claim.replica_id == replica.id)
+    if expired_by is not None:
+        query = query.where(Claim.expires_at <= expired_by)
+    taken = query.returning(Claim.id).execution_options(synchronize_session=False)
+    if session.execute(taken).first() is None:  # not there (any more): nothing to give back
+        return False
+    _give_back(session, replica, settings)
+    return True
+
+
+def release(db: Database, settings: Settings, claim_id: str) -> dict[str, Any]:
+    """Give back exactly the environment a claim holds; a claim no longer held changes nothing.
+
+    The result's ``released`` says which: False for a second release, or a release of a
+    claim the reaper already took back after it expired. The common case runs as four
+    Core statements (the hot path of every gateway request): the same bookkeeping as
+    :func:`_take_back`, which the rare cases (an operation waiting on the replica) use.
+    """
+    with db.transaction() as s:
+        conn = s.connection()
+        held = conn.execute(_HELD, {"claim_id": claim_id}).first()
+        row = (conn.execute(_LOCK_FOR_RELEASE, {"replica_id": held[0]}).first()
+               if held is not None else None)
+        if held is None or row is None or conn.execute(
+                _UNLEND, {"claim_id": claim_id, "replica_id": held[0]}).first() is None:
+            return {"claim_id": claim_id, "released": False,
+                    "detail": f"claim {claim_id} is not held (already released, or expired "
+                              "and given back): nothing changed"}
+        rid = held[0]
+        status, in_use, total, ready_at, op_id, fn_name, fn_idle = row
+        if op_id is not None:  # an operation waits on this replica: the full transition
+            replica = lock_replica(s, rid)
+            assert replica is not None
+            _give_back(s, replica, settings)
+            status, in_use = replica.status, replica.envs_in_use
+        else:
+            at = now()
+            in_use -= 1
+            values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at,
+                                      "updated_at": at}
+            if status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+                status = int(ReplicaState.IDLE)
+                values.update(status=status, deadline_at=None, ready_at=ready_at or at)
+                if in_use == 0:  # idle from now: the reaper's clock starts
+                    timeout = fn_idle if fn_idle is not None else settings.idle_timeout_s
+                    values.update(idle_since=at, reap_at=at + timedelta(seconds=timeout))
+            conn.execute(update(Replica).where(Replica.id == rid).values(**values)
+                         .execution_options(synchronize_session=False))
+        return {
+            "claim_id": claim_id,
+            "released": True,
+            "replica_id": rid,
+            "function": fn_name,
+            "status": ReplicaState(status).label,
+            "envs_in_use": in_use,
+            "envs_total": total,
+        }
+
+
+def expire(db: Database, settings: Settings, *, batch: int = EXPIRE_BATCH) -> int:
+    """Give back the environments of claims past their expiry (oldest first); how many."""
+    at = now()
+    with db.transaction() as s:
+        due = s.execute(
+            select(Claim.id, Claim.replica_id).where(Claim.expires_at <= at)
+            .order_by(Claim.expires_at).limit(batch)
+        ).all()
+        taken = 0
+        for claim_id, replica_id in sorted(due, key=lambda row: row[1]):  # lock in id order
+            replica = lock_replica(s, replica_id)
+            if replica is not None and _take_back(s, replica, settings, claim_id, expired_by=at):
+                taken += 1
+        return taken
+
+
+def finish_oldest(session: Session, replica: Replica, settings: Settings) -> bool:
+    """A guest finished a piece of work: give back the locked replica's oldest claim, if any."""
+    oldest = session.scalar(
+        select(Claim.id).where(Claim.replica_id == replica.id)
+        .order_by(Claim.created_at, Claim.id).limit(1)
+    )
+    return oldest is not None and _take_back(session, replica, settings, oldest)
+
+
+def suspect(db: Database, settings: Settings, claim_id: str, reason: str) -> Operation | None:
+    """Give a claim back and retire its replica, which failed to answer a request.
+
+    In one transaction the claim is taken back and the replica (if still Idle or
+    Allocated) goes Deleting with ``reason`` as its error, so no claim can pick it
+    again, under a new delete operation the caller must queue (returned; None when the
+    claim was no longer held or the replica is already on its way out).
+    """
+    with db.transaction() as s:
+        held = s.execute(select(Claim.replica_id).where(Claim.id == claim_id)).first()
+        replica = lock_replica(s, held[0]) if held is not None else None
+        if replica is None or not _take_back(s, replica, settings, claim_id):
+            return None
+        if replica.status not in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+            return None
+        op = create_operation(s, "delete", {"replica": replica.id},
+                              function_id=replica.function_id, total=1)
+        replica.operation_id = op.id
+        transition(s, replica, ReplicaState.DELETING, settings, error=reason)
+        return op
+
+
+# -- cold starts -------------------------------------------------------------------------------
+
+
+def _range(prefix: str, function_id: str) -> tuple[str, str]:
+    """Lease names ``<prefix>:<function id>:*`` as an index range on the primary key."""
+    return f"{prefix}:{function_id}:", f"{prefix}:{function_id};"
+
+
+def _rows(session: Session, prefix: str, function_id: str) -> list[Lease]:
+    lo, hi = _range(prefix, function_id)
+    return list(session.scalars(select(Lease).where(Lease.name >= lo, Lease.name < hi)))
+
+
+def join_waiters(db: Database, function_name: str, wait_s: float) -> Waiter:
+    """Register a claimer that waits up to ``wait_s`` seconds for a cold start."""
+    with db.transaction() as s:
+        fn = get_function(s, function_name)
+        token = f"{_range(WAITER_PREFIX, fn.id)[0]}{new_id()[:16]}"
+        # The row outlives the wait a little, then lapses by itself if we never delete it.
+        s.add(Lease(name=token, holder="claim", expires_at=now() + timedelta(seconds=wait_s + 5)))
+        return Waiter(fn.name, fn.id, token)
+
+
+def leave_waiters(db: Database, waiter: Waiter) -> None:
+    """Stop counting this claimer as waiting."""
+    with db.transaction() as s:
+        s.execute(delete(Lease).where(Lease.name == waiter.token))
+
+
+def in_flight_envs(session: Session, fn: Function, spawn_ops: set[str]) -> int:
+    """Environments of the current build already on their way (Creating or Starting)."""
+    query = select(func.coalesce(func.sum(Replica.envs_total), 0)).where(
+        Replica.function_id == fn.id,
+        Replica.status.in_((ReplicaState.CREATING, ReplicaState.STARTING)),
+        Replica.build_version == fn.build_version,
+    )
+    if spawn_ops:  # these are counted through their spawn rows already
+        query = query.where(
+            (Replica.operation_id.is_(None)) | Replica.operation_id.not_in(spawn_ops)
+        )
+    return int(session.scalar(query) or 0)
+
+
+@dataclass(frozen=True)
+class ColdStartPlan:
+    """What :func:`plan_cold_start` saw and decided."""
+
+    waiters: int
+    in_flight: int
+    spawn: str | None  # the spawn row to fill in with the operation id, when a spawn is due
+
+
+def plan_cold_start(db: Database, settings: Settings, waiter: Waiter) -> ColdStartPlan:
+    """Decide whether this waiter must ask for one more spawn (waiters > environments coming)."""
+    with db.transaction() as s:
+        fn = s.get(Function, waiter.function_id, with_for_update=True)
+        if fn is None:
+            raise NotFound(f"function {waiter.function!r} was removed")
+        at = now()
+        alive: set[str] = set()
+        for row in _rows(s, WAITER_PREFIX, fn.id):
+            if row.expires_at <= at:
+                s.delete(row)
+            else:
+                alive.add(row.name)
+        waiters = len(alive)
+        pending = 0
+        spawn_ops: set[str] = set()
+        spawns = _rows(s, SPAWN_PREFIX, fn.id)
+        op_ids = [r.holder for r in spawns if not r.holder.startswith(PENDING_SPAWN)]
+        ops: dict[str, str] = {}
+        if op_ids:
+            rows = s.execute(
+                select(Operation.id, Operation.status).where(Operation.id.in_(op_ids))
+            )
+            ops = {op_id: status for op_id, status in rows}
+        for row in spawns:
+            if row.holder.startswith(PENDING_SPAWN):
+                # Being asked for right now by a waiter; if that waiter is gone (its
+                # process died between deciding and asking), the spawn never will be.
+                done = row.holder[len(PENDING_SPAWN):] not in alive
+            else:
+                done = ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED
+            if row.expires_at <= at or done:
+                s.delete(row)
+            elif row.holder.startswith(PENDING_SPAWN):
+                pending += 1
+            else:
+                spawn_ops.add(row.holder)
+        coming = (pending + len(spawn_ops)) * fn.exec_envs + in_flight_envs(s, fn, spawn_ops)
+        if waiters <= coming or _candidate(s, fn, "none") is not None:
+            return ColdStartPlan(waiters, coming, None)
+        name = f"{_range(SPAWN_PREFIX, fn.id)[0]}{new_id()[:16]}"
+        ttl = settings.creating_deadline_s + settings.boot_deadline_s
+        s.add(Lease(name=name, holder=f"{PENDING_SPAWN}{waiter.token}",
+                    expires_at=at + timedelta(seconds=ttl)))
+        return ColdStartPlan(waiters, coming, name)
+
+
+def note_spawn(db: Database, spawn: str, op_id: str) -> None:
+    """Record the operation that carries out a waiter-requested spawn."""
+    with db.transaction() as s:
+        s.execute(update(Lease).where(Lease.name == spawn).values(holder=op_id))
+
+
+def drop_spawn(db: Database, spawn: str) -> None:
+    """Forget a waiter-requested spawn that was refused."""
+    with db.transaction() as s:
+        s.execute(delete(Lease).where(Lease.name == spawn))
+
+
+class ClaimAttempt:
+    """One caller's claim as steps: claim at once, else wait for a (shared) cold start.
+
+    :meth:`step` returns the :class:`Claimed` environment, or how many seconds to wait
+    before the next step; it raises :class:`NoIdleReplica` (no cold start allowed, the
+    cold start failed or was refused) or :class:`ClaimTimeout`. :meth:`close` must run
+    at the end, whatever happened. ``spawn(function) -> operation id`` asks for one
+    replica. With ``wait_at_max`` a spawn refused (or failed) because the function is
+    at its max is not an error: the caller waits for an environment to be released
+    instead (several gateways may ask for the last replica at once).
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        function: str,
+        *,
+        spawn: Callable[[str], str],
+        cold_start_timeout: float = 0.0,
+        ttl_s: float | None = None,
+        wait_at_max: bool = False,
+    ) -> None:
+        self.db, self.settings, self.function = db, settings, function
+        self.timeout = cold_start_timeout
+        self.ttl_s = check_ttl(ttl_s)
+        self.spawned: list[str] = []  # operations this caller asked for
+        self.started = time.monotonic()
+        self._spawn = spawn
+        self._wait_at_max = wait_at_max
+        self._deadline = self.started + cold_start_timeout
+        self._waiter: Waiter | None = None
+        self._settled: set[str] = set()
+        self._delay = 0.02
+
+    @property
+    def waiting(self) -> bool:
+        """True while this caller is registered as a cold-start waiter (close() needed)."""
+        return self._waiter is not None
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds since the attempt began."""
+        return time.monotonic() - self.started
+
+    def step(self) -> Claimed | float:
+        """Try once: the claimed environment, or the seconds to wait before trying again."""
+        if self._waiter is None:
+            try:
+                return claim(self.db, self.settings, self.function, ttl_s=self.ttl_s)
+            except NoIdleReplica:
+                if self.timeout <= 0:
+                    raise
+            self._waiter = join_waiters(self.db, self.function, self.timeout)
+        try:
+            return claim(self.db, self.settings, self.function, waiter=self._waiter,
+                         ttl_s=self.ttl_s)
+        except NoIdleReplica:
+            pass
+        self._check_spawns()
+        if time.monotonic() >= self._deadline:
+            raise ClaimTimeout(f"no ready replica of {self.function} after {self.timeout:g}s")
+        plan = plan_cold_start(self.db, self.settings, self._waiter)
+        if plan.spawn is not None:
+            try:
+                op_id = self._spawn(self.function)
+            except CorralError as exc:
+                drop_spawn(self.db, plan.spawn)
+                if not (self._wait_at_max and self._at_max()):
+                    raise NoIdleReplica(f"no idle replica of {self.function}, and a cold start "
+                                        f"was refused: {exc}") from None
+            else:
+                note_spawn(self.db, plan.spawn, op_id)
+                self.spawned.append(op_id)
+                return 0.0  # the new replica may be ready already (eager mode)
+        wait = max(0.0, min(self._delay, self._deadline - time.monotonic()))
+        self._delay = min(self._delay * 1.5, 0.5)
+        return wait
+
+    def _check_spawns(self) -> None:
+        """Fail the attempt when a spawn it asked for failed."""
+        pending = [o for o in self.spawned if o not in self._settled]
+        if not pending:
+            return
+        with self.db.read() as s:
+            for op_id in pending:
+                op = get_operation(s, op_id)
+                if op.status in FINISHED:
+                    self._settled.add(op_id)
+                if op.status == OpStatus.FAILED.value and not (
+                        self._wait_at_max and self._at_max()):
+                    raise NoIdleReplica(f"cold start of {self.function} failed: {op.error}")
+
+    def _at_max(self) -> bool:
+        """True when the function has as many replicas as its max allows."""
+        with self.db.read() as s:
+            fn = get_function(s, self.function)
+            return fn.replica_count >= fn.max_replicas
+
+    def close(self) -> None:
+        """Stop counting this caller as a cold-start waiter."""
+        if self._waiter is not None:
+            leave_waiters(self.db, self._waiter)
+            self._waiter = None

@@ -1,0 +1,345 @@
+"""Replica state transitions, and the bookkeeping that rides on them.
+
+Every change of a replica's status goes through :func:`transition`, on a row
+locked for the transaction (:func:`lock_replica`). It is the one place that:
+
+* gives back the node slot and GPU reservation when a replica reaches a final
+  state (Dead or Deleted) - exactly once, because a final state is never left -
+  and ends its claims (their rows go, ``envs_in_use`` is 0);
+* keeps ``functions.replica_count`` equal to the function's replicas in
+  ``COUNTED_STATES`` (one less when a replica leaves them);
+* stamps the clocks: ``ready_at`` and ``idle_since`` when a replica becomes Idle,
+  ``reap_at`` (idle since + the function's idle timeout) for the reaper's index,
+  ``deadline_at`` for Creating / Starting / Deleting, which the sweep enforces;
+* settles the operation waiting on the replica (``operation_id``): when the
+  replica reaches Idle, Allocated, Dead or Deleted, that operation counts one
+  more done or failed, and finishes when all its parts have.
+
+Three moves have a second, faster form for the batch paths, each a few
+statements for a whole batch instead of a flush per replica, doing exactly the
+bookkeeping :func:`transition` would (the tests check they give the same rows):
+
+* :func:`arrive` - a Creating replica gets its VM: one conditional ``UPDATE``
+  that stamps the same clocks and settles the same operation;
+* :func:`mark_deleting` - Idle replicas become Deleting: one ``UPDATE`` for the
+  rows and one per function for its count;
+* :func:`retire_deleting` - Deleting replicas become Deleted (or Dead with their
+  error): the rows, one ``UPDATE`` per node for its slots, one per operation.
+  Replicas holding a GPU go through :func:`transition`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from sqlalchemy import bindparam, case, delete, func, select, update
+from sqlalchemy.orm import Session, lazyload
+from sqlalchemy.orm.attributes import set_committed_value
+
+from config.settings import Settings
+from workers.clock import now
+from workers.fleet.placement import free_gpu, free_node
+from workers.locks import lock_gpus
+from workers.operations import settle
+from workers.store.models import (
+    COUNTED_STATES,
+    FINAL_STATES,
+    Claim,
+    Function,
+    Node,
+    Replica,
+    ReplicaState,
+)
+
+SETTLING = (ReplicaState.IDLE, ReplicaState.ALLOCATED, ReplicaState.DEAD, ReplicaState.DELETED)
+
+
+# The statements on the spawn path are built once: building a SQLAlchemy statement
+# costs more than running it on SQLite. The UPDATEs run on the session's
+# connection (Core), which costs half of the ORM's bulk-update path; like the
+# ORM with ``synchronize_session=False`` they leave loaded objects as they were
+# (settle reloads the operation when it finishes it), and they do not autoflush:
+# transition flushes the replica itself. Transitions need the replica and its
+# function; node and GPU rows are loaded only when touched.
+_LOCK_REPLICA = (
+    select(Replica)
+    .options(lazyload(Replica.node), lazyload(Replica.gpu))
+    .where(Replica.id == bindparam("replica_id"))
+    .with_for_update(of=Replica)
+)
+_UNCOUNT = (
+    update(Function)
+    .where(Function.id == bindparam("function_id"))
+    .values(replica_count=Function.replica_count - 1, updated_at=Function.updated_at)
+    .execution_options(synchronize_session=False)
+)
+
+
+_ARRIVE = (
+    update(Replica)
+    .where(Replica.id == bindparam("replica_id"),
+           Replica.status == int(ReplicaState.CREATING))
+    .values(
+        vmid=bindparam("vmid"), address=bindparam("address"), status=bindparam("to"),
+        deadline_at=bindparam("deadline_at"), ready_at=bindparam("ready_at"),
+        idle_since=bindparam("ready_at"), reap_at=bindparam("reap_at"),
+        operation_id=bindparam("operation_id"),
+    )
+    .execution_options(synchronize_session=False)
+)
+
+
+def arrive(
+    session: Session,
+    replica_id: str,
+    operation_id: str | None,
+    vm: tuple[str, str],
+    fn: Function,
+    settings: Settings,
+    *,
+    settle_op: bool = True,
+) -> ReplicaState | None:
+    """Record a Creating replica's VM ``(vmid, address)``: Idle, or Starting for guest readiness.
+
+    The same move as :func:`transition` from Creating, in one statement; returns the
+    new state, or None if the row is no longer Creating (nothing changed). With
+    ``settle_op=False`` the caller settles the operation itself (a batch counts all
+    its arrivals in one statement).
+    """
+    at = now()
+    to = ReplicaState.STARTING if fn.readiness == "guest" else ReplicaState.IDLE
+    idle = to == ReplicaState.IDLE
+    done = session.connection().execute(_ARRIVE, {
+        "replica_id": replica_id,
+        "vmid": vm[0],
+        "address": vm[1],
+        "to": int(to),
+        "deadline_at": deadline_for(to, settings, at),
+        "ready_at": at if idle else None,
+        "reap_at": at + timedelta(seconds=idle_timeout(fn, settings)) if idle else None,
+        "operation_id": None if to in SETTLING else operation_id,
+    })
+    if done.rowcount != 1:
+        return None
+    if settle_op and operation_id and to in SETTLING:
+        settle(session, operation_id, ok=True)
+    return to
+
+
+def lock_replica(session: Session, replica_id: str) -> Replica | None:
+    """The replica row, locked until the transaction ends (FOR UPDATE on PostgreSQL)."""
+    return session.scalars(_LOCK_REPLICA, {"replica_id": replica_id}).first()
+
+
+def lock_replica_by_request(session: Session, request_id: str) -> Replica | None:
+    """The replica written for a request id, locked."""
+    return session.scalars(
+        select(Replica).where(Replica.request_id == request_id).with_for_update(of=Replica)
+    ).first()
+
+
+def idle_timeout(fn: Function, settings: Settings) -> float:
+    """The function's idle timeout in seconds."""
+    return fn.idle_timeout_s if fn.idle_timeout_s is not None else settings.idle_timeout_s
+
+
+def deadline_for(state: ReplicaState, settings: Settings, at: datetime) -> datetime | None:
+    """When a replica left in ``state`` counts as stuck."""
+    if state in (ReplicaState.CREATING, ReplicaState.DELETING):
+        return at + timedelta(seconds=settings.creating_deadline_s)
+    if state == ReplicaState.STARTING:
+        return at + timedelta(seconds=settings.boot_deadline_s)
+    return None
+
+
+def transition(
+    session: Session,
+    replica: Replica,
+    to: ReplicaState,
+    settings: Settings,
+    *,
+    error: str | None = None,
+) -> None:
+    """Move a locked replica to ``to`` and do the bookkeeping that goes with it."""
+    at = now()
+    before = ReplicaState(replica.status)
+    if before in FINAL_STATES:
+        raise ValueError(f"replica {replica.id} is {before.label}; final states are never left")
+    replica.status = int(to)
+    replica.deadline_at = deadline_for(to, settings, at)
+    if error is not None:
+        replica.error = error
+    if to == ReplicaState.IDLE:
+        if replica.ready_at is None:
+            replica.ready_at = at
+        if replica.envs_in_use == 0:
+            replica.idle_since = replica.last_used_at or replica.ready_at
+            replica.reap_at = replica.idle_since + timedelta(
+                seconds=idle_timeout(replica.function, settings)
+            )
+    else:
+        replica.idle_since = None
+        replica.reap_at = None
+    if before in COUNTED_STATES and to not in COUNTED_STATES:
+        session.connection().execute(_UNCOUNT, {"function_id": replica.function_id})
+    if to in FINAL_STATES:
+        replica.retired_at = at
+        if replica.envs_in_use:
+            # Claims end with their replica: ``envs_in_use`` counts claim rows, and a row
+            # left behind would make its release (or expiry) count below zero.
+            session.execute(delete(Claim).where(Claim.replica_id == replica.id)
+                            .execution_options(synchronize_session=False))
+        replica.envs_in_use = 0
+        if replica.node_id is not None:
+            free_node(session, replica.node_id)
+        if replica.gpu_id is not None and replica.gpu_slot is not None:
+            free_gpu(session, replica.gpu_id, replica.gpu_mem_mb)
+            replica.gpu_slot = None
+    waiting_op = replica.operation_id if to in SETTLING else None
+    if waiting_op:
+        replica.operation_id = None  # before the flush below: one UPDATE of the row
+    session.flush()
+    if waiting_op:
+        settle(session, waiting_op, ok=to != ReplicaState.DEAD, error=replica.error)
+
+
+def bump_reap_at(session: Session, fn: Function, settings: Settings) -> None:
+    """Recompute ``reap_at`` for a function's Idle replicas (its idle timeout changed)."""
+    seconds = idle_timeout(fn, settings)
+    for replica in session.scalars(
+        select(Replica).where(
+            Replica.function_id == fn.id,
+            Replica.status == ReplicaState.IDLE,
+            Replica.idle_since.is_not(None),
+        )
+    ):
+        assert replica.idle_since is not None
+        replica.reap_at = replica.idle_since + timedelta(seconds=seconds)
+
+
+_MARK_DELETING = (
+    update(Replica)
+    .where(Replica.id.in_(bindparam("ids", expanding=True)),
+           Replica.status == int(ReplicaState.IDLE))
+    .values(status=int(ReplicaState.DELETING), deadline_at=bindparam("deadline_at"),
+            idle_since=None, reap_at=None, operation_id=bindparam("operation_id"))
+    .execution_options(synchronize_session=False)
+)
+_UNCOUNT_MANY = (
+    update(Function)
+    .where(Function.id == bindparam("function_id"))
+    .values(replica_count=Function.replica_count - bindparam("n"),
+            updated_at=Function.updated_at)
+    .execution_options(synchronize_session=False)
+)
+
+
+def mark_deleting(
+    session: Session, settings: Settings, replicas: Sequence[Replica], operation_id: str | None
+) -> None:
+    """Move locked Idle replicas to Deleting, as :func:`transition` would, in two statements."""
+    idle = [r for r in replicas if r.status == ReplicaState.IDLE]
+    if not idle:
+        return
+    session.flush()
+    at = now()
+    deadline = deadline_for(ReplicaState.DELETING, settings, at)
+    session.connection().execute(_MARK_DELETING, {
+        "ids": [r.id for r in idle], "deadline_at": deadline, "operation_id": operation_id})
+    per_function: dict[str, int] = defaultdict(int)
+    for r in idle:
+        per_function[r.function_id] += 1
+        # what the UPDATE wrote, so the loaded objects agree with the rows
+        for key, value in (("status", int(ReplicaState.DELETING)), ("deadline_at", deadline),
+                           ("idle_since", None), ("reap_at", None),
+                           ("operation_id", operation_id)):
+            set_committed_value(r, key, value)
+    session.connection().execute(_UNCOUNT_MANY, [
+        {"function_id": fid, "n": n} for fid, n in per_function.items()])
+
+
+_DELETING = (
+    select(Replica.id, Replica.node_id, Replica.gpu_id, Replica.operation_id,
+           Replica.envs_in_use)
+    .where(Replica.id.in_(bindparam("ids", expanding=True)),
+           Replica.status == int(ReplicaState.DELETING))
+)
+# Counter rows before replicas (workers.locks): the batch's nodes by name, then the
+# replicas, skipping any another transaction holds (it is moving them: left to it).
+_LOCK_NODES = (
+    select(Node.id).where(Node.id.in_(bindparam("ids", expanding=True)))
+    .order_by(Node.name).with_for_update(key_share=True)
+)
+_LOCK_DELETING = _DELETING.with_for_update(skip_locked=True)
+_RETIRE = (
+    update(Replica)
+    .where(Replica.id == bindparam("rid"), Replica.status == int(ReplicaState.DELETING))
+    .values(status=bindparam("to"), error=func.coalesce(bindparam("error"), Replica.error),
+            retired_at=bindparam("at"),
+            envs_in_use=0, deadline_at=None, idle_since=None, reap_at=None,
+            operation_id=None)
+    .execution_options(synchronize_session=False)
+)
+_FREE_NODE_SLOTS = (
+    update(Node)
+    .where(Node.id == bindparam("node_id"))
+    .values(live=case((Node.live >= bindparam("n"), Node.live - bindparam("n")), else_=0))
+    .execution_options(synchronize_session=False)
+)
+
+
+def retire_deleting(
+    session: Session, settings: Settings, errors: dict[str, str | None]
+) -> int:
+    """Retire Deleting replicas: Deleted, or Dead with their error; returns how many.
+
+    The same bookkeeping as :func:`transition`, a few statements for the batch.
+    """
+    if not errors:
+        return 0
+    seen = session.execute(_DELETING, {"ids": list(errors)}).all()
+    node_ids = sorted({row[1] for row in seen if row[1] is not None})
+    if node_ids:
+        session.execute(_LOCK_NODES, {"ids": node_ids}).all()
+    if any(row[2] is not None for row in seen):
+        lock_gpus(session)
+    rows = session.execute(_LOCK_DELETING, {"ids": list(errors)}).all()
+    at = now()
+    params = []
+    slots: dict[str, int] = defaultdict(int)
+    settled: dict[str, int] = defaultdict(int)
+    failed: list[tuple[str, str]] = []
+    claimed: list[str] = []
+    for rid, node_id, gpu_id, op_id, envs_in_use in rows:
+        error = errors[rid]
+        if gpu_id is not None:  # GPU grants are freed one by one, by transition
+            replica = lock_replica(session, rid)
+            if replica is not None:
+                to = ReplicaState.DEAD if error else ReplicaState.DELETED
+                transition(session, replica, to, settings, error=error)
+            continue
+        to = ReplicaState.DEAD if error else ReplicaState.DELETED
+        params.append({"rid": rid, "to": int(to), "error": error, "at": at})
+        if envs_in_use:
+            claimed.append(rid)
+        if node_id is not None:
+            slots[node_id] += 1
+        if op_id and error:
+            failed.append((op_id, error))
+        elif op_id:
+            settled[op_id] += 1
+    if params:
+        session.connection().execute(_RETIRE, params)
+    if claimed:  # claims end with their replica, as in transition
+        session.execute(delete(Claim).where(Claim.replica_id.in_(claimed))
+                        .execution_options(synchronize_session=False))
+    if slots:
+        session.connection().execute(_FREE_NODE_SLOTS, [
+            {"node_id": node_id, "n": n} for node_id, n in slots.items()])
+    for op_id, n in settled.items():
+        settle(session, op_id, ok=True, n=n)
+    for op_id, error in failed:
+        settle(session, op_id, ok=False, error=error)
+    return len(rows)

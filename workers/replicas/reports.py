@@ -1,0 +1,163 @@
+"""Guest reports: who may report on a VM, and READYs that arrive before their VM is recorded.
+
+A guest (or its node agent) tells the registry ``UpdateStatus(vmid, READY)`` when the
+function answers. Two rules keep those reports honest and cheap:
+
+* **Who.** Where the reporting peer's IP is known, a report about a vmid counts only
+  if it comes from that replica's IP or its node's IP (:func:`peer_allowed`); any other
+  peer is refused, so a caller holding the registry token still cannot mark someone
+  else's VM ready or finished.
+* **Early READY.** A READY can beat the agent's CreateReply to corral: the VM runs but
+  no row has its vmid yet. The registry does not hold a thread waiting for the row. It
+  remembers the report as a lease ``ready:<vmid>`` (:func:`remember`; holder: the
+  reporting IP, expiry: ``CORRAL_CREATE_TIMEOUT_S + CORRAL_READY_GRACE_S``) and answers
+  at once. Whatever records the VM calls :func:`apply_early_reports` in the same
+  transaction; a remembered READY then moves the Starting replica to Idle. A VM
+  recorded between the registry's look-up and its write is caught by the registry's
+  own sweep (:func:`apply_reports` on the vmids it remembered), so no READY is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import socket
+from collections.abc import Iterable
+from datetime import datetime
+from urllib.parse import unquote
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from config.settings import Settings
+from workers.clock import now
+from workers.leases import take
+from workers.replicas.lifecycle import transition
+from workers.store.db import Database
+from workers.store.models import Lease, Replica, ReplicaState
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ready:"
+UNKNOWN_PEER = "-"
+_MAX_PLAIN = 64 - len(PREFIX)
+
+
+def lease_name(vmid: str) -> str:
+    """The lease that remembers an early READY for ``vmid`` (hashed when the id is long)."""
+    if len(vmid) <= _MAX_PLAIN:
+        return PREFIX + vmid
+    return PREFIX + "#" + hashlib.sha256(vmid.encode()).hexdigest()[: _MAX_PLAIN - 1]
+
+
+def peer_ip(peer: str) -> str | None:
+    """The IP of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``); None if unknown."""
+    kind, _, rest = unquote(peer or "").partition(":")
+    if kind not in ("ipv4", "ipv6") or ":" not in rest:
+        return None
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    return _normal(host)
+
+
+def _normal(host: str) -> str | None:
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+def _host(address: str | None) -> str:
+    rest = (address or "").split("://", 1)[-1].split("/", 1)[0]
+    if rest.startswith("["):
+        return rest[1:].split("]", 1)[0]
+    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
+
+
+def _ips(host: str) -> set[str]:
+    """The IPs a replica or node host stands for (a name is resolved)."""
+    if not host:
+        return set()
+    literal = _normal(host)
+    if literal is not None:
+        return {literal}
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return set()
+    return {ip for info in infos if (ip := _normal(str(info[4][0]))) is not None}
+
+
+def peer_allowed(peer: str | None, replica: Replica) -> bool:
+    """True if ``peer`` (an IP, or None when unknown) may report on ``replica``."""
+    if not peer:
+        return True
+    allowed = _ips(_host(replica.address))
+    if replica.node is not None:
+        allowed |= _ips(_host(replica.node.address))
+    return peer in allowed
+
+
+def remember(db: Database, settings: Settings, vmid: str, peer: str | None) -> bool:
+    """Store an early READY for ``vmid``; False if another peer's report is already stored."""
+    ttl = settings.create_timeout_s + settings.ready_grace_s
+    with db.transaction() as s:
+        return take(s, lease_name(vmid), peer or UNKNOWN_PEER, ttl)
+
+
+def apply_early_reports(session: Session, settings: Settings, vmids: Iterable[str]) -> int:
+    """Apply the remembered READYs of just-recorded ``vmids`` (Starting -> Idle); how many."""
+    names = {lease_name(v): v for v in vmids}
+    if not names:
+        return 0
+    rows = session.execute(
+        select(Lease.name, Lease.holder).where(Lease.name.in_(names), Lease.expires_at > now())
+    ).all()
+    applied = 0
+    for name, holder in rows:
+        vmid = names[name]
+        replica = session.scalars(
+            select(Replica).where(Replica.vmid == vmid).with_for_update(of=Replica)
+        ).first()
+        if replica is None:
+            continue  # not recorded yet: the report keeps waiting
+        session.execute(delete(Lease).where(Lease.name == name))
+        if replica.status != ReplicaState.STARTING:
+            continue
+        peer = None if holder == UNKNOWN_PEER else holder
+        if not peer_allowed(peer, replica):
+            log.warning("early READY for %s came from %s, not its replica or node: ignored",
+                        vmid, peer)
+            continue
+        transition(session, replica, ReplicaState.IDLE, settings)
+        applied += 1
+    if applied:
+        log.info("applied %d early READY report(s)", applied)
+    return applied
+
+
+def apply_reports(db: Database, settings: Settings, vmids: Iterable[str]) -> set[str]:
+    """Apply remembered READYs whose VM is now recorded; the vmids still waiting."""
+    vmids = list(vmids)
+    if not vmids:
+        return set()
+    with db.transaction() as s:
+        apply_early_reports(s, settings, vmids)
+        names = {lease_name(v): v for v in vmids}
+        left = s.scalars(
+            select(Lease.name).where(Lease.name.in_(names), Lease.expires_at > now())
+        ).all()
+    return {names[n] for n in left}
+
+
+def forget_expired(db: Database, at: datetime | None = None) -> int:
+    """Delete early READYs nobody recorded in time; how many."""
+    with db.transaction() as s:
+        gone = s.execute(
+            delete(Lease)
+            .where(Lease.name.startswith(PREFIX), Lease.expires_at <= (at or now()))
+            .returning(Lease.name)
+        ).all()
+    return len(gone)
