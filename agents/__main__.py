@@ -7,10 +7,16 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+
+from agents import fcdaemon, gpus, lambdo
 
 __all__ = ["AGENTS", "main"]
 
-AGENTS = ("fcdaemon", "lambdo", "gpus")
+_MAINS: dict[str, Callable[[list[str]], int]] = {
+    "fcdaemon": fcdaemon.main, "lambdo": lambdo.main, "gpus": gpus.main,
+}
+AGENTS = tuple(_MAINS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,14 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] not in AGENTS:
         print(f"usage: corral agent {{{','.join(AGENTS)}}} [options]", file=sys.stderr)
         return 0 if args and args[0] in ("-h", "--help") else 2
-    kind, rest = args[0], args[1:]
-    if kind == "fcdaemon":
-        from agents.fcdaemon import main as run
-    elif kind == "lambdo":
-        from agents.lambdo import main as run
-    else:
-        from agents.gpus import main as run
-    return run(rest)
+    return _MAINS[args[0]](args[1:])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import runpy
 import sys
 
 
@@ -39,7 +40,6 @@ def main(argv: list[str]) -> None:
             print(f"cannot exec {args[0]!r}: {exc}", file=sys.stderr)
             os._exit(127)
     elif mode == "module":
-        import runpy
 
         sys.argv = [args[0], *args[1:]]
         sys.path[0] = os.getcwd()  # as with ``python -m``, not this script's directory

@@ -38,6 +38,18 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
+from sqlalchemy import Table, insert, update
+
+from agents.drivers import VMSpec
+from agents.fcdaemon import serve_fcdaemon
+from config.settings import load_settings
+from workers.clock import now
+from workers.maintenance.reaper import reap
+from workers.replicas.claims import claim, release
+from workers.store.db import Database
+from workers.store.migrate import upgrade
+from workers.store.models import COUNTED_STATES, Function, Node, Replica, ReplicaState, new_id
+
 FUNCTIONS = 50
 FAKE_NODES = 50
 AIM = 2.0
@@ -70,21 +82,7 @@ def _sql(value: Any) -> Any:
 
 def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tuple[Any, Any]:
     """A migrated SQLite store holding ``size`` replicas; returns (database, settings)."""
-    from sqlalchemy import Table, insert, update
 
-    from agents.drivers import VMSpec
-    from config.settings import load_settings
-    from workers.clock import now
-    from workers.store.db import Database
-    from workers.store.migrate import upgrade
-    from workers.store.models import (
-        COUNTED_STATES,
-        Function,
-        Node,
-        Replica,
-        ReplicaState,
-        new_id,
-    )
 
     functions_t, nodes_t, replicas_t = (
         cast(Table, m.__table__) for m in (Function, Node, Replica)
@@ -190,8 +188,6 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
 
 def measure(db: Any, settings: Any, claims: int, agent: Any) -> Figures:
     """Claim/release latency and one reaper pass in a built store."""
-    from workers.maintenance.reaper import reap
-    from workers.replicas.claims import claim, release
 
     figures = Figures(replicas=0, build_s=0.0)
     for _ in range(20):  # warm the statement caches
@@ -226,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expired", type=int, default=100)
     args = parser.parse_args(argv)
 
-    from agents.fcdaemon import serve_fcdaemon
 
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-"))
     agent = serve_fcdaemon("127.0.0.1:0")

@@ -36,6 +36,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+import httpx
+from sqlalchemy import select
+
+from config.settings import get_settings
+from protos import fcdaemon_grpc, fcdaemon_pb2
+from stack.redis import free_port, redis_argv
+from tasks import api
+from workers.fleet.nodes import upsert_node
+from workers.functions import deploy, spec_from
+from workers.store.db import get_database
+from workers.store.migrate import upgrade
+from workers.store.models import Replica
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -45,7 +59,6 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _wait_http(url: str, timeout: float = 30.0) -> None:
-    import httpx
 
     deadline = time.monotonic() + timeout
     while True:
@@ -66,7 +79,6 @@ def _free_port() -> int:
 
 async def _load(urls: list[str], n: int, concurrency: int) -> tuple[float, list[float], int]:
     """``n`` GETs over ``urls`` round-robin, ``concurrency`` at once: (req/s, latencies, errors)."""
-    import httpx
 
     latencies: list[float] = []
     errors = 0
@@ -93,9 +105,7 @@ async def _load(urls: list[str], n: int, concurrency: int) -> tuple[float, list[
 
 def _agent_create_times(agent: str, count: int) -> list[float]:
     """CreateReplica straight to the agent, each timed until its replica answers HTTP."""
-    import grpc
 
-    from protos import fcdaemon_grpc, fcdaemon_pb2
 
     stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(agent))
     times: list[float] = []
@@ -123,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", type=int, default=20, help="cold starts measured")
     args = parser.parse_args(argv)
 
-    from stack.redis import free_port, redis_argv
 
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))
     redis_port = free_port()
@@ -142,11 +151,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         start("redis", redis_argv(tmp, redis_port))
-        from tasks import api
-        from workers.fleet.nodes import upsert_node
-        from workers.functions import deploy, spec_from
-        from workers.store.db import get_database
-        from workers.store.migrate import upgrade
 
         db = get_database(env["CORRAL_DATABASE_URL"])
         upgrade(db)
@@ -161,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                           f"127.0.0.1:{gw_port}"])
         gateway = f"http://127.0.0.1:{gw_port}"
         _wait_http(gateway + "/healthz")
-        from config.settings import get_settings
 
         settings = get_settings()
         with db.transaction() as s:
@@ -174,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         view = api.wait(api.spawn("hello", args.replicas), timeout=120)
         if view["status"] != "succeeded":
             raise RuntimeError(f"warm replicas did not start: {view}")
-        from sqlalchemy import select
 
-        from workers.store.models import Replica
 
         with db.read() as s:
             addresses = [a for a in s.scalars(select(Replica.address)) if a]
@@ -190,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
 
         create = _agent_create_times(f"127.0.0.1:{agent_port}", args.cold)
         cold: list[float] = []
-        import httpx
 
         for i in range(args.cold):
             t0 = time.perf_counter()

@@ -35,6 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
+from sqlalchemy import insert, select, update
+from sqlalchemy.engine import make_url
+
+from workers.fleet.placement import FITS, POLICIES, reserve_gpu, reserve_node
+from workers.store.db import Database
+from workers.store.migrate import upgrade
+from workers.store.models import Function, Gpu, Node, Replica, ReplicaState, new_id
+
 SMALL = (10, 40)
 LARGE = (1_000, 4_000)
 GPU_MEM_MB = 16_000
@@ -53,9 +62,7 @@ class Timing:
 
 def populate(db: Any, nodes: int, gpus: int, seed: int = 7) -> str:
     """Fill a migrated store with a partly used fleet; returns the function's id."""
-    from sqlalchemy import insert
 
-    from workers.store.models import Function, Gpu, Node, Replica, ReplicaState, new_id
 
     rng = random.Random(seed)
     fn_id = new_id()
@@ -104,10 +111,7 @@ def populate(db: Any, nodes: int, gpus: int, seed: int = 7) -> str:
 
 def decide(db: Any, fn_id: str, policy: str, fit: str, pinned: str | None) -> None:
     """One begin_spawn-equivalent placement decision, rolled back."""
-    from sqlalchemy import update
 
-    from workers.fleet.placement import reserve_gpu, reserve_node
-    from workers.store.models import Function, Replica, ReplicaState, new_id
 
     with db.session() as s:
         s.begin()
@@ -133,9 +137,7 @@ def decide(db: Any, fn_id: str, policy: str, fit: str, pinned: str | None) -> No
 
 def _pins(db: Any) -> list[str]:
     """Ids of the nodes a ``spread`` spawn could be pinned to."""
-    from sqlalchemy import select
 
-    from workers.store.models import Node
 
     with db.read() as s:
         return list(s.scalars(select(Node.id).where(
@@ -172,8 +174,6 @@ def _stores(url: str | None, tmp: Path) -> tuple[str, str, Callable[[], None]]:
     if url is None:
         small, large = (f"sqlite:///{tmp / f'{n}.sqlite'}" for n in ("small", "large"))
         return small, large, lambda: None
-    import psycopg
-    from sqlalchemy.engine import make_url
 
     base = make_url(url)
     names = [f"corral_bench_{size}_{int(time.time())}" for size in ("small", "large")]
@@ -199,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", help="a PostgreSQL server URL (default: SQLite files)")
     args = parser.parse_args(argv)
 
-    from workers.store.db import Database
-    from workers.store.migrate import upgrade
 
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-placement-"))
@@ -225,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(fleets: dict[str, tuple[Any, str]], n: int, kind: str) -> float:
     """Time every policy and fit on both fleets, print a table; returns the worst ratio."""
-    from workers.fleet.placement import FITS, POLICIES
 
     print(f"placement decision time on {kind}: small = {SMALL[0]} nodes / {SMALL[1]} GPUs, "
           f"large = {LARGE[0]} nodes / {LARGE[1]} GPUs; {n} decisions per case")

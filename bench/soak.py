@@ -51,6 +51,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,35 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy import func, select
+
+from agents.faults import Fault
+from agents.fcdaemon import serve_fcdaemon
+from agents.lambdo import serve_lambdo
+from config.settings import get_settings, reset_settings
+from tasks import api
+from tasks.api import database
+from tests.celery_workers import WorkerProcess, start_beat
+from tests.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
+from workers import backends
+from workers.celery import configure
+from workers.errors import InputError
+from workers.fleet.nodes import upsert_node
+from workers.functions import deploy, spec_from
+from workers.maintenance.audit import audit
+from workers.replicas.claims import NoIdleReplica
+from workers.store.db import get_database
+from workers.store.migrate import upgrade
+from workers.store.models import (
+    LIVE_STATES,
+    OP_FINISHED,
+    Claim,
+    Node,
+    Operation,
+    Replica,
+    ReplicaState,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_KINDS = ("worker_kill", "redis_stop", "postgres_restart", "agent_stop", "agent_delay")
@@ -219,7 +249,6 @@ class Fleet:
 
     def start(self) -> None:
         """Start PostgreSQL, Redis, the registry, the nodes, the workers and beat."""
-        from tests.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
 
         self.redis = RedisServer(self.tmp / "redis")
         (self.tmp / "redis").mkdir()
@@ -239,13 +268,9 @@ class Fleet:
             "CORRAL_EAGER": "0",
         }
         os.environ.update(self.env)
-        from config.settings import get_settings, reset_settings
-        from workers.celery import configure
-        from workers.store.migrate import upgrade
 
         reset_settings()
         configure(get_settings())
-        from tasks.api import database
 
         upgrade(self._db())
         database()
@@ -257,20 +282,14 @@ class Fleet:
         self._deploy_all()
         for i in range(WORKERS):
             self.workers.append(self._new_worker(i))
-        from tests.celery_workers import start_beat
 
         self.beat = start_beat(self.logs, "soak", self.env)
 
     def _db(self) -> Any:
-        from config.settings import get_settings
-        from workers.store.db import get_database
 
         return get_database(get_settings().database_url)
 
     def _start_nodes(self) -> None:
-        from agents.lambdo import serve_lambdo
-        from tests.services import free_port
-        from workers.fleet.nodes import upsert_node
 
         for i in range(3):
             port = free_port()
@@ -284,14 +303,11 @@ class Fleet:
             upsert_node(s, self.lambdo.url, name="soak-lambdo", kind="lambdo", capacity=40)
 
     def _serve_agent(self, i: int, port: int, driver: Any) -> Any:
-        from agents.fcdaemon import serve_fcdaemon
 
         return serve_fcdaemon(f"127.0.0.1:{port}", driver=driver, registry=self.registry_addr,
                               node_id=f"soak-fc{i + 1}", heartbeat=2.0)
 
     def _deploy_all(self) -> None:
-        from config.settings import get_settings
-        from workers.functions import deploy, spec_from
 
         with self._db().transaction() as s:
             for name in FUNCTIONS:
@@ -299,15 +315,12 @@ class Fleet:
 
     def redeploy(self, name: str, build: int) -> None:
         """Deploy ``name`` again with a new build (the reaper retires the old replicas)."""
-        from config.settings import get_settings
-        from workers.functions import deploy, spec_from
 
         with self._db().transaction() as s:
             deploy(s, spec_from(name=name, **SPECS[name], env={"BUILD": str(build)}),
                    get_settings())
 
     def _new_worker(self, slot: int) -> Any:
-        from tests.celery_workers import WorkerProcess
 
         self.generation += 1
         worker = WorkerProcess(self.logs, concurrency=2, name=f"w{slot + 1}g{self.generation}",
@@ -355,7 +368,6 @@ class Fleet:
 
     def delay_agent(self, i: int, seconds: float, delay: float = 2.0) -> None:
         """Delay agent ``i``'s replies by ``delay`` seconds for ``seconds``."""
-        from agents.faults import Fault
 
         agent = self.agents[i]
         for method in DELAYED_METHODS:
@@ -433,8 +445,6 @@ class Load:
 
     def attempt(self, what: str, action: Callable[[], None]) -> None:
         """Run one action; count a refusal or an error instead of stopping."""
-        from workers.errors import InputError
-        from workers.replicas.claims import NoIdleReplica
 
         try:
             action()
@@ -448,13 +458,11 @@ class Load:
 
     def spawn(self) -> None:
         """Ask for one or two more replicas of a random function."""
-        from tasks import api
 
         self._track(api.spawn(self.rng.choice(FUNCTIONS), self.rng.randint(1, 2)), "spawn")
 
     def scale(self) -> None:
         """Scale a random function to a random target in [min, 6]."""
-        from tasks import api
 
         name = self.rng.choice(FUNCTIONS)
         self._track(api.scale(name, self.rng.randint(1 if name == "soak-a" else 0, 6)),
@@ -462,10 +470,7 @@ class Load:
 
     def delete(self) -> None:
         """Delete a random Idle or Creating replica."""
-        from sqlalchemy import select
 
-        from tasks import api
-        from workers.store.models import Replica, ReplicaState
 
         with self.fleet._db().read() as s:
             ids = list(s.scalars(select(Replica.id).where(
@@ -475,7 +480,6 @@ class Load:
 
     def claim(self) -> None:
         """Claim an environment of a random function; it is released 1-4 s later."""
-        from tasks import api
 
         got = api.claim(self.rng.choice(FUNCTIONS))
         self.results.claims["claimed"] += 1
@@ -483,7 +487,6 @@ class Load:
 
     def release_due(self, everything: bool = False) -> None:
         """Release the claims whose time has come (all of them with ``everything``)."""
-        from tasks import api
 
         now = time.monotonic()
         keep = []
@@ -553,19 +556,7 @@ class Faults:
 
 def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, list[str]]]:
     """Every invariant's violations now, with a few examples of each."""
-    from sqlalchemy import func, select
 
-    from config.settings import get_settings
-    from workers import backends
-    from workers.maintenance.audit import audit
-    from workers.store.models import (
-        LIVE_STATES,
-        OP_FINISHED,
-        Claim,
-        Node,
-        Operation,
-        Replica,
-    )
 
     settings = get_settings()
     db = fleet._db()
@@ -620,9 +611,7 @@ def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, lis
 
 def figures(fleet: Fleet, results: Results) -> None:
     """Fill in per-minute counts, final states and spawn completion percentiles."""
-    from sqlalchemy import select
 
-    from workers.store.models import Operation
 
     with fleet._db().read() as s:
         rows = {r.id: r for r in s.scalars(
@@ -657,7 +646,6 @@ def figures(fleet: Fleet, results: Results) -> None:
 
 def _reason(error: str) -> str:
     """An operation's error without its ids and counts, so alike failures group together."""
-    import re
 
     text = error.split("first: ", 1)[-1]
     return re.sub(r"[0-9a-f]{32}(\.[0-9.]+)?|\b\d+(\.\d+)?\b", "#", text)[:100]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,23 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psycopg
+from celery.result import ResultSet
+
+from agents.drivers import MemoryDriver, VMSpec
+from agents.fcdaemon import serve_fcdaemon
+from bench.plain import make_app
+from config.settings import get_settings, reset_settings
+from stack.redis import free_port, redis_argv
+from tasks import api
+from tests.services import PostgresServer, make_shared_tempdir
+from workers.celery import configure
+from workers.fleet.nodes import upsert_node
+from workers.functions import deploy, spec_from
+from workers.store.db import get_database
+from workers.store.migrate import upgrade
+from workers.store.models import Node
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOW_NODES = 10
@@ -127,11 +145,9 @@ def _timed_op(api: Any, start: Any, what: str) -> float:
 
 def _postgres(url: str | None, tmp: Path) -> tuple[str, Any]:
     """A fresh PostgreSQL database: on ``url``'s server, or on a throwaway server."""
-    import psycopg
 
     server = None
     if url is None:
-        from tests.services import PostgresServer, make_shared_tempdir
 
         server = PostgresServer(make_shared_tempdir("corral-bench-pg-"))
         server.start()
@@ -145,7 +161,6 @@ def _postgres(url: str | None, tmp: Path) -> tuple[str, Any]:
 
 def run_once(args: argparse.Namespace) -> Run:
     """One full run: baseline, P1, delete, reap, P5; returns its figures."""
-    from stack.redis import free_port, redis_argv
 
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-"))
     port = free_port()
@@ -174,15 +189,6 @@ def run_once(args: argparse.Namespace) -> Run:
         _wait_port(port)
         run.rates["baseline"], run.seconds["baseline"] = _baseline(args, env, tmp)
 
-        from agents.fcdaemon import serve_fcdaemon
-        from config.settings import get_settings, reset_settings
-        from tasks import api
-        from workers.celery import configure
-        from workers.fleet.nodes import upsert_node
-        from workers.functions import deploy, spec_from
-        from workers.store.db import get_database
-        from workers.store.migrate import upgrade
-        from workers.store.models import Node
 
         reset_settings()
         configure(get_settings())  # this run's broker, not an earlier run's
@@ -242,9 +248,7 @@ def run_once(args: argparse.Namespace) -> Run:
 
 def _baseline(args: argparse.Namespace, env: dict[str, str], tmp: Path) -> tuple[float, float]:
     """The plain Celery app's no-op rate: n tasks over one producer, join_native()."""
-    from celery.result import ResultSet
 
-    from bench.plain import make_app
 
     app = make_app(env["BENCH_BROKER_URL"], env["BENCH_RESULT_BACKEND"])
     noop = app.tasks["plain.noop"]
@@ -266,7 +270,6 @@ class SlowDriver:
 
     def __new__(cls) -> Any:
         """A :class:`agents.drivers.MemoryDriver` whose ``start`` sleeps first."""
-        from agents.drivers import MemoryDriver, VMSpec
 
         class _Slow(MemoryDriver):
             def start(self, spec: VMSpec) -> Any:
@@ -343,7 +346,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _wait_port(port: int) -> None:
-    import socket
 
     for _ in range(100):
         try:

@@ -26,8 +26,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
+
+from config.settings import get_settings, hide_url_password, load_settings
 from stack.redis import free_port, redis_argv
 from stack.supervisor import Child, Supervisor
+from workers.fleet.nodes import upsert_node
+from workers.store.db import get_database
+from workers.store.migrate import safe_url, upgrade
+from workers.store.models import Node
 
 DEFAULT_PORTS = {"redis": 6379, "registry": 50052, "flower": 5555, "fcdaemon": 50051,
                  "lambdo": 3000, "gateway": 8080, "metrics": 9808}
@@ -120,7 +127,6 @@ def _start(
     options: UpOptions, state: Path, logs: Path, sup: Supervisor
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Start every service; returns (settings the CLI should use, where services listen)."""
-    from config.settings import load_settings
 
     base = load_settings()  # validates CORRAL_* now, naming any bad one
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
@@ -140,8 +146,6 @@ def _start(
     database = os.environ.get("CORRAL_DATABASE_URL") or f"sqlite:///{state / 'corral.sqlite'}"
     published["database_url"] = database
 
-    from workers.store.db import get_database
-    from workers.store.migrate import safe_url, upgrade
 
     before, after = upgrade(get_database(database))
     _say(f"database {safe_url(database)} at revision {after}"
@@ -217,19 +221,13 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _node_registered(database: str, external_id: str) -> bool:
-    from sqlalchemy import select
 
-    from workers.store.db import get_database
-    from workers.store.models import Node
 
     with get_database(database).read() as s:
         return s.scalar(select(Node.id).where(Node.external_id == external_id)) is not None
 
 
 def _add_lambdo_node(database: str, url: str) -> None:
-    from config.settings import get_settings
-    from workers.fleet.nodes import upsert_node
-    from workers.store.db import get_database
 
     with get_database(database).transaction() as s:
         upsert_node(s, url, name="local-lambdo", kind="lambdo",
@@ -238,7 +236,6 @@ def _add_lambdo_node(database: str, url: str) -> None:
 
 def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
              options: UpOptions) -> None:
-    from config.settings import hide_url_password
 
     lines = [
         "corral is up",

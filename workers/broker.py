@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 
 __all__ = ["Channel", "Transport", "install"]
@@ -51,7 +52,6 @@ class Transport(kombu_redis.Transport):
 
 def install() -> None:
     """Make ``redis://`` and ``rediss://`` broker URLs use :class:`Transport` in this process."""
-    from kombu.transport import TRANSPORT_ALIASES
 
     for scheme in SCHEMES:
         TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"

@@ -44,8 +44,12 @@ from celery.exceptions import TaskPredicate
 from config.celery import celery_config
 from config.settings import Settings, get_settings
 from workers import broker
+from workers.backends.fcdaemon import reset_channels
+from workers.backends.lambdo import reset_client
 from workers.errors import InputError
+from workers.operations import describe_error, fail_op
 from workers.store.db import Database, get_database, is_transient
+from workers.store.migrate import SchemaError, check_schema
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +105,11 @@ class CorralTask(Task):  # type: ignore[misc]
 
     def _fail(self, op_id: Any, exc: Exception) -> None:
         """End the operation of a task that raised: failed, with the redacted error."""
-        from workers.operations import describe_error
 
         message = f"{self.name}: {describe_error(exc)}"
         log.error("task %s failed: %s", self.request.id, message)
         if not isinstance(op_id, str):
             return
-        from workers.operations import fail_op
 
         try:
             fail_op(self.db, op_id, message)
@@ -118,7 +120,6 @@ class CorralTask(Task):  # type: ignore[misc]
         message = f"{self.name}: {reason}"
         log.error("rejected task %s: %s", self.request.id, message)
         if isinstance(op_id, str):
-            from workers.operations import fail_op
 
             try:
                 fail_op(self.db, op_id, message)
@@ -206,8 +207,6 @@ app = create_app()
 @signals.worker_process_init.connect
 def _fresh_resources(**_: Any) -> None:
     """Drop resources inherited from the parent: each pool process makes its own."""
-    from workers.backends.fcdaemon import reset_channels
-    from workers.backends.lambdo import reset_client
 
     get_database(get_settings().database_url).dispose()
     reset_channels()
@@ -217,7 +216,6 @@ def _fresh_resources(**_: Any) -> None:
 @signals.worker_init.connect
 def _check_schema(**_: Any) -> None:
     """Refuse to start a worker on a database that is not migrated."""
-    from workers.store.migrate import SchemaError, check_schema
 
     try:
         check_schema(get_database(get_settings().database_url))

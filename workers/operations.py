@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from sqlalchemy import bindparam, select, update
+from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
 
 from workers.clock import iso, now
@@ -68,7 +69,6 @@ def describe_error(exc: BaseException) -> str:
 
     A database error shows its driver's message, never the statement or its parameters.
     """
-    from sqlalchemy.exc import StatementError
 
     inner = exc.orig if isinstance(exc, StatementError) and exc.orig is not None else exc
     lines = str(inner).strip().splitlines()

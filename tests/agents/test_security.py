@@ -17,7 +17,12 @@ import pytest
 from google.protobuf import empty_pb2
 
 from agents.drivers import ProcessDriver
+from agents.fcdaemon import build_parser as fc
+from agents.gpus import build_parser as gp
+from agents.lambdo import build_parser as lb
 from agents.lambdo import serve_lambdo
+from agents.runtime import is_loopback, split_hostport
+from config.settings import Settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,11 +204,6 @@ def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
 
 
 def test_default_listen_addresses_are_loopback() -> None:
-    from agents.fcdaemon import build_parser as fc
-    from agents.gpus import build_parser as gp
-    from agents.lambdo import build_parser as lb
-    from agents.runtime import is_loopback, split_hostport
-    from config.settings import Settings
 
     for parser in (fc(), gp(), lb()):
         assert is_loopback(split_hostport(parser.parse_args([]).listen)[0])

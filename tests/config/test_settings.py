@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from config.settings import ConfigError, load_settings
+from config.settings import ConfigError, load_settings, reset_settings
+from tasks.cli import main
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +53,6 @@ def test_a_bad_setting_is_named(
 def test_cli_reports_a_bad_setting_in_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from config.settings import reset_settings
-    from tasks.cli import main
 
     monkeypatch.setenv("CORRAL_HEALTH_MISSES", "often")
     reset_settings()

@@ -13,24 +13,30 @@ import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from tasks import api
+from tasks.replicas import scale, spawn
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas, spawn_ok
 from tests.workers.replicas.helpers import at_once
-from workers import backends, leases
-from workers.fleet import health
+from workers import backends, clock, leases
+from workers.fleet import health, placement
+from workers.maintenance.reaper import reap
 from workers.maintenance.reconcile import below_min, reconcile
 from workers.operations import create_operation, fail_operation
+from workers.replicas import actions as replica_logic
 from workers.replicas.actions import (
+    SpawnJob,
     begin_spawn,
     create_vm,
     finish_spawn,
+    place,
     plan_scale,
     plan_spawn,
 )
-from workers.store.models import Function, Node, ReplicaState
+from workers.replicas.claims import claim, release
+from workers.store.models import Claim, Function, Node, ReplicaState
 
 
 @pytest.fixture
@@ -131,7 +137,6 @@ def test_two_concurrent_scales_to_five_plan_five_replicas(
 
 def _resend(op_id: str) -> str:
     """Run an operation's first task again (eager): a redelivery."""
-    from tasks.replicas import scale
 
     scale.delay(op_id)
     return op_id
@@ -170,7 +175,6 @@ def test_a_redelivered_spread_spawn_keeps_its_node_list(
 def test_a_task_for_a_failed_operation_does_nothing(
     corral_env: Env, start_agents: StartAgents, kind: str
 ) -> None:
-    from tasks.replicas import scale, spawn
 
     (agent,) = start_agents(1)
     deploy_fn(corral_env)
@@ -224,9 +228,6 @@ def test_overlapping_health_passes_count_one_miss(
 def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
     pg_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workers.fleet import placement
-    from workers.replicas import actions as replica_logic
-    from workers.replicas.actions import SpawnJob, place
 
     start_agents(2)
     deploy_fn(pg_env, name="f1")
@@ -268,7 +269,6 @@ def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
 
 
 def test_postgres_connections_carry_lock_and_statement_timeouts(pg_env: Env) -> None:
-    from sqlalchemy import text
 
     settings = pg_env.set(db_lock_timeout_s="2.5", db_statement_timeout_s="40")
     pg_env.db.dispose()
@@ -285,10 +285,6 @@ def test_postgres_connections_carry_lock_and_statement_timeouts(pg_env: Env) -> 
 def test_a_claim_on_a_replica_deleted_under_it_ends_with_it(
     store: Env, start_agents: StartAgents, ends: str
 ) -> None:
-    from workers import clock
-    from workers.maintenance.reaper import reap
-    from workers.replicas.claims import claim, release
-    from workers.store.models import Claim
 
     start_agents(1)
     deploy_fn(store)

@@ -18,7 +18,7 @@ from tests.fixtures import Env
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.registry.service import serve_registry
-from workers.store.models import Node, Replica, ReplicaState
+from workers.store.models import Node, Operation, Replica, ReplicaState
 
 AWS_ID = "AKIATESTSECRETKEY123"
 AWS_SECRET = "verySecret/Value+ThatMustNotLeak"
@@ -110,7 +110,6 @@ def test_aws_keys_never_leave_the_store(
             assert secret not in shown
             assert secret not in caplog.text
         with corral_env.db.read() as s:
-            from workers.store.models import Operation
 
             for op in s.scalars(select(Operation)):
                 assert AWS_ID not in str(op.params) + str(op.result) + str(op.error)

@@ -20,6 +20,7 @@ from tests.celery_workers import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from tests.services import RedisServer
+from workers.fleet.health import check_health
 from workers.store.models import Node, Replica, ReplicaState
 
 SHORT = {  # a short visibility timeout so redelivery happens within the test
@@ -112,7 +113,6 @@ def test_agent_down_for_good_moves_the_replica_to_a_node_that_answers(
     assert nodes["node1"].create_failures == 1 and nodes["node1"].misses == 1
     assert "UNAVAILABLE" in (nodes["node1"].last_error or "")
     assert nodes["node1"].live == 0 and nodes["node2"].live == 1
-    from workers.fleet.health import check_health
 
     check_health(thread_worker.db, thread_worker.settings)  # second miss
     with thread_worker.db.read() as s:

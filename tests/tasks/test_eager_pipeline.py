@@ -7,11 +7,13 @@ import pytest
 from sqlalchemy import select
 
 from agents.faults import Fault
+from protos import fcdaemon_pb2
 from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from tests.helpers import replicas as replica_rows
-from workers.store.models import Node, Replica, ReplicaState
+from workers.replicas import actions as replicas
+from workers.store.models import Function, Node, Replica, ReplicaState
 
 
 def test_spawn_five_on_two_nodes_places_three_and_two(
@@ -122,7 +124,6 @@ def test_agent_that_never_answers_fails_naming_the_node(
 
 
 def test_empty_vmid_is_a_permanent_failure(corral_env: Env, start_agents: StartAgents) -> None:
-    from protos import fcdaemon_pb2
 
     (agent,) = start_agents(1)
     deploy_fn(corral_env)
@@ -146,8 +147,6 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     """Delete while the agent is still creating: the late VM is torn down, no orphan."""
-    from workers.replicas import actions as replicas
-    from workers.store.models import Function
 
     (agent,) = start_agents(1)
     deploy_fn(corral_env)

@@ -12,6 +12,9 @@ from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
+from workers.celery import app
+from workers.functions import get_function
+from workers.operations import create_operation
 from workers.store.models import Replica, ReplicaState
 
 
@@ -37,7 +40,6 @@ def test_spawn_scale_delete_through_a_thread_worker(
 
 def _publish_raw(env: Env, task: str, args: list[object], queue: str) -> str:
     """Put a task message on a queue by hand, as a second delivery of the same request would."""
-    from workers.celery import app
 
     task_id = uuid.uuid4().hex
     app.send_task(task, args=args, queue=queue, task_id=task_id, ignore_result=True)
@@ -52,8 +54,6 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     deploy_fn(thread_worker)
     # An operation of one replica, and its spawn_replica message published twice.
     with thread_worker.db.transaction() as s:
-        from workers.functions import get_function
-        from workers.operations import create_operation
 
         fn = get_function(s, "hello")
         op = create_operation(s, "spawn", {"function": "hello", "count": 1},
@@ -96,7 +96,6 @@ def test_malformed_task_message_fails_the_operation_and_worker_lives(
     start_agents(1, env=thread_worker)
     deploy_fn(thread_worker)
     with thread_worker.db.transaction() as s:
-        from workers.operations import create_operation
 
         op = create_operation(s, "spawn", {"function": "hello", "count": 1}, total=1)
     _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 42], "corral.spawn")

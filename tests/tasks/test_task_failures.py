@@ -9,10 +9,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from tasks import api
 from tasks.cli import main
+from tasks.replicas import spawn
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from workers.operations import create_operation, describe_error, settle
@@ -47,7 +49,6 @@ def test_a_raising_task_fails_its_operation_and_wait_returns_with_the_error(
 
 def api_ops(env: Env) -> list[Operation]:
     """Every operation, oldest first."""
-    from sqlalchemy import select
 
     with env.db.read() as s:
         return list(s.scalars(select(Operation).order_by(Operation.created_at)))
@@ -74,7 +75,6 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
 
 
 def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) -> None:
-    from tasks.replicas import spawn
 
     function_id = deploy_fn(store_env)
     with store_env.db.transaction() as s:

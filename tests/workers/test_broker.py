@@ -19,6 +19,7 @@ from kombu.transport import redis as kombu_redis
 
 from tests.services import RedisServer
 from workers.broker import Transport
+from workers.celery import app
 
 DB = 13  # a database of its own on the session's Redis
 
@@ -74,7 +75,6 @@ def test_kombus_own_channel_still_has_the_bug(broker_url: str) -> None:
 
 
 def test_redis_urls_keep_their_scheme_and_use_corrals_transport() -> None:
-    from workers.celery import app
 
     with app.connection_for_write() as connection:
         assert isinstance(connection.transport, Transport)

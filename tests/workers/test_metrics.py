@@ -18,6 +18,7 @@ from sqlalchemy import update
 from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.services import free_port
+from workers.autoscale.passes import run_pass
 from workers.errors import InputError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
@@ -156,7 +157,6 @@ def test_a_scrape_reports_the_store_and_redis_as_they_are(
 def test_the_reaper_and_the_autoscaler_feed_their_metrics(
     env: Env, exporter: RunningExporter, start_agents: StartAgents, redis_url: str
 ) -> None:
-    from workers.autoscale.passes import run_pass
 
     start_agents(1, env=env)
     with env.db.transaction() as s:

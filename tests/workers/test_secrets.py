@@ -17,9 +17,13 @@ from sqlalchemy import select
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from config.settings import load_settings
+from protos import fcdaemon_pb2
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env
+from workers.backends.fcdaemon import AgentClient, TlsFiles
+from workers.backends.lambdo import LambdoClient
+from workers.errors import BackendError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Function, Node, Operation, Replica
@@ -125,10 +129,6 @@ def test_the_stack_file_is_trusted_only_if_ours_and_private(
 def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
     caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    from protos import fcdaemon_pb2
-    from workers.backends.fcdaemon import AgentClient, TlsFiles
-    from workers.backends.lambdo import LambdoClient
-    from workers.errors import BackendError
 
     caplog.set_level(logging.WARNING, logger="workers.untrusted")
     AgentClient("127.0.0.1:1", token="t", shared=False).close()  # loopback: fine

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf import empty_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from workers.backends import inflight
@@ -267,7 +269,6 @@ class AgentClient(_AgentCalls):
 
     def list_replicas(self) -> list[AgentVm]:
         """The VMs the agent runs (extension; raises :class:`Unsupported` if absent)."""
-        from google.protobuf import empty_pb2
 
         reply = self._call("ListReplicas", empty_pb2.Empty(), self.timeout_s)
         return [
@@ -287,7 +288,6 @@ class AgentClient(_AgentCalls):
         An agent without the health service is probed with a ListReplicas call and
         counts as healthy if it answers at all (even UNIMPLEMENTED).
         """
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         stub = health_pb2_grpc.HealthStub(self._channel)
         try:

@@ -29,11 +29,13 @@ import re
 from typing import Any
 
 import grpc
+from google.protobuf import empty_pb2
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
+from protos import gpuresc_grpc
 from workers.backends.fcdaemon import RETRYABLE_CODES
 from workers.clock import iso
 from workers.errors import (
@@ -75,9 +77,7 @@ def server_address(address: str) -> str:
 
 def fetch_gpus(address: str, timeout_s: float, token: str | None = None) -> dict[str, int]:
     """Ask a GPU server's ``GetGPUResource`` for its GPUs (UUID -> MB), with the agent token."""
-    from google.protobuf import empty_pb2
 
-    from protos import gpuresc_grpc
 
     with grpc.insecure_channel(address) as channel:
         stub = gpuresc_grpc.GPURescStub(channel)

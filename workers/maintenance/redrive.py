@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
+from workers.operations import fail_operation
 from workers.store.db import Database
 from workers.store.models import OP_OPEN, Operation
 
@@ -104,7 +105,6 @@ def give_up(
     That is: re-sent :data:`REDRIVE_MAX` times (or of a kind not in ``resendable``,
     never re-sent) and unmoved for ``CORRAL_REDRIVE_AFTER_S`` x 2^REDRIVE_MAX since.
     """
-    from workers.operations import fail_operation
 
     at = now()
     wait = timedelta(seconds=settings.redrive_after_s) * (2**REDRIVE_MAX)

@@ -47,6 +47,7 @@ from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers import dispatch
 from workers.errors import CorralError, InputError
+from workers.fleet.gpus import manager_info
 from workers.fleet.nodes import default_name, normalize_address, upsert_node
 from workers.replicas import reports
 from workers.replicas.claims import finish_oldest
@@ -248,7 +249,6 @@ class Registry:
 
     def manager_info(self, vmid: str) -> tuple[str, str, int] | None:
         """(GPU uuid, manager address, worker port) given to the replica with this vmid."""
-        from workers.fleet.gpus import manager_info
 
         with self.db.read() as s:
             return manager_info(s, vmid)

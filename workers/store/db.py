@@ -21,8 +21,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
+
+from config.settings import get_settings
 
 
 class Database:
@@ -92,7 +95,6 @@ def pg_options(lock_timeout_s: float, statement_timeout_s: float) -> str:
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         return _sqlite_engine(url)
-    from config.settings import get_settings
 
     settings = get_settings()
     # hide_parameters: a database error's text (logged, or an operation's error) never
@@ -142,7 +144,6 @@ TRANSIENT_SQLSTATES = frozenset({"40P01", "40001", "55P03", "57014", "57P01", "5
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a database error may pass if the transaction is simply tried again."""
-    from sqlalchemy.exc import DBAPIError, OperationalError
 
     if not isinstance(exc, DBAPIError):
         return False

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from agents.faults import Fault
+from protos import fcdaemon_pb2
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
 
@@ -76,8 +78,6 @@ def test_remove_refuses_with_replicas_unless_forced(
 def test_failed_wait_exits_non_zero(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from agents.faults import Fault
-    from protos import fcdaemon_pb2
 
     (agent,) = start_agents(1)
     assert main(["functions", "deploy", "hello", "--image", "i", "--kernel", "/k"]) == 0

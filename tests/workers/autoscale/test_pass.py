@@ -16,7 +16,8 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from workers.autoscale import demand
 from workers.autoscale.passes import LOCK_KEY, ScaleFn, run_pass, state_key
-from workers.functions import deploy, spec_from
+from workers.errors import InputError
+from workers.functions import deploy, function_view, spec_from
 from workers.store.models import Function, Operation, Replica, ReplicaState
 
 FAST = {"autoscale_stable_window_s": "10", "autoscale_panic_window_s": "2"}
@@ -147,8 +148,6 @@ def test_scale_to_zero_after_no_requests(env: Env, start_agents: StartAgents,
 
 
 def test_deploy_options_and_their_bad_input(corral_env: Env) -> None:
-    from workers.errors import InputError
-    from workers.functions import function_view
 
     fn_deploy(corral_env, "a", autoscale=True, scale_to_zero_after=30.0)
     with corral_env.db.read() as s:

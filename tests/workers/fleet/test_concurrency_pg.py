@@ -16,7 +16,9 @@ from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn
 from tests.workers.fleet.helpers import audit_gpus
 from workers.fleet.gpus import add_gpu_server
+from workers.functions import get_function
 from workers.maintenance.audit import audit
+from workers.replicas.actions import begin_spawn
 from workers.store.models import LIVE_STATES, Gpu, Node, Replica, ReplicaState
 
 FUNCTIONS = {"small": 3000, "medium": 5000, "large": 7000}
@@ -115,8 +117,6 @@ def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
 def test_roundrobin_stays_even_under_concurrent_spawns(
     pg_env: Env, start_agents: StartAgents
 ) -> None:
-    from workers.functions import get_function
-    from workers.replicas.actions import begin_spawn
 
     start_agents(3, env=pg_env)
     deploy_fn(pg_env, "rr", placement="roundrobin")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select, update
 
+from bench.placement import decide, populate
 from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import live, per_node
 from workers.errors import InputError
-from workers.store.models import Node
+from workers.store.models import Gpu, Node, Replica
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -144,8 +145,6 @@ def test_unknown_policy_is_refused_at_deploy(corral_env: Env) -> None:
 
 
 def test_placement_bench_decision_changes_nothing(corral_env: Env) -> None:
-    from bench.placement import decide, populate
-    from workers.store.models import Gpu, Replica
 
     fn_id = populate(corral_env.db, 5, 8)
 

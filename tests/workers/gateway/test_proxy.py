@@ -8,8 +8,10 @@ import time
 
 import httpx
 import pytest
+import redis
 
 from tests.workers.gateway.conftest import Stack
+from workers.autoscale import demand
 from workers.store.models import FINAL_STATES, ReplicaState
 
 
@@ -109,9 +111,7 @@ def test_a_client_that_goes_away_releases_its_claim(stack: Stack) -> None:
 
 
 def test_each_gateway_reports_its_demand_to_redis(stack: Stack) -> None:
-    import redis
 
-    from workers.autoscale import demand
 
     stack.deploy("echo", image="examples.echo", max=2)
     first, second = stack.gateway(), stack.gateway()

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import json
+
+import grpc
 import pytest
 from sqlalchemy import select
 
 from agents.drivers import VMSpec
+from agents.faults import Fault
+from agents.fcdaemon import serve_fcdaemon
 from tasks import api
+from tasks.cli import main
+from tasks.maintenance import reconcile as reconcile_task
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
+from workers import leases
 from workers.fleet.health import check_health
 from workers.maintenance.reconcile import reconcile
-from workers.store.models import Node, ReplicaState
+from workers.replicas.actions import begin_spawn
+from workers.store.models import Function, Node, ReplicaState
 
 
 def test_orphan_vm_is_destroyed_after_its_grace(
@@ -34,13 +43,11 @@ def test_orphan_vm_is_destroyed_after_its_grace(
 def test_vm_of_a_spawn_in_flight_is_not_an_orphan(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    from workers.replicas.actions import begin_spawn
 
     (agent,) = start_agents(1)
     deploy_fn(corral_env)
     corral_env.set(orphan_grace_s="0")
     with corral_env.db.read() as s:
-        from workers.store.models import Function
 
         fn_id = s.scalars(select(Function.id)).one()
     pending = begin_spawn(corral_env.db, corral_env.settings, None, "req-1", fn_id)
@@ -69,7 +76,6 @@ def test_vanished_vm_marks_the_row_dead_and_min_is_restored(
 
 
 def test_reconcile_task_tops_up_to_min(corral_env: Env, start_agents: StartAgents) -> None:
-    from tasks.maintenance import reconcile as reconcile_task
 
     (agent,) = start_agents(1)
     deploy_fn(corral_env, min=3)
@@ -82,9 +88,7 @@ def test_reconcile_task_tops_up_to_min(corral_env: Env, start_agents: StartAgent
 def test_node_without_list_extension_is_skipped_once(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    import grpc
 
-    from agents.faults import Fault
 
     (agent,) = start_agents(1)
     agent.agent.inject("ListReplicas", Fault.abort(grpc.StatusCode.UNIMPLEMENTED, "old agent"))
@@ -96,7 +100,6 @@ def test_node_without_list_extension_is_skipped_once(
 
 
 def test_only_one_reconcile_pass_at_a_time(corral_env: Env, start_agents: StartAgents) -> None:
-    from workers import leases
 
     start_agents(1)
     assert leases.acquire(corral_env.db, "reconcile", "other", 60)
@@ -109,7 +112,6 @@ def test_only_one_reconcile_pass_at_a_time(corral_env: Env, start_agents: StartA
 def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
     store_env: Env, start_agents: StartAgents
 ) -> None:
-    from agents.fcdaemon import serve_fcdaemon
 
     store_env.set(health_misses="2", node_dead_grace_s="0")
     a, b = start_agents(2)
@@ -137,7 +139,6 @@ def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
 
 
 def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgents) -> None:
-    from tasks.cli import main
 
     a, _b = start_agents(2)
     deploy_fn(corral_env, min=2)
@@ -153,9 +154,7 @@ def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgent
 def test_reconcile_command_reports_what_it_found(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import json
 
-    from tasks.cli import main
 
     (agent,) = start_agents(1)
     deploy_fn(corral_env, min=1)

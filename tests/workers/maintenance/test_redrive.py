@@ -17,7 +17,7 @@ from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, spawn_ok
 from workers import clock
 from workers.maintenance import redrive
-from workers.operations import create_operation
+from workers.operations import create_operation, settle
 from workers.store.models import Operation, Replica, ReplicaState
 
 
@@ -133,7 +133,6 @@ def test_the_reap_pass_reports_an_operation_it_gave_up_on(corral_env: Env) -> No
 
 
 def test_progress_and_finished_operations_are_left_alone(corral_env: Env) -> None:
-    from workers.operations import settle
 
     after = corral_env.settings.redrive_after_s
     function_id = deploy_fn(corral_env)

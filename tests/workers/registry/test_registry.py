@@ -14,7 +14,9 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from workers.functions import deploy, spec_from
 from workers.registry.service import RunningRegistry, serve_registry
-from workers.store.models import Node, Replica, ReplicaState
+from workers.replicas.actions import begin_spawn
+from workers.replicas.lifecycle import transition
+from workers.store.models import Function, Node, Replica, ReplicaState
 
 READY = resmngr_pb2.StatusUpdateRequest.READY
 FINISHED = resmngr_pb2.StatusUpdateRequest.FINISHED
@@ -99,13 +101,10 @@ def test_ready_that_beats_the_create_reply_is_not_destroyed(
 ) -> None:
     """READY for a vmid whose spawn is still in flight is remembered, answered at once,
     and applied by the registry's sweep when the row gets its vmid some other way."""
-    from workers.replicas.actions import begin_spawn
-    from workers.replicas.lifecycle import transition
 
     start_agents(1)
     _guest_function(corral_env)
     with corral_env.db.read() as s:
-        from workers.store.models import Function
 
         fn_id = s.scalars(select(Function.id)).one()
     # A spawn in flight: row written as Creating, the agent has not answered yet.

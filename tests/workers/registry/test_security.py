@@ -13,6 +13,7 @@ from sqlalchemy import select
 from agents.fcdaemon import serve_fcdaemon
 from protos import resmngr_grpc, resmngr_pb2
 from tests.fixtures import Env
+from workers import clock
 from workers.backends import Vm
 from workers.fleet.health import check_health
 from workers.fleet.nodes import upsert_node
@@ -171,7 +172,6 @@ def test_reports_count_only_from_the_replicas_or_its_nodes_ip(
 
 
 def test_an_early_ready_nobody_records_expires(store: Env, registry: RunningRegistry) -> None:
-    from workers import clock
 
     _guest_spawn(store, "127.0.0.1:50051", "req-never")
     reply = _stub(registry).UpdateStatus(

@@ -6,14 +6,15 @@ import os
 import threading
 from typing import Any
 
+from config.settings import get_settings
+from workers.replicas.claims import NoIdleReplica, claim
+from workers.store.db import Database
+
 THREADS = 4
 
 
 def claimer(url: str, name: str, ready: Any, out: Any) -> None:
     """In a fresh process: THREADS threads claim at once through a fresh Database."""
-    from config.settings import get_settings
-    from workers.replicas.claims import NoIdleReplica, claim
-    from workers.store.db import Database
 
     db = Database(url)
     settings = get_settings()

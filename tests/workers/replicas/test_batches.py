@@ -20,11 +20,14 @@ from agents.drivers import VM, MemoryDriver, VMSpec
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from tasks import api
+from tasks.replicas import delete_batch, spawn_batch
 from tests.fixtures import Env, StartAgents
-from workers import clock
+from workers import backends, clock
 from workers.fleet.nodes import note_creates, upsert_node
 from workers.functions import deploy, get_function, spec_from
-from workers.store.models import Node, Replica, ReplicaState
+from workers.operations import create_operation
+from workers.replicas import actions as replicas
+from workers.store.models import Claim, Node, Replica, ReplicaState
 
 
 @pytest.fixture
@@ -89,10 +92,6 @@ def test_a_mixed_batch_settles_each_replica_by_its_own_answer(
 def test_a_redelivered_batch_makes_no_second_vm(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    from tasks.replicas import spawn_batch
-    from workers import backends
-    from workers.operations import create_operation
-    from workers.replicas import actions as replicas
 
     a, b = start_agents(2, env=corral_env)
     fn_id = _deploy(corral_env)
@@ -328,8 +327,6 @@ def test_creates_not_sent_to_a_node_that_stopped_answering_go_elsewhere(
 def test_a_batch_delete_of_a_claimed_replica_ends_its_claims(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    from tasks.replicas import delete_batch
-    from workers.store.models import Claim
 
     start_agents(1, env=corral_env)
     _deploy(corral_env)

@@ -6,7 +6,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from alembic import command
+from sqlalchemy import select, text
 
 from tasks import api
 from tests.fixtures import Env, StartAgents
@@ -16,6 +17,9 @@ from workers.errors import InputError
 from workers.maintenance.reaper import reap
 from workers.registry.service import FINISHED, KEEP_ALIVE, Registry
 from workers.replicas.claims import claim, expire, release
+from workers.replicas.lifecycle import lock_replica, transition
+from workers.store.db import Database
+from workers.store.migrate import alembic_config
 from workers.store.models import Claim, ReplicaState
 
 
@@ -152,11 +156,7 @@ def test_a_bad_ttl_is_refused_and_claims_nothing(
 
 def test_upgrading_gives_environments_in_use_claim_rows(tmp_path: Path) -> None:
     """Environments claimed before claims had ids get rows, so the reaper can expire them."""
-    from alembic import command
-    from sqlalchemy import text
 
-    from workers.store.db import Database
-    from workers.store.migrate import alembic_config
 
     url = f"sqlite:///{tmp_path / 'old.sqlite'}"
     command.upgrade(alembic_config(url), "0002")
@@ -188,7 +188,6 @@ def test_upgrading_gives_environments_in_use_claim_rows(tmp_path: Path) -> None:
 def test_a_claim_on_a_replica_that_died_ends_with_it(
     store: Env, start_agents: StartAgents
 ) -> None:
-    from workers.replicas.lifecycle import lock_replica, transition
 
     (replica,) = one_node_idle(store, start_agents)
     got = claim(store.db, store.settings, "hello")

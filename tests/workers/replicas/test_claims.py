@@ -12,6 +12,7 @@ from tests.helpers import deploy_fn
 from tests.workers.replicas.helpers import by_id, claim_race, one_node_idle, spawn_idle
 from workers import clock
 from workers.errors import InputError, NotFound
+from workers.replicas.actions import begin_delete
 from workers.replicas.claims import NoIdleReplica, claim, release
 from workers.store.models import ReplicaState
 
@@ -114,7 +115,6 @@ def test_stale_replicas_are_never_handed_out(
 def test_release_of_a_replica_being_deleted_counts_the_env_back(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    from workers.replicas.actions import begin_delete
 
     one_node_idle(corral_env, start_agents)
     got = claim(corral_env.db, corral_env.settings, "hello")

@@ -19,6 +19,8 @@ from tests.workers.replicas.helpers import (
     spawn_idle,
 )
 from tests.workers.replicas.pg_child import THREADS, claimer
+from workers import clock, leases
+from workers.maintenance.reaper import reap
 from workers.store.models import ReplicaState
 
 PROCESSES = 4
@@ -76,8 +78,6 @@ def test_reaper_passes_without_the_lease_still_delete_each_replica_once(
     pg_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Row locks (FOR UPDATE SKIP LOCKED, then Deleting) alone keep passes apart."""
-    from workers import clock, leases
-    from workers.maintenance.reaper import reap
 
     agents = start_agents(2)
     deploy_fn(pg_env, idle_timeout=10)
@@ -91,7 +91,6 @@ def test_reaper_passes_without_the_lease_still_delete_each_replica_once(
 
 
 def test_lease_race_has_one_winner(pg_env: Env) -> None:
-    from workers import leases
 
     wins = race_for_lease(pg_env.db)
     assert len(wins) == 1

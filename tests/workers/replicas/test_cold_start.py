@@ -15,6 +15,7 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
 from tests.workers.replicas.helpers import at_once, by_id, created, one_node_idle
+from workers.replicas import claims
 from workers.replicas.claims import ClaimTimeout, NoIdleReplica
 from workers.store.models import Lease, ReplicaState
 
@@ -131,7 +132,6 @@ def test_cold_start_times_out_without_spawning_per_poll(
 
 
 def test_spawn_decisions_count_waiters_and_spawns_in_flight(corral_env: Env) -> None:
-    from workers.replicas import claims
 
     deploy_fn(corral_env, exec_envs=2)
     db, settings = corral_env.db, corral_env.settings

@@ -6,10 +6,18 @@ import os
 from pathlib import Path
 
 import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import select, text
 
 from config.settings import reset_settings
 from tasks.cli import main
-from workers.store.migrate import head_revision
+from workers.celery import _check_schema
+from workers.clock import now
+from workers.store.db import Database
+from workers.store.migrate import alembic_config, head_revision, upgrade
+from workers.store.models import Base, Operation
 
 
 @pytest.fixture
@@ -43,7 +51,6 @@ def test_unmigrated_database_is_refused_then_upgrade_fixes_it(
 
 
 def test_a_worker_refuses_an_unmigrated_database(fresh_db: Path) -> None:
-    from workers.celery import _check_schema
 
     with pytest.raises(SystemExit, match="not migrated"):
         _check_schema()
@@ -58,12 +65,7 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_the_migrations_build_exactly_the_models(empty_url: str) -> None:
-    from alembic.autogenerate import compare_metadata
-    from alembic.migration import MigrationContext
 
-    from workers.store.db import Database
-    from workers.store.migrate import upgrade
-    from workers.store.models import Base
 
     db = Database(empty_url)
     try:
@@ -77,13 +79,7 @@ def test_the_migrations_build_exactly_the_models(empty_url: str) -> None:
 def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(
     empty_url: str,
 ) -> None:
-    from alembic import command
-    from sqlalchemy import select, text
 
-    from workers.clock import now
-    from workers.store.db import Database
-    from workers.store.migrate import alembic_config
-    from workers.store.models import Operation
 
     url = empty_url
     command.upgrade(alembic_config(url), "0001")
