@@ -40,7 +40,6 @@ def main(argv: list[str]) -> None:
             print(f"cannot exec {args[0]!r}: {exc}", file=sys.stderr)
             os._exit(127)
     elif mode == "module":
-
         sys.argv = [args[0], *args[1:]]
         sys.path[0] = os.getcwd()  # as with ``python -m``, not this script's directory
         runpy.run_module(args[0], run_name="__main__", alter_sys=True)

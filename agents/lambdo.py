@@ -417,51 +417,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(route)
             return
         kind, vmid = route
-        payload: object = None
-        parsed: object = None
-        bad_json: str | None = None
-        if kind in ("spawn", "start"):
-            try:
-                parsed = json.loads(body)
-                payload = parsed
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                payload, bad_json = body, f"body is not JSON: {exc}"
-        elif kind == "destroy":
-            payload = vmid
+        parsed, bad_json = _parse_json(body) if kind in ("spawn", "start") else (None, None)
+        payload = vmid if kind == "destroy" else (body if bad_json else parsed)
         record_call(agent.calls, kind, payload)
-        fault = agent.faults.take(kind)
-        if fault is not None:
-            log.info("%s: injected fault %s", kind, fault.kind)
-            if fault.kind == "delay":
-                time.sleep(fault.seconds)
-            elif fault.kind == "hangup":
-                self.close_connection = True
-                return
-            elif fault.kind == "abort":
-                status = fault.code if isinstance(fault.code, int) else 500
-                self._send(Response.text(status, fault.message or "injected"))
-                return
-            elif fault.kind == "reply":
-                status = fault.code if isinstance(fault.code, int) else 200
-                body = fault.value if isinstance(fault.value, bytes) else b""
-                self._send(Response(status, body, fault.content_type))
-                return
-        try:
-            if bad_json is not None:
-                resp = Response.text(400, bad_json)
-            elif kind == "spawn":
-                resp = agent.spawn(parsed)
-            elif kind == "start":
-                resp = agent.start(parsed)
-            elif kind == "destroy":
-                resp = agent.destroy(vmid)
-            else:
-                resp = agent.vms()
-        except BadRequest as exc:
-            resp = Response.text(400, str(exc))
-        except Exception as exc:
-            log.exception("%s failed", kind)
-            resp = Response.text(500, f"{type(exc).__name__}: {exc}")
+        if self._fault(kind):
+            return
+        resp = Response.text(400, bad_json) if bad_json is not None else self._answer(
+            kind, parsed, vmid)
         if resp.status >= 400:
             log.info(
                 "%s %s -> %d %s",
@@ -472,7 +434,54 @@ class _Handler(BaseHTTPRequestHandler):
             )
         self._send(resp)
 
+    def _fault(self, kind: str) -> bool:
+        """Play the fault injected for ``kind``, if any; True when it answered (or hung up)."""
+        fault = self.agent.faults.take(kind)
+        if fault is None:
+            return False
+        log.info("%s: injected fault %s", kind, fault.kind)
+        if fault.kind == "delay":
+            time.sleep(fault.seconds)
+            return False
+        if fault.kind == "hangup":
+            self.close_connection = True
+        elif fault.kind == "abort":
+            status = fault.code if isinstance(fault.code, int) else 500
+            self._send(Response.text(status, fault.message or "injected"))
+        elif fault.kind == "reply":
+            status = fault.code if isinstance(fault.code, int) else 200
+            body = fault.value if isinstance(fault.value, bytes) else b""
+            self._send(Response(status, body, fault.content_type))
+        else:
+            return False
+        return True
+
+    def _answer(self, kind: str, parsed: object, vmid: str) -> Response:
+        """The agent's answer to one routed call; a 400 for bad input, a 500 for a bug."""
+        agent = self.agent
+        try:
+            if kind == "spawn":
+                return agent.spawn(parsed)
+            if kind == "start":
+                return agent.start(parsed)
+            if kind == "destroy":
+                return agent.destroy(vmid)
+            return agent.vms()
+        except BadRequest as exc:
+            return Response.text(400, str(exc))
+        except Exception as exc:
+            log.exception("%s failed", kind)
+            return Response.text(500, f"{type(exc).__name__}: {exc}")
+
     do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _handle
+
+
+def _parse_json(body: bytes) -> tuple[object, str | None]:
+    """The body parsed as JSON, or None and why it is not JSON."""
+    try:
+        return json.loads(body), None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"body is not JSON: {exc}"
 
 
 class _LambdoServer(ThreadingHTTPServer):

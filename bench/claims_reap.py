@@ -58,7 +58,6 @@ AIM = 2.0
 @dataclass
 class Figures:
     """What was measured in one store."""
-
     replicas: int
     build_s: float
     claim_ms: list[float] = field(default_factory=list)
@@ -80,21 +79,9 @@ def _sql(value: Any) -> Any:
     return value
 
 
-def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tuple[Any, Any]:
-    """A migrated SQLite store holding ``size`` replicas; returns (database, settings)."""
-
-
-    functions_t, nodes_t, replicas_t = (
-        cast(Table, m.__table__) for m in (Function, Node, Replica)
-    )
-    db = Database(url)
-    upgrade(db)
-    settings = load_settings(database_url=url, reap_batch=100, idle_timeout_s=600)
-    rng = random.Random(seed)
-    at = now()
-    version = at.strftime("%Y%m%d%H%M%S%f")
-    fn_ids = [new_id() for _ in range(FUNCTIONS)]
-    functions: list[dict[str, Any]] = [
+def _function_rows(fn_ids: list[str], version: str, at: datetime) -> list[dict[str, Any]]:
+    """The benchmark's functions; the second keeps a min of 2."""
+    return [
         {
             "id": fid, "name": f"fn-{i:02d}", "backend": "fcdaemon", "image": "bench",
             "kernel": "/boot/vmlinux", "initrd": "", "kernel_args": "", "vm_type": "osv",
@@ -106,15 +93,34 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
         }
         for i, fid in enumerate(fn_ids)
     ]
-    real_node = new_id()
-    node_ids = [new_id() for _ in range(FAKE_NODES)]
-    nodes = [{"id": real_node, "name": "agent", "kind": "fcdaemon", "address": agent.address,
+
+
+def _node_rows(real_node: str, address: str, node_ids: list[str],
+               at: datetime) -> list[dict[str, Any]]:
+    """The real agent's node, then nodes nobody calls (loopback addresses all the same)."""
+    nodes = [{"id": real_node, "name": "agent", "kind": "fcdaemon", "address": address,
               "capacity": 100_000, "live": 0, "healthy": True, "draining": False, "misses": 0,
               "created_at": at}]
     nodes += [{"id": nid, "name": f"node-{i:02d}", "kind": "fcdaemon",
-               "address": f"10.0.{i}.1:50051", "capacity": 100_000, "live": 0,
+               "address": f"127.0.{i}.1:50051", "capacity": 100_000, "live": 0,
                "healthy": True, "draining": False, "misses": 0, "created_at": at}
               for i, nid in enumerate(node_ids)]
+    return nodes
+
+
+def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tuple[Any, Any]:
+    """A migrated SQLite store holding ``size`` replicas; returns (database, settings)."""
+    db = Database(url)
+    upgrade(db)
+    settings = load_settings(database_url=url, reap_batch=100, idle_timeout_s=600)
+    rng = random.Random(seed)
+    at = now()
+    version = at.strftime("%Y%m%d%H%M%S%f")
+    fn_ids = [new_id() for _ in range(FUNCTIONS)]
+    functions = _function_rows(fn_ids, version, at)
+    real_node = new_id()
+    node_ids = [new_id() for _ in range(FAKE_NODES)]
+    nodes = _node_rows(real_node, agent.address, node_ids, at)
     live: dict[str, int] = dict.fromkeys([real_node, *node_ids], 0)
     counted: dict[str, int] = dict.fromkeys(fn_ids, 0)
     columns = ("id", "request_id", "function_id", "node_id", "status", "vmid", "address",
@@ -134,7 +140,7 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
             used: str | None = None, since: tuple[str, str] | None = None,
             gone: str | None = None) -> None:
         rid = f"{rng.getrandbits(128):032x}"
-        rows.append((rid, rid, fid, node, int(status), vmid or rid, "http://10.1.0.1:8080",
+        rows.append((rid, rid, fid, node, int(status), vmid or rid, "http://127.1.0.1:8080",
                      version, 1, in_use, 0, created, updated, created, used,
                      since and since[0], since and since[1], gone))
         if status not in (ReplicaState.DELETED, ReplicaState.DEAD):
@@ -161,6 +167,17 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
         else:
             row(fid, ReplicaState.DELETED, node, gone=retired)
     rows.sort()  # primary-key order: the id index is appended to, not shuffled
+    _insert(db, functions, nodes, columns, rows, live, counted)
+    return db, settings
+
+
+def _insert(db: Database, functions: list[dict[str, Any]], nodes: list[dict[str, Any]],
+            columns: tuple[str, ...], rows: list[tuple[Any, ...]], live: dict[str, int],
+            counted: dict[str, int]) -> None:
+    """Write the rows in one transaction, and the counters that go with them."""
+    functions_t, nodes_t, replicas_t = (
+        cast(Table, m.__table__) for m in (Function, Node, Replica)
+    )
     with db.engine.begin() as conn:
         conn.execute(insert(functions_t), functions)
         conn.execute(insert(nodes_t), nodes)
@@ -183,12 +200,10 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
             conn.execute(
                 update(functions_t).where(Function.id == fid).values(replica_count=n)
             )
-    return db, settings
 
 
 def measure(db: Any, settings: Any, claims: int, agent: Any) -> Figures:
     """Claim/release latency and one reaper pass in a built store."""
-
     figures = Figures(replicas=0, build_s=0.0)
     for _ in range(20):  # warm the statement caches
         release(db, settings, claim(db, settings, "fn-00").claim_id)

@@ -59,7 +59,6 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _wait_http(url: str, timeout: float = 30.0) -> None:
-
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -79,7 +78,6 @@ def _free_port() -> int:
 
 async def _load(urls: list[str], n: int, concurrency: int) -> tuple[float, list[float], int]:
     """``n`` GETs over ``urls`` round-robin, ``concurrency`` at once: (req/s, latencies, errors)."""
-
     latencies: list[float] = []
     errors = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -105,7 +103,6 @@ async def _load(urls: list[str], n: int, concurrency: int) -> tuple[float, list[
 
 def _agent_create_times(agent: str, count: int) -> list[float]:
     """CreateReplica straight to the agent, each timed until its replica answers HTTP."""
-
 
     stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(agent))
     times: list[float] = []

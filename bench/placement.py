@@ -63,7 +63,6 @@ class Timing:
 def populate(db: Any, nodes: int, gpus: int, seed: int = 7) -> str:
     """Fill a migrated store with a partly used fleet; returns the function's id."""
 
-
     rng = random.Random(seed)
     fn_id = new_id()
     other_fn = new_id()
@@ -112,7 +111,6 @@ def populate(db: Any, nodes: int, gpus: int, seed: int = 7) -> str:
 def decide(db: Any, fn_id: str, policy: str, fit: str, pinned: str | None) -> None:
     """One begin_spawn-equivalent placement decision, rolled back."""
 
-
     with db.session() as s:
         s.begin()
         fn = s.get(Function, fn_id)
@@ -137,7 +135,6 @@ def decide(db: Any, fn_id: str, policy: str, fit: str, pinned: str | None) -> No
 
 def _pins(db: Any) -> list[str]:
     """Ids of the nodes a ``spread`` spawn could be pinned to."""
-
 
     with db.read() as s:
         return list(s.scalars(select(Node.id).where(
@@ -223,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(fleets: dict[str, tuple[Any, str]], n: int, kind: str) -> float:
     """Time every policy and fit on both fleets, print a table; returns the worst ratio."""
-
     print(f"placement decision time on {kind}: small = {SMALL[0]} nodes / {SMALL[1]} GPUs, "
           f"large = {LARGE[0]} nodes / {LARGE[1]} GPUs; {n} decisions per case")
     print(f"{'policy':<12} {'fit':<6} {'small ms (p50/p95)':>19} {'large ms (p50/p95)':>19} "

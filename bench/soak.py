@@ -249,7 +249,6 @@ class Fleet:
 
     def start(self) -> None:
         """Start PostgreSQL, Redis, the registry, the nodes, the workers and beat."""
-
         self.redis = RedisServer(self.tmp / "redis")
         (self.tmp / "redis").mkdir()
         self.redis.start()
@@ -286,11 +285,9 @@ class Fleet:
         self.beat = start_beat(self.logs, "soak", self.env)
 
     def _db(self) -> Any:
-
         return get_database(get_settings().database_url)
 
     def _start_nodes(self) -> None:
-
         for i in range(3):
             port = free_port()
             self.agent_ports.append(port)
@@ -303,25 +300,21 @@ class Fleet:
             upsert_node(s, self.lambdo.url, name="soak-lambdo", kind="lambdo", capacity=40)
 
     def _serve_agent(self, i: int, port: int, driver: Any) -> Any:
-
         return serve_fcdaemon(f"127.0.0.1:{port}", driver=driver, registry=self.registry_addr,
                               node_id=f"soak-fc{i + 1}", heartbeat=2.0)
 
     def _deploy_all(self) -> None:
-
         with self._db().transaction() as s:
             for name in FUNCTIONS:
                 deploy(s, spec_from(name=name, **SPECS[name]), get_settings())
 
     def redeploy(self, name: str, build: int) -> None:
         """Deploy ``name`` again with a new build (the reaper retires the old replicas)."""
-
         with self._db().transaction() as s:
             deploy(s, spec_from(name=name, **SPECS[name], env={"BUILD": str(build)}),
                    get_settings())
 
     def _new_worker(self, slot: int) -> Any:
-
         self.generation += 1
         worker = WorkerProcess(self.logs, concurrency=2, name=f"w{slot + 1}g{self.generation}",
                                extra_env=self.env)
@@ -368,7 +361,6 @@ class Fleet:
 
     def delay_agent(self, i: int, seconds: float, delay: float = 2.0) -> None:
         """Delay agent ``i``'s replies by ``delay`` seconds for ``seconds``."""
-
         agent = self.agents[i]
         for method in DELAYED_METHODS:
             agent.agent.inject(method, *[Fault.delay(delay)] * 100_000)
@@ -445,7 +437,6 @@ class Load:
 
     def attempt(self, what: str, action: Callable[[], None]) -> None:
         """Run one action; count a refusal or an error instead of stopping."""
-
         try:
             action()
         except (InputError, NoIdleReplica) as exc:  # unknown, above max, nothing idle
@@ -458,19 +449,16 @@ class Load:
 
     def spawn(self) -> None:
         """Ask for one or two more replicas of a random function."""
-
         self._track(api.spawn(self.rng.choice(FUNCTIONS), self.rng.randint(1, 2)), "spawn")
 
     def scale(self) -> None:
         """Scale a random function to a random target in [min, 6]."""
-
         name = self.rng.choice(FUNCTIONS)
         self._track(api.scale(name, self.rng.randint(1 if name == "soak-a" else 0, 6)),
                     "scale")
 
     def delete(self) -> None:
         """Delete a random Idle or Creating replica."""
-
 
         with self.fleet._db().read() as s:
             ids = list(s.scalars(select(Replica.id).where(
@@ -480,14 +468,12 @@ class Load:
 
     def claim(self) -> None:
         """Claim an environment of a random function; it is released 1-4 s later."""
-
         got = api.claim(self.rng.choice(FUNCTIONS))
         self.results.claims["claimed"] += 1
         self.held.append((time.monotonic() + self.rng.uniform(1, 4), got["claim_id"]))
 
     def release_due(self, everything: bool = False) -> None:
         """Release the claims whose time has come (all of them with ``everything``)."""
-
         now = time.monotonic()
         keep = []
         for at, claim_id in self.held:
@@ -612,7 +598,6 @@ def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, lis
 def figures(fleet: Fleet, results: Results) -> None:
     """Fill in per-minute counts, final states and spawn completion percentiles."""
 
-
     with fleet._db().read() as s:
         rows = {r.id: r for r in s.scalars(
             select(Operation).where(Operation.id.in_([o.op_id for o in results.ops])))}
@@ -646,7 +631,6 @@ def figures(fleet: Fleet, results: Results) -> None:
 
 def _reason(error: str) -> str:
     """An operation's error without its ids and counts, so alike failures group together."""
-
     text = error.split("first: ", 1)[-1]
     return re.sub(r"[0-9a-f]{32}(\.[0-9.]+)?|\b\d+(\.\d+)?\b", "#", text)[:100]
 

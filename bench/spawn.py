@@ -145,10 +145,8 @@ def _timed_op(api: Any, start: Any, what: str) -> float:
 
 def _postgres(url: str | None, tmp: Path) -> tuple[str, Any]:
     """A fresh PostgreSQL database: on ``url``'s server, or on a throwaway server."""
-
     server = None
     if url is None:
-
         server = PostgresServer(make_shared_tempdir("corral-bench-pg-"))
         server.start()
         url = server.url
@@ -161,7 +159,6 @@ def _postgres(url: str | None, tmp: Path) -> tuple[str, Any]:
 
 def run_once(args: argparse.Namespace) -> Run:
     """One full run: baseline, P1, delete, reap, P5; returns its figures."""
-
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-"))
     port = free_port()
     redis = subprocess.Popen(redis_argv(tmp, port), stdout=subprocess.DEVNULL)
@@ -249,7 +246,6 @@ def run_once(args: argparse.Namespace) -> Run:
 def _baseline(args: argparse.Namespace, env: dict[str, str], tmp: Path) -> tuple[float, float]:
     """The plain Celery app's no-op rate: n tasks over one producer, join_native()."""
 
-
     app = make_app(env["BENCH_BROKER_URL"], env["BENCH_RESULT_BACKEND"])
     noop = app.tasks["plain.noop"]
     worker = _worker("bench.plain", args.concurrency, env, tmp / "plain.log")
@@ -270,7 +266,6 @@ class SlowDriver:
 
     def __new__(cls) -> Any:
         """A :class:`agents.drivers.MemoryDriver` whose ``start`` sleeps first."""
-
         class _Slow(MemoryDriver):
             def start(self, spec: VMSpec) -> Any:
                 time.sleep(SLOW_CREATE_S)
@@ -346,7 +341,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _wait_port(port: int) -> None:
-
     for _ in range(100):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()

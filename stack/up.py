@@ -127,7 +127,6 @@ def _start(
     options: UpOptions, state: Path, logs: Path, sup: Supervisor
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Start every service; returns (settings the CLI should use, where services listen)."""
-
     base = load_settings()  # validates CORRAL_* now, naming any bad one
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({k: v for k, v in os.environ.items() if k.startswith("CORRAL_")})
@@ -222,13 +221,11 @@ def _write_private(path: Path, text: str) -> None:
 
 def _node_registered(database: str, external_id: str) -> bool:
 
-
     with get_database(database).read() as s:
         return s.scalar(select(Node.id).where(Node.external_id == external_id)) is not None
 
 
 def _add_lambdo_node(database: str, url: str) -> None:
-
     with get_database(database).transaction() as s:
         upsert_node(s, url, name="local-lambdo", kind="lambdo",
                     default_capacity=get_settings().node_capacity)
@@ -236,7 +233,6 @@ def _add_lambdo_node(database: str, url: str) -> None:
 
 def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
              options: UpOptions) -> None:
-
     lines = [
         "corral is up",
         f"  state directory  {state}",

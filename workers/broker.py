@@ -52,6 +52,5 @@ class Transport(kombu_redis.Transport):
 
 def install() -> None:
     """Make ``redis://`` and ``rediss://`` broker URLs use :class:`Transport` in this process."""
-
     for scheme in SCHEMES:
         TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"

@@ -36,8 +36,10 @@ import inspect
 import logging
 import random
 import threading
+import typing
 from typing import Any
 
+import pydantic
 from celery import Celery, Task, signals
 from celery.exceptions import TaskPredicate
 
@@ -76,6 +78,13 @@ class CorralTask(Task):  # type: ignore[misc]
     def _signature(self) -> inspect.Signature:
         return inspect.signature(self.run)
 
+    @functools.cached_property
+    def _argument_types(self) -> dict[str, pydantic.TypeAdapter[Any]]:
+        """A strict validator per annotated argument: a message is JSON, so no coercion."""
+        hints = typing.get_type_hints(self.run)
+        return {name: pydantic.TypeAdapter(hints[name])
+                for name in self._signature.parameters if name in hints}
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task after checking its arguments; bad input fails the operation."""
         try:
@@ -83,11 +92,17 @@ class CorralTask(Task):  # type: ignore[misc]
         except TypeError as exc:
             return self._reject(kwargs.get("op_id") or (args[0] if args else None), str(exc))
         for name, value in bound.arguments.items():
-            expected = self.run.__annotations__.get(name)
-            if not _matches(value, expected):
+            adapter = self._argument_types.get(name)
+            if adapter is None:
+                continue
+            try:
+                adapter.validate_python(value, strict=True)
+            except pydantic.ValidationError as exc:
+                expected = self.run.__annotations__.get(name)
                 return self._reject(
                     bound.arguments.get("op_id"),
-                    f"argument {name!r} must be {expected}, got {type(value).__name__}",
+                    f"argument {name!r} must be {expected}, got {type(value).__name__}"
+                    f" ({exc.errors()[0]['msg']})",
                 )
         op_id = bound.arguments.get("op_id")
         try:
@@ -105,7 +120,6 @@ class CorralTask(Task):  # type: ignore[misc]
 
     def _fail(self, op_id: Any, exc: Exception) -> None:
         """End the operation of a task that raised: failed, with the redacted error."""
-
         message = f"{self.name}: {describe_error(exc)}"
         log.error("task %s failed: %s", self.request.id, message)
         if not isinstance(op_id, str):
@@ -120,7 +134,6 @@ class CorralTask(Task):  # type: ignore[misc]
         message = f"{self.name}: {reason}"
         log.error("rejected task %s: %s", self.request.id, message)
         if isinstance(op_id, str):
-
             try:
                 fail_op(self.db, op_id, message)
             except Exception:  # the op id itself may be junk
@@ -156,28 +169,6 @@ def inject_fault(settings: Settings, task_name: str) -> None:
         raise FaultInjected(f"fault injected in {task_name} (CORRAL_FAULT_RAISE_IN)")
 
 
-_SIMPLE: dict[str, type | tuple[type, ...]] = {
-    "str": str, "int": int, "float": (int, float), "bool": bool,
-}
-
-
-def _matches(value: Any, annotation: Any) -> bool:
-    """Whether a JSON-decoded argument fits a simple annotation (``str``, ``int | None``...)."""
-    if annotation is None or annotation is inspect.Parameter.empty:
-        return True
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    options = [t.strip() for t in str(text).split("|")]
-    for option in options:
-        if option == "None" and value is None:
-            return True
-        kind = _SIMPLE.get(option)
-        if kind is None:
-            return True  # not a simple type: trust the task
-        if isinstance(value, kind) and not (option == "int" and isinstance(value, bool)):
-            return True
-    return False
-
-
 def create_app(settings: Settings | None = None) -> Celery:
     """A Celery app configured from ``settings`` (the process's by default)."""
     settings = settings or get_settings()
@@ -207,7 +198,6 @@ app = create_app()
 @signals.worker_process_init.connect
 def _fresh_resources(**_: Any) -> None:
     """Drop resources inherited from the parent: each pool process makes its own."""
-
     get_database(get_settings().database_url).dispose()
     reset_channels()
     reset_client()
@@ -216,7 +206,6 @@ def _fresh_resources(**_: Any) -> None:
 @signals.worker_init.connect
 def _check_schema(**_: Any) -> None:
     """Refuse to start a worker on a database that is not migrated."""
-
     try:
         check_schema(get_database(get_settings().database_url))
     except SchemaError as exc:

@@ -69,7 +69,6 @@ def describe_error(exc: BaseException) -> str:
 
     A database error shows its driver's message, never the statement or its parameters.
     """
-
     inner = exc.orig if isinstance(exc, StatementError) and exc.orig is not None else exc
     lines = str(inner).strip().splitlines()
     first = redact_text(lines[0].strip())[:MAX_ERROR_CHARS] if lines else ""

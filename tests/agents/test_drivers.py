@@ -72,13 +72,28 @@ def test_memory_driver_with_a_port_range_hands_out_unique_ports() -> None:
     assert driver.start(VMSpec(image="x")).port == vms[0].port
 
 
+def _busy_port_with_a_free_neighbour(busy: socket.socket) -> int:
+    """Bind ``busy`` to a port whose next port is free (other processes take ports too)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as neighbour:
+                neighbour.bind(("127.0.0.1", port + 1))
+            busy.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return port
+    pytest.skip("found no busy port with a free neighbour")
+
+
 def test_port_allocator_skips_ports_in_use() -> None:
     with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
+        port = _busy_port_with_a_free_neighbour(busy)
         busy.listen()
-        port = busy.getsockname()[1]
-        if port >= 65535:
-            pytest.skip("ephemeral port at the top of the range")
         alloc = PortAllocator(port, port + 1)
         got = alloc.allocate()
         assert got == port + 1

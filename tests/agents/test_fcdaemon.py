@@ -279,7 +279,7 @@ def test_faults_abort_delay_and_reply_in_order(
         "CreateReplica",
         Fault.abort(grpc.StatusCode.UNAVAILABLE, "node busy"),
         Fault.delay(0.3),
-        Fault.reply(fcdaemon_pb2.CreateReply(ip="10.0.0.9", vmid="")),
+        Fault.reply(fcdaemon_pb2.CreateReply(ip="127.0.0.9", vmid="")),
     )
     with pytest.raises(grpc.RpcError) as err:
         create(memory_stub)
@@ -292,7 +292,7 @@ def test_faults_abort_delay_and_reply_in_order(
     assert delayed.vmid
 
     canned = create(memory_stub)
-    assert (canned.vmid, canned.ip) == ("", "10.0.0.9")
+    assert (canned.vmid, canned.ip) == ("", "127.0.0.9")
 
     normal = create(memory_stub)
     assert normal.vmid and normal.vmid != delayed.vmid

@@ -204,7 +204,6 @@ def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
 
 
 def test_default_listen_addresses_are_loopback() -> None:
-
     for parser in (fc(), gp(), lb()):
         assert is_loopback(split_hostport(parser.parse_args([]).listen)[0])
     assert is_loopback(split_hostport(Settings().registry_listen)[0])

@@ -53,7 +53,6 @@ def test_a_bad_setting_is_named(
 def test_cli_reports_a_bad_setting_in_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-
     monkeypatch.setenv("CORRAL_HEALTH_MISSES", "often")
     reset_settings()
     try:
@@ -74,8 +73,8 @@ def test_running_stack_supplies_addresses_unless_the_environment_does(
                  "database_url": "sqlite:////tmp/stack.sqlite"}
     (state / "stack.json").write_text(json.dumps({"pid": os.getpid(), "settings": published}))
     assert load_settings().broker_url == "redis://127.0.0.1:7000/0"
-    monkeypatch.setenv("CORRAL_BROKER_URL", "redis://10.0.0.1:6379/0")
-    assert load_settings().broker_url == "redis://10.0.0.1:6379/0"
+    monkeypatch.setenv("CORRAL_BROKER_URL", "redis://127.0.0.2:6379/0")
+    assert load_settings().broker_url == "redis://127.0.0.2:6379/0"
     assert load_settings().database_url == "sqlite:////tmp/stack.sqlite"
     # a stack that is no longer running is ignored
     (state / "stack.json").write_text(json.dumps({"pid": 2**22 + 12345, "settings": published}))

@@ -137,7 +137,6 @@ def test_two_concurrent_scales_to_five_plan_five_replicas(
 
 def _resend(op_id: str) -> str:
     """Run an operation's first task again (eager): a redelivery."""
-
     scale.delay(op_id)
     return op_id
 
@@ -175,7 +174,6 @@ def test_a_redelivered_spread_spawn_keeps_its_node_list(
 def test_a_task_for_a_failed_operation_does_nothing(
     corral_env: Env, start_agents: StartAgents, kind: str
 ) -> None:
-
     (agent,) = start_agents(1)
     deploy_fn(corral_env)
     op_id = _new_op(corral_env, kind, **({"count": 2} if kind == "spawn" else {"target": 2}))
@@ -228,7 +226,6 @@ def test_overlapping_health_passes_count_one_miss(
 def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
     pg_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-
     start_agents(2)
     deploy_fn(pg_env, name="f1")
     deploy_fn(pg_env, name="f2")
@@ -269,7 +266,6 @@ def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
 
 
 def test_postgres_connections_carry_lock_and_statement_timeouts(pg_env: Env) -> None:
-
     settings = pg_env.set(db_lock_timeout_s="2.5", db_statement_timeout_s="40")
     pg_env.db.dispose()
     with pg_env.db.read() as s:
@@ -285,7 +281,6 @@ def test_postgres_connections_carry_lock_and_statement_timeouts(pg_env: Env) -> 
 def test_a_claim_on_a_replica_deleted_under_it_ends_with_it(
     store: Env, start_agents: StartAgents, ends: str
 ) -> None:
-
     start_agents(1)
     deploy_fn(store)
     spawn_ok("hello", 1, timeout=30)

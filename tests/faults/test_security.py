@@ -110,7 +110,6 @@ def test_aws_keys_never_leave_the_store(
             assert secret not in shown
             assert secret not in caplog.text
         with corral_env.db.read() as s:
-
             for op in s.scalars(select(Operation)):
                 assert AWS_ID not in str(op.params) + str(op.result) + str(op.error)
             assert s.scalars(select(Replica)).one().status == ReplicaState.IDLE

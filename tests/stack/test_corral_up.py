@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -59,6 +60,87 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _wait_up(tmp_path: Path, up: subprocess.Popen[bytes]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Wait for ``corral is up``; the published settings and service URLs."""
+    deadline = time.monotonic() + 120
+    while "corral is up" not in (tmp_path / "up.out").read_text():
+        assert up.poll() is None, (tmp_path / "up.out").read_text()
+        assert time.monotonic() < deadline, (tmp_path / "up.out").read_text()
+        time.sleep(0.2)
+    published = json.loads((tmp_path / ".corral" / "stack.json").read_text())
+    return published["settings"], published["services"]
+
+
+def _deploy_and_scale(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
+    """Deploy ``hello`` (fcdaemon) and ``web`` (Lambdo), scale them to 3 and 2; their replicas."""
+    out = _corral(tmp_path, "functions", "deploy", "hello", "--image", "examples.hello",
+                  "--kernel", "/boot/vmlinux", "--idle-timeout", "1",
+                  "--aws-access-key-id", AWS_ID, "--aws-secret-access-key", AWS_SECRET)
+    assert AWS_ID not in out.stdout and AWS_SECRET not in out.stdout
+    _corral(tmp_path, "functions", "deploy", "web", "--backend", "lambdo",
+            "--image", "examples.hello", "--rootfs", "examples.hello", "--idle-timeout", "1")
+    _corral(tmp_path, "scale", "hello", "3", "--wait")
+    _corral(tmp_path, "scale", "web", "2", "--wait")
+    replicas = json.loads(_corral(tmp_path, "replicas", "--json").stdout)
+    by_fn = {fn: [r for r in replicas if r["function"] == fn] for fn in ("hello", "web")}
+    assert len(by_fn["hello"]) == 3 and len(by_fn["web"]) == 2
+    assert all(r["status"] == "idle" for r in replicas)
+    return by_fn
+
+
+def _call(tmp_path: Path, by_fn: dict[str, list[dict[str, Any]]], gateway: str) -> None:
+    """A claimed replica answers; the gateway calls a function and 404s an unknown one."""
+    claimed = json.loads(_corral(tmp_path, "claim", "web", "--json").stdout)
+    answer = httpx.get(claimed["address"], timeout=10)
+    assert answer.status_code == 200 and "hello from corral" in answer.text
+    assert "hello from corral" in httpx.get(by_fn["hello"][0]["address"], timeout=10).text
+    _corral(tmp_path, "release", claimed["claim_id"])
+    assert f"gateway          {gateway}" in (tmp_path / "up.out").read_text()
+    called = httpx.get(f"{gateway}/function/hello", timeout=60)
+    assert called.status_code == 200 and called.text == "hello from corral\n"
+    assert httpx.get(f"{gateway}/function/nope", timeout=10).status_code == 404
+
+
+def _check_flower(tmp_path: Path, flower: str) -> None:
+    """Flower shows corral's tasks and the broker's queues, and no secret."""
+    deadline = time.monotonic() + 30
+    names: set[str] = set()
+    while time.monotonic() < deadline:
+        tasks = httpx.get(f"{flower}/api/tasks", timeout=10).json()
+        names = {t.get("name") for t in tasks.values()}
+        if {"corral.scale", "corral.reap", "corral.check_health"} <= names:
+            break
+        time.sleep(1)
+    assert {"corral.scale", "corral.reap", "corral.check_health"} <= names, names
+    flower_text = httpx.get(f"{flower}/api/tasks", timeout=10).text
+    broker_page = httpx.get(f"{flower}/broker", timeout=10)  # queue lengths, read from Redis
+    assert broker_page.status_code == 200 and "corral.spawn" in broker_page.text
+    assert AWS_ID not in flower_text and AWS_SECRET not in flower_text
+    ops = _corral(tmp_path, "ops", "--json").stdout
+    assert AWS_ID not in ops and AWS_SECRET not in ops
+
+
+def _check_metrics(tmp_path: Path) -> None:
+    """The exporter ``corral up`` started: its URL printed, the work above in its numbers."""
+    services = json.loads((tmp_path / ".corral" / "stack.json").read_text())["services"]
+    assert f"metrics          {services['metrics']}" in (tmp_path / "up.out").read_text()
+    # The 5 replicas were reaped as idle, by beat's pass (idle timeout 1 s) or the operator's;
+    # a pass adds to the total just after it retires its rows, so wait for the last one.
+    want = 'corral_reaped_total{reason="idle"} 5.0'
+    deadline = time.monotonic() + 30
+    metrics = httpx.get(services["metrics"], timeout=10).text
+    while want not in metrics and time.monotonic() < deadline:
+        time.sleep(0.5)
+        metrics = httpx.get(services["metrics"], timeout=10).text
+    reaped = [line for line in metrics.splitlines() if line.startswith("corral_reaped_total")]
+    assert want in reaped, reaped
+    assert 'corral_operations_total{kind="scale",status="succeeded"} 2.0' in metrics
+    assert "corral_spawn_seconds_count 5.0" in metrics
+    assert 'corral_replicas{function="hello",state="idle"} 0.0' in metrics
+    assert 'corral_node_healthy{node="local-fcdaemon"} 1.0' in metrics
+    assert AWS_ID not in metrics and AWS_SECRET not in metrics
+
+
 @pytest.mark.timeout(240)
 def test_corral_up_end_to_end(tmp_path: Path) -> None:
     up_log = (tmp_path / "up.out").open("w")
@@ -66,86 +148,25 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
                           stdout=up_log, stderr=subprocess.STDOUT)
     started: set[int] = set()
     try:
-        deadline = time.monotonic() + 120
-        while "corral is up" not in (tmp_path / "up.out").read_text():
-            assert up.poll() is None, (tmp_path / "up.out").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.out").read_text()
-            time.sleep(0.2)
-        published = json.loads((tmp_path / ".corral" / "stack.json").read_text())
-        stack, services = published["settings"], published["services"]
-
+        stack, services = _wait_up(tmp_path, up)
         # a second `corral up` in the same directory refuses
         second = _corral(tmp_path, "up", check=False)
         assert second.returncode == 1 and "already running" in second.stderr
-
         nodes = json.loads(_corral(tmp_path, "nodes", "list", "--json").stdout)
         assert {n["name"] for n in nodes} == {"local-fcdaemon", "local-lambdo"}
 
-        out = _corral(tmp_path, "functions", "deploy", "hello", "--image", "examples.hello",
-                      "--kernel", "/boot/vmlinux", "--idle-timeout", "1",
-                      "--aws-access-key-id", AWS_ID, "--aws-secret-access-key", AWS_SECRET)
-        assert AWS_ID not in out.stdout and AWS_SECRET not in out.stdout
-        _corral(tmp_path, "functions", "deploy", "web", "--backend", "lambdo",
-                "--image", "examples.hello", "--rootfs", "examples.hello", "--idle-timeout", "1")
-        _corral(tmp_path, "scale", "hello", "3", "--wait")
-        _corral(tmp_path, "scale", "web", "2", "--wait")
-        replicas = json.loads(_corral(tmp_path, "replicas", "--json").stdout)
-        by_fn = {fn: [r for r in replicas if r["function"] == fn] for fn in ("hello", "web")}
-        assert len(by_fn["hello"]) == 3 and len(by_fn["web"]) == 2
-        assert all(r["status"] == "idle" for r in replicas)
-
-        claimed = json.loads(_corral(tmp_path, "claim", "web", "--json").stdout)
-        answer = httpx.get(claimed["address"], timeout=10)
-        assert answer.status_code == 200 and "hello from corral" in answer.text
-        fc = by_fn["hello"][0]
-        assert "hello from corral" in httpx.get(fc["address"], timeout=10).text
-        _corral(tmp_path, "release", claimed["claim_id"])
-        gateway = services["gateway"]  # the data path: a function called over HTTP
-        assert f"gateway          {gateway}" in (tmp_path / "up.out").read_text()
-        called = httpx.get(f"{gateway}/function/hello", timeout=60)
-        assert called.status_code == 200 and called.text == "hello from corral\n"
-        assert httpx.get(f"{gateway}/function/nope", timeout=10).status_code == 404
+        by_fn = _deploy_and_scale(tmp_path)
+        _call(tmp_path, by_fn, services["gateway"])  # the data path: a function over HTTP
 
         started = _descendants(up.pid)
         assert len(started) >= 9  # redis, registry, worker(+pool), beat, flower, metrics, agents...
-
         reap = json.loads(_corral(tmp_path, "reap", "--idle-timeout", "0", "--wait",
                                   "--json").stdout)
         assert reap["status"] == "succeeded", reap
-        left = json.loads(_corral(tmp_path, "replicas", "--json").stdout)
-        assert left == []
+        assert json.loads(_corral(tmp_path, "replicas", "--json").stdout) == []
 
-        flower = f"http://127.0.0.1:{stack['flower_port']}"
-        deadline = time.monotonic() + 30
-        names: set[str] = set()
-        while time.monotonic() < deadline:
-            tasks = httpx.get(f"{flower}/api/tasks", timeout=10).json()
-            names = {t.get("name") for t in tasks.values()}
-            if {"corral.scale", "corral.reap", "corral.check_health"} <= names:
-                break
-            time.sleep(1)
-        assert {"corral.scale", "corral.reap", "corral.check_health"} <= names, names
-        flower_text = httpx.get(f"{flower}/api/tasks", timeout=10).text
-        broker_page = httpx.get(f"{flower}/broker", timeout=10)  # queue lengths, read from Redis
-        assert broker_page.status_code == 200 and "corral.spawn" in broker_page.text
-        assert AWS_ID not in flower_text and AWS_SECRET not in flower_text
-        ops = _corral(tmp_path, "ops", "--json").stdout
-        assert AWS_ID not in ops and AWS_SECRET not in ops
-
-        # the exporter corral up started: its URL printed, the work above in its numbers
-        services = json.loads((tmp_path / ".corral" / "stack.json").read_text())["services"]
-        assert f"metrics          {services['metrics']}" in (tmp_path / "up.out").read_text()
-        metrics = httpx.get(services["metrics"], timeout=10).text
-        # the pass reaped the 5 replicas above, and any the gateway's call cold-started
-        idle = reap["result"]["counts"]["idle"]
-        assert idle >= 5, reap["result"]["counts"]
-        reaped = [line for line in metrics.splitlines() if line.startswith("corral_reaped_total")]
-        assert f'corral_reaped_total{{reason="idle"}} {float(idle)}' in reaped, reaped
-        assert 'corral_operations_total{kind="scale",status="succeeded"} 2.0' in metrics
-        assert "corral_spawn_seconds_count 5.0" in metrics
-        assert 'corral_replicas{function="hello",state="idle"} 0.0' in metrics
-        assert 'corral_node_healthy{node="local-fcdaemon"} 1.0' in metrics
-        assert AWS_ID not in metrics and AWS_SECRET not in metrics
+        _check_flower(tmp_path, f"http://127.0.0.1:{stack['flower_port']}")
+        _check_metrics(tmp_path)
     finally:
         up.send_signal(signal.SIGINT)
         try:

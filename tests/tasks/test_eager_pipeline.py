@@ -124,7 +124,6 @@ def test_agent_that_never_answers_fails_naming_the_node(
 
 
 def test_empty_vmid_is_a_permanent_failure(corral_env: Env, start_agents: StartAgents) -> None:
-
     (agent,) = start_agents(1)
     deploy_fn(corral_env)
     agent.agent.inject("CreateReplica", Fault.reply(fcdaemon_pb2.CreateReply(ip="1.2.3.4")))
@@ -147,7 +146,6 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     """Delete while the agent is still creating: the late VM is torn down, no orphan."""
-
     (agent,) = start_agents(1)
     deploy_fn(corral_env)
     with corral_env.db.read() as s:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -40,7 +41,6 @@ def test_spawn_scale_delete_through_a_thread_worker(
 
 def _publish_raw(env: Env, task: str, args: list[object], queue: str) -> str:
     """Put a task message on a queue by hand, as a second delivery of the same request would."""
-
     task_id = uuid.uuid4().hex
     app.send_task(task, args=args, queue=queue, task_id=task_id, ignore_result=True)
     return task_id
@@ -54,7 +54,6 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     deploy_fn(thread_worker)
     # An operation of one replica, and its spawn_replica message published twice.
     with thread_worker.db.transaction() as s:
-
         fn = get_function(s, "hello")
         op = create_operation(s, "spawn", {"function": "hello", "count": 1},
                               function_id=fn.id, total=1)
@@ -65,10 +64,7 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     view = api.wait(op.id, timeout=30)
     assert view["status"] == "succeeded", view
     assert (view["done"], view["failed"]) == (1, 0)
-    # give the second delivery time to run, then count VMs
-    import time
-
-    time.sleep(0.5)
+    time.sleep(0.5)  # give the second delivery time to run, then count VMs
     assert len(agent.driver.list()) == 1
     (replica,) = _live(thread_worker)
 
@@ -96,13 +92,18 @@ def test_malformed_task_message_fails_the_operation_and_worker_lives(
     start_agents(1, env=thread_worker)
     deploy_fn(thread_worker)
     with thread_worker.db.transaction() as s:
-
         op = create_operation(s, "spawn", {"function": "hello", "count": 1}, total=1)
     _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 42], "corral.spawn")
     view = api.wait(op.id, timeout=15)
     assert view["status"] == "failed"
     assert "corral.spawn_replica" in view["error"] and "missing" in view["error"]
-    _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 7, "x", None], "corral.spawn")
+    # a wrong type fails its operation too, naming the argument (no coercion of 7 to "7")
+    with thread_worker.db.transaction() as s:
+        typed = create_operation(s, "spawn", {"function": "hello", "count": 1}, total=1)
+    _publish_raw(thread_worker, "corral.spawn_replica", [typed.id, 7, "x", None], "corral.spawn")
+    view = api.wait(typed.id, timeout=15)
+    assert view["status"] == "failed"
+    assert "argument 'request_id' must be str, got int" in view["error"], view
     # the worker still serves real work afterwards
     spawn_ok("hello", 1, timeout=15)
 

@@ -49,7 +49,6 @@ def test_a_raising_task_fails_its_operation_and_wait_returns_with_the_error(
 
 def api_ops(env: Env) -> list[Operation]:
     """Every operation, oldest first."""
-
     with env.db.read() as s:
         return list(s.scalars(select(Operation).order_by(Operation.created_at)))
 
@@ -75,7 +74,6 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
 
 
 def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) -> None:
-
     function_id = deploy_fn(store_env)
     with store_env.db.transaction() as s:
         op_id = create_operation(s, "spawn", {"function": "hello", "count": 2},

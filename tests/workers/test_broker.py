@@ -75,7 +75,6 @@ def test_kombus_own_channel_still_has_the_bug(broker_url: str) -> None:
 
 
 def test_redis_urls_keep_their_scheme_and_use_corrals_transport() -> None:
-
     with app.connection_for_write() as connection:
         assert isinstance(connection.transport, Transport)
         # the scheme stays redis://: Flower picks its broker client by it

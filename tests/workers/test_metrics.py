@@ -157,7 +157,6 @@ def test_a_scrape_reports_the_store_and_redis_as_they_are(
 def test_the_reaper_and_the_autoscaler_feed_their_metrics(
     env: Env, exporter: RunningExporter, start_agents: StartAgents, redis_url: str
 ) -> None:
-
     start_agents(1, env=env)
     with env.db.transaction() as s:
         deploy(s, spec_from(name="hello", image="i", kernel="/k", autoscale=True),

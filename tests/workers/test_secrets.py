@@ -129,7 +129,6 @@ def test_the_stack_file_is_trusted_only_if_ours_and_private(
 def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
     caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-
     caplog.set_level(logging.WARNING, logger="workers.untrusted")
     AgentClient("127.0.0.1:1", token="t", shared=False).close()  # loopback: fine
     LambdoClient("http://127.0.0.1:1", token="t")

@@ -269,7 +269,6 @@ class AgentClient(_AgentCalls):
 
     def list_replicas(self) -> list[AgentVm]:
         """The VMs the agent runs (extension; raises :class:`Unsupported` if absent)."""
-
         reply = self._call("ListReplicas", empty_pb2.Empty(), self.timeout_s)
         return [
             AgentVm(
@@ -288,7 +287,6 @@ class AgentClient(_AgentCalls):
         An agent without the health service is probed with a ListReplicas call and
         counts as healthy if it answers at all (even UNIMPLEMENTED).
         """
-
         stub = health_pb2_grpc.HealthStub(self._channel)
         try:
             reply = stub.Check(

@@ -78,7 +78,6 @@ def server_address(address: str) -> str:
 def fetch_gpus(address: str, timeout_s: float, token: str | None = None) -> dict[str, int]:
     """Ask a GPU server's ``GetGPUResource`` for its GPUs (UUID -> MB), with the agent token."""
 
-
     with grpc.insecure_channel(address) as channel:
         stub = gpuresc_grpc.GPURescStub(channel)
         try:

@@ -32,7 +32,7 @@ from workers.fleet.health import note_failure
 from workers.fleet.nodes import get_node
 from workers.operations import finish
 from workers.store.db import Database
-from workers.store.models import OP_FINISHED, Node, Operation
+from workers.store.models import OP_FINISHED, Node, Operation, OpStatus
 
 log = logging.getLogger(__name__)
 
@@ -110,35 +110,60 @@ def run_hogs(
     ``last_try`` is False: the operation then stays open for another attempt.
     """
     action, n = check_hogs(action, n)
+    owed = _owed(db, action, n, node, op_id)
+    if owed.finished:
+        return {"nodes": owed.outcomes, "retry": False}
+    calls = [
+        call_node(target, settings, action, n) if target is not None
+        else HogCall(owed.outcomes[name]["node_id"], name, False, f"node {name} was removed")
+        for name, target in owed.nodes.items()
+    ]
+    retry = not last_try and any(c.retryable for c in calls)
+    outcomes = _record(db, op_id, action, n, owed.outcomes, calls, retry=retry)
+    if not retry:
+        for c in calls:
+            if c.retryable:
+                note_failure(db, settings, c.node_id, c.error or "hog request failed")
+    return {"nodes": outcomes, "retry": retry}
+
+
+@dataclass
+class _Owed:
+    """The nodes a hog operation still owes a call (None: removed since it was planned)."""
+
+    outcomes: dict[str, dict[str, Any]]
+    nodes: dict[str, Node | None]
+    finished: bool = False
+
+
+def _owed(db: Database, action: str, n: int, node: str | None, op_id: str | None) -> _Owed:
+    """Plan the operation's targets on its first run; then the ones pending or retryable."""
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True) if op_id else None
         if op_id and op is None:
             raise InputError(f"unknown operation {op_id!r}")
         if op is not None and op.status in OP_FINISHED:
-            return {"nodes": (op.result or {}).get("nodes", {}), "retry": False}
+            return _Owed((op.result or {}).get("nodes", {}), {}, finished=True)
         outcomes: dict[str, dict[str, Any]] = dict((op.result or {}).get("nodes", {})) if op else {}
         if not outcomes:
-            targets = hog_targets(s, node)
-            outcomes = {t.name: {"node_id": t.id, "state": "pending"} for t in targets}
+            outcomes = {t.name: {"node_id": t.id, "state": "pending"} for t in hog_targets(s, node)}
             if op is not None:
                 op.total = len(outcomes)
                 op.result = {"action": action, "n": n, "nodes": outcomes}
-                op.status = "running"
+                op.status = OpStatus.RUNNING.value
         owed = [
             name for name, o in outcomes.items()
             if o["state"] == "pending" or (o["state"] == "failed" and o.get("retryable"))
         ]
-        nodes = {nd.name: nd for nd in s.scalars(select(Node).where(Node.name.in_(owed)))}
-    calls: list[HogCall] = []
-    for name in owed:
-        target = nodes.get(name)
-        if target is None:
-            calls.append(
-                HogCall(outcomes[name]["node_id"], name, False, f"node {name} was removed")
-            )
-        else:
-            calls.append(call_node(target, settings, action, n))
-    retry = not last_try and any(c.retryable for c in calls)
+        found = {nd.name: nd for nd in s.scalars(select(Node).where(Node.name.in_(owed)))}
+        return _Owed(outcomes, {name: found.get(name) for name in owed})
+
+
+def _record(
+    db: Database, op_id: str | None, action: str, n: int,
+    outcomes: dict[str, dict[str, Any]], calls: list[HogCall], *, retry: bool,
+) -> dict[str, dict[str, Any]]:
+    """Write each call's outcome on the operation; finish it unless a retry is due."""
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True) if op_id else None
         if op is not None:
@@ -160,8 +185,4 @@ def run_hogs(
                 errors = [o["error"] for o in outcomes.values() if o.get("error")]
                 op.result = {**op.result, "errors": errors[:5]}
                 finish(op, failed=op.failed, total=op.total)
-    if not retry:
-        for c in calls:
-            if c.retryable:
-                note_failure(db, settings, c.node_id, c.error or "hog request failed")
-    return {"nodes": outcomes, "retry": retry}
+    return outcomes

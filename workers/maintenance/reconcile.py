@@ -107,32 +107,57 @@ def _live_rows(db: Database, node: Node) -> list[Any]:
 
 
 def _reconcile_node(db: Database, settings: Settings, node: Node, report: ReconcileReport) -> None:
+    """Destroy the node's orphan VMs, and end the rows whose VM vanished from it."""
     if node.can_list is False:
         return
     # Rows read *before* the listing: a VM recorded on one of these rows existed before the
     # node was asked, so its absence from the listing means it is gone. A spawn that records
     # its VM while the node is being listed is not among them (it is judged next pass).
     before = _live_rows(db, node)
+    vms = _listing(db, settings, node, report)
+    if vms is None:
+        return
+    _destroy_orphans(db, settings, node, vms, report)
+    on_node = {vm.vmid for vm in vms}
+    for listed in before:
+        if listed.vmid is None or listed.vmid in on_node or listed.status == ReplicaState.CREATING:
+            continue
+        _vanished(db, settings, node, listed.id, listed.vmid, report)
+
+
+def _set_can_list(db: Database, node: Node, can_list: bool) -> None:
+    """Remember whether the node can list its VMs."""
+    with db.transaction() as s:
+        row = s.get(Node, node.id)
+        if row is not None:
+            row.can_list = can_list
+
+
+def _listing(
+    db: Database, settings: Settings, node: Node, report: ReconcileReport
+) -> list[backends.ListedVm] | None:
+    """The node's VMs, or None when it cannot list them (now or ever)."""
     try:
         vms = backends.list_vms(node, settings)
     except Unsupported:
-        with db.transaction() as s:
-            row = s.get(Node, node.id)
-            if row is not None:
-                row.can_list = False
+        _set_can_list(db, node, False)
         report.nodes_unlistable.append(node.name)
         log.info("node %s cannot list its VMs; reconcile skips it from now on", node.name)
-        return
+        return None
     except BackendError as exc:
         report.node_errors[node.name] = str(exc)
-        return
+        return None
     report.nodes_checked.append(node.name)
     if node.can_list is None:
-        with db.transaction() as s:
-            row = s.get(Node, node.id)
-            if row is not None:
-                row.can_list = True
-    on_node = {vm.vmid: vm for vm in vms}
+        _set_can_list(db, node, True)
+    return vms
+
+
+def _destroy_orphans(
+    db: Database, settings: Settings, node: Node, vms: list[backends.ListedVm],
+    report: ReconcileReport,
+) -> None:
+    """Release listed VMs no row knows, once they are older than the orphan grace."""
     # Rows read *after* the listing: a listed VM with no row here has none (orphans).
     rows = _live_rows(db, node)
     known = {r.vmid for r in rows if r.vmid}
@@ -150,27 +175,23 @@ def _reconcile_node(db: Database, settings: Settings, node: Node, report: Reconc
             log.warning("destroyed orphan VM %s on %s", vm.vmid, node.name)
         except BackendError as exc:
             report.errors.append(f"orphan {vm.vmid}: {exc}")
-    for listed in before:
-        if (
-            listed.vmid is None
-            or listed.vmid in on_node
-            or listed.status == ReplicaState.CREATING
-        ):
-            continue
-        with db.transaction() as s:
-            replica = lock_replica(s, listed.id)
-            if (
-                replica is None
-                or replica.status not in LIVE_STATES
-                or replica.vmid != listed.vmid
-            ):
-                continue
-            if replica.status == ReplicaState.DELETING:
-                transition(s, replica, ReplicaState.DELETED, settings)
-            else:
-                transition(s, replica, ReplicaState.DEAD, settings,
-                           error=f"VM {replica.vmid} vanished from node {node.name}")
-                report.vanished.append(replica.id)
+
+
+def _vanished(
+    db: Database, settings: Settings, node: Node, replica_id: str, vmid: str,
+    report: ReconcileReport,
+) -> None:
+    """End a row whose VM the node no longer lists: Deleted if it was being deleted, else Dead."""
+    with db.transaction() as s:
+        replica = lock_replica(s, replica_id)
+        if replica is None or replica.status not in LIVE_STATES or replica.vmid != vmid:
+            return
+        if replica.status == ReplicaState.DELETING:
+            transition(s, replica, ReplicaState.DELETED, settings)
+        else:
+            transition(s, replica, ReplicaState.DEAD, settings,
+                       error=f"VM {replica.vmid} vanished from node {node.name}")
+            report.vanished.append(replica.id)
 
 
 def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:

@@ -105,7 +105,6 @@ def give_up(
     That is: re-sent :data:`REDRIVE_MAX` times (or of a kind not in ``resendable``,
     never re-sent) and unmoved for ``CORRAL_REDRIVE_AFTER_S`` x 2^REDRIVE_MAX since.
     """
-
     at = now()
     wait = timedelta(seconds=settings.redrive_after_s) * (2**REDRIVE_MAX)
     out: dict[str, str] = {}

@@ -249,7 +249,6 @@ class Registry:
 
     def manager_info(self, vmid: str) -> tuple[str, str, int] | None:
         """(GPU uuid, manager address, worker port) given to the replica with this vmid."""
-
         with self.db.read() as s:
             return manager_info(s, vmid)
 

@@ -267,53 +267,69 @@ def place(
             lock_nodes(s, fn.backend)
             if fn.gpu_mem_mb:
                 lock_gpus(s)
-        room = max(0, min(len(todo), fn.max_replicas - fn.replica_count))
-        if room:
-            s.execute(
-                update(Function)
-                .where(Function.id == fn.id)
-                .values(replica_count=Function.replica_count + room,
-                        updated_at=Function.updated_at)
-                .execution_options(synchronize_session=False)
-            )
-        at = now()
-        placed: list[Replica] = []
-        failed: list[tuple[Replica, str]] = []
-        policy = fn.placement or settings.placement
-        for i, job in enumerate(todo):
-            replica = Replica(
-                request_id=job.request_id,
-                function_id=fn.id,
-                operation_id=op_id,
-                status=int(ReplicaState.CREATING),
-                build_version=fn.build_version,
-                envs_total=fn.exec_envs,
-                deadline_at=deadline_for(ReplicaState.CREATING, settings, at),
-            )
-            if i >= room:
-                # Never counted, never placed: record why, without going through transition.
-                replica.status, replica.retired_at, replica.operation_id = (
-                    int(ReplicaState.DEAD), at, None)
-                replica.error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
-                s.add(replica)
-                if op_id:
-                    settle(s, op_id, ok=False, error=replica.error)
-                continue
-            try:
-                replica.node_id = reserve_node(s, fn, policy, pinned=job.node_id).id
-                if fn.gpu_mem_mb:
-                    grant = reserve_gpu(s, fn, settings.gpu_fit)
-                    replica.gpu_id, replica.gpu_slot, replica.gpu_mem_mb = (
-                        grant.gpu_id, grant.slot, grant.mem_mb)
-                    s.add(replica)  # its slot must be visible to the next reserve_gpu
-                placed.append(replica)
-            except CapacityError as exc:
-                failed.append((replica, str(exc)))
-        s.add_all(placed + [replica for replica, _ in failed])
-        s.flush()
-        for replica, error in failed:  # counted, maybe holding a node: transition frees it
-            transition(s, replica, ReplicaState.DEAD, settings, error=error)
+        _write_rows(s, settings, op_id, fn, todo, room=_count_toward_max(s, fn, len(todo)))
         return len(todo)
+
+
+def _count_toward_max(s: Session, fn: Function, wanted: int) -> int:
+    """Count as many of ``wanted`` new replicas as fit under the function's max; how many."""
+    room = max(0, min(wanted, fn.max_replicas - fn.replica_count))
+    if room:
+        s.execute(
+            update(Function)
+            .where(Function.id == fn.id)
+            .values(replica_count=Function.replica_count + room, updated_at=Function.updated_at)
+            .execution_options(synchronize_session=False)
+        )
+    return room
+
+
+def _write_rows(
+    s: Session, settings: Settings, op_id: str | None, fn: Function, todo: list[SpawnJob],
+    *, room: int,
+) -> None:
+    """Insert the Creating rows of the first ``room`` jobs, each on a node (and GPU).
+
+    The rest are written Dead (over max); a counted one that finds no node or GPU
+    ends Dead through :func:`transition`, which frees what it held.
+    """
+    at = now()
+    placed: list[Replica] = []
+    failed: list[tuple[Replica, str]] = []
+    policy = fn.placement or settings.placement
+    for i, job in enumerate(todo):
+        replica = Replica(
+            request_id=job.request_id,
+            function_id=fn.id,
+            operation_id=op_id,
+            status=int(ReplicaState.CREATING),
+            build_version=fn.build_version,
+            envs_total=fn.exec_envs,
+            deadline_at=deadline_for(ReplicaState.CREATING, settings, at),
+        )
+        if i >= room:
+            # Never counted, never placed: record why, without going through transition.
+            replica.status, replica.retired_at, replica.operation_id = (
+                int(ReplicaState.DEAD), at, None)
+            replica.error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
+            s.add(replica)
+            if op_id:
+                settle(s, op_id, ok=False, error=replica.error)
+            continue
+        try:
+            replica.node_id = reserve_node(s, fn, policy, pinned=job.node_id).id
+            if fn.gpu_mem_mb:
+                grant = reserve_gpu(s, fn, settings.gpu_fit)
+                replica.gpu_id, replica.gpu_slot, replica.gpu_mem_mb = (
+                    grant.gpu_id, grant.slot, grant.mem_mb)
+                s.add(replica)  # its slot must be visible to the next reserve_gpu
+            placed.append(replica)
+        except CapacityError as exc:
+            failed.append((replica, str(exc)))
+    s.add_all(placed + [replica for replica, _ in failed])
+    s.flush()
+    for replica, error in failed:  # counted, maybe holding a node: transition frees it
+        transition(s, replica, ReplicaState.DEAD, settings, error=error)
 
 
 # Built once (see workers.replicas.lifecycle): the replicas of some requests still waiting for

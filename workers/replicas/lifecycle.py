@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import bindparam, case, delete, func, select, update
@@ -171,38 +172,48 @@ def transition(
     replica.deadline_at = deadline_for(to, settings, at)
     if error is not None:
         replica.error = error
-    if to == ReplicaState.IDLE:
-        if replica.ready_at is None:
-            replica.ready_at = at
-        if replica.envs_in_use == 0:
-            replica.idle_since = replica.last_used_at or replica.ready_at
-            replica.reap_at = replica.idle_since + timedelta(
-                seconds=idle_timeout(replica.function, settings)
-            )
-    else:
-        replica.idle_since = None
-        replica.reap_at = None
+    _stamp_idle(replica, to, settings, at)
     if before in COUNTED_STATES and to not in COUNTED_STATES:
         session.connection().execute(_UNCOUNT, {"function_id": replica.function_id})
     if to in FINAL_STATES:
-        replica.retired_at = at
-        if replica.envs_in_use:
-            # Claims end with their replica: ``envs_in_use`` counts claim rows, and a row
-            # left behind would make its release (or expiry) count below zero.
-            session.execute(delete(Claim).where(Claim.replica_id == replica.id)
-                            .execution_options(synchronize_session=False))
-        replica.envs_in_use = 0
-        if replica.node_id is not None:
-            free_node(session, replica.node_id)
-        if replica.gpu_id is not None and replica.gpu_slot is not None:
-            free_gpu(session, replica.gpu_id, replica.gpu_mem_mb)
-            replica.gpu_slot = None
+        _retire(session, replica, at)
     waiting_op = replica.operation_id if to in SETTLING else None
     if waiting_op:
         replica.operation_id = None  # before the flush below: one UPDATE of the row
     session.flush()
     if waiting_op:
         settle(session, waiting_op, ok=to != ReplicaState.DEAD, error=replica.error)
+
+
+def _stamp_idle(replica: Replica, to: ReplicaState, settings: Settings, at: datetime) -> None:
+    """Stamp the Idle clocks (ready, idle since, reap at), or clear them when leaving Idle."""
+    if to != ReplicaState.IDLE:
+        replica.idle_since = None
+        replica.reap_at = None
+        return
+    if replica.ready_at is None:
+        replica.ready_at = at
+    if replica.envs_in_use == 0:
+        replica.idle_since = replica.last_used_at or replica.ready_at
+        replica.reap_at = replica.idle_since + timedelta(
+            seconds=idle_timeout(replica.function, settings)
+        )
+
+
+def _retire(session: Session, replica: Replica, at: datetime) -> None:
+    """A final state: end its claims and give back its node slot and GPU reservation."""
+    replica.retired_at = at
+    if replica.envs_in_use:
+        # Claims end with their replica: ``envs_in_use`` counts claim rows, and a row
+        # left behind would make its release (or expiry) count below zero.
+        session.execute(delete(Claim).where(Claim.replica_id == replica.id)
+                        .execution_options(synchronize_session=False))
+    replica.envs_in_use = 0
+    if replica.node_id is not None:
+        free_node(session, replica.node_id)
+    if replica.gpu_id is not None and replica.gpu_slot is not None:
+        free_gpu(session, replica.gpu_id, replica.gpu_mem_mb)
+        replica.gpu_slot = None
 
 
 def bump_reap_at(session: Session, fn: Function, settings: Settings) -> None:
@@ -306,40 +317,55 @@ def retire_deleting(
     if any(row[2] is not None for row in seen):
         lock_gpus(session)
     rows = session.execute(_LOCK_DELETING, {"ids": list(errors)}).all()
-    at = now()
-    params = []
-    slots: dict[str, int] = defaultdict(int)
-    settled: dict[str, int] = defaultdict(int)
-    failed: list[tuple[str, str]] = []
-    claimed: list[str] = []
+    batch = _Retiring(now())
     for rid, node_id, gpu_id, op_id, envs_in_use in rows:
         error = errors[rid]
-        if gpu_id is not None:  # GPU grants are freed one by one, by transition
-            replica = lock_replica(session, rid)
-            if replica is not None:
-                to = ReplicaState.DEAD if error else ReplicaState.DELETED
-                transition(session, replica, to, settings, error=error)
-            continue
         to = ReplicaState.DEAD if error else ReplicaState.DELETED
-        params.append({"rid": rid, "to": int(to), "error": error, "at": at})
-        if envs_in_use:
-            claimed.append(rid)
-        if node_id is not None:
-            slots[node_id] += 1
-        if op_id and error:
-            failed.append((op_id, error))
-        elif op_id:
-            settled[op_id] += 1
-    if params:
-        session.connection().execute(_RETIRE, params)
-    if claimed:  # claims end with their replica, as in transition
-        session.execute(delete(Claim).where(Claim.replica_id.in_(claimed))
-                        .execution_options(synchronize_session=False))
-    if slots:
-        session.connection().execute(_FREE_NODE_SLOTS, [
-            {"node_id": node_id, "n": n} for node_id, n in slots.items()])
-    for op_id, n in settled.items():
-        settle(session, op_id, ok=True, n=n)
-    for op_id, error in failed:
-        settle(session, op_id, ok=False, error=error)
+        if gpu_id is None:
+            batch.add(rid, to, error, node_id=node_id, op_id=op_id, claimed=bool(envs_in_use))
+            continue
+        replica = lock_replica(session, rid)  # GPU grants are freed one by one, by transition
+        if replica is not None:
+            transition(session, replica, to, settings, error=error)
+    batch.write(session)
     return len(rows)
+
+
+@dataclass
+class _Retiring:
+    """What :func:`retire_deleting` writes for its rows: a few statements for the batch."""
+
+    at: datetime
+    params: list[dict[str, object]] = field(default_factory=list)
+    slots: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    settled: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    claimed: list[str] = field(default_factory=list)
+
+    def add(self, rid: str, to: ReplicaState, error: str | None, *,
+            node_id: str | None, op_id: str | None, claimed: bool) -> None:
+        """Count one replica's retirement: its row, node slot, claims and operation."""
+        self.params.append({"rid": rid, "to": int(to), "error": error, "at": self.at})
+        if claimed:
+            self.claimed.append(rid)
+        if node_id is not None:
+            self.slots[node_id] += 1
+        if op_id and error:
+            self.failed.append((op_id, error))
+        elif op_id:
+            self.settled[op_id] += 1
+
+    def write(self, session: Session) -> None:
+        """Run the batch's statements and settle its operations."""
+        if self.params:
+            session.connection().execute(_RETIRE, self.params)
+        if self.claimed:  # claims end with their replica, as in transition
+            session.execute(delete(Claim).where(Claim.replica_id.in_(self.claimed))
+                            .execution_options(synchronize_session=False))
+        if self.slots:
+            session.connection().execute(_FREE_NODE_SLOTS, [
+                {"node_id": node_id, "n": n} for node_id, n in self.slots.items()])
+        for op_id, n in self.settled.items():
+            settle(session, op_id, ok=True, n=n)
+        for op_id, error in self.failed:
+            settle(session, op_id, ok=False, error=error)

@@ -144,7 +144,6 @@ TRANSIENT_SQLSTATES = frozenset({"40P01", "40001", "55P03", "57014", "57P01", "5
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a database error may pass if the transaction is simply tried again."""
-
     if not isinstance(exc, DBAPIError):
         return False
     if exc.connection_invalidated:  # the connection was lost mid-statement

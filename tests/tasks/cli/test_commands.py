@@ -78,7 +78,6 @@ def test_remove_refuses_with_replicas_unless_forced(
 def test_failed_wait_exits_non_zero(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
-
     (agent,) = start_agents(1)
     assert main(["functions", "deploy", "hello", "--image", "i", "--kernel", "/k"]) == 0
     agent.agent.inject("CreateReplica", Fault.reply(fcdaemon_pb2.CreateReply()))

@@ -148,7 +148,6 @@ def test_scale_to_zero_after_no_requests(env: Env, start_agents: StartAgents,
 
 
 def test_deploy_options_and_their_bad_input(corral_env: Env) -> None:
-
     fn_deploy(corral_env, "a", autoscale=True, scale_to_zero_after=30.0)
     with corral_env.db.read() as s:
         view = function_view(s.scalars(select(Function)).one())

@@ -117,7 +117,6 @@ def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
 def test_roundrobin_stays_even_under_concurrent_spawns(
     pg_env: Env, start_agents: StartAgents
 ) -> None:
-
     start_agents(3, env=pg_env)
     deploy_fn(pg_env, "rr", placement="roundrobin")
     with pg_env.db.read() as s:

@@ -43,8 +43,8 @@ def test_settings_choose_slots_first_port_and_manager_port(corral_env: Env) -> N
         gpus = add_gpu_server(corral_env.db, settings, server.address)
         assert [(g.first_port, g.slots_total) for g in gpus] == [(5000, 2), (5002, 2)]
         assert gpus[0].mngr_addr == "127.0.0.1:4444"
-        gpus = add_gpu_server(corral_env.db, settings, server.address, mngr_addr="10.1.2.3")
-        assert {g.mngr_addr for g in gpus} == {"10.1.2.3:4444"}
+        gpus = add_gpu_server(corral_env.db, settings, server.address, mngr_addr="127.1.2.3")
+        assert {g.mngr_addr for g in gpus} == {"127.1.2.3:4444"}
         with pytest.raises(InputError, match="invalid AvA manager address 'a:b'"):
             add_gpu_server(corral_env.db, settings, server.address, mngr_addr="a:b")
 
@@ -125,7 +125,7 @@ def test_server_errors_become_clear_corral_errors(corral_env: Env) -> None:
 
 def test_default_port_is_50053() -> None:
     assert server_address("gpu-7") == "gpu-7:50053"
-    assert server_address(" 10.0.0.5:6000 ") == "10.0.0.5:6000"
+    assert server_address(" 127.0.0.5:6000 ") == "127.0.0.5:6000"
 
 
 def test_cli_add_list_remove(

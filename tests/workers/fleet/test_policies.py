@@ -145,7 +145,6 @@ def test_unknown_policy_is_refused_at_deploy(corral_env: Env) -> None:
 
 
 def test_placement_bench_decision_changes_nothing(corral_env: Env) -> None:
-
     fn_id = populate(corral_env.db, 5, 8)
 
     def snapshot() -> tuple[list[int], list[int], int]:

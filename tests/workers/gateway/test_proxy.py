@@ -112,7 +112,6 @@ def test_a_client_that_goes_away_releases_its_claim(stack: Stack) -> None:
 
 def test_each_gateway_reports_its_demand_to_redis(stack: Stack) -> None:
 
-
     stack.deploy("echo", image="examples.echo", max=2)
     first, second = stack.gateway(), stack.gateway()
     client = redis.Redis.from_url(stack.env.settings.broker_url)

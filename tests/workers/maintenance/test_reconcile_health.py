@@ -43,12 +43,10 @@ def test_orphan_vm_is_destroyed_after_its_grace(
 def test_vm_of_a_spawn_in_flight_is_not_an_orphan(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-
     (agent,) = start_agents(1)
     deploy_fn(corral_env)
     corral_env.set(orphan_grace_s="0")
     with corral_env.db.read() as s:
-
         fn_id = s.scalars(select(Function.id)).one()
     pending = begin_spawn(corral_env.db, corral_env.settings, None, "req-1", fn_id)
     assert pending is not None
@@ -76,7 +74,6 @@ def test_vanished_vm_marks_the_row_dead_and_min_is_restored(
 
 
 def test_reconcile_task_tops_up_to_min(corral_env: Env, start_agents: StartAgents) -> None:
-
     (agent,) = start_agents(1)
     deploy_fn(corral_env, min=3)
     result = reconcile_task.delay().get()
@@ -89,7 +86,6 @@ def test_node_without_list_extension_is_skipped_once(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
 
-
     (agent,) = start_agents(1)
     agent.agent.inject("ListReplicas", Fault.abort(grpc.StatusCode.UNIMPLEMENTED, "old agent"))
     first = reconcile(corral_env.db, corral_env.settings, holder="t")
@@ -100,7 +96,6 @@ def test_node_without_list_extension_is_skipped_once(
 
 
 def test_only_one_reconcile_pass_at_a_time(corral_env: Env, start_agents: StartAgents) -> None:
-
     start_agents(1)
     assert leases.acquire(corral_env.db, "reconcile", "other", 60)
     assert reconcile(corral_env.db, corral_env.settings, holder="me").skipped
@@ -112,7 +107,6 @@ def test_only_one_reconcile_pass_at_a_time(corral_env: Env, start_agents: StartA
 def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
     store_env: Env, start_agents: StartAgents
 ) -> None:
-
     store_env.set(health_misses="2", node_dead_grace_s="0")
     a, b = start_agents(2)
     deploy_fn(store_env)
@@ -139,7 +133,6 @@ def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
 
 
 def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgents) -> None:
-
     a, _b = start_agents(2)
     deploy_fn(corral_env, min=2)
     api.wait(api.spawn("hello", 2), timeout=10)
@@ -154,7 +147,6 @@ def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgent
 def test_reconcile_command_reports_what_it_found(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
-
 
     (agent,) = start_agents(1)
     deploy_fn(corral_env, min=1)

@@ -133,7 +133,6 @@ def test_the_reap_pass_reports_an_operation_it_gave_up_on(corral_env: Env) -> No
 
 
 def test_progress_and_finished_operations_are_left_alone(corral_env: Env) -> None:
-
     after = corral_env.settings.redrive_after_s
     function_id = deploy_fn(corral_env)
     moving = _lost(corral_env, "spawn", {"function": "hello", "count": 2}, function_id)

@@ -101,11 +101,9 @@ def test_ready_that_beats_the_create_reply_is_not_destroyed(
 ) -> None:
     """READY for a vmid whose spawn is still in flight is remembered, answered at once,
     and applied by the registry's sweep when the row gets its vmid some other way."""
-
     start_agents(1)
     _guest_function(corral_env)
     with corral_env.db.read() as s:
-
         fn_id = s.scalars(select(Function.id)).one()
     # A spawn in flight: row written as Creating, the agent has not answered yet.
     pending = begin_spawn(corral_env.db, corral_env.settings, None, "req-early", fn_id)

@@ -172,7 +172,6 @@ def test_reports_count_only_from_the_replicas_or_its_nodes_ip(
 
 
 def test_an_early_ready_nobody_records_expires(store: Env, registry: RunningRegistry) -> None:
-
     _guest_spawn(store, "127.0.0.1:50051", "req-never")
     reply = _stub(registry).UpdateStatus(
         resmngr_pb2.StatusUpdateRequest(vmid="vm-never", status=READY), timeout=5, metadata=TOKEN)

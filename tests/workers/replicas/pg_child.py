@@ -15,7 +15,6 @@ THREADS = 4
 
 def claimer(url: str, name: str, ready: Any, out: Any) -> None:
     """In a fresh process: THREADS threads claim at once through a fresh Database."""
-
     db = Database(url)
     settings = get_settings()
     with db.read() as s:  # connect before the race starts

@@ -23,7 +23,7 @@ from tasks import api
 from tasks.replicas import delete_batch, spawn_batch
 from tests.fixtures import Env, StartAgents
 from workers import backends, clock
-from workers.fleet.nodes import note_creates, upsert_node
+from workers.fleet.nodes import node_view, note_creates, upsert_node
 from workers.functions import deploy, get_function, spec_from
 from workers.operations import create_operation
 from workers.replicas import actions as replicas
@@ -92,7 +92,6 @@ def test_a_mixed_batch_settles_each_replica_by_its_own_answer(
 def test_a_redelivered_batch_makes_no_second_vm(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-
     a, b = start_agents(2, env=corral_env)
     fn_id = _deploy(corral_env)
     with corral_env.db.transaction() as s:
@@ -227,10 +226,7 @@ def test_a_node_that_refuses_every_create_is_quarantined_and_the_spawn_moves_on(
     bad = nodes["node2"]
     assert bad.live == 0 and bad.create_failures == 3
     assert bad.quarantined_until is not None and bad.quarantine_s == 30
-    # `corral nodes list` says why
-    from workers.fleet.nodes import node_view
-
-    shown = node_view(bad)
+    shown = node_view(bad)  # `corral nodes list` says why
     assert shown["quarantined"] and "INTERNAL: bad disk" in (shown["last_error"] or "")
     assert "quarantined for 30s after 3 failed creates" in shown["last_error"]
     # placement skips it while quarantined
@@ -327,7 +323,6 @@ def test_creates_not_sent_to_a_node_that_stopped_answering_go_elsewhere(
 def test_a_batch_delete_of_a_claimed_replica_ends_its_claims(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-
     start_agents(1, env=corral_env)
     _deploy(corral_env)
     assert api.wait(api.spawn("hello", 2), timeout=30)["status"] == "succeeded"

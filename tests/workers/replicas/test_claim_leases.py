@@ -157,7 +157,6 @@ def test_a_bad_ttl_is_refused_and_claims_nothing(
 def test_upgrading_gives_environments_in_use_claim_rows(tmp_path: Path) -> None:
     """Environments claimed before claims had ids get rows, so the reaper can expire them."""
 
-
     url = f"sqlite:///{tmp_path / 'old.sqlite'}"
     command.upgrade(alembic_config(url), "0002")
     db = Database(url)
@@ -188,7 +187,6 @@ def test_upgrading_gives_environments_in_use_claim_rows(tmp_path: Path) -> None:
 def test_a_claim_on_a_replica_that_died_ends_with_it(
     store: Env, start_agents: StartAgents
 ) -> None:
-
     (replica,) = one_node_idle(store, start_agents)
     got = claim(store.db, store.settings, "hello")
     with store.db.transaction() as s:  # its VM vanished: reconcile marks the row Dead

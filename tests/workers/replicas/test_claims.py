@@ -115,7 +115,6 @@ def test_stale_replicas_are_never_handed_out(
 def test_release_of_a_replica_being_deleted_counts_the_env_back(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-
     one_node_idle(corral_env, start_agents)
     got = claim(corral_env.db, corral_env.settings, "hello")
     begin_delete(corral_env.db, corral_env.settings, got.replica_id)

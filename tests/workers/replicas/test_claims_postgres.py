@@ -78,7 +78,6 @@ def test_reaper_passes_without_the_lease_still_delete_each_replica_once(
     pg_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Row locks (FOR UPDATE SKIP LOCKED, then Deleting) alone keep passes apart."""
-
     agents = start_agents(2)
     deploy_fn(pg_env, idle_timeout=10)
     idle = spawn_idle(pg_env, "hello", 12)
@@ -91,7 +90,6 @@ def test_reaper_passes_without_the_lease_still_delete_each_replica_once(
 
 
 def test_lease_race_has_one_winner(pg_env: Env) -> None:
-
     wins = race_for_lease(pg_env.db)
     assert len(wins) == 1
     info = leases.current(pg_env.db, "race")

@@ -132,7 +132,6 @@ def test_cold_start_times_out_without_spawning_per_poll(
 
 
 def test_spawn_decisions_count_waiters_and_spawns_in_flight(corral_env: Env) -> None:
-
     deploy_fn(corral_env, exec_envs=2)
     db, settings = corral_env.db, corral_env.settings
     w1 = claims.join_waiters(db, "hello", 30)

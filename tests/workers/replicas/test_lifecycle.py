@@ -38,12 +38,12 @@ def test_arrive_and_transition_give_the_same_row(
     assert fast is not None and slow is not None
 
     with corral_env.db.transaction() as s:
-        to = lifecycle.arrive(s, fast.replica_id, fast.operation_id, ("vm-a", "10.0.0.1"),
+        to = lifecycle.arrive(s, fast.replica_id, fast.operation_id, ("vm-a", "127.0.0.1"),
                               fast.function, settings)
     with corral_env.db.transaction() as s:
         replica = lifecycle.lock_replica(s, slow.replica_id)
         assert replica is not None
-        replica.vmid, replica.address = "vm-a", "10.0.0.1"
+        replica.vmid, replica.address = "vm-a", "127.0.0.1"
         assert to is not None
         lifecycle.transition(s, replica, to, settings)
 

@@ -51,7 +51,6 @@ def test_unmigrated_database_is_refused_then_upgrade_fixes_it(
 
 
 def test_a_worker_refuses_an_unmigrated_database(fresh_db: Path) -> None:
-
     with pytest.raises(SystemExit, match="not migrated"):
         _check_schema()
 
@@ -66,7 +65,6 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def test_the_migrations_build_exactly_the_models(empty_url: str) -> None:
 
-
     db = Database(empty_url)
     try:
         upgrade(db)
@@ -79,7 +77,6 @@ def test_the_migrations_build_exactly_the_models(empty_url: str) -> None:
 def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(
     empty_url: str,
 ) -> None:
-
 
     url = empty_url
     command.upgrade(alembic_config(url), "0001")
