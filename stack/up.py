@@ -28,7 +28,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from config.settings import get_settings, hide_url_password, load_settings
+from config.settings import Settings, get_settings, hide_url_password, load_settings
 from stack.redis import free_port, redis_argv
 from stack.supervisor import Child, Supervisor
 from workers.fleet.nodes import upsert_node
@@ -133,19 +133,11 @@ def _start(
     published: dict[str, Any] = {}  # CORRAL_* settings for children and the CLI
     services: dict[str, str] = {}
 
-    broker = os.environ.get("CORRAL_BROKER_URL")
-    if not broker:
-        (state / "redis").mkdir(exist_ok=True)
-        port = free_port(DEFAULT_PORTS["redis"])
-        sup.start(Child("redis", redis_argv(state / "redis", port), env, logs / "redis.log",
-                        state), ready=lambda: _port_open(port), timeout=20)
-        broker = f"redis://127.0.0.1:{port}/0"
+    broker = os.environ.get("CORRAL_BROKER_URL") or _start_redis(state, logs, sup, env)
     published["broker_url"] = broker
     published["result_backend"] = os.environ.get("CORRAL_RESULT_BACKEND", broker)
     database = os.environ.get("CORRAL_DATABASE_URL") or f"sqlite:///{state / 'corral.sqlite'}"
     published["database_url"] = database
-
-
     before, after = upgrade(get_database(database))
     _say(f"database {safe_url(database)} at revision {after}"
          + ("" if before == after else f" (migrated from {before or 'empty'})"))
@@ -158,22 +150,46 @@ def _start(
     for key, value in published.items():
         env["CORRAL_" + key.upper()] = str(value)
     env["CORRAL_STATE_DIR"] = str(state)
-    py = sys.executable
 
-    sup.start(Child("registry", [py, "-m", "tasks.cli", "registry"], env,
+    sup.start(Child("registry", [PY, "-m", "tasks.cli", "registry"], env,
                     logs / "registry.log", state), ready=lambda: _port_open(reg_port))
+    _start_celery(options, base, flower_port, state, logs, sup, env)
+    services["gateway"] = _start_http(
+        "gateway", ["tasks.cli", "gateway"], "", state, logs, sup, env)
+    services["metrics"] = _start_http(
+        "metrics", ["tasks.cli", "metrics"], "/metrics", state, logs, sup, env)
+    if options.agents:
+        services.update(_start_agents(database, reg_port, state, logs, sup, env))
+    return published, services
+
+
+PY = sys.executable
+
+
+def _start_redis(state: Path, logs: Path, sup: Supervisor, env: dict[str, str]) -> str:
+    """Start the embedded Redis; its URL."""
+    (state / "redis").mkdir(exist_ok=True)
+    port = free_port(DEFAULT_PORTS["redis"])
+    sup.start(Child("redis", redis_argv(state / "redis", port), env, logs / "redis.log",
+                    state), ready=lambda: _port_open(port), timeout=20)
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def _start_celery(options: UpOptions, base: Settings, flower_port: int, state: Path,
+                  logs: Path, sup: Supervisor, env: dict[str, str]) -> None:
+    """Start the worker, beat and Flower (on loopback)."""
     worker_log = logs / "worker.log"
     sup.start(
-        Child("worker", [py, "-m", "celery", "-A", "workers", "worker", "-E", "-l", "INFO",
+        Child("worker", [PY, "-m", "celery", "-A", "workers", "worker", "-E", "-l", "INFO",
                          "-c", str(options.worker_concurrency), "-n", "corral@%h",
                          "-Q", "corral.spawn,corral.delete,corral.scale,corral.maintenance"],
               env, worker_log, state),
         ready=lambda: worker_log.exists() and b" ready." in worker_log.read_bytes(),
         timeout=60,
     )
-    sup.start(Child("beat", [py, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
+    sup.start(Child("beat", [PY, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
                              "-s", str(state / "beat-schedule")], env, logs / "beat.log", state))
-    flower_argv = [py, "-m", "celery", "-A", "workers", "flower", f"--port={flower_port}",
+    flower_argv = [PY, "-m", "celery", "-A", "workers", "flower", f"--port={flower_port}",
                    "--address=127.0.0.1"]
     if base.flower_user and base.flower_password:
         # through the environment, not argv, so `ps` does not show the password
@@ -183,31 +199,34 @@ def _start(
         env["FLOWER_UNAUTHENTICATED_API"] = "true"
     sup.start(Child("flower", flower_argv, env, logs / "flower.log", state),
               ready=lambda: _port_open(flower_port), timeout=60)
-    gw_port = free_port(DEFAULT_PORTS["gateway"])
-    services["gateway"] = f"http://127.0.0.1:{gw_port}"
-    sup.start(Child("gateway", [py, "-m", "tasks.cli", "gateway", "--listen",
-                                f"127.0.0.1:{gw_port}"], env, logs / "gateway.log", state),
-              ready=lambda: _port_open(gw_port), timeout=30)
-    metrics_port = free_port(DEFAULT_PORTS["metrics"])
-    services["metrics"] = f"http://127.0.0.1:{metrics_port}/metrics"
-    sup.start(Child("metrics", [py, "-m", "tasks.cli", "metrics", "--listen",
-                                f"127.0.0.1:{metrics_port}"], env, logs / "metrics.log", state),
-              ready=lambda: _port_open(metrics_port), timeout=30)
-    if options.agents:
-        fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
-        services["fcdaemon"] = f"127.0.0.1:{fc_port}"
-        sup.start(Child("fcdaemon", [py, "-m", "agents.fcdaemon", "--listen",
-                                     f"127.0.0.1:{fc_port}", "--registry",
-                                     f"127.0.0.1:{reg_port}", "--node-id", "local-fcdaemon",
-                                     "--driver", "process"], env, logs / "fcdaemon.log", state),
-                  ready=lambda: _node_registered(database, "local-fcdaemon"), timeout=30)
-        lb_port = free_port(DEFAULT_PORTS["lambdo"])
-        services["lambdo"] = f"http://127.0.0.1:{lb_port}"
-        sup.start(Child("lambdo", [py, "-m", "agents.lambdo", "--listen",
-                                   f"127.0.0.1:{lb_port}", "--driver", "process"], env,
-                        logs / "lambdo.log", state), ready=lambda: _port_open(lb_port))
-        _add_lambdo_node(database, services["lambdo"])
-    return published, services
+
+
+def _start_http(name: str, module_args: list[str], path: str, state: Path, logs: Path,
+                sup: Supervisor, env: dict[str, str]) -> str:
+    """Start one of corral's HTTP services on a loopback port; its URL."""
+    port = free_port(DEFAULT_PORTS[name])
+    sup.start(Child(name, [PY, "-m", *module_args, "--listen", f"127.0.0.1:{port}"], env,
+                    logs / f"{name}.log", state),
+              ready=lambda: _port_open(port), timeout=30)
+    return f"http://127.0.0.1:{port}{path}"
+
+
+def _start_agents(database: str, reg_port: int, state: Path, logs: Path, sup: Supervisor,
+                  env: dict[str, str]) -> dict[str, str]:
+    """Start a local fcdaemon agent and Lambdo host, registered as nodes; their addresses."""
+    fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
+    sup.start(Child("fcdaemon", [PY, "-m", "agents.fcdaemon", "--listen",
+                                 f"127.0.0.1:{fc_port}", "--registry",
+                                 f"127.0.0.1:{reg_port}", "--node-id", "local-fcdaemon",
+                                 "--driver", "process"], env, logs / "fcdaemon.log", state),
+              ready=lambda: _node_registered(database, "local-fcdaemon"), timeout=30)
+    lb_port = free_port(DEFAULT_PORTS["lambdo"])
+    lambdo = f"http://127.0.0.1:{lb_port}"
+    sup.start(Child("lambdo", [PY, "-m", "agents.lambdo", "--listen",
+                               f"127.0.0.1:{lb_port}", "--driver", "process"], env,
+                    logs / "lambdo.log", state), ready=lambda: _port_open(lb_port))
+    _add_lambdo_node(database, lambdo)
+    return {"fcdaemon": f"127.0.0.1:{fc_port}", "lambdo": lambdo}
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -211,61 +211,8 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
             )
         fn = Function(name=spec.name, image="", build_version="")
         session.add(fn)
-
-    def pick(field: str, current: Any, default: Any) -> Any:
-        value = f.get(field)
-        if value is not None:
-            return value
-        return default if created else current
-
-    image = pick("image", fn.image, "")
-    if image.endswith(":latest"):
-        image = image[: -len(":latest")]
-    backend = pick("backend", fn.backend, "fcdaemon")
-    if backend == "lambdo" and not image:
-        image = pick("rootfs", fn.rootfs, None) or ""
-    values: dict[str, Any] = {
-        "image": image,
-        "backend": backend,
-        "kernel": pick("kernel", fn.kernel, ""),
-        "initrd": pick("initrd", fn.initrd, ""),
-        "kernel_args": pick("kernel_args", fn.kernel_args, ""),
-        "vm_type": pick("vm_type", fn.vm_type, "osv"),
-        "cpu": pick("cpu", fn.cpu, 1),
-        "mem_mb": pick("mem", fn.mem_mb, 512),
-        "min_replicas": pick("min", fn.min_replicas, 0),
-        "max_replicas": pick("max", fn.max_replicas, 20),
-        "image_storage": pick("image_storage", fn.image_storage, ""),
-        "inet_dev": pick("inet_dev", fn.inet_dev, ""),
-        "name_server": pick("name_server", fn.name_server, ""),
-        "aws_access_key_id": pick("aws_access_key_id", fn.aws_access_key_id, None),
-        "aws_secret_access_key": pick("aws_secret_access_key", fn.aws_secret_access_key, None),
-        "rootfs": pick("rootfs", fn.rootfs, None),
-        "ports": pick("ports", fn.ports, [8080]),
-        "idle_timeout_s": pick("idle_timeout", fn.idle_timeout_s, None),
-        "readiness": pick("readiness", fn.readiness, "agent"),
-        "exec_envs": pick("exec_envs", fn.exec_envs, 1),
-        "gpu_mem_mb": pick("gpu_mem", fn.gpu_mem_mb, 0),
-        "placement": pick("placement", fn.placement, None),
-        "autoscale": pick("autoscale", fn.autoscale, False),
-        "scale_to_zero_after_s": pick("scale_to_zero_after", fn.scale_to_zero_after_s, None)
-        or None,  # 0 turns it off
-        "labels": spec.labels if (created or spec.labels) else fn.labels,
-        "env": spec.env if (created or spec.env) else fn.env,
-    }
-    if values["min_replicas"] > values["max_replicas"]:
-        raise InputError(
-            f"max ({values['max_replicas']}) is below min ({values['min_replicas']})"
-        )
-    if f.get("scale_to_zero_after") and not values["autoscale"]:
-        raise InputError("--scale-to-zero-after needs --autoscale: only the autoscaler "
-                         "scales a function to zero")
-    if backend == "fcdaemon" and not values["kernel"]:
-        raise InputError("a fcdaemon function needs --kernel (or the KERNEL_IMAGE_PATH label)")
-    if backend == "lambdo" and not values["rootfs"]:
-        raise InputError("a lambdo function needs --rootfs URL")
-    if not values["ports"]:
-        raise InputError("a function needs at least one --port")
+    values = _values(spec, f, fn, created=created)
+    _check(values, f)
     timeout_changed = not created and values["idle_timeout_s"] != fn.idle_timeout_s
     for key, value in values.items():
         setattr(fn, key, value)
@@ -276,6 +223,64 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
     if timeout_changed:
         bump_reap_at(session, fn, settings)
     return fn, created
+
+
+# column, the option that sets it, its default for a new function
+_COLUMNS: tuple[tuple[str, str, Any], ...] = (
+    ("kernel", "kernel", ""), ("initrd", "initrd", ""), ("kernel_args", "kernel_args", ""),
+    ("vm_type", "vm_type", "osv"), ("cpu", "cpu", 1), ("mem_mb", "mem", 512),
+    ("min_replicas", "min", 0), ("max_replicas", "max", 20),
+    ("image_storage", "image_storage", ""), ("inet_dev", "inet_dev", ""),
+    ("name_server", "name_server", ""), ("aws_access_key_id", "aws_access_key_id", None),
+    ("aws_secret_access_key", "aws_secret_access_key", None), ("rootfs", "rootfs", None),
+    ("ports", "ports", [8080]), ("idle_timeout_s", "idle_timeout", None),
+    ("readiness", "readiness", "agent"), ("exec_envs", "exec_envs", 1),
+    ("gpu_mem_mb", "gpu_mem", 0), ("placement", "placement", None),
+    ("autoscale", "autoscale", False),
+)
+
+
+def _values(spec: FunctionSpec, f: dict[str, Any], fn: Function, *,
+            created: bool) -> dict[str, Any]:
+    """The function's columns: each option given, else its default (new) or value (update)."""
+    def pick(option: str, current: Any, default: Any) -> Any:
+        value = f.get(option)
+        if value is not None:
+            return value
+        return default if created else current
+
+    image = pick("image", fn.image, "")
+    if image.endswith(":latest"):
+        image = image[: -len(":latest")]
+    backend = pick("backend", fn.backend, "fcdaemon")
+    if backend == "lambdo" and not image:
+        image = pick("rootfs", fn.rootfs, None) or ""
+    values: dict[str, Any] = {"image": image, "backend": backend}
+    for column, option, default in _COLUMNS:
+        fresh = list(default) if isinstance(default, list) else default  # no shared list
+        values[column] = pick(option, getattr(fn, column), fresh)
+    values["scale_to_zero_after_s"] = pick(
+        "scale_to_zero_after", fn.scale_to_zero_after_s, None) or None  # 0 turns it off
+    values["labels"] = spec.labels if (created or spec.labels) else fn.labels
+    values["env"] = spec.env if (created or spec.env) else fn.env
+    return values
+
+
+def _check(values: dict[str, Any], f: dict[str, Any]) -> None:
+    """Refuse a function that could never run, naming the option to fix."""
+    if values["min_replicas"] > values["max_replicas"]:
+        raise InputError(
+            f"max ({values['max_replicas']}) is below min ({values['min_replicas']})"
+        )
+    if f.get("scale_to_zero_after") and not values["autoscale"]:
+        raise InputError("--scale-to-zero-after needs --autoscale: only the autoscaler "
+                         "scales a function to zero")
+    if values["backend"] == "fcdaemon" and not values["kernel"]:
+        raise InputError("a fcdaemon function needs --kernel (or the KERNEL_IMAGE_PATH label)")
+    if values["backend"] == "lambdo" and not values["rootfs"]:
+        raise InputError("a lambdo function needs --rootfs URL")
+    if not values["ports"]:
+        raise InputError("a function needs at least one --port")
 
 
 def get_function(session: Session, name: str, *, lock: bool = False) -> Function:

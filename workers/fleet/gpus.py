@@ -160,6 +160,15 @@ def record_gpus(
         _refresh(session, gpu, gpus[gpu.uuid], settings.workers_per_gpu, room)
         if mngr_addr is not None:
             gpu.mngr_addr = manager
+    _add_new(session, settings, server, manager, gpus, ours)
+    session.flush()
+    reported = [g for g in ours if g.uuid in gpus]
+    return sorted(reported, key=lambda g: g.first_port)
+
+
+def _add_new(session: Session, settings: Settings, server: str, manager: str,
+             gpus: dict[str, int], ours: list[Gpu]) -> None:
+    """Add the reported GPUs not yet known, each with worker ports after the last ones."""
     next_port = max(
         (g.first_port + g.slots_total for g in ours), default=settings.first_worker_port
     )
@@ -184,9 +193,6 @@ def record_gpus(
         session.add(gpu)
         ours.append(gpu)
         next_port += slots
-    session.flush()
-    reported = [g for g in ours if g.uuid in gpus]
-    return sorted(reported, key=lambda g: g.first_port)
 
 
 def _refresh(session: Session, gpu: Gpu, mem_mb: int, slots: int, room: int | None) -> None:

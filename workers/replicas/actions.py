@@ -904,35 +904,15 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
             raise InputError(f"target must be an integer, got {target!r}")
         check_target(fn, target)
         counted = fn.replica_count + unplaced(s, fn.id, exclude=op.id)
-        spawns: list[SpawnJob] = []
+        spawns = [SpawnJob(f"{op.id}.{i}") for i in range(target - counted)]
         deletes: list[str] = []
         note = None
-        if target > counted:
-            spawns = [SpawnJob(f"{op.id}.{i}") for i in range(target - counted)]
-        elif target < counted:
-            want = counted - target
-            idle = s.scalars(
-                select(Replica)
-                .where(
-                    Replica.function_id == fn.id,
-                    Replica.status == ReplicaState.IDLE,
-                    Replica.envs_in_use == 0,
-                )
-                .order_by(
-                    (Replica.build_version == fn.build_version).asc(),
-                    Replica.idle_since.asc(),
-                )
-                .limit(want)
-                # OF replicas: the eagerly joined function/node/GPU are outer joins,
-                # whose nullable side PostgreSQL refuses to lock.
-                .with_for_update(of=Replica, skip_locked=not db.is_sqlite)
-            ).all()
-            mark_deleting(s, settings, idle, op.id)
-            deletes = [replica.id for replica in idle]
-            if len(deletes) < want:
+        if target < counted:
+            deletes = _mark_surplus(s, db, settings, fn, op.id, counted - target)
+            if len(deletes) < counted - target:
                 note = (
-                    f"removed {len(deletes)} of {want}: the other replicas are serving "
-                    "requests or still starting"
+                    f"removed {len(deletes)} of {counted - target}: the other replicas are "
+                    "serving requests or still starting"
                 )
         fn.target = target
         op.total = len(spawns) + len(deletes)
@@ -951,6 +931,30 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
         else:
             maybe_finish(op)
         return ScalePlan(fn.id, spawns, deletes, note)
+
+
+def _mark_surplus(
+    s: Session, db: Database, settings: Settings, fn: Function, op_id: str, want: int
+) -> list[str]:
+    """Mark up to ``want`` unclaimed Idle replicas Deleting, old builds and longest idle first."""
+    idle = s.scalars(
+        select(Replica)
+        .where(
+            Replica.function_id == fn.id,
+            Replica.status == ReplicaState.IDLE,
+            Replica.envs_in_use == 0,
+        )
+        .order_by(
+            (Replica.build_version == fn.build_version).asc(),
+            Replica.idle_since.asc(),
+        )
+        .limit(want)
+        # OF replicas: the eagerly joined function/node/GPU are outer joins,
+        # whose nullable side PostgreSQL refuses to lock.
+        .with_for_update(of=Replica, skip_locked=not db.is_sqlite)
+    ).all()
+    mark_deleting(s, settings, idle, op_id)
+    return [replica.id for replica in idle]
 
 
 def check_target(fn: Function, target: int) -> None:
