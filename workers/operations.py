@@ -1,9 +1,22 @@
-"""Operation records: one per producer request, created before its task is queued.
+"""Operations: one record per producer request, and the one place that settles and ends them.
 
 A producer writes the operation (kind, parameters, ``pending``) and then enqueues
 a task carrying only the operation id, so a task message never holds a secret
 and a redelivered message finds the same record. Parameters are stored with
 secret-looking values redacted.
+
+An operation has ``total`` parts (replicas to spawn or delete, nodes to call).
+Its status (:class:`~workers.store.models.OpStatus`, mapped on the column) moves
+``pending`` -> ``running`` -> one of :data:`FINISHED` (``succeeded``, ``partial``,
+``failed``), and only through this module:
+
+* :func:`settle` counts a part done or failed (the replica state machine calls it
+  when a replica reaches Idle, Allocated, Dead or Deleted) and finishes the
+  operation when every part has settled (:func:`maybe_finish`, :func:`finish`);
+* :func:`fail_operation` / :func:`fail_op` end an open operation as a whole (bad
+  input, an unexpected error in its task, given up on); a finished one stays as it
+  ended, so a late redelivery cannot rewrite an outcome;
+* :func:`record_result` ends a one-step operation (reap, reconcile) with its report.
 """
 
 from __future__ import annotations
