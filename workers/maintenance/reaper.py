@@ -22,7 +22,8 @@ expiry (:func:`workers.replicas.claims.expire`; ``claims_expired`` in the report
 replica whose caller died holding a claim is Idle again, its idle clock starting
 now, instead of Allocated for ever.
 
-Idle and stale deletions never take a function below its ``min_replicas``
+Idle and stale deletions never take a function below its floor (:func:`keep_at_least`:
+its ``min_replicas``, or for an autoscaled function the autoscaler's target if higher)
 (replicas in Creating, Starting, Idle or Allocated count: the function row's
 ``replica_count``, read once per function the pass touches). A stale replica kept for
 the minimum is reported in ``replace``: the reap task asks for that many fresh
@@ -256,11 +257,12 @@ class _Pass:
         return int(self.s.scalar(select(func.count()).select_from(inner)) or 0)
 
     def _may_delete(self, fn: Function) -> bool:
-        """Whether one more of ``fn``'s replicas may go without breaking its min."""
-        if fn.min_replicas <= 0:
+        """Whether one more of ``fn``'s replicas may go without going below its floor."""
+        floor = keep_at_least(fn)
+        if floor <= 0:
             return True
         if fn.id not in self._allow:
-            self._allow[fn.id] = max(0, self._counted(fn) - fn.min_replicas)
+            self._allow[fn.id] = max(0, self._counted(fn) - floor)
         if self._allow[fn.id] <= 0:
             return False
         self._allow[fn.id] -= 1
@@ -349,12 +351,25 @@ class _Pass:
         """Fresh replicas needed before min-protected stale replicas can go."""
         out: dict[str, int] = {}
         for fn in self.stale_kept.values():
-            fresh = self._fresh_upto(fn, fn.min_replicas)
+            floor = keep_at_least(fn)
+            fresh = self._fresh_upto(fn, floor)
             room = fn.max_replicas - self._counted(fn)
-            want = min(fn.min_replicas - fresh, room)
+            want = min(floor - fresh, room)
             if want > 0:
                 out[fn.name] = want
         return out
+
+
+def keep_at_least(fn: Function) -> int:
+    """The replicas the reaper leaves a function: its min, or its autoscaler's target if higher.
+
+    The autoscaler owns an autoscaled function's size (it scales down after its stable
+    window, or to zero); reaping idle replicas under its target would only make it scale
+    straight back up.
+    """
+    if fn.autoscale and fn.target is not None:
+        return max(fn.min_replicas, fn.target)
+    return fn.min_replicas
 
 
 def check_idle_timeout(value: object) -> float | None:

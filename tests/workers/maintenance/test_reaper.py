@@ -78,6 +78,32 @@ def test_min_replicas_are_kept(corral_env: Env, start_agents: StartAgents) -> No
     assert len(released(agents)) == 3
 
 
+def test_autoscaled_function_keeps_its_target_and_a_manual_one_does_not(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(1)
+    deploy_fn(corral_env, idle_timeout=10, autoscale=True)
+    deploy_fn(corral_env, "manual", idle_timeout=10)
+    spawn_idle(corral_env, "hello", 4)
+    spawn_idle(corral_env, "manual", 3)
+    with corral_env.db.transaction() as s:  # as the autoscaler's last scale left them
+        for fn in s.scalars(select(Function)):
+            fn.target = 3
+    clock.travel(11)
+    report = _reap(corral_env)
+    deleted = {d.function: 0 for d in report.deleted}
+    for d in report.deleted:
+        deleted[d.function] += 1
+    assert deleted == {"hello": 1, "manual": 3}  # the autoscaler's 3 stay; scale's do not
+    assert report.kept_for_min == {"hello": 3}
+    assert len(released(agents)) == 4
+    with corral_env.db.transaction() as s:  # the autoscaler scaled it to zero: all may go
+        fn = s.scalars(select(Function).where(Function.name == "hello")).one()
+        fn.target = 0
+    assert {d.function for d in _reap(corral_env).deleted} == {"hello"}
+    assert [r for r in replicas(corral_env) if r.status == ReplicaState.IDLE] == []
+
+
 def test_allocated_and_busy_replicas_are_never_reaped(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
