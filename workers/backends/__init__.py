@@ -5,7 +5,8 @@ needs, as plain data (:class:`CreateCall`) that can cross to the process's event
 loop; :func:`acreate` sends it and returns the VM id and the address the function
 is reached at; :func:`arelease` tears a VM down (False when it was already gone).
 Both run on :mod:`workers.backends.inflight`'s loop, each inside one of the node's call
-slots, so the per-node and per-process bounds hold for every create and release;
+slots (leased fleet-wide: :mod:`workers.backends.node_slots`), so the per-node and
+per-process bounds hold for every create and release;
 :func:`create_vm` and :func:`release_vm` are the same for one call from
 synchronous code. :func:`list_vms` asks a node for the VMs it runs (extension).
 Callers never look at ``node.kind`` themselves.
@@ -19,7 +20,7 @@ from typing import Any
 
 from config.settings import Settings
 from protos import fcdaemon_pb2
-from workers.backends import inflight
+from workers.backends import inflight, node_slots
 from workers.backends.fcdaemon import AgentClient, AsyncAgentClient, TlsFiles
 from workers.backends.lambdo import AsyncLambdoClient, LambdoClient
 from workers.errors import PermanentBackendError
@@ -190,13 +191,15 @@ async def send_release(t: Target, vmid: str, settings: Settings) -> bool:
 
 async def acreate(call: CreateCall, settings: Settings) -> Vm:
     """Create one VM, inside one of its node's call slots."""
-    async with inflight.slot(call.target.id, settings.node_max_inflight, settings.max_inflight):
+    async with inflight.slot(call.target.id, settings.node_max_inflight, settings.max_inflight,
+                             node_slots.source(settings)):
         return await send_create(call, settings)
 
 
 async def arelease(t: Target, vmid: str, settings: Settings) -> bool:
     """Tear one VM down, inside one of its node's call slots; False: already gone."""
-    async with inflight.slot(t.id, settings.node_max_inflight, settings.max_inflight):
+    async with inflight.slot(t.id, settings.node_max_inflight, settings.max_inflight,
+                             node_slots.source(settings)):
         return await send_release(t, vmid, settings)
 
 

@@ -11,12 +11,16 @@ its parent. Task code stays synchronous: :func:`run` hands a coroutine to the lo
 and blocks until it is done; calls from several threads (a thread pool) share the
 loop, and so share its bounds.
 
-Bounds, both per process:
+Bounds:
 
-* at most ``CORRAL_NODE_MAX_INFLIGHT`` calls in flight to one node
-  (:func:`slot` takes a per-node semaphore), so a node sees at most that many
-  concurrent calls from a process (times the worker processes from a fleet);
-* at most ``CORRAL_MAX_INFLIGHT`` calls in flight from the process to all nodes.
+* at most ``CORRAL_NODE_MAX_INFLIGHT`` calls in flight to one node (:func:`slot`
+  takes one of the node's slots through a per-node gate: waiters in order, a
+  freed slot handed straight to the next one). With a :class:`Source` the slots
+  are leases shared by the whole fleet (:mod:`workers.backends.node_slots`, in Redis), so
+  the node sees at most that many calls from all processes and hosts together;
+  without one (eager mode, no Redis broker) the bound is the process's own;
+* at most ``CORRAL_MAX_INFLIGHT`` calls in flight from the process to all nodes
+  (a semaphore, taken before the node's slot).
 
 :func:`lanes` runs a batch of calls grouped by node with those bounds, plus two
 rules of its own per node: a node on **probation** (it never created a VM, or its
@@ -34,10 +38,18 @@ import contextlib
 import os
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Hashable,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -49,7 +61,7 @@ class _Loop:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
-        self.node_limits: dict[Hashable, asyncio.Semaphore] = {}
+        self.gates: dict[tuple[Hashable, Any], _Gate] = {}
         self.total: asyncio.Semaphore | None = None
         self.resources: dict[str, Any] = {}  # channels and clients, made on the loop
         self.ready = threading.Event()
@@ -119,21 +131,169 @@ def reset() -> None:
     current.thread.join(5)
 
 
+class Source(Protocol):
+    """Where node call slots are leased beyond this process (:mod:`workers.backends.node_slots`)."""
+
+    @property
+    def need_s(self) -> float:
+        """How long a call may hold its lease: a lease with less left is renewed first."""
+
+    async def acquire(self, node: Hashable, bound: int, want: int) -> list[Lease]:
+        """Up to ``want`` of the node's ``bound`` slots, at once (fewer when others hold them)."""
+
+    async def renew(self, node: Hashable, lease: Lease) -> bool:
+        """Push a held lease's expiry out again; False when it had lapsed (it is gone)."""
+
+    async def release(self, node: Hashable, leases: Sequence[Lease]) -> None:
+        """Give leases back."""
+
+
+@dataclass
+class Lease:
+    """One call slot of a node: a token, and (on this process's loop clock) when it lapses."""
+
+    token: str
+    expires_at: float = float("inf")
+
+
+POLL_MIN_S = 0.002  # a node's slots are all held elsewhere: ask again after this...
+POLL_MAX_S = 0.025  # ...doubling up to this while none come free
+
+
+class _Gate:
+    """One node's call slots as this process takes them: waiters in order, leases handed on.
+
+    A call that ends hands its lease straight to the next waiter of the process (no
+    round trip); with no waiter the lease goes back to the source, a batch of them
+    at a time. One pump task per gate asks the source for slots while calls wait.
+    """
+
+    def __init__(self, node: Hashable, source: Source | None) -> None:
+        self.node = node
+        self.source = source
+        self.waiters: deque[asyncio.Future[Lease]] = deque()
+        self.in_use = 0
+        self.bound = 1
+        self.pump: asyncio.Task[None] | None = None
+        self.freed = asyncio.Event()
+        self.returning: list[Lease] = []
+        self.flushing: asyncio.Task[None] | None = None
+
+    async def take(self, bound: int) -> Lease:
+        self.bound = bound
+        while True:
+            fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+            self.waiters.append(fut)
+            self._kick()
+            try:
+                lease = await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    self.give(fut.result())
+                with suppress(ValueError):
+                    self.waiters.remove(fut)
+                raise
+            loop_now = asyncio.get_running_loop().time()
+            if self.source is None or lease.expires_at - loop_now >= self.source.need_s:
+                return lease
+            try:
+                renewed = await self.source.renew(self.node, lease)
+            except BaseException:
+                self.give(lease)
+                raise
+            if renewed:
+                return lease
+            self.in_use -= 1  # it lapsed (this process stalled): queue again
+            self.freed.set()
+
+    def give(self, lease: Lease) -> None:
+        """A call ended: hand its lease to the next waiter, or back to the source."""
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(lease)
+                return
+        self.in_use -= 1
+        if self.source is None:
+            self.freed.set()
+            return
+        self.returning.append(lease)
+        if self.flushing is None:
+            self.flushing = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # leases freed in the same pass go back together
+        try:
+            while self.returning:
+                leases, self.returning = self.returning, []
+                assert self.source is not None
+                with suppress(Exception):  # an unreturned lease lapses by itself
+                    await self.source.release(self.node, leases)
+        finally:
+            self.flushing = None
+            self.freed.set()
+
+    def _kick(self) -> None:
+        if self.pump is None or self.pump.done():
+            self.pump = asyncio.ensure_future(self._run_pump())
+
+    async def _run_pump(self) -> None:
+        delay = POLL_MIN_S
+        while True:
+            self.freed.clear()  # set by any slot that comes back from here on
+            live = [f for f in self.waiters if not f.done()]
+            if not live:
+                return
+            room = min(len(live), self.bound - self.in_use)
+            got: list[Lease] = []
+            if room > 0:
+                if self.source is None:
+                    got = [Lease("local") for _ in range(room)]
+                else:
+                    try:
+                        got = await self.source.acquire(self.node, self.bound, room)
+                    except Exception as exc:
+                        for fut in live:
+                            if not fut.done():
+                                fut.set_exception(exc)
+                        self.waiters.clear()
+                        return
+            for lease in got:
+                self.in_use += 1
+                self.give(lease)
+            if not any(not f.done() for f in self.waiters):
+                return
+            if room > 0 and len(got) < room:  # the rest are held elsewhere: poll, backing off
+                delay = POLL_MIN_S if got else delay
+                with suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.freed.wait(), delay)
+                delay = min(delay * 2, POLL_MAX_S)
+            else:
+                await self.freed.wait()  # all held by this process: one comes back
+
+
 @asynccontextmanager
-async def slot(node: Hashable, per_node: int, total: int) -> Any:
-    """Hold one of ``per_node`` call slots of ``node`` and one of the process's ``total``."""
+async def slot(
+    node: Hashable, per_node: int, total: int, source: Source | None = None
+) -> AsyncIterator[None]:
+    """Hold one of the process's ``total`` call slots and one of ``node``'s ``per_node``.
+
+    With a ``source`` the node's slot is a lease shared by every process that uses
+    the same source (fleet-wide); without, the bound is this process's alone.
+    """
     here = _get()
-    sem = here.node_limits.get(node)
-    if sem is None or getattr(sem, "_corral_bound", None) != per_node:
-        sem = asyncio.Semaphore(per_node)
-        sem._corral_bound = per_node  # type: ignore[attr-defined]
-        here.node_limits[node] = sem
     if here.total is None or getattr(here.total, "_corral_bound", None) != total:
         here.total = asyncio.Semaphore(total)
         here.total._corral_bound = total  # type: ignore[attr-defined]
-    whole = here.total
-    async with whole, sem:
-        yield
+    gate = here.gates.get((node, source))
+    if gate is None:
+        gate = here.gates[(node, source)] = _Gate(node, source)
+    async with here.total:
+        lease = await gate.take(per_node)
+        try:
+            yield
+        finally:
+            gate.give(lease)
 
 
 @dataclass
@@ -167,12 +327,14 @@ async def lanes(
     failed: Callable[[BaseException], bool],
     total: int,
     on_result: Callable[[T, Result], object] | None = None,
+    source: Source | None = None,
 ) -> tuple[dict[int, Result], dict[K, Lane]]:
     """Run every item's ``call``, node by node, with the bounds; results by ``id(item)``.
 
     ``failed(exc)`` says whether an error counts as a failure of the node (for
     the stop rule); items a lane did not send are in its ``untried``.
-    ``on_result(item, result)`` runs (on the loop) as each call ends.
+    ``on_result(item, result)`` runs (on the loop) as each call ends. With a
+    ``source``, node slots are leased from it (:func:`slot`).
     """
     results: dict[int, Result] = {}
     state: dict[K, Lane] = {}
@@ -186,18 +348,18 @@ async def lanes(
             return lane.failures >= lane.stop_after
 
         async def one(item: T) -> None:
-            async with slot(lane.node, lane.bound, total):
-                try:
+            try:
+                async with slot(lane.node, lane.bound, total, source):
                     value = await call(item)
-                except Exception as exc:
-                    results[id(item)] = Result(error=exc)
-                    if on_result is not None:
-                        on_result(item, results[id(item)])
-                    lane.log.append(exc)
-                    if failed(exc):
-                        lane.failures += 1
-                        lane.last_error = exc
-                    return
+            except Exception as exc:  # the call's error, or the slot source's
+                results[id(item)] = Result(error=exc)
+                if on_result is not None:
+                    on_result(item, results[id(item)])
+                lane.log.append(exc)
+                if failed(exc):
+                    lane.failures += 1
+                    lane.last_error = exc
+                return
             results[id(item)] = Result(value=value)
             if on_result is not None:
                 on_result(item, results[id(item)])

@@ -3,9 +3,10 @@
 Each operation is split at the network call so that no database transaction is
 held open across an RPC, and works a batch at a time: rows in one transaction,
 then every agent call of the batch in flight at once (:mod:`workers.backends.inflight`,
-bounded per node and per process), then the results in one transaction - or a
-few: while slower creates still run, the VMs that came in are recorded every
-``FLUSH_S``, so a guest's READY finds its vmid without waiting for the batch.
+bounded per process, and per node across the fleet: :mod:`workers.backends.node_slots`),
+then the results in one transaction - or a few: while slower creates still run,
+the VMs that came in are recorded every ``FLUSH_S``, so a guest's READY finds its
+vmid without waiting for the batch.
 
 * spawn - :func:`place` writes replica rows as Creating (keyed by their
   request ids) and reserves a node slot and any GPU for each, a batch per
@@ -46,7 +47,7 @@ from sqlalchemy.orm import Session, lazyload
 
 from config.settings import Settings
 from workers import backends
-from workers.backends import inflight
+from workers.backends import inflight, node_slots
 from workers.clock import now
 from workers.errors import (
     BackendError,
@@ -502,7 +503,7 @@ def _spawn_round(
 
     future = inflight.submit(inflight.lanes(
         by_node, lane_of, call, failed=_blames_node, total=settings.max_inflight,
-        on_result=on_result))
+        on_result=on_result, source=node_slots.source(settings)))
     recorded: set[str] = set()
     while True:
         try:
@@ -834,7 +835,7 @@ def release_all(settings: Settings, doomed: Sequence[Doomed]) -> dict[str, bool 
 
     results, lanes = inflight.run(inflight.lanes(
         work, lane_of, call, failed=lambda e: isinstance(e, TransientBackendError),
-        total=settings.max_inflight))
+        total=settings.max_inflight, source=node_slots.source(settings)))
     for node_id, items in work.items():
         for item in items:
             result = results.get(id(item))

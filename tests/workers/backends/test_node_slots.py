@@ -1,0 +1,130 @@
+"""The per-node in-flight bound across processes: node slots leased in Redis.
+
+``CORRAL_NODE_MAX_INFLIGHT`` is a promise to the agent, not to one worker process:
+two prefork workers (four pool processes) spawning onto one agent that counts its
+concurrent calls must keep it within the bound, and the slots a SIGKILLed worker
+held must come back by themselves (workers.backends.node_slots).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+from sqlalchemy import select
+
+from agents.fcdaemon import RunningAgent, serve_fcdaemon
+from config.settings import get_settings
+from tasks import api
+from tests.celery_workers import WorkerProcess
+from tests.fixtures import Env, sqlite_only
+from tests.workers.replicas.test_batches import Counter, CountingDriver
+from workers.backends import inflight, node_slots
+from workers.fleet.nodes import upsert_node
+from workers.functions import deploy, spec_from
+from workers.store.models import Node
+
+
+def _one_counting_agent(env: Env, counter: Counter, seconds: float) -> tuple[RunningAgent, str]:
+    agent = serve_fcdaemon("127.0.0.1:0", driver=CountingDriver(counter, seconds),
+                           max_workers=64)
+    with env.db.transaction() as s:
+        node_id = upsert_node(s, agent.address, name="counted", capacity=1000)[0].id
+        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=1000),
+               env.settings)
+    return agent, node_id
+
+
+def test_leases_are_granted_in_chunks_up_to_the_bound_and_given_back(redis_url: str) -> None:
+    slots = node_slots.RedisSlots(redis_url, ttl_s=30)
+    client = redis.Redis.from_url(redis_url)
+
+    async def scenario() -> tuple[int, int, int, int]:
+        first = await slots.acquire("n1", 4, 10)  # asks for 10: the bound grants 4
+        none = await slots.acquire("n1", 4, 3)
+        await slots.release("n1", first[:2])
+        again = await slots.acquire("n1", 4, 3)
+        other = await slots.acquire("n2", 4, 1)  # nodes are counted apart
+        return len(first), len(none), len(again), len(other)
+
+    try:
+        assert inflight.run(scenario(), timeout=30) == (4, 0, 2, 1)
+        assert node_slots.held(client, "n1") == 4 and node_slots.held(client, "n2") == 1
+        assert client.pttl(node_slots.key("n1")) > 25_000  # the set lapses with its leases
+    finally:
+        inflight.reset()
+        client.close()
+
+
+@pytest.mark.timeout(240)
+def test_two_worker_processes_keep_one_agent_within_the_bound(
+    broker_env: Env, worker_processes: list[WorkerProcess]
+) -> None:
+    broker_env.set(node_max_inflight="4")
+    counter = Counter()
+    agent, node_id = _one_counting_agent(broker_env, counter, 0.05)
+    try:
+        for name in ("w1", "w2"):
+            worker = WorkerProcess(broker_env.tmp, concurrency=2, name=name)
+            worker_processes.append(worker.start())
+        # four batches of 100: each of the four pool processes sends its own at once
+        view = api.wait(api.spawn("hello", 400), timeout=180)
+        assert view["status"] == "succeeded", view
+        assert len(agent.driver.list()) == 400
+        peak = counter.peak[id(agent.driver)]
+        assert 1 < peak <= 4, peak
+        for worker in worker_processes:  # both workers took part
+            assert "corral.spawn" in worker.tail(10_000)
+        counter.peak.clear()
+        assert api.wait(api.scale("hello", 0), timeout=180)["status"] == "succeeded"
+        assert agent.driver.list() == []
+        assert 1 < counter.peak[id(agent.driver)] <= 4
+        client = redis.Redis.from_url(get_settings().broker_url)
+        try:
+            assert node_slots.held(client, node_id) == 0  # every lease given back
+        finally:
+            client.close()
+    finally:
+        agent.stop(grace=0)
+
+
+@sqlite_only  # the leases live in Redis; the store only holds the rows being spawned
+@pytest.mark.timeout(240)
+def test_the_slots_of_a_killed_worker_lapse_by_themselves(
+    broker_env: Env, worker_processes: list[WorkerProcess]
+) -> None:
+    broker_env.set(node_max_inflight="3", create_timeout_s="4")
+    settings = get_settings()
+    counter = Counter()
+    agent, node_id = _one_counting_agent(broker_env, counter, 3.0)
+    with broker_env.db.transaction() as s:  # a proven node: no probation
+        s.get(Node, node_id).last_create_ok_at = s.scalar(  # type: ignore[union-attr]
+            select(Node.created_at).where(Node.id == node_id))
+    client = redis.Redis.from_url(settings.broker_url)
+    try:
+        worker = WorkerProcess(broker_env.tmp, concurrency=1, name="doomed").start()
+        worker_processes.append(worker)
+        api.spawn("hello", 5)
+        deadline = time.monotonic() + 60
+        while counter.total < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert counter.total == 3  # three creates in flight, the bound
+        worker.kill()
+        killed = time.monotonic()
+        assert node_slots.held(client, node_id) == 3  # nobody gave them back
+        slots = node_slots.source(settings)
+        assert slots is not None and slots.ttl_s == 4 + node_slots.SLACK_S
+        assert len(inflight.run(slots.acquire(node_id, 3, 3), timeout=10)) == 0
+        while node_slots.held(client, node_id) and time.monotonic() - killed < 60:
+            time.sleep(0.1)
+        lapsed_after = time.monotonic() - killed
+        assert node_slots.held(client, node_id) == 0
+        assert lapsed_after < slots.ttl_s + 5
+        granted = inflight.run(slots.acquire(node_id, 3, 3), timeout=10)
+        assert len(granted) == 3  # the node's slots are whole again
+        inflight.run(slots.release(node_id, granted), timeout=10)
+    finally:
+        client.close()
+        inflight.reset()
+        agent.stop(grace=0)
