@@ -22,6 +22,9 @@ default prefork pool):
    setting for every phase); the agents are first proven with one create each
    (a new node is on probation: workers.fleet.nodes).
 
+The agents run in a process of their own (:mod:`bench.agent_host`), as real
+agents do, not in this one beside the producer and the polling.
+
 It prints each rate, the worker's peak resident memory, and the ratios. Aims:
 P1 / baseline >= 1.0, P5 / P1 >= 0.8, delete / baseline >= 1.0. A slow-agent run
 is bounded by the agents themselves - ``--slow`` creates of 0.5 s, 320 at once,
@@ -33,6 +36,8 @@ sides measured in the same run), not the absolute rates.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import secrets
 import socket
@@ -48,8 +53,6 @@ from typing import Any
 import psycopg
 from celery.result import ResultSet
 
-from agents.drivers import MemoryDriver, VMSpec
-from agents.fcdaemon import serve_fcdaemon
 from bench.plain import make_app
 from config.settings import get_settings, reset_settings
 from stack.redis import free_port, redis_argv
@@ -181,7 +184,7 @@ def run_once(args: argparse.Namespace) -> Run:
     })
     env = os.environ.copy()
     worker = None
-    agents: list[Any] = []
+    agents: _AgentHost | None = None
     try:
         _wait_port(port)
         run.rates["baseline"], run.seconds["baseline"] = _baseline(args, env, tmp)
@@ -192,11 +195,10 @@ def run_once(args: argparse.Namespace) -> Run:
         db = get_database(db_url)
         upgrade(db)
         big = args.n + args.reap + args.slow + 100
-        fast = [serve_fcdaemon("127.0.0.1:0") for _ in range(2)]
-        agents.extend(fast)
+        agents = _AgentHost(tmp)
         with db.transaction() as s:
-            for i, agent in enumerate(fast):
-                upsert_node(s, agent.address, name=f"fast{i}", capacity=big)
+            for i, address in enumerate(agents.fast):
+                upsert_node(s, address, name=f"fast{i}", capacity=big)
             deploy(s, spec_from(name="bench", image="bench", kernel="/k", max=10_000),
                    get_settings())
         worker = _worker("workers", args.concurrency, env, tmp / "worker.log")
@@ -205,33 +207,30 @@ def run_once(args: argparse.Namespace) -> Run:
 
         n = args.n
         run.seconds["P1"] = _timed_op(api, lambda: api.spawn("bench", n), "P1 spawn")
-        run.counts["P1 VMs"] = sum(len(a.driver.list()) for a in fast)
+        run.counts["P1 VMs"] = agents.count("fast")
         run.seconds["delete"] = _timed_op(api, lambda: api.scale("bench", 0), "delete")
-        run.counts["VMs after delete"] = sum(len(a.driver.list()) for a in fast)
+        run.counts["VMs after delete"] = agents.count("fast")
 
         if args.reap:
             _wait_op(api, api.spawn("bench", args.reap))
             run.seconds["reap"] = _timed_op(
                 api, lambda: api.reap(idle_timeout=0), "reap pass")
-            run.counts["VMs after reap"] = sum(len(a.driver.list()) for a in fast)
+            run.counts["VMs after reap"] = agents.count("fast")
 
-        slow = [serve_fcdaemon("127.0.0.1:0", driver=SlowDriver(), max_workers=SLOW_SERVED)
-                for _ in range(SLOW_NODES)]
-        agents.extend(slow)
         with db.transaction() as s:
             for node in s.query(Node):
                 node.draining = True  # the fast agents take no part in P5
-            for i, agent in enumerate(slow):
-                upsert_node(s, agent.address, name=f"slow{i}", capacity=big)
+            for i, address in enumerate(agents.slow):
+                upsert_node(s, address, name=f"slow{i}", capacity=big)
         _wait_op(api, api.spawn("bench", SLOW_NODES))  # one create each: proven nodes
         _wait_op(api, api.scale("bench", 0))
         run.seconds["P5"] = _timed_op(api, lambda: api.spawn("bench", args.slow), "P5 spawn")
-        run.counts["P5 VMs"] = sum(len(a.driver.list()) for a in slow)
+        run.counts["P5 VMs"] = agents.count("slow")
         run.rss_mib = _peak_rss_mib(worker.pid)
     finally:
         _stop(worker)
-        for agent in agents:
-            agent.stop(grace=0)
+        if agents is not None:
+            agents.stop()
         redis.terminate()
         redis.wait(10)
         if pg_server is not None:
@@ -261,17 +260,45 @@ def _baseline(args: argparse.Namespace, env: dict[str, str], tmp: Path) -> tuple
     return args.n / took, took
 
 
-class SlowDriver:
-    """A memory driver that takes 0.5 s per create, as a real VM host might."""
+class _AgentHost:
+    """The agents in a process of their own (:mod:`bench.agent_host`), as real agents are.
 
-    def __new__(cls) -> Any:
-        """A :class:`agents.drivers.MemoryDriver` whose ``start`` sleeps first."""
-        class _Slow(MemoryDriver):
-            def start(self, spec: VMSpec) -> Any:
-                time.sleep(SLOW_CREATE_S)
-                return super().start(spec)
+    Two that answer at once (P1) and ``SLOW_NODES`` that take ``SLOW_CREATE_S`` per
+    create and serve ``SLOW_SERVED`` at once (P5).
+    """
 
-        return _Slow()
+    def __init__(self, tmp: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.agent_host", "--fast", "2", "--slow", str(SLOW_NODES),
+             "--create-s", str(SLOW_CREATE_S), "--served", str(SLOW_SERVED)],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=(tmp / "agents.log").open("ab"), text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"agent host exited: see {tmp / 'agents.log'}")
+        addresses = json.loads(line)
+        self.fast: list[str] = addresses["fast"]
+        self.slow: list[str] = addresses["slow"]
+
+    def count(self, group: str) -> int:
+        """VMs the ``fast`` or ``slow`` agents run."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("count\n")
+        self.proc.stdin.flush()
+        return int(json.loads(self.proc.stdout.readline())[group])
+
+    def stop(self) -> None:
+        """Close its stdin (it stops its agents and exits); kill it if it lingers."""
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
 
 
 def _verdict(value: float, aim: float) -> str:

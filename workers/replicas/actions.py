@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.orm import Session, lazyload
 
 from config.settings import Settings
@@ -58,7 +58,13 @@ from workers.errors import (
     TransientBackendError,
 )
 from workers.fleet.nodes import note_creates, probation
-from workers.fleet.placement import free_node, reserve_gpu, reserve_node, spread_nodes
+from workers.fleet.placement import (
+    free_node,
+    reserve_gpu,
+    reserve_node,
+    reserve_nodes,
+    spread_nodes,
+)
 from workers.functions import MAX_REPLICAS
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import finish, maybe_finish, settle
@@ -292,45 +298,64 @@ def _write_rows(
     """Insert the Creating rows of the first ``room`` jobs, each on a node (and GPU).
 
     The rest are written Dead (over max); a counted one that finds no node or GPU
-    ends Dead through :func:`transition`, which frees what it held.
+    ends Dead through :func:`transition`, which frees what it held. Rows without a
+    GPU go in one multi-row INSERT.
     """
     at = now()
-    placed: list[Replica] = []
+    placed: list[dict[str, Any]] = []
     failed: list[tuple[Replica, str]] = []
     policy = fn.placement or settings.placement
+    ready = _reserve_together(s, fn, policy, todo, room)
     for i, job in enumerate(todo):
-        replica = Replica(
-            request_id=job.request_id,
-            function_id=fn.id,
-            operation_id=op_id,
-            status=int(ReplicaState.CREATING),
-            build_version=fn.build_version,
-            envs_total=fn.exec_envs,
-            deadline_at=deadline_for(ReplicaState.CREATING, settings, at),
-        )
+        row: dict[str, Any] = {
+            "request_id": job.request_id,
+            "function_id": fn.id,
+            "operation_id": op_id,
+            "status": int(ReplicaState.CREATING),
+            "build_version": fn.build_version,
+            "envs_total": fn.exec_envs,
+            "deadline_at": deadline_for(ReplicaState.CREATING, settings, at),
+        }
         if i >= room:
             # Never counted, never placed: record why, without going through transition.
-            replica.status, replica.retired_at, replica.operation_id = (
-                int(ReplicaState.DEAD), at, None)
-            replica.error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
-            s.add(replica)
+            error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
+            s.add(Replica(**{**row, "status": int(ReplicaState.DEAD), "retired_at": at,
+                             "operation_id": None, "error": error}))
             if op_id:
-                settle(s, op_id, ok=False, error=replica.error)
+                settle(s, op_id, ok=False, error=error)
             continue
         try:
-            replica.node_id = reserve_node(s, fn, policy, pinned=job.node_id).id
+            row["node_id"] = (ready[i] if i < len(ready)
+                              else reserve_node(s, fn, policy, pinned=job.node_id)).id
             if fn.gpu_mem_mb:
                 grant = reserve_gpu(s, fn, settings.gpu_fit)
-                replica.gpu_id, replica.gpu_slot, replica.gpu_mem_mb = (
-                    grant.gpu_id, grant.slot, grant.mem_mb)
-                s.add(replica)  # its slot must be visible to the next reserve_gpu
-            placed.append(replica)
+                row.update(gpu_id=grant.gpu_id, gpu_slot=grant.slot, gpu_mem_mb=grant.mem_mb)
+                s.add(Replica(**row))  # its slot must be visible to the next reserve_gpu
+            else:
+                placed.append(row)
         except CapacityError as exc:
-            failed.append((replica, str(exc)))
-    s.add_all(placed + [replica for replica, _ in failed])
+            failed.append((Replica(**row), str(exc)))
+    if placed:
+        s.execute(insert(Replica), placed)
+    s.add_all([replica for replica, _ in failed])
     s.flush()
     for replica, error in failed:  # counted, maybe holding a node: transition frees it
         transition(s, replica, ReplicaState.DEAD, settings, error=error)
+
+
+def _reserve_together(
+    s: Session, fn: Function, policy: str, todo: list[SpawnJob], room: int
+) -> list[Node]:
+    """Nodes for a batch's first replicas in one step, when placement allows it.
+
+    Unpinned, least-loaded, no GPU, several replicas (so the caller holds the node
+    locks): :func:`workers.fleet.placement.reserve_nodes`. Otherwise none, and each
+    replica reserves its own.
+    """
+    if (len(todo) > 1 and room and policy in ("loadbalance", "spread")
+            and not fn.gpu_mem_mb and all(job.node_id is None for job in todo)):
+        return reserve_nodes(s, fn, room)
+    return []
 
 
 # Built once (see workers.replicas.lifecycle): the replicas of some requests still waiting for

@@ -334,3 +334,29 @@ def test_a_batch_delete_of_a_claimed_replica_ends_its_claims(
     with corral_env.db.read() as s:
         assert s.scalars(select(Claim)).all() == []
     assert claimed["replica_id"] in {r.id for r in rows}
+
+
+def test_a_batch_places_by_least_load_up_to_each_nodes_capacity(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    """A batch's replicas are reserved together (placement.reserve_nodes), as one by one would."""
+    from sqlalchemy import update
+
+    agents = start_agents(3, env=corral_env)
+    with corral_env.db.transaction() as s:
+        for name, capacity in (("node1", 2), ("node2", 4), ("node3", 6)):
+            s.execute(update(Node).where(Node.name == name).values(capacity=capacity))
+    _deploy(corral_env)
+    view = api.wait(api.spawn("hello", 6), timeout=30)
+    assert view["status"] == "succeeded", view
+    by_name = {n.id: n.name for n in _nodes(corral_env).values()}
+    counts = {name: 0 for name in ("node1", "node2", "node3")}
+    for r in _rows(corral_env):
+        counts[by_name[r.node_id or ""]] += 1
+    assert counts == {"node1": 2, "node2": 2, "node3": 2}  # evened out, name breaks ties
+    view = api.wait(api.spawn("hello", 8), timeout=30)  # room for 6 more
+    assert (view["done"], view["failed"]) == (6, 2), view
+    assert any("no capacity for hello" in e for e in view["result"]["errors"])
+    live = {n.name: n.live for n in _nodes(corral_env).values()}
+    assert live == {"node1": 2, "node2": 4, "node3": 6}
+    assert [len(a.driver.list()) for a in agents] == [2, 4, 6]
