@@ -29,13 +29,18 @@ It prints each rate, the worker's peak resident memory, and the ratios. Aims:
 P1 / baseline >= 1.0, P5 / P1 >= 0.8, delete / baseline >= 1.0. A slow-agent run
 is bounded by the agents themselves - ``--slow`` creates of 0.5 s, 320 at once,
 cannot finish faster than their waves of 0.5 s - so P5 is also shown against
-that ceiling. The machine these run on is shared: compare the ratios (both
+that ceiling, and against **direct**: the same creates sent straight to the same
+agents at once from one ``grpc.aio`` client (the agents' own floor, their gRPC
+handling included, with no corral in between). P5 can be at most 400/s, so
+P5 / P1 >= 0.8 needs P1 <= 500/s: the faster corral spawns on instant agents, the
+harder that aim. The machine these run on is shared: compare the ratios (both
 sides measured in the same run), not the absolute rates.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -50,11 +55,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psycopg
 from celery.result import ResultSet
 
 from bench.plain import make_app
 from config.settings import get_settings, reset_settings
+from protos import fcdaemon_pb2, fcdaemon_pb2_grpc
 from stack.redis import free_port, redis_argv
 from tasks import api
 from tests.services import PostgresServer, make_shared_tempdir
@@ -224,8 +231,10 @@ def run_once(args: argparse.Namespace) -> Run:
                 upsert_node(s, address, name=f"slow{i}", capacity=big)
         _wait_op(api, api.spawn("bench", SLOW_NODES))  # one create each: proven nodes
         _wait_op(api, api.scale("bench", 0))
+        run.seconds["direct"] = _direct(agents.slow, args.slow)
+        before = agents.count("slow")
         run.seconds["P5"] = _timed_op(api, lambda: api.spawn("bench", args.slow), "P5 spawn")
-        run.counts["P5 VMs"] = agents.count("slow")
+        run.counts["P5 VMs"] = agents.count("slow") - before
         run.rss_mib = _peak_rss_mib(worker.pid)
     finally:
         _stop(worker)
@@ -235,7 +244,8 @@ def run_once(args: argparse.Namespace) -> Run:
         redis.wait(10)
         if pg_server is not None:
             pg_server.stop()
-    counts = {"P1": args.n, "delete": args.n, "reap": args.reap, "P5": args.slow}
+    counts = {"P1": args.n, "delete": args.n, "reap": args.reap, "P5": args.slow,
+              "direct": args.slow}
     for phase, seconds in run.seconds.items():
         if phase != "baseline":
             run.rates[phase] = counts[phase] / seconds
@@ -258,6 +268,42 @@ def _baseline(args: argparse.Namespace, env: dict[str, str], tmp: Path) -> tuple
     finally:
         _stop(worker)
     return args.n / took, took
+
+
+def _direct(addresses: list[str], n: int) -> float:
+    """Seconds for ``n`` creates sent straight to the agents at once (one ``grpc.aio`` client).
+
+    The agents' own floor for P5: their wait plus their gRPC handling, with no
+    corral in between. The VMs are released again afterwards (untimed).
+    """
+    async def burst(stubs: list[Any]) -> float:
+        # Request ids shaped like corral's (one prefix, then the index): the
+        # reference agent serializes creates whose ids share a lock stripe.
+        prefix = secrets.token_hex(16)
+        started = time.perf_counter()
+        replies = await asyncio.gather(*(
+            stubs[i % len(stubs)].CreateReplica(fcdaemon_pb2.CreateRequest(
+                imageName="bench", kernelImagePath="/k", numReplica=1, guestPort=8080,
+                requestId=f"{prefix}.{i}.0"), timeout=60)
+            for i in range(n)))
+        took = time.perf_counter() - started
+        await asyncio.gather(*(
+            stubs[i % len(stubs)].ReleaseVMSetup(
+                fcdaemon_pb2.ReleaseRequest(vmid=r.vmid), timeout=60)
+            for i, r in enumerate(replies)))
+        return took
+
+    async def go() -> float:
+        channels = [grpc.aio.insecure_channel(a) for a in addresses]
+        try:
+            stubs = [fcdaemon_pb2_grpc.FcServiceStub(c) for c in channels]
+            await burst(stubs)  # untimed: the agents' first burst starts their threads
+            return await burst(stubs)
+        finally:
+            for c in channels:
+                await c.close()
+
+    return asyncio.run(go())
 
 
 class _AgentHost:
@@ -315,6 +361,7 @@ def report(run: Run, args: argparse.Namespace) -> None:
         ("P1: spawn, agents answer at once", "P1", args.n),
         ("delete: scale those to 0", "delete", args.n),
         (f"reap: one pass of {args.reap} idle", "reap", args.reap),
+        (f"direct: {args.slow} creates straight to those agents", "direct", args.slow),
         (f"P5: spawn, {SLOW_NODES} agents x {SLOW_CREATE_S:g} s x {SLOW_SERVED} at once",
          "P5", args.slow),
     ]
@@ -334,7 +381,9 @@ def report(run: Run, args: argparse.Namespace) -> None:
     if "reap" in r:
         print(f"reap / baseline    {r['reap'] / r['baseline']:.2f}")
     print(f"P5 / agents' ceiling ({ceiling:.0f}/s: {args.slow} creates in waves of "
-          f"{SLOW_CREATE_S:g} s) {r['P5'] / ceiling:.2f}")
+          f"{SLOW_CREATE_S:g} s) {r['P5'] / ceiling:.2f}; direct / ceiling "
+          f"{r['direct'] / ceiling:.2f}; P5 / direct {r['P5'] / r['direct']:.2f}")
+    print(f"P5 / P1 >= 0.8 needs P1 <= {ceiling / 0.8:.0f}/s: P5 cannot pass {ceiling:.0f}/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {key:<10}{statistics.median(values):>8.0f}/s  "
                   f"(runs: {', '.join(f'{v:.0f}' for v in values)})")
         for name, num, den in (("P1/baseline", "P1", "baseline"), ("P5/P1", "P5", "P1"),
-                               ("delete/baseline", "delete", "baseline")):
+                               ("delete/baseline", "delete", "baseline"),
+                               ("P5/direct", "P5", "direct")):
             ratios = [r.rates[num] / r.rates[den] for r in runs]
             print(f"  {name:<16}{statistics.median(ratios):.2f}  "
                   f"(runs: {', '.join(f'{v:.2f}' for v in ratios)})")

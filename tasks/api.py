@@ -161,6 +161,9 @@ def operation(op_id: str, *, settings: Settings | None = None) -> dict[str, Any]
         return operation_view(get_operation(s, op_id))
 
 
+WAIT_POLL_MAX_S = 0.2  # wait() reads the operation at least this often
+
+
 def wait(
     op_id: str,
     *,
@@ -184,7 +187,9 @@ def wait(
                 f"({view['done']} done, {view['failed']} failed of {view['total']})"
             )
         time.sleep(delay)
-        delay = min(delay * 1.5, 1.0)
+        # Backing off, but not past WAIT_POLL_MAX_S: a spawn of slow VMs ends within a
+        # second or two, and a long last sleep would add most of that again.
+        delay = min(delay * 1.5, WAIT_POLL_MAX_S)
 
 
 def hogs(
