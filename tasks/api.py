@@ -1,39 +1,167 @@
-"""The producer's Python API: ask for spawns, deletes and scales, and follow them.
+"""The producer's Python API: everything the ``corral`` command shows or changes.
 
-Each call validates its input against the store (unknown function, bad count,
-target outside [min, max] raise :class:`~workers.errors.InputError` and change
-nothing), writes an operation record, queues the task, and returns the
+Operations - :func:`spawn`, :func:`scale`, :func:`delete`, :func:`hogs`, :func:`reap`,
+:func:`reconcile` - validate their input against the store (unknown function, bad
+count, target outside [min, max] raise :class:`~workers.errors.InputError` and change
+nothing), write an operation record, queue the task that carries it out and return the
 operation id. :func:`wait` follows an operation to its end::
 
     from tasks import api
     op = api.spawn("hello", 3)
     print(api.wait(op, timeout=60)["status"])
+
+The rest reads and changes the store directly, as the CLI's commands do: nodes
+(:func:`nodes`, :func:`add_node`, :func:`remove_node`, :func:`drain_node`), functions
+(:func:`functions`, :func:`function`, :func:`deploy`, :func:`remove_function`),
+replicas (:func:`replicas`, :func:`replica`), operations (:func:`operations`,
+:func:`operation`), GPUs (:func:`gpus`, :func:`add_gpus`, :func:`remove_gpu`), claims
+(:func:`claim`, :func:`release`) and the schema (:func:`upgrade_db`, :func:`check_db`).
+Results are typed mappings (``NodeView``, ``FunctionView``, ``ReplicaView``,
+``OperationView``, ``GpuView``, ``ClaimView``, ``ReleaseView``): plain dicts, ready for JSON.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Generic, NotRequired, TypedDict, TypeVar, cast
 
-from celery import Signature
+from sqlalchemy.orm import Session
 
+# The task modules: imported so that their tasks are registered wherever the API is
+# used; eager mode (CORRAL_EAGER, the tests) then runs an operation's first task here.
+import tasks.hogs
+import tasks.maintenance
+import tasks.replicas  # noqa: F401
 from config.settings import Settings, get_settings
-from workers.errors import CorralError, InputError
-from workers.fleet.placement import spread_nodes
-from workers.functions import get_function
+from workers import dispatch
+from workers.errors import BrokerError, InputError
+from workers.fleet import gpus as gpu_inventory
+from workers.fleet import nodes as fleet
+from workers.fleet.gpus import GpuView, gpu_view
+from workers.fleet.hogs import check_hogs, hog_targets
+from workers.fleet.nodes import NodeView, node_view
+from workers.functions import (
+    FunctionSpec,
+    FunctionView,
+    function_view,
+    get_function,
+    list_functions,
+    live_replica_ids,
+    replica_counts,
+)
+from workers.functions import deploy as deploy_spec
+from workers.functions import remove_function as remove_function_row
+from workers.maintenance.audit import Audit, audit
+from workers.maintenance.reaper import check_idle_timeout
 from workers.maintenance.redrive import Redrive
-from workers.operations import create_operation, get_operation, operation_view
-from workers.replicas.actions import check_count, check_target
+from workers.operations import (
+    OperationView,
+    create_operation,
+    get_operation,
+    list_operations,
+    operation_view,
+)
+from workers.replicas import claims
+from workers.replicas.requests import request_delete, request_scale, request_spawn
+from workers.replicas.views import ReplicaView, get_replica, list_replicas, replica_view
 from workers.store.db import Database, get_database
-from workers.store.migrate import check_schema
+from workers.store.migrate import check_schema, safe_url, upgrade
 from workers.store.models import OP_FINISHED, Operation
 
+__all__ = [
+    "RESENDABLE",
+    "Audit",
+    "BrokerError",
+    "ClaimView",
+    "FunctionView",
+    "GpuView",
+    "Migration",
+    "NodeView",
+    "OperationView",
+    "ReleaseView",
+    "ReplicaView",
+    "Saved",
+    "add_gpus",
+    "add_node",
+    "check_db",
+    "check_id",
+    "claim",
+    "database",
+    "delete",
+    "deploy",
+    "drain_node",
+    "function",
+    "functions",
+    "gpus",
+    "hogs",
+    "nodes",
+    "operation",
+    "operations",
+    "reap",
+    "reconcile",
+    "release",
+    "remove_function",
+    "remove_gpu",
+    "remove_node",
+    "replica",
+    "replicas",
+    "resend",
+    "scale",
+    "spawn",
+    "suspect",
+    "upgrade_db",
+    "wait",
+]
+
+RESENDABLE = dispatch.RESENDABLE
+MAX_COLD_START_S = 3600.0
+
+V = TypeVar("V")
 _checked: set[str] = set()
 
 
-class BrokerError(CorralError):
-    """The broker did not take the task."""
+@dataclass(frozen=True)
+class Saved(Generic[V]):
+    """What an add or deploy wrote: the row as shown, and whether it is new."""
+
+    view: V
+    created: bool
+
+
+class Migration(TypedDict):
+    """What :func:`upgrade_db` did: the database (password hidden), revisions before and after."""
+
+    database: str
+    before: str | None
+    after: str
+
+
+class ClaimView(TypedDict):
+    """One execution environment lent by :func:`claim`, and where to send the request."""
+
+    claim_id: str
+    replica_id: str
+    address: str | None
+    vmid: str | None
+    function: str
+    expires_at: str  # ISO 8601 UTC
+    waited_s: float  # how long the claim waited for a replica
+    spawned: int  # spawns this claim asked for
+
+
+class ReleaseView(TypedDict):
+    """What :func:`release` did; ``released`` False: the claim was not held (``detail`` says)."""
+
+    claim_id: str
+    released: bool
+    detail: NotRequired[str]
+    replica_id: NotRequired[str]
+    function: NotRequired[str]
+    status: NotRequired[str]
+    envs_in_use: NotRequired[int]
+    envs_total: NotRequired[int]
 
 
 def database(settings: Settings | None = None) -> Database:
@@ -46,107 +174,6 @@ def database(settings: Settings | None = None) -> Database:
     return db
 
 
-# Operations whose first task may run twice: everything it does is keyed by the
-# operation and its request ids. Not CPU hogs: a second CreateCPUHogs starts more.
-RESENDABLE = ("spawn", "scale", "delete", "reap", "reconcile")
-
-
-def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:
-    """The task that carries out an operation of ``kind``, built from its stored params."""
-    from tasks.hogs import hogs as hogs_task
-    from tasks.maintenance import reap as reap_task
-    from tasks.maintenance import reconcile as reconcile_task
-    from tasks.replicas import delete_replica
-    from tasks.replicas import scale as scale_task
-    from tasks.replicas import spawn as spawn_task
-
-    if kind == "spawn":
-        return spawn_task.si(op_id)
-    if kind == "scale":
-        return scale_task.si(op_id)
-    if kind == "delete":
-        return delete_replica.si(params["replica"], op_id)
-    if kind == "hogs":
-        return hogs_task.si(action=params["action"], n=params["n"], node=params["node"],
-                            op_id=op_id)
-    if kind == "reap":
-        return reap_task.si(idle_timeout=params.get("idle_timeout"), op_id=op_id)
-    if kind == "reconcile":
-        return reconcile_task.si(op_id=op_id)
-    raise ValueError(f"no task carries out operations of kind {kind!r}")
-
-
-def resend(redrive: Redrive) -> None:
-    """Send the first task of an operation that stopped moving again (see maintenance.redrive)."""
-    first_task(redrive.kind, redrive.op_id, redrive.params).apply_async()
-
-
-def _enqueue(db: Database, op: Operation) -> str:
-    """Queue the first task of a freshly written operation; fail the operation if we cannot."""
-    op_id = op.id
-    try:
-        first_task(op.kind, op_id, op.params).apply_async()
-    except CorralError:
-        raise
-    except Exception as exc:  # kombu/redis raise many types when the broker is down
-        from workers.operations import fail_op
-
-        reason = f"could not queue the task: {type(exc).__name__}: {exc}"
-        fail_op(db, op_id, reason)
-        raise BrokerError(reason) from None
-    return op_id
-
-
-def spawn(function: str, count: int = 1, *, settings: Settings | None = None) -> str:
-    """Ask for ``count`` more replicas of ``function``; returns the operation id."""
-    db = database(settings)
-    count = check_count(count)
-    with db.transaction() as s:
-        fn = get_function(s, function)
-        adding = count
-        if fn.placement == "spread":  # n on every healthy node
-            adding = count * max(1, len(spread_nodes(s, fn)))
-        have = fn.replica_count
-        if have + adding > fn.max_replicas:
-            raise InputError(
-                f"spawning {adding} would give {function} {have + adding} replicas, "
-                f"above its max of {fn.max_replicas}"
-            )
-        op = create_operation(s, "spawn", {"function": function, "count": count},
-                              function_id=fn.id)
-    return _enqueue(db, op)
-
-
-def scale(function: str, target: int, *, settings: Settings | None = None) -> str:
-    """Set ``function``'s replica target; returns the operation id."""
-    db = database(settings)
-    if isinstance(target, bool) or not isinstance(target, int):
-        raise InputError(f"target must be an integer, got {target!r}")
-    with db.transaction() as s:
-        fn = get_function(s, function)
-        check_target(fn, target)
-        op = create_operation(s, "scale", {"function": function, "target": target},
-                              function_id=fn.id)
-    return _enqueue(db, op)
-
-
-def delete(replica_id: str, *, settings: Settings | None = None) -> str:
-    """Delete one replica; returns the operation id."""
-    from workers.store.models import Replica
-
-    db = database(settings)
-    check_id(replica_id, "replica")
-    with db.transaction() as s:
-        replica = s.get(Replica, replica_id)
-        if replica is None:
-            from workers.errors import NotFound
-
-            raise NotFound(f"unknown replica {replica_id!r}")
-        op = create_operation(s, "delete", {"replica": replica_id},
-                              function_id=replica.function_id, total=1)
-    return _enqueue(db, op)
-
-
 def check_id(value: str, what: str) -> str:
     """A row id (32 hex characters), or a clear :class:`InputError`."""
     if not isinstance(value, str) or len(value) != 32 or not value.isalnum():
@@ -154,11 +181,84 @@ def check_id(value: str, what: str) -> str:
     return value
 
 
-def operation(op_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
-    """The operation's current record."""
+def resend(redrive: Redrive) -> None:
+    """Send the first task of an operation that stopped moving again (see maintenance.redrive)."""
+    dispatch.resend(redrive.kind, redrive.op_id, redrive.params)
+
+
+# -- the schema --------------------------------------------------------------------------------
+
+
+def upgrade_db(*, settings: Settings | None = None) -> Migration:
+    """Migrate the database to the newest schema."""
+    settings = settings or get_settings()
+    before, after = upgrade(get_database(settings.database_url))
+    return {"database": safe_url(settings.database_url), "before": before, "after": after}
+
+
+def check_db(*, fix: bool = False, settings: Settings | None = None) -> Audit:
+    """Recount node, function and GPU counters from the replica rows (and with ``fix`` set them)."""
+    with database(settings).transaction() as s:
+        return audit(s, fix=fix)
+
+
+# -- operations --------------------------------------------------------------------------------
+
+
+def spawn(function: str, count: int = 1, *, settings: Settings | None = None) -> str:
+    """Ask for ``count`` more replicas of ``function``; returns the operation id."""
+    return dispatch.submit(database(settings), lambda s: request_spawn(s, function, count))
+
+
+def scale(function: str, target: int, *, settings: Settings | None = None) -> str:
+    """Set ``function``'s replica target; returns the operation id."""
+    return dispatch.submit(database(settings), lambda s: request_scale(s, function, target))
+
+
+def delete(replica_id: str, *, settings: Settings | None = None) -> str:
+    """Delete one replica; returns the operation id."""
     db = database(settings)
-    with db.read() as s:
+    check_id(replica_id, "replica")
+    return dispatch.submit(db, lambda s: request_delete(s, replica_id))
+
+
+def hogs(
+    action: str, n: int, node: str | None = None, *, settings: Settings | None = None
+) -> str:
+    """Start or stop ``n`` CPU hogs on ``node`` (default: all healthy agents); returns the op id."""
+    db = database(settings)
+    action, n = check_hogs(action, n)
+
+    def write(s: Session) -> Operation:
+        hog_targets(s, node)  # unknown node, Lambdo host or no healthy agents: refuse now
+        return create_operation(s, "hogs", {"action": action, "n": n, "node": node})
+
+    return dispatch.submit(db, write)
+
+
+def reap(idle_timeout: float | None = None, *, settings: Settings | None = None) -> str:
+    """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
+    db = database(settings)
+    idle_timeout = check_idle_timeout(idle_timeout)
+    return dispatch.submit(db, lambda s: create_operation(s, "reap",
+                                                          {"idle_timeout": idle_timeout}))
+
+
+def reconcile(*, settings: Settings | None = None) -> str:
+    """Ask for one reconcile pass now; returns the operation id."""
+    return dispatch.submit(database(settings), lambda s: create_operation(s, "reconcile", {}))
+
+
+def operation(op_id: str, *, settings: Settings | None = None) -> OperationView:
+    """The operation's current record."""
+    with database(settings).read() as s:
         return operation_view(get_operation(s, op_id))
+
+
+def operations(limit: int = 50, *, settings: Settings | None = None) -> list[OperationView]:
+    """The newest ``limit`` operations, newest first."""
+    with database(settings).read() as s:
+        return [operation_view(o) for o in list_operations(s, limit)]
 
 
 WAIT_POLL_MAX_S = 0.2  # wait() reads the operation at least this often
@@ -170,8 +270,8 @@ def wait(
     timeout: float = 120.0,
     poll: float = 0.05,
     settings: Settings | None = None,
-    progress: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
+    progress: Callable[[OperationView], None] | None = None,
+) -> OperationView:
     """Block until the operation finishes (or ``timeout``); returns its record."""
     deadline = time.monotonic() + timeout
     delay = poll
@@ -192,23 +292,135 @@ def wait(
         delay = min(delay * 1.5, WAIT_POLL_MAX_S)
 
 
-def hogs(
-    action: str, n: int, node: str | None = None, *, settings: Settings | None = None
-) -> str:
-    """Start or stop ``n`` CPU hogs on ``node`` (default: all healthy agents); returns the op id."""
-    from workers.fleet.hogs import check_hogs, hog_targets
+# -- nodes -------------------------------------------------------------------------------------
 
+
+def nodes(*, settings: Settings | None = None) -> list[NodeView]:
+    """Every node, by name."""
+    with database(settings).read() as s:
+        return [node_view(n) for n in fleet.list_nodes(s)]
+
+
+def add_node(
+    address: str,
+    *,
+    name: str | None = None,
+    kind: str = "fcdaemon",
+    capacity: int | None = None,
+    settings: Settings | None = None,
+) -> Saved[NodeView]:
+    """Add (or update, by name) a node agent or Lambdo host."""
+    settings = settings or get_settings()
+    with database(settings).transaction() as s:
+        node, created = fleet.upsert_node(s, address, name=name, kind=kind, capacity=capacity,
+                                          default_capacity=settings.node_capacity)
+        return Saved(node_view(node), created)
+
+
+def remove_node(name: str, *, settings: Settings | None = None) -> None:
+    """Remove a node that runs nothing."""
+    with database(settings).transaction() as s:
+        fleet.remove_node(s, name)
+
+
+def drain_node(name: str, *, undo: bool = False, settings: Settings | None = None) -> None:
+    """Stop placing replicas on a node (``undo``: accept them again)."""
+    with database(settings).transaction() as s:
+        fleet.drain_node(s, name, draining=not undo)
+
+
+# -- functions ---------------------------------------------------------------------------------
+
+
+def functions(*, settings: Settings | None = None) -> list[FunctionView]:
+    """Every function, by name, with its live replicas by state and their sum (``live``)."""
+    with database(settings).read() as s:
+        counts = replica_counts(s)
+        views = [function_view(f, counts.get(f.id, {})) for f in list_functions(s)]
+    for view in views:
+        view["live"] = sum(counts.get(view["id"], {}).values())
+    return views
+
+
+def function(name: str, *, settings: Settings | None = None) -> FunctionView:
+    """One function, with its live replicas by state."""
+    with database(settings).read() as s:
+        fn = get_function(s, name)
+        return function_view(fn, replica_counts(s, fn.id).get(fn.id, {}))
+
+
+def deploy(spec: FunctionSpec, *, settings: Settings | None = None) -> Saved[FunctionView]:
+    """Create or update a function (a new build: older replicas become stale)."""
+    settings = settings or get_settings()
+    with database(settings).transaction() as s:
+        fn, created = deploy_spec(s, spec, settings)
+        return Saved(function_view(fn), created)
+
+
+def remove_function(
+    name: str, *, force: bool = False, timeout: float = 120.0, settings: Settings | None = None
+) -> int:
+    """Remove a function; with ``force`` delete its replicas first. How many were deleted."""
     db = database(settings)
-    action, n = check_hogs(action, n)
+    with db.read() as s:
+        live = live_replica_ids(s, get_function(s, name))
+    if live and not force:
+        raise InputError(
+            f"function {name!r} has {len(live)} replica(s); delete them or use --force")
+    for op_id in [delete(rid, settings=settings) for rid in live]:
+        view = wait(op_id, timeout=timeout, settings=settings)
+        if view["status"] != "succeeded":
+            raise InputError(f"could not delete a replica of {name}: {view['error']}")
     with db.transaction() as s:
-        hog_targets(s, node)  # unknown node, Lambdo host or no healthy agents: refuse now
-        op = create_operation(s, "hogs", {"action": action, "n": n, "node": node})
-    return _enqueue(db, op)
+        if not remove_function_row(s, name):
+            raise InputError(f"function {name!r} gained a replica meanwhile; try again")
+    return len(live)
 
 
-# -- claims and the reaper ---------------------------------------------------------------------
+# -- replicas ----------------------------------------------------------------------------------
 
-MAX_COLD_START_S = 3600.0
+
+def replicas(
+    function: str | None = None, *, all: bool = False, settings: Settings | None = None
+) -> list[ReplicaView]:
+    """Live replicas, oldest first (``all``: dead and deleted too), of one function if named."""
+    with database(settings).read() as s:
+        function_id = get_function(s, function).id if function else None
+        return [replica_view(r) for r in list_replicas(s, function_id, include_retired=all)]
+
+
+def replica(replica_id: str, *, settings: Settings | None = None) -> ReplicaView:
+    """One replica."""
+    with database(settings).read() as s:
+        return replica_view(get_replica(s, check_id(replica_id, "replica")))
+
+
+# -- GPUs --------------------------------------------------------------------------------------
+
+
+def gpus(*, settings: Settings | None = None) -> list[GpuView]:
+    """Every recorded GPU with the memory and slots replicas hold, by server and port."""
+    with database(settings).read() as s:
+        return [gpu_view(g) for g in gpu_inventory.list_gpus(s)]
+
+
+def add_gpus(
+    address: str, *, manager: str | None = None, settings: Settings | None = None
+) -> list[GpuView]:
+    """Record (or refresh) the GPUs a GPU server's AvA manager reports; they, by port."""
+    settings = settings or get_settings()
+    found = gpu_inventory.add_gpu_server(database(settings), settings, address,
+                                         mngr_addr=manager)
+    return [gpu_view(g) for g in found]
+
+
+def remove_gpu(uuid: str, *, settings: Settings | None = None) -> None:
+    """Forget a GPU no live replica uses (:class:`InputError` while one does)."""
+    with database(settings).transaction() as s:
+        gpu_inventory.remove_gpu(s, uuid)
+
+
+# -- claims ------------------------------------------------------------------------------------
 
 
 def claim(
@@ -217,7 +429,7 @@ def claim(
     cold_start_timeout: float = 0.0,
     ttl: float | None = None,
     settings: Settings | None = None,
-) -> dict[str, Any]:
+) -> ClaimView:
     """Take one execution environment of an Idle replica of ``function``, as a lease.
 
     Returns the claim (``claim_id``, ``replica_id``, ``address``, ``expires_at``, ...): give it
@@ -227,16 +439,8 @@ def claim(
     share spawns (a spawn is asked for only while waiters outnumber the environments
     already on their way).
     """
-    from workers.replicas import claims
-
     settings = settings or get_settings()
-    if isinstance(cold_start_timeout, bool) or not isinstance(cold_start_timeout, int | float):
-        raise InputError(f"cold-start timeout must be a number, got {cold_start_timeout!r}")
-    if not 0 <= cold_start_timeout <= MAX_COLD_START_S:
-        raise InputError(
-            f"cold-start timeout must be between 0 and {MAX_COLD_START_S:g}s, "
-            f"got {cold_start_timeout!r}"
-        )
+    _check_cold_start_timeout(cold_start_timeout)
     attempt = claims.ClaimAttempt(
         database(settings), settings, function, cold_start_timeout=cold_start_timeout,
         ttl_s=ttl, spawn=lambda name: spawn(name, 1, settings=settings),
@@ -245,44 +449,32 @@ def claim(
         while True:
             got = attempt.step()
             if isinstance(got, claims.Claimed):
-                return {**got.as_dict(), "waited_s": round(attempt.waited_s, 3),
-                        "spawned": attempt.spawned}
+                return cast(ClaimView, {**got.as_dict(), "waited_s": round(attempt.waited_s, 3),
+                                        "spawned": attempt.spawned})
             time.sleep(got)
     finally:
         attempt.close()
 
 
-def release(claim_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
-    """Give back exactly the environment a claim holds (``released`` False: it was not held)."""
-    from workers.replicas import claims
+def _check_cold_start_timeout(value: object) -> None:
+    """Refuse a cold-start timeout that is not a number of seconds in [0, MAX_COLD_START_S]."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputError(f"cold-start timeout must be a number, got {value!r}")
+    if not 0 <= value <= MAX_COLD_START_S:
+        raise InputError(
+            f"cold-start timeout must be between 0 and {MAX_COLD_START_S:g}s, got {value!r}"
+        )
 
+
+def release(claim_id: str, *, settings: Settings | None = None) -> ReleaseView:
+    """Give back exactly the environment a claim holds (``released`` False: it was not held)."""
     settings = settings or get_settings()
-    return claims.release(database(settings), settings, check_id(claim_id, "claim"))
+    return cast(ReleaseView,
+                claims.release(database(settings), settings, check_id(claim_id, "claim")))
 
 
 def suspect(claim_id: str, reason: str, *, settings: Settings | None = None) -> str | None:
     """Give back a claim whose replica failed to answer and delete that replica; the op id."""
-    from workers.replicas import claims
-
     db = database(settings)
     op = claims.suspect(db, settings or get_settings(), check_id(claim_id, "claim"), reason)
-    return _enqueue(db, op) if op is not None else None
-
-
-def reap(idle_timeout: float | None = None, *, settings: Settings | None = None) -> str:
-    """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
-    from workers.maintenance.reaper import check_idle_timeout
-
-    db = database(settings)
-    idle_timeout = check_idle_timeout(idle_timeout)
-    with db.transaction() as s:
-        op = create_operation(s, "reap", {"idle_timeout": idle_timeout})
-    return _enqueue(db, op)
-
-
-def reconcile(*, settings: Settings | None = None) -> str:
-    """Ask for one reconcile pass now; returns the operation id."""
-    db = database(settings)
-    with db.transaction() as s:
-        op = create_operation(s, "reconcile", {})
-    return _enqueue(db, op)
+    return dispatch.enqueue(db, op) if op is not None else None

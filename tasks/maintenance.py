@@ -1,18 +1,31 @@
 """Periodic and operator-triggered maintenance: health checks, reap and reconcile.
 
 Beat sends these on the ``corral.maintenance`` queue; each expires before the next
-one is due, so a stopped worker does not come back to a pile of stale passes.
+one is due, so a stopped worker does not come back to a pile of stale passes. The
+spawns and scales a pass asks for are operations like any producer's
+(:func:`workers.dispatch.submit`), so they show in ``corral ops``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
-from workers import leases
+from config.settings import Settings
+from workers import dispatch, leases
+from workers.autoscale.passes import run_pass
 from workers.celery import CorralTask, app
+from workers.errors import CorralError
 from workers.fleet import health
+from workers.maintenance import reaper, redrive
+from workers.maintenance import reconcile as reconciler
+from workers.metrics import count_reaped
+from workers.operations import record_result
+from workers.redis_client import redis_client
+from workers.replicas.requests import request_scale, request_spawn
+from workers.store.db import Database
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +48,6 @@ def reap(
     pass then retires the stale ones). Operations that stopped moving get their first
     task sent again (:mod:`workers.maintenance.redrive`).
     """
-    from tasks import api
-    from workers.errors import CorralError
-    from workers.maintenance import reaper
-
     settings = self.settings
     holder = leases.holder_name(self.request.id)
     if op_id:
@@ -49,23 +58,25 @@ def reap(
     report = reaper.reap(self.db, settings, idle_timeout=idle_timeout, holder=holder,
                          lease_wait_s=wait)
     _count_reaped(settings, report.counts)
-    replacements: dict[str, str] = {}
-    for name, n in report.replace.items():
-        try:
-            replacements[name] = api.spawn(name, n, settings=settings)
-        except CorralError as exc:
-            replacements[name] = f"error: {exc}"
-    extra = {"replacements": replacements, "redriven": _redrive(self)}
+    extra = {"replacements": _spawn_each(self.db, report.replace), "redriven": _redrive(self)}
     if op_id:
         reaper.record(self.db, op_id, report, extra)
     return {**report.as_dict(), **extra}
 
 
-def _count_reaped(settings: Any, counts: dict[str, int]) -> None:
-    """Add the pass's deletions to the shared per-reason totals (``corral_reaped_total``)."""
-    from workers.metrics import count_reaped
-    from workers.redis_client import redis_client
+def _spawn_each(db: Database, wanted: dict[str, int]) -> dict[str, str]:
+    """Ask for ``n`` more replicas of each function; name -> the operation id (or the error)."""
+    asked: dict[str, str] = {}
+    for name, n in wanted.items():
+        try:
+            asked[name] = dispatch.submit(db, partial(request_spawn, function=name, count=n))
+        except CorralError as exc:
+            asked[name] = f"error: {exc}"
+    return asked
 
+
+def _count_reaped(settings: Settings, counts: dict[str, int]) -> None:
+    """Add the pass's deletions to the shared per-reason totals (``corral_reaped_total``)."""
     client = redis_client(settings.broker_url)
     if client is None or not any(counts.values()):
         return
@@ -77,14 +88,12 @@ def _count_reaped(settings: Any, counts: dict[str, int]) -> None:
 
 def _redrive(task: CorralTask) -> dict[str, str]:
     """Re-send the first task of every operation that stopped moving; op id -> outcome."""
-    from tasks import api
-    from workers.maintenance import redrive
-
+    kinds = dispatch.RESENDABLE
     sent = {op_id: f"failed: {reason}"
-            for op_id, reason in redrive.give_up(task.db, task.settings, api.RESENDABLE).items()}
-    for due in redrive.due(task.db, task.settings, api.RESENDABLE):
+            for op_id, reason in redrive.give_up(task.db, task.settings, kinds).items()}
+    for due in redrive.due(task.db, task.settings, kinds):
         try:
-            api.resend(due)
+            dispatch.resend(due.kind, due.op_id, due.params)
         except Exception as exc:  # the broker is down again: the next pass retries
             sent[due.op_id] = f"error: {type(exc).__name__}: {exc}"
         else:
@@ -95,38 +104,24 @@ def _redrive(task: CorralTask) -> dict[str, str]:
 @app.task(bind=True, name="corral.autoscale")
 def autoscale(self: CorralTask) -> dict[str, Any]:
     """One autoscaler pass (beat sends one every ``CORRAL_AUTOSCALE_INTERVAL_S``)."""
-    from tasks import api
-    from workers.autoscale.passes import run_pass
-    from workers.redis_client import redis_client
-
     settings = self.settings
     client = redis_client(settings.broker_url)
     if client is None:
         return {"skipped": True, "reason": "the autoscaler needs a Redis broker"}
+    db = self.db
 
     def scale(name: str, target: int) -> str:
-        return api.scale(name, target, settings=settings)
+        return dispatch.submit(db, partial(request_scale, function=name, target=target))
 
-    return run_pass(self.db, settings, client, scale).as_dict()
+    return run_pass(db, settings, client, scale).as_dict()
 
 
 @app.task(bind=True, name="corral.reconcile")
 def reconcile(self: CorralTask, op_id: str | None = None) -> dict[str, Any]:
     """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""
-    from tasks import api
-    from workers.errors import CorralError
-    from workers.maintenance import reconcile as reconciler
-    from workers.operations import record_result
-
     holder = leases.holder_name(self.request.id)
     report = reconciler.reconcile(self.db, self.settings, holder=holder)
-    spawned: dict[str, str] = {}
-    for name, n in report.top_up.items():
-        try:
-            spawned[name] = api.spawn(name, n, settings=self.settings)
-        except CorralError as exc:
-            spawned[name] = f"error: {exc}"
-    result = {**report.as_dict(), "spawned": spawned}
+    result = {**report.as_dict(), "spawned": _spawn_each(self.db, report.top_up)}
     if op_id:
         record_result(self.db, op_id, result)
     return result

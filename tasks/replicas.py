@@ -35,7 +35,7 @@ from celery import Signature
 
 from workers import dispatch
 from workers.celery import CorralTask, app
-from workers.errors import BackendError, TransientBackendError
+from workers.errors import BackendError, InputError, TransientBackendError
 from workers.fleet.health import note_failure
 from workers.replicas import actions as replicas
 
@@ -136,8 +136,6 @@ def spawn_replica(
 def delete_batch(self: CorralTask, op_id: str | None, replica_ids: list[Any]) -> dict[str, Any]:
     """Delete up to ``DELETE_BATCH`` replicas: mark, release at once, retire in one transaction."""
     if not replica_ids or not all(isinstance(r, str) for r in replica_ids):
-        from workers.errors import InputError
-
         raise InputError("replica_ids must be a non-empty list of replica ids")
     settings = self.settings
     doomed = replicas.begin_deletes(self.db, settings, replica_ids, op_id)

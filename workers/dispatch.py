@@ -1,4 +1,4 @@
-"""Queueing a task by its name: how logic in ``workers`` asks for work without importing ``tasks``.
+"""Queueing a task by its name: how logic (and the producer API) asks for work without importing it.
 
 ``tasks`` (the task wrappers, the producer API and the CLI) sits above ``workers``, and
 an import never goes up. A worker-side module that needs a replica deleted - reconcile
@@ -7,15 +7,91 @@ registered under, as a signature: where the task is registered in this process (
 worker, eager mode) that is the task's own ``apply_async``, elsewhere (the registry)
 ``send_task``; either way Celery routes it by name to its queue
 (``config.celery.ROUTES``) exactly as it routes ``delay()``.
+
+Every operation is carried out by a *first task*, named here by the operation's kind
+(:data:`FIRST_TASKS`) and built from the operation's stored params (:func:`first_task`).
+:func:`submit` writes an operation and queues its first task - the producer API's
+one way of asking for work, and the maintenance tasks' way of asking for spawns and
+scales; :func:`resend` sends the first task of an operation that stopped moving again
+(:mod:`workers.maintenance.redrive`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from celery import Signature
+from sqlalchemy.orm import Session
+
 from workers.celery import app
+from workers.errors import BrokerError, CorralError
+from workers.operations import fail_op
+from workers.store.db import Database
+from workers.store.models import Operation
 
 DELETE_REPLICA = "corral.delete_replica"
+
+# The task that carries out an operation of each kind.
+FIRST_TASKS = {
+    "spawn": "corral.spawn",
+    "scale": "corral.scale",
+    "delete": DELETE_REPLICA,
+    "hogs": "corral.hogs",
+    "reap": "corral.reap",
+    "reconcile": "corral.reconcile",
+}
+
+# Operations whose first task may run twice: everything it does is keyed by the
+# operation and its request ids. Not CPU hogs: a second CreateCPUHogs starts more.
+RESENDABLE = ("spawn", "scale", "delete", "reap", "reconcile")
 
 
 def delete_replica(replica_id: str) -> None:
     """Queue the delete of one replica (already marked Deleting by the caller)."""
     app.signature(DELETE_REPLICA, args=(replica_id,)).apply_async()
+
+
+def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:
+    """The task that carries out an operation of ``kind``, built from its stored params."""
+    name = FIRST_TASKS.get(kind)
+    if name is None:
+        raise ValueError(f"no task carries out operations of kind {kind!r}")
+    if kind == "delete":
+        return app.signature(name, args=(params["replica"], op_id), immutable=True)
+    if kind == "hogs":
+        kwargs = {"action": params["action"], "n": params["n"], "node": params["node"],
+                  "op_id": op_id}
+    elif kind == "reap":
+        kwargs = {"idle_timeout": params.get("idle_timeout"), "op_id": op_id}
+    elif kind == "reconcile":
+        kwargs = {"op_id": op_id}
+    else:  # spawn, scale: everything else is in the operation row
+        return app.signature(name, args=(op_id,), immutable=True)
+    return app.signature(name, kwargs=kwargs, immutable=True)
+
+
+def resend(kind: str, op_id: str, params: dict[str, Any]) -> None:
+    """Send the first task of an operation again (one that stopped moving)."""
+    first_task(kind, op_id, params).apply_async()
+
+
+def enqueue(db: Database, op: Operation) -> str:
+    """Queue the first task of a freshly written operation; fail the operation if we cannot."""
+    op_id = op.id
+    try:
+        first_task(op.kind, op_id, op.params).apply_async()
+    except CorralError:
+        raise
+    except Exception as exc:  # kombu/redis raise many types when the broker is down
+        reason = f"could not queue the task: {type(exc).__name__}: {exc}"
+        fail_op(db, op_id, reason)
+        raise BrokerError(reason) from None
+    return op_id
+
+
+def submit(db: Database, write: Callable[[Session], Operation]) -> str:
+    """Write an operation (``write``, in one transaction) and queue its first task; its id."""
+    with db.transaction() as s:
+        op = write(s)
+    return enqueue(db, op)

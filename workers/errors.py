@@ -55,3 +55,7 @@ class VmGone(PermanentBackendError):
 
 class Unsupported(PermanentBackendError):
     """The agent lacks an optional extension (UNIMPLEMENTED / 404)."""
+
+
+class BrokerError(CorralError):
+    """The broker did not take the task."""

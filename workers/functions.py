@@ -13,10 +13,10 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
@@ -24,7 +24,7 @@ from workers.clock import iso, now
 from workers.errors import InputError
 from workers.fleet.placement import POLICIES
 from workers.replicas.lifecycle import bump_reap_at
-from workers.store.models import Function
+from workers.store.models import LIVE_STATES, Function, Replica, ReplicaState
 from workers.store.rows import one_or_not_found
 
 MAX_REPLICAS = 10_000
@@ -290,9 +290,44 @@ def get_function(session: Session, name: str, *, lock: bool = False) -> Function
     return one_or_not_found(session, query, f"function {name!r}", lock=lock)
 
 
-def function_view(fn: Function, counts: dict[str, int] | None = None) -> dict[str, Any]:
+class FunctionView(TypedDict):
     """A function as the CLI and API show it; secrets are never included."""
-    view: dict[str, Any] = {
+
+    id: str
+    name: str
+    backend: str
+    image: str
+    kernel: str
+    initrd: str
+    kernel_args: str
+    vm_type: str
+    cpu: int
+    mem: int
+    min: int
+    max: int
+    target: int | None
+    labels: dict[str, Any]
+    env: dict[str, Any]
+    rootfs: str | None
+    ports: list[Any]
+    build_version: str
+    idle_timeout: float | None
+    readiness: str
+    exec_envs: int
+    gpu_mem: int
+    placement: str | None
+    autoscale: bool
+    scale_to_zero_after: float | None
+    aws_credentials: str  # "set" or "unset", never the keys
+    created_at: str | None
+    updated_at: str | None
+    replicas: NotRequired[dict[str, int]]  # live replicas by state label (listings, show)
+    live: NotRequired[int]  # their sum (the listing)
+
+
+def function_view(fn: Function, counts: dict[str, int] | None = None) -> FunctionView:
+    """A function as the CLI and API show it; secrets are never included."""
+    view: FunctionView = {
         "id": fn.id,
         "name": fn.name,
         "backend": fn.backend,
@@ -325,5 +360,38 @@ def function_view(fn: Function, counts: dict[str, int] | None = None) -> dict[st
     if counts is not None:
         view["replicas"] = counts
     return view
+
+
+def list_functions(session: Session) -> list[Function]:
+    """Every function, by name."""
+    return list(session.scalars(select(Function).order_by(Function.name)))
+
+
+def replica_counts(session: Session, function_id: str | None = None) -> dict[str, dict[str, int]]:
+    """Live replicas per function id and state label (only ``function_id``'s, if given)."""
+    query = (select(Replica.function_id, Replica.status, func.count())
+             .where(Replica.status.in_(LIVE_STATES))
+             .group_by(Replica.function_id, Replica.status))
+    if function_id is not None:
+        query = query.where(Replica.function_id == function_id)
+    counts: dict[str, dict[str, int]] = {}
+    for fid, status, n in session.execute(query):
+        counts.setdefault(fid, {})[ReplicaState(status).label] = n
+    return counts
+
+
+def live_replica_ids(session: Session, fn: Function) -> list[str]:
+    """The ids of ``fn``'s live replicas."""
+    return list(session.scalars(select(Replica.id).where(
+        Replica.function_id == fn.id, Replica.status.in_(LIVE_STATES))))
+
+
+def remove_function(session: Session, name: str) -> bool:
+    """Delete the function ``name`` unless it has a live replica; whether it was deleted."""
+    fn = get_function(session, name, lock=True)
+    if live_replica_ids(session, fn):
+        return False
+    session.delete(fn)
+    return True
 
 

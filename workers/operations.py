@@ -22,7 +22,7 @@ Its status (:class:`~workers.store.models.OpStatus`, mapped on the column) moves
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypedDict
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.exc import StatementError
@@ -116,7 +116,26 @@ def list_operations(session: Session, limit: int = 50) -> list[Operation]:
     )
 
 
-def operation_view(op: Operation) -> dict[str, Any]:
+class OperationView(TypedDict):
+    """An operation as the CLI and API show it."""
+
+    id: str
+    kind: str
+    status: str  # an OpStatus value: pending, running, succeeded, failed, ...
+    params: dict[str, Any]
+    total: int
+    done: int
+    failed: int
+    result: dict[str, Any] | None
+    error: str | None
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    progress_at: str | None
+    redrives: int
+
+
+def operation_view(op: Operation) -> OperationView:
     """An operation as the CLI and API show it."""
     return {
         "id": op.id,

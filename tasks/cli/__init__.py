@@ -6,53 +6,23 @@ status 1; usage errors exit 2. ``spawn``, ``delete`` and ``scale`` print the
 operation id, or with ``--wait`` follow it to the end (a progress bar on a
 terminal) and exit non-zero if it failed.
 
-Each module of this package registers one group of commands; :data:`GROUPS`
-lists them in the order ``corral --help`` shows them.
+:mod:`tasks.cli.parser` declares every command and names its handler; the
+handlers live in one module per group (``core``, ``claims``, ``maintenance``,
+``gpus``, ``services``, ``gateway``) and call :mod:`tasks.api` for everything they
+show or change. A handler's module is imported only when its command runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from config.settings import ConfigError, get_settings
-from tasks.cli import claims as claim_cmds
-from tasks.cli import core, gateway, gpus, maintenance, services
-from tasks.cli._output import Command, Handler
+from tasks.cli.parser import build_parser
 from workers.errors import CorralError
 from workers.store.migrate import SchemaError
 
-GROUPS: list[Callable[[Any, Command], None]] = [
-    core.register,
-    claim_cmds.register,
-    maintenance.register,
-    gpus.register,
-    services.register,
-    gateway.register,
-]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for every ``corral`` command."""
-    parser = argparse.ArgumentParser(
-        prog="corral", description="Control plane for serverless microVM fleets."
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(
-        name: str, handler: Handler, help: str, parent: Any = sub, listing: bool = False
-    ) -> argparse.ArgumentParser:
-        p: argparse.ArgumentParser = parent.add_parser(name, help=help, description=help)
-        p.set_defaults(handler=handler)
-        if listing:
-            p.add_argument("--json", action="store_true", help="print one JSON document")
-        return p
-
-    for register in GROUPS:
-        register(sub, command)
-    return parser
+__all__ = ["build_parser", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,18 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from config.settings import Settings
-
-Handler = Callable[[argparse.Namespace, Settings], int]
-# command(name, handler, help, parent=..., listing=False) -> the new subparser
-Command = Callable[..., argparse.ArgumentParser]
-
-
-def integer(text: str) -> int:
-    """An argparse type: an integer, with a clear message otherwise."""
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+from tasks import api
+from tasks.api import OperationView
 
 
 def emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:
@@ -59,8 +49,6 @@ def fmt(value: Any) -> str:
 
 def wait_and_report(args: argparse.Namespace, settings: Settings, op_id: str) -> int:
     """Print the operation id, or with ``--wait`` follow it and report how it ended."""
-    from tasks import api
-
     if not args.wait:
         if args.json:
             print(json.dumps({"operation": op_id}))
@@ -93,7 +81,7 @@ class ProgressBar:
     def __init__(self) -> None:
         self._shown = False
 
-    def update(self, view: dict[str, Any]) -> None:
+    def update(self, view: OperationView) -> None:
         total = view["total"]
         if total <= 1:
             return

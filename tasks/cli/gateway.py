@@ -9,28 +9,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
 from config.settings import Settings
-from tasks.cli._output import Command
+from tasks import api
+from workers.gateway import run_gateway
 
 
 def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     """Serve the invocation gateway until SIGINT / SIGTERM."""
-    from tasks import api
-    from workers.gateway import run_gateway
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     api.database(settings)  # refuse an un-migrated store before listening
     run_gateway(settings, args.listen, producer=api, insecure=args.insecure,
                 on_ready=lambda url: print(f"gateway listening on {url}", flush=True))
     return 0
-
-
-def register(sub: Any, command: Command) -> None:
-    """Add the ``gateway`` command to the ``corral`` parser."""
-    p = command("gateway", cmd_gateway, "serve functions over HTTP at /function/NAME[/PATH]")
-    p.add_argument("--listen", help="HOST:PORT (default CORRAL_GATEWAY_LISTEN, 127.0.0.1:8080)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback address without CORRAL_GATEWAY_TOKEN")

@@ -14,13 +14,14 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from config.settings import Settings
-from tasks.cli._output import Command, emit, table
+from tasks import api
+from tasks.api import OperationView
+from tasks.cli._output import emit, table
 
 
-def _reap_text(view: dict[str, Any]) -> str:
+def _reap_text(view: OperationView) -> str:
     report = view.get("result") or {}
     if report.get("skipped"):
         return f"reap pass skipped: another pass holds the lease ({report.get('held_by')})"
@@ -47,7 +48,7 @@ def _reap_text(view: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _reconcile_text(view: dict[str, Any]) -> str:
+def _reconcile_text(view: OperationView) -> str:
     report = view.get("result") or {}
     if report.get("skipped"):
         return "reconcile pass skipped: another pass holds the lease"
@@ -70,9 +71,7 @@ def _reconcile_text(view: dict[str, Any]) -> str:
 
 
 def _run(args: argparse.Namespace, settings: Settings, op_id: str,
-         text: Callable[[dict[str, Any]], str]) -> int:
-    from tasks import api
-
+         text: Callable[[OperationView], str]) -> int:
     if not args.wait:
         print(json.dumps({"operation": op_id}) if args.json else op_id)
         return 0
@@ -85,26 +84,9 @@ def _run(args: argparse.Namespace, settings: Settings, op_id: str,
 
 def cmd_reap(args: argparse.Namespace, settings: Settings) -> int:
     """Run one reaper pass now."""
-    from tasks import api
-
     return _run(args, settings, api.reap(args.idle_timeout, settings=settings), _reap_text)
 
 
 def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
     """Run one reconcile pass now."""
-    from tasks import api
-
     return _run(args, settings, api.reconcile(settings=settings), _reconcile_text)
-
-
-def register(sub: Any, command: Command) -> None:
-    """Add the maintenance commands to the ``corral`` parser."""
-    p = command("reap", cmd_reap, "delete idle, stale and stuck replicas now", listing=True)
-    p.add_argument("--idle-timeout", type=float, metavar="S",
-                   help="reap replicas idle at least S seconds (instead of each function's)")
-    p.add_argument("--wait", action="store_true", help="wait for the pass and report it")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
-    p = command("reconcile", cmd_reconcile,
-                "compare rows with what agents run, fix both, restore mins", listing=True)
-    p.add_argument("--wait", action="store_true", help="wait for the pass and report it")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import TypedDict
 
 import grpc
 from google.protobuf import empty_pb2
@@ -262,7 +262,24 @@ def manager_info(session: Session, vmid: str) -> tuple[str, str, int] | None:
     return str(uuid), str(mngr), int(first_port) + int(slot)
 
 
-def gpu_view(gpu: Gpu) -> dict[str, Any]:
+class GpuView(TypedDict):
+    """A GPU as the CLI and API show it."""
+
+    uuid: str
+    server: str
+    mngr_addr: str
+    mem_total_mb: int
+    mem_free_mb: int
+    mem_used_mb: int
+    slots_total: int
+    slots_free: int
+    slots_used: int
+    first_port: int
+    ports: str  # FIRST-LAST
+    created_at: str | None
+
+
+def gpu_view(gpu: Gpu) -> GpuView:
     """A GPU as the CLI and API show it."""
     last_port = gpu.first_port + gpu.slots_total - 1
     return {

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Any
+from typing import TypedDict
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -175,7 +175,39 @@ def quarantine_view(node: Node) -> str | None:
     return f"{left:.0f}s left of {node.quarantine_s or 0:g}s, {node.create_failures} failures"
 
 
-def node_view(node: Node) -> dict[str, Any]:
+class NodeView(TypedDict):
+    """A node as the CLI and API show it."""
+
+    id: str
+    name: str
+    kind: str
+    address: str
+    capacity: int
+    live: int
+    healthy: bool
+    draining: bool
+    misses: int
+    last_seen_at: str | None
+    last_error: str | None
+    create_failures: int
+    quarantined: str | None
+    quarantined_until: str | None
+    node_id: str | None
+
+
+def list_nodes(session: Session) -> list[Node]:
+    """Every node, by name."""
+    return list(session.scalars(select(Node).order_by(Node.name)))
+
+
+def drain_node(session: Session, name: str, draining: bool = True) -> Node:
+    """Stop (or with ``draining=False``, resume) placing replicas on the node ``name``."""
+    node = get_node(session, name)
+    node.draining = draining
+    return node
+
+
+def node_view(node: Node) -> NodeView:
     """A node as the CLI and API show it."""
     return {
         "id": node.id,

@@ -45,7 +45,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -126,7 +126,7 @@ class Producer(Protocol):
         """Ask for ``count`` new replicas of ``function``; the operation id."""
         ...
 
-    def release(self, claim_id: str, *, settings: Settings | None = None) -> dict[str, Any]:
+    def release(self, claim_id: str, *, settings: Settings | None = None) -> Mapping[str, Any]:
         """Give back a claim's environment."""
         ...
 

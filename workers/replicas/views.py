@@ -1,14 +1,42 @@
-"""How a replica is shown to operators and scripts."""
+"""How a replica is shown to operators and scripts, and the reads behind the listings."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from workers.clock import iso
-from workers.store.models import Replica, ReplicaState
+from workers.errors import NotFound
+from workers.store.models import LIVE_STATES, Replica, ReplicaState
 
 
-def replica_view(replica: Replica) -> dict[str, Any]:
+class ReplicaView(TypedDict):
+    """A replica as the CLI and API show it."""
+
+    id: str
+    function: str
+    node: str | None
+    status: str  # the state's label: idle, allocated, creating, ...
+    status_code: int
+    vmid: str | None
+    address: str | None
+    build_version: str
+    stale: bool
+    envs_in_use: int
+    envs_total: int
+    gpu: str | None
+    gpu_slot: int | None
+    error: str | None
+    request_id: str
+    created_at: str | None
+    ready_at: str | None
+    last_used_at: str | None
+    idle_since: str | None
+
+
+def replica_view(replica: Replica) -> ReplicaView:
     """A replica as the CLI and API show it."""
     return {
         "id": replica.id,
@@ -31,3 +59,23 @@ def replica_view(replica: Replica) -> dict[str, Any]:
         "last_used_at": iso(replica.last_used_at),
         "idle_since": iso(replica.idle_since),
     }
+
+
+def get_replica(session: Session, replica_id: str) -> Replica:
+    """The replica with this id, or :class:`NotFound`."""
+    replica = session.get(Replica, replica_id)
+    if replica is None:
+        raise NotFound(f"unknown replica {replica_id!r}")
+    return replica
+
+
+def list_replicas(
+    session: Session, function_id: str | None = None, *, include_retired: bool = False
+) -> list[Replica]:
+    """Replicas, oldest first: live only unless ``include_retired``; of one function if given."""
+    query = select(Replica).order_by(Replica.created_at)
+    if function_id is not None:
+        query = query.where(Replica.function_id == function_id)
+    if not include_retired:
+        query = query.where(Replica.status.in_(LIVE_STATES))
+    return list(session.scalars(query))
