@@ -33,8 +33,7 @@ import sys
 import threading
 import time
 import uuid
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -345,7 +344,9 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         self._vm_by_request: dict[str, str] = {}
         self._request_by_vm: dict[str, str] = {}
         self._map_lock = threading.Lock()
-        self._stripes = [threading.Lock() for _ in range(64)]
+        # requestId -> set when its create ends: a second create of the same id waits for
+        # the first, creates of other ids run side by side
+        self._creating: dict[str, threading.Event] = {}
 
     # -- VM bookkeeping -----------------------------------------------------------------
 
@@ -380,6 +381,26 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
                 self._request_by_vm.pop(vmid, None)
         return vm
 
+    @contextlib.contextmanager
+    def _only_create(self, request_id: str) -> Iterator[None]:
+        """Hold ``request_id`` for one create at a time; other ids are not held up."""
+        if not request_id:
+            yield
+            return
+        while True:
+            with self._map_lock:
+                running = self._creating.get(request_id)
+                if running is None:
+                    done = self._creating[request_id] = threading.Event()
+                    break
+            running.wait()
+        try:
+            yield
+        finally:
+            with self._map_lock:
+                del self._creating[request_id]
+            done.set()
+
     # -- RPCs ---------------------------------------------------------------------------
 
     def CreateReplica(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -404,8 +425,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         if request.guestPort > 65535:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "guestPort must be below 65536")
         rid = request.requestId
-        lock = self._stripes[zlib.crc32(rid.encode()) % len(self._stripes)] if rid else None
-        with lock or contextlib.nullcontext():
+        with self._only_create(rid):
             existing = self._existing(rid) if rid else None
             if existing is not None:
                 log.info("CreateReplica requestId=%s: already running as %s", rid, existing.vmid)

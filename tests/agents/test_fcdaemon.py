@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agents import Fault, MemoryDriver, ProcessDriver, RunningAgent, serve_fcdaemon
+from agents.drivers import VM, VMSpec
 from agents.fcdaemon import main
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_pb2
 from tests.agents.conftest import stub_for
@@ -100,6 +103,34 @@ def test_request_id_makes_create_idempotent_even_when_concurrent(
         t.join()
     assert len(results) == 8 and len(set(results)) == 1
     assert len(memory_agent.driver.list()) == 3
+
+
+class _MeetingDriver(MemoryDriver):
+    """Each start waits until ``parties`` starts are under way at once (or times out)."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.meeting = threading.Barrier(parties, timeout=5)
+
+    def start(self, spec: VMSpec) -> VM:
+        self.meeting.wait()  # BrokenBarrierError (-> INTERNAL) if creates ran one by one
+        return super().start(spec)
+
+
+def test_creates_of_different_request_ids_run_side_by_side() -> None:
+    # Ids whose crc32 fall in one of 64 buckets: the agent once held one lock per bucket
+    # across the whole create, so slow creates of unrelated requests queued behind each other.
+    ids = [f"req-{i}" for i in range(5000)]
+    bucket = zlib.crc32(ids[0].encode()) % 64
+    same = [i for i in ids if zlib.crc32(i.encode()) % 64 == bucket][:4]
+    running = serve_fcdaemon(driver=_MeetingDriver(len(same)))
+    try:
+        stub = stub_for(running)
+        with concurrent.futures.ThreadPoolExecutor(len(same)) as pool:
+            replies = list(pool.map(lambda rid: create(stub, requestId=rid), same))
+        assert len({r.vmid for r in replies}) == len(same)
+    finally:
+        running.stop()
 
 
 def test_request_id_of_a_released_vm_creates_a_new_one(
