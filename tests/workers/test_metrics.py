@@ -161,17 +161,20 @@ def test_the_reaper_and_the_autoscaler_feed_their_metrics(
     with env.db.transaction() as s:
         deploy(s, spec_from(name="hello", image="i", kernel="/k", autoscale=True),
                env.settings)
+        deploy(s, spec_from(name="plain", image="i", kernel="/k"), env.settings)
     assert api.wait(api.spawn("hello", 3), timeout=30)["status"] == "succeeded"
+    assert api.wait(api.spawn("plain", 2), timeout=30)["status"] == "succeeded"
     run_pass(env.db, env.settings, redis.Redis.from_url(redis_url),
              lambda name, target: api.scale(name, target, settings=env.settings))
     assert api.wait(api.reap(idle_timeout=0), timeout=30)["status"] == "succeeded"
     got = scrape(exporter.url)
-    # no demand: the autoscaler wants 1 (it keeps one: no scale to zero); the reaper then
-    # deleted every idle replica (min is 0)
+    # no demand: the autoscaler wants 1 of hello (no scale to zero) and the reaper leaves
+    # it that one; plain is not autoscaled, so the reaper deleted both its idle replicas
     assert value(got, "corral_autoscale_desired_replicas", function="hello") == 1
     assert value(got, "corral_autoscale_panic", function="hello") == 0
-    assert value(got, "corral_reaped_total", reason="idle") == 1
-    assert value(got, "corral_spawn_seconds_count") == 3
+    assert value(got, "corral_reaped_total", reason="idle") == 2
+    assert value(got, "corral_replicas", function="hello", state="idle") == 1
+    assert value(got, "corral_spawn_seconds_count") == 5
     assert value(got, "corral_operations_total", kind="scale", status="succeeded") == 1
 
 
