@@ -1,7 +1,7 @@
 # The image every corral service in compose.yaml runs.
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY config config
 COPY tasks tasks
 COPY workers workers

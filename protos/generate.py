@@ -1,11 +1,14 @@
 """Generate the Python modules and type stubs of the wire protocols from the ``.proto`` files.
 
-``python -m protos.generate`` rewrites ``protos/*_pb2.py``, ``*_pb2_grpc.py`` and their
-``.pyi`` stubs (mypy-protobuf) from the ``.proto`` files beside this module;
-``python -m protos.generate --check`` regenerates into a temporary directory and exits 1
-if any committed module differs, so a changed ``.proto`` cannot ship with stale code.
-Both need the ``dev`` extra (``grpcio-tools``, ``mypy-protobuf``); the runtime only
-imports the generated modules.
+Every build runs this (``setup.py``'s ``build_protos``, with ``grpcio-tools`` and
+``mypy-protobuf`` pinned in ``[build-system] requires``), so ``pip install .`` and
+``pip install -e .`` write ``protos/*_pb2.py``, ``*_pb2_grpc.py`` and their ``.pyi`` stubs
+beside the ``.proto`` files; they are not committed. After editing a ``.proto`` file,
+``python -m protos.generate`` rewrites them in place (it needs the ``dev`` extra, which pins
+the same versions); ``--check`` regenerates into a temporary directory and exits 1 if the
+modules in the tree are missing or differ (a ``.proto`` edited without regenerating).
+The runtime only imports the generated modules. ``setup.py`` loads this file by path, so
+it imports nothing from ``protos``.
 """
 
 from __future__ import annotations
@@ -73,8 +76,17 @@ def stale() -> list[str]:
         ]
 
 
+def write() -> int:
+    """Regenerate every module and stub beside the ``.proto`` files; how many were written."""
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(Path(tmp))
+        for name in generated_names():
+            shutil.copyfile(Path(tmp) / "protos" / name, HERE / name)
+    return len(generated_names())
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Regenerate the modules, or with ``--check`` report stale ones."""
+    """Regenerate the modules, or with ``--check`` report missing or stale ones."""
     parser = argparse.ArgumentParser(prog="python -m protos.generate", description=__doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 if generated code is stale")
     args = parser.parse_args(argv)
@@ -83,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in bad:
             print(f"protos/{name} is stale: run `python -m protos.generate`", file=sys.stderr)
         return 1 if bad else 0
-    with tempfile.TemporaryDirectory() as tmp:
-        generate(Path(tmp))
-        for name in generated_names():
-            shutil.copyfile(Path(tmp) / "protos" / name, HERE / name)
-    print(f"wrote {len(generated_names())} files in {HERE}")
+    print(f"wrote {write()} files in {HERE}")
     return 0
 
 

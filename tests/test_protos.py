@@ -1,4 +1,4 @@
-"""The committed protocol modules match the ``.proto`` files and keep the seed's wire tags."""
+"""The generated protocol modules match the ``.proto`` files and keep the seed's wire tags."""
 
 from __future__ import annotations
 
