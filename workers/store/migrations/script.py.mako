@@ -1,9 +1,4 @@
-"""${message}
-
-Revision ID: ${up_revision}
-Revises: ${down_revision | comma,n}
-Create Date: ${create_date}
-"""
+"""${message}"""
 
 from __future__ import annotations
 
@@ -11,17 +6,12 @@ import sqlalchemy as sa
 from alembic import op
 ${imports if imports else ""}
 
-revision = ${repr(up_revision)}
-down_revision = ${repr(down_revision)}
-branch_labels = ${repr(branch_labels)}
-depends_on = ${repr(depends_on)}
+revision, down_revision = ${repr(up_revision)}, ${repr(down_revision)}
 
 
 def upgrade() -> None:
-    """Apply this revision."""
     ${upgrades if upgrades else "pass"}
 
 
 def downgrade() -> None:
-    """Revert this revision."""
     ${downgrades if downgrades else "pass"}

@@ -1,9 +1,4 @@
-"""operations: progress time and re-send count (workers.maintenance.redrive)
-
-Revision ID: 0002
-Revises: 0001
-Create Date: 2026-11-30 09:00:00
-"""
+"""operations: progress time and re-send count (workers.maintenance.redrive)"""
 
 from __future__ import annotations
 
@@ -12,14 +7,12 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
-down_revision = "0001"
-branch_labels = None
-depends_on = None
+from workers.store.ddl import drop_columns
+
+revision, down_revision = "0002", "0001"
 
 
 def upgrade() -> None:
-    """Apply this revision."""
     op.add_column("operations", sa.Column("progress_at", sa.DateTime(), nullable=True))
     op.add_column(
         "operations",
@@ -40,8 +33,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """Revert this revision."""
     op.drop_index("ix_operations_status_progress", table_name="operations")
-    with op.batch_alter_table("operations") as batch:
-        batch.drop_column("redrives")
-        batch.drop_column("progress_at")
+    drop_columns("operations", "redrives", "progress_at")

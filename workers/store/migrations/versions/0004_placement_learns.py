@@ -1,23 +1,16 @@
-"""nodes: failed creates in a row and quarantine; replicas: placements tried
-
-Revision ID: 0004
-Revises: 0003
-Create Date: 2026-12-01 04:00:00
-"""
+"""nodes: failed creates in a row and quarantine; replicas: placements tried"""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
-branch_labels = None
-depends_on = None
+from workers.store.ddl import drop_columns
+
+revision, down_revision = "0004", "0003"
 
 
 def upgrade() -> None:
-    """Apply this revision."""
     op.add_column(
         "nodes", sa.Column("create_failures", sa.Integer(), server_default="0", nullable=False)
     )
@@ -30,11 +23,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """Revert this revision."""
-    with op.batch_alter_table("replicas") as batch:
-        batch.drop_column("placements")
-    with op.batch_alter_table("nodes") as batch:
-        batch.drop_column("quarantine_s")
-        batch.drop_column("quarantined_until")
-        batch.drop_column("last_create_ok_at")
-        batch.drop_column("create_failures")
+    drop_columns("replicas", "placements")
+    drop_columns(
+        "nodes", "quarantine_s", "quarantined_until", "last_create_ok_at", "create_failures"
+    )

@@ -1,23 +1,16 @@
-"""functions: autoscale opt-in and scale-to-zero delay (workers.autoscale.decision)
-
-Revision ID: 0005
-Revises: 0004
-Create Date: 2026-12-01 04:00:00
-"""
+"""functions: autoscale opt-in and scale-to-zero delay (workers.autoscale.decision)"""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
-branch_labels = None
-depends_on = None
+from workers.store.ddl import drop_columns
+
+revision, down_revision = "0005", "0004"
 
 
 def upgrade() -> None:
-    """Apply this revision."""
     # Existing functions keep their behaviour: not autoscaled, never scaled to zero.
     op.add_column(
         "functions",
@@ -27,7 +20,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    """Revert this revision."""
-    with op.batch_alter_table("functions") as batch:
-        batch.drop_column("scale_to_zero_after_s")
-        batch.drop_column("autoscale")
+    drop_columns("functions", "scale_to_zero_after_s", "autoscale")
