@@ -48,20 +48,9 @@ from agents.procs import kill_group, spawn
 from agents.runtime import WILDCARD_HOSTS
 
 __all__ = [
-    "VM",
-    "DriverError",
-    "ImageNotFound",
-    "MemoryDriver",
-    "PortAllocator",
-    "ProcessDriver",
-    "VMDriver",
-    "VMSpec",
-    "add_driver_arguments",
-    "check_module_name",
-    "driver_from_args",
-    "image_module",
-    "parse_env_args",
-    "resolve_command",
+    "VM", "DriverError", "ImageNotFound", "MemoryDriver", "PortAllocator", "ProcessDriver",
+    "VMDriver", "VMSpec", "add_driver_arguments", "check_module_name", "driver_from_args",
+    "image_module", "parse_env_args", "resolve_command",
 ]
 
 log = logging.getLogger(__name__)

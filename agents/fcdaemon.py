@@ -56,25 +56,18 @@ from agents.procs import kill_group, spawn
 from agents.runtime import (
     Running,
     add_common_arguments,
+    agent_main,
     connect_host,
     guess_node_ip,
     is_loopback,
-    parse_agent_args,
     serve_until_signalled,
     split_hostport,
 )
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 
 __all__ = [
-    "DEFAULT_PORT_RANGE",
-    "SERVICE_NAME",
-    "FcAgent",
-    "HogPool",
-    "RegistryReporter",
-    "RunningAgent",
-    "main",
-    "serve_fcdaemon",
-    "spec_from_request",
+    "DEFAULT_PORT_RANGE", "SERVICE_NAME", "FcAgent", "HogPool", "RegistryReporter", "RunningAgent",
+    "main", "serve_fcdaemon", "spec_from_request",
 ]
 
 log = logging.getLogger("agents.fcdaemon")  # not __name__: also right under -m
@@ -372,10 +365,8 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
     def _existing(self, request_id: str) -> VM | None:
         with self._map_lock:
             vmid = self._vm_by_request.get(request_id)
-        if vmid is None:
-            return None
-        vm = self._lookup(vmid)
-        if vm is None:  # died since: a retry may create a fresh one
+        vm = None if vmid is None else self._lookup(vmid)
+        if vmid is not None and vm is None:  # died since: a retry may create a fresh one
             with self._map_lock:
                 self._vm_by_request.pop(request_id, None)
                 self._request_by_vm.pop(vmid, None)
@@ -662,12 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the node agent until SIGINT/SIGTERM; return the exit code."""
-    parser = build_parser()
-    args = parse_agent_args(parser, argv, "require_token", "CORRAL_AGENT_TOKEN")
-    if args is None:
-        return 2
+def serve_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the node agent its command line describes until SIGINT/SIGTERM; the exit code."""
     advertise = args.advertise_ip or guess_node_ip(args.host)
     tls = None
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -694,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         on_failure=driver.close,
     )
 
+
+main = agent_main(build_parser, "require_token", "CORRAL_AGENT_TOKEN", serve_from_args)
 
 if __name__ == "__main__":
     raise SystemExit(main())

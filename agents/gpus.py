@@ -22,23 +22,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health
 
+from agents import runtime
 from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving
-from agents.runtime import (
-    Running,
-    add_common_arguments,
-    parse_agent_args,
-    serve_until_signalled,
-    split_hostport,
-)
 from protos import gpuresc_grpc, gpuresc_pb2
 
 __all__ = [
-    "SERVICE_NAME",
-    "GpuAgent",
-    "RunningGpus",
-    "main",
-    "parse_gpus",
-    "query_nvidia_smi",
+    "SERVICE_NAME", "GpuAgent", "RunningGpus", "main", "parse_gpus", "query_nvidia_smi",
     "serve_gpus",
 ]
 
@@ -112,7 +101,7 @@ class GpuAgent(GrpcFaultHooks, gpuresc_grpc.GPURescServicer):
         return gpuresc_pb2.ResourceReply(memory=dict(self.gpus))
 
 
-class RunningGpus(Running):
+class RunningGpus(runtime.Running):
     """A GPU inventory server in background threads."""
 
     def __init__(
@@ -141,7 +130,7 @@ def serve_gpus(
     require_token: str | None = None,
 ) -> RunningGpus:
     """Start a GPU inventory server answering ``gpus`` on ``listen`` (token: as fcdaemon's)."""
-    host, _ = split_hostport(listen)
+    host, _ = runtime.split_hostport(listen)
     agent = GpuAgent(gpus or {})
     server, health_servicer, port = agent_server(
         "gpus", listen, max_workers=8, require_token=require_token
@@ -159,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent gpus",
         description="Reference GPU inventory server (gpuresc.GPUResc).",
     )
-    add_common_arguments(
+    runtime.add_common_arguments(
         parser,
         "127.0.0.1:50053",
         "--require-token",
@@ -169,12 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Serve the GPU inventory until SIGINT/SIGTERM; return the exit code."""
-    parser = build_parser()
-    args = parse_agent_args(parser, argv, "require_token", "CORRAL_AGENT_TOKEN")
-    if args is None:
-        return 2
+def serve_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Serve the GPU inventory its command line describes until SIGINT/SIGTERM; the exit code."""
     try:
         gpus = parse_gpus(args.gpus) if args.gpus is not None else query_nvidia_smi()
     except ValueError as exc:
@@ -182,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         log.error("%s", exc)
         return 2
-    return serve_until_signalled(lambda: serve_gpus(args.listen, gpus, args.require_token))
+    return runtime.serve_until_signalled(lambda: serve_gpus(args.listen, gpus, args.require_token))
 
+
+main = runtime.agent_main(build_parser, "require_token", "CORRAL_AGENT_TOKEN", serve_from_args)
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -22,13 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from agents.faults import FaultHooks, record_call
 
 __all__ = [
-    "GrpcFaultHooks",
-    "TokenInterceptor",
-    "add_health",
-    "agent_server",
-    "bind_port",
-    "mark_serving",
-    "token_interceptors",
+    "GrpcFaultHooks", "TokenInterceptor", "add_health", "agent_server", "bind_port",
+    "mark_serving", "token_interceptors",
 ]
 
 log = logging.getLogger("agents.faults")

@@ -52,33 +52,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
-from agents.drivers import (
-    VM,
-    DriverError,
-    ImageNotFound,
-    MemoryDriver,
-    VMDriver,
-    VMSpec,
-    add_driver_arguments,
-    check_module_name,
-    driver_from_args,
-)
+from agents import drivers, runtime
 from agents.faults import FaultHooks, record_call
-from agents.runtime import (
-    Running,
-    add_common_arguments,
-    parse_agent_args,
-    serve_until_signalled,
-    split_hostport,
-)
 
 __all__ = [
-    "DEFAULT_PORT_RANGE",
-    "PATH_KINDS",
-    "BadRequest",
-    "LambdoAgent",
-    "RunningLambdo",
-    "main",
+    "DEFAULT_PORT_RANGE", "PATH_KINDS", "BadRequest", "LambdoAgent", "RunningLambdo", "main",
     "serve_lambdo",
 ]
 
@@ -151,7 +129,7 @@ def _env(obj: dict[str, Any]) -> dict[str, str]:
 def _is_runnable_location(location: str) -> bool:
     """True when a rootfs location names a Python module (the driver checks its allow-list)."""
     try:
-        check_module_name(location.removesuffix(":latest"))
+        drivers.check_module_name(location.removesuffix(":latest"))
     except ValueError:
         return False
     return True
@@ -162,7 +140,7 @@ class LambdoAgent(FaultHooks):
 
     def __init__(
         self,
-        driver: VMDriver,
+        driver: drivers.VMDriver,
         *,
         token: str | None = None,
         default_image: str = "examples.hello",
@@ -194,7 +172,7 @@ class LambdoAgent(FaultHooks):
 
     # -- operations ---------------------------------------------------------------------
 
-    def _mapping(self, vm: VM) -> list[list[int]]:
+    def _mapping(self, vm: drivers.VM) -> list[list[int]]:
         pairs = [[h, g] for h, g in vm.port_mapping]
         if self.port_order == "shuffle":
             random.shuffle(pairs)
@@ -202,10 +180,10 @@ class LambdoAgent(FaultHooks):
             pairs.reverse()
         return pairs
 
-    def _answer(self, vm: VM) -> Response:
+    def _answer(self, vm: drivers.VM) -> Response:
         return Response.json(200, {"id": vm.vmid, "port_mapping": self._mapping(vm)})
 
-    def _create(self, spec: VMSpec, rootfs_id: str) -> Response:
+    def _create(self, spec: drivers.VMSpec, rootfs_id: str) -> Response:
         rid = spec.request_id
         stripe = self._stripes[zlib.crc32(rid.encode()) % len(self._stripes)] if rid else None
         with stripe or contextlib.nullcontext():
@@ -218,9 +196,9 @@ class LambdoAgent(FaultHooks):
                         return self._answer(vm)
             try:
                 vm = self.driver.start(spec)
-            except ImageNotFound as exc:  # bad input: retrying cannot help
+            except drivers.ImageNotFound as exc:  # bad input: retrying cannot help
                 return Response.text(400, f"cannot run image: {exc}")
-            except DriverError as exc:
+            except drivers.DriverError as exc:
                 return Response.text(500, str(exc))
             with self._lock:
                 self._rootfs[vm.vmid] = rootfs_id
@@ -244,7 +222,7 @@ class LambdoAgent(FaultHooks):
             raise BadRequest(f"requestedPorts has duplicates: {guest}")
         if not image:
             image = location if _is_runnable_location(location) else self.default_image
-        spec = VMSpec(
+        spec = drivers.VMSpec(
             image=image,
             env=_env(obj),
             guest_port=guest[0],
@@ -291,7 +269,7 @@ class LambdoAgent(FaultHooks):
         guest = [g for _, g in pairs]
         if len(set(guest)) != len(guest):
             raise BadRequest(f"portMapping has duplicate guest ports: {guest}")
-        spec = VMSpec(
+        spec = drivers.VMSpec(
             image=image or self.default_image,
             kernel=kernel,
             initrd=initrd,
@@ -309,7 +287,7 @@ class LambdoAgent(FaultHooks):
         """``DELETE /destroy/{id}``: 204, or 404 if unknown."""
         try:
             stopped = self.driver.stop(vmid)
-        except DriverError as exc:
+        except drivers.DriverError as exc:
             return Response.text(500, f"cannot destroy {vmid}: {exc}")
         with self._lock:
             self._rootfs.pop(vmid, None)
@@ -497,11 +475,11 @@ class _LambdoServer(ThreadingHTTPServer):
         super().__init__(address, handler)
 
 
-class RunningLambdo(Running):
+class RunningLambdo(runtime.Running):
     """A Lambdo host serving in a background thread; ``stop()`` tears everything down."""
 
     def __init__(
-        self, server: ThreadingHTTPServer, host: str, agent: LambdoAgent, driver: VMDriver
+        self, server: ThreadingHTTPServer, host: str, agent: LambdoAgent, driver: drivers.VMDriver
     ) -> None:
         """Wrap the parts built by :func:`serve_lambdo` and start serving."""
         super().__init__(host, server.server_address[1])
@@ -529,15 +507,15 @@ class RunningLambdo(Running):
 
 def serve_lambdo(
     listen: str = "127.0.0.1:0",
-    driver: VMDriver | None = None,
+    driver: drivers.VMDriver | None = None,
     token: str | None = None,
     *,
     default_image: str = "examples.hello",
     port_order: PortOrder = "shuffle",
 ) -> RunningLambdo:
     """Start a Lambdo host on ``listen`` (default driver: MemoryDriver over 10000-19999)."""
-    host, port = split_hostport(listen)
-    driver = driver if driver is not None else MemoryDriver(port_range=DEFAULT_PORT_RANGE)
+    host, port = runtime.split_hostport(listen)
+    driver = driver if driver is not None else drivers.MemoryDriver(port_range=DEFAULT_PORT_RANGE)
     agent = LambdoAgent(driver, token=token, default_image=default_image, port_order=port_order)
     handler = type("LambdoHandler", (_Handler,), {"agent": agent})
     bind = host.strip("[]") or "0.0.0.0"
@@ -553,8 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral agent lambdo",
         description="Reference Lambdo-compatible host (HTTP /spawn, /destroy/{id}, /start).",
     )
-    add_common_arguments(parser, "127.0.0.1:3000", "--token")
-    add_driver_arguments(
+    runtime.add_common_arguments(parser, "127.0.0.1:3000", "--token")
+    drivers.add_driver_arguments(
         parser,
         DEFAULT_PORT_RANGE,
         vms="VMs",
@@ -575,26 +553,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the Lambdo host until SIGINT/SIGTERM; return the exit code."""
-    parser = build_parser()
-    args = parse_agent_args(parser, argv, "token", "CORRAL_LAMBDO_TOKEN")
-    if args is None:
-        return 2
-    driver = driver_from_args(
+def serve_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run the Lambdo host its command line describes until SIGINT/SIGTERM; the exit code."""
+    driver = drivers.driver_from_args(
         parser,
         args,
-        lambda: MemoryDriver(port_range=args.port_range),
+        lambda: drivers.MemoryDriver(port_range=args.port_range),
         advertise_ip=args.advertise_ip,
         ready_timeout=10.0,
     )
-    return serve_until_signalled(
+    return runtime.serve_until_signalled(
         lambda: serve_lambdo(
             args.listen, driver=driver, token=args.token, default_image=args.default_image
         ),
         on_failure=driver.close,
     )
 
+
+main = runtime.agent_main(build_parser, "token", "CORRAL_LAMBDO_TOKEN", serve_from_args)
 
 if __name__ == "__main__":
     raise SystemExit(main())

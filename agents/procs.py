@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+from config.settings import pid_exists
+
 __all__ = ["is_alive", "kill_group", "spawn"]
 
 log = logging.getLogger(__name__)
@@ -134,13 +136,7 @@ def is_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_exists(pid)
     # The state letter follows the parenthesised command name, which may contain spaces.
     state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
     return state not in (b"Z", b"X")

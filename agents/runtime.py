@@ -21,21 +21,10 @@ from types import FrameType
 from typing import Protocol, Self
 
 __all__ = [
-    "WILDCARD_HOSTS",
-    "Running",
-    "add_common_arguments",
-    "configure_logging",
-    "connect_host",
-    "guess_node_ip",
-    "is_loopback",
-    "listen_address",
-    "listen_refusal",
-    "parse_agent_args",
-    "parse_port_range",
-    "refuse_to_listen",
-    "serve_until_signalled",
-    "split_hostport",
-    "until_signalled",
+    "WILDCARD_HOSTS", "AgentMain", "Running", "add_common_arguments", "agent_main",
+    "configure_logging", "connect_host", "guess_node_ip", "is_loopback", "listen_address",
+    "listen_refusal", "parse_agent_args", "parse_port_range", "refuse_to_listen",
+    "serve_until_signalled", "split_hostport", "until_signalled",
 ]
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -206,6 +195,33 @@ def parse_agent_args(
     if refuse_to_listen(parser.prog, args.host, getattr(args, token), variable, args.insecure):
         return None
     return args
+
+
+class AgentMain(Protocol):
+    """An agent command's ``main``: run it with ``argv`` (default ``sys.argv``); the exit code."""
+
+    def __call__(self, argv: list[str] | None = None) -> int:
+        """Run the command; its exit code."""
+
+
+def agent_main(
+    build_parser: Callable[[], argparse.ArgumentParser],
+    token: str,
+    variable: str,
+    serve: Callable[[argparse.ArgumentParser, argparse.Namespace], int],
+) -> AgentMain:
+    """An agent's ``main``: parse its argv (:func:`parse_agent_args`), then ``serve``.
+
+    ``main`` returns 2 without serving when the agent must not listen there without a
+    token (option ``token``, set by ``variable``), else what ``serve(parser, args)`` returns.
+    """
+
+    def main(argv: list[str] | None = None) -> int:
+        parser = build_parser()
+        args = parse_agent_args(parser, argv, token, variable)
+        return 2 if args is None else serve(parser, args)
+
+    return main
 
 
 @contextmanager

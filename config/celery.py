@@ -52,21 +52,20 @@ from kombu.entity import Exchange, Queue
 
 from config.settings import Settings
 
-QUEUES = ("corral.spawn", "corral.delete", "corral.scale", "corral.maintenance")
+# Each queue and the tasks routed to it (ROUTES is derived from this).
+TASKS_BY_QUEUE: dict[str, tuple[str, ...]] = {
+    "corral.spawn": ("corral.spawn", "corral.spawn_batch", "corral.spawn_replica"),
+    "corral.delete": ("corral.delete_replica", "corral.delete_batch"),
+    "corral.scale": ("corral.scale",),
+    "corral.maintenance": (
+        "corral.reap", "corral.reconcile", "corral.check_health", "corral.autoscale",
+        "corral.hogs", "corral.noop",
+    ),
+}
+QUEUES = tuple(TASKS_BY_QUEUE)
 
 ROUTES: dict[str, dict[str, str]] = {
-    "corral.spawn": {"queue": "corral.spawn"},
-    "corral.spawn_batch": {"queue": "corral.spawn"},
-    "corral.spawn_replica": {"queue": "corral.spawn"},
-    "corral.delete_replica": {"queue": "corral.delete"},
-    "corral.delete_batch": {"queue": "corral.delete"},
-    "corral.scale": {"queue": "corral.scale"},
-    "corral.reap": {"queue": "corral.maintenance"},
-    "corral.reconcile": {"queue": "corral.maintenance"},
-    "corral.check_health": {"queue": "corral.maintenance"},
-    "corral.autoscale": {"queue": "corral.maintenance"},
-    "corral.hogs": {"queue": "corral.maintenance"},
-    "corral.noop": {"queue": "corral.maintenance"},
+    task: {"queue": queue} for queue, tasks in TASKS_BY_QUEUE.items() for task in tasks
 }
 
 
