@@ -6,8 +6,9 @@ from typing import Any
 
 from sqlalchemy import select
 
+from agents.fcdaemon import RunningAgent
 from tasks import api
-from tests.fixtures import Env
+from tests.fixtures import Env, StartAgents
 from workers.functions import deploy, spec_from
 from workers.store.models import LIVE_STATES, Operation, Replica
 
@@ -22,6 +23,13 @@ def deploy_fn(env: Env, /, name: str = "hello", **fields: object) -> str:
     with env.db.transaction() as s:
         fn, _ = deploy(s, spec_from(name=name, **spec), env.settings)
         return fn.id
+
+
+def one_agent(env: Env, start_agents: StartAgents, /, **fields: object) -> RunningAgent:
+    """One node agent registered in ``env``'s store, and ``hello`` deployed with ``fields``."""
+    (agent,) = start_agents(1, env=env)
+    deploy_fn(env, **fields)
+    return agent
 
 
 def spawn_ok(function: str, count: int, timeout: float = 120.0) -> dict[str, Any]:

@@ -45,7 +45,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -119,9 +119,35 @@ class _ManagedProcess:
         """Return True if the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
+    port: int | None = None
+
     def start(self) -> None:
         """Start the server (implemented by subclasses)."""
         raise NotImplementedError
+
+    @property
+    def log_path(self) -> Path:
+        """Path of the server's log file (implemented by subclasses)."""
+        raise NotImplementedError
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
+        raise NotImplementedError
+
+    def _start_on_a_port(
+        self, spawn: Callable[[int], subprocess.Popen[bytes]], timeout: float
+    ) -> None:
+        """``spawn`` the server on ``self.port``, or on up to three free ports in turn, until
+        it answers; on failure raise with the tail of its log."""
+        attempts = 1 if self.port is not None else 3
+        error = ""
+        for _ in range(attempts):
+            port = self.port if self.port is not None else free_port()
+            if self._wait_ready(spawn(port), port, timeout):
+                self.port = port
+                return
+            error = _tail(self.log_path)
+            self.stop()
+        raise RuntimeError(f"{self.name} did not start on {LOOPBACK}:{self.port}:\n{error}")
 
     def _spawn(
         self, argv: list[str], log_path: Path, cwd: Path, user: int | None = None
@@ -271,18 +297,9 @@ class RedisServer(_ManagedProcess):
         if self.is_running():
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        fixed_port = self.port is not None
-        attempts = 1 if fixed_port else 3
-        error = ""
-        for _ in range(attempts):
-            port = self.port if self.port is not None else free_port()
-            proc = self._spawn(self._argv(port), self.log_path, cwd=self.directory)
-            if self._wait_ready(proc, port, timeout):
-                self.port = port
-                return
-            error = _tail(self.log_path)
-            self.stop()
-        raise RuntimeError(f"redis-server did not start on {LOOPBACK}:{self.port}:\n{error}")
+        self._start_on_a_port(
+            lambda port: self._spawn(self._argv(port), self.log_path, cwd=self.directory), timeout
+        )
 
     def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -486,18 +503,10 @@ class PostgresServer(_ManagedProcess):
             self._chown(self.directory)
             self._chown(self.socket_dir)
         self._initdb()
-        fixed_port = self.port is not None
-        attempts = 1 if fixed_port else 3
-        error = ""
-        for _ in range(attempts):
-            port = self.port if self.port is not None else free_port()
-            proc = self._spawn(self._argv(port), self.log_path, self.directory, self.run_as)
-            if self._wait_ready(proc, port, timeout):
-                self.port = port
-                return
-            error = _tail(self.log_path)
-            self.stop()
-        raise RuntimeError(f"postgres did not start on {LOOPBACK}:{self.port}:\n{error}")
+        self._start_on_a_port(
+            lambda port: self._spawn(self._argv(port), self.log_path, self.directory, self.run_as),
+            timeout,
+        )
 
     def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
         conninfo = f"host={LOOPBACK} port={port} user={self.superuser} dbname=postgres"

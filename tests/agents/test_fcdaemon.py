@@ -206,24 +206,22 @@ def test_ready_is_reported_after_the_replica_answers_http(
         running.stop()
 
 
-def test_destroy_answer_to_ready_releases_the_vm(registry: tuple[str, RecordingRegistry]) -> None:
+@pytest.mark.parametrize(
+    "action", [resmngr_pb2.StatusUpdateReply.DESTROY, resmngr_pb2.StatusUpdateReply.KEEP_ALIVE],
+    ids=["destroy_releases_the_vm", "keep_alive_keeps_it"],
+)
+def test_the_answer_to_ready(registry: tuple[str, RecordingRegistry], action: int) -> None:
     address, servicer = registry
-    servicer.action = resmngr_pb2.StatusUpdateReply.DESTROY
+    servicer.action = action
     with serve_fcdaemon(driver=MemoryDriver(), registry=address) as running:
         reply = create(stub_for(running))
         wait_until(lambda: servicer.of("UpdateStatus"), what="READY")
-        wait_until(lambda: not running.driver.list(), what="VM released")
-        assert not any(vm.vmid == reply.vmid for vm in running.driver.list())
-
-
-def test_keep_alive_answer_keeps_the_vm(registry: tuple[str, RecordingRegistry]) -> None:
-    address, servicer = registry
-    servicer.action = resmngr_pb2.StatusUpdateReply.KEEP_ALIVE
-    with serve_fcdaemon(driver=MemoryDriver(), registry=address) as running:
-        reply = create(stub_for(running))
-        wait_until(lambda: servicer.of("UpdateStatus"), what="READY")
-        time.sleep(0.2)
-        assert [vm.vmid for vm in running.driver.list()] == [reply.vmid]
+        if action == resmngr_pb2.StatusUpdateReply.DESTROY:
+            wait_until(lambda: not running.driver.list(), what="VM released")
+            assert not any(vm.vmid == reply.vmid for vm in running.driver.list())
+        else:
+            time.sleep(0.2)
+            assert [vm.vmid for vm in running.driver.list()] == [reply.vmid]
 
 
 def test_ready_is_retried_on_transient_errors_only(

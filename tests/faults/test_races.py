@@ -18,7 +18,7 @@ from sqlalchemy import select, text
 from tasks import api
 from tasks.replicas import scale, spawn
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, operation, replicas, spawn_ok
+from tests.helpers import deploy_fn, one_agent, operation, replicas, spawn_ok
 from tests.workers.replicas.helpers import at_once
 from workers import backends, clock, leases
 from workers.fleet import health, placement
@@ -64,8 +64,7 @@ def _new_op(env: Env, kind: str, **params: Any) -> str:
 def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
     corral_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     settings = corral_env.set(orphan_grace_s="0")
     pending = begin_spawn(corral_env.db, settings, None, "req-1", _fn_id(corral_env))
     assert pending is not None
@@ -95,8 +94,7 @@ def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
 def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
     corral_env: Env, start_agents: StartAgents, readiness: str
 ) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env, readiness=readiness)
+    agent = one_agent(corral_env, start_agents, readiness=readiness)
     settings = corral_env.settings
     spawn_op = _new_op(corral_env, "spawn", count=1)
     fn_id, (job,) = plan_spawn(corral_env.db, spawn_op)
@@ -174,8 +172,7 @@ def test_a_redelivered_spread_spawn_keeps_its_node_list(
 def test_a_task_for_a_failed_operation_does_nothing(
     corral_env: Env, start_agents: StartAgents, kind: str
 ) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     op_id = _new_op(corral_env, kind, **({"count": 2} if kind == "spawn" else {"target": 2}))
     with corral_env.db.transaction() as s:  # what a publish that timed out records
         fail_operation(s, op_id, "could not queue the task: TimeoutError")

@@ -18,7 +18,7 @@ from agents.fcdaemon import serve_fcdaemon
 from tasks import api
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn
+from tests.helpers import deploy_fn, one_agent
 from tests.services import RedisServer
 from workers.fleet.health import check_health
 from workers.store.models import Node, Replica, ReplicaState
@@ -49,8 +49,7 @@ def test_worker_killed_mid_spawn_completes_with_exactly_one_vm(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
 ) -> None:
     broker_env.set(**{k[len("CORRAL_"):].lower(): v for k, v in SHORT.items()})
-    (agent,) = start_agents(1, env=broker_env)
-    deploy_fn(broker_env)
+    agent = one_agent(broker_env, start_agents)
     agent.agent.inject("CreateReplica", Fault.delay(2.0))  # a slow agent
     first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT)
     worker_processes.append(first.start())
@@ -135,8 +134,7 @@ def test_broker_restart_mid_run_loses_nothing(
     """
     redrive = {**SHORT, "CORRAL_REDRIVE_AFTER_S": "3", "CORRAL_REAP_INTERVAL_S": "1"}
     broker_env.set(**{k[len("CORRAL_"):].lower(): v for k, v in redrive.items()})
-    (agent,) = start_agents(1, env=broker_env)
-    deploy_fn(broker_env)
+    agent = one_agent(broker_env, start_agents)
     agent.agent.inject("CreateReplica", *[Fault.delay(0.1)] * 20)
     worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=redrive)
     worker_processes.append(worker.start())
@@ -167,8 +165,7 @@ def test_broker_restart_mid_run_loses_nothing(
 def test_agent_unavailable_is_retried_by_a_real_worker(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
-    (agent,) = start_agents(1, env=thread_worker)
-    deploy_fn(thread_worker)
+    agent = one_agent(thread_worker, start_agents)
     agent.agent.inject("CreateReplica", *[Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")] * 2)
     view = api.wait(api.spawn("hello", 1), timeout=30)
     assert view["status"] == "succeeded"

@@ -10,7 +10,7 @@ from agents.faults import Fault
 from protos import fcdaemon_pb2
 from tasks import api
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn
+from tests.helpers import deploy_fn, one_agent
 from tests.helpers import replicas as replica_rows
 from workers.replicas import actions as replicas
 from workers.store.models import Function, Node, Replica, ReplicaState
@@ -49,8 +49,7 @@ def test_spawn_five_on_two_nodes_places_three_and_two(
 def test_delete_sends_release_with_the_vmid_and_twice_is_fine(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     api.wait(api.spawn("hello", 1), timeout=10)
     (replica,) = replica_rows(corral_env)
     assert api.wait(api.delete(replica.id), timeout=10)["status"] == "succeeded"
@@ -92,8 +91,7 @@ def test_scale_five_to_two_deletes_three_idle_and_no_other(
 
 
 def test_unavailable_twice_then_success(corral_env: Env, start_agents: StartAgents) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     agent.agent.inject(
         "CreateReplica",
         Fault.abort(grpc.StatusCode.UNAVAILABLE, "warming up"),
@@ -110,8 +108,7 @@ def test_agent_that_never_answers_fails_naming_the_node(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     corral_env.set(create_timeout_s="0.3", retry_max="1")
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     agent.agent.inject("CreateReplica", Fault.delay(1.0), Fault.delay(1.0))
     view = api.wait(api.spawn("hello", 1), timeout=10)
     assert view["status"] == "failed"
@@ -124,8 +121,7 @@ def test_agent_that_never_answers_fails_naming_the_node(
 
 
 def test_empty_vmid_is_a_permanent_failure(corral_env: Env, start_agents: StartAgents) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     agent.agent.inject("CreateReplica", Fault.reply(fcdaemon_pb2.CreateReply(ip="1.2.3.4")))
     view = api.wait(api.spawn("hello", 1), timeout=10)
     assert view["status"] == "failed"
@@ -135,8 +131,7 @@ def test_empty_vmid_is_a_permanent_failure(corral_env: Env, start_agents: StartA
 
 @pytest.mark.parametrize("count", [0, -1, 10_001])
 def test_bad_counts_change_nothing(corral_env: Env, start_agents: StartAgents, count: int) -> None:
-    start_agents(1)
-    deploy_fn(corral_env)
+    one_agent(corral_env, start_agents)
     with pytest.raises(ValueError, match="count must be between 1 and 10000"):
         api.spawn("hello", count)
     assert replica_rows(corral_env) == []
@@ -146,8 +141,7 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     """Delete while the agent is still creating: the late VM is torn down, no orphan."""
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     with corral_env.db.read() as s:
         fn_id = s.scalars(select(Function.id)).one()
     pending = replicas.begin_spawn(corral_env.db, corral_env.settings, None, "req-x", fn_id)

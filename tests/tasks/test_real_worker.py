@@ -12,7 +12,7 @@ from sqlalchemy import select
 from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, spawn_ok
+from tests.helpers import deploy_fn, one_agent, spawn_ok
 from workers.celery import app
 from workers.functions import get_function
 from workers.operations import create_operation
@@ -50,8 +50,7 @@ def _publish_raw(env: Env, task: str, args: list[object], queue: str) -> str:
 def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
-    (agent,) = start_agents(1, env=thread_worker)
-    deploy_fn(thread_worker)
+    agent = one_agent(thread_worker, start_agents)
     # An operation of one replica, and its spawn_replica message published twice.
     with thread_worker.db.transaction() as s:
         fn = get_function(s, "hello")
@@ -89,8 +88,7 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
 def test_malformed_task_message_fails_the_operation_and_worker_lives(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1, env=thread_worker)
-    deploy_fn(thread_worker)
+    one_agent(thread_worker, start_agents)
     with thread_worker.db.transaction() as s:
         op = create_operation(s, "spawn", {"function": "hello", "count": 1}, total=1)
     _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 42], "corral.spawn")
@@ -112,8 +110,10 @@ def test_malformed_task_message_fails_the_operation_and_worker_lives(
 def test_prefork_worker_process_spawns_and_keeps_secrets_out_of_messages_and_logs(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
 ) -> None:
-    (agent,) = start_agents(1, env=broker_env)
-    deploy_fn(broker_env, aws_access_key_id="AKIASECRETID0001", aws_secret_access_key="s3cr3t/KEY")
+    agent = one_agent(
+        broker_env, start_agents,
+        aws_access_key_id="AKIASECRETID0001", aws_secret_access_key="s3cr3t/KEY",
+    )
     # Publish while no worker consumes, so the queued messages can be read as sent.
     op = api.spawn("hello", 4)
     r = redis.Redis.from_url(broker_env.settings.broker_url)

@@ -16,7 +16,7 @@ from tasks import api
 from tasks.cli import main
 from tasks.replicas import spawn
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, spawn_ok
+from tests.helpers import deploy_fn, one_agent, spawn_ok
 from workers.operations import create_operation, describe_error, settle
 from workers.store.models import OP_FINISHED, OP_OPEN, Function, Operation, OpStatus
 
@@ -57,8 +57,7 @@ def api_ops(env: Env) -> list[Operation]:
 def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1, env=thread_worker)
-    deploy_fn(thread_worker)
+    one_agent(thread_worker, start_agents)
     spawn_ok("hello", 1, timeout=30)
     thread_worker.set(fault_raise_in="corral.spawn,corral.delete_batch")
     started = time.monotonic()

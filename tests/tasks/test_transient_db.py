@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 
 from tasks import api
 from tests.fixtures import Env, StartAgents, postgres_only
-from tests.helpers import deploy_fn, spawn_ok
+from tests.helpers import one_agent, spawn_ok
 
 pytestmark = [postgres_only, pytest.mark.timeout(120)]
 
@@ -31,8 +31,7 @@ def _connect(env: Env) -> psycopg.Connection:
 @pytest.fixture
 def worker(thread_worker: Env, start_agents: StartAgents) -> Iterator[Env]:
     """A real worker with a deployed function of one replica and a generous retry budget."""
-    start_agents(1, env=thread_worker)
-    deploy_fn(thread_worker, max=10)
+    one_agent(thread_worker, start_agents, max=10)
     spawn_ok("hello", 1, timeout=30)
     thread_worker.set(retry_max="30", retry_backoff_s="0.05", retry_backoff_max_s="0.2")
     yield thread_worker

@@ -9,7 +9,7 @@ import pytest
 
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn
+from tests.helpers import deploy_fn, one_agent
 from tests.workers.replicas.helpers import by_id, one_node_idle, released, spawn_idle
 from workers import clock
 from workers.store.models import ReplicaState
@@ -77,8 +77,7 @@ def test_human_output(
 def test_errors_are_one_line(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env)
+    one_agent(corral_env, start_agents)
     assert main(["release", "not-a-claim"]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""

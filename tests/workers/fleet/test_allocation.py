@@ -15,7 +15,7 @@ from protos import mngrinfo_grpc, mngrinfo_pb2
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, spawn_ok
+from tests.helpers import deploy_fn, one_agent, spawn_ok
 from tests.workers.fleet.helpers import audit_gpus, gpus_by_uuid, live
 from workers.fleet.gpus import add_gpu_server, manager_info, record_gpus
 from workers.registry.service import serve_registry
@@ -31,6 +31,13 @@ def gpu_server() -> Iterator[RunningGpus]:
     """A GPUResc server on loopback reporting two GPUs of 16000 MB."""
     with serve_gpus(gpus={G0: 16000, G1: 16000}) as server:
         yield server
+
+
+@pytest.fixture
+def gpu_node(corral_env: Env, start_agents: StartAgents, gpu_server: RunningGpus) -> None:
+    """One agent, and the GPU server's two GPUs recorded in the store."""
+    start_agents(1)
+    add_gpu_server(corral_env.db, corral_env.settings, gpu_server.address)
 
 
 def _gpu_and_port(gpus: dict[str, Gpu], replica: Replica) -> tuple[Gpu, int]:
@@ -95,11 +102,8 @@ def test_four_fit_the_fifth_fails_and_a_delete_makes_room(
         assert s.scalars(select(Node)).one().live == 4
 
 
-def test_slots_bind_when_memory_does_not(
-    corral_env: Env, start_agents: StartAgents, gpu_server: RunningGpus
-) -> None:
-    start_agents(1)
-    add_gpu_server(corral_env.db, corral_env.settings, gpu_server.address)
+@pytest.mark.usefixtures("gpu_node")
+def test_slots_bind_when_memory_does_not(corral_env: Env) -> None:
     deploy_fn(corral_env, "small", gpu_mem=100)
     view = api.wait(api.scale("small", 9), timeout=20)
     assert (view["status"], view["done"], view["failed"]) == ("partial", 8, 1)
@@ -110,11 +114,8 @@ def test_slots_bind_when_memory_does_not(
     assert {g.slots_free for g in gpus.values()} == {0}
 
 
-def test_manager_info_answers_for_gpu_replicas_only(
-    corral_env: Env, start_agents: StartAgents, gpu_server: RunningGpus
-) -> None:
-    start_agents(1)
-    add_gpu_server(corral_env.db, corral_env.settings, gpu_server.address)
+@pytest.mark.usefixtures("gpu_node")
+def test_manager_info_answers_for_gpu_replicas_only(corral_env: Env) -> None:
     deploy_fn(corral_env, "infer", gpu_mem=6000)
     deploy_fn(corral_env, "plain")
     spawn_ok("infer", 3, timeout=10)
@@ -138,11 +139,8 @@ def test_manager_info_answers_for_gpu_replicas_only(
         assert manager_info(s, gone.vmid or "") is None
 
 
-def test_manager_info_over_grpc(
-    corral_env: Env, start_agents: StartAgents, gpu_server: RunningGpus
-) -> None:
-    start_agents(1)
-    add_gpu_server(corral_env.db, corral_env.settings, gpu_server.address)
+@pytest.mark.usefixtures("gpu_node")
+def test_manager_info_over_grpc(corral_env: Env) -> None:
     deploy_fn(corral_env, "infer", gpu_mem=6000)
     spawn_ok("infer", 2, timeout=10)
     deploy_fn(corral_env, "plain")
@@ -191,8 +189,7 @@ def test_best_fit_and_first_fit_choose_different_gpus(
 def test_without_gpus_a_gpu_function_fails_and_frees_its_node_slot(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1)
-    deploy_fn(corral_env, "infer", gpu_mem=1)
+    one_agent(corral_env, start_agents, "infer", gpu_mem=1)
     view = api.wait(api.spawn("infer", 2), timeout=10)
     assert (view["status"], view["failed"]) == ("failed", 2)
     assert view["error"] == "2 of 2 failed; first: no GPU capacity for infer (1 MB)"

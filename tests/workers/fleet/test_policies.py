@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from sqlalchemy import select, update
 
@@ -23,6 +25,23 @@ def _order(env: Env) -> list[str]:
     return [names[r.node_id] for r in live(env) if r.node_id]
 
 
+Spawned = Callable[..., dict[str, int]]
+
+
+@pytest.fixture
+def spawned(corral_env: Env, start_agents: StartAgents) -> Spawned:
+    """``spawned(placement, count, capacity=64)``: on three agents, deploy ``f`` with
+    ``placement`` and spawn ``count`` replicas; the live replicas per node."""
+
+    def run(placement: str, count: int, capacity: int = 64) -> dict[str, int]:
+        start_agents(3, capacity=capacity)
+        deploy_fn(corral_env, "f", placement=placement)
+        spawn_ok("f", count, timeout=20)
+        return per_node(corral_env)
+
+    return run
+
+
 def test_loadbalance_is_the_default_and_evens_out(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
@@ -39,13 +58,8 @@ def test_loadbalance_is_the_default_and_evens_out(
     assert per_node(corral_env) == {"node1": 5, "node2": 4, "node3": 3}
 
 
-def test_pack_fills_one_node_to_capacity_first(
-    corral_env: Env, start_agents: StartAgents
-) -> None:
-    start_agents(3, capacity=4)
-    deploy_fn(corral_env, "f", placement="pack")
-    spawn_ok("f", 6, timeout=20)
-    assert per_node(corral_env) == {"node1": 4, "node2": 2, "node3": 0}
+def test_pack_fills_one_node_to_capacity_first(corral_env: Env, spawned: Spawned) -> None:
+    assert spawned("pack", 6, capacity=4) == {"node1": 4, "node2": 2, "node3": 0}
     view = api.wait(api.spawn("f", 7), timeout=20)
     assert (view["status"], view["done"], view["failed"]) == ("partial", 6, 1)
     assert "no capacity for f on any healthy fcdaemon node" in view["error"]
@@ -87,23 +101,16 @@ def test_spread_puts_n_on_every_healthy_node(
     assert per_node(corral_env) == {"node1": 3, "node2": 3, "node3": 2}
 
 
-def test_random_stays_within_capacity_and_uses_every_node(
-    corral_env: Env, start_agents: StartAgents
-) -> None:
-    start_agents(3, capacity=3)
-    deploy_fn(corral_env, "f", placement="random")
-    spawn_ok("f", 9, timeout=20)
-    assert per_node(corral_env) == {"node1": 3, "node2": 3, "node3": 3}
+def test_random_stays_within_capacity_and_uses_every_node(spawned: Spawned) -> None:
+    assert spawned("random", 9, capacity=3) == {"node1": 3, "node2": 3, "node3": 3}
     view = api.wait(api.spawn("f", 1), timeout=20)
     assert view["status"] == "failed" and "no capacity" in view["error"]
 
 
-def test_random_uses_more_than_one_node(corral_env: Env, start_agents: StartAgents) -> None:
-    start_agents(3)
-    deploy_fn(corral_env, "f", placement="random")
-    spawn_ok("f", 15, timeout=20)
+def test_random_uses_more_than_one_node(spawned: Spawned) -> None:
+    counts = spawned("random", 15)
     # all 15 on one node has probability 3 * (1/3)**15, about 2e-7
-    assert sum(1 for n in per_node(corral_env).values() if n) > 1
+    assert sum(1 for n in counts.values() if n) > 1
 
 
 def test_global_placement_setting_applies_unless_the_function_names_one(

@@ -13,7 +13,14 @@ from agents.faults import Fault, FaultPlan
 from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
-from tests.workers.replicas.helpers import at_once, by_id, one_node_idle, released, spawn_idle
+from tests.workers.replicas.helpers import (
+    at_once,
+    by_id,
+    idle_on,
+    one_node_idle,
+    released,
+    spawn_idle,
+)
 from workers import clock, leases
 from workers.errors import InputError
 from workers.maintenance.reaper import LEASE, ReapReport, reap
@@ -34,9 +41,7 @@ def _live_on_nodes(env: Env) -> int:
 def test_idle_past_timeout_deleted_counting_from_last_use_or_readiness(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    agents = start_agents(2)
-    deploy_fn(corral_env, idle_timeout=60)
-    a, b, c = spawn_idle(corral_env, "hello", 3)
+    agents, (a, b, c) = idle_on(corral_env, start_agents, 2, 3, idle_timeout=60)
     clock.travel(30)
     lent = claim(corral_env.db, corral_env.settings, "hello")
     used = lent.replica_id
@@ -64,9 +69,7 @@ def test_idle_past_timeout_deleted_counting_from_last_use_or_readiness(
 
 
 def test_min_replicas_are_kept(corral_env: Env, start_agents: StartAgents) -> None:
-    agents = start_agents(1)
-    deploy_fn(corral_env, idle_timeout=10, min=2)
-    spawn_idle(corral_env, "hello", 5)
+    agents, _ = idle_on(corral_env, start_agents, 1, 5, idle_timeout=10, min=2)
     clock.travel(11)
     report = _reap(corral_env)
     assert len(report.deleted) == 3
@@ -212,9 +215,7 @@ def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) 
 def test_concurrent_passes_delete_each_replica_once(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    agents = start_agents(2)
-    deploy_fn(corral_env, idle_timeout=10)
-    idle = spawn_idle(corral_env, "hello", 12)
+    agents, idle = idle_on(corral_env, start_agents, 2, 12, idle_timeout=10)
     agents[0].agent.inject("ReleaseVMSetup", Fault.delay(0.3))  # the winner holds the lease
     clock.travel(11)
     reports = at_once(4, lambda i: reap(corral_env.db, corral_env.settings, holder=f"pass-{i}"))
@@ -230,9 +231,7 @@ def test_concurrent_passes_delete_each_replica_once(
 def test_a_held_lease_skips_the_pass_until_it_expires(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    agents = start_agents(1)
-    deploy_fn(corral_env, idle_timeout=10)
-    idle = spawn_idle(corral_env, "hello", 3)
+    agents, idle = idle_on(corral_env, start_agents, 1, 3, idle_timeout=10)
     assert leases.acquire(corral_env.db, LEASE, "crashed-worker", 120)
     clock.travel(11)
     report = _reap(corral_env)
@@ -245,9 +244,7 @@ def test_a_held_lease_skips_the_pass_until_it_expires(
 
 
 def test_batch_limit(corral_env: Env, start_agents: StartAgents) -> None:
-    agents = start_agents(1)
-    deploy_fn(corral_env, idle_timeout=10)
-    idle = spawn_idle(corral_env, "hello", 7)
+    agents, idle = idle_on(corral_env, start_agents, 1, 7, idle_timeout=10)
     clock.travel(11)
     sizes = []
     for _ in range(3):
@@ -265,9 +262,7 @@ def test_batch_limit(corral_env: Env, start_agents: StartAgents) -> None:
 def test_release_failures(corral_env: Env, start_agents: StartAgents) -> None:
     # One call at a time to the node, so the order of outcomes is the order of calls.
     corral_env.set(node_max_inflight="1", node_failures="2")
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env, idle_timeout=10)
-    spawn_idle(corral_env, "hello", 5)
+    (agent,), _ = idle_on(corral_env, start_agents, 1, 5, idle_timeout=10)
     clock.travel(11)
     agent.agent.inject("ReleaseVMSetup", *[Fault.abort(
         grpc.StatusCode.UNAVAILABLE, "node rebooting")] * 10)

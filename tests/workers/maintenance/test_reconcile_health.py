@@ -15,7 +15,7 @@ from tasks import api
 from tasks.cli import main
 from tasks.maintenance import reconcile as reconcile_task
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, replicas
+from tests.helpers import deploy_fn, one_agent, replicas
 from workers import leases
 from workers.fleet.health import check_health
 from workers.maintenance.reconcile import reconcile
@@ -26,8 +26,7 @@ from workers.store.models import Function, Node, ReplicaState
 def test_orphan_vm_is_destroyed_after_its_grace(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     api.wait(api.spawn("hello", 1), timeout=10)
     orphan = agent.driver.start(VMSpec(image="examples.hello"))  # behind corral's back
     corral_env.set(orphan_grace_s="3600")
@@ -43,8 +42,7 @@ def test_orphan_vm_is_destroyed_after_its_grace(
 def test_vm_of_a_spawn_in_flight_is_not_an_orphan(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     corral_env.set(orphan_grace_s="0")
     with corral_env.db.read() as s:
         fn_id = s.scalars(select(Function.id)).one()
@@ -59,8 +57,7 @@ def test_vm_of_a_spawn_in_flight_is_not_an_orphan(
 def test_vanished_vm_marks_the_row_dead_and_min_is_restored(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env, min=2)
+    agent = one_agent(corral_env, start_agents, min=2)
     api.wait(api.spawn("hello", 2), timeout=10)
     gone = replicas(corral_env)[0]
     assert agent.driver.stop(gone.vmid or "")  # the VM dies on the node
@@ -74,8 +71,7 @@ def test_vanished_vm_marks_the_row_dead_and_min_is_restored(
 
 
 def test_reconcile_task_tops_up_to_min(corral_env: Env, start_agents: StartAgents) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env, min=3)
+    agent = one_agent(corral_env, start_agents, min=3)
     result = reconcile_task.delay().get()
     assert result["top_up"] == {"hello": 3}
     assert len(agent.driver.list()) == 3
@@ -148,8 +144,7 @@ def test_reconcile_command_reports_what_it_found(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
 
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env, min=1)
+    agent = one_agent(corral_env, start_agents, min=1)
     corral_env.set(orphan_grace_s="0")
     orphan = agent.driver.start(VMSpec(image="examples.hello"))
     capsys.readouterr()

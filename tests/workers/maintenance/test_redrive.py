@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from tasks import api
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, operation, spawn_ok
+from tests.helpers import deploy_fn, one_agent, operation, spawn_ok
 from workers import clock
 from workers.maintenance import redrive
 from workers.operations import create_operation, settle
@@ -67,8 +67,7 @@ def test_a_lost_spawn_is_sent_again_by_the_reap_pass_and_only_once(
 
 
 def test_a_lost_delete_is_sent_again(thread_worker: Env, start_agents: StartAgents) -> None:
-    (agent,) = start_agents(1, env=thread_worker)
-    deploy_fn(thread_worker)
+    agent = one_agent(thread_worker, start_agents)
     spawn_ok("hello", 1, timeout=30)
     with thread_worker.db.read() as s:
         replica = s.scalars(select(Replica)).one()

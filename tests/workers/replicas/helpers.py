@@ -19,13 +19,20 @@ from workers.store.models import Replica, ReplicaState
 T = TypeVar("T")
 
 
+def idle_on(
+    env: Env, start_agents: StartAgents, nodes: int, n: int, /, **fields: object
+) -> tuple[list[RunningAgent], list[Replica]]:
+    """``nodes`` node agents, ``hello`` deployed with ``fields`` and ``n`` Idle replicas of it."""
+    agents = start_agents(nodes)
+    deploy_fn(env, **fields)
+    return agents, spawn_idle(env, "hello", n)
+
+
 def one_node_idle(
     env: Env, start_agents: StartAgents, n: int = 1, /, **fields: object
 ) -> list[Replica]:
     """One node agent, ``hello`` deployed with ``fields``, and ``n`` Idle replicas of it."""
-    start_agents(1)
-    deploy_fn(env, **fields)
-    return spawn_idle(env, "hello", n)
+    return idle_on(env, start_agents, 1, n, **fields)[1]
 
 
 def spawn_idle(env: Env, name: str, n: int) -> list[Replica]:

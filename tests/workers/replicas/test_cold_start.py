@@ -13,7 +13,7 @@ from sqlalchemy import select
 from agents.faults import Fault
 from tasks import api
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, replicas
+from tests.helpers import deploy_fn, one_agent, replicas
 from tests.workers.replicas.helpers import at_once, by_id, created, one_node_idle
 from workers.replicas import claims
 from workers.replicas.claims import ClaimTimeout, NoIdleReplica
@@ -75,8 +75,7 @@ def test_four_cold_starts_of_two_env_replicas_share_spawns(
 def test_cold_starts_count_a_spawn_already_in_flight(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    (agent,) = start_agents(1)
-    deploy_fn(corral_env)
+    agent = one_agent(corral_env, start_agents)
     agent.agent.inject("CreateReplica", Fault.delay(1.5))  # someone's slow spawn
     background = threading.Thread(target=lambda: api.spawn("hello", 1))
     background.start()
