@@ -5,7 +5,8 @@ Every build runs this (``setup.py``'s ``build_protos``, with ``grpcio-tools`` an
 ``pip install -e .`` write ``protos/*_pb2.py``, ``*_pb2_grpc.py`` and their ``.pyi`` stubs
 beside the ``.proto`` files; they are not committed. After editing a ``.proto`` file,
 ``python -m protos.generate`` rewrites them in place (it needs the ``dev`` extra, which pins
-the same versions); ``--check`` regenerates into a temporary directory and exits 1 if the
+the same versions; where they are missing, ``python protos/generate.py``, since importing
+``protos`` needs them); ``--check`` regenerates into a temporary directory and exits 1 if the
 modules in the tree are missing or differ (a ``.proto`` edited without regenerating).
 The runtime only imports the generated modules. ``setup.py`` loads this file by path, so
 it imports nothing from ``protos``.
