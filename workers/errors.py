@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class CorralError(Exception):
     """Base of corral's own errors."""
@@ -59,3 +61,17 @@ class Unsupported(PermanentBackendError):
 
 class BrokerError(CorralError):
     """The broker did not take the task."""
+
+
+def check_seconds(
+    value: object, what: str, within: Callable[[float], bool], span: str
+) -> float | None:
+    """``value`` as a number of seconds ``within`` its range (None stays None), else
+    :class:`InputError` naming ``what`` and the range (``span``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputError(f"{what} must be a number of seconds, got {value!r}")
+    if not within(value):
+        raise InputError(f"{what} must be {span}, got {value!r}")
+    return float(value)

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -40,6 +41,7 @@ __all__ = [
     "MAX_BODY",
     "VMID_RE",
     "DeadlineTransport",
+    "HttpCall",
     "abounded_request",
     "bounded_request",
     "check_ip",
@@ -164,72 +166,79 @@ def _deadline_of(seconds: float) -> Iterator[float]:
         _deadline.reset(token)
 
 
-def bounded_request(
-    client: httpx.Client,
-    method: str,
-    url: str,
-    *,
-    timeout_s: float,
-    what: str,
-    node: str | None = None,
-    max_body: int = MAX_BODY,
-    **kwargs: Any,
-) -> httpx.Response:
-    """One HTTP call that ends within ``timeout_s`` in total, its body read up to ``max_body``.
+@dataclass(frozen=True)
+class HttpCall:
+    """One HTTP call to a backend: what it asks, how it is named in errors, and its bounds."""
+
+    method: str
+    url: str
+    timeout_s: float  # the whole call, body included
+    what: str  # names the call in errors ("spawn", "destroy")
+    node: str | None = None
+    max_body: int = MAX_BODY
+
+    def stream(self, client: httpx.Client | httpx.AsyncClient, **kwargs: Any) -> Any:
+        """The streamed request on ``client`` (identity encoding: the body read is the body)."""
+        headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}
+        return client.stream(
+            self.method, self.url, timeout=httpx.Timeout(self.timeout_s), headers=headers,
+            **kwargs,
+        )
+
+    def grow(self, body: bytearray, chunk: bytes) -> None:
+        """Add ``chunk`` to ``body``; :class:`PermanentBackendError` past ``max_body``."""
+        body += chunk
+        if len(body) > self.max_body:
+            raise PermanentBackendError(
+                f"{self.what} answered more than {self.max_body} bytes",
+                node=self.node, code="too-large",
+            )
+
+    def failed(self, exc: httpx.HTTPError) -> TransientBackendError:
+        """The error a timeout or transport failure of this call raises."""
+        if isinstance(exc, httpx.TimeoutException):
+            return TransientBackendError(
+                f"{self.what} timed out after {self.timeout_s:g}s", node=self.node, code="timeout")
+        return TransientBackendError(
+            f"{self.what} failed: {type(exc).__name__}: {redact(str(exc))}",
+            node=self.node, code="transport",
+        )
+
+
+def bounded_request(client: httpx.Client, call: HttpCall, **kwargs: Any) -> httpx.Response:
+    """One HTTP call that ends within ``call.timeout_s`` in total, its body read up to
+    ``call.max_body``.
 
     Timeouts and transport trouble raise :class:`TransientBackendError`, a bigger body
     :class:`PermanentBackendError`. The client should use a :class:`DeadlineTransport`
     (elsewhere only the per-read timeout holds).
     """
-    headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}
     try:
-        with _deadline_of(timeout_s) as deadline, client.stream(
-            method, url, timeout=httpx.Timeout(timeout_s), headers=headers, **kwargs
-        ) as response:
+        with _deadline_of(call.timeout_s) as deadline, call.stream(client, **kwargs) as response:
             body = bytearray()
             for chunk in response.iter_raw():
-                _grow(body, chunk, max_body, what, node)
+                call.grow(body, chunk)
                 if time.monotonic() > deadline:
                     raise httpx.ReadTimeout("the call's total deadline passed")
             return _buffered(response, body)
     except httpx.HTTPError as exc:
-        raise _transport_error(exc, what, node, timeout_s) from None
+        raise call.failed(exc) from None
 
 
 async def abounded_request(
-    client: httpx.AsyncClient,
-    method: str,
-    url: str,
-    *,
-    timeout_s: float,
-    what: str,
-    node: str | None = None,
-    max_body: int = MAX_BODY,
-    **kwargs: Any,
+    client: httpx.AsyncClient, call: HttpCall, **kwargs: Any
 ) -> httpx.Response:
     """:func:`bounded_request` on an ``httpx.AsyncClient`` (the deadline: ``asyncio.timeout``)."""
-    headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}
     try:
-        async with asyncio.timeout(timeout_s), client.stream(
-            method, url, timeout=httpx.Timeout(timeout_s), headers=headers, **kwargs
-        ) as response:
+        async with asyncio.timeout(call.timeout_s), call.stream(client, **kwargs) as response:
             body = bytearray()
             async for chunk in response.aiter_raw():
-                _grow(body, chunk, max_body, what, node)
+                call.grow(body, chunk)
             return _buffered(response, body)
     except TimeoutError:
-        raise _transport_error(httpx.ReadTimeout("total deadline"), what, node,
-                               timeout_s) from None
+        raise call.failed(httpx.ReadTimeout("total deadline")) from None
     except httpx.HTTPError as exc:
-        raise _transport_error(exc, what, node, timeout_s) from None
-
-
-def _grow(body: bytearray, chunk: bytes, max_body: int, what: str, node: str | None) -> None:
-    body += chunk
-    if len(body) > max_body:
-        raise PermanentBackendError(
-            f"{what} answered more than {max_body} bytes", node=node, code="too-large"
-        )
+        raise call.failed(exc) from None
 
 
 def _buffered(response: httpx.Response, body: bytearray) -> httpx.Response:
@@ -241,16 +250,6 @@ def _buffered(response: httpx.Response, body: bytearray) -> httpx.Response:
         content=bytes(body),
         request=response.request,
     )
-
-
-def _transport_error(
-    exc: httpx.HTTPError, what: str, node: str | None, timeout_s: float
-) -> TransientBackendError:
-    if isinstance(exc, httpx.TimeoutException):
-        return TransientBackendError(
-            f"{what} timed out after {timeout_s:g}s", node=node, code="timeout")
-    return TransientBackendError(
-        f"{what} failed: {type(exc).__name__}: {redact(str(exc))}", node=node, code="transport")
 
 
 # -- secrets ---------------------------------------------------------------------------

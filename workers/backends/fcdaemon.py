@@ -67,12 +67,9 @@ class CreatedVm:
 
 
 @dataclass(frozen=True)
-class AgentVm:
+class AgentVm(CreatedVm):
     """One VM an agent reports through the ListReplicas extension."""
 
-    vmid: str
-    ip: str
-    port: int
     request_id: str
     created_unix: float
 

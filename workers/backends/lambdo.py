@@ -28,6 +28,7 @@ from workers.errors import (
 )
 from workers.untrusted import (
     DeadlineTransport,
+    HttpCall,
     abounded_request,
     bounded_request,
     check_vmid,
@@ -109,11 +110,7 @@ class LambdoClient:
     """Calls to one Lambdo host, each with a timeout and typed errors."""
 
     def __init__(
-        self,
-        base_url: str,
-        *,
-        node: str | None = None,
-        timeout_s: float = 10.0,
+        self, base_url: str, *, node: str | None = None, timeout_s: float = 10.0,
         token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -125,10 +122,12 @@ class LambdoClient:
 
     def _request(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
         response = bounded_request(
-            http_client(), method, self.base_url + path, timeout_s=self.timeout_s, what=what,
-            node=self.node, headers=self._headers, **kwargs,
+            http_client(), self._call(method, path, what), headers=self._headers, **kwargs
         )
         return self._checked(response, what)
+
+    def _call(self, method: str, path: str, what: str) -> HttpCall:
+        return HttpCall(method, self.base_url + path, self.timeout_s, what, self.node)
 
     def _checked(self, response: httpx.Response, what: str) -> httpx.Response:
         if response.status_code >= 500:
@@ -228,8 +227,7 @@ class AsyncLambdoClient(LambdoClient):
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
             trust_env=False))
         response = await abounded_request(
-            client, method, self.base_url + path, timeout_s=self.timeout_s, what=what,
-            node=self.node, headers=self._headers, **kwargs,
+            client, self._call(method, path, what), headers=self._headers, **kwargs
         )
         return self._checked(response, what)
 

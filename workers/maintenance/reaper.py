@@ -65,7 +65,7 @@ from sqlalchemy.orm import Session
 from config.settings import Settings
 from workers import leases
 from workers.clock import iso, now
-from workers.errors import BackendError, InputError, TransientBackendError
+from workers.errors import BackendError, InputError, TransientBackendError, check_seconds
 from workers.fleet.health import note_failure
 from workers.locks import lock_functions
 from workers.operations import MAX_OP_ERRORS, finish
@@ -374,13 +374,9 @@ def keep_at_least(fn: Function) -> int:
 
 def check_idle_timeout(value: object) -> float | None:
     """``value`` as a non-negative number of seconds (or None), else :class:`InputError`."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InputError(f"idle timeout must be a number of seconds, got {value!r}")
-    if not 0 <= value <= 365 * 86400:
-        raise InputError(f"idle timeout must be between 0 and one year, got {value!r}")
-    return float(value)
+    return check_seconds(
+        value, "idle timeout", lambda v: 0 <= v <= 365 * 86400, "between 0 and one year"
+    )
 
 
 def reap(

@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 from google.protobuf import empty_pb2
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from agents.grpcserve import add_health, mark_serving, token_interceptors
 from agents.runtime import listen_address
@@ -207,12 +208,20 @@ class Registry:
                         replica.vmid, peer)
             raise Refused(f"{peer} may not report on vmid {replica.vmid}")
 
+    def _reported(self, s: Session, replica_id: str, peer: str | None) -> Replica | None:
+        """The live replica a status report names, locked, its reporter checked; None when
+        it is gone (the guest is told to destroy itself)."""
+        replica = lock_replica(s, replica_id)
+        if replica is None or replica.status not in LIVE_STATES:
+            return None
+        self._check_peer(replica, peer)
+        return replica
+
     def _ready(self, replica_id: str, peer: str | None = None) -> int:
         with self.db.transaction() as s:
-            replica = lock_replica(s, replica_id)
-            if replica is None or replica.status not in LIVE_STATES:
+            replica = self._reported(s, replica_id, peer)
+            if replica is None:
                 return DESTROY
-            self._check_peer(replica, peer)
             if replica.status == ReplicaState.STARTING:
                 transition(s, replica, ReplicaState.IDLE, self.settings)
                 return OK
@@ -224,10 +233,9 @@ class Registry:
 
     def _finished(self, replica_id: str, peer: str | None = None) -> int:
         with self.db.transaction() as s:
-            replica = lock_replica(s, replica_id)
-            if replica is None or replica.status not in LIVE_STATES:
+            replica = self._reported(s, replica_id, peer)
+            if replica is None:
                 return DESTROY
-            self._check_peer(replica, peer)
             finish_oldest(s, replica, self.settings)
             fn, node = replica.function, replica.node
             reason = None

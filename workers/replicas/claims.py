@@ -78,7 +78,7 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
-from workers.errors import CorralError, InputError, NotFound
+from workers.errors import CorralError, NotFound, check_seconds
 from workers.functions import check_name, get_function
 from workers.operations import FINISHED, create_operation, get_operation
 from workers.replicas.lifecycle import lock_replica, transition
@@ -130,13 +130,9 @@ class Claimed:
 
 def check_ttl(value: object) -> float | None:
     """A claim's time to live in seconds (None: the default), else :class:`InputError`."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InputError(f"claim ttl must be a number of seconds, got {value!r}")
-    if not 0 < value <= MAX_TTL_S:
-        raise InputError(f"claim ttl must be above 0 and at most {MAX_TTL_S:g}s, got {value!r}")
-    return float(value)
+    return check_seconds(
+        value, "claim ttl", lambda v: 0 < v <= MAX_TTL_S, f"above 0 and at most {MAX_TTL_S:g}s"
+    )
 
 
 @dataclass(frozen=True)

@@ -117,13 +117,23 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
 
-class Function(Base):
+class Keyed:
+    """A table whose key is a generated 32-character hex id (``new_id``), its first column."""
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id, sort_order=-2)
+
+
+class Named(Keyed):
+    """A keyed table whose rows also have a unique DNS-label name (63 characters at most)."""
+
+    name: Mapped[str] = mapped_column(String(63), unique=True, sort_order=-1)
+
+
+class Function(Named, Base):
     """A deployable function: what to run and how many replicas it may have."""
 
     __tablename__ = "functions"
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
-    name: Mapped[str] = mapped_column(String(63), unique=True)
     backend: Mapped[str] = mapped_column(String(16), default="fcdaemon")
     image: Mapped[str] = mapped_column(String(1024))
     kernel: Mapped[str] = mapped_column(String(1024), default="")
@@ -168,13 +178,11 @@ class Function(Base):
     )
 
 
-class Node(Base):
+class Node(Named, Base):
     """A node agent (fcdaemon) or a Lambdo host that runs replicas."""
 
     __tablename__ = "nodes"
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
-    name: Mapped[str] = mapped_column(String(63), unique=True)
     kind: Mapped[str] = mapped_column(String(16), default="fcdaemon")
     address: Mapped[str] = mapped_column(String(255))
     external_id: Mapped[str | None] = mapped_column(String(255), unique=True, nullable=True)
@@ -202,12 +210,11 @@ class Node(Base):
     )
 
 
-class Gpu(Base):
+class Gpu(Keyed, Base):
     """One GPU on a GPU server, with its memory and AvA worker slots."""
 
     __tablename__ = "gpus"
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     uuid: Mapped[str] = mapped_column(String(128), unique=True)
     server: Mapped[str] = mapped_column(String(255))
     mngr_addr: Mapped[str] = mapped_column(String(255))
@@ -225,12 +232,11 @@ class Gpu(Base):
     )
 
 
-class Replica(Base):
+class Replica(Keyed, Base):
     """One VM of a function on a node, from the moment a spawn is accepted."""
 
     __tablename__ = "replicas"
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     request_id: Mapped[str] = mapped_column(String(128), unique=True)
     function_id: Mapped[str] = mapped_column(ForeignKey("functions.id", ondelete="CASCADE"))
     node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id"), nullable=True)
@@ -287,12 +293,11 @@ class Replica(Base):
         return ReplicaState(self.status)
 
 
-class Operation(Base):
+class Operation(Keyed, Base):
     """One producer request and its outcome."""
 
     __tablename__ = "operations"
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     kind: Mapped[str] = mapped_column(String(16))
     function_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
@@ -326,12 +331,11 @@ class Lease(Base):
     expires_at: Mapped[datetime] = mapped_column(DateTime)
 
 
-class Claim(Base):
+class Claim(Keyed, Base):
     """One execution environment of a replica, lent to one caller until released or expired."""
 
     __tablename__ = "claims"
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     replica_id: Mapped[str] = mapped_column(ForeignKey("replicas.id", ondelete="CASCADE"))
     function_id: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
