@@ -38,17 +38,8 @@ from agents.runtime import is_loopback
 from workers.errors import PermanentBackendError, TransientBackendError
 
 __all__ = [
-    "MAX_BODY",
-    "VMID_RE",
-    "DeadlineTransport",
-    "HttpCall",
-    "abounded_request",
-    "bounded_request",
-    "check_ip",
-    "check_vmid",
-    "redact",
-    "vmid_path",
-    "warn_plaintext",
+    "MAX_BODY", "VMID_RE", "DeadlineTransport", "HttpCall", "abounded_request", "bounded_request",
+    "check_ip", "check_vmid", "redact", "vmid_path", "warn_plaintext",
 ]
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,8 @@ class Vm:
 
 @dataclass(frozen=True)
 class ListedVm:
-    """A VM a node says it runs."""
+    """A VM a node says it runs: its id, the request id it was made for ("" where the node
+    does not keep one: Lambdo hosts) and when it started (Unix seconds)."""
 
     vmid: str
     request_id: str

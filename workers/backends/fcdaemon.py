@@ -59,7 +59,8 @@ class TlsFiles:
 
 @dataclass(frozen=True)
 class CreatedVm:
-    """What an agent answered to CreateReplica."""
+    """What an agent answered to CreateReplica: the VM's id, its IP, and the host port that
+    reaches its guest port (0: the guest port itself)."""
 
     vmid: str
     ip: str

@@ -17,20 +17,7 @@ from workers.store.models import (
 )
 
 __all__ = [
-    "COUNTED_STATES",
-    "FINAL_STATES",
-    "LIVE_STATES",
-    "Database",
-    "Function",
-    "Gpu",
-    "Lease",
-    "Node",
-    "OpStatus",
-    "Operation",
-    "Replica",
-    "ReplicaState",
-    "SchemaError",
-    "check_schema",
-    "get_database",
-    "upgrade",
+    "COUNTED_STATES", "FINAL_STATES", "LIVE_STATES", "Database", "Function", "Gpu", "Lease",
+    "Node", "OpStatus", "Operation", "Replica", "ReplicaState", "SchemaError", "check_schema",
+    "get_database", "upgrade",
 ]
