@@ -25,10 +25,12 @@ def deploy_fn(env: Env, /, name: str = "hello", **fields: object) -> str:
         return fn.id
 
 
-def one_agent(env: Env, start_agents: StartAgents, /, **fields: object) -> RunningAgent:
-    """One node agent registered in ``env``'s store, and ``hello`` deployed with ``fields``."""
+def one_agent(
+    env: Env, start_agents: StartAgents, /, name: str = "hello", **fields: object
+) -> RunningAgent:
+    """One node agent registered in ``env``'s store, and ``name`` deployed with ``fields``."""
     (agent,) = start_agents(1, env=env)
-    deploy_fn(env, **fields)
+    deploy_fn(env, name, **fields)
     return agent
 
 
