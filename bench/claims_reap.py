@@ -237,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expired", type=int, default=100)
     args = parser.parse_args(argv)
 
-
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-"))
     agent = serve_fcdaemon("127.0.0.1:0")
     results: dict[int, Figures] = {}

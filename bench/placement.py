@@ -196,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database-url", help="a PostgreSQL server URL (default: SQLite files)")
     args = parser.parse_args(argv)
 
-
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-placement-"))
     small_url, large_url, drop = _stores(args.database_url, tmp)

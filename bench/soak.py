@@ -542,8 +542,6 @@ class Faults:
 
 def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, list[str]]]:
     """Every invariant's violations now, with a few examples of each."""
-
-
     settings = get_settings()
     db = fleet._db()
     bad: dict[str, list[str]] = {k: [] for k in (

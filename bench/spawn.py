@@ -81,7 +81,6 @@ SLOW_SERVED = 32
 @dataclass
 class Run:
     """One run's figures."""
-
     store: str
     rates: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -100,7 +99,6 @@ def _worker(app: str, concurrency: int, env: dict[str, str], log: Path) -> subpr
 
 def _peak_rss_mib(pid: int) -> dict[str, float]:
     """Peak resident memory (VmHWM) of a worker's main process and of its pool processes."""
-
     def hwm(p: int) -> float:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
@@ -178,63 +176,20 @@ def run_once(args: argparse.Namespace) -> Run:
     else:
         db_url = f"sqlite:///{tmp / 'corral.sqlite'}"
     run = Run(store="PostgreSQL" if args.postgres is not None else "SQLite")
-    broker, results = f"redis://127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/1"
-    os.environ.update({
-        "CORRAL_BROKER_URL": broker,
-        "CORRAL_RESULT_BACKEND": results,
-        "CORRAL_DATABASE_URL": db_url,
-        "CORRAL_STATE_DIR": str(tmp / "state"),
-        "CORRAL_NODE_MAX_INFLIGHT": str(SLOW_SERVED),
-        "CORRAL_REAP_BATCH": str(max(args.reap, 1)),
-        "BENCH_BROKER_URL": broker,
-        "BENCH_RESULT_BACKEND": results,
-    })
-    env = os.environ.copy()
+    env = _bench_env(args, tmp, port, db_url)
     worker = None
     agents: _AgentHost | None = None
     try:
         _wait_port(port)
         run.rates["baseline"], run.seconds["baseline"] = _baseline(args, env, tmp)
-
-
         reset_settings()
         configure(get_settings())  # this run's broker, not an earlier run's
         db = get_database(db_url)
         upgrade(db)
-        big = args.n + args.reap + args.slow + 100
         agents = _AgentHost(tmp)
-        with db.transaction() as s:
-            for i, address in enumerate(agents.fast):
-                upsert_node(s, address, name=f"fast{i}", capacity=big)
-            deploy(s, spec_from(name="bench", image="bench", kernel="/k", max=10_000),
-                   get_settings())
-        worker = _worker("workers", args.concurrency, env, tmp / "worker.log")
-        _wait_op(api, api.spawn("bench", 4), timeout=120)  # warm up: worker up, paths run
-        _wait_op(api, api.scale("bench", 0), timeout=120)
-
-        n = args.n
-        run.seconds["P1"] = _timed_op(api, lambda: api.spawn("bench", n), "P1 spawn")
-        run.counts["P1 VMs"] = agents.count("fast")
-        run.seconds["delete"] = _timed_op(api, lambda: api.scale("bench", 0), "delete")
-        run.counts["VMs after delete"] = agents.count("fast")
-
-        if args.reap:
-            _wait_op(api, api.spawn("bench", args.reap))
-            run.seconds["reap"] = _timed_op(
-                api, lambda: api.reap(idle_timeout=0), "reap pass")
-            run.counts["VMs after reap"] = agents.count("fast")
-
-        with db.transaction() as s:
-            for node in s.query(Node):
-                node.draining = True  # the fast agents take no part in P5
-            for i, address in enumerate(agents.slow):
-                upsert_node(s, address, name=f"slow{i}", capacity=big)
-        _wait_op(api, api.spawn("bench", SLOW_NODES))  # one create each: proven nodes
-        _wait_op(api, api.scale("bench", 0))
-        run.seconds["direct"] = _direct(agents.slow, args.slow)
-        before = agents.count("slow")
-        run.seconds["P5"] = _timed_op(api, lambda: api.spawn("bench", args.slow), "P5 spawn")
-        run.counts["P5 VMs"] = agents.count("slow") - before
+        worker = _corral_worker(args, db, agents, env, tmp)
+        _fast_phases(args, run, agents)
+        _slow_phases(args, run, db, agents)
         run.rss_mib = _peak_rss_mib(worker.pid)
     finally:
         _stop(worker)
@@ -252,9 +207,68 @@ def run_once(args: argparse.Namespace) -> Run:
     return run
 
 
+def _bench_env(args: argparse.Namespace, tmp: Path, port: int, db_url: str) -> dict[str, str]:
+    """Point this process (corral's settings) and the workers at this run's Redis and store."""
+    broker, results = f"redis://127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/1"
+    os.environ.update({
+        "CORRAL_BROKER_URL": broker,
+        "CORRAL_RESULT_BACKEND": results,
+        "CORRAL_DATABASE_URL": db_url,
+        "CORRAL_STATE_DIR": str(tmp / "state"),
+        "CORRAL_NODE_MAX_INFLIGHT": str(SLOW_SERVED),
+        "CORRAL_REAP_BATCH": str(max(args.reap, 1)),
+        "BENCH_BROKER_URL": broker,
+        "BENCH_RESULT_BACKEND": results,
+    })
+    return os.environ.copy()
+
+
+def _corral_worker(args: argparse.Namespace, db: Any, agents: _AgentHost,
+                   env: dict[str, str], tmp: Path) -> subprocess.Popen[bytes]:
+    """Register the fast agents, deploy the function, start corral's worker and warm it up."""
+    big = args.n + args.reap + args.slow + 100
+    with db.transaction() as s:
+        for i, address in enumerate(agents.fast):
+            upsert_node(s, address, name=f"fast{i}", capacity=big)
+        deploy(s, spec_from(name="bench", image="bench", kernel="/k", max=10_000),
+               get_settings())
+    worker = _worker("workers", args.concurrency, env, tmp / "worker.log")
+    _wait_op(api, api.spawn("bench", 4), timeout=120)  # warm up: worker up, paths run
+    _wait_op(api, api.scale("bench", 0), timeout=120)
+    return worker
+
+
+def _fast_phases(args: argparse.Namespace, run: Run, agents: _AgentHost) -> None:
+    """P1, delete and reap on the agents that answer at once."""
+    n = args.n
+    run.seconds["P1"] = _timed_op(api, lambda: api.spawn("bench", n), "P1 spawn")
+    run.counts["P1 VMs"] = agents.count("fast")
+    run.seconds["delete"] = _timed_op(api, lambda: api.scale("bench", 0), "delete")
+    run.counts["VMs after delete"] = agents.count("fast")
+    if args.reap:
+        _wait_op(api, api.spawn("bench", args.reap))
+        run.seconds["reap"] = _timed_op(api, lambda: api.reap(idle_timeout=0), "reap pass")
+        run.counts["VMs after reap"] = agents.count("fast")
+
+
+def _slow_phases(args: argparse.Namespace, run: Run, db: Any, agents: _AgentHost) -> None:
+    """Direct creates and P5 on the slow agents (the fast ones drained)."""
+    big = args.n + args.reap + args.slow + 100
+    with db.transaction() as s:
+        for node in s.query(Node):
+            node.draining = True  # the fast agents take no part in P5
+        for i, address in enumerate(agents.slow):
+            upsert_node(s, address, name=f"slow{i}", capacity=big)
+    _wait_op(api, api.spawn("bench", SLOW_NODES))  # one create each: proven nodes
+    _wait_op(api, api.scale("bench", 0))
+    run.seconds["direct"] = _direct(agents.slow, args.slow)
+    before = agents.count("slow")
+    run.seconds["P5"] = _timed_op(api, lambda: api.spawn("bench", args.slow), "P5 spawn")
+    run.counts["P5 VMs"] = agents.count("slow") - before
+
+
 def _baseline(args: argparse.Namespace, env: dict[str, str], tmp: Path) -> tuple[float, float]:
     """The plain Celery app's no-op rate: n tasks over one producer, join_native()."""
-
     app = make_app(env["BENCH_BROKER_URL"], env["BENCH_RESULT_BACKEND"])
     noop = app.tasks["plain.noop"]
     worker = _worker("bench.plain", args.concurrency, env, tmp / "plain.log")

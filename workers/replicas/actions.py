@@ -495,12 +495,34 @@ def _spawn_round(
     db: Database, settings: Settings, pendings: list[Pending], settled: Settled
 ) -> list[str]:
     """One round: every create at once, then one transaction; returns the moved request ids."""
-    calls = {p.request_id: backends.create_call(p.node, p.function, p.request_id, settings)
-             for p in pendings}
     nodes = {p.node.id: p.node for p in pendings}
     by_node: dict[str, list[Pending]] = defaultdict(list)
     for p in pendings:
         by_node[p.node.id].append(p)
+    results, lanes, recorded = _send_creates(db, settings, by_node, nodes, settled)
+    out = _sort_outcomes(by_node, lanes, results, recorded, settled)
+    with db.transaction() as s:  # the common case: replicas, then their operations
+        late = _arrivals(s, settings, out.arrivals, settled)
+    _release_late(settings, late)
+    notes = [(nodes[node_id], lane) for node_id, lane in lanes.items()
+             if _needs_note(nodes[node_id], lane)]
+    if not (notes or out.dead or out.move or out.elsewhere):
+        return []
+    return _settle_failures(db, settings, pendings, notes, out, settled)
+
+
+def _send_creates(
+    db: Database, settings: Settings, by_node: dict[str, list[Pending]],
+    nodes: dict[str, Node], settled: Settled,
+) -> tuple[dict[int, inflight.Result], dict[str, inflight.Lane], set[str]]:
+    """Send every create, a lane per node; VMs that land are recorded as the batch goes.
+
+    Returns the results (by ``id`` of each pending), the lanes, and the request ids
+    already recorded. Recording happens every FLUSH_S at most, not only when the
+    slowest create ends: a guest's READY must find its vmid (workers.registry.service).
+    """
+    calls = {p.request_id: backends.create_call(p.node, p.function, p.request_id, settings)
+             for group in by_node.values() for p in group}
 
     def lane_of(node_id: str) -> inflight.Lane:
         node = nodes[node_id]
@@ -518,8 +540,6 @@ def _spawn_round(
             raise PermanentBackendError(f"CreateReplica failed: {type(exc).__name__}: {exc}",
                                         node=p.node.name) from None
 
-    # VMs are recorded as the batch goes, every FLUSH_S at most, not only when its
-    # slowest create ends: a guest's READY must find its vmid (workers.registry.service).
     landed: queue.SimpleQueue[tuple[Pending, backends.Vm]] = queue.SimpleQueue()
 
     def on_result(p: Pending, result: inflight.Result) -> None:
@@ -533,17 +553,30 @@ def _spawn_round(
     while True:
         try:
             results, lanes = future.result(timeout=FLUSH_S)
-            break
+            return results, lanes, recorded
         except concurrent.futures.TimeoutError:
             early = _drain(landed)
             if early:
                 _record_arrivals(db, settings, early, settled)
                 recorded.update(p.request_id for p, _ in early)
 
-    arrivals: list[tuple[Pending, backends.Vm]] = []
-    dead: list[tuple[Pending, str]] = []
-    move: list[tuple[Pending, str, bool]] = []  # (replica, why, counts as a placement)
-    elsewhere: list[tuple[Pending, TransientBackendError]] = []  # else retried here
+
+@dataclass
+class _Outcomes:
+    """A round's creates sorted by what happens next to each replica."""
+
+    arrivals: list[tuple[Pending, backends.Vm]] = field(default_factory=list)
+    dead: list[tuple[Pending, str]] = field(default_factory=list)
+    move: list[tuple[Pending, str, bool]] = field(default_factory=list)  # why, a placement?
+    elsewhere: list[tuple[Pending, TransientBackendError]] = field(default_factory=list)
+
+
+def _sort_outcomes(
+    by_node: dict[str, list[Pending]], lanes: dict[str, inflight.Lane],
+    results: dict[int, inflight.Result], recorded: set[str], settled: Settled,
+) -> _Outcomes:
+    """Sort each create: a VM to record, Dead, moved, not sent (else retried alone)."""
+    out = _Outcomes()
     for node_id, group in by_node.items():
         lane = lanes[node_id]
         for p in group:
@@ -551,36 +584,36 @@ def _spawn_round(
             if result is None:  # not sent: the node failed too often in this batch
                 err = lane.last_error
                 if isinstance(err, TransientBackendError):
-                    elsewhere.append((p, err))
+                    out.elsewhere.append((p, err))
                 else:
-                    move.append((p, f"not sent: {err}", False))
+                    out.move.append((p, f"not sent: {err}", False))
             elif result.error is None:
                 if p.request_id not in recorded:
-                    arrivals.append((p, result.value))
+                    out.arrivals.append((p, result.value))
             elif isinstance(result.error, TransientBackendError):
                 settled.retry.append((p, result.error))
             elif request_error(result.error):
-                dead.append((p, str(result.error)))
+                out.dead.append((p, str(result.error)))
             else:
-                move.append((p, str(result.error), True))
+                out.move.append((p, str(result.error), True))
+    return out
 
-    with db.transaction() as s:  # the common case: replicas, then their operations
-        late = _arrivals(s, settings, arrivals, settled)
-    _release_late(settings, late)
-    notes = [(nodes[node_id], lane) for node_id, lane in lanes.items()
-             if _needs_note(nodes[node_id], lane)]
-    if not (notes or dead or move or elsewhere):
-        return []
+
+def _settle_failures(
+    db: Database, settings: Settings, pendings: list[Pending],
+    notes: list[tuple[Node, inflight.Lane]], out: _Outcomes, settled: Settled,
+) -> list[str]:
+    """Note the nodes' creates, end the Dead, move the rest; returns the moved request ids."""
     moved: list[str] = []
     with db.transaction() as s:
-        held = _lock_for_moves(s, pendings, [p for p, *_ in dead + move + elsewhere])
+        held = _lock_for_moves(s, pendings, [p for p, *_ in out.dead + out.move + out.elsewhere])
         for node, lane in notes:
             _note_lane(s, settings, node, lane)
-        for p, error in dead:
+        for p, error in out.dead:
             if p.replica_id in held:
                 _fail(s, settings, p.replica_id, error)
                 settled.states[p.request_id] = "dead"
-        for p, error, counted in move:
+        for p, error, counted in out.move:
             if p.replica_id not in held:
                 continue  # another transaction is moving it (a delete, say)
             tried = settled.tried.setdefault(p.request_id, [])
@@ -591,7 +624,7 @@ def _spawn_round(
                 settled.states[p.request_id] = "dead"
         # A node that stopped answering: its unsent creates go to another node if one has
         # room, else they wait for it, retried alone with backoff.
-        for p, exc in elsewhere:
+        for p, exc in out.elsewhere:
             if p.replica_id not in held:
                 continue
             outcome = _move(s, settings, p, f"not sent: {exc}", counted=False,
