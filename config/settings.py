@@ -179,6 +179,10 @@ class _Gateway(BaseModel):
     gateway_queue: int = Field(1000, ge=0, le=1_000_000)  # waiting requests per function
     gateway_store_threads: Count = Field(16, le=256)
     gateway_report_interval_s: Seconds = 1.0
+    # Claims a gateway holds between requests: unused this long, they are released; each
+    # claim it holds (in use or kept) is a lease of this ttl, renewed while it is held.
+    gateway_keep_s: float = Field(1.5, ge=0, le=3600)
+    gateway_claim_ttl_s: float = Field(30.0, ge=1, le=86_400)
 
 
 class _Flower(BaseModel):
