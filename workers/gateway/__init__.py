@@ -1,14 +1,17 @@
 """The invocation gateway: HTTP requests to functions, through claims, to replicas.
 
-``corral gateway`` serves ``ANY /function/NAME[/PATH]``: it claims an execution
-environment of one of the function's replicas (a cold start when none is Idle,
-shared with every other waiter through the store), forwards the request there,
-streams the answer back and releases the claim on every way out. Several gateways
-may serve one control plane: everything they share lives in the store (claims,
-cold-start waiters) and in Redis (the demand signal the autoscaler reads).
+``corral gateway`` serves ``ANY /function/NAME[/PATH]``: it takes an execution
+environment of one of the function's replicas (one it holds from an earlier request,
+else a claim from the store, a cold start when none is Idle, shared with every other
+waiter through the store), forwards the request there, streams the answer back and
+returns the environment on every way out; environments unused for a moment are
+given back to the store. Several gateways may serve one control plane: everything
+they share lives in the store (claims, cold-start waiters) and in Redis (the demand
+signal the autoscaler reads).
 
 * :mod:`workers.gateway.proxy` - one request, step by step, and its error answers;
 * :mod:`workers.gateway.admission` - per-function concurrency limit and bounded queue;
+* :mod:`workers.gateway.pool` - the claims the gateway holds between requests;
 * :mod:`workers.gateway.metrics` - the Prometheus metrics served at ``/metrics``;
 * :mod:`workers.gateway.app` - the ASGI app, demand reports, listening rules, uvicorn.
 """

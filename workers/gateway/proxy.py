@@ -1,4 +1,4 @@
-"""The proxy: one request to ``/function/NAME[/PATH]``, from arrival to its claim's release.
+"""The proxy: one request to ``/function/NAME[/PATH]``, from arrival to returning its claim.
 
 A request goes through these steps, each with its own answer when it fails:
 
@@ -11,31 +11,38 @@ A request goes through these steps, each with its own answer when it fails:
 4. **Admission** (:mod:`workers.gateway.admission`): beyond ``max_replicas x
    exec_envs`` requests the request queues; a full queue -> 429, no place within the
    cold-start timeout -> 503 with ``Retry-After``.
-5. **Claim** (:class:`workers.replicas.claims.ClaimAttempt`, each store step in the gateway's
-   thread pool - ``CORRAL_GATEWAY_STORE_THREADS``, one on SQLite - waits with
-   ``asyncio.sleep``): an Idle environment, else a cold start
-   shared with every other waiter of the function, in this gateway or another; a
-   spawn refused because the function is at its max waits for a release. Nothing
-   ready within ``CORRAL_GATEWAY_COLD_START_TIMEOUT_S`` -> 503 with ``Retry-After``.
-   The claim's ttl is the call timeout plus a margin, so a gateway that dies
-   mid-request leaves claims the reaper gives back.
+5. **Claim.** An environment this gateway holds for the function already
+   (:mod:`workers.gateway.pool`: claims are leases, kept between requests) - no store
+   call at all. With none free, one store call claims an environment for every request
+   of the function waiting in this gateway (:func:`workers.replicas.claims.claim_many`); if the
+   store has none Idle, each waiting request runs :class:`workers.replicas.claims.ClaimAttempt`
+   (each store step in the gateway's thread pool - ``CORRAL_GATEWAY_STORE_THREADS``,
+   one on SQLite - waits with ``asyncio.sleep``): a cold start shared with every other
+   waiter of the function, in this gateway or another, and a spawn refused because the
+   function is at its max waits for a release; an environment another request of this
+   gateway returns meanwhile serves it first. Nothing within
+   ``CORRAL_GATEWAY_COLD_START_TIMEOUT_S`` -> 503 with ``Retry-After``. Every claim is
+   a lease of ``CORRAL_GATEWAY_CLAIM_TTL_S`` that the gateway renews while it holds it,
+   so a gateway that dies leaves claims the reaper gives back.
 6. **Forward** with httpx's ``AsyncClient``: method, path, query, headers (without
    hop-by-hop ones, with ``X-Forwarded-*``) and body. A replica that refuses
    connections for ``CONNECT_GRACE_S`` (a moment of refusal is a server still
    starting), or breaks the exchange before its response headers -> its claim is given
-   back and the replica retired as *suspect* (:func:`tasks.api.suspect`: Deleting at
+   back (with every other claim this gateway holds on it) and the replica retired as
+   *suspect* (:func:`tasks.api.suspect`: Deleting at
    once, so no claim picks it again; a delete operation removes it), and an
    idempotent request (GET, HEAD, OPTIONS, PUT, DELETE, TRACE) is tried once more
    on another replica; otherwise -> 502. No complete answer within
    ``CORRAL_GATEWAY_TIMEOUT_S`` -> 504 (a slow replica is not retired).
 7. **Stream** the response back as it arrives, one chunk behind (and the status
-   line with the first chunk): the claim is released *before* the last chunk is
-   sent, so a client that sees its response complete can be sure the environment is
-   free again for its next request.
+   line with the first chunk): the environment goes back to the function's pool
+   *before* the last chunk is sent, so a client that sees its response complete can be
+   sure the environment is free again for its next request. The pool gives it back to
+   the store once it has been unused for ``CORRAL_GATEWAY_KEEP_S``.
 
-The claim is released on every path out - error, timeout, and a client that goes
-away (a watcher on the ASGI ``receive`` channel cancels the request, and the
-release runs shielded from that cancellation).
+The environment is returned on every path out - error, timeout, and a client that goes
+away (a watcher on the ASGI ``receive`` channel cancels the request; returning it is
+synchronous, and a claim a cancelled store call still makes goes to the pool).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -57,6 +64,8 @@ from workers.errors import CorralError, NotFound
 from workers.functions import get_function
 from workers.gateway.admission import Gate, QueueFull, QueueTimeout
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
+from workers.gateway.pool import Pool
+from workers.replicas import claims
 from workers.replicas.claims import ClaimAttempt, Claimed, NoIdleReplica
 from workers.store.db import Database
 
@@ -73,7 +82,8 @@ IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
 FUNCTION_TTL_S = 2.0  # how long a function's limits are cached
-CLAIM_MARGIN_S = 30.0  # a claim outlives the call timeout by this much
+CLAIM_BATCH = 16  # environments one store call claims at most
+RENEW_MAX_S = 2.0  # held claims are renewed (and checked) at least this often
 RETRY_AFTER_S = 5
 CONNECT_GRACE_S = 2.0  # a refused connection is tried again this long before it counts
 
@@ -126,10 +136,6 @@ class Producer(Protocol):
         """Ask for ``count`` new replicas of ``function``; the operation id."""
         ...
 
-    def release(self, claim_id: str, *, settings: Settings | None = None) -> Mapping[str, Any]:
-        """Give back a claim's environment."""
-        ...
-
     def suspect(self, claim_id: str, reason: str, *,
                 settings: Settings | None = None) -> str | None:
         """Give back a claim and retire its replica as suspect; the delete's operation id."""
@@ -146,6 +152,13 @@ class Gateway:
         self.producer = producer
         self.metrics = metrics or GatewayMetrics()
         self.gates: dict[str, Gate] = {}
+        self.pools: dict[str, Pool] = {}
+        self.held: dict[str, Claimed] = {}  # every claim this gateway holds, idle or in use
+        # Claims in use that must not go back to their pool: True = release them when
+        # their request ends (replica retired or unusable), False = forget them (the
+        # store no longer has them).
+        self._unpooled: dict[str, bool] = {}
+        self._maintainer: asyncio.Task[None] | None = None
         self._functions: dict[str, tuple[FunctionInfo, float]] = {}
         # SQLite takes one write at a time anyway: more threads only wait in its busy
         # handler (sleeps of up to 100 ms each), so they would add latency, not speed.
@@ -159,18 +172,32 @@ class Gateway:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the upstream client (on the serving loop)."""
+        """Open the upstream client and start renewing held claims (on the serving loop)."""
         timeout = self.settings.gateway_timeout_s
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
             follow_redirects=False, trust_env=False,
         )
+        self._maintainer = asyncio.create_task(self._maintain())
 
     async def close(self) -> None:
-        """Finish pending releases, close the client and the thread pool."""
+        """Give back every claim held, close the client and the thread pool."""
+        if self._maintainer is not None:
+            self._maintainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintainer
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        for pool in self.pools.values():
+            pool.drain()
+        if self.held:
+            held, self.held = list(self.held), {}
+            try:
+                await self.store(claims.release_many, self.db, self.settings, held)
+            except Exception as exc:  # the store is away: the leases expire by themselves
+                log.warning("gateway: could not give back %d claims at shutdown: %s",
+                            len(held), exc)
         if self._client is not None:
             await self._client.aclose()
         self._pool.shutdown(wait=True)
@@ -318,7 +345,7 @@ class Gateway:
         """Claim, forward, stream back; one more replica for an idempotent request."""
         tries = 2 if scope["method"] in IDEMPOTENT else 1
         for attempt in range(tries):
-            claimed = await self._claim(info)
+            claimed = await self._acquire(info)
             try:
                 await self._forward(scope, claimed, body, send)
                 return
@@ -328,12 +355,151 @@ class Gateway:
                     raise Answer(502, f"replica of {info.name} failed to answer: {exc}") from None
                 log.info("gateway: retrying %s %s on another replica", scope["method"], info.name)
 
+    def _pool_of(self, name: str) -> Pool:
+        pool = self.pools.get(name)
+        if pool is None:
+            pool = self.pools[name] = Pool()
+        return pool
+
+    async def _acquire(self, info: FunctionInfo) -> Claimed:
+        """An environment for one request: from the pool, else the store (cold start included)."""
+        pool = self._pool_of(info.name)
+        got = pool.take()
+        if got is not None:
+            return got
+        place = pool.wait()
+        try:
+            while not place.done():
+                refill = pool.refilling or self._refill(pool, info)
+                both: set[asyncio.Future[Any]] = {place, refill}
+                await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+                if not place.done() and refill.done() and not refill.result():
+                    return await self._claim_or_wait(info, place)  # nothing Idle in the store
+            return place.result()
+        except BaseException:
+            mine = pool.unwait(place)
+            if mine is not None:
+                self._return(mine)
+            raise
+        finally:
+            pool.unwait(place)
+
+    def _refill(self, pool: Pool, info: FunctionInfo) -> asyncio.Future[bool]:
+        """One store call claiming an environment for each request in line; True: got them all."""
+        count = max(1, min(CLAIM_BATCH, pool.wanted))
+
+        async def run() -> bool:
+            try:
+                got = await self.store(lambda: claims.claim_many(
+                    self.db, self.settings, info.name, count,
+                    ttl_s=self.settings.gateway_claim_ttl_s))
+            except NoIdleReplica:
+                got = []
+            except NotFound:
+                raise Answer(404, f"unknown function {info.name!r}") from None
+            finally:
+                pool.refilling = None
+            for claimed in got:
+                self._adopt(claimed)
+            return len(got) >= count
+
+        task = self._keep(asyncio.ensure_future(run()))
+        pool.refilling = task
+        return task
+
+    async def _claim_or_wait(self, info: FunctionInfo, place: asyncio.Future[Claimed]) -> Claimed:
+        """Claim through the store (a cold start if need be) unless the pool serves us first."""
+        work = self._keep(asyncio.ensure_future(self._claim(info)))
+        try:
+            both: set[asyncio.Future[Any]] = {place, work}
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()  # a claim it still makes goes to the pool
+            raise
+        if not place.done():
+            return work.result()
+        if not work.done():
+            work.cancel()
+        elif not work.cancelled() and work.exception() is None:
+            self._return(work.result())  # both at once: the spare one goes to the pool
+        return place.result()
+
+    def _adopt(self, claimed: Claimed) -> None:
+        """A claim this gateway got from the store: hold it and put it in its pool."""
+        self.held[claimed.claim_id] = claimed
+        self._pool_of(claimed.function).give(claimed)
+
+    def _return(self, claimed: Claimed) -> None:
+        """A request is done with its environment: back to the pool, or released."""
+        discard = self._unpooled.pop(claimed.claim_id, None)
+        if claimed.claim_id not in self.held:
+            return  # given back already (shutdown)
+        if discard is False:
+            del self.held[claimed.claim_id]  # the store no longer has it
+            return
+        pool = self._pool_of(claimed.function)
+        if discard or (self.settings.gateway_keep_s <= 0 and not pool.wanted):
+            self._release_soon([claimed])
+        else:
+            pool.give(claimed)
+
+    def _release_soon(self, released: list[Claimed]) -> None:
+        """Stop holding these claims and give them back to the store in the background."""
+        for claimed in released:
+            self.held.pop(claimed.claim_id, None)
+        ids = [c.claim_id for c in released]
+        if ids:
+            self._keep(asyncio.ensure_future(self._release_ids(ids)))
+
+    async def _release_ids(self, ids: list[str]) -> None:
+        try:
+            await self.store(claims.release_many, self.db, self.settings, ids)
+        except Exception as exc:  # the store is away: the leases expire by themselves
+            log.warning("gateway: could not give back %d claims: %s", len(ids), exc)
+
+    async def _maintain(self) -> None:
+        """Forever: give back claims unused for the keep window; renew the rest in time."""
+        keep = self.settings.gateway_keep_s
+        ttl = self.settings.gateway_claim_ttl_s
+        renew_every = min(ttl / 3, RENEW_MAX_S)
+        tick = min(renew_every, max(0.05, keep / 2)) if keep > 0 else renew_every
+        renew_at = time.monotonic() + renew_every
+        while True:
+            await asyncio.sleep(tick)
+            self._release_soon([c for pool in self.pools.values() for c in pool.expired(keep)])
+            if time.monotonic() < renew_at or not self.held:
+                continue
+            renew_at = time.monotonic() + renew_every
+            ids = list(self.held)
+            try:
+                usable = await self.store(claims.renew, self.db, ids, ttl)
+            except Exception as exc:  # the store is away: try again next tick
+                log.warning("gateway: could not renew %d claims: %s", len(ids), exc)
+                renew_at = time.monotonic()
+                continue
+            self._apply_renewal(ids, usable)
+
+    def _apply_renewal(self, ids: list[str], usable: dict[str, bool]) -> None:
+        """Drop claims the store no longer has; give back those of unusable replicas."""
+        gone = {cid for cid in ids if cid not in usable and cid in self.held}
+        bad = {cid for cid, ok in usable.items() if not ok and cid in self.held}
+        for pool in self.pools.values():
+            for claimed in pool.drop(gone):
+                del self.held[claimed.claim_id]
+            self._release_soon(pool.drop(bad))
+        for cid in gone & self.held.keys():  # in use: forget them when their request ends
+            self._unpooled[cid] = False
+        for cid in bad & self.held.keys():  # in use: give them back when their request ends
+            self._unpooled[cid] = True
+        if gone:
+            log.warning("gateway: %d held claims were given back behind its back", len(gone))
+
     async def _claim(self, info: FunctionInfo) -> Claimed:
         settings = self.settings
         attempt = ClaimAttempt(
             self.db, settings, info.name,
             cold_start_timeout=settings.gateway_cold_start_timeout_s,
-            ttl_s=min(settings.gateway_timeout_s + CLAIM_MARGIN_S, 86_400.0),
+            ttl_s=settings.gateway_claim_ttl_s,
             spawn=lambda name: self.producer.spawn(name, 1, settings=settings), wait_at_max=True,
         )
         cold = False
@@ -346,6 +512,7 @@ class Gateway:
                 except NoIdleReplica as exc:  # timed out, or the cold start failed
                     raise Answer(503, str(exc), {"retry-after": str(RETRY_AFTER_S)}) from None
                 if isinstance(got, Claimed):
+                    self.held[got.claim_id] = got
                     if cold:
                         self.metrics.cold_start(info.name, attempt.waited_s)
                     return got
@@ -356,7 +523,7 @@ class Gateway:
                 await self._shielded(attempt.close)
 
     async def _step(self, attempt: ClaimAttempt) -> Claimed | float:
-        """One claim step; a claim it makes after this request was cancelled is released."""
+        """One claim step; a claim it makes after this request was cancelled goes to the pool."""
         step = asyncio.ensure_future(self.store(attempt.step))
         try:
             return await asyncio.shield(step)
@@ -366,16 +533,16 @@ class Gateway:
                         isinstance(done.result(), Claimed):
                     got = done.result()
                     assert isinstance(got, Claimed)
-                    self._keep(asyncio.ensure_future(self._release(got)))
+                    self._adopt(got)
 
             step.add_done_callback(orphan)
             raise
 
     async def _forward(self, scope: Scope, claimed: Claimed, body: bytes, send: Send) -> None:
-        """Send the request to the claimed replica and stream its answer; release the claim.
+        """Send the request to the claimed replica and stream its answer; return the claim.
 
         Raises :class:`ReplicaFailed` (the claim still held, for the caller to retire),
-        :class:`Answer` 502 / 504 or :class:`BrokenOff` (the claim released).
+        :class:`Answer` 502 / 504 or :class:`BrokenOff` (the claim returned).
         """
         assert self._client is not None, "Gateway.start() was not awaited"
         if not claimed.address:
@@ -426,13 +593,13 @@ class Gateway:
                 raise Answer(504 if timed_out else 502,
                              f"replica of {claimed.function}: {what}") from None
             holding = False
-            await self._release(claimed)  # before the last chunk: free when the client sees it
+            self._return(claimed)  # before the last chunk: free when the client sees it
             if not answering:
                 await send(start)
             await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
             if holding:
-                await self._release(claimed)
+                self._return(claimed)
 
     async def _send(self, request: httpx.Request) -> httpx.Response:
         """Send, trying a refused connection again for up to ``CONNECT_GRACE_S``.
@@ -480,12 +647,16 @@ class Gateway:
         return [(k, v) for k, v in response.headers.raw
                 if k.decode("latin-1").lower() not in HOP_BY_HOP]
 
-    async def _release(self, claimed: Claimed) -> None:
-        await self._shielded(self.producer.release, claimed.claim_id, settings=self.settings)
-
     async def _retire(self, claimed: Claimed, reason: str) -> None:
+        """Give back a failed replica's claim and delete the replica; drop its other claims."""
         log.warning("gateway: replica %s of %s is suspect: %s", claimed.replica_id,
                     claimed.function, reason)
+        self.held.pop(claimed.claim_id, None)
+        self._unpooled.pop(claimed.claim_id, None)
+        self._release_soon(self._pool_of(claimed.function).drop_replica(claimed.replica_id))
+        for other in self.held.values():  # in use: given back when their requests end
+            if other.replica_id == claimed.replica_id:
+                self._unpooled[other.claim_id] = True
         try:
             await self._shielded(self.producer.suspect, claimed.claim_id, f"suspect: {reason}",
                                  settings=self.settings)
@@ -500,8 +671,13 @@ class Gateway:
     def _keep(self, task: asyncio.Future[T]) -> asyncio.Future[T]:
         """Track a background task until it ends (``close`` waits for the rest)."""
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._settled)
         return task
+
+    def _settled(self, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # whoever needed it saw it; nobody else must be told
 
     @staticmethod
     async def _reply(send: Send, status: int, message: str,

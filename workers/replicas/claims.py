@@ -68,7 +68,7 @@ step in a thread, so both share one mechanism.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -155,17 +155,18 @@ class _Fn:
 
 _FUNCTION = select(Function.id, Function.name, Function.build_version).where(
     Function.name == bindparam("name"))
-# Take one environment of a chosen replica in one statement: Idle -> still Idle (another
+# Take ``n`` environments of a chosen replica in one statement: Idle -> still Idle (another
 # environment free) or Allocated (the last one), busy either way (no idle clock). The same
 # bookkeeping as lifecycle.transition for this move: an Idle replica never has an
 # operation waiting on it (transition settles that when it becomes Idle), so none is due.
 _TAKE = (
     update(Replica)
     .where(Replica.id == bindparam("replica_id"), Replica.status == int(ReplicaState.IDLE),
-           Replica.envs_in_use < Replica.envs_total, Replica.operation_id.is_(None))
-    .values(envs_in_use=Replica.envs_in_use + 1, last_used_at=bindparam("at"),
+           Replica.envs_in_use + bindparam("n") <= Replica.envs_total,
+           Replica.operation_id.is_(None))
+    .values(envs_in_use=Replica.envs_in_use + bindparam("n"), last_used_at=bindparam("at"),
             updated_at=bindparam("at"), idle_since=None, reap_at=None, deadline_at=None,
-            status=case((Replica.envs_in_use + 1 >= Replica.envs_total,
+            status=case((Replica.envs_in_use + bindparam("n") >= Replica.envs_total,
                          int(ReplicaState.ALLOCATED)), else_=int(ReplicaState.IDLE)))
     .returning(Replica.address, Replica.vmid)
     .execution_options(synchronize_session=False)
@@ -187,25 +188,32 @@ _UNLEND = (
 )
 
 
-def _candidate(session: Session, fn: _Fn | Function, lock: str = "skip") -> str | None:
-    """The id of one claimable replica of ``fn``.
+def _candidates(session: Session, fn: _Fn | Function, lock: str = "skip",
+                limit: int = 1) -> list[tuple[str, int]]:
+    """Up to ``limit`` claimable replicas of ``fn``: (id, free environments).
 
-    ``lock``: ``skip`` locks it, skipping rows others hold; ``none`` only looks
+    ``lock``: ``skip`` locks them, skipping rows others hold; ``none`` only looks
     (SQLite ignores row locks: its write transaction is the lock).
     """
     query = (
-        select(Replica.id)
+        select(Replica.id, Replica.envs_total - Replica.envs_in_use)
         .where(
             Replica.function_id == fn.id,
             Replica.status == ReplicaState.IDLE,
             Replica.build_version == fn.build_version,
             Replica.envs_in_use < Replica.envs_total,
         )
-        .limit(1)
+        .limit(limit)
     )
     if lock == "skip":
         query = query.with_for_update(skip_locked=True)
-    return session.scalars(query).first()
+    return [(rid, int(free)) for rid, free in session.execute(query)]
+
+
+def _candidate(session: Session, fn: _Fn | Function, lock: str = "skip") -> str | None:
+    """The id of one claimable replica of ``fn`` (see :func:`_candidates`)."""
+    found = _candidates(session, fn, lock)
+    return found[0][0] if found else None
 
 
 def claim(
@@ -222,6 +230,26 @@ def claim(
     cold-start ``waiter`` stops being counted in the same transaction that serves it,
     so no other waiter sees it still waiting and asks for a spawn on its behalf.
     """
+    return claim_many(db, settings, function_name, 1, waiter=waiter, ttl_s=ttl_s)[0]
+
+
+def claim_many(
+    db: Database,
+    settings: Settings,
+    function_name: str,
+    count: int,
+    *,
+    waiter: Waiter | None = None,
+    ttl_s: float | None = None,
+) -> list[Claimed]:
+    """Take up to ``count`` environments of Idle, current-build replicas in one transaction.
+
+    Each environment is a claim of its own (released on its own); several may be of
+    one replica. Fewer than ``count`` when fewer are free; none raises
+    :class:`NoIdleReplica`. ``ttl_s`` and ``waiter`` as for :func:`claim`.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise InputError(f"claim count must be a positive integer, got {count!r}")
     ttl = check_ttl(ttl_s) or settings.claim_ttl_s
     check_name(function_name)
     give_up = time.monotonic() + LOCKED_RETRY_S
@@ -230,9 +258,9 @@ def claim(
         if row is None:
             raise NotFound(f"unknown function {function_name!r}")
         fn = _Fn(*row)
-        rid = _candidate(s, fn, "skip")
+        found = _candidates(s, fn, "skip", count)
         pause = 0.001
-        while rid is None and not db.is_sqlite and time.monotonic() < give_up:
+        while not found and not db.is_sqlite and time.monotonic() < give_up:
             # Nothing unlocked. If Idle rows are merely locked by other claimers (or a
             # reaper pass), they may keep a free environment: look again shortly. Each
             # statement sees the newest commits (READ COMMITTED), and no lock is held
@@ -241,20 +269,54 @@ def claim(
                 break
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
-            rid = _candidate(s, fn, "skip")
-        if rid is None:
-            raise NoIdleReplica(f"no idle replica of {function_name}")
+            found = _candidates(s, fn, "skip", count)
         at = now()
+        expires = at + timedelta(seconds=ttl)
         conn = s.connection()
-        took = conn.execute(_TAKE, {"replica_id": rid, "at": at}).first()
-        if took is None:
+        out: list[Claimed] = []
+        for rid, free in found:
+            n = min(free, count - len(out))
+            took = conn.execute(_TAKE, {"replica_id": rid, "at": at, "n": n}).first()
+            if took is None:
+                continue
+            ids = [new_id() for _ in range(n)]
+            conn.execute(_LEND, [{"id": cid, "replica_id": rid, "function_id": fn.id,
+                                  "created_at": at, "expires_at": expires} for cid in ids])
+            out += [Claimed(cid, rid, took.address, took.vmid, fn.name, expires) for cid in ids]
+            if len(out) >= count:
+                break
+        if not out:
             raise NoIdleReplica(f"no idle replica of {function_name}")
-        claim_id, expires = new_id(), at + timedelta(seconds=ttl)
-        conn.execute(_LEND, {"id": claim_id, "replica_id": rid, "function_id": fn.id,
-                             "created_at": at, "expires_at": expires})
         if waiter is not None:
             s.execute(delete(Lease).where(Lease.name == waiter.token))
-        return Claimed(claim_id, rid, took.address, took.vmid, fn.name, expires)
+        return out
+
+
+def renew(db: Database, claim_ids: Collection[str], ttl_s: float) -> dict[str, bool]:
+    """Extend held claims to expire ``ttl_s`` seconds from now, in one transaction.
+
+    Returns, for each of ``claim_ids`` still held (the others were released, expired
+    and given back, or taken back by a guest's FINISHED), whether its replica may still
+    serve requests: Idle or Allocated and of its function's current build (False: it is
+    being deleted, or a newer build was deployed).
+    """
+    ttl = check_ttl(ttl_s)
+    assert ttl is not None
+    ids = sorted(set(claim_ids))
+    if not ids:
+        return {}
+    with db.transaction() as s:
+        conn = s.connection()
+        conn.execute(update(Claim).where(Claim.id.in_(ids))
+                     .values(expires_at=now() + timedelta(seconds=ttl))
+                     .execution_options(synchronize_session=False))
+        rows = conn.execute(
+            select(Claim.id, Replica.status, Replica.build_version == Function.build_version)
+            .join(Replica, Replica.id == Claim.replica_id)
+            .join(Function, Function.id == Replica.function_id)
+            .where(Claim.id.in_(ids)))
+        return {cid: status in (ReplicaState.IDLE, ReplicaState.ALLOCATED) and bool(current)
+                for cid, status, current in rows}
 
 
 def _give_back(session: Session, replica: Replica, settings: Settings) -> None:
@@ -292,44 +354,60 @@ def release(db: Database, settings: Settings, claim_id: str) -> dict[str, Any]:
     :func:`_take_back`, which the rare cases (an operation waiting on the replica) use.
     """
     with db.transaction() as s:
-        conn = s.connection()
-        held = conn.execute(_HELD, {"claim_id": claim_id}).first()
-        row = (conn.execute(_LOCK_FOR_RELEASE, {"replica_id": held[0]}).first()
-               if held is not None else None)
-        if held is None or row is None or conn.execute(
-                _UNLEND, {"claim_id": claim_id, "replica_id": held[0]}).first() is None:
-            return {"claim_id": claim_id, "released": False,
-                    "detail": f"claim {claim_id} is not held (already released, or expired "
-                              "and given back): nothing changed"}
-        rid = held[0]
-        status, in_use, total, ready_at, op_id, fn_name, fn_idle = row
-        if op_id is not None:  # an operation waits on this replica: the full transition
-            replica = lock_replica(s, rid)
-            assert replica is not None
-            _give_back(s, replica, settings)
-            status, in_use = replica.status, replica.envs_in_use
-        else:
-            at = now()
-            in_use -= 1
-            values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at,
-                                      "updated_at": at}
-            if status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
-                status = int(ReplicaState.IDLE)
-                values.update(status=status, deadline_at=None, ready_at=ready_at or at)
-                if in_use == 0:  # idle from now: the reaper's clock starts
-                    timeout = fn_idle if fn_idle is not None else settings.idle_timeout_s
-                    values.update(idle_since=at, reap_at=at + timedelta(seconds=timeout))
-            conn.execute(update(Replica).where(Replica.id == rid).values(**values)
-                         .execution_options(synchronize_session=False))
-        return {
-            "claim_id": claim_id,
-            "released": True,
-            "replica_id": rid,
-            "function": fn_name,
-            "status": ReplicaState(status).label,
-            "envs_in_use": in_use,
-            "envs_total": total,
-        }
+        return _release_in(s, settings, claim_id)
+
+
+def release_many(db: Database, settings: Settings, claim_ids: Collection[str]) -> int:
+    """Give back several claims in one transaction (replicas locked in id order); how many."""
+    ids = sorted(set(claim_ids))
+    if not ids:
+        return 0
+    with db.transaction() as s:
+        held = s.execute(select(Claim.id, Claim.replica_id).where(Claim.id.in_(ids))).all()
+        return sum(bool(_release_in(s, settings, cid)["released"])
+                   for cid, _rid in sorted(held, key=lambda row: (row[1], row[0])))
+
+
+def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]:
+    """:func:`release` inside the caller's transaction."""
+    conn = s.connection()
+    held = conn.execute(_HELD, {"claim_id": claim_id}).first()
+    row = (conn.execute(_LOCK_FOR_RELEASE, {"replica_id": held[0]}).first()
+           if held is not None else None)
+    if held is None or row is None or conn.execute(
+            _UNLEND, {"claim_id": claim_id, "replica_id": held[0]}).first() is None:
+        return {"claim_id": claim_id, "released": False,
+                "detail": f"claim {claim_id} is not held (already released, or expired "
+                          "and given back): nothing changed"}
+    rid = held[0]
+    status, in_use, total, ready_at, op_id, fn_name, fn_idle = row
+    if op_id is not None:  # an operation waits on this replica: the full transition
+        replica = lock_replica(s, rid)
+        assert replica is not None
+        _give_back(s, replica, settings)
+        status, in_use = replica.status, replica.envs_in_use
+    else:
+        at = now()
+        in_use -= 1
+        values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at,
+                                  "updated_at": at}
+        if status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+            status = int(ReplicaState.IDLE)
+            values.update(status=status, deadline_at=None, ready_at=ready_at or at)
+            if in_use == 0:  # idle from now: the reaper's clock starts
+                timeout = fn_idle if fn_idle is not None else settings.idle_timeout_s
+                values.update(idle_since=at, reap_at=at + timedelta(seconds=timeout))
+        conn.execute(update(Replica).where(Replica.id == rid).values(**values)
+                     .execution_options(synchronize_session=False))
+    return {
+        "claim_id": claim_id,
+        "released": True,
+        "replica_id": rid,
+        "function": fn_name,
+        "status": ReplicaState(status).label,
+        "envs_in_use": in_use,
+        "envs_total": total,
+    }
 
 
 def expire(db: Database, settings: Settings, *, batch: int = EXPIRE_BATCH) -> int:

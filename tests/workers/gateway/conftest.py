@@ -1,13 +1,16 @@
 """A real data path for the gateway tests: Redis broker, a Celery worker, a process agent.
 
-``stack`` gives a migrated SQLite store, a real Celery worker (threads) on the session's
-Redis, one fcdaemon agent whose replicas are real processes serving HTTP on loopback,
-and :meth:`Stack.gateway` to start gateways (uvicorn, in threads) with settings of the
-test's choosing.
+``stack`` gives a migrated store (SQLite, then PostgreSQL), a real Celery worker
+(threads) on the session's Redis, one fcdaemon agent whose replicas are real processes
+serving HTTP on loopback, and :meth:`Stack.gateway` to start gateways (uvicorn, in
+threads) with settings of the test's choosing. A gateway keeps the claims it used for
+``gateway_keep_s`` (1.5 s by default) before giving them back: :meth:`Stack.settled`
+waits for that.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,6 +50,23 @@ class Stack:
         """Claim rows held now."""
         with self.env.db.read() as s:
             return int(s.scalar(select(func.count()).select_from(Claim)) or 0)
+
+    def claim_ids(self) -> set[str]:
+        """The ids of the claim rows held now."""
+        with self.env.db.read() as s:
+            return set(s.scalars(select(Claim.id)))
+
+    def settled(self, timeout: float = 20.0) -> float:
+        """Wait until no claim is held (gateways give theirs back after their keep window).
+
+        Returns the seconds waited; fails the test after ``timeout``.
+        """
+        started = time.monotonic()
+        while self.claims():
+            waited = time.monotonic() - started
+            assert waited < timeout, f"{self.claims()} claims still held after {timeout:g}s"
+            time.sleep(0.05)
+        return time.monotonic() - started
 
     def replicas(self, name: str) -> list[Replica]:
         """The function's replica rows, oldest first."""

@@ -40,7 +40,8 @@ def test_a_body_over_the_limit_is_413_before_anything_is_claimed(stack: Stack) -
 
     streamed = httpx.post(f"{gw.url}/function/echo", content=chunked(), timeout=30)
     assert streamed.status_code == 413
-    assert stack.creates() == 1 and stack.claims() == 0
+    assert stack.creates() == 1
+    stack.settled()
 
 
 def test_no_replica_within_the_cold_start_timeout_is_503_with_retry_after(stack: Stack) -> None:
@@ -81,7 +82,7 @@ def test_a_replica_that_fails_is_retired_and_an_idempotent_request_retried(stack
     assert rows[bad.id].status in (ReplicaState.DELETING, ReplicaState.DELETED)
     assert (rows[bad.id].error or "").startswith("suspect: ")
     assert api.release(held["claim_id"])["released"]
-    assert stack.claims() == 0
+    stack.settled()
 
 
 def test_a_non_idempotent_request_to_a_failed_replica_is_502_without_retry(stack: Stack) -> None:
@@ -121,7 +122,8 @@ def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
             return [refused.status_code] + [r.status_code for r in rest]
 
     assert asyncio.run(run()) == [429, 200, 200, 200]
-    assert stack.creates() == 1 and stack.claims() == 0
+    assert stack.creates() == 1
+    stack.settled()
 
 
 def test_a_call_past_the_timeout_is_504_and_releases(stack: Stack) -> None:
@@ -129,7 +131,7 @@ def test_a_call_past_the_timeout_is_504_and_releases(stack: Stack) -> None:
     gw = stack.gateway(gateway_timeout_s=1.0)
     answer = httpx.get(f"{gw.url}/function/echo?delay=5", timeout=30)
     assert answer.status_code == 504
-    assert stack.claims() == 0
+    stack.settled()
     (row,) = stack.replicas("echo")
     assert (row.status, row.envs_in_use) == (ReplicaState.IDLE, 0)  # slow is not broken
 
