@@ -17,6 +17,8 @@ Requests for a function corral does not know are counted under
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -58,11 +60,21 @@ class GatewayMetrics:
             "corral_cold_start_seconds",
             "For cold starts: time from the start of the claim to a ready replica.",
             ["function"], buckets=COLD_START_BUCKETS, registry=r)
+        # Labelled children, looked up once (every request touches several).
+        self._counted: dict[tuple[str, int], Any] = {}
+        self._timed: dict[str, Any] = {}
+        self._loads: dict[str, tuple[Any, Any]] = {}
 
     def answered(self, function: str, code: int, seconds: float) -> None:
         """Count one answered request and its duration."""
-        self.invocations.labels(function, str(code)).inc()
-        self.duration.labels(function).observe(seconds)
+        counter = self._counted.get((function, code))
+        if counter is None:
+            counter = self._counted[function, code] = self.invocations.labels(function, str(code))
+        counter.inc()
+        timer = self._timed.get(function)
+        if timer is None:
+            timer = self._timed[function] = self.duration.labels(function)
+        timer.observe(seconds)
 
     def cold_start(self, function: str, seconds: float) -> None:
         """Count one cold start and how long it took."""
@@ -71,8 +83,12 @@ class GatewayMetrics:
 
     def load(self, function: str, inflight: int, queued: int) -> None:
         """Set a function's in-flight and queued gauges."""
-        self.inflight.labels(function).set(inflight)
-        self.queue_depth.labels(function).set(queued)
+        gauges = self._loads.get(function)
+        if gauges is None:
+            gauges = self._loads[function] = (self.inflight.labels(function),
+                                              self.queue_depth.labels(function))
+        gauges[0].set(inflight)
+        gauges[1].set(queued)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -96,6 +96,14 @@ class FunctionInfo:
     limit: int  # max_replicas x exec_envs: the most requests it can serve at once
 
 
+@dataclass
+class Upstream:
+    """The HTTP client for one replica, and how many requests use it now."""
+
+    client: httpx.AsyncClient
+    users: int = 0
+
+
 class Answer(Exception):
     """Stop handling a request and answer it with this status and message."""
 
@@ -164,7 +172,10 @@ class Gateway:
         # handler (sleeps of up to 100 ms each), so they would add latency, not speed.
         threads = 1 if db.is_sqlite else settings.gateway_store_threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="gateway-store")
-        self._client: httpx.AsyncClient | None = None
+        # One upstream client per replica address: httpcore's pool scans all of its
+        # connections on every request, so small pools cost less than one big one.
+        self._upstreams: dict[str, Upstream] = {}
+        self._started = False
         self._background: set[asyncio.Future[Any]] = set()
         self._token = (f"Bearer {settings.gateway_token}".encode()
                        if settings.gateway_token else None)
@@ -172,13 +183,8 @@ class Gateway:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the upstream client and start renewing held claims (on the serving loop)."""
-        timeout = self.settings.gateway_timeout_s
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-            follow_redirects=False, trust_env=False,
-        )
+        """Start renewing held claims (on the serving loop)."""
+        self._started = True
         self._maintainer = asyncio.create_task(self._maintain())
 
     async def close(self) -> None:
@@ -198,8 +204,9 @@ class Gateway:
             except Exception as exc:  # the store is away: the leases expire by themselves
                 log.warning("gateway: could not give back %d claims at shutdown: %s",
                             len(held), exc)
-        if self._client is not None:
-            await self._client.aclose()
+        upstreams, self._upstreams = list(self._upstreams.values()), {}
+        for upstream in upstreams:
+            await upstream.client.aclose()
         self._pool.shutdown(wait=True)
 
     async def store(self, fn: Callable[..., T], *args: Any) -> T:
@@ -467,6 +474,7 @@ class Gateway:
         while True:
             await asyncio.sleep(tick)
             self._release_soon([c for pool in self.pools.values() for c in pool.expired(keep)])
+            self._close_unused_upstreams()
             if time.monotonic() < renew_at or not self.held:
                 continue
             renew_at = time.monotonic() + renew_every
@@ -503,6 +511,7 @@ class Gateway:
             spawn=lambda name: self.producer.spawn(name, 1, settings=settings), wait_at_max=True,
         )
         cold = False
+        got: Claimed | float | None = None
         try:
             while True:
                 try:
@@ -520,7 +529,12 @@ class Gateway:
                 await asyncio.sleep(got)
         finally:
             if attempt.waiting:
-                await self._shielded(attempt.close)
+                try:
+                    await self._shielded(attempt.close)
+                except asyncio.CancelledError:
+                    if isinstance(got, Claimed):  # cancelled with a claim in hand: keep it
+                        self._return(got)
+                    raise
 
     async def _step(self, attempt: ClaimAttempt) -> Claimed | float:
         """One claim step; a claim it makes after this request was cancelled goes to the pool."""
@@ -544,24 +558,26 @@ class Gateway:
         Raises :class:`ReplicaFailed` (the claim still held, for the caller to retire),
         :class:`Answer` 502 / 504 or :class:`BrokenOff` (the claim returned).
         """
-        assert self._client is not None, "Gateway.start() was not awaited"
+        assert self._started, "Gateway.start() was not awaited"
         if not claimed.address:
             raise ReplicaFailed("the replica has no address")
+        upstream = self._upstream(claimed.address)
         rest = scope["path"][len(PREFIX):].partition("/")[2]
         url = f"{claimed.address.rstrip('/')}/{rest}"
         query = scope.get("query_string", b"")
         if query:
             url += "?" + query.decode("latin-1")
-        request = self._client.build_request(
+        request = upstream.client.build_request(
             scope["method"], url, headers=self._upstream_headers(scope), content=body)
         deadline = self.settings.gateway_timeout_s
         holding, answering = True, False
         last = b""
+        upstream.users += 1
         try:
             try:
                 async with asyncio.timeout(deadline):
                     try:
-                        response = await self._send(request)
+                        response = await self._send(upstream.client, request)
                     except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
                             httpx.ReadError, httpx.WriteError) as exc:
                         holding = False  # the caller retires the replica with the claim
@@ -598,22 +614,42 @@ class Gateway:
                 await send(start)
             await send({"type": "http.response.body", "body": last, "more_body": False})
         finally:
+            upstream.users -= 1
             if holding:
                 self._return(claimed)
 
-    async def _send(self, request: httpx.Request) -> httpx.Response:
+    def _upstream(self, address: str) -> Upstream:
+        """The client for one replica address (made on first use)."""
+        upstream = self._upstreams.get(address)
+        if upstream is None:
+            timeout = self.settings.gateway_timeout_s
+            upstream = self._upstreams[address] = Upstream(httpx.AsyncClient(
+                timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                follow_redirects=False, trust_env=False,
+            ))
+        return upstream
+
+    def _close_unused_upstreams(self) -> None:
+        """Close the clients of replicas this gateway holds no claim on and sends nothing to."""
+        wanted = {c.address for c in self.held.values()}
+        for address, upstream in list(self._upstreams.items()):
+            if address not in wanted and not upstream.users:
+                del self._upstreams[address]
+                self._keep(asyncio.ensure_future(upstream.client.aclose()))
+
+    async def _send(self, client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
         """Send, trying a refused connection again for up to ``CONNECT_GRACE_S``.
 
         A replica can be Idle a moment before its server listens (an agent that answers
         CreateReplica as soon as the process runs); only a replica that keeps refusing
         is a failed one.
         """
-        assert self._client is not None
         give_up = time.monotonic() + CONNECT_GRACE_S
         pause = 0.01
         while True:
             try:
-                return await self._client.send(request, stream=True)
+                return await client.send(request, stream=True)
             except httpx.ConnectError:
                 if time.monotonic() + pause > give_up:
                     raise
