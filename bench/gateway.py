@@ -1,17 +1,20 @@
 """The gateway's cost: throughput and latency against calling warm replicas directly, cold starts.
 
-Run: ``python -m bench.gateway [-n 2000] [--concurrency 16] [--replicas 4] [--cold 20]``
+Run: ``python -m bench.gateway [-n 2000] [--concurrency 16] [--replicas 4] [--cold 20]
+[--postgres [URL]]``
 
 Everything runs on this machine, each part in its own process: an embedded Redis, a
-SQLite store, one ``celery -A workers worker`` (prefork x2), one reference fcdaemon
-agent whose replicas are real processes (``examples.hello``: a threaded Python HTTP
+SQLite store (or PostgreSQL with ``--postgres``: a throwaway server unless URL is
+given), one ``celery -A workers worker`` (prefork x2), one reference fcdaemon agent
+whose replicas are real processes (``examples.hello``: a threaded Python HTTP
 server), one ``corral gateway``, and this process as the HTTP client
 (httpx ``AsyncClient``, ``--concurrency`` requests in flight).
 
 1. warm, direct - ``-n`` GETs spread round-robin straight over the addresses of
    ``--replicas`` Idle replicas (the outside baseline: no proxy, no claims);
 2. warm, gateway - the same ``-n`` GETs, same client and concurrency, to
-   ``/function/hello`` (each a claim, a forward and a release);
+   ``/function/hello`` (each takes an environment the gateway holds - claimed from
+   the store when it holds none free - forwards, and returns it);
 3. agent create - ``--cold`` CreateReplica calls straight to the agent, each timed
    until the new replica answers HTTP (what any control plane must wait for);
 4. cold, gateway - one GET each to ``--cold`` functions at zero replicas (claim,
@@ -128,15 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=4, help="warm replicas")
     parser.add_argument("--envs", type=int, default=4, help="environments per warm replica")
     parser.add_argument("--cold", type=int, default=20, help="cold starts measured")
+    parser.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
+                        help="store on PostgreSQL (a throwaway server unless URL is given)")
     args = parser.parse_args(argv)
 
 
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))
     redis_port = free_port()
+    pg_server = None
+    if args.postgres is not None:
+        from bench.spawn import _postgres
+
+        db_url, pg_server = _postgres(args.postgres or None, tmp)
+    else:
+        db_url = f"sqlite:///{tmp / 'corral.sqlite'}"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
            "CORRAL_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
            "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",
-           "CORRAL_DATABASE_URL": f"sqlite:///{tmp / 'corral.sqlite'}",
+           "CORRAL_DATABASE_URL": db_url,
            "CORRAL_STATE_DIR": str(tmp / "state"), "PYTHONPATH": str(ROOT)}
     os.environ.update({k: v for k, v in env.items() if k.startswith("CORRAL_")})
     procs: list[subprocess.Popen[bytes]] = []
@@ -206,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if pg_server is not None:
+            pg_server.stop()
 
 
 def _report(args: Any, direct: tuple[float, list[float], int],
@@ -218,7 +232,8 @@ def _report(args: Any, direct: tuple[float, list[float], int],
     g50, g99 = statistics.median(g_lat) * ms, _pct(g_lat, 0.99) * ms
     print(f"gateway benchmark: {args.n} GETs per warm phase, {args.concurrency} in flight, "
           f"{args.replicas} warm replicas x {args.envs} environments (examples.hello), "
-          f"{args.cold} cold starts; SQLite store, one gateway process")
+          f"{args.cold} cold starts; {'PostgreSQL' if args.postgres is not None else 'SQLite'} "
+          "store, one gateway process")
     print(f"  direct to replicas   {d_rps:8.0f} req/s   p50 {d50:7.2f} ms   p99 {d99:7.2f} ms"
           f"   errors {d_err}")
     print(f"  through the gateway  {g_rps:8.0f} req/s   p50 {g50:7.2f} ms   p99 {g99:7.2f} ms"
