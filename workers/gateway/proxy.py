@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,7 @@ IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
 FUNCTION_TTL_S = 2.0  # how long a function's limits are cached
+UPSTREAM_IDLE_S = 60.0  # a replica's client unused this long (and no claim on it) is closed
 CLAIM_BATCH = 16  # environments one store call claims at most
 RENEW_MAX_S = 2.0  # held claims are renewed (and checked) at least this often
 RETRY_AFTER_S = 5
@@ -102,6 +104,7 @@ class Upstream:
 
     client: httpx.AsyncClient
     users: int = 0
+    last_used: float = 0.0
 
 
 class Answer(Exception):
@@ -168,6 +171,7 @@ class Gateway:
         self._unpooled: dict[str, bool] = {}
         self._maintainer: asyncio.Task[None] | None = None
         self._functions: dict[str, tuple[FunctionInfo, float]] = {}
+        self._refreshing: set[str] = set()
         # SQLite takes one write at a time anyway: more threads only wait in its busy
         # handler (sleeps of up to 100 ms each), so they would add latency, not speed.
         threads = 1 if db.is_sqlite else settings.gateway_store_threads
@@ -175,6 +179,7 @@ class Gateway:
         # One upstream client per replica address: httpcore's pool scans all of its
         # connections on every request, so small pools cost less than one big one.
         self._upstreams: dict[str, Upstream] = {}
+        self._tls: ssl.SSLContext | None = None
         self._started = False
         self._background: set[asyncio.Future[Any]] = set()
         self._token = (f"Bearer {settings.gateway_token}".encode()
@@ -253,21 +258,32 @@ class Gateway:
 
     async def _watched(self, work: Awaitable[None], receive: Receive,
                        complete: Callable[[], bool]) -> None:
-        """Run ``work``, cancelling it if the client disconnects before its answer is complete."""
-        task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(self._disconnected(receive))
+        """Run ``work``, cancelling it if the client disconnects before its answer is complete.
+
+        ``work`` runs in this task (no task of its own: one hand-off less per request);
+        a watcher task cancels this one when the client goes away.
+        """
+        me = asyncio.current_task()
+        assert me is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            await self._disconnected(receive)
+            if not complete():
+                gone = True
+                me.cancel()  # the client went away: stop, returning what the request holds
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done() and not complete():
-                task.cancel()  # the client went away: stop, releasing what the request holds
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise ClientGone
-            await task
+            await work
+        except asyncio.CancelledError:
+            if not gone:
+                raise  # we were cancelled ourselves
+            me.uncancel()
+            raise ClientGone from None
         finally:
-            watch.cancel()
-            if not task.done():  # we were cancelled ourselves
-                task.cancel()
+            watcher.cancel()
 
     async def _disconnected(self, receive: Receive) -> None:
         """Return when the client disconnects (its body was read already)."""
@@ -304,9 +320,26 @@ class Gateway:
                 return b"".join(chunks)
 
     async def _function(self, name: str) -> FunctionInfo:
+        """The function's limits: cached; a stale entry is served while one refresh runs."""
         cached = self._functions.get(name)
-        if cached is not None and time.monotonic() - cached[1] < FUNCTION_TTL_S:
-            return cached[0]
+        if cached is None:
+            return await self._lookup(name)
+        if time.monotonic() - cached[1] >= FUNCTION_TTL_S and name not in self._refreshing:
+            self._refreshing.add(name)
+            self._keep(asyncio.ensure_future(self._refresh(name)))
+        return cached[0]
+
+    async def _refresh(self, name: str) -> None:
+        try:
+            await self._lookup(name)
+        except Answer:
+            pass  # removed: forgotten, so the next request for it is answered 404
+        except Exception as exc:  # the store is away: keep the old limits, try again later
+            log.warning("gateway: could not refresh function %s: %s", name, exc)
+        finally:
+            self._refreshing.discard(name)
+
+    async def _lookup(self, name: str) -> FunctionInfo:
         try:
             info = await self.store(self._load_function, name)
         except NotFound:
@@ -623,18 +656,22 @@ class Gateway:
         upstream = self._upstreams.get(address)
         if upstream is None:
             timeout = self.settings.gateway_timeout_s
+            if self._tls is None:  # one for all clients (making one costs a millisecond)
+                self._tls = httpx.create_ssl_context()
             upstream = self._upstreams[address] = Upstream(httpx.AsyncClient(
                 timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-                follow_redirects=False, trust_env=False,
+                follow_redirects=False, trust_env=False, verify=self._tls,
             ))
+        upstream.last_used = time.monotonic()
         return upstream
 
     def _close_unused_upstreams(self) -> None:
-        """Close the clients of replicas this gateway holds no claim on and sends nothing to."""
+        """Close the clients of replicas unused for a while that it holds no claim on."""
         wanted = {c.address for c in self.held.values()}
+        idle_since = time.monotonic() - UPSTREAM_IDLE_S
         for address, upstream in list(self._upstreams.items()):
-            if address not in wanted and not upstream.users:
+            if address not in wanted and not upstream.users and upstream.last_used < idle_since:
                 del self._upstreams[address]
                 self._keep(asyncio.ensure_future(upstream.client.aclose()))
 
