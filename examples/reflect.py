@@ -2,7 +2,8 @@
 
 For checking what a proxy in front of it forwards (the gateway tests use it). The
 answer carries a ``X-Reflect-Vmid`` header with the replica's ``$VMID`` so a caller
-can tell replicas apart::
+can tell replicas apart; ``?set-cookie=NAME=VALUE`` (repeatable) adds a ``Set-Cookie``
+header::
 
     PORT=8080 python -m examples.reflect
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from examples._http import QuietHandler, run
 
@@ -38,6 +39,8 @@ class ReflectHandler(QuietHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("X-Reflect-Vmid", vmid)
+        for cookie in parse_qs(parts.query).get("set-cookie", []):  # ?set-cookie=name=value
+            self.send_header("Set-Cookie", cookie)
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)

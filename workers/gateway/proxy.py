@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import http.cookiejar
 import logging
 import ssl
 import time
@@ -96,6 +97,20 @@ class FunctionInfo:
 
     name: str
     limit: int  # max_replicas x exec_envs: the most requests it can serve at once
+
+
+class NoCookies(http.cookiejar.CookieJar):
+    """A cookie jar that keeps nothing: a replica's cookies are its callers', never the gateway's.
+
+    httpx's client stores every ``Set-Cookie`` it sees and sends it with later requests
+    to the same host - one caller's session would go out with another caller's request.
+    """
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        """Keep nothing."""
+
+    def add_cookie_header(self, request: Any) -> None:
+        """Add nothing."""
 
 
 @dataclass
@@ -661,7 +676,7 @@ class Gateway:
             upstream = self._upstreams[address] = Upstream(httpx.AsyncClient(
                 timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-                follow_redirects=False, trust_env=False, verify=self._tls,
+                follow_redirects=False, trust_env=False, verify=self._tls, cookies=NoCookies(),
             ))
         upstream.last_used = time.monotonic()
         return upstream

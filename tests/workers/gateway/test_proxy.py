@@ -65,6 +65,20 @@ def test_method_path_query_headers_and_body_are_forwarded(stack: Stack) -> None:
     stack.settled()
 
 
+def test_a_replicas_cookies_go_to_its_caller_only(stack: Stack) -> None:
+    """The gateway's own HTTP client keeps no cookie: none reaches another caller."""
+    stack.deploy("reflect", image="examples.reflect")
+    gw = stack.gateway()
+    first = httpx.get(f"{gw.url}/function/reflect?set-cookie=session=alice", timeout=60)
+    assert first.status_code == 200
+    assert first.headers["set-cookie"] == "session=alice"  # forwarded to its caller
+    second = httpx.get(f"{gw.url}/function/reflect", timeout=60)  # another caller
+    assert second.status_code == 200
+    assert "cookie" not in second.json()["headers"]
+    third = httpx.get(f"{gw.url}/function/reflect", cookies={"mine": "1"}, timeout=60)
+    assert third.json()["headers"]["cookie"] == "mine=1"  # a caller's own cookies go through
+
+
 def test_two_hundred_concurrent_first_requests_start_at_most_max_replicas(stack: Stack) -> None:
     """Two gateways, one control plane: every request answered, never more than max replicas."""
     stack.deploy("echo", image="examples.echo", max=4, exec_envs=1)
