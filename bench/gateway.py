@@ -43,6 +43,7 @@ import grpc
 import httpx
 from sqlalchemy import select
 
+from bench.spawn import _postgres
 from config.settings import get_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from stack.redis import free_port, redis_argv
@@ -140,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     redis_port = free_port()
     pg_server = None
     if args.postgres is not None:
-        from bench.spawn import _postgres
-
         db_url, pg_server = _postgres(args.postgres or None, tmp)
     else:
         db_url = f"sqlite:///{tmp / 'corral.sqlite'}"

@@ -11,6 +11,7 @@ import signal
 import time
 
 import httpx
+import redis
 
 from tasks import api
 from tests.workers.gateway.conftest import Stack
@@ -36,8 +37,6 @@ def _rows(stack: Stack) -> list[Claim]:
 
 
 def test_a_second_request_reuses_the_held_claim_without_a_new_claim_row(stack: Stack) -> None:
-    import redis
-
     stack.deploy("hello", max=2)
     gw = stack.gateway(gateway_keep_s=5.0)
     assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
