@@ -99,6 +99,13 @@ def _call(tmp_path: Path, by_fn: dict[str, list[dict[str, Any]]], gateway: str) 
     called = httpx.get(f"{gateway}/function/hello", timeout=60)
     assert called.status_code == 200 and called.text == "hello from corral\n"
     assert httpx.get(f"{gateway}/function/nope", timeout=10).status_code == 404
+    # The gateway keeps the environment it used for its keep window (CORRAL_GATEWAY_KEEP_S),
+    # then gives it back: only then is the replica idle for the reaper.
+    deadline = time.monotonic() + 30
+    while any(r["envs_in_use"] for r in json.loads(
+            _corral(tmp_path, "replicas", "--json").stdout)):
+        assert time.monotonic() < deadline, "the gateway kept its claim past its keep window"
+        time.sleep(0.2)
 
 
 def _check_flower(tmp_path: Path, flower: str) -> None:
