@@ -44,10 +44,11 @@ import httpx
 from sqlalchemy import select
 
 from bench.spawn import _postgres
-from config.settings import get_settings
+from config.settings import get_settings, reset_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from stack.redis import free_port, redis_argv
 from tasks import api
+from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.db import get_database
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
            "CORRAL_DATABASE_URL": db_url,
            "CORRAL_STATE_DIR": str(tmp / "state"), "PYTHONPATH": str(ROOT)}
     os.environ.update({k: v for k, v in env.items() if k.startswith("CORRAL_")})
+    reset_settings()  # settings read on import (bench.spawn's imports) are not this run's
+    configure(get_settings())  # this run's broker
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(name: str, argv: list[str]) -> None:
