@@ -1,11 +1,12 @@
 """The environments one gateway holds for a function between requests.
 
-A claim is a lease (:mod:`workers.replicas.claims`): the gateway does not give an environment
-back to the store after each request. A request that finishes returns its claim to
-the function's :class:`Pool`; the next request takes it from there with no store
-round trip. Only when the pool is empty does a request go to the store, and then one
-store call claims an environment for every request of this gateway waiting for one
-(:func:`workers.replicas.claims.claim_many`, started by :meth:`Pool.refill`).
+A claim is a lease (:mod:`workers.replicas.claims`): the gateway does not give an
+environment back to the store after each request. A request that finishes returns its
+claim to the function's :class:`Pool`; the next request takes it from there with no
+store round trip. Only when the pool is empty does a request go to the store, and then
+one store call claims an environment for every request of this gateway waiting for one
+(:func:`workers.replicas.claims.claim_many`; :attr:`Pool.refilling` is that call while
+it runs, so requests arriving meanwhile wait for it instead of making their own).
 
 * **Idle claims** are a stack: the last one returned is the first taken again, so
   under light load the same few environments serve and the rest stay unused long
