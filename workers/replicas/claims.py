@@ -78,7 +78,7 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
-from workers.errors import CorralError, NotFound, check_seconds
+from workers.errors import CorralError, InputError, NotFound, check_seconds
 from workers.functions import check_name, get_function
 from workers.operations import FINISHED, create_operation, get_operation
 from workers.replicas.lifecycle import lock_replica, transition
