@@ -136,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
                         help="store on PostgreSQL (a throwaway server unless URL is given)")
     args = parser.parse_args(argv)
-
-
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))
     redis_port = free_port()
     pg_server = None
@@ -162,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         start("redis", redis_argv(tmp, redis_port))
-
         db = get_database(env["CORRAL_DATABASE_URL"])
         upgrade(db)
         agent_port, gw_port = _free_port(), _free_port()
@@ -176,41 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"127.0.0.1:{gw_port}"])
         gateway = f"http://127.0.0.1:{gw_port}"
         _wait_http(gateway + "/healthz")
-
-        settings = get_settings()
-        with db.transaction() as s:
-            upsert_node(s, f"127.0.0.1:{agent_port}", name="bench-agent", capacity=1000)
-            deploy(s, spec_from(name="hello", image="examples.hello", kernel="/boot/vmlinux",
-                                max=args.replicas, exec_envs=args.envs), settings)
-            for i in range(args.cold):
-                deploy(s, spec_from(name=f"cold-{i}", image="examples.hello",
-                                    kernel="/boot/vmlinux", max=1), settings)
-        view = api.wait(api.spawn("hello", args.replicas), timeout=120)
-        if view["status"] != "succeeded":
-            raise RuntimeError(f"warm replicas did not start: {view}")
-
-
-        with db.read() as s:
-            addresses = [a for a in s.scalars(select(Replica.address)) if a]
-        for address in addresses:
-            _wait_http(address)
-
-        direct_rps, direct_lat, direct_err = asyncio.run(
-            _load(addresses, args.n, args.concurrency))
-        gw_rps, gw_lat, gw_err = asyncio.run(
-            _load([f"{gateway}/function/hello"], args.n, args.concurrency))
-
+        addresses = _warm_replicas(args, db, agent_port)
+        direct = asyncio.run(_load(addresses, args.n, args.concurrency))
+        through = asyncio.run(_load([f"{gateway}/function/hello"], args.n, args.concurrency))
         create = _agent_create_times(f"127.0.0.1:{agent_port}", args.cold)
-        cold: list[float] = []
-
-        for i in range(args.cold):
-            t0 = time.perf_counter()
-            response = httpx.get(f"{gateway}/function/cold-{i}", timeout=120)
-            cold.append(time.perf_counter() - t0)
-            if response.status_code != 200:
-                raise RuntimeError(f"cold start {i}: {response.status_code} {response.text}")
-        _report(args, (direct_rps, direct_lat, direct_err), (gw_rps, gw_lat, gw_err),
-                create, cold)
+        _report(args, direct, through, create, _cold_starts(gateway, args.cold))
         return 0
     finally:
         for proc in reversed(procs):
@@ -222,6 +189,38 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
         if pg_server is not None:
             pg_server.stop()
+
+
+def _warm_replicas(args: argparse.Namespace, db: Any, agent_port: int) -> list[str]:
+    """Register the agent, deploy hello and the cold functions, start hello's replicas."""
+    settings = get_settings()
+    with db.transaction() as s:
+        upsert_node(s, f"127.0.0.1:{agent_port}", name="bench-agent", capacity=1000)
+        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/boot/vmlinux",
+                            max=args.replicas, exec_envs=args.envs), settings)
+        for i in range(args.cold):
+            deploy(s, spec_from(name=f"cold-{i}", image="examples.hello",
+                                kernel="/boot/vmlinux", max=1), settings)
+    view = api.wait(api.spawn("hello", args.replicas), timeout=120)
+    if view["status"] != "succeeded":
+        raise RuntimeError(f"warm replicas did not start: {view}")
+    with db.read() as s:
+        addresses = [a for a in s.scalars(select(Replica.address)) if a]
+    for address in addresses:
+        _wait_http(address)
+    return addresses
+
+
+def _cold_starts(gateway: str, n: int) -> list[float]:
+    """Seconds from the first request to its answer, for each of ``n`` functions at zero."""
+    cold: list[float] = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        response = httpx.get(f"{gateway}/function/cold-{i}", timeout=120)
+        cold.append(time.perf_counter() - t0)
+        if response.status_code != 200:
+            raise RuntimeError(f"cold start {i}: {response.status_code} {response.text}")
+    return cold
 
 
 def _report(args: Any, direct: tuple[float, list[float], int],

@@ -32,6 +32,7 @@ backoff), never sent unbounded.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import secrets
@@ -148,8 +149,6 @@ def _token() -> str:
 
 
 def _loop_time() -> float:
-    import asyncio
-
     return asyncio.get_running_loop().time()
 
 

@@ -28,6 +28,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import redis
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -35,9 +37,10 @@ from starlette.routing import Route
 
 from agents.runtime import listen_address
 from config.settings import Settings
+from workers.autoscale import demand
 from workers.errors import CorralError
 from workers.gateway.proxy import PREFIX, Gateway, Producer, Receive, Scope, Send
-from workers.store.db import Database
+from workers.store.db import Database, get_database
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +112,6 @@ class GatewayApp:
         return PlainTextResponse("ok\n")
 
     async def _report_forever(self, url: str) -> None:
-        import redis
-
-        from workers.autoscale import demand
-
         client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         interval = self.gateway.settings.gateway_report_interval_s
         try:
@@ -154,8 +153,6 @@ class RunningGateway:
 
 
 def _server(app: GatewayApp, settings: Settings) -> Any:
-    import uvicorn
-
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             server_header=False, date_header=False,
                             timeout_graceful_shutdown=int(settings.gateway_timeout_s),
@@ -187,7 +184,6 @@ def serve_gateway(
     app: GatewayApp | None = None,
 ) -> RunningGateway:
     """Start a gateway in a background thread; returns once it accepts connections."""
-    from workers.store.db import get_database
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
@@ -207,7 +203,6 @@ def serve_gateway(
 def run_gateway(settings: Settings, listen: str | None = None, *, producer: Producer,
                 insecure: bool = False, on_ready: Callable[[str], None] | None = None) -> None:
     """Serve a gateway in the foreground until SIGINT / SIGTERM."""
-    from workers.store.db import get_database
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)

@@ -168,6 +168,44 @@ class Producer(Protocol):
         ...
 
 
+class _Relay:
+    """An upstream answer streamed to the client one chunk behind.
+
+    The last chunk is held back until :meth:`finish`, so the gateway can return its
+    claim first: the environment is free by the time the client sees the answer end.
+    """
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.answering = False  # the response has started: an error can only break it off
+        self.start: Message = {}
+        self.last = b""
+
+    async def stream(self, response: httpx.Response, headers: list[tuple[bytes, bytes]]) -> None:
+        """Relay every chunk but the last; the response is closed in any case."""
+        self.start = {"type": "http.response.start", "status": response.status_code,
+                      "headers": headers}
+        try:
+            async for chunk in response.aiter_raw():
+                if not chunk:
+                    continue
+                if not self.answering:
+                    self.answering = True
+                    await self.send(self.start)
+                if self.last:
+                    await self.send({"type": "http.response.body", "body": self.last,
+                                     "more_body": True})
+                self.last = chunk
+        finally:
+            await response.aclose()
+
+    async def finish(self) -> None:
+        """Send the start (for an empty body) and the last chunk."""
+        if not self.answering:
+            await self.send(self.start)
+        await self.send({"type": "http.response.body", "body": self.last, "more_body": False})
+
+
 class Gateway:
     """The proxy's state: settings, the store thread pool, the upstream client, the gates."""
 
@@ -618,8 +656,8 @@ class Gateway:
         request = upstream.client.build_request(
             scope["method"], url, headers=self._upstream_headers(scope), content=body)
         deadline = self.settings.gateway_timeout_s
-        holding, answering = True, False
-        last = b""
+        relay = _Relay(send)
+        holding = True
         upstream.users += 1
         try:
             try:
@@ -632,35 +670,18 @@ class Gateway:
                         raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
                     except httpx.TimeoutException:
                         raise TimeoutError from None
-                    start = {"type": "http.response.start", "status": response.status_code,
-                             "headers": self._downstream_headers(response)}
-                    try:
-                        async for chunk in response.aiter_raw():
-                            if not chunk:
-                                continue
-                            if not answering:
-                                answering = True
-                                await send(start)
-                            if last:  # one chunk behind: the last goes after the release
-                                await send({"type": "http.response.body", "body": last,
-                                            "more_body": True})
-                            last = chunk
-                    finally:
-                        await response.aclose()
+                    await relay.stream(response, self._downstream_headers(response))
             except (TimeoutError, httpx.HTTPError) as exc:
-                timed_out = isinstance(exc, TimeoutError)
-                what = (f"no complete answer within {deadline:g}s" if timed_out
+                what = (f"no complete answer within {deadline:g}s" if isinstance(exc, TimeoutError)
                         else f"{type(exc).__name__}: {exc}")
-                if answering:
+                if relay.answering:
                     raise BrokenOff(f"replica {claimed.replica_id} broke off its answer: "
                                     f"{what}") from None
-                raise Answer(504 if timed_out else 502,
+                raise Answer(504 if isinstance(exc, TimeoutError) else 502,
                              f"replica of {claimed.function}: {what}") from None
             holding = False
             self._return(claimed)  # before the last chunk: free when the client sees it
-            if not answering:
-                await send(start)
-            await send({"type": "http.response.body", "body": last, "more_body": False})
+            await relay.finish()
         finally:
             upstream.users -= 1
             if holding:

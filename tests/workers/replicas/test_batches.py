@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from agents.drivers import VM, MemoryDriver, VMSpec
 from agents.faults import Fault
@@ -340,7 +340,6 @@ def test_a_batch_places_by_least_load_up_to_each_nodes_capacity(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     """A batch's replicas are reserved together (placement.reserve_nodes), as one by one would."""
-    from sqlalchemy import update
 
     agents = start_agents(3, env=corral_env)
     with corral_env.db.transaction() as s:
