@@ -43,7 +43,7 @@ import grpc
 import httpx
 from sqlalchemy import select
 
-from bench.spawn import _postgres
+from bench.spawn import add_store_option, store_for
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from stack.redis import free_port, redis_argv
@@ -133,16 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=4, help="warm replicas")
     parser.add_argument("--envs", type=int, default=4, help="environments per warm replica")
     parser.add_argument("--cold", type=int, default=20, help="cold starts measured")
-    parser.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
-                        help="store on PostgreSQL (a throwaway server unless URL is given)")
+    add_store_option(parser)
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))
     redis_port = free_port()
-    pg_server = None
-    if args.postgres is not None:
-        db_url, pg_server = _postgres(args.postgres or None, tmp)
-    else:
-        db_url = f"sqlite:///{tmp / 'corral.sqlite'}"
+    db_url, pg_server = store_for(args, tmp)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
            "CORRAL_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
            "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",

@@ -151,6 +151,19 @@ def _timed_op(api: Any, start: Any, what: str) -> float:
     return took
 
 
+def add_store_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--postgres [URL]`` option every benchmark takes."""
+    parser.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
+                        help="store on PostgreSQL (a throwaway server unless URL is given)")
+
+
+def store_for(args: argparse.Namespace, tmp: Path) -> tuple[str, Any]:
+    """This run's store URL (a fresh SQLite file, or ``--postgres``) and any server started."""
+    if args.postgres is not None:
+        return _postgres(args.postgres or None, tmp)
+    return f"sqlite:///{tmp / 'corral.sqlite'}", None
+
+
 def _postgres(url: str | None, tmp: Path) -> tuple[str, Any]:
     """A fresh PostgreSQL database: on ``url``'s server, or on a throwaway server."""
     server = None
@@ -170,11 +183,7 @@ def run_once(args: argparse.Namespace) -> Run:
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-"))
     port = free_port()
     redis = subprocess.Popen(redis_argv(tmp, port), stdout=subprocess.DEVNULL)
-    pg_server = None
-    if args.postgres is not None:
-        db_url, pg_server = _postgres(args.postgres or None, tmp)
-    else:
-        db_url = f"sqlite:///{tmp / 'corral.sqlite'}"
+    db_url, pg_server = store_for(args, tmp)
     run = Run(store="PostgreSQL" if args.postgres is not None else "SQLite")
     env = _bench_env(args, tmp, port, db_url)
     worker = None
@@ -408,8 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reap", type=int, default=1000, help="idle replicas one pass reaps")
     parser.add_argument("--concurrency", type=int, default=2, help="worker processes")
     parser.add_argument("--runs", type=int, default=1, help="runs; medians printed at the end")
-    parser.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
-                        help="store on PostgreSQL (a throwaway server unless URL is given)")
+    add_store_option(parser)
     args = parser.parse_args(argv)
     runs = []
     for _ in range(args.runs):
