@@ -512,7 +512,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
                     vmid=vm.vmid,
                     ip=vm.ip,
                     port=vm.port,
-                    requestId=vm.request_id,
+                    requestId=vm.request_id or None,  # unset, not "", when none was given
                     createdUnix=vm.created_unix,
                 )
                 for vm in self.driver.list()

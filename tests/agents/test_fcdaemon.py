@@ -83,6 +83,18 @@ def test_release_stops_the_process_and_unknown_vmid_is_not_found(
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_list_replicas_sets_request_id_only_when_a_create_gave_one(
+    memory_stub: fcdaemon_grpc.FcServiceStub,
+) -> None:
+    keyed = create(memory_stub, requestId="req-listed")
+    bare = create(memory_stub)
+    listed = {r.vmid: r for r in memory_stub.ListReplicas(empty_pb2.Empty()).replicas}
+    assert listed[keyed.vmid].HasField("requestId")
+    assert listed[keyed.vmid].requestId == "req-listed"
+    assert not listed[bare.vmid].HasField("requestId")  # absent, not ""
+    assert (listed[bare.vmid].ip, listed[bare.vmid].port) == (bare.ip, bare.port)
+
+
 def test_request_id_makes_create_idempotent_even_when_concurrent(
     memory_agent: RunningAgent, memory_stub: fcdaemon_grpc.FcServiceStub
 ) -> None:
