@@ -101,6 +101,12 @@ def split_hostport(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def join_hostport(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets (``[::1]:8080``)."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def connect_host(host: str) -> str:
     """The address a local client should dial for a server bound to ``host``."""
     return "127.0.0.1" if host in WILDCARD_HOSTS else host.strip("[]")

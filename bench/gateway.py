@@ -43,7 +43,7 @@ import grpc
 import httpx
 from sqlalchemy import select
 
-from bench.spawn import add_store_option, store_for
+from bench.options import add_counts, add_store_option, store_for
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from stack.redis import free_port, redis_argv
@@ -128,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its figures."""
     parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-n", type=int, default=2000, help="requests per warm phase")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
-    parser.add_argument("--replicas", type=int, default=4, help="warm replicas")
-    parser.add_argument("--envs", type=int, default=4, help="environments per warm replica")
-    parser.add_argument("--cold", type=int, default=20, help="cold starts measured")
+    add_counts(parser, {
+        "-n": (2000, "requests per warm phase"),
+        "--concurrency": (16, "requests in flight"),
+        "--replicas": (4, "warm replicas"),
+        "--envs": (4, "environments per warm replica"),
+        "--cold": (20, "cold starts measured"),
+    })
     add_store_option(parser)
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))

@@ -56,15 +56,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import psycopg
 from celery.result import ResultSet
 
+from bench.options import add_counts, add_store_option, store_for
 from bench.plain import make_app
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_pb2, fcdaemon_pb2_grpc
 from stack.redis import free_port, redis_argv
 from tasks import api
-from tests.services import PostgresServer, make_shared_tempdir
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
@@ -149,33 +148,6 @@ def _timed_op(api: Any, start: Any, what: str) -> float:
     if view["status"] != "succeeded":
         raise RuntimeError(f"{what} ended {view['status']}: {view['error']}")
     return took
-
-
-def add_store_option(parser: argparse.ArgumentParser) -> None:
-    """The ``--postgres [URL]`` option every benchmark takes."""
-    parser.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
-                        help="store on PostgreSQL (a throwaway server unless URL is given)")
-
-
-def store_for(args: argparse.Namespace, tmp: Path) -> tuple[str, Any]:
-    """This run's store URL (a fresh SQLite file, or ``--postgres``) and any server started."""
-    if args.postgres is not None:
-        return _postgres(args.postgres or None, tmp)
-    return f"sqlite:///{tmp / 'corral.sqlite'}", None
-
-
-def _postgres(url: str | None, tmp: Path) -> tuple[str, Any]:
-    """A fresh PostgreSQL database: on ``url``'s server, or on a throwaway server."""
-    server = None
-    if url is None:
-        server = PostgresServer(make_shared_tempdir("corral-bench-pg-"))
-        server.start()
-        url = server.url
-    name = f"bench_{secrets.token_hex(4)}"
-    plain = url.replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(plain, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return url.rsplit("/", 1)[0] + "/" + name, server
 
 
 def run_once(args: argparse.Namespace) -> Run:
@@ -412,11 +384,13 @@ def report(run: Run, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (``--runs`` times) and print its figures."""
     parser = argparse.ArgumentParser(prog="python -m bench.spawn")
-    parser.add_argument("-n", type=int, default=1500, help="no-op tasks; P1 spawns; deletes")
-    parser.add_argument("--slow", type=int, default=200, help="P5 spawns (slow agents)")
-    parser.add_argument("--reap", type=int, default=1000, help="idle replicas one pass reaps")
-    parser.add_argument("--concurrency", type=int, default=2, help="worker processes")
-    parser.add_argument("--runs", type=int, default=1, help="runs; medians printed at the end")
+    add_counts(parser, {  # the phases' sizes
+        "-n": (1500, "no-op tasks; P1 spawns; deletes"),
+        "--slow": (200, "P5 spawns (slow agents)"),
+        "--reap": (1000, "idle replicas one pass reaps"),
+    })
+    add_counts(parser, {"--concurrency": (2, "worker processes (both apps)"),
+                        "--runs": (1, "runs; medians printed at the end")})
     add_store_option(parser)
     args = parser.parse_args(argv)
     runs = []

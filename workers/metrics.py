@@ -68,20 +68,12 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Float, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from agents.runtime import listen_refusal, split_hostport
+from agents.runtime import join_hostport, listen_refusal, split_hostport
 from config.celery import QUEUES
 from workers.autoscale.passes import DECISIONS_KEY
 from workers.errors import InputError
 from workers.store.db import Database
-from workers.store.models import (
-    LIVE_STATES,
-    Function,
-    Node,
-    Operation,
-    OpStatus,
-    Replica,
-    ReplicaState,
-)
+from workers.store.models import LIVE_STATES, OP_OPEN, Function, Node, Operation, Replica
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +81,6 @@ REAPED_KEY = "corral:metrics:reaped"
 REAP_REASONS = ("stuck", "stale", "idle")
 # enqueue -> Idle: a VM create takes 0.1-2 s on a real host, a cold guest longer
 SPAWN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-OPEN_STATUSES = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
 # kombu's Redis transport keeps a queue's messages of priority p > 0 in "<queue>\x06\x16<p>"
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (0, 3, 6, 9)
@@ -160,7 +151,7 @@ class StoreCollector(Collector):
                                      labels=["function", "state"])
         for fid, name in sorted(names.items(), key=lambda kv: kv[1]):
             for state in LIVE_STATES:
-                replicas.add_metric([name, ReplicaState(state).label],
+                replicas.add_metric([name, state.label],
                                     counts.get((fid, state), 0))
         yield replicas
         yield spawn
@@ -183,7 +174,7 @@ class StoreCollector(Collector):
         still = GaugeMetricFamily("corral_operations_open", "Operations pending or running.",
                                   labels=["kind", "status"])
         for kind, status, n in sorted(ops):
-            (still if status in OPEN_STATUSES else finished).add_metric([kind, status], n)
+            (still if status in OP_OPEN else finished).add_metric([kind, status], n)
         yield from (finished, still)
 
     def _spawn_histogram(self, s: Any) -> HistogramMetricFamily:
@@ -316,8 +307,7 @@ class RunningExporter:
     @property
     def url(self) -> str:
         """The scrape URL."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"http://{join_hostport(self.host, self.port)}/metrics"
 
     def stop(self) -> None:
         """Stop serving and close the socket."""

@@ -122,16 +122,16 @@ class OperationView(TypedDict):
     id: str
     kind: str
     status: str  # an OpStatus value: pending, running, succeeded, failed, ...
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    progress_at: str | None
     params: dict[str, Any]
     total: int
     done: int
     failed: int
     result: dict[str, Any] | None
     error: str | None
-    created_at: str | None
-    started_at: str | None
-    finished_at: str | None
-    progress_at: str | None
     redrives: int
 
 
@@ -141,16 +141,16 @@ def operation_view(op: Operation) -> OperationView:
         "id": op.id,
         "kind": op.kind,
         "status": op.status,
+        "created_at": iso(op.created_at),
+        "started_at": iso(op.started_at),
+        "finished_at": iso(op.finished_at),
+        "progress_at": iso(op.progress_at),
         "params": op.params,
         "total": op.total,
         "done": op.done,
         "failed": op.failed,
         "result": op.result,
         "error": op.error,
-        "created_at": iso(op.created_at),
-        "started_at": iso(op.started_at),
-        "finished_at": iso(op.finished_at),
-        "progress_at": iso(op.progress_at),
         "redrives": op.redrives,  # times its first task was re-sent (workers.maintenance.redrive)
     }
 

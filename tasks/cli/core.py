@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,10 +69,18 @@ def cmd_nodes_list(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def cmd_nodes_remove(args: argparse.Namespace, settings: Settings) -> int:
-    """Remove a node that runs nothing."""
-    api.remove_node(args.name, settings=settings)
-    print(f"removed node {args.name}")
+# what ``nodes remove`` and ``gpus remove`` take away, by command group: (noun, API call)
+REMOVALS: dict[str, tuple[str, Callable[..., None]]] = {
+    "nodes": ("node", api.remove_node),
+    "gpus": ("GPU", api.remove_gpu),
+}
+
+
+def cmd_remove(args: argparse.Namespace, settings: Settings) -> int:
+    """Remove a node or a GPU that nothing uses."""
+    noun, remove = REMOVALS[args.command]
+    remove(args.key, settings=settings)
+    print(f"removed {noun} {args.key}")
     return 0
 
 

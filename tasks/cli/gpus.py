@@ -1,8 +1,9 @@
-"""GPU and interference commands: ``gpus add|list|remove`` and ``hogs start|stop``.
+"""GPU and interference commands: ``gpus add|list`` and ``hogs start|stop``.
 
 ``gpus add HOST[:PORT]`` asks a GPU server's AvA manager for its GPUs
 (``gpuresc.GPUResc``, port 50053 by default) and records them with their memory,
-worker slots and worker ports; ``gpus list`` shows what replicas hold of each.
+worker slots and worker ports; ``gpus list`` shows what replicas hold of each
+(``gpus remove`` shares :func:`tasks.cli.core.cmd_remove` with ``nodes remove``).
 ``hogs start N`` / ``hogs stop N`` queue a request for CPU-hog processes on one
 node (``--node``) or every healthy agent, and with ``--wait`` report per node
 what happened.
@@ -46,13 +47,6 @@ def cmd_gpus_add(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_gpus_list(args: argparse.Namespace, settings: Settings) -> int:
     """List recorded GPUs with memory and slots in use."""
     emit(args, api.gpus(settings=settings), lambda v: table(_rows(v), GPU_COLUMNS))
-    return 0
-
-
-def cmd_gpus_remove(args: argparse.Namespace, settings: Settings) -> int:
-    """Forget a GPU no live replica uses."""
-    api.remove_gpu(args.uuid, settings=settings)
-    print(f"removed GPU {args.uuid}")
     return 0
 
 

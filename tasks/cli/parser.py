@@ -91,8 +91,8 @@ def _add_nodes(top: Commands) -> None:
     p.add_argument("--kind", choices=["fcdaemon", "lambdo"], default="fcdaemon")
     p.add_argument("--capacity", type=integer, help="most live replicas on this node")
     nodes.add("list", "core:cmd_nodes_list", "list nodes", listing=True)
-    p = nodes.add("remove", "core:cmd_nodes_remove", "remove a node that runs no replicas")
-    p.add_argument("name")
+    p = nodes.add("remove", "core:cmd_remove", "remove a node that runs no replicas")
+    p.add_argument("key", metavar="name")
     p = nodes.add("drain", "core:cmd_nodes_drain", "stop placing replicas on a node")
     p.add_argument("name")
     p.add_argument("--undo", action="store_true", help="accept replicas again")
@@ -215,8 +215,8 @@ def _add_gpus(top: Commands) -> None:
     p.add_argument("--manager", help="HOST[:PORT] guests reach the AvA manager at "
                    "(default HOST:CORRAL_GPU_MANAGER_PORT)")
     gpus.add("list", "gpus:cmd_gpus_list", "list GPUs: memory and slots in use", listing=True)
-    p = gpus.add("remove", "gpus:cmd_gpus_remove", "forget a GPU no replica uses")
-    p.add_argument("uuid")
+    p = gpus.add("remove", "core:cmd_remove", "forget a GPU no replica uses")
+    p.add_argument("key", metavar="uuid")
 
 
 def _add_hogs(top: Commands) -> None:

@@ -39,19 +39,11 @@ import redis
 from sqlalchemy import func, select
 
 from config.settings import Settings
+from workers.autoscale import decision as decision_mod
 from workers.autoscale import demand as demand_mod
-from workers.autoscale.decision import (
-    Decision,
-    Facts,
-    Observation,
-    Policy,
-    Window,
-    decide,
-    should_scale,
-)
 from workers.errors import CorralError
 from workers.store.db import Database
-from workers.store.models import Function, Operation, OpStatus, Replica, ReplicaState
+from workers.store.models import OP_OPEN, Function, Operation, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +54,6 @@ DECISIONS_KEY = STATE_PREFIX + "decisions"
 _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('del', KEYS[1]) else return 0 end")
 READY_STATES = (ReplicaState.IDLE, ReplicaState.ALLOCATED)
-OPEN = (OpStatus.PENDING.value, OpStatus.RUNNING.value)
 
 ScaleFn = Callable[[str, int], str]
 
@@ -73,7 +64,7 @@ class Outcome:
 
     function: str
     target: int
-    decision: Decision
+    decision: decision_mod.Decision
     action: str  # kept | scaled | waiting (a scale is open) | error
 
     op_id: str | None = None
@@ -103,7 +94,7 @@ def state_key(function_id: str) -> str:
     return STATE_PREFIX + function_id
 
 
-def load_facts(db: Database) -> dict[str, tuple[str, Facts, bool]]:
+def load_facts(db: Database) -> dict[str, tuple[str, decision_mod.Facts, bool]]:
     """Every autoscaled function: id -> (name, facts, a scale of it is open)."""
     with db.read() as s:
         fns = list(s.scalars(select(Function).where(Function.autoscale.is_(True))))
@@ -117,13 +108,13 @@ def load_facts(db: Database) -> dict[str, tuple[str, Facts, bool]]:
         )}
         open_scales = set(s.scalars(
             select(Operation.function_id).where(
-                Operation.kind == "scale", Operation.status.in_(OPEN),
+                Operation.kind == "scale", Operation.status.in_(OP_OPEN),
                 Operation.function_id.in_(ids))
         ))
         return {
             f.id: (
                 f.name,
-                Facts(
+                decision_mod.Facts(
                     min_replicas=f.min_replicas,
                     max_replicas=f.max_replicas,
                     exec_envs=f.exec_envs,
@@ -159,7 +150,7 @@ def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
     facts = load_facts(db)
     if not facts:
         return report
-    policy = Policy.from_settings(settings)
+    policy = decision_mod.Policy.from_settings(settings)
     names = {fid: name for fid, (name, _, _) in facts.items()}
     demands = demand_mod.read(client, names.values(), now=now,
                               stale_after_s=settings.autoscale_demand_stale_s)
@@ -170,15 +161,16 @@ def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
     for fid, raw in zip(ids, windows, strict=True):
         name, fn_facts, scale_open = facts[fid]
         seen = demands.get(name)
-        obs = Observation(
+        obs = decision_mod.Observation(
             at=now,
             demand=seen.concurrency if seen is not None else 0.0,
             last_request_at=seen.last_request_at if seen is not None else None,
         )
-        decision, window = decide(policy, fn_facts, Window.from_json(raw), obs)
+        window = decision_mod.Window.from_json(raw)
+        decision, window = decision_mod.decide(policy, fn_facts, window, obs)
         pipe.set(state_key(fid), window.to_json(), px=keep_ms)
         outcome = Outcome(name, fn_facts.target, decision, "kept")
-        if should_scale(decision, fn_facts, scale_open):
+        if decision_mod.should_scale(decision, fn_facts, scale_open):
             try:
                 outcome.op_id = scale(name, decision.desired)
                 outcome.action = "scaled"

@@ -18,6 +18,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from agents.runtime import join_hostport
 from config.settings import Settings
 from protos import fcdaemon_pb2
 from workers.backends import inflight, node_slots
@@ -177,10 +178,10 @@ async def send_create(call: CreateCall, settings: Settings) -> Vm:
             raise PermanentBackendError(
                 f"spawn mapped no host port to guest port {call.guest_port}", node=t.name
             )
-        return Vm(spawned.vmid, f"http://{_host_of(t.address)}:{port}")
+        return Vm(spawned.vmid, f"http://{join_hostport(_host_of(t.address), port)}")
     created = await _async_agent(t, settings).create_replica(call.request)
     host = created.ip or _host_of(t.address)
-    return Vm(created.vmid, f"http://{host}:{created.port or call.guest_port}")
+    return Vm(created.vmid, f"http://{join_hostport(host, created.port or call.guest_port)}")
 
 
 async def send_release(t: Target, vmid: str, settings: Settings) -> bool:

@@ -51,6 +51,8 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from workers.waiting import hand_over
+
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
@@ -208,11 +210,8 @@ class _Gate:
 
     def give(self, lease: Lease) -> None:
         """A call ended: hand its lease to the next waiter, or back to the source."""
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(lease)
-                return
+        if hand_over(self.waiters, lease):
+            return
         self.in_use -= 1
         if self.source is None:
             self.freed.set()

@@ -94,16 +94,8 @@ def call_node(node: Node, settings: Settings, action: str, n: int) -> HogCall:
     return HogCall(node.id, node.name, True)
 
 
-def run_hogs(
-    db: Database,
-    settings: Settings,
-    action: str,
-    n: int,
-    node: str | None = None,
-    op_id: str | None = None,
-    *,
-    last_try: bool = True,
-) -> dict[str, Any]:
+def run_hogs(db: Database, settings: Settings, action: str, n: int, node: str | None = None,
+             op_id: str | None = None, *, last_try: bool = True) -> dict[str, Any]:
     """Call the nodes still owed a hog request; returns ``{"nodes": ..., "retry": bool}``.
 
     ``retry`` is True when some node failed with a retryable error and

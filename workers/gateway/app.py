@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from agents.runtime import listen_address
+from agents.runtime import join_hostport, listen_address
 from config.settings import Settings
 from workers.autoscale import demand
 from workers.errors import CorralError
@@ -144,7 +144,7 @@ class RunningGateway:
         self.thread = thread
         self.port = port
         self.app = app
-        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        self.url = f"http://{join_hostport(host, port)}"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and wait for the thread."""
@@ -208,7 +208,7 @@ def run_gateway(settings: Settings, listen: str | None = None, *, producer: Prod
     sock = _bind(host, port)
     app = build_app(get_database(settings.database_url), settings, producer)
     server = _server(app, settings)
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{sock.getsockname()[1]}"
+    url = f"http://{join_hostport(host, sock.getsockname()[1])}"
     if on_ready is not None:
         on_ready(url)
     server.run(sockets=[sock])

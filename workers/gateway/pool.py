@@ -34,6 +34,7 @@ import time
 from collections import deque
 
 from workers.replicas.claims import Claimed
+from workers.waiting import hand_over
 
 
 class Pool:
@@ -69,12 +70,8 @@ class Pool:
 
     def give(self, claimed: Claimed) -> None:
         """Hand a claim to the first request in line, else keep it idle."""
-        while self.waiting:
-            place = self.waiting.popleft()
-            if not place.done():
-                place.set_result(claimed)
-                return
-        self.idle.append((claimed, time.monotonic()))
+        if not hand_over(self.waiting, claimed):
+            self.idle.append((claimed, time.monotonic()))
 
     def expired(self, keep_s: float) -> list[Claimed]:
         """Take out the idle claims unused for ``keep_s`` seconds (to be released)."""

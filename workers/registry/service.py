@@ -43,7 +43,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from agents.grpcserve import add_health, mark_serving, token_interceptors
-from agents.runtime import listen_address
+from agents.runtime import join_hostport, listen_address
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers import dispatch
@@ -127,8 +127,7 @@ class Registry:
         if not ip or not 0 < port < 65536:
             raise InputError(f"RegisterNode needs an ip and a port, got {ip!r}:{port}")
         external = node_id or f"{ip}:{port}"
-        address = normalize_address(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}",
-                                    "fcdaemon")
+        address = normalize_address(join_hostport(ip, port), "fcdaemon")
         with self.db.transaction() as s:
             node = s.scalars(
                 select(Node).where(Node.external_id == external).with_for_update()

@@ -68,7 +68,7 @@ class ReplicaState(enum.IntEnum):
         return self.name.lower()
 
 
-LIVE_STATES: tuple[int, ...] = (
+LIVE_STATES: tuple[ReplicaState, ...] = (
     ReplicaState.CREATING,
     ReplicaState.STARTING,
     ReplicaState.STARTING_LIMIT,

@@ -75,6 +75,18 @@ def test_remove_refuses_with_replicas_unless_forced(
     assert _json(capsys, ["functions", "list", "--json"]) == []
 
 
+def test_an_unused_node_is_removed_and_then_unknown(
+    corral_env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["nodes", "add", "127.0.0.1:1", "--name", "spare"]) == 0
+    capsys.readouterr()
+    assert main(["nodes", "remove", "spare"]) == 0
+    assert capsys.readouterr().out.strip() == "removed node spare"
+    assert _json(capsys, ["nodes", "list", "--json"]) == []
+    assert main(["nodes", "remove", "spare"]) == 1
+    assert "unknown node 'spare'" in capsys.readouterr().err
+
+
 def test_failed_wait_exits_non_zero(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
