@@ -509,36 +509,13 @@ def plan_cold_start(db: Database, settings: Settings, waiter: Waiter) -> ColdSta
         if fn is None:
             raise NotFound(f"function {waiter.function!r} was removed")
         at = now()
-        alive: set[str] = set()
-        for row in _rows(s, WAITER_PREFIX, fn.id):
-            if row.expires_at <= at:
-                s.delete(row)
-            else:
-                alive.add(row.name)
+        rows = _rows(s, WAITER_PREFIX, fn.id)
+        alive = {row.name for row in rows if row.expires_at > at}
+        pending, spawn_ops, over = _spawns_coming(s, fn.id, alive, at)
+        over += [row.name for row in rows if row.expires_at <= at]
+        if over:  # by name: a waiter that leaves deletes its own row, maybe first
+            s.execute(delete(Lease).where(Lease.name.in_(over)))
         waiters = len(alive)
-        pending = 0
-        spawn_ops: set[str] = set()
-        spawns = _rows(s, SPAWN_PREFIX, fn.id)
-        op_ids = [r.holder for r in spawns if not r.holder.startswith(PENDING_SPAWN)]
-        ops: dict[str, str] = {}
-        if op_ids:
-            rows = s.execute(
-                select(Operation.id, Operation.status).where(Operation.id.in_(op_ids))
-            )
-            ops = {op_id: status for op_id, status in rows}
-        for row in spawns:
-            if row.holder.startswith(PENDING_SPAWN):
-                # Being asked for right now by a waiter; if that waiter is gone (its
-                # process died between deciding and asking), the spawn never will be.
-                done = row.holder[len(PENDING_SPAWN):] not in alive
-            else:
-                done = ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED
-            if row.expires_at <= at or done:
-                s.delete(row)
-            elif row.holder.startswith(PENDING_SPAWN):
-                pending += 1
-            else:
-                spawn_ops.add(row.holder)
         coming = (pending + len(spawn_ops)) * fn.exec_envs + in_flight_envs(s, fn, spawn_ops)
         if waiters <= coming or _candidate(s, fn, "none") is not None:
             return ColdStartPlan(waiters, coming, None)
@@ -547,6 +524,33 @@ def plan_cold_start(db: Database, settings: Settings, waiter: Waiter) -> ColdSta
         s.add(Lease(name=name, holder=f"{PENDING_SPAWN}{waiter.token}",
                     expires_at=at + timedelta(seconds=ttl)))
         return ColdStartPlan(waiters, coming, name)
+
+
+def _spawns_coming(
+    s: Session, function_id: str, alive: set[str], at: datetime
+) -> tuple[int, set[str], list[str]]:
+    """Spawns still coming (asks being made, open operations) and the rows of those over."""
+    spawns = _rows(s, SPAWN_PREFIX, function_id)
+    op_ids = [r.holder for r in spawns if not r.holder.startswith(PENDING_SPAWN)]
+    ops: dict[str, str] = {}
+    if op_ids:
+        rows = s.execute(select(Operation.id, Operation.status).where(Operation.id.in_(op_ids)))
+        ops = {op_id: status for op_id, status in rows}
+    pending, spawn_ops, over = 0, set(), []
+    for row in spawns:
+        if row.holder.startswith(PENDING_SPAWN):
+            # Being asked for right now by a waiter; if that waiter is gone (its
+            # process died between deciding and asking), the spawn never will be.
+            done = row.holder[len(PENDING_SPAWN):] not in alive
+        else:
+            done = ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED
+        if row.expires_at <= at or done:
+            over.append(row.name)
+        elif row.holder.startswith(PENDING_SPAWN):
+            pending += 1
+        else:
+            spawn_ops.add(row.holder)
+    return pending, spawn_ops, over
 
 
 def note_spawn(db: Database, spawn: str, op_id: str) -> None:
