@@ -204,8 +204,8 @@ def maybe_finish(op: Operation) -> None:
     if op.status in OP_FINISHED:
         return
     if op.done + op.failed < op.total:
-        if op.status == OpStatus.PENDING.value:
-            op.status = OpStatus.RUNNING.value
+        if op.status == OpStatus.PENDING:
+            op.status = OpStatus.RUNNING
             op.started_at = op.started_at or now()
         return
     finish(op, failed=op.failed, total=op.total)
@@ -216,9 +216,9 @@ def finish(op: Operation, *, failed: int, total: int, error: str | None = None) 
     op.finished_at = now()
     op.started_at = op.started_at or op.finished_at
     if failed == 0 and error is None:
-        op.status = OpStatus.SUCCEEDED.value
+        op.status = OpStatus.SUCCEEDED
         return
-    op.status = OpStatus.FAILED.value if failed >= total else OpStatus.PARTIAL.value
+    op.status = OpStatus.FAILED if failed >= total else OpStatus.PARTIAL
     errors = (op.result or {}).get("errors", [])
     first = error or (errors[0] if errors else "unknown error")
     op.error = first if total <= 1 else f"{failed} of {total} failed; first: {first}"
@@ -237,7 +237,7 @@ def fail_operation(session: Session, op_id: str, error: str) -> None:
     op.total = max(op.total, 1)
     op.finished_at = now()
     op.started_at = op.started_at or op.finished_at
-    op.status = OpStatus.FAILED.value
+    op.status = OpStatus.FAILED
     op.error = error
 
 

@@ -142,7 +142,7 @@ def _owed(db: Database, action: str, n: int, node: str | None, op_id: str | None
             if op is not None:
                 op.total = len(outcomes)
                 op.result = {"action": action, "n": n, "nodes": outcomes}
-                op.status = OpStatus.RUNNING.value
+                op.status = OpStatus.RUNNING
         owed = [
             name for name, o in outcomes.items()
             if o["state"] == "pending" or (o["state"] == "failed" and o.get("retryable"))

@@ -502,6 +502,6 @@ def start(db: Database, op_id: str) -> None:
     """Mark a reap operation running."""
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True)
-        if op is not None and op.status == OpStatus.PENDING.value:
-            op.status = OpStatus.RUNNING.value
+        if op is not None and op.status == OpStatus.PENDING:
+            op.status = OpStatus.RUNNING
             op.started_at = op.progress_at = now()

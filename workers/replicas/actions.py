@@ -228,8 +228,8 @@ def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
         jobs = spawn_jobs(op.id, plan)
         op.result = {**(op.result or {}), "plan": plan}
         op.total = len(jobs)
-        if op.status == OpStatus.PENDING.value:
-            op.status = OpStatus.RUNNING.value
+        if op.status == OpStatus.PENDING:
+            op.status = OpStatus.RUNNING
         return fn.id, jobs
 
 

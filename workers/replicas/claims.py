@@ -385,7 +385,7 @@ def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]
         values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at,
                                   "updated_at": at}
         if status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
-            status = int(ReplicaState.IDLE)
+            status = ReplicaState.IDLE
             values.update(status=status, deadline_at=None, ready_at=ready_at or at)
             if in_use == 0:  # idle from now: the reaper's clock starts
                 timeout = fn_idle if fn_idle is not None else settings.idle_timeout_s
@@ -654,7 +654,7 @@ class ClaimAttempt:
                 op = get_operation(s, op_id)
                 if op.status in FINISHED:
                     self._settled.add(op_id)
-                if op.status == OpStatus.FAILED.value and not (
+                if op.status == OpStatus.FAILED and not (
                         self._wait_at_max and self._at_max()):
                     raise NoIdleReplica(f"cold start of {self.function} failed: {op.error}")
 

@@ -168,7 +168,7 @@ def transition(
     before = ReplicaState(replica.status)
     if before in FINAL_STATES:
         raise ValueError(f"replica {replica.id} is {before.label}; final states are never left")
-    replica.status = int(to)
+    replica.status = ReplicaState(to)
     replica.deadline_at = deadline_for(to, settings, at)
     if error is not None:
         replica.error = error

@@ -18,6 +18,10 @@ released or its ``expires_at`` passes (the reaper then gives it back): a replica
 
 An *operation* is one producer request (spawn, delete, scale, reap, ...): what was
 asked, how far it got, and how it ended.
+
+Both status columns are read as their enums (``Replica.status`` as :class:`ReplicaState`,
+``Operation.status`` as :class:`OpStatus`) and store the members' plain values, so a
+value that names no member never reaches the database.
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from sqlalchemy import (
     Text,
     text,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
 
 from workers.clock import now
 
@@ -109,6 +115,39 @@ class OpStatus(enum.StrEnum):
 OP_FINISHED: tuple[str, ...] = (
     OpStatus.SUCCEEDED.value, OpStatus.FAILED.value, OpStatus.PARTIAL.value)
 OP_OPEN: tuple[str, ...] = tuple(s.value for s in OpStatus if s.value not in OP_FINISHED)
+
+
+class _Stored(TypeDecorator[Any]):
+    """A status column read as its enum and written as the member's value (schema unchanged).
+
+    Writing a value that is not a member raises ``ValueError`` before the statement runs.
+    """
+
+    members: type[enum.Enum]
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        """The stored value of a member (or of a raw value that names one)."""
+        return None if value is None else self.members(value).value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        """The member a stored value names."""
+        return None if value is None else self.members(value)
+
+
+class StoredReplicaState(_Stored):
+    """``replicas.status``: the seed's numbers, read as :class:`ReplicaState`."""
+
+    impl = Integer
+    members = ReplicaState
+    cache_ok = True  # SQLAlchemy asks each TypeDecorator class itself
+
+
+class StoredOpStatus(_Stored):
+    """``operations.status``: the status strings, read as :class:`OpStatus`."""
+
+    impl = String
+    members = OpStatus
+    cache_ok = True
 
 
 class Base(DeclarativeBase):
@@ -241,7 +280,7 @@ class Replica(Keyed, Base):
     function_id: Mapped[str] = mapped_column(ForeignKey("functions.id", ondelete="CASCADE"))
     node_id: Mapped[str | None] = mapped_column(ForeignKey("nodes.id"), nullable=True)
     operation_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
-    status: Mapped[int] = mapped_column(Integer, default=ReplicaState.CREATING)
+    status: Mapped[ReplicaState] = mapped_column(StoredReplicaState, default=ReplicaState.CREATING)
     vmid: Mapped[str | None] = mapped_column(String(255), nullable=True)
     address: Mapped[str | None] = mapped_column(String(255), nullable=True)
     build_version: Mapped[str] = mapped_column(String(32))
@@ -301,7 +340,7 @@ class Operation(Keyed, Base):
     kind: Mapped[str] = mapped_column(String(16))
     function_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    status: Mapped[str] = mapped_column(String(16), default=OpStatus.PENDING.value)
+    status: Mapped[OpStatus] = mapped_column(StoredOpStatus(16), default=OpStatus.PENDING)
     total: Mapped[int] = mapped_column(Integer, default=0)
     done: Mapped[int] = mapped_column(Integer, default=0)
     failed: Mapped[int] = mapped_column(Integer, default=0)
