@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.result import allow_join_result
 from sqlalchemy import text
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
@@ -62,6 +63,9 @@ FAST = {
     "CORRAL_LAMBDO_TIMEOUT_S": "2",
     "CORRAL_HEALTH_TIMEOUT_S": "0.5",
 }
+# Eager tests need no broker, and must not write to a Redis someone runs on the default
+# port (a developer's, or another suite's `corral up`): nothing listens on port 1.
+NO_BROKER = "redis://127.0.0.1:1/0"
 
 
 class Env:
@@ -97,7 +101,7 @@ class Env:
 
 def _apply(env: Env, url: str, *, migrate: bool = True, **extra: Any) -> Env:
     base = {k[len("CORRAL_"):].lower(): v for k, v in FAST.items()}
-    env.set(database_url=url, eager="1", **base, **extra)
+    env.set(**{**base, "broker_url": NO_BROKER, "database_url": url, "eager": "1", **extra})
     if migrate:
         upgrade(env.db)
     return env
@@ -177,7 +181,11 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def corral_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -> Iterator[Env]:
     """Eager Celery on an empty, migrated store: SQLite and PostgreSQL in turn."""
     env = _apply(Env(monkeypatch, tmp_path), store_url, migrate=False)  # migrated already
-    yield env
+    # Celery keeps "inside a task: .get() would block" in one global flag that each eager
+    # apply_async sets and restores; threads queueing eager tasks at once (the cold-start
+    # tests) can restore it out of order and leave it set, failing every later .get().
+    with allow_join_result():
+        yield env
     env.db.dispose()
     clock.reset()
     reset_settings()
@@ -194,7 +202,8 @@ def store_env(corral_env: Env) -> Env:
 def pg_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, pg_url: str) -> Iterator[Env]:
     """Eager Celery on a fresh, migrated PostgreSQL database."""
     env = _apply(Env(monkeypatch, tmp_path), pg_url)
-    yield env
+    with allow_join_result():  # as in corral_env
+        yield env
     env.db.dispose()
     clock.reset()
     reset_settings()
