@@ -10,6 +10,8 @@ Its status (:class:`~workers.store.models.OpStatus`, mapped on the column) moves
 ``pending`` -> ``running`` -> one of :data:`FINISHED` (``succeeded``, ``partial``,
 ``failed``), and only through this module:
 
+* :func:`mark_running` starts a pending operation (its plan is made, its first part
+  settled);
 * :func:`settle` counts a part done or failed (the replica state machine calls it
   when a replica reaches Idle, Allocated, Dead or Deleted) and finishes the
   operation when every part has settled (:func:`maybe_finish`, :func:`finish`);
@@ -199,14 +201,19 @@ def settle(
     maybe_finish(op)
 
 
+def mark_running(op: Operation) -> None:
+    """Move a pending operation to running, its start time now."""
+    if op.status == OpStatus.PENDING:
+        op.status = OpStatus.RUNNING
+        op.started_at = op.started_at or now()
+
+
 def maybe_finish(op: Operation) -> None:
     """Close an operation whose parts have all settled."""
     if op.status in OP_FINISHED:
         return
     if op.done + op.failed < op.total:
-        if op.status == OpStatus.PENDING:
-            op.status = OpStatus.RUNNING
-            op.started_at = op.started_at or now()
+        mark_running(op)
         return
     finish(op, failed=op.failed, total=op.total)
 

@@ -30,9 +30,9 @@ from workers import backends
 from workers.errors import BackendError, InputError
 from workers.fleet.health import note_failure
 from workers.fleet.nodes import get_node
-from workers.operations import finish
+from workers.operations import finish, mark_running
 from workers.store.db import Database
-from workers.store.models import OP_FINISHED, Node, Operation, OpStatus
+from workers.store.models import OP_FINISHED, Node, Operation
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _owed(db: Database, action: str, n: int, node: str | None, op_id: str | None
             if op is not None:
                 op.total = len(outcomes)
                 op.result = {"action": action, "n": n, "nodes": outcomes}
-                op.status = OpStatus.RUNNING
+                mark_running(op)
         owed = [
             name for name, o in outcomes.items()
             if o["state"] == "pending" or (o["state"] == "failed" and o.get("retryable"))

@@ -68,7 +68,7 @@ from workers.clock import iso, now
 from workers.errors import BackendError, InputError, TransientBackendError, check_seconds
 from workers.fleet.health import note_failure
 from workers.locks import lock_functions
-from workers.operations import MAX_OP_ERRORS, finish
+from workers.operations import MAX_OP_ERRORS, finish, mark_running
 from workers.replicas import claims
 from workers.replicas.actions import Doomed, finish_deletes, release_all
 from workers.replicas.lifecycle import mark_deleting, transition
@@ -503,5 +503,5 @@ def start(db: Database, op_id: str) -> None:
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True)
         if op is not None and op.status == OpStatus.PENDING:
-            op.status = OpStatus.RUNNING
-            op.started_at = op.progress_at = now()
+            mark_running(op)
+            op.progress_at = op.started_at

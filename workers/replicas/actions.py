@@ -67,7 +67,7 @@ from workers.fleet.placement import (
 )
 from workers.functions import MAX_REPLICAS
 from workers.locks import lock_gpus, lock_nodes
-from workers.operations import finish, maybe_finish, settle
+from workers.operations import finish, mark_running, maybe_finish, settle
 from workers.replicas.lifecycle import (
     SETTLING,
     arrive,
@@ -86,7 +86,6 @@ from workers.store.models import (
     Function,
     Node,
     Operation,
-    OpStatus,
     Replica,
     ReplicaState,
 )
@@ -228,8 +227,7 @@ def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
         jobs = spawn_jobs(op.id, plan)
         op.result = {**(op.result or {}), "plan": plan}
         op.total = len(jobs)
-        if op.status == OpStatus.PENDING:
-            op.status = OpStatus.RUNNING
+        mark_running(op)
         return fn.id, jobs
 
 
