@@ -251,8 +251,8 @@ class _Gate:
                 else:
                     try:
                         got = await self.source.acquire(self.node, self.bound, room)
-                    except Exception as exc:
-                        for fut in live:
+                    except Exception as exc:  # every waiter fails, also those come meanwhile
+                        for fut in self.waiters:
                             if not fut.done():
                                 fut.set_exception(exc)
                         self.waiters.clear()
@@ -267,8 +267,9 @@ class _Gate:
                 with suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.freed.wait(), delay)
                 delay = min(delay * 2, POLL_MAX_S)
-            else:
+            elif room <= 0:
                 await self.freed.wait()  # all held by this process: one comes back
+            # else every slot asked for came: ask again for callers who came meanwhile
 
 
 @asynccontextmanager
