@@ -653,8 +653,12 @@ class Gateway:
         query = scope.get("query_string", b"")
         if query:
             url += "?" + query.decode("latin-1")
-        request = upstream.client.build_request(
-            scope["method"], url, headers=self._upstream_headers(scope), content=body)
+        try:
+            request = upstream.client.build_request(
+                scope["method"], url, headers=self._upstream_headers(scope), content=body)
+        except httpx.InvalidURL as exc:  # e.g. a %00 in the path: the caller's, not the replica's
+            self._return(claimed)
+            raise Answer(400, f"cannot forward this request: {exc}") from None
         deadline = self.settings.gateway_timeout_s
         relay = _Relay(send)
         holding = True
