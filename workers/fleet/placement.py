@@ -162,8 +162,10 @@ def reserve_nodes(session: Session, fn: Function, n: int) -> list[Node]:
     would, in one read and one UPDATE per node used. Fewer than ``n`` when the
     nodes fill up (the caller reserves the rest one by one, which says why not).
     """
+    # Only the n least loaded can be chosen: a node outside them becomes the least loaded
+    # only once each of the n has been chosen at least once, i.e. after n choices.
     nodes = session.scalars(
-        select(Node).where(*_placeable(fn.backend)).order_by(Node.live, Node.name),
+        select(Node).where(*_placeable(fn.backend)).order_by(Node.live, Node.name).limit(n),
         {"now": now()},
     ).all()
     heap = [(node.live, node.name, i) for i, node in enumerate(nodes)]
