@@ -48,10 +48,10 @@ from config.settings import Settings, get_settings
 from workers import broker
 from workers.backends.fcdaemon import reset_channels
 from workers.backends.lambdo import reset_client
-from workers.errors import InputError
+from workers.errors import InputError, SchemaError
 from workers.operations import describe_error, fail_op
 from workers.store.db import Database, get_database, is_transient
-from workers.store.migrate import SchemaError, check_schema
+from workers.store.migrate import check_schema
 
 log = logging.getLogger(__name__)
 

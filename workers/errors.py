@@ -13,6 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+class SchemaError(Exception):
+    """The database is not at the schema this code expects."""
+
+
 class CorralError(Exception):
     """Base of corral's own errors."""
 

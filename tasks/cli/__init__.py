@@ -8,7 +8,7 @@ terminal) and exit non-zero if it failed.
 
 :mod:`tasks.cli.parser` declares every command and names its handler; the
 handlers live in one module per group (``core``, ``claims``, ``maintenance``,
-``gpus``, ``services``, ``gateway``) and call :mod:`tasks.api` for everything they
+``gpus``, ``services``, ``agent``, ``gateway``) and call :mod:`tasks.api` for everything they
 show or change. A handler's module is imported only when its command runs.
 """
 
@@ -19,8 +19,7 @@ from collections.abc import Sequence
 
 from config.settings import ConfigError, get_settings
 from tasks.cli.parser import build_parser
-from workers.errors import CorralError
-from workers.store.migrate import SchemaError
+from workers.errors import CorralError, SchemaError
 
 __all__ = ["build_parser", "main"]
 

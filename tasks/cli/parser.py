@@ -242,7 +242,7 @@ def _add_services(top: Commands) -> None:
     p.add_argument("--listen", help="HOST:PORT (default CORRAL_METRICS_LISTEN, 127.0.0.1:9808)")
     p.add_argument("--insecure", action="store_true",
                    help="allow an address off loopback without CORRAL_METRICS_TOKEN")
-    p = top.add("agent", "services:cmd_agent", "run a reference agent: fcdaemon, lambdo or gpus")
+    p = top.add("agent", "agent:cmd_agent", "run a reference agent: fcdaemon, lambdo or gpus")
     p.add_argument("kind", choices=["fcdaemon", "lambdo", "gpus"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the agent's own options")
     p = top.add("up", "services:cmd_up",

@@ -1,4 +1,4 @@
-"""Long-running commands: ``registry``, ``metrics``, ``agent`` (reference agents), ``up``."""
+"""Long-running commands: ``registry``, ``metrics``, ``up``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import signal
 import threading
 from pathlib import Path
 
-from agents.__main__ import main as agent_main
 from config.settings import Settings
 from stack.up import AlreadyRunning, UpOptions, run
 from tasks.api import database
@@ -49,11 +48,6 @@ def _until_signalled() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-
-
-def cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
-    """Run a reference agent (fcdaemon, lambdo or gpus)."""
-    return agent_main([args.kind, *args.rest])
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:

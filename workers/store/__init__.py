@@ -1,7 +1,8 @@
 """The store: replica, node, GPU, function and operation rows, sessions and migrations."""
 
+from workers.errors import SchemaError
 from workers.store.db import Database, get_database
-from workers.store.migrate import SchemaError, check_schema, upgrade
+from workers.store.migrate import check_schema, upgrade
 from workers.store.models import (
     COUNTED_STATES,
     FINAL_STATES,

@@ -13,13 +13,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import make_url
 
+from workers.errors import SchemaError
 from workers.store.db import Database
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
-
-
-class SchemaError(Exception):
-    """The database is not at the schema this code expects."""
 
 
 def alembic_config(url: str) -> Config:
