@@ -44,6 +44,7 @@ import httpx
 from sqlalchemy import select
 
 from bench.options import add_counts, add_store_option, store_for
+from config.celery import QUEUES
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from stack.redis import free_port, redis_argv
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--driver", "process", "--log-level", "WARNING"])
         start("worker", [py, "-m", "celery", "-A", "workers", "worker", "-P", "prefork", "-c",
                          "2", "-l", "WARNING", "--without-gossip", "--without-mingle", "-Q",
-                         "corral.spawn,corral.delete,corral.scale,corral.maintenance"])
+                         ",".join(QUEUES)])
         start("gateway", [py, "-m", "tasks.cli", "gateway", "--listen",
                           f"127.0.0.1:{gw_port}"])
         gateway = f"http://127.0.0.1:{gw_port}"

@@ -272,8 +272,7 @@ def _direct(addresses: list[str], n: int) -> float:
     corral in between. The VMs are released again afterwards (untimed).
     """
     async def burst(stubs: list[Any]) -> float:
-        # Request ids shaped like corral's (one prefix, then the index): the
-        # reference agent serializes creates whose ids share a lock stripe.
+        # Request ids shaped like corral's (one prefix, then the index), as the agent sees them.
         prefix = secrets.token_hex(16)
         started = time.perf_counter()
         replies = await asyncio.gather(*(

@@ -28,6 +28,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from config.celery import QUEUES
 from config.settings import Settings, get_settings, hide_url_password, load_settings
 from stack.redis import free_port, redis_argv
 from stack.supervisor import Child, Supervisor
@@ -182,7 +183,7 @@ def _start_celery(options: UpOptions, base: Settings, flower_port: int, state: P
     sup.start(
         Child("worker", [PY, "-m", "celery", "-A", "workers", "worker", "-E", "-l", "INFO",
                          "-c", str(options.worker_concurrency), "-n", "corral@%h",
-                         "-Q", "corral.spawn,corral.delete,corral.scale,corral.maintenance"],
+                         "-Q", ",".join(QUEUES)],
               env, worker_log, state),
         ready=lambda: worker_log.exists() and b" ready." in worker_log.read_bytes(),
         timeout=60,

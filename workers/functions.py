@@ -47,7 +47,6 @@ SEED_LABELS: dict[str, str] = {
     "com.openfaas.scale.max": "max",
     "GPU_MEM": "gpu_mem",
 }
-SECRET_FIELDS = ("aws_access_key_id", "aws_secret_access_key")
 
 
 def check_name(name: str, what: str = "function") -> str:

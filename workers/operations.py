@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from typing import Any, TypedDict
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import ColumnElement, and_, bindparam, select, update
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
 
@@ -199,6 +199,11 @@ def settle(
         errors.append(error)
     op.result = {**(op.result or {}), "errors": errors}
     maybe_finish(op)
+
+
+def open_of(*kinds: str) -> ColumnElement[bool]:
+    """The SQL condition for an operation of one of ``kinds`` that is still open."""
+    return and_(Operation.kind.in_(kinds), Operation.status.in_(OP_OPEN))
 
 
 def mark_running(op: Operation) -> None:

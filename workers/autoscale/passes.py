@@ -42,8 +42,9 @@ from config.settings import Settings
 from workers.autoscale import decision as decision_mod
 from workers.autoscale import demand as demand_mod
 from workers.errors import CorralError
+from workers.operations import open_of
 from workers.store.db import Database
-from workers.store.models import OP_OPEN, Function, Operation, Replica, ReplicaState
+from workers.store.models import Function, Operation, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,7 @@ def load_facts(db: Database) -> dict[str, tuple[str, decision_mod.Facts, bool]]:
         )}
         open_scales = set(s.scalars(
             select(Operation.function_id).where(
-                Operation.kind == "scale", Operation.status.in_(OP_OPEN),
-                Operation.function_id.in_(ids))
+                open_of("scale"), Operation.function_id.in_(ids))
         ))
         return {
             f.id: (

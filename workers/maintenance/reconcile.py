@@ -38,18 +38,11 @@ from workers import backends, dispatch, leases
 from workers.clock import now
 from workers.errors import BackendError, Unsupported
 from workers.locks import lock_functions
+from workers.operations import open_of
 from workers.replicas.actions import unplaced
 from workers.replicas.lifecycle import lock_replica, transition
 from workers.store.db import Database
-from workers.store.models import (
-    LIVE_STATES,
-    OP_OPEN,
-    Function,
-    Node,
-    Operation,
-    Replica,
-    ReplicaState,
-)
+from workers.store.models import LIVE_STATES, Function, Node, Operation, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 LEASE = "reconcile"
@@ -234,8 +227,7 @@ def below_min(db: Database, settings: Settings) -> dict[str, int]:
             fid
             for fid in s.scalars(
                 select(Operation.function_id).where(
-                    Operation.kind == "spawn",
-                    Operation.status.in_(OP_OPEN),
+                    open_of("spawn"),
                     Operation.created_at
                     >= now() - timedelta(seconds=settings.creating_deadline_s),
                 )

@@ -67,7 +67,7 @@ from workers.fleet.placement import (
 )
 from workers.functions import MAX_REPLICAS
 from workers.locks import lock_gpus, lock_nodes
-from workers.operations import finish, mark_running, maybe_finish, settle
+from workers.operations import finish, mark_running, maybe_finish, open_of, settle
 from workers.replicas.lifecycle import (
     SETTLING,
     arrive,
@@ -82,7 +82,6 @@ from workers.store.db import Database
 from workers.store.models import (
     FINAL_STATES,
     OP_FINISHED,
-    OP_OPEN,
     Function,
     Node,
     Operation,
@@ -182,9 +181,7 @@ def unplaced(s: Session, function_id: str, *, exclude: str | None = None) -> int
     """
     ops = s.scalars(
         select(Operation).where(
-            Operation.function_id == function_id,
-            Operation.kind.in_(("spawn", "scale")),
-            Operation.status.in_(OP_OPEN),
+            Operation.function_id == function_id, open_of("spawn", "scale")
         )
     ).all()
     missing = 0

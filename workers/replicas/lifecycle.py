@@ -134,13 +134,6 @@ def lock_replica(session: Session, replica_id: str) -> Replica | None:
     return session.scalars(_LOCK_REPLICA, {"replica_id": replica_id}).first()
 
 
-def lock_replica_by_request(session: Session, request_id: str) -> Replica | None:
-    """The replica written for a request id, locked."""
-    return session.scalars(
-        select(Replica).where(Replica.request_id == request_id).with_for_update(of=Replica)
-    ).first()
-
-
 def idle_timeout(fn: Function, settings: Settings) -> float:
     """The function's idle timeout in seconds."""
     return fn.idle_timeout_s if fn.idle_timeout_s is not None else settings.idle_timeout_s
