@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -54,6 +54,7 @@ from agents.drivers import (
 from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving
 from agents.procs import kill_group, spawn
 from agents.runtime import (
+    KeyedLock,
     Running,
     add_common_arguments,
     agent_main,
@@ -337,9 +338,8 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         self._vm_by_request: dict[str, str] = {}
         self._request_by_vm: dict[str, str] = {}
         self._map_lock = threading.Lock()
-        # requestId -> set when its create ends: a second create of the same id waits for
-        # the first, creates of other ids run side by side
-        self._creating: dict[str, threading.Event] = {}
+        # a second create of the same requestId waits for the first; other ids run side by side
+        self._creating = KeyedLock()
 
     # -- VM bookkeeping -----------------------------------------------------------------
 
@@ -372,26 +372,6 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
                 self._request_by_vm.pop(vmid, None)
         return vm
 
-    @contextlib.contextmanager
-    def _only_create(self, request_id: str) -> Iterator[None]:
-        """Hold ``request_id`` for one create at a time; other ids are not held up."""
-        if not request_id:
-            yield
-            return
-        while True:
-            with self._map_lock:
-                running = self._creating.get(request_id)
-                if running is None:
-                    done = self._creating[request_id] = threading.Event()
-                    break
-            running.wait()
-        try:
-            yield
-        finally:
-            with self._map_lock:
-                del self._creating[request_id]
-            done.set()
-
     # -- RPCs ---------------------------------------------------------------------------
 
     def CreateReplica(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -416,7 +396,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         if request.guestPort > 65535:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "guestPort must be below 65536")
         rid = request.requestId
-        with self._only_create(rid):
+        with self._creating.hold(rid):
             existing = self._existing(rid) if rid else None
             if existing is not None:
                 log.info("CreateReplica requestId=%s: already running as %s", rid, existing.vmid)

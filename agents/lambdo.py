@@ -36,7 +36,6 @@ Command line: ``corral agent lambdo`` / ``python -m agents.lambdo``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hmac
 import json
 import logging
@@ -47,7 +46,6 @@ import threading
 import time
 import urllib.parse
 import uuid
-import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
@@ -157,7 +155,7 @@ class LambdoAgent(FaultHooks):
         self._rootfs: dict[str, str] = {}
         self._by_request: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._stripes = [threading.Lock() for _ in range(64)]
+        self._creating = runtime.KeyedLock()  # one create per requestId; other ids side by side
 
     def authorized(self, header: str | None) -> bool:
         """True if no token is configured or ``header`` is ``Bearer <token>``."""
@@ -185,8 +183,7 @@ class LambdoAgent(FaultHooks):
 
     def _create(self, spec: drivers.VMSpec, rootfs_id: str) -> Response:
         rid = spec.request_id
-        stripe = self._stripes[zlib.crc32(rid.encode()) % len(self._stripes)] if rid else None
-        with stripe or contextlib.nullcontext():
+        with self._creating.hold(rid or ""):
             if rid:
                 with self._lock:
                     vmid = self._by_request.get(rid)

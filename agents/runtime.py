@@ -8,6 +8,7 @@ server must not start; ``--insecure`` overrides it, with a warning at every star
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import os
@@ -306,3 +307,31 @@ def serve_until_signalled(
         finally:
             running.stop()
     return 0
+
+
+class KeyedLock:
+    """One holder per key at a time; holders of different keys never wait for each other."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, threading.Event] = {}  # key -> set when its holder lets go
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        """Hold ``key`` (an empty key holds nothing)."""
+        if not key:
+            yield
+            return
+        while True:
+            with self._lock:
+                holder = self._held.get(key)
+                if holder is None:
+                    done = self._held[key] = threading.Event()
+                    break
+            holder.wait()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._held[key]
+            done.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import empty_pb2
 
+from agents import MemoryDriver
+from agents.drivers import VM, VMSpec
 from agents.procs import is_alive
 from protos import resmngr_grpc, resmngr_pb2
 
@@ -111,3 +114,23 @@ def start_registry(
     port = server.add_insecure_port(listen)
     server.start()
     return server, f"127.0.0.1:{port}", servicer
+
+
+class MeetingDriver(MemoryDriver):
+    """Each start waits until ``parties`` starts are under way at once (or times out)."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.meeting = threading.Barrier(parties, timeout=5)
+
+    def start(self, spec: VMSpec) -> VM:
+        """Start once ``parties`` starts meet; BrokenBarrierError if creates ran one by one."""
+        self.meeting.wait()
+        return super().start(spec)
+
+
+def same_bucket_ids(n: int) -> list[str]:
+    """``n`` request ids whose crc32 share one of 64 buckets (the agents' old lock stripes)."""
+    ids = [f"req-{i}" for i in range(5000)]
+    bucket = zlib.crc32(ids[0].encode()) % 64
+    return [i for i in ids if zlib.crc32(i.encode()) % 64 == bucket][:n]

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,16 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agents import Fault, MemoryDriver, ProcessDriver, RunningAgent, serve_fcdaemon
-from agents.drivers import VM, VMSpec
 from agents.fcdaemon import main
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_pb2
 from tests.agents.conftest import stub_for
 from tests.agents.helpers import (
+    MeetingDriver,
     RecordingRegistry,
     children_of,
     http_get,
     is_alive,
+    same_bucket_ids,
     start_registry,
     wait_until,
 )
@@ -117,25 +117,11 @@ def test_request_id_makes_create_idempotent_even_when_concurrent(
     assert len(memory_agent.driver.list()) == 3
 
 
-class _MeetingDriver(MemoryDriver):
-    """Each start waits until ``parties`` starts are under way at once (or times out)."""
-
-    def __init__(self, parties: int) -> None:
-        super().__init__()
-        self.meeting = threading.Barrier(parties, timeout=5)
-
-    def start(self, spec: VMSpec) -> VM:
-        self.meeting.wait()  # BrokenBarrierError (-> INTERNAL) if creates ran one by one
-        return super().start(spec)
-
-
 def test_creates_of_different_request_ids_run_side_by_side() -> None:
     # Ids whose crc32 fall in one of 64 buckets: the agent once held one lock per bucket
     # across the whole create, so slow creates of unrelated requests queued behind each other.
-    ids = [f"req-{i}" for i in range(5000)]
-    bucket = zlib.crc32(ids[0].encode()) % 64
-    same = [i for i in ids if zlib.crc32(i.encode()) % 64 == bucket][:4]
-    running = serve_fcdaemon(driver=_MeetingDriver(len(same)))
+    same = same_bucket_ids(4)
+    running = serve_fcdaemon(driver=MeetingDriver(len(same)))
     try:
         stub = stub_for(running)
         with concurrent.futures.ThreadPoolExecutor(len(same)) as pool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 import uuid
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ import pytest
 
 from agents import Fault, ProcessDriver, RunningLambdo, serve_lambdo
 from agents.lambdo import main
-from tests.agents.helpers import http_get, is_alive
+from tests.agents.helpers import MeetingDriver, http_get, is_alive, same_bucket_ids
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -172,6 +173,21 @@ def test_request_id_makes_spawn_idempotent(client: httpx.Client, lambdo: Running
     second = client.post("/spawn", json=body).json()
     assert first["id"] == second["id"]
     assert len(lambdo.driver.list()) == 1
+
+
+def test_spawns_of_different_request_ids_run_side_by_side() -> None:
+    # the host once held one of 64 crc32 bucket locks across each whole create
+    same = same_bucket_ids(4)
+    running = serve_lambdo(driver=MeetingDriver(len(same)))
+    try:
+        with httpx.Client(base_url=running.url, timeout=30) as http, \
+                concurrent.futures.ThreadPoolExecutor(len(same)) as pool:
+            answers = list(pool.map(
+                lambda rid: http.post("/spawn", json={**spawn_body(), "requestId": rid}), same))
+        assert [a.status_code for a in answers] == [200] * len(same)
+        assert len({a.json()["id"] for a in answers}) == len(same)
+    finally:
+        running.stop()
 
 
 def test_bearer_token_is_required_when_configured() -> None:
