@@ -42,6 +42,7 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -470,6 +471,13 @@ class _LambdoServer(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A caller that hung up before its answer is a log line, not a traceback on stderr."""
+        if isinstance(sys.exc_info()[1], ConnectionError):  # BrokenPipe, ConnectionReset...
+            log.info("client %s went away before its answer was sent", client_address)
+            return
+        super().handle_error(request, client_address)
 
 
 class RunningLambdo(runtime.Running):

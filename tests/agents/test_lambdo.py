@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -188,6 +189,24 @@ def test_spawns_of_different_request_ids_run_side_by_side() -> None:
         assert len({a.json()["id"] for a in answers}) == len(same)
     finally:
         running.stop()
+
+
+def test_a_caller_that_hangs_up_is_a_log_line_not_a_traceback(
+    lambdo: RunningLambdo, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="agents.lambdo"):
+        try:
+            raise BrokenPipeError(32, "Broken pipe")  # what writing to a gone caller raises
+        except BrokenPipeError:
+            lambdo.server.handle_error(None, ("127.0.0.1", 5))
+        try:
+            raise ValueError("a bug")  # anything else still gets its traceback
+        except ValueError:
+            lambdo.server.handle_error(None, ("127.0.0.1", 6))
+    err = capsys.readouterr().err
+    assert "went away before its answer" in caplog.text and "5)" in caplog.text
+    assert "BrokenPipeError" not in err and "ValueError: a bug" in err
 
 
 def test_bearer_token_is_required_when_configured() -> None:
