@@ -1,0 +1,45 @@
+"""A warm call is not held back by Nagle's algorithm and delayed ACKs, through the gateway or not.
+
+A server that writes one answer in several small sends with Nagle on makes every
+request after the first on a kept-alive connection wait for the client's delayed ACK:
+about 40 ms each on Linux. The reference functions answer in one send with
+``TCP_NODELAY``, and so do the gateway's sockets; these calls show it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import httpx
+
+from tests.workers.gateway.conftest import Stack
+
+CALLS = 50
+STALL_MS = 40.0  # the delayed-ACK timer a stalled call waits out
+
+
+def _keepalive_calls(url: str, n: int) -> list[float]:
+    """``n`` sequential GETs of ``url`` on one kept-alive connection; each one's milliseconds."""
+    times: list[float] = []
+    with httpx.Client(timeout=10) as client:
+        assert client.get(url).status_code == 200  # the connection is made here
+        for _ in range(n):
+            started = time.perf_counter()
+            answer = client.get(url)
+            times.append((time.perf_counter() - started) * 1000)
+            assert answer.status_code == 200 and answer.text == "hello from corral\n"
+    return times
+
+
+def test_fifty_keepalive_calls_through_the_gateway_and_direct_never_stall(stack: Stack) -> None:
+    stack.deploy("hello", max=1)
+    gw = stack.gateway(gateway_keep_s=30.0)
+    assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200  # warm
+    (replica,) = stack.replicas("hello")
+    assert replica.address
+
+    for where, url in (("direct", replica.address), ("gateway", f"{gw.url}/function/hello")):
+        times = _keepalive_calls(url, CALLS)
+        assert max(times) < STALL_MS * 0.75, (where, sorted(times)[-5:])
+        assert statistics.median(times) < 5.0, (where, statistics.median(times))
