@@ -47,150 +47,230 @@ class ConfigError(Exception):
 
 
 class _Places(BaseModel):
-    """Where the state, the database, the broker and the registry are."""
+    """Where things are: the state directory, the store, the broker, the registry.
+
+    ``corral up`` fills in the database and broker URLs (its own SQLite file and
+    embedded Redis) when they are not set, and publishes them for the CLI in its
+    state file.
+    """
 
     state_dir: Path = Path(".corral")
+    """Where ``corral up`` keeps its state (``stack.json``, logs, the SQLite file, Redis's data)."""
     database_url: str = "sqlite:///corral.sqlite"
+    """The store: ``sqlite:///PATH`` (WAL mode) or ``postgresql+psycopg://USER:PASSWORD@HOST/DB``."""
     broker_url: str = "redis://localhost:6379/0"
+    """The Celery broker (Redis; ``corral up`` starts its own when this is unset)."""
     result_backend: str | None = None
+    """The Celery result backend; unset: the broker's Redis (corral itself stores no results)."""
     eager: bool = False
+    """Run tasks in the calling process instead of queueing them (tests, one-shot scripts)."""
     registry_listen: str = "127.0.0.1:50052"
+    """Where ``corral registry`` listens; off loopback it needs ``CORRAL_REGISTRY_TOKEN``."""
     ready_grace_s: SecondsOrZero = 2.0
+    """How long past the create timeout an early READY (its vmid not yet recorded) is kept."""
 
 
 class _Reliability(BaseModel):
-    """Reliability: time limits, retries, broker redelivery."""
+    """Reliability: task time limits, retries, broker redelivery."""
 
     task_soft_time_limit_s: Seconds = 60.0
+    """A task's soft time limit (it is told to stop); below the hard limit."""
     task_time_limit_s: Seconds = 90.0
+    """A task's hard time limit (its process is killed)."""
     visibility_timeout_s: int = Field(300, gt=0)
+    """Seconds before Redis hands an unacknowledged message on again; above the hard limit."""
     retry_max: int = Field(5, ge=0, le=100)
+    """Retries of a transport error (or a transient database error) before the task gives up."""
     retry_backoff_s: SecondsOrZero = 0.5
+    """The first retry's backoff ceiling, doubled per retry; a wait is half to all of it."""
     retry_backoff_max_s: SecondsOrZero = 30.0
+    """The largest backoff ceiling."""
 
 
 class _Backends(BaseModel):
-    """Node agents and Lambdo hosts: timeouts, credentials, calls in flight, quarantine."""
+    """Node agents and Lambdo hosts: deadlines, credentials, calls in flight, quarantine."""
 
     rpc_timeout_s: Seconds = 10.0
+    """Deadline of a gRPC call to an agent other than CreateReplica."""
     create_timeout_s: Seconds = 30.0
+    """Deadline of a CreateReplica call."""
     lambdo_timeout_s: Seconds = 10.0
+    """Deadline of an HTTP call to a Lambdo host (the whole call, not one read)."""
     lambdo_token: Secret = None
+    """Bearer token sent to Lambdo hosts."""
     agent_token: Secret = None
+    """Bearer token sent to node agents (their ``--token``)."""
     agent_tls_ca: Path | None = None
+    """CA bundle to verify agents' TLS certificates; set: agents are called over TLS."""
     agent_tls_cert: Path | None = None
+    """Client certificate presented to agents (mutual TLS)."""
     agent_tls_key: Path | None = None
+    """The client certificate's key."""
     registry_token: Secret = None
+    """Bearer token the registry requires of every call (needed to listen off loopback)."""
     registry_tls_cert: Path | None = None
+    """The registry's TLS certificate; with the key, the registry serves TLS."""
     registry_tls_key: Path | None = None
+    """The registry certificate's key."""
     node_capacity: Count = Field(64, le=100_000)
-    # Calls in flight from one worker process: to one node, and to all nodes together.
+    """Replicas a node holds when it is added or registers without saying."""
     node_max_inflight: Count = Field(16, le=10_000)
+    """Agent calls in flight to one node from the whole fleet (leases in the broker's Redis)."""
     max_inflight: Count = Field(256, le=100_000)
-    # Placement learns: failed creates in a row before a node is quarantined, and for how
-    # long (doubling while it keeps failing, up to the max).
+    """Agent calls in flight from one worker process to all nodes together."""
     node_failures: Count = Field(3, le=1000)
+    """Failed creates in a row that quarantine a node."""
     node_quarantine_s: Seconds = 30.0
+    """A quarantine's first length; it doubles while the node keeps failing."""
     node_quarantine_max_s: Seconds = 600.0
+    """A quarantine's longest length."""
 
 
 class _CreateDefaults(BaseModel):
-    """CreateRequest defaults (the seed's, overridable per function)."""
+    """CreateRequest defaults: the seed's, overridden per function by its labels or options."""
 
     image_storage: str = "/var/run/osv-storage"
+    """``imageStoragePrefix``: where the agent keeps images."""
     inet_dev: str = ""
+    """``inetDev``: the agent's network device for the VM (empty: the agent's own choice)."""
     name_server: str = "8.8.8.8"
+    """``nameServer``: the VM's DNS server."""
     aws_access_key_id: str | None = None
+    """Default AWS access key id sent in CreateRequest (never logged or shown)."""
     aws_secret_access_key: Secret = None
+    """Default AWS secret key sent in CreateRequest (never logged or shown)."""
 
 
 class _Maintenance(BaseModel):
-    """Replica lifecycle and the maintenance passes."""
+    """Replica lifecycle and beat's passes: reaper, reconcile, health, redrive."""
 
     idle_timeout_s: SecondsOrZero = 600.0
+    """A function's idle timeout unless it sets its own: Idle this long, a replica is reaped."""
     reap_interval_s: Seconds = 60.0
+    """How often beat sends a reaper pass."""
     reap_batch: Count = Field(100, le=100_000)
+    """Replicas one reaper pass deletes at most."""
     reconcile_interval_s: Seconds = 60.0
+    """How often beat sends a reconcile pass."""
     orphan_grace_s: SecondsOrZero = 60.0
+    """How old a VM without a row must be before reconcile destroys it."""
     health_interval_s: Seconds = 5.0
+    """How often beat sends a health pass (every node probed)."""
     health_misses: Count = 3
+    """Missed probes in a row that make a node unhealthy (no placements)."""
     health_timeout_s: Seconds = 2.0
+    """Deadline of one health probe."""
     node_dead_grace_s: SecondsOrZero = 60.0
+    """How long a node stays unhealthy before its replicas are marked Dead."""
     creating_deadline_s: Seconds = 300.0
+    """A replica Creating (or Deleting) longer than this is stuck: the reaper retires it."""
     redrive_after_s: Seconds = 120.0
+    """An operation unmoved this long has its first task re-sent (doubling, 3 times at most)."""
     boot_deadline_s: Seconds = 60.0
+    """A replica Starting (its guest has not said READY) longer than this is stuck."""
     lease_ttl_s: Seconds = 300.0
+    """How long a reaper or reconcile pass holds its lease (a pass killed mid-way frees it then)."""
     claim_ttl_s: Seconds = Field(300.0, le=86_400)
+    """A claim's lease unless the caller asks for another; the reaper takes back expired claims."""
 
 
 class _DatabaseGuards(BaseModel):
-    """PostgreSQL guards (0 turns one off): a statement waiting this long for a row lock,
-    or running this long at all, fails with an OperationalError instead of hanging a
-    worker behind a stuck lock holder.
+    """PostgreSQL guards (0 turns one off).
+
+    A statement waiting this long for a row lock, or running this long at all, fails
+    with an OperationalError instead of hanging a worker behind a stuck lock holder.
     """
 
     db_lock_timeout_s: SecondsOrZero = 10.0
+    """PostgreSQL ``lock_timeout`` on every connection."""
     db_statement_timeout_s: SecondsOrZero = 60.0
+    """PostgreSQL ``statement_timeout`` on every connection."""
 
 
 class _Autoscale(BaseModel):
-    """The autoscaler (workers.autoscale.decision) for functions deployed with --autoscale."""
+    """The autoscaler, for functions deployed with ``--autoscale`` (Knative's model)."""
 
     autoscale_interval_s: Seconds = 2.0
+    """How often beat sends an autoscaler pass."""
     autoscale_target_utilization: float = Field(0.7, gt=0, le=1)
+    """Share of a replica's execution environments the autoscaler aims to keep busy."""
     autoscale_stable_window_s: Seconds = 60.0
+    """Scale down only once this window's largest demand allows it."""
     autoscale_panic_window_s: Seconds = 6.0
+    """The panic window: demand averaged over it is compared with the threshold."""
     autoscale_panic_threshold: float = Field(2.0, ge=1)
+    """Panic (never scale down) when the panic window asks for this many x the ready replicas."""
     autoscale_max_scale_up_rate: float = Field(10.0, ge=1)
+    """One pass raises a target to at most this many times the ready replicas."""
     autoscale_demand_stale_s: Seconds = 10.0
+    """A gateway's demand sample older than this is ignored (the gateway is gone)."""
 
 
 class _Metrics(BaseModel):
-    """The control-plane Prometheus exporter (corral metrics)."""
+    """The control plane's Prometheus exporter (``corral metrics``)."""
 
     metrics_listen: str = "127.0.0.1:9808"
+    """Where ``corral metrics`` listens."""
     metrics_token: Secret = None
+    """Bearer token every scrape must send (needed to listen off loopback)."""
 
 
 class _Placement(BaseModel):
-    """Placement and GPUs."""
+    """Placement and GPUs (AvA)."""
 
     placement: Literal["loadbalance", "roundrobin", "spread", "random", "pack"] = "loadbalance"
+    """Node policy unless a function sets its own."""
     gpu_fit: Literal["best", "first"] = "best"
+    """GPU choice: least free memory that fits (``best``) or the first that fits."""
     workers_per_gpu: Count = Field(4, le=1024)
+    """AvA worker slots per GPU."""
     first_worker_port: Port = 4000
+    """Port of a new GPU server's first AvA worker (slot ``s`` listens on first port + s)."""
     gpu_manager_port: Port = 3333
+    """Port of the AvA manager's API server on a GPU host."""
 
 
 class _Faults(BaseModel):
-    """Test-only: task names (comma separated) that raise before running (workers.celery)."""
+    """Test-only fault injection: never set it in production."""
 
     fault_raise_in: str = ""
+    """Task names (comma separated, e.g. ``corral.scale``) that raise before running."""
 
 
 class _Gateway(BaseModel):
-    """The invocation gateway (workers/gateway)."""
+    """The invocation gateway (``corral gateway``)."""
 
     gateway_listen: str = "127.0.0.1:8080"
+    """Where the gateway listens."""
     gateway_token: Secret = None
-    gateway_max_body: int = Field(10 * 1024 * 1024, ge=0)  # bytes
-    gateway_timeout_s: float = Field(60.0, gt=0)  # one call to a replica, response included
+    """Bearer token callers must send (needed to listen off loopback)."""
+    gateway_max_body: int = Field(10 * 1024 * 1024, ge=0)
+    """Largest request body in bytes (10 MiB); larger is answered 413."""
+    gateway_timeout_s: float = Field(60.0, gt=0)
+    """One call to a replica, its response included; longer is answered 504."""
     gateway_cold_start_timeout_s: float = Field(30.0, ge=0, le=3600)
-    gateway_queue: int = Field(1000, ge=0, le=1_000_000)  # waiting requests per function
+    """Waiting for a replica or a place in the queue; longer is answered 503."""
+    gateway_queue: int = Field(1000, ge=0, le=1_000_000)
+    """Requests waiting per function beyond its limit; one more is answered 429."""
     gateway_store_threads: Count = Field(16, le=256)
+    """Threads for the gateway's store calls (one on SQLite)."""
     gateway_report_interval_s: Seconds = 1.0
-    # Claims a gateway holds between requests: unused this long, they are released; each
-    # claim it holds (in use or kept) is a lease of this ttl, renewed while it is held.
+    """How often the gateway publishes each function's demand for the autoscaler."""
     gateway_keep_s: float = Field(1.5, ge=0, le=3600)
+    """Unused this long, an environment the gateway holds goes back to the store (0: at once)."""
     gateway_claim_ttl_s: float = Field(30.0, ge=1, le=86_400)
+    """The lease of each claim the gateway holds, renewed at least every 2 s while held."""
 
 
 class _Flower(BaseModel):
-    """Flower, the Celery monitor."""
+    """Flower, the Celery monitor ``corral up`` starts."""
 
     flower_port: int = Field(5555, ge=0, le=65535)
+    """Flower's port under ``corral up`` (0: 5555; taken: any free port)."""
     flower_user: str | None = None
+    """Flower's basic-auth user (with the password: Flower asks for them)."""
     flower_password: Secret = None
+    """Flower's basic-auth password."""
 
 
 class Settings(
@@ -199,7 +279,11 @@ class Settings(
 ):
     """Every knob corral reads, with its default: the groups above, one flat namespace.
 
-    Each field is read from ``CORRAL_<NAME>`` (the groups only organise this file).
+    Each field is read from ``CORRAL_<NAME>``; the groups only organise the code and
+    this reference, which ``python -m config.docs`` writes from the string below each
+    field. Three rules hold between settings: the soft time limit is below the hard
+    one, the visibility timeout above the hard one, and the panic window no longer
+    than the stable window.
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
