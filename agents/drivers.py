@@ -16,7 +16,10 @@ Two drivers ship here:
   :mod:`examples` package (``examples.hello`` or ``hello``) and the modules named with
   ``allow_images`` (``--allow-image MODULE``). An image is never a command line: the
   name arrives over the network, and running it through a shell would hand anyone who
-  can reach the agent a shell on the node.
+  can reach the agent a shell on the node. For the same reason a replica starts with a
+  clean environment: the function's variables, checked by :mod:`agents.guest_env`
+  (no ``PYTHONPATH``, ``LD_PRELOAD``, ``BASH_ENV``...), and what the driver sets
+  itself, never the agent's own.
 
 A real Firecracker/QEMU driver would implement the same protocol.
 """
@@ -31,7 +34,6 @@ import logging
 import os
 import random
 import re
-import shlex
 import socket
 import subprocess
 import sys
@@ -44,13 +46,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from agents import guest_env
+from agents.guest_env import parse_env_args
 from agents.procs import kill_group, spawn
 from agents.runtime import WILDCARD_HOSTS
 
 __all__ = [
-    "VM", "DriverError", "ImageNotFound", "MemoryDriver", "PortAllocator", "ProcessDriver",
-    "VMDriver", "VMSpec", "add_driver_arguments", "check_module_name", "driver_from_args",
-    "image_module", "parse_env_args", "resolve_command",
+    "VM", "BadSpec", "DriverError", "ImageNotFound", "MemoryDriver", "PortAllocator",
+    "ProcessDriver", "VMDriver", "VMSpec", "add_driver_arguments", "check_module_name",
+    "driver_from_args", "image_module", "parse_env_args", "resolve_command",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,7 +64,11 @@ class DriverError(RuntimeError):
     """A driver could not start or stop a VM (the agent answers an internal error)."""
 
 
-class ImageNotFound(DriverError):
+class BadSpec(DriverError):
+    """The spec asks for what the agent refuses (bad input, not a crash): 400, INVALID_ARGUMENT."""
+
+
+class ImageNotFound(BadSpec):
     """The spec's image names nothing this driver can run (bad input, not a crash)."""
 
 
@@ -77,22 +85,6 @@ class VM:
     #: (host port, guest port) pairs; the first pair is the function's port.
     port_mapping: list[tuple[int, int]] = field(default_factory=list)
     image: str = ""
-
-
-def parse_env_args(kernel_args: str) -> dict[str, str]:
-    """Collect ``--env=K=V`` tokens of a kernel command line into a dict (later wins)."""
-    try:
-        tokens = shlex.split(kernel_args)
-    except ValueError:
-        tokens = kernel_args.split()
-    env: dict[str, str] = {}
-    for token in tokens:
-        if not token.startswith("--env="):
-            continue
-        key, sep, value = token[len("--env=") :].partition("=")
-        if key and sep:
-            env[key] = value
-    return env
 
 
 @dataclass
@@ -120,6 +112,13 @@ class VMSpec:
 
     def __post_init__(self) -> None:
         self.env = {**parse_env_args(self.kernel_args), **self.env}
+
+    def checked_env(self) -> dict[str, str]:
+        """The function's environment if every variable may reach a guest; BadSpec otherwise."""
+        try:
+            return guest_env.check(self.env)
+        except ValueError as exc:
+            raise BadSpec(f"environment: {exc}") from None
 
     @property
     def guest_ports(self) -> list[int]:
@@ -240,6 +239,7 @@ class MemoryDriver:
         """Record a new VM."""
         if not spec.image:
             raise ImageNotFound("empty image name")
+        spec.checked_env()
         guest_ports = _validate_ports(spec)
         if self._ports is None:
             mapping = [(g, g) for g in guest_ports]
@@ -303,11 +303,15 @@ _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 EXAMPLES = "examples"
 
 
-def _examples_root() -> str:
-    spec = importlib.util.find_spec(EXAMPLES)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImageNotFound("the examples package is not importable")
-    return str(Path(next(iter(spec.submodule_search_locations))).resolve().parent)
+def _import_root(module: str) -> str:
+    """The directory a guest needs on its PYTHONPATH to import ``module`` as the agent does."""
+    top = module.split(".", 1)[0]
+    spec = importlib.util.find_spec(top)
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(next(iter(spec.submodule_search_locations))).resolve().parent)
+    if spec is not None and spec.origin and spec.has_location:
+        return str(Path(spec.origin).resolve().parent)
+    raise ImageNotFound(f"module {top!r} is not importable")
 
 
 def check_module_name(name: str) -> str:
@@ -342,10 +346,10 @@ def image_module(image: str, allowed: Iterable[str] = ()) -> str:
     return module
 
 
-def resolve_command(image: str, allowed: Iterable[str] = ()) -> tuple[list[str], bool]:
-    """The argv running an allowed image; the flag says it is a module of :mod:`examples`."""
+def resolve_command(image: str, allowed: Iterable[str] = ()) -> tuple[list[str], str]:
+    """The argv running an allowed image, and the directory its module is imported from."""
     module = image_module(image, allowed)
-    return [sys.executable, "-m", module], module.startswith(EXAMPLES + ".")
+    return [sys.executable, "-m", module], _import_root(module)
 
 
 @dataclass
@@ -370,7 +374,9 @@ class ProcessDriver:
     ) -> None:
         """``ready_timeout`` > 0 makes ``start`` wait until the port accepts connections.
 
-        ``allow_images`` names modules beyond ``examples.*`` that an image may run.
+        ``allow_images`` names modules beyond ``examples.*`` that an image may run;
+        ``env`` is added to every guest's environment as is (the operator's, never a
+        request's: a request's variables pass :mod:`agents.guest_env` first).
         """
         self.allow_images = frozenset(check_module_name(m) for m in allow_images)
         self.bind_host = bind_host
@@ -386,31 +392,30 @@ class ProcessDriver:
         self._lock = threading.Lock()
         self._closed = False
 
-    def _child_env(self, spec: VMSpec, vmid: str, port: int, is_example: bool) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
-        env.update(self._env)
-        env.update(spec.env)
-        env["PORT"] = str(port)
-        env["HOST"] = self.bind_host
-        env["VMID"] = vmid
-        if is_example:
-            root = _examples_root()
-            old = env.get("PYTHONPATH")
-            env["PYTHONPATH"] = root if not old else root + os.pathsep + old
-        return env
+    def _child_env(self, spec: VMSpec, vmid: str, port: int, root: str) -> dict[str, str]:
+        """The guest's whole environment: the function's (checked) and the agent's own settings.
+
+        Never this process's environment: it holds the agent's tokens (and, under
+        ``corral up``, the operator's keys).
+        """
+        own = {"PORT": str(port), "HOST": self.bind_host, "VMID": vmid}
+        extra = self._env.get("PYTHONPATH")  # the operator's, from the command line
+        own["PYTHONPATH"] = root if not extra else root + os.pathsep + extra
+        return guest_env.guest_environment(spec.checked_env(), {**self._env, **own})
 
     def start(self, spec: VMSpec) -> VM:
         """Allocate host ports and start the image's process on the first one."""
         if self._closed:
             raise DriverError("driver is closed")
-        argv, is_example = resolve_command(spec.image, self.allow_images)
+        argv, root = resolve_command(spec.image, self.allow_images)
+        spec.checked_env()
         guest_ports = _validate_ports(spec)
         vmid = spec.vmid or uuid.uuid4().hex
         mapping: list[tuple[int, int]] = []
         try:
             for g in guest_ports:
                 mapping.append((self._ports.allocate(spec.host_ports.get(g)), g))
-            env = self._child_env(spec, vmid, mapping[0][0], is_example)
+            env = self._child_env(spec, vmid, mapping[0][0], root)
             proc = spawn(argv, env)
         except OSError as exc:
             self._ports.release(h for h, _ in mapping)

@@ -43,8 +43,8 @@ from grpc_health.v1 import health
 
 from agents.drivers import (
     VM,
+    BadSpec,
     DriverError,
-    ImageNotFound,
     MemoryDriver,
     VMDriver,
     VMSpec,
@@ -405,7 +405,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
                 )
             try:
                 vm: VM = self.driver.start(spec_from_request(request))
-            except ImageNotFound as exc:
+            except BadSpec as exc:  # an image or environment the agent refuses
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except DriverError as exc:
                 log.error("CreateReplica image=%s failed: %s", request.imageName, exc)

@@ -194,8 +194,8 @@ class LambdoAgent(FaultHooks):
                         return self._answer(vm)
             try:
                 vm = self.driver.start(spec)
-            except drivers.ImageNotFound as exc:  # bad input: retrying cannot help
-                return Response.text(400, f"cannot run image: {exc}")
+            except drivers.BadSpec as exc:  # bad input (image, env): retrying cannot help
+                return Response.text(400, f"refused: {exc}")
             except drivers.DriverError as exc:
                 return Response.text(500, str(exc))
             with self._lock:

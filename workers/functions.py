@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from agents import guest_env
 from config.settings import Settings
 from workers.clock import iso, now
 from workers.errors import InputError
@@ -29,7 +30,7 @@ from workers.store.rows import one_or_not_found
 
 MAX_REPLICAS = 10_000
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_KEY_RE = re.compile(rf"^{guest_env.NAME_RE.pattern}$")
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,253}$")
 
 # The seed's labels and the spec field each one fills.
@@ -72,6 +73,9 @@ def parse_pairs(items: list[str] | None, what: str) -> dict[str, str]:
             raise InputError(f"malformed {what} {item!r}: expected KEY=VALUE")
         if not value.isprintable():
             raise InputError(f"malformed {what} {key!r}: value has non-printable characters")
+        reason = guest_env.refusal(key, value) if what == "env" else None
+        if reason is not None:
+            raise InputError(f"env {reason}")
         pairs[key] = value
     return pairs
 
@@ -125,6 +129,16 @@ class FunctionSpec(BaseModel):
             raise ValueError(f"unknown placement policy {value!r}; use one of {choices}")
         return value
 
+    @field_validator("kernel_args")
+    @classmethod
+    def _kernel_env(cls, value: str | None) -> str | None:
+        """The ``--env=K=V`` tokens of kernel args reach the guest too: the same rule."""
+        try:
+            guest_env.check(guest_env.parse_env_args(value or ""))
+        except ValueError as exc:
+            raise ValueError(f"--env in kernel args: {exc}") from None
+        return value
+
     @field_validator("labels", "env")
     @classmethod
     def _pairs(cls, value: dict[str, str], info: Any) -> dict[str, str]:
@@ -158,7 +172,7 @@ def _one_line(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "spec"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         parts.append(f"{loc}: {msg}")

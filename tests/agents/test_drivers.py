@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import time
@@ -38,10 +39,12 @@ def test_env_comes_from_kernel_args_and_explicit_env_wins() -> None:
 
 
 def test_resolve_command_runs_only_allowed_modules() -> None:
-    assert resolve_command("hello") == ([sys.executable, "-m", "examples.hello"], True)
+    # the second item: where the guest imports the module from (its PYTHONPATH)
+    root = str(Path(__file__).resolve().parents[2])
+    assert resolve_command("hello") == ([sys.executable, "-m", "examples.hello"], root)
     assert resolve_command("examples.echo:latest")[0][-1] == "examples.echo"
     assert resolve_command("json.tool", ["json.tool"]) == (
-        [sys.executable, "-m", "json.tool"], False)
+        [sys.executable, "-m", "json.tool"], str(Path(json.__file__).resolve().parents[1]))
     for bad in ("", "sleep 5", "sh -c 'touch /tmp/x'", "no-such-binary-xyz", "'unterminated",
                 "json.tool", "examples.nope", "/bin/sh", "hello; true"):
         with pytest.raises(ImageNotFound):
