@@ -9,9 +9,15 @@ given back to the store. Several gateways may serve one control plane: everythin
 they share lives in the store (claims, cold-start waiters) and in Redis (the demand
 signal the autoscaler reads).
 
-* :mod:`workers.gateway.proxy` - one request, step by step, and its error answers;
+* :mod:`workers.gateway.proxy` - the request flow: one request, step by step, and its
+  error answers (:mod:`workers.gateway.asgi`: the ASGI types and the gateway's answers);
+* :mod:`workers.gateway.catalog` - each function's limit (cached) and admission gate;
 * :mod:`workers.gateway.admission` - per-function concurrency limit and bounded queue;
-* :mod:`workers.gateway.pool` - the claims the gateway holds between requests;
+* :mod:`workers.gateway.ledger` - the claims the gateway holds: taking one (cold start
+  included), giving it back, retiring a failed replica, renewal and the keep window;
+* :mod:`workers.gateway.pool` - one function's idle claims and the requests waiting;
+* :mod:`workers.gateway.upstream` - the replicas' side: clients, header rules, relay;
+* :mod:`workers.gateway.background` - store calls in threads, tracked background tasks;
 * :mod:`workers.gateway.metrics` - the Prometheus metrics served at ``/metrics``;
 * :mod:`workers.gateway.app` - the ASGI app, demand reports, listening rules, uvicorn.
 """

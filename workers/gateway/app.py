@@ -39,7 +39,8 @@ from agents.runtime import join_hostport, listen_address
 from config.settings import Settings
 from workers.autoscale import demand
 from workers.errors import CorralError
-from workers.gateway.proxy import PREFIX, Gateway, Producer, Receive, Scope, Send
+from workers.gateway.asgi import Receive, Scope, Send
+from workers.gateway.proxy import PREFIX, Gateway, Producer
 from workers.store.db import Database, get_database
 
 log = logging.getLogger(__name__)
@@ -118,12 +119,13 @@ class GatewayApp:
             while True:
                 await asyncio.sleep(interval)
                 now = time.monotonic()
-                samples = {name: gate.sample() for name, gate in self.gateway.gates.items()
+                samples = {name: gate.sample() for name, gate in self.gateway.catalog.gates.items()
                            if gate.active or gate.queued or now - gate.last_used < ACTIVE_S}
                 if not samples:
                     continue
                 try:
-                    await self.gateway.store(demand.report, client, self.gateway_id, samples)
+                    await self.gateway.background.store(demand.report, client, self.gateway_id,
+                                                        samples)
                 except Exception as exc:  # Redis away: the next interval tries again
                     log.warning("gateway: demand report failed: %s", exc)
         finally:

@@ -20,7 +20,7 @@ it runs, so requests arriving meanwhile wait for it instead of making their own)
   build) never go back to the pool: :meth:`Pool.drop_replica` takes the idle ones
   out at once, and one in use is given back when its request ends.
 
-The gateway (:class:`workers.gateway.proxy.Gateway`) renews every claim it holds,
+The gateway's ledger (:class:`workers.gateway.ledger.Ledger`) renews every claim it holds,
 idle or in use, in one store call per interval, and gives them all back when it
 stops; a gateway that dies leaves leases that expire by themselves.
 

@@ -45,7 +45,7 @@ def test_a_second_request_reuses_the_held_claim_without_a_new_claim_row(stack: S
         assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
     (again,) = _rows(stack)
     assert (again.id, again.created_at) == (first.id, first.created_at)  # the same claim row
-    assert set(gw.app.gateway.held) == {first.id}
+    assert set(gw.app.gateway.ledger.held) == {first.id}
     (replica,) = stack.replicas("hello")
     assert (replica.status, replica.envs_in_use) == (ReplicaState.ALLOCATED, 1)
     # Held but idle is not demand: the autoscaler sees nothing in flight.
@@ -71,13 +71,13 @@ def test_the_keep_window_gives_unused_environments_back(stack: Stack) -> None:
         assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
         kept = {c.id for c in _rows(stack)}
         time.sleep(0.3)
-    assert len(kept) == 1 and kept <= set(gw.app.gateway.held)
+    assert len(kept) == 1 and kept <= set(gw.app.gateway.ledger.held)
     waited = stack.settled(10)
     assert waited > 0.3  # the last one was kept a while...
     (replica,) = stack.replicas("echo")  # ...then given back: idle, its idle clock running
     assert (replica.status, replica.envs_in_use) == (ReplicaState.IDLE, 0)
     assert replica.idle_since is not None and replica.reap_at is not None
-    assert gw.app.gateway.held == {}
+    assert gw.app.gateway.ledger.held == {}
 
 
 def test_held_claims_are_renewed_past_their_ttl_in_use_and_idle(stack: Stack) -> None:
@@ -129,8 +129,8 @@ def test_a_failed_replica_leaves_the_pool_with_all_its_claims(stack: Stack) -> N
     while any(c.replica_id == bad.id for c in _rows(stack)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [c for c in _rows(stack) if c.replica_id == bad.id] == []
-    assert [c.replica_id for c in gw.app.gateway.held.values()] != []
-    assert all(c.replica_id != bad.id for c in gw.app.gateway.held.values())
+    assert [c.replica_id for c in gw.app.gateway.ledger.held.values()] != []
+    assert all(c.replica_id != bad.id for c in gw.app.gateway.ledger.held.values())
 
 
 def test_a_replica_retired_elsewhere_leaves_the_pool_at_the_next_renewal(stack: Stack) -> None:
@@ -143,9 +143,9 @@ def test_a_replica_retired_elsewhere_leaves_the_pool_at_the_next_renewal(stack: 
     assert other["replica_id"] == replica.id
     api.suspect(other["claim_id"], "suspect: seen failing elsewhere")  # ...who retires it
     deadline = time.monotonic() + 10
-    while gw.app.gateway.held and time.monotonic() < deadline:
+    while gw.app.gateway.ledger.held and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gw.app.gateway.held == {}  # renewal (every 0.5 s) saw it Deleting or gone: dropped
+    assert gw.app.gateway.ledger.held == {}  # renewal (every 0.5 s) saw it Deleting or gone
     answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)
     assert answer.status_code == 200
     assert answer.headers["x-reflect-vmid"] != first.headers["x-reflect-vmid"]

@@ -1,0 +1,309 @@
+"""The claims one gateway holds: who holds which environment, and when it goes back.
+
+Every environment a request is served in is a claim (:mod:`workers.replicas.claims`:
+a lease on one execution environment of one replica). The ledger is the gateway's
+book of them:
+
+* :attr:`Ledger.held` - every claim this gateway holds, idle or in use;
+* :attr:`Ledger.pools` - per function, the idle ones and the requests waiting for one
+  (:class:`workers.gateway.pool.Pool`);
+* claims in use that must not go back to their pool when their request ends: their
+  replica was retired or is unusable (given back to the store), or the store no longer
+  has them (forgotten).
+
+:meth:`Ledger.acquire` finds an environment for one request: an idle claim of the
+function's pool (no store call at all); else one store call claims an environment for
+every request of the function waiting in this gateway
+(:func:`workers.replicas.claims.claim_many`); if the store has none Idle, each waiting
+request runs a :class:`workers.replicas.claims.ClaimAttempt` (a cold start shared with
+every other waiter of the function, in this gateway or another; a spawn refused at the
+function's max waits for a release), and an environment another request returns
+meanwhile serves it first. It raises :class:`workers.errors.NotFound` for a function
+the store does not know and :class:`workers.replicas.claims.NoIdleReplica` when nothing
+is ready within the cold-start timeout.
+
+:meth:`Ledger.give_back` ends a request's use of a claim: back to the pool (kept for
+``CORRAL_GATEWAY_KEEP_S``), or to the store. :meth:`Ledger.retire` gives back a
+claim whose replica failed and has the replica deleted as *suspect*
+(:func:`tasks.api.suspect`), with every other claim this gateway holds on it.
+:meth:`Ledger.maintain` runs for the gateway's life: it gives back claims unused for
+the keep window and renews every claim held (each is a lease of
+``CORRAL_GATEWAY_CLAIM_TTL_S``), so a gateway that dies leaves leases that expire by
+themselves. :meth:`Ledger.close` gives every claim back.
+
+Everything here runs on the gateway's event loop (store calls in its threads): no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from config.settings import Settings
+from workers.errors import CorralError
+from workers.gateway.background import Background
+from workers.gateway.pool import Pool
+from workers.replicas import claims
+from workers.replicas.claims import ClaimAttempt, Claimed, NoIdleReplica
+from workers.store.db import Database
+
+log = logging.getLogger(__name__)
+
+CLAIM_BATCH = 16  # environments one store call claims at most
+RENEW_MAX_S = 2.0  # held claims are renewed (and checked) at least this often
+
+
+class Producer(Protocol):
+    """What the gateway asks of the producer API; the ``tasks.api`` module is one.
+
+    The gateway sits below ``tasks`` (it is logic, in ``workers``), so the command that
+    starts it hands it the producer API instead of the gateway importing it.
+    """
+
+    def spawn(self, function: str, count: int = 1, *, settings: Settings | None = None) -> str:
+        """Ask for ``count`` new replicas of ``function``; the operation id."""
+        ...
+
+    def suspect(self, claim_id: str, reason: str, *,
+                settings: Settings | None = None) -> str | None:
+        """Give back a claim and retire its replica as suspect; the delete's operation id."""
+        ...
+
+
+class Ledger:
+    """Every claim this gateway holds, the function pools, and their upkeep."""
+
+    def __init__(self, db: Database, settings: Settings, producer: Producer,
+                 background: Background,
+                 on_cold_start: Callable[[str, float], None] | None = None) -> None:
+        self.db = db
+        self.settings = settings
+        self.producer = producer
+        self.background = background
+        self.on_cold_start = on_cold_start
+        self.held: dict[str, Claimed] = {}
+        self.pools: dict[str, Pool] = {}
+        # Claims in use that must not go back to their pool: True = release them when
+        # their request ends (replica retired or unusable), False = forget them (the
+        # store no longer has them).
+        self._unpooled: dict[str, bool] = {}
+
+    def pool(self, name: str) -> Pool:
+        """The function's pool (made on first use)."""
+        pool = self.pools.get(name)
+        if pool is None:
+            pool = self.pools[name] = Pool()
+        return pool
+
+    # -- taking an environment --------------------------------------------------------------
+
+    async def acquire(self, name: str) -> Claimed:
+        """An environment for one request: from the pool, else the store (cold start included)."""
+        pool = self.pool(name)
+        got = pool.take()
+        if got is not None:
+            return got
+        place = pool.wait()
+        try:
+            while not place.done():
+                refill = pool.refilling or self._refill(pool, name)
+                both: set[asyncio.Future[Any]] = {place, refill}
+                await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+                if not place.done() and refill.done() and not refill.result():
+                    return await self._claim_or_wait(name, place)  # nothing Idle in the store
+            return place.result()
+        except BaseException:
+            mine = pool.unwait(place)
+            if mine is not None:
+                self.give_back(mine)
+            raise
+        finally:
+            pool.unwait(place)
+
+    def _refill(self, pool: Pool, name: str) -> asyncio.Future[bool]:
+        """One store call claiming an environment for each request in line; True: got them all."""
+        count = max(1, min(CLAIM_BATCH, pool.wanted))
+
+        async def run() -> bool:
+            try:
+                got = await self.background.store(lambda: claims.claim_many(
+                    self.db, self.settings, name, count,
+                    ttl_s=self.settings.gateway_claim_ttl_s))
+            except NoIdleReplica:
+                got = []
+            finally:
+                pool.refilling = None
+            for claimed in got:
+                self._adopt(claimed)
+            return len(got) >= count
+
+        task = self.background.soon(run())
+        pool.refilling = task
+        return task
+
+    async def _claim_or_wait(self, name: str, place: asyncio.Future[Claimed]) -> Claimed:
+        """Claim through the store (a cold start if need be) unless the pool serves us first."""
+        work = self.background.soon(self._claim(name))
+        try:
+            both: set[asyncio.Future[Any]] = {place, work}
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()  # a claim it still makes goes to the pool
+            raise
+        if not place.done():
+            return work.result()
+        if not work.done():
+            work.cancel()
+        elif not work.cancelled() and work.exception() is None:
+            self.give_back(work.result())  # both at once: the spare one goes to the pool
+        return place.result()
+
+    async def _claim(self, name: str) -> Claimed:
+        """One request's claim attempt, cold start included, step by step in the threads."""
+        settings = self.settings
+        attempt = ClaimAttempt(
+            self.db, settings, name,
+            cold_start_timeout=settings.gateway_cold_start_timeout_s,
+            ttl_s=settings.gateway_claim_ttl_s,
+            spawn=lambda fn: self.producer.spawn(fn, 1, settings=settings), wait_at_max=True,
+        )
+        cold = False
+        got: Claimed | float | None = None
+        try:
+            while True:
+                got = await self._step(attempt)
+                if isinstance(got, Claimed):
+                    self.held[got.claim_id] = got
+                    if cold and self.on_cold_start is not None:
+                        self.on_cold_start(name, attempt.waited_s)
+                    return got
+                cold = True
+                await asyncio.sleep(got)
+        finally:
+            if attempt.waiting:
+                try:
+                    await self.background.shielded(attempt.close)
+                except asyncio.CancelledError:
+                    if isinstance(got, Claimed):  # cancelled with a claim in hand: keep it
+                        self.give_back(got)
+                    raise
+
+    async def _step(self, attempt: ClaimAttempt) -> Claimed | float:
+        """One claim step; a claim it makes after this request was cancelled goes to the pool."""
+        step = asyncio.ensure_future(self.background.store(attempt.step))
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            def orphan(done: asyncio.Future[Claimed | float]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    got = done.result()
+                    if isinstance(got, Claimed):
+                        self._adopt(got)
+
+            step.add_done_callback(orphan)
+            raise
+
+    def _adopt(self, claimed: Claimed) -> None:
+        """A claim this gateway got from the store: hold it and put it in its pool."""
+        self.held[claimed.claim_id] = claimed
+        self.pool(claimed.function).give(claimed)
+
+    # -- giving it back ---------------------------------------------------------------------
+
+    def give_back(self, claimed: Claimed) -> None:
+        """A request is done with its environment: back to the pool, or released."""
+        discard = self._unpooled.pop(claimed.claim_id, None)
+        if claimed.claim_id not in self.held:
+            return  # given back already (shutdown)
+        if discard is False:
+            del self.held[claimed.claim_id]  # the store no longer has it
+            return
+        pool = self.pool(claimed.function)
+        if discard or (self.settings.gateway_keep_s <= 0 and not pool.wanted):
+            self._release_soon([claimed])
+        else:
+            pool.give(claimed)
+
+    async def retire(self, claimed: Claimed, reason: str) -> None:
+        """Give back a failed replica's claim and delete the replica; drop its other claims."""
+        log.warning("gateway: replica %s of %s is suspect: %s", claimed.replica_id,
+                    claimed.function, reason)
+        self.held.pop(claimed.claim_id, None)
+        self._unpooled.pop(claimed.claim_id, None)
+        self._release_soon(self.pool(claimed.function).drop_replica(claimed.replica_id))
+        for other in self.held.values():  # in use: given back when their requests end
+            if other.replica_id == claimed.replica_id:
+                self._unpooled[other.claim_id] = True
+        try:
+            await self.background.shielded(self.producer.suspect, claimed.claim_id,
+                                           f"suspect: {reason}", settings=self.settings)
+        except CorralError as exc:  # the broker is down: the stuck sweep finishes the delete
+            log.warning("gateway: could not queue the delete of %s: %s", claimed.replica_id, exc)
+
+    def _release_soon(self, released: list[Claimed]) -> None:
+        """Stop holding these claims and give them back to the store in the background."""
+        for claimed in released:
+            self.held.pop(claimed.claim_id, None)
+        ids = [c.claim_id for c in released]
+        if ids:
+            self.background.soon(self._release_ids(ids))
+
+    async def _release_ids(self, ids: list[str]) -> None:
+        try:
+            await self.background.store(claims.release_many, self.db, self.settings, ids)
+        except Exception as exc:  # the store is away: the leases expire by themselves
+            log.warning("gateway: could not give back %d claims: %s", len(ids), exc)
+
+    # -- upkeep -----------------------------------------------------------------------------
+
+    async def maintain(self) -> None:
+        """Forever: give back claims unused for the keep window; renew the rest in time."""
+        keep = self.settings.gateway_keep_s
+        ttl = self.settings.gateway_claim_ttl_s
+        renew_every = min(ttl / 3, RENEW_MAX_S)
+        tick = min(renew_every, max(0.05, keep / 2)) if keep > 0 else renew_every
+        renew_at = time.monotonic() + renew_every
+        while True:
+            await asyncio.sleep(tick)
+            self._release_soon([c for pool in self.pools.values() for c in pool.expired(keep)])
+            if time.monotonic() < renew_at or not self.held:
+                continue
+            renew_at = time.monotonic() + renew_every
+            ids = list(self.held)
+            try:
+                usable = await self.background.store(claims.renew, self.db, ids, ttl)
+            except Exception as exc:  # the store is away: try again next tick
+                log.warning("gateway: could not renew %d claims: %s", len(ids), exc)
+                renew_at = time.monotonic()
+                continue
+            self._apply_renewal(ids, usable)
+
+    def _apply_renewal(self, ids: list[str], usable: dict[str, bool]) -> None:
+        """Drop claims the store no longer has; give back those of unusable replicas."""
+        gone = {cid for cid in ids if cid not in usable and cid in self.held}
+        bad = {cid for cid, ok in usable.items() if not ok and cid in self.held}
+        for pool in self.pools.values():
+            for claimed in pool.drop(gone):
+                del self.held[claimed.claim_id]
+            self._release_soon(pool.drop(bad))
+        for cid in gone & self.held.keys():  # in use: forget them when their request ends
+            self._unpooled[cid] = False
+        for cid in bad & self.held.keys():  # in use: give them back when their request ends
+            self._unpooled[cid] = True
+        if gone:
+            log.warning("gateway: %d held claims were given back behind its back", len(gone))
+
+    async def close(self) -> None:
+        """Give back every claim held (the store away: their leases expire by themselves)."""
+        for pool in self.pools.values():
+            pool.drain()
+        if not self.held:
+            return
+        held, self.held = list(self.held), {}
+        try:
+            await self.background.store(claims.release_many, self.db, self.settings, held)
+        except Exception as exc:
+            log.warning("gateway: could not give back %d claims at shutdown: %s", len(held), exc)
