@@ -16,7 +16,7 @@ so ``wait`` returns at once and ``corral ops`` shows the cause. The exception
 is then re-raised for Celery to log. A transient database error
 (:func:`~workers.store.db.is_transient`: a deadlock, serialization failure,
 lock or statement timeout, lost connection, server shutdown) is first retried
-with :meth:`CorralTask.backoff` within the task's retry budget
+after :func:`backoff_s` (exponential, equal jitter) within the task's retry budget
 (``CORRAL_RETRY_MAX``), the whole task again: tasks are idempotent and the
 failed transaction was rolled back.
 
@@ -153,10 +153,23 @@ class CorralTask(Task):  # type: ignore[misc]
             raise self.retry(exc=exc, countdown=self.backoff(), max_retries=most) from None
 
     def backoff(self) -> float:
-        """Seconds before the next retry: exponential, capped, with full jitter."""
-        s = self.settings
-        ceiling = min(s.retry_backoff_max_s, s.retry_backoff_s * (2**self.request.retries))
-        return random.uniform(ceiling / 2, ceiling)
+        """Seconds before the next retry: exponential, capped, with equal jitter."""
+        return backoff_s(self.settings, self.request.retries)
+
+
+def backoff_s(settings: Settings, retries: int) -> float:
+    """Seconds to wait before retry ``retries + 1``: exponential, capped, equal jitter.
+
+    The ceiling is ``CORRAL_RETRY_BACKOFF_S`` doubled per retry already made, at most
+    ``CORRAL_RETRY_BACKOFF_MAX_S``; the wait is drawn between half the ceiling and all of
+    it (*equal* jitter). Not full jitter (zero to the ceiling): a task's retries are the
+    time an agent that is down, or a lock holder, has to come back, and full jitter
+    could spend the whole budget in a fraction of a second. With the defaults (0.5 s,
+    five retries) the waits add up to at least 7.75 s; half of each is still random, so
+    the retries of calls that failed together spread out.
+    """
+    ceiling = min(settings.retry_backoff_max_s, settings.retry_backoff_s * (2**retries))
+    return random.uniform(ceiling / 2, ceiling)
 
 
 class FaultInjected(RuntimeError):

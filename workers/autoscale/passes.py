@@ -10,8 +10,10 @@ open), the summed demand of every gateway (:func:`workers.autoscale.demand.read`
 function's window state, runs :func:`workers.autoscale.decision.decide`, stores the new
 state, and - when the target moves and no scale of that function is still open -
 asks for an ordinary ``scale`` operation (also when the target stands but fewer
-replicas exist: the reaper took some, or spawns failed) through ``scale`` (the task passes
-:func:`tasks.api.scale`), so every change shows in ``corral ops`` and Flower.
+replicas exist: the reaper took some, or spawns failed) through the ``scale`` callable
+the ``corral.autoscale`` task passes in (:func:`workers.dispatch.submit` of
+:func:`workers.replicas.requests.request_scale`), so every change shows in ``corral ops``
+and Flower.
 
 Where the window state lives, and why
 -------------------------------------

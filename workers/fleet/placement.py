@@ -28,11 +28,11 @@ ends, and a replica moved off a failing node names that node in ``avoid``.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CursorResult, bindparam, func, or_, select, update
+from sqlalchemy import ColumnElement, CursorResult, bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -188,14 +188,26 @@ def reserve_nodes(session: Session, fn: Function, n: int) -> list[Node]:
     return chosen
 
 
+# The one statement that gives node slots back: ``n`` on a node, never below zero. A
+# replica's final transition frees one, a batch of retired replicas one count per node.
+_FREE_SLOTS = (
+    update(Node)
+    .where(Node.id == bindparam("node_id"))
+    .values(live=case((Node.live >= bindparam("n"), Node.live - bindparam("n")), else_=0))
+    .execution_options(synchronize_session=False)
+)
+
+
+def free_nodes(session: Session, slots: Mapping[str, int]) -> None:
+    """Give back slots on nodes: node id -> how many, in one statement."""
+    if slots:
+        session.connection().execute(
+            _FREE_SLOTS, [{"node_id": node_id, "n": n} for node_id, n in slots.items()])
+
+
 def free_node(session: Session, node_id: str) -> None:
     """Give back one slot on a node."""
-    session.execute(
-        update(Node)
-        .where(Node.id == node_id, Node.live > 0)
-        .values(live=Node.live - 1)
-        .execution_options(synchronize_session=False)
-    )
+    free_nodes(session, {node_id: 1})
 
 
 @dataclass(frozen=True)

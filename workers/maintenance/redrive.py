@@ -13,8 +13,8 @@ No worker will run it, and its operation would stay open for ever.
 So an open operation records when it last moved (``progress_at``: created, its
 first task ran, a part settled). Each reap pass calls :func:`due`, which takes
 the open operations that have not moved for ``CORRAL_REDRIVE_AFTER_S`` (doubled
-after every re-send), stamps them as re-sent, and returns them; the caller sends
-each one's first task again (``tasks.api.resend``). If the first message was
+after every re-send), stamps them as re-sent, and returns them; the reap task sends
+each one's first task again (:func:`workers.dispatch.resend`). If the first message was
 only late, the second delivery finds the work done and does nothing more.
 
 Only kinds whose first task is safe to repeat are passed in (not CPU hogs: a

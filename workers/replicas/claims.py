@@ -26,12 +26,13 @@ environment back - so it is given back at most once, whoever comes first:
 
 Each takes the replica's row lock first and deletes the claim row second, so
 concurrent releases, expiries and FINISHED reports of one claim serialise on the
-replica and only the first finds the row. All of them change the
-status only through :func:`workers.replicas.lifecycle.transition`, which keeps the idle
-clock: a replica whose last environment is released becomes idle *since that
-moment* (``idle_since = last_used_at``) and gets its ``reap_at``; a replica that
-takes a request is busy, with no ``idle_since`` and no ``reap_at``, so the reaper
-cannot see it.
+replica and only the first finds the row. Taking an environment and giving one
+back are one statement each on the hot path (``_TAKE``, :func:`release`), doing what
+:func:`workers.replicas.lifecycle.transition` would (expiry, FINISHED, and a release
+whose replica an operation waits on go through it): a replica whose last environment
+is released becomes idle *since that moment* (``idle_since = last_used_at``) and gets
+its ``reap_at``; a replica that takes a request is busy, with no ``idle_since`` and no
+``reap_at``, so the reaper cannot see it.
 
 Two claims never get the same environment. On PostgreSQL the candidate row is
 picked with ``SELECT ... FOR UPDATE SKIP LOCKED LIMIT 1`` on the

@@ -1,7 +1,7 @@
 """Replica state transitions, and the bookkeeping that rides on them.
 
-Every change of a replica's status goes through :func:`transition`, on a row
-locked for the transaction (:func:`lock_replica`). It is the one place that:
+:func:`transition` moves one replica, on a row locked for the transaction
+(:func:`lock_replica`), and is the reference for what a move must do. It:
 
 * gives back the node slot and GPU reservation when a replica reaches a final
   state (Dead or Deleted) - exactly once, because a final state is never left -
@@ -15,17 +15,27 @@ locked for the transaction (:func:`lock_replica`). It is the one place that:
   replica reaches Idle, Allocated, Dead or Deleted, that operation counts one
   more done or failed, and finishes when all its parts have.
 
-Three moves have a second, faster form for the batch paths, each a few
-statements for a whole batch instead of a flush per replica, doing exactly the
-bookkeeping :func:`transition` would (the tests check they give the same rows):
+The hot paths do not go through it. Each moves a whole batch (or one claim) in a
+few statements instead of a flush per replica, doing the same bookkeeping:
 
 * :func:`arrive` - a Creating replica gets its VM: one conditional ``UPDATE``
   that stamps the same clocks and settles the same operation;
 * :func:`mark_deleting` - Idle replicas become Deleting: one ``UPDATE`` for the
   rows and one per function for its count;
 * :func:`retire_deleting` - Deleting replicas become Deleted (or Dead with their
-  error): the rows, one ``UPDATE`` per node for its slots, one per operation.
-  Replicas holding a GPU go through :func:`transition`.
+  error): the rows, one ``UPDATE`` for the node slots
+  (:func:`workers.fleet.placement.free_nodes`), one per operation. Replicas
+  holding a GPU go through :func:`transition`;
+* :mod:`workers.replicas.claims` - taking an environment (Idle -> Idle or
+  Allocated) and giving one back (-> Idle) are one statement each; a release
+  whose replica an operation waits on goes through :func:`transition`;
+* a spawn's rows past the function's max are inserted Dead
+  (:mod:`workers.replicas.actions`): never counted and never placed, they hold
+  nothing to give back, and their part of the operation is settled failed.
+
+``tests/workers/replicas/test_lifecycle.py`` checks that :func:`arrive`,
+:func:`mark_deleting` and :func:`retire_deleting` leave the same rows, counters
+and operation counts as :func:`transition`, on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -35,13 +45,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, case, delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.orm import Session, lazyload
 from sqlalchemy.orm.attributes import set_committed_value
 
 from config.settings import Settings
 from workers.clock import now
-from workers.fleet.placement import free_gpu, free_node
+from workers.fleet.placement import free_gpu, free_node, free_nodes
 from workers.locks import lock_gpus
 from workers.operations import settle
 from workers.store.models import (
@@ -286,12 +296,6 @@ _RETIRE = (
             operation_id=None)
     .execution_options(synchronize_session=False)
 )
-_FREE_NODE_SLOTS = (
-    update(Node)
-    .where(Node.id == bindparam("node_id"))
-    .values(live=case((Node.live >= bindparam("n"), Node.live - bindparam("n")), else_=0))
-    .execution_options(synchronize_session=False)
-)
 
 
 def retire_deleting(
@@ -355,9 +359,7 @@ class _Retiring:
         if self.claimed:  # claims end with their replica, as in transition
             session.execute(delete(Claim).where(Claim.replica_id.in_(self.claimed))
                             .execution_options(synchronize_session=False))
-        if self.slots:
-            session.connection().execute(_FREE_NODE_SLOTS, [
-                {"node_id": node_id, "n": n} for node_id, n in self.slots.items()])
+        free_nodes(session, self.slots)
         for op_id, n in self.settled.items():
             settle(session, op_id, ok=True, n=n)
         for op_id, error in self.failed:

@@ -7,8 +7,9 @@ on its node (``nodes.live``) and, for GPU functions, memory and a worker slot on
 one GPU (``gpus.mem_free_mb`` / ``gpus.slots_free``) exactly while it is *live*
 (any state but Dead and Deleted), and counts toward its function's
 ``replica_count`` (capped at ``max_replicas``) while it is Creating, Starting,
-Idle or Allocated; :func:`workers.replicas.lifecycle.transition` is the one place that
-moves these counters. Counters are guarded in the database by CHECK
+Idle or Allocated; :mod:`workers.replicas.lifecycle` moves these counters in the
+transaction of every state change (:func:`~workers.replicas.lifecycle.transition`, and the
+batch paths it lists). Counters are guarded in the database by CHECK
 constraints and changed only by conditional UPDATEs, so no interleaving of
 workers can over-commit a node or a GPU.
 
