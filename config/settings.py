@@ -202,6 +202,8 @@ class _Autoscale(BaseModel):
     """Panic (never scale down) when the panic window asks for this many x the ready replicas."""
     autoscale_max_scale_up_rate: float = Field(10.0, ge=1)
     """One pass raises a target to at most this many times the ready replicas."""
+    autoscale_max_scale_down_rate: float = Field(2.0, gt=1)
+    """One pass lowers a target to no less than the ready replicas / this (2: halve)."""
     autoscale_demand_stale_s: Seconds = 10.0
     """A gateway's demand sample older than this is ignored (the gateway is gone)."""
 

@@ -21,16 +21,31 @@ The model (Knative's, with corral's units)
 * **Scale-up rate**: one pass raises the target to at most
   ``max_scale_up_rate`` x the ready replicas (at least 1 counted), never lower
   than the current target: a burst cannot ask for a thousand VMs off one sample.
+* **Scale-down rate**: one pass lowers the target to no less than the ready
+  replicas divided by ``max_scale_down_rate`` (Knative's default 2.0: at most
+  halve per pass), so a function with 10 ready replicas goes 10, 5, 2, 1 and
+  not 10, 1; one replica ready (or none) may still go to zero.
 * **Panic mode**: the *panic window* (6 s) averages the recent samples; when
   that asks for at least ``panic_threshold`` (2) x the ready replicas, the
-  function panics. While panicking the target never goes down; panic ends once a
+  function panics. While panicking the target never goes down (it stays at least
+  the current target and the largest the panic asked for); panic ends once a
   whole stable window has passed without crossing the threshold again.
+* **Lost state**: the window lives in Redis between passes and can be lost (it
+  expired while beat was down, Redis lost it, it is malformed), or hold nothing
+  recent enough to count. A window with no sample inside the stable window is
+  *fresh*, and one sample is no basis for a scale-down: like a new Knative
+  autoscaler, a fresh window with more than one replica ready starts in panic
+  mode with the ready replicas as the floor, so the function keeps what it has
+  for a stable window while the history fills again (it still scales up at
+  once).
 * **Bounds**: the result is clamped to ``[floor, max]``. The floor is the
   function's min, raised to 1 unless the function may go to zero: it has a
   ``scale_to_zero_after_s`` and no request arrived in that long (the newest
   request at any gateway, or since the autoscaler first saw it if none ever
   did). Demand still in flight keeps the stable window above zero, so a long
-  request is never scaled away under.
+  request is never scaled away under. A function already at zero (its target
+  0, nothing running) stays there until demand arrives: a lost request clock
+  does not wake it.
 """
 
 from __future__ import annotations
@@ -54,6 +69,7 @@ class Policy:
     panic_window_s: float = 6.0
     panic_threshold: float = 2.0
     max_scale_up_rate: float = 10.0
+    max_scale_down_rate: float = 2.0
 
     @classmethod
     def from_settings(cls, settings: Any) -> Policy:
@@ -64,6 +80,7 @@ class Policy:
             panic_window_s=settings.autoscale_panic_window_s,
             panic_threshold=settings.autoscale_panic_threshold,
             max_scale_up_rate=settings.autoscale_max_scale_up_rate,
+            max_scale_down_rate=settings.autoscale_max_scale_down_rate,
         )
 
 
@@ -78,6 +95,7 @@ class Facts:
     target: int  # the target now (the last scale's, or the replica count if never scaled)
     scale_to_zero_after_s: float | None = None
     counted: int | None = None  # replicas Creating, Starting, Idle or Allocated (None: target)
+    at_zero: bool = False  # scaled to zero (target 0) and nothing counted: parked
 
 
 @dataclass(frozen=True)
@@ -96,11 +114,12 @@ class Window:
     samples: list[tuple[float, float]] = field(default_factory=list)  # (at, demand), oldest first
     panic_since: float | None = None  # when the threshold was last crossed, while panicking
     first_seen: float | None = None  # the first pass that saw this function
+    panic_pods: int = 0  # while panicking: the most replicas the panic asked for (the floor)
 
     def to_json(self) -> str:
         """The state as a JSON document (kept in Redis between passes)."""
         return json.dumps({"samples": self.samples, "panic_since": self.panic_since,
-                           "first_seen": self.first_seen})
+                           "first_seen": self.first_seen, "panic_pods": self.panic_pods})
 
     @classmethod
     def from_json(cls, raw: str | bytes | None) -> Window:
@@ -109,13 +128,24 @@ class Window:
             return cls()
         try:
             data = json.loads(raw)
-            samples = [(float(a), float(d)) for a, d in data.get("samples", [])]
+            samples = [(_finite(a), _finite(d)) for a, d in data.get("samples", [])]
             panic = data.get("panic_since")
             first = data.get("first_seen")
-            return cls(samples, None if panic is None else float(panic),
-                       None if first is None else float(first))
+            pods = data.get("panic_pods", 0)
+            if isinstance(pods, bool) or not isinstance(pods, int) or pods < 0:
+                raise ValueError(f"panic_pods {pods!r}")
+            return cls(samples, None if panic is None else _finite(panic),
+                       None if first is None else _finite(first), pods)
         except (ValueError, TypeError, AttributeError):
             return cls()
+
+
+def _finite(value: Any) -> float:
+    """``value`` as a finite float, else ValueError (JSON may say NaN or Infinity)."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"not a finite number: {value!r}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -128,11 +158,14 @@ class Decision:
     panicking: bool
     floor: int  # the lower bound applied (min, 1, or 0 when allowed to go to zero)
     capped: bool  # the scale-up rate limited the rise
+    slowed: bool = False  # the scale-down rate limited the fall
+    fresh: bool = False  # no history: a new or lost window (panic with the ready as floor)
 
     def as_dict(self) -> dict[str, Any]:
         """The decision as plain data (task results, logs)."""
         return {"desired": self.desired, "stable": self.stable, "panic": self.panic,
-                "panicking": self.panicking, "floor": self.floor, "capped": self.capped}
+                "panicking": self.panicking, "floor": self.floor, "capped": self.capped,
+                "slowed": self.slowed, "fresh": self.fresh}
 
 
 def replicas_for(demand: float, exec_envs: int, utilization: float) -> int:
@@ -148,6 +181,7 @@ def decide(policy: Policy, facts: Facts, window: Window, obs: Observation) -> tu
     now = obs.at
     horizon = now - policy.stable_window_s
     samples = [(a, d) for a, d in window.samples if horizon < a <= now]
+    fresh = not samples  # nothing recent to judge by: lost, expired, or new
     samples.append((now, max(0.0, obs.demand)))
     first_seen = window.first_seen if window.first_seen is not None else now
 
@@ -159,16 +193,24 @@ def decide(policy: Policy, facts: Facts, window: Window, obs: Observation) -> tu
     panic = need(sum(recent) / len(recent))
     ready = max(1, facts.ready)
 
-    panic_since = window.panic_since
+    panic_since, panic_pods = window.panic_since, window.panic_pods
+    if fresh and facts.ready > 1:
+        # Knative's new autoscaler: start in panic, the replicas ready now as the floor.
+        panic_since, panic_pods = now, max(panic_pods, facts.ready)
     if panic >= policy.panic_threshold * ready:
         panic_since = now  # enter panic, or stay in it
     elif panic_since is not None and now - panic_since >= policy.stable_window_s:
-        panic_since = None  # a whole stable window without crossing: calm again
+        panic_since, panic_pods = None, 0  # a whole stable window without crossing: calm again
     panicking = panic_since is not None
 
     desired = max(stable, panic)
+    slowed = False
+    least = math.floor(ready / policy.max_scale_down_rate)
+    if desired < least:
+        desired, slowed = least, True  # at most the scale-down rate per pass
     if panicking:
-        desired = max(desired, facts.target)  # never scale down in panic
+        desired = max(desired, facts.target, panic_pods)  # never scale down in panic
+        panic_pods = desired
     capped = False
     if desired > facts.target:
         ceiling = max(facts.target, math.ceil(ready * policy.max_scale_up_rate))
@@ -177,8 +219,8 @@ def decide(policy: Policy, facts: Facts, window: Window, obs: Observation) -> tu
 
     floor = floor_for(facts, first_seen, obs)
     desired = max(floor, min(desired, facts.max_replicas))
-    decision = Decision(desired, stable, panic, panicking, floor, capped)
-    return decision, Window(samples, panic_since, first_seen)
+    decision = Decision(desired, stable, panic, panicking, floor, capped, slowed, fresh)
+    return decision, Window(samples, panic_since, first_seen, panic_pods)
 
 
 def floor_for(facts: Facts, first_seen: float, obs: Observation) -> int:
@@ -186,7 +228,7 @@ def floor_for(facts: Facts, first_seen: float, obs: Observation) -> int:
     floor = facts.min_replicas
     after = facts.scale_to_zero_after_s
     quiet_since = obs.last_request_at if obs.last_request_at is not None else first_seen
-    may_be_zero = after is not None and obs.at - quiet_since >= after
+    may_be_zero = after is not None and (facts.at_zero or obs.at - quiet_since >= after)
     if not may_be_zero:
         floor = max(floor, 1)
     return min(floor, facts.max_replicas)

@@ -21,6 +21,10 @@ Gateways publish only their latest sample, so the history the stable and panic
 windows need exists nowhere else: the pass keeps it in Redis (the broker's
 server), one JSON value per function at ``corral:autoscale:<function id>``,
 written back each pass and expiring after two stable windows without a pass.
+Losing it is survivable: the decision treats a missing, expired or malformed
+window as *fresh* and starts it in panic mode with the ready replicas as the
+floor (never a scale-down on one sample), and a function parked at zero stays
+there until demand comes (:mod:`workers.autoscale.decision`).
 Beat may restart, and the pass runs on whichever worker takes the task: the
 state outlives both. Passes are serialized by a Redis lock
 (``corral:autoscale:lock``, ``SET NX PX`` and a compare-and-delete release);
@@ -124,6 +128,7 @@ def load_facts(db: Database) -> dict[str, tuple[str, decision_mod.Facts, bool]]:
                     target=f.target if f.target is not None else f.replica_count,
                     scale_to_zero_after_s=f.scale_to_zero_after_s,
                     counted=f.replica_count,
+                    at_zero=f.target == 0 and f.replica_count == 0,
                 ),
                 f.id in open_scales,
             )

@@ -1,4 +1,8 @@
-"""The autoscaler's pure decision: windows, panic mode, clamping, the rate cap, zero."""
+"""The autoscaler's pure decision: windows, panic mode, clamping, the rate caps, zero.
+
+Knative's own autoscaler scenarios (lost state, panic, the scale-down rate, scale to
+zero) are in ``test_knative_scenarios.py``.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from workers.autoscale.decision import (
 )
 
 POLICY = Policy(target_utilization=0.7, stable_window_s=60, panic_window_s=6,
-                panic_threshold=2.0, max_scale_up_rate=10)
+                panic_threshold=2.0, max_scale_up_rate=10, max_scale_down_rate=2.0)
 
 
 def facts(**kw: object) -> Facts:
@@ -27,11 +31,15 @@ def facts(**kw: object) -> Facts:
 
 
 class Run:
-    """Feeds observations every ``step`` seconds, tracking the target as a scaler would."""
+    """Feeds observations every ``step`` seconds, tracking the target as a scaler would.
+
+    The autoscaler has been running: the window holds one quiet sample from a panic
+    window before ``start`` (a fresh window is the lost-state case, tested on its own).
+    """
 
     def __init__(self, f: Facts, policy: Policy = POLICY, start: float = 1000.0) -> None:
         self.facts, self.policy, self.now = f, policy, start
-        self.window = Window()
+        self.window = Window([(start - policy.panic_window_s, 0.0)])
         self.last_request: float | None = None
 
     def tick(self, demand: float, dt: float = 2.0, ready: int | None = None) -> Decision:
@@ -68,7 +76,8 @@ def test_scale_down_waits_out_the_stable_window() -> None:
     assert run.tick(7.0).desired == 10
     desired = [run.tick(0.7).desired for _ in range(29)]  # 58 s: the peak is still in window
     assert desired == [10] * 29
-    assert run.tick(0.7).desired == 1  # 60 s after the peak it has left the window
+    # 60 s after the peak it has left the window: down at the scale-down rate (halving)
+    assert [run.tick(0.7).desired for _ in range(4)] == [5, 2, 1, 1]
 
 
 def test_the_stable_window_holds_its_largest_sample() -> None:
@@ -124,7 +133,7 @@ def test_panic_ends_a_stable_window_after_the_last_crossing() -> None:
     assert run.tick(7.0, ready=1).panicking
     states = [run.tick(0.0, ready=10).panicking for _ in range(5)]  # 2, 4, 6, 8, 10 s later
     assert states == [True, True, True, True, False]
-    assert run.tick(0.0, ready=10).desired == 1
+    assert run.tick(0.0, ready=10).desired == 5  # calm: down, at most halving per pass
 
 
 def test_without_scale_to_zero_an_autoscaled_function_keeps_one() -> None:
@@ -171,11 +180,23 @@ def test_samples_older_than_the_window_are_dropped_and_the_state_round_trips() -
     assert len(run.window.samples) == 30  # 60 s of 2 s ticks
     again = Window.from_json(run.window.to_json())
     assert again == run.window
+    panicked = Window([(1.0, 2.0)], 1.0, 0.5, 7)
+    assert Window.from_json(panicked.to_json()) == panicked
 
 
-@pytest.mark.parametrize("raw", [None, b"", b"not json", b"[1,2]", b'{"samples": [[1]]}'])
+@pytest.mark.parametrize("raw", [
+    None, b"", b"not json", b"[1,2]", b'{"samples": [[1]]}', b'{"samples": [[1, NaN]]}',
+    b'{"samples": [[Infinity, 1]]}', b'{"samples": [], "panic_since": "x"}',
+    b'{"samples": [], "panic_pods": -1}', b'{"samples": [], "panic_pods": 1.5}',
+    b'{"samples": [], "panic_pods": true}', b'{"samples": {"a": 1}}',
+])
 def test_a_missing_or_malformed_state_is_a_fresh_window(raw: bytes | None) -> None:
     assert Window.from_json(raw) == Window()
+
+
+def test_a_state_written_before_panic_pods_existed_still_reads() -> None:
+    old = b'{"samples": [[1.0, 2.0]], "panic_since": 1.0, "first_seen": 0.5}'
+    assert Window.from_json(old) == Window([(1.0, 2.0)], 1.0, 0.5, 0)
 
 
 def test_a_clock_that_went_back_discards_future_samples() -> None:

@@ -80,15 +80,17 @@ def test_a_pass_scales_only_autoscaled_functions_and_keeps_its_window_in_redis(
     with env.db.read() as s:
         assert len(s.scalars(select(Operation).where(Operation.kind == "scale")).all()) == 1
 
-    # demand gone: the window (10 s) holds 4 until the peak has left it, then 1 (no zero)
+    # demand gone: the window (10 s) holds 4 until the peak has left it, then down at the
+    # scale-down rate (halving: 2, then 1; no zero without --scale-to-zero-after)
     report(client, "auto", 0.0, t + 4)
     held = run_pass(env.db, env.settings, client, scaler(env), now=t + 4)
     assert held.functions["auto"].decision.desired == 4
-    report(client, "auto", 0.0, t + 12)  # the pass at t + 2 still saw 2.8: 10 s after that
-    down = run_pass(env.db, env.settings, client, scaler(env), now=t + 12)
-    assert down.functions["auto"].action == "scaled"
-    assert down.functions["auto"].decision.desired == 1
-    assert live(env, "auto") == 1
+    for at, want in ((t + 12, 2), (t + 14, 1)):  # the pass at t + 2 still saw 2.8
+        report(client, "auto", 0.0, at)
+        down = run_pass(env.db, env.settings, client, scaler(env), now=at)
+        assert down.functions["auto"].action == "scaled"
+        assert down.functions["auto"].decision.desired == want
+        assert live(env, "auto") == want
 
 
 def test_no_second_scale_while_one_is_open(env: Env, start_agents: StartAgents,
@@ -128,15 +130,22 @@ def test_a_pass_is_skipped_while_another_holds_the_lock(env: Env, redis_url: str
     assert client.get(LOCK_KEY) is None
 
 
-def test_scale_to_zero_after_no_requests(env: Env, start_agents: StartAgents,
-                                         redis_url: str) -> None:
+def one_request(env: Env, start_agents: StartAgents, redis_url: str,
+                after: float) -> tuple[redis.Redis, float]:
+    """A function ``zero`` that may go to zero ``after`` seconds; one pass saw a request."""
     start_agents(1, env=env)
-    fn_deploy(env, "zero", autoscale=True, min=0, max=4, scale_to_zero_after=15)
+    fn_deploy(env, "zero", autoscale=True, min=0, max=4, scale_to_zero_after=after)
     client = redis.Redis.from_url(redis_url)
     t = time.time()
     report(client, "zero", 0.5, t)
     run_pass(env.db, env.settings, client, scaler(env), now=t)
     assert live(env, "zero") == 1
+    return client, t
+
+
+def test_scale_to_zero_after_no_requests(env: Env, start_agents: StartAgents,
+                                         redis_url: str) -> None:
+    client, t = one_request(env, start_agents, redis_url, 15)
     for dt in (2, 6, 12, 14):  # window over after 10 s, but the last request was < 15 s ago
         report(client, "zero", 0.0, t + dt)  # the gateway sees no load (and no requests)
         r = run_pass(env.db, env.settings, client, scaler(env), now=t + dt)
@@ -162,3 +171,50 @@ def test_deploy_options_and_their_bad_input(corral_env: Env) -> None:
         fn_deploy(corral_env, "c", autoscale=True, scale_to_zero_after=-1.0)
     with corral_env.db.read() as s:
         assert [f.name for f in s.scalars(select(Function))] == ["a"]
+
+
+@pytest.mark.parametrize("lose", ["delete", "malformed"])
+def test_a_lost_window_keeps_the_ready_replicas(
+    env: Env, start_agents: StartAgents, redis_url: str, lose: str
+) -> None:
+    start_agents(1, env=env)
+    fn_deploy(env, "auto", autoscale=True, min=0, max=8)
+    client = redis.Redis.from_url(redis_url)
+    t = time.time()
+    report(client, "auto", 2.8, t)
+    assert run_pass(env.db, env.settings, client, scaler(env), now=t).functions[
+        "auto"].decision.desired == 4
+    assert live(env, "auto") == 4
+    with env.db.read() as s:
+        fid = s.scalars(select(Function.id).where(Function.name == "auto")).one()
+    if lose == "delete":  # Redis lost it, or it expired while beat was down
+        client.delete(state_key(fid))
+    else:
+        client.set(state_key(fid), b"\x00garbage")
+    report(client, "auto", 0.5, t + 2)  # momentarily little demand: one sample asks for 1
+    after = run_pass(env.db, env.settings, client, scaler(env), now=t + 2).functions["auto"]
+    assert after.decision.fresh and after.decision.panicking
+    assert after.decision.desired == 4 and after.action == "kept"
+    assert live(env, "auto") == 4
+    kept = client.get(state_key(fid))
+    assert isinstance(kept, bytes) and b'"panic_pods": 4' in kept  # a new window, in panic
+
+
+def test_a_function_at_zero_is_not_woken_when_its_state_is_lost(
+    env: Env, start_agents: StartAgents, redis_url: str
+) -> None:
+    client, t = one_request(env, start_agents, redis_url, 5)
+    report(client, "zero", 0.0, t + 12)
+    gone = run_pass(env.db, env.settings, client, scaler(env), now=t + 12)
+    assert gone.functions["zero"].decision.desired == 0 and live(env, "zero") == 0
+    client.flushall()  # the window, the last-request key, the demand: all lost
+    for dt in (14, 16, 30):
+        r = run_pass(env.db, env.settings, client, scaler(env), now=t + dt)
+        assert r.functions["zero"].decision.desired == 0
+        assert r.functions["zero"].action == "kept"
+    assert live(env, "zero") == 0
+    with env.db.read() as s:
+        assert len(s.scalars(select(Operation).where(Operation.kind == "scale")).all()) == 2
+    report(client, "zero", 0.5, t + 32)  # a request: woken at once
+    r = run_pass(env.db, env.settings, client, scaler(env), now=t + 32)
+    assert r.functions["zero"].decision.desired == 1 and live(env, "zero") == 1
