@@ -109,6 +109,9 @@ class VMSpec:
     host_ports: dict[int, int] = field(default_factory=dict)
     #: The vmid to use; empty means the driver picks ``uuid4().hex``.
     vmid: str = ""
+    #: Variables the agent itself gives the guest (its registry, its report token): set by
+    #: the agent, never from a request, so not checked like ``env``.
+    agent_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.env = {**parse_env_args(self.kernel_args), **self.env}
@@ -401,7 +404,8 @@ class ProcessDriver:
         own = {"PORT": str(port), "HOST": self.bind_host, "VMID": vmid}
         extra = self._env.get("PYTHONPATH")  # the operator's, from the command line
         own["PYTHONPATH"] = root if not extra else root + os.pathsep + extra
-        return guest_env.guest_environment(spec.checked_env(), {**self._env, **own})
+        return guest_env.guest_environment(
+            spec.checked_env(), {**self._env, **spec.agent_env, **own})
 
     def start(self, spec: VMSpec) -> VM:
         """Allocate host ports and start the image's process on the first one."""

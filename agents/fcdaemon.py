@@ -51,7 +51,7 @@ from agents.drivers import (
     add_driver_arguments,
     driver_from_args,
 )
-from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving
+from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving, report_token
 from agents.procs import kill_group, spawn
 from agents.runtime import (
     KeyedLock,
@@ -206,6 +206,9 @@ class RegistryReporter:
         self.on_destroy = on_destroy
         self.is_live = is_live or (lambda vmid: True)
         self.registered = threading.Event()
+        #: The credential the registry issued this node ("" until it has).
+        self.credential = ""
+        self._token = token
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         if token and not is_loopback(split_hostport(target)[0]):
             log.warning(
@@ -233,13 +236,15 @@ class RegistryReporter:
         self._thread.start()
 
     def _register_loop(self) -> None:
-        request = resmngr_pb2.RegisterNodeRequest(
-            ip=self.node_ip, port=self.node_port, node_id=self.node_id
-        )
         backoff, failures = 0.1, 0
         while not self._stop.is_set():
+            # corral's extension: ask for a credential, then present the one issued
+            request = resmngr_pb2.RegisterNodeRequest(
+                ip=self.node_ip, port=self.node_port, node_id=self.node_id,
+                credential=self.credential,
+            )
             try:
-                self._stub.RegisterNode(request, timeout=5.0, metadata=self._metadata)
+                reply = self._stub.RegisterNode(request, timeout=5.0, metadata=self._metadata)
             except grpc.RpcError as exc:
                 failures += 1
                 code = exc.code()
@@ -255,6 +260,8 @@ class RegistryReporter:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
                 continue
+            if reply.credential:
+                self.credential = reply.credential
             if not self.registered.is_set():
                 log.info(
                     "registered node %s (%s:%d) with %s",
@@ -268,6 +275,17 @@ class RegistryReporter:
             if not self.heartbeat:
                 return
             self._stop.wait(self.heartbeat)
+
+    def guest_vars(self, vmid: str) -> dict[str, str]:
+        """What a guest of this node needs to report on its VM: the registry, its report token.
+
+        The token is good for this vmid only (:func:`agents.grpcserve.report_token`):
+        a guest never holds the node's registry token.
+        """
+        found = {"REGISTRY": self.target}
+        if self._token:
+            found["REPORT_TOKEN"] = report_token(self._token, vmid)
+        return found
 
     def report_ready(self, vm: VM, probe: bool) -> None:
         """Report ``vm`` READY in the background, after its HTTP port answers if ``probe``."""
@@ -334,6 +352,8 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         self.driver = driver
         self.hogs = hogs or HogPool()
         self.on_created = on_created
+        #: The variables the agent adds to a guest's environment, by vmid (its registry's).
+        self.guest_vars: Callable[[str], dict[str, str]] | None = None
         super().__init__(self.METHODS)
         self._vm_by_request: dict[str, str] = {}
         self._request_by_vm: dict[str, str] = {}
@@ -403,8 +423,11 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
                 return fcdaemon_pb2.CreateReply(
                     ip=existing.ip, vmid=existing.vmid, port=existing.port
                 )
+            spec = spec_from_request(request)
+            if self.guest_vars is not None:
+                spec.agent_env.update(self.guest_vars(spec.vmid))
             try:
-                vm: VM = self.driver.start(spec_from_request(request))
+                vm: VM = self.driver.start(spec)
             except BadSpec as exc:  # an image or environment the agent refuses
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except DriverError as exc:
@@ -574,6 +597,7 @@ def serve_fcdaemon(
             is_live=agent.is_live,
             heartbeat=heartbeat,
         )
+        agent.guest_vars = reporter.guest_vars
         if readiness_probe:
             rep = reporter
             agent.on_created = lambda vm: rep.report_ready(vm, probe=vm.pid is not None)

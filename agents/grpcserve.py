@@ -4,15 +4,20 @@ Every corral gRPC server checks callers the same way: with a token configured, e
 must carry ``authorization: Bearer <token>`` metadata or is refused UNAUTHENTICATED,
 except the standard ``grpc.health.v1`` service, which stays open so health checks need
 no secret. :class:`TokenInterceptor` is that rule; the node agent, the GPU inventory
-and the registry install it. The other helpers are the steps the agents' servers share:
-the health service, binding the listen address (plain or TLS) and marking it serving.
+and the registry install it. The registry also accepts a guest's *report token*
+(:func:`report_token`: ``vm.<vmid>.<MAC keyed by the registry token>``), which an agent
+gives each guest it starts and which lets that guest report on its own VM only. The
+other helpers are the steps the agents' servers share: the health service, binding the
+listen address (plain or TLS) and marking it serving.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -22,19 +27,57 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from agents.faults import FaultHooks, record_call
 
 __all__ = [
-    "GrpcFaultHooks", "TokenInterceptor", "add_health", "agent_server", "bind_port",
-    "mark_serving", "token_interceptors",
+    "REPORT_PREFIX", "GrpcFaultHooks", "TokenInterceptor", "add_health", "agent_server",
+    "bearer_of", "bind_port", "mark_serving", "report_token", "report_vmid", "token_interceptors",
 ]
 
 log = logging.getLogger("agents.faults")
 
 
+REPORT_PREFIX = "vm."
+_REPORT_MAC_HEX = 32
+
+
+def report_token(token: str, vmid: str) -> str:
+    """The credential a guest of ``vmid`` reports with: ``vm.<vmid>.<MAC>``, good for that VM only.
+
+    The MAC is keyed by the registry token, so whoever holds that token (an agent) can
+    mint one per VM it starts, and the registry checks it without storing anything.
+    """
+    mac = hmac.new(token.encode(), b"corral-report\0" + vmid.encode(), hashlib.sha256)
+    return f"{REPORT_PREFIX}{vmid}.{mac.hexdigest()[:_REPORT_MAC_HEX]}"
+
+
+def report_vmid(token: str, bearer: str) -> str | None:
+    """The vmid ``bearer`` is a report token for (keyed by ``token``), or None if it is not one."""
+    if not bearer.startswith(REPORT_PREFIX):
+        return None
+    vmid, _, _mac = bearer[len(REPORT_PREFIX):].rpartition(".")
+    if not vmid or not hmac.compare_digest(bearer.encode(), report_token(token, vmid).encode()):
+        return None
+    return vmid
+
+
+def bearer_of(metadata: Any) -> str:
+    """The bearer value of a call's ``authorization`` metadata ("" if none)."""
+    sent = str(dict(metadata or ()).get("authorization", ""))
+    scheme, _, value = sent.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else ""
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
     """Refuses calls without the shared bearer token (the health service stays open)."""
 
-    def __init__(self, token: str, what: str = "agent") -> None:
-        """Expect ``authorization: Bearer <token>``; a refusal names the ``what`` token."""
+    def __init__(
+        self, token: str, what: str = "agent", *, also: Callable[[str], bool] | None = None
+    ) -> None:
+        """Expect ``authorization: Bearer <token>``; a refusal names the ``what`` token.
+
+        ``also(bearer)`` may accept other bearer values (the registry: guests' report
+        tokens); the servicer then limits what such a caller may do.
+        """
         self._expected = f"Bearer {token}".encode()
+        self._also = also
         message = f"missing or invalid {what} token"
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
@@ -49,12 +92,16 @@ class TokenInterceptor(grpc.ServerInterceptor):
         sent = str(dict(details.invocation_metadata).get("authorization", ""))
         if hmac.compare_digest(sent.encode(), self._expected):
             return continuation(details)
+        if self._also is not None and self._also(bearer_of(details.invocation_metadata)):
+            return continuation(details)
         return self._deny
 
 
-def token_interceptors(token: str | None, what: str = "agent") -> list[grpc.ServerInterceptor]:
+def token_interceptors(
+    token: str | None, what: str = "agent", *, also: Callable[[str], bool] | None = None
+) -> list[grpc.ServerInterceptor]:
     """The interceptors a server needs: the token check when ``token`` is set, else none."""
-    return [TokenInterceptor(token, what)] if token else []
+    return [TokenInterceptor(token, what, also=also)] if token else []
 
 
 def agent_server(

@@ -41,7 +41,7 @@ MAX_VARIABLES = 256
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 #: Set by the agent for every guest; a function may not declare them.
-AGENT_NAMES = frozenset({"PORT", "HOST", "VMID", "PATH", "HOME", "REPORT_TOKEN"})
+AGENT_NAMES = frozenset({"PORT", "HOST", "VMID", "PATH", "HOME", "REGISTRY", "REPORT_TOKEN"})
 
 #: Names (upper-cased) that are code, a path to code, or a command to some program.
 REFUSED_NAMES = frozenset({

@@ -51,7 +51,7 @@ def cmd_db_check(args: argparse.Namespace, settings: Settings) -> int:
 # -- nodes -------------------------------------------------------------------------------------
 
 NODE_COLUMNS = ["name", "kind", "address", "live", "capacity", "healthy", "draining",
-                "quarantined", "last_error"]
+                "quarantined", "repointed", "last_error"]
 
 
 def cmd_nodes_add(args: argparse.Namespace, settings: Settings) -> int:

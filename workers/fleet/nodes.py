@@ -193,6 +193,8 @@ class NodeView(TypedDict):
     quarantined: str | None
     quarantined_until: str | None
     node_id: str | None
+    credential: bool
+    repointed: str | None
 
 
 def list_nodes(session: Session) -> list[Node]:
@@ -225,4 +227,8 @@ def node_view(node: Node) -> NodeView:
         "quarantined": quarantine_view(node),
         "quarantined_until": iso(node.quarantined_until),
         "node_id": node.external_id,
+        # identity (workers.registry.identity): an issued credential, and the last re-point
+        "credential": node.credential_hash is not None,
+        "repointed": (f"from {node.repointed_from} at {iso(node.repointed_at)}"
+                      if node.repointed_at is not None else None),
     }

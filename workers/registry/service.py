@@ -2,12 +2,12 @@
 
 ``resmngr.ResMngrService``:
 
-* ``RegisterNode(ip, port, node_id)`` adds the agent as an fcdaemon node or
-  refreshes it and marks it healthy. ``node_id`` is matched exactly (``Gpu.1`` and
-  ``gpu-1`` are two nodes; a new node whose derived name is taken gets a suffix). A
-  known node may refresh itself from its own host (a restarted agent may come back on
-  another port); re-pointing it to another host is refused while the node is healthy,
-  and allowed once its old address has failed its health checks - both logged.
+* ``RegisterNode(ip, port, node_id[, credential])`` adds the agent as an fcdaemon node
+  or refreshes it and marks it healthy. ``node_id`` is matched exactly (``Gpu.1`` and
+  ``gpu-1`` are two nodes; a new node whose derived name is taken gets a suffix). Who
+  may register, refresh or move a node is :mod:`workers.registry.identity`'s: the
+  claimed ip must be the caller's, a node's credential (issued on its first
+  registration) must be shown, a healthy node is never re-pointed.
 * ``UpdateStatus(vmid, READY)`` moves a Starting replica to Idle. It is answered at
   once: a READY for a vmid no row has yet, while a spawn is in flight, is remembered
   (:mod:`workers.replicas.reports`) and applied when the spawn records the VM; with no spawn
@@ -16,21 +16,26 @@
   answers KEEP_ALIVE, or DESTROY when the replica should go (stale build, more
   replicas than the function's target, node draining); corral then deletes it.
 
-A report about a vmid is accepted only from that replica's IP or its node's IP
-(when the peer's address is known); any other caller is refused PERMISSION_DENIED.
+A READY is accepted only from that replica's IP or its node's IP, a FINISHED only from
+the replica's own IP (when the peer's address is known); any other caller is refused
+PERMISSION_DENIED.
 
 ``mngrinfo.AvAManagerInfo.GetAvAManagerInfo(vmid)`` tells a guest which GPU and
-AvA worker it was given (NOT_FOUND for an unknown vmid or a replica without GPU).
+AvA worker it was given (NOT_FOUND for an unknown vmid or a replica without GPU; only
+the replica's own IP may ask).
 
 When ``CORRAL_REGISTRY_TOKEN`` is set, every call must carry
 ``authorization: Bearer <token>`` metadata or it is refused UNAUTHENTICATED (the
-agents' :class:`~agents.grpcserve.TokenInterceptor`; the health service stays open); TLS
+agents' :class:`~agents.grpcserve.TokenInterceptor`; the health service stays open),
+or a guest's report token (:func:`~agents.grpcserve.report_token`), good for
+``UpdateStatus`` and ``GetAvAManagerInfo`` of its own vmid only; TLS
 is on when ``CORRAL_REGISTRY_TLS_CERT`` / ``_KEY`` are set. The registry refuses to
 listen off loopback without a token unless started with ``insecure=True``.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from collections.abc import Callable
@@ -38,18 +43,33 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from google.protobuf import empty_pb2
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agents.grpcserve import add_health, mark_serving, token_interceptors
+from agents.grpcserve import (
+    add_health,
+    bearer_of,
+    mark_serving,
+    report_vmid,
+    token_interceptors,
+)
 from agents.runtime import join_hostport, listen_address
 from config.settings import Settings
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers import dispatch
+from workers.clock import now
 from workers.errors import CorralError, InputError
 from workers.fleet.gpus import manager_info
 from workers.fleet.nodes import default_name, normalize_address, upsert_node
+from workers.registry.identity import (
+    Admission,
+    Caller,
+    NotThatNode,
+    StillHealthy,
+    admit,
+    check_claim,
+    issue,
+)
 from workers.replicas import reports
 from workers.replicas.claims import finish_oldest
 from workers.replicas.lifecycle import lock_replica, transition
@@ -122,40 +142,53 @@ class Registry:
         self.pending: set[str] = set()
         self._lock = threading.Lock()
 
-    def register_node(self, ip: str, port: int, node_id: str) -> str:
-        """Add or refresh the node an agent announces; returns its name."""
+    def register_node(self, ip: str, port: int, node_id: str, caller: Caller | None = None
+                      ) -> tuple[str, str | None]:
+        """Add or refresh the node an agent announces: (its name, a credential issued to it).
+
+        ``caller`` is who asks (:mod:`workers.registry.identity`); None trusts the claim
+        (in-process callers).
+        """
         if not ip or not 0 < port < 65536:
             raise InputError(f"RegisterNode needs an ip and a port, got {ip!r}:{port}")
+        caller = caller or Caller(peer=None, credential=None)
         external = node_id or f"{ip}:{port}"
+        try:
+            check_claim(ip, caller.peer)
+        except NotThatNode as exc:
+            log.warning("RegisterNode of node_id %r refused: %s", external[:64], exc)
+            raise
         address = normalize_address(join_hostport(ip, port), "fcdaemon")
+        credential: str | None = None
         with self.db.transaction() as s:
             node = s.scalars(
                 select(Node).where(Node.external_id == external).with_for_update()
             ).first()
+            admission = Admission(repoint_from=None, issue=caller.credential is not None)
             if node is None:
                 name = _free_name(s, default_name(external))
             else:
                 name = node.name
-                if node.address != address and _host(node.address) != _host(address):
-                    if node.healthy:
-                        log.warning(
-                            "RegisterNode refused: node %s (node_id %r) is healthy at %s; "
-                            "not re-pointing it to %s until that address fails its health "
-                            "checks", name, external, node.address, address,
-                        )
-                        raise Refused(
-                            f"node {external!r} is registered at another address and is "
-                            "healthy; it cannot be re-pointed until that address fails"
-                        )
-                    log.warning("node %s (node_id %r) re-pointed from %s (unhealthy) to %s",
-                                name, external, node.address, address)
+                try:
+                    admission = admit(node, address, caller)
+                except CorralError as exc:
+                    log.warning("RegisterNode of node %s (node_id %r) at %s from %s refused: %s",
+                                name, external, address, caller.peer or "?", exc)
+                    raise
             node, created = upsert_node(
                 s, address, name=name, kind="fcdaemon", external_id=external,
                 default_capacity=self.settings.node_capacity,
             )
             name = node.name
-        log.info("%s node %s at %s", "registered" if created else "refreshed", name, address)
-        return name
+            if admission.repoint_from is not None:
+                node.repointed_at, node.repointed_from = now(), admission.repoint_from
+                log.warning("node %s (node_id %r) re-pointed from %s (unhealthy) to %s by %s",
+                            name, external, admission.repoint_from, address, caller.peer or "?")
+            if admission.issue:
+                credential, node.credential_hash = issue()
+        log.info("%s node %s at %s%s", "registered" if created else "refreshed", name, address,
+                 "; credential issued" if credential else "")
+        return name, credential
 
     def update_status(self, vmid: str, status: int, peer: str | None = None) -> int:
         """Apply a guest's READY / FINISHED from ``peer`` (an IP, if known); the action."""
@@ -201,24 +234,36 @@ class Registry:
             self.pending -= vmids - waiting
         reports.forget_expired(self.db)
 
-    def _check_peer(self, replica: Replica, peer: str | None) -> None:
-        if not reports.peer_allowed(peer, replica):
-            log.warning("status report for %s from %s refused: not its replica's or node's IP",
-                        replica.vmid, peer)
+    def scope(self, context: grpc.ServicerContext) -> str | None:
+        """The vmid the caller's credential is limited to (a guest's report token); None: any."""
+        token = self.settings.registry_token
+        if not token:
+            return None
+        bearer = bearer_of(context.invocation_metadata())
+        if hmac.compare_digest(bearer.encode(), token.encode()):
+            return None
+        return report_vmid(token, bearer) or ""  # "": no VM (the interceptor let it by)
+
+    def _check_peer(self, replica: Replica, peer: str | None, node_too: bool) -> None:
+        if not reports.peer_allowed(peer, replica, node_too=node_too):
+            log.warning("report for %s from %s refused: not its replica's%s IP", replica.vmid,
+                        peer, " or node's" if node_too else "")
             raise Refused(f"{peer} may not report on vmid {replica.vmid}")
 
-    def _reported(self, s: Session, replica_id: str, peer: str | None) -> Replica | None:
+    def _reported(self, s: Session, replica_id: str, peer: str | None, *,
+                  node_too: bool) -> Replica | None:
         """The live replica a status report names, locked, its reporter checked; None when
         it is gone (the guest is told to destroy itself)."""
         replica = lock_replica(s, replica_id)
         if replica is None or replica.status not in LIVE_STATES:
             return None
-        self._check_peer(replica, peer)
+        self._check_peer(replica, peer, node_too)
         return replica
 
     def _ready(self, replica_id: str, peer: str | None = None) -> int:
         with self.db.transaction() as s:
-            replica = self._reported(s, replica_id, peer)
+            # READY comes from the guest or from its node's agent
+            replica = self._reported(s, replica_id, peer, node_too=True)
             if replica is None:
                 return DESTROY
             if replica.status == ReplicaState.STARTING:
@@ -232,7 +277,8 @@ class Registry:
 
     def _finished(self, replica_id: str, peer: str | None = None) -> int:
         with self.db.transaction() as s:
-            replica = self._reported(s, replica_id, peer)
+            # FINISHED only from the guest itself: not from others behind its node's IP
+            replica = self._reported(s, replica_id, peer, node_too=False)
             if replica is None:
                 return DESTROY
             finish_oldest(s, replica, self.settings)
@@ -254,9 +300,17 @@ class Registry:
         self.on_destroy(replica_id)
         return DESTROY
 
-    def manager_info(self, vmid: str) -> tuple[str, str, int] | None:
-        """(GPU uuid, manager address, worker port) given to the replica with this vmid."""
+    def manager_info(self, vmid: str, peer: str | None = None) -> tuple[str, str, int] | None:
+        """(GPU uuid, manager address, worker port) given to the replica with this vmid.
+
+        Only the replica itself (``peer``, its IP) may ask; Refused otherwise.
+        """
         with self.db.read() as s:
+            replica = s.scalars(select(Replica).where(
+                Replica.vmid == vmid, Replica.status.in_(LIVE_STATES))).first()
+            if replica is None:
+                return None
+            self._check_peer(replica, peer, node_too=False)
             return manager_info(s, vmid)
 
 
@@ -268,6 +322,14 @@ def _queue_delete(replica_id: str) -> None:
         log.warning("could not queue delete of %s: %s", replica_id, exc)
 
 
+def _own_vm_only(registry: Registry, vmid: str, context: grpc.ServicerContext) -> None:
+    """Abort the call when the caller's report token is for another VM than ``vmid``."""
+    scope = registry.scope(context)
+    if scope is not None and scope != vmid:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      "a guest's report token is good for its own VM only")
+
+
 class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
     """``resmngr.ResMngrService`` over a :class:`Registry`."""
 
@@ -275,17 +337,25 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
         self.registry = registry
 
     def RegisterNode(self, request: Any, context: grpc.ServicerContext) -> Any:
-        """An agent announces itself."""
+        """An agent announces itself (a guest's report token may not)."""
+        if self.registry.scope(context) is not None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "a report token cannot register")
+        caller = Caller(peer=reports.peer_ip(context.peer()),
+                        credential=request.credential if request.HasField("credential") else None)
         try:
-            self.registry.register_node(request.ip, int(request.port), request.node_id)
-        except Refused as exc:
+            _, credential = self.registry.register_node(
+                request.ip, int(request.port), request.node_id, caller)
+        except NotThatNode as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except StillHealthy as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except CorralError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return empty_pb2.Empty()
+        return resmngr_pb2.RegisterNodeReply(credential=credential or "")
 
     def UpdateStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
         """A guest reports READY or FINISHED."""
+        _own_vm_only(self.registry, request.vmid, context)
         peer = reports.peer_ip(context.peer())
         try:
             action = self.registry.update_status(request.vmid, int(request.status), peer)
@@ -303,8 +373,12 @@ class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
         self.registry = registry
 
     def GetAvAManagerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
-        """Which GPU and AvA worker a guest was given."""
-        info = self.registry.manager_info(request.vmid)
+        """Which GPU and AvA worker a guest was given (asked by that guest only)."""
+        _own_vm_only(self.registry, request.vmid, context)
+        try:
+            info = self.registry.manager_info(request.vmid, reports.peer_ip(context.peer()))
+        except Refused as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if info is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no GPU replica with vmid {request.vmid!r}")
         assert info is not None
@@ -369,7 +443,9 @@ def serve_registry(settings: Settings, listen: str | None = None,
     registry = registry or Registry(get_database(settings.database_url), settings)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"),
-        interceptors=token_interceptors(settings.registry_token, "registry"),
+        interceptors=token_interceptors(
+            settings.registry_token, "registry",
+            also=lambda bearer: bool(report_vmid(settings.registry_token or "", bearer))),
     )
     resmngr_grpc.add_ResMngrServiceServicer_to_server(ResMngrServicer(registry), server)
     mngrinfo_grpc.add_AvAManagerInfoServicer_to_server(AvAManagerInfoServicer(registry), server)

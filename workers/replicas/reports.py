@@ -90,13 +90,22 @@ def _ips(host: str) -> set[str]:
     return {ip for info in infos if (ip := _normal(str(info[4][0]))) is not None}
 
 
-def peer_allowed(peer: str | None, replica: Replica) -> bool:
-    """True if ``peer`` (an IP, or None when unknown) may report on ``replica``."""
+def address_ips(address: str | None) -> set[str]:
+    """The IPs of the host in a node's or replica's address (``h:p``, a URL; names resolved)."""
+    return _ips(_host(address))
+
+
+def peer_allowed(peer: str | None, replica: Replica, *, node_too: bool = True) -> bool:
+    """True if ``peer`` (an IP, or None when unknown) may report on ``replica``.
+
+    The replica's own IP may; with ``node_too`` (READY, which the agent sends) its
+    node's IP may as well.
+    """
     if not peer:
         return True
-    allowed = _ips(_host(replica.address))
-    if replica.node is not None:
-        allowed |= _ips(_host(replica.node.address))
+    allowed = address_ips(replica.address)
+    if node_too and replica.node is not None:
+        allowed |= address_ips(replica.node.address)
     return peer in allowed
 
 

@@ -241,6 +241,14 @@ class Node(Named, Base):
     last_create_ok_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     quarantined_until: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     quarantine_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Identity (workers.registry.identity): the SHA-256 of the credential issued to the agent
+    # that registered it (None: a seed agent, pinned to its host), and the last time its
+    # address was re-pointed (only ever while unhealthy) and from where.
+    credential_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    repointed_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    repointed_from: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # The networks its replicas' addresses may be in (CIDRs; None: its kind's default).
+    replica_networks: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
 
     __table_args__ = (

@@ -39,16 +39,23 @@ def test_register_node_twice_gives_one_healthy_node(
     corral_env: Env, registry: RunningRegistry
 ) -> None:
     stub = _stub(registry)
-    for port in (50051, 50061):  # the agent restarted on another port
+    for _ in range(2):  # a heartbeat refreshes it
         stub.RegisterNode(
-            resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=port, node_id="agent-a"),
+            resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=50051, node_id="agent-a"),
             timeout=5,
         )
+    # restarted on another port: not while its old address is healthy (test_security.py)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RegisterNode(
+            resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=50061, node_id="agent-a"),
+            timeout=5,
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with corral_env.db.read() as s:
         nodes = list(s.scalars(select(Node)))
     assert len(nodes) == 1
     assert nodes[0].external_id == "agent-a"
-    assert nodes[0].address == "127.0.0.1:50061"
+    assert nodes[0].address == "127.0.0.1:50051"
     assert nodes[0].healthy
 
 

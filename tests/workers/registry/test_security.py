@@ -5,19 +5,31 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from sqlalchemy import select
 
+from agents.drivers import ProcessDriver
 from agents.fcdaemon import serve_fcdaemon
-from protos import resmngr_grpc, resmngr_pb2
+from agents.grpcserve import report_token
+from protos import (
+    fcdaemon_grpc,
+    fcdaemon_pb2,
+    mngrinfo_grpc,
+    mngrinfo_pb2,
+    resmngr_grpc,
+    resmngr_pb2,
+)
+from tasks.cli import main
 from tests.fixtures import Env
 from workers import clock
 from workers.backends import Vm
 from workers.fleet.health import check_health
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
+from workers.registry.identity import Caller, NotThatNode, StillHealthy
 from workers.registry.service import RunningRegistry, serve_registry
 from workers.replicas.actions import begin_spawn, finish_spawn
 from workers.store.models import Function, Lease, Node, Replica, ReplicaState
@@ -47,9 +59,11 @@ def _stub(running: RunningRegistry) -> resmngr_grpc.ResMngrServiceStub:
 
 
 def _register(stub: resmngr_grpc.ResMngrServiceStub, ip: str, port: int, node_id: str,
-              metadata: tuple[tuple[str, str], ...] = TOKEN) -> None:
-    stub.RegisterNode(resmngr_pb2.RegisterNodeRequest(ip=ip, port=port, node_id=node_id),
-                      timeout=10, metadata=metadata)
+              metadata: tuple[tuple[str, str], ...] = TOKEN, credential: str | None = None
+              ) -> str:
+    reply = stub.RegisterNode(resmngr_pb2.RegisterNodeRequest(
+        ip=ip, port=port, node_id=node_id, credential=credential), timeout=10, metadata=metadata)
+    return str(reply.credential)
 
 
 def _nodes(env: Env) -> dict[str, str]:
@@ -57,35 +71,151 @@ def _nodes(env: Env) -> dict[str, str]:
         return {n.external_id or n.name: n.address for n in s.scalars(select(Node))}
 
 
-def test_an_attacker_cannot_join_or_divert_a_healthy_node(
+def _wait_registered(env: Env, node_id: str) -> Node:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with env.db.read() as s:
+            node = s.scalars(select(Node).where(Node.external_id == node_id)).first()
+            if node is not None and node.credential_hash is not None:
+                return node
+        time.sleep(0.05)
+    raise AssertionError(f"{node_id} never registered with a credential")
+
+
+def test_an_attacker_with_the_token_cannot_divert_a_healthy_node(
     store: Env, registry: RunningRegistry, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="workers.registry.service")
-    agent = serve_fcdaemon("127.0.0.1:0")
-    port = int(agent.address.rsplit(":", 1)[1])
+    """The issue's reproduction: RegisterNode with a registered node's id, its host and
+    another port, or another host claimed as its ip, while the node is healthy."""
+    caplog.set_level(logging.WARNING, logger="workers.registry")
+    agent = serve_fcdaemon("127.0.0.1:0", registry=registry.address, node_id="node-a",
+                           token="reg-t0ken")
     stub = _stub(registry)
     # without the token: refused, nothing written
     with pytest.raises(grpc.RpcError) as err:
         _register(stub, "127.0.0.66", 50051, "evil", metadata=())
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert _nodes(store) == {}
     try:
-        _register(stub, "127.0.0.1", port, "node-a")
-        _register(stub, "127.0.0.1", port, "node-a")  # a heartbeat refreshes it
-        # with the token, from elsewhere: the healthy node is not re-pointed
-        with pytest.raises(grpc.RpcError) as err:
-            _register(stub, "127.0.0.66", 6666, "node-a")
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        _wait_registered(store, "node-a")  # the agent asked for a credential and got one
+        for ip, port, code in (
+            ("127.0.0.1", 6666, grpc.StatusCode.PERMISSION_DENIED),  # its host, another port
+            ("127.0.0.66", 6666, grpc.StatusCode.PERMISSION_DENIED),  # a claim, not the peer
+        ):
+            for credential in (None, "", "guessed"):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.RegisterNode(resmngr_pb2.RegisterNodeRequest(
+                        ip=ip, port=port, node_id="node-a", credential=credential),
+                        timeout=10, metadata=TOKEN)
+                assert err.value.code() == code, (ip, credential, err.value.details())
         assert _nodes(store) == {"node-a": agent.address}
-        assert "not re-pointing it to 127.0.0.66:6666" in caplog.text
+        assert "calls from 127.0.0.1" in caplog.text and "present it" in caplog.text
+        # the agent's own heartbeat, with its credential, still refreshes it
+        _register(stub, "127.0.0.1", agent.port, "node-a", credential=agent.reporter.credential)
     finally:
         agent.stop(grace=0)
-    # the old address fails its health checks: now the node may move (and the log says so)
-    report = check_health(store.db, store.settings)
-    assert report.became_unhealthy == ["node-a"]
-    _register(stub, "127.0.0.2", 50051, "node-a")
-    assert _nodes(store) == {"node-a": "127.0.0.2:50051"}
-    assert "re-pointed from 127.0.0.1" in caplog.text
+    assert _nodes(store) == {"node-a": agent.address}
+
+
+def test_who_may_refresh_or_move_a_node(
+    store: Env, registry: RunningRegistry, caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The identity rules, one registration at a time (nothing listens on these addresses,
+    so one health pass marks a node unhealthy: CORRAL_HEALTH_MISSES is 1 here)."""
+    caplog.set_level(logging.WARNING, logger="workers.registry")
+    reg = registry.registry
+
+    def register(ip: str, port: int, node_id: str, peer: str, credential: str | None = None
+                 ) -> str | None:
+        return reg.register_node(ip, port, node_id, Caller(peer, credential))[1]
+
+    # a seed agent (no credential field): pinned to the host it registered from
+    assert register("127.0.0.5", 1001, "seed", "127.0.0.5") is None
+    register("127.0.0.5", 1001, "seed", "127.0.0.5")  # its heartbeat
+    with pytest.raises(NotThatNode):
+        register("127.0.0.6", 1001, "seed", "127.0.0.6")
+    with pytest.raises(StillHealthy):  # restarted on another port: not while healthy
+        register("127.0.0.5", 1002, "seed", "127.0.0.5")
+    # an agent that asks gets a credential; later registrations must show it
+    credential = register("127.0.0.7", 2001, "aware", "127.0.0.7", credential="")
+    assert credential
+    with pytest.raises(NotThatNode):
+        register("127.0.0.7", 2001, "aware", "127.0.0.7", credential="wrong")
+    with pytest.raises(NotThatNode):  # another host, no credential
+        register("127.0.0.8", 2001, "aware", "127.0.0.8", credential="")
+    with pytest.raises(StillHealthy):  # even with it: a healthy node is never re-pointed
+        register("127.0.0.8", 2001, "aware", "127.0.0.8", credential=credential)
+    assert _nodes(store) == {"seed": "127.0.0.5:1001", "aware": "127.0.0.7:2001"}
+    assert "re-pointed from" not in caplog.text
+    # both fail their health checks: now each may move, its own way, with a WARNING
+    assert sorted(check_health(store.db, store.settings).became_unhealthy) == ["aware", "seed"]
+    with pytest.raises(NotThatNode):  # a seed node never moves to another host
+        register("127.0.0.6", 1001, "seed", "127.0.0.6")
+    register("127.0.0.5", 1002, "seed", "127.0.0.5")
+    assert register("127.0.0.8", 2002, "aware", "127.0.0.8", credential=credential) is None
+    assert _nodes(store) == {"seed": "127.0.0.5:1002", "aware": "127.0.0.8:2002"}
+    assert "re-pointed from 127.0.0.5:1001 (unhealthy) to 127.0.0.5:1002" in caplog.text
+    assert "re-pointed from 127.0.0.7:2001 (unhealthy) to 127.0.0.8:2002" in caplog.text
+    assert main(["nodes", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert "from 127.0.0.5:1001 at" in listed and "from 127.0.0.7:2001 at" in listed
+    # an agent that lost its credential is let back in from the node's host once the node
+    # is unhealthy, and gets a new one (the old one stops working)
+    check_health(store.db, store.settings)
+    fresh = register("127.0.0.8", 2003, "aware", "127.0.0.8", credential="")
+    assert fresh and fresh != credential
+    with pytest.raises(NotThatNode):
+        register("127.0.0.8", 2003, "aware", "127.0.0.8", credential=credential)
+    register("127.0.0.8", 2003, "aware", "127.0.0.8", credential=fresh)
+
+
+def test_a_guests_report_token_can_report_on_its_own_vm_only(
+    store: Env, registry: RunningRegistry
+) -> None:
+    replica_id = _recorded(store, "127.0.0.1:50051", "req-own",
+                           Vm("vm-own", "http://127.0.0.1:20001"))
+    stub = _stub(registry)
+    other = (("authorization", f"Bearer {report_token('reg-t0ken', 'vm-other')}"),)
+    forged = (("authorization", "Bearer vm.vm-own.0123456789abcdef0123456789abcdef"),)
+    own = (("authorization", f"Bearer {report_token('reg-t0ken', 'vm-own')}"),)
+    for metadata, code in ((other, grpc.StatusCode.PERMISSION_DENIED),
+                           (forged, grpc.StatusCode.UNAUTHENTICATED)):
+        for status in (READY, FINISHED):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-own", status=status),
+                                  timeout=5, metadata=metadata)
+            assert err.value.code() == code
+        with pytest.raises(grpc.RpcError) as err:
+            mngrinfo_grpc.AvAManagerInfoStub(grpc.insecure_channel(registry.address))\
+                .GetAvAManagerInfo(mngrinfo_pb2.AvAManagerInfoRequest(vmid="vm-own"),
+                                   timeout=5, metadata=metadata)
+        assert err.value.code() == code
+    with pytest.raises(grpc.RpcError) as err:  # nor may it register a node
+        _register(stub, "127.0.0.1", 7777, "guest-node", metadata=own)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with store.db.read() as s:
+        assert s.get(Replica, replica_id).status == ReplicaState.STARTING  # type: ignore[union-attr]
+        assert s.scalars(select(Node).where(Node.external_id == "guest-node")).first() is None
+    _ready_makes_it_idle(store, stub, "vm-own", replica_id, own)
+
+
+def test_the_reference_agent_gives_each_guest_its_own_report_token(
+    store: Env, registry: RunningRegistry
+) -> None:
+    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver((33000, 33999)),
+                           registry=registry.address, token="reg-t0ken")
+    try:
+        reply = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(agent.address)).CreateReplica(
+            fcdaemon_pb2.CreateRequest(imageName="examples.hello"), timeout=30)
+        (vm,) = agent.driver.list()
+        assert vm.pid is not None
+        raw = Path(f"/proc/{vm.pid}/environ").read_bytes().decode()
+        environ = dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+    finally:
+        agent.stop(grace=0)
+    assert environ["REPORT_TOKEN"] == report_token("reg-t0ken", reply.vmid)
+    assert environ["REGISTRY"] == registry.address
+    assert "reg-t0ken" not in raw.replace(environ["REPORT_TOKEN"], "")
 
 
 def test_node_ids_match_exactly(store: Env, registry: RunningRegistry) -> None:
@@ -116,6 +246,22 @@ def _guest_spawn(env: Env, node_address: str, request_id: str) -> tuple[str, obj
     pending = begin_spawn(env.db, env.settings, None, request_id, fn_id, node_id)
     assert pending is not None
     return pending.replica_id, pending
+
+
+def _recorded(env: Env, node_address: str, request_id: str, vm: Vm) -> str:
+    """A Starting replica of a guest-readiness function, its VM ``vm`` recorded; its id."""
+    replica_id, pending = _guest_spawn(env, node_address, request_id)
+    finish_spawn(env.db, env.settings, pending, vm)  # type: ignore[arg-type]
+    return replica_id
+
+
+def _ready_makes_it_idle(env: Env, stub: resmngr_grpc.ResMngrServiceStub, vmid: str,
+                         replica_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
+    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid=vmid, status=READY),
+                              timeout=5, metadata=metadata)
+    assert reply.action == Reply.OK
+    with env.db.read() as s:
+        assert s.get(Replica, replica_id).status == ReplicaState.IDLE  # type: ignore[union-attr]
 
 
 def test_update_status_is_answered_at_once_and_an_early_ready_is_applied_on_record(
@@ -161,14 +307,32 @@ def test_reports_count_only_from_the_replicas_or_its_nodes_ip(
     with store.db.read() as s:
         assert s.get(Replica, replica_id).status == ReplicaState.STARTING  # type: ignore[union-attr]
     # the same report from the node's own IP (loopback here) is accepted
-    near_id, near = _guest_spawn(store, "127.0.0.1:50051", "req-near")
-    finish_spawn(store.db, store.settings, near,  # type: ignore[arg-type]
-                 Vm("vm-near", "http://127.0.0.1:20002"))
-    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-near", status=READY),
-                              timeout=5, metadata=TOKEN)
-    assert reply.action == Reply.OK
-    with store.db.read() as s:
-        assert s.get(Replica, near_id).status == ReplicaState.IDLE  # type: ignore[union-attr]
+    near_id = _recorded(store, "127.0.0.1:50051", "req-near",
+                        Vm("vm-near", "http://127.0.0.1:20002"))
+    _ready_makes_it_idle(store, stub, "vm-near", near_id, TOKEN)
+
+
+def test_finished_and_gpu_info_only_from_the_guest_itself(
+    store: Env, registry: RunningRegistry
+) -> None:
+    """A guest behind its node's IP is not every guest of that node: FINISHED and
+    GetAvAManagerInfo count only from the replica's own IP (READY also from its node's,
+    whose agent reports it)."""
+    stub = _stub(registry)
+    # the node is at 127.0.0.1 (this test's peer); its replica at 127.0.0.9
+    replica_id = _recorded(store, "127.0.0.1:50051", "req-nat",
+                           Vm("vm-nat", "http://127.0.0.9:20001"))
+    _ready_makes_it_idle(store, stub, "vm-nat", replica_id, TOKEN)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-nat", status=FINISHED),
+                          timeout=5, metadata=TOKEN)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as err:
+        mngrinfo_grpc.AvAManagerInfoStub(grpc.insecure_channel(registry.address)).GetAvAManagerInfo(
+            mngrinfo_pb2.AvAManagerInfoRequest(vmid="vm-nat"), timeout=5, metadata=TOKEN)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # the guest itself (its own IP) is heard
+    assert registry.registry.update_status("vm-nat", FINISHED, "127.0.0.9") == Reply.KEEP_ALIVE
 
 
 def test_an_early_ready_nobody_records_expires(store: Env, registry: RunningRegistry) -> None:
