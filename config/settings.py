@@ -13,6 +13,7 @@ file another user could plant or edit would redirect this user's commands.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -239,6 +240,19 @@ class _Faults(BaseModel):
     """Task names (comma separated, e.g. ``corral.scale``) that raise before running."""
 
 
+def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """Comma-separated addresses or CIDRs; raises ValueError naming a bad one."""
+    out = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            out.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(f"{item!r} is not an IP address or CIDR") from None
+    return tuple(out)
+
+
 class _Gateway(BaseModel):
     """The invocation gateway (``corral gateway``)."""
 
@@ -262,6 +276,14 @@ class _Gateway(BaseModel):
     """Unused this long, an environment the gateway holds goes back to the store (0: at once)."""
     gateway_claim_ttl_s: float = Field(30.0, ge=1, le=86_400)
     """The lease of each claim the gateway holds, renewed at least every 2 s while held."""
+    gateway_trusted_proxies: str = ""
+    """Proxies (addresses or CIDRs, comma separated) whose X-Forwarded-* the gateway keeps."""
+
+    @field_validator("gateway_trusted_proxies")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        parse_networks(value)
+        return value
 
 
 class _Flower(BaseModel):

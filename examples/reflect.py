@@ -3,7 +3,7 @@
 For checking what a proxy in front of it forwards (the gateway tests use it). The
 answer carries a ``X-Reflect-Vmid`` header with the replica's ``$VMID`` so a caller
 can tell replicas apart; ``?set-cookie=NAME=VALUE`` (repeatable) adds a ``Set-Cookie``
-header::
+header, and ``?header=NAME:VALUE`` (repeatable) any header::
 
     PORT=8080 python -m examples.reflect
 """
@@ -39,8 +39,12 @@ class ReflectHandler(QuietHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("X-Reflect-Vmid", vmid)
-        for cookie in parse_qs(parts.query).get("set-cookie", []):  # ?set-cookie=name=value
+        asked = parse_qs(parts.query)
+        for cookie in asked.get("set-cookie", []):  # ?set-cookie=name=value
             self.send_header("Set-Cookie", cookie)
+        for line in asked.get("header", []):  # ?header=name:value
+            name, _, value = line.partition(":")
+            self.send_header(name.strip(), value.strip())
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)

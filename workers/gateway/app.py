@@ -155,7 +155,10 @@ class RunningGateway:
 
 
 def _server(app: GatewayApp, settings: Settings) -> Any:
+    # proxy_headers=False: uvicorn would believe X-Forwarded-* from loopback peers; the
+    # gateway applies CORRAL_GATEWAY_TRUSTED_PROXIES itself (workers.gateway.headers).
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            proxy_headers=False,
                             server_header=False, date_header=False,
                             timeout_graceful_shutdown=int(settings.gateway_timeout_s),
                             timeout_keep_alive=30)

@@ -104,9 +104,7 @@ class Gateway:
     async def _sweep_upstreams(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_S)
-            wanted = {c.address for c in self.ledger.held.values() if c.address}
-            for closing in self.upstreams.sweep(wanted):
-                self.background.soon(closing)
+            self.upstreams.sweep({c.address for c in self.ledger.held.values() if c.address})
 
     def authorized(self, scope: Scope) -> bool:
         """True when no token is set or the request carries it."""

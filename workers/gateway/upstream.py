@@ -1,45 +1,42 @@
-"""The upstream side: one client per replica, the forwarded request, the answer relayed.
+"""The upstream side: the replicas' connections, the forwarded request, the answer relayed.
 
 :meth:`Upstreams.forward` sends one request to a claimed replica and streams its answer
 back to the caller, one chunk behind (the status line with the first chunk): the
-environment is handed back (``done``) *before* the last chunk is sent, so a caller that
-sees its answer complete can be sure the environment is free again for its next request.
+environment is handed back (``done``) the moment the replica's whole answer has arrived,
+so always *before* the last chunk is sent - a caller that sees its answer complete can
+be sure the environment is free again for its next request.
 
-* **Clients**: one ``httpx.AsyncClient`` per replica address (httpcore's pool scans all
-  of its connections on every request, so small pools cost less than one big one),
-  closed once unused for ``UPSTREAM_IDLE_S`` with no claim held on its replica. No
-  client keeps cookies: a replica's cookies are its callers', never the gateway's.
-* **Header rules**: hop-by-hop headers are not forwarded either way; the gateway's own
-  token stays with it; ``X-Forwarded-For`` / ``-Host`` / ``-Proto`` are set by it.
+* **Connections**: one :class:`workers.gateway.http1.Pool` of kept-alive HTTP/1.1
+  connections per replica address (:mod:`workers.gateway.http1`: the request goes out
+  as built, nothing added), swept once unused for ``UPSTREAM_IDLE_S`` with no claim
+  held on its replica. No cookie is ever kept: a replica's cookies are its callers'.
+* **Header rules and the raw path**: :mod:`workers.gateway.headers`.
 * **Failures**: a replica that refuses connections for ``CONNECT_GRACE_S`` (a moment of
   refusal is a server still starting), or breaks the exchange before its response
   headers, is a :class:`ReplicaFailed` (the claim not handed back: the caller retires
-  the replica); no complete answer within ``CORRAL_GATEWAY_TIMEOUT_S`` is a 504, any
-  other HTTP error a 502, and an answer that breaks after its status line went out is
-  :class:`BrokenOff` (nothing more can be said to the caller).
+  the replica); no complete answer within ``CORRAL_GATEWAY_TIMEOUT_S`` is a 504, an
+  answer that is not HTTP a 502, and an answer that breaks after its status line went
+  out is :class:`BrokenOff` (nothing more can be said to the caller).
 """
 
 from __future__ import annotations
 
 import asyncio
-import http.cookiejar
-import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
-import httpx
+from urllib.parse import quote
 
 from config.settings import Settings
-from workers.gateway.asgi import Answer, Message, Scope, Send
+from workers.gateway import http1
+from workers.gateway.asgi import Answer, Scope, Send
+from workers.gateway.headers import Trusted, request_head, response_headers
 from workers.replicas.claims import Claimed
 
 PREFIX = "/function/"
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-                        "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
-UPSTREAM_IDLE_S = 60.0  # a replica's client unused this long (and no claim on it) is closed
+RAW_PREFIX = PREFIX.encode()
+UPSTREAM_IDLE_S = 60.0  # a replica's pool unused this long (and no claim on it) is closed
 CONNECT_GRACE_S = 2.0  # a refused connection is tried again this long before it counts
+READ_AHEAD = 1024 * 1024  # bytes of an answer read from the replica ahead of the caller
 
 
 class ReplicaFailed(Exception):
@@ -50,163 +47,134 @@ class BrokenOff(Exception):
     """The answer stopped after its status line was sent: nothing more can be said."""
 
 
-class NoCookies(http.cookiejar.CookieJar):
-    """A cookie jar that keeps nothing: a replica's cookies are its callers', never the gateway's.
-
-    httpx's client stores every ``Set-Cookie`` it sees and sends it with later requests
-    to the same host - one caller's session would go out with another caller's request.
-    """
-
-    def extract_cookies(self, response: Any, request: Any) -> None:
-        """Keep nothing."""
-
-    def add_cookie_header(self, request: Any) -> None:
-        """Add nothing."""
+def target_of(scope: Scope) -> bytes:
+    """The request target for the replica: the raw path after ``/function/NAME``, and query."""
+    raw = scope.get("raw_path") or quote(scope["path"]).encode("ascii")
+    rest = raw[len(RAW_PREFIX):].partition(b"/")[2]
+    query = scope.get("query_string", b"")
+    return b"/" + rest + (b"?" + query if query else b"")
 
 
-@dataclass
-class Upstream:
-    """The HTTP client for one replica, and how many requests use it now."""
-
-    client: httpx.AsyncClient
-    users: int = 0
-    last_used: float = 0.0
+def _sendable(target: bytes) -> bool:
+    """True when every byte of the target is a visible ASCII character."""
+    return target.isascii() and all(0x21 <= b <= 0x7E for b in target)
 
 
 class Relay:
     """An upstream answer streamed to the client one chunk behind.
 
-    The last chunk is held back until :meth:`finish`, so the gateway can return its
+    The last chunk is held back until :meth:`finish`, so the gateway has returned its
     claim first: the environment is free by the time the client sees the answer end.
     """
 
     def __init__(self, send: Send) -> None:
         self.send = send
         self.answering = False  # the response has started: an error can only break it off
-        self.start: Message = {}
         self.last = b""
 
-    async def stream(self, response: httpx.Response, headers: list[tuple[bytes, bytes]]) -> None:
-        """Relay every chunk but the last; the response is closed in any case."""
-        self.start = {"type": "http.response.start", "status": response.status_code,
-                      "headers": headers}
-        try:
-            async for chunk in response.aiter_raw():
-                if not chunk:
-                    continue
-                if not self.answering:
-                    self.answering = True
-                    await self.send(self.start)
-                if self.last:
-                    await self.send({"type": "http.response.body", "body": self.last,
-                                     "more_body": True})
-                self.last = chunk
-        finally:
-            await response.aclose()
+    async def stream(self, exchange: http1.Exchange) -> None:
+        """Relay every chunk but the last."""
+        start = {"type": "http.response.start", "status": exchange.status,
+                 "headers": response_headers(exchange.headers)}
+        while (chunk := await exchange.chunk()) is not None:
+            if not chunk:
+                continue
+            if not self.answering:
+                self.answering = True
+                await self.send(start)
+            if self.last:
+                await self.send({"type": "http.response.body", "body": self.last,
+                                 "more_body": True})
+            self.last = chunk
+        if not self.answering:
+            self.answering = True
+            await self.send(start)
 
     async def finish(self) -> None:
-        """Send the start (for an empty body) and the last chunk."""
-        if not self.answering:
-            await self.send(self.start)
+        """Send the last chunk."""
         await self.send({"type": "http.response.body", "body": self.last, "more_body": False})
 
 
 class Upstreams:
-    """The clients of the replicas this gateway forwards to, and the forwarding itself."""
+    """The connections to the replicas this gateway forwards to, and the forwarding itself."""
 
     def __init__(self, settings: Settings, token: bytes | None) -> None:
         self.settings = settings
         self._token = token
-        self._clients: dict[str, Upstream] = {}
-        self._tls: ssl.SSLContext | None = None
+        self._trusted = Trusted(settings.gateway_trusted_proxies)
+        self._pools: dict[str, http1.Pool] = {}
 
     async def forward(self, scope: Scope, claimed: Claimed, body: bytes, send: Send,
                       done: Callable[[], None]) -> None:
         """Send the request to the claimed replica and stream its answer back.
 
-        ``done`` is called once the environment may go back (before the last chunk),
-        or on any way out but :class:`ReplicaFailed` (then the claim is the caller's to
-        retire). Raises :class:`ReplicaFailed`, :class:`Answer` 400 / 502 / 504 or
-        :class:`BrokenOff`.
+        ``done`` is called once, when the environment may go back (the replica's answer
+        is complete), or on any way out but :class:`ReplicaFailed` (then the claim is
+        the caller's to retire). Raises :class:`ReplicaFailed`, :class:`Answer` 400 /
+        502 / 504 or :class:`BrokenOff`.
         """
-        if not claimed.address:
-            raise ReplicaFailed("the replica has no address")
-        upstream = self._upstream(claimed.address)
-        rest = scope["path"][len(PREFIX):].partition("/")[2]
-        url = f"{claimed.address.rstrip('/')}/{rest}"
-        query = scope.get("query_string", b"")
-        if query:
-            url += "?" + query.decode("latin-1")
-        try:
-            request = upstream.client.build_request(
-                scope["method"], url, headers=self._upstream_headers(scope), content=body)
-        except httpx.InvalidURL as exc:  # e.g. a %00 in the path: the caller's, not the replica's
-            done()
-            raise Answer(400, f"cannot forward this request: {exc}") from None
-        deadline = self.settings.gateway_timeout_s
-        relay = Relay(send)
-        holding = True
-        upstream.users += 1
-        try:
-            try:
-                async with asyncio.timeout(deadline):
-                    try:
-                        response = await self._send(upstream.client, request)
-                    except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-                            httpx.ReadError, httpx.WriteError) as exc:
-                        holding = False  # the caller retires the replica with the claim
-                        raise ReplicaFailed(f"{type(exc).__name__}: {exc}") from None
-                    except httpx.TimeoutException:
-                        raise TimeoutError from None
-                    await relay.stream(response, self._downstream_headers(response))
-            except (TimeoutError, httpx.HTTPError) as exc:
-                what = (f"no complete answer within {deadline:g}s" if isinstance(exc, TimeoutError)
-                        else f"{type(exc).__name__}: {exc}")
-                if relay.answering:
-                    raise BrokenOff(f"replica {claimed.replica_id} broke off its answer: "
-                                    f"{what}") from None
-                raise Answer(504 if isinstance(exc, TimeoutError) else 502,
-                             f"replica of {claimed.function}: {what}") from None
-            holding = False
-            done()  # before the last chunk: free when the client sees it
-            await relay.finish()
-        finally:
-            upstream.users -= 1
-            if holding:
+        returned = False
+
+        def give_back() -> None:
+            nonlocal returned
+            if not returned:
+                returned = True
                 done()
 
-    def _upstream(self, address: str) -> Upstream:
-        """The client for one replica address (made on first use)."""
-        upstream = self._clients.get(address)
-        if upstream is None:
+        try:
+            pool = self._pool(claimed.address)
+        except ValueError as exc:
+            raise ReplicaFailed(str(exc)) from None
+        target = target_of(scope)
+        if not _sendable(target):
+            give_back()
+            raise Answer(400, "cannot forward this request: its path is not plain ASCII")
+        request = request_head(scope, target, pool.netloc, body, token=self._token,
+                               trusted=self._trusted) + body
+        deadline = self.settings.gateway_timeout_s
+        relay = Relay(send)
+        exchange: http1.Exchange | None = None
+        pool.users += 1
+        try:
+            async with asyncio.timeout(deadline):
+                exchange = await self._send(pool, request, scope["method"] == "HEAD")
+                try:
+                    await exchange.head()
+                except http1.Broken as exc:
+                    raise ReplicaFailed(str(exc)) from None
+                exchange.when_complete(give_back)
+                await relay.stream(exchange)
+        except ReplicaFailed:
+            returned = True  # the caller retires the replica with the claim
+            raise
+        except (TimeoutError, http1.Broken) as exc:
+            what = (f"no complete answer within {deadline:g}s" if isinstance(exc, TimeoutError)
+                    else str(exc))
+            give_back()
+            if relay.answering:
+                raise BrokenOff(f"replica {claimed.replica_id} broke off its answer: "
+                                f"{what}") from None
+            raise Answer(504 if isinstance(exc, TimeoutError) else 502,
+                         f"replica of {claimed.function}: {what}") from None
+        finally:
+            pool.users -= 1
+            if exchange is not None:
+                exchange.abandon()  # closes a connection whose answer was not read through
+            if not returned:
+                give_back()
+        await relay.finish()
+
+    def _pool(self, address: str | None) -> http1.Pool:
+        """The connections to one replica address (made on first use)."""
+        if not address:
+            raise ValueError("the replica has no address")
+        pool = self._pools.get(address)
+        if pool is None:
             timeout = self.settings.gateway_timeout_s
-            if self._tls is None:  # one for all clients (making one costs a millisecond)
-                self._tls = httpx.create_ssl_context()
-            upstream = self._clients[address] = Upstream(httpx.AsyncClient(
-                timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-                follow_redirects=False, trust_env=False, verify=self._tls, cookies=NoCookies(),
-            ))
-        upstream.last_used = time.monotonic()
-        return upstream
+            pool = self._pools[address] = http1.Pool(address, min(timeout, 5.0))
+        return pool
 
-    def sweep(self, wanted: set[str]) -> list[Any]:
-        """Close the clients of replicas unused for a while, but those in ``wanted``."""
-        idle_since = time.monotonic() - UPSTREAM_IDLE_S
-        closing = []
-        for address, upstream in list(self._clients.items()):
-            if address not in wanted and not upstream.users and upstream.last_used < idle_since:
-                del self._clients[address]
-                closing.append(upstream.client.aclose())
-        return closing
-
-    async def close(self) -> None:
-        """Close every client."""
-        clients, self._clients = list(self._clients.values()), {}
-        for upstream in clients:
-            await upstream.client.aclose()
-
-    async def _send(self, client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    async def _send(self, pool: http1.Pool, request: bytes, head_only: bool) -> http1.Exchange:
         """Send, trying a refused connection again for up to ``CONNECT_GRACE_S``.
 
         A replica can be Idle a moment before its server listens (an agent that answers
@@ -217,36 +185,24 @@ class Upstreams:
         pause = 0.01
         while True:
             try:
-                return await client.send(request, stream=True)
-            except httpx.ConnectError:
-                if time.monotonic() + pause > give_up:
-                    raise
+                return await pool.send(request, head_only=head_only, buffer=READ_AHEAD)
+            except http1.Broken as exc:
+                if not exc.refused or time.monotonic() + pause > give_up:
+                    raise ReplicaFailed(str(exc)) from None
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.2)
 
-    def _upstream_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
-        out: list[tuple[bytes, bytes]] = []
-        client = scope.get("client")
-        host = b""
-        for key, value in scope["headers"]:
-            k = key.lower()
-            if k == b"host":
-                host = value
-                continue
-            if k in (b"content-length", b"x-forwarded-for", b"x-forwarded-host",
-                     b"x-forwarded-proto") or k.decode("latin-1") in HOP_BY_HOP:
-                continue
-            if k == b"authorization" and self._token is not None:
-                continue  # the gateway's own token stays here
-            out.append((key, value))
-        if client:
-            out.append((b"x-forwarded-for", str(client[0]).encode()))
-        if host:
-            out.append((b"x-forwarded-host", host))
-        out.append((b"x-forwarded-proto", str(scope.get("scheme", "http")).encode()))
-        return out
+    def sweep(self, wanted: set[str]) -> None:
+        """Close idle connections past their time, and pools unused but those in ``wanted``."""
+        idle_since = time.monotonic() - UPSTREAM_IDLE_S
+        for address, pool in list(self._pools.items()):
+            pool.sweep()
+            if address not in wanted and not pool.users and pool.last_used < idle_since:
+                del self._pools[address]
+                pool.close()
 
-    @staticmethod
-    def _downstream_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-        return [(k, v) for k, v in response.headers.raw
-                if k.decode("latin-1").lower() not in HOP_BY_HOP]
+    async def close(self) -> None:
+        """Close every connection."""
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()

@@ -44,19 +44,6 @@ def test_a_body_over_the_limit_is_413_before_anything_is_claimed(stack: Stack) -
     stack.settled()
 
 
-def test_a_path_that_cannot_be_forwarded_is_400_and_its_claim_goes_back(stack: Stack) -> None:
-    stack.deploy("echo", image="examples.echo")
-    gw = stack.gateway()
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
-    answer = httpx.get(f"{gw.url}/function/echo/a%00b", timeout=30)  # a NUL in the path
-    assert answer.status_code == 400 and "cannot forward" in answer.text
-    deadline = time.monotonic() + 15  # the pool's keep window (1.5 s) lets it go
-    while stack.claims() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert stack.claims() == 0
-    stack.settled()
-
-
 def test_no_replica_within_the_cold_start_timeout_is_503_with_retry_after(stack: Stack) -> None:
     stack.deploy("never", readiness="guest")  # no guest ever says READY here
     gw = stack.gateway(gateway_cold_start_timeout_s=1.0)

@@ -17,6 +17,7 @@ from tests.workers.gateway.conftest import Stack
 
 CALLS = 50
 STALL_MS = 40.0  # the delayed-ACK timer a stalled call waits out
+ROUNDS = 3  # a stall is every call, every round; a busy machine's stray wait is one call
 
 
 def _keepalive_calls(url: str, n: int) -> list[float]:
@@ -40,6 +41,12 @@ def test_fifty_keepalive_calls_through_the_gateway_and_direct_never_stall(stack:
     assert replica.address
 
     for where, url in (("direct", replica.address), ("gateway", f"{gw.url}/function/hello")):
-        times = _keepalive_calls(url, CALLS)
-        assert max(times) < STALL_MS * 0.75, (where, sorted(times)[-5:])
+        rounds = []
+        for _ in range(ROUNDS):  # a round with every call well under the stall is enough
+            times = _keepalive_calls(url, CALLS)
+            rounds.append((statistics.median(times), max(times)))
+            if max(times) < STALL_MS * 0.75:
+                break
+        else:
+            raise AssertionError(f"{where}: (p50, max) ms of each round: {rounds}")
         assert statistics.median(times) < 5.0, (where, statistics.median(times))
