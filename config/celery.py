@@ -6,7 +6,8 @@ is off, so a task routed nowhere is an error, not a silently created queue):
 * ``corral.spawn`` - spawn fan-out and batches, lone retries of one replica;
 * ``corral.delete`` - replica deletions, in batches and alone;
 * ``corral.scale`` - scale planning;
-* ``corral.maintenance`` - reap, reconcile, health checks, autoscaler passes, CPU hogs.
+* ``corral.maintenance`` - housekeeping (beat's health, reap, reconcile and autoscaler
+  passes, and an operator's reap or reconcile), CPU hogs.
 
 Reliability, chosen on purpose:
 
@@ -38,8 +39,11 @@ Reliability, chosen on purpose:
   backend. The backend (``CORRAL_RESULT_BACKEND``) stays configured for tasks
   that ask for a result explicitly and for tools that expect one.
 * worker task events are on (``worker_send_task_events``) so Flower shows every
-  task from the moment a worker receives it; ``task-sent`` events are off: they
-  would double the cost of every publish (a spawn fan-out publishes one message
+  operation's tasks from the moment a worker receives them - except beat's
+  housekeeping passes (:data:`HOUSEKEEPING`), declared with ``send_events=False``
+  (``tasks/maintenance.py``): a health check every 5 s and an autoscaler pass every
+  2 s would bury the operations an operator looks for. ``task-sent`` events are off:
+  they would double the cost of every publish (a spawn fan-out publishes one message
   per replica). Task messages carry only ids, never secrets.
 """
 
@@ -59,10 +63,15 @@ TASKS_BY_QUEUE: dict[str, tuple[str, ...]] = {
     "corral.scale": ("corral.scale",),
     "corral.maintenance": (
         "corral.reap", "corral.reconcile", "corral.check_health", "corral.autoscale",
-        "corral.hogs", "corral.noop",
+        "corral.reap_pass", "corral.reconcile_pass", "corral.hogs", "corral.noop",
     ),
 }
 QUEUES = tuple(TASKS_BY_QUEUE)
+
+# Beat's periodic passes: they send no task events (Flower lists operations), and an
+# operator's reap or reconcile is a task of its own (corral.reap, corral.reconcile).
+HOUSEKEEPING = ("corral.check_health", "corral.autoscale", "corral.reap_pass",
+                "corral.reconcile_pass")
 
 ROUTES: dict[str, dict[str, str]] = {
     task: {"queue": queue} for queue, tasks in TASKS_BY_QUEUE.items() for task in tasks
@@ -80,8 +89,8 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
         }
 
     return {
-        "reap": every(settings.reap_interval_s, "corral.reap"),
-        "reconcile": every(settings.reconcile_interval_s, "corral.reconcile"),
+        "reap": every(settings.reap_interval_s, "corral.reap_pass"),
+        "reconcile": every(settings.reconcile_interval_s, "corral.reconcile_pass"),
         "check-health": every(settings.health_interval_s, "corral.check_health"),
         "autoscale": every(settings.autoscale_interval_s, "corral.autoscale"),
     }

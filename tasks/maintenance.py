@@ -1,9 +1,19 @@
-"""Periodic and operator-triggered maintenance: health checks, reap and reconcile.
+"""Housekeeping: health checks, reap, reconcile and the autoscaler, periodic or asked for.
 
-Beat sends these on the ``corral.maintenance`` queue; each expires before the next
-one is due, so a stopped worker does not come back to a pile of stale passes. The
-spawns and scales a pass asks for are operations like any producer's
-(:func:`workers.dispatch.submit`), so they show in ``corral ops``.
+Beat sends the periodic passes (``config.celery.HOUSEKEEPING``) on the
+``corral.maintenance`` queue; each expires before the next one is due, so a stopped
+worker does not come back to a pile of stale passes. They are declared with
+``send_events=False``: a worker sends no task events for them, so Flower lists the
+operations' tasks instead of a health check every 5 s and an autoscaler pass every
+2 s. What a pass did stays visible: its log lines (the worker logs every task it
+receives and how it ended), the metrics, and, when it changed something, an operation
+already over (:func:`workers.operations.record_pass`: ``corral ops``). The spawns and
+scales a pass asks for are operations like any producer's
+(:func:`workers.dispatch.submit`), with their tasks in Flower.
+
+An operator's ``corral reap`` / ``corral reconcile`` is an operation whose first task
+is ``corral.reap`` / ``corral.reconcile``: the same pass, with task events, its report
+stored on the operation.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from workers.fleet import health
 from workers.maintenance import reaper, redrive
 from workers.maintenance import reconcile as reconciler
 from workers.metrics import count_reaped
-from workers.operations import record_result
+from workers.operations import record_pass, record_result
 from workers.redis_client import redis_client
 from workers.replicas.requests import request_scale, request_spawn
 from workers.store.db import Database
@@ -30,37 +40,56 @@ from workers.store.db import Database
 log = logging.getLogger(__name__)
 
 
-@app.task(bind=True, name="corral.check_health")
+@app.task(bind=True, name="corral.check_health", send_events=False)
 def check_health(self: CorralTask) -> dict[str, Any]:
-    """Probe every node and update its health."""
+    """Probe every node and update its health (beat, every ``CORRAL_HEALTH_INTERVAL_S``)."""
     holder = leases.holder_name(self.request.id)
-    return asdict(health.check_health(self.db, self.settings, holder=holder))
+    report = health.check_health(self.db, self.settings, holder=holder)
+    result = asdict(report)
+    if report.changed:
+        result["op_id"] = record_pass(self.db, "health", dict(result))
+    return result
 
 
 @app.task(bind=True, name="corral.reap")
 def reap(
     self: CorralTask, idle_timeout: float | None = None, op_id: str | None = None
 ) -> dict[str, Any]:
-    """One reaper pass (beat sends one every ``CORRAL_REAP_INTERVAL_S``); returns its report.
+    """An operator's reaper pass (the first task of a reap operation); returns its report."""
+    return _reap(self, idle_timeout, op_id)
+
+
+@app.task(bind=True, name="corral.reap_pass", send_events=False)
+def reap_pass(self: CorralTask) -> dict[str, Any]:
+    """Beat's reaper pass (every ``CORRAL_REAP_INTERVAL_S``); returns its report."""
+    return _reap(self, None, None)
+
+
+def _reap(task: CorralTask, idle_timeout: float | None, op_id: str | None) -> dict[str, Any]:
+    """One reaper pass, recorded on ``op_id`` or, if it changed anything, as a pass.
 
     Stale replicas kept only for their function's min are replaced: the pass reports how
     many fresh replicas each such function needs, and this task asks for them (a later
     pass then retires the stale ones). Operations that stopped moving get their first
     task sent again (:mod:`workers.maintenance.redrive`).
     """
-    settings = self.settings
-    holder = leases.holder_name(self.request.id)
+    settings = task.settings
+    holder = leases.holder_name(task.request.id)
     if op_id:
-        reaper.start(self.db, op_id)
+        reaper.start(task.db, op_id)
     # An operator's pass waits a little for a periodic one to end instead of failing.
     # Any error fails the operation (CorralTask).
     wait = settings.task_soft_time_limit_s / 4 if op_id else 0.0
-    report = reaper.reap(self.db, settings, idle_timeout=idle_timeout, holder=holder,
+    report = reaper.reap(task.db, settings, idle_timeout=idle_timeout, holder=holder,
                          lease_wait_s=wait)
     _count_reaped(settings, report.counts)
-    extra = {"replacements": _spawn_each(self.db, report.replace), "redriven": _redrive(self)}
+    extra: dict[str, Any] = {"replacements": _spawn_each(task.db, report.replace),
+                             "redriven": _redrive(task)}
     if op_id:
-        reaper.record(self.db, op_id, report, extra)
+        reaper.record(task.db, op_id, report, extra)
+    elif report.changed or extra["redriven"]:
+        extra["op_id"] = record_pass(task.db, "reap", reaper.outcome(report, extra),
+                                     total=len(report.deleted), failed=report.failed)
     return {**report.as_dict(), **extra}
 
 
@@ -101,7 +130,7 @@ def _redrive(task: CorralTask) -> dict[str, str]:
     return sent
 
 
-@app.task(bind=True, name="corral.autoscale")
+@app.task(bind=True, name="corral.autoscale", send_events=False)
 def autoscale(self: CorralTask) -> dict[str, Any]:
     """One autoscaler pass (beat sends one every ``CORRAL_AUTOSCALE_INTERVAL_S``)."""
     settings = self.settings
@@ -118,10 +147,24 @@ def autoscale(self: CorralTask) -> dict[str, Any]:
 
 @app.task(bind=True, name="corral.reconcile")
 def reconcile(self: CorralTask, op_id: str | None = None) -> dict[str, Any]:
+    """An operator's reconcile pass (the first task of a reconcile operation)."""
+    return _reconcile(self, op_id)
+
+
+@app.task(bind=True, name="corral.reconcile_pass", send_events=False)
+def reconcile_pass(self: CorralTask) -> dict[str, Any]:
+    """Beat's reconcile pass (every ``CORRAL_RECONCILE_INTERVAL_S``)."""
+    return _reconcile(self, None)
+
+
+def _reconcile(task: CorralTask, op_id: str | None) -> dict[str, Any]:
     """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""
-    holder = leases.holder_name(self.request.id)
-    report = reconciler.reconcile(self.db, self.settings, holder=holder)
-    result = {**report.as_dict(), "spawned": _spawn_each(self.db, report.top_up)}
+    holder = leases.holder_name(task.request.id)
+    report = reconciler.reconcile(task.db, task.settings, holder=holder)
+    result: dict[str, Any] = {**report.as_dict(),
+                              "spawned": _spawn_each(task.db, report.top_up)}
     if op_id:
-        record_result(self.db, op_id, result)
+        record_result(task.db, op_id, result)
+    elif report.changed:
+        result["op_id"] = record_pass(task.db, "reconcile", dict(result))
     return result

@@ -18,7 +18,8 @@ Its status (:class:`~workers.store.models.OpStatus`, mapped on the column) moves
 * :func:`fail_operation` / :func:`fail_op` end an open operation as a whole (bad
   input, an unexpected error in its task, given up on); a finished one stays as it
   ended, so a late redelivery cannot rewrite an outcome;
-* :func:`record_result` ends a one-step operation (reap, reconcile) with its report.
+* :func:`record_result` ends a one-step operation (reap, reconcile) with its report;
+  :func:`record_pass` writes one already over, for a periodic pass that changed something.
 """
 
 from __future__ import annotations
@@ -155,6 +156,23 @@ def operation_view(op: Operation) -> OperationView:
         "error": op.error,
         "redrives": op.redrives,  # times its first task was re-sent (workers.maintenance.redrive)
     }
+
+
+def record_pass(
+    db: Database, kind: str, result: dict[str, Any], *, total: int = 1, failed: int = 0
+) -> str:
+    """Record what a periodic housekeeping pass changed, as an operation already over; its id.
+
+    Beat's passes run without an operation and send no task events, so Flower lists the
+    operations' tasks, not a health check every 5 s. A pass that changed something
+    (deleted a replica, destroyed an orphan, marked a node unhealthy...) leaves this
+    record, so ``corral ops`` and the operations metrics show it.
+    """
+    with db.transaction() as s:
+        op = create_operation(s, kind, {"by": "beat"}, total=total)
+        op.result, op.done, op.failed = result, total - failed, failed
+        finish(op, failed=failed, total=total)
+        return op.id
 
 
 def record_result(db: Database, op_id: str, result: dict[str, Any]) -> None:

@@ -82,6 +82,11 @@ class HealthReport:
     recovered: list[str] = field(default_factory=list)
     replicas_lost: int = 0
 
+    @property
+    def changed(self) -> bool:
+        """Whether a node changed health or lost its replicas in this pass."""
+        return bool(self.became_unhealthy or self.recovered or self.replicas_lost)
+
 
 def _probe(node: Node, settings: Settings) -> str | None:
     try:

@@ -134,6 +134,11 @@ class ReapReport:
         """Deletions whose VM could not be released (left Dead with an error)."""
         return sum(1 for d in self.deleted if d.outcome == "failed")
 
+    @property
+    def changed(self) -> bool:
+        """Whether the pass deleted, gave back or asked for anything."""
+        return bool(self.deleted or self.claims_expired or self.replace)
+
     def as_dict(self) -> dict[str, Any]:
         """The report as a JSON-ready mapping."""
         data = asdict(self)
@@ -478,13 +483,19 @@ def _outcome(v: _Victim, *, released: bool, error: str | None = None) -> None:
     v.reaped.error = v.error
 
 
+def outcome(report: ReapReport, extra: dict[str, Any]) -> dict[str, Any]:
+    """A pass's report as an operation's result, with the errors of failed deletions."""
+    errors = [f"{d.replica_id}: {d.error}" for d in report.deleted if d.outcome == "failed"]
+    return {**report.as_dict(), **extra, "errors": errors[:MAX_OP_ERRORS]}
+
+
 def record(db: Database, op_id: str, report: ReapReport, extra: dict[str, Any]) -> None:
     """Store a pass's report as its operation's result and finish the operation."""
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True)
         if op is None or op.status in OP_FINISHED:
             return
-        op.result = {**report.as_dict(), **extra}
+        op.result = outcome(report, extra)
         if report.skipped:
             op.total, op.failed = 1, 1
             finish(op, failed=1, total=1, error=(
@@ -493,8 +504,6 @@ def record(db: Database, op_id: str, report: ReapReport, extra: dict[str, Any]) 
         op.total = len(report.deleted)
         op.failed = report.failed
         op.done = op.total - op.failed
-        errors = [f"{d.replica_id}: {d.error}" for d in report.deleted if d.outcome == "failed"]
-        op.result["errors"] = errors[:MAX_OP_ERRORS]
         finish(op, failed=op.failed, total=op.total)
 
 

@@ -64,6 +64,11 @@ class ReconcileReport:
     top_up: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
+    @property
+    def changed(self) -> bool:
+        """Whether the pass destroyed, retired, drained or asked for anything."""
+        return bool(self.orphans_destroyed or self.vanished or self.drained or self.top_up)
+
     def as_dict(self) -> dict[str, Any]:
         """The report as JSON-ready data."""
         return asdict(self)
