@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "CORRAL_"
+MAX_KEEPALIVE_BINS = 10_000
 STACK_FILE = "stack.json"
 
 
@@ -209,6 +210,22 @@ class _Autoscale(BaseModel):
     """A gateway's demand sample older than this is ignored (the gateway is gone)."""
 
 
+class _KeepAlive(BaseModel):
+    """Adaptive keep-alive (``--keep-alive adaptive``): the idle-time histograms.
+
+    corral records every function's idle times (from the end of one invocation to the
+    start of the next) in a histogram of fixed bins over a fixed range, kept in the
+    broker's Redis; an idle time beyond the range is counted apart (out of bounds).
+    """
+
+    keepalive_bin_s: Seconds = 60.0
+    """Width of one histogram bin (the paper's 1 minute)."""
+    keepalive_range_s: Seconds = 14_400.0
+    """Idle times the histogram resolves; longer ones are out of bounds (the paper's 4 h)."""
+    keepalive_history: int = Field(10_000, ge=10, le=10_000_000)
+    """Idle times a histogram holds before all its counts are halved (old ones fade)."""
+
+
 class _Metrics(BaseModel):
     """The control plane's Prometheus exporter (``corral metrics``)."""
 
@@ -299,15 +316,15 @@ class _Flower(BaseModel):
 
 class Settings(
     _Places, _Reliability, _Backends, _CreateDefaults, _Maintenance, _DatabaseGuards,
-    _Autoscale, _Metrics, _Placement, _Faults, _Gateway, _Flower, BaseSettings,
+    _Autoscale, _KeepAlive, _Metrics, _Placement, _Faults, _Gateway, _Flower, BaseSettings,
 ):
     """Every knob corral reads, with its default: the groups above, one flat namespace.
 
     Each field is read from ``CORRAL_<NAME>``; the groups only organise the code and
     this reference, which ``python -m config.docs`` writes from the string below each
-    field. Three rules hold between settings: the soft time limit is below the hard
-    one, the visibility timeout above the hard one, and the panic window no longer
-    than the stable window.
+    field. Four rules hold between settings: the soft time limit is below the hard
+    one, the visibility timeout above the hard one, the panic window no longer than
+    the stable window, and the keep-alive range between 1 and 10000 bins.
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
@@ -335,6 +352,11 @@ class Settings(
         if self.autoscale_panic_window_s > self.autoscale_stable_window_s:
             raise ValueError(
                 "CORRAL_AUTOSCALE_PANIC_WINDOW_S must not exceed CORRAL_AUTOSCALE_STABLE_WINDOW_S"
+            )
+        if not 1 <= self.keepalive_range_s / self.keepalive_bin_s <= MAX_KEEPALIVE_BINS:
+            raise ValueError(
+                f"CORRAL_KEEPALIVE_RANGE_S must hold between 1 and {MAX_KEEPALIVE_BINS} bins of "
+                "CORRAL_KEEPALIVE_BIN_S"
             )
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(

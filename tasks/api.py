@@ -22,11 +22,13 @@ Results are typed mappings (``NodeView``, ``FunctionView``, ``ReplicaView``,
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, NotRequired, TypedDict, TypeVar, cast
 
+import redis
 from sqlalchemy.orm import Session
 
 # The task modules: imported so that their tasks are registered wherever the API is
@@ -36,6 +38,7 @@ import tasks.maintenance
 import tasks.replicas  # noqa: F401
 from config.settings import Settings, get_settings
 from workers import dispatch
+from workers.autoscale import idletimes
 from workers.errors import BrokerError, InputError
 from workers.fleet import gpus as gpu_inventory
 from workers.fleet import nodes as fleet
@@ -63,6 +66,7 @@ from workers.operations import (
     list_operations,
     operation_view,
 )
+from workers.redis_client import redis_client
 from workers.replicas import claims
 from workers.replicas.requests import request_delete, request_scale, request_spawn
 from workers.replicas.views import ReplicaView, get_replica, list_replicas, replica_view
@@ -374,6 +378,10 @@ def remove_function(
     with db.transaction() as s:
         if not remove_function_row(s, name):
             raise InputError(f"function {name!r} gained a replica meanwhile; try again")
+    client = redis_client((settings or get_settings()).broker_url)
+    if client is not None:
+        with contextlib.suppress(redis.RedisError):  # then it expires by itself (30 days)
+            idletimes.forget(client, name)
     return len(live)
 
 
@@ -441,6 +449,7 @@ def claim(
     """
     settings = settings or get_settings()
     _check_cold_start_timeout(cold_start_timeout)
+    called = time.time()
     attempt = claims.ClaimAttempt(
         database(settings), settings, function, cold_start_timeout=cold_start_timeout,
         ttl_s=ttl, spawn=lambda name: spawn(name, 1, settings=settings),
@@ -449,6 +458,7 @@ def claim(
         while True:
             got = attempt.step()
             if isinstance(got, claims.Claimed):
+                _invocation(settings, got.function, idletimes.Activity(arrivals=[called]))
                 return cast(ClaimView, {**got.as_dict(), "waited_s": round(attempt.waited_s, 3),
                                         "spawned": attempt.spawned})
             time.sleep(got)
@@ -469,8 +479,16 @@ def _check_cold_start_timeout(value: object) -> None:
 def release(claim_id: str, *, settings: Settings | None = None) -> ReleaseView:
     """Give back exactly the environment a claim holds (``released`` False: it was not held)."""
     settings = settings or get_settings()
-    return cast(ReleaseView,
-                claims.release(database(settings), settings, check_id(claim_id, "claim")))
+    released = claims.release(database(settings), settings, check_id(claim_id, "claim"))
+    if released["released"]:
+        _invocation(settings, released["function"], idletimes.Activity(last=time.time()))
+    return cast(ReleaseView, released)
+
+
+def _invocation(settings: Settings, function: str, seen: idletimes.Activity) -> None:
+    """A claim is an invocation's start, its release the end: for the keep-alive histograms."""
+    idletimes.record_quietly(redis_client(settings.broker_url),
+                             idletimes.Shape.from_settings(settings), {function: seen})
 
 
 def suspect(claim_id: str, reason: str, *, settings: Settings | None = None) -> str | None:

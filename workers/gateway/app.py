@@ -8,7 +8,9 @@ Routes: ``/function/NAME[/PATH]`` (any method) goes to the proxy
 While it runs, the gateway publishes each function's demand once per
 ``CORRAL_GATEWAY_REPORT_INTERVAL_S`` (:func:`workers.autoscale.demand.report`, to the broker's
 Redis) for the autoscaler: every function that had a request in the last minute,
-idle ones with zeros so their demand is seen to fall.
+idle ones with zeros so their demand is seen to fall; and, at the same time, the
+starts and ends of the invocations it served (:mod:`workers.autoscale.idletimes`) for
+the keep-alive histograms.
 
 It is served by uvicorn on one asyncio loop; the store calls run in a bounded
 thread pool. It refuses to listen on a non-loopback address without
@@ -37,7 +39,7 @@ from starlette.routing import Route
 
 from agents.runtime import join_hostport, listen_address
 from config.settings import Settings
-from workers.autoscale import demand
+from workers.autoscale import demand, idletimes
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
 from workers.gateway.proxy import PREFIX, Gateway, Producer
@@ -118,6 +120,7 @@ class GatewayApp:
         try:
             while True:
                 await asyncio.sleep(interval)
+                await self._record_idle_times(client)
                 now = time.monotonic()
                 samples = {name: gate.sample() for name, gate in self.gateway.catalog.gates.items()
                            if gate.active or gate.queued or now - gate.last_used < ACTIVE_S}
@@ -130,6 +133,13 @@ class GatewayApp:
                     log.warning("gateway: demand report failed: %s", exc)
         finally:
             client.close()
+
+    async def _record_idle_times(self, client: redis.Redis) -> None:
+        """Hand the invocations seen since the last report to the keep-alive histograms."""
+        seen = self.gateway.invocations.take()
+        if seen:
+            shape = idletimes.Shape.from_settings(self.gateway.settings)
+            await self.gateway.background.store(idletimes.record_quietly, client, shape, seen)
 
 
 def build_app(db: Database, settings: Settings, producer: Producer) -> GatewayApp:

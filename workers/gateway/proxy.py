@@ -36,6 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from config.settings import Settings
+from workers.autoscale.idletimes import Recorder
 from workers.errors import CorralError, NotFound
 from workers.gateway.admission import QueueFull, QueueTimeout
 from workers.gateway.asgi import (
@@ -81,6 +82,7 @@ class Gateway:
         self._token = (f"Bearer {settings.gateway_token}".encode()
                        if settings.gateway_token else None)
         self.upstreams = Upstreams(settings, self._token)
+        self.invocations = Recorder(settings.keepalive_bin_s)  # idle times, for keep-alive
         self._upkeep: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -227,7 +229,8 @@ class Gateway:
         finally:
             self.metrics.load(info.name, gate.active, gate.queued)
         try:
-            await self._call(scope, info, body, send)
+            with self.invocations.invocation(info.name):  # keep-alive's idle times
+                await self._call(scope, info, body, send)
         finally:
             gate.leave()
             self.metrics.load(info.name, gate.active, gate.queued)

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from sqlalchemy import select
 
-from agents import ProcessDriver, RunningAgent, serve_fcdaemon
+from agents import RunningAgent
 from tasks import api
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.fixtures import Env
-from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.gateway import serve_gateway
 from workers.store.models import Function, Operation, Replica, ReplicaState
@@ -34,15 +32,6 @@ FAST_AUTOSCALE = {
     "CORRAL_AUTOSCALE_DEMAND_STALE_S": "2",
 }
 SERVING = (ReplicaState.IDLE, ReplicaState.ALLOCATED)
-
-
-@pytest.fixture
-def agent(broker_env: Env) -> Iterator[RunningAgent]:
-    running = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver())
-    with broker_env.db.transaction() as s:
-        upsert_node(s, running.address, name="node1", capacity=64)
-    yield running
-    running.stop(grace=0)
 
 
 def serving(env: Env) -> int:
