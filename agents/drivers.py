@@ -52,9 +52,9 @@ from agents.procs import kill_group, spawn
 from agents.runtime import WILDCARD_HOSTS
 
 __all__ = [
-    "VM", "BadSpec", "DriverError", "ImageNotFound", "MemoryDriver", "PortAllocator",
-    "ProcessDriver", "VMDriver", "VMSpec", "add_driver_arguments", "check_module_name",
-    "driver_from_args", "image_module", "parse_env_args", "resolve_command",
+    "FAKE_PORT_RANGE", "VM", "BadSpec", "DriverError", "ImageNotFound", "MemoryDriver",
+    "PortAllocator", "ProcessDriver", "VMDriver", "VMSpec", "add_driver_arguments",
+    "check_module_name", "driver_from_args", "image_module", "parse_env_args", "resolve_command",
 ]
 
 log = logging.getLogger(__name__)
@@ -226,11 +226,19 @@ class PortAllocator:
                 self._claimed.discard(port)
 
 
+#: Host ports a :class:`MemoryDriver` hands out by default (nothing listens on them).
+FAKE_PORT_RANGE = (20000, 29999)
+
+
 class MemoryDriver:
     """VMs as records only: nothing runs; for tests and benchmarks."""
 
-    def __init__(self, port_range: tuple[int, int] | None = None, ip: str = "127.0.0.1") -> None:
-        """Without ``port_range`` a VM's port is its guest port; with it, unique fake ports."""
+    def __init__(
+        self, port_range: tuple[int, int] | None = FAKE_PORT_RANGE, ip: str = "127.0.0.1"
+    ) -> None:
+        """Unique fake host ports from ``port_range``, as a real host gives (no two VMs share
+        one, and none is a guest port such as 8080 that corral's own gateway may listen on);
+        with ``port_range=None`` a VM's port is its guest port."""
         self.ip = ip
         self._ports = (
             PortAllocator(*port_range, check_bind=False) if port_range is not None else None

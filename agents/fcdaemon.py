@@ -667,7 +667,7 @@ def serve_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         with open(args.tls_key, "rb") as key, open(args.tls_cert, "rb") as cert:
             tls = (key.read(), cert.read())
     driver = driver_from_args(
-        parser, args, lambda: MemoryDriver(ip=advertise), advertise_ip=advertise
+        parser, args, lambda: MemoryDriver(args.port_range, ip=advertise), advertise_ip=advertise
     )
     return serve_until_signalled(
         lambda: serve_fcdaemon(

@@ -126,6 +126,9 @@ class _Backends(BaseModel):
     """A quarantine's first length; it doubles while the node keeps failing."""
     node_quarantine_max_s: Seconds = 600.0
     """A quarantine's longest length."""
+    replica_networks: str = ""
+    """CIDRs (comma separated) where an fcdaemon node's replicas may also live, besides the
+    node's own host, unless the node lists its own (``nodes add --replica-network``)."""
 
 
 class _CreateDefaults(BaseModel):
@@ -334,6 +337,16 @@ class Settings(
     def _known_database(cls, value: str) -> str:
         if not value.startswith(("sqlite", "postgresql")):
             raise ValueError("must be a sqlite:/// or postgresql+psycopg:// URL")
+        return value
+
+    @field_validator("replica_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        for cidr in filter(None, (c.strip() for c in value.split(","))):
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not a network (CIDR, e.g. 10.0.0.0/24)") from None
         return value
 
     @field_validator("broker_url")

@@ -311,13 +311,19 @@ def add_node(
     name: str | None = None,
     kind: str = "fcdaemon",
     capacity: int | None = None,
+    replica_networks: list[str] | None = None,
     settings: Settings | None = None,
 ) -> Saved[NodeView]:
-    """Add (or update, by name) a node agent or Lambdo host."""
+    """Add (or update, by name) a node agent or Lambdo host.
+
+    ``replica_networks`` (CIDRs): where its replicas' addresses may be (None: unchanged;
+    a new node gets its kind's default).
+    """
     settings = settings or get_settings()
     with database(settings).transaction() as s:
         node, created = fleet.upsert_node(s, address, name=name, kind=kind, capacity=capacity,
-                                          default_capacity=settings.node_capacity)
+                                          default_capacity=settings.node_capacity,
+                                          replica_networks=replica_networks)
         return Saved(node_view(node), created)
 
 

@@ -6,6 +6,10 @@ not be able to make corral store garbage, hang a worker, or fill its memory. So:
 * a vmid must match ``[A-Za-z0-9._:-]{1,128}`` (:func:`check_vmid`) and is
   percent-encoded wherever it goes into a URL (:func:`vmid_path`);
 * an agent's ``ip`` must parse as an IP address (:func:`check_ip`);
+* a replica's address must be one its node may give out: inside the node's replica
+  networks, and never one of the control plane's own listeners (registry, gateway,
+  metrics exporter, Flower, broker, database) (:func:`check_replica_address`), or the
+  gateway would forward callers wherever an agent pointed it;
 * an HTTP reply body is read up to :data:`MAX_BODY` (1 MiB) and every HTTP call has
   a total deadline, not only a per-read one (:func:`bounded_request` over
   :class:`DeadlineTransport`: each socket read and write is clipped to what is left
@@ -23,6 +27,7 @@ import contextvars
 import ipaddress
 import logging
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -38,8 +43,10 @@ from agents.runtime import is_loopback
 from workers.errors import PermanentBackendError, TransientBackendError
 
 __all__ = [
-    "MAX_BODY", "VMID_RE", "DeadlineTransport", "HttpCall", "abounded_request", "bounded_request",
-    "check_ip", "check_vmid", "redact", "vmid_path", "warn_plaintext",
+    "IP", "LOOPBACK", "MAX_BODY", "VMID_RE", "DeadlineTransport", "HttpCall", "Listeners",
+    "Network", "abounded_request", "bounded_request", "check_ip", "check_replica_address",
+    "check_vmid", "host_ips", "listen_networks", "parse_networks", "redact", "vmid_path",
+    "warn_plaintext",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,6 +81,86 @@ def check_ip(ip: object, node: str | None = None) -> str:
         raise PermanentBackendError(
             f"answered {str(ip)[:60]!r} as its ip, which is not an IP address", node=node
         ) from None
+
+
+# -- replica addresses ------------------------------------------------------------------
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+#: (network, port) pairs a replica may never be at
+Listeners = frozenset[tuple[Network, int]]
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+
+
+def parse_networks(cidrs: Iterable[str]) -> list[Network]:
+    """CIDRs (``10.0.0.0/24``, a bare IP) as networks; ValueError naming a malformed one."""
+    found = []
+    for cidr in cidrs:
+        try:
+            found.append(ipaddress.ip_network(cidr.strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"{cidr!r} is not a network (expected CIDR, e.g. 10.0.0.0/24)"
+                             ) from None
+    return found
+
+
+def host_ips(host: str) -> set[IP]:
+    """The IPs ``host`` stands for: itself if it is one, else what it resolves to (maybe none)."""
+    host = host.strip().strip("[]")
+    try:
+        return {ipaddress.ip_address(host)}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return set()
+    return {ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos}
+
+
+def _single(ip: IP) -> Network:
+    return ipaddress.ip_network(ip)
+
+
+def listen_networks(host: str) -> list[Network]:
+    """Where a server bound to ``host`` can be reached: loopback for a loopback or wildcard
+    bind (plus this machine's own addresses for a wildcard), else the host's IPs."""
+    host = host.strip().strip("[]")
+    if host in ("", "0.0.0.0", "::", "*"):
+        own = host_ips(socket.gethostname()) | host_ips("localhost")
+        return [*LOOPBACK, *(_single(ip) for ip in own)]
+    ips = host_ips(host)
+    if any(ip.is_loopback for ip in ips):
+        return list(LOOPBACK)
+    return [_single(ip) for ip in ips]
+
+
+def check_replica_address(
+    host: str, port: int, networks: Iterable[Network], listeners: Listeners,
+    node: str | None = None,
+) -> None:
+    """Refuse (PermanentBackendError ``untrusted``) a replica address its node may not give.
+
+    Every IP ``host`` stands for must be inside one of ``networks``, and ``host:port``
+    must not be one of ``listeners`` (the control plane's own servers).
+    """
+    ips = host_ips(host)
+    networks = list(networks)
+    where = f"{host}:{port}"
+    if not ips:
+        raise PermanentBackendError(f"answered replica address {where}, which does not resolve",
+                                    node=node, code="untrusted")
+    for ip in ips:
+        if not any(ip.version == net.version and ip in net for net in networks):
+            shown = ", ".join(str(n) for n in networks) or "none"
+            raise PermanentBackendError(
+                f"answered replica address {where}, outside the node's replica networks "
+                f"({shown}; `corral nodes add --replica-network`)", node=node, code="untrusted")
+        if any(port == lport and ip.version == net.version and ip in net
+               for net, lport in listeners):
+            raise PermanentBackendError(
+                f"answered replica address {where}, one of corral's own listeners",
+                node=node, code="untrusted")
 
 
 # -- total deadlines for HTTP ----------------------------------------------------------

@@ -57,7 +57,7 @@ NODE_COLUMNS = ["name", "kind", "address", "live", "capacity", "healthy", "drain
 def cmd_nodes_add(args: argparse.Namespace, settings: Settings) -> int:
     """Add (or update) a node."""
     saved = api.add_node(args.address, name=args.name, kind=args.kind, capacity=args.capacity,
-                         settings=settings)
+                         replica_networks=args.replica_network, settings=settings)
     emit(args, saved.view, lambda v: f"{'added' if saved.created else 'updated'} node "
          f"{v['name']} ({v['kind']} at {v['address']}, capacity {v['capacity']})")
     return 0

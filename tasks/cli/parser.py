@@ -90,6 +90,9 @@ def _add_nodes(top: Commands) -> None:
     p.add_argument("--name")
     p.add_argument("--kind", choices=["fcdaemon", "lambdo"], default="fcdaemon")
     p.add_argument("--capacity", type=integer, help="most live replicas on this node")
+    p.add_argument("--replica-network", action="append", metavar="CIDR",
+                   help="a network its replicas' addresses may be in (repeatable; default: the "
+                   "node's own host, for fcdaemon also CORRAL_REPLICA_NETWORKS)")
     nodes.add("list", "core:cmd_nodes_list", "list nodes", listing=True)
     p = nodes.add("remove", "core:cmd_remove", "remove a node that runs no replicas")
     p.add_argument("key", metavar="name")

@@ -56,7 +56,10 @@ def test_memory_driver_records_vms() -> None:
     assert isinstance(driver, VMDriver)
     a = driver.start(VMSpec(image="x", request_id="r1", guest_port=9000))
     b = driver.start(VMSpec(image="x"))
-    assert (a.ip, a.port, a.pid, a.request_id) == ("127.0.0.1", 9000, None, "r1")
+    assert (a.ip, a.pid, a.request_id, a.port_mapping[0][1]) == ("127.0.0.1", None, "r1", 9000)
+    # fake host ports, one per VM, never a guest port such as 8080 (corral's gateway's)
+    assert 20000 <= a.port <= 29999 and 20000 <= b.port <= 29999 and a.port != b.port
+    assert MemoryDriver(port_range=None).start(VMSpec(image="x", guest_port=9000)).port == 9000
     assert [vm.vmid for vm in driver.list()] == [a.vmid, b.vmid]
     assert driver.stop(a.vmid) and not driver.stop(a.vmid)
     driver.close()

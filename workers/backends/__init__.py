@@ -18,12 +18,12 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from agents.runtime import join_hostport
 from config.settings import Settings
 from protos import fcdaemon_pb2
 from workers.backends import inflight, node_slots
 from workers.backends.fcdaemon import AgentClient, AsyncAgentClient, TlsFiles
 from workers.backends.lambdo import AsyncLambdoClient, LambdoClient
+from workers.backends.networks import replica_address
 from workers.errors import PermanentBackendError
 from workers.store.models import Function, Node
 
@@ -178,10 +178,12 @@ async def send_create(call: CreateCall, settings: Settings) -> Vm:
             raise PermanentBackendError(
                 f"spawn mapped no host port to guest port {call.guest_port}", node=t.name
             )
-        return Vm(spawned.vmid, f"http://{join_hostport(_host_of(t.address), port)}")
-    created = await _async_agent(t, settings).create_replica(call.request)
-    host = created.ip or _host_of(t.address)
-    return Vm(created.vmid, f"http://{join_hostport(host, created.port or call.guest_port)}")
+        vmid, host = spawned.vmid, _host_of(t.address)
+    else:
+        created = await _async_agent(t, settings).create_replica(call.request)
+        vmid, host, port = created.vmid, created.ip or _host_of(t.address), created.port
+    # the one place a reply becomes a Vm: its address checked (workers.backends.networks)
+    return Vm(vmid, await replica_address(t, host, port or call.guest_port, settings))
 
 
 async def send_release(t: Target, vmid: str, settings: Settings) -> bool:

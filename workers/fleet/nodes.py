@@ -30,6 +30,7 @@ from workers.errors import InputError
 from workers.functions import check_name
 from workers.store.models import Node, Replica
 from workers.store.rows import delete_unlinking_replicas, one_or_not_found
+from workers.untrusted import parse_networks
 
 KINDS = ("fcdaemon", "lambdo")
 DEFAULT_AGENT_PORT = 50051
@@ -69,12 +70,18 @@ def upsert_node(
     capacity: int | None = None,
     external_id: str | None = None,
     default_capacity: int = 64,
+    replica_networks: list[str] | None = None,
 ) -> tuple[Node, bool]:
-    """Add a node or refresh the one with the same name / node_id; returns (node, created)."""
+    """Add a node or refresh the one with the same name / node_id; returns (node, created).
+
+    ``replica_networks`` (CIDRs) replaces the networks its replicas may live in; None
+    keeps them (a new node: its kind's default, :mod:`workers.backends.networks`).
+    """
     address = normalize_address(address, kind)
     name = check_name(name or default_name(address), "node")
     if capacity is not None and (capacity < 0 or capacity > 100_000):
         raise InputError(f"capacity must be between 0 and 100000, got {capacity}")
+    networks = _networks(replica_networks)
     node = None
     if external_id:
         node = session.scalars(
@@ -95,12 +102,24 @@ def upsert_node(
         node.capacity = capacity
     elif created:
         node.capacity = default_capacity
+    if networks is not None:
+        node.replica_networks = networks
     node.healthy = True
     node.misses = 0
     node.unhealthy_since = None
     node.last_seen_at = now()
     session.flush()
     return node, created
+
+
+def _networks(cidrs: list[str] | None) -> list[str] | None:
+    """``cidrs`` in canonical form (``10.0.0.0/24``); InputError naming a malformed one."""
+    if cidrs is None:
+        return None
+    try:
+        return [str(net) for net in parse_networks(cidrs)]
+    except ValueError as exc:
+        raise InputError(f"--replica-network: {exc}") from None
 
 
 def get_node(session: Session, name: str) -> Node:
@@ -195,6 +214,7 @@ class NodeView(TypedDict):
     node_id: str | None
     credential: bool
     repointed: str | None
+    replica_networks: list[str] | None
 
 
 def list_nodes(session: Session) -> list[Node]:
@@ -231,4 +251,6 @@ def node_view(node: Node) -> NodeView:
         "credential": node.credential_hash is not None,
         "repointed": (f"from {node.repointed_from} at {iso(node.repointed_at)}"
                       if node.repointed_at is not None else None),
+        # None: its kind's default (its own host; fcdaemon also CORRAL_REPLICA_NETWORKS)
+        "replica_networks": node.replica_networks,
     }
