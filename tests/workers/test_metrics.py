@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -13,17 +14,18 @@ import httpx
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.services import free_port
-from workers.autoscale.passes import run_pass
+from workers.autoscale.decision import Window
+from workers.autoscale.passes import run_pass, state_key
 from workers.errors import InputError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.metrics import RunningExporter, count_reaped, serve
-from workers.store.models import Node, Operation, Replica, ReplicaState
+from workers.store.models import Function, Node, Operation, Replica, ReplicaState
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 11, 30, 12, 0, 0)
@@ -164,7 +166,12 @@ def test_the_reaper_and_the_autoscaler_feed_their_metrics(
         deploy(s, spec_from(name="plain", image="i", kernel="/k"), env.settings)
     assert api.wait(api.spawn("hello", 3), timeout=30)["status"] == "succeeded"
     assert api.wait(api.spawn("plain", 2), timeout=30)["status"] == "succeeded"
-    run_pass(env.db, env.settings, redis.Redis.from_url(redis_url),
+    client = redis.Redis.from_url(redis_url)
+    with env.db.read() as s:
+        fid = s.scalars(select(Function.id).where(Function.name == "hello")).one()
+    # the autoscaler has been running (a fresh window would start in panic, holding the 3)
+    client.set(state_key(fid), Window([(time.time() - 10, 0.0)]).to_json())
+    run_pass(env.db, env.settings, client,
              lambda name, target: api.scale(name, target, settings=env.settings))
     assert api.wait(api.reap(idle_timeout=0), timeout=30)["status"] == "succeeded"
     got = scrape(exporter.url)
