@@ -296,6 +296,14 @@ class _Gateway(BaseModel):
     """Unused this long, an environment the gateway holds goes back to the store (0: at once)."""
     gateway_claim_ttl_s: float = Field(30.0, ge=1, le=86_400)
     """The lease of each claim the gateway holds, renewed at least every 2 s while held."""
+    gateway_body_budget: int = Field(64 * 1024 * 1024, ge=0)
+    """Request bodies the gateway holds at once, in all (bytes); one that does not fit is 503."""
+    gateway_read_timeout_s: Seconds = 15.0
+    """Longest wait for a request's head, or the next piece of its body; then 408 and closed."""
+    gateway_send_timeout_s: Seconds = 30.0
+    """Longest a caller may take to accept the next piece of its answer; then it is cut off."""
+    gateway_max_connections: Count = Field(4096, le=1_000_000)
+    """Connections (and requests) the gateway serves at once; requests beyond are answered 503."""
     gateway_trusted_proxies: str = ""
     """Proxies (addresses or CIDRs, comma separated) whose X-Forwarded-* the gateway keeps."""
 

@@ -3,7 +3,8 @@
 For checking what a proxy in front of it forwards (the gateway tests use it). The
 answer carries a ``X-Reflect-Vmid`` header with the replica's ``$VMID`` so a caller
 can tell replicas apart; ``?set-cookie=NAME=VALUE`` (repeatable) adds a ``Set-Cookie``
-header, and ``?header=NAME:VALUE`` (repeatable) any header::
+header, ``?header=NAME:VALUE`` (repeatable) any header, and ``?pad=N`` makes the answer
+N bytes longer (a ``pad`` field; at most ``MAX_PAD``)::
 
     PORT=8080 python -m examples.reflect
 """
@@ -16,7 +17,10 @@ from urllib.parse import parse_qs, urlsplit
 
 from examples._http import QuietHandler, run
 
-__all__ = ["ReflectHandler", "main"]
+__all__ = ["MAX_PAD", "ReflectHandler", "main"]
+
+#: Most padding bytes an answer gets, so a typo cannot make a replica build gigabytes.
+MAX_PAD = 256 * 1024 * 1024
 
 
 class ReflectHandler(QuietHandler):
@@ -26,6 +30,11 @@ class ReflectHandler(QuietHandler):
         parts = urlsplit(self.path)
         body = self.read_body()
         vmid = os.environ.get("VMID", "")
+        asked = parse_qs(parts.query)
+        pad = asked.get("pad", ["0"])[-1]
+        if not pad.isdigit() or int(pad) > MAX_PAD:
+            self.send_body(400, f"pad must be a byte count in 0..{MAX_PAD}\n".encode())
+            return
         answer = {
             "method": self.command,
             "path": parts.path,
@@ -34,12 +43,13 @@ class ReflectHandler(QuietHandler):
             "body": body.decode("utf-8", "replace"),
             "vmid": vmid,
         }
+        if int(pad):
+            answer["pad"] = "x" * int(pad)
         data = json.dumps(answer, sort_keys=True).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("X-Reflect-Vmid", vmid)
-        asked = parse_qs(parts.query)
         for cookie in asked.get("set-cookie", []):  # ?set-cookie=name=value
             self.send_header("Set-Cookie", cookie)
         for line in asked.get("header", []):  # ?header=name:value

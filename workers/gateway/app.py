@@ -42,6 +42,7 @@ from config.settings import Settings
 from workers.autoscale import demand, idletimes
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
+from workers.gateway.listener import guarded_http
 from workers.gateway.proxy import PREFIX, Gateway, Producer
 from workers.store.db import Database, get_database
 
@@ -169,6 +170,8 @@ def _server(app: GatewayApp, settings: Settings) -> Any:
     # gateway applies CORRAL_GATEWAY_TRUSTED_PROXIES itself (workers.gateway.headers).
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             proxy_headers=False,
+                            http=guarded_http(settings.gateway_read_timeout_s),
+                            limit_concurrency=settings.gateway_max_connections,
                             server_header=False, date_header=False,
                             timeout_graceful_shutdown=int(settings.gateway_timeout_s),
                             timeout_keep_alive=30)

@@ -42,6 +42,14 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def has_body(scope: Scope) -> bool:
+    """True when the request announces a body (a length over 0, or chunks)."""
+    length = header(scope, b"content-length")
+    if length is not None:
+        return length.strip() not in ("", "0")
+    return header(scope, b"transfer-encoding") is not None
+
+
 async def reply(send: Send, status: int, message: str,
                 headers: dict[str, str] | None = None) -> None:
     """Answer with a one-line plain-text body."""

@@ -39,6 +39,7 @@ import httptools
 IDLE_S = 4.0  # a kept-alive connection unused this long is closed, not reused
 MAX_IDLE = 64  # idle connections kept per replica address
 NO_BODY_STATUS = frozenset({204, 304})
+SMALL_BODY = 64 * 1024  # a body up to this size goes out in the same write as the head
 
 
 class Broken(Exception):
@@ -227,8 +228,8 @@ class Connection(asyncio.Protocol):
 
     # -- the pool's side -------------------------------------------------------------------
 
-    def send(self, request: bytes, head_only: bool, buffer: int) -> Exchange:
-        """Write one request (one write) and return its exchange."""
+    def send(self, head: bytes, body: bytes, head_only: bool, buffer: int) -> Exchange:
+        """Write one request (one write, unless its body is large) and return its exchange."""
         assert self.transport is not None
         self.exchange = Exchange(self, head_only, buffer)
         self._parser = httptools.HttpResponseParser(self)
@@ -236,7 +237,10 @@ class Connection(asyncio.Protocol):
         if self._paused:  # paused by the last exchange, which has all it needs
             self._paused = False
             self.transport.resume_reading()
-        self.transport.write(request)
+        if len(body) <= SMALL_BODY:
+            self.transport.write(head + body)
+        else:
+            self.transport.writelines((head, body))  # no copy of a large body
         return self.exchange
 
     def _finish(self) -> None:
@@ -295,17 +299,18 @@ class Pool:
         self.users = 0
         self.last_used = time.monotonic()
 
-    async def send(self, request: bytes, *, head_only: bool, buffer: int) -> Exchange:
+    async def send(self, head: bytes, body: bytes, *, head_only: bool,
+                   buffer: int) -> Exchange:
         """Send one request on an idle connection, else a new one; its exchange."""
         self.last_used = time.monotonic()
         too_old = self.last_used - IDLE_S
         while self.idle:
             conn = self.idle.pop()
             if not conn.closed and conn.idle_since >= too_old:
-                return conn.send(request, head_only, buffer)
+                return conn.send(head, body, head_only, buffer)
             conn.close()
         conn = await self._connect()
-        return conn.send(request, head_only, buffer)
+        return conn.send(head, body, head_only, buffer)
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()

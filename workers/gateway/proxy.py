@@ -4,9 +4,11 @@ A request goes through these steps, each with its own answer when it fails:
 
 1. **Token.** With ``CORRAL_GATEWAY_TOKEN`` set, ``Authorization: Bearer <token>``
    is required (401 otherwise) and is not forwarded.
-2. **Body.** Read in full before anything is claimed, so a slow upload holds no
-   environment; over ``CORRAL_GATEWAY_MAX_BODY`` bytes (announced or counted) -> 413.
-3. **Function.** Its limits (:mod:`workers.gateway.catalog`); an unknown name -> 404.
+2. **Function.** Its limits (:mod:`workers.gateway.catalog`); an unknown name -> 404.
+   Both come before the body: neither costs a byte of it.
+3. **Body** (:mod:`workers.gateway.bodies`). Read in full before anything is claimed,
+   so a slow upload holds no environment; bounded per request (413), in all (503) and
+   in time (408).
 4. **Admission** (:mod:`workers.gateway.admission`): beyond ``max_replicas x
    exec_envs`` requests the request queues; a full queue -> 429, no place within the
    cold-start timeout -> 503 with ``Retry-After``.
@@ -37,7 +39,7 @@ from collections.abc import Awaitable, Callable
 
 from config.settings import Settings
 from workers.autoscale.idletimes import Recorder
-from workers.errors import CorralError, NotFound
+from workers.errors import InputError, NotFound
 from workers.gateway.admission import QueueFull, QueueTimeout
 from workers.gateway.asgi import (
     RETRY_AFTER_S,
@@ -47,10 +49,12 @@ from workers.gateway.asgi import (
     Receive,
     Scope,
     Send,
+    has_body,
     header,
     reply,
 )
 from workers.gateway.background import Background
+from workers.gateway.bodies import CLOSE, Bodies
 from workers.gateway.catalog import Catalog, FunctionInfo
 from workers.gateway.ledger import Ledger, Producer
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
@@ -83,6 +87,8 @@ class Gateway:
                        if settings.gateway_token else None)
         self.upstreams = Upstreams(settings, self._token)
         self.invocations = Recorder(settings.keepalive_bin_s)  # idle times, for keep-alive
+        self.bodies = Bodies(settings.gateway_max_body, settings.gateway_body_budget,
+                             settings.gateway_read_timeout_s)
         self._upkeep: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -121,7 +127,7 @@ class Gateway:
         """Serve one ``/function/...`` request (ASGI)."""
         started = time.perf_counter()
         name = scope["path"][len(PREFIX):].split("/", 1)[0]
-        state = {"code": 0, "complete": False}
+        state = {"code": 0, "complete": False, "read": False}
 
         async def tracked(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -131,14 +137,25 @@ class Gateway:
             await send(message)
 
         try:
-            if not self.authorized(scope):
-                raise Answer(401, "missing or invalid gateway token",
-                             {"www-authenticate": "Bearer"})
-            body = await self._read_body(scope, receive)
-            await self._watched(self._serve(scope, body, tracked, name), receive,
-                                lambda: bool(state["complete"]))
+            try:
+                if not self.authorized(scope):
+                    raise Answer(401, "missing or invalid gateway token",
+                                 {"www-authenticate": "Bearer"})
+                info = await self.catalog.get(name)  # before the body: a 404 reads none
+                async with self.bodies.read(scope, receive) as body:
+                    state["read"] = True
+                    await self._watched(self._admitted(scope, info, body, tracked), receive,
+                                        lambda: bool(state["complete"]))
+            except InputError as exc:  # unknown (catalog or store) or malformed name
+                what = f"unknown function {name!r}" if isinstance(exc, NotFound) else str(exc)
+                raise Answer(404, what) from None
+            except NoIdleReplica as exc:  # timed out, or the cold start failed
+                raise Answer(503, str(exc), {"retry-after": str(RETRY_AFTER_S)}) from None
         except Answer as answer:
-            await reply(tracked, answer.status, answer.message, answer.headers)
+            extra = {} if state["read"] or not has_body(scope) else CLOSE  # body left unread
+            await reply(tracked, answer.status, answer.message, {**answer.headers, **extra})
+        except BrokenOff as exc:
+            log.warning("gateway: %s", exc)
         except ClientGone:
             pass
         finally:
@@ -175,45 +192,6 @@ class Gateway:
             raise ClientGone from None
         finally:
             watcher.cancel()
-
-    async def _serve(self, scope: Scope, body: bytes, send: Send, name: str) -> None:
-        """Find the function and serve the request; the gateway's own answers."""
-        try:
-            try:
-                try:
-                    info = await self.catalog.get(name)
-                except CorralError as exc:  # a malformed name
-                    if isinstance(exc, NotFound):
-                        raise
-                    raise Answer(404, str(exc)) from None
-                await self._admitted(scope, info, body, send)
-            except NotFound:  # from the catalog, or the store when claiming
-                raise Answer(404, f"unknown function {name!r}") from None
-            except NoIdleReplica as exc:  # timed out, or the cold start failed
-                raise Answer(503, str(exc), {"retry-after": str(RETRY_AFTER_S)}) from None
-        except Answer as answer:
-            await reply(send, answer.status, answer.message, answer.headers)
-        except BrokenOff as exc:
-            log.warning("gateway: %s", exc)
-
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.settings.gateway_max_body
-        announced = header(scope, b"content-length")
-        if announced is not None and announced.isdigit() and int(announced) > limit:
-            raise Answer(413, f"request body over {limit} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise Answer(413, f"request body over {limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
 
     async def _admitted(self, scope: Scope, info: FunctionInfo, body: bytes, send: Send) -> None:
         gate = self.catalog.gates[info.name]

@@ -11,6 +11,11 @@ be sure the environment is free again for its next request.
   as built, nothing added), swept once unused for ``UPSTREAM_IDLE_S`` with no claim
   held on its replica. No cookie is ever kept: a replica's cookies are its callers'.
 * **Header rules and the raw path**: :mod:`workers.gateway.headers`.
+* **Slow callers**: up to ``READ_AHEAD`` bytes of an answer are read from the replica
+  ahead of the caller, so an answer that fits frees its environment as soon as the
+  replica has sent it, whatever the caller does; and each piece must be taken by the
+  caller within ``CORRAL_GATEWAY_SEND_TIMEOUT_S``, or the answer is cut off (and the
+  environment of a larger answer goes back then).
 * **Failures**: a replica that refuses connections for ``CONNECT_GRACE_S`` (a moment of
   refusal is a server still starting), or breaks the exchange before its response
   headers, is a :class:`ReplicaFailed` (the claim not handed back: the caller retires
@@ -28,7 +33,7 @@ from urllib.parse import quote
 
 from config.settings import Settings
 from workers.gateway import http1
-from workers.gateway.asgi import Answer, Scope, Send
+from workers.gateway.asgi import Answer, Message, Scope, Send
 from workers.gateway.headers import Trusted, request_head, response_headers
 from workers.replicas.claims import Claimed
 
@@ -60,17 +65,48 @@ def _sendable(target: bytes) -> bool:
     return target.isascii() and all(0x21 <= b <= 0x7E for b in target)
 
 
+class _Once:
+    """Call ``fn`` the first time only (or never, once cancelled)."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+    def cancel(self) -> None:
+        """Never call it."""
+        self.fn = None
+
+
+class CallerTooSlow(Exception):
+    """The caller did not take a piece of its answer within the send timeout."""
+
+
 class Relay:
     """An upstream answer streamed to the client one chunk behind.
 
     The last chunk is held back until :meth:`finish`, so the gateway has returned its
     claim first: the environment is free by the time the client sees the answer end.
+    Each piece must be taken by the caller within ``timeout_s`` (:class:`CallerTooSlow`).
     """
 
-    def __init__(self, send: Send) -> None:
-        self.send = send
+    def __init__(self, send: Send, timeout_s: float) -> None:
+        self._send = send
+        self.timeout_s = timeout_s
         self.answering = False  # the response has started: an error can only break it off
         self.last = b""
+
+    async def send(self, message: Message) -> None:
+        """Send one message, the caller given ``timeout_s`` to take it."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._send(message)
+        except TimeoutError:
+            raise CallerTooSlow(f"the caller took no part of its answer for "
+                                f"{self.timeout_s:g}s") from None
 
     async def stream(self, exchange: http1.Exchange) -> None:
         """Relay every chunk but the last."""
@@ -113,56 +149,57 @@ class Upstreams:
         the caller's to retire). Raises :class:`ReplicaFailed`, :class:`Answer` 400 /
         502 / 504 or :class:`BrokenOff`.
         """
-        returned = False
-
-        def give_back() -> None:
-            nonlocal returned
-            if not returned:
-                returned = True
-                done()
-
+        once = _Once(done)
         try:
             pool = self._pool(claimed.address)
         except ValueError as exc:
             raise ReplicaFailed(str(exc)) from None
         target = target_of(scope)
         if not _sendable(target):
-            give_back()
+            once()
             raise Answer(400, "cannot forward this request: its path is not plain ASCII")
-        request = request_head(scope, target, pool.netloc, body, token=self._token,
-                               trusted=self._trusted) + body
+        head = request_head(scope, target, pool.netloc, body, token=self._token,
+                            trusted=self._trusted)
+        relay = Relay(send, self.settings.gateway_send_timeout_s)
         deadline = self.settings.gateway_timeout_s
-        relay = Relay(send)
+        try:
+            try:
+                await self._exchange(pool, head, body, scope["method"] == "HEAD", relay, once)
+            except (TimeoutError, http1.Broken) as exc:
+                what = (f"no complete answer within {deadline:g}s"
+                        if isinstance(exc, TimeoutError) else str(exc))
+                if relay.answering:
+                    raise BrokenOff(f"replica {claimed.replica_id} broke off its answer: "
+                                    f"{what}") from None
+                raise Answer(504 if isinstance(exc, TimeoutError) else 502,
+                             f"replica of {claimed.function}: {what}") from None
+            finally:
+                once()  # given back already if the whole answer had arrived
+            await relay.finish()
+        except CallerTooSlow as exc:
+            raise BrokenOff(f"answer of {claimed.function} cut off: {exc}") from None
+
+    async def _exchange(self, pool: http1.Pool, head: bytes, body: bytes, head_only: bool,
+                        relay: Relay, once: _Once) -> None:
+        """Send, wait for the answer's head, relay its body; ``once`` when it is complete."""
         exchange: http1.Exchange | None = None
         pool.users += 1
         try:
-            async with asyncio.timeout(deadline):
-                exchange = await self._send(pool, request, scope["method"] == "HEAD")
+            async with asyncio.timeout(self.settings.gateway_timeout_s):
+                exchange = await self._send(pool, head, body, head_only)
                 try:
                     await exchange.head()
                 except http1.Broken as exc:
                     raise ReplicaFailed(str(exc)) from None
-                exchange.when_complete(give_back)
+                exchange.when_complete(once)
                 await relay.stream(exchange)
         except ReplicaFailed:
-            returned = True  # the caller retires the replica with the claim
+            once.cancel()  # the caller retires the replica with the claim
             raise
-        except (TimeoutError, http1.Broken) as exc:
-            what = (f"no complete answer within {deadline:g}s" if isinstance(exc, TimeoutError)
-                    else str(exc))
-            give_back()
-            if relay.answering:
-                raise BrokenOff(f"replica {claimed.replica_id} broke off its answer: "
-                                f"{what}") from None
-            raise Answer(504 if isinstance(exc, TimeoutError) else 502,
-                         f"replica of {claimed.function}: {what}") from None
         finally:
             pool.users -= 1
             if exchange is not None:
                 exchange.abandon()  # closes a connection whose answer was not read through
-            if not returned:
-                give_back()
-        await relay.finish()
 
     def _pool(self, address: str | None) -> http1.Pool:
         """The connections to one replica address (made on first use)."""
@@ -174,7 +211,8 @@ class Upstreams:
             pool = self._pools[address] = http1.Pool(address, min(timeout, 5.0))
         return pool
 
-    async def _send(self, pool: http1.Pool, request: bytes, head_only: bool) -> http1.Exchange:
+    async def _send(self, pool: http1.Pool, head: bytes, body: bytes,
+                    head_only: bool) -> http1.Exchange:
         """Send, trying a refused connection again for up to ``CONNECT_GRACE_S``.
 
         A replica can be Idle a moment before its server listens (an agent that answers
@@ -185,7 +223,7 @@ class Upstreams:
         pause = 0.01
         while True:
             try:
-                return await pool.send(request, head_only=head_only, buffer=READ_AHEAD)
+                return await pool.send(head, body, head_only=head_only, buffer=READ_AHEAD)
             except http1.Broken as exc:
                 if not exc.refused or time.monotonic() + pause > give_up:
                     raise ReplicaFailed(str(exc)) from None

@@ -1,0 +1,190 @@
+"""Work the gateway does for a caller is bounded: in time, in bytes, in all (issue 20, item 5).
+
+Each test reproduces one way a caller could hold the gateway's memory, connections or
+environments for as long as it liked: a request head never finished, a head of any
+size, a body that stops arriving, bodies buffered whole with no cap across requests, a
+body read for a function that does not exist, and an answer the caller never reads.
+The last test runs ``corral gateway`` in a process of its own and watches its memory
+while callers without a token, with half-sent heads and with half-sent 10 MiB bodies
+hold their connections open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+
+from tests.workers.gateway.conftest import Stack
+
+MiB = 1024 * 1024
+
+
+def _connect(url: str) -> socket.socket:
+    parts = urlsplit(url)
+    assert parts.hostname == "127.0.0.1" and parts.port
+    return socket.create_connection((parts.hostname, parts.port), timeout=10)
+
+
+def _answer(sock: socket.socket, within: float) -> bytes:
+    """Everything the gateway sends until it closes the connection (``within`` seconds)."""
+    sock.settimeout(within)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        raise AssertionError(f"still open after {within:g}s; got {data[:200]!r}") from None
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def _post_head(path: str, length: int, token: str | None = None) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\n{auth}Content-Length: {length}\r\n\r\n"
+            ).encode()
+
+
+def test_a_request_head_that_never_ends_is_408_and_closed(stack: Stack) -> None:
+    gw = stack.gateway(gateway_read_timeout_s=1.0)
+    with _connect(gw.url) as silent, _connect(gw.url) as half:
+        half.sendall(b"GET /function/hello HTTP/1.1\r\nHost: gw\r\nX-Slow: ")
+        started = time.monotonic()
+        assert _answer(half, 5).startswith(b"HTTP/1.1 408 ")
+        assert _answer(silent, 5).startswith(b"HTTP/1.1 408 ")
+        assert time.monotonic() - started < 4
+
+
+def test_a_request_head_over_64_kib_is_431_and_closed(stack: Stack) -> None:
+    gw = stack.gateway()
+    with _connect(gw.url) as sock:
+        headers = "".join(f"X-Filler-{i}: {'y' * 1000}\r\n" for i in range(80))
+        sock.sendall(f"GET /function/ghost HTTP/1.1\r\nHost: gw\r\n{headers}\r\n".encode())
+        assert _answer(sock, 5).startswith(b"HTTP/1.1 431 ")
+
+
+def test_a_body_that_stops_arriving_is_408_and_claims_nothing(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo")
+    gw = stack.gateway(gateway_read_timeout_s=1.0)
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    stack.settled()
+    with _connect(gw.url) as sock:
+        sock.sendall(_post_head("/function/echo", 1000) + b"only ten b")
+        answer = _answer(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer
+    assert stack.claims() == 0
+
+
+def test_an_unknown_function_is_404_before_its_body_is_read(stack: Stack) -> None:
+    gw = stack.gateway()
+    with _connect(gw.url) as sock:
+        sock.sendall(_post_head("/function/ghost", 5 * MiB))  # and no byte of the body
+        answer = _answer(sock, 5)
+    assert answer.startswith(b"HTTP/1.1 404 ") and b"connection: close" in answer
+
+
+def test_request_bodies_held_at_once_are_capped_in_all(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo")
+    gw = stack.gateway(gateway_body_budget=1 * MiB, gateway_read_timeout_s=30.0)
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    with _connect(gw.url) as first, _connect(gw.url) as second:
+        first.sendall(_post_head("/function/echo", 600 * 1024) + b"a" * 100_000)
+        time.sleep(0.3)  # its 600 KiB are taken from the budget before it has arrived
+        second.sendall(_post_head("/function/echo", 600 * 1024))
+        refused = _answer(second, 5)
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"retry-after: 5" in refused
+        first.sendall(b"a" * (600 * 1024 - 100_000))  # the rest: answered, budget returned
+        first.settimeout(30)
+        assert first.recv(100).startswith(b"HTTP/1.1 200 ")
+    again = httpx.post(f"{gw.url}/function/echo", content=b"b" * 600 * 1024, timeout=60)
+    assert again.status_code == 200 and len(again.content) == 600 * 1024
+    stack.settled()
+
+
+def test_a_caller_that_never_reads_its_answer_holds_no_environment(stack: Stack) -> None:
+    stack.deploy("reflect", image="examples.reflect")
+    gw = stack.gateway(gateway_keep_s=0.0, gateway_send_timeout_s=1.0, gateway_timeout_s=60.0)
+    assert httpx.get(f"{gw.url}/function/reflect", timeout=60).status_code == 200  # warm
+    stack.settled()
+    with _connect(gw.url) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /function/reflect?pad=67108864 HTTP/1.1\r\nHost: gw\r\n\r\n")
+        time.sleep(1.0)  # the replica is answering, 64 MiB that nobody reads
+        deadline = time.monotonic() + 8  # the call timeout is 60 s: it is not what frees it
+        while stack.claims() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stack.claims() == 0
+    answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)  # the replica serves again
+    assert answer.status_code == 200
+    assert len(stack.replicas("reflect")) == 1
+    stack.settled()
+
+
+def _rss_mib(pid: int) -> float:
+    return float(psutil.Process(pid).memory_info().rss) / MiB
+
+
+def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_large(
+    stack: Stack,
+) -> None:
+    stack.deploy("echo", image="examples.echo")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        env={**os.environ, "CORRAL_GATEWAY_TOKEN": "t0ken"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    held: list[socket.socket] = []
+    try:
+        _wait_healthy(url)
+        base = _rss_mib(proc.pid)
+        body = b"z" * (10 * MiB - 1)
+        for _ in range(50):  # without the token: refused before a byte of body is read
+            sock = _connect(url)
+            sock.sendall(_post_head("/function/echo", 1024 * MiB))
+            held.append(sock)
+        for _ in range(100):  # half-sent heads
+            sock = _connect(url)
+            sock.sendall(b"POST /function/echo HTTP/1.1\r\nHost: gw\r\nX-A: ")
+            held.append(sock)
+        for _ in range(25):  # with the token: 10 MiB bodies but their last byte
+            sock = _connect(url)
+            sock.sendall(_post_head("/function/echo", 10 * MiB, "t0ken"))
+            with contextlib.suppress(OSError):  # refused early: the budget is full
+                sock.sendall(body)
+            held.append(sock)
+        time.sleep(1.0)
+        grown = _rss_mib(proc.pid) - base
+        assert grown < 128, f"the gateway grew {grown:.0f} MiB"  # 64 MiB budget + buffers
+        assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+        proc.terminate()
+        proc.wait(15)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.1)
