@@ -27,8 +27,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from agents.faults import FaultHooks, record_call
 
 __all__ = [
-    "REPORT_PREFIX", "GrpcFaultHooks", "TokenInterceptor", "add_health", "agent_server",
-    "bearer_of", "bind_port", "mark_serving", "report_token", "report_vmid", "token_interceptors",
+    "AGENT_OPTIONS", "REPORT_PREFIX", "GrpcFaultHooks", "TokenInterceptor", "add_health",
+    "agent_server", "bearer_of", "bind_port", "mark_serving", "report_token", "report_vmid",
+    "token_interceptors",
 ]
 
 log = logging.getLogger("agents.faults")
@@ -104,6 +105,16 @@ def token_interceptors(
     return [TokenInterceptor(token, what, also=also)] if token else []
 
 
+#: An agent's server: no other process may share its port; a message is at most 1 MiB (a
+#: CreateRequest with a function's whole environment is far less); at most 32 calls at once
+#: on one connection.
+AGENT_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 1 << 20),
+    ("grpc.max_concurrent_streams", 32),
+]
+
+
 def agent_server(
     name: str,
     listen: str,
@@ -118,7 +129,10 @@ def agent_server(
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-        options=[("grpc.so_reuseport", 0)],
+        options=AGENT_OPTIONS,
+        # calls beyond this (running or queued for the threads, each holding its message)
+        # are answered RESOURCE_EXHAUSTED at once instead of piling up in memory
+        maximum_concurrent_rpcs=4 * max_workers,
         interceptors=token_interceptors(require_token),
     )
     health_servicer = add_health(server)

@@ -53,6 +53,7 @@ from typing import Any, Literal
 
 from agents import drivers, runtime
 from agents.faults import FaultHooks, record_call
+from agents.httpserve import BoundedHandler, BoundedServer
 
 __all__ = [
     "DEFAULT_PORT_RANGE", "PATH_KINDS", "BadRequest", "LambdoAgent", "RunningLambdo", "main",
@@ -325,8 +326,8 @@ class LambdoAgent(FaultHooks):
         )
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """Routes requests to the server's :class:`LambdoAgent`."""
+class _Handler(BoundedHandler, BaseHTTPRequestHandler):
+    """Routes requests to the server's :class:`LambdoAgent` (bounded: :mod:`agents.httpserve`)."""
 
     protocol_version = "HTTP/1.1"
     server_version = "corral-lambdo/1"
@@ -348,6 +349,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(resp.body)
 
     def _read_body(self) -> bytes | Response:
+        """The body (asked for only once the caller is authorised), within MAX_BODY."""
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             self.close_connection = True
             return Response.text(411, "chunked bodies are not supported; send Content-Length")
@@ -356,10 +358,18 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             self.close_connection = True
             return Response.text(400, "bad Content-Length")
-        if length > MAX_BODY:
+        if length > MAX_BODY or length < 0:
             self.close_connection = True
             return Response.text(413, f"body larger than {MAX_BODY} bytes")
-        return self.rfile.read(length) if length > 0 else b""
+        if length <= 0:
+            return b""
+        self.allow_body(length)
+        body: bytes = self.rfile.read(length)
+        self.request_read()
+        if len(body) < length:  # the caller hung up or its deadline passed
+            self.close_connection = True
+            return Response.text(400, "incomplete body")
+        return body
 
     def _route(self) -> tuple[str, str] | Response:
         path = self.path.split("?", 1)[0]
@@ -380,13 +390,15 @@ class _Handler(BaseHTTPRequestHandler):
         return Response.text(404, f"no route {method} {path}")
 
     def _handle(self) -> None:
+        self.request_read()  # the head is in; a body is read only for an authorised caller
+        agent = self.agent
+        if not agent.authorized(self.headers.get("Authorization")):
+            self.close_connection = True  # its body, if any, is never read
+            self._send(Response.text(401, "missing or wrong bearer token"))
+            return
         body = self._read_body()
         if isinstance(body, Response):
             self._send(body)
-            return
-        agent = self.agent
-        if not agent.authorized(self.headers.get("Authorization")):
-            self._send(Response.text(401, "missing or wrong bearer token"))
             return
         route = self._route()
         if isinstance(route, Response):
@@ -460,10 +472,9 @@ def _parse_json(body: bytes) -> tuple[object, str | None]:
         return None, f"body is not JSON: {exc}"
 
 
-class _LambdoServer(ThreadingHTTPServer):
-    """Threaded HTTP server (one daemon thread per connection), IPv4 or IPv6."""
+class _LambdoServer(BoundedServer, ThreadingHTTPServer):
+    """Threaded HTTP server (a daemon thread per connection, at most 64), IPv4 or IPv6."""
 
-    daemon_threads = True
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:

@@ -68,6 +68,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Float, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from agents.httpserve import BoundedHandler, BoundedServer
 from agents.runtime import join_hostport, listen_refusal, split_hostport
 from config.celery import QUEUES
 from workers.autoscale.passes import DECISIONS_KEY
@@ -263,17 +264,29 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, port
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _Server(BoundedServer, ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most 16, each with its deadlines (agents.httpserve)."""
+
+    max_connections = 16  # one Prometheus needs one
 
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-class _QuietHandler(WSGIRequestHandler):
+class _QuietHandler(BoundedHandler, WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("metrics: " + format, *args)
+
+    def handle(self) -> None:
+        """wsgiref serves one request per connection: read it within its bounds."""
+        with self.reading():
+            super().handle()
+
+    def get_environ(self) -> dict[str, Any]:
+        """The request's head is in (the exporter reads no body): its deadline ends."""
+        self.request_read()
+        return super().get_environ()
 
 
 def guarded(app: Callable[..., Any], token: str | None) -> Callable[..., Any]:

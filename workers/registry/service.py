@@ -38,6 +38,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -75,6 +76,7 @@ from workers.replicas.claims import finish_oldest
 from workers.replicas.lifecycle import lock_replica, transition
 from workers.store.db import Database, get_database
 from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
+from workers.untrusted import VMID_RE
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +85,19 @@ FINISHED = resmngr_pb2.StatusUpdateRequest.FINISHED
 DESTROY = resmngr_pb2.StatusUpdateReply.DESTROY
 KEEP_ALIVE = resmngr_pb2.StatusUpdateReply.KEEP_ALIVE
 OK = resmngr_pb2.StatusUpdateReply.OK
-#: Early READYs one registry remembers at most (each is a row until applied or expired).
+#: Early READYs one registry remembers at most (each is a row until applied or expired),
+#: and at most from one caller (an IP: an agent reports for the creates in flight on its
+#: node; a guest's report token can only ever speak for its own vmid).
 MAX_PENDING = 10_000
+MAX_PENDING_PER_CALLER = 256
 
 
 class Refused(CorralError):
-    """A caller may not do this (answered PERMISSION_DENIED / FAILED_PRECONDITION)."""
+    """A caller may not do this (answered PERMISSION_DENIED)."""
+
+
+class Busy(CorralError):
+    """Too much waits already; the caller may try again later (RESOURCE_EXHAUSTED)."""
 
 
 def _find_live(db: Database, vmid: str) -> str | None:
@@ -140,6 +149,8 @@ class Registry:
         self.on_destroy = on_destroy or _queue_delete
         #: vmids of early READYs remembered here, until applied or expired (see sweep).
         self.pending: set[str] = set()
+        self._caller_of: dict[str, str] = {}  # pending vmid -> who reported it
+        self._per_caller: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     def register_node(self, ip: str, port: int, node_id: str, caller: Caller | None = None
@@ -194,6 +205,8 @@ class Registry:
         """Apply a guest's READY / FINISHED from ``peer`` (an IP, if known); the action."""
         if not vmid:
             return DESTROY
+        if not VMID_RE.fullmatch(vmid):
+            raise InputError(f"malformed vmid {vmid[:40]!r} (expected [A-Za-z0-9._:-]{{1,128}})")
         replica_id = _find_live(self.db, vmid)
         if replica_id is None:
             if not _spawns_in_flight(self.db):
@@ -206,17 +219,23 @@ class Registry:
             if replica_id is None:
                 return OK
             if not reports.apply_reports(self.db, self.settings, [vmid]):
-                with self._lock:
-                    self.pending.discard(vmid)
+                self._forget({vmid})
         if status == READY:
             return self._ready(replica_id, peer)
         return self._finished(replica_id, peer)
 
     def _remember(self, vmid: str, peer: str | None) -> None:
+        caller = peer or reports.UNKNOWN_PEER
         with self._lock:
-            if len(self.pending) >= MAX_PENDING and vmid not in self.pending:
-                raise Refused(f"{MAX_PENDING} early READY reports already wait; try again")
-            self.pending.add(vmid)
+            if vmid not in self.pending:
+                if self._per_caller[caller] >= MAX_PENDING_PER_CALLER:
+                    raise Busy(f"{MAX_PENDING_PER_CALLER} early READY reports from {caller} "
+                               "already wait; try again")
+                if len(self.pending) >= MAX_PENDING:
+                    raise Busy(f"{MAX_PENDING} early READY reports already wait; try again")
+                self.pending.add(vmid)
+                self._caller_of[vmid] = caller
+                self._per_caller[caller] += 1
         if not reports.remember(self.db, self.settings, vmid, peer):
             log.warning("early READY for %s from %s: another peer's report is already held",
                         vmid, peer)
@@ -230,9 +249,18 @@ class Registry:
         if not vmids:
             return
         waiting = reports.apply_reports(self.db, self.settings, vmids)
-        with self._lock:
-            self.pending -= vmids - waiting
+        self._forget(vmids - waiting)
         reports.forget_expired(self.db)
+
+    def _forget(self, vmids: set[str]) -> None:
+        """Stop remembering these early READYs (applied or expired)."""
+        with self._lock:
+            for vmid in vmids & self.pending:
+                self.pending.discard(vmid)
+                caller = self._caller_of.pop(vmid, reports.UNKNOWN_PEER)
+                self._per_caller[caller] -= 1
+                if self._per_caller[caller] <= 0:
+                    del self._per_caller[caller]
 
     def scope(self, context: grpc.ServicerContext) -> str | None:
         """The vmid the caller's credential is limited to (a guest's report token); None: any."""
@@ -361,6 +389,10 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
             action = self.registry.update_status(request.vmid, int(request.status), peer)
         except Refused as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        except Busy as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except InputError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return resmngr_pb2.StatusUpdateReply(
             action=resmngr_pb2.StatusUpdateReply.Action.ValueType(action)
         )
@@ -386,6 +418,18 @@ class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
         return mngrinfo_pb2.AvAManagerInfoReply(
             gpu_uuid=uuid, mngr_addr=mngr_addr, worker_port=port
         )
+
+
+#: Bounds on work before a caller is known: every registry message is small (a vmid is at
+#: most 128 characters), so 64 KiB is plenty; calls beyond MAX_CONCURRENT_RPCS (running
+#: or queued for the 32 threads) are answered RESOURCE_EXHAUSTED at once; no other
+#: process may share the port (SO_REUSEPORT off).
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 64 * 1024),
+    ("grpc.max_concurrent_streams", 16),
+]
+MAX_CONCURRENT_RPCS = 256
 
 
 class RunningRegistry:
@@ -443,6 +487,8 @@ def serve_registry(settings: Settings, listen: str | None = None,
     registry = registry or Registry(get_database(settings.database_url), settings)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"),
+        options=SERVER_OPTIONS,
+        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         interceptors=token_interceptors(
             settings.registry_token, "registry",
             also=lambda bearer: bool(report_vmid(settings.registry_token or "", bearer))),

@@ -29,6 +29,7 @@ from workers.backends import Vm
 from workers.fleet.health import check_health
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
+from workers.registry import service
 from workers.registry.identity import Caller, NotThatNode, StillHealthy
 from workers.registry.service import RunningRegistry, serve_registry
 from workers.replicas.actions import begin_spawn, finish_spawn
@@ -333,6 +334,50 @@ def test_finished_and_gpu_info_only_from_the_guest_itself(
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # the guest itself (its own IP) is heard
     assert registry.registry.update_status("vm-nat", FINISHED, "127.0.0.9") == Reply.KEEP_ALIVE
+
+
+def test_a_vmid_is_bounded_before_anything_is_kept(store: Env, registry: RunningRegistry) -> None:
+    """The issue's reproduction: early READYs of 3.9 MB vmids were each kept in memory."""
+    _guest_spawn(store, "127.0.0.1:50051", "req-long")  # a spawn in flight: READYs are kept
+    stub = _stub(registry)
+    for vmid, code in (("v" * 3_900_000, grpc.StatusCode.RESOURCE_EXHAUSTED),  # > 64 KiB
+                       ("v" * 200, grpc.StatusCode.INVALID_ARGUMENT),
+                       ("../etc", grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid=vmid, status=READY),
+                              timeout=10, metadata=TOKEN)
+        assert err.value.code() == code, err.value.details()
+    assert registry.registry.pending == set()
+    with store.db.read() as s:
+        assert s.scalars(select(Lease.name)).all() == []
+
+
+def test_one_caller_cannot_fill_the_early_ready_slots(
+    store: Env, registry: RunningRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service, "MAX_PENDING_PER_CALLER", 3)
+    _guest_spawn(store, "127.0.0.1:50051", "req-fill")
+    stub = _stub(registry)
+    for i in range(3):
+        reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid=f"fill-{i}", status=READY),
+                                  timeout=5, metadata=TOKEN)
+        assert reply.action == Reply.OK
+    with pytest.raises(grpc.RpcError) as err:
+        stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="fill-3", status=READY),
+                          timeout=5, metadata=TOKEN)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # another caller's early READY still gets a slot; a repeat of a kept one is no new slot
+    assert registry.registry.update_status("real-vm", READY, "127.0.0.2") == Reply.OK
+    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="fill-0", status=READY),
+                              timeout=5, metadata=TOKEN)
+    assert reply.action == Reply.OK
+    assert registry.registry.pending == {"fill-0", "fill-1", "fill-2", "real-vm"}
+    # expired ones give their slots back
+    clock.travel(store.settings.create_timeout_s + store.settings.ready_grace_s + 1)
+    registry.registry.sweep()
+    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="fill-3", status=READY),
+                              timeout=5, metadata=TOKEN)
+    assert reply.action == Reply.OK
 
 
 def test_an_early_ready_nobody_records_expires(store: Env, registry: RunningRegistry) -> None:

@@ -1,0 +1,367 @@
+"""Work before authentication is bounded on every listener corral runs.
+
+Each listener below is started as its own process (as an operator runs it, with a token
+set) and attacked without a token: connections that send half a request and wait,
+headers or bodies far past any limit, connections that send nothing, and floods of
+unauthenticated calls. While the attack holds, the server's memory (``VmRSS``) and
+thread count (``/proc/PID/status``) must stay within a fixed bound over its idle
+figures, and once the attackers go the server must answer a real (authorised) call.
+
+To cover another listener, add a :class:`Listener` to :data:`LISTENERS` (the gateway's
+belongs there): how to start it, how to ask it something real, and which attacks apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from google.protobuf import empty_pb2
+
+from agents import lambdo
+from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc, resmngr_grpc, resmngr_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "bounds-t0ken"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+CONNECTIONS = 150  # as in the issue: 150 half-sent requests
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _status(pid: int) -> tuple[float, int]:
+    """(resident MB, threads) of a process."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text()
+                  .splitlines() if ":" in line)
+    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["Threads"])
+
+
+# -- attacks ---------------------------------------------------------------------------------
+
+def _connect(port: int) -> socket.socket | None:
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    except OSError:
+        return None
+    sock.settimeout(5)
+    return sock
+
+
+def _send(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        sock.sendall(data)
+
+
+def http_half_sent(port: int, held: list[socket.socket]) -> None:
+    """Requests with a 1 MiB body announced, 64 KiB of it sent, then silence."""
+    head = (b"POST /spawn HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1048576\r\n\r\n")
+    for _ in range(CONNECTIONS):
+        if (sock := _connect(port)) is not None:
+            _send(sock, head + b"{" * 65536)
+            held.append(sock)
+
+
+def http_endless_headers(port: int, held: list[socket.socket]) -> None:
+    """Request heads that never end: 60 KiB header lines, one after another."""
+    for _ in range(CONNECTIONS):
+        if (sock := _connect(port)) is not None:
+            _send(sock, b"GET /vms HTTP/1.1\r\n" + (b"X-Pad: " + b"a" * 60000 + b"\r\n") * 4)
+            held.append(sock)
+
+
+def idle(port: int, held: list[socket.socket]) -> None:
+    """Connections that send nothing at all."""
+    for _ in range(CONNECTIONS):
+        if (sock := _connect(port)) is not None:
+            held.append(sock)
+
+
+def http_oversized(port: int, held: list[socket.socket]) -> None:
+    """Bodies of 64 MiB pushed as fast as the server takes them, 20 at once."""
+    def push() -> None:
+        sock = _connect(port)
+        if sock is None:
+            return
+        held.append(sock)
+        _send(sock, b"POST /spawn HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n")
+        chunk = b"x" * 65536
+        with contextlib.suppress(OSError):
+            for _ in range(1024):
+                sock.sendall(chunk)
+    threads = [threading.Thread(target=push, daemon=True) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+
+
+def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") \
+        + payload
+
+
+def _hpack_literal(name: bytes, value: bytes) -> bytes:
+    # "literal header field without indexing, new name", no Huffman; lengths < 127
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def grpc_half_sent(method: str) -> Callable[[int, list[socket.socket]], None]:
+    """HTTP/2 connections, each opening a call that announces a 4 MB message and sends 16 KB."""
+    headers = b"".join(_hpack_literal(k, v) for k, v in (
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
+        (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")))
+    message = b"\x00" + (4_000_000).to_bytes(4, "big") + b"x" * 16000
+    data = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b"")
+            + _h2_frame(1, 4, 1, headers) + _h2_frame(0, 0, 1, message))
+
+    def attack(port: int, held: list[socket.socket]) -> None:
+        for _ in range(CONNECTIONS):
+            if (sock := _connect(port)) is not None:
+                _send(sock, data)
+                held.append(sock)
+
+    attack.__name__ = "grpc_half_sent"
+    return attack
+
+
+def grpc_oversized(call: Callable[[grpc.Channel, bytes], object]
+                   ) -> Callable[[int, list[socket.socket]], None]:
+    """60 unauthenticated calls at once, each carrying a 3.9 MB field."""
+    def attack(port: int, held: list[socket.socket]) -> None:
+        big = b"v" * 3_900_000
+
+        def one() -> None:
+            options = [("grpc.max_send_message_length", 8 << 20)]
+            with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel, \
+                    contextlib.suppress(grpc.RpcError):
+                call(channel, big)
+        threads = [threading.Thread(target=one, daemon=True) for _ in range(60)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+
+    attack.__name__ = "grpc_oversized"
+    return attack
+
+
+def grpc_flood(method: str) -> Callable[[int, list[socket.socket]], None]:
+    """1,000 unauthenticated calls in flight at once on one channel."""
+    def attack(port: int, held: list[socket.socket]) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = channel.unary_unary(method)
+            futures = [stub.future(b"\x0a\x02vm", timeout=20) for _ in range(1000)]
+            for f in futures:
+                with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):
+                    f.result()
+
+    attack.__name__ = "grpc_flood"
+    return attack
+
+
+# -- listeners -------------------------------------------------------------------------------
+
+Attack = Callable[[int, list[socket.socket]], None]
+
+
+@dataclass
+class Listener:
+    """A server to attack: how to start it, a real call that must work, the attacks that apply.
+
+    ``argv`` and ``env`` get ``{port}`` / ``{tmp}`` filled in; ``prepare`` runs first
+    (a database to migrate...); ``healthy(port)`` is one authorised call that must
+    succeed once the attack is over.
+    """
+
+    name: str
+    argv: list[str]
+    healthy: Callable[[int], object]
+    attacks: list[Attack]
+    env: dict[str, str] = field(default_factory=dict)
+    prepare: list[list[str]] = field(default_factory=list)
+    max_rss_growth_mb: float = 25.0
+    max_new_threads: int = 40
+
+
+def _http_ok(path: str) -> Callable[[int], object]:
+    def healthy(port: int) -> object:
+        resp = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10,
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+        assert resp.status_code == 200, resp.text
+        return resp
+    return healthy
+
+
+def _registry_ok(port: int) -> object:
+    stub = resmngr_grpc.ResMngrServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    return stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="nobody", status=0),
+                             timeout=10, metadata=AUTH)
+
+
+def _fcdaemon_ok(port: int) -> object:
+    stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    return stub.ListReplicas(empty_pb2.Empty(), timeout=10, metadata=AUTH)
+
+
+def _gpus_ok(port: int) -> object:
+    stub = gpuresc_grpc.GPURescStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    return stub.GetGPUResource(empty_pb2.Empty(), timeout=10, metadata=AUTH)
+
+
+def _update_status(channel: grpc.Channel, vmid: bytes) -> object:
+    stub = resmngr_grpc.ResMngrServiceStub(channel)
+    return stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid=vmid.decode(), status=0),
+                             timeout=20)
+
+
+def _create(channel: grpc.Channel, blob: bytes) -> object:
+    return fcdaemon_grpc.FcServiceStub(channel).CreateReplica(
+        fcdaemon_pb2.CreateRequest(imageName="examples.hello", kernelArgs=blob.decode()),
+        timeout=20)
+
+
+STORE = {"CORRAL_DATABASE_URL": "sqlite:///{tmp}/corral.sqlite",
+         "CORRAL_BROKER_URL": "redis://127.0.0.1:1/0"}
+MIGRATE = [sys.executable, "-m", "tasks.cli", "db", "upgrade"]
+HTTP_ATTACKS: list[Attack] = [http_half_sent, http_endless_headers, idle, http_oversized]
+
+LISTENERS = [
+    Listener("lambdo", [sys.executable, "-m", "agents.lambdo", "--listen", "127.0.0.1:{port}",
+                        "--driver", "memory", "--token", TOKEN],
+             _http_ok("/vms"), HTTP_ATTACKS, max_new_threads=70),  # 64 connections at most
+    Listener("metrics", [sys.executable, "-m", "tasks.cli", "metrics", "--listen",
+                         "127.0.0.1:{port}"],
+             _http_ok("/metrics"), HTTP_ATTACKS, max_new_threads=20,  # 16 connections at most
+             env={**STORE, "CORRAL_METRICS_TOKEN": TOKEN}, prepare=[MIGRATE]),
+    Listener("registry", [sys.executable, "-m", "tasks.cli", "registry", "--listen",
+                          "127.0.0.1:{port}"],
+             _registry_ok,
+             [grpc_half_sent("/resmngr.ResMngrService/UpdateStatus"), idle,
+              grpc_oversized(_update_status), grpc_flood("/resmngr.ResMngrService/UpdateStatus")],
+             env={**STORE, "CORRAL_REGISTRY_TOKEN": TOKEN}, prepare=[MIGRATE]),
+    Listener("fcdaemon", [sys.executable, "-m", "agents.fcdaemon", "--listen",
+                          "127.0.0.1:{port}", "--driver", "memory", "--require-token", TOKEN],
+             _fcdaemon_ok,
+             [grpc_half_sent("/fcdaemon.FcService/CreateReplica"), idle,
+              grpc_oversized(_create), grpc_flood("/fcdaemon.FcService/CreateReplica")]),
+    Listener("gpus", [sys.executable, "-m", "agents.gpus", "--listen", "127.0.0.1:{port}",
+                      "--gpus", "GPU-1:1000", "--require-token", TOKEN],
+             _gpus_ok, [grpc_half_sent("/gpuresc.GPUResc/GetGPUResource"), idle]),
+    # the gateway: Listener("gateway", [..., "tasks.cli", "gateway", "--listen", ...], ...)
+]
+
+
+@dataclass
+class Server:
+    """A listener's process and its port."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+
+
+@pytest.fixture(params=LISTENERS, ids=[listener.name for listener in LISTENERS])
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Listener, Server]]:
+    listener: Listener = request.param
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    env.update({k: v.format(tmp=tmp_path) for k, v in listener.env.items()})
+    env["CORRAL_STATE_DIR"] = str(tmp_path / "state")
+    for argv in listener.prepare:
+        subprocess.run(argv, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    argv = [a.format(port=port) for a in listener.argv]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=(tmp_path / "stderr.log").open("wb"))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "stderr.log").read_text()
+            try:
+                listener.healthy(port)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield listener, Server(proc, port)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_unauthenticated_work_stays_bounded(server: tuple[Listener, Server]) -> None:
+    listener, srv = server
+    for _ in range(3):  # warm: pools, threads and caches a real call makes
+        listener.healthy(srv.port)
+    base_rss, base_threads = _status(srv.proc.pid)
+    report = []
+    for attack in listener.attacks:
+        held: list[socket.socket] = []
+        try:
+            attack(srv.port, held)
+            time.sleep(1.0)  # let the server take in what was sent
+            rss, threads = _status(srv.proc.pid)
+            report.append(f"{attack.__name__}: +{rss - base_rss:.0f} MB, "
+                          f"{threads - base_threads:+d} threads")
+            assert srv.proc.poll() is None, "the server died"
+            assert rss - base_rss <= listener.max_rss_growth_mb, report
+            assert threads - base_threads <= listener.max_new_threads, report
+        finally:
+            for sock in held:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        deadline = time.monotonic() + 30  # still serves its real callers
+        while True:
+            try:
+                listener.healthy(srv.port)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    print(f"{listener.name}: idle {base_rss:.0f} MB, {base_threads} threads; " + "; ".join(report))
+
+
+def test_a_slow_drip_is_cut_off_at_the_request_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that sends a byte now and then (never idle long enough for the socket
+    timeout) still loses its connection when its request is not in by the deadline."""
+    monkeypatch.setattr(lambdo._LambdoServer, "request_deadline_s", 1.0)
+    running = lambdo.serve_lambdo("127.0.0.1:0", token=TOKEN)
+    try:
+        sock = socket.create_connection(("127.0.0.1", running.port), timeout=5)
+        started = time.monotonic()
+        closed = False
+        with sock:
+            for byte in b"GET /vms HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+                try:
+                    sock.sendall(bytes([byte]))
+                    time.sleep(0.1)
+                except OSError:
+                    closed = True
+                    break
+            else:
+                sock.settimeout(5)
+                with contextlib.suppress(OSError):
+                    closed = sock.recv(1) == b""
+        assert closed and time.monotonic() - started < 5
+        _http_ok("/vms")(running.port)  # everyone else is still served
+    finally:
+        running.stop()
