@@ -214,11 +214,13 @@ class _Autoscale(BaseModel):
 
 
 class _KeepAlive(BaseModel):
-    """Adaptive keep-alive (``--keep-alive adaptive``): the idle-time histograms.
+    """Adaptive keep-alive (``--keep-alive adaptive``): idle-time histograms, the hybrid policy.
 
     corral records every function's idle times (from the end of one invocation to the
     start of the next) in a histogram of fixed bins over a fixed range, kept in the
-    broker's Redis; an idle time beyond the range is counted apart (out of bounds).
+    broker's Redis; an idle time beyond the range is counted apart (out of bounds). An
+    adaptive function's replica is pre-warmed at the histogram's head and kept until its
+    tail (Shahrad et al., USENIX ATC 2020); see docs/autoscaling.md.
     """
 
     keepalive_bin_s: Seconds = 60.0
@@ -227,6 +229,18 @@ class _KeepAlive(BaseModel):
     """Idle times the histogram resolves; longer ones are out of bounds (the paper's 4 h)."""
     keepalive_history: int = Field(10_000, ge=10, le=10_000_000)
     """Idle times a histogram holds before all its counts are halved (old ones fade)."""
+    keepalive_head_percentile: float = Field(5.0, ge=0, lt=100)
+    """The histogram's head: the pre-warm window starts at this percentile's bin."""
+    keepalive_tail_percentile: float = Field(99.0, gt=0, le=100)
+    """The histogram's tail: the keep-alive window ends with this percentile's bin."""
+    keepalive_margin: float = Field(0.1, ge=0, lt=1)
+    """Share taken off the pre-warm window and added to the keep-alive window."""
+    keepalive_cv_threshold: float = Field(2.0, ge=0)
+    """A histogram whose bin counts vary less than this (std / mean) shows no pattern."""
+    keepalive_min_idle_times: int = Field(5, ge=1, le=1_000_000)
+    """Fewer idle times than this are not representative: the fixed keep-alive holds."""
+    keepalive_oob_threshold: float = Field(0.5, gt=0, le=1)
+    """This share of idle times beyond the range or more: forecast from the latest of them."""
 
 
 class _Metrics(BaseModel):
@@ -335,7 +349,8 @@ class Settings(
     this reference, which ``python -m config.docs`` writes from the string below each
     field. Four rules hold between settings: the soft time limit is below the hard
     one, the visibility timeout above the hard one, the panic window no longer than
-    the stable window, and the keep-alive range between 1 and 10000 bins.
+    the stable window, the keep-alive range between 1 and 10000 bins, and the
+    keep-alive head percentile below the tail.
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
@@ -378,6 +393,10 @@ class Settings(
             raise ValueError(
                 f"CORRAL_KEEPALIVE_RANGE_S must hold between 1 and {MAX_KEEPALIVE_BINS} bins of "
                 "CORRAL_KEEPALIVE_BIN_S"
+            )
+        if self.keepalive_head_percentile >= self.keepalive_tail_percentile:
+            raise ValueError(
+                "CORRAL_KEEPALIVE_HEAD_PERCENTILE must be below CORRAL_KEEPALIVE_TAIL_PERCENTILE"
             )
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(

@@ -26,7 +26,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, NotRequired, TypedDict, TypeVar, cast
+from typing import Any, Generic, NotRequired, TypedDict, TypeVar, cast
 
 import redis
 from sqlalchemy.orm import Session
@@ -353,10 +353,29 @@ def functions(*, settings: Settings | None = None) -> list[FunctionView]:
 
 
 def function(name: str, *, settings: Settings | None = None) -> FunctionView:
-    """One function, with its live replicas by state."""
+    """One function, with its live replicas by state (and its keep-alive windows, if adaptive)."""
+    settings = settings or get_settings()
     with database(settings).read() as s:
         fn = get_function(s, name)
-        return function_view(fn, replica_counts(s, fn.id).get(fn.id, {}))
+        view = function_view(fn, replica_counts(s, fn.id).get(fn.id, {}))
+    if view["keep_alive"] == "adaptive":
+        view["keep_alive_windows"] = _keep_alive_windows(settings, name)
+    return view
+
+
+def _keep_alive_windows(settings: Settings, name: str) -> dict[str, Any]:
+    """What the function's recorded idle times say now, for ``functions show``."""
+    client = redis_client(settings.broker_url)
+    if client is None:
+        return {"mode": "fixed", "reason": "no Redis broker: no idle times are recorded"}
+    try:
+        plan = idletimes.plans(client, settings, [name])[name]
+    except redis.RedisError as exc:
+        return {"mode": "unknown", "reason": f"Redis did not answer: {exc}"}
+    now = time.time()
+    return {**plan.windows.as_dict(),
+            "last_activity_s_ago": None if plan.last is None else round(now - plan.last, 1),
+            "warm_now": plan.warm(now)}
 
 
 def deploy(spec: FunctionSpec, *, settings: Settings | None = None) -> Saved[FunctionView]:

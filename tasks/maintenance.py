@@ -81,7 +81,7 @@ def _reap(task: CorralTask, idle_timeout: float | None, op_id: str | None) -> di
     # Any error fails the operation (CorralTask).
     wait = settings.task_soft_time_limit_s / 4 if op_id else 0.0
     report = reaper.reap(task.db, settings, idle_timeout=idle_timeout, holder=holder,
-                         lease_wait_s=wait)
+                         lease_wait_s=wait, idle_times=redis_client(settings.broker_url))
     _count_reaped(settings, report.counts)
     extra: dict[str, Any] = {"replacements": _spawn_each(task.db, report.replace),
                              "redriven": _redrive(task)}
@@ -132,7 +132,11 @@ def _redrive(task: CorralTask) -> dict[str, str]:
 
 @app.task(bind=True, name="corral.autoscale", send_events=False)
 def autoscale(self: CorralTask) -> dict[str, Any]:
-    """One autoscaler pass (beat sends one every ``CORRAL_AUTOSCALE_INTERVAL_S``)."""
+    """One autoscaler pass (beat sends one every ``CORRAL_AUTOSCALE_INTERVAL_S``).
+
+    Its scales are ``scale`` operations, its pre-warms (adaptive keep-alive) ``spawn``
+    operations of one replica.
+    """
     settings = self.settings
     client = redis_client(settings.broker_url)
     if client is None:
@@ -142,7 +146,10 @@ def autoscale(self: CorralTask) -> dict[str, Any]:
     def scale(name: str, target: int) -> str:
         return dispatch.submit(db, partial(request_scale, function=name, target=target))
 
-    return run_pass(db, settings, client, scale).as_dict()
+    def prewarm(name: str) -> str:
+        return dispatch.submit(db, partial(request_spawn, function=name, count=1))
+
+    return run_pass(db, settings, client, scale, prewarm).as_dict()
 
 
 @app.task(bind=True, name="corral.reconcile")

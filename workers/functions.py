@@ -113,6 +113,9 @@ class FunctionSpec(BaseModel):
     autoscale: bool | None = None
     # seconds without a request before the autoscaler may go to zero; 0 turns it off
     scale_to_zero_after: float | None = Field(None, ge=0, le=30 * 86400)
+    # how long an idle replica is kept: the fixed idle timeout, or windows learnt from the
+    # function's idle times (workers.autoscale.keepalive)
+    keep_alive: Literal["fixed", "adaptive"] | None = None
 
     @field_validator("ports")
     @classmethod
@@ -249,7 +252,7 @@ _COLUMNS: tuple[tuple[str, str, Any], ...] = (
     ("ports", "ports", [8080]), ("idle_timeout_s", "idle_timeout", None),
     ("readiness", "readiness", "agent"), ("exec_envs", "exec_envs", 1),
     ("gpu_mem_mb", "gpu_mem", 0), ("placement", "placement", None),
-    ("autoscale", "autoscale", False),
+    ("autoscale", "autoscale", False), ("keep_alive", "keep_alive", "fixed"),
 )
 
 
@@ -288,6 +291,11 @@ def _check(values: dict[str, Any], f: dict[str, Any]) -> None:
     if f.get("scale_to_zero_after") and not values["autoscale"]:
         raise InputError("--scale-to-zero-after needs --autoscale: only the autoscaler "
                          "scales a function to zero")
+    if (values["keep_alive"] == "adaptive" and values["autoscale"]
+            and not values["scale_to_zero_after_s"]):
+        raise InputError("--keep-alive adaptive on an autoscaled function needs "
+                         "--scale-to-zero-after (its fixed fallback): without it the "
+                         "autoscaler never lets the last replica go")
     if values["backend"] == "fcdaemon" and not values["kernel"]:
         raise InputError("a fcdaemon function needs --kernel (or the KERNEL_IMAGE_PATH label)")
     if values["backend"] == "lambdo" and not values["rootfs"]:
@@ -331,10 +339,12 @@ class FunctionView(TypedDict):
     placement: str | None
     autoscale: bool
     scale_to_zero_after: float | None
+    keep_alive: str  # fixed | adaptive
     aws_credentials: str  # "set" or "unset", never the keys
     created_at: str | None
     updated_at: str | None
     replicas: NotRequired[dict[str, int]]  # live replicas by state label (listings, show)
+    keep_alive_windows: NotRequired[dict[str, Any]]  # adaptive: the windows now (show)
     live: NotRequired[int]  # their sum (the listing)
 
 
@@ -366,6 +376,7 @@ def function_view(fn: Function, counts: dict[str, int] | None = None) -> Functio
         "placement": fn.placement,
         "autoscale": fn.autoscale,
         "scale_to_zero_after": fn.scale_to_zero_after_s,
+        "keep_alive": fn.keep_alive,
         "aws_credentials": "set" if fn.aws_access_key_id or fn.aws_secret_access_key else "unset",
         "created_at": iso(fn.created_at),
         "updated_at": iso(fn.updated_at),

@@ -32,7 +32,15 @@ From Redis:
   ``corral_queue_unacked`` - messages delivered to a worker and not yet
   acknowledged;
 * ``corral_autoscale_desired_replicas{function}`` and
-  ``corral_autoscale_panic{function}`` - the autoscaler's last decision.
+  ``corral_autoscale_panic{function}`` - the autoscaler's last decision;
+* for functions with adaptive keep-alive, as the autoscaler's last pass read them
+  (:mod:`workers.autoscale.keepalive`): ``corral_keepalive_mode{function,mode}`` (1
+  for the mode in force: fixed, histogram or forecast),
+  ``corral_keepalive_prewarm_seconds{function}`` and
+  ``corral_keepalive_window_seconds{function}`` (both after the end of the last
+  call; not exported while the fixed keep-alive holds),
+  ``corral_keepalive_idle_times{function}`` (idle times in the histogram) and
+  ``corral_keepalive_warm{function}`` (1 while a replica should be up).
 
 ``corral_exporter_source_up{source}`` says whether the store and Redis answered
 this scrape; a source that fails leaves its metrics out instead of failing the scrape.
@@ -71,7 +79,8 @@ from sqlalchemy.sql.elements import ColumnElement
 from agents.httpserve import BoundedHandler, BoundedServer
 from agents.runtime import join_hostport, listen_refusal, split_hostport
 from config.celery import QUEUES
-from workers.autoscale.passes import DECISIONS_KEY
+from workers.autoscale.keepalive import MODES
+from workers.autoscale.passes import DECISIONS_KEY, KEEPALIVE_KEY
 from workers.errors import InputError
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, OP_OPEN, Function, Node, Operation, Replica
@@ -204,9 +213,10 @@ class StoreCollector(Collector):
                 pipe.llen(queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}")
         pipe.hlen(UNACKED_KEY)
         pipe.hgetall(DECISIONS_KEY)
+        pipe.hgetall(KEEPALIVE_KEY)
         replies = pipe.execute()
-        reaped_raw, lengths, unacked, decisions = (
-            replies[0], replies[1:-2], replies[-2], replies[-1])
+        reaped_raw, lengths, unacked, decisions, keep_alive = (
+            replies[0], replies[1:-3], replies[-3], replies[-2], replies[-1])
 
         reaped = CounterMetricFamily("corral_reaped", "Replicas the reaper deleted, by reason.",
                                      labels=["reason"])
@@ -239,6 +249,42 @@ class StoreCollector(Collector):
             except (ValueError, KeyError, TypeError):
                 continue
         yield from (desired, panic)
+        yield from _keep_alive(keep_alive)
+
+
+def _keep_alive(published: dict[bytes, bytes]) -> Iterable[Metric]:
+    """The adaptive functions' keep-alive windows, as the last autoscaler pass read them."""
+    mode = GaugeMetricFamily("corral_keepalive_mode",
+                             "1 for the keep-alive mode in force for an adaptive function.",
+                             labels=["function", "mode"])
+    prewarm = GaugeMetricFamily(
+        "corral_keepalive_prewarm_seconds",
+        "Adaptive keep-alive: no replica needed before this, after the last call's end.",
+        labels=["function"])
+    window = GaugeMetricFamily(
+        "corral_keepalive_window_seconds",
+        "Adaptive keep-alive: a replica kept until this, after the last call's end.",
+        labels=["function"])
+    idle_times = GaugeMetricFamily("corral_keepalive_idle_times",
+                                   "Idle times in a function's histogram.", labels=["function"])
+    warm = GaugeMetricFamily("corral_keepalive_warm",
+                             "Adaptive keep-alive: 1 while a replica should be up.",
+                             labels=["function"])
+    for name, raw in sorted((_text(k), v) for k, v in published.items()):
+        try:
+            w = json.loads(raw)
+            in_force = str(w["mode"])
+            for m in MODES:
+                mode.add_metric([name, m], 1 if m == in_force else 0)
+            idle_times.add_metric([name], float(w["idle_times"]))
+            if w["keep_s"] is not None:
+                prewarm.add_metric([name], float(w["prewarm_s"]))
+                window.add_metric([name], float(w["keep_s"]))
+            if w.get("warm") is not None:
+                warm.add_metric([name], 1 if w["warm"] else 0)
+        except (ValueError, KeyError, TypeError):
+            continue
+    yield from (mode, prewarm, window, idle_times, warm)
 
 
 def _text(value: bytes | str) -> str:

@@ -97,7 +97,7 @@ FUNCTION_COLUMNS = ["name", "backend", "image", "min", "max", "target", "live", 
 # deploy's options, by the spec field each one fills
 DEPLOY_OPTIONS = ("image", "backend", "kernel", "initrd", "kernel_args", "vm_type", "cpu", "mem",
                   "min", "max", "rootfs", "idle_timeout", "readiness", "exec_envs", "gpu_mem",
-                  "placement", "autoscale", "scale_to_zero_after")
+                  "placement", "autoscale", "scale_to_zero_after", "keep_alive")
 
 
 def cmd_functions_deploy(args: argparse.Namespace, settings: Settings) -> int:

@@ -141,6 +141,10 @@ def _deploy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale-to-zero-after", type=float, metavar="S",
                    help="with --autoscale: go to zero after S seconds without requests "
                         "(0: never, the default)")
+    p.add_argument("--keep-alive", choices=["fixed", "adaptive"],
+                   help="how long idle replicas stay: fixed (--idle-timeout, the default) or "
+                        "adaptive (pre-warm and keep-alive windows learnt from the function's "
+                        "idle times)")
     p.add_argument("--aws-access-key-id")
     aws = p.add_mutually_exclusive_group()
     aws.add_argument("--aws-secret-access-key", help="discouraged: argv is visible in ps")

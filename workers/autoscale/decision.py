@@ -45,7 +45,10 @@ The model (Knative's, with corral's units)
   did). Demand still in flight keeps the stable window above zero, so a long
   request is never scaled away under. A function already at zero (its target
   0, nothing running) stays there until demand arrives: a lost request clock
-  does not wake it.
+  does not wake it. With adaptive keep-alive (``Observation.warm``) the function's
+  keep-alive windows (:mod:`workers.autoscale.keepalive`) decide instead of the
+  request clock: one replica while the next call is due - started before it when the
+  pattern is clear (pre-warming, also from zero) - none outside those windows.
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ class Observation:
     at: float  # epoch seconds
     demand: float  # in flight + queued, summed over gateways
     last_request_at: float | None = None  # newest request at any gateway, epoch seconds
+    # adaptive keep-alive (workers.autoscale.keepalive): one replica wanted now or not;
+    # None: the request clock and scale_to_zero_after_s decide
+    warm: bool | None = None
 
 
 @dataclass
@@ -228,7 +234,12 @@ def floor_for(facts: Facts, first_seen: float, obs: Observation) -> int:
     floor = facts.min_replicas
     after = facts.scale_to_zero_after_s
     quiet_since = obs.last_request_at if obs.last_request_at is not None else first_seen
-    may_be_zero = after is not None and (facts.at_zero or obs.at - quiet_since >= after)
+    if after is None:
+        may_be_zero = False
+    elif obs.warm is not None:  # adaptive keep-alive: its windows, not the request clock
+        may_be_zero = not obs.warm
+    else:
+        may_be_zero = facts.at_zero or obs.at - quiet_since >= after
     if not may_be_zero:
         floor = max(floor, 1)
     return min(floor, facts.max_replicas)

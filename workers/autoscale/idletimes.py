@@ -32,6 +32,10 @@ corral process; a hash made with another bin width or range is started again, an
 one that is lost or malformed reads as no history - its function falls back to its
 fixed keep-alive. It expires after :data:`TTL_S` without a write.
 
+:func:`plans` reads them back as each function's keep-alive windows
+(:class:`workers.autoscale.keepalive.Plan`) for the reaper, the autoscaler, ``corral
+functions show`` and the metrics.
+
 Timestamps are wall-clock seconds (``time.time()``), as for the demand signal:
 recorders and readers run on different hosts.
 """
@@ -48,7 +52,14 @@ from dataclasses import dataclass, field
 import redis
 
 from config.settings import Settings
-from workers.autoscale.keepalive import RECENT_OOB, IdleHistogram, bins_for
+from workers.autoscale.keepalive import (
+    RECENT_OOB,
+    IdleHistogram,
+    KeepAlivePolicy,
+    Plan,
+    bins_for,
+    windows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +281,13 @@ def parse(raw: Mapping[bytes | str, bytes | str], shape: Shape) -> IdleRecord:
     except (KeyError, ValueError):
         return IdleRecord(None, last)
     return IdleRecord(hist, last)
+
+
+def plans(client: redis.Redis, settings: Settings, functions: Iterable[str]) -> dict[str, Plan]:
+    """Each function's keep-alive windows now, from its recorded idle times."""
+    policy = KeepAlivePolicy.from_settings(settings)
+    return {name: Plan(windows(policy, seen.histogram), seen.last)
+            for name, seen in load(client, Shape.from_settings(settings), functions).items()}
 
 
 def forget(client: redis.Redis, function: str) -> None:

@@ -1,19 +1,32 @@
 """One autoscaler pass: read the store and the demand, decide, ask for scale operations.
 
 Beat sends ``corral.autoscale`` every ``CORRAL_AUTOSCALE_INTERVAL_S`` (2 s); the
-task calls :func:`run_pass`. Only functions deployed with ``--autoscale`` are
-looked at: every other function keeps its plain scale / min semantics.
+task calls :func:`run_pass`. It looks at functions deployed with ``--autoscale``
+and at those with ``--keep-alive adaptive``: every other function keeps its plain
+scale / min semantics.
 
-For each of them the pass reads the facts (min, max, environments per replica,
-ready replicas, the current target, whether a ``scale`` operation of it is still
-open), the summed demand of every gateway (:func:`workers.autoscale.demand.read`) and the
-function's window state, runs :func:`workers.autoscale.decision.decide`, stores the new
-state, and - when the target moves and no scale of that function is still open -
-asks for an ordinary ``scale`` operation (also when the target stands but fewer
+For each autoscaled function the pass reads the facts (min, max, environments per
+replica, ready replicas, the current target, whether a ``scale`` operation of it is
+still open), the summed demand of every gateway (:func:`workers.autoscale.demand.read`)
+and the function's window state, runs :func:`workers.autoscale.decision.decide`, stores
+the new state, and - when the target moves and no scale of that function is still
+open - asks for an ordinary ``scale`` operation (also when the target stands but fewer
 replicas exist: the reaper took some, or spawns failed) through the ``scale`` callable
 the ``corral.autoscale`` task passes in (:func:`workers.dispatch.submit` of
 :func:`workers.replicas.requests.request_scale`), so every change shows in ``corral ops``
 and Flower.
+
+Adaptive keep-alive
+-------------------
+For the functions with adaptive keep-alive the pass reads their idle times
+(:func:`workers.autoscale.idletimes.plans`) and applies the windows
+(:class:`workers.autoscale.keepalive.Plan`): an autoscaled one gets them as the
+decision's ``warm`` (one replica while the next call is due, none outside); for any
+other, the pass **pre-warms**: when the next call is due and the function has no
+replica at all (nor a spawn or scale of it open), it asks for one through the
+``spawn`` callable (an ordinary ``spawn`` operation). Letting replicas go is the
+reaper's (:mod:`workers.maintenance.reaper`). Every adaptive function's windows are
+published for the metrics exporter in ``corral:autoscale:keepalive``.
 
 Where the window state lives, and why
 -------------------------------------
@@ -47,6 +60,8 @@ from sqlalchemy import func, select
 from config.settings import Settings
 from workers.autoscale import decision as decision_mod
 from workers.autoscale import demand as demand_mod
+from workers.autoscale import idletimes
+from workers.autoscale.keepalive import Plan
 from workers.errors import CorralError
 from workers.operations import open_of
 from workers.store.db import Database
@@ -58,11 +73,15 @@ STATE_PREFIX = "corral:autoscale:"
 LOCK_KEY = STATE_PREFIX + "lock"
 # function name -> its last decision as JSON ({"desired": n, "panicking": b}), for metrics
 DECISIONS_KEY = STATE_PREFIX + "decisions"
+# function name -> its keep-alive windows now as JSON (adaptive functions), for metrics
+KEEPALIVE_KEY = STATE_PREFIX + "keepalive"
 _RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
             "return redis.call('del', KEYS[1]) else return 0 end")
 READY_STATES = (ReplicaState.IDLE, ReplicaState.ALLOCATED)
 
-ScaleFn = Callable[[str, int], str]
+ScaleFn = Callable[[str, int], str]  # (function, target) -> operation id
+SpawnFn = Callable[[str], str]  # function -> the operation id of one more replica
+ADAPTIVE = "adaptive"
 
 
 @dataclass
@@ -88,12 +107,15 @@ class PassReport:
     """What one pass did."""
 
     skipped: bool = False
-    functions: dict[str, Outcome] = field(default_factory=dict)
+    functions: dict[str, Outcome] = field(default_factory=dict)  # autoscaled functions
+    keep_alive: dict[str, dict[str, Any]] = field(default_factory=dict)  # adaptive: windows
+    prewarmed: dict[str, str] = field(default_factory=dict)  # name -> spawn op id (or error)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for the task's result."""
         return {"skipped": self.skipped,
-                "functions": {k: v.as_dict() for k, v in self.functions.items()}}
+                "functions": {k: v.as_dict() for k, v in self.functions.items()},
+                "keep_alive": self.keep_alive, "prewarmed": self.prewarmed}
 
 
 def state_key(function_id: str) -> str:
@@ -101,10 +123,24 @@ def state_key(function_id: str) -> str:
     return STATE_PREFIX + function_id
 
 
-def load_facts(db: Database) -> dict[str, tuple[str, decision_mod.Facts, bool]]:
-    """Every autoscaled function: id -> (name, facts, a scale of it is open)."""
+@dataclass(frozen=True)
+class Subject:
+    """One function a pass looks at, as the store has it."""
+
+    id: str
+    name: str
+    autoscale: bool
+    adaptive: bool  # keep_alive == "adaptive"
+    facts: decision_mod.Facts
+    scale_open: bool  # a scale of it is open
+    spawn_open: bool  # a spawn of it is open (a cold start, or a pre-warm on its way)
+
+
+def load_facts(db: Database) -> dict[str, Subject]:
+    """Every autoscaled or adaptive function, by id."""
     with db.read() as s:
-        fns = list(s.scalars(select(Function).where(Function.autoscale.is_(True))))
+        fns = list(s.scalars(select(Function).where(
+            Function.autoscale.is_(True) | (Function.keep_alive == ADAPTIVE))))
         if not fns:
             return {}
         ids = [f.id for f in fns]
@@ -113,13 +149,12 @@ def load_facts(db: Database) -> dict[str, tuple[str, decision_mod.Facts, bool]]:
             .where(Replica.function_id.in_(ids), Replica.status.in_(READY_STATES))
             .group_by(Replica.function_id)
         )}
-        open_scales = set(s.scalars(
-            select(Operation.function_id).where(
-                open_of("scale"), Operation.function_id.in_(ids))
-        ))
+        open_ops = {(fid, kind) for fid, kind in s.execute(
+            select(Operation.function_id, Operation.kind).where(
+                open_of("scale", "spawn"), Operation.function_id.in_(ids)))}
         return {
-            f.id: (
-                f.name,
+            f.id: Subject(
+                f.id, f.name, f.autoscale, f.keep_alive == ADAPTIVE,
                 decision_mod.Facts(
                     min_replicas=f.min_replicas,
                     max_replicas=f.max_replicas,
@@ -130,7 +165,8 @@ def load_facts(db: Database) -> dict[str, tuple[str, decision_mod.Facts, bool]]:
                     counted=f.replica_count,
                     at_zero=f.target == 0 and f.replica_count == 0,
                 ),
-                f.id in open_scales,
+                (f.id, "scale") in open_ops,
+                (f.id, "spawn") in open_ops,
             )
             for f in fns
         }
@@ -138,61 +174,116 @@ def load_facts(db: Database) -> dict[str, tuple[str, decision_mod.Facts, bool]]:
 
 def run_pass(
     db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
-    *, now: float | None = None,
+    spawn: SpawnFn | None = None, *, now: float | None = None,
 ) -> PassReport:
-    """One pass over the autoscaled functions (skipped if another pass holds the lock)."""
+    """One pass over the autoscaled and adaptive functions (skipped if another holds the lock).
+
+    ``spawn`` asks for one replica of a function (pre-warming); without it nothing is
+    pre-warmed.
+    """
     token = uuid.uuid4().hex
     lock_ms = int(max(settings.autoscale_interval_s * 5, settings.task_time_limit_s) * 1000)
     if not client.set(LOCK_KEY, token, nx=True, px=lock_ms):
         return PassReport(skipped=True)
     try:
-        return _pass(db, settings, client, scale, time.time() if now is None else now)
+        return _pass(db, settings, client, scale, spawn, time.time() if now is None else now)
     finally:
         client.eval(_RELEASE, 1, LOCK_KEY, token)
 
 
 def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
-          now: float) -> PassReport:
+          spawn: SpawnFn | None, now: float) -> PassReport:
     report = PassReport()
-    facts = load_facts(db)
-    if not facts:
+    subjects = load_facts(db)
+    if not subjects:
         return report
+    plans = _plans(client, settings, [f.name for f in subjects.values() if f.adaptive])
     policy = decision_mod.Policy.from_settings(settings)
-    names = {fid: name for fid, (name, _, _) in facts.items()}
-    demands = demand_mod.read(client, names.values(), now=now,
-                              stale_after_s=settings.autoscale_demand_stale_s)
-    ids = list(facts)
-    windows = client.mget([state_key(fid) for fid in ids])
     keep_ms = int(policy.stable_window_s * 2 * 1000) + 60_000
     pipe = client.pipeline(transaction=False)
-    for fid, raw in zip(ids, windows, strict=True):
-        name, fn_facts, scale_open = facts[fid]
-        seen = demands.get(name)
-        obs = decision_mod.Observation(
-            at=now,
-            demand=seen.concurrency if seen is not None else 0.0,
-            last_request_at=seen.last_request_at if seen is not None else None,
-        )
-        window = decision_mod.Window.from_json(raw)
-        decision, window = decision_mod.decide(policy, fn_facts, window, obs)
-        pipe.set(state_key(fid), window.to_json(), px=keep_ms)
-        outcome = Outcome(name, fn_facts.target, decision, "kept")
-        if decision_mod.should_scale(decision, fn_facts, scale_open):
-            try:
-                outcome.op_id = scale(name, decision.desired)
-                outcome.action = "scaled"
-                log.info("autoscale %s: %d -> %d (%s)", name, fn_facts.target,
-                         decision.desired, decision.as_dict())
-            except CorralError as exc:  # min / max changed under us, broker down...
-                outcome.action, outcome.error = "error", str(exc)
-                log.warning("autoscale %s: could not scale to %d: %s", name,
-                            decision.desired, exc)
-        elif scale_open:
-            outcome.action = "waiting"
-        report.functions[name] = outcome
-        pipe.hset(DECISIONS_KEY, name, json.dumps(
-            {"desired": decision.desired, "panicking": decision.panicking}))
-    pipe.expire(DECISIONS_KEY, keep_ms // 1000)
+    scaled = [f for f in subjects.values() if f.autoscale]
+    if scaled:
+        demands = demand_mod.read(client, [f.name for f in scaled], now=now,
+                                  stale_after_s=settings.autoscale_demand_stale_s)
+        windows = client.mget([state_key(f.id) for f in scaled])
+        for fn, raw in zip(scaled, windows, strict=True):
+            plan = plans.get(fn.name)
+            outcome, window = _decide(policy, fn, raw, demands.get(fn.name), now,
+                                      None if plan is None else plan.warm(now))
+            _apply(outcome, fn, scale)
+            report.functions[fn.name] = outcome
+            pipe.set(state_key(fn.id), window.to_json(), px=keep_ms)
+            pipe.hset(DECISIONS_KEY, fn.name, json.dumps(
+                {"desired": outcome.decision.desired,
+                 "panicking": outcome.decision.panicking}))
+        pipe.expire(DECISIONS_KEY, keep_ms // 1000)
+    for fn in subjects.values():
+        plan = plans.get(fn.name)
+        if plan is None:
+            continue
+        warm = plan.warm(now)
+        report.keep_alive[fn.name] = {**plan.windows.as_dict(), "warm": warm}
+        pipe.hset(KEEPALIVE_KEY, fn.name, json.dumps(report.keep_alive[fn.name]))
+        if warm and not fn.autoscale and spawn is not None:
+            _prewarm(fn, spawn, report)
+    if report.keep_alive:
+        pipe.expire(KEEPALIVE_KEY, keep_ms // 1000)
     pipe.execute()
     return report
 
+
+def _plans(client: redis.Redis, settings: Settings, names: list[str]) -> dict[str, Plan]:
+    """The adaptive functions' keep-alive plans (none when Redis cannot say: fixed)."""
+    if not names:
+        return {}
+    try:
+        return idletimes.plans(client, settings, names)
+    except redis.RedisError as exc:
+        log.warning("autoscale: could not read idle times, keep-alive falls back to fixed: %s",
+                    exc)
+        return {}
+
+
+def _decide(policy: decision_mod.Policy, fn: Subject, raw: bytes | str | None,
+            seen: demand_mod.Demand | None, now: float,
+            warm: bool | None) -> tuple[Outcome, decision_mod.Window]:
+    """One autoscaled function's decision, and its window for the next pass."""
+    obs = decision_mod.Observation(
+        at=now,
+        demand=seen.concurrency if seen is not None else 0.0,
+        last_request_at=seen.last_request_at if seen is not None else None,
+        warm=warm,
+    )
+    decision, window = decision_mod.decide(
+        policy, fn.facts, decision_mod.Window.from_json(raw), obs)
+    return Outcome(fn.name, fn.facts.target, decision, "kept"), window
+
+
+def _apply(outcome: Outcome, fn: Subject, scale: ScaleFn) -> None:
+    """Ask for the scale a decision calls for (or say why not)."""
+    decision = outcome.decision
+    if decision_mod.should_scale(decision, fn.facts, fn.scale_open):
+        try:
+            outcome.op_id = scale(fn.name, decision.desired)
+            outcome.action = "scaled"
+            log.info("autoscale %s: %d -> %d (%s)", fn.name, fn.facts.target,
+                     decision.desired, decision.as_dict())
+        except CorralError as exc:  # min / max changed under us, broker down...
+            outcome.action, outcome.error = "error", str(exc)
+            log.warning("autoscale %s: could not scale to %d: %s", fn.name,
+                        decision.desired, exc)
+    elif fn.scale_open:
+        outcome.action = "waiting"
+
+
+def _prewarm(fn: Subject, spawn: SpawnFn, report: PassReport) -> None:
+    """Start one replica of a function whose next call is due and that has none."""
+    if (fn.facts.counted or 0) > 0 or fn.scale_open or fn.spawn_open:
+        return
+    try:
+        report.prewarmed[fn.name] = spawn(fn.name)
+        log.info("keep-alive %s: pre-warming one replica (%s)", fn.name,
+                 report.keep_alive[fn.name])
+    except CorralError as exc:  # at its max, broker down...
+        report.prewarmed[fn.name] = f"error: {exc}"
+        log.warning("keep-alive %s: could not pre-warm: %s", fn.name, exc)

@@ -16,6 +16,12 @@ A pass removes three kinds of replica, in this order, at most
   reached the function's idle timeout: ``reap_at <= now`` on the
   ``(status, reap_at)`` index, or, with an explicit ``idle_timeout`` override,
   ``idle_since <= now - idle_timeout`` on ``(status, idle_since)``.
+  A function with adaptive keep-alive whose idle times show a pattern
+  (:class:`workers.autoscale.keepalive.Plan`, read from Redis before the pass) is
+  left out of that and judged by its windows instead: while its next call is not
+  due (before the pre-warm window, or past the keep-alive window) every idle replica
+  of it goes - let go right after use - and inside them those idle longer than the
+  keep-alive window. Without a pattern (or without Redis) it keeps its fixed timeout.
 
 Before choosing victims a pass gives back the environments of claims past their
 expiry (:func:`workers.replicas.claims.expire`; ``claims_expired`` in the report): a
@@ -54,16 +60,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers import leases
+from workers.autoscale import idletimes
+from workers.autoscale.keepalive import Plan
 from workers.clock import iso, now
 from workers.errors import BackendError, InputError, TransientBackendError, check_seconds
 from workers.fleet.health import note_failure
@@ -121,6 +130,7 @@ class ReapReport:
     replace: dict[str, int] = field(default_factory=dict)
     more: bool = False  # the batch was full: the next pass continues
     claims_expired: int = 0  # expired claims whose environment the pass gave back
+    keep_alive: dict[str, dict[str, Any]] = field(default_factory=dict)  # adaptive: windows
     started_at: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -161,13 +171,14 @@ class _Pass:
 
     def __init__(
         self, session: Session, settings: Settings, at: datetime, budget: int,
-        idle_timeout: float | None,
+        idle_timeout: float | None, plans: Mapping[str, Plan] | None = None,
     ) -> None:
         self.s = session
         self.settings = settings
         self.at = at
         self.budget = budget
         self.idle_timeout = idle_timeout
+        self.plans = dict(plans or {})  # function id -> its keep-alive plan (adaptive only)
         self.victims: list[_Victim] = []
         self.kept: dict[str, int] = defaultdict(int)
         self.stale_kept: dict[str, Function] = {}
@@ -273,7 +284,7 @@ class _Pass:
         self._allow[fn.id] -= 1
         return True
 
-    def _take(self, rows: Sequence[Replica], reason: str) -> None:
+    def _take(self, rows: Sequence[Replica], reason: str, note: str = "") -> None:
         """Mark what the min allows; the rest is kept (and counted as such)."""
         taken: list[Replica] = []
         for replica in rows:
@@ -290,12 +301,12 @@ class _Pass:
                 detail = f"build {replica.build_version}, current {fn.build_version}"
             else:
                 idle_for = (self.at - (replica.idle_since or self.at)).total_seconds()
-                detail = f"idle {idle_for:.0f}s"
+                detail = f"idle {idle_for:.0f}s{note}"
             taken.append(replica)
             self._mark(replica, reason, detail)
         mark_deleting(self.s, self.settings, taken, None)  # the page's victims, at once
 
-    def _pages(self, base: Any, reason: str) -> None:
+    def _pages(self, base: Any, reason: str, note: str = "") -> None:
         """Walk an indexed query a page at a time; rows kept for min do not use the budget.
 
         Each page is one ``LIMIT`` query over the index range; it is repeated only when
@@ -306,7 +317,7 @@ class _Pass:
             limit = self.left
             query = base if not self.seen else base.where(Replica.id.not_in(self.seen))
             rows = self.s.scalars(self._lock(query.limit(limit))).all()
-            self._take(rows, reason)
+            self._take(rows, reason, note)
             if len(rows) < limit:
                 return  # the range is exhausted
 
@@ -332,7 +343,7 @@ class _Pass:
                 )
 
     def idle(self) -> None:
-        """Idle replicas past their idle timeout (or the override)."""
+        """Idle replicas past their idle timeout (or the override), or their keep-alive windows."""
         if self.left <= 0:
             return
         if self.idle_timeout is None:
@@ -342,6 +353,8 @@ class _Pass:
                        Replica.envs_in_use == 0)
                 .order_by(Replica.reap_at)
             )
+            if self.plans:  # adaptive: judged by their windows below
+                base = base.where(Replica.function_id.not_in(list(self.plans)))
         else:
             cutoff = self.at - timedelta(seconds=self.idle_timeout)
             base = (
@@ -351,6 +364,30 @@ class _Pass:
                 .order_by(Replica.idle_since)
             )
         self._pages(base, "idle")
+        if self.idle_timeout is None:
+            self.adaptive()
+
+    def adaptive(self) -> None:
+        """Idle replicas of adaptive functions that their keep-alive windows let go."""
+        at = self.at.replace(tzinfo=UTC).timestamp()
+        for fn_id, plan in self.plans.items():
+            if self.left <= 0:
+                return
+            cutoff = plan.release_before(at)
+            if cutoff is None:
+                continue
+            warm = plan.warm(at)
+            note = ("; keep-alive: the next call is not due" if warm is False
+                    else f"; keep-alive: over {plan.windows.keep_s:.0f}s")
+            self._pages(
+                select(Replica)
+                .where(Replica.function_id == fn_id, Replica.status == ReplicaState.IDLE,
+                       Replica.idle_since <= datetime.fromtimestamp(cutoff, UTC)
+                       .replace(tzinfo=None),
+                       Replica.envs_in_use == 0)
+                .order_by(Replica.idle_since),
+                "idle", note,
+            )
 
     def replacements(self) -> dict[str, int]:
         """Fresh replicas needed before min-protected stale replicas can go."""
@@ -392,11 +429,14 @@ def reap(
     batch: int | None = None,
     holder: str,
     lease_wait_s: float = 0.0,
+    idle_times: redis.Redis | None = None,
 ) -> ReapReport:
     """Run one reaper pass under the ``reap`` lease; a pass that cannot take it is skipped.
 
     ``lease_wait_s`` lets a pass someone asked for wait that long for a running pass
     to end instead of being skipped at once (periodic passes do not wait).
+    ``idle_times`` is the Redis the functions' idle times are kept in: without it,
+    adaptive functions keep their fixed idle timeout.
     """
     idle_timeout = check_idle_timeout(idle_timeout)
     budget = settings.reap_batch if batch is None else batch
@@ -416,20 +456,46 @@ def reap(
         return report
     try:
         report.claims_expired = claims.expire(db, settings)
-        _run(db, settings, report, idle_timeout, budget)
+        plans = {} if idle_timeout is not None else keep_alive_plans(db, settings, idle_times)
+        report.keep_alive = {name: plan.windows.as_dict() for name, (_, plan) in plans.items()}
+        _run(db, settings, report, idle_timeout, budget,
+             {fn_id: plan for fn_id, plan in plans.values()})
     finally:
         leases.release(db, LEASE, holder)
     return report
 
 
+def keep_alive_plans(db: Database, settings: Settings,
+                     client: redis.Redis | None) -> dict[str, tuple[str, Plan]]:
+    """Adaptive functions whose windows decide now: name -> (function id, plan).
+
+    A function whose idle times show no pattern yet is not among them (its fixed idle
+    timeout holds), nor is any when Redis does not answer.
+    """
+    if client is None:
+        return {}
+    with db.read() as s:
+        ids = {name: fid for name, fid in s.execute(
+            select(Function.name, Function.id).where(Function.keep_alive == "adaptive"))}
+    if not ids:
+        return {}
+    try:
+        plans = idletimes.plans(client, settings, ids)
+    except redis.RedisError as exc:
+        log.warning("reap: could not read idle times, keep-alive falls back to fixed: %s", exc)
+        return {}
+    return {name: (ids[name], plan) for name, plan in plans.items()
+            if plan.windows.keep_s is not None}
+
+
 def _run(
     db: Database, settings: Settings, report: ReapReport, idle_timeout: float | None,
-    budget: int,
+    budget: int, plans: Mapping[str, Plan],
 ) -> None:
     t0 = time.perf_counter()
     with db.transaction() as s:
         lock_functions(s)  # the pass may move counters of any function (workers.locks)
-        p = _Pass(s, settings, now(), budget, idle_timeout)
+        p = _Pass(s, settings, now(), budget, idle_timeout, plans)
         p.stuck()
         p.stale()
         p.idle()

@@ -206,6 +206,10 @@ class Function(Named, Base):
     # scale_to_zero_after_s None keeps at least one replica (or min) while autoscaled.
     autoscale: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
     scale_to_zero_after_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Keep-alive of idle replicas: "fixed" (the idle timeout, or scale_to_zero_after_s) or
+    # "adaptive" (windows read off the function's idle-time histogram, workers.autoscale.keepalive).
+    keep_alive: Mapped[str] = mapped_column(String(8), default="fixed",
+                                            server_default="fixed")
     rr_last_node: Mapped[str | None] = mapped_column(String(63), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)

@@ -127,3 +127,27 @@ def test_deploy_autoscale_options(corral_env: Env, capsys: pytest.CaptureFixture
     capsys.readouterr()
     assert main([*base, "--scale-to-zero-after", "60"]) == 1
     assert "needs --autoscale" in capsys.readouterr().err
+
+
+def test_deploy_keep_alive_and_show_its_windows(
+    corral_env: Env, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corral_env.set(broker_url=redis_url)
+    base = ["functions", "deploy", "web", "--image", "i", "--kernel", "/k", "--json"]
+    assert _json(capsys, base)["keep_alive"] == "fixed"  # type: ignore[index]
+    adaptive = _json(capsys, [*base, "--keep-alive", "adaptive"])
+    assert adaptive["keep_alive"] == "adaptive"  # type: ignore[index]
+    shown = _json(capsys, ["functions", "show", "web", "--json"])
+    assert shown["keep_alive_windows"]["mode"] == "fixed"  # type: ignore[index]
+    capsys.readouterr()
+    assert main(["functions", "show", "web"]) == 0
+    text = capsys.readouterr().out
+    rows = {k: v.strip() for k, _, v in (line.partition(" ") for line in text.splitlines())}
+    assert rows["keep_alive"] == "adaptive"
+    assert '"reason": "no idle times recorded"' in rows["keep_alive_windows"]
+    with pytest.raises(SystemExit) as refused:
+        main([*base, "--keep-alive", "sometimes"])
+    assert refused.value.code == 2 and "invalid choice: 'sometimes'" in capsys.readouterr().err
+    assert main([*base, "--autoscale"]) == 1
+    assert "needs --scale-to-zero-after" in capsys.readouterr().err
+    assert _json(capsys, ["functions", "show", "web", "--json"])["autoscale"] is False  # type: ignore[index]

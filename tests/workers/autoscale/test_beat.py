@@ -21,6 +21,7 @@ from sqlalchemy import select
 
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
+from tests.workers.autoscale.helpers import wait_until
 from workers.autoscale import demand
 from workers.functions import deploy, spec_from
 from workers.store.models import Function, Operation, Replica, ReplicaState
@@ -63,13 +64,12 @@ def idle(env: Env) -> dict[str, int]:
 
 
 def wait_for(env: Env, want: dict[str, int], timeout: float, worker: WorkerProcess) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def reached() -> bool:
         have = idle(env)
-        if all(have.get(k, 0) == v for k, v in want.items()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"wanted idle replicas {want}, have {idle(env)}\n{worker.tail()}")
+        return all(have.get(k, 0) == v for k, v in want.items())
+
+    wait_until(reached, timeout, f"wanted idle replicas {want}, have {idle(env)}", worker,
+               poll=0.2)
 
 
 @pytest.mark.slow

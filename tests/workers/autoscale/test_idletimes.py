@@ -96,7 +96,9 @@ def test_an_unmatched_end_is_harmless_and_pending_starts_are_bounded() -> None:
 
 def test_recorded_idle_times_match_the_bench_histogram(client: redis.Redis) -> None:
     rng = random.Random(7)
-    at, ends, idles = 1_700_000_000.0, [], []
+    at = 1_700_000_000.0
+    ends: list[float] = []
+    idles: list[float] = []
     for _ in range(300):  # a mixture: most within the range, some beyond it
         idle = rng.choice([rng.uniform(0, 30), rng.uniform(60, 590), rng.uniform(600, 9000)])
         at += idle

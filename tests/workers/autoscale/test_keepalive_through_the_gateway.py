@@ -1,0 +1,143 @@
+"""Adaptive keep-alive end to end: clients -> a real gateway -> replicas, beat and a prefork worker.
+
+Nothing is faked between the parts: the gateway (uvicorn, in this process) records the
+idle times of the calls it serves to Redis, beat sends the reaper and the autoscaler
+their passes, a real worker carries out the spawns and deletes against a process agent
+whose replicas serve HTTP. The windows are short so the test is quick: 1-second bins over
+20 seconds, 3 idle times make a histogram representative, a 20% margin.
+
+* ``tick`` is called every 5.5 s. Its first call is a cold start; its next three find the
+  replica the fixed keep-alive kept. Then its histogram says the next call comes 5 to 6 s
+  after the last ends (pre-warm window 4 s, keep-alive window 7.2 s): the reaper lets
+  the replica go right after the fourth call, the autoscaler starts one 4 s later, and the
+  fifth call finds it ready - no cold start.
+* ``rare`` was called every 15 s before (its history is recorded as the gateway records
+  it): right after its call through the gateway the reaper lets its replica go (one comes
+  back 12 s later, before its next call would be due), where ``plain``, called as rarely
+  with the fixed keep-alive, keeps its replica.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from agents import RunningAgent
+from tasks import api
+from tests.celery_workers import WorkerProcess, start_beat
+from tests.fixtures import Env
+from tests.helpers import deploy_fn
+from tests.workers.autoscale.helpers import wait_until
+from workers.autoscale import idletimes
+from workers.autoscale.idletimes import Activity, Shape
+from workers.gateway import serve_gateway
+from workers.redis_client import redis_client
+from workers.store.models import Function, Replica, ReplicaState
+
+KEEPALIVE = {"keepalive_bin_s": "1", "keepalive_range_s": "20",
+             "keepalive_min_idle_times": "3", "keepalive_margin": "0.2",
+             "autoscale_interval_s": "0.25", "reap_interval_s": "0.5"}
+PERIOD_S = 5.5
+LIVE = (ReplicaState.CREATING, ReplicaState.STARTING, ReplicaState.IDLE,
+        ReplicaState.ALLOCATED)
+
+
+def rows(env: Env, name: str) -> list[Replica]:
+    with env.db.read() as s:
+        fid = s.scalar(select(Function.id).where(Function.name == name))
+        return list(s.scalars(select(Replica).where(Replica.function_id == fid)
+                              .order_by(Replica.created_at)))
+
+
+def live(env: Env, name: str) -> int:
+    return sum(1 for r in rows(env, name) if r.status in LIVE)
+
+
+def naive(epoch: float) -> datetime:
+    return datetime.fromtimestamp(epoch, UTC).replace(tzinfo=None)
+
+
+def cold_starts(url: str, name: str) -> float:
+    """The gateway's ``corral_cold_starts_total`` for one function."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(f'corral_cold_starts_total{{function="{name}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
+    broker_env: Env, agent: RunningAgent, worker_processes: list[WorkerProcess],
+) -> None:
+    settings = broker_env.set(**KEEPALIVE)
+    for name, keep_alive in (("tick", "adaptive"), ("rare", "adaptive"), ("plain", "fixed")):
+        deploy_fn(broker_env, name, image="examples.echo", max=2, keep_alive=keep_alive)
+    client = redis_client(settings.broker_url)
+    assert client is not None
+    shape = Shape.from_settings(settings)
+    before = time.time() - 15 * 6  # rare's history: called every 15 s, last 15 s from now
+    for i in range(6):
+        idletimes.record(client, shape, {"rare": Activity(arrivals=[before + 15 * i - 0.1],
+                                                          last=before + 15 * i)})
+    worker = WorkerProcess(broker_env.tmp, concurrency=3)
+    worker_processes.append(worker.start())
+    beat = start_beat(broker_env.tmp, "keepalive", {})
+    gateway = serve_gateway(settings.model_copy(update={
+        "gateway_cold_start_timeout_s": 60.0, "gateway_report_interval_s": 0.1,
+        "gateway_keep_s": 0.0}), "127.0.0.1:0", producer=api)
+    try:
+        with httpx.Client(timeout=60) as http:
+            def call(name: str) -> float:
+                """One call; returns when its answer ended."""
+                reply = http.post(f"{gateway.url}/function/{name}", content=b"x")
+                assert reply.status_code == 200, reply.text
+                return time.time()
+
+            # -- rare and plain: one call each, cold
+            rare_end = call("rare")
+            call("plain")
+            wait_until(lambda: live(broker_env, "rare") == 0, 5,
+                       "rare's replica let go right after use", worker)
+            let_go = time.time() - rare_end
+            assert live(broker_env, "plain") == 1  # the fixed 10 minutes keep it
+
+            # -- tick: every 5.5 s
+            ends = [call("tick")]
+            starts: list[float] = []
+            for k in range(1, 5):
+                time.sleep(max(0.0, ends[0] + PERIOD_S * k - time.time()))
+                if k == 4:  # the fifth call: before it, the reaper and the pre-warm acted
+                    replaced = rows(broker_env, "tick")
+                starts.append(time.time())
+                ends.append(call("tick"))
+    finally:
+        beat.terminate()
+        beat.wait(20)
+        gateway_url = gateway.url
+        cold = cold_starts(gateway_url, "tick")
+        gateway.stop()
+
+    assert let_go < 5
+    used, *since = rows(broker_env, "rare")
+    assert used.status == ReplicaState.DELETED and used.error is None
+    # the only others are pre-warms for its next call (due 12 s after this one ended)
+    assert all(r.created_at > naive(rare_end + 10) for r in since), since
+
+    # the first replica served calls 1-4 and was let go right after the fourth...
+    first, *later = replaced
+    assert first.status in (ReplicaState.DELETED, ReplicaState.DELETING), replaced
+    assert first.last_used_at is not None and first.retired_at is not None
+    assert (first.retired_at - first.last_used_at).total_seconds() < 3
+    # ...and one was started after that end and ready before the fifth call
+    assert len(later) == 1, later
+    prewarmed = later[0]
+    assert naive(ends[3]) - (first.retired_at - first.last_used_at) < prewarmed.created_at
+    assert prewarmed.ready_at is not None and prewarmed.ready_at < naive(starts[3])
+    assert cold == 1  # only the very first call of tick waited for a replica
+    assert len([r for r in rows(broker_env, "tick")]) == 2
