@@ -17,7 +17,6 @@ import ipaddress
 import json
 import logging
 import os
-import re
 import stat
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from config.redact import is_secret_name, redact
 
 ENV_PREFIX = "CORRAL_"
 MAX_KEEPALIVE_BINS = 10_000
@@ -462,22 +463,19 @@ def load_settings(**overrides: Any) -> Settings:
         raise ConfigError(_describe(exc)) from None
 
 
-_SECRET_WORDS = ("secret", "token", "password", "key")
-_URL_PASSWORD = re.compile(r"(://[^/\s:@]*:)[^\s/]*@")
-
-
-def hide_url_password(text: str) -> str:
-    """``text`` with the password of any ``scheme://user:password@host`` replaced by ***."""
-    return _URL_PASSWORD.sub(r"\1***@", text)
-
-
 def _describe(exc: ValidationError) -> str:
+    """One line naming each bad variable; never a secret's value (config.redact)."""
     problems = []
     for err in exc.errors():
         field = "_".join(str(p) for p in err["loc"])
-        shown = ("<redacted>" if any(w in field for w in _SECRET_WORDS)
-                 else hide_url_password(repr(err.get("input"))))
-        problems.append(f"{ENV_PREFIX}{field.upper()}: {err['msg']} (got {shown})")
+        msg = redact(err["msg"].removeprefix("Value error, "))
+        if not field:  # a rule between settings: its message names them, no value is shown
+            problems.append(msg)
+        elif is_secret_name(field):
+            problems.append(f"{ENV_PREFIX}{field.upper()}: {msg}")
+        else:
+            shown = redact(repr(err.get("input")))
+            problems.append(f"{ENV_PREFIX}{field.upper()}: {msg} (got {shown})")
     return "bad setting: " + "; ".join(problems)
 
 

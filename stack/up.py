@@ -29,7 +29,8 @@ from typing import Any
 from sqlalchemy import select
 
 from config.celery import QUEUES
-from config.settings import Settings, get_settings, hide_url_password, load_settings
+from config.redact import redact
+from config.settings import Settings, get_settings, load_settings
 from stack.redis import free_port, redis_argv
 from stack.supervisor import Child, Supervisor
 from workers.fleet.nodes import upsert_node
@@ -256,8 +257,8 @@ def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
     lines = [
         "corral is up",
         f"  state directory  {state}",
-        f"  broker           {hide_url_password(published['broker_url'])}",
-        f"  database         {hide_url_password(published['database_url'])}",
+        f"  broker           {redact(published['broker_url'])}",
+        f"  database         {redact(published['database_url'])}",
         f"  registry         {services['registry']}",
         f"  flower           {services['flower']}",
         f"  gateway          {services['gateway']} (call {services['gateway']}/function/NAME)",

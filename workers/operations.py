@@ -24,19 +24,18 @@ Its status (:class:`~workers.store.models.OpStatus`, mapped on the column) moves
 
 from __future__ import annotations
 
-import re
 from typing import Any, TypedDict
 
 from sqlalchemy import ColumnElement, and_, bindparam, select, update
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
 
+from config.redact import redact, redact_params
 from workers.clock import iso, now
 from workers.errors import InputError, NotFound
 from workers.store.db import Database
 from workers.store.models import OP_FINISHED, OP_OPEN, Operation, OpStatus
 
-SECRET_HINTS = ("secret", "token", "password", "aws_access_key", "authorization")
 FINISHED = OP_FINISHED  # the one definition is on the status type (workers.store.models)
 _COUNT_DONE = (
     update(Operation)
@@ -48,36 +47,7 @@ _COUNT_DONE = (
 MAX_OP_ERRORS = 5
 
 
-def redact(params: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``params`` with secret-looking values replaced."""
-    out: dict[str, Any] = {}
-    for key, value in params.items():
-        if any(h in key.lower() for h in SECRET_HINTS):
-            out[key] = "<redacted>" if value else value
-        elif isinstance(value, dict):
-            out[key] = redact(value)
-        else:
-            out[key] = value
-    return out
-
-
-_SECRET_TEXT = (
-    (re.compile(r"(?i)\bbearer\s+\S+"), "Bearer <redacted>"),
-    # user:password@ in URLs
-    (re.compile(r"(//[^/\s:@]*):[^@\s/]*@"), r"\1:<redacted>@"),
-    # password=..., token: ..., secret '...', aws_secret_access_key=...
-    (re.compile(r"(?i)\b([\w-]*(?:" + "|".join(SECRET_HINTS) + r")[\w-]*)(['\"]?\s*[=:]\s*)"
-                r"(['\"]?)[^\s,;'\")]+"), r"\1\2\3<redacted>"),
-    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "<redacted>"),
-)
 MAX_ERROR_CHARS = 500
-
-
-def redact_text(text: str) -> str:
-    """``text`` with secret-looking values (URL passwords, key=value secrets, tokens) masked."""
-    for pattern, replacement in _SECRET_TEXT:
-        text = pattern.sub(replacement, text)
-    return text
 
 
 def describe_error(exc: BaseException) -> str:
@@ -87,7 +57,7 @@ def describe_error(exc: BaseException) -> str:
     """
     inner = exc.orig if isinstance(exc, StatementError) and exc.orig is not None else exc
     lines = str(inner).strip().splitlines()
-    first = redact_text(lines[0].strip())[:MAX_ERROR_CHARS] if lines else ""
+    first = redact(lines[0].strip())[:MAX_ERROR_CHARS] if lines else ""
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
@@ -96,7 +66,7 @@ def create_operation(
     total: int = 0,
 ) -> Operation:
     """Write a pending operation record."""
-    op = Operation(kind=kind, params=redact(params), function_id=function_id, total=total)
+    op = Operation(kind=kind, params=redact_params(params), function_id=function_id, total=total)
     session.add(op)
     session.flush()
     return op

@@ -14,8 +14,8 @@ not be able to make corral store garbage, hang a worker, or fill its memory. So:
   a total deadline, not only a per-read one (:func:`bounded_request` over
   :class:`DeadlineTransport`: each socket read and write is clipped to what is left
   of the call's deadline, so a host that drips a byte a second times out too);
-* text that came back from an agent has known secrets and credential-shaped strings
-  replaced before it is stored or logged (:func:`redact`);
+* text that came back from an agent has the call's secrets and credential-shaped strings
+  masked before it is stored or logged (:func:`config.redact.redact`, the one redaction);
 * a token or AWS keys about to travel in plain text off loopback log a warning
   (:func:`warn_plaintext`, once per peer).
 """
@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -40,12 +40,13 @@ import httpcore
 import httpx
 
 from agents.runtime import is_loopback
+from config.redact import redact
 from workers.errors import PermanentBackendError, TransientBackendError
 
 __all__ = [
     "IP", "LOOPBACK", "MAX_BODY", "VMID_RE", "DeadlineTransport", "HttpCall", "Listeners",
     "Network", "abounded_request", "bounded_request", "check_ip", "check_replica_address",
-    "check_vmid", "host_ips", "listen_networks", "parse_networks", "redact", "vmid_path",
+    "check_vmid", "host_ips", "listen_networks", "parse_networks", "vmid_path",
     "warn_plaintext",
 ]
 
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 
 VMID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_BODY = 1 << 20
-REDACTED = "***"
 
 
 def check_vmid(vmid: object, node: str | None = None) -> str:
@@ -254,6 +254,8 @@ class HttpCall:
     what: str  # names the call in errors ("spawn", "destroy")
     node: str | None = None
     max_body: int = MAX_BODY
+    #: what this call sends that must never come back in an error (its token)
+    secrets: tuple[str, ...] = field(default=(), repr=False)
 
     def stream(self, client: httpx.Client | httpx.AsyncClient, **kwargs: Any) -> Any:
         """The streamed request on ``client`` (identity encoding: the body read is the body)."""
@@ -278,7 +280,7 @@ class HttpCall:
             return TransientBackendError(
                 f"{self.what} timed out after {self.timeout_s:g}s", node=self.node, code="timeout")
         return TransientBackendError(
-            f"{self.what} failed: {type(exc).__name__}: {redact(str(exc))}",
+            f"{self.what} failed: {type(exc).__name__}: {redact(str(exc), self.secrets)}",
             node=self.node, code="transport",
         )
 
@@ -330,31 +332,7 @@ def _buffered(response: httpx.Response, body: bytearray) -> httpx.Response:
     )
 
 
-# -- secrets ---------------------------------------------------------------------------
-
-_PATTERNS = [
-    re.compile(r"(?i)(bearer\s+)[^\s'\"]+"),
-    re.compile(r"(://[^/\s:@]*:)[^\s/]+(@)"),  # user:password@ in URLs
-    re.compile(r"(?i)((?:password|passwd|secret|token|api[_-]?key|secret[_-]?access[_-]?key)"
-               r"[\"']?\s*[=:]\s*[\"']?)[^\s'\",;&]+"),
-    re.compile(r"\b((?:AKIA|ASIA))[A-Z0-9]{16}\b"),
-]
-
-
-def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
-    """``text`` with each of ``secrets`` and credential-shaped strings replaced by ``***``."""
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, REDACTED)
-    for pattern in _PATTERNS:
-        text = pattern.sub(_mask, text)
-    return text
-
-
-def _mask(match: re.Match[str]) -> str:
-    tail = match.group(2) if match.re.groups > 1 else ""
-    return match.group(1) + REDACTED + tail
-
+# -- plain text off loopback -----------------------------------------------------------
 
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote, quote_plus
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
+from agents.lambdo import serve_lambdo
 from config.settings import load_settings
 from protos import fcdaemon_pb2
 from tasks import api
@@ -65,7 +67,10 @@ def test_agent_error_text_is_redacted_before_it_is_stored(corral_env: Env) -> No
         agent.agent.inject("CreateReplica", Fault.abort(
             grpc.StatusCode.INTERNAL,
             f"bad creds {AWS_ID}/{AWS_SECRET} with Bearer agent-t0ken-value, "
-            f"db postgresql://u:{PASSWORD}@db/x password={PASSWORD}"))
+            f"db postgresql://u:{PASSWORD}@db/x password={PASSWORD} "
+            # the same again, URL-encoded, as in a query string
+            f"?key={quote(AWS_SECRET, safe='')}&alt={quote_plus(AWS_SECRET)}"
+            f"&db=postgresql%3A%2F%2Fu%3A{PASSWORD}%40db"))
         view = api.wait(api.spawn("hello", 1), timeout=30)
         assert view["status"] == "failed" and "bad creds" in view["error"]
         with corral_env.db.read() as s:
@@ -76,10 +81,64 @@ def test_agent_error_text_is_redacted_before_it_is_stored(corral_env: Env) -> No
             )]
         text = " ".join(stored)
         assert "bad creds" in text
-        for secret in (AWS_ID, AWS_SECRET, "agent-t0ken-value", PASSWORD):
+        for secret in (AWS_ID, AWS_SECRET, "agent-t0ken-value", PASSWORD,
+                       quote(AWS_SECRET, safe=""), quote_plus(AWS_SECRET)):
             assert secret not in text, text
+        assert "<redacted>" not in text and "***" in text  # one mask
     finally:
         agent.stop(grace=0)
+
+
+def test_a_lambdo_error_body_is_redacted_with_the_calls_token(
+    corral_env: Env, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's reproduction: a host that echoes the token it was sent, bare."""
+    token = "lambdo-t0ken-value"
+    host = serve_lambdo("127.0.0.1:0", token=token)
+    corral_env.set(lambdo_token=token, retry_max="0")
+    try:
+        with corral_env.db.transaction() as s:
+            upsert_node(s, host.url, name="l1", kind="lambdo")
+            deploy(s, spec_from(name="fn", image="examples.hello", backend="lambdo",
+                                rootfs="examples.hello"), corral_env.settings)
+        for _ in range(20):  # every try of it
+            host.agent.inject("spawn", Fault.abort(500, f"no such key {token} here"))
+        view = api.wait(api.spawn("fn", 1), timeout=30)
+        assert view["status"] == "failed" and "no such key *** here" in view["error"], view
+        assert main(["nodes", "list"]) == 0
+        with corral_env.db.read() as s:
+            stored = " ".join(str(v) for v in (
+                *[(o.error, o.result) for o in s.scalars(select(Operation))],
+                *[r.error for r in s.scalars(select(Replica))],
+                *[n.last_error for n in s.scalars(select(Node))]))
+        shown = capsys.readouterr()
+        assert "no such key *** here" in stored
+        for text in (stored, caplog.text, shown.out, shown.err):
+            assert token not in text
+    finally:
+        host.stop()
+
+
+def test_a_bad_setting_names_the_variable_and_never_a_secret(tmp_path: Path) -> None:
+    """Before: a rule between settings printed every setting, tokens and passwords too."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+    env.update({"CORRAL_STATE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT),
+                "CORRAL_DATABASE_URL": f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:1/c",
+                "CORRAL_AGENT_TOKEN": "agent-t0ken-value", "CORRAL_AWS_SECRET_ACCESS_KEY":
+                AWS_SECRET, "CORRAL_FLOWER_PASSWORD": "flower-pw-value"})
+    for bad, named in (({"CORRAL_TASK_SOFT_TIME_LIMIT_S": "100"}, "CORRAL_TASK_SOFT_TIME_LIMIT_S"),
+                       ({"CORRAL_NODE_CAPACITY": "lots"}, "CORRAL_NODE_CAPACITY"),
+                       ({"CORRAL_REGISTRY_TOKEN": ""}, None),  # empty: fine, nothing to say
+                       ({"CORRAL_NODE_CAPACITY": "-1", "CORRAL_METRICS_TOKEN": "m" * 3},
+                        "CORRAL_NODE_CAPACITY")):
+        done = subprocess.run([sys.executable, "-m", "tasks.cli", "nodes", "list"],
+                              cwd=tmp_path, env={**env, **bad}, capture_output=True, text=True,
+                              timeout=120)
+        out = done.stdout + done.stderr
+        if named is not None:
+            assert done.returncode != 0 and f"bad setting: {named}" in out, out
+        for secret in (PASSWORD, "agent-t0ken-value", AWS_SECRET, "flower-pw-value"):
+            assert secret not in out, out
 
 
 def test_aws_keys_from_a_file_or_the_environment(

@@ -27,6 +27,7 @@ import grpc
 from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from config.redact import redact
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from workers.backends import inflight
 from workers.errors import (
@@ -36,7 +37,7 @@ from workers.errors import (
     Unsupported,
     VmGone,
 )
-from workers.untrusted import check_ip, check_vmid, redact, warn_plaintext
+from workers.untrusted import check_ip, check_vmid, warn_plaintext
 
 RETRYABLE_CODES = frozenset(
     {

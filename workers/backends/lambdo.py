@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from config.redact import redact
 from workers.backends import inflight
 from workers.errors import (
     PermanentBackendError,
@@ -32,7 +33,6 @@ from workers.untrusted import (
     abounded_request,
     bounded_request,
     check_vmid,
-    redact,
     vmid_path,
     warn_plaintext,
 )
@@ -84,8 +84,9 @@ class HostVm:
     created_unix: float
 
 
-def _text(response: httpx.Response) -> str:
-    body = redact(response.text.strip().replace("\n", " "))
+def _text(response: httpx.Response, secrets: tuple[str, ...] = ()) -> str:
+    """An error body for a message: one line, the call's secrets masked, at most 500 chars."""
+    body = redact(response.text.strip().replace("\n", " "), secrets)
     return body[:MAX_ERROR_TEXT] or response.reason_phrase
 
 
@@ -117,6 +118,7 @@ class LambdoClient:
         self.node = node or base_url
         self.timeout_s = timeout_s
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._secrets = (token,) if token else ()
         if token and not self.base_url.startswith("https://"):
             warn_plaintext(httpx.URL(self.base_url).host, "the Lambdo token")
 
@@ -127,12 +129,13 @@ class LambdoClient:
         return self._checked(response, what)
 
     def _call(self, method: str, path: str, what: str) -> HttpCall:
-        return HttpCall(method, self.base_url + path, self.timeout_s, what, self.node)
+        return HttpCall(method, self.base_url + path, self.timeout_s, what, self.node,
+                        secrets=self._secrets)
 
     def _checked(self, response: httpx.Response, what: str) -> httpx.Response:
         if response.status_code >= 500:
             raise TransientBackendError(
-                f"{what} answered {response.status_code}: {_text(response)}",
+                f"{what} answered {response.status_code}: {_text(response, self._secrets)}",
                 node=self.node,
                 code=str(response.status_code),
             )
@@ -152,7 +155,7 @@ class LambdoClient:
         """The VM a ``/spawn`` answer describes (its vmid checked), or the error it is."""
         if response.status_code != 200:
             raise PermanentBackendError(
-                f"spawn answered {response.status_code}: {_text(response)}",
+                f"spawn answered {response.status_code}: {_text(response, self._secrets)}",
                 node=self.node,
                 code=str(response.status_code),
             )
@@ -162,7 +165,8 @@ class LambdoClient:
             mapping = _parse_mapping(data["port_mapping"])
         except (ValueError, KeyError, TypeError) as exc:
             raise PermanentBackendError(
-                f"spawn answered an unreadable body ({exc}): {_text(response)[:100]}",
+                f"spawn answered an unreadable body ({redact(str(exc), self._secrets)}): "
+                f"{_text(response, self._secrets)[:100]}",
                 node=self.node,
             ) from None
         return SpawnedVm(vmid=vmid, port_mapping=mapping)
@@ -177,7 +181,7 @@ class LambdoClient:
             return False
         if response.status_code not in (200, 204):
             raise PermanentBackendError(
-                f"destroy answered {response.status_code}: {_text(response)}",
+                f"destroy answered {response.status_code}: {_text(response, self._secrets)}",
                 node=self.node,
                 code=str(response.status_code),
             )
@@ -190,7 +194,8 @@ class LambdoClient:
             raise Unsupported("host has no GET /vms", node=self.node, code="404")
         if response.status_code != 200:
             raise PermanentBackendError(
-                f"list answered {response.status_code}: {_text(response)}", node=self.node
+                f"list answered {response.status_code}: {_text(response, self._secrets)}",
+                node=self.node,
             )
         try:
             return [
