@@ -202,9 +202,12 @@ class PortAllocator:
         return True
 
     def allocate(self, want: int | None = None) -> int:
-        """Claim ``want`` (must be free) or the next free port of the range."""
+        """Claim ``want`` (in the range and free) or the next free port of the range."""
         with self._lock:
             if want:
+                if not self.low <= want <= self.high:  # a caller may not pick any port of the host
+                    raise BadSpec(f"host port {want} is outside this host's range "
+                                  f"{self.low}-{self.high}")
                 if want in self._claimed or not self._bindable(want):
                     raise DriverError(f"host port {want} is in use")
                 self._claimed.add(want)

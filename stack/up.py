@@ -67,9 +67,22 @@ def _port_open(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def _private(state_dir: Path) -> None:
+    """Make the state directory and all this stack writes readable by this user only.
+
+    It holds the SQLite store (functions' AWS keys), Redis's append-only file (task
+    messages) and the logs: the directory becomes 0700, and the umask of this process
+    and every child it starts 077 (new files 0600).
+    """
+    os.umask(0o077)
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if state_dir.stat().st_uid == os.getuid():
+        state_dir.chmod(0o700)
+
+
 def _lock(state_dir: Path) -> Any:
     """Hold ``up.lock`` for as long as this process lives (released by the kernel on exit)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
+    _private(state_dir)
     handle = open(state_dir / "up.lock", "a+")  # noqa: SIM115 - held for the process lifetime
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

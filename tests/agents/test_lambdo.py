@@ -166,6 +166,12 @@ def test_start_honours_fixed_host_ports(client: httpx.Client) -> None:
     assert mapping[9090] == 15555
     assert 10000 <= mapping[8080] <= 19999 and mapping[8080] != 15555
     assert client.post("/start", json={**body, "portMapping": [[1, 2, 3]]}).status_code == 400
+    # a host port outside --port-range (the registry's, sshd's...) is refused, nothing starts
+    running = {vm["id"] for vm in client.get("/vms").json()["vms"]}
+    for port in (22, 9999, 20000, 50052):
+        resp = client.post("/start", json={**body, "portMapping": [[port, 8080]]})
+        assert resp.status_code == 400 and "outside this host's range 10000-19999" in resp.text
+    assert {vm["id"] for vm in client.get("/vms").json()["vms"]} == running
 
 
 def test_request_id_makes_spawn_idempotent(client: httpx.Client, lambdo: RunningLambdo) -> None:

@@ -19,11 +19,14 @@ from config.celery import HOUSEKEEPING
 ROOT = Path(__file__).resolve().parents[2]
 AWS_ID = "AKIAEXAMPLESECRET01"
 AWS_SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
+OPERATOR_SECRET = "operator-own-aws-secret-key-0000"
 
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env["PYTHONPATH"] = str(ROOT)
+    # the operator's own keys, in the shell that runs `corral up`: never a guest's
+    env["AWS_SECRET_ACCESS_KEY"] = OPERATOR_SECRET
     return env
 
 
@@ -155,6 +158,27 @@ def _check_metrics(tmp_path: Path) -> None:
     assert AWS_ID not in metrics and AWS_SECRET not in metrics
 
 
+def _check_guests_environment(up_pid: int) -> None:
+    """Every replica (a process with a VMID) has none of the operator's environment."""
+    guests = 0
+    for pid in _descendants(up_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if b"\0VMID=" in b"\0" + environ:
+            guests += 1
+            assert OPERATOR_SECRET.encode() not in environ and b"AWS_SECRET" not in environ
+    assert guests >= 5  # hello's three and web's two
+
+
+def _check_private(state: Path) -> None:
+    """The state directory (store with AWS keys, Redis's AOF, logs) is this user's alone."""
+    assert state.stat().st_mode & 0o777 == 0o700
+    for path in state.rglob("*"):
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is {oct(path.stat().st_mode)}"
+
+
 @pytest.mark.timeout(240)
 def test_corral_up_end_to_end(tmp_path: Path) -> None:
     up_log = (tmp_path / "up.out").open("w")
@@ -170,6 +194,8 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
         assert {n["name"] for n in nodes} == {"local-fcdaemon", "local-lambdo"}
 
         by_fn = _deploy_and_scale(tmp_path)
+        _check_guests_environment(up.pid)
+        _check_private(tmp_path / ".corral")
         _call(tmp_path, by_fn, services["gateway"])  # the data path: a function over HTTP
 
         started = _descendants(up.pid)

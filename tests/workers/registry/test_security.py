@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -392,3 +393,12 @@ def test_an_early_ready_nobody_records_expires(store: Env, registry: RunningRegi
     assert registry.registry.pending == set()
     with store.db.read() as s:
         assert s.scalars(select(Lease.name).where(Lease.name.startswith("ready:"))).all() == []
+
+
+def test_no_other_process_can_share_the_registrys_port(registry: RunningRegistry) -> None:
+    """gRPC binds with SO_REUSEPORT by default: another process of the same user could then
+    listen on the registry's port and take a share of its calls."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        with pytest.raises(OSError):
+            other.bind(("127.0.0.1", registry.port))
