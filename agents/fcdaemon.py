@@ -605,7 +605,7 @@ def serve_fcdaemon(
     mark_serving(health_servicer, SERVICE_NAME)
     if reporter is not None:
         reporter.start()
-    log.info("fcdaemon listening on %s:%d", host or "0.0.0.0", port)
+    log.info("fcdaemon listening on %s:%d", host or "0.0.0.0", port)  # noqa: S104 - a log line
     return RunningAgent(
         server=server,
         port=port,
@@ -627,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser,
         "127.0.0.1:50051",
         "--require-token",
-        token_help="refuse FcService calls without this bearer token",
+        token_help="refuse FcService calls without this bearer token",  # noqa: S106 - help text
     )
     parser.add_argument("--registry", help="corral registry HOST:PORT to register with")
     parser.add_argument("--node-id", help="node id to register (default IP:PORT)")

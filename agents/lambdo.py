@@ -534,7 +534,7 @@ def serve_lambdo(
     driver = driver if driver is not None else drivers.MemoryDriver(port_range=DEFAULT_PORT_RANGE)
     agent = LambdoAgent(driver, token=token, default_image=default_image, port_order=port_order)
     handler = type("LambdoHandler", (_Handler,), {"agent": agent})
-    bind = host.strip("[]") or "0.0.0.0"
+    bind = host.strip("[]") or "0.0.0.0"  # noqa: S104 - --listen without a host; off loopback needs the token
     server = _LambdoServer((bind, port), handler)
     running = RunningLambdo(server, host, agent, driver)
     log.info("lambdo listening on %s:%d", bind, running.port)

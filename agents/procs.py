@@ -81,7 +81,7 @@ class _Spawner:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                proc = subprocess.Popen(
+                proc = subprocess.Popen(  # noqa: S603 - argv of an allow-listed image, no shell
                     _launch_argv(argv, os.getpid()),
                     env=env,
                     cwd=cwd,

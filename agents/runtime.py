@@ -28,7 +28,7 @@ __all__ = [
     "serve_until_signalled", "split_hostport", "until_signalled",
 ]
 
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # noqa: S104 - recognised, not bound
 
 
 def is_loopback(host: str) -> bool:
@@ -52,7 +52,7 @@ def listen_refusal(
     """
     if token or is_loopback(host):
         return None
-    shown = host.strip("[]") or "0.0.0.0"
+    shown = host.strip("[]") or "0.0.0.0"  # noqa: S104 - a message
     if insecure:
         logging.getLogger("corral.security").warning(
             "%s listens on %s WITHOUT a token (--insecure): anyone who reaches this address "

@@ -46,7 +46,7 @@ class Child:
         """Start (or restart) the process, appending to its log."""
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the child runs
         self._log = log
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # noqa: S603 - corral's own commands (stack.up)
             self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
         )

@@ -169,7 +169,7 @@ def backoff_s(settings: Settings, retries: int) -> float:
     the retries of calls that failed together spread out.
     """
     ceiling = min(settings.retry_backoff_max_s, settings.retry_backoff_s * (2**retries))
-    return random.uniform(ceiling / 2, ceiling)
+    return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - retry jitter, not a secret
 
 
 class FaultInjected(RuntimeError):

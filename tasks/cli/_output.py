@@ -145,7 +145,7 @@ class ProgressBar:
             )
             self._progress.start()
             self._task = self._progress.add_task(view["kind"], total=total, failed=0)
-        assert self._task is not None
+        assert self._task is not None  # noqa: S101 - narrows for mypy: set in __enter__
         self._progress.update(self._task, total=total, completed=view["done"] + view["failed"],
                               failed=view["failed"], description=f"{view['kind']} {view['status']}")
 

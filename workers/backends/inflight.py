@@ -225,7 +225,7 @@ class _Gate:
         try:
             while self.returning:
                 leases, self.returning = self.returning, []
-                assert self.source is not None
+                assert self.source is not None  # noqa: S101 - narrows for mypy
                 with suppress(Exception):  # an unreturned lease lapses by itself
                     await self.source.release(self.node, leases)
         finally:

@@ -258,7 +258,7 @@ def manager_info(session: Session, vmid: str) -> tuple[str, str, int] | None:
     if row is None:
         return None
     uuid, mngr, first_port, slot = row
-    assert slot is not None  # filtered above
+    assert slot is not None  # noqa: S101 - narrows for mypy; filtered above
     return str(uuid), str(mngr), int(first_port) + int(slot)
 
 

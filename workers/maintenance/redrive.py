@@ -82,7 +82,7 @@ def due(
     with db.transaction() as s:
         for op in _stalled(s, at - after, limit, Operation.kind.in_(list(kinds)),
                            Operation.redrives < REDRIVE_MAX):
-            assert op.progress_at is not None  # the query's condition
+            assert op.progress_at is not None  # noqa: S101 - narrows for mypy; the query's condition
             still = at - op.progress_at
             if still < after * (2**op.redrives):
                 continue  # re-sent before and not yet due again
@@ -111,7 +111,7 @@ def give_up(
     with db.transaction() as s:
         hopeless = (Operation.redrives >= REDRIVE_MAX) | Operation.kind.not_in(list(resendable))
         for op in _stalled(s, at - wait, limit, hopeless):
-            assert op.progress_at is not None  # the query's condition
+            assert op.progress_at is not None  # noqa: S101 - narrows for mypy; the query's condition
             still = int((at - op.progress_at).total_seconds())
             if op.kind in resendable:
                 reason = (f"no progress after {op.redrives} re-sends of its task "

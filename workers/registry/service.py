@@ -413,7 +413,7 @@ class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if info is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no GPU replica with vmid {request.vmid!r}")
-        assert info is not None
+        assert info is not None  # noqa: S101 - context.abort raised above; narrows for mypy
         uuid, mngr_addr, port = info
         return mngrinfo_pb2.AvAManagerInfoReply(
             gpu_uuid=uuid, mngr_addr=mngr_addr, worker_port=port

@@ -295,7 +295,7 @@ def renew(db: Database, claim_ids: Collection[str], ttl_s: float) -> dict[str, b
     being deleted, or a newer build was deployed).
     """
     ttl = check_ttl(ttl_s)
-    assert ttl is not None
+    assert ttl is not None  # noqa: S101 - narrows for mypy
     ids = sorted(set(claim_ids))
     if not ids:
         return {}
@@ -377,7 +377,7 @@ def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]
     status, in_use, total, ready_at, op_id, fn_name, fn_idle = row
     if op_id is not None:  # an operation waits on this replica: the full transition
         replica = lock_replica(s, rid)
-        assert replica is not None
+        assert replica is not None  # noqa: S101 - narrows for mypy
         _give_back(s, replica, settings)
         status, in_use = replica.status, replica.envs_in_use
     else:

@@ -61,7 +61,7 @@ class Database:
     def session(self) -> Session:
         """A new session on this process's engine."""
         _ = self.engine
-        assert self._sessions is not None
+        assert self._sessions is not None  # noqa: S101 - narrows for mypy
         return self._sessions()
 
     @contextmanager
