@@ -42,6 +42,12 @@ class Bodies:
         size = int(announced) if announced is not None and announced.isdigit() else 0
         if size > self.max_body:
             raise Answer(413, f"request body over {self.max_body} bytes", CLOSE)
+        if announced is None and header(scope, b"transfer-encoding") is None:
+            message = await receive()  # no body: uvicorn has the (empty) answer ready
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            yield message.get("body", b"")
+            return
         reserved = 0
         try:
             reserved = self._reserve(size, reserved)

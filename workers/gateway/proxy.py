@@ -68,6 +68,7 @@ __all__ = ["PREFIX", "Gateway", "Producer"]
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 SWEEP_S = 5.0  # how often unused upstream clients are looked for
+WATCH_AFTER_S = 0.05  # a request running this long is watched for its client going away
 
 
 class Gateway:
@@ -96,7 +97,8 @@ class Gateway:
     async def start(self) -> None:
         """Start the upkeep of held claims and upstream clients (on the serving loop)."""
         self._upkeep = [asyncio.create_task(self.ledger.maintain()),
-                        asyncio.create_task(self._sweep_upstreams())]
+                        asyncio.create_task(self._sweep_upstreams()),
+                        asyncio.create_task(self.upstreams.watch())]
 
     async def close(self) -> None:
         """Give back every claim held, close the clients and the store threads."""
@@ -168,11 +170,13 @@ class Gateway:
         """Run ``work``, cancelling it if the client disconnects before its answer is complete.
 
         ``work`` runs in this task (no task of its own: one hand-off less per request);
-        a watcher task cancels this one when the client goes away.
+        a watcher task, started once the request has run for ``WATCH_AFTER_S`` (most are
+        answered by then), cancels this one when the client goes away.
         """
         me = asyncio.current_task()
         assert me is not None
         gone = False
+        watcher: asyncio.Future[None] | None = None
 
         async def watch() -> None:
             nonlocal gone
@@ -182,7 +186,11 @@ class Gateway:
                 gone = True
                 me.cancel()  # the client went away: stop, returning what the request holds
 
-        watcher = asyncio.ensure_future(watch())
+        def start() -> None:
+            nonlocal watcher
+            watcher = asyncio.ensure_future(watch())
+
+        later = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start)
         try:
             await work
         except asyncio.CancelledError:
@@ -191,7 +199,9 @@ class Gateway:
             me.uncancel()
             raise ClientGone from None
         finally:
-            watcher.cancel()
+            later.cancel()
+            if watcher is not None:
+                watcher.cancel()
 
     async def _admitted(self, scope: Scope, info: FunctionInfo, body: bytes, send: Send) -> None:
         gate = self.catalog.gates[info.name]

@@ -98,15 +98,31 @@ class Relay:
         self.timeout_s = timeout_s
         self.answering = False  # the response has started: an error can only break it off
         self.last = b""
+        self.sending_since = 0.0  # while a send waits for the caller: when it began
+        self.too_slow = False
+        self.task = asyncio.current_task()
 
     async def send(self, message: Message) -> None:
-        """Send one message, the caller given ``timeout_s`` to take it."""
+        """Send one message; :meth:`Upstreams.watch` cuts off a caller that takes too long."""
+        self.sending_since = time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout_s):
-                await self._send(message)
-        except TimeoutError:
+            await self._send(message)
+        except asyncio.CancelledError:
+            if not self.too_slow or self.task is None:
+                raise
+            self.task.uncancel()
             raise CallerTooSlow(f"the caller took no part of its answer for "
                                 f"{self.timeout_s:g}s") from None
+        finally:
+            self.sending_since = 0.0
+
+    def overdue(self, now: float) -> bool:
+        """Cancel the request if its send has waited past the timeout; True if so."""
+        if self.sending_since and now - self.sending_since > self.timeout_s and \
+                self.task is not None and not self.too_slow:
+            self.too_slow = True
+            self.task.cancel()
+        return self.too_slow
 
     async def stream(self, exchange: http1.Exchange) -> None:
         """Relay every chunk but the last."""
@@ -139,6 +155,7 @@ class Upstreams:
         self._token = token
         self._trusted = Trusted(settings.gateway_trusted_proxies)
         self._pools: dict[str, http1.Pool] = {}
+        self._relays: set[Relay] = set()  # answers being relayed now
 
     async def forward(self, scope: Scope, claimed: Claimed, body: bytes, send: Send,
                       done: Callable[[], None]) -> None:
@@ -162,6 +179,7 @@ class Upstreams:
                             trusted=self._trusted)
         relay = Relay(send, self.settings.gateway_send_timeout_s)
         deadline = self.settings.gateway_timeout_s
+        self._relays.add(relay)
         try:
             try:
                 await self._exchange(pool, head, body, scope["method"] == "HEAD", relay, once)
@@ -178,6 +196,17 @@ class Upstreams:
             await relay.finish()
         except CallerTooSlow as exc:
             raise BrokenOff(f"answer of {claimed.function} cut off: {exc}") from None
+        finally:
+            self._relays.discard(relay)
+
+    async def watch(self) -> None:
+        """Forever: cut off callers that take no part of their answer within the timeout."""
+        every = min(1.0, self.settings.gateway_send_timeout_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for relay in [r for r in self._relays if r.overdue(now)]:
+                self._relays.discard(relay)
 
     async def _exchange(self, pool: http1.Pool, head: bytes, body: bytes, head_only: bool,
                         relay: Relay, once: _Once) -> None:
