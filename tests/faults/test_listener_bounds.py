@@ -8,7 +8,7 @@ thread count (``/proc/PID/status``) must stay within a fixed bound over its idle
 figures, and once the attackers go the server must answer a real (authorised) call.
 
 To cover another listener, add a :class:`Listener` to :data:`LISTENERS` (the gateway's
-belongs there): how to start it, how to ask it something real, and which attacks apply.
+is there too): how to start it, how to ask it something real, and which attacks apply.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def _send(sock: socket.socket, data: bytes) -> None:
         sock.sendall(data)
 
 
-def http_half_sent(port: int, held: list[socket.socket]) -> None:
+def http_half_sent(port: int, held: list[socket.socket], path: bytes = b"/spawn") -> None:
     """Requests with a 1 MiB body announced, 64 KiB of it sent, then silence."""
-    head = (b"POST /spawn HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1048576\r\n\r\n")
     for _ in range(CONNECTIONS):
         if (sock := _connect(port)) is not None:
@@ -77,11 +77,12 @@ def http_half_sent(port: int, held: list[socket.socket]) -> None:
             held.append(sock)
 
 
-def http_endless_headers(port: int, held: list[socket.socket]) -> None:
+def http_endless_headers(port: int, held: list[socket.socket], path: bytes = b"/vms") -> None:
     """Request heads that never end: 60 KiB header lines, one after another."""
     for _ in range(CONNECTIONS):
         if (sock := _connect(port)) is not None:
-            _send(sock, b"GET /vms HTTP/1.1\r\n" + (b"X-Pad: " + b"a" * 60000 + b"\r\n") * 4)
+            _send(sock, b"GET " + path + b" HTTP/1.1\r\n"
+                  + (b"X-Pad: " + b"a" * 60000 + b"\r\n") * 4)
             held.append(sock)
 
 
@@ -92,14 +93,14 @@ def idle(port: int, held: list[socket.socket]) -> None:
             held.append(sock)
 
 
-def http_oversized(port: int, held: list[socket.socket]) -> None:
+def http_oversized(port: int, held: list[socket.socket], path: bytes = b"/spawn") -> None:
     """Bodies of 64 MiB pushed as fast as the server takes them, 20 at once."""
     def push() -> None:
         sock = _connect(port)
         if sock is None:
             return
         held.append(sock)
-        _send(sock, b"POST /spawn HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n")
+        _send(sock, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n")
         chunk = b"x" * 65536
         with contextlib.suppress(OSError):
             for _ in range(1024):
@@ -109,6 +110,15 @@ def http_oversized(port: int, held: list[socket.socket]) -> None:
         t.start()
     for t in threads:
         t.join(20)
+
+
+def aimed(attack: Callable[..., None], path: bytes) -> Callable[[int, list[socket.socket]], None]:
+    """An HTTP attack sent to ``path`` instead of its own."""
+    def at(port: int, held: list[socket.socket]) -> None:
+        attack(port, held, path=path)
+
+    at.__name__ = attack.__name__
+    return at
 
 
 def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
@@ -263,7 +273,13 @@ LISTENERS = [
     Listener("gpus", [sys.executable, "-m", "agents.gpus", "--listen", "127.0.0.1:{port}",
                       "--gpus", "GPU-1:1000", "--require-token", TOKEN],
              _gpus_ok, [grpc_half_sent("/gpuresc.GPUResc/GetGPUResource"), idle]),
-    # the gateway: Listener("gateway", [..., "tasks.cli", "gateway", "--listen", ...], ...)
+    Listener("gateway", [sys.executable, "-m", "tasks.cli", "gateway", "--listen",
+                         "127.0.0.1:{port}"],
+             _http_ok("/metrics"),
+             [aimed(http_half_sent, b"/function/hello"),
+              aimed(http_endless_headers, b"/function/hello"), idle,
+              aimed(http_oversized, b"/function/hello")],
+             env={**STORE, "CORRAL_GATEWAY_TOKEN": TOKEN}, prepare=[MIGRATE]),
 ]
 
 
