@@ -205,7 +205,7 @@ class Listener:
     attacks: list[Attack]
     env: dict[str, str] = field(default_factory=dict)
     prepare: list[list[str]] = field(default_factory=list)
-    max_rss_growth_mb: float = 25.0
+    max_rss_growth_mb: float = 30.0
     max_new_threads: int = 40
 
 

@@ -427,7 +427,6 @@ class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
 SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", 64 * 1024),
-    ("grpc.max_concurrent_streams", 16),
 ]
 MAX_CONCURRENT_RPCS = 256
 
