@@ -347,9 +347,16 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         *,
         hogs: HogPool | None = None,
         on_created: Callable[[VM], object] | None = None,
+        seed_only: bool = False,
     ) -> None:
-        """``on_created(vm)`` runs after each new replica (used to report READY)."""
+        """``on_created(vm)`` runs after each new replica (used to report READY).
+
+        ``seed_only`` makes the agent speak only the seed protocol, as faas-backend's
+        agent does: ``requestId`` is ignored (a create sent twice makes two VMs) and
+        ``ListReplicas`` answers UNIMPLEMENTED.
+        """
         self.driver = driver
+        self.seed_only = seed_only
         self.hogs = hogs or HogPool()
         self.on_created = on_created
         #: The variables the agent adds to a guest's environment, by vmid (its registry's).
@@ -415,7 +422,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cpu and mem must not be negative")
         if request.guestPort > 65535:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "guestPort must be below 65536")
-        rid = request.requestId
+        rid = "" if self.seed_only else request.requestId
         with self._creating.hold(rid):
             existing = self._existing(rid) if rid else None
             if existing is not None:
@@ -509,6 +516,8 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         canned, reply = self._begin("ListReplicas", request, context)
         if canned:
             return reply
+        if self.seed_only:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "ListReplicas: seed protocol only")
         return fcdaemon_pb2.ReplicaList(
             replicas=[
                 fcdaemon_pb2.ReplicaInfo(
@@ -570,19 +579,21 @@ def serve_fcdaemon(
     max_workers: int = 32,
     tls: tuple[bytes, bytes] | None = None,
     require_token: str | None = None,
+    seed_only: bool = False,
 ) -> RunningAgent:
     """Start a node agent on ``listen`` (default driver: :class:`MemoryDriver`).
 
     ``tls`` is a (private key, certificate chain) PEM pair to serve TLS instead of
     plaintext; with ``require_token`` every FcService call must carry
-    ``authorization: Bearer <token>`` or is refused UNAUTHENTICATED.
+    ``authorization: Bearer <token>`` or is refused UNAUTHENTICATED; ``seed_only``
+    drops corral's extensions (see :class:`FcAgent`).
     """
     host, _ = split_hostport(listen)
     driver = driver if driver is not None else MemoryDriver()
     server, health_servicer, port = agent_server(
         "fcdaemon", listen, max_workers=max_workers, require_token=require_token, tls=tls
     )
-    agent = FcAgent(driver, hogs=HogPool(max_hogs))
+    agent = FcAgent(driver, hogs=HogPool(max_hogs), seed_only=seed_only)
     fcdaemon_grpc.add_FcServiceServicer_to_server(agent, server)
     reporter: RegistryReporter | None = None
     if registry:
@@ -654,6 +665,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-hogs", type=int, default=64, help="CPU hog limit (default 64)")
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    parser.add_argument(
+        "--seed-only", action="store_true",
+        help="speak only the seed protocol: ignore requestId, no ListReplicas (as "
+        "faas-backend's agent)")
     return parser
 
 
@@ -681,6 +696,7 @@ def serve_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             max_hogs=args.max_hogs,
             tls=tls,
             require_token=args.require_token,
+            seed_only=args.seed_only,
         ),
         on_failure=driver.close,
     )

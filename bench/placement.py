@@ -2,7 +2,7 @@
 
 Run: ``python -m bench.placement [-n 150] [--database-url URL]``
 
-What is timed is one placement decision as :func:`workers.replicas.actions.begin_spawn`
+What is timed is one placement decision as :func:`workers.replicas.spawn.place`
 makes it, in one transaction: write the Creating replica row, count it toward
 the function's max (conditional UPDATE), reserve a node slot by the
 policy (conditional UPDATE) and a GPU's memory and worker slot by the fit
@@ -109,7 +109,7 @@ def populate(db: Any, nodes: int, gpus: int, seed: int = 7) -> str:
 
 
 def decide(db: Any, fn_id: str, policy: str, fit: str, pinned: str | None) -> None:
-    """One begin_spawn-equivalent placement decision, rolled back."""
+    """One place-equivalent placement decision, rolled back."""
 
     with db.session() as s:
         s.begin()
@@ -118,7 +118,7 @@ def decide(db: Any, fn_id: str, policy: str, fit: str, pinned: str | None) -> No
         replica = Replica(request_id=new_id(), function_id=fn.id, build_version="b1",
                           status=int(ReplicaState.CREATING))
         s.add(replica)
-        counted = s.execute(  # count toward max, as begin_spawn does (locks the function)
+        counted = s.execute(  # count toward max, as place does (locks the function)
             update(Function)
             .where(Function.id == fn.id, Function.replica_count < Function.max_replicas)
             .values(replica_count=Function.replica_count + 1)

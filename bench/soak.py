@@ -8,8 +8,10 @@ What runs, all on loopback, started by this command:
 * three ``celery -A workers worker`` processes (prefork, two children each), one
   ``celery beat`` (health every second, reap and reconcile every five), and the
   registry (``corral registry``);
-* four nodes with the memory driver: three reference fcdaemon agents (which register
-  with the registry) and one Lambdo host.
+* five nodes with the memory driver: three reference fcdaemon agents (which register
+  with the registry), one agent that speaks only the seed protocol (``--seed-only``: no
+  ``requestId``, no ``ListReplicas``, as faas-backend's agent; it reports READY, so an
+  orphan it runs is found through the registry) and one Lambdo host.
 
 A load generator issues, at ``--rate`` actions a second: spawns, scales, deletes of
 a random Idle or Creating replica, claims (each released one to four seconds later),
@@ -23,14 +25,16 @@ same time a fault schedule, scaled to the duration (each window shrinks so that 
 * ``postgres_restart`` - restart PostgreSQL;
 * ``agent_stop`` - stop one agent's server for 30 s (its VMs keep running, as
   under a real fcdaemon restart), then serve again on the same port;
-* ``agent_delay`` - delay another agent's replies by 2 s for a minute.
+* ``agent_delay`` - delay another agent's replies, and the seed agent's, by 2 s for a
+  minute (creates in flight when a worker is killed: outcomes no one knows).
 
 Then it quiesces (load stopped, every claim released, faults over) and waits, up
 to ``--quiesce`` seconds, for the fleet to settle. It then checks, and prints the
 violations of, each invariant (all must be 0):
 
 * ``orphan_vms`` / ``duplicate_rows`` / ``rows_without_vm`` - every VM a node
-  lists has exactly one live row, and every live row's VM is listed by its node;
+  lists has exactly one live row, and every live row's VM is listed by its node (the
+  seed agent cannot list: the harness reads its driver instead);
 * ``ops_not_final`` - every operation the load generator got an id for has
   succeeded, failed or partly failed;
 * ``counter_drift`` - ``corral db check`` (:func:`workers.maintenance.audit.audit`) finds none;
@@ -98,6 +102,7 @@ WORKERS = 3
 FUNCTIONS = ("soak-a", "soak-b", "soak-l")
 REDEPLOY_EVERY_S = 30.0
 KILL_EVERY_S = 20.0
+SEED_NODE = "soak-seed"
 DELAYED_METHODS = ("CreateReplica", "ReleaseVMSetup", "ListReplicas")
 SPECS: dict[str, dict[str, Any]] = {
     "soak-a": {"image": "examples.hello", "kernel": "/k", "min": 1, "max": 10, "exec_envs": 2},
@@ -240,6 +245,7 @@ class Fleet:
         self.generation = 0
         self.agents: list[Any] = []
         self.agent_ports: list[int] = []
+        self.seed: Any = None  # the agent that speaks only the seed protocol
         self.lambdo: Any = None
         self.beat: subprocess.Popen[bytes] | None = None
         self.registry: subprocess.Popen[bytes] | None = None
@@ -293,10 +299,14 @@ class Fleet:
             self.agent_ports.append(port)
             self.agents.append(self._serve_agent(i, port, None))
         self.lambdo = serve_lambdo("127.0.0.1:0")
+        self.seed = serve_fcdaemon("127.0.0.1:0", registry=self.registry_addr, seed_only=True,
+                                   node_id=SEED_NODE, heartbeat=2.0)
         with self._db().transaction() as s:
             for i, port in enumerate(self.agent_ports):
                 upsert_node(s, f"127.0.0.1:{port}", name=f"soak-fc{i + 1}",
                             external_id=f"soak-fc{i + 1}", capacity=40)
+            upsert_node(s, self.seed.address, name=SEED_NODE, external_id=SEED_NODE,
+                        capacity=40)
             upsert_node(s, self.lambdo.url, name="soak-lambdo", kind="lambdo", capacity=40)
 
     def _serve_agent(self, i: int, port: int, driver: Any) -> Any:
@@ -360,12 +370,20 @@ class Fleet:
                 time.sleep(0.5)
 
     def delay_agent(self, i: int, seconds: float, delay: float = 2.0) -> None:
-        """Delay agent ``i``'s replies by ``delay`` seconds for ``seconds``."""
-        agent = self.agents[i]
-        for method in DELAYED_METHODS:
-            agent.agent.inject(method, *[Fault.delay(delay)] * 100_000)
+        """Delay agent ``i``'s replies, and the seed agent's, by ``delay`` s for ``seconds``."""
+        slowed = [self.agents[i], self.seed]
+        for agent in slowed:
+            for method in DELAYED_METHODS:
+                agent.agent.inject(method, *[Fault.delay(delay)] * 100_000)
         time.sleep(seconds)
-        agent.agent.faults.clear()
+        for agent in slowed:
+            agent.agent.faults.clear()
+
+    def listing(self, node: Node, settings: Any) -> list[Any]:
+        """The VMs a node runs: asked over its protocol, or the seed agent's driver read."""
+        if node.name == SEED_NODE:
+            return list(self.seed.driver.list())
+        return list(backends.list_vms(node, settings))
 
     # -- watch -------------------------------------------------------------------------------
 
@@ -395,7 +413,7 @@ class Fleet:
                     proc.wait(10)
                 if proc.poll() is None:
                     proc.kill()
-        for agent in self.agents:
+        for agent in [*self.agents, self.seed]:
             with contextlib.suppress(Exception):
                 agent.stop(grace=0)
         if self.lambdo is not None:
@@ -565,7 +583,7 @@ def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, lis
     listed: set[tuple[str, str]] = set()
     for node in nodes:
         try:
-            vms = backends.list_vms(node, settings)
+            vms = fleet.listing(node, settings)
         except Exception as exc:
             bad["rows_without_vm"].append(f"node {node.name} cannot list: {exc}")
             continue

@@ -59,7 +59,7 @@ from config.settings import Settings
 # Each queue and the tasks routed to it (ROUTES is derived from this).
 TASKS_BY_QUEUE: dict[str, tuple[str, ...]] = {
     "corral.spawn": ("corral.spawn", "corral.spawn_batch", "corral.spawn_replica"),
-    "corral.delete": ("corral.delete_replica", "corral.delete_batch"),
+    "corral.delete": ("corral.delete_replica", "corral.delete_batch", "corral.release_orphan"),
     "corral.scale": ("corral.scale",),
     "corral.maintenance": (
         "corral.reap", "corral.reconcile", "corral.check_health", "corral.autoscale",

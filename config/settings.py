@@ -159,7 +159,9 @@ class _Maintenance(BaseModel):
     reconcile_interval_s: Seconds = 60.0
     """How often beat sends a reconcile pass."""
     orphan_grace_s: SecondsOrZero = 60.0
-    """How old a VM without a row must be before reconcile destroys it."""
+    """How long reconcile sees a VM without a row (on corral's clock) before destroying it."""
+    reconcile_concurrency: int = Field(16, ge=1, le=256)
+    """Nodes one reconcile pass lists at once (each call with its own deadline)."""
     health_interval_s: Seconds = 5.0
     """How often beat sends a health pass (every node probed)."""
     health_misses: Count = 3
@@ -399,12 +401,23 @@ class Settings(
             raise ValueError(
                 "CORRAL_KEEPALIVE_HEAD_PERCENTILE must be below CORRAL_KEEPALIVE_TAIL_PERCENTILE"
             )
+        if self.call_timeout_s >= self.task_soft_time_limit_s - 1:
+            raise ValueError(
+                "CORRAL_TASK_SOFT_TIME_LIMIT_S must exceed the longest agent call "
+                "(CORRAL_CREATE_TIMEOUT_S, CORRAL_RPC_TIMEOUT_S, CORRAL_LAMBDO_TIMEOUT_S) by "
+                "more than a second: a task's calls must end before it is out of time"
+            )
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(
                 "CORRAL_VISIBILITY_TIMEOUT_S must exceed CORRAL_TASK_TIME_LIMIT_S, or a running "
                 "task's message would be handed to a second worker"
             )
         return self
+
+    @property
+    def call_timeout_s(self) -> float:
+        """The longest any single agent or Lambdo call may take."""
+        return max(self.create_timeout_s, self.rpc_timeout_s, self.lambdo_timeout_s)
 
     @property
     def backend_url(self) -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,7 +43,7 @@ from typing import Any
 
 import pytest
 from celery.result import allow_join_result
-from sqlalchemy import text
+from sqlalchemy import select, text
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings, get_settings, reset_settings
@@ -52,7 +53,7 @@ from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.store.db import Database, get_database
 from workers.store.migrate import upgrade
-from workers.store.models import Base
+from workers.store.models import Base, Node
 
 FAST = {
     "CORRAL_RETRY_BACKOFF_S": "0.01",
@@ -213,6 +214,18 @@ def pg_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, pg_url: str) -> Iter
 StartAgents = Callable[..., list[RunningAgent]]
 
 
+def _wait_for_nodes(db: Database, addresses: set[str], timeout: float = 15.0) -> None:
+    """Wait until a node row exists for each of ``addresses`` (agents registering)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with db.read() as s:
+            if addresses <= set(s.scalars(select(Node.address))):
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"agents at {sorted(addresses)} did not register")
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def start_agents() -> Iterator[StartAgents]:
     """Start reference fcdaemon agents on loopback and register each as a node.
@@ -222,10 +235,16 @@ def start_agents() -> Iterator[StartAgents]:
     """
     started: list[RunningAgent] = []
 
-    def start(n: int = 1, *, capacity: int = 64, env: Env | None = None) -> list[RunningAgent]:
+    def start(n: int = 1, *, capacity: int = 64, env: Env | None = None,
+              seed_only: bool = False, registry: str | None = None) -> list[RunningAgent]:
+        """``seed_only``: agents without corral's extensions; ``registry``: report READY."""
         db = env.db if env is not None else get_database(get_settings().database_url)
-        batch = [serve_fcdaemon("127.0.0.1:0") for _ in range(n)]
+        batch = [serve_fcdaemon("127.0.0.1:0", seed_only=seed_only, registry=registry,
+                                advertise_ip="127.0.0.1") for _ in range(n)]
         started.extend(batch)
+        if registry:  # each agent registers itself (RegisterNode): wait until all have
+            _wait_for_nodes(db, {agent.address for agent in batch})
+            return batch
         with db.transaction() as s:
             for i, agent in enumerate(batch, start=len(started) - n + 1):
                 upsert_node(s, agent.address, name=f"node{i}", capacity=capacity)

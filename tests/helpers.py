@@ -9,7 +9,11 @@ from sqlalchemy import select
 from agents.fcdaemon import RunningAgent
 from tasks import api
 from tests.fixtures import Env, StartAgents
+from workers.backends import Vm
 from workers.functions import deploy, spec_from
+from workers.replicas.creates import Next, record
+from workers.replicas.owners import Budget, Pending, owner_token, take
+from workers.replicas.spawn import SpawnJob, place
 from workers.store.models import LIVE_STATES, Operation, Replica
 
 
@@ -57,3 +61,22 @@ def operation(env: Env, op_id: str) -> Operation:
         op = s.get(Operation, op_id)
         assert op is not None
         return op
+
+
+def creating(
+    env: Env, function_id: str, request_id: str, node_id: str | None = None,
+    op_id: str | None = None,
+) -> Pending:
+    """A Creating row for ``request_id``, placed and taken as a spawn handler does (no VM)."""
+    place(env.db, env.settings, op_id, function_id, [SpawnJob(request_id, node_id)])
+    taken = take(env.db, env.settings, [request_id], owner_token(),
+                 Budget.of(env.settings).own_until())
+    (pending,) = taken.pending
+    return pending
+
+
+def record_vm(env: Env, pending: Pending, vm: Vm) -> str:
+    """Record ``vm`` for an owned row the way a spawn handler does; what became of the row."""
+    nxt = Next()
+    record(env.db, env.settings, [(pending, vm)], nxt)
+    return nxt.states[pending.request_id]

@@ -41,7 +41,7 @@ from typing import Any
 
 import pydantic
 from celery import Celery, Task, signals
-from celery.exceptions import TaskPredicate
+from celery.exceptions import SoftTimeLimitExceeded, TaskPredicate
 
 from config.celery import celery_config
 from config.settings import Settings, get_settings
@@ -50,12 +50,14 @@ from workers.backends.fcdaemon import reset_channels
 from workers.backends.lambdo import reset_client
 from workers.errors import InputError, SchemaError
 from workers.operations import describe_error, fail_op
+from workers.replicas.owners import Budget
 from workers.store.db import Database, get_database, is_transient
 from workers.store.migrate import check_schema
 
 log = logging.getLogger(__name__)
 
 TASK_MODULES = ["tasks.replicas", "tasks.maintenance", "tasks.hogs"]
+_running = threading.local()  # the budget of the task this thread runs (CorralTask.budget)
 
 
 class CorralTask(Task):  # type: ignore[misc]
@@ -73,6 +75,12 @@ class CorralTask(Task):  # type: ignore[misc]
     def db(self) -> Database:
         """This process's database."""
         return get_database(self.settings.database_url)
+
+    @property
+    def budget(self) -> Budget:
+        """This execution's time: when it started and the limits it runs under."""
+        budget = getattr(_running, "budget", None)
+        return budget if isinstance(budget, Budget) else Budget.of(self.settings)
 
     @functools.cached_property
     def _signature(self) -> inspect.Signature:
@@ -105,6 +113,9 @@ class CorralTask(Task):  # type: ignore[misc]
                     f" ({exc.errors()[0]['msg']})",
                 )
         op_id = bound.arguments.get("op_id")
+        outer = getattr(_running, "budget", None)  # an eager task run inside another
+        hard, soft = self.request.timelimit or (None, None)
+        _running.budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
         try:
             inject_fault(self.settings, self.name)
             return super().__call__(*args, **kwargs)
@@ -112,11 +123,21 @@ class CorralTask(Task):  # type: ignore[misc]
             return self._reject(op_id, str(exc))
         except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
             raise
+        except SoftTimeLimitExceeded as exc:
+            # Out of time between two steps (the agent calls themselves end cleanly at the
+            # limit: workers.replicas.calls). The operation is not failed: the task is
+            # idempotent, so running it again carries on where it stopped.
+            self.retry_within_budget("ran into its soft time limit", exc)
+            log.error("task %s ran into its soft time limit with no retries left; its "
+                      "operation %s is left to redrive", self.request.id, op_id)
+            return {"error": "soft time limit"}
         except Exception as exc:
             if is_transient(exc):  # deadlock, lock timeout, connection lost...: run it again
                 self.retry_within_budget("hit a transient database error", exc)
             self._fail(op_id, exc)
             raise
+        finally:
+            _running.budget = outer
 
     def _fail(self, op_id: Any, exc: Exception) -> None:
         """End the operation of a task that raised: failed, with the redacted error."""
@@ -203,6 +224,13 @@ def configure(settings: Settings) -> None:
         app.amqp._producer_pool = None
     app._local = threading.local()  # the result backend is cached per thread
     app.conf.update(celery_config(settings))
+    # A task's time limits were copied from the config when it was bound, and travel in
+    # every message it sends (workers enforce a message's own limits): follow the new ones.
+    for task in app.tasks.values():
+        if isinstance(task, CorralTask):
+            type(task).time_limit = settings.task_time_limit_s
+            type(task).soft_time_limit = settings.task_soft_time_limit_s
+            task._exec_options = None
 
 
 app = create_app()

@@ -31,6 +31,7 @@ from workers.store.db import Database
 from workers.store.models import Operation
 
 DELETE_REPLICA = "corral.delete_replica"
+RELEASE_ORPHAN = "corral.release_orphan"
 
 # The task that carries out an operation of each kind.
 FIRST_TASKS = {
@@ -50,6 +51,11 @@ RESENDABLE = ("spawn", "scale", "delete", "reap", "reconcile")
 def delete_replica(replica_id: str) -> None:
     """Queue the delete of one replica (already marked Deleting by the caller)."""
     app.signature(DELETE_REPLICA, args=(replica_id,)).apply_async()
+
+
+def release_orphan(node_id: str, vmid: str) -> None:
+    """Queue the release of a VM no replica took (an orphan) on one node."""
+    app.signature(RELEASE_ORPHAN, args=(node_id, vmid)).apply_async()
 
 
 def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:

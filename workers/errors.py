@@ -37,10 +37,17 @@ class BackendError(CorralError):
     """A call to a node agent or Lambdo host failed."""
 
     retryable = False
+    #: Whether the failure proves the call changed nothing on the node (an answer from the
+    #: agent, or a connection refused before the request went out); False when the request
+    #: may have been carried out all the same (a timeout, a connection lost mid-call).
+    nothing_done = True
 
-    def __init__(self, message: str, *, node: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, *, node: str | None = None, code: str | None = None,
+                 nothing_done: bool | None = None) -> None:
         self.node = node
         self.code = code
+        if nothing_done is not None:
+            self.nothing_done = nothing_done
         where = f"node {node}: " if node else ""
         super().__init__(f"{where}{message}")
 
@@ -49,6 +56,7 @@ class TransientBackendError(BackendError):
     """The call may succeed if tried again (unreachable, timed out, overloaded)."""
 
     retryable = True
+    nothing_done = False
 
 
 class PermanentBackendError(BackendError):

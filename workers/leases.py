@@ -21,6 +21,7 @@ tests can let a lease expire with ``clock.travel``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import uuid
@@ -49,6 +50,14 @@ class LeaseInfo:
     name: str
     holder: str
     expires_at: datetime
+
+
+def keyed_name(prefix: str, key: str) -> str:
+    """A lease name for ``key`` under ``prefix`` (the key hashed if the name would be long)."""
+    room = MAX_NAME - len(prefix)
+    if len(key) <= room:
+        return prefix + key
+    return prefix + "#" + hashlib.sha256(key.encode()).hexdigest()[: room - 1]
 
 
 def holder_name(tag: str | None = None) -> str:
@@ -86,6 +95,22 @@ def take(session: Session, name: str, holder: str, ttl_s: float) -> bool:
     # RETURNING names the row only if this statement wrote it (a driver's rowcount for
     # ON CONFLICT DO NOTHING is not to be trusted: psycopg reports -1 for it).
     return conn.execute(stmt.returning(table.c.name)).first() is not None
+
+
+def first_seen(session: Session, name: str, holder: str, ttl_s: float) -> datetime:
+    """When ``name`` expires: written now for ``ttl_s`` if missing, else as first written.
+
+    A clock for "seen for this long": the first call starts it, later ones read it.
+    """
+    _check(name, holder, ttl_s)
+    conn = session.connection()
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    conn.execute(insert(LEASES).values(
+        name=name, holder=holder, expires_at=now() + timedelta(seconds=ttl_s)
+    ).on_conflict_do_nothing())
+    expires: datetime = conn.execute(
+        select(Lease.expires_at).where(Lease.name == name)).scalar_one()
+    return expires
 
 
 def drop(session: Session, name: str, holder: str) -> bool:

@@ -12,9 +12,13 @@ Its status (:class:`~workers.store.models.OpStatus`, mapped on the column) moves
 
 * :func:`mark_running` starts a pending operation (its plan is made, its first part
   settled);
-* :func:`settle` counts a part done or failed (the replica state machine calls it
+* :func:`settle` counts parts done or failed (the replica state machine calls it
   when a replica reaches Idle, Allocated, Dead or Deleted) and finishes the
-  operation when every part has settled (:func:`maybe_finish`, :func:`finish`);
+  operation when every part has settled (:func:`maybe_finish`, :func:`finish`).
+  Each part is named (a replica id; a request id for a spawn that never got a row)
+  and counted at most once ever (an ``op_parts`` row each, written by the count
+  itself), so two deliveries of a task, or two paths reaching one replica, never
+  count it twice: an operation's ``done + failed`` is what happened to its replicas;
 * :func:`fail_operation` / :func:`fail_op` end an open operation as a whole (bad
   input, an unexpected error in its task, given up on); a finished one stays as it
   ended, so a late redelivery cannot rewrite an outcome;
@@ -24,9 +28,11 @@ Its status (:class:`~workers.store.models.OpStatus`, mapped on the column) moves
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from collections.abc import Sequence
+from typing import Any, TypedDict, cast
 
-from sqlalchemy import ColumnElement, and_, bindparam, select, update
+from sqlalchemy import ColumnElement, Table, and_, bindparam, delete, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
 
@@ -34,7 +40,7 @@ from config.redact import redact, redact_params
 from workers.clock import iso, now
 from workers.errors import InputError, NotFound
 from workers.store.db import Database
-from workers.store.models import OP_FINISHED, OP_OPEN, Operation, OpStatus
+from workers.store.models import OP_FINISHED, OP_OPEN, Operation, OpPart, OpStatus
 
 FINISHED = OP_FINISHED  # the one definition is on the status type (workers.store.models)
 _COUNT_DONE = (
@@ -45,6 +51,7 @@ _COUNT_DONE = (
     .execution_options(synchronize_session=False)
 )
 MAX_OP_ERRORS = 5
+OP_PARTS = cast(Table, OpPart.__table__)
 
 
 MAX_ERROR_CHARS = 500
@@ -157,36 +164,68 @@ def record_result(db: Database, op_id: str, result: dict[str, Any]) -> None:
 
 
 def settle(
-    session: Session, op_id: str, *, ok: bool, error: str | None = None, n: int = 1
-) -> None:
-    """Count a part of an operation done (``n`` of them) or failed; finish it when all are."""
+    session: Session, op_id: str, *, parts: Sequence[str], ok: bool, error: str | None = None
+) -> int:
+    """Count ``parts`` of an operation done or failed, each once ever; how many were new.
+
+    Finishes the operation when every part has settled.
+    """
+    n = _first_time(session, op_id, parts)
+    if not n:
+        return 0
     if ok:
         # The common case in one statement: count it; load the row only to finish it.
         counted = session.connection().execute(
             _COUNT_DONE, {"op_id": op_id, "at": now(), "n": n}).first()
         if counted is None:
-            return
+            return n
         done, failed, total, status = counted
         if done + failed < total and status != OpStatus.PENDING.value:
-            return
+            return n
         op = session.get(Operation, op_id, with_for_update=True, populate_existing=True)
         if op is not None:
-            maybe_finish(op)
-        return
+            _maybe_finish_parts(session, op)
+        return n
     op = session.scalars(
         select(Operation).where(Operation.id == op_id).with_for_update()
     ).first()
-    if op is None:
-        return
-    if op.status not in OP_OPEN:
-        return
-    op.failed += 1
+    if op is None or op.status not in OP_OPEN:
+        return n
+    op.failed += n
     op.progress_at = now()
     errors = list((op.result or {}).get("errors", []))
     if error and len(errors) < MAX_OP_ERRORS:
         errors.append(error)
     op.result = {**(op.result or {}), "errors": errors}
+    _maybe_finish_parts(session, op)
+    return n
+
+
+def _first_time(session: Session, op_id: str, parts: Sequence[str]) -> int:
+    """Record ``parts`` as counted for the operation; how many were not counted before."""
+    unique = list(dict.fromkeys(parts))
+    if not unique:
+        return 0
+    conn = session.connection()
+    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    stmt = (insert(OP_PARTS)
+            .values([{"operation_id": op_id, "part": part} for part in unique])
+            .on_conflict_do_nothing()
+            .returning(OP_PARTS.c.part))
+    return len(conn.execute(stmt).all())
+
+
+def _maybe_finish_parts(session: Session, op: Operation) -> None:
+    """:func:`maybe_finish`, and forget the operation's counted parts once it is finished."""
     maybe_finish(op)
+    if op.status in OP_FINISHED:
+        forget_parts(session, op.id)
+
+
+def forget_parts(session: Session, op_id: str) -> None:
+    """Drop a finished operation's part markers (a finished operation counts nothing more)."""
+    session.execute(delete(OpPart).where(OpPart.operation_id == op_id)
+                    .execution_options(synchronize_session=False))
 
 
 def open_of(*kinds: str) -> ColumnElement[bool]:
@@ -239,6 +278,7 @@ def fail_operation(session: Session, op_id: str, error: str) -> None:
     op.started_at = op.started_at or op.finished_at
     op.status = OpStatus.FAILED
     op.error = error
+    forget_parts(session, op_id)
 
 
 def fail_op(db: Database, op_id: str, error: str) -> None:

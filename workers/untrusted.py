@@ -276,12 +276,15 @@ class HttpCall:
 
     def failed(self, exc: httpx.HTTPError) -> TransientBackendError:
         """The error a timeout or transport failure of this call raises."""
+        # A connection never made carried nothing to the node; anything later may have.
+        unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
         if isinstance(exc, httpx.TimeoutException):
             return TransientBackendError(
-                f"{self.what} timed out after {self.timeout_s:g}s", node=self.node, code="timeout")
+                f"{self.what} timed out after {self.timeout_s:g}s", node=self.node,
+                code="timeout", nothing_done=unsent)
         return TransientBackendError(
             f"{self.what} failed: {type(exc).__name__}: {redact(str(exc), self.secrets)}",
-            node=self.node, code="transport",
+            node=self.node, code="transport", nothing_done=unsent,
         )
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 import pytest
 from sqlalchemy import select, text
 
+from agents.faults import Fault
 from tasks import api
 from tasks.replicas import scale, spawn
 from tests.fixtures import Env, StartAgents
@@ -25,17 +27,12 @@ from workers.fleet import health, placement
 from workers.maintenance.reaper import reap
 from workers.maintenance.reconcile import below_min, reconcile
 from workers.operations import create_operation, fail_operation
-from workers.replicas import actions as replica_logic
-from workers.replicas.actions import (
-    SpawnJob,
-    begin_spawn,
-    create_vm,
-    finish_spawn,
-    place,
-    plan_scale,
-    plan_spawn,
-)
+from workers.replicas import spawn as replica_logic
 from workers.replicas.claims import claim, release
+from workers.replicas.creates import create
+from workers.replicas.owners import Budget
+from workers.replicas.scale import plan_scale
+from workers.replicas.spawn import SpawnJob, place, plan_spawn, run_batch
 from workers.store.models import Claim, Function, Node, ReplicaState
 
 
@@ -66,13 +63,13 @@ def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
 ) -> None:
     agent = one_agent(corral_env, start_agents)
     settings = corral_env.set(orphan_grace_s="0")
-    pending = begin_spawn(corral_env.db, settings, None, "req-1", _fn_id(corral_env))
-    assert pending is not None
+    place(corral_env.db, settings, None, _fn_id(corral_env), [SpawnJob("req-1")])
     listing = backends.list_vms
 
     def list_then_spawn_lands(node: Node, s: Any) -> Any:
         vms = listing(node, s)  # the node is listed before the VM exists...
-        finish_spawn(corral_env.db, settings, pending, create_vm(settings, pending))
+        assert create(corral_env.db, settings, ["req-1"], Budget.of(settings)).states == {
+            "req-1": "idle"}
         return vms  # ...and the spawn records its VM before reconcile reads the rows
 
     monkeypatch.setattr(backends, "list_vms", list_then_spawn_lands)
@@ -97,23 +94,35 @@ def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
     agent = one_agent(corral_env, start_agents, readiness=readiness)
     settings = corral_env.settings
     spawn_op = _new_op(corral_env, "spawn", count=1)
-    fn_id, (job,) = plan_spawn(corral_env.db, spawn_op)
-    pending = begin_spawn(corral_env.db, settings, spawn_op, job.request_id, fn_id)
-    assert pending is not None
-    vm = None
+    fn_id, jobs = plan_spawn(corral_env.db, spawn_op)
+    if readiness == "agent":  # the node is still making the VM while the delete comes
+        agent.agent.inject("CreateReplica", Fault.delay(1.0))
+    spawning = threading.Thread(target=run_batch, args=(
+        corral_env.db, settings, spawn_op, fn_id, jobs, Budget.of(settings)))
+    spawning.start()
     if readiness == "guest":  # the VM exists; the replica waits in Starting for its guest
-        vm = create_vm(settings, pending)
-        assert finish_spawn(corral_env.db, settings, pending, vm) == "starting"
+        spawning.join(10)
+    else:
+        _wait_for_call(agent)
+    (row,) = replicas(corral_env)
+    assert row.status == (ReplicaState.STARTING if readiness == "guest"
+                          else ReplicaState.CREATING)
 
-    deleted = api.wait(api.delete(pending.replica_id), timeout=10)
+    deleted = api.wait(api.delete(row.id), timeout=10)
     assert deleted["status"] == "succeeded"
     spawned = api.wait(spawn_op, timeout=5)  # timed out here before the fix
     assert spawned["status"] == "failed" and "deleted before it was ready" in spawned["error"]
-    if vm is None:  # the VM the node was still making arrives late and is released
-        assert finish_spawn(corral_env.db, settings, pending,
-                            create_vm(settings, pending)) == "deleted"
+    spawning.join(10)  # a VM the node was still making arrives late and is released
     assert agent.driver.list() == []
     assert replicas(corral_env)[0].status == ReplicaState.DELETED
+    assert len(agent.agent.calls_of("CreateReplica")) == 1
+
+
+def _wait_for_call(agent: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not agent.agent.calls_of("CreateReplica"):
+        assert time.monotonic() < deadline, "no CreateReplica call"
+        time.sleep(0.02)
 
 
 # -- 3. concurrent scales, scale + top-up, redelivered spread spawns ----------------------------

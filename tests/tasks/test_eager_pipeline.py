@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 from sqlalchemy import select
@@ -12,8 +15,7 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent
 from tests.helpers import replicas as replica_rows
-from workers.replicas import actions as replicas
-from workers.store.models import Function, Node, Replica, ReplicaState
+from workers.store.models import Node, Replica, ReplicaState
 
 
 def test_spawn_five_on_two_nodes_places_three_and_two(
@@ -142,16 +144,18 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
 ) -> None:
     """Delete while the agent is still creating: the late VM is torn down, no orphan."""
     agent = one_agent(corral_env, start_agents)
-    with corral_env.db.read() as s:
-        fn_id = s.scalars(select(Function.id)).one()
-    pending = replicas.begin_spawn(corral_env.db, corral_env.settings, None, "req-x", fn_id)
-    assert pending is not None
-    assert api.wait(api.delete(pending.replica_id), timeout=10)["status"] == "succeeded"
-    vm = replicas.create_vm(corral_env.settings, pending)  # the agent answers late
-    assert replicas.finish_spawn(corral_env.db, corral_env.settings, pending, vm) == "deleted"
+    agent.agent.inject("CreateReplica", Fault.delay(1.0))  # the agent answers late
+    spawning = threading.Thread(target=lambda: api.wait(api.spawn("hello", 1), timeout=10))
+    spawning.start()
+    deadline = time.monotonic() + 5
+    while not agent.agent.calls_of("CreateReplica") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (creating,) = replica_rows(corral_env)
+    assert creating.status == ReplicaState.CREATING and creating.owner is not None
+    assert api.wait(api.delete(creating.id), timeout=10)["status"] == "succeeded"
+    spawning.join(10)
     assert agent.driver.list() == []
-    assert [r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")] == [vm.vmid]
+    (call,) = agent.agent.calls_of("ReleaseVMSetup")  # the late VM, released by the spawn
     (row,) = replica_rows(corral_env)
-    assert row.status == ReplicaState.DELETED
-    # a redelivered spawn for the same request does nothing
-    assert replicas.begin_spawn(corral_env.db, corral_env.settings, None, "req-x", fn_id) is None
+    assert row.status == ReplicaState.DELETED and row.vmid is None
+    assert call.vmid and len(agent.agent.calls_of("CreateReplica")) == 1

@@ -78,8 +78,8 @@ def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) ->
         op_id = create_operation(s, "spawn", {"function": "hello", "count": 2},
                                  function_id=function_id, total=2).id
     with store_env.db.transaction() as s:
-        settle(s, op_id, ok=True)
-        settle(s, op_id, ok=False, error="node said no")
+        settle(s, op_id, parts=["a"], ok=True)
+        settle(s, op_id, parts=["b"], ok=False, error="node said no")
     before = api.operation(op_id)
     assert before["status"] == "partial" and before["error"] == "1 of 2 failed; first: node said no"
     store_env.set(fault_raise_in="corral.spawn")

@@ -131,12 +131,25 @@ def _error(exc: grpc.RpcError, node: str, what: str, secrets: tuple[str, ...] = 
     detail = redact((exc.details() if hasattr(exc, "details") else str(exc)) or "", secrets)
     message = f"{what} failed: {code.name}: {detail}"
     if code in RETRYABLE_CODES:
-        return TransientBackendError(message, node=node, code=code.name)
+        return TransientBackendError(message, node=node, code=code.name,
+                                     nothing_done=_nothing_done(code, detail))
     if code == grpc.StatusCode.NOT_FOUND:
         return VmGone(message, node=node, code=code.name)
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return Unsupported(message, node=node, code=code.name)
     return PermanentBackendError(message, node=node, code=code.name)
+
+
+def _nothing_done(code: grpc.StatusCode, detail: str) -> bool:
+    """Whether a retryable status proves the agent did nothing: it answered, or was never reached.
+
+    RESOURCE_EXHAUSTED and ABORTED are the agent's own answers; UNAVAILABLE is only when
+    the connection was never made. A deadline, or a connection lost mid-call, may hide a
+    request the agent carried out.
+    """
+    if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED):
+        return True
+    return code == grpc.StatusCode.UNAVAILABLE and "failed to connect" in detail.lower()
 
 
 async def _close_aio(resources: dict[str, Any]) -> None:

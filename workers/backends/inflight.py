@@ -306,7 +306,8 @@ class Lane:
     probation: int | None = None  # on probation: calls sent in all until one succeeds
     failures: int = 0  # in a row, in this batch
     succeeded: bool = False
-    untried: list[Any] = field(default_factory=list)
+    untried: list[Any] = field(default_factory=list)  # not sent: the node failed too often
+    late: list[Any] = field(default_factory=list)  # not sent: the batch's start deadline passed
     log: list[BaseException | None] = field(default_factory=list)  # outcomes, as they came
     last_error: BaseException | None = None
 
@@ -319,6 +320,20 @@ class Result:
     error: BaseException | None = None
 
 
+@dataclass
+class Batch:
+    """Where :func:`lanes` leaves what it did, readable even when it was cancelled midway.
+
+    ``results`` by ``id(item)`` for every call that ended; ``started`` holds the ``id`` of
+    every item whose call began (one started with no result was cut off: its outcome is
+    unknown); ``lanes`` by key.
+    """
+
+    results: dict[int, Result] = field(default_factory=dict)
+    started: set[int] = field(default_factory=set)
+    lanes: dict[Any, Lane] = field(default_factory=dict)
+
+
 async def lanes(
     work: Mapping[K, Sequence[T]],
     lane_of: Callable[[K], Lane],
@@ -328,58 +343,94 @@ async def lanes(
     total: int,
     on_result: Callable[[T, Result], object] | None = None,
     source: Source | None = None,
+    batch: Batch | None = None,
+    start_before: float | None = None,
 ) -> tuple[dict[int, Result], dict[K, Lane]]:
     """Run every item's ``call``, node by node, with the bounds; results by ``id(item)``.
 
     ``failed(exc)`` says whether an error counts as a failure of the node (for
     the stop rule); items a lane did not send are in its ``untried``.
     ``on_result(item, result)`` runs (on the loop) as each call ends. With a
-    ``source``, node slots are leased from it (:func:`slot`).
+    ``source``, node slots are leased from it (:func:`slot`). With ``start_before``
+    (the loop's clock: ``time.monotonic()``) no call but the batch's first starts after
+    it: the rest are in their lane's ``late``. Cancelled, it cancels the calls in flight and returns
+    nothing; ``batch`` (filled as it goes) then tells what had happened.
     """
-    results: dict[int, Result] = {}
-    state: dict[K, Lane] = {}
+    batch = batch if batch is not None else Batch()
+    run = _LaneRun(batch, call, failed, total, on_result, source, start_before)
+    await asyncio.gather(*(run.lane(lane_of(k), k, v) for k, v in work.items()))
+    return batch.results, batch.lanes
 
-    async def run_lane(key: K, items: Sequence[T]) -> None:
-        lane = state[key] = lane_of(key)
-        queue: deque[T] = deque(items)
+
+@dataclass
+class _LaneRun:
+    """What every lane of one :func:`lanes` call shares."""
+
+    batch: Batch
+    call: Callable[[Any], Awaitable[Any]]
+    failed: Callable[[BaseException], bool]
+    total: int
+    on_result: Callable[[Any, Result], object] | None
+    source: Source | None
+    start_before: float | None
+
+    def _ended(self, lane: Lane, item: Any, result: Result) -> None:
+        self.batch.results[id(item)] = result
+        if self.on_result is not None:
+            self.on_result(item, result)
+        lane.log.append(result.error)
+        if result.error is None:
+            lane.failures = 0
+            lane.succeeded = True
+        elif self.failed(result.error):
+            lane.failures += 1
+            lane.last_error = result.error
+
+    async def one(self, lane: Lane, item: Any) -> None:
+        """Send one item's call inside a slot, and note how it ended."""
+        try:
+            async with slot(lane.node, lane.bound, self.total, self.source):
+                self.batch.started.add(id(item))
+                value = await self.call(item)
+        except Exception as exc:  # the call's error, or the slot source's
+            self._ended(lane, item, Result(error=exc))
+            return
+        self._ended(lane, item, Result(value=value))
+
+    def _too_late(self) -> bool:
+        # The first call of a batch always goes, so that every batch makes progress.
+        return (self.start_before is not None and bool(self.batch.started)
+                and asyncio.get_running_loop().time() >= self.start_before)
+
+    async def lane(self, lane: Lane, key: Any, items: Sequence[Any]) -> None:
+        """Send one node's calls, at most its bound at once, until done or told to stop."""
+        self.batch.lanes[key] = lane
+        queue: deque[Any] = deque(items)
         running: set[asyncio.Task[None]] = set()
 
         def stopped() -> bool:
             return lane.failures >= lane.stop_after
 
-        async def one(item: T) -> None:
-            try:
-                async with slot(lane.node, lane.bound, total, source):
-                    value = await call(item)
-            except Exception as exc:  # the call's error, or the slot source's
-                results[id(item)] = Result(error=exc)
-                if on_result is not None:
-                    on_result(item, results[id(item)])
-                lane.log.append(exc)
-                if failed(exc):
-                    lane.failures += 1
-                    lane.last_error = exc
-                return
-            results[id(item)] = Result(value=value)
-            if on_result is not None:
-                on_result(item, results[id(item)])
-            lane.log.append(None)
-            lane.failures = 0
-            lane.succeeded = True
-
-        while queue or running:
-            # On probation a failed call does not free its place: until one succeeds, at
-            # most ``probation`` calls are sent in all.
-            width = lane.bound
-            if lane.probation is not None and not lane.succeeded:
-                width = min(width, lane.probation - lane.failures)
-            while queue and len(running) < width and not stopped():
-                running.add(asyncio.ensure_future(one(queue.popleft())))
-            if not running:
-                break
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            running -= done
-        lane.untried = list(queue)
-
-    await asyncio.gather(*(run_lane(k, v) for k, v in work.items()))
-    return results, state
+        try:
+            while queue or running:
+                # On probation a failed call does not free its place: until one succeeds, at
+                # most ``probation`` calls are sent in all.
+                width = lane.bound
+                if lane.probation is not None and not lane.succeeded:
+                    width = min(width, lane.probation - lane.failures)
+                while (queue and len(running) < width and not stopped()
+                       and not self._too_late()):
+                    running.add(asyncio.ensure_future(self.one(lane, queue.popleft())))
+                if not running:
+                    break
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                running -= done
+        finally:
+            for task in running:  # cancelled: the calls in flight go with the batch
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+        if self._too_late() and not stopped():
+            lane.late = list(queue)
+        else:
+            lane.untried = list(queue)

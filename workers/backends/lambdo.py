@@ -134,10 +134,11 @@ class LambdoClient:
 
     def _checked(self, response: httpx.Response, what: str) -> httpx.Response:
         if response.status_code >= 500:
-            raise TransientBackendError(
+            raise TransientBackendError(  # the host answered: it says nothing was done
                 f"{what} answered {response.status_code}: {_text(response, self._secrets)}",
                 node=self.node,
                 code=str(response.status_code),
+                nothing_done=True,
             )
         return response
 

@@ -6,9 +6,11 @@ A pass removes three kinds of replica, in this order, at most
 ``CORRAL_REAP_BATCH`` (or ``batch``) of them in total:
 
 * ``stuck`` - rows left past their ``deadline_at`` in Creating, Starting or
-  Deleting (a worker died mid-request, a guest never said READY). Creating
-  becomes Dead ("stuck in creating"); Starting goes through StartingLimit to
-  Dead; Deleting is finished. Their VM, if they have one, is released.
+  Deleting (a worker died mid-request, a guest never said READY, a create whose
+  outcome an agent of the seed protocol cannot tell). Creating becomes Dead
+  ("stuck in creating") - never while a live handler still owns its create
+  (:mod:`workers.replicas.owners`); Starting goes through StartingLimit to Dead;
+  Deleting is finished. Their VM, if they have one, is released.
 * ``stale`` - Idle replicas of an older build than their function's
   (``build_version`` differs): they are never handed out again.
 * ``idle`` - Idle replicas with no environment in use whose idle time (since
@@ -39,9 +41,9 @@ A deletion is split at the network call like every other: the pass's one
 transaction picks its victims with indexed ``LIMIT`` queries (``FOR UPDATE SKIP
 LOCKED`` on PostgreSQL) and marks them Deleting, so no claim can take them and no
 other pass can pick them; then every VM is released at once
-(:func:`workers.replicas.actions.release_all`, bounded per node and per process; a VM
+(:func:`workers.replicas.delete.release_all`, bounded per node and per process; a VM
 already gone counts as released) and the rows retired in one transaction
-(:func:`workers.replicas.actions.finish_deletes`): Deleted, or Dead with an error when the
+(:func:`workers.replicas.delete.finish_deletes`): Deleted, or Dead with an error when the
 node could not be reached (the error says reconcile will destroy the VM). After
 ``CORRAL_NODE_FAILURES`` transport failures in a row from one node, the rest of
 that node's VMs are not waited for again in the same pass. A pass
@@ -66,7 +68,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
@@ -79,7 +81,7 @@ from workers.fleet.health import note_failure
 from workers.locks import lock_functions
 from workers.operations import MAX_OP_ERRORS, finish, mark_running
 from workers.replicas import claims
-from workers.replicas.actions import Doomed, finish_deletes, release_all
+from workers.replicas.delete import Doomed, finish_deletes, release_all
 from workers.replicas.lifecycle import mark_deleting, transition
 from workers.store.db import Database
 from workers.store.models import (
@@ -111,7 +113,8 @@ class Reaped:
     vmid: str | None
     node: str | None
     # deleted | gone (the node no longer had the VM) | retired (stuck: the row ends Dead, as
-    # meant) | failed (the VM could not be released: the row is Dead with the error)
+    # meant) | failed (the VM could not be released: the row is Dead with the error) |
+    # left (the pass ran out of time: the row stays Deleting, a later pass finishes it)
     outcome: str = "pending"
     error: str | None = None
 
@@ -164,6 +167,7 @@ class _Victim:
     doomed: Doomed
     error: str | None = None  # a stuck replica ends Dead with this error
     retired: bool = False  # already Dead in the pass's transaction (no VM to release)
+    left: bool = False  # its release was not done in time: it stays Deleting for a later pass
 
 
 class _Pass:
@@ -213,7 +217,9 @@ class _Pass:
             rows = self.s.scalars(
                 self._lock(
                     select(Replica)
-                    .where(Replica.status == state, Replica.deadline_at <= self.at)
+                    .where(Replica.status == state, Replica.deadline_at <= self.at,
+                           # a create still owned by a live handler may yet be recorded
+                           or_(Replica.owner_until.is_(None), Replica.owner_until <= self.at))
                     .order_by(Replica.deadline_at)
                     .limit(self.left)
                 )
@@ -506,7 +512,8 @@ def _run(
     t1 = time.perf_counter()
     _release_all(db, settings, [v for v in victims if not v.retired])
     t2 = time.perf_counter()
-    finish_deletes(db, settings, {v.doomed.replica_id: v.error for v in victims if not v.retired})
+    finish_deletes(db, settings, {v.doomed.replica_id: v.error for v in victims
+                                  if not (v.retired or v.left)})
     t3 = time.perf_counter()
     report.deleted = [v.reaped for v in victims]
     report.timings = {
@@ -525,7 +532,10 @@ def _release_all(db: Database, settings: Settings, victims: list[_Victim]) -> No
     noted: set[str] = set()
     for v in victims:
         outcome = outcomes[v.doomed.replica_id]
-        if isinstance(outcome, TransientBackendError):
+        if outcome is None:  # out of time: the next pass finds it past its deadline
+            v.left = True
+            v.reaped.outcome = "left"
+        elif isinstance(outcome, TransientBackendError):
             node = v.doomed.node
             if node is not None and node.id not in noted:  # one miss per node and pass
                 noted.add(node.id)

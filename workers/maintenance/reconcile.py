@@ -2,14 +2,19 @@
 
 One pass (under the ``reconcile`` lease, so never two at once):
 
-1. For every healthy node that can list its VMs (``ListReplicas`` on agents,
-   ``GET /vms`` on Lambdo hosts) compare what it runs with the live rows on it:
+1. Every healthy node that can list its VMs (``ListReplicas`` on agents,
+   ``GET /vms`` on Lambdo hosts) is asked - ``CORRAL_RECONCILE_CONCURRENCY`` nodes
+   at once, each call with its own deadline (``CORRAL_RPC_TIMEOUT_S``), so a few
+   slow nodes cost a pass one deadline, not one each - and what it runs is compared
+   with the live rows on it:
 
    * a VM with no row is an *orphan* (a spawn whose worker died between the
      agent's answer and the commit, a delete that could not reach the node, a VM
-     made behind corral's back). Once older than ``CORRAL_ORPHAN_GRACE_S`` - so a
-     spawn still in flight is never hit - and unless it carries the request id
-     of a replica still Creating, it is destroyed;
+     made behind corral's back). Once it has been seen without a row for
+     ``CORRAL_ORPHAN_GRACE_S`` - on the store's clock, from the pass that first saw it
+     (a lease ``seen:<node>/<vmid>``), never the agent's own clock - so a spawn still
+     in flight is never hit, and unless it carries the request id of a replica still
+     Creating, it is destroyed;
    * a row whose VM the node no longer runs is marked Dead ("VM vanished"),
      which frees its reservations; a Deleting row whose VM is gone is Deleted.
      Only rows that already had their VM *before* the node was listed are
@@ -27,11 +32,12 @@ One pass (under the ``reconcile`` lease, so never two at once):
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 
 from config.settings import Settings
 from workers import backends, dispatch, leases
@@ -39,14 +45,22 @@ from workers.clock import now
 from workers.errors import BackendError, Unsupported
 from workers.locks import lock_functions
 from workers.operations import open_of
-from workers.replicas.actions import unplaced
 from workers.replicas.lifecycle import lock_replica, transition
+from workers.replicas.scale import unplaced
 from workers.store.db import Database
-from workers.store.models import LIVE_STATES, Function, Node, Operation, Replica, ReplicaState
+from workers.store.models import (
+    LIVE_STATES,
+    Function,
+    Lease,
+    Node,
+    Operation,
+    Replica,
+    ReplicaState,
+)
 
 log = logging.getLogger(__name__)
 LEASE = "reconcile"
-EPOCH = datetime(1970, 1, 1)
+SEEN = "seen:"  # a VM seen without a row, per node: the orphan grace runs from then
 
 
 @dataclass
@@ -82,9 +96,16 @@ def reconcile(db: Database, settings: Settings, *, holder: str) -> ReconcileRepo
         return report
     try:
         with db.read() as s:
-            nodes = list(s.scalars(select(Node).where(Node.healthy.is_(True)).order_by(Node.name)))
-        for node in nodes:
-            _reconcile_node(db, settings, node, report)
+            nodes = list(s.scalars(select(Node).where(Node.healthy.is_(True),
+                                                      Node.can_list.is_not(False))
+                                   .order_by(Node.name)))
+        # Rows read *before* the listings: a VM recorded on one of these rows existed
+        # before its node was asked, so its absence from the listing means it is gone. A
+        # spawn that records its VM while the node is listed is not among them (judged
+        # next pass).
+        before = {node.id: _live_rows(db, node) for node in nodes}
+        for node, listed in zip(nodes, _list_all(settings, nodes), strict=True):
+            _reconcile_node(db, settings, node, before[node.id], listed, report)
         _drain(db, settings, report)
         report.top_up = below_min(db, settings)
     finally:
@@ -104,23 +125,40 @@ def _live_rows(db: Database, node: Node) -> list[Any]:
         )
 
 
-def _reconcile_node(db: Database, settings: Settings, node: Node, report: ReconcileReport) -> None:
+def _list_all(settings: Settings, nodes: list[Node]) -> list[Listed]:
+    """Every node's VMs, asked of ``CORRAL_RECONCILE_CONCURRENCY`` nodes at once."""
+    if not nodes:
+        return []
+
+    def one(node: Node) -> Listed:
+        try:
+            return backends.list_vms(node, settings)
+        except BackendError as exc:  # Unsupported among them
+            return exc
+
+    with ThreadPoolExecutor(min(len(nodes), settings.reconcile_concurrency),
+                            thread_name_prefix="reconcile-list") as pool:
+        return list(pool.map(one, nodes))
+
+
+#: A node's listing: its VMs, or the error that stood in for them.
+Listed = list[backends.ListedVm] | BackendError
+
+
+def _reconcile_node(
+    db: Database, settings: Settings, node: Node, before: list[Any], listed: Listed,
+    report: ReconcileReport,
+) -> None:
     """Destroy the node's orphan VMs, and end the rows whose VM vanished from it."""
-    if node.can_list is False:
-        return
-    # Rows read *before* the listing: a VM recorded on one of these rows existed before the
-    # node was asked, so its absence from the listing means it is gone. A spawn that records
-    # its VM while the node is being listed is not among them (it is judged next pass).
-    before = _live_rows(db, node)
-    vms = _listing(db, settings, node, report)
+    vms = _listing(db, node, listed, report)
     if vms is None:
         return
     _destroy_orphans(db, settings, node, vms, report)
     on_node = {vm.vmid for vm in vms}
-    for listed in before:
-        if listed.vmid is None or listed.vmid in on_node or listed.status == ReplicaState.CREATING:
+    for row in before:
+        if row.vmid is None or row.vmid in on_node or row.status == ReplicaState.CREATING:
             continue
-        _vanished(db, settings, node, listed.id, listed.vmid, report)
+        _vanished(db, settings, node, row.id, row.vmid, report)
 
 
 def _set_can_list(db: Database, node: Node, can_list: bool) -> None:
@@ -132,23 +170,21 @@ def _set_can_list(db: Database, node: Node, can_list: bool) -> None:
 
 
 def _listing(
-    db: Database, settings: Settings, node: Node, report: ReconcileReport
+    db: Database, node: Node, listed: Listed, report: ReconcileReport
 ) -> list[backends.ListedVm] | None:
-    """The node's VMs, or None when it cannot list them (now or ever)."""
-    try:
-        vms = backends.list_vms(node, settings)
-    except Unsupported:
+    """The node's VMs, or None when it could not list them (now or ever)."""
+    if isinstance(listed, Unsupported):
         _set_can_list(db, node, False)
         report.nodes_unlistable.append(node.name)
         log.info("node %s cannot list its VMs; reconcile skips it from now on", node.name)
         return None
-    except BackendError as exc:
-        report.node_errors[node.name] = str(exc)
+    if isinstance(listed, BackendError):
+        report.node_errors[node.name] = str(listed)
         return None
     report.nodes_checked.append(node.name)
     if node.can_list is None:
         _set_can_list(db, node, True)
-    return vms
+    return listed
 
 
 def _destroy_orphans(
@@ -160,19 +196,39 @@ def _destroy_orphans(
     rows = _live_rows(db, node)
     known = {r.vmid for r in rows if r.vmid}
     creating = {r.request_id for r in rows if r.status == ReplicaState.CREATING}
-    cutoff = (now() - EPOCH).total_seconds() - settings.orphan_grace_s
-    for vm in vms:
-        if vm.vmid in known or (vm.request_id and vm.request_id in creating):
-            continue
-        if vm.created_unix and vm.created_unix > cutoff:
-            report.orphans_waiting += 1
-            continue
+    unknown = [vm for vm in vms
+               if vm.vmid not in known and not (vm.request_id and vm.request_id in creating)]
+    for vm in _past_grace(db, settings, node, unknown, report):
         try:
             backends.release_vm(node, vm.vmid, settings)
             report.orphans_destroyed.append(f"{node.name}/{vm.vmid}")
             log.warning("destroyed orphan VM %s on %s", vm.vmid, node.name)
         except BackendError as exc:
             report.errors.append(f"orphan {vm.vmid}: {exc}")
+
+
+def _past_grace(
+    db: Database, settings: Settings, node: Node, unknown: list[backends.ListedVm],
+    report: ReconcileReport,
+) -> list[backends.ListedVm]:
+    """The unknown VMs first seen without a row at least ``CORRAL_ORPHAN_GRACE_S`` ago.
+
+    The sighting is a lease per node and VM, on the store's clock; sightings of VMs that
+    are no longer unknown (recorded, or gone) are dropped.
+    """
+    names = {leases.keyed_name(SEEN, f"{node.id}/{vm.vmid}"): vm for vm in unknown}
+    out = []
+    with db.transaction() as s:
+        s.execute(delete(Lease).where(Lease.name.startswith(SEEN), Lease.holder == node.id,
+                                      Lease.name.not_in(list(names))))
+        at = now()
+        for name, vm in names.items():
+            grace = settings.orphan_grace_s
+            if grace <= 0 or leases.first_seen(s, name, node.id, grace) <= at:
+                out.append(vm)
+            else:
+                report.orphans_waiting += 1
+    return out
 
 
 def _vanished(

@@ -76,10 +76,10 @@ def due(
     db: Database, settings: Settings, kinds: Collection[str], *, limit: int = SWEEP_LIMIT
 ) -> list[Redrive]:
     """Open operations of ``kinds`` that stopped moving, each stamped as re-sent once more."""
-    at = now()
     after = timedelta(seconds=settings.redrive_after_s)
     out: list[Redrive] = []
     with db.transaction() as s:
+        at = now()  # inside: the transaction has measured the store's clock
         for op in _stalled(s, at - after, limit, Operation.kind.in_(list(kinds)),
                            Operation.redrives < REDRIVE_MAX):
             assert op.progress_at is not None  # noqa: S101 - narrows for mypy; the query's condition
@@ -105,10 +105,10 @@ def give_up(
     That is: re-sent :data:`REDRIVE_MAX` times (or of a kind not in ``resendable``,
     never re-sent) and unmoved for ``CORRAL_REDRIVE_AFTER_S`` x 2^REDRIVE_MAX since.
     """
-    at = now()
     wait = timedelta(seconds=settings.redrive_after_s) * (2**REDRIVE_MAX)
     out: dict[str, str] = {}
     with db.transaction() as s:
+        at = now()  # inside: the transaction has measured the store's clock
         hopeless = (Operation.redrives >= REDRIVE_MAX) | Operation.kind.not_in(list(resendable))
         for op in _stalled(s, at - wait, limit, hopeless):
             assert op.progress_at is not None  # noqa: S101 - narrows for mypy; the query's condition

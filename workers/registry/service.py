@@ -11,7 +11,9 @@
 * ``UpdateStatus(vmid, READY)`` moves a Starting replica to Idle. It is answered at
   once: a READY for a vmid no row has yet, while a spawn is in flight, is remembered
   (:mod:`workers.replicas.reports`) and applied when the spawn records the VM; with no spawn
-  in flight the VM is an orphan and is answered DESTROY.
+  in flight the VM is an orphan and is answered DESTROY. A remembered READY that no
+  spawn records in time is an orphan too (a create whose answer never reached corral):
+  the registry's sweep has its VM released on the node behind the reporting IP.
 * ``UpdateStatus(vmid, FINISHED)`` gives back the replica's oldest claim and
   answers KEEP_ALIVE, or DESTROY when the replica should go (stale build, more
   replicas than the function's target, node draining); corral then deletes it.
@@ -143,10 +145,12 @@ class Registry:
         settings: Settings,
         *,
         on_destroy: Callable[[str], None] | None = None,
+        on_orphan: Callable[[str, str], None] | None = None,
     ) -> None:
         self.db = db
         self.settings = settings
         self.on_destroy = on_destroy or _queue_delete
+        self.on_orphan = on_orphan or _queue_release
         #: vmids of early READYs remembered here, until applied or expired (see sweep).
         self.pending: set[str] = set()
         self._caller_of: dict[str, str] = {}  # pending vmid -> who reported it
@@ -250,7 +254,10 @@ class Registry:
             return
         waiting = reports.apply_reports(self.db, self.settings, vmids)
         self._forget(vmids - waiting)
-        reports.forget_expired(self.db)
+        for orphan in reports.orphans(self.db, self.settings):
+            self._forget({orphan.vmid})
+            for node_id in orphan.node_ids:
+                self.on_orphan(node_id, orphan.vmid)
 
     def _forget(self, vmids: set[str]) -> None:
         """Stop remembering these early READYs (applied or expired)."""
@@ -340,6 +347,14 @@ class Registry:
                 return None
             self._check_peer(replica, peer, node_too=False)
             return manager_info(s, vmid)
+
+
+def _queue_release(node_id: str, vmid: str) -> None:
+    """Have a worker release an orphan VM (one no replica took) on a node."""
+    try:
+        dispatch.release_orphan(node_id, vmid)
+    except Exception as exc:  # reconcile destroys it where the node can list its VMs
+        log.warning("could not queue the release of orphan %s: %s", vmid, exc)
 
 
 def _queue_delete(replica_id: str) -> None:

@@ -406,8 +406,8 @@ def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]
 
 def expire(db: Database, settings: Settings, *, batch: int = EXPIRE_BATCH) -> int:
     """Give back the environments of claims past their expiry (oldest first); how many."""
-    at = now()
     with db.transaction() as s:
+        at = now()  # inside: the transaction has measured the store's clock
         due = s.execute(
             select(Claim.id, Claim.replica_id).where(Claim.expires_at <= at)
             .order_by(Claim.expires_at).limit(batch)

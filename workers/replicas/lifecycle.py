@@ -19,7 +19,11 @@ The hot paths do not go through it. Each moves a whole batch (or one claim) in a
 few statements instead of a flush per replica, doing the same bookkeeping:
 
 * :func:`arrive` - a Creating replica gets its VM: one conditional ``UPDATE``
-  that stamps the same clocks and settles the same operation;
+  that stamps the same clocks and settles the same operation. It is also
+  conditional on the node the create went to and on the VM not being known as an
+  orphan already released (:func:`tombstone_name`): a create answered after its
+  replica moved, or after the registry gave its VM up, records nothing, and the
+  caller releases the VM;
 * :func:`mark_deleting` - Idle replicas become Deleting: one ``UPDATE`` for the
   rows and one per function for its count;
 * :func:`retire_deleting` - Deleting replicas become Deleted (or Dead with their
@@ -30,7 +34,7 @@ few statements instead of a flush per replica, doing the same bookkeeping:
   Allocated) and giving one back (-> Idle) are one statement each; a release
   whose replica an operation waits on goes through :func:`transition`;
 * a spawn's rows past the function's max are inserted Dead
-  (:mod:`workers.replicas.actions`): never counted and never placed, they hold
+  (:mod:`workers.replicas.spawn`): never counted and never placed, they hold
   nothing to give back, and their part of the operation is settled failed.
 
 ``tests/workers/replicas/test_lifecycle.py`` checks that :func:`arrive`,
@@ -45,13 +49,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, delete, func, select, update
+from sqlalchemy import bindparam, delete, exists, func, select, update
 from sqlalchemy.orm import Session, lazyload
 from sqlalchemy.orm.attributes import set_committed_value
 
 from config.settings import Settings
 from workers.clock import now
 from workers.fleet.placement import free_gpu, free_node, free_nodes
+from workers.leases import keyed_name
 from workers.locks import lock_gpus
 from workers.operations import settle
 from workers.store.models import (
@@ -59,6 +64,7 @@ from workers.store.models import (
     FINAL_STATES,
     Claim,
     Function,
+    Lease,
     Node,
     Replica,
     ReplicaState,
@@ -88,15 +94,26 @@ _UNCOUNT = (
 )
 
 
+TOMBSTONE = "gone:"  # a VM released as an orphan: a create answered late records nothing
+
+
+def tombstone_name(vmid: str) -> str:
+    """The lease row that marks ``vmid`` as an orphan corral released (never to be recorded)."""
+    return keyed_name(TOMBSTONE, vmid)
+
+
 _ARRIVE = (
     update(Replica)
     .where(Replica.id == bindparam("replica_id"),
-           Replica.status == int(ReplicaState.CREATING))
+           Replica.status == int(ReplicaState.CREATING),
+           Replica.node_id == bindparam("on_node"),
+           Replica.vmid.is_(None),
+           ~exists().where(Lease.name == bindparam("tombstone")))
     .values(
         vmid=bindparam("vmid"), address=bindparam("address"), status=bindparam("to"),
         deadline_at=bindparam("deadline_at"), ready_at=bindparam("ready_at"),
         idle_since=bindparam("ready_at"), reap_at=bindparam("reap_at"),
-        operation_id=bindparam("operation_id"),
+        operation_id=bindparam("operation_id"), owner=None, owner_until=None,
     )
     .execution_options(synchronize_session=False)
 )
@@ -110,20 +127,24 @@ def arrive(
     fn: Function,
     settings: Settings,
     *,
+    node_id: str,
     settle_op: bool = True,
 ) -> ReplicaState | None:
-    """Record a Creating replica's VM ``(vmid, address)``: Idle, or Starting for guest readiness.
+    """Record the VM ``(vmid, address)`` that ``node_id`` made for a Creating replica.
 
-    The same move as :func:`transition` from Creating, in one statement; returns the
-    new state, or None if the row is no longer Creating (nothing changed). With
-    ``settle_op=False`` the caller settles the operation itself (a batch counts all
-    its arrivals in one statement).
+    Idle, or Starting for guest readiness: the same move as :func:`transition` from
+    Creating, in one statement. Returns the new state, or None when nothing changed:
+    the row is no longer Creating, or no longer on that node, or has a VM, or the VM
+    was released as an orphan. With ``settle_op=False`` the caller settles the
+    operation itself (a batch counts all its arrivals in one statement).
     """
     at = now()
     to = ReplicaState.STARTING if fn.readiness == "guest" else ReplicaState.IDLE
     idle = to == ReplicaState.IDLE
     done = session.connection().execute(_ARRIVE, {
         "replica_id": replica_id,
+        "on_node": node_id,
+        "tombstone": tombstone_name(vm[0]),
         "vmid": vm[0],
         "address": vm[1],
         "to": int(to),
@@ -135,7 +156,7 @@ def arrive(
     if done.rowcount != 1:
         return None
     if settle_op and operation_id and to in SETTLING:
-        settle(session, operation_id, ok=True)
+        settle(session, operation_id, parts=[replica_id], ok=True)
     return to
 
 
@@ -173,6 +194,8 @@ def transition(
         raise ValueError(f"replica {replica.id} is {before.label}; final states are never left")
     replica.status = ReplicaState(to)
     replica.deadline_at = deadline_for(to, settings, at)
+    if to != ReplicaState.CREATING:
+        replica.owner = replica.owner_until = None  # no create of it can be out any more
     if error is not None:
         replica.error = error
     _stamp_idle(replica, to, settings, at)
@@ -185,7 +208,8 @@ def transition(
         replica.operation_id = None  # before the flush below: one UPDATE of the row
     session.flush()
     if waiting_op:
-        settle(session, waiting_op, ok=to != ReplicaState.DEAD, error=replica.error)
+        settle(session, waiting_op, parts=[replica.id], ok=to != ReplicaState.DEAD,
+               error=replica.error)
 
 
 def _stamp_idle(replica: Replica, to: ReplicaState, settings: Settings, at: datetime) -> None:
@@ -335,8 +359,8 @@ class _Retiring:
     at: datetime
     params: list[dict[str, object]] = field(default_factory=list)
     slots: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    settled: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    failed: list[tuple[str, str]] = field(default_factory=list)
+    settled: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    failed: list[tuple[str, str, str]] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
 
     def add(self, rid: str, to: ReplicaState, error: str | None, *,
@@ -348,9 +372,9 @@ class _Retiring:
         if node_id is not None:
             self.slots[node_id] += 1
         if op_id and error:
-            self.failed.append((op_id, error))
+            self.failed.append((op_id, rid, error))
         elif op_id:
-            self.settled[op_id] += 1
+            self.settled[op_id].append(rid)
 
     def write(self, session: Session) -> None:
         """Run the batch's statements and settle its operations."""
@@ -360,7 +384,7 @@ class _Retiring:
             session.execute(delete(Claim).where(Claim.replica_id.in_(self.claimed))
                             .execution_options(synchronize_session=False))
         free_nodes(session, self.slots)
-        for op_id, n in self.settled.items():
-            settle(session, op_id, ok=True, n=n)
-        for op_id, error in self.failed:
-            settle(session, op_id, ok=False, error=error)
+        for op_id, rids in self.settled.items():
+            settle(session, op_id, parts=rids, ok=True)
+        for op_id, rid, error in self.failed:
+            settle(session, op_id, parts=[rid], ok=False, error=error)

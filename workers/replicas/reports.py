@@ -15,16 +15,23 @@ function answers. Two rules keep those reports honest and cheap:
   transaction; a remembered READY then moves the Starting replica to Idle. A VM
   recorded between the registry's look-up and its write is caught by the registry's
   own sweep (:func:`apply_reports` on the vmids it remembered), so no READY is lost.
+* **Orphans.** A READY that no spawn recorded in time - a create whose answer never
+  reached corral (its worker was killed mid-call, its call timed out) on an agent that
+  cannot tell which request a VM was for - is an orphan VM: :func:`orphans` ends the
+  remembered report with a tombstone (``gone:<vmid>``, which
+  :func:`~workers.replicas.lifecycle.arrive` honours, so no late answer can still record
+  it) and names the nodes behind the reporting IP, whose VM the registry then has
+  released. The replica the VM was made for ends Dead at its creating deadline.
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import logging
 import socket
 from collections.abc import Iterable
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from urllib.parse import unquote
 
 from sqlalchemy import delete, select
@@ -32,23 +39,20 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
-from workers.leases import take
-from workers.replicas.lifecycle import transition
+from workers.leases import MAX_HOLDER, keyed_name, take
+from workers.replicas.lifecycle import TOMBSTONE, tombstone_name, transition
 from workers.store.db import Database
-from workers.store.models import Lease, Replica, ReplicaState
+from workers.store.models import Lease, Node, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 
 PREFIX = "ready:"
 UNKNOWN_PEER = "-"
-_MAX_PLAIN = 64 - len(PREFIX)
 
 
 def lease_name(vmid: str) -> str:
     """The lease that remembers an early READY for ``vmid`` (hashed when the id is long)."""
-    if len(vmid) <= _MAX_PLAIN:
-        return PREFIX + vmid
-    return PREFIX + "#" + hashlib.sha256(vmid.encode()).hexdigest()[: _MAX_PLAIN - 1]
+    return keyed_name(PREFIX, vmid)
 
 
 def peer_ip(peer: str) -> str | None:
@@ -113,18 +117,30 @@ def remember(db: Database, settings: Settings, vmid: str, peer: str | None) -> b
     """Store an early READY for ``vmid``; False if another peer's report is already stored."""
     ttl = settings.create_timeout_s + settings.ready_grace_s
     with db.transaction() as s:
-        return take(s, lease_name(vmid), peer or UNKNOWN_PEER, ttl)
+        return take(s, lease_name(vmid), _holder(peer, vmid), ttl)
 
 
-def apply_early_reports(session: Session, settings: Settings, vmids: Iterable[str]) -> int:
-    """Apply the remembered READYs of just-recorded ``vmids`` (Starting -> Idle); how many."""
+def _holder(peer: str | None, vmid: str) -> str:
+    """What an early READY's lease holds: who reported it, and the vmid (the name may be a hash).
+
+    A vmid too long to keep there is kept as its name's hash: such a report is never
+    turned into an orphan release (its VM cannot be named).
+    """
+    holder = f"{peer or UNKNOWN_PEER}|{vmid}"
+    return holder if len(holder) <= MAX_HOLDER else f"{peer or UNKNOWN_PEER}"
+
+
+def apply_early_reports(
+    session: Session, settings: Settings, vmids: Iterable[str]
+) -> set[str]:
+    """Apply the remembered READYs of just-recorded ``vmids`` (Starting -> Idle); those applied."""
     names = {lease_name(v): v for v in vmids}
     if not names:
-        return 0
+        return set()
     rows = session.execute(
         select(Lease.name, Lease.holder).where(Lease.name.in_(names), Lease.expires_at > now())
     ).all()
-    applied = 0
+    applied: set[str] = set()
     for name, holder in rows:
         vmid = names[name]
         replica = session.scalars(
@@ -135,15 +151,16 @@ def apply_early_reports(session: Session, settings: Settings, vmids: Iterable[st
         session.execute(delete(Lease).where(Lease.name == name))
         if replica.status != ReplicaState.STARTING:
             continue
-        peer = None if holder == UNKNOWN_PEER else holder
+        reporter = holder.partition("|")[0]
+        peer = None if reporter == UNKNOWN_PEER else reporter
         if not peer_allowed(peer, replica):
             log.warning("early READY for %s came from %s, not its replica or node: ignored",
                         vmid, peer)
             continue
         transition(session, replica, ReplicaState.IDLE, settings)
-        applied += 1
+        applied.add(vmid)
     if applied:
-        log.info("applied %d early READY report(s)", applied)
+        log.info("applied %d early READY report(s)", len(applied))
     return applied
 
 
@@ -161,12 +178,45 @@ def apply_reports(db: Database, settings: Settings, vmids: Iterable[str]) -> set
     return {names[n] for n in left}
 
 
-def forget_expired(db: Database, at: datetime | None = None) -> int:
-    """Delete early READYs nobody recorded in time; how many."""
+@dataclass(frozen=True)
+class Orphan:
+    """A VM that said READY and that no replica took: where to release it."""
+
+    vmid: str
+    node_ids: list[str]  # the nodes behind the IP that reported it
+
+
+def orphans(db: Database, settings: Settings, at: datetime | None = None) -> list[Orphan]:
+    """End the early READYs nobody recorded in time; the orphan VMs to release.
+
+    Each becomes a tombstone, so a create answered even later records nothing; a READY
+    whose VM a row took meanwhile is simply forgotten. Old tombstones are dropped.
+    """
+    at = at or now()
+    out: list[Orphan] = []
     with db.transaction() as s:
-        gone = s.execute(
+        expired = s.execute(
             delete(Lease)
-            .where(Lease.name.startswith(PREFIX), Lease.expires_at <= (at or now()))
-            .returning(Lease.name)
+            .where(Lease.name.startswith(PREFIX), Lease.expires_at <= at)
+            .returning(Lease.name, Lease.holder)
         ).all()
-    return len(gone)
+        s.execute(delete(Lease).where(Lease.name.startswith(TOMBSTONE), Lease.expires_at <= at))
+        if not expired:
+            return out
+        vmids = {row.holder.partition("|")[2]: row.holder.partition("|")[0]
+                 for row in expired if "|" in row.holder}
+        taken = set(s.scalars(select(Replica.vmid).where(Replica.vmid.in_(list(vmids)))))
+        nodes = s.execute(select(Node.id, Node.address)).all()
+        keep = timedelta(seconds=settings.task_time_limit_s + settings.call_timeout_s)
+        for vmid, peer in vmids.items():
+            if vmid in taken:
+                continue
+            take(s, tombstone_name(vmid), "orphan", keep.total_seconds())
+            behind = [nid for nid, address in nodes
+                      if peer != UNKNOWN_PEER and peer in _ips(_host(address))]
+            out.append(Orphan(vmid, behind))
+            log.warning("VM %s said READY from %s and no replica took it within %gs: an "
+                        "orphan; releasing it on %s", vmid, peer,
+                        settings.create_timeout_s + settings.ready_grace_s,
+                        ", ".join(behind) or "no node (unknown reporter)")
+    return out

@@ -14,7 +14,7 @@ from workers.errors import InputError
 from workers.fleet.placement import spread_nodes
 from workers.functions import get_function
 from workers.operations import create_operation
-from workers.replicas.actions import check_count, check_target
+from workers.replicas.checks import check_count, check_target
 from workers.replicas.views import get_replica
 from workers.store.models import Operation
 
@@ -38,10 +38,8 @@ def request_spawn(session: Session, function: str, count: int) -> Operation:
 
 def request_scale(session: Session, function: str, target: int) -> Operation:
     """An operation bringing ``function`` to ``target`` replicas (within its [min, max])."""
-    if isinstance(target, bool) or not isinstance(target, int):
-        raise InputError(f"target must be an integer, got {target!r}")
     fn = get_function(session, function)
-    check_target(fn, target)
+    target = check_target(fn, target)
     return create_operation(session, "scale", {"function": function, "target": target},
                             function_id=fn.id)
 

@@ -10,6 +10,10 @@ COMMITTED and relies on row locks and conditional UPDATEs; every PostgreSQL
 connection sets ``lock_timeout`` and ``statement_timeout`` (``CORRAL_DB_LOCK_TIMEOUT_S``,
 ``CORRAL_DB_STATEMENT_TIMEOUT_S``), so a statement stuck behind a lock fails with an
 ``OperationalError`` instead of hanging its worker.
+
+The database's clock is the one every expiry is judged on (:mod:`workers.clock`): the
+first transaction a process opens, and one every ``clock.SYNC_EVERY_S`` after, asks the
+server for its time once.
 """
 
 from __future__ import annotations
@@ -18,14 +22,20 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 from config.settings import get_settings
+from workers import clock
+
+# The server's own time as naive UTC: clock_timestamp() moves during a transaction, unlike now().
+_PG_TIME = text("SELECT clock_timestamp() AT TIME ZONE 'UTC'")
+_SQLITE_TIME = text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
 
 
 class Database:
@@ -68,6 +78,8 @@ class Database:
     def transaction(self) -> Iterator[Session]:
         """One transaction: commit on success, roll back on any exception."""
         with self.session() as session, session.begin():
+            if clock.sync_due():
+                self._sync_clock(session)
             yield session
 
     @contextmanager
@@ -76,7 +88,22 @@ class Database:
         with self.session() as session:
             # Closing (not rolling back) ends the transaction and keeps loaded rows readable.
             session.connection(execution_options={"corral_read": True})
+            if clock.sync_due():
+                self._sync_clock(session)
             yield session
+
+    def _sync_clock(self, session: Session) -> None:
+        """Measure the server's clock against this host's (:mod:`workers.clock`)."""
+
+        def server_time() -> datetime:
+            if self.is_sqlite:
+                return datetime.fromisoformat(session.scalar(_SQLITE_TIME))
+            value = session.scalar(_PG_TIME)
+            if not isinstance(value, datetime):
+                raise TypeError(f"the server's time came back as {type(value).__name__}")
+            return value
+
+        clock.sync(server_time)
 
     def dispose(self) -> None:
         """Close this process's connections."""

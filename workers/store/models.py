@@ -304,6 +304,11 @@ class Replica(Keyed, Base):
     gpu_slot: Mapped[int | None] = mapped_column(Integer, nullable=True)
     gpu_mem_mb: Mapped[int] = mapped_column(Integer, default=0)
     placements: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # Who has a create out for this row (workers.replicas.owners): a token, and until when
+    # its handler may still write (the task's hard time limit). NULL: no create is out for
+    # the row's current node. Set and lapsed: a create was sent and its outcome is unknown.
+    owner: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    owner_until: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)
     ready_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
@@ -371,6 +376,19 @@ class Operation(Keyed, Base):
         Index("ix_operations_created", "created_at"),
         Index("ix_operations_status_progress", "status", "progress_at"),
     )
+
+
+class OpPart(Base):
+    """A part of an operation (a replica, or a request that never got a row) counted once.
+
+    :func:`workers.operations.settle` writes one row per part it counts, so a part reached
+    by two deliveries (or two paths) of one operation is counted done or failed only once.
+    """
+
+    __tablename__ = "op_parts"
+
+    operation_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    part: Mapped[str] = mapped_column(String(128), primary_key=True)
 
 
 class Lease(Base):

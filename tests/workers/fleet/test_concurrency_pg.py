@@ -18,7 +18,8 @@ from tests.workers.fleet.helpers import audit_gpus
 from workers.fleet.gpus import add_gpu_server
 from workers.functions import get_function
 from workers.maintenance.audit import audit
-from workers.replicas.actions import begin_spawn
+from workers.replicas.spawn import SpawnJob
+from workers.replicas.spawn import place as place_rows
 from workers.store.models import LIVE_STATES, Gpu, Node, Replica, ReplicaState
 
 FUNCTIONS = {"small": 3000, "medium": 5000, "large": 7000}
@@ -123,7 +124,7 @@ def test_roundrobin_stays_even_under_concurrent_spawns(
         fn_id = get_function(s, "rr").id
 
     def place(i: int) -> None:
-        begin_spawn(pg_env.db, pg_env.settings, None, f"rr-{i}", fn_id)
+        place_rows(pg_env.db, pg_env.settings, None, fn_id, [SpawnJob(f"rr-{i}")])
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(place, range(30)))

@@ -12,7 +12,7 @@ from sqlalchemy import select
 from agents.faults import Fault, FaultPlan
 from tasks import api
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, replicas
+from tests.helpers import creating, deploy_fn, replicas
 from tests.workers.replicas.helpers import (
     at_once,
     by_id,
@@ -24,8 +24,8 @@ from tests.workers.replicas.helpers import (
 from workers import clock, leases
 from workers.errors import InputError
 from workers.maintenance.reaper import LEASE, ReapReport, reap
-from workers.replicas.actions import begin_delete, begin_spawn
 from workers.replicas.claims import claim, release
+from workers.replicas.delete import begin_delete
 from workers.store.models import Function, Node, ReplicaState
 
 
@@ -184,8 +184,7 @@ def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) 
     with corral_env.db.read() as s:
         fn_id = s.scalars(select(Function.id).where(Function.name == "hello")).one()
     # A spawn whose worker died after writing the row: Creating, no VM.
-    pending = begin_spawn(corral_env.db, corral_env.settings, None, "req-stuck", fn_id)
-    assert pending is not None
+    pending = creating(corral_env, fn_id, "req-stuck")
     # A guest that never reports READY: Starting, with a VM.
     api.spawn("booting", 1)  # eager: ran already; its operation waits for READY
     (booting,) = replicas(corral_env, "booting")
@@ -304,7 +303,9 @@ def test_reap_through_the_api_records_the_report(
     assert view["result"]["counts"] == {"idle": 2, "stale": 0, "stuck": 0}
     assert (view["total"], view["done"], view["failed"]) == (2, 2, 0)
 
-    corral_env.set(task_soft_time_limit_s="2")  # an asked-for pass waits 0.5 s for the lease
+    # an asked-for pass waits 0.5 s for the lease (calls must fit in the soft limit)
+    corral_env.set(task_soft_time_limit_s="2", create_timeout_s="0.5", rpc_timeout_s="0.5",
+                   lambdo_timeout_s="0.5")
     assert leases.acquire(corral_env.db, LEASE, "someone", 60)
     started = time.monotonic()
     view = api.wait(api.reap(idle_timeout=0), timeout=30)

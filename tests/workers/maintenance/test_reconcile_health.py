@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import grpc
 import pytest
 from sqlalchemy import select
 
-from agents.drivers import VMSpec
+from agents.drivers import VM, MemoryDriver, VMSpec
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from tasks import api
 from tasks.cli import main
 from tasks.maintenance import reconcile as reconcile_task
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, one_agent, replicas
-from workers import leases
+from tests.helpers import creating, deploy_fn, one_agent, replicas
+from workers import clock, leases
 from workers.fleet.health import check_health
+from workers.fleet.nodes import upsert_node
 from workers.maintenance.reconcile import reconcile
-from workers.replicas.actions import begin_spawn
 from workers.store.models import Function, Node, ReplicaState
 
 
@@ -29,10 +31,13 @@ def test_orphan_vm_is_destroyed_after_its_grace(
     agent = one_agent(corral_env, start_agents)
     api.wait(api.spawn("hello", 1), timeout=10)
     orphan = agent.driver.start(VMSpec(image="examples.hello"))  # behind corral's back
-    corral_env.set(orphan_grace_s="3600")
+    corral_env.set(orphan_grace_s="60")
     report = reconcile(corral_env.db, corral_env.settings, holder="t")
-    assert report.orphans_destroyed == [] and report.orphans_waiting == 1  # too young
-    corral_env.set(orphan_grace_s="0")
+    assert report.orphans_destroyed == [] and report.orphans_waiting == 1  # just seen
+    clock.travel(59)  # the grace runs on corral's clock from the first sighting
+    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    assert report.orphans_destroyed == [] and report.orphans_waiting == 1
+    clock.travel(2)
     report = reconcile(corral_env.db, corral_env.settings, holder="t")
     assert report.orphans_destroyed == [f"node1/{orphan.vmid}"]
     assert [vm.vmid for vm in agent.driver.list()] == [replicas(corral_env)[0].vmid]
@@ -46,8 +51,7 @@ def test_vm_of_a_spawn_in_flight_is_not_an_orphan(
     corral_env.set(orphan_grace_s="0")
     with corral_env.db.read() as s:
         fn_id = s.scalars(select(Function.id)).one()
-    pending = begin_spawn(corral_env.db, corral_env.settings, None, "req-1", fn_id)
-    assert pending is not None
+    creating(corral_env, fn_id, "req-1")
     agent.driver.start(VMSpec(image="examples.hello", request_id="req-1"))
     report = reconcile(corral_env.db, corral_env.settings, holder="t")
     assert report.orphans_destroyed == []
@@ -156,3 +160,40 @@ def test_reconcile_command_reports_what_it_found(
     view = json.loads(capsys.readouterr().out)
     assert view["status"] == "succeeded" and view["result"]["orphans_destroyed"] == []
     assert len(agent.driver.list()) == 1  # the orphan is gone, min 1 was spawned
+
+
+class _SlowListing(MemoryDriver):
+    """A memory driver whose listing takes a while, counting how many run at once."""
+
+    def __init__(self, seen: list[int], lock: threading.Lock, now: list[int]) -> None:
+        super().__init__()
+        self.seen, self.lock, self.now = seen, lock, now
+
+    def list(self) -> list[VM]:
+        """List slowly, counted."""
+        with self.lock:
+            self.now[0] += 1
+            self.seen.append(self.now[0])
+        time.sleep(0.3)
+        with self.lock:
+            self.now[0] -= 1
+        return super().list()
+
+
+@pytest.mark.parametrize("bound", [2, 16])
+def test_reconcile_lists_nodes_at_once_within_its_bound(corral_env: Env, bound: int) -> None:
+    corral_env.set(reconcile_concurrency=str(bound))
+    seen: list[int] = []
+    lock, now = threading.Lock(), [0]
+    agents = [serve_fcdaemon("127.0.0.1:0", driver=_SlowListing(seen, lock, now))
+              for _ in range(4)]
+    try:
+        with corral_env.db.transaction() as s:
+            for i, agent in enumerate(agents):
+                upsert_node(s, agent.address, name=f"slow{i}")
+        report = reconcile(corral_env.db, corral_env.settings, holder="t")
+        assert sorted(report.nodes_checked) == [f"slow{i}" for i in range(4)]
+        assert max(seen) == min(bound, 4)  # listed together, never beyond the bound
+    finally:
+        for agent in agents:
+            agent.stop(grace=0)

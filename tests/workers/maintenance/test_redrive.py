@@ -141,8 +141,8 @@ def test_progress_and_finished_operations_are_left_alone(corral_env: Env) -> Non
             s.get(Operation, op_id).total = total  # type: ignore[union-attr]
     clock.travel(after - 1)
     with corral_env.db.transaction() as s:
-        settle(s, moving, ok=True)  # one of two parts done: it moves
-        settle(s, done, ok=True)  # its only part: it finished
+        settle(s, moving, parts=["a"], ok=True)  # one of two parts done: it moves
+        settle(s, done, parts=["a"], ok=True)  # its only part: it finished
     assert operation(corral_env, done).status == "succeeded"
     clock.travel(2)
     assert redrive.due(corral_env.db, corral_env.settings, api.RESENDABLE) == []

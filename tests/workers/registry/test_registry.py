@@ -12,9 +12,9 @@ from sqlalchemy import select
 from protos import resmngr_grpc, resmngr_pb2
 from tasks import api
 from tests.fixtures import Env, StartAgents
+from tests.helpers import creating
 from workers.functions import deploy, spec_from
 from workers.registry.service import RunningRegistry, serve_registry
-from workers.replicas.actions import begin_spawn
 from workers.replicas.lifecycle import transition
 from workers.store.models import Function, Node, Replica, ReplicaState
 
@@ -113,8 +113,7 @@ def test_ready_that_beats_the_create_reply_is_not_destroyed(
     with corral_env.db.read() as s:
         fn_id = s.scalars(select(Function.id)).one()
     # A spawn in flight: row written as Creating, the agent has not answered yet.
-    pending = begin_spawn(corral_env.db, corral_env.settings, None, "req-early", fn_id)
-    assert pending is not None
+    pending = creating(corral_env, fn_id, "req-early")
     reply = _stub(registry).UpdateStatus(
         resmngr_pb2.StatusUpdateRequest(vmid="early-vm", status=READY), timeout=10)
     assert reply.action == Reply.OK

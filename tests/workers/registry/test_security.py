@@ -25,6 +25,7 @@ from protos import (
 )
 from tasks.cli import main
 from tests.fixtures import Env
+from tests.helpers import creating, record_vm
 from workers import clock
 from workers.backends import Vm
 from workers.fleet.health import check_health
@@ -33,7 +34,6 @@ from workers.functions import deploy, spec_from
 from workers.registry import service
 from workers.registry.identity import Caller, NotThatNode, StillHealthy
 from workers.registry.service import RunningRegistry, serve_registry
-from workers.replicas.actions import begin_spawn, finish_spawn
 from workers.store.models import Function, Lease, Node, Replica, ReplicaState
 
 TOKEN = (("authorization", "Bearer reg-t0ken"),)
@@ -245,15 +245,14 @@ def _guest_spawn(env: Env, node_address: str, request_id: str) -> tuple[str, obj
                               .replace(":", "-"))
         node_id = node.id
         fn_id = s.scalars(select(Function.id)).one()
-    pending = begin_spawn(env.db, env.settings, None, request_id, fn_id, node_id)
-    assert pending is not None
+    pending = creating(env, fn_id, request_id, node_id)
     return pending.replica_id, pending
 
 
 def _recorded(env: Env, node_address: str, request_id: str, vm: Vm) -> str:
     """A Starting replica of a guest-readiness function, its VM ``vm`` recorded; its id."""
     replica_id, pending = _guest_spawn(env, node_address, request_id)
-    finish_spawn(env.db, env.settings, pending, vm)  # type: ignore[arg-type]
+    record_vm(env, pending, vm)  # type: ignore[arg-type]
     return replica_id
 
 
@@ -281,8 +280,7 @@ def test_update_status_is_answered_at_once_and_an_early_ready_is_applied_on_reco
         assert s.get(Replica, replica_id).status == ReplicaState.CREATING  # type: ignore[union-attr]
         assert s.scalars(select(Lease.name)).all() == ["ready:vm-early"]
     # the spawn records the VM: the remembered READY applies in the same transaction
-    state = finish_spawn(store.db, store.settings, pending,  # type: ignore[arg-type]
-                         Vm("vm-early", "http://127.0.0.1:20001"))
+    state = record_vm(store, pending, Vm("vm-early", "http://127.0.0.1:20001"))
     assert state == ReplicaState.IDLE.label
     with store.db.read() as s:
         assert s.get(Replica, replica_id).status == ReplicaState.IDLE  # type: ignore[union-attr]
@@ -298,8 +296,7 @@ def test_reports_count_only_from_the_replicas_or_its_nodes_ip(
     reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-far", status=READY),
                               timeout=5, metadata=TOKEN)
     assert reply.action == Reply.OK  # remembered, not yet judged
-    state = finish_spawn(store.db, store.settings, pending,  # type: ignore[arg-type]
-                         Vm("vm-far", "http://127.0.0.9:20001"))
+    state = record_vm(store, pending, Vm("vm-far", "http://127.0.0.9:20001"))
     assert state == ReplicaState.STARTING.label  # the early report came from a stranger
     for status in (READY, FINISHED):
         with pytest.raises(grpc.RpcError) as err:

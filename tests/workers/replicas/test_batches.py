@@ -19,14 +19,17 @@ from sqlalchemy import select, update
 from agents.drivers import VM, MemoryDriver, VMSpec
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
+from config.settings import Settings
 from tasks import api
 from tasks.replicas import delete_batch, spawn_batch
 from tests.fixtures import Env, StartAgents
 from workers import backends, clock
+from workers.backends.fcdaemon import CreatedVm
 from workers.fleet.nodes import node_view, note_creates, upsert_node
 from workers.functions import deploy, get_function, spec_from
 from workers.operations import create_operation
-from workers.replicas import actions as replicas
+from workers.replicas.owners import Pending, owner_token, take
+from workers.replicas.spawn import parse_jobs, place
 from workers.store.models import Claim, Node, Replica, ReplicaState
 
 
@@ -99,13 +102,14 @@ def test_a_redelivered_batch_makes_no_second_vm(
                               function_id=fn_id, total=8)
         op_id = op.id
     jobs = [[f"{op_id}.{i}.0", None] for i in range(8)]
-    # The first delivery wrote the rows and its calls reached the agents, then its
-    # worker died before recording anything.
-    parsed = replicas.parse_jobs(jobs)
-    replicas.place(corral_env.db, corral_env.settings, op_id, fn_id, parsed)
-    pending = replicas.pending_batch(corral_env.db, [j.request_id for j in parsed])
-    first = {p.request_id: backends.create_vm(p.node, p.function, p.request_id,
-                                              corral_env.settings) for p in pending[:5]}
+    # The first delivery wrote the rows, took them, and its calls reached the agents; then
+    # its worker died before recording anything (its ownership lapsed with it).
+    settings = corral_env.settings
+    parsed = parse_jobs(jobs)
+    place(corral_env.db, settings, op_id, fn_id, parsed)
+    dead = take(corral_env.db, settings, [j.request_id for j in parsed], owner_token(),
+                clock.now())
+    first = {p.request_id: _create_directly(p, settings) for p in dead.pending[:5]}
     assert len(a.driver.list()) + len(b.driver.list()) == 5
     for _ in range(2):  # redelivered, twice
         assert spawn_batch.apply(args=(op_id, fn_id, jobs)).successful()
@@ -120,6 +124,12 @@ def test_a_redelivered_batch_makes_no_second_vm(
     calls = a.agent.calls_of("CreateReplica") + b.agent.calls_of("CreateReplica")
     assert len(calls) == 5 + 8
     assert sum(n.live for n in _nodes(corral_env).values()) == 8
+
+
+def _create_directly(p: Pending, settings: Settings) -> CreatedVm:
+    """Send one create straight to its agent, as a worker does before it records the VM."""
+    client = backends.agent_client(p.node, settings)
+    return client.create_replica(backends.create_request(p.function, p.request_id, settings))
 
 
 class CountingDriver(MemoryDriver):

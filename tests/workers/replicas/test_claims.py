@@ -12,8 +12,8 @@ from tests.helpers import deploy_fn
 from tests.workers.replicas.helpers import by_id, claim_race, one_node_idle, spawn_idle
 from workers import clock
 from workers.errors import InputError, NotFound
-from workers.replicas.actions import begin_delete
 from workers.replicas.claims import NoIdleReplica, claim, release
+from workers.replicas.delete import begin_delete
 from workers.store.models import ReplicaState
 
 

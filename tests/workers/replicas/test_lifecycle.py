@@ -13,12 +13,14 @@ from tests.fixtures import Env, StartAgents
 from workers.functions import deploy, spec_from
 from workers.operations import create_operation
 from workers.replicas import claims, lifecycle
-from workers.replicas.actions import Pending, SpawnJob, pending_spawn, place
+from workers.replicas.owners import Budget, Pending, owner_token, take
+from workers.replicas.spawn import SpawnJob, place
 from workers.store.models import Claim, Function, Node, Operation, Replica, ReplicaState
 
 FIXED = datetime(2026, 11, 30, 9, 0, 0)
 COLUMNS = ("status", "vmid", "address", "deadline_at", "ready_at", "idle_since", "reap_at",
-           "operation_id", "envs_in_use", "node_id", "error", "retired_at")
+           "operation_id", "envs_in_use", "node_id", "error", "retired_at", "owner",
+           "owner_until")
 
 
 def _place_two(env: Env, monkeypatch: pytest.MonkeyPatch, **spec: Any
@@ -34,8 +36,9 @@ def _place_two(env: Env, monkeypatch: pytest.MonkeyPatch, **spec: Any
     place(env.db, settings, op_id, fn_id,
           [SpawnJob(f"{op_id}.0.0", None), SpawnJob(f"{op_id}.1.0", None)])
     monkeypatch.setattr(lifecycle, "now", lambda: FIXED)
-    first, second = (pending_spawn(env.db, f"{op_id}.{i}.0") for i in (0, 1))
-    assert first is not None and second is not None
+    taken = take(env.db, settings, [f"{op_id}.0.0", f"{op_id}.1.0"], owner_token(),
+                 Budget.of(settings).own_until())
+    first, second = sorted(taken.pending, key=lambda p: p.request_id)
     return op_id, fn_id, first, second
 
 
@@ -47,9 +50,12 @@ def test_arrive_and_transition_give_the_same_row(
     settings = corral_env.settings
     op_id, _, fast, slow = _place_two(corral_env, monkeypatch, readiness=readiness)
 
+    with corral_env.db.transaction() as s:  # a VM from another node is not this row's
+        assert lifecycle.arrive(s, fast.replica_id, fast.operation_id, ("vm-x", "127.0.0.1"),
+                                fast.function, settings, node_id="elsewhere") is None
     with corral_env.db.transaction() as s:
         to = lifecycle.arrive(s, fast.replica_id, fast.operation_id, ("vm-a", "127.0.0.1"),
-                              fast.function, settings)
+                              fast.function, settings, node_id=fast.node.id)
     with corral_env.db.transaction() as s:
         replica = lifecycle.lock_replica(s, slow.replica_id)
         assert replica is not None
@@ -74,7 +80,7 @@ def test_arrive_and_transition_give_the_same_row(
 
     with corral_env.db.transaction() as s:  # no longer Creating: nothing changes
         again = lifecycle.arrive(s, fast.replica_id, fast.operation_id, ("vm-b", "x"),
-                                 fast.function, settings)
+                                 fast.function, settings, node_id=fast.node.id)
     assert again is None
     assert row(fast.replica_id)["vmid"] == "vm-a"
 
@@ -94,7 +100,7 @@ def _two_idle(env: Env, monkeypatch: pytest.MonkeyPatch, *, exec_envs: int = 1
     for i, p in enumerate(pending):
         with env.db.transaction() as s:
             to = lifecycle.arrive(s, p.replica_id, p.operation_id, (f"vm-{i}", "127.0.0.1"),
-                                  p.function, env.settings)
+                                  p.function, env.settings, node_id=p.node.id)
         assert to == ReplicaState.IDLE
     return pending[0].replica_id, pending[1].replica_id, fn_id
 

@@ -1,0 +1,86 @@
+"""A batch cut by the soft time limit: calls cancelled, landed VMs recorded, the rest handed on.
+
+Celery's prefork pool delivers the soft time limit as SIGUSR1, whose handler (billiard's
+own, installed here the same way) raises ``SoftTimeLimitExceeded`` in the task's thread
+wherever it is. These tests raise it in the middle of a real batch against real agents.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+from billiard.pool import soft_timeout_sighandler
+
+from agents.faults import Fault
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, operation, replicas
+from workers.operations import create_operation
+from workers.replicas.owners import Budget
+from workers.replicas.spawn import plan_spawn, run_batch
+from workers.store.models import ReplicaState
+
+
+@pytest.fixture
+def soft_limit_in() -> Iterator[object]:
+    """``fire(seconds)``: deliver the soft time limit to this thread after ``seconds``."""
+    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    timers: list[threading.Timer] = []
+
+    def fire(seconds: float) -> None:
+        timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGUSR1))
+        timers.append(timer)
+        timer.start()
+
+    yield fire
+    for timer in timers:
+        timer.cancel()
+    signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.parametrize("seed_only", [True, False], ids=["seed", "extensions"])
+def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice_blindly(
+    corral_env: Env, start_agents: StartAgents, soft_limit_in: object, seed_only: bool
+) -> None:
+    corral_env.set(node_max_inflight="2")
+    (agent,) = start_agents(1, env=corral_env, seed_only=seed_only)
+    agent.agent.inject("CreateReplica", Fault.delay(0), Fault.delay(0),
+                       Fault.delay(1.5), Fault.delay(1.5))
+    with corral_env.db.transaction() as s:
+        op_id = create_operation(s, "spawn", {"function": "hello", "count": 6},
+                                 function_id=deploy_fn(corral_env)).id
+    fn_id, jobs = plan_spawn(corral_env.db, op_id)
+    settings = corral_env.settings
+    soft_limit_in(0.7)  # type: ignore[operator]  # two created, two in flight, two waiting
+    nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+
+    states = sorted(nxt.states[j.request_id] for j in jobs)
+    cut = "outcome unknown" if seed_only else "cut off, sent again later"
+    assert states == sorted(["idle"] * 2 + [cut] * 2 + ["not sent yet"] * 2), states
+    assert len(agent.agent.calls_of("CreateReplica")) == 4  # the cut calls were sent once
+    rows = {r.request_id: r for r in replicas(corral_env)}
+    assert sum(r.status == ReplicaState.IDLE for r in rows.values()) == 2
+    assert operation(corral_env, op_id).status == "running"  # never failed while calls run
+    # the rest is handed on; a seed agent's cut creates are not among it
+    assert len(nxt.rest) == (2 if seed_only else 4)
+
+    again = run_batch(corral_env.db, settings, op_id, fn_id,
+                      [j for j in jobs if j.request_id in {r for _, r in nxt.rest}],
+                      Budget.of(settings))
+    assert set(again.states.values()) == {"idle"}
+    rows = {r.request_id: r for r in replicas(corral_env)}
+    idle = [r for r in rows.values() if r.status == ReplicaState.IDLE]
+    if seed_only:  # the two cut creates stay unknown (their rows end at the deadline)
+        assert len(idle) == 4 and len(agent.agent.calls_of("CreateReplica")) == 6
+        unknown = {rid for rid, state in nxt.states.items() if state == cut}
+        # a VM the agent made for a cut create has no row: the registry releases it
+        extra = {vm.request_id for vm in agent.driver.list()} - {r.request_id for r in idle}
+        assert extra <= unknown and {rows[r].status for r in unknown} == {
+            ReplicaState.CREATING}
+    else:  # the same requestId again: the agent answers with the VMs it made meanwhile
+        assert len(idle) == 6 and len(agent.driver.list()) == 6
+        assert {r.vmid for r in idle} == {vm.vmid for vm in agent.driver.list()}
+        assert operation(corral_env, op_id).status == "succeeded"

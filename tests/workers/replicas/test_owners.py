@@ -1,0 +1,231 @@
+"""One owner per create: duplicate handlers, lapsed owners, stale moves, counts settled once.
+
+Each test drives the production path (``spawn.run_batch``, ``creates.create``,
+``spawn.give_up``, ``delete.delete_batch``) against real gRPC agents on loopback -
+agents that speak only the seed protocol (no ``requestId``, no ``ListReplicas``) and
+agents with corral's extensions - on SQLite and PostgreSQL, and checks both sides: what
+the agents run, and the rows and counters corral keeps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from agents.faults import Fault
+from agents.fcdaemon import RunningAgent
+from tests.fixtures import Env, StartAgents
+from tests.helpers import deploy_fn, operation, replicas
+from tests.workers.replicas.helpers import at_once
+from workers import backends, clock
+from workers.maintenance.audit import audit
+from workers.maintenance.reaper import reap
+from workers.operations import create_operation
+from workers.replicas import creates
+from workers.replicas.delete import delete_batch
+from workers.replicas.owners import Budget, Pending, owner_token, take
+from workers.replicas.scale import plan_scale
+from workers.replicas.spawn import give_up, place, plan_spawn, run_batch
+from workers.store.models import Node, ReplicaState
+
+
+def _spawn_op(env: Env, count: int) -> tuple[str, str, list[Any]]:
+    """A spawn operation written and planned as its first task does: (op, function, jobs)."""
+    with env.db.transaction() as s:
+        op_id = create_operation(s, "spawn", {"function": "hello", "count": count},
+                                 function_id=deploy_fn(env, max=20)).id
+    function_id, jobs = plan_spawn(env.db, op_id)
+    return op_id, function_id, jobs
+
+
+def _vms(agents: list[RunningAgent]) -> set[str]:
+    return {vm.vmid for agent in agents for vm in agent.driver.list()}
+
+
+def _creates(agents: list[RunningAgent]) -> int:
+    return sum(len(agent.agent.calls_of("CreateReplica")) for agent in agents)
+
+
+def _no_drift(env: Env) -> None:
+    with env.db.read() as s:
+        found = audit(s, lock=False)
+    assert found.drifts == [], [d.message for d in found.drifts]
+
+
+def _nodes(env: Env) -> dict[str, Node]:
+    with env.db.read() as s:
+        return {n.name: n for n in s.scalars(select(Node))}
+
+
+def test_two_deliveries_of_one_batch_at_once_send_each_create_once_to_a_seed_agent(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(2, env=corral_env, seed_only=True)
+    for agent in agents:  # slow enough that both deliveries are in flight together
+        agent.agent.inject("CreateReplica", *[Fault.delay(0.3)] * 6)
+    op_id, fn_id, jobs = _spawn_op(corral_env, 6)
+    settings = corral_env.settings
+
+    def deliver(_: int) -> creates.Next:
+        return run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+
+    first, second = at_once(2, deliver)
+    assert _creates(agents) == 6  # the seed protocol made two VMs per replica before
+    rows = replicas(corral_env)
+    assert len(rows) == 6 and {r.status for r in rows} == {ReplicaState.IDLE}
+    assert {r.vmid for r in rows} == _vms(agents)
+    # one delivery sent each create; the other found the row owned and left it alone
+    states = [first.states.get(j.request_id) for j in jobs] + [
+        second.states.get(j.request_id) for j in jobs]
+    assert states.count("idle") == 6 and states.count("owned elsewhere") == 6
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed, op.total) == ("succeeded", 6, 0, 6)
+    _no_drift(corral_env)
+
+
+@pytest.mark.parametrize("seed_only", [True, False], ids=["seed", "extensions"])
+def test_a_create_left_by_a_dead_owner_is_sent_again_only_where_the_node_deduplicates(
+    corral_env: Env, start_agents: StartAgents, seed_only: bool
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=seed_only)
+    op_id, fn_id, jobs = _spawn_op(corral_env, 3)
+    settings = corral_env.settings
+    place(corral_env.db, settings, op_id, fn_id, jobs)
+    # A handler took the rows and its creates reached the agent; then it died (its
+    # ownership has lapsed) before recording anything.
+    dead = take(corral_env.db, settings, [j.request_id for j in jobs], owner_token(),
+                clock.now())
+    for p in dead.pending:
+        backends.agent_client(p.node, settings).create_replica(
+            backends.create_request(p.function, p.request_id, settings))
+    assert len(agent.driver.list()) == 3
+
+    redelivered = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    rows = replicas(corral_env)
+    if not seed_only:  # the same requestId again: the agent answers with the VM it made
+        assert set(redelivered.states.values()) == {"idle"}
+        assert _creates([agent]) == 6 and len(agent.driver.list()) == 3
+        assert {r.vmid for r in rows} == _vms([agent])
+        assert operation(corral_env, op_id).status == "succeeded"
+        _no_drift(corral_env)
+        return
+    # The seed protocol cannot tell: nothing is sent again, and the rows keep their slot
+    # and count until their deadline ends them Dead, each given back once.
+    assert set(redelivered.states.values()) == {"outcome unknown"}
+    assert _creates([agent]) == 3
+    assert {r.status for r in rows} == {ReplicaState.CREATING}
+    assert _nodes(corral_env)["node1"].live == 3
+    clock.travel(settings.creating_deadline_s + 1)
+    report = reap(corral_env.db, settings, holder="t")
+    assert sorted(d.reason for d in report.deleted) == ["stuck"] * 3
+    rows = replicas(corral_env)
+    assert {r.status for r in rows} == {ReplicaState.DEAD}
+    assert _nodes(corral_env)["node1"].live == 0
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed, op.total) == ("failed", 0, 3, 3)
+    _no_drift(corral_env)
+
+
+def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    a, b = start_agents(2, env=corral_env)
+    op_id, fn_id, jobs = _spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    place(corral_env.db, settings, op_id, fn_id, jobs)
+    request_id = jobs[0].request_id
+    # the first handler's ownership lapses (a retry chain stuck on a hanging agent)...
+    stale_token = owner_token()
+    (stale,) = take(corral_env.db, settings, [request_id], stale_token, clock.now()).pending
+    # ...and a redelivered batch takes the row over (the agent deduplicates creates)
+    fresh_token = owner_token()
+    with corral_env.db.transaction() as s:
+        s.get(Node, stale.node.id).can_list = True  # type: ignore[union-attr]
+    (fresh,) = take(corral_env.db, settings, [request_id], fresh_token,
+                    Budget.of(settings).own_until()).pending
+    first = stale.node.name
+    assert _nodes(corral_env)[first].live == 1
+
+    def moves(p: Pending, token: str) -> str:
+        with corral_env.db.transaction() as s:
+            creates.lock_for_moves(s, [p])
+            return creates.move(s, settings, p, token, "INTERNAL: boom", counted=True)
+
+    assert moves(stale, stale_token) == "lost"  # not its row any more: nothing changes
+    assert _nodes(corral_env)[first].live == 1
+    assert moves(fresh, fresh_token) == "moved"
+    assert moves(fresh, fresh_token) == "lost"  # its create on the first node is over
+    assert moves(stale, stale_token) == "lost"
+    live = {name: n.live for name, n in _nodes(corral_env).items()}
+    assert live == {first: 0, ("node2" if first == "node1" else "node1"): 1}
+    # a VM the first node makes now, for the stale create, finds the row elsewhere
+    vm = backends.agent_client(stale.node, settings).create_replica(
+        backends.create_request(stale.function, request_id, settings))
+    nxt = creates.Next()
+    creates.record(corral_env.db, settings, [(stale, backends.Vm(vm.vmid, "http://x"))], nxt)
+    (row,) = replicas(corral_env)
+    assert row.status == ReplicaState.CREATING and row.vmid is None
+    assert row.node_id != stale.node.id and row.placements == 2
+    assert a.driver.list() == [] or b.driver.list() == []  # the late VM was released
+    assert _vms([a, b]) == set()
+    _no_drift(corral_env)
+
+
+def test_concurrent_give_ups_move_the_replica_once_and_leave_no_drift(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(3, env=corral_env)
+    op_id, fn_id, jobs = _spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    place(corral_env.db, settings, op_id, fn_id, jobs)
+    request_id = jobs[0].request_id
+
+    outcomes = at_once(4, lambda _: give_up(corral_env.db, settings, request_id,
+                                            "UNAVAILABLE: gone", Budget.of(settings)))
+    states = sorted(nxt.states[request_id] for nxt in outcomes)
+    assert states.count("moved") == 1, states
+    assert sum(len(nxt.again) for nxt in outcomes) == 1
+    (row,) = replicas(corral_env)
+    assert row.placements == 2 and row.status == ReplicaState.CREATING
+    assert sum(n.live for n in _nodes(corral_env).values()) == 1
+    _no_drift(corral_env)
+
+
+def test_a_delete_batch_delivered_twice_counts_each_replica_once(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env)
+    op_id, fn_id, jobs = _spawn_op(corral_env, 3)
+    settings = corral_env.settings
+    run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    with corral_env.db.transaction() as s:
+        scale_id = create_operation(s, "scale", {"function": "hello", "target": 0},
+                                    function_id=fn_id).id
+    plan = plan_scale(corral_env.db, settings, scale_id)
+    assert len(plan.deletes) == 3
+    first, *rest = plan.deletes
+    # the first delivery retired one replica, then its worker died
+    assert delete_batch(corral_env.db, settings, scale_id, [first], Budget.of(settings)).done == 1
+    assert operation(corral_env, scale_id).done == 1
+    # a second delivery of the whole batch, its last release slow
+    slow_vmid = next(r.vmid for r in replicas(corral_env) if r.id == rest[-1])
+    agent.agent.inject("ReleaseVMSetup", Fault.delay(0), Fault.delay(1.0))
+    thread = threading.Thread(target=delete_batch, args=(
+        corral_env.db, settings, scale_id, plan.deletes, Budget.of(settings)))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while len(agent.agent.calls_of("ReleaseVMSetup")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    op = operation(corral_env, scale_id)
+    # the retired replica is not counted again: two replicas are still being deleted
+    assert (op.status, op.done) == ("running", 1), (op.status, op.done)
+    thread.join(10)
+    op = operation(corral_env, scale_id)
+    assert (op.status, op.done, op.failed, op.total) == ("succeeded", 3, 0, 3)
+    assert {r.status for r in replicas(corral_env)} == {ReplicaState.DELETED}
+    assert agent.driver.list() == [] and slow_vmid
+    _no_drift(corral_env)

@@ -1,0 +1,135 @@
+"""A batch of agent calls inside a task's time: sent at once, recorded as they land, cut cleanly.
+
+A batch's calls run on the process's event loop (:mod:`workers.backends.inflight`, bounded
+per node and per process) while the task's thread waits in short slices: every
+:data:`FLUSH_S` it hands the calls that succeeded meanwhile to the caller, which records
+them (a guest's READY must find its vmid without waiting for the batch's slowest call).
+Waiting in slices also keeps the task interruptible: when Celery's soft time limit
+raises ``SoftTimeLimitExceeded`` in the task's thread, :func:`run` cancels the calls
+still in flight and returns what it knows - the calls that ended, the ones that were
+started and cut off (their outcome is unknown), the ones never started - instead of
+letting the calls run on behind a task that has ended. No call starts after the
+handler's :class:`~workers.replicas.owners.Budget` says it could outlive the task.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from celery.exceptions import SoftTimeLimitExceeded
+
+from config.settings import Settings
+from workers.backends import inflight, node_slots
+from workers.replicas.owners import Budget
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FLUSH_S = 0.2  # while a batch runs, calls that succeeded are handed on this often
+CANCEL_WAIT_S = 5.0  # how long a cut batch waits for its calls to unwind
+
+
+@dataclass
+class Ran(Generic[T]):
+    """What a batch of calls came to, item by item."""
+
+    batch: inflight.Batch
+    items: list[T]
+    handed: set[int] = field(default_factory=set)  # ids already given to ``on_landed``
+    cut: bool = False  # the soft time limit cut the batch short
+
+    def result(self, item: T) -> inflight.Result | None:
+        """The item's result, or None if its call never ended (cut, or never sent)."""
+        return self.batch.results.get(id(item))
+
+    def started(self, item: T) -> bool:
+        """Whether the item's call was sent."""
+        return id(item) in self.batch.started
+
+    @property
+    def lanes(self) -> dict[Any, inflight.Lane]:
+        """The lanes, by key."""
+        return self.batch.lanes
+
+    def landed(self) -> list[tuple[T, Any]]:
+        """Successful calls not yet handed to ``on_landed``, with their values."""
+        out = []
+        for item in self.items:
+            r = self.batch.results.get(id(item))
+            if r is not None and r.error is None and id(item) not in self.handed:
+                out.append((item, r.value))
+        return out
+
+
+def run(
+    settings: Settings,
+    budget: Budget,
+    work: Mapping[Hashable, Sequence[T]],
+    lane_of: Callable[[Hashable], inflight.Lane],
+    call: Callable[[T], Awaitable[Any]],
+    *,
+    failed: Callable[[BaseException], bool],
+    on_landed: Callable[[list[tuple[T, Any]]], None] | None = None,
+) -> Ran[T]:
+    """Run every call of ``work`` (a list of items per node) within ``budget``; what happened."""
+    items = [item for group in work.values() for item in group]
+    ran: Ran[T] = Ran(inflight.Batch(), items)
+    landed: queue.SimpleQueue[tuple[T, Any]] = queue.SimpleQueue()
+    unwound = threading.Event()
+
+    def on_result(item: T, result: inflight.Result) -> None:
+        if result.error is None:
+            landed.put((item, result.value))
+
+    async def body() -> None:
+        try:
+            await inflight.lanes(
+                work, lane_of, call, failed=failed, total=settings.max_inflight,
+                on_result=on_result, source=node_slots.source(settings), batch=ran.batch,
+                start_before=budget.send_until)
+        finally:
+            unwound.set()
+
+    future = inflight.submit(body())
+    try:
+        while True:
+            try:
+                future.result(timeout=FLUSH_S)
+                break
+            except concurrent.futures.TimeoutError:
+                _hand_on(ran, landed, on_landed)
+    except BaseException as exc:  # never leave calls running behind the task
+        future.cancel()
+        if not unwound.wait(CANCEL_WAIT_S):
+            log.warning("calls of a cut batch did not unwind within %gs", CANCEL_WAIT_S)
+        if not isinstance(exc, SoftTimeLimitExceeded):
+            raise
+        ran.cut = True
+        log.warning("soft time limit: %d of %d calls ended, %d cut off, the rest not sent",
+                    len(ran.batch.results), len(items),
+                    len(ran.batch.started) - len(ran.batch.results))
+    return ran
+
+
+def _hand_on(
+    ran: Ran[T], landed: queue.SimpleQueue[tuple[T, Any]],
+    on_landed: Callable[[list[tuple[T, Any]]], None] | None,
+) -> None:
+    """Give the calls that succeeded since last time to ``on_landed``."""
+    if on_landed is None:
+        return
+    new = []
+    while True:
+        try:
+            new.append(landed.get_nowait())
+        except queue.Empty:
+            break
+    if new:
+        on_landed(new)
+        ran.handed.update(id(item) for item, _ in new)

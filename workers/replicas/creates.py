@@ -1,0 +1,460 @@
+"""Sending the creates of owned replica rows, and what each answer does to its row.
+
+A handler owns the rows it sends (:mod:`workers.replicas.owners`). :func:`create` takes
+the rows of some requests, sends all their creates at once (:mod:`workers.replicas.calls`:
+bounded per node and per process, within the task's time), records the VMs as they land,
+then sorts every other answer, in one transaction:
+
+* a VM - the replica becomes Idle (or Starting, when its guest reports readiness); a VM
+  whose row moved or ended meanwhile is released (:func:`workers.replicas.lifecycle.arrive`
+  is conditional on the node);
+* an answer that blames the request (INVALID_ARGUMENT, HTTP 400: every node would
+  refuse it) - the replica is Dead at once and no node is counted;
+* an answer that blames the node - counted against it
+  (:func:`workers.fleet.nodes.note_creates`) and the replica moves to another node, at
+  most ``MAX_PLACEMENTS`` in all, then Dead;
+* a transport error - when it proves nothing was created (a connection refused) or the
+  node deduplicates creates, the row is disowned and tried alone again with backoff
+  (``spawn_replica``; after its retries :func:`give_up` moves it). Otherwise the create
+  may have been carried out: the row stays as it is, never sent again (see
+  :mod:`workers.replicas.owners` for how such a row ends);
+* a create a node that failed too often in this batch was never sent - moved elsewhere
+  if another node has room, else tried alone with backoff;
+* a create the budget left unsent, or the soft time limit cut off on a node that
+  deduplicates - left for another ``spawn_batch`` (:class:`Next`).
+
+Every write checks the handler's token and the node it sent to, so a row another
+handler took, or one that moved, is never changed by a stale answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from config.settings import Settings
+from workers import backends
+from workers.backends import inflight
+from workers.clock import now
+from workers.errors import BackendError, CapacityError, PermanentBackendError
+from workers.fleet.nodes import note_creates, probation
+from workers.fleet.placement import free_node, reserve_node
+from workers.locks import lock_gpus, lock_nodes
+from workers.operations import settle
+from workers.replicas import calls
+from workers.replicas.lifecycle import (
+    SETTLING,
+    arrive,
+    deadline_for,
+    lock_replica,
+    transition,
+)
+from workers.replicas.owners import (
+    Budget,
+    Pending,
+    dedups,
+    disown,
+    owner_token,
+    owns,
+    probe_dedup,
+    take,
+)
+from workers.replicas.reports import apply_early_reports
+from workers.store.db import Database
+from workers.store.models import Function, Node, Replica, ReplicaState
+
+log = logging.getLogger(__name__)
+
+MAX_PLACEMENTS = 3  # nodes a replica is tried on before it is marked Dead
+REQUEST_ERRORS = ("INVALID_ARGUMENT", "400")  # the request's fault, not the node's
+MAX_ROUNDS = 2 * MAX_PLACEMENTS  # rounds of creates one call makes (moves start a new one)
+
+
+@dataclass
+class Next:
+    """What a handler's creates came to, and the work it leaves for other tasks."""
+
+    states: dict[str, str] = field(default_factory=dict)  # request id -> what became of it
+    # try alone again after a backoff: (operation, request id, the error)
+    retry: list[tuple[str | None, str, BackendError]] = field(default_factory=list)
+    again: list[tuple[str | None, str]] = field(default_factory=list)  # moved, not yet tried
+    rest: list[tuple[str | None, str]] = field(default_factory=list)  # unsent: out of time
+    tried: dict[str, list[str]] = field(default_factory=dict)  # request id -> nodes failed
+
+    def tally(self) -> dict[str, int]:
+        """How many requests ended in each state."""
+        out: dict[str, int] = defaultdict(int)
+        for state in self.states.values():
+            out[state] += 1
+        return dict(out)
+
+
+def request_error(exc: BaseException) -> bool:
+    """Whether an agent refused the request itself (the function's fault, not the node's)."""
+    return isinstance(exc, PermanentBackendError) and exc.code in REQUEST_ERRORS
+
+
+def _blames_node(exc: BaseException) -> bool:
+    return not request_error(exc)
+
+
+def create(db: Database, settings: Settings, request_ids: list[str], budget: Budget) -> Next:
+    """Send the creates of these requests' rows that this handler may send; what came of them."""
+    token = owner_token()
+    nxt = Next()
+    todo = _take(db, settings, request_ids, token, budget, nxt)
+    for _ in range(MAX_ROUNDS):
+        if not todo:
+            return nxt
+        moved = _round(db, settings, todo, budget, token, nxt)
+        if not moved:
+            return nxt
+        if time.monotonic() >= budget.send_until:
+            break
+        todo = _take(db, settings, moved, token, budget, nxt)
+    else:
+        moved = [p.request_id for p in todo]
+    ops = _operations(db, moved)
+    nxt.again += [(ops.get(r), r) for r in moved]  # moved more often than one call tries
+    return nxt
+
+
+def _take(db: Database, settings: Settings, request_ids: list[str], token: str, budget: Budget,
+          nxt: Next) -> list[Pending]:
+    taken = take(db, settings, request_ids, token, budget.own_until())
+    for request_id in taken.busy:
+        nxt.states[request_id] = "owned elsewhere"
+    for request_id in taken.unknown:
+        nxt.states[request_id] = "outcome unknown"
+    return taken.pending
+
+
+def _operations(db: Database, request_ids: list[str]) -> dict[str, str | None]:
+    """The operation each of these requests' rows is waiting for."""
+    if not request_ids:
+        return {}
+    with db.read() as s:
+        return dict(s.execute(select(Replica.request_id, Replica.operation_id)
+                              .where(Replica.request_id.in_(request_ids))).tuples().all())
+
+
+@dataclass
+class _Sorted:
+    """A round's answers, sorted by what happens next to each row."""
+
+    dead: list[tuple[Pending, str]] = field(default_factory=list)
+    move: list[tuple[Pending, str, bool]] = field(default_factory=list)  # why, a placement?
+    elsewhere: list[tuple[Pending, BackendError]] = field(default_factory=list)
+    disown: list[Pending] = field(default_factory=list)
+
+
+def _round(
+    db: Database, settings: Settings, pendings: list[Pending], budget: Budget, token: str,
+    nxt: Next,
+) -> list[str]:
+    """One round: every create at once, VMs recorded as they land; the moved request ids."""
+    nodes = {p.node.id: p.node for p in pendings}
+    by_node: dict[Hashable, list[Pending]] = defaultdict(list)
+    for p in pendings:
+        by_node[p.node.id].append(p)
+    sends = {p.request_id: backends.create_call(p.node, p.function, p.request_id, settings)
+             for p in pendings}
+
+    def lane_of(node_id: Hashable) -> inflight.Lane:
+        node = nodes[str(node_id)]
+        return inflight.Lane(
+            node_id, bound=settings.node_max_inflight,
+            stop_after=max(1, settings.node_failures - node.create_failures),
+            probation=probation(node, settings))
+
+    async def call(p: Pending) -> backends.Vm:
+        try:
+            return await backends.send_create(sends[p.request_id], settings)
+        except BackendError:
+            raise
+        except Exception as exc:  # a client bug must not take the batch down
+            raise PermanentBackendError(f"CreateReplica failed: {type(exc).__name__}: {exc}",
+                                        node=p.node.name) from None
+
+    def on_landed(landed: list[tuple[Pending, backends.Vm]]) -> None:
+        record(db, settings, landed, nxt)
+
+    ran = calls.run(settings, budget, by_node, lane_of, call, failed=_blames_node,
+                    on_landed=on_landed)
+    record(db, settings, ran.landed(), nxt)
+    _learn(db, settings, by_node, ran)
+    out = _sort(by_node, ran, nxt)
+    notes = [(nodes[str(key)], lane) for key, lane in ran.lanes.items()
+             if _needs_note(nodes[str(key)], lane)]
+    if not (notes or out.dead or out.move or out.elsewhere or out.disown):
+        return []
+    return _settle(db, settings, pendings, notes, out, token, nxt)
+
+
+def _learn(
+    db: Database, settings: Settings, by_node: dict[Hashable, list[Pending]],
+    ran: calls.Ran[Pending],
+) -> None:
+    """Ask each node that left a create's outcome unknown whether it deduplicates creates.
+
+    Once per node, ever (``nodes.can_list`` remembers): the answer decides whether the
+    create may be sent again.
+    """
+    for group in by_node.values():
+        node = group[0].node
+        if node.can_list is not None:
+            continue
+        unknown = any(
+            (r is None and ran.started(p))
+            or (r is not None and isinstance(r.error, BackendError) and r.error.retryable
+                and not r.error.nothing_done)
+            for p in group for r in [ran.result(p)])
+        if unknown:
+            probe_dedup(db, settings, node)
+
+
+def _sort(by_node: dict[Hashable, list[Pending]], ran: calls.Ran[Pending], nxt: Next) -> _Sorted:
+    """Sort each create that did not bring a VM by what happens to its row next."""
+    out = _Sorted()
+    for key, group in by_node.items():
+        lane = ran.lanes.get(key)
+        late = {id(p) for p in lane.late} if lane is not None else set()
+        for p in group:
+            result = ran.result(p)
+            if result is not None and result.error is None:
+                continue  # a VM: recorded
+            if result is None and ran.started(p):  # cut off by the soft time limit
+                if dedups(p.node):
+                    out.disown.append(p)
+                    nxt.rest.append((p.operation_id, p.request_id))
+                    nxt.states[p.request_id] = "cut off, sent again later"
+                else:
+                    nxt.states[p.request_id] = "outcome unknown"
+            elif result is None and (id(p) in late or ran.cut or lane is None):
+                out.disown.append(p)  # never sent: out of time
+                nxt.rest.append((p.operation_id, p.request_id))
+                nxt.states[p.request_id] = "not sent yet"
+            elif result is None:  # not sent: the node failed too often in this batch
+                err = lane.last_error if lane is not None else None
+                if isinstance(err, BackendError) and err.retryable:
+                    out.elsewhere.append((p, err))
+                else:
+                    out.move.append((p, f"not sent: {err}", False))
+            else:
+                _sort_error(p, result.error, out, nxt)
+    return out
+
+
+def _sort_error(p: Pending, exc: BaseException | None, out: _Sorted, nxt: Next) -> None:
+    """What a create's error does to its row."""
+    if isinstance(exc, BackendError) and exc.retryable:
+        if exc.nothing_done or dedups(p.node):
+            out.disown.append(p)
+            nxt.retry.append((p.operation_id, p.request_id, exc))
+            nxt.states[p.request_id] = "retrying"
+            log.warning("spawn %s: %s; retrying it alone", p.request_id, exc)
+        else:
+            nxt.states[p.request_id] = "outcome unknown"
+            log.warning("spawn %s: %s; the node may have made the VM and cannot tell: the "
+                        "create is not sent again (its row ends at its deadline)",
+                        p.request_id, exc)
+    elif exc is not None and request_error(exc):
+        out.dead.append((p, str(exc)))
+    else:
+        out.move.append((p, str(exc), True))
+
+
+def _needs_note(node: Node, lane: inflight.Lane) -> bool:
+    """Whether a batch's creates on ``node`` change what placement knows of it."""
+    outcomes = _outcomes(lane)
+    if not outcomes:
+        return False
+    return not (all(o is None for o in outcomes) and node.create_failures == 0
+                and node.last_create_ok_at is not None)
+
+
+def _outcomes(lane: inflight.Lane) -> list[str | None]:
+    """A lane's creates that count for its node, in order (transport errors only after retries)."""
+    return [None if e is None else str(e) for e in lane.log
+            if e is None or (not (isinstance(e, BackendError) and e.retryable)
+                             and _blames_node(e))]
+
+
+def record(
+    db: Database, settings: Settings, landed: Sequence[tuple[Pending, backends.Vm]], nxt: Next
+) -> None:
+    """Record VMs that came in, in one transaction; release those whose row moved or ended."""
+    if not landed:
+        return
+    with db.transaction() as s:
+        late = _arrivals(s, settings, landed, nxt)
+    _release_late(settings, late)
+
+
+def _arrivals(
+    s: Session, settings: Settings, landed: Sequence[tuple[Pending, backends.Vm]], nxt: Next
+) -> list[tuple[Pending, backends.Vm]]:
+    """Record new VMs (operations counted once each); returns those to release."""
+    late = []
+    done: dict[str, list[str]] = defaultdict(list)
+    starting: dict[str, str] = {}  # vmid -> request id
+    for p, vm in landed:
+        arrived = arrive(s, p.replica_id, p.operation_id, (vm.vmid, vm.address), p.function,
+                         settings, node_id=p.node.id, settle_op=False)
+        if arrived is None:
+            state, release = _late(s, p, vm)
+            nxt.states[p.request_id] = state
+            if release:
+                late.append((p, vm))
+            continue
+        nxt.states[p.request_id] = arrived.label
+        if arrived == ReplicaState.STARTING:
+            starting[vm.vmid] = p.request_id
+        if p.operation_id and arrived in SETTLING:
+            done[p.operation_id].append(p.replica_id)
+    for op_id, parts in done.items():
+        settle(s, op_id, parts=parts, ok=True)
+    if starting:  # guests that said READY before their VM was recorded: Idle now
+        for vmid in apply_early_reports(s, settings, starting):
+            nxt.states[starting[vmid]] = ReplicaState.IDLE.label
+    return late
+
+
+def _late(s: Session, pending: Pending, vm: backends.Vm) -> tuple[str, bool]:
+    """A VM its row did not take: the row's state, and whether to release the VM."""
+    replica = lock_replica(s, pending.replica_id)
+    if replica is None:
+        return "gone", True
+    if replica.vmid == vm.vmid and replica.node_id == pending.node.id:
+        return replica.state.label, False  # a second answer for the VM already recorded
+    return replica.state.label, True
+
+
+def _release_late(settings: Settings, late: list[tuple[Pending, backends.Vm]]) -> None:
+    """Release VMs no row took: nothing runs without a row."""
+    for pending, vm in late:
+        log.info("replica %s: VM %s on %s came too late for its row; releasing it",
+                 pending.replica_id, vm.vmid, pending.node.name)
+        try:
+            backends.release_vm(pending.node, vm.vmid, settings)
+        except BackendError as exc:
+            log.warning("release of %s failed (reconcile will retry): %s", vm.vmid, exc)
+
+
+def _settle(
+    db: Database, settings: Settings, pendings: list[Pending],
+    notes: list[tuple[Node, inflight.Lane]], out: _Sorted, token: str, nxt: Next,
+) -> list[str]:
+    """Note the nodes' creates, end the Dead, move the rest; returns the moved request ids."""
+    moved: list[str] = []
+    with db.transaction() as s:
+        lock_for_moves(s, pendings)
+        for node, lane in notes:
+            why = note_creates(s, settings, node.id, _outcomes(lane))
+            if why:
+                log.warning("node %s %s", node.name, why)
+        disown(s, token, [p.replica_id for p in out.disown])
+        for p, error in out.dead:
+            if _fail(s, settings, p, token, error):
+                nxt.states[p.request_id] = "dead"
+        for p, error, counted in out.move:
+            tried = nxt.tried.setdefault(p.request_id, [])
+            tried.append(p.node.id)
+            outcome = move(s, settings, p, token, error, counted=counted, avoid=tried)
+            if outcome == "moved":
+                moved.append(p.request_id)
+            elif outcome == "dead":
+                nxt.states[p.request_id] = "dead"
+        # A node that stopped answering: its unsent creates go to another node if one has
+        # room, else they wait for it, retried alone with backoff.
+        for p, exc in out.elsewhere:
+            outcome = move(s, settings, p, token, f"not sent: {exc}", counted=False,
+                           or_stay=True)
+            if outcome == "moved":
+                moved.append(p.request_id)
+            elif outcome == "stay":
+                disown(s, token, [p.replica_id])
+                nxt.retry.append((p.operation_id, p.request_id, exc))
+                nxt.states[p.request_id] = "retrying"
+    for request_id in moved:
+        nxt.states[request_id] = "moved"
+    return moved
+
+
+def lock_for_moves(s: Session, pendings: Sequence[Pending]) -> None:
+    """Lock what moving replicas touches, in the one order (workers.locks).
+
+    Their functions, then every node (and GPU) of their backends; the replica rows
+    themselves are locked one by one after these (:func:`move`, :func:`_fail`).
+    """
+    fn_ids = sorted({p.function.id for p in pendings})
+    s.execute(select(Function.id).where(Function.id.in_(fn_ids)).order_by(Function.name)
+              .with_for_update(key_share=True)).all()
+    for kind in sorted({p.node.kind for p in pendings}):
+        lock_nodes(s, kind)
+    if any(p.function.gpu_mem_mb for p in pendings):
+        lock_gpus(s)
+
+
+def _fail(s: Session, settings: Settings, p: Pending, token: str, error: str) -> bool:
+    """End a row this handler owns Dead; False if it is no longer ours to end."""
+    replica = lock_replica(s, p.replica_id)
+    if replica is None or not owns(replica, token, p.node.id):
+        return False
+    transition(s, replica, ReplicaState.DEAD, settings, error=error)
+    return True
+
+
+def move(
+    s: Session, settings: Settings, p: Pending, token: str, error: str, *, counted: bool,
+    avoid: Sequence[str] = (), or_stay: bool = False,
+) -> str:
+    """Move a row this handler owns off the node that failed its create (and ``avoid``).
+
+    Returns ``moved`` (on another node, disowned: nothing was sent there yet), ``dead``
+    (tried on enough nodes, or no other node has room), ``stay`` (with ``or_stay`` and
+    no other node: nothing changed), or ``lost`` (no longer this handler's row on that
+    node: another handler took it, or it moved or ended; nothing changed). Only the
+    owner of the create on the row's current node frees that node's slot, once.
+    """
+    replica = lock_replica(s, p.replica_id)
+    if replica is None or not owns(replica, token, p.node.id):
+        return "lost"
+    if counted and replica.placements >= MAX_PLACEMENTS:
+        tried = f" (tried on {replica.placements} nodes)" if replica.placements > 1 else ""
+        transition(s, replica, ReplicaState.DEAD, settings, error=f"{error}{tried}")
+        return "dead"
+    fn = replica.function
+    try:
+        node = reserve_node(s, fn, fn.placement or settings.placement,
+                            avoid=[p.node.id, *avoid])
+    except CapacityError as exc:
+        if or_stay:
+            return "stay"
+        transition(s, replica, ReplicaState.DEAD, settings,
+                   error=f"{error}; no other node to try ({exc})")
+        return "dead"
+    free_node(s, p.node.id)
+    replica.node_id = node.id
+    replica.placements += int(counted)
+    replica.owner = replica.owner_until = None
+    replica.deadline_at = deadline_for(ReplicaState.CREATING, settings, now())
+    s.flush()
+    log.info("replica %s moved from node %s to %s: %s", replica.id, p.node.name, node.name, error)
+    return "moved"
+
+
+def owned_move(db: Database, settings: Settings, p: Pending, token: str, error: str) -> bool:
+    """Move a row this handler owns after its retries are spent; True when it moved."""
+    with db.transaction() as s:
+        lock_for_moves(s, [p])
+        why = note_creates(s, settings, p.node.id, [error])
+        if why:
+            log.warning("node %s %s", p.node.name, why)
+        return move(s, settings, p, token, error, counted=True) == "moved"
