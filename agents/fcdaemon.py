@@ -196,9 +196,15 @@ class RegistryReporter:
         heartbeat: float | None = None,
         ready_timeout: float = 60.0,
         max_backoff: float = 5.0,
+        seed_only: bool = False,
     ) -> None:
-        """``on_destroy(vmid)`` runs when the registry answers DESTROY to a READY report."""
+        """``on_destroy(vmid)`` runs when the registry answers DESTROY to a READY report.
+
+        ``seed_only``: register as the seed protocol does, without corral's credential
+        field (the registry then pins the node to its host).
+        """
         self.target = target
+        self.seed_only = seed_only
         self.node_ip, self.node_port, self.node_id = node_ip, node_port, node_id
         self.heartbeat = heartbeat
         self.ready_timeout = ready_timeout
@@ -208,6 +214,8 @@ class RegistryReporter:
         self.registered = threading.Event()
         #: The credential the registry issued this node ("" until it has).
         self.credential = ""
+        #: Registrations the registry accepted (the first, then each heartbeat).
+        self.registrations = 0
         self._token = token
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         if token and not is_loopback(split_hostport(target)[0]):
@@ -240,9 +248,9 @@ class RegistryReporter:
         while not self._stop.is_set():
             # corral's extension: ask for a credential, then present the one issued
             request = resmngr_pb2.RegisterNodeRequest(
-                ip=self.node_ip, port=self.node_port, node_id=self.node_id,
-                credential=self.credential,
-            )
+                ip=self.node_ip, port=self.node_port, node_id=self.node_id)
+            if not self.seed_only:
+                request.credential = self.credential
             try:
                 reply = self._stub.RegisterNode(request, timeout=5.0, metadata=self._metadata)
             except grpc.RpcError as exc:
@@ -271,6 +279,7 @@ class RegistryReporter:
                     self.target,
                 )
             self.registered.set()
+            self.registrations += 1
             backoff, failures = 0.1, 0
             if not self.heartbeat:
                 return
@@ -607,6 +616,7 @@ def serve_fcdaemon(
             on_destroy=agent.release,
             is_live=agent.is_live,
             heartbeat=heartbeat,
+            seed_only=seed_only,
         )
         agent.guest_vars = reporter.guest_vars
         if readiness_probe:

@@ -118,6 +118,27 @@ def test_an_attacker_with_the_token_cannot_divert_a_healthy_node(
     assert _nodes(store) == {"node-a": agent.address}
 
 
+def test_a_seed_only_agent_registers_without_the_credential_field_and_stays_registered(
+    store: Env, registry: RunningRegistry
+) -> None:
+    agent = serve_fcdaemon("127.0.0.1:0", registry=registry.address, node_id="seed-a",
+                           token="reg-t0ken", heartbeat=0.1, seed_only=True)
+    try:
+        assert agent.reporter is not None
+        assert agent.reporter.registered.wait(20)
+        beats = agent.reporter.registrations
+        deadline = time.monotonic() + 10
+        while agent.reporter.registrations < beats + 3:  # its heartbeats are accepted
+            assert time.monotonic() < deadline, "heartbeats stopped"
+            time.sleep(0.05)
+        with store.db.read() as s:
+            node = s.scalars(select(Node).where(Node.external_id == "seed-a")).one()
+        assert node.credential_hash is None  # pinned to its host, as the seed protocol is
+        assert agent.reporter.credential == ""
+    finally:
+        agent.stop(grace=0)
+
+
 def test_who_may_refresh_or_move_a_node(
     store: Env, registry: RunningRegistry, caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
