@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from config.settings import pid_exists
+from config.processes import pid_exists
 
 __all__ = ["is_alive", "kill_group", "spawn"]
 

@@ -1,17 +1,19 @@
-"""``python -m bench``: run every benchmark in turn (spawn, claims and reap, placement, gateway)."""
+"""``python -m bench``: every benchmark in turn (spawn, claims and reap, placement, gateway,
+CLI start-up)."""
 
 from __future__ import annotations
 
 import sys
 
-from bench import claims_reap, gateway, placement, spawn
+from bench import claims_reap, gateway, placement, spawn, startup
 
 
 def main() -> int:
-    """Run the four benchmarks; non-zero if any of them failed to run."""
+    """Run the benchmarks; non-zero if any of them failed to run or missed its aim."""
     status = 0
     for name, module in (("spawn", spawn), ("claims_reap", claims_reap),
-                         ("placement", placement), ("gateway", gateway)):
+                         ("placement", placement), ("gateway", gateway),
+                         ("startup", startup)):
         print(f"\n=== python -m bench.{name}", flush=True)
         status |= int(module.main([]) or 0)
     return status

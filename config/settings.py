@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from config.processes import pid_exists
 from config.redact import is_secret_name, redact
 
 ENV_PREFIX = "CORRAL_"
@@ -453,17 +454,6 @@ def _trusted(path: Path) -> bool:
             "(owner %d, mode %o)", path, os.getuid(), info.st_uid, stat.S_IMODE(info.st_mode),
         )
         return False
-    return True
-
-
-def pid_exists(pid: int) -> bool:
-    """True if a process ``pid`` exists (a zombie too), even one owned by another user."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -18,32 +18,29 @@ replicas (:func:`replicas`, :func:`replica`), operations (:func:`operations`,
 (:func:`claim`, :func:`release`) and the schema (:func:`upgrade_db`, :func:`check_db`).
 Results are typed mappings (``NodeView``, ``FunctionView``, ``ReplicaView``,
 ``OperationView``, ``GpuView``, ``ClaimView``, ``ReleaseView``): plain dicts, ready for JSON.
+
+Importing the API loads the settings and the store, and no more: ``corral nodes list``
+is one query. What loads Celery (:mod:`workers.dispatch`: the first operation queued; in
+eager mode it also registers the task modules, to run them here), gRPC and the agent
+clients (requests, CPU hogs, the reaper's checks, the GPU inventory) or Alembic
+(:func:`upgrade_db`) is imported when first used (:class:`_Later`).
+``tests/tasks/cli/test_startup.py`` checks what each command imports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, NotRequired, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, NotRequired, TypedDict, TypeVar, cast
 
-import redis
 from sqlalchemy.orm import Session
 
-# The task modules: imported so that their tasks are registered wherever the API is
-# used; eager mode (CORRAL_EAGER, the tests) then runs an operation's first task here.
-import tasks.hogs
-import tasks.maintenance
-import tasks.replicas  # noqa: F401
 from config.settings import Settings, get_settings
-from workers import dispatch
-from workers.autoscale import idletimes
 from workers.errors import BrokerError, InputError
-from workers.fleet import gpus as gpu_inventory
 from workers.fleet import nodes as fleet
-from workers.fleet.gpus import GpuView, gpu_view
-from workers.fleet.hogs import check_hogs, hog_targets
 from workers.fleet.nodes import NodeView, node_view
 from workers.functions import (
     FunctionSpec,
@@ -56,9 +53,6 @@ from workers.functions import (
 )
 from workers.functions import deploy as deploy_spec
 from workers.functions import remove_function as remove_function_row
-from workers.maintenance.audit import Audit, audit
-from workers.maintenance.reaper import check_idle_timeout
-from workers.maintenance.redrive import Redrive
 from workers.operations import (
     OperationView,
     create_operation,
@@ -66,13 +60,61 @@ from workers.operations import (
     list_operations,
     operation_view,
 )
-from workers.redis_client import redis_client
-from workers.replicas import claims
-from workers.replicas.requests import request_delete, request_scale, request_spawn
 from workers.replicas.views import ReplicaView, get_replica, list_replicas, replica_view
 from workers.store.db import Database, get_database
-from workers.store.migrate import check_schema, safe_url, upgrade
 from workers.store.models import OP_FINISHED, Operation
+from workers.store.revisions import check_schema, safe_url
+
+
+class _Later:
+    """A module imported when one of its names is first used, not when the API is imported."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+
+if TYPE_CHECKING:
+    import redis
+
+    from workers import dispatch
+    from workers import redis_client as redis_clients
+    from workers.autoscale import idletimes
+    from workers.fleet import gpus as gpu_inventory
+    from workers.fleet import hogs as fleet_hogs
+    from workers.fleet.gpus import GpuView
+    from workers.maintenance import audit as counters
+    from workers.maintenance import reaper, redrive
+    from workers.maintenance.audit import Audit
+    from workers.maintenance.redrive import RESENDABLE, Redrive
+    from workers.replicas import claims, requests
+    from workers.store import migrate
+else:
+    # Celery; the agent clients and gRPC; Alembic; Redis; what one group of calls needs
+    redis = _Later("redis")
+    dispatch = _Later("workers.dispatch")
+    redis_clients = _Later("workers.redis_client")
+    idletimes = _Later("workers.autoscale.idletimes")
+    gpu_inventory = _Later("workers.fleet.gpus")
+    fleet_hogs = _Later("workers.fleet.hogs")
+    counters = _Later("workers.maintenance.audit")
+    reaper = _Later("workers.maintenance.reaper")
+    redrive = _Later("workers.maintenance.redrive")
+    claims = _Later("workers.replicas.claims")
+    requests = _Later("workers.replicas.requests")
+    migrate = _Later("workers.store.migrate")
+
+# Names the API exports from modules it imports when first used.
+_EXPORTED_LATER = {"GpuView": gpu_inventory, "Audit": counters, "RESENDABLE": redrive}
+
+
+def __getattr__(name: str) -> Any:
+    """An exported name of a module imported on first use (``GpuView``, ``Audit``...)."""
+    if name in _EXPORTED_LATER:
+        return getattr(_EXPORTED_LATER[name], name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "RESENDABLE",
@@ -119,7 +161,6 @@ __all__ = [
     "wait",
 ]
 
-RESENDABLE = dispatch.RESENDABLE
 MAX_COLD_START_S = 3600.0
 
 V = TypeVar("V")
@@ -190,20 +231,30 @@ def resend(redrive: Redrive) -> None:
     dispatch.resend(redrive.kind, redrive.op_id, redrive.params)
 
 
+def _submit(db: Database, write: Callable[[Session], Operation]) -> str:
+    """Write an operation and queue its first task (:func:`workers.dispatch.submit`); its id."""
+    return dispatch.submit(db, write)
+
+
+def _enqueue(db: Database, op: Operation) -> str:
+    """Queue the first task of an operation already written; its id."""
+    return dispatch.enqueue(db, op)
+
+
 # -- the schema --------------------------------------------------------------------------------
 
 
 def upgrade_db(*, settings: Settings | None = None) -> Migration:
     """Migrate the database to the newest schema."""
     settings = settings or get_settings()
-    before, after = upgrade(get_database(settings.database_url))
+    before, after = migrate.upgrade(get_database(settings.database_url))
     return {"database": safe_url(settings.database_url), "before": before, "after": after}
 
 
 def check_db(*, fix: bool = False, settings: Settings | None = None) -> Audit:
     """Recount node, function and GPU counters from the replica rows (and with ``fix`` set them)."""
     with database(settings).transaction() as s:
-        return audit(s, fix=fix)
+        return counters.audit(s, fix=fix)
 
 
 # -- operations --------------------------------------------------------------------------------
@@ -211,19 +262,19 @@ def check_db(*, fix: bool = False, settings: Settings | None = None) -> Audit:
 
 def spawn(function: str, count: int = 1, *, settings: Settings | None = None) -> str:
     """Ask for ``count`` more replicas of ``function``; returns the operation id."""
-    return dispatch.submit(database(settings), lambda s: request_spawn(s, function, count))
+    return _submit(database(settings), lambda s: requests.request_spawn(s, function, count))
 
 
 def scale(function: str, target: int, *, settings: Settings | None = None) -> str:
     """Set ``function``'s replica target; returns the operation id."""
-    return dispatch.submit(database(settings), lambda s: request_scale(s, function, target))
+    return _submit(database(settings), lambda s: requests.request_scale(s, function, target))
 
 
 def delete(replica_id: str, *, settings: Settings | None = None) -> str:
     """Delete one replica; returns the operation id."""
     db = database(settings)
     check_id(replica_id, "replica")
-    return dispatch.submit(db, lambda s: request_delete(s, replica_id))
+    return _submit(db, lambda s: requests.request_delete(s, replica_id))
 
 
 def hogs(
@@ -231,26 +282,26 @@ def hogs(
 ) -> str:
     """Start or stop ``n`` CPU hogs on ``node`` (default: all healthy agents); returns the op id."""
     db = database(settings)
-    action, n = check_hogs(action, n)
+    action, n = fleet_hogs.check_hogs(action, n)
 
     def write(s: Session) -> Operation:
-        hog_targets(s, node)  # unknown node, Lambdo host or no healthy agents: refuse now
+        fleet_hogs.hog_targets(s, node)  # unknown node, Lambdo host, no healthy agent: refuse
         return create_operation(s, "hogs", {"action": action, "n": n, "node": node})
 
-    return dispatch.submit(db, write)
+    return _submit(db, write)
 
 
 def reap(idle_timeout: float | None = None, *, settings: Settings | None = None) -> str:
     """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
     db = database(settings)
-    idle_timeout = check_idle_timeout(idle_timeout)
-    return dispatch.submit(db, lambda s: create_operation(s, "reap",
+    idle_timeout = reaper.check_idle_timeout(idle_timeout)
+    return _submit(db, lambda s: create_operation(s, "reap",
                                                           {"idle_timeout": idle_timeout}))
 
 
 def reconcile(*, settings: Settings | None = None) -> str:
     """Ask for one reconcile pass now; returns the operation id."""
-    return dispatch.submit(database(settings), lambda s: create_operation(s, "reconcile", {}))
+    return _submit(database(settings), lambda s: create_operation(s, "reconcile", {}))
 
 
 def operation(op_id: str, *, settings: Settings | None = None) -> OperationView:
@@ -365,7 +416,7 @@ def function(name: str, *, settings: Settings | None = None) -> FunctionView:
 
 def _keep_alive_windows(settings: Settings, name: str) -> dict[str, Any]:
     """What the function's recorded idle times say now, for ``functions show``."""
-    client = redis_client(settings.broker_url)
+    client = redis_clients.redis_client(settings.broker_url)
     if client is None:
         return {"mode": "fixed", "reason": "no Redis broker: no idle times are recorded"}
     try:
@@ -403,7 +454,7 @@ def remove_function(
     with db.transaction() as s:
         if not remove_function_row(s, name):
             raise InputError(f"function {name!r} gained a replica meanwhile; try again")
-    client = redis_client((settings or get_settings()).broker_url)
+    client = redis_clients.redis_client((settings or get_settings()).broker_url)
     if client is not None:
         with contextlib.suppress(redis.RedisError):  # then it expires by itself (30 days)
             idletimes.forget(client, name)
@@ -434,7 +485,7 @@ def replica(replica_id: str, *, settings: Settings | None = None) -> ReplicaView
 def gpus(*, settings: Settings | None = None) -> list[GpuView]:
     """Every recorded GPU with the memory and slots replicas hold, by server and port."""
     with database(settings).read() as s:
-        return [gpu_view(g) for g in gpu_inventory.list_gpus(s)]
+        return [gpu_inventory.gpu_view(g) for g in gpu_inventory.list_gpus(s)]
 
 
 def add_gpus(
@@ -444,7 +495,7 @@ def add_gpus(
     settings = settings or get_settings()
     found = gpu_inventory.add_gpu_server(database(settings), settings, address,
                                          mngr_addr=manager)
-    return [gpu_view(g) for g in found]
+    return [gpu_inventory.gpu_view(g) for g in found]
 
 
 def remove_gpu(uuid: str, *, settings: Settings | None = None) -> None:
@@ -512,7 +563,7 @@ def release(claim_id: str, *, settings: Settings | None = None) -> ReleaseView:
 
 def _invocation(settings: Settings, function: str, seen: idletimes.Activity) -> None:
     """A claim is an invocation's start, its release the end: for the keep-alive histograms."""
-    idletimes.record_quietly(redis_client(settings.broker_url),
+    idletimes.record_quietly(redis_clients.redis_client(settings.broker_url),
                              idletimes.Shape.from_settings(settings), {function: seen})
 
 
@@ -520,4 +571,4 @@ def suspect(claim_id: str, reason: str, *, settings: Settings | None = None) -> 
     """Give back a claim whose replica failed to answer and delete that replica; the op id."""
     db = database(settings)
     op = claims.suspect(db, settings or get_settings(), check_id(claim_id, "claim"), reason)
-    return dispatch.enqueue(db, op) if op is not None else None
+    return _enqueue(db, op) if op is not None else None

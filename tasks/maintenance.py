@@ -117,7 +117,7 @@ def _count_reaped(settings: Settings, counts: dict[str, int]) -> None:
 
 def _redrive(task: CorralTask) -> dict[str, str]:
     """Re-send the first task of every operation that stopped moving; op id -> outcome."""
-    kinds = dispatch.RESENDABLE
+    kinds = redrive.RESENDABLE
     sent = {op_id: f"failed: {reason}"
             for op_id, reason in redrive.give_up(task.db, task.settings, kinds).items()}
     for due in redrive.due(task.db, task.settings, kinds):

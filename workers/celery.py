@@ -52,7 +52,7 @@ from workers.errors import InputError, SchemaError
 from workers.operations import describe_error, fail_op
 from workers.replicas.owners import Budget
 from workers.store.db import Database, get_database, is_transient
-from workers.store.migrate import check_schema
+from workers.store.revisions import check_schema
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,11 @@
 an import never goes up. A worker-side module that needs a replica deleted - reconcile
 draining a node, the registry answering DESTROY - sends the task by the name it is
 registered under, as a signature: where the task is registered in this process (a
-worker, eager mode) that is the task's own ``apply_async``, elsewhere (the registry)
+worker) that is the task's own ``apply_async``, elsewhere (the registry, the CLI)
 ``send_task``; either way Celery routes it by name to its queue
-(``config.celery.ROUTES``) exactly as it routes ``delay()``.
+(``config.celery.ROUTES``) exactly as it routes ``delay()``. In eager mode the task
+runs in this process, so the app's task modules are loaded first (:func:`_task`), as a
+worker loads them when it starts: nothing has to import them just in case.
 
 Every operation is carried out by a *first task*, named here by the operation's kind
 (:data:`FIRST_TASKS`) and built from the operation's stored params (:func:`first_task`).
@@ -43,19 +45,22 @@ FIRST_TASKS = {
     "reconcile": "corral.reconcile",
 }
 
-# Operations whose first task may run twice: everything it does is keyed by the
-# operation and its request ids. Not CPU hogs: a second CreateCPUHogs starts more.
-RESENDABLE = ("spawn", "scale", "delete", "reap", "reconcile")
+
+def _task(name: str, **options: Any) -> Signature:
+    """The signature of task ``name``; in eager mode its module is loaded to run it here."""
+    if app.conf.task_always_eager and name not in app.tasks:
+        app.loader.import_default_modules()  # the app's ``include``: tasks.replicas, ...
+    return app.signature(name, **options)
 
 
 def delete_replica(replica_id: str) -> None:
     """Queue the delete of one replica (already marked Deleting by the caller)."""
-    app.signature(DELETE_REPLICA, args=(replica_id,)).apply_async()
+    _task(DELETE_REPLICA, args=(replica_id,)).apply_async()
 
 
 def release_orphan(node_id: str, vmid: str) -> None:
     """Queue the release of a VM no replica took (an orphan) on one node."""
-    app.signature(RELEASE_ORPHAN, args=(node_id, vmid)).apply_async()
+    _task(RELEASE_ORPHAN, args=(node_id, vmid)).apply_async()
 
 
 def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:
@@ -64,7 +69,7 @@ def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:
     if name is None:
         raise ValueError(f"no task carries out operations of kind {kind!r}")
     if kind == "delete":
-        return app.signature(name, args=(params["replica"], op_id), immutable=True)
+        return _task(name, args=(params["replica"], op_id), immutable=True)
     if kind == "hogs":
         kwargs = {"action": params["action"], "n": params["n"], "node": params["node"],
                   "op_id": op_id}
@@ -73,8 +78,8 @@ def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:
     elif kind == "reconcile":
         kwargs = {"op_id": op_id}
     else:  # spawn, scale: everything else is in the operation row
-        return app.signature(name, args=(op_id,), immutable=True)
-    return app.signature(name, kwargs=kwargs, immutable=True)
+        return _task(name, args=(op_id,), immutable=True)
+    return _task(name, kwargs=kwargs, immutable=True)
 
 
 def resend(kind: str, op_id: str, params: dict[str, Any]) -> None:

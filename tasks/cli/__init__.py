@@ -9,7 +9,10 @@ terminal) and exit non-zero if it failed.
 :mod:`tasks.cli.parser` declares every command and names its handler; the
 handlers live in one module per group (``core``, ``claims``, ``maintenance``,
 ``gpus``, ``services``, ``agent``, ``gateway``) and call :mod:`tasks.api` for everything they
-show or change. A handler's module is imported only when its command runs.
+show or change. A handler's module is imported only when its command runs, and the
+settings (pydantic) only once the command line has parsed: ``corral --help`` and a usage
+error load argparse and nothing else of note. ``tests/tasks/cli/test_startup.py`` checks
+what each command imports.
 """
 
 from __future__ import annotations
@@ -17,16 +20,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from config.settings import ConfigError, get_settings
 from tasks.cli.parser import build_parser
-from workers.errors import CorralError, SchemaError
 
 __all__ = ["build_parser", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``corral`` command line; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    from config.settings import ConfigError, get_settings  # after parsing: see above
+    from workers.errors import CorralError, SchemaError
+
     try:
         settings = get_settings()
         return int(args.handler(args, settings))

@@ -2,21 +2,33 @@
 
 A handler is named, not imported: ``"core:cmd_spawn"`` is ``cmd_spawn`` in
 :mod:`tasks.cli.core`, imported only when that command runs (:class:`Deferred`). The
-handler modules load the producer API, and with it Celery, gRPC and the store: a
-``corral --help`` or a usage error needs none of that. Commands appear in
-``corral --help`` in the order the ``_add_*`` steps below add them.
+handler modules load the settings, the store and the producer API: a ``corral --help``
+or a usage error needs none of that, and this module imports only argparse.
+
+Given the command line, :func:`build_parser` builds in full only the parser of the
+command it names; every other command gets its name and help, which is all
+``corral --help`` and an "invalid choice" error show (:class:`_Unbuilt` takes and
+drops its arguments). Building every command's arguments was most of ``--help``'s time.
+Commands appear in ``corral --help`` in the order the ``_add_*`` steps below add them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
-from collections.abc import Callable
-from typing import Any, cast
+import os
+import sys
+from collections.abc import Callable, Sequence
 
-from config.settings import Settings
+# typing is for mypy only here: importing it is a twentieth of what `corral --help` costs.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
-Handler = Callable[[argparse.Namespace, Settings], int]
+    from config.settings import Settings
+
+Handler = Callable[[argparse.Namespace, "Settings"], int]
 
 
 def integer(text: str) -> int:
@@ -36,21 +48,63 @@ class Deferred:
     def __call__(self, args: argparse.Namespace, settings: Settings) -> int:
         """Import the handler's module and run it."""
         module, function = self.name.split(":")
-        run = cast(Handler, getattr(importlib.import_module(f"tasks.cli.{module}"), function))
+        run: Handler = getattr(importlib.import_module(f"tasks.cli.{module}"), function)
         return run(args, settings)
 
 
-class Commands:
-    """Adds commands to one parser level: each with its handler's name and, if a listing, --json."""
+@functools.cache
+def _columns() -> int:
+    """The width argparse wraps help at: ``COLUMNS``, else the terminal's, else 80; less 2."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):  # no stdout, or not a terminal
+            columns = 0
+    return (columns or 80) - 2
 
-    def __init__(self, sub: Any) -> None:
+
+class Formatter(argparse.HelpFormatter):
+    """argparse's help formatter, the terminal's width asked once.
+
+    argparse makes a formatter for every argument it adds (to check its ``nargs``), and
+    each one asks the terminal for its size through :mod:`shutil` (whose import alone
+    costs ``corral --help`` a twentieth of its time): :func:`_columns` asks once, as
+    ``shutil.get_terminal_size`` would.
+    """
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
+                 width: int | None = None) -> None:
+        super().__init__(prog, indent_increment, max_help_position, width or _columns())
+
+
+class Commands:
+    """Adds commands to one parser level: each with its handler's name and, if a listing, --json.
+
+    With ``only`` set, a top-level command of another name gets its name and help and no
+    parser of its own arguments (an :class:`_Unbuilt` stands in for it).
+    """
+
+    def __init__(self, sub: Any, only: str | None = None) -> None:
         self.sub = sub
+        self.only = only
+
+    def _skip(self, name: str) -> bool:
+        return self.only is not None and name != self.only
 
     def add(
         self, name: str, handler: str, help: str, *, listing: bool = False
     ) -> argparse.ArgumentParser:
         """A new command ``name`` run by ``handler``."""
-        p: argparse.ArgumentParser = self.sub.add_parser(name, help=help, description=help)
+        if self._skip(name):
+            self.sub.add_parser(name, help=help, formatter_class=Formatter)
+            unbuilt: argparse.ArgumentParser = _unbuilt()
+            return unbuilt
+        p: argparse.ArgumentParser = self.sub.add_parser(name, help=help, description=help,
+                                                         formatter_class=Formatter)
         p.set_defaults(handler=Deferred(handler))
         if listing:
             p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -58,16 +112,38 @@ class Commands:
 
     def group(self, name: str, help: str, dest: str) -> Commands:
         """A command with sub-commands (``corral nodes list``...)."""
-        parser = self.sub.add_parser(name, help=help)
+        if self._skip(name):
+            self.sub.add_parser(name, help=help, formatter_class=Formatter)
+            unbuilt: Commands = _unbuilt()
+            return unbuilt
+        parser = self.sub.add_parser(name, help=help, formatter_class=Formatter)
         return Commands(parser.add_subparsers(dest=dest, required=True))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for every ``corral`` command."""
+class _Unbuilt:
+    """The parser of a command not on this command line: takes its arguments and drops them."""
+
+    def __getattr__(self, name: str) -> Callable[..., _Unbuilt]:
+        return self._drop
+
+    def _drop(self, *args: Any, **kwargs: Any) -> _Unbuilt:
+        return self
+
+
+def _unbuilt() -> Any:
+    """An :class:`_Unbuilt`, standing in for a parser or a level of commands."""
+    return _Unbuilt()
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of every ``corral`` command; given ``argv``, only its command in full."""
     parser = argparse.ArgumentParser(
-        prog="corral", description="Control plane for serverless microVM fleets."
+        prog="corral", description="Control plane for serverless microVM fleets.",
+        formatter_class=Formatter,
     )
-    top = Commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    named = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
+    top = Commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"),
+                   only=named)
     for add in (_add_db, _add_nodes, _add_functions, _add_operations, _add_inspection,
                 _add_claims, _add_maintenance, _add_gpus, _add_hogs, _add_services,
                 _add_gateway):
@@ -179,7 +255,7 @@ def _add_inspection(top: Commands) -> None:
     p.add_argument("--function")
     p.add_argument("--all", action="store_true", help="include dead and deleted replicas")
     rep = p.add_subparsers(dest="rep_cmd", required=False)
-    q = rep.add_parser("show", help="show one replica")
+    q = rep.add_parser("show", help="show one replica", formatter_class=Formatter)
     q.add_argument("replica_id")
     q.add_argument("--json", action="store_true")
 

@@ -22,20 +22,18 @@ import httpx
 
 from config.redact import redact
 from workers.backends import inflight
+from workers.backends.http_calls import (
+    DeadlineTransport,
+    HttpCall,
+    abounded_request,
+    bounded_request,
+)
 from workers.errors import (
     PermanentBackendError,
     TransientBackendError,
     Unsupported,
 )
-from workers.untrusted import (
-    DeadlineTransport,
-    HttpCall,
-    abounded_request,
-    bounded_request,
-    check_vmid,
-    vmid_path,
-    warn_plaintext,
-)
+from workers.untrusted import check_vmid, vmid_path, warn_plaintext
 
 MAX_ERROR_TEXT = 500
 

@@ -47,6 +47,9 @@ from workers.store.models import OP_OPEN, Operation
 
 log = logging.getLogger(__name__)
 
+# Operations whose first task may run twice: everything it does is keyed by the
+# operation and its request ids. Not CPU hogs: a second CreateCPUHogs starts more.
+RESENDABLE = ("spawn", "scale", "delete", "reap", "reconcile")
 REDRIVE_MAX = 3  # re-sends per operation
 SWEEP_LIMIT = 100  # operations re-sent per pass at most
 

@@ -1,8 +1,11 @@
-"""The store: replica, node, GPU, function and operation rows, sessions and migrations."""
+"""The store: replica, node, GPU, function and operation rows, sessions and migrations.
+
+Importing it loads SQLAlchemy and the models, not Alembic: :mod:`workers.store.migrate`
+is imported by what migrates.
+"""
 
 from workers.errors import SchemaError
 from workers.store.db import Database, get_database
-from workers.store.migrate import check_schema, upgrade
 from workers.store.models import (
     COUNTED_STATES,
     FINAL_STATES,
@@ -16,9 +19,10 @@ from workers.store.models import (
     Replica,
     ReplicaState,
 )
+from workers.store.revisions import check_schema
 
 __all__ = [
     "COUNTED_STATES", "FINAL_STATES", "LIVE_STATES", "Database", "Function", "Gpu", "Lease",
     "Node", "OpStatus", "Operation", "Replica", "ReplicaState", "SchemaError", "check_schema",
-    "get_database", "upgrade",
+    "get_database",
 ]

@@ -1,4 +1,8 @@
-"""Schema migrations (Alembic) and the check that refuses an un-migrated database."""
+"""Schema migrations, with Alembic: upgrading a database, and writing the next revision.
+
+Checking that a database is migrated needs no Alembic and lives in
+:mod:`workers.store.revisions` (re-exported here).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,18 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy.engine import make_url
 
-from workers.errors import SchemaError
 from workers.store.db import Database
+from workers.store.revisions import (
+    MIGRATIONS,
+    check_schema,
+    current_revision,
+    head_revision,
+    safe_url,
+)
 
-MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+__all__ = ["alembic_config", "check_schema", "current_revision", "head_revision", "new_revision",
+           "safe_url", "upgrade"]
 
 
 def alembic_config(url: str) -> Config:
@@ -27,38 +35,11 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
-def head_revision() -> str:
-    """The newest migration this code ships."""
-    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
-    assert head is not None  # noqa: S101 - narrows for mypy
-    return head
-
-
-def current_revision(db: Database) -> str | None:
-    """The revision the database is at, or None when it was never migrated."""
-    with db.engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
-
-
 def upgrade(db: Database) -> tuple[str | None, str]:
     """Migrate the database to the newest revision; returns (before, after)."""
     before = current_revision(db)
     command.upgrade(alembic_config(db.url), "head")
     return before, head_revision()
-
-
-def check_schema(db: Database) -> None:
-    """Raise :class:`SchemaError` unless the database is migrated to head."""
-    current = current_revision(db)
-    head = head_revision()
-    if current != head:
-        state = "not migrated" if current is None else f"at revision {current}, need {head}"
-        raise SchemaError(f"database {safe_url(db.url)} is {state}: run `corral db upgrade`")
-
-
-def safe_url(url: str) -> str:
-    """The URL with any password hidden."""
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def new_revision(message: str) -> Path:
