@@ -12,7 +12,9 @@ import nox
 nox.options.sessions = ["lint", "types", "fast"]
 nox.options.reuse_existing_virtualenvs = True
 
-CHECKED = ["config", "tasks", "workers", "stack", "agents", "examples", "bench", "protos"]
+CHECKED = [
+    "config", "tasks", "workers", "stack", "agents", "netplumb", "examples", "bench", "protos",
+]
 
 
 @nox.session

@@ -49,7 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 from agents import guest_env
 from agents.guest_env import parse_env_args
 from agents.procs import kill_group, spawn
-from agents.runtime import WILDCARD_HOSTS
+from netplumb.addresses import is_wildcard
 
 __all__ = [
     "FAKE_PORT_RANGE", "VM", "BadSpec", "DriverError", "ImageNotFound", "MemoryDriver",
@@ -191,7 +191,7 @@ class PortAllocator:
     def _bindable(self, port: int) -> bool:
         if not self._check_bind:
             return True
-        host = "0.0.0.0" if self.host in WILDCARD_HOSTS else self.host  # noqa: S104 - probes the host the operator chose
+        host = "0.0.0.0" if is_wildcard(self.host) else self.host  # noqa: S104 - probes the host the operator chose
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -397,7 +397,7 @@ class ProcessDriver:
         if advertise_ip:
             self.ip = advertise_ip
         else:
-            self.ip = "127.0.0.1" if bind_host in WILDCARD_HOSTS else bind_host
+            self.ip = "127.0.0.1" if is_wildcard(bind_host) else bind_host
         self.ready_timeout = ready_timeout
         self.stop_grace = stop_grace
         self._env = dict(env or {})
@@ -464,7 +464,7 @@ class ProcessDriver:
         return dataclasses.replace(vm, port_mapping=list(mapping))
 
     def _wait_ready(self, vm: VM, proc: subprocess.Popen[bytes], timeout: float) -> bool:
-        host = "127.0.0.1" if self.bind_host in WILDCARD_HOSTS else self.bind_host
+        host = "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -569,7 +569,7 @@ def driver_from_args(
     """The driver ``--driver`` asks for: processes bound to ``args.host``, or ``memory()``."""
     if args.driver != "process":
         return memory()
-    bind = "0.0.0.0" if args.host in WILDCARD_HOSTS else args.host.strip("[]")  # noqa: S104 - --listen's own host
+    bind = "0.0.0.0" if is_wildcard(args.host) else args.host  # noqa: S104 - --listen's own host
     try:
         return ProcessDriver(
             args.port_range, bind_host=bind, allow_images=args.allow_image, **process_options

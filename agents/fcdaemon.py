@@ -60,10 +60,9 @@ from agents.runtime import (
     agent_main,
     connect_host,
     guess_node_ip,
-    is_loopback,
     serve_until_signalled,
-    split_hostport,
 )
+from netplumb.addresses import is_loopback, split_hostport
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 
 __all__ = [

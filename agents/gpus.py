@@ -24,6 +24,7 @@ from grpc_health.v1 import health
 
 from agents import runtime
 from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving
+from netplumb.addresses import split_hostport
 from protos import gpuresc_grpc, gpuresc_pb2
 
 __all__ = [
@@ -130,7 +131,7 @@ def serve_gpus(
     require_token: str | None = None,
 ) -> RunningGpus:
     """Start a GPU inventory server answering ``gpus`` on ``listen`` (token: as fcdaemon's)."""
-    host, _ = runtime.split_hostport(listen)
+    host, _ = split_hostport(listen)
     agent = GpuAgent(gpus or {})
     server, health_servicer, port = agent_server(
         "gpus", listen, max_workers=8, require_token=require_token

@@ -54,6 +54,7 @@ from typing import Any, Literal
 from agents import drivers, runtime
 from agents.faults import FaultHooks, record_call
 from agents.httpserve import BoundedHandler, BoundedServer
+from netplumb.addresses import split_hostport
 
 __all__ = [
     "DEFAULT_PORT_RANGE", "PATH_KINDS", "BadRequest", "LambdoAgent", "RunningLambdo", "main",
@@ -530,11 +531,11 @@ def serve_lambdo(
     port_order: PortOrder = "shuffle",
 ) -> RunningLambdo:
     """Start a Lambdo host on ``listen`` (default driver: MemoryDriver over 10000-19999)."""
-    host, port = runtime.split_hostport(listen)
+    host, port = split_hostport(listen)
     driver = driver if driver is not None else drivers.MemoryDriver(port_range=DEFAULT_PORT_RANGE)
     agent = LambdoAgent(driver, token=token, default_image=default_image, port_order=port_order)
     handler = type("LambdoHandler", (_Handler,), {"agent": agent})
-    bind = host.strip("[]") or "0.0.0.0"  # noqa: S104 - --listen without a host; off loopback needs the token
+    bind = host or "0.0.0.0"  # noqa: S104 - --listen without a host; off loopback needs the token
     server = _LambdoServer((bind, port), handler)
     running = RunningLambdo(server, host, agent, driver)
     log.info("lambdo listening on %s:%d", bind, running.port)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import logging
 import os
 import signal
@@ -21,25 +20,13 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Protocol, Self
 
+from netplumb.addresses import host_of, is_loopback, is_wildcard, join_hostport, split_hostport
+
 __all__ = [
-    "WILDCARD_HOSTS", "AgentMain", "Running", "add_common_arguments", "agent_main",
-    "configure_logging", "connect_host", "guess_node_ip", "is_loopback", "listen_address",
-    "listen_refusal", "parse_agent_args", "parse_port_range", "refuse_to_listen",
-    "serve_until_signalled", "split_hostport", "until_signalled",
+    "AgentMain", "Running", "add_common_arguments", "agent_main", "configure_logging",
+    "connect_host", "guess_node_ip", "listen_address", "listen_refusal", "parse_agent_args",
+    "parse_port_range", "refuse_to_listen", "serve_until_signalled", "until_signalled",
 ]
-
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})  # noqa: S104 - recognised, not bound
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IPs (``127.0.0.0/8``, ``::1``); wildcards are not."""
-    host = host.strip().strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def listen_refusal(
@@ -94,29 +81,15 @@ def refuse_to_listen(
     return reason is not None
 
 
-def split_hostport(address: str) -> tuple[str, int]:
-    """Split ``host:port`` / ``[v6]:port``; raise ValueError on anything else."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    return host, int(port)
-
-
-def join_hostport(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets (``[::1]:8080``)."""
-    host = host.strip("[]")
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def connect_host(host: str) -> str:
     """The address a local client should dial for a server bound to ``host``."""
-    return "127.0.0.1" if host in WILDCARD_HOSTS else host.strip("[]")
+    return "127.0.0.1" if is_wildcard(host) else host_of(host)
 
 
 def guess_node_ip(listen_host: str) -> str:
     """The IP others should use to reach this node: the listen host, else the hostname's IP."""
-    if listen_host not in WILDCARD_HOSTS:
-        return listen_host.strip("[]")
+    if not is_wildcard(listen_host):
+        return host_of(listen_host)
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -264,7 +237,7 @@ class Running:
     def __init__(self, host: str, port: int) -> None:
         """A server bound to ``host``:``port``; ``address`` is what a local client dials."""
         self.port = port
-        self.address = f"{connect_host(host)}:{port}"
+        self.address = join_hostport(connect_host(host), port)
         self._stopped = False
         self._lock = threading.Lock()
 

@@ -34,6 +34,7 @@ from config.settings import Settings, get_settings, load_settings
 from stack.redis import free_port, redis_argv
 from stack.supervisor import Child, Supervisor
 from workers.fleet.nodes import upsert_node
+from workers.kinds import NodeKind
 from workers.store.db import get_database
 from workers.store.migrate import safe_url, upgrade
 from workers.store.models import Node
@@ -261,7 +262,7 @@ def _node_registered(database: str, external_id: str) -> bool:
 
 def _add_lambdo_node(database: str, url: str) -> None:
     with get_database(database).transaction() as s:
-        upsert_node(s, url, name="local-lambdo", kind="lambdo",
+        upsert_node(s, url, name="local-lambdo", kind=NodeKind.LAMBDO,
                     default_capacity=get_settings().node_capacity)
 
 

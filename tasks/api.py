@@ -53,6 +53,7 @@ from workers.functions import (
 )
 from workers.functions import deploy as deploy_spec
 from workers.functions import remove_function as remove_function_row
+from workers.kinds import OpKind
 from workers.operations import (
     OperationView,
     create_operation,
@@ -286,7 +287,7 @@ def hogs(
 
     def write(s: Session) -> Operation:
         fleet_hogs.hog_targets(s, node)  # unknown node, Lambdo host, no healthy agent: refuse
-        return create_operation(s, "hogs", {"action": action, "n": n, "node": node})
+        return create_operation(s, OpKind.HOGS, {"action": action, "n": n, "node": node})
 
     return _submit(db, write)
 
@@ -295,13 +296,13 @@ def reap(idle_timeout: float | None = None, *, settings: Settings | None = None)
     """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
     db = database(settings)
     idle_timeout = reaper.check_idle_timeout(idle_timeout)
-    return _submit(db, lambda s: create_operation(s, "reap",
+    return _submit(db, lambda s: create_operation(s, OpKind.REAP,
                                                           {"idle_timeout": idle_timeout}))
 
 
 def reconcile(*, settings: Settings | None = None) -> str:
     """Ask for one reconcile pass now; returns the operation id."""
-    return _submit(database(settings), lambda s: create_operation(s, "reconcile", {}))
+    return _submit(database(settings), lambda s: create_operation(s, OpKind.RECONCILE, {}))
 
 
 def operation(op_id: str, *, settings: Settings | None = None) -> OperationView:

@@ -29,6 +29,7 @@ from workers.autoscale.passes import run_pass
 from workers.celery import CorralTask, app
 from workers.errors import CorralError
 from workers.fleet import health
+from workers.kinds import OpKind
 from workers.maintenance import reaper, redrive
 from workers.maintenance import reconcile as reconciler
 from workers.metrics import count_reaped
@@ -47,7 +48,7 @@ def check_health(self: CorralTask) -> dict[str, Any]:
     report = health.check_health(self.db, self.settings, holder=holder)
     result = asdict(report)
     if report.changed:
-        result["op_id"] = record_pass(self.db, "health", dict(result))
+        result["op_id"] = record_pass(self.db, OpKind.HEALTH, dict(result))
     return result
 
 
@@ -88,7 +89,7 @@ def _reap(task: CorralTask, idle_timeout: float | None, op_id: str | None) -> di
     if op_id:
         reaper.record(task.db, op_id, report, extra)
     elif report.changed or extra["redriven"]:
-        extra["op_id"] = record_pass(task.db, "reap", reaper.outcome(report, extra),
+        extra["op_id"] = record_pass(task.db, OpKind.REAP, reaper.outcome(report, extra),
                                      total=len(report.deleted), failed=report.failed)
     return {**report.as_dict(), **extra}
 
@@ -173,5 +174,5 @@ def _reconcile(task: CorralTask, op_id: str | None) -> dict[str, Any]:
     if op_id:
         record_result(task.db, op_id, result)
     elif report.changed:
-        result["op_id"] = record_pass(task.db, "reconcile", dict(result))
+        result["op_id"] = record_pass(task.db, OpKind.RECONCILE, dict(result))
     return result

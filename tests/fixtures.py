@@ -48,7 +48,7 @@ from sqlalchemy import select, text
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings, get_settings, reset_settings
 from workers import clock
-from workers.backends import fcdaemon, inflight
+from workers.backends import inflight
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.store.db import Database, get_database
@@ -255,5 +255,4 @@ def start_agents() -> Iterator[StartAgents]:
         agent.stop(grace=0)
     # A later test's agent may get one of these ports again: a channel cached here
     # would still sit in reconnect backoff (up to 2 s) and refuse its first calls.
-    fcdaemon.reset_channels()
     inflight.reset()

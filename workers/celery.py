@@ -46,8 +46,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TaskPredicate
 from config.celery import celery_config
 from config.settings import Settings, get_settings
 from workers import broker
-from workers.backends.fcdaemon import reset_channels
-from workers.backends.lambdo import reset_client
+from workers.backends import inflight
 from workers.errors import InputError, SchemaError
 from workers.operations import describe_error, fail_op
 from workers.replicas.owners import Budget
@@ -240,8 +239,7 @@ app = create_app()
 def _fresh_resources(**_: Any) -> None:
     """Drop resources inherited from the parent: each pool process makes its own."""
     get_database(get_settings().database_url).dispose()
-    reset_channels()
-    reset_client()
+    inflight.reset()  # the loop, its channels and clients: made anew in this process
 
 
 @signals.worker_init.connect

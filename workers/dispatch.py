@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from workers.celery import app
 from workers.errors import BrokerError, CorralError
+from workers.kinds import OpKind
 from workers.operations import fail_op
 from workers.store.db import Database
 from workers.store.models import Operation
@@ -37,12 +38,12 @@ RELEASE_ORPHAN = "corral.release_orphan"
 
 # The task that carries out an operation of each kind.
 FIRST_TASKS = {
-    "spawn": "corral.spawn",
-    "scale": "corral.scale",
-    "delete": DELETE_REPLICA,
-    "hogs": "corral.hogs",
-    "reap": "corral.reap",
-    "reconcile": "corral.reconcile",
+    OpKind.SPAWN: "corral.spawn",
+    OpKind.SCALE: "corral.scale",
+    OpKind.DELETE: DELETE_REPLICA,
+    OpKind.HOGS: "corral.hogs",
+    OpKind.REAP: "corral.reap",
+    OpKind.RECONCILE: "corral.reconcile",
 }
 
 
@@ -63,26 +64,27 @@ def release_orphan(node_id: str, vmid: str) -> None:
     _task(RELEASE_ORPHAN, args=(node_id, vmid)).apply_async()
 
 
-def first_task(kind: str, op_id: str, params: dict[str, Any]) -> Signature:
+def first_task(kind: OpKind, op_id: str, params: dict[str, Any]) -> Signature:
     """The task that carries out an operation of ``kind``, built from its stored params."""
     name = FIRST_TASKS.get(kind)
     if name is None:
         raise ValueError(f"no task carries out operations of kind {kind!r}")
-    if kind == "delete":
-        return _task(name, args=(params["replica"], op_id), immutable=True)
-    if kind == "hogs":
-        kwargs = {"action": params["action"], "n": params["n"], "node": params["node"],
-                  "op_id": op_id}
-    elif kind == "reap":
-        kwargs = {"idle_timeout": params.get("idle_timeout"), "op_id": op_id}
-    elif kind == "reconcile":
-        kwargs = {"op_id": op_id}
-    else:  # spawn, scale: everything else is in the operation row
-        return _task(name, args=(op_id,), immutable=True)
+    match kind:
+        case OpKind.DELETE:
+            return _task(name, args=(params["replica"], op_id), immutable=True)
+        case OpKind.HOGS:
+            kwargs = {"action": params["action"], "n": params["n"], "node": params["node"],
+                      "op_id": op_id}
+        case OpKind.REAP:
+            kwargs = {"idle_timeout": params.get("idle_timeout"), "op_id": op_id}
+        case OpKind.RECONCILE:
+            kwargs = {"op_id": op_id}
+        case _:  # spawn, scale: everything else is in the operation row
+            return _task(name, args=(op_id,), immutable=True)
     return _task(name, kwargs=kwargs, immutable=True)
 
 
-def resend(kind: str, op_id: str, params: dict[str, Any]) -> None:
+def resend(kind: OpKind, op_id: str, params: dict[str, Any]) -> None:
     """Send the first task of an operation again (one that stopped moving)."""
     first_task(kind, op_id, params).apply_async()
 

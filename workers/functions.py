@@ -21,9 +21,11 @@ from sqlalchemy.orm import Session
 
 from agents import guest_env
 from config.settings import Settings
+from workers.backends.base import backend
 from workers.clock import iso, now
 from workers.errors import InputError
 from workers.fleet.placement import POLICIES
+from workers.kinds import NodeKind
 from workers.replicas.lifecycle import bump_reap_at
 from workers.store.models import LIVE_STATES, Function, Replica, ReplicaState
 from workers.store.rows import one_or_not_found
@@ -220,7 +222,8 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
     fn = session.scalars(select(Function).where(Function.name == spec.name)).first()
     created = fn is None
     if fn is None:
-        if not f["image"] and not (f.get("backend") == "lambdo" and f.get("rootfs")):
+        kind = f.get("backend") or NodeKind.FCDAEMON
+        if not f["image"] and not backend(kind).image_of_rootfs(f.get("rootfs")):
             raise InputError(
                 "--image is required for a new function (a lambdo function may give "
                 "only --rootfs: its rootfs is its image)"
@@ -268,10 +271,10 @@ def _values(spec: FunctionSpec, f: dict[str, Any], fn: Function, *,
     image = pick("image", fn.image, "")
     if image.endswith(":latest"):
         image = image[: -len(":latest")]
-    backend = pick("backend", fn.backend, "fcdaemon")
-    if backend == "lambdo" and not image:
-        image = pick("rootfs", fn.rootfs, None) or ""
-    values: dict[str, Any] = {"image": image, "backend": backend}
+    kind = pick("backend", fn.backend, NodeKind.FCDAEMON)
+    if not image:
+        image = backend(kind).image_of_rootfs(pick("rootfs", fn.rootfs, None))
+    values: dict[str, Any] = {"image": image, "backend": kind}
     for column, option, default in _COLUMNS:
         fresh = list(default) if isinstance(default, list) else default  # no shared list
         values[column] = pick(option, getattr(fn, column), fresh)
@@ -296,10 +299,7 @@ def _check(values: dict[str, Any], f: dict[str, Any]) -> None:
         raise InputError("--keep-alive adaptive on an autoscaled function needs "
                          "--scale-to-zero-after (its fixed fallback): without it the "
                          "autoscaler never lets the last replica go")
-    if values["backend"] == "fcdaemon" and not values["kernel"]:
-        raise InputError("a fcdaemon function needs --kernel (or the KERNEL_IMAGE_PATH label)")
-    if values["backend"] == "lambdo" and not values["rootfs"]:
-        raise InputError("a lambdo function needs --rootfs URL")
+    backend(values["backend"]).check_function(values)
     if not values["ports"]:
         raise InputError("a function needs at least one --port")
 

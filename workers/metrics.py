@@ -77,11 +77,13 @@ from sqlalchemy import Float, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from agents.httpserve import BoundedHandler, BoundedServer
-from agents.runtime import join_hostport, listen_refusal, split_hostport
+from agents.runtime import listen_refusal
 from config.celery import QUEUES
+from netplumb.addresses import join_hostport, split_hostport
 from workers.autoscale.keepalive import MODES
 from workers.autoscale.passes import DECISIONS_KEY, KEEPALIVE_KEY
 from workers.errors import InputError
+from workers.kinds import OpKind
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, OP_OPEN, Function, Node, Operation, Replica
 
@@ -195,7 +197,7 @@ class StoreCollector(Collector):
                      for b in SPAWN_BUCKETS])
             .select_from(Replica)
             .join(Operation, Operation.id == func.substr(Replica.request_id, 1, 32))
-            .where(Replica.ready_at.is_not(None), Operation.kind.in_(("spawn", "scale")))
+            .where(Replica.ready_at.is_not(None), Operation.kind.in_((OpKind.SPAWN, OpKind.SCALE)))
         ).one()
         total, seconds, *cumulative = row
         buckets = [(_le(b), float(n)) for b, n in zip(SPAWN_BUCKETS, cumulative, strict=True)]
@@ -304,7 +306,6 @@ def parse_listen(listen: str) -> tuple[str, int]:
         host, port = split_hostport(listen)
     except ValueError:
         host, port = "", 0
-    host = host.strip("[]")
     if not host:
         raise InputError(f"--listen must be HOST:PORT, got {listen!r}")
     return host, port

@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 from config.redact import redact, redact_params
 from workers.clock import iso, now
 from workers.errors import InputError, NotFound
+from workers.kinds import OpKind
 from workers.store.db import Database
 from workers.store.models import OP_FINISHED, OP_OPEN, Operation, OpPart, OpStatus
 
@@ -69,7 +70,7 @@ def describe_error(exc: BaseException) -> str:
 
 
 def create_operation(
-    session: Session, kind: str, params: dict[str, Any], *, function_id: str | None = None,
+    session: Session, kind: OpKind, params: dict[str, Any], *, function_id: str | None = None,
     total: int = 0,
 ) -> Operation:
     """Write a pending operation record."""
@@ -136,7 +137,7 @@ def operation_view(op: Operation) -> OperationView:
 
 
 def record_pass(
-    db: Database, kind: str, result: dict[str, Any], *, total: int = 1, failed: int = 0
+    db: Database, kind: OpKind, result: dict[str, Any], *, total: int = 1, failed: int = 0
 ) -> str:
     """Record what a periodic housekeeping pass changed, as an operation already over; its id.
 
@@ -228,7 +229,7 @@ def forget_parts(session: Session, op_id: str) -> None:
                     .execution_options(synchronize_session=False))
 
 
-def open_of(*kinds: str) -> ColumnElement[bool]:
+def open_of(*kinds: OpKind) -> ColumnElement[bool]:
     """The SQL condition for an operation of one of ``kinds`` that is still open."""
     return and_(Operation.kind.in_(kinds), Operation.status.in_(OP_OPEN))
 

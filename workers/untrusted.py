@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterable
 from urllib.parse import quote
 
-from agents.runtime import is_loopback
+from netplumb.addresses import host_of, is_loopback, is_wildcard
 from workers.errors import PermanentBackendError
 
 __all__ = [
@@ -95,7 +95,7 @@ def parse_networks(cidrs: Iterable[str]) -> list[Network]:
 
 def host_ips(host: str) -> set[IP]:
     """The IPs ``host`` stands for: itself if it is one, else what it resolves to (maybe none)."""
-    host = host.strip().strip("[]")
+    host = host_of(host)
     try:
         return {ipaddress.ip_address(host)}
     except ValueError:
@@ -114,8 +114,7 @@ def _single(ip: IP) -> Network:
 def listen_networks(host: str) -> list[Network]:
     """Where a server bound to ``host`` can be reached: loopback for a loopback or wildcard
     bind (plus this machine's own addresses for a wildcard), else the host's IPs."""
-    host = host.strip().strip("[]")
-    if host in ("", "0.0.0.0", "::", "*"):  # noqa: S104 - recognised, not bound
+    if is_wildcard(host):
         own = host_ips(socket.gethostname()) | host_ips("localhost")
         return [*LOOPBACK, *(_single(ip) for ip in own)]
     ips = host_ips(host)

@@ -21,6 +21,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from workers.kinds import NODE_KINDS, NodeKind
+
 # typing is for mypy only here: importing it is a twentieth of what `corral --help` costs.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -164,7 +166,7 @@ def _add_nodes(top: Commands) -> None:
     p = nodes.add("add", "core:cmd_nodes_add", "add or update a node", listing=True)
     p.add_argument("address", help="HOST:PORT of an fcdaemon agent, or http://HOST:PORT of Lambdo")
     p.add_argument("--name")
-    p.add_argument("--kind", choices=["fcdaemon", "lambdo"], default="fcdaemon")
+    p.add_argument("--kind", choices=NODE_KINDS, default=NodeKind.FCDAEMON.value)
     p.add_argument("--capacity", type=integer, help="most live replicas on this node")
     p.add_argument("--replica-network", action="append", metavar="CIDR",
                    help="a network its replicas' addresses may be in (repeatable; default: the "
@@ -194,7 +196,7 @@ def _deploy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?")
     p.add_argument("--file", help="a TOML file describing the function")
     p.add_argument("--image", help="the image to run (a lambdo function defaults to its --rootfs)")
-    p.add_argument("--backend", choices=["fcdaemon", "lambdo"])
+    p.add_argument("--backend", choices=NODE_KINDS)
     p.add_argument("--kernel")
     p.add_argument("--initrd")
     p.add_argument("--kernel-args")

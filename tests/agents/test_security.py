@@ -21,8 +21,8 @@ from agents.fcdaemon import build_parser as fc
 from agents.gpus import build_parser as gp
 from agents.lambdo import build_parser as lb
 from agents.lambdo import serve_lambdo
-from agents.runtime import is_loopback, split_hostport
 from config.settings import Settings
+from netplumb.addresses import is_loopback, split_hostport
 from protos import fcdaemon_grpc, fcdaemon_pb2
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,6 +23,7 @@ from protos import fcdaemon_pb2
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env
+from workers.backends import inflight
 from workers.backends.fcdaemon import AgentClient, TlsFiles
 from workers.backends.lambdo import LambdoClient
 from workers.errors import BackendError
@@ -189,19 +190,20 @@ def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
     caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     caplog.set_level(logging.WARNING, logger="workers.untrusted")
-    AgentClient("127.0.0.1:1", token="t", shared=False).close()  # loopback: fine
+    AgentClient("127.0.0.1:1", token="t", shared=False)  # loopback: fine
     LambdoClient("http://127.0.0.1:1", token="t")
     assert caplog.text == ""
     (tmp_path / "ca.pem").write_text("")
     AgentClient("192.0.2.10:50051", token="t", shared=False,
-                tls=TlsFiles(tmp_path / "ca.pem")).close()  # TLS: fine
+                tls=TlsFiles(tmp_path / "ca.pem"))  # TLS: fine
     assert caplog.text == ""
     plain = AgentClient("192.0.2.11:50051", token="t", shared=False, timeout_s=0.2,
                         create_timeout_s=0.2)
     LambdoClient("http://192.0.2.12:3000", token="t")
     with pytest.raises(BackendError):  # TEST-NET: nothing answers
-        plain.create_replica(fcdaemon_pb2.CreateRequest(imageName="i", awsSecretAccessKey="s"))
-    plain.close()
+        inflight.run(plain.create_replica(
+            fcdaemon_pb2.CreateRequest(imageName="i", awsSecretAccessKey="s")))
+    inflight.run(plain.close())
     for what, host in (("the agent token", "192.0.2.11"), ("AWS keys", "192.0.2.11"),
                        ("the Lambdo token", "192.0.2.12")):
         assert f"{what} travel(s) in plain text to {host}" in caplog.text

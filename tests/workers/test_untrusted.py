@@ -19,6 +19,7 @@ from agents.lambdo import serve_lambdo
 from protos import fcdaemon_pb2
 from tasks import api
 from tests.fixtures import Env
+from workers.backends import inflight
 from workers.backends.lambdo import LambdoClient
 from workers.errors import PermanentBackendError, TransientBackendError
 from workers.fleet.health import check_health
@@ -51,6 +52,12 @@ class RawServer:
             try:
                 conn.recv(65536)
                 self._answer(conn, self.stop)
+                # Close gracefully: closing with the request's body unread would send a
+                # reset, and the client could lose the answer before reading it.
+                conn.shutdown(socket.SHUT_WR)
+                conn.settimeout(5)
+                while conn.recv(65536):
+                    pass
             except OSError:
                 pass
 
@@ -95,7 +102,7 @@ def test_a_call_has_a_total_deadline_not_only_a_per_read_one(
     client = LambdoClient(server.url, node="slow", timeout_s=1.0)
     started = time.monotonic()
     with pytest.raises(TransientBackendError, match="timed out"):
-        client.spawn("f_1", "examples.hello", [8080])
+        inflight.run(client.spawn("f_1", "examples.hello", [8080]))
     assert time.monotonic() - started < 3.0
 
 
@@ -103,7 +110,7 @@ def test_reply_bodies_are_capped(corral_env: Env, raw: Callable[..., RawServer])
     server = raw(huge)
     client = LambdoClient(server.url, node="big", timeout_s=10)
     with pytest.raises(PermanentBackendError, match="more than 1048576 bytes"):
-        client.spawn("f_1", "examples.hello", [8080])
+        inflight.run(client.spawn("f_1", "examples.hello", [8080]))
 
 
 def test_a_hung_probe_does_not_stall_the_health_pass(
@@ -134,7 +141,8 @@ def test_a_lambdo_vmid_must_be_well_formed(corral_env: Env, vmid: str) -> None:
         body = json.dumps({"id": vmid, "port_mapping": [[10001, 8080]]})
         running.agent.inject("spawn", Fault.reply(200, body))
         with pytest.raises(PermanentBackendError, match="vmid"):
-            LambdoClient(running.url, timeout_s=5).spawn("f_1", "examples.hello", [8080])
+            inflight.run(
+                LambdoClient(running.url, timeout_s=5).spawn("f_1", "examples.hello", [8080]))
     finally:
         running.stop()
 
@@ -146,10 +154,10 @@ def test_destroy_percent_encodes_the_vmid(corral_env: Env) -> None:
         driver.start(VMSpec(image="i", vmid="x"))
         client = LambdoClient(running.url, timeout_s=5)
         # a stored id with URL syntax in it must not address another VM ("x")
-        assert client.destroy("x?y") is False
+        assert inflight.run(client.destroy("x?y")) is False
         assert [vm.vmid for vm in driver.list()] == ["x"]
         assert running.agent.calls_of("destroy") == ["x?y"]
-        assert client.destroy("x") is True
+        assert inflight.run(client.destroy("x")) is True
     finally:
         running.stop()
 

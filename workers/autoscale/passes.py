@@ -63,6 +63,7 @@ from workers.autoscale import demand as demand_mod
 from workers.autoscale import idletimes
 from workers.autoscale.keepalive import Plan
 from workers.errors import CorralError
+from workers.kinds import OpKind
 from workers.operations import open_of
 from workers.store.db import Database
 from workers.store.models import Function, Operation, Replica, ReplicaState
@@ -151,7 +152,7 @@ def load_facts(db: Database) -> dict[str, Subject]:
         )}
         open_ops = {(fid, kind) for fid, kind in s.execute(
             select(Operation.function_id, Operation.kind).where(
-                open_of("scale", "spawn"), Operation.function_id.in_(ids)))}
+                open_of(OpKind.SCALE, OpKind.SPAWN), Operation.function_id.in_(ids)))}
         return {
             f.id: Subject(
                 f.id, f.name, f.autoscale, f.keep_alive == ADAPTIVE,
@@ -165,8 +166,8 @@ def load_facts(db: Database) -> dict[str, Subject]:
                     counted=f.replica_count,
                     at_zero=f.target == 0 and f.replica_count == 0,
                 ),
-                (f.id, "scale") in open_ops,
-                (f.id, "spawn") in open_ops,
+                (f.id, OpKind.SCALE) in open_ops,
+                (f.id, OpKind.SPAWN) in open_ops,
             )
             for f in fns
         }

@@ -1,11 +1,11 @@
-"""Client for node agents speaking ``fcdaemon.FcService`` over gRPC.
+"""The fcdaemon backend: node agents speaking ``fcdaemon.FcService`` over gRPC.
 
-One channel per agent address per process, created on first use and dropped after
-a fork (:func:`reset_channels`), so prefork children never share a channel with
-their parent. The batch paths (many creates or releases at once) use
-:class:`AsyncAgentClient` on a ``grpc.aio`` channel that lives on the process's
-event loop (:mod:`workers.backends.inflight`), made there on first use; both clients
-check replies and redact errors the same way (:class:`_AgentCalls`).
+:class:`FcdaemonBackend` is the :class:`~workers.backends.base.NodeBackend` for node
+agents; :class:`AgentClient` its one client, on ``grpc.aio`` channels that live on the
+process's event loop (:mod:`workers.backends.inflight`): one shared channel per agent
+address per process, made there on first use and closed when the loop is reset (a
+prefork child never shares one with its parent), plus a channel of its own for each
+health probe. Synchronous callers run a call on that loop (``inflight.run``).
 
 Every call carries a deadline; gRPC status codes become :mod:`workers.errors`
 types: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED and ABORTED are
@@ -17,8 +17,9 @@ AWS keys travel in the request and appear in no error message or log line.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
+import re
+import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,15 +29,21 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from config.redact import redact
+from config.settings import Settings
+from netplumb.addresses import host_of
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from workers.backends import inflight
+from workers.backends.base import CreateCall, Created, ListedVm, NodeBackend, Target, guest_port
 from workers.errors import (
     BackendError,
+    InputError,
     PermanentBackendError,
     TransientBackendError,
     Unsupported,
     VmGone,
 )
+from workers.kinds import NodeKind
+from workers.store.models import Function
 from workers.untrusted import check_ip, check_vmid, warn_plaintext
 
 RETRYABLE_CODES = frozenset(
@@ -76,54 +83,21 @@ class AgentVm(CreatedVm):
     created_unix: float
 
 
-_channels: dict[tuple[str, TlsFiles | None], grpc.Channel] = {}
-_channels_pid = os.getpid()
-_channels_lock = threading.Lock()
-
-
-def new_channel(address: str, tls: TlsFiles | None = None, *, aio: bool = False) -> Any:
-    """A new channel to ``address`` (callers normally want the shared :func:`channel`).
-
-    ``aio=True``: a ``grpc.aio`` channel, to be made on the event loop that uses it.
-    """
+def new_channel(address: str, tls: TlsFiles | None = None) -> Any:
+    """A new ``grpc.aio`` channel to ``address``, to be made on the event loop that uses it."""
     options = [
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.enable_retries", 0),
         ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
-    kind: Any = grpc.aio if aio else grpc
     if tls is None:
-        return kind.insecure_channel(address, options=options)
+        return grpc.aio.insecure_channel(address, options=options)
     creds = grpc.ssl_channel_credentials(
         root_certificates=tls.ca.read_bytes(),
         private_key=tls.key.read_bytes() if tls.key else None,
         certificate_chain=tls.cert.read_bytes() if tls.cert else None,
     )
-    return kind.secure_channel(address, creds, options=options)
-
-
-def channel(address: str, tls: TlsFiles | None = None) -> grpc.Channel:
-    """This process's channel to ``address``, created once and reused."""
-    global _channels_pid
-    with _channels_lock:
-        if _channels_pid != os.getpid():
-            _channels.clear()  # inherited across fork: never reuse
-            _channels_pid = os.getpid()
-        ch = _channels.get((address, tls))
-        if ch is None:
-            ch = _channels[(address, tls)] = new_channel(address, tls)
-        return ch
-
-
-def reset_channels() -> None:
-    """Close and forget every channel of this process (after fork, at shutdown)."""
-    global _channels_pid
-    with _channels_lock:
-        if _channels_pid == os.getpid():
-            for ch in _channels.values():
-                ch.close()
-        _channels.clear()
-        _channels_pid = os.getpid()
+    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 def _error(exc: grpc.RpcError, node: str, what: str, secrets: tuple[str, ...] = ()) -> BackendError:
@@ -161,8 +135,18 @@ async def _close_aio(resources: dict[str, Any]) -> None:
 inflight.on_reset(_close_aio)
 
 
-class _AgentCalls:
-    """What both clients share: settings, the bearer token, reply checks, redacted errors."""
+
+class AgentClient:
+    """Calls to one node agent on this process's event loop (``grpc.aio``), each with a
+    deadline and typed errors.
+
+    Make it anywhere; call it from coroutines running on :mod:`workers.backends.inflight`'s
+    loop (synchronous code: ``inflight.run(client.release(vmid))``). Its channel is the
+    process's shared one to the address, made on the loop on first use; with
+    ``shared=False`` it is one of its own, closed by :meth:`close` - a probe's, since a
+    shared channel may sit in reconnect backoff after failures and would report a node
+    that is back as still down.
+    """
 
     def __init__(
         self,
@@ -173,56 +157,57 @@ class _AgentCalls:
         create_timeout_s: float = 30.0,
         token: str | None = None,
         tls: TlsFiles | None = None,
+        shared: bool = True,
     ) -> None:
         self.address = address
-        self._channel_plain = tls is None
         self.node = node or address
         self.timeout_s = timeout_s
         self.create_timeout_s = create_timeout_s
+        self._tls = tls
+        self._shared = shared
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._token = token
+        self._channel: Any = None
+        self._stub_made: Any = None
         if token and tls is None:
-            warn_plaintext(address.rsplit(":", 1)[0].strip("[]"), "the agent token")
+            warn_plaintext(host_of(address), "the agent token")
 
-    def _failed(self, exc: grpc.RpcError, method: str, request: Any) -> BackendError:
-        secrets = (self._token or "", getattr(request, "awsAccessKeyID", ""),
-                   getattr(request, "awsSecretAccessKey", ""))
-        return _error(exc, self.node, method, secrets)
+    def _stub(self) -> Any:
+        """The FcService stub, on the channel (made now, on the loop, if not yet)."""
+        if self._stub_made is None:
+            if self._shared:
+                self._channel = inflight.resource(f"grpc:{self.address}:{self._tls}",
+                                                  self._new_channel)
+            else:
+                self._channel = self._new_channel()
+            self._stub_made = fcdaemon_grpc.FcServiceStub(self._channel)
+        return self._stub_made
 
-    def _creating(self, request: Any) -> None:
-        if request.awsSecretAccessKey and self._channel_plain:
-            warn_plaintext(self.address.rsplit(":", 1)[0].strip("[]"), "AWS keys")
+    def _new_channel(self) -> Any:
+        return new_channel(self.address, self._tls)
 
-    def _created(self, reply: Any) -> CreatedVm:
-        """The VM a ``CreateReply`` describes: its vmid and ip checked."""
-        vmid = check_vmid(reply.vmid, self.node)
-        ip = check_ip(reply.ip, self.node) if reply.ip else ""
-        return CreatedVm(vmid=vmid, ip=ip, port=int(reply.port))
-
-
-class AsyncAgentClient(_AgentCalls):
-    """CreateReplica and ReleaseVMSetup on this process's event loop (``grpc.aio``).
-
-    Made and used only inside coroutines running on :mod:`workers.backends.inflight`'s loop.
-    """
-
-    def __init__(self, address: str, *, tls: TlsFiles | None = None, **calls: Any) -> None:
-        super().__init__(address, tls=tls, **calls)
-        ch = inflight.resource(f"grpc:{address}:{tls}",
-                               lambda: new_channel(address, tls, aio=True))
-        self._stub = fcdaemon_grpc.FcServiceStub(ch)
+    async def close(self) -> None:
+        """Close the channel if this client owns it (``shared=False``)."""
+        if not self._shared and self._channel is not None:
+            await self._channel.close()
 
     async def _call(self, method: str, request: Any, timeout: float) -> Any:
         try:
-            return await getattr(self._stub, method)(
+            return await getattr(self._stub(), method)(
                 request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise self._failed(exc, method, request) from None
+            secrets = (self._token or "", getattr(request, "awsAccessKeyID", ""),
+                       getattr(request, "awsSecretAccessKey", ""))
+            raise _error(exc, self.node, method, secrets) from None
 
     async def create_replica(self, request: Any) -> CreatedVm:
         """Ask the agent for one VM; the agent picks the vmid (checked, as is its ip)."""
-        self._creating(request)
-        return self._created(await self._call("CreateReplica", request, self.create_timeout_s))
+        if request.awsSecretAccessKey and self._tls is None:
+            warn_plaintext(host_of(self.address), "AWS keys")
+        reply = await self._call("CreateReplica", request, self.create_timeout_s)
+        vmid = check_vmid(reply.vmid, self.node)
+        ip = check_ip(reply.ip, self.node) if reply.ip else ""
+        return CreatedVm(vmid=vmid, ip=ip, port=int(reply.port))
 
     async def release(self, vmid: str) -> bool:
         """Tear a VM down; False when the agent says it is already gone."""
@@ -233,55 +218,17 @@ class AsyncAgentClient(_AgentCalls):
             return False
         return True
 
-
-class AgentClient(_AgentCalls):
-    """Calls to one node agent, each with a deadline and typed errors."""
-
-    def __init__(
-        self, address: str, *, tls: TlsFiles | None = None, shared: bool = True, **calls: Any
-    ) -> None:
-        super().__init__(address, tls=tls, **calls)
-        self._owned = not shared
-        # A probe uses its own channel: a shared one may sit in reconnect backoff
-        # after failures and would report a node that is back as still down.
-        self._channel = channel(address, tls) if shared else new_channel(address, tls)
-        self._stub = fcdaemon_grpc.FcServiceStub(self._channel)
-
-    def close(self) -> None:
-        """Close the channel if this client owns it (``shared=False``)."""
-        if self._owned:
-            self._channel.close()
-
-    def _call(self, method: str, request: Any, timeout: float) -> Any:
-        try:
-            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise self._failed(exc, method, request) from None
-
-    def create_replica(self, request: Any) -> CreatedVm:
-        """Ask the agent for one VM; the agent picks the vmid (checked, as is its ip)."""
-        self._creating(request)
-        return self._created(self._call("CreateReplica", request, self.create_timeout_s))
-
-    def release(self, vmid: str) -> bool:
-        """Tear a VM down; False when the agent says it is already gone."""
-        try:
-            self._call("ReleaseVMSetup", fcdaemon_pb2.ReleaseRequest(vmid=vmid), self.timeout_s)
-        except VmGone:
-            return False
-        return True
-
-    def create_cpu_hogs(self, n: int) -> None:
+    async def create_cpu_hogs(self, n: int) -> None:
         """Start ``n`` busy-loop processes on the node."""
-        self._call("CreateCPUHogs", fcdaemon_pb2.CpuHogs(n=n), self.timeout_s)
+        await self._call("CreateCPUHogs", fcdaemon_pb2.CpuHogs(n=n), self.timeout_s)
 
-    def stop_cpu_hogs(self, n: int) -> None:
+    async def stop_cpu_hogs(self, n: int) -> None:
         """Stop up to ``n`` busy-loop processes on the node."""
-        self._call("StopCPUHogs", fcdaemon_pb2.CpuHogs(n=n), self.timeout_s)
+        await self._call("StopCPUHogs", fcdaemon_pb2.CpuHogs(n=n), self.timeout_s)
 
-    def list_replicas(self) -> list[AgentVm]:
+    async def list_replicas(self) -> list[AgentVm]:
         """The VMs the agent runs (extension; raises :class:`Unsupported` if absent)."""
-        reply = self._call("ListReplicas", empty_pb2.Empty(), self.timeout_s)
+        reply = await self._call("ListReplicas", empty_pb2.Empty(), self.timeout_s)
         return [
             AgentVm(
                 vmid=r.vmid,
@@ -293,15 +240,16 @@ class AgentClient(_AgentCalls):
             for r in reply.replicas
         ]
 
-    def health(self) -> bool:
+    async def health(self) -> bool:
         """True when the agent's grpc.health.v1 service says SERVING.
 
         An agent without the health service is probed with a ListReplicas call and
         counts as healthy if it answers at all (even UNIMPLEMENTED).
         """
+        self._stub()
         stub = health_pb2_grpc.HealthStub(self._channel)
         try:
-            reply = stub.Check(
+            reply = await stub.Check(
                 health_pb2.HealthCheckRequest(service=""),
                 timeout=self.timeout_s,
                 metadata=self._metadata,
@@ -310,6 +258,103 @@ class AgentClient(_AgentCalls):
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise _error(exc, self.node, "health check") from None
             with contextlib.suppress(Unsupported):
-                self.list_replicas()
+                await self.list_replicas()
             return True
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def client(t: Target, settings: Settings, *, shared: bool = True) -> AgentClient:
+    """The client for node ``t`` with the settings' deadlines, token and TLS."""
+    tls = (TlsFiles(settings.agent_tls_ca, settings.agent_tls_cert, settings.agent_tls_key)
+           if settings.agent_tls_ca else None)
+    return AgentClient(t.address, node=t.name, timeout_s=settings.rpc_timeout_s,
+                       create_timeout_s=settings.create_timeout_s, token=settings.agent_token,
+                       tls=tls, shared=shared)
+
+
+def kernel_args(fn: Function) -> str:
+    """The function's kernel arguments with its env appended as ``--env=K=V``."""
+    parts = [fn.kernel_args] if fn.kernel_args else []
+    parts += [shlex.quote(f"--env={k}={v}") for k, v in sorted(fn.env.items())]
+    return " ".join(parts)
+
+
+def create_request(fn: Function, request_id: str, settings: Settings) -> Any:
+    """The ``fcdaemon.CreateRequest`` for one replica of ``fn``."""
+    return fcdaemon_pb2.CreateRequest(
+        kernelImagePath=fn.kernel,
+        kernelArgs=kernel_args(fn),
+        imageName=fn.image,
+        imageStoragePrefix=fn.image_storage or settings.image_storage,
+        inetDev=fn.inet_dev or settings.inet_dev,
+        nameServer=fn.name_server or settings.name_server,
+        awsAccessKeyID=fn.aws_access_key_id or settings.aws_access_key_id or "",
+        awsSecretAccessKey=fn.aws_secret_access_key or settings.aws_secret_access_key or "",
+        cpu=fn.cpu,
+        mem=fn.mem_mb,
+        numReplica=1,
+        vmType=fn.vm_type,
+        initrdPath=fn.initrd,
+        requestId=request_id,
+        guestPort=guest_port(fn),
+    )
+
+
+DEFAULT_AGENT_PORT = 50051
+HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?$")
+
+
+class FcdaemonBackend(NodeBackend):
+    """Node agents speaking ``fcdaemon.FcService`` over gRPC."""
+
+    kind = NodeKind.FCDAEMON
+    keyed_creates = True  # the requestId extension
+    runs_hogs = True
+    on_node_network = True  # a VM is on a network of its node's, not at the node's address
+
+    def normalize_address(self, address: str) -> str:
+        """``HOST:PORT`` (port 50051 when none is given)."""
+        m = HOSTPORT_RE.match(address)
+        if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
+            raise InputError(f"invalid agent address {address!r}: expected HOST:PORT")
+        return address if m.group(3) else f"{address}:{DEFAULT_AGENT_PORT}"
+
+    def image_of_rootfs(self, rootfs: str | None) -> str:
+        """Nothing: an agent boots a kernel with an image, never a rootfs alone."""
+        return ""
+
+    def check_function(self, values: Mapping[str, Any]) -> None:
+        """A replica boots the function's kernel: it needs one."""
+        if not values["kernel"]:
+            raise InputError("a fcdaemon function needs --kernel (or the KERNEL_IMAGE_PATH label)")
+
+    def create_request(self, fn: Function, request_id: str, settings: Settings) -> Any:
+        """A ``CreateRequest`` (:func:`create_request`)."""
+        return create_request(fn, request_id, settings)
+
+    async def create(self, call: CreateCall, settings: Settings) -> Created:
+        """CreateReplica; the replica is at its reply's ip (else the node's host) and port."""
+        created = await client(call.target, settings).create_replica(call.request)
+        return Created(created.vmid, created.ip or host_of(call.target.address), created.port)
+
+    async def release(self, t: Target, vmid: str, settings: Settings) -> bool:
+        """ReleaseVMSetup; False on NOT_FOUND."""
+        return await client(t, settings).release(vmid)
+
+    async def list_vms(self, t: Target, settings: Settings) -> list[ListedVm]:
+        """ListReplicas (extension)."""
+        return [ListedVm(v.vmid, v.request_id, v.created_unix)
+                for v in await client(t, settings).list_replicas()]
+
+    async def probe(self, t: Target, settings: Settings) -> bool:
+        """The health service (or any answer at all), on a channel of its own."""
+        probe = client(t, settings, shared=False)
+        try:
+            return await probe.health()
+        finally:
+            await probe.close()
+
+    async def hogs(self, t: Target, action: str, n: int, settings: Settings) -> None:
+        """CreateCPUHogs or StopCPUHogs."""
+        agent = client(t, settings)
+        await (agent.create_cpu_hogs(n) if action == "start" else agent.stop_cpu_hogs(n))

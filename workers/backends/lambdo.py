@@ -1,68 +1,50 @@
-"""Client for Lambdo hosts: ``POST /spawn`` and ``DELETE /destroy/{id}`` over HTTP.
+"""The Lambdo backend: Lambdo hosts, ``POST /spawn`` and ``DELETE /destroy/{id}`` over HTTP.
 
-One :class:`httpx.Client` per process (recreated after a fork), a timeout on every
-call, and answers mapped to :mod:`workers.errors`: connection trouble, timeouts
-and 5xx are retryable (a 500's plain-text body becomes the error message), 4xx
-are permanent, 404 on destroy means the VM is already gone. ``GET /vms`` is an
-extension some hosts serve; a 404 there raises :class:`Unsupported`.
+:class:`LambdoBackend` is the :class:`~workers.backends.base.NodeBackend` for Lambdo
+hosts; :class:`LambdoClient` its one client, on one ``httpx.AsyncClient`` per process
+living on the process's event loop (:mod:`workers.backends.inflight`, which makes it
+anew after a fork). Synchronous callers run a call on that loop (``inflight.run``).
 
-The batch paths use :class:`AsyncLambdoClient`: the same calls, checks and
-limits on one ``httpx.AsyncClient`` per process, living on the process's event
-loop (:mod:`workers.backends.inflight`).
+Every call has a total deadline and a capped body (:mod:`workers.backends.http_calls`);
+answers map to :mod:`workers.errors`: connection trouble, timeouts and 5xx are retryable
+(a 500's plain-text body becomes the error message), 4xx are permanent, 404 on destroy
+means the VM is already gone. ``GET /vms`` is an extension some hosts serve; a 404
+there raises :class:`Unsupported`.
 """
 
 from __future__ import annotations
 
-import os
-import threading
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from config.redact import redact
+from config.settings import Settings
+from netplumb.addresses import host_of
 from workers.backends import inflight
-from workers.backends.http_calls import (
-    DeadlineTransport,
-    HttpCall,
-    abounded_request,
-    bounded_request,
+from workers.backends.base import (
+    DEFAULT_GUEST_PORT,
+    CreateCall,
+    Created,
+    ListedVm,
+    NodeBackend,
+    Target,
 )
+from workers.backends.http_calls import HttpCall, abounded_request
 from workers.errors import (
+    InputError,
     PermanentBackendError,
     TransientBackendError,
     Unsupported,
 )
+from workers.kinds import NodeKind
+from workers.store.models import Function
 from workers.untrusted import check_vmid, vmid_path, warn_plaintext
 
 MAX_ERROR_TEXT = 500
-
-_client: httpx.Client | None = None
-_client_pid = -1
-_client_lock = threading.Lock()
-
-
-def http_client() -> httpx.Client:
-    """This process's shared HTTP client."""
-    global _client, _client_pid
-    with _client_lock:
-        if _client is None or _client_pid != os.getpid():
-            limits = httpx.Limits(max_connections=100)
-            _client = httpx.Client(
-                transport=DeadlineTransport(limits=limits, trust_env=False), trust_env=False
-            )
-            _client_pid = os.getpid()
-        return _client
-
-
-def reset_client() -> None:
-    """Drop this process's HTTP client (after fork, at shutdown)."""
-    global _client, _client_pid
-    with _client_lock:
-        if _client is not None and _client_pid == os.getpid():
-            _client.close()
-        _client = None
-        _client_pid = -1
 
 
 @dataclass(frozen=True)
@@ -105,8 +87,25 @@ def _parse_mapping(raw: Any) -> dict[int, int]:
     return mapping
 
 
+async def _close_http(resources: dict[str, Any]) -> None:
+    client = resources.get("http")
+    if client is not None:
+        await client.aclose()
+
+
+inflight.on_reset(_close_http)
+
+
+def _http() -> httpx.AsyncClient:
+    """This process's HTTP client (made on the loop on first use)."""
+    return inflight.resource("http", lambda: httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
+        trust_env=False))
+
+
 class LambdoClient:
-    """Calls to one Lambdo host, each with a timeout and typed errors."""
+    """Calls to one Lambdo host on this process's event loop, each with a deadline and
+    typed errors (make it anywhere; call it from coroutines on the loop)."""
 
     def __init__(
         self, base_url: str, *, node: str | None = None, timeout_s: float = 10.0,
@@ -118,19 +117,12 @@ class LambdoClient:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._secrets = (token,) if token else ()
         if token and not self.base_url.startswith("https://"):
-            warn_plaintext(httpx.URL(self.base_url).host, "the Lambdo token")
+            warn_plaintext(host_of(self.base_url), "the Lambdo token")
 
-    def _request(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
-        response = bounded_request(
-            http_client(), self._call(method, path, what), headers=self._headers, **kwargs
-        )
-        return self._checked(response, what)
-
-    def _call(self, method: str, path: str, what: str) -> HttpCall:
-        return HttpCall(method, self.base_url + path, self.timeout_s, what, self.node,
+    async def _request(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
+        call = HttpCall(method, self.base_url + path, self.timeout_s, what, self.node,
                         secrets=self._secrets)
-
-    def _checked(self, response: httpx.Response, what: str) -> httpx.Response:
+        response = await abounded_request(_http(), call, headers=self._headers, **kwargs)
         if response.status_code >= 500:
             raise TransientBackendError(  # the host answered: it says nothing was done
                 f"{what} answered {response.status_code}: {_text(response, self._secrets)}",
@@ -140,18 +132,10 @@ class LambdoClient:
             )
         return response
 
-    @staticmethod
-    def spawn_body(rootfs_id: str, location: str, ports: list[int]) -> dict[str, Any]:
-        """The ``/spawn`` request body."""
-        return {"rootfs": {"id": rootfs_id, "location": location}, "requestedPorts": ports}
-
-    def spawn(self, rootfs_id: str, location: str, ports: list[int]) -> SpawnedVm:
+    async def spawn(self, rootfs_id: str, location: str, ports: list[int]) -> SpawnedVm:
         """Start a VM from a rootfs image with the requested guest ports."""
-        body = self.spawn_body(rootfs_id, location, ports)
-        return self.spawned(self._request("POST", "/spawn", "spawn", json=body))
-
-    def spawned(self, response: httpx.Response) -> SpawnedVm:
-        """The VM a ``/spawn`` answer describes (its vmid checked), or the error it is."""
+        body = {"rootfs": {"id": rootfs_id, "location": location}, "requestedPorts": ports}
+        response = await self._request("POST", "/spawn", "spawn", json=body)
         if response.status_code != 200:
             raise PermanentBackendError(
                 f"spawn answered {response.status_code}: {_text(response, self._secrets)}",
@@ -170,12 +154,9 @@ class LambdoClient:
             ) from None
         return SpawnedVm(vmid=vmid, port_mapping=mapping)
 
-    def destroy(self, vmid: str) -> bool:
+    async def destroy(self, vmid: str) -> bool:
         """Destroy a VM; False when the host says it is already gone (404)."""
-        return self.destroyed(self._request("DELETE", f"/destroy/{vmid_path(vmid)}", "destroy"))
-
-    def destroyed(self, response: httpx.Response) -> bool:
-        """Whether a ``/destroy`` answer means the VM was destroyed (False: already gone)."""
+        response = await self._request("DELETE", f"/destroy/{vmid_path(vmid)}", "destroy")
         if response.status_code == 404:
             return False
         if response.status_code not in (200, 204):
@@ -186,9 +167,9 @@ class LambdoClient:
             )
         return True
 
-    def list_vms(self) -> list[HostVm]:
+    async def list_vms(self) -> list[HostVm]:
         """The VMs the host runs (``GET /vms`` extension)."""
-        response = self._request("GET", "/vms", "list")
+        response = await self._request("GET", "/vms", "list")
         if response.status_code in (404, 405):
             raise Unsupported("host has no GET /vms", node=self.node, code="404")
         if response.status_code != 200:
@@ -208,39 +189,78 @@ class LambdoClient:
         except (ValueError, KeyError, TypeError) as exc:
             raise PermanentBackendError(f"list answered an unreadable body ({exc})") from None
 
-    def probe(self) -> None:
+    async def probe(self) -> None:
         """Raise unless the host answers HTTP at all (any status below 500)."""
-        self._request("GET", "/vms", "probe")
+        await self._request("GET", "/vms", "probe")
 
 
-
-async def _close_http(resources: dict[str, Any]) -> None:
-    client = resources.get("http")
-    if client is not None:
-        await client.aclose()
-
-
-inflight.on_reset(_close_http)
+def client(t: Target, settings: Settings) -> LambdoClient:
+    """The client for host ``t`` with the settings' deadline and token."""
+    return LambdoClient(t.address, node=t.name, timeout_s=settings.lambdo_timeout_s,
+                        token=settings.lambdo_token)
 
 
-class AsyncLambdoClient(LambdoClient):
-    """``/spawn`` and ``/destroy`` on this process's ``httpx.AsyncClient`` (on its loop)."""
+def rootfs_id(fn: Function) -> str:
+    """Lambdo's image id: ``<function id>_<build version>``, new on every deploy."""
+    return f"{fn.id}_{fn.build_version}"
 
-    async def _arequest(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
-        client = inflight.resource("http", lambda: httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
-            trust_env=False))
-        response = await abounded_request(
-            client, self._call(method, path, what), headers=self._headers, **kwargs
-        )
-        return self._checked(response, what)
 
-    async def aspawn(self, rootfs_id: str, location: str, ports: list[int]) -> SpawnedVm:
-        """Start a VM from a rootfs image with the requested guest ports."""
-        body = self.spawn_body(rootfs_id, location, ports)
-        return self.spawned(await self._arequest("POST", "/spawn", "spawn", json=body))
+URL_RE = re.compile(r"^https?://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?/?$")
 
-    async def adestroy(self, vmid: str) -> bool:
-        """Destroy a VM; False when the host says it is already gone (404)."""
-        return self.destroyed(
-            await self._arequest("DELETE", f"/destroy/{vmid_path(vmid)}", "destroy"))
+
+class LambdoBackend(NodeBackend):
+    """Lambdo hosts over HTTP."""
+
+    kind = NodeKind.LAMBDO
+    keyed_creates = False  # /spawn takes no request id
+    runs_hogs = False
+    on_node_network = False  # a replica is a host port on the host itself
+
+    def normalize_address(self, address: str) -> str:
+        """``http://HOST:PORT`` (no trailing slash)."""
+        m = URL_RE.match(address)
+        if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
+            raise InputError(f"invalid Lambdo host address {address!r}: expected http://HOST:PORT")
+        return address.rstrip("/")
+
+    def image_of_rootfs(self, rootfs: str | None) -> str:
+        """The rootfs: on a Lambdo host a function's rootfs is its image."""
+        return rootfs or ""
+
+    def check_function(self, values: Mapping[str, Any]) -> None:
+        """A replica boots the function's rootfs: it needs one."""
+        if not values["rootfs"]:
+            raise InputError("a lambdo function needs --rootfs URL")
+
+    def create_request(self, fn: Function, request_id: str, settings: Settings) -> Any:
+        """(rootfs id, location, guest ports): ``/spawn`` keeps no request id."""
+        ports = [int(p) for p in fn.ports] or [DEFAULT_GUEST_PORT]
+        return (rootfs_id(fn), fn.rootfs or fn.image, ports)
+
+    async def create(self, call: CreateCall, settings: Settings) -> Created:
+        """``POST /spawn``; the replica is the host port mapped to the guest port, on the host."""
+        t = call.target
+        spawned = await client(t, settings).spawn(*call.request)
+        port = spawned.port_mapping.get(call.guest_port)
+        if port is None:
+            raise PermanentBackendError(
+                f"spawn mapped no host port to guest port {call.guest_port}", node=t.name
+            )
+        return Created(spawned.vmid, host_of(t.address), port)
+
+    async def release(self, t: Target, vmid: str, settings: Settings) -> bool:
+        """``DELETE /destroy/{id}``; False on 404."""
+        return await client(t, settings).destroy(vmid)
+
+    async def list_vms(self, t: Target, settings: Settings) -> list[ListedVm]:
+        """``GET /vms`` (extension); a Lambdo host keeps no request ids."""
+        return [ListedVm(v.vmid, "", v.created_unix) for v in await client(t, settings).list_vms()]
+
+    async def probe(self, t: Target, settings: Settings) -> bool:
+        """Any HTTP answer below 500."""
+        await client(t, settings).probe()
+        return True
+
+    async def hogs(self, t: Target, action: str, n: int, settings: Settings) -> None:
+        """A Lambdo host runs no hogs."""
+        raise Unsupported("a Lambdo host runs no CPU hogs", node=t.name)

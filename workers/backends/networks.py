@@ -26,13 +26,13 @@ import ipaddress
 import threading
 import time
 from functools import lru_cache
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from sqlalchemy import select
 
-from agents.runtime import join_hostport, split_hostport
 from config.settings import Settings
+from netplumb.addresses import host_of, join_hostport, split_hostport
+from workers.backends.base import Target, backend
 from workers.store.db import get_database
 from workers.store.models import Node
 from workers.untrusted import (
@@ -43,9 +43,6 @@ from workers.untrusted import (
     listen_networks,
     parse_networks,
 )
-
-if TYPE_CHECKING:
-    from workers.backends import Target
 
 __all__ = [
     "TTL_S", "control_plane", "default_networks", "forget", "networks_of", "replica_address",
@@ -96,12 +93,10 @@ def control_plane(settings: Settings) -> Listeners:
 
 
 def default_networks(kind: str, address: str, settings: Settings) -> list[Network]:
-    """A node's replica networks when it lists none: its own host (and, for fcdaemon nodes,
-    ``CORRAL_REPLICA_NETWORKS``)."""
-    host = address.split("://", 1)[-1].split("/", 1)[0]
-    host = host.rsplit(":", 1)[0] if host.count(":") == 1 or host.startswith("[") else host
-    nets = [ipaddress.ip_network(ip) for ip in host_ips(host)]
-    if kind == "fcdaemon":
+    """A node's replica networks when it lists none: its own host (and, where its VMs live on
+    a network of their node's - fcdaemon nodes - ``CORRAL_REPLICA_NETWORKS``)."""
+    nets = [ipaddress.ip_network(ip) for ip in host_ips(host_of(address))]
+    if backend(kind).on_node_network:
         nets += parse_networks(c for c in settings.replica_networks.split(",") if c.strip())
     return nets
 

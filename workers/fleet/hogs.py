@@ -30,6 +30,7 @@ from workers import backends
 from workers.errors import BackendError, InputError
 from workers.fleet.health import note_failure
 from workers.fleet.nodes import get_node
+from workers.kinds import NodeKind
 from workers.operations import finish, mark_running
 from workers.store.db import Database
 from workers.store.models import OP_FINISHED, Node, Operation
@@ -55,13 +56,14 @@ def hog_targets(session: Any, node: str | None) -> list[Node]:
     """The nodes a hog request goes to: the named fcdaemon node, or every healthy one."""
     if node is not None:
         one = get_node(session, node)
-        if one.kind != "fcdaemon":
+        if not backends.backend(one.kind).runs_hogs:
             raise InputError(f"node {node!r} is a {one.kind} node; only fcdaemon agents run hogs")
         return [one]
+    kinds = [kind for kind in NodeKind if backends.backend(kind).runs_hogs]
     nodes = list(
         session.scalars(
             select(Node)
-            .where(Node.kind == "fcdaemon", Node.healthy.is_(True))
+            .where(Node.kind.in_(kinds), Node.healthy.is_(True))
             .order_by(Node.name)
         )
     )
@@ -83,12 +85,8 @@ class HogCall:
 
 def call_node(node: Node, settings: Settings, action: str, n: int) -> HogCall:
     """Send ``CreateCPUHogs`` / ``StopCPUHogs`` to one node; never raises for RPC errors."""
-    client = backends.agent_client(node, settings)
     try:
-        if action == "start":
-            client.create_cpu_hogs(n)
-        else:
-            client.stop_cpu_hogs(n)
+        backends.hogs(node, action, n, settings)
     except BackendError as exc:
         return HogCall(node.id, node.name, False, str(exc), exc.retryable)
     return HogCall(node.id, node.name, True)

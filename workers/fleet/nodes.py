@@ -25,33 +25,19 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
+from workers.backends.base import backend
 from workers.clock import iso, now
 from workers.errors import InputError
 from workers.functions import check_name
+from workers.kinds import NodeKind
 from workers.store.models import Node, Replica
 from workers.store.rows import delete_unlinking_replicas, one_or_not_found
 from workers.untrusted import parse_networks
 
-KINDS = ("fcdaemon", "lambdo")
-DEFAULT_AGENT_PORT = 50051
-HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?$")
-URL_RE = re.compile(r"^https?://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?/?$")
-
 
 def normalize_address(address: str, kind: str) -> str:
     """A node address in canonical form (``host:port`` for agents, a URL for Lambdo)."""
-    if kind not in KINDS:
-        raise InputError(f"unknown node kind {kind!r}; use one of {', '.join(KINDS)}")
-    address = address.strip()
-    if kind == "lambdo":
-        m = URL_RE.match(address)
-        if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
-            raise InputError(f"invalid Lambdo host address {address!r}: expected http://HOST:PORT")
-        return address.rstrip("/")
-    m = HOSTPORT_RE.match(address)
-    if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
-        raise InputError(f"invalid agent address {address!r}: expected HOST:PORT")
-    return address if m.group(3) else f"{address}:{DEFAULT_AGENT_PORT}"
+    return backend(kind).normalize_address(address.strip())
 
 
 def default_name(address: str) -> str:
@@ -66,7 +52,7 @@ def upsert_node(
     address: str,
     *,
     name: str | None = None,
-    kind: str = "fcdaemon",
+    kind: str = NodeKind.FCDAEMON,
     capacity: int | None = None,
     external_id: str | None = None,
     default_capacity: int = 64,

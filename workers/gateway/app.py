@@ -37,8 +37,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from agents.runtime import join_hostport, listen_address
+from agents.runtime import listen_address
 from config.settings import Settings
+from netplumb.addresses import join_hostport
 from workers.autoscale import demand, idletimes
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
@@ -63,7 +64,7 @@ def check_listen(settings: Settings, listen: str, *, insecure: bool = False) -> 
                                     insecure=insecure)
     except ValueError as exc:
         raise ListenRefused(str(exc)) from None
-    return host.strip("[]"), port
+    return host, port
 
 
 class GatewayApp:

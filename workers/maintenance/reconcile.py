@@ -43,6 +43,7 @@ from config.settings import Settings
 from workers import backends, dispatch, leases
 from workers.clock import now
 from workers.errors import BackendError, Unsupported
+from workers.kinds import OpKind
 from workers.locks import lock_functions
 from workers.operations import open_of
 from workers.replicas.lifecycle import lock_replica, transition
@@ -288,7 +289,7 @@ def below_min(db: Database, settings: Settings) -> dict[str, int]:
             fid
             for fid in s.scalars(
                 select(Operation.function_id).where(
-                    open_of("spawn"),
+                    open_of(OpKind.SPAWN),
                     Operation.created_at
                     >= now() - timedelta(seconds=settings.creating_deadline_s),
                 )

@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
+from workers.kinds import OpKind
 from workers.operations import fail_operation
 from workers.store.db import Database
 from workers.store.models import OP_OPEN, Operation
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 # Operations whose first task may run twice: everything it does is keyed by the
 # operation and its request ids. Not CPU hogs: a second CreateCPUHogs starts more.
-RESENDABLE = ("spawn", "scale", "delete", "reap", "reconcile")
+RESENDABLE = (OpKind.SPAWN, OpKind.SCALE, OpKind.DELETE, OpKind.REAP, OpKind.RECONCILE)
 REDRIVE_MAX = 3  # re-sends per operation
 SWEEP_LIMIT = 100  # operations re-sent per pass at most
 
@@ -59,7 +60,7 @@ class Redrive:
     """An operation whose first task is to be sent again."""
 
     op_id: str
-    kind: str
+    kind: OpKind
     params: dict[str, Any]
     attempt: int  # 1 for the first re-send
 
@@ -76,7 +77,7 @@ def _stalled(s: Session, since: datetime, limit: int, *where: Any) -> Sequence[O
 
 
 def due(
-    db: Database, settings: Settings, kinds: Collection[str], *, limit: int = SWEEP_LIMIT
+    db: Database, settings: Settings, kinds: Collection[OpKind], *, limit: int = SWEEP_LIMIT
 ) -> list[Redrive]:
     """Open operations of ``kinds`` that stopped moving, each stamped as re-sent once more."""
     after = timedelta(seconds=settings.redrive_after_s)
@@ -101,7 +102,7 @@ def due(
 
 
 def give_up(
-    db: Database, settings: Settings, resendable: Collection[str], *, limit: int = SWEEP_LIMIT
+    db: Database, settings: Settings, resendable: Collection[OpKind], *, limit: int = SWEEP_LIMIT
 ) -> dict[str, str]:
     """Fail the open operations that stopped moving for good; op id -> the reason recorded.
 

@@ -56,14 +56,16 @@ from agents.grpcserve import (
     report_vmid,
     token_interceptors,
 )
-from agents.runtime import join_hostport, listen_address
+from agents.runtime import listen_address
 from config.settings import Settings
+from netplumb.addresses import join_hostport
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers import dispatch
 from workers.clock import now
 from workers.errors import CorralError, InputError
 from workers.fleet.gpus import manager_info
 from workers.fleet.nodes import default_name, normalize_address, upsert_node
+from workers.kinds import NodeKind
 from workers.registry.identity import (
     Admission,
     Caller,
@@ -121,10 +123,6 @@ def _spawns_in_flight(db: Database) -> bool:
         )
 
 
-def _host(address: str) -> str:
-    return address.rsplit(":", 1)[0].strip("[]")
-
-
 def _free_name(session: Any, base: str) -> str:
     """``base``, or ``base-2``, ``base-3``... whichever no node has yet."""
     taken = set(session.scalars(select(Node.name).where(Node.name.startswith(base[:50]))))
@@ -173,7 +171,7 @@ class Registry:
         except NotThatNode as exc:
             log.warning("RegisterNode of node_id %r refused: %s", external[:64], exc)
             raise
-        address = normalize_address(join_hostport(ip, port), "fcdaemon")
+        address = normalize_address(join_hostport(ip, port), NodeKind.FCDAEMON)
         credential: str | None = None
         with self.db.transaction() as s:
             node = s.scalars(
@@ -191,7 +189,7 @@ class Registry:
                                 name, external, address, caller.peer or "?", exc)
                     raise
             node, created = upsert_node(
-                s, address, name=name, kind="fcdaemon", external_id=external,
+                s, address, name=name, kind=NodeKind.FCDAEMON, external_id=external,
                 default_capacity=self.settings.node_capacity,
             )
             name = node.name

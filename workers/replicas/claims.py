@@ -81,6 +81,7 @@ from config.settings import Settings
 from workers.clock import now
 from workers.errors import CorralError, InputError, NotFound, check_seconds
 from workers.functions import check_name, get_function
+from workers.kinds import OpKind
 from workers.operations import FINISHED, create_operation, get_operation
 from workers.replicas.lifecycle import lock_replica, transition
 from workers.store.db import Database
@@ -444,7 +445,7 @@ def suspect(db: Database, settings: Settings, claim_id: str, reason: str) -> Ope
             return None
         if replica.status not in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
             return None
-        op = create_operation(s, "delete", {"replica": replica.id},
+        op = create_operation(s, OpKind.DELETE, {"replica": replica.id},
                               function_id=replica.function_id, total=1)
         replica.operation_id = op.id
         transition(s, replica, ReplicaState.DELETING, settings, error=reason)

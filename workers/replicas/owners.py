@@ -153,12 +153,12 @@ _DISOWN = (
 
 def dedups(node: Node) -> bool:
     """Whether a create sent twice to ``node`` makes one VM (corral's ``requestId`` extension)."""
-    return node.kind == "fcdaemon" and node.can_list is True
+    return backends.backend(node.kind).keyed_creates and node.can_list is True
 
 
 def probe_dedup(db: Database, settings: Settings, node: Node) -> bool:
     """Ask a node once whether it speaks corral's extensions, and remember the answer."""
-    if node.can_list is not None or node.kind != "fcdaemon":
+    if node.can_list is not None or not backends.backend(node.kind).keyed_creates:
         return dedups(node)
     try:
         backends.list_vms(node, settings)

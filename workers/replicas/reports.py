@@ -38,6 +38,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
+from netplumb.addresses import host_of
 from workers.clock import now
 from workers.leases import MAX_HOLDER, keyed_name, take
 from workers.replicas.lifecycle import TOMBSTONE, tombstone_name, transition
@@ -57,11 +58,10 @@ def lease_name(vmid: str) -> str:
 
 def peer_ip(peer: str) -> str | None:
     """The IP of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``); None if unknown."""
-    kind, _, rest = unquote(peer or "").partition(":")
-    if kind not in ("ipv4", "ipv6") or ":" not in rest:
+    family, _, rest = unquote(peer or "").partition(":")
+    if family not in ("ipv4", "ipv6") or ":" not in rest:
         return None
-    host = rest.rsplit(":", 1)[0].strip("[]")
-    return _normal(host)
+    return _normal(host_of(rest))
 
 
 def _normal(host: str) -> str | None:
@@ -71,13 +71,6 @@ def _normal(host: str) -> str | None:
         return None
     mapped = getattr(ip, "ipv4_mapped", None)
     return str(mapped or ip)
-
-
-def _host(address: str | None) -> str:
-    rest = (address or "").split("://", 1)[-1].split("/", 1)[0]
-    if rest.startswith("["):
-        return rest[1:].split("]", 1)[0]
-    return rest.rsplit(":", 1)[0] if rest.count(":") == 1 else rest
 
 
 def _ips(host: str) -> set[str]:
@@ -96,7 +89,7 @@ def _ips(host: str) -> set[str]:
 
 def address_ips(address: str | None) -> set[str]:
     """The IPs of the host in a node's or replica's address (``h:p``, a URL; names resolved)."""
-    return _ips(_host(address))
+    return _ips(host_of(address or ""))
 
 
 def peer_allowed(peer: str | None, replica: Replica, *, node_too: bool = True) -> bool:
@@ -213,7 +206,7 @@ def orphans(db: Database, settings: Settings, at: datetime | None = None) -> lis
                 continue
             take(s, tombstone_name(vmid), "orphan", keep.total_seconds())
             behind = [nid for nid, address in nodes
-                      if peer != UNKNOWN_PEER and peer in _ips(_host(address))]
+                      if peer != UNKNOWN_PEER and peer in address_ips(address)]
             out.append(Orphan(vmid, behind))
             log.warning("VM %s said READY from %s and no replica took it within %gs: an "
                         "orphan; releasing it on %s", vmid, peer,

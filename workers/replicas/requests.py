@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from workers.errors import InputError
 from workers.fleet.placement import spread_nodes
 from workers.functions import get_function
+from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.checks import check_count, check_target
 from workers.replicas.views import get_replica
@@ -32,7 +33,7 @@ def request_spawn(session: Session, function: str, count: int) -> Operation:
             f"spawning {adding} would give {function} {have + adding} replicas, "
             f"above its max of {fn.max_replicas}"
         )
-    return create_operation(session, "spawn", {"function": function, "count": count},
+    return create_operation(session, OpKind.SPAWN, {"function": function, "count": count},
                             function_id=fn.id)
 
 
@@ -40,12 +41,12 @@ def request_scale(session: Session, function: str, target: int) -> Operation:
     """An operation bringing ``function`` to ``target`` replicas (within its [min, max])."""
     fn = get_function(session, function)
     target = check_target(fn, target)
-    return create_operation(session, "scale", {"function": function, "target": target},
+    return create_operation(session, OpKind.SCALE, {"function": function, "target": target},
                             function_id=fn.id)
 
 
 def request_delete(session: Session, replica_id: str) -> Operation:
     """An operation deleting the replica ``replica_id``."""
     replica = get_replica(session, replica_id)
-    return create_operation(session, "delete", {"replica": replica_id},
+    return create_operation(session, OpKind.DELETE, {"replica": replica_id},
                             function_id=replica.function_id, total=1)

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from config.settings import Settings
 from workers.clock import now
 from workers.errors import InputError
+from workers.kinds import OpKind
 from workers.operations import finish, maybe_finish, open_of
 from workers.replicas.checks import check_target
 from workers.replicas.lifecycle import mark_deleting
@@ -44,7 +45,7 @@ def planned_requests(op: Operation) -> list[str]:
     plan = (op.result or {}).get("plan")
     if not isinstance(plan, dict):
         return []
-    if op.kind == "scale":
+    if op.kind == OpKind.SCALE:
         return list(plan.get("spawns") or [])
     return [job.request_id for job in spawn_jobs(op.id, plan)]
 
@@ -57,7 +58,7 @@ def unplaced(s: Session, function_id: str, *, exclude: str | None = None) -> int
     """
     ops = s.scalars(
         select(Operation).where(
-            Operation.function_id == function_id, open_of("spawn", "scale")
+            Operation.function_id == function_id, open_of(OpKind.SPAWN, OpKind.SCALE)
         )
     ).all()
     missing = 0

@@ -20,9 +20,11 @@ released or its ``expires_at`` passes (the reaper then gives it back): a replica
 An *operation* is one producer request (spawn, delete, scale, reap, ...): what was
 asked, how far it got, and how it ended.
 
-Both status columns are read as their enums (``Replica.status`` as :class:`ReplicaState`,
-``Operation.status`` as :class:`OpStatus`) and store the members' plain values, so a
-value that names no member never reaches the database.
+The status and kind columns are read as their enums (``Replica.status`` as
+:class:`ReplicaState`, ``Operation.status`` as :class:`OpStatus`, ``Operation.kind`` as
+:class:`~workers.kinds.OpKind`, ``Node.kind`` and ``Function.backend`` as
+:class:`~workers.kinds.NodeKind`) and store the members' plain values, so a value that
+names no member never reaches the database.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 from workers.clock import now
+from workers.kinds import NodeKind, OpKind
 
 
 def new_id() -> str:
@@ -119,7 +122,7 @@ OP_OPEN: tuple[str, ...] = tuple(s.value for s in OpStatus if s.value not in OP_
 
 
 class _Stored(TypeDecorator[Any]):
-    """A status column read as its enum and written as the member's value (schema unchanged).
+    """A status or kind column read as its enum, written as the member's value (schema unchanged).
 
     Writing a value that is not a member raises ``ValueError`` before the statement runs.
     """
@@ -151,6 +154,22 @@ class StoredOpStatus(_Stored):
     cache_ok = True
 
 
+class StoredNodeKind(_Stored):
+    """``nodes.kind`` and ``functions.backend``: the kind strings, read as :class:`NodeKind`."""
+
+    impl = String
+    members = NodeKind
+    cache_ok = True
+
+
+class StoredOpKind(_Stored):
+    """``operations.kind``: the kind strings, read as :class:`OpKind`."""
+
+    impl = String
+    members = OpKind
+    cache_ok = True
+
+
 class Base(DeclarativeBase):
     """Declarative base for corral's tables."""
 
@@ -174,7 +193,7 @@ class Function(Named, Base):
 
     __tablename__ = "functions"
 
-    backend: Mapped[str] = mapped_column(String(16), default="fcdaemon")
+    backend: Mapped[NodeKind] = mapped_column(StoredNodeKind(16), default=NodeKind.FCDAEMON)
     image: Mapped[str] = mapped_column(String(1024))
     kernel: Mapped[str] = mapped_column(String(1024), default="")
     initrd: Mapped[str] = mapped_column(String(1024), default="")
@@ -227,7 +246,7 @@ class Node(Named, Base):
 
     __tablename__ = "nodes"
 
-    kind: Mapped[str] = mapped_column(String(16), default="fcdaemon")
+    kind: Mapped[NodeKind] = mapped_column(StoredNodeKind(16), default=NodeKind.FCDAEMON)
     address: Mapped[str] = mapped_column(String(255))
     external_id: Mapped[str | None] = mapped_column(String(255), unique=True, nullable=True)
     capacity: Mapped[int] = mapped_column(Integer, default=64)
@@ -355,7 +374,7 @@ class Operation(Keyed, Base):
 
     __tablename__ = "operations"
 
-    kind: Mapped[str] = mapped_column(String(16))
+    kind: Mapped[OpKind] = mapped_column(StoredOpKind(16))
     function_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     status: Mapped[OpStatus] = mapped_column(StoredOpStatus(16), default=OpStatus.PENDING)

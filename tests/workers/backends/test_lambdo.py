@@ -13,6 +13,7 @@ from agents.lambdo import RunningLambdo, serve_lambdo
 from tasks import api
 from tests.fixtures import Env
 from tests.helpers import spawn_ok
+from workers.backends import inflight
 from workers.backends.lambdo import LambdoClient
 from workers.errors import InputError, PermanentBackendError, TransientBackendError
 from workers.fleet.nodes import upsert_node
@@ -58,7 +59,7 @@ def test_spawn_sends_rootfs_id_and_records_the_mapped_port(
     assert replica.vmid == vm.vmid
     # port_mapping came back in reverse order; the address must use the host port mapped
     # to the function's guest port (its first port, 9000), not the first pair's.
-    (listed,) = LambdoClient(lambdo.url, timeout_s=2).list_vms()
+    (listed,) = inflight.run(LambdoClient(lambdo.url, timeout_s=2).list_vms())
     assert listed.vmid == vm.vmid
     assert replica.address == f"http://127.0.0.1:{listed.port_mapping[9000]}"
     assert listed.port_mapping[9000] != listed.port_mapping[8080]
@@ -132,34 +133,34 @@ def test_slow_answer_past_the_timeout(lambdo: RunningLambdo) -> None:
     client = LambdoClient(lambdo.url, node="lambdo1", timeout_s=0.2)
     lambdo.agent.inject("spawn", Fault.delay(1.0))
     with pytest.raises(TransientBackendError, match="timed out"):
-        client.spawn("x_1", "examples.hello", [8080])
+        inflight.run(client.spawn("x_1", "examples.hello", [8080]))
 
 
 def test_client_maps_unordered_pairs_and_rejects_garbage(lambdo: RunningLambdo) -> None:
     client = LambdoClient(lambdo.url, node="lambdo1", timeout_s=2)
-    vm = client.spawn("x_1", "examples.hello", [8080, 9090, 7070])
+    vm = inflight.run(client.spawn("x_1", "examples.hello", [8080, 9090, 7070]))
     assert sorted(vm.port_mapping) == [7070, 8080, 9090]
     assert all(10000 <= h <= 19999 for h in vm.port_mapping.values())
     lambdo.agent.inject("spawn", Fault.reply(200, '{"id": "", "port_mapping": []}',
                                              "application/json"))
     with pytest.raises(PermanentBackendError, match="empty vmid"):
-        client.spawn("x_1", "examples.hello", [8080])
+        inflight.run(client.spawn("x_1", "examples.hello", [8080]))
     lambdo.agent.inject("spawn", Fault.reply(200, '{"id": "a", "port_mapping": 3}',
                                              "application/json"))
     with pytest.raises(PermanentBackendError, match="unreadable"):
-        client.spawn("x_1", "examples.hello", [8080])
-    assert client.destroy(vm.vmid) is True
-    assert client.destroy(vm.vmid) is False  # 404: already gone
-    assert [v.vmid for v in client.list_vms()] == []
+        inflight.run(client.spawn("x_1", "examples.hello", [8080]))
+    assert inflight.run(client.destroy(vm.vmid)) is True
+    assert inflight.run(client.destroy(vm.vmid)) is False  # 404: already gone
+    assert [v.vmid for v in inflight.run(client.list_vms())] == []
 
 
 def test_bearer_token(corral_env: Env) -> None:
     host = serve_lambdo("127.0.0.1:0", token="s3cret")
     try:
         with pytest.raises(PermanentBackendError, match="401"):
-            LambdoClient(host.url, timeout_s=2).spawn("x_1", "examples.hello", [8080])
-        vm = LambdoClient(host.url, timeout_s=2, token="s3cret").spawn(
-            "x_1", "examples.hello", [8080])
+            inflight.run(LambdoClient(host.url, timeout_s=2).spawn("x_1", "examples.hello", [8080]))
+        vm = inflight.run(LambdoClient(host.url, timeout_s=2, token="s3cret").spawn(
+            "x_1", "examples.hello", [8080]))
         assert vm.vmid
     finally:
         host.stop()

@@ -24,6 +24,7 @@ from tasks import api
 from tasks.replicas import delete_batch, spawn_batch
 from tests.fixtures import Env, StartAgents
 from workers import backends, clock
+from workers.backends import fcdaemon, inflight
 from workers.backends.fcdaemon import CreatedVm
 from workers.fleet.nodes import node_view, note_creates, upsert_node
 from workers.functions import deploy, get_function, spec_from
@@ -128,8 +129,9 @@ def test_a_redelivered_batch_makes_no_second_vm(
 
 def _create_directly(p: Pending, settings: Settings) -> CreatedVm:
     """Send one create straight to its agent, as a worker does before it records the VM."""
-    client = backends.agent_client(p.node, settings)
-    return client.create_replica(backends.create_request(p.function, p.request_id, settings))
+    client = fcdaemon.client(backends.target(p.node), settings)
+    request = fcdaemon.create_request(p.function, p.request_id, settings)
+    return inflight.run(client.create_replica(request))
 
 
 class CountingDriver(MemoryDriver):

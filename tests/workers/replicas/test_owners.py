@@ -22,6 +22,7 @@ from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
 from tests.workers.replicas.helpers import at_once
 from workers import backends, clock
+from workers.backends import fcdaemon, inflight
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
 from workers.operations import create_operation
@@ -100,8 +101,8 @@ def test_a_create_left_by_a_dead_owner_is_sent_again_only_where_the_node_dedupli
     dead = take(corral_env.db, settings, [j.request_id for j in jobs], owner_token(),
                 clock.now())
     for p in dead.pending:
-        backends.agent_client(p.node, settings).create_replica(
-            backends.create_request(p.function, p.request_id, settings))
+        inflight.run(fcdaemon.client(backends.target(p.node), settings).create_replica(
+            fcdaemon.create_request(p.function, p.request_id, settings)))
     assert len(agent.driver.list()) == 3
 
     redelivered = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
@@ -163,8 +164,8 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     live = {name: n.live for name, n in _nodes(corral_env).items()}
     assert live == {first: 0, ("node2" if first == "node1" else "node1"): 1}
     # a VM the first node makes now, for the stale create, finds the row elsewhere
-    vm = backends.agent_client(stale.node, settings).create_replica(
-        backends.create_request(stale.function, request_id, settings))
+    vm = inflight.run(fcdaemon.client(backends.target(stale.node), settings).create_replica(
+        fcdaemon.create_request(stale.function, request_id, settings)))
     nxt = creates.Next()
     creates.record(corral_env.db, settings, [(stale, backends.Vm(vm.vmid, "http://x"))], nxt)
     (row,) = replicas(corral_env)
