@@ -17,7 +17,7 @@ Two drivers ship here:
   ``allow_images`` (``--allow-image MODULE``). An image is never a command line: the
   name arrives over the network, and running it through a shell would hand anyone who
   can reach the agent a shell on the node. For the same reason a replica starts with a
-  clean environment: the function's variables, checked by :mod:`agents.guest_env`
+  clean environment: the function's variables, checked by :mod:`netplumb.guest_env`
   (no ``PYTHONPATH``, ``LD_PRELOAD``, ``BASH_ENV``...), and what the driver sets
   itself, never the agent's own.
 
@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from agents import guest_env
-from agents.guest_env import parse_env_args
 from agents.procs import kill_group, spawn
+from netplumb import guest_env
 from netplumb.addresses import is_wildcard
+from netplumb.guest_env import parse_env_args
 
 __all__ = [
     "FAKE_PORT_RANGE", "VM", "BadSpec", "DriverError", "ImageNotFound", "MemoryDriver",
@@ -390,7 +390,7 @@ class ProcessDriver:
 
         ``allow_images`` names modules beyond ``examples.*`` that an image may run;
         ``env`` is added to every guest's environment as is (the operator's, never a
-        request's: a request's variables pass :mod:`agents.guest_env` first).
+        request's: a request's variables pass :mod:`netplumb.guest_env` first).
         """
         self.allow_images = frozenset(check_module_name(m) for m in allow_images)
         self.bind_host = bind_host

@@ -51,7 +51,7 @@ from agents.drivers import (
     add_driver_arguments,
     driver_from_args,
 )
-from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving, report_token
+from agents.grpcserve import GrpcFaultHooks, agent_server
 from agents.procs import kill_group, spawn
 from agents.runtime import (
     KeyedLock,
@@ -63,6 +63,7 @@ from agents.runtime import (
     serve_until_signalled,
 )
 from netplumb.addresses import is_loopback, split_hostport
+from netplumb.grpcserve import mark_serving, report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 
 __all__ = [
@@ -287,7 +288,7 @@ class RegistryReporter:
     def guest_vars(self, vmid: str) -> dict[str, str]:
         """What a guest of this node needs to report on its VM: the registry, its report token.
 
-        The token is good for this vmid only (:func:`agents.grpcserve.report_token`):
+        The token is good for this vmid only (:func:`netplumb.grpcserve.report_token`):
         a guest never holds the node's registry token.
         """
         found = {"REGISTRY": self.target}

@@ -23,8 +23,9 @@ import grpc
 from grpc_health.v1 import health
 
 from agents import runtime
-from agents.grpcserve import GrpcFaultHooks, agent_server, mark_serving
+from agents.grpcserve import GrpcFaultHooks, agent_server
 from netplumb.addresses import split_hostport
+from netplumb.grpcserve import mark_serving
 from protos import gpuresc_grpc, gpuresc_pb2
 
 __all__ = [

@@ -53,8 +53,8 @@ from typing import Any, Literal
 
 from agents import drivers, runtime
 from agents.faults import FaultHooks, record_call
-from agents.httpserve import BoundedHandler, BoundedServer
 from netplumb.addresses import split_hostport
+from netplumb.httpserve import BoundedHandler, BoundedServer
 
 __all__ = [
     "DEFAULT_PORT_RANGE", "PATH_KINDS", "BadRequest", "LambdoAgent", "RunningLambdo", "main",
@@ -328,7 +328,7 @@ class LambdoAgent(FaultHooks):
 
 
 class _Handler(BoundedHandler, BaseHTTPRequestHandler):
-    """Routes requests to the server's :class:`LambdoAgent` (bounded: :mod:`agents.httpserve`)."""
+    """Routes requests to the server's :class:`LambdoAgent` (bounded: :mod:`netplumb.httpserve`)."""
 
     protocol_version = "HTTP/1.1"
     server_version = "corral-lambdo/1"

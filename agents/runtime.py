@@ -1,8 +1,11 @@
-"""Plumbing shared by the agents' servers and command lines: addresses, signals, logging.
+"""What the agents' servers and command lines share: arguments, signals, logging, addresses.
 
-It also holds the one listening rule every corral server follows (the registry too):
-nothing listens off loopback without a token. :func:`listen_refusal` says why a
-server must not start; ``--insecure`` overrides it, with a warning at every start.
+An agent command parses its arguments the same way (:func:`agent_main`: ``--listen``,
+``--insecure``, ``--log-level``, the token option) and refuses to listen off loopback
+without a token, printing the one-line refusal of corral's listening rule
+(:mod:`netplumb.listening`, which the registry, the gateway and the metrics exporter
+follow too); a server runs until SIGINT or SIGTERM (:func:`serve_until_signalled`) and
+is stopped once (:class:`Running`).
 """
 
 from __future__ import annotations
@@ -20,65 +23,14 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Protocol, Self
 
-from netplumb.addresses import host_of, is_loopback, is_wildcard, join_hostport, split_hostport
+from netplumb.addresses import host_of, is_wildcard, join_hostport, split_hostport
+from netplumb.listening import refuse_to_listen
 
 __all__ = [
-    "AgentMain", "Running", "add_common_arguments", "agent_main", "configure_logging",
-    "connect_host", "guess_node_ip", "listen_address", "listen_refusal", "parse_agent_args",
-    "parse_port_range", "refuse_to_listen", "serve_until_signalled", "until_signalled",
+    "AgentMain", "KeyedLock", "Running", "add_common_arguments", "agent_main",
+    "configure_logging", "connect_host", "guess_node_ip", "parse_agent_args", "parse_port_range",
+    "serve_until_signalled", "until_signalled",
 ]
-
-
-def listen_refusal(
-    what: str, host: str, token: str | None, variable: str, *, insecure: bool = False
-) -> str | None:
-    """Why ``what`` must not listen on ``host`` (None: it may); warns when ``insecure`` allows it.
-
-    Off loopback a server needs a token (named by ``variable``); ``insecure`` accepts
-    the risk and logs a warning each time.
-    """
-    if token or is_loopback(host):
-        return None
-    shown = host.strip("[]") or "0.0.0.0"  # noqa: S104 - a message
-    if insecure:
-        logging.getLogger("corral.security").warning(
-            "%s listens on %s WITHOUT a token (--insecure): anyone who reaches this address "
-            "can call it; set %s", what, shown, variable,
-        )
-        return None
-    return (
-        f"{what} refuses to listen on {shown} without a token: set {variable} "
-        "(or listen on 127.0.0.1, or pass --insecure to accept the risk)"
-    )
-
-
-def listen_address(
-    what: str, address: str, listen_variable: str, token: str | None, token_variable: str,
-    *, insecure: bool = False,
-) -> tuple[str, int]:
-    """Host and port ``what`` may listen on; ValueError naming the variable otherwise.
-
-    A malformed address is named by ``listen_variable``; off loopback without a token
-    the message is :func:`listen_refusal`'s.
-    """
-    try:
-        host, port = split_hostport(address)
-    except ValueError as exc:
-        raise ValueError(f"{listen_variable}: {exc}") from None
-    refusal = listen_refusal(what, host, token, token_variable, insecure=insecure)
-    if refusal is not None:
-        raise ValueError(refusal)
-    return host, port
-
-
-def refuse_to_listen(
-    prog: str, host: str, token: str | None, variable: str, insecure: bool
-) -> bool:
-    """Print the one-line refusal for a command line and return True if it must not start."""
-    reason = listen_refusal(prog, host, token, variable, insecure=insecure)
-    if reason is not None:
-        print(f"{prog}: error: {reason}", file=sys.stderr)
-    return reason is not None
 
 
 def connect_host(host: str) -> str:

@@ -1,10 +1,27 @@
 """Network plumbing that corral's control plane (``workers``) and its reference agents share.
 
-Both sides of corral's wire parse the same addresses, and this package holds what
-they have in common, so that neither imports the other: ``workers`` never imports
-``agents`` (the agents are a reference implementation, replaceable by anyone's), and
-``agents`` never loads the control plane's dependencies. It sits below both and
-imports neither, nor :mod:`config`.
+The model
+---------
+corral's servers (the registry, the gateway, the metrics exporter) and the reference
+agents (the fcdaemon agent, the Lambdo host, the GPU inventory) stand on the same
+network and follow the same rules: they parse addresses alike, none listens off
+loopback without a token, a gRPC server checks a bearer token (and guests' report
+tokens) the same way and keeps its health service open, an HTTP server bounds what a
+caller can make it do before it has shown the token, and a function's environment -
+which crosses the network into a guest - passes one rule on both ends.
 
-* :mod:`netplumb.addresses` - host and port strings: the one parser.
+That plumbing lives here, in a package of its own below both ``workers`` and
+``agents``, because neither may import the other: the agents are a reference
+implementation anyone may replace, so the control plane must not depend on them
+(``lint-imports`` forbids it), and an agent process must not load the control
+plane's dependencies (SQLAlchemy, pydantic, Celery). ``netplumb`` imports neither of
+them, nor :mod:`config`: the standard library and gRPC only.
+
+* :mod:`netplumb.addresses` - host and port strings: the one parser;
+* :mod:`netplumb.listening` - the listening rule;
+* :mod:`netplumb.grpcserve` - the bearer-token interceptor, guests' report tokens,
+  the health service, binding a port;
+* :mod:`netplumb.httpserve` - bounded HTTP serving (connections, deadlines, header
+  bytes, a body only once authorised);
+* :mod:`netplumb.guest_env` - what a function's environment may hold.
 """

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from agents import guest_env
 from config.settings import Settings
+from netplumb import guest_env
 from workers.backends.base import backend
 from workers.clock import iso, now
 from workers.errors import InputError

@@ -76,10 +76,10 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Float, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from agents.httpserve import BoundedHandler, BoundedServer
-from agents.runtime import listen_refusal
 from config.celery import QUEUES
 from netplumb.addresses import join_hostport, split_hostport
+from netplumb.httpserve import BoundedHandler, BoundedServer
+from netplumb.listening import listen_refusal
 from workers.autoscale.keepalive import MODES
 from workers.autoscale.passes import DECISIONS_KEY, KEEPALIVE_KEY
 from workers.errors import InputError
@@ -312,7 +312,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
 
 
 class _Server(BoundedServer, ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most 16, each with its deadlines (agents.httpserve)."""
+    """A thread per connection, at most 16, each with its deadlines (netplumb.httpserve)."""
 
     max_connections = 16  # one Prometheus needs one
 

@@ -37,9 +37,9 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from agents.runtime import listen_address
 from config.settings import Settings
 from netplumb.addresses import join_hostport
+from netplumb.listening import listen_address
 from workers.autoscale import demand, idletimes
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send

@@ -28,8 +28,8 @@ the replica's own IP may ask).
 
 When ``CORRAL_REGISTRY_TOKEN`` is set, every call must carry
 ``authorization: Bearer <token>`` metadata or it is refused UNAUTHENTICATED (the
-agents' :class:`~agents.grpcserve.TokenInterceptor`; the health service stays open),
-or a guest's report token (:func:`~agents.grpcserve.report_token`), good for
+agents' :class:`~netplumb.grpcserve.TokenInterceptor`; the health service stays open),
+or a guest's report token (:func:`~netplumb.grpcserve.report_token`), good for
 ``UpdateStatus`` and ``GetAvAManagerInfo`` of its own vmid only; TLS
 is on when ``CORRAL_REGISTRY_TLS_CERT`` / ``_KEY`` are set. The registry refuses to
 listen off loopback without a token unless started with ``insecure=True``.
@@ -49,16 +49,16 @@ import grpc
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agents.grpcserve import (
+from config.settings import Settings
+from netplumb.addresses import join_hostport
+from netplumb.grpcserve import (
     add_health,
     bearer_of,
     mark_serving,
     report_vmid,
     token_interceptors,
 )
-from agents.runtime import listen_address
-from config.settings import Settings
-from netplumb.addresses import join_hostport
+from netplumb.listening import listen_address
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers import dispatch
 from workers.clock import now

@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from agents.drivers import ProcessDriver
 from agents.fcdaemon import serve_fcdaemon
-from agents.grpcserve import report_token
+from netplumb.grpcserve import report_token
 from protos import (
     fcdaemon_grpc,
     fcdaemon_pb2,

@@ -1,6 +1,6 @@
 """A guest's environment is the function's, checked, and never the agent's own.
 
-Each vector below ran code on the node before ``agents.guest_env``: a variable that some
+Each vector below ran code on the node before ``netplumb.guest_env``: a variable that some
 interpreter or loader reads as code, sent as a ``--env=K=V`` kernel argument to the
 fcdaemon agent or in the ``env`` object of a Lambdo ``/spawn``. Real agents with the
 process driver, real guest processes; a vector counts as refused when the agent
