@@ -41,7 +41,7 @@ def test_listen_address_checks_the_shape_then_the_rule() -> None:
     with pytest.raises(ValueError, match=r"^CORRAL_THING_LISTEN: expected HOST:PORT"):
         listen_address("corral thing", "nowhere", "CORRAL_THING_LISTEN", None,
                        "CORRAL_THING_TOKEN")
-    with pytest.raises(ValueError, match="refuses to listen on 10.0.0.5"):
+    with pytest.raises(ValueError, match=r"refuses to listen on 10\.0\.0\.5"):
         listen_address("corral thing", "10.0.0.5:9000", "CORRAL_THING_LISTEN", None,
                        "CORRAL_THING_TOKEN")
 
