@@ -9,5 +9,5 @@ COPY agents agents
 COPY protos protos
 COPY examples examples
 COPY stack stack
-RUN pip install --no-cache-dir . && useradd --system corral
+RUN pip install --no-cache-dir '.[otlp]' && useradd --system corral
 USER corral

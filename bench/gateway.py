@@ -56,19 +56,21 @@ import httpx
 import psutil
 from sqlalchemy import select
 
+from bench import otlp_sink
 from bench.options import add_counts, add_store_option, store_for
 from config.celery import QUEUES
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from stack.redis import free_port, redis_argv
 from tasks import api
+from workers import stages
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.gateway import http1
 from workers.store.db import get_database
 from workers.store.migrate import upgrade
-from workers.store.models import Replica
+from workers.store.models import Function, Operation, Replica
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -238,8 +240,7 @@ def _agent_create_times(agent: str, count: int) -> list[float]:
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its figures."""
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_counts(parser, {
@@ -251,7 +252,34 @@ def main(argv: list[str] | None = None) -> int:
         "--cold": (20, "cold starts measured"),
     })
     add_store_option(parser)
-    args = parser.parse_args(argv)
+    parser.add_argument("--cold-only", action="store_true",
+                        help="skip the warm runs: cold starts and their stages only")
+    parser.add_argument("--otlp", action="store_true",
+                        help="tracing on: every process sends its spans to a loopback OTLP sink "
+                             "(bench.otlp_sink), to measure what tracing costs")
+    return parser.parse_args(argv)
+
+
+def _warm_runs(args: argparse.Namespace, meter: CpuMeter, addresses: list[str],
+               through: str) -> list[tuple[str, int, Run | None, Run | None]]:
+    """Direct and through the gateway: our client, then wrk, at 1 and N connections."""
+    warm: list[tuple[str, int, Run | None, Run | None]] = []
+    if args.cold_only:
+        return warm
+    for conns in (1, args.concurrency):
+        warm.append(("client", conns,
+                     meter.measure(functools.partial(_run_load, addresses, args.n, conns)),
+                     meter.measure(functools.partial(_run_load, [through], args.n, conns))))
+    for conns in (1, args.concurrency):
+        warm.append(("wrk", conns,
+                     meter.measure(functools.partial(_wrk, addresses[0], conns, args.seconds)),
+                     meter.measure(functools.partial(_wrk, through, conns, args.seconds))))
+    return warm
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its figures."""
+    args = _parse(argv)
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))
     redis_port = free_port()
     db_url, pg_server = store_for(args, tmp)
@@ -260,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
            "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",
            "CORRAL_DATABASE_URL": db_url,
            "CORRAL_STATE_DIR": str(tmp / "state"), "PYTHONPATH": str(ROOT)}
+    sink = otlp_sink.serve(keep=0) if args.otlp else None
+    if sink is not None:
+        env["CORRAL_OTLP_ENDPOINT"] = sink.endpoint
     os.environ.update({k: v for k, v in env.items() if k.startswith("CORRAL_")})
     reset_settings()  # settings read on import (bench.spawn's imports) are not this run's
     configure(get_settings())  # this run's broker
@@ -288,17 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         addresses = _warm_replicas(args, db, agent_port)
         through = f"{gateway}/function/hello"
         meter = CpuMeter(procs[3].pid, procs[1].pid)
-        warm: list[tuple[str, int, Run | None, Run | None]] = []
-        for conns in (1, args.concurrency):
-            warm.append(("client", conns,
-                         meter.measure(functools.partial(_run_load, addresses, args.n, conns)),
-                         meter.measure(functools.partial(_run_load, [through], args.n, conns))))
-        for conns in (1, args.concurrency):
-            warm.append(("wrk", conns,
-                         meter.measure(functools.partial(_wrk, addresses[0], conns, args.seconds)),
-                         meter.measure(functools.partial(_wrk, through, conns, args.seconds))))
+        warm = _warm_runs(args, meter, addresses, through)
         create = _agent_create_times(f"127.0.0.1:{agent_port}", args.cold)
-        _report(args, warm, create, _cold_starts(gateway, args.cold))
+        cold = _cold_starts(gateway, args.cold)
+        _report(args, warm, create, cold)
+        _report_stages(db, gateway, cold)
         return 0
     finally:
         for proc in reversed(procs):
@@ -310,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
         if pg_server is not None:
             pg_server.stop()
+        if sink is not None:
+            print(f"  tracing on: {sink.sink.count} spans reached the OTLP sink")
+            sink.stop()
 
 
 def _warm_replicas(args: argparse.Namespace, db: Any, agent_port: int) -> list[str]:
@@ -377,6 +405,38 @@ def _report(args: Any, warm: list[tuple[str, int, Run | None, Run | None]],
     print(f"  agent create+ready p50 {a50:7.1f} ms   p99 {a99:7.1f} ms")
     print(f"  cold start (gw)    p50 {c50:7.1f} ms   p99 {c99:7.1f} ms")
     print(f"  cold start minus agent create   p50 {c50 - a50:7.1f} ms   p99 {c99 - a99:7.1f} ms")
+
+
+def _report_stages(db: Any, gateway: str, cold: list[float]) -> None:
+    """Where the cold starts' time went: each stage's p50 / p99 (workers.stages)."""
+    with db.read() as s:
+        stored = [op.result["stages"] for op in s.scalars(select(Operation).where(
+            Operation.kind == "spawn", Operation.function_id.in_(
+                select(Function.id).where(Function.name.like("cold-%")))))
+            if op.result and isinstance(op.result.get("stages"), dict)]
+    text = httpx.get(f"{gateway}/metrics", timeout=10).text
+    means = {}
+    for stage in ("ask", "claim", "first_byte"):
+        total = re.search(rf'^{stages.METRIC}_sum{{stage="{stage}"}} (\S+)', text, re.M)
+        count = re.search(rf'^{stages.METRIC}_count{{stage="{stage}"}} (\S+)', text, re.M)
+        if total and count and float(count[1]):
+            means[stage] = float(total[1]) / float(count[1])
+    ms = 1000.0
+    print(f"  cold-start stages ({len(stored)} spawns stored theirs; the gateway's: means "
+          "over its histogram):")
+    parts = []
+    for stage in stages.STAGES:
+        values = [float(v[stage]) for v in stored if stage in v]
+        if values:
+            parts.append(f"{stage} {statistics.median(values) * ms:.1f}/"
+                         f"{_pct(values, 0.99) * ms:.1f}")
+        elif stage in means:
+            parts.append(f"{stage} ~{means[stage] * ms:.1f}")
+    print("    " + ", ".join(parts) + " ms (p50/p99)")
+    worker = [sum(float(x) for x in v.values()) for v in stored]
+    if worker and cold:
+        print(f"    cold start p50 {statistics.median(cold) * ms:.1f} ms, of which worker and "
+              f"registry stages p50 {statistics.median(worker) * ms:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -256,6 +256,22 @@ class _Metrics(BaseModel):
     """Bearer token every scrape must send (needed to listen off loopback)."""
 
 
+class _Tracing(BaseModel):
+    """Traces (OpenTelemetry): the stages of a cold start as spans, sent over OTLP."""
+
+    otlp_endpoint: str | None = None
+    """OTLP/gRPC collector for traces (``http://127.0.0.1:4317``: Jaeger, Tempo...); unset: none."""
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, value: str | None) -> str | None:
+        if not value:
+            return None  # set but empty: off
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL (OTLP over gRPC)")
+        return value
+
+
 class _Placement(BaseModel):
     """Placement and GPUs (AvA)."""
 
@@ -345,7 +361,8 @@ class _Flower(BaseModel):
 
 class Settings(
     _Places, _Reliability, _Backends, _CreateDefaults, _Maintenance, _DatabaseGuards,
-    _Autoscale, _KeepAlive, _Metrics, _Placement, _Faults, _Gateway, _Flower, BaseSettings,
+    _Autoscale, _KeepAlive, _Metrics, _Tracing, _Placement, _Faults, _Gateway, _Flower,
+    BaseSettings,
 ):
     """Every knob corral reads, with its default: the groups above, one flat namespace.
 

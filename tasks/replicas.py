@@ -10,14 +10,16 @@ who does what (:mod:`workers.replicas.owners`), never the message.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import Any
 
 from celery import Signature
 
-from workers import dispatch
+from workers import dispatch, stages
 from workers.celery import CorralTask, app
 from workers.errors import TransientBackendError
+from workers.redis_client import redis_client
 from workers.replicas import delete as deleting
 from workers.replicas import scale as scaling
 from workers.replicas import spawn as spawning
@@ -27,10 +29,12 @@ from workers.replicas.creates import Next
 @app.task(bind=True, name="corral.spawn")
 def spawn(self: CorralTask, op_id: str) -> dict[str, Any]:
     """Spawn an operation's replicas: the first batch here, the others as ``spawn_batch``."""
-    function_id, jobs = spawning.plan_spawn(self.db, op_id)
-    fan = spawning.fan_out(self.db, self.settings, op_id, function_id, jobs, self.budget)
-    _send([_batch(op_id, function_id, batch) for batch in fan.batches])
-    _follow(self, function_id, fan.first)
+    with _timed(self, op_id) as timer:
+        function_id, jobs = spawning.plan_spawn(self.db, op_id)
+        timer.mark_planned()
+        fan = spawning.fan_out(self.db, self.settings, op_id, function_id, jobs, self.budget)
+        _send([_batch(op_id, function_id, batch) for batch in fan.batches])
+        _follow(self, function_id, fan.first)
     return {"op_id": op_id, "replicas": len(jobs), "states": fan.first.tally()}
 
 
@@ -98,16 +102,24 @@ def release_orphan(self: CorralTask, node_id: str, vmid: str) -> dict[str, Any]:
 @app.task(bind=True, name="corral.scale")
 def scale(self: CorralTask, op_id: str) -> dict[str, Any]:
     """Bring a function to its target: spawn the missing, delete surplus Idle replicas."""
-    plan = scaling.plan_scale(self.db, self.settings, op_id)
-    size = deleting.DELETE_BATCH
-    _send([delete_batch.si(op_id, plan.deletes[i : i + size])
-           for i in range(0, len(plan.deletes), size)])
-    fan = spawning.fan_out(self.db, self.settings, op_id, plan.function_id, plan.spawns,
-                        self.budget)
-    _send([_batch(op_id, plan.function_id, batch) for batch in fan.batches])
-    _follow(self, plan.function_id, fan.first)
+    with _timed(self, op_id) as timer:
+        plan = scaling.plan_scale(self.db, self.settings, op_id)
+        timer.mark_planned()
+        size = deleting.DELETE_BATCH
+        _send([delete_batch.si(op_id, plan.deletes[i : i + size])
+               for i in range(0, len(plan.deletes), size)])
+        fan = spawning.fan_out(self.db, self.settings, op_id, plan.function_id, plan.spawns,
+                            self.budget)
+        _send([_batch(op_id, plan.function_id, batch) for batch in fan.batches])
+        _follow(self, plan.function_id, fan.first)
     return {"op_id": op_id, "spawn": len(plan.spawns), "delete": len(plan.deletes),
             "note": plan.note}
+
+
+def _timed(task: CorralTask, op_id: str) -> contextlib.AbstractContextManager[stages.SpawnTimer]:
+    """Time this first task's spawn stages (:mod:`workers.stages`)."""
+    sent_at = (task.request.headers or {}).get(stages.SENT_HEADER)
+    return stages.timing(op_id, sent_at, redis_client(task.settings.broker_url))
 
 
 def _batch(op_id: str | None, function_id: str, jobs: list[spawning.SpawnJob]) -> Signature:

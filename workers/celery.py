@@ -25,8 +25,9 @@ separated) that raise :class:`FaultInjected` before running: how the tests make
 a task fail unexpectedly in a real worker.
 
 Per-process resources - the database engine, gRPC channels and the HTTP client -
-are dropped in ``worker_process_init`` so each prefork child makes its own; a
-worker refuses to start on an un-migrated database.
+are dropped in ``worker_process_init`` so each prefork child makes its own (and
+starts its own tracing, :mod:`workers.tracing`, when ``CORRAL_OTLP_ENDPOINT`` is
+set); a worker refuses to start on an un-migrated database.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from celery.exceptions import SoftTimeLimitExceeded, TaskPredicate
 
 from config.celery import celery_config
 from config.settings import Settings, get_settings
-from workers import broker
+from workers import broker, tracing
 from workers.backends import inflight
 from workers.errors import InputError, SchemaError
 from workers.operations import describe_error, fail_op
@@ -240,6 +241,24 @@ def _fresh_resources(**_: Any) -> None:
     """Drop resources inherited from the parent: each pool process makes its own."""
     get_database(get_settings().database_url).dispose()
     inflight.reset()  # the loop, its channels and clients: made anew in this process
+    tracing.start("corral-worker", get_settings())  # after the fork: its own exporter
+
+
+@signals.worker_init.connect
+def _trace_unforked(sender: Any = None, **_: Any) -> None:
+    """Tracing for a worker whose pool does not fork (threads, solo): the process's own.
+
+    A prefork worker's children start theirs; the parent only checks it could.
+    """
+    try:
+        pool = getattr(sender, "pool_cls", None)
+        if "prefork" in str(getattr(pool, "__module__", pool)):
+            tracing.check(get_settings())
+        else:
+            tracing.start("corral-worker", get_settings())
+    except tracing.TracingUnavailable as exc:
+        log.critical("%s", exc)
+        raise SystemExit(f"corral worker: {exc}") from None
 
 
 @signals.worker_init.connect

@@ -15,7 +15,8 @@ Every operation is carried out by a *first task*, named here by the operation's 
 :func:`submit` writes an operation and queues its first task - the producer API's
 one way of asking for work, and the maintenance tasks' way of asking for spawns and
 scales; :func:`resend` sends the first task of an operation that stopped moving again
-(:mod:`workers.maintenance.redrive`).
+(:mod:`workers.maintenance.redrive`). A first task's message says when it was sent
+(:data:`workers.stages.SENT_HEADER`): its ``queue`` stage.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from celery import Signature
 from sqlalchemy.orm import Session
 
+from workers import stages
 from workers.celery import app
 from workers.errors import BrokerError, CorralError
 from workers.kinds import OpKind
@@ -86,14 +88,14 @@ def first_task(kind: OpKind, op_id: str, params: dict[str, Any]) -> Signature:
 
 def resend(kind: OpKind, op_id: str, params: dict[str, Any]) -> None:
     """Send the first task of an operation again (one that stopped moving)."""
-    first_task(kind, op_id, params).apply_async()
+    first_task(kind, op_id, params).apply_async(headers=stages.sent_header())
 
 
 def enqueue(db: Database, op: Operation) -> str:
     """Queue the first task of a freshly written operation; fail the operation if we cannot."""
     op_id = op.id
     try:
-        first_task(op.kind, op_id, op.params).apply_async()
+        first_task(op.kind, op_id, op.params).apply_async(headers=stages.sent_header())
     except CorralError:
         raise
     except Exception as exc:  # kombu/redis raise many types when the broker is down

@@ -27,6 +27,10 @@ From Redis:
 * ``corral_reaped_total{reason}`` - replicas the reaper deleted, per reason
   (stuck, stale, idle); the reap task adds each pass's counts to one Redis hash
   (:func:`count_reaped`), so every worker process adds to the same total;
+* ``corral_cold_start_stage_seconds{stage}`` - the cold-start stages that workers and
+  registries time (:mod:`workers.stages`: queue, plan, placement, agent_call, record,
+  ready), counted in one Redis hash every process adds to (the gateway serves its own
+  stages, ask, claim and first_byte, in its ``/metrics``);
 * ``corral_queue_length{queue}`` - messages waiting in each of corral's Celery
   queues (``LLEN`` of the queue's list, over kombu's priority lists), and
   ``corral_queue_unacked`` - messages delivered to a worker and not yet
@@ -80,6 +84,7 @@ from config.celery import QUEUES
 from netplumb.addresses import join_hostport, split_hostport
 from netplumb.httpserve import BoundedHandler, BoundedServer
 from netplumb.listening import listen_refusal
+from workers import stages
 from workers.autoscale.keepalive import MODES
 from workers.autoscale.passes import DECISIONS_KEY, KEEPALIVE_KEY
 from workers.errors import InputError
@@ -216,9 +221,11 @@ class StoreCollector(Collector):
         pipe.hlen(UNACKED_KEY)
         pipe.hgetall(DECISIONS_KEY)
         pipe.hgetall(KEEPALIVE_KEY)
+        pipe.hgetall(stages.KEY)
         replies = pipe.execute()
-        reaped_raw, lengths, unacked, decisions, keep_alive = (
-            replies[0], replies[1:-3], replies[-3], replies[-2], replies[-1])
+        reaped_raw, lengths, unacked, decisions, keep_alive, timed = (
+            replies[0], replies[1:-4], replies[-4], replies[-3], replies[-2], replies[-1])
+        yield _stages(timed)
 
         reaped = CounterMetricFamily("corral_reaped", "Replicas the reaper deleted, by reason.",
                                      labels=["reason"])
@@ -252,6 +259,16 @@ class StoreCollector(Collector):
                 continue
         yield from (desired, panic)
         yield from _keep_alive(keep_alive)
+
+
+def _stages(raw: dict[bytes, bytes]) -> Metric:
+    """The cold-start stages workers and registries counted (:mod:`workers.stages`)."""
+    family = HistogramMetricFamily(stages.METRIC, stages.HELP, labels=["stage"])
+    for stage, (buckets, total) in stages.histogram(raw).items():
+        family.add_metric([stage], [(_le(bound) if bound != float("inf") else "+Inf", count)
+                                    for bound, count in buckets],
+                          sum_value=total)
+    return family
 
 
 def _keep_alive(published: dict[bytes, bytes]) -> Iterable[Metric]:

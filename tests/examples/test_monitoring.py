@@ -51,6 +51,7 @@ def test_every_metric_the_dashboard_queries_exists(corral_env: Env) -> None:
     served.answered("f", 200, 0.01)
     served.cold_start("f", 0.5)
     served.load("f", 1, 0)
+    served.stage("claim", 0.001)
     gateway = {s.name for f in text_string_to_metric_families(served.render()[0].decode())
                for s in f.samples}
     assert used - exported - gateway == set()

@@ -19,6 +19,7 @@ signal the autoscaler reads).
 * :mod:`workers.gateway.upstream` - the replicas' side: clients, header rules, relay;
 * :mod:`workers.gateway.background` - store calls in threads, tracked background tasks;
 * :mod:`workers.gateway.metrics` - the Prometheus metrics served at ``/metrics``;
+* :mod:`workers.gateway.traces` - requests' spans (tracing on) and cold starts' stages;
 * :mod:`workers.gateway.app` - the ASGI app, demand reports, listening rules, uvicorn.
 """
 

@@ -40,6 +40,7 @@ from starlette.routing import Route
 from config.settings import Settings
 from netplumb.addresses import join_hostport
 from netplumb.listening import listen_address
+from workers import tracing
 from workers.autoscale import demand, idletimes
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
@@ -206,6 +207,7 @@ def serve_gateway(
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
+    tracing.start("corral-gateway", settings)
     app = app or build_app(db or get_database(settings.database_url), settings, producer)
     server = _server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
@@ -225,6 +227,7 @@ def run_gateway(settings: Settings, listen: str | None = None, *, producer: Prod
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
+    tracing.start("corral-gateway", settings)  # spans, when CORRAL_OTLP_ENDPOINT is set
     app = build_app(get_database(settings.database_url), settings, producer)
     server = _server(app, settings)
     url = f"http://{join_hostport(host, sock.getsockname()[1])}"

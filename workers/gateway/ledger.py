@@ -37,15 +37,20 @@ Everything here runs on the gateway's event loop (store calls in its threads): n
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, Protocol
 
 from config.settings import Settings
+from workers import tracing
+from workers.clock import now
 from workers.errors import CorralError
 from workers.gateway.background import Background
 from workers.gateway.pool import Pool
+from workers.gateway.traces import ColdStart
 from workers.replicas import claims
 from workers.replicas.claims import ClaimAttempt, Claimed, NoIdleReplica
 from workers.store.db import Database
@@ -86,6 +91,8 @@ class Ledger:
         self.on_cold_start = on_cold_start
         self.held: dict[str, Claimed] = {}
         self.pools: dict[str, Pool] = {}
+        #: Claims cold starts brought, not yet used by a request (workers.gateway.traces).
+        self.cold: dict[str, ColdStart] = {}
         # Claims in use that must not go back to their pool: True = release them when
         # their request ends (replica retired or unusable), False = forget them (the
         # store no longer has them).
@@ -106,6 +113,14 @@ class Ledger:
         got = pool.take()
         if got is not None:
             return got
+        if tracing.tracer is None:
+            return await self._wait_for(pool, name)
+        with tracing.span("claim", attributes={"corral.function": name}):
+            return await self._wait_for(pool, name)
+
+    async def _wait_for(self, pool: Pool, name: str) -> Claimed:
+        """Wait in the pool's line while the store is asked (a cold start if need be)."""
+        began, began_at = time.monotonic(), now()
         place = pool.wait()
         try:
             while not place.done():
@@ -113,7 +128,8 @@ class Ledger:
                 both: set[asyncio.Future[Any]] = {place, refill}
                 await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
                 if not place.done() and refill.done() and not refill.result():
-                    return await self._claim_or_wait(name, place)  # nothing Idle in the store
+                    # nothing Idle in the store
+                    return await self._claim_or_wait(name, place, began, began_at)
             return place.result()
         except BaseException:
             mine = pool.unwait(place)
@@ -144,9 +160,10 @@ class Ledger:
         pool.refilling = task
         return task
 
-    async def _claim_or_wait(self, name: str, place: asyncio.Future[Claimed]) -> Claimed:
+    async def _claim_or_wait(self, name: str, place: asyncio.Future[Claimed], began: float,
+                             began_at: datetime) -> Claimed:
         """Claim through the store (a cold start if need be) unless the pool serves us first."""
-        work = self.background.soon(self._claim(name))
+        work = self.background.soon(self._claim(name, began, began_at))
         try:
             both: set[asyncio.Future[Any]] = {place, work}
             await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
@@ -161,7 +178,7 @@ class Ledger:
             self.give_back(work.result())  # both at once: the spare one goes to the pool
         return place.result()
 
-    async def _claim(self, name: str) -> Claimed:
+    async def _claim(self, name: str, began: float, began_at: datetime) -> Claimed:
         """One request's claim attempt, cold start included, step by step in the threads."""
         settings = self.settings
         attempt = ClaimAttempt(
@@ -177,8 +194,11 @@ class Ledger:
                 got = await self._step(attempt)
                 if isinstance(got, Claimed):
                     self.held[got.claim_id] = got
-                    if cold and self.on_cold_start is not None:
-                        self.on_cold_start(name, attempt.waited_s)
+                    if cold:
+                        self.cold[got.claim_id] = ColdStart(name, got.replica_id, began,
+                                                            began_at, attempt.asked_at)
+                        if self.on_cold_start is not None:
+                            self.on_cold_start(name, attempt.waited_s)
                     return got
                 cold = True
                 await asyncio.sleep(got)
@@ -192,8 +212,12 @@ class Ledger:
                     raise
 
     async def _step(self, attempt: ClaimAttempt) -> Claimed | float:
-        """One claim step; a claim it makes after this request was cancelled goes to the pool."""
-        step = asyncio.ensure_future(self.background.store(attempt.step))
+        """One claim step; a claim it makes after this request was cancelled goes to the pool.
+
+        The step runs in this task's context (its spawn's span is then the claim's child).
+        """
+        step = asyncio.ensure_future(self.background.store(contextvars.copy_context().run,
+                                                           attempt.step))
         try:
             return await asyncio.shield(step)
         except asyncio.CancelledError:
@@ -232,6 +256,7 @@ class Ledger:
         log.warning("gateway: replica %s of %s is suspect: %s", claimed.replica_id,
                     claimed.function, reason)
         self.held.pop(claimed.claim_id, None)
+        self.cold.pop(claimed.claim_id, None)
         self._unpooled.pop(claimed.claim_id, None)
         self._release_soon(self.pool(claimed.function).drop_replica(claimed.replica_id))
         for other in self.held.values():  # in use: given back when their requests end
@@ -247,6 +272,7 @@ class Ledger:
         """Stop holding these claims and give them back to the store in the background."""
         for claimed in released:
             self.held.pop(claimed.claim_id, None)
+            self.cold.pop(claimed.claim_id, None)
         ids = [c.claim_id for c in released]
         if ids:
             self.background.soon(self._release_ids(ids))

@@ -12,7 +12,10 @@ Requests for a function corral does not know are counted under
 * ``corral_queue_depth{function}`` - requests waiting for a free environment;
 * ``corral_cold_starts_total{function}`` - requests that found nothing Idle and
   waited for a replica to become ready;
-* ``corral_cold_start_seconds{function}`` - for those, claim start to ready.
+* ``corral_cold_start_seconds{function}`` - for those, claim start to ready;
+* ``corral_cold_start_stage_seconds{stage}`` - the cold-start stages the gateway times
+  (``ask``, ``claim``, ``first_byte``: :mod:`workers.gateway.traces`); the worker's
+  and registry's stages of the same histogram are served by ``corral metrics``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from workers import stages
 
 UNKNOWN = "(unknown)"
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -60,6 +65,8 @@ class GatewayMetrics:
             "corral_cold_start_seconds",
             "For cold starts: time from the start of the claim to a ready replica.",
             ["function"], buckets=COLD_START_BUCKETS, registry=r)
+        self.stages = Histogram(stages.METRIC, stages.HELP, ["stage"], buckets=stages.BUCKETS,
+                                registry=r)
         # Labelled children, looked up once (every request touches several).
         self._counted: dict[tuple[str, int], Any] = {}
         self._timed: dict[str, Any] = {}
@@ -80,6 +87,10 @@ class GatewayMetrics:
         """Count one cold start and how long it took."""
         self.cold_starts.labels(function).inc()
         self.cold_start_seconds.labels(function).observe(seconds)
+
+    def stage(self, stage: str, seconds: float) -> None:
+        """Observe one cold-start stage the gateway timed."""
+        self.stages.labels(stage).observe(seconds)
 
     def load(self, function: str, inflight: int, queued: int) -> None:
         """Set a function's in-flight and queued gauges."""

@@ -38,6 +38,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from config.settings import Settings
+from workers import tracing
 from workers.autoscale.idletimes import Recorder
 from workers.errors import InputError, NotFound
 from workers.gateway.admission import QueueFull, QueueTimeout
@@ -58,6 +59,7 @@ from workers.gateway.bodies import CLOSE, Bodies
 from workers.gateway.catalog import Catalog, FunctionInfo
 from workers.gateway.ledger import Ledger, Producer
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
+from workers.gateway.traces import incoming, request_attributes
 from workers.gateway.upstream import PREFIX, BrokenOff, ReplicaFailed, Upstreams
 from workers.replicas.claims import NoIdleReplica
 from workers.store.db import Database
@@ -126,7 +128,18 @@ class Gateway:
     # -- one request -----------------------------------------------------------------------
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serve one ``/function/...`` request (ASGI)."""
+        """Serve one ``/function/...`` request (ASGI); a span of its own when tracing is on."""
+        if tracing.tracer is None:
+            await self._handle(scope, receive, send)
+            return
+        with tracing.span(f"{scope['method']} /function/{{name}}", kind="server",
+                          parent=incoming(scope), attributes=request_attributes(scope)) as span:
+            code = await self._handle(scope, receive, send)
+            if span is not None:
+                span.set_attribute("http.response.status_code", code)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> int:
+        """Serve one request; the status code answered (499: the caller went away first)."""
         started = time.perf_counter()
         name = scope["path"][len(PREFIX):].split("/", 1)[0]
         state = {"code": 0, "complete": False, "read": False}
@@ -162,8 +175,9 @@ class Gateway:
             pass
         finally:
             label = name if name in self.catalog else UNKNOWN
-            self.metrics.answered(label, int(state["code"]) if state["complete"] else 499,
-                                  time.perf_counter() - started)
+            code = int(state["code"]) if state["complete"] else 499
+            self.metrics.answered(label, code, time.perf_counter() - started)
+        return code
 
     async def _watched(self, work: Awaitable[None], receive: Receive,
                        complete: Callable[[], bool]) -> None:
@@ -228,8 +242,10 @@ class Gateway:
         tries = 2 if scope["method"] in IDEMPOTENT else 1
         for attempt in range(tries):
             claimed = await self.ledger.acquire(info.name)
+            cold = self.ledger.cold.pop(claimed.claim_id, None) if self.ledger.cold else None
             try:
-                await self.upstreams.forward(scope, claimed, body, send,
+                await self.upstreams.forward(scope, claimed, body,
+                                             send if cold is None else cold.watch(send),
                                              functools.partial(self.ledger.give_back, claimed))
                 return
             except ReplicaFailed as exc:
@@ -237,3 +253,7 @@ class Gateway:
                 if attempt + 1 >= tries:
                     raise Answer(502, f"replica of {info.name} failed to answer: {exc}") from None
                 log.info("gateway: retrying %s %s on another replica", scope["method"], info.name)
+            finally:
+                if cold is not None:  # its stages, off the request's path
+                    self.background.soon(self.background.store(cold.done, self.ledger.db,
+                                                               self.metrics.stage))

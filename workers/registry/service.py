@@ -60,12 +60,13 @@ from netplumb.grpcserve import (
 )
 from netplumb.listening import listen_address
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
-from workers import dispatch
+from workers import dispatch, stages, tracing
 from workers.clock import now
 from workers.errors import CorralError, InputError
 from workers.fleet.gpus import manager_info
 from workers.fleet.nodes import default_name, normalize_address, upsert_node
 from workers.kinds import NodeKind
+from workers.redis_client import redis_client
 from workers.registry.identity import (
     Admission,
     Caller,
@@ -294,19 +295,25 @@ class Registry:
         return replica
 
     def _ready(self, replica_id: str, peer: str | None = None) -> int:
+        timed: stages.Ready | None = None
         with self.db.transaction() as s:
             # READY comes from the guest or from its node's agent
             replica = self._reported(s, replica_id, peer, node_too=True)
             if replica is None:
                 return DESTROY
             if replica.status == ReplicaState.STARTING:
+                timed = stages.ready(s, replica)  # the cold start's READY stage
                 transition(s, replica, ReplicaState.IDLE, self.settings)
-                return OK
-            if replica.status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
-                return OK
-            if replica.status == ReplicaState.CREATING:
-                return OK  # its spawn will record it; readiness=agent functions go Idle then
-            return DESTROY  # Deleting or past its boot deadline
+                action = OK
+            elif replica.status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
+                action = OK
+            elif replica.status == ReplicaState.CREATING:
+                action = OK  # its spawn will record it; readiness=agent functions go Idle then
+            else:
+                action = DESTROY  # Deleting or past its boot deadline
+        if timed is not None:
+            timed.observe(redis_client(self.settings.broker_url))
+        return action
 
     def _finished(self, replica_id: str, peer: str | None = None) -> int:
         with self.db.transaction() as s:
@@ -496,6 +503,7 @@ def serve_registry(settings: Settings, listen: str | None = None,
     unless ``insecure``, which logs a warning.
     """
     address = check_listen(settings, listen, insecure=insecure)
+    tracing.start("corral-registry", settings)  # READY spans (CORRAL_OTLP_ENDPOINT set)
     registry = registry or Registry(get_database(settings.database_url), settings)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"),

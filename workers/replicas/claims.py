@@ -595,6 +595,7 @@ class ClaimAttempt:
         self.ttl_s = check_ttl(ttl_s)
         self.spawned: list[str] = []  # operations this caller asked for
         self.started = time.monotonic()
+        self.asked_at: float | None = None  # time.monotonic() when its first spawn was asked
         self._spawn = spawn
         self._wait_at_max = wait_at_max
         self._deadline = self.started + cold_start_timeout
@@ -639,6 +640,8 @@ class ClaimAttempt:
                     raise NoIdleReplica(f"no idle replica of {self.function}, and a cold start "
                                         f"was refused: {exc}") from None
             else:
+                if self.asked_at is None:
+                    self.asked_at = time.monotonic()
                 note_spawn(self.db, plan.spawn, op_id)
                 self.spawned.append(op_id)
                 return 0.0  # the new replica may be ready already (eager mode)

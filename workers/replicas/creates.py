@@ -39,7 +39,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers import backends
+from workers import backends, stages
 from workers.backends import inflight
 from workers.clock import now
 from workers.errors import BackendError, CapacityError, PermanentBackendError
@@ -47,6 +47,7 @@ from workers.fleet.nodes import note_creates, probation
 from workers.fleet.placement import free_node, reserve_node
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import settle
+from workers.redis_client import redis_client
 from workers.replicas import calls
 from workers.replicas.lifecycle import (
     SETTLING,
@@ -173,7 +174,11 @@ def _round(
             stop_after=max(1, settings.node_failures - node.create_failures),
             probation=probation(node, settings))
 
+    timer = stages.current()  # the task's (this runs on the event loop's thread)
+
     async def call(p: Pending) -> backends.Vm:
+        if timer is not None:
+            timer.sent(p.request_id, p.node.name)
         try:
             return await backends.send_create(sends[p.request_id], settings)
         except BackendError:
@@ -181,6 +186,9 @@ def _round(
         except Exception as exc:  # a client bug must not take the batch down
             raise PermanentBackendError(f"CreateReplica failed: {type(exc).__name__}: {exc}",
                                         node=p.node.name) from None
+        finally:
+            if timer is not None:
+                timer.answered(p.request_id)
 
     def on_landed(landed: list[tuple[Pending, backends.Vm]]) -> None:
         record(db, settings, landed, nxt)
@@ -292,13 +300,17 @@ def record(
     """Record VMs that came in, in one transaction; release those whose row moved or ended."""
     if not landed:
         return
+    readies: list[stages.Ready] = []
     with db.transaction() as s:
-        late = _arrivals(s, settings, landed, nxt)
+        late = _arrivals(s, settings, landed, nxt, readies)
+    for got in readies:  # READYs that came before their VM was recorded
+        got.observe(redis_client(settings.broker_url))
     _release_late(settings, late)
 
 
 def _arrivals(
-    s: Session, settings: Settings, landed: Sequence[tuple[Pending, backends.Vm]], nxt: Next
+    s: Session, settings: Settings, landed: Sequence[tuple[Pending, backends.Vm]], nxt: Next,
+    readies: list[stages.Ready],
 ) -> list[tuple[Pending, backends.Vm]]:
     """Record new VMs (operations counted once each); returns those to release."""
     late = []
@@ -314,6 +326,7 @@ def _arrivals(
                 late.append((p, vm))
             continue
         nxt.states[p.request_id] = arrived.label
+        stages.recorded(s, p.operation_id, p.replica_id, p.request_id)
         if arrived == ReplicaState.STARTING:
             starting[vm.vmid] = p.request_id
         if p.operation_id and arrived in SETTLING:
@@ -321,7 +334,7 @@ def _arrivals(
     for op_id, parts in done.items():
         settle(s, op_id, parts=parts, ok=True)
     if starting:  # guests that said READY before their VM was recorded: Idle now
-        for vmid in apply_early_reports(s, settings, starting):
+        for vmid in apply_early_reports(s, settings, starting, readies):
             nxt.states[starting[vmid]] = ReplicaState.IDLE.label
     return late
 
