@@ -88,7 +88,6 @@ class _Call:
 
     node: str
     sent: float
-    sent_ns: int
     answered: float | None = None
 
 
@@ -113,7 +112,7 @@ class SpawnTimer:
 
     def sent(self, request_id: str, node: str) -> None:
         """A create goes out now."""
-        self.calls[request_id] = _Call(node, time.monotonic(), time.time_ns())
+        self.calls[request_id] = _Call(node, time.monotonic())
 
     def answered(self, request_id: str) -> None:
         """A create was answered (a VM, or an error) now."""
@@ -145,7 +144,7 @@ class SpawnTimer:
         for request_id, call in self.calls.items():
             if call.answered is not None:
                 tracing.record_between(
-                    "agent.create", call.sent_ns, _ns(self, call.answered),
+                    "agent.create", _ns(self, call.sent), _ns(self, call.answered),
                     parent=self.context, kind="client",
                     attributes={"rpc.method": "CreateReplica", "corral.node": call.node,
                                 "corral.request_id": request_id})
