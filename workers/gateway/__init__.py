@@ -32,13 +32,12 @@ from workers.gateway.app import (
     run_gateway,
     serve_gateway,
 )
-from workers.gateway.proxy import Gateway, Producer
+from workers.gateway.proxy import Gateway
 
 __all__ = [
     "Gateway",
     "GatewayApp",
     "ListenRefused",
-    "Producer",
     "RunningGateway",
     "build_app",
     "check_listen",

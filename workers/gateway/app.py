@@ -45,7 +45,7 @@ from workers.autoscale import demand, idletimes
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
 from workers.gateway.listener import guarded_http
-from workers.gateway.proxy import PREFIX, Gateway, Producer
+from workers.gateway.proxy import PREFIX, Gateway
 from workers.store.db import Database, get_database
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,9 @@ class GatewayApp:
             await self.gateway.background.store(idletimes.record_quietly, client, shape, seen)
 
 
-def build_app(db: Database, settings: Settings, producer: Producer) -> GatewayApp:
+def build_app(db: Database, settings: Settings) -> GatewayApp:
     """The gateway application over a store, reporting demand to the broker's Redis."""
-    return GatewayApp(Gateway(db, settings, producer), redis_url=settings.broker_url)
+    return GatewayApp(Gateway(db, settings), redis_url=settings.broker_url)
 
 
 class RunningGateway:
@@ -198,7 +198,6 @@ def serve_gateway(
     settings: Settings,
     listen: str | None = None,
     *,
-    producer: Producer,
     insecure: bool = False,
     db: Database | None = None,
     app: GatewayApp | None = None,
@@ -208,7 +207,7 @@ def serve_gateway(
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)
-    app = app or build_app(db or get_database(settings.database_url), settings, producer)
+    app = app or build_app(db or get_database(settings.database_url), settings)
     server = _server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="gateway", daemon=True)
@@ -221,14 +220,14 @@ def serve_gateway(
     return RunningGateway(server, thread, host, sock.getsockname()[1], app)
 
 
-def run_gateway(settings: Settings, listen: str | None = None, *, producer: Producer,
-                insecure: bool = False, on_ready: Callable[[str], None] | None = None) -> None:
+def run_gateway(settings: Settings, listen: str | None = None, *, insecure: bool = False,
+                on_ready: Callable[[str], None] | None = None) -> None:
     """Serve a gateway in the foreground until SIGINT / SIGTERM."""
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)  # spans, when CORRAL_OTLP_ENDPOINT is set
-    app = build_app(get_database(settings.database_url), settings, producer)
+    app = build_app(get_database(settings.database_url), settings)
     server = _server(app, settings)
     url = f"http://{join_hostport(host, sock.getsockname()[1])}"
     if on_ready is not None:

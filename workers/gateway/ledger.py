@@ -25,7 +25,9 @@ is ready within the cold-start timeout.
 :meth:`Ledger.give_back` ends a request's use of a claim: back to the pool (kept for
 ``CORRAL_GATEWAY_KEEP_S``), or to the store. :meth:`Ledger.retire` gives back a
 claim whose replica failed and has the replica deleted as *suspect*
-(:func:`tasks.api.suspect`), with every other claim this gateway holds on it.
+(:func:`workers.replicas.claims.suspect`), with every other claim this gateway holds on it.
+A cold start's spawn and a suspect's delete are operations queued as the maintenance
+passes queue theirs (:func:`workers.dispatch.submit`), not through the producer API.
 :meth:`Ledger.maintain` runs for the gateway's life: it gives back claims unused for
 the keep window and renews every claim held (each is a lease of
 ``CORRAL_GATEWAY_CLAIM_TTL_S``), so a gateway that dies leaves leases that expire by
@@ -42,10 +44,11 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Protocol
+from functools import partial
+from typing import Any
 
 from config.settings import Settings
-from workers import tracing
+from workers import dispatch, tracing
 from workers.clock import now
 from workers.errors import CorralError
 from workers.gateway.background import Background
@@ -53,6 +56,7 @@ from workers.gateway.pool import Pool
 from workers.gateway.traces import ColdStart
 from workers.replicas import claims
 from workers.replicas.claims import ClaimAttempt, Claimed, NoIdleReplica
+from workers.replicas.requests import request_spawn
 from workers.store.db import Database
 
 log = logging.getLogger(__name__)
@@ -61,32 +65,13 @@ CLAIM_BATCH = 16  # environments one store call claims at most
 RENEW_MAX_S = 2.0  # held claims are renewed (and checked) at least this often
 
 
-class Producer(Protocol):
-    """What the gateway asks of the producer API; the ``tasks.api`` module is one.
-
-    The gateway sits below ``tasks`` (it is logic, in ``workers``), so the command that
-    starts it hands it the producer API instead of the gateway importing it.
-    """
-
-    def spawn(self, function: str, count: int = 1, *, settings: Settings | None = None) -> str:
-        """Ask for ``count`` new replicas of ``function``; the operation id."""
-        ...
-
-    def suspect(self, claim_id: str, reason: str, *,
-                settings: Settings | None = None) -> str | None:
-        """Give back a claim and retire its replica as suspect; the delete's operation id."""
-        ...
-
-
 class Ledger:
     """Every claim this gateway holds, the function pools, and their upkeep."""
 
-    def __init__(self, db: Database, settings: Settings, producer: Producer,
-                 background: Background,
+    def __init__(self, db: Database, settings: Settings, background: Background,
                  on_cold_start: Callable[[str, float], None] | None = None) -> None:
         self.db = db
         self.settings = settings
-        self.producer = producer
         self.background = background
         self.on_cold_start = on_cold_start
         self.held: dict[str, Claimed] = {}
@@ -185,7 +170,7 @@ class Ledger:
             self.db, settings, name,
             cold_start_timeout=settings.gateway_cold_start_timeout_s,
             ttl_s=settings.gateway_claim_ttl_s,
-            spawn=lambda fn: self.producer.spawn(fn, 1, settings=settings), wait_at_max=True,
+            spawn=self._spawn, wait_at_max=True,
         )
         cold = False
         got: Claimed | float | None = None
@@ -263,10 +248,19 @@ class Ledger:
             if other.replica_id == claimed.replica_id:
                 self._unpooled[other.claim_id] = True
         try:
-            await self.background.shielded(self.producer.suspect, claimed.claim_id,
-                                           f"suspect: {reason}", settings=self.settings)
+            await self.background.shielded(self._suspect, claimed.claim_id,
+                                           f"suspect: {reason}")
         except CorralError as exc:  # the broker is down: the stuck sweep finishes the delete
             log.warning("gateway: could not queue the delete of %s: %s", claimed.replica_id, exc)
+
+    def _spawn(self, function: str) -> str:
+        """Ask for one more replica of ``function`` (a cold start); the operation id."""
+        return dispatch.submit(self.db, partial(request_spawn, function=function, count=1))
+
+    def _suspect(self, claim_id: str, reason: str) -> str | None:
+        """Give the claim back, retire its replica and queue its delete; the operation id."""
+        op = claims.suspect(self.db, self.settings, claim_id, reason)
+        return dispatch.enqueue(self.db, op) if op is not None else None
 
     def _release_soon(self, released: list[Claimed]) -> None:
         """Stop holding these claims and give them back to the store in the background."""

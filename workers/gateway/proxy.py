@@ -57,7 +57,7 @@ from workers.gateway.asgi import (
 from workers.gateway.background import Background
 from workers.gateway.bodies import CLOSE, Bodies
 from workers.gateway.catalog import Catalog, FunctionInfo
-from workers.gateway.ledger import Ledger, Producer
+from workers.gateway.ledger import Ledger
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
 from workers.gateway.traces import incoming, request_attributes
 from workers.gateway.upstream import PREFIX, BrokenOff, ReplicaFailed, Upstreams
@@ -66,7 +66,7 @@ from workers.store.db import Database
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PREFIX", "Gateway", "Producer"]
+__all__ = ["PREFIX", "Gateway"]
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 SWEEP_S = 5.0  # how often unused upstream clients are looked for
@@ -76,7 +76,7 @@ WATCH_AFTER_S = 0.05  # a request running this long is watched for its client go
 class Gateway:
     """The request flow over its parts: catalog, ledger of claims, upstreams, metrics."""
 
-    def __init__(self, db: Database, settings: Settings, producer: Producer,
+    def __init__(self, db: Database, settings: Settings,
                  metrics: GatewayMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
@@ -84,7 +84,7 @@ class Gateway:
         # handler (sleeps of up to 100 ms each), so they would add latency, not speed.
         self.background = Background(1 if db.is_sqlite else settings.gateway_store_threads)
         self.catalog = Catalog(db, self.background, settings.gateway_queue)
-        self.ledger = Ledger(db, settings, producer, self.background,
+        self.ledger = Ledger(db, settings, self.background,
                              on_cold_start=self.metrics.cold_start)
         self._token = (f"Bearer {settings.gateway_token}".encode()
                        if settings.gateway_token else None)

@@ -229,7 +229,7 @@ def test_requests_through_the_gateway_are_recorded(
     gw = serve_gateway(thread_worker.settings.model_copy(update={
         "gateway_cold_start_timeout_s": 30.0, "gateway_report_interval_s": 0.1,
         "keepalive_bin_s": shape.bin_s, "keepalive_range_s": shape.range_s}),
-        "127.0.0.1:0", producer=api)
+        "127.0.0.1:0")
     try:
         with httpx.Client(timeout=60) as http:
             for pause in (0.5, 2.5, 0.0):  # then an idle time in bin 2, one out of bounds

@@ -27,7 +27,6 @@ import pytest
 from sqlalchemy import select
 
 from agents import RunningAgent
-from tasks import api
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
@@ -90,7 +89,7 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
     beat = start_beat(broker_env.tmp, "keepalive", {})
     gateway = serve_gateway(settings.model_copy(update={
         "gateway_cold_start_timeout_s": 60.0, "gateway_report_interval_s": 0.1,
-        "gateway_keep_s": 0.0}), "127.0.0.1:0", producer=api)
+        "gateway_keep_s": 0.0}), "127.0.0.1:0")
     try:
         with httpx.Client(timeout=60) as http:
             def call(name: str) -> float:

@@ -18,7 +18,6 @@ import pytest
 from sqlalchemy import select
 
 from agents import RunningAgent
-from tasks import api
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.fixtures import Env
 from workers.functions import deploy, spec_from
@@ -50,7 +49,7 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
                broker_env.settings)
     gateway = serve_gateway(broker_env.settings.model_copy(update={
         "gateway_cold_start_timeout_s": 60.0, "gateway_report_interval_s": 0.25}),
-        "127.0.0.1:0", producer=api)
+        "127.0.0.1:0")
     worker = WorkerProcess(broker_env.tmp, concurrency=3, extra_env=FAST_AUTOSCALE)
     worker_processes.append(worker.start())
     beat = start_beat(broker_env.tmp, "one", FAST_AUTOSCALE)

@@ -88,7 +88,7 @@ def data_path(thread_worker: Env, redis_url: str) -> Iterator[RunningGateway]:
             time.sleep(0.05)
         deploy_fn(env, "traced", image="examples.hello", readiness="guest")
         gateway = serve_gateway(env.settings.model_copy(update={
-            "gateway_cold_start_timeout_s": 30.0}), "127.0.0.1:0", producer=api)
+            "gateway_cold_start_timeout_s": 30.0}), "127.0.0.1:0")
         yield gateway
     finally:
         if gateway is not None:
