@@ -90,7 +90,7 @@ if TYPE_CHECKING:
     from workers.maintenance import reaper, redrive
     from workers.maintenance.audit import Audit
     from workers.maintenance.redrive import RESENDABLE, Redrive
-    from workers.replicas import claims, requests
+    from workers.replicas import claims, coldstarts, requests
     from workers.store import migrate
 else:
     # Celery; the agent clients and gRPC; Alembic; Redis; what one group of calls needs
@@ -104,6 +104,7 @@ else:
     reaper = _Later("workers.maintenance.reaper")
     redrive = _Later("workers.maintenance.redrive")
     claims = _Later("workers.replicas.claims")
+    coldstarts = _Later("workers.replicas.coldstarts")
     requests = _Later("workers.replicas.requests")
     migrate = _Later("workers.store.migrate")
 
@@ -527,7 +528,7 @@ def claim(
     settings = settings or get_settings()
     _check_cold_start_timeout(cold_start_timeout)
     called = time.time()
-    attempt = claims.ClaimAttempt(
+    attempt = coldstarts.ClaimAttempt(
         database(settings), settings, function, cold_start_timeout=cold_start_timeout,
         ttl_s=ttl, spawn=lambda name: spawn(name, 1, settings=settings),
     )

@@ -15,7 +15,7 @@ book of them:
 function's pool (no store call at all); else one store call claims an environment for
 every request of the function waiting in this gateway
 (:func:`workers.replicas.claims.claim_many`); if the store has none Idle, each waiting
-request runs a :class:`workers.replicas.claims.ClaimAttempt` (a cold start shared with
+request runs a :class:`workers.replicas.coldstarts.ClaimAttempt` (a cold start shared with
 every other waiter of the function, in this gateway or another; a spawn refused at the
 function's max waits for a release), and an environment another request returns
 meanwhile serves it first. It raises :class:`workers.errors.NotFound` for a function
@@ -55,7 +55,8 @@ from workers.gateway.background import Background
 from workers.gateway.pool import Pool
 from workers.gateway.traces import ColdStart
 from workers.replicas import claims
-from workers.replicas.claims import ClaimAttempt, Claimed, NoIdleReplica
+from workers.replicas.claims import Claimed, NoIdleReplica
+from workers.replicas.coldstarts import ClaimAttempt
 from workers.replicas.requests import request_spawn
 from workers.store.db import Database
 

@@ -46,43 +46,27 @@ missed. On SQLite the write transaction itself is the lock (``BEGIN
 IMMEDIATE``): claims run one at a time. Either way the pick is one index probe,
 O(log n) in the number of replicas.
 
-Cold starts
------------
-When nothing is Idle, a producer may wait for a new replica
-(:func:`tasks.api.claim` with a cold-start timeout). Concurrent waiters of one
-function *share* spawns: each waiter is a lease-like row ``cw:<function>:<token>``
-in the ``leases`` table (it expires by itself if the waiting process dies, and is
-deleted in the very transaction whose claim serves it), each spawn a waiter asked
-for is a row ``cs:<function>:<token>`` whose holder becomes the spawn's operation
-id. :func:`plan_cold_start` - one transaction, with the function row locked so
-decisions for one function are serialised - counts the waiters and the
-environments already on their way (replicas of the current build in Creating /
-Starting, and waiter-requested spawns not finished yet, each counted once) and
-asks for one more spawn only when waiters outnumber them and nothing is Idle.
-
-:class:`ClaimAttempt` is one caller's whole claim, cold start included, as a series
-of short steps (each a few store calls, never a sleep): :func:`tasks.api.claim`
-runs them with ``time.sleep`` between, the gateway with ``asyncio.sleep`` and each
-step in a thread, so both share one mechanism.
+Cold starts - waiting for a replica when nothing is Idle - are
+:mod:`workers.replicas.coldstarts`; a cold-start waiter is served by :func:`claim` here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, case, delete, func, insert, select, update
+from sqlalchemy import bindparam, case, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
 from workers.errors import CorralError, InputError, NotFound, check_seconds
-from workers.functions import check_name, get_function
+from workers.functions import check_name
 from workers.kinds import OpKind
-from workers.operations import FINISHED, create_operation, get_operation
+from workers.operations import create_operation
 from workers.replicas.lifecycle import lock_replica, transition
 from workers.store.db import Database
 from workers.store.models import (
@@ -90,15 +74,11 @@ from workers.store.models import (
     Function,
     Lease,
     Operation,
-    OpStatus,
     Replica,
     ReplicaState,
     new_id,
 )
 
-WAITER_PREFIX = "cw"
-SPAWN_PREFIX = "cs"
-PENDING_SPAWN = "pending:"  # + the waiter's token, until the operation id replaces it
 LOCKED_RETRY_S = 2.0  # how long a claim keeps looking while every Idle row is locked
 MAX_TTL_S = 86_400.0
 EXPIRE_BATCH = 1000  # expired claims one reaper pass gives back at most
@@ -106,10 +86,6 @@ EXPIRE_BATCH = 1000  # expired claims one reaper pass gives back at most
 
 class NoIdleReplica(CorralError):
     """No Idle replica of the function's current build could be claimed."""
-
-
-class ClaimTimeout(NoIdleReplica):
-    """A cold-start claim found no ready replica before its timeout."""
 
 
 @dataclass(frozen=True)
@@ -212,10 +188,9 @@ def _candidates(session: Session, fn: _Fn | Function, lock: str = "skip",
     return [(rid, int(free)) for rid, free in session.execute(query)]
 
 
-def _candidate(session: Session, fn: _Fn | Function, lock: str = "skip") -> str | None:
-    """The id of one claimable replica of ``fn`` (see :func:`_candidates`)."""
-    found = _candidates(session, fn, lock)
-    return found[0][0] if found else None
+def idle_exists(session: Session, fn: _Fn | Function) -> bool:
+    """Whether any replica of ``fn`` could take a claim now (only looks: locks nothing)."""
+    return bool(_candidates(session, fn, "none"))
 
 
 def claim(
@@ -260,7 +235,7 @@ def claim_many(db: Database, settings: Settings, function_name: str, count: int,
             # reaper pass), they may keep a free environment: look again shortly. Each
             # statement sees the newest commits (READ COMMITTED), and no lock is held
             # while waiting, so claimers can never deadlock on one another.
-            if _candidate(s, fn, "none") is None:
+            if not idle_exists(s, fn):
                 break
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
@@ -450,227 +425,3 @@ def suspect(db: Database, settings: Settings, claim_id: str, reason: str) -> Ope
         replica.operation_id = op.id
         transition(s, replica, ReplicaState.DELETING, settings, error=reason)
         return op
-
-
-# -- cold starts -------------------------------------------------------------------------------
-
-
-def _range(prefix: str, function_id: str) -> tuple[str, str]:
-    """Lease names ``<prefix>:<function id>:*`` as an index range on the primary key."""
-    return f"{prefix}:{function_id}:", f"{prefix}:{function_id};"
-
-
-def _rows(session: Session, prefix: str, function_id: str) -> list[Lease]:
-    lo, hi = _range(prefix, function_id)
-    return list(session.scalars(select(Lease).where(Lease.name >= lo, Lease.name < hi)))
-
-
-def join_waiters(db: Database, function_name: str, wait_s: float) -> Waiter:
-    """Register a claimer that waits up to ``wait_s`` seconds for a cold start."""
-    with db.transaction() as s:
-        fn = get_function(s, function_name)
-        token = f"{_range(WAITER_PREFIX, fn.id)[0]}{new_id()[:16]}"
-        # The row outlives the wait a little, then lapses by itself if we never delete it.
-        s.add(Lease(name=token, holder="claim", expires_at=now() + timedelta(seconds=wait_s + 5)))
-        return Waiter(fn.name, fn.id, token)
-
-
-def leave_waiters(db: Database, waiter: Waiter) -> None:
-    """Stop counting this claimer as waiting."""
-    with db.transaction() as s:
-        s.execute(delete(Lease).where(Lease.name == waiter.token))
-
-
-def in_flight_envs(session: Session, fn: Function, spawn_ops: set[str]) -> int:
-    """Environments of the current build already on their way (Creating or Starting)."""
-    query = select(func.coalesce(func.sum(Replica.envs_total), 0)).where(
-        Replica.function_id == fn.id,
-        Replica.status.in_((ReplicaState.CREATING, ReplicaState.STARTING)),
-        Replica.build_version == fn.build_version,
-    )
-    if spawn_ops:  # these are counted through their spawn rows already
-        query = query.where(
-            (Replica.operation_id.is_(None)) | Replica.operation_id.not_in(spawn_ops)
-        )
-    return int(session.scalar(query) or 0)
-
-
-@dataclass(frozen=True)
-class ColdStartPlan:
-    """What :func:`plan_cold_start` saw and decided."""
-
-    waiters: int
-    in_flight: int
-    spawn: str | None  # the spawn row to fill in with the operation id, when a spawn is due
-
-
-def plan_cold_start(db: Database, settings: Settings, waiter: Waiter) -> ColdStartPlan:
-    """Decide whether this waiter must ask for one more spawn (waiters > environments coming)."""
-    with db.transaction() as s:
-        fn = s.get(Function, waiter.function_id, with_for_update=True)
-        if fn is None:
-            raise NotFound(f"function {waiter.function!r} was removed")
-        at = now()
-        rows = _rows(s, WAITER_PREFIX, fn.id)
-        alive = {row.name for row in rows if row.expires_at > at}
-        pending, spawn_ops, over = _spawns_coming(s, fn.id, alive, at)
-        over += [row.name for row in rows if row.expires_at <= at]
-        if over:  # by name: a waiter that leaves deletes its own row, maybe first
-            s.execute(delete(Lease).where(Lease.name.in_(over)))
-        waiters = len(alive)
-        coming = (pending + len(spawn_ops)) * fn.exec_envs + in_flight_envs(s, fn, spawn_ops)
-        if waiters <= coming or _candidate(s, fn, "none") is not None:
-            return ColdStartPlan(waiters, coming, None)
-        name = f"{_range(SPAWN_PREFIX, fn.id)[0]}{new_id()[:16]}"
-        ttl = settings.creating_deadline_s + settings.boot_deadline_s
-        s.add(Lease(name=name, holder=f"{PENDING_SPAWN}{waiter.token}",
-                    expires_at=at + timedelta(seconds=ttl)))
-        return ColdStartPlan(waiters, coming, name)
-
-
-def _spawns_coming(
-    s: Session, function_id: str, alive: set[str], at: datetime
-) -> tuple[int, set[str], list[str]]:
-    """Spawns still coming (asks being made, open operations) and the rows of those over."""
-    spawns = _rows(s, SPAWN_PREFIX, function_id)
-    op_ids = [r.holder for r in spawns if not r.holder.startswith(PENDING_SPAWN)]
-    ops: dict[str, str] = {}
-    if op_ids:
-        rows = s.execute(select(Operation.id, Operation.status).where(Operation.id.in_(op_ids)))
-        ops = {op_id: status for op_id, status in rows}
-    pending, spawn_ops, over = 0, set(), []
-    for row in spawns:
-        if row.holder.startswith(PENDING_SPAWN):
-            # Being asked for right now by a waiter; if that waiter is gone (its
-            # process died between deciding and asking), the spawn never will be.
-            done = row.holder[len(PENDING_SPAWN):] not in alive
-        else:
-            done = ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED
-        if row.expires_at <= at or done:
-            over.append(row.name)
-        elif row.holder.startswith(PENDING_SPAWN):
-            pending += 1
-        else:
-            spawn_ops.add(row.holder)
-    return pending, spawn_ops, over
-
-
-def note_spawn(db: Database, spawn: str, op_id: str) -> None:
-    """Record the operation that carries out a waiter-requested spawn."""
-    with db.transaction() as s:
-        s.execute(update(Lease).where(Lease.name == spawn).values(holder=op_id))
-
-
-def drop_spawn(db: Database, spawn: str) -> None:
-    """Forget a waiter-requested spawn that was refused."""
-    with db.transaction() as s:
-        s.execute(delete(Lease).where(Lease.name == spawn))
-
-
-class ClaimAttempt:
-    """One caller's claim as steps: claim at once, else wait for a (shared) cold start.
-
-    :meth:`step` returns the :class:`Claimed` environment, or how many seconds to wait
-    before the next step; it raises :class:`NoIdleReplica` (no cold start allowed, the
-    cold start failed or was refused) or :class:`ClaimTimeout`. :meth:`close` must run
-    at the end, whatever happened. ``spawn(function) -> operation id`` asks for one
-    replica. With ``wait_at_max`` a spawn refused (or failed) because the function is
-    at its max is not an error: the caller waits for an environment to be released
-    instead (several gateways may ask for the last replica at once).
-    """
-
-    def __init__(
-        self,
-        db: Database,
-        settings: Settings,
-        function: str,
-        *,
-        spawn: Callable[[str], str],
-        cold_start_timeout: float = 0.0,
-        ttl_s: float | None = None,
-        wait_at_max: bool = False,
-    ) -> None:
-        self.db, self.settings, self.function = db, settings, function
-        self.timeout = cold_start_timeout
-        self.ttl_s = check_ttl(ttl_s)
-        self.spawned: list[str] = []  # operations this caller asked for
-        self.started = time.monotonic()
-        self.asked_at: float | None = None  # time.monotonic() when its first spawn was asked
-        self._spawn = spawn
-        self._wait_at_max = wait_at_max
-        self._deadline = self.started + cold_start_timeout
-        self._waiter: Waiter | None = None
-        self._settled: set[str] = set()
-        self._delay = 0.02
-
-    @property
-    def waiting(self) -> bool:
-        """True while this caller is registered as a cold-start waiter (close() needed)."""
-        return self._waiter is not None
-
-    @property
-    def waited_s(self) -> float:
-        """Seconds since the attempt began."""
-        return time.monotonic() - self.started
-
-    def step(self) -> Claimed | float:
-        """Try once: the claimed environment, or the seconds to wait before trying again."""
-        if self._waiter is None:
-            try:
-                return claim(self.db, self.settings, self.function, ttl_s=self.ttl_s)
-            except NoIdleReplica:
-                if self.timeout <= 0:
-                    raise
-            self._waiter = join_waiters(self.db, self.function, self.timeout)
-        try:
-            return claim(self.db, self.settings, self.function, waiter=self._waiter,
-                         ttl_s=self.ttl_s)
-        except NoIdleReplica:
-            pass
-        self._check_spawns()
-        if time.monotonic() >= self._deadline:
-            raise ClaimTimeout(f"no ready replica of {self.function} after {self.timeout:g}s")
-        plan = plan_cold_start(self.db, self.settings, self._waiter)
-        if plan.spawn is not None:
-            try:
-                op_id = self._spawn(self.function)
-            except CorralError as exc:
-                drop_spawn(self.db, plan.spawn)
-                if not (self._wait_at_max and self._at_max()):
-                    raise NoIdleReplica(f"no idle replica of {self.function}, and a cold start "
-                                        f"was refused: {exc}") from None
-            else:
-                if self.asked_at is None:
-                    self.asked_at = time.monotonic()
-                note_spawn(self.db, plan.spawn, op_id)
-                self.spawned.append(op_id)
-                return 0.0  # the new replica may be ready already (eager mode)
-        wait = max(0.0, min(self._delay, self._deadline - time.monotonic()))
-        self._delay = min(self._delay * 1.5, 0.5)
-        return wait
-
-    def _check_spawns(self) -> None:
-        """Fail the attempt when a spawn it asked for failed."""
-        pending = [o for o in self.spawned if o not in self._settled]
-        if not pending:
-            return
-        with self.db.read() as s:
-            for op_id in pending:
-                op = get_operation(s, op_id)
-                if op.status in FINISHED:
-                    self._settled.add(op_id)
-                if op.status == OpStatus.FAILED and not (
-                        self._wait_at_max and self._at_max()):
-                    raise NoIdleReplica(f"cold start of {self.function} failed: {op.error}")
-
-    def _at_max(self) -> bool:
-        """True when the function has as many replicas as its max allows."""
-        with self.db.read() as s:
-            fn = get_function(s, self.function)
-            return fn.replica_count >= fn.max_replicas
-
-    def close(self) -> None:
-        """Stop counting this caller as a cold-start waiter."""
-        if self._waiter is not None:
-            leave_waiters(self.db, self._waiter)
-            self._waiter = None

@@ -15,8 +15,9 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, replicas
 from tests.workers.replicas.helpers import at_once, by_id, created, one_node_idle
-from workers.replicas import claims
-from workers.replicas.claims import ClaimTimeout, NoIdleReplica
+from workers.replicas import coldstarts
+from workers.replicas.claims import NoIdleReplica
+from workers.replicas.coldstarts import ClaimTimeout
 from workers.store.models import Lease, ReplicaState
 
 
@@ -133,19 +134,19 @@ def test_cold_start_times_out_without_spawning_per_poll(
 def test_spawn_decisions_count_waiters_and_spawns_in_flight(corral_env: Env) -> None:
     deploy_fn(corral_env, exec_envs=2)
     db, settings = corral_env.db, corral_env.settings
-    w1 = claims.join_waiters(db, "hello", 30)
-    first = claims.plan_cold_start(db, settings, w1)
+    w1 = coldstarts.join_waiters(db, "hello", 30)
+    first = coldstarts.plan_cold_start(db, settings, w1)
     assert (first.waiters, first.in_flight) == (1, 0) and first.spawn is not None
-    w2 = claims.join_waiters(db, "hello", 30)
+    w2 = coldstarts.join_waiters(db, "hello", 30)
     # w1's spawn (two environments) is being asked for: enough for both waiters.
-    assert claims.plan_cold_start(db, settings, w2).spawn is None
-    w3 = claims.join_waiters(db, "hello", 30)
-    third = claims.plan_cold_start(db, settings, w3)
+    assert coldstarts.plan_cold_start(db, settings, w2).spawn is None
+    w3 = coldstarts.join_waiters(db, "hello", 30)
+    third = coldstarts.plan_cold_start(db, settings, w3)
     assert (third.waiters, third.in_flight) == (3, 2) and third.spawn is not None
     # w1 dies before asking: its spawn no longer counts (w3's covers the two left).
-    claims.leave_waiters(db, w1)
-    second = claims.plan_cold_start(db, settings, w2)
+    coldstarts.leave_waiters(db, w1)
+    second = coldstarts.plan_cold_start(db, settings, w2)
     assert (second.waiters, second.in_flight) == (2, 2) and second.spawn is None
-    claims.drop_spawn(db, third.spawn)  # w3's spawn was refused: now w2 must ask
-    again = claims.plan_cold_start(db, settings, w2)
+    coldstarts.drop_spawn(db, third.spawn)  # w3's spawn was refused: now w2 must ask
+    again = coldstarts.plan_cold_start(db, settings, w2)
     assert (again.waiters, again.in_flight) == (2, 0) and again.spawn is not None
