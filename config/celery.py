@@ -9,15 +9,27 @@ is off, so a task routed nowhere is an error, not a silently created queue):
 * ``corral.maintenance`` - housekeeping (beat's health, reap, reconcile and autoscaler
   passes, and an operator's reap or reconcile), CPU hogs.
 
+The pool: a thread pool, eight tasks at once per worker process by default
+(``CORRAL_WORKER_POOL`` / ``CORRAL_WORKER_CONCURRENCY``; ``-P`` / ``-c`` still win). A
+batch spends its time waiting on agents, and a process's batches share one event loop
+and its bounds (:mod:`workers.backends.inflight`), so one process keeps each node's call
+slots full across batches and operations instead of one batch at a time; a prefork
+process works one message at a time and caps itself at processes x batch size calls in
+flight. ``docs/benchmarks.md`` (``bench.spawn``) has the figures that chose it. Celery
+enforces time limits only in prefork; in a thread pool :mod:`workers.timelimits` does
+(the soft limit raised in the task's thread, the hard one ends the worker process).
+
 Reliability, chosen on purpose:
 
 * ``task_acks_late`` - a message is acknowledged after its task ran, so a worker
   killed mid-task does not lose it; this is safe because every task is idempotent
   (rows keyed by request id, deletes of deleted replicas succeed).
 * ``task_reject_on_worker_lost`` - when a pool process dies mid-task, the message
-  goes back to the queue at once instead of being acknowledged as failed.
+  goes back to the queue at once instead of being acknowledged as failed (prefork);
+  a worker process that dies leaves its messages unacknowledged, and they come back
+  after the visibility timeout.
 * ``worker_prefetch_multiplier = 1`` - a worker holds one unacknowledged message
-  per process, so a slow agent does not strand a backlog in one worker.
+  per pool slot, so a slow agent does not strand a backlog in one worker.
 * soft / hard time limits (60 s / 90 s by default) bound every task, and the Redis
   ``visibility_timeout`` (300 s) is kept above the hard limit: a message is only
   redelivered when its worker is really gone, never while it still runs. corral's
@@ -114,6 +126,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
+        "worker_pool": settings.worker_pool,
+        "worker_concurrency": settings.worker_concurrency,
         "task_soft_time_limit": settings.task_soft_time_limit_s,
         "task_time_limit": settings.task_time_limit_s,
         "broker_transport_options": {

@@ -80,7 +80,11 @@ class _Reliability(BaseModel):
     task_soft_time_limit_s: Seconds = 60.0
     """A task's soft time limit (it is told to stop); below the hard limit."""
     task_time_limit_s: Seconds = 90.0
-    """A task's hard time limit (its process is killed)."""
+    """A task's hard time limit (its process is killed; in a thread pool, the worker exits)."""
+    worker_pool: Literal["threads", "prefork"] = "threads"
+    """The pool ``celery -A workers worker`` runs tasks in, unless ``-P`` says otherwise."""
+    worker_concurrency: int = Field(8, ge=1, le=256)
+    """Tasks one worker runs at once (threads, or prefork processes), unless ``-c`` says."""
     visibility_timeout_s: int = Field(300, gt=0)
     """Seconds before Redis hands an unacknowledged message on again; above the hard limit."""
     retry_max: int = Field(5, ge=0, le=100)
@@ -120,7 +124,7 @@ class _Backends(BaseModel):
     """Replicas a node holds when it is added or registers without saying."""
     node_max_inflight: Count = Field(16, le=10_000)
     """Agent calls in flight to one node from the whole fleet (leases in the broker's Redis)."""
-    max_inflight: Count = Field(256, le=100_000)
+    max_inflight: Count = Field(512, le=100_000)
     """Agent calls in flight from one worker process to all nodes together."""
     node_failures: Count = Field(3, le=1000)
     """Failed creates in a row that quarantine a node."""

@@ -53,7 +53,7 @@ class UpOptions:
 
     state_dir: Path
     agents: bool = True
-    worker_concurrency: int = 2
+    worker_concurrency: int | None = None  # None: CORRAL_WORKER_CONCURRENCY
 
 
 def _say(message: str) -> None:
@@ -197,8 +197,9 @@ def _start_celery(options: UpOptions, base: Settings, flower_port: int, state: P
     worker_log = logs / "worker.log"
     sup.start(
         Child("worker", [PY, "-m", "celery", "-A", "workers", "worker", "-E", "-l", "INFO",
-                         "-c", str(options.worker_concurrency), "-n", "corral@%h",
-                         "-Q", ",".join(QUEUES)],
+                         *(["-c", str(options.worker_concurrency)]
+                           if options.worker_concurrency else []),
+                         "-n", "corral@%h", "-Q", ",".join(QUEUES)],
               env, worker_log, state),
         ready=lambda: worker_log.exists() and b" ready." in worker_log.read_bytes(),
         timeout=60,

@@ -5,7 +5,8 @@ Redis broker (results on the same server), on an empty migrated store: SQLite an
 PostgreSQL in turn (``store_url`` in ``tests/fixtures.py``).
 ``thread_worker`` then runs a real worker in this process, consuming every corral
 queue; :class:`WorkerProcess` runs ``celery -A workers worker`` as a child process
-(prefork pool), which a test can SIGKILL and replace; :func:`start_beat` runs
+(the app's own pool, threads, unless a test asks for prefork), which a test can SIGKILL
+and replace; :func:`start_beat` runs
 ``celery -A workers beat``.
 """
 
@@ -64,8 +65,9 @@ def thread_worker(broker_env: Env) -> Iterator[Env]:
 class WorkerProcess:
     """``celery -A workers worker`` as a child process with the test's environment."""
 
-    def __init__(self, log_dir: Path, *, concurrency: int = 2, pool: str = "prefork",
+    def __init__(self, log_dir: Path, *, concurrency: int = 2, pool: str | None = None,
                  extra_env: dict[str, str] | None = None, name: str = "w1") -> None:
+        """``pool``: ``-P`` (None: the app's own, as ``celery -A workers worker`` runs)."""
         self.log_path = log_dir / f"worker-{name}.log"
         self.concurrency = concurrency
         self.pool = pool
@@ -79,7 +81,8 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "celery", "-A", "workers", "worker",
-                "-P", self.pool, "-c", str(self.concurrency), "-l", "INFO",
+                *(["-P", self.pool] if self.pool else []), "-c", str(self.concurrency),
+                "-l", "INFO",
                 "-n", f"{self.name}@%h", "-Q", ",".join(QUEUES),
                 "--without-gossip", "--without-mingle",
             ],

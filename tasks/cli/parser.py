@@ -334,7 +334,8 @@ def _add_services(top: Commands) -> None:
                 "run broker, store, registry, worker, beat, Flower and agents")
     p.add_argument("--state-dir", help="where data and logs live (default .corral)")
     p.add_argument("--no-agents", action="store_true", help="run the control plane alone")
-    p.add_argument("--concurrency", type=integer, default=2, help="worker processes (default 2)")
+    p.add_argument("--concurrency", type=integer, default=None,
+                   help="tasks the worker runs at once (default CORRAL_WORKER_CONCURRENCY, 8)")
 
 
 def _add_gateway(top: Commands) -> None:

@@ -15,18 +15,19 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
 from tasks import api
 from tests.celery_workers import WorkerProcess
-from tests.fixtures import Env, StartAgents
+from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn, replicas
-from workers import clock
+from workers import clock, timelimits
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
 from workers.registry.service import RunningRegistry, serve_registry
-from workers.store.models import LIVE_STATES, ReplicaState
+from workers.store.models import LIVE_STATES, Function, ReplicaState
 
 # Short limits so redelivery happens within a test: a task's creates must end within its
 # soft limit (calls of 2 s), its ownership of a row lapses at its hard limit.
@@ -72,10 +73,14 @@ def registry(broker_env: Env) -> Iterator[RunningRegistry]:
     running.stop(grace=0)
 
 
+POOLS = pytest.mark.parametrize("pool", ["threads", "prefork"])  # the default, and prefork
+
+
 @pytest.mark.timeout(120)
+@POOLS
 def test_a_spawn_message_delivered_twice_at_once_sends_each_create_once(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
-    redis_url: str,
+    redis_url: str, pool: str,
 ) -> None:
     _env(broker_env, SHORT)
     agents = start_agents(2, env=broker_env, seed_only=True)
@@ -86,7 +91,7 @@ def test_a_spawn_message_delivered_twice_at_once_sends_each_create_once(
     client = redis.Redis.from_url(redis_url)
     (message,) = client.lrange("corral.spawn", 0, -1)
     client.rpush("corral.spawn", message)  # the broker hands the same message out twice
-    worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=SHORT)
+    worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=SHORT, pool=pool)
     worker_processes.append(worker.start())
     view = api.wait(op, timeout=60)
     assert (view["status"], view["done"], view["failed"]) == ("succeeded", 6, 0), view
@@ -98,21 +103,24 @@ def test_a_spawn_message_delivered_twice_at_once_sends_each_create_once(
 
 
 @pytest.mark.timeout(150)
+@POOLS
 def test_a_worker_killed_mid_create_leaves_no_orphan_on_seed_agents(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
-    registry: RunningRegistry,
+    registry: RunningRegistry, pool: str,
 ) -> None:
     _env(broker_env, SHORT)
     agents = start_agents(2, env=broker_env, seed_only=True, registry=registry.address)
     for agent in agents:  # the creates take a while; their guests then report READY
         agent.agent.inject("CreateReplica", *[Fault.delay(2.0)] * 6)
     deploy_fn(broker_env)
-    first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT)
+    first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT,
+                          pool=pool)
     worker_processes.append(first.start())
     op = api.spawn("hello", 6)
     _wait_for(lambda: _creates(agents) == 6, 20, "every create to reach an agent")
     first.kill()  # SIGKILL while every create is in flight: their answers are lost
-    second = WorkerProcess(broker_env.tmp, concurrency=2, name="second", extra_env=SHORT)
+    second = WorkerProcess(broker_env.tmp, concurrency=2, name="second", extra_env=SHORT,
+                           pool=pool)
     worker_processes.append(second.start())
     # The agents made the VMs and their guests said READY; no row can take them (the seed
     # protocol cannot say which request a VM is for), so the registry has them released.
@@ -140,7 +148,7 @@ def test_a_batch_that_would_outlive_its_task_ends_in_time_and_hands_on_the_rest(
     (agent,) = start_agents(1, env=broker_env, seed_only=True)
     agent.agent.inject("CreateReplica", *[Fault.delay(1.0)] * 8)
     deploy_fn(broker_env)
-    worker = WorkerProcess(broker_env.tmp, concurrency=1, extra_env=limits)
+    worker = WorkerProcess(broker_env.tmp, concurrency=1, extra_env=limits, pool="threads")
     worker_processes.append(worker.start())
     view = api.wait(api.spawn("hello", 8), timeout=90)
     assert (view["status"], view["done"], view["failed"]) == ("succeeded", 8, 0), view
@@ -150,3 +158,30 @@ def test_a_batch_that_would_outlive_its_task_ends_in_time_and_hands_on_the_rest(
     assert "SoftTimeLimitExceeded" not in log and "Hard time limit" not in log, log
     assert log.count("corral.spawn_batch[") >= 2, log
     _fleet_agrees(broker_env, [agent])
+
+
+@pytest.mark.timeout(120)
+@postgres_only  # a lock wait in psycopg's C wait loop: what the soft limit cannot interrupt
+def test_a_thread_pool_worker_stuck_past_its_hard_limit_exits_and_another_finishes(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
+) -> None:
+    limits = {**SHORT, "CORRAL_DB_LOCK_TIMEOUT_S": "30"}  # the wait outlives the hard limit
+    _env(broker_env, limits)
+    agents = start_agents(1, env=broker_env)
+    fn_id = deploy_fn(broker_env)
+    stuck = WorkerProcess(broker_env.tmp, concurrency=2, name="stuck", extra_env=limits,
+                          pool="threads")
+    worker_processes.append(stuck.start())
+    with broker_env.db.transaction() as s:  # the function's row, locked past the hard limit
+        s.execute(select(Function).where(Function.id == fn_id).with_for_update()).all()
+        op = api.spawn("hello", 2)
+        assert stuck.proc is not None
+        assert stuck.proc.wait(30) == timelimits.EXIT_STATUS, stuck.tail()
+    assert "past its hard time limit" in stuck.tail(), stuck.tail()
+    second = WorkerProcess(broker_env.tmp, concurrency=2, name="second", extra_env=limits,
+                           pool="threads")
+    worker_processes.append(second.start())
+    view = api.wait(op, timeout=60)  # its message came back after the visibility timeout
+    assert (view["status"], view["done"], view["failed"]) == ("succeeded", 2, 0), view
+    assert _creates(agents) == 2
+    _fleet_agrees(broker_env, agents)

@@ -122,7 +122,7 @@ def test_prefork_worker_process_spawns_and_keeps_secrets_out_of_messages_and_log
     assert queued, "the spawn message should be waiting in its queue"
     for raw in queued:
         assert b"AKIASECRETID0001" not in raw and b"s3cr3t" not in raw
-    worker = WorkerProcess(broker_env.tmp, concurrency=2)
+    worker = WorkerProcess(broker_env.tmp, concurrency=2, pool="prefork")
     worker_processes.append(worker.start())
     view = api.wait(op, timeout=30)
     assert view["status"] == "succeeded", (view, worker.tail())

@@ -96,6 +96,9 @@ def lease_s(settings: Settings) -> float:
                settings.lambdo_timeout_s) + SLACK_S
 
 
+MAX_CONNECTIONS = 32  # to the slots' Redis, per worker process
+
+
 @dataclass(frozen=True)
 class RedisSlots:
     """Node slots leased from one Redis server (an :class:`workers.backends.inflight.Source`)."""
@@ -109,8 +112,12 @@ class RedisSlots:
         return self.ttl_s - SLACK_S
 
     def _client(self) -> Any:
-        return inflight.resource(f"redis:{self.url}", lambda: redis.asyncio.Redis.from_url(
-            self.url, socket_timeout=5, socket_connect_timeout=5))
+        # A blocking pool: calls beyond its connections wait their turn (up to the socket
+        # timeout) instead of failing, however many batches share the process's loop.
+        return inflight.resource(f"redis:{self.url}", lambda: redis.asyncio.Redis(
+            connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+                self.url, max_connections=MAX_CONNECTIONS, timeout=5,
+                socket_timeout=5, socket_connect_timeout=5)))
 
     async def acquire(self, node: Hashable, bound: int, want: int) -> list[inflight.Lease]:
         """Up to ``want`` of the node's ``bound`` slots, granted at once."""

@@ -70,7 +70,8 @@ def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
         add_gpu_server(env.db, env.settings, server.address)
     for name, mb in FUNCTIONS.items():
         deploy_fn(env, name, gpu_mem=mb)
-    workers = [WorkerProcess(env.tmp, concurrency=4, name=f"w{i}") for i in range(4)]
+    workers = [WorkerProcess(env.tmp, concurrency=4, name=f"w{i}", pool="prefork")
+               for i in range(4)]
     with ThreadPoolExecutor(4) as pool:
         worker_processes.extend(pool.map(lambda w: w.start(timeout=45), workers))
 
