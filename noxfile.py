@@ -14,6 +14,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 CHECKED = [
     "config", "tasks", "workers", "stack", "agents", "netplumb", "examples", "bench", "protos",
+    "tests",
 ]
 
 
@@ -27,7 +28,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def types(session: nox.Session) -> None:
-    """mypy over the packages (the install generates the protocol modules and stubs)."""
+    """mypy over the packages and the tests (the install generates the protocol stubs)."""
     session.install("-e", ".[dev]")
     session.run("mypy", *CHECKED)
 

@@ -195,7 +195,7 @@ class ClaimView(TypedDict):
     function: str
     expires_at: str  # ISO 8601 UTC
     waited_s: float  # how long the claim waited for a replica
-    spawned: int  # spawns this claim asked for
+    spawned: list[str]  # the spawn operations this claim asked for
 
 
 class ReleaseView(TypedDict):

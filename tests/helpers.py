@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import select
@@ -38,7 +39,7 @@ def one_agent(
     return agent
 
 
-def spawn_ok(function: str, count: int, timeout: float = 120.0) -> dict[str, Any]:
+def spawn_ok(function: str, count: int, timeout: float = 120.0) -> api.OperationView:
     """Spawn ``count`` replicas of ``function`` and wait; asserts the operation succeeded."""
     view = api.wait(api.spawn(function, count), timeout=timeout)
     assert view["status"] == "succeeded", view
@@ -61,6 +62,13 @@ def operation(env: Env, op_id: str) -> Operation:
         op = s.get(Operation, op_id)
         assert op is not None
         return op
+
+
+def result_of(op: Mapping[str, Any] | Operation) -> dict[str, Any]:
+    """An operation's result (its view's or its row's), which must be there."""
+    found = op.result if isinstance(op, Operation) else op["result"]
+    assert found is not None, op
+    return dict(found)
 
 
 def creating(

@@ -9,7 +9,7 @@ import zlib
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from google.protobuf import empty_pb2
@@ -69,22 +69,25 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
-class RecordingRegistry(resmngr_grpc.ResMngrServiceServicer):  # type: ignore[misc]
+Action: TypeAlias = resmngr_pb2.StatusUpdateReply.Action.ValueType
+
+
+class RecordingRegistry(resmngr_grpc.ResMngrServiceServicer):
     """A tiny ``resmngr.ResMngrService`` that records calls and answers a set action."""
 
-    def __init__(self, action: int = resmngr_pb2.StatusUpdateReply.OK) -> None:
+    def __init__(self, action: Action = resmngr_pb2.StatusUpdateReply.OK) -> None:
         """Answer every UpdateStatus with ``action``."""
         self.action = action
         #: Status codes UpdateStatus fails with, one per call, before answering normally.
         self.failures: list[grpc.StatusCode] = []
-        self.calls: list[tuple[str, Any, dict[str, str]]] = []
+        self.calls: list[tuple[str, Any, dict[str, str | bytes]]] = []
         self._lock = threading.Lock()
 
     def _record(self, name: str, request: Any, context: grpc.ServicerContext) -> None:
         with self._lock:
             self.calls.append((name, request, dict(context.invocation_metadata())))
 
-    def of(self, name: str) -> list[tuple[Any, dict[str, str]]]:
+    def of(self, name: str) -> list[tuple[Any, dict[str, str | bytes]]]:
         """(request, metadata) of each recorded call of ``name``."""
         with self._lock:
             return [(req, md) for n, req, md in self.calls if n == name]

@@ -92,7 +92,7 @@ def _busy_port_with_a_free_neighbour(busy: socket.socket) -> int:
             busy.bind(("127.0.0.1", port))
         except OSError:
             continue
-        return port
+        return int(port)
     pytest.skip("found no busy port with a free neighbour")
 
 

@@ -207,7 +207,9 @@ def test_ready_is_reported_after_the_replica_answers_http(
     "action", [resmngr_pb2.StatusUpdateReply.DESTROY, resmngr_pb2.StatusUpdateReply.KEEP_ALIVE],
     ids=["destroy_releases_the_vm", "keep_alive_keeps_it"],
 )
-def test_the_answer_to_ready(registry: tuple[str, RecordingRegistry], action: int) -> None:
+def test_the_answer_to_ready(
+    registry: tuple[str, RecordingRegistry], action: resmngr_pb2.StatusUpdateReply.Action.ValueType,
+) -> None:
     address, servicer = registry
     servicer.action = action
     with serve_fcdaemon(driver=MemoryDriver(), registry=address) as running:

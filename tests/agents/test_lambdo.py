@@ -205,11 +205,11 @@ def test_a_caller_that_hangs_up_is_a_log_line_not_a_traceback(
         try:
             raise BrokenPipeError(32, "Broken pipe")  # what writing to a gone caller raises
         except BrokenPipeError:
-            lambdo.server.handle_error(None, ("127.0.0.1", 5))
+            lambdo.server.handle_error(None, ("127.0.0.1", 5))  # type: ignore[arg-type]
         try:
             raise ValueError("a bug")  # anything else still gets its traceback
         except ValueError:
-            lambdo.server.handle_error(None, ("127.0.0.1", 6))
+            lambdo.server.handle_error(None, ("127.0.0.1", 6))  # type: ignore[arg-type]
     err = capsys.readouterr().err
     assert "went away before its answer" in caplog.text and "5)" in caplog.text
     assert "BrokenPipeError" not in err and "ValueError: a bug" in err

@@ -146,7 +146,7 @@ def test_allow_image_lets_an_operator_add_a_module(tmp_path: Path) -> None:
 
 # -- listeners -------------------------------------------------------------------------
 
-AGENTS = [
+AGENTS: list[tuple[list[str], str, dict[str, str]]] = [
     (["agent", "fcdaemon"], "CORRAL_AGENT_TOKEN", {}),
     (["agent", "lambdo"], "CORRAL_LAMBDO_TOKEN", {}),
     (["agent", "gpus", "--gpus", "GPU-1:1000"], "CORRAL_AGENT_TOKEN", {}),
@@ -206,4 +206,4 @@ def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
 def test_default_listen_addresses_are_loopback() -> None:
     for parser in (fc(), gp(), lb()):
         assert is_loopback(split_hostport(parser.parse_args([]).listen)[0])
-    assert is_loopback(split_hostport(Settings().registry_listen)[0])
+    assert is_loopback(split_hostport(Settings.model_validate({}).registry_listen)[0])

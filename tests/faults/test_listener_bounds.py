@@ -198,7 +198,7 @@ def grpc_flood(method: str) -> Callable[[int, list[socket.socket]], None]:
     """1,000 unauthenticated calls in flight at once on one channel."""
     def attack(port: int, held: list[socket.socket]) -> None:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = channel.unary_unary(method)
+            stub: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
             futures = [stub.future(b"\x0a\x02vm", timeout=20) for _ in range(1000)]
             for f in futures:
                 with contextlib.suppress(grpc.RpcError, grpc.FutureTimeoutError):

@@ -24,6 +24,7 @@ from tests.helpers import deploy_fn, one_agent, operation, replicas, spawn_ok
 from tests.workers.replicas.helpers import at_once
 from workers import backends, clock, leases
 from workers.fleet import health, placement
+from workers.kinds import OpKind
 from workers.maintenance.reaper import reap
 from workers.maintenance.reconcile import below_min, reconcile
 from workers.operations import create_operation, fail_operation
@@ -47,7 +48,7 @@ def _fn_id(env: Env, name: str = "hello") -> str:
         return s.scalars(select(Function.id).where(Function.name == name)).one()
 
 
-def _new_op(env: Env, kind: str, **params: Any) -> str:
+def _new_op(env: Env, kind: OpKind, **params: Any) -> str:
     """An operation written as the API writes it, without queueing its task."""
     with env.db.transaction() as s:
         op = create_operation(s, kind, {"function": "hello", **params},
@@ -93,7 +94,7 @@ def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
 ) -> None:
     agent = one_agent(corral_env, start_agents, readiness=readiness)
     settings = corral_env.settings
-    spawn_op = _new_op(corral_env, "spawn", count=1)
+    spawn_op = _new_op(corral_env, OpKind.SPAWN, count=1)
     fn_id, jobs = plan_spawn(corral_env.db, spawn_op)
     if readiness == "agent":  # the node is still making the VM while the delete comes
         agent.agent.inject("CreateReplica", Fault.delay(1.0))
@@ -111,7 +112,8 @@ def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
     deleted = api.wait(api.delete(row.id), timeout=10)
     assert deleted["status"] == "succeeded"
     spawned = api.wait(spawn_op, timeout=5)  # timed out here before the fix
-    assert spawned["status"] == "failed" and "deleted before it was ready" in spawned["error"]
+    assert spawned["status"] == "failed"
+    assert "deleted before it was ready" in (spawned["error"] or "")
     spawning.join(10)  # a VM the node was still making arrives late and is released
     assert agent.driver.list() == []
     assert replicas(corral_env)[0].status == ReplicaState.DELETED
@@ -133,7 +135,7 @@ def test_two_concurrent_scales_to_five_plan_five_replicas(
 ) -> None:
     start_agents(2)
     deploy_fn(store)
-    ops = [_new_op(store, "scale", target=5) for _ in range(2)]
+    ops = [_new_op(store, OpKind.SCALE, target=5) for _ in range(2)]
     plans = at_once(2, lambda i: plan_scale(store.db, store.settings, ops[i]))
     assert len(plans) == 2
     assert sorted(len(p.spawns) for p in plans) == [0, 5]  # 5 and 5 before the fix
@@ -153,11 +155,11 @@ def test_a_scale_planned_but_not_placed_counts_for_top_up(
 ) -> None:
     start_agents(1)
     deploy_fn(store, min=2)
-    plan = plan_scale(store.db, store.settings, _new_op(store, "scale", target=5))
+    plan = plan_scale(store.db, store.settings, _new_op(store, OpKind.SCALE, target=5))
     assert len(plan.spawns) == 5
     assert below_min(store.db, store.settings) == {}  # {"hello": 2} before the fix
     # and a second scale sees the first's five on their way
-    again = plan_scale(store.db, store.settings, _new_op(store, "scale", target=6))
+    again = plan_scale(store.db, store.settings, _new_op(store, OpKind.SCALE, target=6))
     assert len(again.spawns) == 1
 
 
@@ -166,7 +168,7 @@ def test_a_redelivered_spread_spawn_keeps_its_node_list(
 ) -> None:
     start_agents(2)
     deploy_fn(corral_env, placement="spread")
-    op_id = _new_op(corral_env, "spawn", count=1)
+    op_id = _new_op(corral_env, OpKind.SPAWN, count=1)
     _, first = plan_spawn(corral_env.db, op_id)
     start_agents(1)  # a third node comes up before the message is redelivered
     _, again = plan_spawn(corral_env.db, op_id)
@@ -177,15 +179,15 @@ def test_a_redelivered_spread_spawn_keeps_its_node_list(
 # -- 5. a task whose operation already ended -----------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["spawn", "scale"])
+@pytest.mark.parametrize("kind", [OpKind.SPAWN, OpKind.SCALE])
 def test_a_task_for_a_failed_operation_does_nothing(
-    corral_env: Env, start_agents: StartAgents, kind: str
+    corral_env: Env, start_agents: StartAgents, kind: OpKind
 ) -> None:
     agent = one_agent(corral_env, start_agents)
-    op_id = _new_op(corral_env, kind, **({"count": 2} if kind == "spawn" else {"target": 2}))
+    op_id = _new_op(corral_env, kind, **({"count": 2} if kind == OpKind.SPAWN else {"target": 2}))
     with corral_env.db.transaction() as s:  # what a publish that timed out records
         fail_operation(s, op_id, "could not queue the task: TimeoutError")
-    (spawn if kind == "spawn" else scale).delay(op_id)  # ...yet Redis had taken it
+    (spawn if kind == OpKind.SPAWN else scale).delay(op_id)  # ...yet Redis had taken it
     assert replicas(corral_env) == [] and agent.driver.list() == []
     assert operation(corral_env, op_id).status == "failed"
 

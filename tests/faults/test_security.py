@@ -48,11 +48,11 @@ def test_spawn_over_tls_with_an_agent_token(corral_env: Env, certs: dict[str, Pa
             deploy(s, spec_from(name="hello", image="i", kernel="/k"), corral_env.settings)
         # no CA configured: corral speaks plaintext and the TLS agent refuses
         view = api.wait(api.spawn("hello", 1), timeout=30)
-        assert view["status"] == "failed" and "node secure" in view["error"]
+        assert view["status"] == "failed" and "node secure" in (view["error"] or "")
         # TLS but no token: refused UNAUTHENTICATED (permanent, not retried)
         corral_env.set(agent_tls_ca=certs["ca"], health_misses="100")
         view = api.wait(api.spawn("hello", 1), timeout=30)
-        assert view["status"] == "failed" and "UNAUTHENTICATED" in view["error"]
+        assert view["status"] == "failed" and "UNAUTHENTICATED" in (view["error"] or "")
         corral_env.set(agent_token="agent-s3cret")
         view = api.wait(api.spawn("hello", 1), timeout=30)
         assert view["status"] == "succeeded", view

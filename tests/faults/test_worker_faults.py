@@ -156,7 +156,7 @@ def test_broker_restart_mid_run_loses_nothing(
     assert len(rows) == 20
     assert {r.status for r in rows} == {ReplicaState.IDLE}
     assert len(agent.driver.list()) == 20  # no duplicate VM, none lost
-    assert sorted(r.vmid for r in rows) == sorted(vm.vmid for vm in agent.driver.list())
+    assert sorted(r.vmid or "" for r in rows) == sorted(vm.vmid for vm in agent.driver.list())
     with broker_env.db.read() as s:
         assert s.scalars(select(Node)).one().live == 20
 

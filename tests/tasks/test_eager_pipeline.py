@@ -77,7 +77,7 @@ def test_scale_five_to_two_deletes_three_idle_and_no_other(
     with corral_env.db.transaction() as s:
         r = s.get(Replica, busy.id)
         assert r is not None
-        r.status, r.envs_in_use = int(ReplicaState.ALLOCATED), 1
+        r.status, r.envs_in_use = ReplicaState.ALLOCATED, 1
     view = api.wait(api.scale("hello", 2), timeout=10)
     assert view["status"] == "succeeded", view
     released = {r.vmid for r in a.agent.calls_of("ReleaseVMSetup")} | {
@@ -114,7 +114,7 @@ def test_agent_that_never_answers_fails_naming_the_node(
     agent.agent.inject("CreateReplica", Fault.delay(1.0), Fault.delay(1.0))
     view = api.wait(api.spawn("hello", 1), timeout=10)
     assert view["status"] == "failed"
-    assert "node1" in view["error"] and "DEADLINE_EXCEEDED" in view["error"]
+    assert "node1" in (view["error"] or "") and "DEADLINE_EXCEEDED" in (view["error"] or "")
     (replica,) = replica_rows(corral_env)
     assert replica.status == ReplicaState.DEAD
     assert "node1" in (replica.error or "")
@@ -127,7 +127,7 @@ def test_empty_vmid_is_a_permanent_failure(corral_env: Env, start_agents: StartA
     agent.agent.inject("CreateReplica", Fault.reply(fcdaemon_pb2.CreateReply(ip="1.2.3.4")))
     view = api.wait(api.spawn("hello", 1), timeout=10)
     assert view["status"] == "failed"
-    assert "empty vmid" in view["error"]
+    assert "empty vmid" in (view["error"] or "")
     assert len(agent.agent.calls_of("CreateReplica")) == 1  # permanent: no retry
 
 

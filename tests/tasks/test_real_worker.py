@@ -15,6 +15,7 @@ from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, spawn_ok
 from workers.celery import app
 from workers.functions import get_function
+from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.store.models import Replica, ReplicaState
 
@@ -54,7 +55,7 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     # An operation of one replica, and its spawn_replica message published twice.
     with thread_worker.db.transaction() as s:
         fn = get_function(s, "hello")
-        op = create_operation(s, "spawn", {"function": "hello", "count": 1},
+        op = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 1},
                               function_id=fn.id, total=1)
         fn_id = fn.id
     for _ in range(2):
@@ -70,7 +71,7 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     # the same delete message twice: the VM is released once, no error. Two deliveries
     # running at the same moment may both ask; the second hears NOT_FOUND (already gone).
     with thread_worker.db.transaction() as s:
-        delete_op = create_operation(s, "delete", {"replica": replica.id}, total=1)
+        delete_op = create_operation(s, OpKind.DELETE, {"replica": replica.id}, total=1)
     for _ in range(2):
         _publish_raw(thread_worker, "corral.delete_replica", [replica.id, delete_op.id],
                      "corral.delete")
@@ -90,18 +91,18 @@ def test_malformed_task_message_fails_the_operation_and_worker_lives(
 ) -> None:
     one_agent(thread_worker, start_agents)
     with thread_worker.db.transaction() as s:
-        op = create_operation(s, "spawn", {"function": "hello", "count": 1}, total=1)
+        op = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 1}, total=1)
     _publish_raw(thread_worker, "corral.spawn_replica", [op.id, 42], "corral.spawn")
     view = api.wait(op.id, timeout=15)
     assert view["status"] == "failed"
-    assert "corral.spawn_replica" in view["error"] and "missing" in view["error"]
+    assert "corral.spawn_replica" in (view["error"] or "") and "missing" in (view["error"] or "")
     # a wrong type fails its operation too, naming the argument (no coercion of 7 to "7")
     with thread_worker.db.transaction() as s:
-        typed = create_operation(s, "spawn", {"function": "hello", "count": 1}, total=1)
+        typed = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 1}, total=1)
     _publish_raw(thread_worker, "corral.spawn_replica", [typed.id, 7, "x", None], "corral.spawn")
     view = api.wait(typed.id, timeout=15)
     assert view["status"] == "failed"
-    assert "argument 'request_id' must be str, got int" in view["error"], view
+    assert "argument 'request_id' must be str, got int" in (view["error"] or ""), view
     # the worker still serves real work afterwards
     spawn_ok("hello", 1, timeout=15)
 

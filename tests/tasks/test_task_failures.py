@@ -17,6 +17,7 @@ from tasks.cli import main
 from tasks.replicas import spawn
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, spawn_ok
+from workers.kinds import OpKind
 from workers.operations import create_operation, describe_error, settle
 from workers.store.models import OP_FINISHED, OP_OPEN, Function, Operation, OpStatus
 
@@ -69,13 +70,13 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
     # a task carrying part of a scale: the scale ends failed too, not open for good
     view = api.wait(api.scale("hello", 0), timeout=30)
     assert view["status"] == "failed", view
-    assert "corral.delete_batch: FaultInjected" in view["error"]
+    assert "corral.delete_batch: FaultInjected" in (view["error"] or "")
 
 
 def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) -> None:
     function_id = deploy_fn(store_env)
     with store_env.db.transaction() as s:
-        op_id = create_operation(s, "spawn", {"function": "hello", "count": 2},
+        op_id = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 2},
                                  function_id=function_id, total=2).id
     with store_env.db.transaction() as s:
         settle(s, op_id, parts=["a"], ok=True)

@@ -14,7 +14,8 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from kombu import Connection, Exchange, Queue
+from kombu.connection import Connection
+from kombu.entity import Exchange, Queue
 from kombu.transport import redis as kombu_redis
 
 from tests.services import RedisServer

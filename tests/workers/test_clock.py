@@ -15,6 +15,7 @@ from tests.fixtures import Env, StartAgents
 from tests.helpers import one_agent, operation
 from tests.workers.replicas.helpers import spawn_idle
 from workers import clock, leases
+from workers.kinds import OpKind
 from workers.maintenance import redrive
 from workers.maintenance.reaper import reap
 from workers.replicas.claims import claim
@@ -67,7 +68,7 @@ def test_a_beat_host_120_s_ahead_re_sends_nothing_that_still_moves(
         op.status = OpStatus.RUNNING
         op.progress_at = clock.now()
     clock.skew_host(corral_env.settings.redrive_after_s)
-    assert redrive.due(corral_env.db, corral_env.settings, ["spawn"]) == []
+    assert redrive.due(corral_env.db, corral_env.settings, [OpKind.SPAWN]) == []
     assert leases.acquire(corral_env.db, "reap", "a", 60)
     clock.skew_host(120)
     assert not leases.acquire(corral_env.db, "reap", "b", 60)  # a's lease has not lapsed

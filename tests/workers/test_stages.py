@@ -11,10 +11,11 @@ import tasks.replicas
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
-from tests.helpers import creating, deploy_fn, one_agent, operation, record_vm, spawn_ok
+from tests.helpers import creating, deploy_fn, one_agent, operation, record_vm, result_of, spawn_ok
 from workers import clock, stages
 from workers.backends import Vm
 from workers.fleet.nodes import upsert_node
+from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.registry.service import OK, READY, Registry
 from workers.store.models import Replica
@@ -37,7 +38,7 @@ def test_a_spawns_stages_are_on_its_operation_and_a_second_delivery_keeps_them(
     assert shown["result"]["timed"]["replica"] == replica["id"]
     assert "trace" not in shown["result"]  # tracing is off
     tasks.replicas.spawn.apply(args=(op_id,))  # delivered again: nothing to do, nothing kept
-    assert operation(corral_env, op_id).result["stages"] == stored
+    assert result_of(operation(corral_env, op_id))["stages"] == stored
 
 
 def _timed_spawn(env: Env) -> tuple[str, object]:
@@ -46,7 +47,7 @@ def _timed_spawn(env: Env) -> tuple[str, object]:
     with env.db.transaction() as s:
         node, _ = upsert_node(s, "127.0.0.1:50051", name="n1")
         node_id = node.id
-        op_id = create_operation(s, "spawn", {"count": 1}, function_id=fn_id, total=1).id
+        op_id = create_operation(s, OpKind.SPAWN, {"count": 1}, function_id=fn_id, total=1).id
     return op_id, creating(env, fn_id, "req-1", node_id, op_id)
 
 
@@ -62,15 +63,15 @@ def _record_timed(env: Env, op_id: str, pending: object, vmid: str) -> str:
 def test_a_ready_after_the_record_is_timed_from_the_record(store_env: Env) -> None:
     op_id, pending = _timed_spawn(store_env)
     assert _record_timed(store_env, op_id, pending, "vm-1") == "starting"
-    stored = operation(store_env, op_id).result["stages"]
+    stored = result_of(operation(store_env, op_id))["stages"]
     assert set(stored) == WORKER_STAGES - {"queue"}  # no message header here: no queue stage
     clock.travel(0.25)  # the guest boots
     registry = Registry(store_env.db, store_env.settings)
     assert registry.update_status("vm-1", READY, "127.0.0.1") == OK
-    ready = operation(store_env, op_id).result["stages"]["ready"]
+    ready = result_of(operation(store_env, op_id))["stages"]["ready"]
     assert 0.25 <= ready < 5
     assert registry.update_status("vm-1", READY, "127.0.0.1") == OK  # again: stored once
-    assert operation(store_env, op_id).result["stages"]["ready"] == ready
+    assert result_of(operation(store_env, op_id))["stages"]["ready"] == ready
 
 
 def test_a_ready_that_came_before_the_record_is_a_ready_stage_of_zero(store_env: Env) -> None:
@@ -78,7 +79,7 @@ def test_a_ready_that_came_before_the_record_is_a_ready_stage_of_zero(store_env:
     registry = Registry(store_env.db, store_env.settings)
     assert registry.update_status("vm-2", READY, "127.0.0.1") == OK  # remembered: too early
     assert _record_timed(store_env, op_id, pending, "vm-2") == "idle"  # applied on record
-    stored = operation(store_env, op_id).result["stages"]
+    stored = result_of(operation(store_env, op_id))["stages"]
     assert stored["ready"] == 0.0 and set(stored) == (WORKER_STAGES - {"queue"}) | {"ready"}
     with store_env.db.read() as s:
         assert s.scalar(select(Replica.vmid)) == "vm-2"

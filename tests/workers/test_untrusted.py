@@ -178,7 +178,7 @@ def test_an_agents_ip_and_vmid_are_checked(
                    corral_env.settings)
         agent.agent.inject("CreateReplica", Fault.reply(reply))
         view = api.wait(api.spawn("hello", 1), timeout=30)
-        assert view["status"] == "failed" and error in view["error"], view
+        assert view["status"] == "failed" and error in (view["error"] or ""), view
         with corral_env.db.read() as s:
             assert [r.address for r in s.scalars(select(Replica))] == [None]
     finally:

@@ -42,7 +42,7 @@ def test_listing_commands_print_one_json_document(
     assert isinstance(fns, list) and fns[0]["replicas"] == {"idle": 3}
     ops = _json(capsys, ["ops", "--json"])
     assert isinstance(ops, list) and ops[0]["kind"] == "spawn"
-    one = _json(capsys, ["ops", op["id"], "--json"])  # type: ignore[index]
+    one = _json(capsys, ["ops", op["id"], "--json"])
     assert isinstance(one, dict) and one["status"] == "succeeded"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -180,7 +181,8 @@ def test_another_shape_starts_the_history_again_and_keeps_the_last_activity(
 ])
 def test_a_malformed_histogram_is_no_history(client: redis.Redis,
                                              fields: dict[str, str]) -> None:
-    client.hset(key("f"), mapping={**fields, "last": "1700000000.5"})
+    row: dict[Any, str] = {**fields, "last": "1700000000.5"}  # redis: a field is any encodable
+    client.hset(key("f"), mapping=row)
     assert load(client, SHAPE, ["f"])["f"] == idletimes.IdleRecord(None, 1_700_000_000.5)
 
 

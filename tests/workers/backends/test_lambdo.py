@@ -98,8 +98,8 @@ def test_500_text_is_retried_then_reported(corral_env: Env, lambdo: RunningLambd
     lambdo.agent.inject("spawn", *[Fault.abort(500, "disk full on /var/lib/lambdo")] * 4)
     view = api.wait(api.spawn("fn", 1), timeout=10)
     assert view["status"] == "failed"
-    assert "500: disk full on /var/lib/lambdo" in view["error"]
-    assert "lambdo1" in view["error"]
+    assert "500: disk full on /var/lib/lambdo" in (view["error"] or "")
+    assert "lambdo1" in (view["error"] or "")
     assert len(lambdo.agent.calls_of("spawn")) == 4  # first try + CORRAL_RETRY_MAX (3)
     assert lambdo.driver.list() == []
 
@@ -115,7 +115,7 @@ def test_400_is_permanent(corral_env: Env, lambdo: RunningLambdo) -> None:
     _deploy(corral_env)
     lambdo.agent.inject("spawn", Fault.abort(400, "bad rootfs"))
     view = api.wait(api.spawn("fn", 1), timeout=10)
-    assert view["status"] == "failed" and "400: bad rootfs" in view["error"]
+    assert view["status"] == "failed" and "400: bad rootfs" in (view["error"] or "")
     assert len(lambdo.agent.calls_of("spawn")) == 1
     (replica,) = _replicas(corral_env)
     assert replica.status == ReplicaState.DEAD
@@ -126,7 +126,7 @@ def test_non_json_answer_fails_clearly(corral_env: Env, lambdo: RunningLambdo) -
     lambdo.agent.inject("spawn", Fault.reply(200, "<html>proxy error</html>", "text/html"))
     view = api.wait(api.spawn("fn", 1), timeout=10)
     assert view["status"] == "failed"
-    assert "unreadable body" in view["error"]
+    assert "unreadable body" in (view["error"] or "")
 
 
 def test_slow_answer_past_the_timeout(lambdo: RunningLambdo) -> None:

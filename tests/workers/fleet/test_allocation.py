@@ -152,12 +152,12 @@ def test_manager_info_over_grpc(corral_env: Env) -> None:
             gpus = {g.id: g for g in gpus_by_uuid(corral_env).values()}
             for r in live(corral_env, "infer"):
                 reply = stub.GetAvAManagerInfo(
-                    mngrinfo_pb2.AvAManagerInfoRequest(vmid=r.vmid), timeout=5)
+                    mngrinfo_pb2.AvAManagerInfoRequest(vmid=r.vmid or ""), timeout=5)
                 gpu, port = _gpu_and_port(gpus, r)
                 assert (reply.gpu_uuid, reply.mngr_addr, reply.worker_port) == (
                     gpu.uuid, gpu.mngr_addr, port)
             (no_gpu,) = live(corral_env, "plain")
-            for vmid in ("x", no_gpu.vmid):  # unknown, and a replica without a GPU
+            for vmid in ("x", no_gpu.vmid or ""):  # unknown, and a replica without a GPU
                 with pytest.raises(grpc.RpcError) as err:
                     stub.GetAvAManagerInfo(mngrinfo_pb2.AvAManagerInfoRequest(vmid=vmid),
                                            timeout=5)

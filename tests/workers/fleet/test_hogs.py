@@ -15,6 +15,7 @@ from agents.fcdaemon import RunningAgent
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
+from tests.helpers import result_of
 from workers.errors import InputError
 from workers.fleet.hogs import run_hogs
 from workers.fleet.nodes import upsert_node
@@ -72,7 +73,7 @@ def test_start_two_then_stop_one_on_every_node(
 def test_one_node_only(two_agents: list[RunningAgent]) -> None:
     a, b = two_agents
     view = api.wait(api.hogs("start", 3, "node2"), timeout=20)
-    assert (view["status"], list(view["result"]["nodes"])) == ("succeeded", ["node2"])
+    assert (view["status"], list(result_of(view)["nodes"])) == ("succeeded", ["node2"])
     assert (a.agent.hogs.count, b.agent.hogs.count) == (0, 3)
     assert a.agent.calls_of("CreateCPUHogs") == []
 
@@ -85,7 +86,7 @@ def test_transport_errors_are_retried_on_that_node_only(two_agents: list[Running
     assert len(a.agent.calls_of("CreateCPUHogs")) == 1  # never started twice
     assert len(b.agent.calls_of("CreateCPUHogs")) == 2
     assert (a.agent.hogs.count, b.agent.hogs.count) == (1, 1)
-    assert view["result"]["nodes"]["node2"]["attempts"] == 2
+    assert result_of(view)["nodes"]["node2"]["attempts"] == 2
 
 
 def test_a_refusing_node_is_reported_and_the_rest_proceed(
@@ -111,7 +112,7 @@ def test_bad_requests_change_nothing(two_agents: list[RunningAgent], corral_env:
         ("start", 1, "node9", "unknown node 'node9'"),
     ]:
         with pytest.raises(InputError, match=message):
-            api.hogs(action, n, node)  # type: ignore[arg-type]
+            api.hogs(action, n, node)
     with corral_env.db.transaction() as s:
         upsert_node(s, "http://127.0.0.1:3000", name="lam", kind="lambdo")
     with pytest.raises(InputError, match="only fcdaemon agents run hogs"):

@@ -62,7 +62,7 @@ def test_pack_fills_one_node_to_capacity_first(corral_env: Env, spawned: Spawned
     assert spawned("pack", 6, capacity=4) == {"node1": 4, "node2": 2, "node3": 0}
     view = api.wait(api.spawn("f", 7), timeout=20)
     assert (view["status"], view["done"], view["failed"]) == ("partial", 6, 1)
-    assert "no capacity for f on any healthy fcdaemon node" in view["error"]
+    assert "no capacity for f on any healthy fcdaemon node" in (view["error"] or "")
     assert per_node(corral_env) == {"node1": 4, "node2": 4, "node3": 4}
 
 
@@ -104,7 +104,7 @@ def test_spread_puts_n_on_every_healthy_node(
 def test_random_stays_within_capacity_and_uses_every_node(spawned: Spawned) -> None:
     assert spawned("random", 9, capacity=3) == {"node1": 3, "node2": 3, "node3": 3}
     view = api.wait(api.spawn("f", 1), timeout=20)
-    assert view["status"] == "failed" and "no capacity" in view["error"]
+    assert view["status"] == "failed" and "no capacity" in (view["error"] or "")
 
 
 def test_random_uses_more_than_one_node(spawned: Spawned) -> None:

@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 
 from agents import ProcessDriver, RunningAgent, serve_fcdaemon
 from tests.fixtures import Env
-from tests.workers.replicas.helpers import deploy_fn, replicas
+from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
 from workers.gateway import RunningGateway, serve_gateway
 from workers.store.models import Claim, Replica

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -34,7 +35,7 @@ def test_a_body_over_the_limit_is_413_before_anything_is_claimed(stack: Stack) -
     announced = httpx.post(f"{gw.url}/function/echo", content=b"x" * 1001, timeout=30)
     assert announced.status_code == 413
 
-    def chunked():  # no Content-Length: counted as it arrives
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
         for _ in range(20):
             yield b"y" * 100
 

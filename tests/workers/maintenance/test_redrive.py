@@ -14,8 +14,9 @@ from sqlalchemy import select
 
 from tasks import api
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, one_agent, operation, spawn_ok
+from tests.helpers import deploy_fn, one_agent, operation, result_of, spawn_ok
 from workers import clock
+from workers.kinds import OpKind
 from workers.maintenance import redrive
 from workers.operations import create_operation, settle
 from workers.store.models import Operation, Replica, ReplicaState
@@ -27,7 +28,7 @@ def _clock() -> Iterator[None]:
     clock.reset()
 
 
-def _lost(env: Env, kind: str, params: dict[str, object], function_id: str | None) -> str:
+def _lost(env: Env, kind: OpKind, params: dict[str, object], function_id: str | None) -> str:
     """An operation whose message never reached a worker."""
     with env.db.transaction() as s:
         return create_operation(s, kind, params, function_id=function_id).id
@@ -38,14 +39,14 @@ def test_a_lost_spawn_is_sent_again_by_the_reap_pass_and_only_once(
 ) -> None:
     (agent,) = start_agents(1, env=thread_worker)
     function_id = deploy_fn(thread_worker)
-    op_id = _lost(thread_worker, "spawn", {"function": "hello", "count": 2}, function_id)
+    op_id = _lost(thread_worker, OpKind.SPAWN, {"function": "hello", "count": 2}, function_id)
     early = api.wait(api.reap(), timeout=30)
-    assert early["result"]["redriven"] == {}  # not yet: it may only be late
+    assert result_of(early)["redriven"] == {}  # not yet: it may only be late
     assert operation(thread_worker, op_id).status == "pending"
 
     clock.travel(thread_worker.settings.redrive_after_s + 1)
     pass_view = api.wait(api.reap(), timeout=30)
-    assert pass_view["result"]["redriven"] == {op_id: "re-sent spawn (1 of 3)"}
+    assert result_of(pass_view)["redriven"] == {op_id: "re-sent spawn (1 of 3)"}
     view = api.wait(op_id, timeout=30)
     assert view["status"] == "succeeded" and view["done"] == 2
     assert view["redrives"] == 1  # what `corral ops OP` shows
@@ -53,7 +54,7 @@ def test_a_lost_spawn_is_sent_again_by_the_reap_pass_and_only_once(
 
     # the original message turning up after all changes nothing
     before = operation(thread_worker, op_id).progress_at
-    api.resend(redrive.Redrive(op_id, "spawn", {}, 2))
+    api.resend(redrive.Redrive(op_id, OpKind.SPAWN, {}, 2))
     deadline = time.monotonic() + 30
     while operation(thread_worker, op_id).progress_at == before:  # the late task ran
         assert time.monotonic() < deadline, "the late spawn never ran"
@@ -71,7 +72,7 @@ def test_a_lost_delete_is_sent_again(thread_worker: Env, start_agents: StartAgen
     spawn_ok("hello", 1, timeout=30)
     with thread_worker.db.read() as s:
         replica = s.scalars(select(Replica)).one()
-    op_id = _lost(thread_worker, "delete", {"replica": replica.id}, replica.function_id)
+    op_id = _lost(thread_worker, OpKind.DELETE, {"replica": replica.id}, replica.function_id)
     clock.travel(thread_worker.settings.redrive_after_s + 1)
     api.wait(api.reap(), timeout=30)
     assert api.wait(op_id, timeout=30)["status"] == "succeeded"
@@ -83,8 +84,8 @@ def test_re_sends_back_off_and_stop(corral_env: Env) -> None:
     settings = corral_env.settings
     after = settings.redrive_after_s
     function_id = deploy_fn(corral_env)
-    stalled = _lost(corral_env, "spawn", {"function": "hello", "count": 1}, function_id)
-    hogs = _lost(corral_env, "hogs", {"action": "start", "n": 1, "node": None}, None)
+    stalled = _lost(corral_env, OpKind.SPAWN, {"function": "hello", "count": 1}, function_id)
+    hogs = _lost(corral_env, OpKind.HOGS, {"action": "start", "n": 1, "node": None}, None)
     kinds = api.RESENDABLE
 
     def due() -> list[str]:
@@ -121,12 +122,12 @@ def test_re_sends_back_off_and_stop(corral_env: Env) -> None:
 
 def test_the_reap_pass_reports_an_operation_it_gave_up_on(corral_env: Env) -> None:
     function_id = deploy_fn(corral_env)
-    stalled = _lost(corral_env, "scale", {"function": "hello", "target": 1}, function_id)
+    stalled = _lost(corral_env, OpKind.SCALE, {"function": "hello", "target": 1}, function_id)
     with corral_env.db.transaction() as s:
         s.get(Operation, stalled).redrives = redrive.REDRIVE_MAX  # type: ignore[union-attr]
     clock.travel(corral_env.settings.redrive_after_s * 2**redrive.REDRIVE_MAX + 1)
     view = api.wait(api.reap(), timeout=30)
-    reason = view["result"]["redriven"][stalled]
+    reason = result_of(view)["redriven"][stalled]
     assert reason.startswith("failed: no progress after 3 re-sends")
     assert api.wait(stalled, timeout=5)["error"] == reason.removeprefix("failed: ")
 
@@ -134,8 +135,8 @@ def test_the_reap_pass_reports_an_operation_it_gave_up_on(corral_env: Env) -> No
 def test_progress_and_finished_operations_are_left_alone(corral_env: Env) -> None:
     after = corral_env.settings.redrive_after_s
     function_id = deploy_fn(corral_env)
-    moving = _lost(corral_env, "spawn", {"function": "hello", "count": 2}, function_id)
-    done = _lost(corral_env, "spawn", {"function": "hello", "count": 1}, function_id)
+    moving = _lost(corral_env, OpKind.SPAWN, {"function": "hello", "count": 2}, function_id)
+    done = _lost(corral_env, OpKind.SPAWN, {"function": "hello", "count": 1}, function_id)
     with corral_env.db.transaction() as s:
         for op_id, total in ((moving, 2), (done, 1)):
             s.get(Operation, op_id).total = total  # type: ignore[union-attr]

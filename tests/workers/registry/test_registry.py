@@ -91,14 +91,14 @@ def test_ready_moves_starting_to_idle_and_finished_keeps_alive(
     assert api.operation(op)["status"] == "running"  # waits for the guest
     stub = _stub(registry)
     reply = stub.UpdateStatus(
-        resmngr_pb2.StatusUpdateRequest(vmid=replica.vmid, status=READY), timeout=5
+        resmngr_pb2.StatusUpdateRequest(vmid=replica.vmid or "", status=READY), timeout=5
     )
     assert reply.action == Reply.OK
     with corral_env.db.read() as s:
         assert s.get(Replica, replica.id).status == ReplicaState.IDLE  # type: ignore[union-attr]
     assert api.operation(op)["status"] == "succeeded"
     reply = stub.UpdateStatus(
-        resmngr_pb2.StatusUpdateRequest(vmid=replica.vmid, status=FINISHED), timeout=5
+        resmngr_pb2.StatusUpdateRequest(vmid=replica.vmid or "", status=FINISHED), timeout=5
     )
     assert reply.action == Reply.KEEP_ALIVE
 
@@ -144,7 +144,7 @@ def test_finished_on_a_stale_build_is_destroy(
     with corral_env.db.read() as s:
         replica = s.scalars(select(Replica)).one()
     reply = _stub(registry).UpdateStatus(
-        resmngr_pb2.StatusUpdateRequest(vmid=replica.vmid, status=FINISHED), timeout=5
+        resmngr_pb2.StatusUpdateRequest(vmid=replica.vmid or "", status=FINISHED), timeout=5
     )
     assert reply.action == Reply.DESTROY
     with corral_env.db.read() as s:
@@ -178,7 +178,7 @@ def test_finished_gives_the_claimed_environment_back(
     with corral_env.db.read() as s:
         assert s.get(Replica, claimed["replica_id"]).status == ReplicaState.ALLOCATED  # type: ignore[union-attr]
     reply = _stub(registry).UpdateStatus(
-        resmngr_pb2.StatusUpdateRequest(vmid=claimed["vmid"], status=FINISHED), timeout=5
+        resmngr_pb2.StatusUpdateRequest(vmid=claimed["vmid"] or "", status=FINISHED), timeout=5
     )
     assert reply.action == Reply.KEEP_ALIVE
     with corral_env.db.read() as s:

@@ -34,6 +34,7 @@ from workers.functions import deploy, spec_from
 from workers.registry import service
 from workers.registry.identity import Caller, NotThatNode, StillHealthy
 from workers.registry.service import RunningRegistry, serve_registry
+from workers.replicas.owners import Pending
 from workers.store.models import Function, Lease, Node, Replica, ReplicaState
 
 TOKEN = (("authorization", "Bearer reg-t0ken"),)
@@ -112,6 +113,7 @@ def test_an_attacker_with_the_token_cannot_divert_a_healthy_node(
         assert _nodes(store) == {"node-a": agent.address}
         assert "calls from 127.0.0.1" in caplog.text and "present it" in caplog.text
         # the agent's own heartbeat, with its credential, still refreshes it
+        assert agent.reporter is not None
         _register(stub, "127.0.0.1", agent.port, "node-a", credential=agent.reporter.credential)
     finally:
         agent.stop(grace=0)
@@ -256,7 +258,7 @@ def test_node_ids_match_exactly(store: Env, registry: RunningRegistry) -> None:
     }
 
 
-def _guest_spawn(env: Env, node_address: str, request_id: str) -> tuple[str, object]:
+def _guest_spawn(env: Env, node_address: str, request_id: str) -> tuple[str, Pending]:
     """A guest-readiness function and one spawn in flight on a node at ``node_address``."""
     with env.db.transaction() as s:
         if s.scalars(select(Function)).first() is None:
@@ -273,7 +275,7 @@ def _guest_spawn(env: Env, node_address: str, request_id: str) -> tuple[str, obj
 def _recorded(env: Env, node_address: str, request_id: str, vm: Vm) -> str:
     """A Starting replica of a guest-readiness function, its VM ``vm`` recorded; its id."""
     replica_id, pending = _guest_spawn(env, node_address, request_id)
-    record_vm(env, pending, vm)  # type: ignore[arg-type]
+    record_vm(env, pending, vm)
     return replica_id
 
 

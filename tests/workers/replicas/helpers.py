@@ -24,7 +24,7 @@ def idle_on(
 ) -> tuple[list[RunningAgent], list[Replica]]:
     """``nodes`` node agents, ``hello`` deployed with ``fields`` and ``n`` Idle replicas of it."""
     agents = start_agents(nodes)
-    deploy_fn(env, **fields)
+    deploy_fn(env, "hello", **fields)
     return agents, spawn_idle(env, "hello", n)
 
 

@@ -23,11 +23,13 @@ from config.settings import Settings
 from tasks import api
 from tasks.replicas import delete_batch, spawn_batch
 from tests.fixtures import Env, StartAgents
+from tests.helpers import result_of
 from workers import backends, clock
 from workers.backends import fcdaemon, inflight
 from workers.backends.fcdaemon import CreatedVm
 from workers.fleet.nodes import node_view, note_creates, upsert_node
 from workers.functions import deploy, get_function, spec_from
+from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.owners import Pending, owner_token, take
 from workers.replicas.spawn import parse_jobs, place
@@ -73,7 +75,7 @@ def test_a_mixed_batch_settles_each_replica_by_its_own_answer(
     )
     view = api.wait(api.spawn("hello", 6), timeout=30)
     assert (view["status"], view["done"], view["failed"], view["total"]) == ("partial", 4, 2, 6)
-    errors = view["result"]["errors"]
+    errors = result_of(view)["errors"]
     assert len(errors) == 2
     assert any("INTERNAL: disk on fire" in e and "no other node" in e for e in errors)
     assert any("INVALID_ARGUMENT: no such image" in e for e in errors)
@@ -99,7 +101,7 @@ def test_a_redelivered_batch_makes_no_second_vm(
     a, b = start_agents(2, env=corral_env)
     fn_id = _deploy(corral_env)
     with corral_env.db.transaction() as s:
-        op = create_operation(s, "spawn", {"function": "hello", "count": 8},
+        op = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 8},
                               function_id=fn_id, total=8)
         op_id = op.id
     jobs = [[f"{op_id}.{i}.0", None] for i in range(8)]
@@ -240,7 +242,7 @@ def test_a_node_that_refuses_every_create_is_quarantined_and_the_spawn_moves_on(
     assert bad.quarantined_until is not None and bad.quarantine_s == 30
     shown = node_view(bad)  # `corral nodes list` says why
     assert shown["quarantined"] and "INTERNAL: bad disk" in (shown["last_error"] or "")
-    assert "quarantined for 30s after 3 failed creates" in shown["last_error"]
+    assert "quarantined for 30s after 3 failed creates" in (shown["last_error"] or "")
     # placement skips it while quarantined
     assert api.wait(api.spawn("hello", 4), timeout=30)["status"] == "succeeded"
     assert len(broken.agent.calls_of("CreateReplica")) <= env.settings.node_failures
@@ -297,7 +299,12 @@ def test_vms_are_recorded_as_they_come_not_when_the_slowest_create_ends(
     agent.agent.inject("CreateReplica", Fault.delay(3.0))
     done = threading.Event()
     ops: list[str] = []
-    thread = threading.Thread(target=lambda: (ops.append(api.spawn("hello", 5)), done.set()))
+
+    def spawn_five() -> None:
+        ops.append(api.spawn("hello", 5))
+        done.set()
+
+    thread = threading.Thread(target=spawn_five)
     started = time.monotonic()
     thread.start()
     states: list[int] = []
@@ -367,7 +374,7 @@ def test_a_batch_places_by_least_load_up_to_each_nodes_capacity(
     assert counts == {"node1": 2, "node2": 2, "node3": 2}  # evened out, name breaks ties
     view = api.wait(api.spawn("hello", 8), timeout=30)  # room for 6 more
     assert (view["done"], view["failed"]) == (6, 2), view
-    assert any("no capacity for hello" in e for e in view["result"]["errors"])
+    assert any("no capacity for hello" in e for e in result_of(view)["errors"])
     live = {n.name: n.live for n in _nodes(corral_env).values()}
     assert live == {"node1": 2, "node2": 4, "node3": 6}
     assert [len(a.driver.list()) for a in agents] == [2, 4, 6]

@@ -18,6 +18,7 @@ from billiard.pool import soft_timeout_sighandler
 from agents.faults import Fault
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
+from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.owners import Budget
 from workers.replicas.spawn import plan_spawn, run_batch
@@ -50,7 +51,7 @@ def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice
     agent.agent.inject("CreateReplica", Fault.delay(0), Fault.delay(0),
                        Fault.delay(1.5), Fault.delay(1.5))
     with corral_env.db.transaction() as s:
-        op_id = create_operation(s, "spawn", {"function": "hello", "count": 6},
+        op_id = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 6},
                                  function_id=deploy_fn(corral_env)).id
     fn_id, jobs = plan_spawn(corral_env.db, op_id)
     settings = corral_env.settings

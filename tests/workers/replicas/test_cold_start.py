@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -21,10 +20,10 @@ from workers.replicas.coldstarts import ClaimTimeout
 from workers.store.models import Lease, ReplicaState
 
 
-def _claim_all(n: int, timeout: float = 20.0) -> tuple[list[dict[str, Any]], list[str]]:
+def _claim_all(n: int, timeout: float = 20.0) -> tuple[list[api.ClaimView], list[str]]:
     """``n`` threads cold-start-claim ``hello`` at once."""
 
-    def one(_: int) -> dict[str, Any] | str:
+    def one(_: int) -> api.ClaimView | str:
         try:
             return api.claim("hello", cold_start_timeout=timeout)
         except Exception as exc:

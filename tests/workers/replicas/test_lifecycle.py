@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 
 from tests.fixtures import Env, StartAgents
 from workers.functions import deploy, spec_from
+from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas import claims, lifecycle
 from workers.replicas.owners import Budget, Pending, owner_token, take
@@ -30,7 +31,7 @@ def _place_two(env: Env, monkeypatch: pytest.MonkeyPatch, **spec: Any
     with env.db.transaction() as s:
         fn, _ = deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k",
                                     idle_timeout=42, **spec), settings)
-        op_id = create_operation(s, "spawn", {"function": "hello", "count": 2},
+        op_id = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 2},
                                  function_id=fn.id, total=2).id
         fn_id = fn.id
     place(env.db, settings, op_id, fn_id,
@@ -107,7 +108,7 @@ def _two_idle(env: Env, monkeypatch: pytest.MonkeyPatch, *, exec_envs: int = 1
 
 def _delete_op(env: Env, fn_id: str) -> str:
     with env.db.transaction() as s:
-        return create_operation(s, "delete", {}, function_id=fn_id, total=2).id
+        return create_operation(s, OpKind.DELETE, {}, function_id=fn_id, total=2).id
 
 
 def _row(env: Env, replica_id: str) -> dict[str, Any]:

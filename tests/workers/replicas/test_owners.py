@@ -23,6 +23,7 @@ from tests.helpers import deploy_fn, operation, replicas
 from tests.workers.replicas.helpers import at_once
 from workers import backends, clock
 from workers.backends import fcdaemon, inflight
+from workers.kinds import OpKind
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
 from workers.operations import create_operation
@@ -37,7 +38,7 @@ from workers.store.models import Node, ReplicaState
 def _spawn_op(env: Env, count: int) -> tuple[str, str, list[Any]]:
     """A spawn operation written and planned as its first task does: (op, function, jobs)."""
     with env.db.transaction() as s:
-        op_id = create_operation(s, "spawn", {"function": "hello", "count": count},
+        op_id = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": count},
                                  function_id=deploy_fn(env, max=20)).id
     function_id, jobs = plan_spawn(env.db, op_id)
     return op_id, function_id, jobs
@@ -204,7 +205,7 @@ def test_a_delete_batch_delivered_twice_counts_each_replica_once(
     settings = corral_env.settings
     run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
     with corral_env.db.transaction() as s:
-        scale_id = create_operation(s, "scale", {"function": "hello", "target": 0},
+        scale_id = create_operation(s, OpKind.SCALE, {"function": "hello", "target": 0},
                                     function_id=fn_id).id
     plan = plan_scale(corral_env.db, settings, scale_id)
     assert len(plan.deletes) == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from workers.store.models import Base, Operation
 
 
 @pytest.fixture
-def fresh_db(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, empty_url: str) -> Path:
+def fresh_db(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, empty_url: str) -> Iterator[Path]:
     """Settings pointing at an empty, never migrated database (each store in turn)."""
     for key in list(os.environ):
         if key.startswith("CORRAL_"):

@@ -8,6 +8,7 @@ from sqlalchemy.exc import StatementError
 
 from tests.fixtures import Env
 from workers.functions import deploy, spec_from
+from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.store.models import Operation, OpStatus, Replica, ReplicaState
 
@@ -15,7 +16,7 @@ from workers.store.models import Operation, OpStatus, Replica, ReplicaState
 def test_status_columns_read_as_enums_and_store_plain_values(store_env: Env) -> None:
     with store_env.db.transaction() as s:
         fn, _ = deploy(s, spec_from(name="hello", image="i", kernel="/k"), store_env.settings)
-        op = create_operation(s, "spawn", {}, function_id=fn.id, total=1)
+        op = create_operation(s, OpKind.SPAWN, {}, function_id=fn.id, total=1)
         s.add(Replica(request_id="r-enum", function_id=fn.id, build_version=fn.build_version,
                       status=ReplicaState.IDLE))
         op_id = op.id
@@ -33,7 +34,7 @@ def test_status_columns_read_as_enums_and_store_plain_values(store_env: Env) -> 
 
 def test_a_status_that_is_no_member_is_refused_and_nothing_changes(store_env: Env) -> None:
     with store_env.db.transaction() as s:
-        op_id = create_operation(s, "reap", {}).id
+        op_id = create_operation(s, OpKind.REAP, {}).id
     with (pytest.raises(StatementError, match="'done' is not a valid OpStatus"),
           store_env.db.transaction() as s):
         op = s.get(Operation, op_id)
