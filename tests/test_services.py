@@ -169,7 +169,7 @@ def test_postgres_listens_on_loopback_and_not_as_root(postgres_server: PostgresS
 
 
 def test_invalid_database_name_is_rejected(postgres_server: PostgresServer) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="invalid database name"):
         postgres_server.create_database('x"; DROP DATABASE postgres; --')
 
 

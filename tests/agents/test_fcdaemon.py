@@ -333,7 +333,7 @@ def test_faults_abort_delay_and_reply_in_order(
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert any(vm.vmid == normal.vmid for vm in memory_agent.driver.list())
 
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown operation 'CreateReplicas'"):
         memory_agent.agent.inject("CreateReplicas", Fault.delay(0))
 
 

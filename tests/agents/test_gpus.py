@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import grpc
@@ -37,8 +38,11 @@ def test_get_gpu_resource_returns_the_map() -> None:
 
 def test_parse_gpus() -> None:
     assert parse_gpus("GPU-a:100, GPU-b:200") == {"GPU-a": 100, "GPU-b": 200}
-    for bad in ("", "GPU-a", "GPU-a:x", "GPU-a:1,GPU-a:2", ":5"):
-        with pytest.raises(ValueError):
+    for bad, why in (("", "no GPUs given"), ("GPU-a", "expected UUID:MB, got 'GPU-a'"),
+                     ("GPU-a:x", "expected UUID:MB, got 'GPU-a:x'"),
+                     ("GPU-a:1,GPU-a:2", "GPU GPU-a listed twice"),
+                     (":5", "expected UUID:MB, got ':5'")):
+        with pytest.raises(ValueError, match=re.escape(why)):
             parse_gpus(bad)
 
 

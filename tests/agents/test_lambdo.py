@@ -256,7 +256,7 @@ def test_faults_play_in_order_then_normal_service(
     lambdo.agent.inject("destroy", Fault.abort(500, "stuck"))
     assert client.delete(f"/destroy/{normal.json()['id']}").status_code == 500
     assert client.delete(f"/destroy/{normal.json()['id']}").status_code == 204
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown operation 'spawnn'"):
         lambdo.agent.inject("spawnn", Fault.delay(0))
 
 

@@ -9,7 +9,6 @@ connection past ``lock_timeout`` (55P03), and the task's own backend ended by
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -29,12 +28,12 @@ def _connect(env: Env) -> psycopg.Connection:
 
 
 @pytest.fixture
-def worker(thread_worker: Env, start_agents: StartAgents) -> Iterator[Env]:
+def worker(thread_worker: Env, start_agents: StartAgents) -> Env:
     """A real worker with a deployed function of one replica and a generous retry budget."""
     one_agent(thread_worker, start_agents, max=10)
     spawn_ok("hello", 1, timeout=30)
     thread_worker.set(retry_max="30", retry_backoff_s="0.05", retry_backoff_max_s="0.2")
-    yield thread_worker
+    return thread_worker
 
 
 def _hold_function_lock(env: Env) -> psycopg.Connection:

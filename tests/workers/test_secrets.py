@@ -37,7 +37,7 @@ AWS_ID = "AKIAEXAMPLEKEY000001"
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
 
 
-@pytest.mark.parametrize("variable, url", [
+@pytest.mark.parametrize(("variable", "url"), [
     ("CORRAL_DATABASE_URL", f"postgres://bob:{PASSWORD}@127.0.0.1:1/corral"),
     ("CORRAL_DATABASE_URL", f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:1/corral"),
     ("CORRAL_DATABASE_URL", f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:notaport/corral"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from celery.exceptions import SoftTimeLimitExceeded
@@ -13,11 +12,11 @@ from workers import timelimits
 
 
 @pytest.fixture
-def hard_limits(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[timelimits.Watched]]:
+def hard_limits(monkeypatch: pytest.MonkeyPatch) -> list[timelimits.Watched]:
     """Tasks past their hard limit, recorded instead of ending the test process."""
     seen: list[timelimits.Watched] = []
     monkeypatch.setattr(timelimits, "on_hard_limit", seen.append)
-    yield seen
+    return seen
 
 
 def _in_thread(work: object) -> list[object]:

@@ -420,5 +420,5 @@ def test_no_other_process_can_share_the_registrys_port(registry: RunningRegistry
     listen on the registry's port and take a share of its calls."""
     with socket.socket() as other:
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match="Address already in use"):
             other.bind(("127.0.0.1", registry.port))

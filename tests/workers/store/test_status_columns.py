@@ -35,7 +35,8 @@ def test_status_columns_read_as_enums_and_store_plain_values(store_env: Env) -> 
 def test_a_status_that_is_no_member_is_refused_and_nothing_changes(store_env: Env) -> None:
     with store_env.db.transaction() as s:
         op_id = create_operation(s, OpKind.REAP, {}).id
-    with (pytest.raises(StatementError, match="'done' is not a valid OpStatus"),
+    # the statement fails at commit, when the transaction block ends: the block is the call
+    with (pytest.raises(StatementError, match="'done' is not a valid OpStatus"),  # noqa: PT012
           store_env.db.transaction() as s):
         op = s.get(Operation, op_id)
         assert op is not None
