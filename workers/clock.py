@@ -8,8 +8,9 @@ clock plus the difference to the database's clock, measured when a process first
 opens a transaction and again every :data:`SYNC_EVERY_S` (one ``SELECT`` of the
 server's time, halfway through the round trip; :mod:`workers.store.db` does it). On
 SQLite the store is a file on this host, so the difference is the host's own (none);
-on PostgreSQL it is the server's clock, whatever each host's says. Expiries in Redis
-(node call slots) use Redis's own ``TIME`` instead.
+on PostgreSQL it is the server's clock, whatever each host's says. Times kept in Redis
+for other hosts to judge (the gateways' demand samples and idle times) are stamped with
+:func:`epoch`, the same clock; the node call slots' leases use Redis's own ``TIME``.
 
 Tests move time with :func:`travel` (every process-local reading shifts) and pretend
 this host's clock is wrong with :func:`skew_host` (the next sync cancels it out).
@@ -38,6 +39,11 @@ def _host() -> datetime:
 def now() -> datetime:
     """The current time on the store's clock, naive UTC, shifted by any test offset."""
     return _host() + _to_db + _offset
+
+
+def epoch() -> float:
+    """:func:`now` as seconds since the epoch (for timestamps kept outside the store, in Redis)."""
+    return now().replace(tzinfo=UTC).timestamp()
 
 
 def sync_due() -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+import redis
 from sqlalchemy import text
 
 from tasks import api
@@ -15,6 +16,7 @@ from tests.fixtures import Env, StartAgents
 from tests.helpers import one_agent, operation
 from tests.workers.replicas.helpers import spawn_idle
 from workers import clock, leases
+from workers.autoscale import demand
 from workers.kinds import OpKind
 from workers.maintenance import redrive
 from workers.maintenance.reaper import reap
@@ -72,3 +74,19 @@ def test_a_beat_host_120_s_ahead_re_sends_nothing_that_still_moves(
     assert leases.acquire(corral_env.db, "reap", "a", 60)
     clock.skew_host(120)
     assert not leases.acquire(corral_env.db, "reap", "b", 60)  # a's lease has not lapsed
+
+
+def test_a_gateway_on_a_host_20_s_behind_reports_demand_the_autoscaler_counts(
+    corral_env: Env, redis_url: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    clock.skew_host(-20)  # the gateway's host; its store transactions measure the clock
+    with corral_env.db.read():
+        pass
+    sample = demand.Sample(inflight=3, queued=0, concurrency=3.0, requests=5, at=clock.epoch())
+    demand.report(client, "gw-behind", {"hello": sample})
+    clock.skew_host(0)  # the autoscaler's host
+    with corral_env.db.read():
+        pass
+    seen = demand.read(client, ["hello"], stale_after_s=10)["hello"]
+    assert (seen.gateways, seen.inflight) == (1, 3)  # fresh: judged on one clock

@@ -17,18 +17,21 @@ keeps a time-weighted average of their sum over its report interval
 
 :func:`read` adds up the fresh samples of all gateways into one :class:`Demand`
 for each function it is asked about (the autoscaler asks about the functions in the
-store); the autoscaler turns that into a replica target. Timestamps are
-wall-clock seconds (``time.time()``): gateways and beat run on different hosts.
+store); the autoscaler turns that into a replica target. Timestamps are seconds since
+the epoch on the store's clock (:func:`workers.clock.epoch`): gateways and beat run on
+different hosts, and a host whose own clock is off must not make a sample look stale or
+fresh.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 import redis
+
+from workers import clock
 
 PREFIX = "corral:demand:"
 
@@ -90,7 +93,7 @@ def read(
     names = sorted(functions)
     if not names:
         return {}
-    current = time.time() if now is None else now
+    current = clock.epoch() if now is None else now
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(_key(name))

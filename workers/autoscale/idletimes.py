@@ -36,8 +36,8 @@ fixed keep-alive. It expires after :data:`TTL_S` without a write.
 (:class:`workers.autoscale.keepalive.Plan`) for the reaper, the autoscaler, ``corral
 functions show`` and the metrics.
 
-Timestamps are wall-clock seconds (``time.time()``), as for the demand signal:
-recorders and readers run on different hosts.
+Timestamps are seconds since the epoch on the store's clock (:func:`workers.clock.epoch`),
+as for the demand signal: recorders and readers run on different hosts.
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import redis
 
 from config.settings import Settings
+from workers import clock as store_clock
 from workers.autoscale.keepalive import (
     RECENT_OOB,
     IdleHistogram,
@@ -165,7 +165,7 @@ class _Seen:
 class Recorder:
     """One gateway's view of its invocations, reported with :meth:`take` (no I/O here)."""
 
-    def __init__(self, bin_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, bin_s: float, clock: Callable[[], float] = store_clock.epoch) -> None:
         self.bin_s = bin_s
         self.clock = clock
         self._seen: dict[str, _Seen] = {}

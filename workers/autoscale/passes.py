@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ import redis
 from sqlalchemy import func, select
 
 from config.settings import Settings
+from workers import clock
 from workers.autoscale import decision as decision_mod
 from workers.autoscale import demand as demand_mod
 from workers.autoscale import idletimes
@@ -187,7 +187,7 @@ def run_pass(
     if not client.set(LOCK_KEY, token, nx=True, px=lock_ms):
         return PassReport(skipped=True)
     try:
-        return _pass(db, settings, client, scale, spawn, time.time() if now is None else now)
+        return _pass(db, settings, client, scale, spawn, clock.epoch() if now is None else now)
     finally:
         client.eval(_RELEASE, 1, LOCK_KEY, token)
 

@@ -18,6 +18,7 @@ import asyncio
 import time
 from collections import deque
 
+from workers import clock
 from workers.autoscale.demand import Sample
 
 
@@ -111,7 +112,7 @@ class Gate:
         span = max(t - self._since, 1e-6)
         out = Sample(inflight=self.active, queued=len(self.waiting),
                      concurrency=round(self._area / span, 3), requests=self.arrivals,
-                     at=time.time())
+                     at=clock.epoch())
         self._area, self._since, self.arrivals = 0.0, t, 0
         return out
 
