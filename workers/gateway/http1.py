@@ -198,7 +198,7 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         """Status and headers are in: tell the exchange (a 1xx answer is skipped)."""
-        assert self._parser is not None and self.exchange is not None
+        assert self._parser is not None and self.exchange is not None  # noqa: S101 - narrows for mypy after a check made above
         status = self._parser.get_status_code()
         headers, self._headers = self._headers, []
         if 100 <= status < 200:
@@ -230,7 +230,7 @@ class Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes, head_only: bool, buffer: int) -> Exchange:
         """Write one request (one write, unless its body is large) and return its exchange."""
-        assert self.transport is not None
+        assert self.transport is not None  # noqa: S101 - narrows for mypy after a check made above
         self.exchange = Exchange(self, head_only, buffer)
         self._parser = httptools.HttpResponseParser(self)
         self._headers, self._framed, self._interim = [], False, False
@@ -244,7 +244,7 @@ class Connection(asyncio.Protocol):
         return self.exchange
 
     def _finish(self) -> None:
-        assert self.exchange is not None and self._parser is not None
+        assert self.exchange is not None and self._parser is not None  # noqa: S101 - narrows for mypy after a check made above
         exchange = self.exchange
         # A HEAD answer ends with its headers (llhttp would wait for its announced body;
         # the next request gets a parser of its own).

@@ -188,7 +188,7 @@ class Gateway:
         answered by then), cancels this one when the client goes away.
         """
         me = asyncio.current_task()
-        assert me is not None
+        assert me is not None  # noqa: S101 - narrows for mypy after a check made above
         gone = False
         watcher: asyncio.Future[None] | None = None
 
