@@ -375,7 +375,7 @@ class _Replica:
 class ProcessDriver:
     """Each replica is a real process serving HTTP on its host port, dying with the agent."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only options with defaults
         self,
         port_range: tuple[int, int] = (20000, 29999),
         *,

@@ -183,7 +183,7 @@ def _http_answers(host: str, port: int, timeout: float = 1.0) -> bool:
 class RegistryReporter:
     """Talks to corral's registry: RegisterNode with backoff, then READY per replica."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only options with defaults
         self,
         target: str,
         *,
@@ -544,7 +544,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
 class RunningAgent(Running):
     """A node agent serving in background threads; ``stop()`` tears everything down."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the parts serve_fcdaemon built, by name
         self,
         *,
         server: grpc.Server,
@@ -574,7 +574,7 @@ class RunningAgent(Running):
         log.info("fcdaemon on port %d stopped", self.port)
 
 
-def serve_fcdaemon(
+def serve_fcdaemon(  # noqa: PLR0913 - a server's options, by name with defaults
     listen: str = "127.0.0.1:0",
     driver: VMDriver | None = None,
     registry: str | None = None,

@@ -136,7 +136,7 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
                   for sec in range(1, 501)]
     busy_times = [_sql(at - timedelta(seconds=sec)) for sec in range(0, 60)]
 
-    def row(fid: str, status: int, node: str, *, vmid: str | None = None, in_use: int = 0,
+    def row(fid: str, status: int, node: str, *, vmid: str | None = None, in_use: int = 0,  # noqa: PLR0913 - one row's columns, by name
             used: str | None = None, since: tuple[str, str] | None = None,
             gone: str | None = None) -> None:
         rid = f"{rng.getrandbits(128):032x}"
@@ -171,7 +171,7 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
     return db, settings
 
 
-def _insert(db: Database, functions: list[dict[str, Any]], nodes: list[dict[str, Any]],
+def _insert(db: Database, functions: list[dict[str, Any]], nodes: list[dict[str, Any]],  # noqa: PLR0913 - the fleet's tables, written at once
             columns: tuple[str, ...], rows: list[tuple[Any, ...]], live: dict[str, int],
             counted: dict[str, int]) -> None:
     """Write the rows in one transaction, and the counters that go with them."""

@@ -359,7 +359,7 @@ class Figures:
         return sum(o.idle_s for o in outcomes) / 3600
 
 
-def replay_all(apps: Sequence[App], policies: Sequence[Policy], shape: Shape,
+def replay_all(apps: Sequence[App], policies: Sequence[Policy], shape: Shape,  # noqa: PLR0913 - the replay's inputs, by name
                cadence: Cadence, horizon: float, seed: int) -> list[Figures]:
     """Every application under every policy."""
     rng = random.Random(seed + 1)

@@ -3,7 +3,7 @@
 The registry, the gateway, the metrics exporter and the reference agents each take a
 listen address and a token from their settings or flags. :func:`listen_refusal` says
 why a server must not start there (None: it may); :func:`listen_address` checks a
-``HOST:PORT`` setting and applies the rule; :func:`refuse_to_listen` prints the
+``HOST:PORT`` setting of a :class:`Server` and applies the rule; :func:`refuse_to_listen` prints the
 refusal for a command line. ``--insecure`` overrides the rule, with a warning at every
 start, for a private network the operator vouches for.
 """
@@ -12,10 +12,20 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass
 
 from netplumb.addresses import is_loopback, split_hostport
 
-__all__ = ["listen_address", "listen_refusal", "refuse_to_listen"]
+__all__ = ["Server", "listen_address", "listen_refusal", "refuse_to_listen"]
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server as the rule's messages name it, and the two settings that place it."""
+
+    name: str  # "corral registry"
+    listen_variable: str  # CORRAL_REGISTRY_LISTEN: where it listens
+    token_variable: str  # CORRAL_REGISTRY_TOKEN: what lets it off loopback
 
 
 def listen_refusal(
@@ -42,19 +52,18 @@ def listen_refusal(
 
 
 def listen_address(
-    what: str, address: str, listen_variable: str, token: str | None, token_variable: str,
-    *, insecure: bool = False,
+    server: Server, address: str, token: str | None, *, insecure: bool = False
 ) -> tuple[str, int]:
-    """Host and port ``what`` may listen on; ValueError naming the variable otherwise.
+    """Host and port ``server`` may listen on; ValueError naming the variable otherwise.
 
-    A malformed address is named by ``listen_variable``; off loopback without a token
-    the message is :func:`listen_refusal`'s.
+    A malformed address is named by the server's listen variable; off loopback without a
+    token the message is :func:`listen_refusal`'s.
     """
     try:
         host, port = split_hostport(address)
     except ValueError as exc:
-        raise ValueError(f"{listen_variable}: {exc}") from None
-    refusal = listen_refusal(what, host, token, token_variable, insecure=insecure)
+        raise ValueError(f"{server.listen_variable}: {exc}") from None
+    refusal = listen_refusal(server.name, host, token, server.token_variable, insecure=insecure)
     if refusal is not None:
         raise ValueError(refusal)
     return host, port

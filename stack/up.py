@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,8 @@ def _start(
     published: dict[str, Any] = {}  # CORRAL_* settings for children and the CLI
     services: dict[str, str] = {}
 
-    broker = os.environ.get("CORRAL_BROKER_URL") or _start_redis(state, logs, sup, env)
+    launch = _Launch(sup, env, state, logs)
+    broker = os.environ.get("CORRAL_BROKER_URL") or _start_redis(launch)
     published["broker_url"] = broker
     published["result_backend"] = os.environ.get("CORRAL_RESULT_BACKEND", broker)
     database = os.environ.get("CORRAL_DATABASE_URL") or f"sqlite:///{state / 'corral.sqlite'}"
@@ -167,81 +169,88 @@ def _start(
         env["CORRAL_" + key.upper()] = str(value)
     env["CORRAL_STATE_DIR"] = str(state)
 
-    sup.start(Child("registry", [PY, "-m", "tasks.cli", "registry"], env,
-                    logs / "registry.log", state), ready=lambda: _port_open(reg_port))
-    _start_celery(options, base, flower_port, state, logs, sup, env)
-    services["gateway"] = _start_http(
-        "gateway", ["tasks.cli", "gateway"], "", state, logs, sup, env)
-    services["metrics"] = _start_http(
-        "metrics", ["tasks.cli", "metrics"], "/metrics", state, logs, sup, env)
+    launch.start("registry", [PY, "-m", "tasks.cli", "registry"],
+                 ready=lambda: _port_open(reg_port))
+    _start_celery(launch, options, base, flower_port)
+    services["gateway"] = _start_http(launch, "gateway", ["tasks.cli", "gateway"], "")
+    services["metrics"] = _start_http(launch, "metrics", ["tasks.cli", "metrics"], "/metrics")
     if options.agents:
-        services.update(_start_agents(database, reg_port, state, logs, sup, env))
+        services.update(_start_agents(launch, database, reg_port))
     return published, services
 
 
 PY = sys.executable
 
 
-def _start_redis(state: Path, logs: Path, sup: Supervisor, env: dict[str, str]) -> str:
+@dataclass
+class _Launch:
+    """How the stack's children start: one supervisor, one environment, the state and logs
+    directories (a child's log is ``logs/<name>.log``)."""
+
+    sup: Supervisor
+    env: dict[str, str]
+    state: Path
+    logs: Path
+
+    def start(self, name: str, argv: list[str], *, ready: Callable[[], bool] | None = None,
+              timeout: float = 60.0) -> None:
+        """Start child ``name`` and wait until ``ready()`` says it serves."""
+        self.sup.start(Child(name, argv, self.env, self.logs / f"{name}.log", self.state),
+                       ready=ready, timeout=timeout)
+
+
+def _start_redis(launch: _Launch) -> str:
     """Start the embedded Redis; its URL."""
-    (state / "redis").mkdir(exist_ok=True)
+    (launch.state / "redis").mkdir(exist_ok=True)
     port = free_port(DEFAULT_PORTS["redis"])
-    sup.start(Child("redis", redis_argv(state / "redis", port), env, logs / "redis.log",
-                    state), ready=lambda: _port_open(port), timeout=20)
+    launch.start("redis", redis_argv(launch.state / "redis", port),
+                 ready=lambda: _port_open(port), timeout=20)
     return f"redis://127.0.0.1:{port}/0"
 
 
-def _start_celery(options: UpOptions, base: Settings, flower_port: int, state: Path,
-                  logs: Path, sup: Supervisor, env: dict[str, str]) -> None:
+def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_port: int) -> None:
     """Start the worker, beat and Flower (on loopback)."""
-    worker_log = logs / "worker.log"
-    sup.start(
-        Child("worker", [PY, "-m", "celery", "-A", "workers", "worker", "-E", "-l", "INFO",
-                         *(["-c", str(options.worker_concurrency)]
-                           if options.worker_concurrency else []),
-                         "-n", "corral@%h", "-Q", ",".join(QUEUES)],
-              env, worker_log, state),
+    worker_log = launch.logs / "worker.log"
+    launch.start(
+        "worker", [PY, "-m", "celery", "-A", "workers", "worker", "-E", "-l", "INFO",
+                   *(["-c", str(options.worker_concurrency)]
+                     if options.worker_concurrency else []),
+                   "-n", "corral@%h", "-Q", ",".join(QUEUES)],
         ready=lambda: worker_log.exists() and b" ready." in worker_log.read_bytes(),
         timeout=60,
     )
-    sup.start(Child("beat", [PY, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
-                             "-s", str(state / "beat-schedule")], env, logs / "beat.log", state))
+    launch.start("beat", [PY, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
+                          "-s", str(launch.state / "beat-schedule")])
     flower_argv = [PY, "-m", "celery", "-A", "workers", "flower", f"--port={flower_port}",
                    "--address=127.0.0.1"]
     if base.flower_user and base.flower_password:
         # through the environment, not argv, so `ps` does not show the password
-        env["FLOWER_BASIC_AUTH"] = f"{base.flower_user}:{base.flower_password}"
+        launch.env["FLOWER_BASIC_AUTH"] = f"{base.flower_user}:{base.flower_password}"
     else:
         # Flower listens on loopback only here; let local scripts read its API
-        env["FLOWER_UNAUTHENTICATED_API"] = "true"
-    sup.start(Child("flower", flower_argv, env, logs / "flower.log", state),
-              ready=lambda: _port_open(flower_port), timeout=60)
+        launch.env["FLOWER_UNAUTHENTICATED_API"] = "true"
+    launch.start("flower", flower_argv, ready=lambda: _port_open(flower_port), timeout=60)
 
 
-def _start_http(name: str, module_args: list[str], path: str, state: Path, logs: Path,
-                sup: Supervisor, env: dict[str, str]) -> str:
+def _start_http(launch: _Launch, name: str, module_args: list[str], path: str) -> str:
     """Start one of corral's HTTP services on a loopback port; its URL."""
     port = free_port(DEFAULT_PORTS[name])
-    sup.start(Child(name, [PY, "-m", *module_args, "--listen", f"127.0.0.1:{port}"], env,
-                    logs / f"{name}.log", state),
-              ready=lambda: _port_open(port), timeout=30)
+    launch.start(name, [PY, "-m", *module_args, "--listen", f"127.0.0.1:{port}"],
+                 ready=lambda: _port_open(port), timeout=30)
     return f"http://127.0.0.1:{port}{path}"
 
 
-def _start_agents(database: str, reg_port: int, state: Path, logs: Path, sup: Supervisor,
-                  env: dict[str, str]) -> dict[str, str]:
+def _start_agents(launch: _Launch, database: str, reg_port: int) -> dict[str, str]:
     """Start a local fcdaemon agent and Lambdo host, registered as nodes; their addresses."""
     fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
-    sup.start(Child("fcdaemon", [PY, "-m", "agents.fcdaemon", "--listen",
-                                 f"127.0.0.1:{fc_port}", "--registry",
-                                 f"127.0.0.1:{reg_port}", "--node-id", "local-fcdaemon",
-                                 "--driver", "process"], env, logs / "fcdaemon.log", state),
-              ready=lambda: _node_registered(database, "local-fcdaemon"), timeout=30)
+    launch.start("fcdaemon", [PY, "-m", "agents.fcdaemon", "--listen", f"127.0.0.1:{fc_port}",
+                              "--registry", f"127.0.0.1:{reg_port}", "--node-id",
+                              "local-fcdaemon", "--driver", "process"],
+                 ready=lambda: _node_registered(database, "local-fcdaemon"), timeout=30)
     lb_port = free_port(DEFAULT_PORTS["lambdo"])
     lambdo = f"http://127.0.0.1:{lb_port}"
-    sup.start(Child("lambdo", [PY, "-m", "agents.lambdo", "--listen",
-                               f"127.0.0.1:{lb_port}", "--driver", "process"], env,
-                    logs / "lambdo.log", state), ready=lambda: _port_open(lb_port))
+    launch.start("lambdo", [PY, "-m", "agents.lambdo", "--listen", f"127.0.0.1:{lb_port}",
+                            "--driver", "process"], ready=lambda: _port_open(lb_port))
     _add_lambdo_node(database, lambdo)
     return {"fcdaemon": f"127.0.0.1:{fc_port}", "lambdo": lambdo}
 

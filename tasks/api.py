@@ -358,7 +358,7 @@ def nodes(*, settings: Settings | None = None) -> list[NodeView]:
         return [node_view(n) for n in fleet.list_nodes(s)]
 
 
-def add_node(
+def add_node(  # noqa: PLR0913 - keyword-only options with defaults
     address: str,
     *,
     name: str | None = None,

@@ -229,7 +229,7 @@ def context_of(carried: object) -> Context | None:
     return propagate.extract(headers) if headers else None
 
 
-def record_between(name: str, start_ns: int, end_ns: int, *, parent: Context | None,
+def record_between(name: str, start_ns: int, end_ns: int, *, parent: Context | None,  # noqa: PLR0913 - a span's parts, the rest by name
                    attributes: Mapping[str, Any] | None = None, kind: str = "internal") -> None:
     """Record a span from ``start_ns`` to ``end_ns`` (wall clock, ns) after the fact."""
     if tracer is None:

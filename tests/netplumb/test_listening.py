@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from netplumb.listening import listen_address, listen_refusal, refuse_to_listen
+from netplumb.listening import Server, listen_address, listen_refusal, refuse_to_listen
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
@@ -36,14 +36,13 @@ def test_insecure_allows_it_with_a_warning_each_time(caplog: pytest.LogCaptureFi
 
 
 def test_listen_address_checks_the_shape_then_the_rule() -> None:
-    assert listen_address("corral thing", "[::1]:9000", "CORRAL_THING_LISTEN", None,
-                          "CORRAL_THING_TOKEN") == ("::1", 9000)
+    thing = Server("corral thing", "CORRAL_THING_LISTEN", "CORRAL_THING_TOKEN")
+    assert listen_address(thing, "[::1]:9000", None) == ("::1", 9000)
     with pytest.raises(ValueError, match=r"^CORRAL_THING_LISTEN: expected HOST:PORT"):
-        listen_address("corral thing", "nowhere", "CORRAL_THING_LISTEN", None,
-                       "CORRAL_THING_TOKEN")
-    with pytest.raises(ValueError, match=r"refuses to listen on 10\.0\.0\.5"):
-        listen_address("corral thing", "10.0.0.5:9000", "CORRAL_THING_LISTEN", None,
-                       "CORRAL_THING_TOKEN")
+        listen_address(thing, "nowhere", None)
+    with pytest.raises(ValueError, match=r"refuses to listen on 10\.0\.0\.5 .*CORRAL_THING_TOKEN"):
+        listen_address(thing, "10.0.0.5:9000", None)
+    assert listen_address(thing, "10.0.0.5:9000", "s3cret") == ("10.0.0.5", 9000)
 
 
 def test_a_command_line_prints_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -173,7 +173,7 @@ def load_facts(db: Database) -> dict[str, Subject]:
         }
 
 
-def run_pass(
+def run_pass(  # noqa: PLR0913 - what a pass reads, and how it asks (the task's callables)
     db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
     spawn: SpawnFn | None = None, *, now: float | None = None,
 ) -> PassReport:
@@ -192,7 +192,7 @@ def run_pass(
         client.eval(_RELEASE, 1, LOCK_KEY, token)
 
 
-def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
+def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,  # noqa: PLR0913 - run_pass's
           spawn: SpawnFn | None, now: float) -> PassReport:
     report = PassReport()
     subjects = load_facts(db)
@@ -245,7 +245,7 @@ def _plans(client: redis.Redis, settings: Settings, names: list[str]) -> dict[st
         return {}
 
 
-def _decide(policy: decision_mod.Policy, fn: Subject, raw: bytes | str | None,
+def _decide(policy: decision_mod.Policy, fn: Subject, raw: bytes | str | None,  # noqa: PLR0913 - an Observation's parts
             seen: demand_mod.Demand | None, now: float,
             warm: bool | None) -> tuple[Outcome, decision_mod.Window]:
     """One autoscaled function's decision, and its window for the next pass."""

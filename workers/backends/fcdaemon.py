@@ -148,7 +148,7 @@ class AgentClient:
     that is back as still down.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only options with defaults
         self,
         address: str,
         *,

@@ -334,7 +334,7 @@ class Batch:
     lanes: dict[Any, Lane] = field(default_factory=dict)
 
 
-async def lanes(
+async def lanes(  # noqa: PLR0913 - keyword-only options with defaults
     work: Mapping[K, Sequence[T]],
     lane_of: Callable[[K], Lane],
     call: Callable[[T], Awaitable[Any]],

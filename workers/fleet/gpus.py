@@ -166,7 +166,7 @@ def record_gpus(
     return sorted(reported, key=lambda g: g.first_port)
 
 
-def _add_new(session: Session, settings: Settings, server: str, manager: str,
+def _add_new(session: Session, settings: Settings, server: str, manager: str,  # noqa: PLR0913 - one server's report and what is known of it
              gpus: dict[str, int], ours: list[Gpu]) -> None:
     """Add the reported GPUs not yet known, each with worker ports after the last ones."""
     next_port = max(

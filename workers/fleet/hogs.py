@@ -92,15 +92,26 @@ def call_node(node: Node, settings: Settings, action: str, n: int) -> HogCall:
     return HogCall(node.id, node.name, True)
 
 
-def run_hogs(db: Database, settings: Settings, action: str, n: int, node: str | None = None,
-             op_id: str | None = None, *, last_try: bool = True) -> dict[str, Any]:
+@dataclass(frozen=True)
+class HogRequest:
+    """One hog request: start or stop ``n`` hogs on the node named ``node`` (None: every
+    healthy fcdaemon node)."""
+
+    action: str
+    n: int
+    node: str | None = None
+
+
+def run_hogs(db: Database, settings: Settings, request: HogRequest, op_id: str | None = None,
+             *, last_try: bool = True) -> dict[str, Any]:
     """Call the nodes still owed a hog request; returns ``{"nodes": ..., "retry": bool}``.
 
     ``retry`` is True when some node failed with a retryable error and
     ``last_try`` is False: the operation then stays open for another attempt.
     """
-    action, n = check_hogs(action, n)
-    owed = _owed(db, action, n, node, op_id)
+    action, n = check_hogs(request.action, request.n)
+    request = HogRequest(action, n, request.node)
+    owed = _owed(db, request, op_id)
     if owed.finished:
         return {"nodes": owed.outcomes, "retry": False}
     calls = [
@@ -109,7 +120,7 @@ def run_hogs(db: Database, settings: Settings, action: str, n: int, node: str | 
         for name, target in owed.nodes.items()
     ]
     retry = not last_try and any(c.retryable for c in calls)
-    outcomes = _record(db, op_id, action, n, owed.outcomes, calls, retry=retry)
+    outcomes = owed.record(db, calls, retry=retry)
     if not retry:
         for c in calls:
             if c.retryable:
@@ -121,58 +132,59 @@ def run_hogs(db: Database, settings: Settings, action: str, n: int, node: str | 
 class _Owed:
     """The nodes a hog operation still owes a call (None: removed since it was planned)."""
 
+    request: HogRequest
+    op_id: str | None
     outcomes: dict[str, dict[str, Any]]
     nodes: dict[str, Node | None]
     finished: bool = False
 
+    def record(self, db: Database, calls: list[HogCall], *, retry: bool
+               ) -> dict[str, dict[str, Any]]:
+        """Write each call's outcome on the operation; finish it unless a retry is due."""
+        action, n, op_id, outcomes = self.request.action, self.request.n, self.op_id, self.outcomes
+        with db.transaction() as s:
+            op = s.get(Operation, op_id, with_for_update=True) if op_id else None
+            if op is not None:
+                outcomes = dict((op.result or {}).get("nodes", outcomes))
+            for c in calls:
+                attempts = int(outcomes.get(c.node, {}).get("attempts", 0)) + 1
+                outcomes[c.node] = {
+                    "node_id": c.node_id,
+                    "state": "ok" if c.ok else "failed",
+                    "attempts": attempts,
+                    **({} if c.ok else {"error": c.error, "retryable": c.retryable}),
+                }
+                log.info("hogs %s %d on %s: %s", action, n, c.node, "ok" if c.ok else c.error)
+            if op is not None:
+                op.result = {"action": action, "n": n, "nodes": outcomes}
+                op.done = sum(1 for o in outcomes.values() if o["state"] == "ok")
+                op.failed = sum(1 for o in outcomes.values() if o["state"] == "failed")
+                if not retry and op.status not in OP_FINISHED:
+                    errors = [o["error"] for o in outcomes.values() if o.get("error")]
+                    op.result = {**op.result, "errors": errors[:5]}
+                    finish(op, failed=op.failed, total=op.total)
+        return outcomes
 
-def _owed(db: Database, action: str, n: int, node: str | None, op_id: str | None) -> _Owed:
+
+def _owed(db: Database, request: HogRequest, op_id: str | None) -> _Owed:
     """Plan the operation's targets on its first run; then the ones pending or retryable."""
     with db.transaction() as s:
         op = s.get(Operation, op_id, with_for_update=True) if op_id else None
         if op_id and op is None:
             raise InputError(f"unknown operation {op_id!r}")
         if op is not None and op.status in OP_FINISHED:
-            return _Owed((op.result or {}).get("nodes", {}), {}, finished=True)
+            return _Owed(request, op_id, (op.result or {}).get("nodes", {}), {}, finished=True)
         outcomes: dict[str, dict[str, Any]] = dict((op.result or {}).get("nodes", {})) if op else {}
         if not outcomes:
-            outcomes = {t.name: {"node_id": t.id, "state": "pending"} for t in hog_targets(s, node)}
+            outcomes = {t.name: {"node_id": t.id, "state": "pending"}
+                        for t in hog_targets(s, request.node)}
             if op is not None:
                 op.total = len(outcomes)
-                op.result = {"action": action, "n": n, "nodes": outcomes}
+                op.result = {"action": request.action, "n": request.n, "nodes": outcomes}
                 mark_running(op)
         owed = [
             name for name, o in outcomes.items()
             if o["state"] == "pending" or (o["state"] == "failed" and o.get("retryable"))
         ]
         found = {nd.name: nd for nd in s.scalars(select(Node).where(Node.name.in_(owed)))}
-        return _Owed(outcomes, {name: found.get(name) for name in owed})
-
-
-def _record(
-    db: Database, op_id: str | None, action: str, n: int,
-    outcomes: dict[str, dict[str, Any]], calls: list[HogCall], *, retry: bool,
-) -> dict[str, dict[str, Any]]:
-    """Write each call's outcome on the operation; finish it unless a retry is due."""
-    with db.transaction() as s:
-        op = s.get(Operation, op_id, with_for_update=True) if op_id else None
-        if op is not None:
-            outcomes = dict((op.result or {}).get("nodes", outcomes))
-        for c in calls:
-            attempts = int(outcomes.get(c.node, {}).get("attempts", 0)) + 1
-            outcomes[c.node] = {
-                "node_id": c.node_id,
-                "state": "ok" if c.ok else "failed",
-                "attempts": attempts,
-                **({} if c.ok else {"error": c.error, "retryable": c.retryable}),
-            }
-            log.info("hogs %s %d on %s: %s", action, n, c.node, "ok" if c.ok else c.error)
-        if op is not None:
-            op.result = {"action": action, "n": n, "nodes": outcomes}
-            op.done = sum(1 for o in outcomes.values() if o["state"] == "ok")
-            op.failed = sum(1 for o in outcomes.values() if o["state"] == "failed")
-            if not retry and op.status not in OP_FINISHED:
-                errors = [o["error"] for o in outcomes.values() if o.get("error")]
-                op.result = {**op.result, "errors": errors[:5]}
-                finish(op, failed=op.failed, total=op.total)
-    return outcomes
+        return _Owed(request, op_id, outcomes, {name: found.get(name) for name in owed})

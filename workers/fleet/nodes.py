@@ -47,7 +47,7 @@ def default_name(address: str) -> str:
     return name[:63].strip("-") or "node"
 
 
-def upsert_node(
+def upsert_node(  # noqa: PLR0913 - keyword-only options with defaults
     session: Session,
     address: str,
     *,

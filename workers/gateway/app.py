@@ -39,7 +39,7 @@ from starlette.routing import Route
 
 from config.settings import Settings
 from netplumb.addresses import join_hostport
-from netplumb.listening import listen_address
+from netplumb.listening import Server, listen_address
 from workers import tracing
 from workers.autoscale import demand, idletimes
 from workers.errors import CorralError
@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 ACTIVE_S = 60.0  # a function is reported for this long after its last request
 
 
+GATEWAY = Server("corral gateway", "CORRAL_GATEWAY_LISTEN", "CORRAL_GATEWAY_TOKEN")
+
+
 class ListenRefused(CorralError):
     """The gateway may not listen where it was asked to."""
 
@@ -60,9 +63,7 @@ class ListenRefused(CorralError):
 def check_listen(settings: Settings, listen: str, *, insecure: bool = False) -> tuple[str, int]:
     """Where to listen; refuses a non-loopback address without a token unless ``insecure``."""
     try:
-        host, port = listen_address("corral gateway", listen, "CORRAL_GATEWAY_LISTEN",
-                                    settings.gateway_token, "CORRAL_GATEWAY_TOKEN",
-                                    insecure=insecure)
+        host, port = listen_address(GATEWAY, listen, settings.gateway_token, insecure=insecure)
     except ValueError as exc:
         raise ListenRefused(str(exc)) from None
     return host, port

@@ -69,7 +69,7 @@ def connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     return named
 
 
-def request_head(scope: Any, target: bytes, netloc: bytes, body: bytes,
+def request_head(scope: Any, target: bytes, netloc: bytes, body: bytes,  # noqa: PLR0913 - one request's parts, the rest by name
                  *, token: bytes | None, trusted: Trusted) -> bytes:
     """The request line and headers to send the replica (the body goes after them)."""
     peer = scope.get("client")

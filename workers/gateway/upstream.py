@@ -208,7 +208,7 @@ class Upstreams:
             for relay in [r for r in self._relays if r.overdue(now)]:
                 self._relays.discard(relay)
 
-    async def _exchange(self, pool: http1.Pool, head: bytes, body: bytes, head_only: bool,
+    async def _exchange(self, pool: http1.Pool, head: bytes, body: bytes, head_only: bool,  # noqa: PLR0913 - one exchange's parts
                         relay: Relay, once: _Once) -> None:
         """Send, wait for the answer's head, relay its body; ``once`` when it is complete."""
         exchange: http1.Exchange | None = None

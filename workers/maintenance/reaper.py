@@ -170,19 +170,27 @@ class _Victim:
     left: bool = False  # its release was not done in time: it stays Deleting for a later pass
 
 
+@dataclass(frozen=True)
+class _Limits:
+    """What one pass may do: delete at most ``budget`` replicas, by ``idle_timeout`` (None:
+    each function's own), adaptive functions by their keep-alive plans (by function id)."""
+
+    budget: int
+    idle_timeout: float | None
+    plans: Mapping[str, Plan] = field(default_factory=dict)
+
+
 class _Pass:
     """The selection step of one pass: one transaction, a budget, the min guard."""
 
-    def __init__(
-        self, session: Session, settings: Settings, at: datetime, budget: int,
-        idle_timeout: float | None, plans: Mapping[str, Plan] | None = None,
-    ) -> None:
+    def __init__(self, session: Session, settings: Settings, at: datetime,
+                 limits: _Limits) -> None:
         self.s = session
         self.settings = settings
         self.at = at
-        self.budget = budget
-        self.idle_timeout = idle_timeout
-        self.plans = dict(plans or {})  # function id -> its keep-alive plan (adaptive only)
+        self.budget = limits.budget
+        self.idle_timeout = limits.idle_timeout
+        self.plans = dict(limits.plans)  # function id -> its keep-alive plan (adaptive only)
         self.victims: list[_Victim] = []
         self.kept: dict[str, int] = defaultdict(int)
         self.stale_kept: dict[str, Function] = {}
@@ -427,7 +435,7 @@ def check_idle_timeout(value: object) -> float | None:
     )
 
 
-def reap(
+def reap(  # noqa: PLR0913 - keyword-only options with defaults
     db: Database,
     settings: Settings,
     *,
@@ -464,8 +472,8 @@ def reap(
         report.claims_expired = claims.expire(db, settings)
         plans = {} if idle_timeout is not None else keep_alive_plans(db, settings, idle_times)
         report.keep_alive = {name: plan.windows.as_dict() for name, (_, plan) in plans.items()}
-        _run(db, settings, report, idle_timeout, budget,
-             {fn_id: plan for fn_id, plan in plans.values()})
+        _run(db, settings, report,
+             _Limits(budget, idle_timeout, {fn_id: plan for fn_id, plan in plans.values()}))
     finally:
         leases.release(db, LEASE, holder)
     return report
@@ -494,14 +502,11 @@ def keep_alive_plans(db: Database, settings: Settings,
             if plan.windows.keep_s is not None}
 
 
-def _run(
-    db: Database, settings: Settings, report: ReapReport, idle_timeout: float | None,
-    budget: int, plans: Mapping[str, Plan],
-) -> None:
+def _run(db: Database, settings: Settings, report: ReapReport, limits: _Limits) -> None:
     t0 = time.perf_counter()
     with db.transaction() as s:
         lock_functions(s)  # the pass may move counters of any function (workers.locks)
-        p = _Pass(s, settings, now(), budget, idle_timeout, plans)
+        p = _Pass(s, settings, now(), limits)
         p.stuck()
         p.stale()
         p.idle()

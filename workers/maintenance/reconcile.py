@@ -106,7 +106,7 @@ def reconcile(db: Database, settings: Settings, *, holder: str) -> ReconcileRepo
         # next pass).
         before = {node.id: _live_rows(db, node) for node in nodes}
         for node, listed in zip(nodes, _list_all(settings, nodes), strict=True):
-            _reconcile_node(db, settings, node, before[node.id], listed, report)
+            _reconcile_node(db, settings, _Seen(node, before[node.id], listed), report)
         _drain(db, settings, report)
         report.top_up = below_min(db, settings)
     finally:
@@ -146,20 +146,28 @@ def _list_all(settings: Settings, nodes: list[Node]) -> list[Listed]:
 Listed = list[backends.ListedVm] | BackendError
 
 
-def _reconcile_node(
-    db: Database, settings: Settings, node: Node, before: list[Any], listed: Listed,
-    report: ReconcileReport,
-) -> None:
+@dataclass(frozen=True)
+class _Seen:
+    """A node as this pass saw it: its live rows read before it was asked, and its listing."""
+
+    node: Node
+    before: list[Any]
+    listed: Listed
+
+
+def _reconcile_node(db: Database, settings: Settings, seen: _Seen,
+                    report: ReconcileReport) -> None:
     """Destroy the node's orphan VMs, and end the rows whose VM vanished from it."""
-    vms = _listing(db, node, listed, report)
+    node = seen.node
+    vms = _listing(db, node, seen.listed, report)
     if vms is None:
         return
     _destroy_orphans(db, settings, node, vms, report)
     on_node = {vm.vmid for vm in vms}
-    for row in before:
+    for row in seen.before:
         if row.vmid is None or row.vmid in on_node or row.status == ReplicaState.CREATING:
             continue
-        _vanished(db, settings, node, row.id, row.vmid, report)
+        _vanished(db, settings, node, row, report)
 
 
 def _set_can_list(db: Database, node: Node, can_list: bool) -> None:
@@ -233,13 +241,13 @@ def _past_grace(
 
 
 def _vanished(
-    db: Database, settings: Settings, node: Node, replica_id: str, vmid: str,
-    report: ReconcileReport,
+    db: Database, settings: Settings, node: Node, row: Any, report: ReconcileReport
 ) -> None:
-    """End a row whose VM the node no longer lists: Deleted if it was being deleted, else Dead."""
+    """End a row (``row``: its id and vmid, as read before the listing) whose VM the node no
+    longer lists: Deleted if it was being deleted, else Dead."""
     with db.transaction() as s:
-        replica = lock_replica(s, replica_id)
-        if replica is None or replica.status not in LIVE_STATES or replica.vmid != vmid:
+        replica = lock_replica(s, row.id)
+        if replica is None or replica.status not in LIVE_STATES or replica.vmid != row.vmid:
             return
         if replica.status == ReplicaState.DELETING:
             transition(s, replica, ReplicaState.DELETED, settings)

@@ -58,7 +58,7 @@ from netplumb.grpcserve import (
     report_vmid,
     token_interceptors,
 )
-from netplumb.listening import listen_address
+from netplumb.listening import Server, listen_address
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers import dispatch, stages, tracing
 from workers.clock import now
@@ -482,13 +482,15 @@ class RunningRegistry:
         self.server.wait_for_termination()
 
 
+REGISTRY = Server("corral registry", "CORRAL_REGISTRY_LISTEN", "CORRAL_REGISTRY_TOKEN")
+
+
 def check_listen(settings: Settings, listen: str | None = None, *,
                  insecure: bool = False) -> str:
     """The address to listen on; :class:`InputError` if malformed or off loopback tokenless."""
     address = listen or settings.registry_listen
     try:
-        listen_address("corral registry", address, "CORRAL_REGISTRY_LISTEN",
-                       settings.registry_token, "CORRAL_REGISTRY_TOKEN", insecure=insecure)
+        listen_address(REGISTRY, address, settings.registry_token, insecure=insecure)
     except ValueError as exc:
         raise InputError(str(exc)) from None
     return address

@@ -67,7 +67,7 @@ class Ran(Generic[T]):
         return out
 
 
-def run(
+def run(  # noqa: PLR0913 - a batch's parts, the rest by name
     settings: Settings,
     budget: Budget,
     work: Mapping[Hashable, Sequence[T]],

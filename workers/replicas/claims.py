@@ -210,7 +210,7 @@ def claim(
     return claim_many(db, settings, function_name, 1, waiter=waiter, ttl_s=ttl_s)[0]
 
 
-def claim_many(db: Database, settings: Settings, function_name: str, count: int, *,
+def claim_many(db: Database, settings: Settings, function_name: str, count: int, *,  # noqa: PLR0913 - keyword-only options with defaults
                waiter: Waiter | None = None, ttl_s: float | None = None) -> list[Claimed]:
     """Take up to ``count`` environments of Idle, current-build replicas in one transaction.
 

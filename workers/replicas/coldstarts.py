@@ -179,7 +179,7 @@ class ClaimAttempt:
     instead (several gateways may ask for the last replica at once).
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only options with defaults
         self,
         db: Database,
         settings: Settings,

@@ -126,7 +126,7 @@ def create(db: Database, settings: Settings, request_ids: list[str], budget: Bud
     return nxt
 
 
-def _take(db: Database, settings: Settings, request_ids: list[str], token: str, budget: Budget,
+def _take(db: Database, settings: Settings, request_ids: list[str], token: str, budget: Budget,  # noqa: PLR0913 - one handler's round
           nxt: Next) -> list[Pending]:
     taken = take(db, settings, request_ids, token, budget.own_until())
     for request_id in taken.busy:
@@ -155,7 +155,7 @@ class _Sorted:
     disown: list[Pending] = field(default_factory=list)
 
 
-def _round(
+def _round(  # noqa: PLR0913 - one handler's round
     db: Database, settings: Settings, pendings: list[Pending], budget: Budget, token: str,
     nxt: Next,
 ) -> list[str]:
@@ -360,7 +360,7 @@ def _release_late(settings: Settings, late: list[tuple[Pending, backends.Vm]]) -
             log.warning("release of %s failed (reconcile will retry): %s", vm.vmid, exc)
 
 
-def _settle(
+def _settle(  # noqa: PLR0913 - one handler's round
     db: Database, settings: Settings, pendings: list[Pending],
     notes: list[tuple[Node, inflight.Lane]], out: _Sorted, token: str, nxt: Next,
 ) -> list[str]:
@@ -424,7 +424,7 @@ def _fail(s: Session, settings: Settings, p: Pending, token: str, error: str) ->
     return True
 
 
-def move(
+def move(  # noqa: PLR0913 - one move's parts, the rest by name
     s: Session, settings: Settings, p: Pending, token: str, error: str, *, counted: bool,
     avoid: Sequence[str] = (), or_stay: bool = False,
 ) -> str:

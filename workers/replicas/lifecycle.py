@@ -119,7 +119,7 @@ _ARRIVE = (
 )
 
 
-def arrive(
+def arrive(  # noqa: PLR0913 - one arrival's parts, the rest by name
     session: Session,
     replica_id: str,
     operation_id: str | None,
@@ -363,7 +363,7 @@ class _Retiring:
     failed: list[tuple[str, str, str]] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
 
-    def add(self, rid: str, to: ReplicaState, error: str | None, *,
+    def add(self, rid: str, to: ReplicaState, error: str | None, *,  # noqa: PLR0913 - one row's retirement, the rest by name
             node_id: str | None, op_id: str | None, claimed: bool) -> None:
         """Count one replica's retirement: its row, node slot, claims and operation."""
         self.params.append({"rid": rid, "to": int(to), "error": error, "at": self.at})

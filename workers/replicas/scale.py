@@ -102,7 +102,7 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
         deletes: list[str] = []
         note = None
         if target < counted:
-            deletes = _mark_surplus(s, db, settings, fn, op.id, counted - target)
+            deletes = _mark_surplus(s, settings, fn, op.id, counted - target)
             if len(deletes) < counted - target:
                 note = (
                     f"removed {len(deletes)} of {counted - target}: the other replicas are "
@@ -127,9 +127,8 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
         return ScalePlan(fn.id, spawns, deletes, note)
 
 
-def _mark_surplus(
-    s: Session, db: Database, settings: Settings, fn: Function, op_id: str, want: int
-) -> list[str]:
+def _mark_surplus(s: Session, settings: Settings, fn: Function, op_id: str, want: int
+                  ) -> list[str]:
     """Mark up to ``want`` unclaimed Idle replicas Deleting, old builds and longest idle first."""
     idle = s.scalars(
         select(Replica)
@@ -145,7 +144,7 @@ def _mark_surplus(
         .limit(want)
         # OF replicas: the eagerly joined function/node/GPU are outer joins,
         # whose nullable side PostgreSQL refuses to lock.
-        .with_for_update(of=Replica, skip_locked=not db.is_sqlite)
+        .with_for_update(of=Replica, skip_locked=s.get_bind().dialect.name != "sqlite")
     ).all()
     mark_deleting(s, settings, idle, op_id)
     return [replica.id for replica in idle]

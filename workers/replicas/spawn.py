@@ -139,7 +139,7 @@ class FanOut:
     batches: list[list[SpawnJob]]
 
 
-def fan_out(
+def fan_out(  # noqa: PLR0913 - one batch of one spawn
     db: Database, settings: Settings, op_id: str, function_id: str, jobs: list[SpawnJob],
     budget: Budget,
 ) -> FanOut:
@@ -150,7 +150,7 @@ def fan_out(
     return FanOut(run_batch(db, settings, op_id, function_id, batches[0], budget), batches[1:])
 
 
-def run_batch(
+def run_batch(  # noqa: PLR0913 - one batch of one spawn
     db: Database, settings: Settings, op_id: str | None, function_id: str,
     jobs: list[SpawnJob], budget: Budget,
 ) -> Next:
@@ -159,7 +159,7 @@ def run_batch(
     return create(db, settings, [j.request_id for j in jobs], budget)
 
 
-def run_one(
+def run_one(  # noqa: PLR0913 - one create of one spawn
     db: Database, settings: Settings, op_id: str | None, request_id: str, function_id: str,
     node_id: str | None, budget: Budget,
 ) -> Next:
@@ -249,7 +249,7 @@ def _count_toward_max(s: Session, fn: Function, wanted: int) -> int:
     return room
 
 
-def _write_rows(
+def _write_rows(  # noqa: PLR0913 - one batch of one spawn
     s: Session, settings: Settings, op_id: str | None, fn: Function, todo: list[SpawnJob],
     *, room: int,
 ) -> None:

@@ -44,7 +44,7 @@ def client(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
-def history(client: redis.Redis, env: Env, name: str, *, every: float, calls: int,
+def history(client: redis.Redis, env: Env, name: str, *, every: float, calls: int,  # noqa: PLR0913 - a history's shape, by name
             last_end: float) -> None:
     """``calls`` invocations ``every`` seconds apart, the last one ending at ``last_end``."""
     shape = Shape.from_settings(env.settings)

@@ -17,7 +17,7 @@ from tasks.cli import main
 from tests.fixtures import Env, StartAgents
 from tests.helpers import result_of
 from workers.errors import InputError
-from workers.fleet.hogs import run_hogs
+from workers.fleet.hogs import HogRequest, run_hogs
 from workers.fleet.nodes import upsert_node
 from workers.store.models import Node
 
@@ -129,7 +129,7 @@ def test_a_finished_operation_is_not_repeated(two_agents: list[RunningAgent],
     a, _ = two_agents
     op = api.hogs("start", 1, "node1")
     assert api.wait(op, timeout=20)["status"] == "succeeded"
-    again = run_hogs(corral_env.db, corral_env.settings, "start", 1, "node1", op)
+    again = run_hogs(corral_env.db, corral_env.settings, HogRequest("start", 1, "node1"), op)
     assert again["nodes"]["node1"]["state"] == "ok"
     assert len(a.agent.calls_of("CreateCPUHogs")) == 1  # a redelivery starts nothing more
     assert a.agent.hogs.count == 1

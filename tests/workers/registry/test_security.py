@@ -61,7 +61,7 @@ def _stub(running: RunningRegistry) -> resmngr_grpc.ResMngrServiceStub:
     return resmngr_grpc.ResMngrServiceStub(grpc.insecure_channel(running.address))
 
 
-def _register(stub: resmngr_grpc.ResMngrServiceStub, ip: str, port: int, node_id: str,
+def _register(stub: resmngr_grpc.ResMngrServiceStub, ip: str, port: int, node_id: str,  # noqa: PLR0913 - RegisterNode's fields, and the caller's
               metadata: tuple[tuple[str, str], ...] = TOKEN, credential: str | None = None
               ) -> str:
     reply = stub.RegisterNode(resmngr_pb2.RegisterNodeRequest(
