@@ -19,7 +19,7 @@ from config.settings import get_settings
 from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.fixtures import Env, sqlite_only
-from tests.workers.replicas.test_batches import Counter, CountingDriver
+from tests.workers.replicas.test_creates import Counter, CountingDriver
 from workers.backends import inflight, node_slots
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
