@@ -70,7 +70,7 @@ def first_task(kind: OpKind, op_id: str, params: dict[str, Any]) -> Signature:
     """The task that carries out an operation of ``kind``, built from its stored params."""
     name = FIRST_TASKS.get(kind)
     if name is None:
-        raise ValueError(f"no task carries out operations of kind {kind!r}")
+        raise ValueError(f"no task carries out operations of kind {str(kind)!r}")
     match kind:
         case OpKind.DELETE:
             return _task(name, args=(params["replica"], op_id), immutable=True)

@@ -1,4 +1,4 @@
-"""Reconcile (rows vs. what agents run) and node health, against real agents on loopback."""
+"""Reconcile (rows vs. what agents run), draining and the top-up to min, against real agents."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from tasks.maintenance import reconcile as reconcile_task
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, one_agent, replicas
 from workers import clock, leases
-from workers.fleet.health import check_health
 from workers.fleet.nodes import upsert_node
 from workers.maintenance.reconcile import reconcile
 from workers.store.models import Function, Node, ReplicaState
@@ -101,35 +100,6 @@ def test_only_one_reconcile_pass_at_a_time(corral_env: Env, start_agents: StartA
     assert reconcile(corral_env.db, corral_env.settings, holder="me").skipped
     leases.release(corral_env.db, "reconcile", "other")
     assert not reconcile(corral_env.db, corral_env.settings, holder="me").skipped
-
-
-@pytest.mark.timeout(30)
-def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
-    store_env: Env, start_agents: StartAgents
-) -> None:
-    store_env.set(health_misses="2", node_dead_grace_s="0")
-    a, b = start_agents(2)
-    deploy_fn(store_env)
-    api.wait(api.spawn("hello", 2), timeout=10)  # one on each node
-    port = a.port
-    a.stop(grace=0)
-    first = check_health(store_env.db, store_env.settings)
-    assert first.missed == ["node1"] and first.became_unhealthy == []
-    second = check_health(store_env.db, store_env.settings)
-    assert second.became_unhealthy == ["node1"]
-    assert second.replicas_lost == 1  # grace 0: its replica is Dead at once
-    with store_env.db.read() as s:
-        nodes = {n.name: n for n in s.scalars(select(Node))}
-    assert not nodes["node1"].healthy and nodes["node1"].live == 0
-    view = api.wait(api.spawn("hello", 2), timeout=10)
-    assert view["status"] == "succeeded"
-    assert len(b.driver.list()) == 3  # placement skipped the unhealthy node
-    back = serve_fcdaemon(f"127.0.0.1:{port}")
-    try:
-        third = check_health(store_env.db, store_env.settings)
-        assert third.recovered == ["node1"]
-    finally:
-        back.stop(grace=0)
 
 
 def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgents) -> None:

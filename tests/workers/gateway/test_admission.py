@@ -1,0 +1,142 @@
+"""Per-function admission: ``limit`` at once, a bounded FIFO queue, places handed straight on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from workers.gateway.admission import Gate, QueueFull, QueueTimeout
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_up_to_the_limit_enter_at_once_then_the_queue_is_served_in_order() -> None:
+    async def scenario() -> list[str]:
+        gate = Gate(limit=2, queue=3)
+        await gate.enter(1.0)
+        await gate.enter(1.0)
+        served: list[str] = []
+
+        async def queued(name: str) -> None:
+            await gate.enter(5.0)
+            served.append(name)
+
+        tasks = [asyncio.create_task(queued(n)) for n in ("a", "b", "c")]
+        await _settle()
+        assert (gate.active, gate.queued) == (2, 3)
+        for _ in range(3):
+            gate.leave()  # each place goes straight to the first in line: active stays 2
+            await _settle()
+            assert gate.active == 2
+        await asyncio.gather(*tasks)
+        gate.leave()
+        gate.leave()
+        assert (gate.active, gate.queued) == (0, 0)
+        return served
+
+    assert asyncio.run(scenario()) == ["a", "b", "c"]
+
+
+def test_a_full_queue_refuses_the_next_and_changes_nothing() -> None:
+    async def scenario() -> None:
+        gate = Gate(limit=1, queue=1)
+        await gate.enter(1.0)
+        waiter = asyncio.create_task(gate.enter(5.0))
+        await _settle()
+        with pytest.raises(QueueFull, match="1 requests already queued"):
+            await gate.enter(5.0)
+        assert (gate.active, gate.queued) == (1, 1)
+        gate.leave()
+        await waiter
+        assert (gate.active, gate.queued) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_queued_request_that_waits_too_long_leaves_the_queue() -> None:
+    async def scenario() -> None:
+        gate = Gate(limit=1, queue=4)
+        await gate.enter(1.0)
+        started = time.monotonic()
+        with pytest.raises(QueueTimeout, match=r"no free environment within 0\.1s"):
+            await gate.enter(0.1)
+        assert 0.1 <= time.monotonic() - started < 2.0
+        assert (gate.active, gate.queued) == (1, 0)
+        gate.leave()
+        assert gate.active == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_goes_away_while_queued_gives_up_its_place() -> None:
+    async def scenario() -> None:
+        gate = Gate(limit=1, queue=4)
+        await gate.enter(1.0)
+        gone = asyncio.create_task(gate.enter(5.0))
+        stays = asyncio.create_task(gate.enter(5.0))
+        await _settle()
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert gate.queued == 1
+        gate.leave()  # the place skips the one that left
+        await stays
+        assert (gate.active, gate.queued) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_place_handed_over_as_its_request_went_away_is_passed_on() -> None:
+    async def scenario() -> None:
+        gate = Gate(limit=1, queue=4)
+        await gate.enter(1.0)
+        first = asyncio.create_task(gate.enter(5.0))
+        second = asyncio.create_task(gate.enter(5.0))
+        await _settle()
+        gate.leave()  # first's place is set...
+        first.cancel()  # ...and first goes away before it runs again
+        (ended,) = await asyncio.gather(first, return_exceptions=True)
+        if not isinstance(ended, BaseException):  # it kept the place after all: its to give
+            gate.leave()
+        await asyncio.wait_for(second, 1.0)  # either way the place was not lost
+        assert (gate.active, gate.queued) == (1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_more_room_admits_the_queue_at_once() -> None:
+    async def scenario() -> None:
+        gate = Gate(limit=1, queue=4)
+        await gate.enter(1.0)
+        waiting = [asyncio.create_task(gate.enter(5.0)) for _ in range(3)]
+        await _settle()
+        gate.resize(3, 4)
+        await asyncio.wait_for(asyncio.gather(*waiting[:2]), 1.0)
+        assert (gate.active, gate.queued) == (3, 1)
+        gate.leave()
+        await waiting[2]
+
+    asyncio.run(scenario())
+
+
+def test_a_sample_reports_now_and_the_time_weighted_mean_then_starts_afresh() -> None:
+    async def scenario() -> None:
+        gate = Gate(limit=2, queue=4)
+        gate.sample()  # start an interval
+        await gate.enter(1.0)
+        await gate.enter(1.0)
+        waiter = asyncio.create_task(gate.enter(5.0))
+        await asyncio.sleep(0.2)  # 3 in the gate for the whole interval, near enough
+        first = gate.sample()
+        assert (first.inflight, first.queued, first.requests) == (2, 1, 3)
+        assert 2.5 <= first.concurrency <= 3.0
+        gate.leave()
+        await waiter
+        second = gate.sample()
+        assert (second.inflight, second.queued, second.requests) == (2, 0, 0)
+
+    asyncio.run(scenario())
