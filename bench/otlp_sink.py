@@ -30,6 +30,7 @@ class Received:
     trace_id: str
     span_id: str
     parent_id: str
+    start_ns: int
     duration_s: float
 
 
@@ -52,6 +53,7 @@ class Sink(trace_service_pb2_grpc.TraceServiceServicer):
                 for span in scope_spans.spans:
                     got.append(Received(service, span.name, span.trace_id.hex(),
                                         span.span_id.hex(), span.parent_span_id.hex(),
+                                        span.start_time_unix_nano,
                                         (span.end_time_unix_nano - span.start_time_unix_nano)
                                         / 1e9))
         with self._lock:

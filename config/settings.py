@@ -344,6 +344,8 @@ class _Gateway(BaseModel):
     """Connections (and requests) the gateway serves at once; requests beyond are answered 503."""
     gateway_trusted_proxies: str = ""
     """Proxies (addresses or CIDRs, comma separated) whose X-Forwarded-* the gateway keeps."""
+    gateway_spawn_here: bool = True
+    """Carry out the spawn of a cold start in the gateway (it then calls agents); off: queued."""
 
     @field_validator("gateway_trusted_proxies")
     @classmethod

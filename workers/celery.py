@@ -120,8 +120,12 @@ class CorralTask(Task):  # type: ignore[misc]
         budget = _running.budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
         try:
             inject_fault(self.settings, self.name)
-            if threading.current_thread() is threading.main_thread() or outer is not None:
-                return super().__call__(*args, **kwargs)  # prefork and eager: Celery's own
+            if (threading.current_thread() is threading.main_thread() or outer is not None
+                    or self.request.is_eager):
+                # prefork, eager, and a first task its caller carries out itself
+                # (workers.dispatch: a gateway's cold start, whose calls have their own
+                # deadlines; a hard limit must not end the gateway): Celery's own
+                return super().__call__(*args, **kwargs)
             # A thread pool: Celery enforces no time limits there; workers.timelimits does.
             with timelimits.watch(self.name, str(self.request.id), budget.soft_s,
                                   budget.hard_s):
@@ -249,6 +253,12 @@ def _fresh_resources(**_: Any) -> None:
     get_database(get_settings().database_url).dispose()
     inflight.reset()  # the loop, its channels and clients: made anew in this process
     tracing.start("corral-worker", get_settings())  # after the fork: its own exporter
+
+
+@signals.worker_process_shutdown.connect
+def _send_spans(**_: Any) -> None:
+    """A pool process ends without running atexit: send its last spans first."""
+    tracing.flush()
 
 
 @signals.worker_init.connect

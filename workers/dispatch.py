@@ -17,17 +17,32 @@ one way of asking for work, and the maintenance tasks' way of asking for spawns 
 scales; :func:`resend` sends the first task of an operation that stopped moving again
 (:mod:`workers.maintenance.redrive`). A first task's message says when it was sent
 (:data:`workers.stages.SENT_HEADER`): its ``queue`` stage.
+
+A caller that waits for the work itself - the gateway's cold start - may have the first
+task carried out *here*, in this process (``submit(..., here=True)``): on one of
+:data:`HERE_THREADS` threads, Celery's ``apply`` runs the task as a worker would, its
+follow-up tasks queued as usual; the broker hop is saved. When those threads are all
+busy the task is queued instead. Nothing else changes: the operation was written first,
+so a process that dies mid-task leaves what a killed worker leaves (an open operation
+that redrive sends again, rows whose owner's lease lapses).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import logging
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from celery import Signature
 from sqlalchemy.orm import Session
 
 from workers import stages
+from workers.backends import inflight
 from workers.celery import app
 from workers.errors import BrokerError, CorralError
 from workers.kinds import OpKind
@@ -35,7 +50,10 @@ from workers.operations import fail_op
 from workers.store.db import Database
 from workers.store.models import Operation
 
+log = logging.getLogger(__name__)
+
 DELETE_REPLICA = "corral.delete_replica"
+HERE_THREADS = 4  # first tasks one process carries out itself at once; more are queued
 RELEASE_ORPHAN = "corral.release_orphan"
 
 # The task that carries out an operation of each kind.
@@ -91,11 +109,64 @@ def resend(kind: OpKind, op_id: str, params: dict[str, Any]) -> None:
     first_task(kind, op_id, params).apply_async(headers=stages.sent_header())
 
 
-def enqueue(db: Database, op: Operation) -> str:
-    """Queue the first task of a freshly written operation; fail the operation if we cannot."""
+class _Here:
+    """A few threads that carry out first tasks in this process (made after any fork)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self._busy = 0
+
+    def offer(self, signature: Signature) -> bool:
+        """Start ``signature`` on a free thread here (in this context); False if none is free."""
+        with self._lock:
+            if self._busy >= HERE_THREADS:
+                return False
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ThreadPoolExecutor(HERE_THREADS, thread_name_prefix="first-task")
+                self._pid, self._busy = os.getpid(), 0
+            self._busy += 1
+            pool = self._pool
+        pool.submit(contextvars.copy_context().run, self._run, signature)
+        return True
+
+    def _run(self, signature: Signature) -> None:
+        try:
+            if signature.task not in app.tasks:  # the app's include, as a worker loads it
+                app.loader.import_default_modules()
+            result = signature.apply(headers=stages.sent_header())
+            if result.failed():  # the task ended its operation failed, and said why
+                log.warning("task %s carried out here failed: %s", signature.task, result.result)
+        except Exception:  # nothing escapes a thread unseen
+            log.exception("task %s carried out here crashed", signature.task)
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+
+_here = _Here()
+
+
+def ready_here() -> None:
+    """Ahead of time, what a first task carried out here needs: the app's task modules, and
+    the event loop that sends agent calls (:mod:`workers.backends.inflight`)."""
+    if "corral.spawn" not in app.tasks:
+        app.loader.import_default_modules()
+    inflight.run(asyncio.sleep(0))
+
+
+def enqueue(db: Database, op: Operation, *, here: bool = False) -> str:
+    """Queue the first task of a freshly written operation; fail the operation if we cannot.
+
+    ``here``: carry it out in this process if a thread is free (the broker hop saved).
+    """
     op_id = op.id
     try:
-        first_task(op.kind, op_id, op.params).apply_async(headers=stages.sent_header())
+        signature = first_task(op.kind, op_id, op.params)
+        if here and _here.offer(signature):
+            return op_id
+        signature.apply_async(headers=stages.sent_header())
     except CorralError:
         raise
     except Exception as exc:  # kombu/redis raise many types when the broker is down
@@ -105,8 +176,11 @@ def enqueue(db: Database, op: Operation) -> str:
     return op_id
 
 
-def submit(db: Database, write: Callable[[Session], Operation]) -> str:
-    """Write an operation (``write``, in one transaction) and queue its first task; its id."""
+def submit(db: Database, write: Callable[[Session], Operation], *, here: bool = False) -> str:
+    """Write an operation (``write``, in one transaction) and queue its first task; its id.
+
+    ``here``: carry the task out in this process if a thread is free (:func:`enqueue`).
+    """
     with db.transaction() as s:
         op = write(s)
-    return enqueue(db, op)
+    return enqueue(db, op, here=here)

@@ -18,9 +18,12 @@ every request of the function waiting in this gateway
 request runs a :class:`workers.replicas.coldstarts.ClaimAttempt` (a cold start shared with
 every other waiter of the function, in this gateway or another; a spawn refused at the
 function's max waits for a release), and an environment another request returns
-meanwhile serves it first. It raises :class:`workers.errors.NotFound` for a function
-the store does not know and :class:`workers.replicas.claims.NoIdleReplica` when nothing
-is ready within the cold-start timeout.
+meanwhile serves it first. Between two looks at the store a waiting claim sleeps until
+it is told that a replica of its function is ready (:meth:`Ledger.wake`, on a notice:
+:mod:`workers.replicas.notices`), or for its pause at most. It raises
+:class:`workers.errors.NotFound` for a function the store does not know and
+:class:`workers.replicas.claims.NoIdleReplica` when nothing is ready within the
+cold-start timeout.
 
 :meth:`Ledger.give_back` ends a request's use of a claim: back to the pool (kept for
 ``CORRAL_GATEWAY_KEEP_S``), or to the store. :meth:`Ledger.retire` gives back a
@@ -39,6 +42,7 @@ Everything here runs on the gateway's event loop (store calls in its threads): n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -75,10 +79,14 @@ class Ledger:
         self.settings = settings
         self.background = background
         self.on_cold_start = on_cold_start
+        self.told = False  # notices of ready replicas reach wake() (the gateway listens)
         self.held: dict[str, Claimed] = {}
         self.pools: dict[str, Pool] = {}
         #: Claims cold starts brought, not yet used by a request (workers.gateway.traces).
         self.cold: dict[str, ColdStart] = {}
+        # Per function, what its claims waiting on a cold start wait on between two looks:
+        # set (and dropped) by wake(), on a notice (workers.replicas.notices).
+        self._told: dict[str, asyncio.Event] = {}
         # Claims in use that must not go back to their pool: True = release them when
         # their request ends (replica retired or unusable), False = forget them (the
         # store no longer has them).
@@ -171,12 +179,14 @@ class Ledger:
             self.db, settings, name,
             cold_start_timeout=settings.gateway_cold_start_timeout_s,
             ttl_s=settings.gateway_claim_ttl_s,
-            spawn=self._spawn, wait_at_max=True,
+            spawn=self._spawn, wait_at_max=True, tried=True, told=self.told,
         )
         cold = False
         got: Claimed | float | None = None
         try:
             while True:
+                # Made before the step: a notice that comes while it runs is not missed.
+                told = self._told.setdefault(name, asyncio.Event())
                 got = await self._step(attempt)
                 if isinstance(got, Claimed):
                     self.held[got.claim_id] = got
@@ -187,7 +197,10 @@ class Ledger:
                             self.on_cold_start(name, attempt.waited_s)
                     return got
                 cold = True
-                await asyncio.sleep(got)
+                if got > 0 and not told.is_set():
+                    with contextlib.suppress(TimeoutError):  # not told: look again anyway
+                        async with asyncio.timeout(got):
+                            await told.wait()
         finally:
             if attempt.waiting:
                 try:
@@ -215,6 +228,12 @@ class Ledger:
 
             step.add_done_callback(orphan)
             raise
+
+    def wake(self, name: str) -> None:
+        """A replica of ``name`` is ready (a notice): its waiting claims look at once."""
+        told = self._told.pop(name, None)
+        if told is not None:
+            told.set()
 
     def _adopt(self, claimed: Claimed) -> None:
         """A claim this gateway got from the store: hold it and put it in its pool."""
@@ -255,8 +274,12 @@ class Ledger:
             log.warning("gateway: could not queue the delete of %s: %s", claimed.replica_id, exc)
 
     def _spawn(self, function: str) -> str:
-        """Ask for one more replica of ``function`` (a cold start); the operation id."""
-        return dispatch.submit(self.db, partial(request_spawn, function=function, count=1))
+        """Ask for one more replica of ``function`` (a cold start); the operation id.
+
+        With ``CORRAL_GATEWAY_SPAWN_HERE`` its first task runs here, in the gateway.
+        """
+        return dispatch.submit(self.db, partial(request_spawn, function=function, count=1),
+                               here=self.settings.gateway_spawn_here)
 
     def _suspect(self, claim_id: str, reason: str) -> str | None:
         """Give the claim back, retire its replica and queue its delete; the operation id."""

@@ -61,6 +61,8 @@ from workers.gateway.ledger import Ledger
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
 from workers.gateway.traces import incoming, request_attributes
 from workers.gateway.upstream import PREFIX, BrokenOff, ReplicaFailed, Upstreams
+from workers.redis_client import redis_client
+from workers.replicas import notices
 from workers.replicas.claims import NoIdleReplica
 from workers.store.db import Database
 
@@ -71,6 +73,13 @@ __all__ = ["PREFIX", "Gateway"]
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 SWEEP_S = 5.0  # how often unused upstream clients are looked for
 WATCH_AFTER_S = 0.05  # a request running this long is watched for its client going away
+
+
+def _ready_to_spawn() -> None:
+    """Load Celery's app and the spawn task, which cold starts carry out in the gateway."""
+    from workers import dispatch  # Celery and the task modules: once, off the request path
+
+    dispatch.ready_here()
 
 
 class Gateway:
@@ -101,6 +110,12 @@ class Gateway:
         self._upkeep = [asyncio.create_task(self.ledger.maintain()),
                         asyncio.create_task(self._sweep_upstreams()),
                         asyncio.create_task(self.upstreams.watch())]
+        if self.settings.gateway_spawn_here:  # the first cold start need not load the tasks
+            self._upkeep.append(asyncio.create_task(asyncio.to_thread(_ready_to_spawn)))
+        if redis_client(self.settings.broker_url) is not None:  # told of ready replicas
+            self.ledger.told = True
+            self._upkeep.append(asyncio.create_task(
+                notices.listen(self.settings.broker_url, self.ledger.wake)))
 
     async def close(self) -> None:
         """Give back every claim held, close the clients and the store threads."""
@@ -112,6 +127,8 @@ class Gateway:
         await self.ledger.close()
         await self.upstreams.close()
         self.background.close()
+        # uvicorn ends the process with the signal it caught (no atexit): send the spans now
+        await asyncio.to_thread(tracing.flush)
 
     async def _sweep_upstreams(self) -> None:
         while True:

@@ -66,7 +66,6 @@ from workers.errors import CorralError, InputError
 from workers.fleet.gpus import manager_info
 from workers.fleet.nodes import default_name, normalize_address, upsert_node
 from workers.kinds import NodeKind
-from workers.redis_client import redis_client
 from workers.registry.identity import (
     Admission,
     Caller,
@@ -79,6 +78,7 @@ from workers.registry.identity import (
 from workers.replicas import reports
 from workers.replicas.claims import finish_oldest
 from workers.replicas.lifecycle import lock_replica, transition
+from workers.replicas.notices import Readied
 from workers.store.db import Database, get_database
 from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
 from workers.untrusted import VMID_RE
@@ -295,14 +295,17 @@ class Registry:
         return replica
 
     def _ready(self, replica_id: str, peer: str | None = None) -> int:
-        timed: stages.Ready | None = None
+        readied = Readied()
         with self.db.transaction() as s:
             # READY comes from the guest or from its node's agent
             replica = self._reported(s, replica_id, peer, node_too=True)
             if replica is None:
                 return DESTROY
             if replica.status == ReplicaState.STARTING:
+                readied.functions.add(replica.function.name)
                 timed = stages.ready(s, replica)  # the cold start's READY stage
+                if timed is not None:
+                    readied.stages.append(timed)
                 transition(s, replica, ReplicaState.IDLE, self.settings)
                 action = OK
             elif replica.status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
@@ -311,8 +314,7 @@ class Registry:
                 action = OK  # its spawn will record it; readiness=agent functions go Idle then
             else:
                 action = DESTROY  # Deleting or past its boot deadline
-        if timed is not None:
-            timed.observe(redis_client(self.settings.broker_url))
+        readied.tell(self.settings)  # claims waiting on its function: look now
         return action
 
     def _finished(self, replica_id: str, peer: str | None = None) -> int:

@@ -47,7 +47,6 @@ from workers.fleet.nodes import note_creates, probation
 from workers.fleet.placement import free_node, reserve_node
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import settle
-from workers.redis_client import redis_client
 from workers.replicas import calls
 from workers.replicas.lifecycle import (
     SETTLING,
@@ -56,6 +55,7 @@ from workers.replicas.lifecycle import (
     lock_replica,
     transition,
 )
+from workers.replicas.notices import Readied
 from workers.replicas.owners import (
     Budget,
     Pending,
@@ -300,17 +300,16 @@ def record(
     """Record VMs that came in, in one transaction; release those whose row moved or ended."""
     if not landed:
         return
-    readies: list[stages.Ready] = []
+    readied = Readied()
     with db.transaction() as s:
-        late = _arrivals(s, settings, landed, nxt, readies)
-    for got in readies:  # READYs that came before their VM was recorded
-        got.observe(redis_client(settings.broker_url))
+        late = _arrivals(s, settings, landed, nxt, readied)
+    readied.tell(settings)  # claims waiting on these functions: look now
     _release_late(settings, late)
 
 
 def _arrivals(
     s: Session, settings: Settings, landed: Sequence[tuple[Pending, backends.Vm]], nxt: Next,
-    readies: list[stages.Ready],
+    readied: Readied,
 ) -> list[tuple[Pending, backends.Vm]]:
     """Record new VMs (operations counted once each); returns those to release."""
     late = []
@@ -329,12 +328,14 @@ def _arrivals(
         stages.recorded(s, p.operation_id, p.replica_id, p.request_id)
         if arrived == ReplicaState.STARTING:
             starting[vm.vmid] = p.request_id
+        else:
+            readied.functions.add(p.function.name)
         if p.operation_id and arrived in SETTLING:
             done[p.operation_id].append(p.replica_id)
     for op_id, parts in done.items():
         settle(s, op_id, parts=parts, ok=True)
     if starting:  # guests that said READY before their VM was recorded: Idle now
-        for vmid in apply_early_reports(s, settings, starting, readies):
+        for vmid in apply_early_reports(s, settings, starting, readied):
             nxt.states[starting[vmid]] = ReplicaState.IDLE.label
     return late
 

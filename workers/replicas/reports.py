@@ -42,8 +42,8 @@ from netplumb.addresses import host_of
 from workers import stages
 from workers.clock import now
 from workers.leases import MAX_HOLDER, keyed_name, take
-from workers.redis_client import redis_client
 from workers.replicas.lifecycle import TOMBSTONE, tombstone_name, transition
+from workers.replicas.notices import Readied
 from workers.store.db import Database
 from workers.store.models import Lease, Node, Replica, ReplicaState
 
@@ -127,12 +127,12 @@ def _holder(peer: str | None, vmid: str) -> str:
 
 def apply_early_reports(
     session: Session, settings: Settings, vmids: Iterable[str],
-    readies: list[stages.Ready] | None = None,
+    readied: Readied | None = None,
 ) -> set[str]:
     """Apply the remembered READYs of just-recorded ``vmids`` (Starting -> Idle); those applied.
 
-    Each one's ``ready`` stage, if its operation timed it, goes to ``readies`` (to observe
-    once the transaction has committed: :class:`workers.stages.Ready`).
+    Their functions, and each one's ``ready`` stage if its operation timed it, go to
+    ``readied``, for the caller to tell once the transaction has committed.
     """
     names = {lease_name(v): v for v in vmids}
     if not names:
@@ -157,9 +157,11 @@ def apply_early_reports(
             log.warning("early READY for %s came from %s, not its replica or node: ignored",
                         vmid, peer)
             continue
-        got = stages.ready(session, replica, early=True)
-        if got is not None and readies is not None:
-            readies.append(got)
+        if readied is not None:
+            readied.functions.add(replica.function.name)
+            got = stages.ready(session, replica, early=True)
+            if got is not None:
+                readied.stages.append(got)
         transition(session, replica, ReplicaState.IDLE, settings)
         applied.add(vmid)
     if applied:
@@ -172,15 +174,14 @@ def apply_reports(db: Database, settings: Settings, vmids: Iterable[str]) -> set
     vmids = list(vmids)
     if not vmids:
         return set()
-    readies: list[stages.Ready] = []
+    readied = Readied()
     with db.transaction() as s:
-        apply_early_reports(s, settings, vmids, readies)
+        apply_early_reports(s, settings, vmids, readied)
         names = {lease_name(v): v for v in vmids}
         left = s.scalars(
             select(Lease.name).where(Lease.name.in_(names), Lease.expires_at > now())
         ).all()
-    for got in readies:
-        got.observe(redis_client(settings.broker_url))
+    readied.tell(settings)
     return {names[n] for n in left}
 
 

@@ -72,9 +72,13 @@ def _metric(text: str, line_start: str) -> float:
     raise AssertionError(f"no metric line {line_start!r} in:\n{text}")
 
 
-@pytest.fixture
-def data_path(thread_worker: Env, redis_url: str) -> Iterator[RunningGateway]:
-    """Registry, an agent that reports READY to it, a guest-ready function, a gateway."""
+@pytest.fixture(params=[True, False], ids=["spawned-here", "through-the-broker"])
+def data_path(request: pytest.FixtureRequest, thread_worker: Env,
+              redis_url: str) -> Iterator[RunningGateway]:
+    """Registry, an agent that reports READY to it, a guest-ready function, a gateway.
+
+    The gateway carries out its cold start's spawn itself, or sends it to the worker.
+    """
     env = thread_worker
     redis_client(redis_url).delete(stages.KEY)  # type: ignore[union-attr]
     registry = serve_registry(env.settings, "127.0.0.1:0")
@@ -88,7 +92,8 @@ def data_path(thread_worker: Env, redis_url: str) -> Iterator[RunningGateway]:
             time.sleep(0.05)
         deploy_fn(env, "traced", image="examples.hello", readiness="guest")
         gateway = serve_gateway(env.settings.model_copy(update={
-            "gateway_cold_start_timeout_s": 30.0}), "127.0.0.1:0")
+            "gateway_cold_start_timeout_s": 30.0, "gateway_spawn_here": request.param}),
+            "127.0.0.1:0")
         yield gateway
     finally:
         if gateway is not None:
@@ -98,9 +103,10 @@ def data_path(thread_worker: Env, redis_url: str) -> Iterator[RunningGateway]:
 
 
 def _check_tree(got: dict[str, ReadableSpan]) -> None:
-    """request -> claim -> publish -> task -> its stages; request -> first byte; in order."""
+    """request -> claim -> [publish ->] task -> its stages; request -> first byte; in order."""
     request, claim = got["GET /function/{name}"], got["claim"]
-    publish, task = got["apply_async/corral.spawn"], got["run/corral.spawn"]
+    task = got["run/corral.spawn"]
+    publish = got.get("apply_async/corral.spawn", claim)  # spawned here: no message
     placement, create = got["spawn.placement"], got["agent.create"]
     record, ready, first = got["spawn.record"], got["replica.ready"], got["upstream.first_byte"]
     # One trace, continuing the caller's: every span of the cold start is in it.
@@ -109,7 +115,8 @@ def _check_tree(got: dict[str, ReadableSpan]) -> None:
     assert request.attributes is not None
     assert request.attributes["http.response.status_code"] == 200
     assert _parent(claim) == request.context.span_id
-    assert _parent(publish) == claim.context.span_id
+    if publish is not claim:
+        assert _parent(publish) == claim.context.span_id and publish.kind == SpanKind.PRODUCER
     assert _parent(task) == publish.context.span_id and task.kind == SpanKind.CONSUMER
     for stage in (placement, create, record, ready):
         assert _parent(stage) == task.context.span_id, stage.name
@@ -137,10 +144,11 @@ def test_a_cold_start_is_one_trace_from_request_to_first_byte(
     answer = httpx.get(f"{data_path.url}/function/traced", timeout=60, headers={
         "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
     assert answer.status_code == 200 and answer.text == "hello from corral\n"
+    here = data_path.app.gateway.settings.gateway_spawn_here
     _check_tree(_wait_for(spans, {
-        "GET /function/{name}", "claim", "apply_async/corral.spawn", "run/corral.spawn",
-        "spawn.placement", "agent.create", "spawn.record", "replica.ready",
-        "upstream.first_byte"}))
+        "GET /function/{name}", "claim", "run/corral.spawn", "spawn.placement",
+        "agent.create", "spawn.record", "replica.ready", "upstream.first_byte",
+        *([] if here else ["apply_async/corral.spawn"])}))
 
     # The spawn's stages are stored on its operation (``corral ops OP --json``)...
     (op,) = [o for o in api.operations(settings=thread_worker.settings) if o["kind"] == "spawn"]
