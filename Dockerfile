@@ -6,6 +6,7 @@ COPY config config
 COPY tasks tasks
 COPY workers workers
 COPY agents agents
+COPY netplumb netplumb
 COPY protos protos
 COPY examples examples
 COPY stack stack
