@@ -102,6 +102,7 @@ class Gateway:
         self.bodies = Bodies(settings.gateway_max_body, settings.gateway_body_budget,
                              settings.gateway_read_timeout_s)
         self._upkeep: list[asyncio.Task[None]] = []
+        self._unlisten: Callable[[], None] = lambda: None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -112,6 +113,9 @@ class Gateway:
                         asyncio.create_task(self.upstreams.watch())]
         if self.settings.gateway_spawn_here:  # the first cold start need not load the tasks
             self._upkeep.append(asyncio.create_task(asyncio.to_thread(_ready_to_spawn)))
+        loop = asyncio.get_running_loop()
+        self._unlisten = notices.listen_here(  # spawns carried out here: told at once
+            lambda name: loop.call_soon_threadsafe(self.ledger.wake, name))
         if redis_client(self.settings.broker_url) is not None:  # told of ready replicas
             self.ledger.told = True
             self._upkeep.append(asyncio.create_task(
@@ -119,6 +123,7 @@ class Gateway:
 
     async def close(self) -> None:
         """Give back every claim held, close the clients and the store threads."""
+        self._unlisten()
         for task in self._upkeep:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

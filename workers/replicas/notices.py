@@ -11,6 +11,9 @@ applies a guest's READY, publish the function's name on the Redis channel
 :data:`CHANNEL` (the broker's server). A gateway subscribes (:func:`listen`) and wakes
 its claims waiting on that function at once (:meth:`workers.gateway.ledger.Ledger.wake`).
 
+A gateway that carries out a spawn itself (:mod:`workers.dispatch`) is also told
+directly, without the round trip through Redis (:func:`listen_here`).
+
 A notice is a hint, never the truth: the woken claim still claims through the store,
 and a notice that is lost (Redis away, a gateway that subscribed late) only means the
 claim looks again on its own schedule, as it did before notices.
@@ -38,11 +41,25 @@ log = logging.getLogger(__name__)
 
 CHANNEL = "corral:replica-ready"
 RETRY_MAX_S = 5.0  # a lost subscription is made again after at most this long
+_here: list[Callable[[str], object]] = []  # listeners in this process, told at once
+
+
+def listen_here(on_ready: Callable[[str], object]) -> Callable[[], None]:
+    """Call ``on_ready(function)`` (from any thread) for notices made in this process.
+
+    Returns the function that stops it.
+    """
+    _here.append(on_ready)
+    return lambda: _here.remove(on_ready)
 
 
 def announce(client: redis.Redis | None, functions: Iterable[str]) -> None:
-    """Tell subscribed gateways that these functions have a replica ready (quietly)."""
+    """Tell listeners (this process's, then every gateway's) that these functions have a
+    replica ready (quietly)."""
     names = sorted(set(functions))
+    for on_ready in list(_here):
+        for name in names:
+            on_ready(name)
     if client is None or not names:
         return
     try:

@@ -41,3 +41,14 @@ def test_a_notice_reaches_a_listener_and_a_lost_redis_is_quiet(redis_url: str) -
     # Redis away, or no Redis at all: nothing is raised, the waiters look on their own.
     notices.announce(redis.Redis.from_url("redis://127.0.0.1:1/0"), ["hello"])
     notices.announce(None, ["hello"])
+
+
+def test_a_listener_in_this_process_is_told_at_once_without_redis() -> None:
+    heard: list[str] = []
+    stop = notices.listen_here(heard.append)
+    try:
+        notices.announce(None, ["b", "a", "b"])  # no Redis at all
+    finally:
+        stop()
+    notices.announce(None, ["c"])  # stopped: not told
+    assert heard == ["a", "b"]
