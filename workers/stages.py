@@ -23,6 +23,9 @@ claim         the replica ready -> the waiting request's claim served           
 first_byte    claimed -> the first byte of the replica's answer passed on                  gateway
 ============  =======================================================================  ========
 
+"worker" is the spawn's task, wherever it runs: a Celery worker, or the gateway itself
+for a cold start it waits for (:mod:`workers.dispatch`, ``here``).
+
 Where they go:
 
 * a spawn operation (or a scale that spawns) stores its first replica's worker and
@@ -31,8 +34,9 @@ Where they go:
   READY's start) and, when tracing is on, ``result.trace`` (the task's span context,
   the READY span's parent);
 * every stage is observed in the histogram ``corral_cold_start_stage_seconds{stage}``:
-  the gateway's in its own ``/metrics``; the worker's and the registry's in one Redis
-  hash (:data:`KEY`) that every process adds to and ``corral metrics`` serves
+  the gateway's in its own ``/metrics``; the spawn's (wherever it ran: a worker, or the
+  gateway itself) and the registry's in one Redis hash (:data:`KEY`) that every process
+  adds to and ``corral metrics`` serves
   (:func:`histogram`), as ``corral_reaped_total`` is kept;
 * with tracing on (:mod:`workers.tracing`), each is a span too.
 
