@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from typing import Any
 
 import pytest
@@ -15,9 +16,9 @@ import redis
 from sqlalchemy import select
 
 from config.celery import ROUTES
-from tests.fixtures import Env
+from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
-from workers import dispatch
+from workers import dispatch, stages
 from workers.errors import InputError
 from workers.kinds import OpKind
 from workers.operations import create_operation
@@ -94,3 +95,32 @@ def test_resend_queues_the_first_task_again_and_deletes_go_by_name(broker_env: E
         {"task": "corral.delete_replica", "args": ["r2"], "kwargs": {}},
         {"task": "corral.release_orphan", "args": ["node1", "vm-9"], "kwargs": {}},
     ]
+
+
+def test_a_first_task_carried_out_here_needs_no_worker_and_one_with_no_thread_is_queued(
+    broker_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    start_agents(1, env=broker_env)
+    deploy_fn(broker_env)
+    op_id = dispatch.submit(broker_env.db, lambda s: request_spawn(s, "hello", 1), here=True)
+    deadline = time.monotonic() + 20
+    while True:  # carried out on a thread of this process: no worker consumes the queue
+        with broker_env.db.read() as s:
+            op = s.get(Operation, op_id)
+            assert op is not None
+            if op.status == OpStatus.SUCCEEDED:
+                break
+        assert time.monotonic() < deadline, f"the spawn did not finish here: {op.status}"
+        time.sleep(0.05)
+    assert _queued(broker_env, "corral.spawn") == []
+    # Every thread busy (none at all here): queued as any first task, saying when it was sent.
+    monkeypatch.setattr(dispatch, "HERE_THREADS", 0)
+    second = dispatch.submit(broker_env.db, lambda s: request_spawn(s, "hello", 1), here=True)
+    assert _queued(broker_env, "corral.spawn") == [
+        {"task": "corral.spawn", "args": [second], "kwargs": {}}]
+    client = redis.Redis.from_url(broker_env.settings.broker_url)
+    try:
+        headers = json.loads(client.lindex("corral.spawn", 0))["headers"]  # type: ignore[arg-type]
+    finally:
+        client.close()
+    assert isinstance(headers[stages.SENT_HEADER], float)
