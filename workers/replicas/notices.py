@@ -59,7 +59,10 @@ def announce(client: redis.Redis | None, functions: Iterable[str]) -> None:
     names = sorted(set(functions))
     for on_ready in list(_here):
         for name in names:
-            on_ready(name)
+            try:
+                on_ready(name)
+            except Exception as exc:  # a listener that went away (its loop closed)
+                log.debug("a listener here could not be told of %s: %s", name, exc)
     if client is None or not names:
         return
     try:

@@ -45,10 +45,14 @@ def test_a_notice_reaches_a_listener_and_a_lost_redis_is_quiet(redis_url: str) -
 
 def test_a_listener_in_this_process_is_told_at_once_without_redis() -> None:
     heard: list[str] = []
+    closed = asyncio.new_event_loop()
+    closed.close()
+    stop_gone = notices.listen_here(lambda name: closed.call_soon_threadsafe(print, name))
     stop = notices.listen_here(heard.append)
     try:
-        notices.announce(None, ["b", "a", "b"])  # no Redis at all
+        notices.announce(None, ["b", "a", "b"])  # no Redis; one listener's loop is closed
     finally:
         stop()
+        stop_gone()
     notices.announce(None, ["c"])  # stopped: not told
     assert heard == ["a", "b"]
