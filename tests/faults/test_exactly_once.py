@@ -122,9 +122,18 @@ def test_a_worker_killed_mid_create_leaves_no_orphan_on_seed_agents(
     second = WorkerProcess(broker_env.tmp, concurrency=2, name="second", extra_env=SHORT,
                            pool=pool)
     worker_processes.append(second.start())
-    # The agents made the VMs and their guests said READY; no row can take them (the seed
-    # protocol cannot say which request a VM is for), so the registry has them released.
+    # The agents make the VMs anyway and their guests say READY; no row can take them (the
+    # seed protocol cannot say which request a VM is for), so the registry has them released.
+    made: set[str] = set()
+
+    def all_made() -> bool:
+        made.update(vm.vmid for a in agents for vm in a.driver.list())
+        return len(made) == 6
+
+    _wait_for(all_made, 20, "the agents to finish the creates they were sent")
     _wait_for(lambda: not any(a.driver.list() for a in agents), 60, "the orphans' release")
+    released = {r.vmid for a in agents for r in a.agent.calls_of("ReleaseVMSetup")}
+    assert made <= released  # each VM went because corral released it
     assert _creates(agents) == 6, second.tail()  # the redelivery sent nothing again
     rows = replicas(broker_env)
     assert {r.status for r in rows} == {ReplicaState.CREATING}
