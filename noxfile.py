@@ -13,7 +13,15 @@ nox.options.sessions = ["lint", "types", "fast"]
 nox.options.reuse_existing_virtualenvs = True
 
 CHECKED = [
-    "config", "tasks", "workers", "stack", "agents", "netplumb", "examples", "bench", "protos",
+    "config",
+    "tasks",
+    "workers",
+    "stack",
+    "agents",
+    "netplumb",
+    "examples",
+    "bench",
+    "protos",
     "tests",
 ]
 

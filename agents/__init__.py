@@ -71,9 +71,24 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "VM", "DriverError", "Fault", "FaultPlan", "FcAgent", "GpuAgent", "ImageNotFound",
-    "LambdoAgent", "MemoryDriver", "ProcessDriver", "RunningAgent", "RunningGpus", "RunningLambdo",
-    "VMDriver", "VMSpec", "serve_fcdaemon", "serve_gpus", "serve_lambdo",
+    "VM",
+    "DriverError",
+    "Fault",
+    "FaultPlan",
+    "FcAgent",
+    "GpuAgent",
+    "ImageNotFound",
+    "LambdoAgent",
+    "MemoryDriver",
+    "ProcessDriver",
+    "RunningAgent",
+    "RunningGpus",
+    "RunningLambdo",
+    "VMDriver",
+    "VMSpec",
+    "serve_fcdaemon",
+    "serve_gpus",
+    "serve_lambdo",
 ]
 
 

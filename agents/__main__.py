@@ -14,7 +14,9 @@ from agents import fcdaemon, gpus, lambdo
 __all__ = ["AGENTS", "main"]
 
 _MAINS: dict[str, Callable[[list[str]], int]] = {
-    "fcdaemon": fcdaemon.main, "lambdo": lambdo.main, "gpus": gpus.main,
+    "fcdaemon": fcdaemon.main,
+    "lambdo": lambdo.main,
+    "gpus": gpus.main,
 }
 AGENTS = tuple(_MAINS)
 

@@ -52,9 +52,22 @@ from netplumb.addresses import is_wildcard
 from netplumb.guest_env import parse_env_args
 
 __all__ = [
-    "FAKE_PORT_RANGE", "VM", "BadSpec", "DriverError", "ImageNotFound", "MemoryDriver",
-    "PortAllocator", "ProcessDriver", "VMDriver", "VMSpec", "add_driver_arguments",
-    "check_module_name", "driver_from_args", "image_module", "parse_env_args", "resolve_command",
+    "FAKE_PORT_RANGE",
+    "VM",
+    "BadSpec",
+    "DriverError",
+    "ImageNotFound",
+    "MemoryDriver",
+    "PortAllocator",
+    "ProcessDriver",
+    "VMDriver",
+    "VMSpec",
+    "add_driver_arguments",
+    "check_module_name",
+    "driver_from_args",
+    "image_module",
+    "parse_env_args",
+    "resolve_command",
 ]
 
 log = logging.getLogger(__name__)
@@ -206,8 +219,9 @@ class PortAllocator:
         with self._lock:
             if want:
                 if not self.low <= want <= self.high:  # a caller may not pick any port of the host
-                    raise BadSpec(f"host port {want} is outside this host's range "
-                                  f"{self.low}-{self.high}")
+                    raise BadSpec(
+                        f"host port {want} is outside this host's range {self.low}-{self.high}"
+                    )
                 if want in self._claimed or not self._bindable(want):
                     raise DriverError(f"host port {want} is in use")
                 self._claimed.add(want)
@@ -348,8 +362,7 @@ def image_module(image: str, allowed: Iterable[str] = ()) -> str:
     module = name if "." in name or name in allow else f"{EXAMPLES}.{name}"
     if not module.startswith(EXAMPLES + ".") and module not in allow:
         raise ImageNotFound(
-            f"image {image!r} refused: not an examples.* module and not allowed "
-            "with --allow-image"
+            f"image {image!r} refused: not an examples.* module and not allowed with --allow-image"
         )
     try:
         found = importlib.util.find_spec(module) is not None
@@ -416,7 +429,8 @@ class ProcessDriver:
         extra = self._env.get("PYTHONPATH")  # the operator's, from the command line
         own["PYTHONPATH"] = root if not extra else root + os.pathsep + extra
         return guest_env.guest_environment(
-            spec.checked_env(), {**self._env, **spec.agent_env, **own})
+            spec.checked_env(), {**self._env, **spec.agent_env, **own}
+        )
 
     def start(self, spec: VMSpec) -> VM:
         """Allocate host ports and start the image's process on the first one."""

@@ -67,8 +67,15 @@ from netplumb.grpcserve import mark_serving, report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 
 __all__ = [
-    "DEFAULT_PORT_RANGE", "SERVICE_NAME", "FcAgent", "HogPool", "RegistryReporter", "RunningAgent",
-    "main", "serve_fcdaemon", "spec_from_request",
+    "DEFAULT_PORT_RANGE",
+    "SERVICE_NAME",
+    "FcAgent",
+    "HogPool",
+    "RegistryReporter",
+    "RunningAgent",
+    "main",
+    "serve_fcdaemon",
+    "spec_from_request",
 ]
 
 log = logging.getLogger("agents.fcdaemon")  # not __name__: also right under -m
@@ -248,7 +255,8 @@ class RegistryReporter:
         while not self._stop.is_set():
             # corral's extension: ask for a credential, then present the one issued
             request = resmngr_pb2.RegisterNodeRequest(
-                ip=self.node_ip, port=self.node_port, node_id=self.node_id)
+                ip=self.node_ip, port=self.node_port, node_id=self.node_id
+            )
             if not self.seed_only:
                 request.credential = self.credential
             try:
@@ -676,9 +684,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", help="PEM private key for --tls-cert")
     parser.add_argument(
-        "--seed-only", action="store_true",
+        "--seed-only",
+        action="store_true",
         help="speak only the seed protocol: ignore requestId, no ListReplicas (as "
-        "faas-backend's agent)")
+        "faas-backend's agent)",
+    )
     return parser
 
 

@@ -29,7 +29,12 @@ from netplumb.grpcserve import mark_serving
 from protos import gpuresc_grpc, gpuresc_pb2
 
 __all__ = [
-    "SERVICE_NAME", "GpuAgent", "RunningGpus", "main", "parse_gpus", "query_nvidia_smi",
+    "SERVICE_NAME",
+    "GpuAgent",
+    "RunningGpus",
+    "main",
+    "parse_gpus",
+    "query_nvidia_smi",
     "serve_gpus",
 ]
 

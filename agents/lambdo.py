@@ -57,7 +57,12 @@ from netplumb.addresses import split_hostport
 from netplumb.httpserve import BoundedHandler, BoundedServer
 
 __all__ = [
-    "DEFAULT_PORT_RANGE", "PATH_KINDS", "BadRequest", "LambdoAgent", "RunningLambdo", "main",
+    "DEFAULT_PORT_RANGE",
+    "PATH_KINDS",
+    "BadRequest",
+    "LambdoAgent",
+    "RunningLambdo",
+    "main",
     "serve_lambdo",
 ]
 
@@ -411,8 +416,11 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         record_call(agent.calls, kind, payload)
         if self._fault(kind):
             return
-        resp = Response.text(400, bad_json) if bad_json is not None else self._answer(
-            kind, parsed, vmid)
+        resp = (
+            Response.text(400, bad_json)
+            if bad_json is not None
+            else self._answer(kind, parsed, vmid)
+        )
         if resp.status >= 400:
             log.info(
                 "%s %s -> %d %s",

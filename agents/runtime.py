@@ -27,9 +27,18 @@ from netplumb.addresses import host_of, is_wildcard, join_hostport, split_hostpo
 from netplumb.listening import refuse_to_listen
 
 __all__ = [
-    "AgentMain", "KeyedLock", "Running", "add_common_arguments", "agent_main",
-    "configure_logging", "connect_host", "guess_node_ip", "parse_agent_args", "parse_port_range",
-    "serve_until_signalled", "until_signalled",
+    "AgentMain",
+    "KeyedLock",
+    "Running",
+    "add_common_arguments",
+    "agent_main",
+    "configure_logging",
+    "connect_host",
+    "guess_node_ip",
+    "parse_agent_args",
+    "parse_port_range",
+    "serve_until_signalled",
+    "until_signalled",
 ]
 
 

@@ -11,9 +11,13 @@ from bench import claims_reap, gateway, placement, spawn, startup
 def main() -> int:
     """Run the benchmarks; non-zero if any of them failed to run or missed its aim."""
     status = 0
-    for name, module in (("spawn", spawn), ("claims_reap", claims_reap),
-                         ("placement", placement), ("gateway", gateway),
-                         ("startup", startup)):
+    for name, module in (
+        ("spawn", spawn),
+        ("claims_reap", claims_reap),
+        ("placement", placement),
+        ("gateway", gateway),
+        ("startup", startup),
+    ):
         print(f"\n=== python -m bench.{name}", flush=True)
         status |= int(module.main([]) or 0)
     return status

@@ -40,16 +40,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served", type=int, default=32)
     args = parser.parse_args(argv)
     fast = [serve_fcdaemon("127.0.0.1:0") for _ in range(args.fast)]
-    slow = [serve_fcdaemon("127.0.0.1:0", driver=slow_driver(args.create_s),
-                           max_workers=args.served) for _ in range(args.slow)]
+    slow = [
+        serve_fcdaemon("127.0.0.1:0", driver=slow_driver(args.create_s), max_workers=args.served)
+        for _ in range(args.slow)
+    ]
     try:
-        print(json.dumps({"fast": [a.address for a in fast],
-                          "slow": [a.address for a in slow]}), flush=True)
+        print(
+            json.dumps({"fast": [a.address for a in fast], "slow": [a.address for a in slow]}),
+            flush=True,
+        )
         for line in sys.stdin:
             if line.strip() == "count":
-                print(json.dumps({"fast": sum(len(a.driver.list()) for a in fast),
-                                  "slow": sum(len(a.driver.list()) for a in slow)}),
-                      flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "fast": sum(len(a.driver.list()) for a in fast),
+                            "slow": sum(len(a.driver.list()) for a in slow),
+                        }
+                    ),
+                    flush=True,
+                )
     finally:
         for agent in fast + slow:
             agent.stop(grace=0)

@@ -58,6 +58,7 @@ AIM = 2.0
 @dataclass
 class Figures:
     """What was measured in one store."""
+
     replicas: int
     build_s: float
     claim_ms: list[float] = field(default_factory=list)
@@ -83,28 +84,70 @@ def _function_rows(fn_ids: list[str], version: str, at: datetime) -> list[dict[s
     """The benchmark's functions; the second keeps a min of 2."""
     return [
         {
-            "id": fid, "name": f"fn-{i:02d}", "backend": "fcdaemon", "image": "bench",
-            "kernel": "/boot/vmlinux", "initrd": "", "kernel_args": "", "vm_type": "osv",
-            "cpu": 1, "mem_mb": 128, "min_replicas": 2 if i == 1 else 0,
-            "max_replicas": 10_000, "labels": {}, "env": {}, "image_storage": "",
-            "inet_dev": "", "name_server": "", "build_version": version, "ports": [8080],
-            "idle_timeout_s": 600.0, "readiness": "agent", "exec_envs": 1, "gpu_mem_mb": 0,
-            "replica_count": 0, "created_at": at, "updated_at": at,
+            "id": fid,
+            "name": f"fn-{i:02d}",
+            "backend": "fcdaemon",
+            "image": "bench",
+            "kernel": "/boot/vmlinux",
+            "initrd": "",
+            "kernel_args": "",
+            "vm_type": "osv",
+            "cpu": 1,
+            "mem_mb": 128,
+            "min_replicas": 2 if i == 1 else 0,
+            "max_replicas": 10_000,
+            "labels": {},
+            "env": {},
+            "image_storage": "",
+            "inet_dev": "",
+            "name_server": "",
+            "build_version": version,
+            "ports": [8080],
+            "idle_timeout_s": 600.0,
+            "readiness": "agent",
+            "exec_envs": 1,
+            "gpu_mem_mb": 0,
+            "replica_count": 0,
+            "created_at": at,
+            "updated_at": at,
         }
         for i, fid in enumerate(fn_ids)
     ]
 
 
-def _node_rows(real_node: str, address: str, node_ids: list[str],
-               at: datetime) -> list[dict[str, Any]]:
+def _node_rows(
+    real_node: str, address: str, node_ids: list[str], at: datetime
+) -> list[dict[str, Any]]:
     """The real agent's node, then nodes nobody calls (loopback addresses all the same)."""
-    nodes = [{"id": real_node, "name": "agent", "kind": "fcdaemon", "address": address,
-              "capacity": 100_000, "live": 0, "healthy": True, "draining": False, "misses": 0,
-              "created_at": at}]
-    nodes += [{"id": nid, "name": f"node-{i:02d}", "kind": "fcdaemon",
-               "address": f"127.0.{i}.1:50051", "capacity": 100_000, "live": 0,
-               "healthy": True, "draining": False, "misses": 0, "created_at": at}
-              for i, nid in enumerate(node_ids)]
+    nodes = [
+        {
+            "id": real_node,
+            "name": "agent",
+            "kind": "fcdaemon",
+            "address": address,
+            "capacity": 100_000,
+            "live": 0,
+            "healthy": True,
+            "draining": False,
+            "misses": 0,
+            "created_at": at,
+        }
+    ]
+    nodes += [
+        {
+            "id": nid,
+            "name": f"node-{i:02d}",
+            "kind": "fcdaemon",
+            "address": f"127.0.{i}.1:50051",
+            "capacity": 100_000,
+            "live": 0,
+            "healthy": True,
+            "draining": False,
+            "misses": 0,
+            "created_at": at,
+        }
+        for i, nid in enumerate(node_ids)
+    ]
     return nodes
 
 
@@ -123,34 +166,83 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
     nodes = _node_rows(real_node, agent.address, node_ids, at)
     live: dict[str, int] = dict.fromkeys([real_node, *node_ids], 0)
     counted: dict[str, int] = dict.fromkeys(fn_ids, 0)
-    columns = ("id", "request_id", "function_id", "node_id", "status", "vmid", "address",
-               "build_version", "envs_total", "envs_in_use", "gpu_mem_mb", "created_at",
-               "updated_at", "ready_at", "last_used_at", "idle_since", "reap_at",
-               "retired_at")
+    columns = (
+        "id",
+        "request_id",
+        "function_id",
+        "node_id",
+        "status",
+        "vmid",
+        "address",
+        "build_version",
+        "envs_total",
+        "envs_in_use",
+        "gpu_mem_mb",
+        "created_at",
+        "updated_at",
+        "ready_at",
+        "last_used_at",
+        "idle_since",
+        "reap_at",
+        "retired_at",
+    )
     rows: list[tuple[Any, ...]] = []
     created, updated = _sql(at - timedelta(hours=3)), _sql(at)
     retired = _sql(at - timedelta(hours=1))
     # Timestamps drawn from a few hundred distinct values, formatted once.
-    idle_times = [(_sql(at - timedelta(seconds=sec)),
-                   _sql(at - timedelta(seconds=sec) + timedelta(seconds=600)))
-                  for sec in range(1, 501)]
+    idle_times = [
+        (
+            _sql(at - timedelta(seconds=sec)),
+            _sql(at - timedelta(seconds=sec) + timedelta(seconds=600)),
+        )
+        for sec in range(1, 501)
+    ]
     busy_times = [_sql(at - timedelta(seconds=sec)) for sec in range(0, 60)]
 
-    def row(fid: str, status: int, node: str, *, vmid: str | None = None, in_use: int = 0,  # noqa: PLR0913 - one row's columns, by name
-            used: str | None = None, since: tuple[str, str] | None = None,
-            gone: str | None = None) -> None:
+    def row(  # noqa: PLR0913 - one row's columns, by name
+        fid: str,
+        status: int,
+        node: str,
+        *,
+        vmid: str | None = None,
+        in_use: int = 0,
+        used: str | None = None,
+        since: tuple[str, str] | None = None,
+        gone: str | None = None,
+    ) -> None:
         rid = f"{rng.getrandbits(128):032x}"
-        rows.append((rid, rid, fid, node, int(status), vmid or rid, "http://127.1.0.1:8080",
-                     version, 1, in_use, 0, created, updated, created, used,
-                     since and since[0], since and since[1], gone))
+        rows.append(
+            (
+                rid,
+                rid,
+                fid,
+                node,
+                int(status),
+                vmid or rid,
+                "http://127.1.0.1:8080",
+                version,
+                1,
+                in_use,
+                0,
+                created,
+                updated,
+                created,
+                used,
+                since and since[0],
+                since and since[1],
+                gone,
+            )
+        )
         if status not in (ReplicaState.DELETED, ReplicaState.DEAD):
             live[node] += 1
         if status in COUNTED_STATES:
             counted[fid] += 1
 
     # The expired ones: Idle for two hours, on the real agent, with a VM there.
-    expired_at = (_sql(at - timedelta(hours=2)),
-                  _sql(at - timedelta(hours=2) + timedelta(seconds=600)))
+    expired_at = (
+        _sql(at - timedelta(hours=2)),
+        _sql(at - timedelta(hours=2) + timedelta(seconds=600)),
+    )
     for _ in range(expired):
         vm = agent.driver.start(VMSpec(image="bench"))
         row(fn_ids[1], ReplicaState.IDLE, real_node, vmid=vm.vmid, since=expired_at)
@@ -171,13 +263,17 @@ def build(url: str, size: int, expired: int, agent: Any, seed: int = 11) -> tupl
     return db, settings
 
 
-def _insert(db: Database, functions: list[dict[str, Any]], nodes: list[dict[str, Any]],  # noqa: PLR0913 - the fleet's tables, written at once
-            columns: tuple[str, ...], rows: list[tuple[Any, ...]], live: dict[str, int],
-            counted: dict[str, int]) -> None:
+def _insert(  # noqa: PLR0913 - the fleet's tables, written at once
+    db: Database,
+    functions: list[dict[str, Any]],
+    nodes: list[dict[str, Any]],
+    columns: tuple[str, ...],
+    rows: list[tuple[Any, ...]],
+    live: dict[str, int],
+    counted: dict[str, int],
+) -> None:
     """Write the rows in one transaction, and the counters that go with them."""
-    functions_t, nodes_t, replicas_t = (
-        cast(Table, m.__table__) for m in (Function, Node, Replica)
-    )
+    functions_t, nodes_t, replicas_t = (cast(Table, m.__table__) for m in (Function, Node, Replica))
     with db.engine.begin() as conn:
         conn.execute(insert(functions_t), functions)
         conn.execute(insert(nodes_t), nodes)
@@ -197,9 +293,7 @@ def _insert(db: Database, functions: list[dict[str, Any]], nodes: list[dict[str,
         for nid, n in live.items():
             conn.execute(update(nodes_t).where(Node.id == nid).values(live=n))
         for fid, n in counted.items():
-            conn.execute(
-                update(functions_t).where(Function.id == fid).values(replica_count=n)
-            )
+            conn.execute(update(functions_t).where(Function.id == fid).values(replica_count=n))
 
 
 def measure(db: Any, settings: Any, claims: int, agent: Any) -> Figures:
@@ -229,10 +323,14 @@ def measure(db: Any, settings: Any, claims: int, agent: Any) -> Figures:
 
 def main(argv: list[str] | None = None) -> int:
     """Build the stores, measure, print the table and the ratios."""
-    parser = argparse.ArgumentParser(prog="python -m bench.claims_reap", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs=2, default=[1_000, 100_000],
-                        metavar=("SMALL", "LARGE"))
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.claims_reap",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--sizes", type=int, nargs=2, default=[1_000, 100_000], metavar=("SMALL", "LARGE")
+    )
     parser.add_argument("--claims", type=int, default=200)
     parser.add_argument("--expired", type=int, default=100)
     args = parser.parse_args(argv)
@@ -244,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for size in args.sizes:
             t0 = time.perf_counter()
-            db, settings = build(f"sqlite:///{tmp / f'r{size}.sqlite'}", size, args.expired,
-                                 agent)
+            db, settings = build(f"sqlite:///{tmp / f'r{size}.sqlite'}", size, args.expired, agent)
             build_s = time.perf_counter() - t0
             figures = measure(db, settings, args.claims, agent)
             figures.replicas, figures.build_s = size, build_s
@@ -256,19 +353,25 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     print("claims and reaper on SQLite; releases are real ReleaseVMSetup RPCs to a reference")
-    print("fcdaemon agent (MemoryDriver) on loopback; one reap pass deletes the same "
-          f"{args.expired} expired replicas in each store\n")
-    head = (f"{'replicas':>9}  {'build':>6}  {'claim p50':>9}  {'claim p99':>9}  "
-            f"{'release p50':>11}  {'release p99':>11}  {'reap pass':>9}  {'select':>7}  "
-            f"{'RPCs':>7}  {'finish':>7}  {'deleted':>7}")
+    print(
+        "fcdaemon agent (MemoryDriver) on loopback; one reap pass deletes the same "
+        f"{args.expired} expired replicas in each store\n"
+    )
+    head = (
+        f"{'replicas':>9}  {'build':>6}  {'claim p50':>9}  {'claim p99':>9}  "
+        f"{'release p50':>11}  {'release p99':>11}  {'reap pass':>9}  {'select':>7}  "
+        f"{'RPCs':>7}  {'finish':>7}  {'deleted':>7}"
+    )
     print(head)
     print("-" * len(head))
     for f in results.values():
-        print(f"{f.replicas:>9,}  {f.build_s:>5.1f}s  {statistics.median(f.claim_ms):>7.2f}ms  "
-              f"{_pct(f.claim_ms, 0.99):>7.2f}ms  {statistics.median(f.release_ms):>9.2f}ms  "
-              f"{_pct(f.release_ms, 0.99):>9.2f}ms  {f.reap['pass_s'] * 1000:>7.1f}ms  "
-              f"{f.reap['select_s'] * 1000:>5.1f}ms  {f.reap['release_s'] * 1000:>5.1f}ms  "
-              f"{f.reap['finish_s'] * 1000:>5.1f}ms  {f.deleted:>4}/{f.rpcs}")
+        print(
+            f"{f.replicas:>9,}  {f.build_s:>5.1f}s  {statistics.median(f.claim_ms):>7.2f}ms  "
+            f"{_pct(f.claim_ms, 0.99):>7.2f}ms  {statistics.median(f.release_ms):>9.2f}ms  "
+            f"{_pct(f.release_ms, 0.99):>9.2f}ms  {f.reap['pass_s'] * 1000:>7.1f}ms  "
+            f"{f.reap['select_s'] * 1000:>5.1f}ms  {f.reap['release_s'] * 1000:>5.1f}ms  "
+            f"{f.reap['finish_s'] * 1000:>5.1f}ms  {f.deleted:>4}/{f.rpcs}"
+        )
     small, large = (results[s] for s in args.sizes)
     ratios = {
         "claim p50": statistics.median(large.claim_ms) / statistics.median(small.claim_ms),

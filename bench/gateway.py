@@ -129,8 +129,7 @@ async def _load(urls: list[str], n: int, concurrency: int) -> Run:
     for url in urls:
         parts = urlsplit(url)
         pools[url] = http1.Pool(f"http://{parts.netloc}", 5.0)
-        heads[url] = (f"GET {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n"
-                      .encode())
+        heads[url] = f"GET {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode()
     latencies: list[float] = []
     errors = 0
     left = n
@@ -181,9 +180,11 @@ class CpuMeter:
                 total += times.user + times.system
             return total
 
-        return {"gateway": cpu([self.gateway]),
-                "replicas": cpu(self.agent.children(recursive=True)),
-                "client": time.process_time()}
+        return {
+            "gateway": cpu([self.gateway]),
+            "replicas": cpu(self.agent.children(recursive=True)),
+            "client": time.process_time(),
+        }
 
     def measure(self, run: Callable[[], Run | None]) -> Run | None:
         """Run ``run`` and attach each group's CPU microseconds a request."""
@@ -213,15 +214,20 @@ def _wrk(url: str, connections: int, seconds: int) -> Run | None:
     if wrk is None:
         return None
     threads = max(1, min(2, connections))
-    out = subprocess.run([wrk, f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency",
-                          url], capture_output=True, text=True, timeout=seconds + 30,
-                         check=True).stdout
-    pct = {m[0]: float(m[1]) * _WRK_UNITS[m[2]]
-           for m in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)}
+    out = subprocess.run(
+        [wrk, f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency", url],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 30,
+        check=True,
+    ).stdout
+    pct = {
+        m[0]: float(m[1]) * _WRK_UNITS[m[2]]
+        for m in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+    }
     rps = re.search(r"^Requests/sec:\s+([\d.]+)", out, re.M)
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
-    errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)",
-                     out)
+    errs = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     if rps is None or "50" not in pct or "99" not in pct:
         raise RuntimeError(f"cannot read wrk's output:\n{out}")
     errors = (int(bad[1]) if bad else 0) + (sum(int(x) for x in errs.groups()) if errs else 0)
@@ -245,9 +251,16 @@ def _listening(host: str, port: int, timeout: float = 30.0) -> None:
 def _agent_create_time(stub: Any, i: int) -> float:
     """One CreateReplica straight to the agent, timed until its replica answers HTTP."""
     t0 = time.perf_counter()
-    reply = stub.CreateReplica(fcdaemon_pb2.CreateRequest(
-        kernelImagePath="/boot/vmlinux", imageName="examples.hello", numReplica=1,
-        cpu=1, mem=128), timeout=30)
+    reply = stub.CreateReplica(
+        fcdaemon_pb2.CreateRequest(
+            kernelImagePath="/boot/vmlinux",
+            imageName="examples.hello",
+            numReplica=1,
+            cpu=1,
+            mem=128,
+        ),
+        timeout=30,
+    )
     if not reply.port:  # the reference agent's extension: the replica's HTTP port
         raise RuntimeError(f"CreateReply without a port (call {i})")
     _listening(reply.ip, reply.port)
@@ -278,42 +291,68 @@ def _cold_and_create(gateway: str, agent: str, n: int) -> tuple[list[float], lis
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_counts(parser, {
-        "-n": (3000, "requests per warm run"),
-        "--concurrency": (16, "connections of the second warm runs (the first: one)"),
-        "--seconds": (5, "seconds per wrk run"),
-        "--replicas": (4, "warm replicas"),
-        "--envs": (4, "environments per warm replica"),
-        "--cold": (20, "cold starts measured"),
-    })
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_counts(
+        parser,
+        {
+            "-n": (3000, "requests per warm run"),
+            "--concurrency": (16, "connections of the second warm runs (the first: one)"),
+            "--seconds": (5, "seconds per wrk run"),
+            "--replicas": (4, "warm replicas"),
+            "--envs": (4, "environments per warm replica"),
+            "--cold": (20, "cold starts measured"),
+        },
+    )
     add_store_option(parser)
-    parser.add_argument("--cold-only", action="store_true",
-                        help="skip the warm runs: cold starts and their stages only")
-    parser.add_argument("--broker-hop", action="store_true",
-                        help="cold starts' spawns go through the broker to the worker "
-                             "(CORRAL_GATEWAY_SPAWN_HERE=0), as before they ran in the gateway")
-    parser.add_argument("--otlp", action="store_true",
-                        help="tracing on: every process sends its spans to a loopback OTLP sink "
-                             "(bench.otlp_sink), to measure what tracing costs")
+    parser.add_argument(
+        "--cold-only",
+        action="store_true",
+        help="skip the warm runs: cold starts and their stages only",
+    )
+    parser.add_argument(
+        "--broker-hop",
+        action="store_true",
+        help="cold starts' spawns go through the broker to the worker "
+        "(CORRAL_GATEWAY_SPAWN_HERE=0), as before they ran in the gateway",
+    )
+    parser.add_argument(
+        "--otlp",
+        action="store_true",
+        help="tracing on: every process sends its spans to a loopback OTLP sink "
+        "(bench.otlp_sink), to measure what tracing costs",
+    )
     return parser.parse_args(argv)
 
 
-def _warm_runs(args: argparse.Namespace, meter: CpuMeter, addresses: list[str],
-               through: str) -> list[tuple[str, int, Run | None, Run | None]]:
+def _warm_runs(
+    args: argparse.Namespace, meter: CpuMeter, addresses: list[str], through: str
+) -> list[tuple[str, int, Run | None, Run | None]]:
     """Direct and through the gateway: our client, then wrk, at 1 and N connections."""
     warm: list[tuple[str, int, Run | None, Run | None]] = []
     if args.cold_only:
         return warm
     for conns in (1, args.concurrency):
-        warm.append(("client", conns,
-                     meter.measure(functools.partial(_run_load, addresses, args.n, conns)),
-                     meter.measure(functools.partial(_run_load, [through], args.n, conns))))
+        warm.append(
+            (
+                "client",
+                conns,
+                meter.measure(functools.partial(_run_load, addresses, args.n, conns)),
+                meter.measure(functools.partial(_run_load, [through], args.n, conns)),
+            )
+        )
     for conns in (1, args.concurrency):
-        warm.append(("wrk", conns,
-                     meter.measure(functools.partial(_wrk, addresses[0], conns, args.seconds)),
-                     meter.measure(functools.partial(_wrk, through, conns, args.seconds))))
+        warm.append(
+            (
+                "wrk",
+                conns,
+                meter.measure(functools.partial(_wrk, addresses[0], conns, args.seconds)),
+                meter.measure(functools.partial(_wrk, through, conns, args.seconds)),
+            )
+        )
     return warm
 
 
@@ -323,11 +362,14 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))
     redis_port = free_port()
     db_url, pg_server = store_for(args, tmp)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
-           "CORRAL_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
-           "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",
-           "CORRAL_DATABASE_URL": db_url,
-           "CORRAL_STATE_DIR": str(tmp / "state"), "PYTHONPATH": str(ROOT)}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
+        "CORRAL_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
+        "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",
+        "CORRAL_DATABASE_URL": db_url,
+        "CORRAL_STATE_DIR": str(tmp / "state"),
+        "PYTHONPATH": str(ROOT),
+    }
     if args.broker_hop:
         env["CORRAL_GATEWAY_SPAWN_HERE"] = "0"
     sink = otlp_sink.serve(keep=0) if args.otlp else None
@@ -340,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def start(name: str, argv: list[str]) -> None:
         log = (tmp / f"{name}.log").open("wb")
-        procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        )
 
     try:
         start("redis", redis_argv(tmp, redis_port))
@@ -349,13 +392,42 @@ def main(argv: list[str] | None = None) -> int:
         upgrade(db)
         agent_port, gw_port = _free_port(), _free_port()
         py = sys.executable
-        start("agent", [py, "-m", "agents.fcdaemon", "--listen", f"127.0.0.1:{agent_port}",
-                        "--driver", "process", "--log-level", "WARNING"])
-        start("worker", [py, "-m", "celery", "-A", "workers", "worker", "-P", "prefork", "-c",
-                         "2", "-l", "WARNING", "--without-gossip", "--without-mingle", "-Q",
-                         ",".join(QUEUES)])
-        start("gateway", [py, "-m", "tasks.cli", "gateway", "--listen",
-                          f"127.0.0.1:{gw_port}"])
+        start(
+            "agent",
+            [
+                py,
+                "-m",
+                "agents.fcdaemon",
+                "--listen",
+                f"127.0.0.1:{agent_port}",
+                "--driver",
+                "process",
+                "--log-level",
+                "WARNING",
+            ],
+        )
+        start(
+            "worker",
+            [
+                py,
+                "-m",
+                "celery",
+                "-A",
+                "workers",
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                "2",
+                "-l",
+                "WARNING",
+                "--without-gossip",
+                "--without-mingle",
+                "-Q",
+                ",".join(QUEUES),
+            ],
+        )
+        start("gateway", [py, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{gw_port}"])
         gateway = f"http://127.0.0.1:{gw_port}"
         _wait_http(gateway + "/healthz")
         addresses = _warm_replicas(args, db, agent_port)
@@ -386,11 +458,23 @@ def _warm_replicas(args: argparse.Namespace, db: Any, agent_port: int) -> list[s
     settings = get_settings()
     with db.transaction() as s:
         upsert_node(s, f"127.0.0.1:{agent_port}", name="bench-agent", capacity=1000)
-        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/boot/vmlinux",
-                            max=args.replicas, exec_envs=args.envs), settings)
+        deploy(
+            s,
+            spec_from(
+                name="hello",
+                image="examples.hello",
+                kernel="/boot/vmlinux",
+                max=args.replicas,
+                exec_envs=args.envs,
+            ),
+            settings,
+        )
         for name in ["warm-up", *(f"cold-{i}" for i in range(args.cold))]:
-            deploy(s, spec_from(name=name, image="examples.hello",
-                                kernel="/boot/vmlinux", max=1), settings)
+            deploy(
+                s,
+                spec_from(name=name, image="examples.hello", kernel="/boot/vmlinux", max=1),
+                settings,
+            )
     view = api.wait(api.spawn("hello", args.replicas), timeout=120)
     if view["status"] != "succeeded":
         raise RuntimeError(f"warm replicas did not start: {view}")
@@ -411,55 +495,87 @@ def _cold_start(gateway: str, name: str) -> float:
     return took
 
 
-def _report(args: Any, warm: list[tuple[str, int, Run | None, Run | None]],
-            create: list[float], cold: list[float]) -> None:
+def _report(
+    args: Any,
+    warm: list[tuple[str, int, Run | None, Run | None]],
+    create: list[float],
+    cold: list[float],
+) -> None:
     ms = 1000.0
-    print(f"gateway benchmark: {args.n} GETs per warm run (wrk: {args.seconds} s), "
-          f"{args.replicas} warm replicas x {args.envs} environments (examples.hello), "
-          f"{args.cold} cold starts; {'PostgreSQL' if args.postgres is not None else 'SQLite'} "
-          f"store, one gateway process; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"gateway benchmark: {args.n} GETs per warm run (wrk: {args.seconds} s), "
+        f"{args.replicas} warm replicas x {args.envs} environments (examples.hello), "
+        f"{args.cold} cold starts; {'PostgreSQL' if args.postgres is not None else 'SQLite'} "
+        f"store, one gateway process; load average {os.getloadavg()[0]:.2f}"
+    )
     for tool, conns, direct, through in warm:
         if direct is None or through is None:
             print(f"  [{tool}, {conns} conn] skipped: wrk is not installed (apt-get install wrk)")
             continue
-        print(f"  [{tool}, {conns} conn] direct  {direct.rps:8.0f} req/s   p50 "
-              f"{direct.p50 * ms:7.2f} ms   p99 {direct.p99 * ms:7.2f} ms   errors {direct.errors}")
-        print(f"  [{tool}, {conns} conn] gateway {through.rps:8.0f} req/s   p50 "
-              f"{through.p50 * ms:7.2f} ms   p99 {through.p99 * ms:7.2f} ms   errors "
-              f"{through.errors}")
+        print(
+            f"  [{tool}, {conns} conn] direct  {direct.rps:8.0f} req/s   p50 "
+            f"{direct.p50 * ms:7.2f} ms   p99 {direct.p99 * ms:7.2f} ms   errors {direct.errors}"
+        )
+        print(
+            f"  [{tool}, {conns} conn] gateway {through.rps:8.0f} req/s   p50 "
+            f"{through.p50 * ms:7.2f} ms   p99 {through.p99 * ms:7.2f} ms   errors "
+            f"{through.errors}"
+        )
         if through.cpu_us and direct.cpu_us:
             cpu = through.cpu_us
-            print(f"  [{tool}, {conns} conn] CPU a request: gateway {cpu['gateway']:5.0f} us, "
-                  f"replicas {cpu['replicas']:4.0f} us (direct {direct.cpu_us['replicas']:4.0f})"
-                  + (f", client {cpu['client']:4.0f} us (direct {direct.cpu_us['client']:4.0f})"
-                     if tool == "client" else ""))
+            print(
+                f"  [{tool}, {conns} conn] CPU a request: gateway {cpu['gateway']:5.0f} us, "
+                f"replicas {cpu['replicas']:4.0f} us (direct {direct.cpu_us['replicas']:4.0f})"
+                + (
+                    f", client {cpu['client']:4.0f} us (direct {direct.cpu_us['client']:4.0f})"
+                    if tool == "client"
+                    else ""
+                )
+            )
         added = (through.p50 - direct.p50) * ms
         ratio = through.rps / direct.rps
-        aim = (f"added p50 aim <= 2 ms: {'met' if added <= 2 else 'MISSED'}" if conns == 1
-               else f"ratio aim >= 0.8: {'met' if ratio >= 0.8 else 'MISSED'}")
-        print(f"  [{tool}, {conns} conn] gateway adds p50 {added:6.2f} ms, p99 "
-              f"{(through.p99 - direct.p99) * ms:6.2f} ms; ratio {ratio:.2f} ({aim})")
+        aim = (
+            f"added p50 aim <= 2 ms: {'met' if added <= 2 else 'MISSED'}"
+            if conns == 1
+            else f"ratio aim >= 0.8: {'met' if ratio >= 0.8 else 'MISSED'}"
+        )
+        print(
+            f"  [{tool}, {conns} conn] gateway adds p50 {added:6.2f} ms, p99 "
+            f"{(through.p99 - direct.p99) * ms:6.2f} ms; ratio {ratio:.2f} ({aim})"
+        )
     c50, c99 = statistics.median(cold) * ms, _pct(cold, 0.99) * ms
     a50, a99 = statistics.median(create) * ms, _pct(create, 0.99) * ms
     print(f"  agent create+ready p50 {a50:7.1f} ms   p99 {a99:7.1f} ms")
     print(f"  cold start (gw)    p50 {c50:7.1f} ms   p99 {c99:7.1f} ms")
     m50, m99 = c50 - a50, c99 - a99
-    print(f"  cold start minus agent create   p50 {m50:7.1f} ms   p99 {m99:7.1f} ms "
-          f"(aims <= 20 and <= 50 ms: {'met' if m50 <= 20 else 'MISSED'}, "
-          f"{'met' if m99 <= 50 else 'MISSED'})")
+    print(
+        f"  cold start minus agent create   p50 {m50:7.1f} ms   p99 {m99:7.1f} ms "
+        f"(aims <= 20 and <= 50 ms: {'met' if m50 <= 20 else 'MISSED'}, "
+        f"{'met' if m99 <= 50 else 'MISSED'})"
+    )
     pairs = [c - a for c, a in zip(cold, create, strict=True)]
-    print(f"  each cold start minus the create before it   p50 "
-          f"{statistics.median(pairs) * ms:7.1f} ms   p99 {_pct(pairs, 0.99) * ms:7.1f} ms   "
-          f"max {max(pairs) * ms:7.1f} ms")
+    print(
+        f"  each cold start minus the create before it   p50 "
+        f"{statistics.median(pairs) * ms:7.1f} ms   p99 {_pct(pairs, 0.99) * ms:7.1f} ms   "
+        f"max {max(pairs) * ms:7.1f} ms"
+    )
 
 
 def _report_stages(db: Any, gateway: str, cold: list[float]) -> None:
     """Where the cold starts' time went: each stage's p50 / p99 (workers.stages)."""
     with db.read() as s:
-        stored = [op.result["stages"] for op in s.scalars(select(Operation).where(
-            Operation.kind == "spawn", Operation.function_id.in_(
-                select(Function.id).where(Function.name.like("cold-%")))))
-            if op.result and isinstance(op.result.get("stages"), dict)]
+        stored = [
+            op.result["stages"]
+            for op in s.scalars(
+                select(Operation).where(
+                    Operation.kind == "spawn",
+                    Operation.function_id.in_(
+                        select(Function.id).where(Function.name.like("cold-%"))
+                    ),
+                )
+            )
+            if op.result and isinstance(op.result.get("stages"), dict)
+        ]
     text = httpx.get(f"{gateway}/metrics", timeout=10).text
     means = {}
     for stage in ("ask", "claim", "first_byte"):
@@ -468,21 +584,26 @@ def _report_stages(db: Any, gateway: str, cold: list[float]) -> None:
         if total and count and float(count[1]):
             means[stage] = float(total[1]) / float(count[1])
     ms = 1000.0
-    print(f"  cold-start stages ({len(stored)} spawns stored theirs; the gateway's: means "
-          "over its histogram):")
+    print(
+        f"  cold-start stages ({len(stored)} spawns stored theirs; the gateway's: means "
+        "over its histogram):"
+    )
     parts = []
     for stage in stages.STAGES:
         values = [float(v[stage]) for v in stored if stage in v]
         if values:
-            parts.append(f"{stage} {statistics.median(values) * ms:.1f}/"
-                         f"{_pct(values, 0.99) * ms:.1f}")
+            parts.append(
+                f"{stage} {statistics.median(values) * ms:.1f}/{_pct(values, 0.99) * ms:.1f}"
+            )
         elif stage in means:
             parts.append(f"{stage} ~{means[stage] * ms:.1f}")
     print("    " + ", ".join(parts) + " ms (p50/p99)")
     worker = [sum(float(x) for x in v.values()) for v in stored]
     if worker and cold:
-        print(f"    cold start p50 {statistics.median(cold) * ms:.1f} ms, of which worker and "
-              f"registry stages p50 {statistics.median(worker) * ms:.1f} ms")
+        print(
+            f"    cold start p50 {statistics.median(cold) * ms:.1f} ms, of which worker and "
+            f"registry stages p50 {statistics.median(worker) * ms:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -108,8 +108,7 @@ def mean_gap(rng: random.Random) -> float:
     the busiest are capped at 2 a minute (every policy keeps those warm anyway).
     """
     u = rng.random()
-    lo, hi = ((30.0, 60.0) if u < 0.19 else (60.0, 3600.0) if u < 0.55
-              else (3600.0, 2 * DAY))
+    lo, hi = (30.0, 60.0) if u < 0.19 else (60.0, 3600.0) if u < 0.55 else (3600.0, 2 * DAY)
     return math.exp(rng.uniform(math.log(lo), math.log(hi)))
 
 
@@ -118,9 +117,12 @@ def _timer(rng: random.Random, horizon: float, gap: float) -> list[float]:
     period = 60.0 * min(TIMER_PERIODS_MIN, key=lambda m: abs(math.log(60.0 * m / gap)))
     start = rng.uniform(0, period)
     sigma = 2.0 + 0.005 * period
-    return [t for k in range(int((horizon - start) // period) + 1)
-            if rng.random() >= 0.02
-            and 0 <= (t := start + k * period + abs(rng.gauss(0, sigma))) < horizon]
+    return [
+        t
+        for k in range(int((horizon - start) // period) + 1)
+        if rng.random() >= 0.02
+        and 0 <= (t := start + k * period + abs(rng.gauss(0, sigma))) < horizon
+    ]
 
 
 def _poisson(rng: random.Random, horizon: float, gap: float) -> list[float]:
@@ -217,8 +219,9 @@ class Outcome:
 class Replay:
     """One application replayed under one policy, pass by pass where passes matter."""
 
-    def __init__(self, policy: Policy, shape: Shape, cadence: Cadence, phase: float,
-                 horizon: float) -> None:
+    def __init__(
+        self, policy: Policy, shape: Shape, cadence: Cadence, phase: float, horizon: float
+    ) -> None:
         self.policy, self.shape, self.cadence = policy, shape, cadence
         self.phase, self.horizon = phase, horizon
         self.hist = IdleHistogram.empty(shape.bin_s, shape.range_s)
@@ -300,8 +303,9 @@ class Replay:
         plan = self._plan()
         if plan is None or plan.last is None or plan.windows.keep_s is None:
             return None
-        tick = self._next_tick(max(now, plan.last + plan.windows.prewarm_s),
-                               self.cadence.autoscale_s)
+        tick = self._next_tick(
+            max(now, plan.last + plan.windows.prewarm_s), self.cadence.autoscale_s
+        )
         if tick < until and plan.warm(tick):
             return tick
         return None
@@ -359,17 +363,27 @@ class Figures:
         return sum(o.idle_s for o in outcomes) / 3600
 
 
-def replay_all(apps: Sequence[App], policies: Sequence[Policy], shape: Shape,  # noqa: PLR0913 - the replay's inputs, by name
-               cadence: Cadence, horizon: float, seed: int) -> list[Figures]:
+def replay_all(  # noqa: PLR0913 - the replay's inputs, by name
+    apps: Sequence[App],
+    policies: Sequence[Policy],
+    shape: Shape,
+    cadence: Cadence,
+    horizon: float,
+    seed: int,
+) -> list[Figures]:
     """Every application under every policy."""
     rng = random.Random(seed + 1)
     phases = {a.name: rng.random() for a in apps}
-    return [Figures(p.label, {a.name: Replay(p, shape, cadence, phases[a.name], horizon)
-                              .run(a.calls) for a in apps}) for p in policies]
+    return [
+        Figures(
+            p.label,
+            {a.name: Replay(p, shape, cadence, phases[a.name], horizon).run(a.calls) for a in apps},
+        )
+        for p in policies
+    ]
 
 
-def report(apps: Sequence[App], figures: Sequence[Figures], days: float,
-           elapsed: float) -> str:
+def report(apps: Sequence[App], figures: Sequence[Figures], days: float, elapsed: float) -> str:
     """The figures as text."""
     calls = sum(len(a.calls) for a in apps)
     gaps = [a.mean_gap_s for a in apps]
@@ -391,14 +405,21 @@ def report(apps: Sequence[App], figures: Sequence[Figures], days: float,
         lines.append(
             f"{f.policy:<16}{Figures.p75_cold(every):>15.1f}%"
             f"{cold:>12,} ({100 * cold / calls:4.1f}%)"
-            f"{idle:>16,.1f}{100 * idle / Figures.idle_hours(base.select(apps)):>19.0f}%")
-    groups: list[tuple[str, list[App]]] = [(k, [a for a in apps if a.kind == k])
-                                           for k, _ in KINDS]
-    groups += [(band, [a for a in apps if low <= a.mean_gap_s
-                       and (a.mean_gap_s < high or high == math.inf)])
-               for band, low, high in BANDS]
-    lines += ["", "by kind of application, and by how often it is called: "
-              "cold starts p75 / idle replica-hours"]
+            f"{idle:>16,.1f}{100 * idle / Figures.idle_hours(base.select(apps)):>19.0f}%"
+        )
+    groups: list[tuple[str, list[App]]] = [(k, [a for a in apps if a.kind == k]) for k, _ in KINDS]
+    groups += [
+        (
+            band,
+            [a for a in apps if low <= a.mean_gap_s and (a.mean_gap_s < high or high == math.inf)],
+        )
+        for band, low, high in BANDS
+    ]
+    lines += [
+        "",
+        "by kind of application, and by how often it is called: "
+        "cold starts p75 / idle replica-hours",
+    ]
     header = f"{'':<14}{'apps':>6}"
     for f in figures:
         header += f"{f.policy:>26}"
@@ -415,9 +436,12 @@ def report(apps: Sequence[App], figures: Sequence[Figures], days: float,
         for mode, n in o.modes.items():
             modes[mode] = modes.get(mode, 0) + n
     total = sum(modes.values()) or 1
-    lines += ["", f"{figures[-1].policy}: reaper decisions by mode "
-              + ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in sorted(modes.items()))
-              + f"; pre-warms {sum(o.prewarms for o in adaptive):,}"]
+    lines += [
+        "",
+        f"{figures[-1].policy}: reaper decisions by mode "
+        + ", ".join(f"{m} {100 * n / total:.0f}%" for m, n in sorted(modes.items()))
+        + f"; pre-warms {sum(o.prewarms for o in adaptive):,}",
+    ]
     return "\n".join(lines)
 
 
@@ -429,20 +453,27 @@ def plot(figures: Sequence[Figures], apps: Sequence[App], path: Path) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return (f"no plot: matplotlib is not installed (pip install -e '.[bench]'); "
-                f"{path} not written")
+        return (
+            f"no plot: matplotlib is not installed (pip install -e '.[bench]'); {path} not written"
+        )
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     base = Figures.idle_hours(figures[0].select(apps))
     calls = sum(len(a.calls) for a in apps)
     idle = [100 * Figures.idle_hours(f.select(apps)) / base for f in figures]
     p75 = [Figures.p75_cold(f.select(apps)) for f in figures]
     every = [100 * sum(o.cold for o in f.select(apps)) / calls for f in figures]
-    for ax, cold, label in ((axes[0], p75, "cold starts, 75th percentile of applications (%)"),
-                            (axes[1], every, "cold starts, all invocations (%)")):
+    for ax, cold, label in (
+        (axes[0], p75, "cold starts, 75th percentile of applications (%)"),
+        (axes[1], every, "cold starts, all invocations (%)"),
+    ):
         for i, f in enumerate(figures):
             ax.scatter([idle[i]], [cold[i]], s=60)
-            ax.annotate(f.policy, (idle[i], cold[i]), textcoords="offset points",
-                        xytext=(8, 8 if i % 2 == 0 else -14))
+            ax.annotate(
+                f.policy,
+                (idle[i], cold[i]),
+                textcoords="offset points",
+                xytext=(8, 8 if i % 2 == 0 else -14),
+            )
         ax.set_xlabel(f"idle replica-time (% of {figures[0].policy})")
         ax.set_ylabel(label)
         ax.set_xlim(0, 1.35 * max(idle))
@@ -457,15 +488,24 @@ def plot(figures: Sequence[Figures], apps: Sequence[App], path: Path) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Replay the trace under the three policies and print the figures."""
-    parser = argparse.ArgumentParser(prog="python -m bench.keepalive", description=__doc__
-                                     .split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.keepalive", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     parser.add_argument("--apps", type=int, default=400, help="applications (default 400)")
     parser.add_argument("--days", type=float, default=7.0, help="days of trace (default 7)")
     parser.add_argument("--seed", type=int, default=2020, help="the trace's seed (default 2020)")
-    parser.add_argument("--boot", type=float, default=2.0,
-                        help="seconds from asking for a replica to it being ready (default 2)")
-    parser.add_argument("--plot", type=Path, metavar="PNG",
-                        help="write cold starts against idle time as a PNG (needs matplotlib)")
+    parser.add_argument(
+        "--boot",
+        type=float,
+        default=2.0,
+        help="seconds from asking for a replica to it being ready (default 2)",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="write cold starts against idle time as a PNG (needs matplotlib)",
+    )
     args = parser.parse_args(argv)
     if args.apps < 1 or args.days <= 0 or args.boot < 0:
         parser.error("--apps must be at least 1, --days above 0, --boot not negative")
@@ -473,8 +513,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = Shape.from_settings(settings)
     cadence = Cadence(settings.reap_interval_s, settings.autoscale_interval_s, args.boot)
     fixed = settings.idle_timeout_s if settings.idle_timeout_s > 0 else 600.0
-    policies = [Policy("fixed 10 min", 600.0), Policy("fixed 20 min", 1200.0),
-                Policy("adaptive", fixed, KeepAlivePolicy.from_settings(settings))]
+    policies = [
+        Policy("fixed 10 min", 600.0),
+        Policy("fixed 20 min", 1200.0),
+        Policy("adaptive", fixed, KeepAlivePolicy.from_settings(settings)),
+    ]
     started = time.perf_counter()
     apps = workload(args.apps, args.days, args.seed)
     figures = replay_all(apps, policies, shape, cadence, args.days * DAY, args.seed)

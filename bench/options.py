@@ -28,8 +28,14 @@ def add_counts(parser: argparse.ArgumentParser, counts: Counts) -> None:
 
 def add_store_option(parser: argparse.ArgumentParser) -> None:
     """The ``--postgres [URL]`` option every benchmark takes."""
-    parser.add_argument("--postgres", nargs="?", const="", default=None, metavar="URL",
-                        help="store on PostgreSQL (a throwaway server unless URL is given)")
+    parser.add_argument(
+        "--postgres",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="URL",
+        help="store on PostgreSQL (a throwaway server unless URL is given)",
+    )
 
 
 def store_for(args: argparse.Namespace, tmp: Path) -> tuple[str, Any]:

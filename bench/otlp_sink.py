@@ -47,22 +47,37 @@ class Sink(trace_service_pb2_grpc.TraceServiceServicer):
         """Take one batch of spans."""
         got = []
         for resource_spans in request.resource_spans:
-            service = next((a.value.string_value for a in resource_spans.resource.attributes
-                            if a.key == "service.name"), "")
+            service = next(
+                (
+                    a.value.string_value
+                    for a in resource_spans.resource.attributes
+                    if a.key == "service.name"
+                ),
+                "",
+            )
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    got.append(Received(service, span.name, span.trace_id.hex(),
-                                        span.span_id.hex(), span.parent_span_id.hex(),
-                                        span.start_time_unix_nano,
-                                        (span.end_time_unix_nano - span.start_time_unix_nano)
-                                        / 1e9))
+                    got.append(
+                        Received(
+                            service,
+                            span.name,
+                            span.trace_id.hex(),
+                            span.span_id.hex(),
+                            span.parent_span_id.hex(),
+                            span.start_time_unix_nano,
+                            (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9,
+                        )
+                    )
         with self._lock:
             self.count += len(got)
             self.spans.extend(got[: max(0, self.keep - len(self.spans))])
         if self.echo:
             for span in got:
-                print(f"{span.service:16} {span.name:32} {span.duration_s * 1000:9.2f} ms  "
-                      f"trace {span.trace_id}", flush=True)
+                print(
+                    f"{span.service:16} {span.name:32} {span.duration_s * 1000:9.2f} ms  "
+                    f"trace {span.trace_id}",
+                    flush=True,
+                )
         return trace_service_pb2.ExportTraceServiceResponse()
 
 

@@ -69,34 +69,66 @@ def populate(db: Any, nodes: int, gpus: int, seed: int = 7) -> str:
     node_rows = []
     for i in range(nodes):
         roll = rng.random()
-        node_rows.append({
-            "id": new_id(), "name": f"node{i:05d}", "kind": "fcdaemon",
-            "address": f"10.{i // 250}.{i % 250}.1:50051", "capacity": 64,
-            "live": rng.randrange(0, 64), "healthy": roll > 0.03, "draining": 0.03 < roll < 0.05,
-            "misses": 0,
-        })
+        node_rows.append(
+            {
+                "id": new_id(),
+                "name": f"node{i:05d}",
+                "kind": "fcdaemon",
+                "address": f"10.{i // 250}.{i % 250}.1:50051",
+                "capacity": 64,
+                "live": rng.randrange(0, 64),
+                "healthy": roll > 0.03,
+                "draining": 0.03 < roll < 0.05,
+                "misses": 0,
+            }
+        )
     gpu_rows, replica_rows = [], []
     for j in range(gpus):
         used = rng.randrange(0, SLOTS)
         mem_used = sum(rng.choice((1_000, 2_000, 4_000)) for _ in range(used))
         gid = new_id()
-        gpu_rows.append({
-            "id": gid, "uuid": f"GPU-{j:06d}", "server": f"gpu{j // 4}:50053",
-            "mngr_addr": f"gpu{j // 4}:3333", "mem_total_mb": GPU_MEM_MB,
-            "mem_free_mb": GPU_MEM_MB - mem_used, "slots_total": SLOTS,
-            "slots_free": SLOTS - used, "first_port": 4000 + (j % 4) * SLOTS,
-        })
+        gpu_rows.append(
+            {
+                "id": gid,
+                "uuid": f"GPU-{j:06d}",
+                "server": f"gpu{j // 4}:50053",
+                "mngr_addr": f"gpu{j // 4}:3333",
+                "mem_total_mb": GPU_MEM_MB,
+                "mem_free_mb": GPU_MEM_MB - mem_used,
+                "slots_total": SLOTS,
+                "slots_free": SLOTS - used,
+                "first_port": 4000 + (j % 4) * SLOTS,
+            }
+        )
         for slot in range(used):
-            replica_rows.append({
-                "id": new_id(), "request_id": new_id(), "function_id": other_fn,
-                "node_id": node_rows[rng.randrange(nodes)]["id"],
-                "status": int(ReplicaState.IDLE), "build_version": "b1", "gpu_id": gid,
-                "gpu_slot": slot, "gpu_mem_mb": mem_used // max(used, 1),
-                "envs_total": 1, "envs_in_use": 0,
-            })
+            replica_rows.append(
+                {
+                    "id": new_id(),
+                    "request_id": new_id(),
+                    "function_id": other_fn,
+                    "node_id": node_rows[rng.randrange(nodes)]["id"],
+                    "status": int(ReplicaState.IDLE),
+                    "build_version": "b1",
+                    "gpu_id": gid,
+                    "gpu_slot": slot,
+                    "gpu_mem_mb": mem_used // max(used, 1),
+                    "envs_total": 1,
+                    "envs_in_use": 0,
+                }
+            )
     functions = [
-        {"id": fid, "name": name, "image": "bench", "build_version": "b1", "gpu_mem_mb": mb,
-         "min_replicas": 0, "max_replicas": 10_000, "labels": {}, "env": {}, "ports": []}
+        {
+            "id": fid,
+            "name": name,
+            "image": "bench",
+            "build_version": "b1",
+            "gpu_mem_mb": mb,
+            "min_replicas": 0,
+            "max_replicas": 10_000,
+            "labels": {},
+            "env": {},
+            "ports": [],
+        }
         for fid, name, mb in ((fn_id, "bench", NEED_MB), (other_fn, "other", 1_000))
     ]
     with db.transaction() as s:
@@ -115,8 +147,12 @@ def decide(db: Any, fn_id: str, policy: str, fit: str, pinned: str | None) -> No
         s.begin()
         fn = s.get(Function, fn_id)
         assert fn is not None
-        replica = Replica(request_id=new_id(), function_id=fn.id, build_version="b1",
-                          status=int(ReplicaState.CREATING))
+        replica = Replica(
+            request_id=new_id(),
+            function_id=fn.id,
+            build_version="b1",
+            status=int(ReplicaState.CREATING),
+        )
         s.add(replica)
         counted = s.execute(  # count toward max, as place does (locks the function)
             update(Function)
@@ -137,13 +173,16 @@ def _pins(db: Any) -> list[str]:
     """Ids of the nodes a ``spread`` spawn could be pinned to."""
 
     with db.read() as s:
-        return list(s.scalars(select(Node.id).where(
-            Node.healthy.is_(True), Node.draining.is_(False), Node.live < Node.capacity)))
+        return list(
+            s.scalars(
+                select(Node.id).where(
+                    Node.healthy.is_(True), Node.draining.is_(False), Node.live < Node.capacity
+                )
+            )
+        )
 
 
-def measure(
-    fleets: dict[str, tuple[Any, str]], policy: str, fit: str, n: int
-) -> dict[str, Timing]:
+def measure(fleets: dict[str, tuple[Any, str]], policy: str, fit: str, n: int) -> dict[str, Timing]:
     """Median and p95 of ``n`` decisions per fleet, the fleets taking turns (after warm-up).
 
     Alternating one decision on each fleet exposes both to the same machine load, so
@@ -212,17 +251,23 @@ def main(argv: list[str] | None = None) -> int:
         drop()
         shutil.rmtree(tmp, ignore_errors=True)
     verdict = "met" if worst <= AIM else "MISSED"
-    print(f"worst ratio {worst:.2f} (aim <= {AIM:g}: {verdict}); "
-          f"ran in {time.monotonic() - started:.1f} s")
+    print(
+        f"worst ratio {worst:.2f} (aim <= {AIM:g}: {verdict}); "
+        f"ran in {time.monotonic() - started:.1f} s"
+    )
     return 0 if worst <= AIM else 1
 
 
 def _report(fleets: dict[str, tuple[Any, str]], n: int, kind: str) -> float:
     """Time every policy and fit on both fleets, print a table; returns the worst ratio."""
-    print(f"placement decision time on {kind}: small = {SMALL[0]} nodes / {SMALL[1]} GPUs, "
-          f"large = {LARGE[0]} nodes / {LARGE[1]} GPUs; {n} decisions per case")
-    print(f"{'policy':<12} {'fit':<6} {'small ms (p50/p95)':>19} {'large ms (p50/p95)':>19} "
-          f"{'ratio':>6}")
+    print(
+        f"placement decision time on {kind}: small = {SMALL[0]} nodes / {SMALL[1]} GPUs, "
+        f"large = {LARGE[0]} nodes / {LARGE[1]} GPUs; {n} decisions per case"
+    )
+    print(
+        f"{'policy':<12} {'fit':<6} {'small ms (p50/p95)':>19} {'large ms (p50/p95)':>19} "
+        f"{'ratio':>6}"
+    )
     worst = 0.0
     for policy in POLICIES:
         for fit in FITS:
@@ -230,8 +275,10 @@ def _report(fleets: dict[str, tuple[Any, str]], n: int, kind: str) -> float:
             small, large = timing["small"], timing["large"]
             ratio = large.median_ms / small.median_ms
             worst = max(worst, ratio)
-            print(f"{policy:<12} {fit:<6} {small.median_ms:>9.3f}/{small.p95_ms:<9.3f} "
-                  f"{large.median_ms:>9.3f}/{large.p95_ms:<9.3f} {ratio:>6.2f}")
+            print(
+                f"{policy:<12} {fit:<6} {small.median_ms:>9.3f}/{small.p95_ms:<9.3f} "
+                f"{large.median_ms:>9.3f}/{large.p95_ms:<9.3f} {ratio:>6.2f}"
+            )
     return worst
 
 

@@ -31,5 +31,7 @@ def make_app(broker: str, backend: str) -> Celery:
     return plain
 
 
-app = make_app(os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0"),
-               os.environ.get("BENCH_RESULT_BACKEND", "redis://127.0.0.1:6379/1"))
+app = make_app(
+    os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0"),
+    os.environ.get("BENCH_RESULT_BACKEND", "redis://127.0.0.1:6379/1"),
+)

@@ -106,10 +106,20 @@ SEED_NODE = "soak-seed"
 DELAYED_METHODS = ("CreateReplica", "ReleaseVMSetup", "ListReplicas")
 SPECS: dict[str, dict[str, Any]] = {
     "soak-a": {"image": "examples.hello", "kernel": "/k", "min": 1, "max": 10, "exec_envs": 2},
-    "soak-b": {"image": "examples.hello", "kernel": "/k", "min": 0, "max": 10,
-               "placement": "roundrobin"},
-    "soak-l": {"image": "examples.hello", "min": 0, "max": 6, "backend": "lambdo",
-               "rootfs": "https://objects.example/soak/rootfs.ext4"},
+    "soak-b": {
+        "image": "examples.hello",
+        "kernel": "/k",
+        "min": 0,
+        "max": 10,
+        "placement": "roundrobin",
+    },
+    "soak-l": {
+        "image": "examples.hello",
+        "min": 0,
+        "max": 6,
+        "backend": "lambdo",
+        "rootfs": "https://objects.example/soak/rootfs.ext4",
+    },
 }
 
 # Settings for every process of the soak: short intervals and deadlines, so that what
@@ -152,8 +162,9 @@ class FaultEvent:
 
 def schedule(duration_s: float) -> list[FaultEvent]:
     """The fault schedule for a run of ``duration_s``: windows shrink to fit short runs."""
-    events = [FaultEvent(t, "worker_kill")
-              for t in _steps(min(KILL_EVERY_S, duration_s / 4), duration_s)]
+    events = [
+        FaultEvent(t, "worker_kill") for t in _steps(min(KILL_EVERY_S, duration_s / 4), duration_s)
+    ]
     events += [
         FaultEvent(0.05 * duration_s, "agent_delay", min(60.0, duration_s / 4)),
         FaultEvent(0.30 * duration_s, "redis_stop", min(10.0, duration_s / 9)),
@@ -214,20 +225,31 @@ class Results:
     @property
     def ok(self) -> bool:
         """Every invariant held and every fault kind fired."""
-        return (all(v == 0 for v in self.violations.values())
-                and all(self.faults[k] > 0 for k in FAULT_KINDS))
+        return all(v == 0 for v in self.violations.values()) and all(
+            self.faults[k] > 0 for k in FAULT_KINDS
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready figures."""
         return {
-            "minutes": self.minutes, "submitted": len(self.ops), "final": dict(self.final),
-            "refused": dict(self.refused), "errors": dict(self.errors),
-            "claims": dict(self.claims), "faults": dict(self.faults), "deaths": self.deaths,
-            "violations": self.violations, "examples": self.examples,
-            "per_minute": self.per_minute, "spawn_p50_s": self.spawn_p50_s,
-            "spawn_p99_s": self.spawn_p99_s, "spawns_timed": self.spawns_timed,
-            "settled_after_s": self.settled_after_s, "wall_s": self.wall_s,
-            "failure_reasons": dict(self.reasons), "ok": self.ok,
+            "minutes": self.minutes,
+            "submitted": len(self.ops),
+            "final": dict(self.final),
+            "refused": dict(self.refused),
+            "errors": dict(self.errors),
+            "claims": dict(self.claims),
+            "faults": dict(self.faults),
+            "deaths": self.deaths,
+            "violations": self.violations,
+            "examples": self.examples,
+            "per_minute": self.per_minute,
+            "spawn_p50_s": self.spawn_p50_s,
+            "spawn_p99_s": self.spawn_p99_s,
+            "spawns_timed": self.spawns_timed,
+            "settled_after_s": self.settled_after_s,
+            "wall_s": self.wall_s,
+            "failure_reasons": dict(self.reasons),
+            "ok": self.ok,
         }
 
 
@@ -280,9 +302,13 @@ class Fleet:
         upgrade(self._db())
         database()
         self.registry = subprocess.Popen(
-            [sys.executable, "-m", "tasks.cli", "registry"], cwd=ROOT,
-            env={**os.environ, **self.env}, stdout=(self.logs / "registry.log").open("wb"),
-            stderr=subprocess.STDOUT, start_new_session=True)
+            [sys.executable, "-m", "tasks.cli", "registry"],
+            cwd=ROOT,
+            env={**os.environ, **self.env},
+            stdout=(self.logs / "registry.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._start_nodes()
         self._deploy_all()
         for i in range(WORKERS):
@@ -299,19 +325,33 @@ class Fleet:
             self.agent_ports.append(port)
             self.agents.append(self._serve_agent(i, port, None))
         self.lambdo = serve_lambdo("127.0.0.1:0")
-        self.seed = serve_fcdaemon("127.0.0.1:0", registry=self.registry_addr, seed_only=True,
-                                   node_id=SEED_NODE, heartbeat=2.0)
+        self.seed = serve_fcdaemon(
+            "127.0.0.1:0",
+            registry=self.registry_addr,
+            seed_only=True,
+            node_id=SEED_NODE,
+            heartbeat=2.0,
+        )
         with self._db().transaction() as s:
             for i, port in enumerate(self.agent_ports):
-                upsert_node(s, f"127.0.0.1:{port}", name=f"soak-fc{i + 1}",
-                            external_id=f"soak-fc{i + 1}", capacity=40)
-            upsert_node(s, self.seed.address, name=SEED_NODE, external_id=SEED_NODE,
-                        capacity=40)
+                upsert_node(
+                    s,
+                    f"127.0.0.1:{port}",
+                    name=f"soak-fc{i + 1}",
+                    external_id=f"soak-fc{i + 1}",
+                    capacity=40,
+                )
+            upsert_node(s, self.seed.address, name=SEED_NODE, external_id=SEED_NODE, capacity=40)
             upsert_node(s, self.lambdo.url, name="soak-lambdo", kind="lambdo", capacity=40)
 
     def _serve_agent(self, i: int, port: int, driver: Any) -> Any:
-        return serve_fcdaemon(f"127.0.0.1:{port}", driver=driver, registry=self.registry_addr,
-                              node_id=f"soak-fc{i + 1}", heartbeat=2.0)
+        return serve_fcdaemon(
+            f"127.0.0.1:{port}",
+            driver=driver,
+            registry=self.registry_addr,
+            node_id=f"soak-fc{i + 1}",
+            heartbeat=2.0,
+        )
 
     def _deploy_all(self) -> None:
         with self._db().transaction() as s:
@@ -321,13 +361,15 @@ class Fleet:
     def redeploy(self, name: str, build: int) -> None:
         """Deploy ``name`` again with a new build (the reaper retires the old replicas)."""
         with self._db().transaction() as s:
-            deploy(s, spec_from(name=name, **SPECS[name], env={"BUILD": str(build)}),
-                   get_settings())
+            deploy(
+                s, spec_from(name=name, **SPECS[name], env={"BUILD": str(build)}), get_settings()
+            )
 
     def _new_worker(self, slot: int) -> Any:
         self.generation += 1
-        worker = WorkerProcess(self.logs, concurrency=2, name=f"w{slot + 1}g{self.generation}",
-                               extra_env=self.env)
+        worker = WorkerProcess(
+            self.logs, concurrency=2, name=f"w{slot + 1}g{self.generation}", extra_env=self.env
+        )
         return worker.start(timeout=90)
 
     # -- faults ------------------------------------------------------------------------------
@@ -393,8 +435,11 @@ class Fleet:
         with self.lock:
             for worker in self.workers:
                 proc = worker.proc
-                if proc is not None and proc.poll() is not None \
-                        and proc.pid not in self.expected_dead:
+                if (
+                    proc is not None
+                    and proc.poll() is not None
+                    and proc.pid not in self.expected_dead
+                ):
                     out.append(f"worker {worker.name} (exit {proc.returncode})")
         for name, proc in (("beat", self.beat), ("registry", self.registry)):
             if proc is not None and proc.poll() is not None:
@@ -427,8 +472,7 @@ class Fleet:
 class Load:
     """The load generator: one action every ``1 / rate`` seconds until stopped."""
 
-    def __init__(self, fleet: Fleet, results: Results, rate: float, seed: int,
-                 t0: float) -> None:
+    def __init__(self, fleet: Fleet, results: Results, rate: float, seed: int, t0: float) -> None:
         self.fleet = fleet
         self.results = results
         self.rate = rate
@@ -472,15 +516,19 @@ class Load:
     def scale(self) -> None:
         """Scale a random function to a random target in [min, 6]."""
         name = self.rng.choice(FUNCTIONS)
-        self._track(api.scale(name, self.rng.randint(1 if name == "soak-a" else 0, 6)),
-                    "scale")
+        self._track(api.scale(name, self.rng.randint(1 if name == "soak-a" else 0, 6)), "scale")
 
     def delete(self) -> None:
         """Delete a random Idle or Creating replica."""
 
         with self.fleet._db().read() as s:
-            ids = list(s.scalars(select(Replica.id).where(
-                Replica.status.in_([ReplicaState.IDLE, ReplicaState.CREATING]))))
+            ids = list(
+                s.scalars(
+                    select(Replica.id).where(
+                        Replica.status.in_([ReplicaState.IDLE, ReplicaState.CREATING])
+                    )
+                )
+            )
         if ids:
             self._track(api.delete(self.rng.choice(ids)), "delete")
 
@@ -516,8 +564,14 @@ class Load:
 class Faults:
     """Fires the schedule; each event in its own thread, so windows may overlap."""
 
-    def __init__(self, fleet: Fleet, results: Results, events: list[FaultEvent], t0: float,
-                 log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        results: Results,
+        events: list[FaultEvent],
+        t0: float,
+        log: Callable[[str], None],
+    ) -> None:
         self.fleet, self.results, self.events, self.t0, self.say = fleet, results, events, t0, log
         self.threads: list[threading.Thread] = []
         self.kills = 0
@@ -536,8 +590,10 @@ class Faults:
 
     def _fire(self, event: FaultEvent) -> None:
         fleet = self.fleet
-        self.say(f"[{time.monotonic() - self.t0:6.1f}s] fault {event.kind}"
-                 + (f" for {event.duration_s:g}s" if event.duration_s else ""))
+        self.say(
+            f"[{time.monotonic() - self.t0:6.1f}s] fault {event.kind}"
+            + (f" for {event.duration_s:g}s" if event.duration_s else "")
+        )
         try:
             if event.kind == "worker_kill":
                 with fleet.lock:
@@ -562,18 +618,41 @@ def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, lis
     """Every invariant's violations now, with a few examples of each."""
     settings = get_settings()
     db = fleet._db()
-    bad: dict[str, list[str]] = {k: [] for k in (
-        "orphan_vms", "duplicate_rows", "rows_without_vm", "ops_not_final", "counter_drift",
-        "claims_outstanding", "unexpected_deaths")}
+    bad: dict[str, list[str]] = {
+        k: []
+        for k in (
+            "orphan_vms",
+            "duplicate_rows",
+            "rows_without_vm",
+            "ops_not_final",
+            "counter_drift",
+            "claims_outstanding",
+            "unexpected_deaths",
+        )
+    }
     with db.read() as s:
         nodes = list(s.scalars(select(Node).order_by(Node.name)))
-        rows = s.execute(select(Replica.id, Replica.node_id, Replica.vmid, Replica.status)
-                         .where(Replica.status.in_(LIVE_STATES))).all()
-        ops = dict(s.execute(select(Operation.id, Operation.status)
-                             .where(Operation.id.in_([o.op_id for o in results.ops]))).all())
+        rows = s.execute(
+            select(Replica.id, Replica.node_id, Replica.vmid, Replica.status).where(
+                Replica.status.in_(LIVE_STATES)
+            )
+        ).all()
+        ops = dict(
+            s.execute(
+                select(Operation.id, Operation.status).where(
+                    Operation.id.in_([o.op_id for o in results.ops])
+                )
+            ).all()
+        )
         claims = s.scalar(select(func.count()).select_from(Claim)) or 0
-        in_use = s.scalar(select(func.coalesce(func.sum(Replica.envs_in_use), 0))
-                          .where(Replica.status.in_(LIVE_STATES))) or 0
+        in_use = (
+            s.scalar(
+                select(func.coalesce(func.sum(Replica.envs_in_use), 0)).where(
+                    Replica.status.in_(LIVE_STATES)
+                )
+            )
+            or 0
+        )
     by_vm: dict[tuple[str, str], list[str]] = {}
     for rid, node_id, vmid, status in rows:
         if vmid is None:
@@ -615,8 +694,12 @@ def figures(fleet: Fleet, results: Results) -> None:
     """Fill in per-minute counts, final states and spawn completion percentiles."""
 
     with fleet._db().read() as s:
-        rows = {r.id: r for r in s.scalars(
-            select(Operation).where(Operation.id.in_([o.op_id for o in results.ops])))}
+        rows = {
+            r.id: r
+            for r in s.scalars(
+                select(Operation).where(Operation.id.in_([o.op_id for o in results.ops]))
+            )
+        }
     minutes = max(1, int(results.minutes + 0.999))
     per = [{"minute": m + 1, "submitted": 0, "completed": 0} for m in range(minutes)]
     spawn_s: list[float] = []
@@ -653,12 +736,18 @@ def _reason(error: str) -> str:
 
 def report(results: Results) -> str:
     """The figures as text."""
-    lines = [f"corral soak: {results.minutes:g} min, {WORKERS} prefork workers (2 children "
-             f"each), 1 beat, registry, 3 fcdaemon agents + 1 Lambdo host, PostgreSQL store"]
-    lines.append(f"operations submitted: {len(results.ops)}; final states: "
-                 f"{dict(sorted(results.final.items()))}")
-    lines.append(f"refused (clear errors): {dict(results.refused)}; producer errors during "
-                 f"faults: {dict(results.errors)}")
+    lines = [
+        f"corral soak: {results.minutes:g} min, {WORKERS} prefork workers (2 children "
+        f"each), 1 beat, registry, 3 fcdaemon agents + 1 Lambdo host, PostgreSQL store"
+    ]
+    lines.append(
+        f"operations submitted: {len(results.ops)}; final states: "
+        f"{dict(sorted(results.final.items()))}"
+    )
+    lines.append(
+        f"refused (clear errors): {dict(results.refused)}; producer errors during "
+        f"faults: {dict(results.errors)}"
+    )
     lines.append(f"claims: {dict(results.claims)}")
     for reason, n in results.reasons.most_common(8):
         lines.append(f"  failed or partial ({n}): {reason}")
@@ -670,8 +759,10 @@ def report(results: Results) -> str:
     def fmt(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.2f}s"
 
-    lines.append(f"spawn completion: p50 {fmt(results.spawn_p50_s)}, p99 "
-                 f"{fmt(results.spawn_p99_s)} ({results.spawns_timed} succeeded spawns)")
+    lines.append(
+        f"spawn completion: p50 {fmt(results.spawn_p50_s)}, p99 "
+        f"{fmt(results.spawn_p99_s)} ({results.spawns_timed} succeeded spawns)"
+    )
     settled = "never" if results.settled_after_s is None else f"{results.settled_after_s:.0f}s"
     lines.append(f"settled after quiescing: {settled}; wall time {results.wall_s:.0f}s")
     lines.append("invariant violations (all must be 0):")
@@ -682,8 +773,9 @@ def report(results: Results) -> str:
     return "\n".join(lines)
 
 
-def run(minutes: float, rate: float, seed: int, quiesce_s: float,
-        log: Callable[[str], None] = print) -> Results:
+def run(
+    minutes: float, rate: float, seed: int, quiesce_s: float, log: Callable[[str], None] = print
+) -> Results:
     """Start the fleet, run load and faults for ``minutes``, quiesce, check; the results."""
     results = Results(minutes=minutes)
     began = time.monotonic()
@@ -696,8 +788,10 @@ def run(minutes: float, rate: float, seed: int, quiesce_s: float,
         t0 = time.monotonic()
         load = Load(fleet, results, rate, seed, t0)
         faults = Faults(fleet, results, schedule(duration), t0, log)
-        threads = [threading.Thread(target=load.run, daemon=True),
-                   threading.Thread(target=faults.run, daemon=True)]
+        threads = [
+            threading.Thread(target=load.run, daemon=True),
+            threading.Thread(target=faults.run, daemon=True),
+        ]
         for t in threads:
             t.start()
         deaths_seen: set[str] = set()
@@ -739,14 +833,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0, help="load and faults for this long")
     parser.add_argument("--rate", type=float, default=2.0, help="load actions per second")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--quiesce", type=float, default=150.0,
-                        help="seconds to wait for the fleet to settle afterwards")
+    parser.add_argument(
+        "--quiesce",
+        type=float,
+        default=150.0,
+        help="seconds to wait for the fleet to settle afterwards",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.rate <= 0:
         parser.error("--minutes and --rate must be positive")
-    results = run(args.minutes, args.rate, args.seed, args.quiesce,
-                  log=lambda m: print(m, flush=True))
+    results = run(
+        args.minutes, args.rate, args.seed, args.quiesce, log=lambda m: print(m, flush=True)
+    )
     print(report(results), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(results.as_dict(), indent=2, default=str))

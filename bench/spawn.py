@@ -81,6 +81,7 @@ MAX_RSS_MIB = 150  # issue 22's aim for one worker process
 @dataclass
 class Run:
     """One run's figures."""
+
     store: str
     rates: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -90,8 +91,18 @@ class Run:
 
 def worker_argv(app: str, args: argparse.Namespace) -> list[str]:
     """The worker command for ``app``: its users' default; corral's as ``-P`` / ``-c`` say."""
-    argv = [sys.executable, "-m", "celery", "-A", app, "worker", "-l", "WARNING",
-            "--without-gossip", "--without-mingle"]
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        app,
+        "worker",
+        "-l",
+        "WARNING",
+        "--without-gossip",
+        "--without-mingle",
+    ]
     if app == "workers" and args.pool:
         argv += ["-P", args.pool]
     if app == "workers" and args.concurrency:
@@ -99,15 +110,18 @@ def worker_argv(app: str, args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _worker(app: str, args: argparse.Namespace, env: dict[str, str], log: Path
-            ) -> subprocess.Popen[bytes]:
+def _worker(
+    app: str, args: argparse.Namespace, env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
     """Start the worker command every phase uses, for ``app``."""
-    return subprocess.Popen(worker_argv(app, args), cwd=ROOT, env=env, stdout=log.open("ab"),
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        worker_argv(app, args), cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT
+    )
 
 
 def _peak_rss_mib(pid: int) -> dict[str, float]:
     """Peak resident memory (VmHWM) of a worker's main process and of its pool processes."""
+
     def hwm(p: int) -> float:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
@@ -190,8 +204,13 @@ def run_once(args: argparse.Namespace) -> Run:
         redis.wait(10)
         if pg_server is not None:
             pg_server.stop()
-    counts = {"P1": args.n, "delete": args.n, "reap": args.reap, "P5": args.slow,
-              "direct": args.slow}
+    counts = {
+        "P1": args.n,
+        "delete": args.n,
+        "reap": args.reap,
+        "P5": args.slow,
+        "direct": args.slow,
+    }
     for phase, seconds in run.seconds.items():
         if phase != "baseline":
             run.rates[phase] = counts[phase] / seconds
@@ -201,28 +220,30 @@ def run_once(args: argparse.Namespace) -> Run:
 def _bench_env(args: argparse.Namespace, tmp: Path, port: int, db_url: str) -> dict[str, str]:
     """Point this process (corral's settings) and the workers at this run's Redis and store."""
     broker, results = f"redis://127.0.0.1:{port}/0", f"redis://127.0.0.1:{port}/1"
-    os.environ.update({
-        "CORRAL_BROKER_URL": broker,
-        "CORRAL_RESULT_BACKEND": results,
-        "CORRAL_DATABASE_URL": db_url,
-        "CORRAL_STATE_DIR": str(tmp / "state"),
-        "CORRAL_NODE_MAX_INFLIGHT": str(SLOW_SERVED),
-        "CORRAL_REAP_BATCH": str(max(args.reap, 1)),
-        "BENCH_BROKER_URL": broker,
-        "BENCH_RESULT_BACKEND": results,
-    })
+    os.environ.update(
+        {
+            "CORRAL_BROKER_URL": broker,
+            "CORRAL_RESULT_BACKEND": results,
+            "CORRAL_DATABASE_URL": db_url,
+            "CORRAL_STATE_DIR": str(tmp / "state"),
+            "CORRAL_NODE_MAX_INFLIGHT": str(SLOW_SERVED),
+            "CORRAL_REAP_BATCH": str(max(args.reap, 1)),
+            "BENCH_BROKER_URL": broker,
+            "BENCH_RESULT_BACKEND": results,
+        }
+    )
     return os.environ.copy()
 
 
-def _corral_worker(args: argparse.Namespace, db: Any, agents: _AgentHost,
-                   env: dict[str, str], tmp: Path) -> subprocess.Popen[bytes]:
+def _corral_worker(
+    args: argparse.Namespace, db: Any, agents: _AgentHost, env: dict[str, str], tmp: Path
+) -> subprocess.Popen[bytes]:
     """Register the fast agents, deploy the function, start corral's worker and warm it up."""
     big = args.n + args.reap + args.slow + 100
     with db.transaction() as s:
         for i, address in enumerate(agents.fast):
             upsert_node(s, address, name=f"fast{i}", capacity=big)
-        deploy(s, spec_from(name="bench", image="bench", kernel="/k", max=10_000),
-               get_settings())
+        deploy(s, spec_from(name="bench", image="bench", kernel="/k", max=10_000), get_settings())
     worker = _worker("workers", args, env, tmp / "worker.log")
     _wait_op(api, api.spawn("bench", 4), timeout=120)  # warm up: worker up, paths run
     _wait_op(api, api.scale("bench", 0), timeout=120)
@@ -282,6 +303,7 @@ def _direct(addresses: list[str], n: int) -> float:
     between, at most ``SLOW_SERVED`` calls in flight per agent (corral's per-node bound
     in this benchmark). The VMs are released again afterwards (untimed).
     """
+
     async def burst(stubs: list[Any]) -> float:
         # Request ids shaped like corral's (one prefix, then the index), as the agent sees them.
         prefix = secrets.token_hex(16)
@@ -289,9 +311,16 @@ def _direct(addresses: list[str], n: int) -> float:
 
         async def create(i: int) -> Any:
             async with bounds[i % len(stubs)]:
-                return await stubs[i % len(stubs)].CreateReplica(fcdaemon_pb2.CreateRequest(
-                    imageName="bench", kernelImagePath="/k", numReplica=1, guestPort=8080,
-                    requestId=f"{prefix}.{i}.0"), timeout=60)
+                return await stubs[i % len(stubs)].CreateReplica(
+                    fcdaemon_pb2.CreateRequest(
+                        imageName="bench",
+                        kernelImagePath="/k",
+                        numReplica=1,
+                        guestPort=8080,
+                        requestId=f"{prefix}.{i}.0",
+                    ),
+                    timeout=60,
+                )
 
         started = time.perf_counter()
         replies = await asyncio.gather(*(create(i) for i in range(n)))
@@ -300,7 +329,8 @@ def _direct(addresses: list[str], n: int) -> float:
         async def release(i: int, vmid: str) -> None:
             async with bounds[i % len(stubs)]:
                 await stubs[i % len(stubs)].ReleaseVMSetup(
-                    fcdaemon_pb2.ReleaseRequest(vmid=vmid), timeout=60)
+                    fcdaemon_pb2.ReleaseRequest(vmid=vmid), timeout=60
+                )
 
         await asyncio.gather(*(release(i, r.vmid) for i, r in enumerate(replies)))
         return took
@@ -327,10 +357,24 @@ class _AgentHost:
 
     def __init__(self, tmp: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.agent_host", "--fast", "2", "--slow", str(SLOW_NODES),
-             "--create-s", str(SLOW_CREATE_S), "--served", str(SLOW_SERVED)],
-            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=(tmp / "agents.log").open("ab"), text=True,
+            [
+                sys.executable,
+                "-m",
+                "bench.agent_host",
+                "--fast",
+                "2",
+                "--slow",
+                str(SLOW_NODES),
+                "--create-s",
+                str(SLOW_CREATE_S),
+                "--served",
+                str(SLOW_SERVED),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=(tmp / "agents.log").open("ab"),
+            text=True,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -365,9 +409,11 @@ def _verdict(value: float, aim: float) -> str:
 
 def report(run: Run, args: argparse.Namespace) -> None:
     """Print one run's figures and ratios."""
-    print(f"\nstore: {run.store}; broker: embedded Redis; workers: "
-          f"{' '.join(worker_argv('bench.plain', args)[2:])}; "
-          f"{' '.join(worker_argv('workers', args)[2:])}")
+    print(
+        f"\nstore: {run.store}; broker: embedded Redis; workers: "
+        f"{' '.join(worker_argv('bench.plain', args)[2:])}; "
+        f"{' '.join(worker_argv('workers', args)[2:])}"
+    )
     print(f"{'phase':<46}{'count':>7}{'seconds':>9}{'per second':>12}")
     rows = [
         ("baseline: plain Celery no-op, join_native", "baseline", args.n),
@@ -375,17 +421,22 @@ def report(run: Run, args: argparse.Namespace) -> None:
         ("delete: scale those to 0", "delete", args.n),
         (f"reap: one pass of {args.reap} idle", "reap", args.reap),
         (f"direct: {args.slow} creates straight to those agents", "direct", args.slow),
-        (f"P5: spawn, {SLOW_NODES} agents x {SLOW_CREATE_S:g} s x {SLOW_SERVED} at once",
-         "P5", args.slow),
+        (
+            f"P5: spawn, {SLOW_NODES} agents x {SLOW_CREATE_S:g} s x {SLOW_SERVED} at once",
+            "P5",
+            args.slow,
+        ),
     ]
     for label, key, count in rows:
         if key in run.seconds:
             print(f"{label:<46}{count:>7}{run.seconds[key]:>9.2f}{run.rates[key]:>12.0f}")
     rss = run.rss_mib
     largest = max(rss.get("main", 0), rss.get("pool_max", 0))
-    print(f"worker peak RSS: main {rss.get('main', 0):.0f} MiB, largest pool process "
-          f"{rss.get('pool_max', 0):.0f} MiB, all {rss.get('total', 0):.0f} MiB "
-          f"(each process <= {MAX_RSS_MIB} MiB: {'met' if largest <= MAX_RSS_MIB else 'MISSED'})")
+    print(
+        f"worker peak RSS: main {rss.get('main', 0):.0f} MiB, largest pool process "
+        f"{rss.get('pool_max', 0):.0f} MiB, all {rss.get('total', 0):.0f} MiB "
+        f"(each process <= {MAX_RSS_MIB} MiB: {'met' if largest <= MAX_RSS_MIB else 'MISSED'})"
+    )
     print(f"VMs: {run.counts}")
     r = run.rates
     waves = -(-args.slow // (SLOW_NODES * SLOW_SERVED))
@@ -395,24 +446,38 @@ def report(run: Run, args: argparse.Namespace) -> None:
     print(f"P5 / direct        {_verdict(r['P5'] / r['direct'], 0.8)}")
     if "reap" in r:
         print(f"reap / baseline    {r['reap'] / r['baseline']:.2f}")
-    print(f"P5 / agents' ceiling ({ceiling:.0f}/s: {args.slow} creates in waves of "
-          f"{SLOW_CREATE_S:g} s) {r['P5'] / ceiling:.2f}; direct / ceiling "
-          f"{r['direct'] / ceiling:.2f}; P5 / P1 {r['P5'] / r['P1']:.2f}")
+    print(
+        f"P5 / agents' ceiling ({ceiling:.0f}/s: {args.slow} creates in waves of "
+        f"{SLOW_CREATE_S:g} s) {r['P5'] / ceiling:.2f}; direct / ceiling "
+        f"{r['direct'] / ceiling:.2f}; P5 / P1 {r['P5'] / r['P1']:.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (``--runs`` times) and print its figures."""
     parser = argparse.ArgumentParser(prog="python -m bench.spawn")
-    add_counts(parser, {  # the phases' sizes
-        "-n": (1500, "no-op tasks; P1 spawns; deletes"),
-        "--slow": (2000, "P5 spawns (slow agents)"),
-        "--reap": (1000, "idle replicas one pass reaps"),
-    })
+    add_counts(
+        parser,
+        {  # the phases' sizes
+            "-n": (1500, "no-op tasks; P1 spawns; deletes"),
+            "--slow": (2000, "P5 spawns (slow agents)"),
+            "--reap": (1000, "idle replicas one pass reaps"),
+        },
+    )
     add_counts(parser, {"--runs": (1, "runs; medians printed at the end")})
-    parser.add_argument("--concurrency", "-c", type=int, default=None,
-                        help="corral's worker -c (default: its own; the baseline keeps its)")
-    parser.add_argument("--pool", "-P", default=None,
-                        help="corral's worker -P (default: its own; the baseline keeps its)")
+    parser.add_argument(
+        "--concurrency",
+        "-c",
+        type=int,
+        default=None,
+        help="corral's worker -c (default: its own; the baseline keeps its)",
+    )
+    parser.add_argument(
+        "--pool",
+        "-P",
+        default=None,
+        help="corral's worker -P (default: its own; the baseline keeps its)",
+    )
     add_store_option(parser)
     args = parser.parse_args(argv)
     runs = []
@@ -424,14 +489,21 @@ def main(argv: list[str] | None = None) -> int:
         print("\nmedians over", len(runs), "runs:")
         for key in runs[0].rates:
             values = [r.rates[key] for r in runs]
-            print(f"  {key:<10}{statistics.median(values):>8.0f}/s  "
-                  f"(runs: {', '.join(f'{v:.0f}' for v in values)})")
-        for name, num, den in (("P1/baseline", "P1", "baseline"), ("P5/P1", "P5", "P1"),
-                               ("delete/baseline", "delete", "baseline"),
-                               ("P5/direct", "P5", "direct")):
+            print(
+                f"  {key:<10}{statistics.median(values):>8.0f}/s  "
+                f"(runs: {', '.join(f'{v:.0f}' for v in values)})"
+            )
+        for name, num, den in (
+            ("P1/baseline", "P1", "baseline"),
+            ("P5/P1", "P5", "P1"),
+            ("delete/baseline", "delete", "baseline"),
+            ("P5/direct", "P5", "direct"),
+        ):
             ratios = [r.rates[num] / r.rates[den] for r in runs]
-            print(f"  {name:<16}{statistics.median(ratios):.2f}  "
-                  f"(runs: {', '.join(f'{v:.2f}' for v in ratios)})")
+            print(
+                f"  {name:<16}{statistics.median(ratios):.2f}  "
+                f"(runs: {', '.join(f'{v:.2f}' for v in ratios)})"
+            )
     return 0
 
 

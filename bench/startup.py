@@ -66,8 +66,9 @@ def once(argv: list[str], env: dict[str, str], cwd: Path) -> float:
     return took
 
 
-def timed(command: list[str], base: list[str], n: int, env: dict[str, str], cwd: Path
-          ) -> tuple[Runs, Runs]:
+def timed(
+    command: list[str], base: list[str], n: int, env: dict[str, str], cwd: Path
+) -> tuple[Runs, Runs]:
     """``n`` runs of a command and of its baseline, taking turns so both meet the same load."""
     once(command, env, cwd)  # warm the page cache and the bytecode
     once(base, env, cwd)
@@ -82,22 +83,41 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="corral-bench-startup-") as tmp:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
-        env.update(CORRAL_STATE_DIR=f"{tmp}/state", CORRAL_BROKER_URL="redis://127.0.0.1:1/0",
-                   CORRAL_DATABASE_URL=f"sqlite:///{tmp}/corral.sqlite", PYTHONPATH=str(ROOT))
-        subprocess.run([str(CORRAL), "db", "upgrade"], env=env, cwd=tmp, check=True,
-                       capture_output=True, timeout=120)
-        print(f"{'command':<20} {'median':>8} {'fastest':>8} {'baseline':>9} "
-              f"{'(fastest)':>9} {'ratio':>6} {'(fastest)':>9}")
+        env.update(
+            CORRAL_STATE_DIR=f"{tmp}/state",
+            CORRAL_BROKER_URL="redis://127.0.0.1:1/0",
+            CORRAL_DATABASE_URL=f"sqlite:///{tmp}/corral.sqlite",
+            PYTHONPATH=str(ROOT),
+        )
+        subprocess.run(
+            [str(CORRAL), "db", "upgrade"],
+            env=env,
+            cwd=tmp,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        print(
+            f"{'command':<20} {'median':>8} {'fastest':>8} {'baseline':>9} "
+            f"{'(fastest)':>9} {'ratio':>6} {'(fastest)':>9}"
+        )
         met = True
         for line, needs in COMMANDS.items():
-            command, base = timed([str(CORRAL), *line.split()[1:]],
-                                  [sys.executable, "-c", needs], args.n, env, Path(tmp))
+            command, base = timed(
+                [str(CORRAL), *line.split()[1:]],
+                [sys.executable, "-c", needs],
+                args.n,
+                env,
+                Path(tmp),
+            )
             ratio, fastest = command.median / base.median, command.fastest / base.fastest
             met &= ratio <= AIM
-            print(f"{line:<20} {command.median * 1000:6.0f}ms {command.fastest * 1000:6.0f}ms "
-                  f"{base.median * 1000:7.0f}ms {base.fastest * 1000:7.0f}ms "
-                  f"{ratio:6.2f} {fastest:9.2f}  {'met' if ratio <= AIM else 'MISSED'}"
-                  f" (aim <= {AIM})")
+            print(
+                f"{line:<20} {command.median * 1000:6.0f}ms {command.fastest * 1000:6.0f}ms "
+                f"{base.median * 1000:7.0f}ms {base.fastest * 1000:7.0f}ms "
+                f"{ratio:6.2f} {fastest:9.2f}  {'met' if ratio <= AIM else 'MISSED'}"
+                f" (aim <= {AIM})"
+            )
         load = os.getloadavg()[0]
         print(f"{args.n} runs each; load average {load:.1f}")
     return 0 if met else 1

@@ -74,16 +74,26 @@ TASKS_BY_QUEUE: dict[str, tuple[str, ...]] = {
     "corral.delete": ("corral.delete_replica", "corral.delete_batch", "corral.release_orphan"),
     "corral.scale": ("corral.scale",),
     "corral.maintenance": (
-        "corral.reap", "corral.reconcile", "corral.check_health", "corral.autoscale",
-        "corral.reap_pass", "corral.reconcile_pass", "corral.hogs", "corral.noop",
+        "corral.reap",
+        "corral.reconcile",
+        "corral.check_health",
+        "corral.autoscale",
+        "corral.reap_pass",
+        "corral.reconcile_pass",
+        "corral.hogs",
+        "corral.noop",
     ),
 }
 QUEUES = tuple(TASKS_BY_QUEUE)
 
 # Beat's periodic passes: they send no task events (Flower lists operations), and an
 # operator's reap or reconcile is a task of its own (corral.reap, corral.reconcile).
-HOUSEKEEPING = ("corral.check_health", "corral.autoscale", "corral.reap_pass",
-                "corral.reconcile_pass")
+HOUSEKEEPING = (
+    "corral.check_health",
+    "corral.autoscale",
+    "corral.reap_pass",
+    "corral.reconcile_pass",
+)
 
 ROUTES: dict[str, dict[str, str]] = {
     task: {"queue": queue} for queue, tasks in TASKS_BY_QUEUE.items() for task in tasks

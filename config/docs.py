@@ -32,8 +32,10 @@ from config import settings as settings_module
 from config.settings import ENV_PREFIX, Settings
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
-HEADER = ("<!-- Written by `python -m config.docs` from config/settings.py: edit the strings "
-          "there, then run it. -->")
+HEADER = (
+    "<!-- Written by `python -m config.docs` from config/settings.py: edit the strings "
+    "there, then run it. -->"
+)
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
 
 
@@ -62,8 +64,11 @@ def _declared(source: str) -> dict[str, _Declared]:
                 continue
             after = body[i + 1] if i + 1 < len(body) else None
             doc = None
-            if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str)):
+            if (
+                isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 doc = inspect.cleandoc(after.value.value)
             fields[item.target.id] = (ast.unparse(item.annotation), doc)
         out[node.name] = _Declared(ast.get_docstring(node) or "", fields)
@@ -116,8 +121,9 @@ def accepts(info: FieldInfo, written: str) -> str:
         return "a path"
     if kinds == {str}:
         return "text"
-    kind = "seconds" if written.startswith("Seconds") else (
-        "integer" if kinds == {int} else "number")
+    kind = (
+        "seconds" if written.startswith("Seconds") else ("integer" if kinds == {int} else "number")
+    )
     bounds = _bounds(info)
     return f"{kind}, {bounds}" if bounds else kind
 
@@ -168,23 +174,30 @@ def render(model: type[BaseSettings] = Settings, source: str | None = None) -> s
             if not doc:
                 missing.append(name)
                 continue
-            lines.append(f"| `{ENV_PREFIX}{name.upper()}` | {default(info)} | "
-                         f"{accepts(info, written)} | {_one_line(doc)} |")
+            lines.append(
+                f"| `{ENV_PREFIX}{name.upper()}` | {default(info)} | "
+                f"{accepts(info, written)} | {_one_line(doc)} |"
+            )
         lines.append("")
     missing += sorted(set(model.model_fields) - seen)
     if missing:
         raise UndocumentedSetting(
             "settings without a description (a string on the line below the field in "
-            f"config/settings.py): {', '.join(f'{ENV_PREFIX}{m.upper()}' for m in missing)}")
+            f"config/settings.py): {', '.join(f'{ENV_PREFIX}{m.upper()}' for m in missing)}"
+        )
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Write the settings reference, or with ``--check`` say whether it is current."""
-    parser = argparse.ArgumentParser(prog="python -m config.docs", description=__doc__
-                                     and __doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the file differs from what the code says; write nothing")
+    parser = argparse.ArgumentParser(
+        prog="python -m config.docs", description=__doc__ and __doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 if the file differs from what the code says; write nothing",
+    )
     parser.add_argument("--output", type=Path, default=TARGET, help=f"default: {TARGET}")
     args = parser.parse_args(argv)
     try:
@@ -196,8 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check:
         if current == text:
             return 0
-        print(f"config.docs: {args.output} does not match config/settings.py; "
-              "run `python -m config.docs` to rewrite it", file=sys.stderr)
+        print(
+            f"config.docs: {args.output} does not match config/settings.py; "
+            "run `python -m config.docs` to rewrite it",
+            file=sys.stderr,
+        )
         return 1
     if current != text:
         args.output.write_text(text)

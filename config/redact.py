@@ -30,8 +30,18 @@ __all__ = ["MASK", "SECRET_WORDS", "is_secret_name", "redact", "redact_params"]
 
 MASK = "***"
 #: A name holding one of these (case-insensitive) holds a secret.
-SECRET_WORDS = ("secret", "token", "password", "passwd", "api_key", "apikey", "authorization",
-                "aws_access_key", "credential", "basic_auth")
+SECRET_WORDS = (
+    "secret",
+    "token",
+    "password",
+    "passwd",
+    "api_key",
+    "apikey",
+    "authorization",
+    "aws_access_key",
+    "credential",
+    "basic_auth",
+)
 _MIN_SECRET = 4  # shorter "secrets" would mask ordinary words
 
 _NAMES = "|".join(re.escape(w).replace("_", "[_-]?") for w in SECRET_WORDS)
@@ -42,8 +52,10 @@ _PATTERNS = [
     re.compile(r"(://[^/\s:@]*:)[^\s/@]*(@)"),
     re.compile(r"(?i)(%3A%2F%2F[^/\s%@]*%3A)\S*?(%40)"),
     # password=..., "token": "...", aws_secret_access_key%3D...
-    re.compile(r"(?i)([\w-]*(?:" + _NAMES + r")[\w-]*['\"]?\s*(?:[=:]|%3D|%3A)\s*['\"]?)"
-               r"(?!(?i:bearer)\b|\*\*\*)[^\s'\",;&)]+"),
+    re.compile(
+        r"(?i)([\w-]*(?:" + _NAMES + r")[\w-]*['\"]?\s*(?:[=:]|%3D|%3A)\s*['\"]?)"
+        r"(?!(?i:bearer)\b|\*\*\*)[^\s'\",;&)]+"
+    ),
     # AWS access key ids
     re.compile(r"\b((?:AKIA|ASIA))[A-Z0-9]{16}\b"),
 ]

@@ -366,8 +366,20 @@ class _Flower(BaseModel):
 
 
 class Settings(
-    _Places, _Reliability, _Backends, _CreateDefaults, _Maintenance, _DatabaseGuards,
-    _Autoscale, _KeepAlive, _Metrics, _Tracing, _Placement, _Faults, _Gateway, _Flower,
+    _Places,
+    _Reliability,
+    _Backends,
+    _CreateDefaults,
+    _Maintenance,
+    _DatabaseGuards,
+    _Autoscale,
+    _KeepAlive,
+    _Metrics,
+    _Tracing,
+    _Placement,
+    _Faults,
+    _Gateway,
+    _Flower,
     BaseSettings,
 ):
     """Every knob corral reads, with its default: the groups above, one flat namespace.
@@ -409,9 +421,7 @@ class Settings(
     @model_validator(mode="after")
     def _limits_fit(self) -> Settings:
         if self.task_soft_time_limit_s >= self.task_time_limit_s:
-            raise ValueError(
-                "CORRAL_TASK_SOFT_TIME_LIMIT_S must be below CORRAL_TASK_TIME_LIMIT_S"
-            )
+            raise ValueError("CORRAL_TASK_SOFT_TIME_LIMIT_S must be below CORRAL_TASK_TIME_LIMIT_S")
         if self.autoscale_panic_window_s > self.autoscale_stable_window_s:
             raise ValueError(
                 "CORRAL_AUTOSCALE_PANIC_WINDOW_S must not exceed CORRAL_AUTOSCALE_STABLE_WINDOW_S"
@@ -474,7 +484,11 @@ def _trusted(path: Path) -> bool:
     if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         logging.getLogger(__name__).warning(
             "ignoring %s: it must be owned by uid %d and writable by nobody else "
-            "(owner %d, mode %o)", path, os.getuid(), info.st_uid, stat.S_IMODE(info.st_mode),
+            "(owner %d, mode %o)",
+            path,
+            os.getuid(),
+            info.st_uid,
+            stat.S_IMODE(info.st_mode),
         )
         return False
     return True

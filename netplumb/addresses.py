@@ -18,8 +18,14 @@ from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["WILDCARD_HOSTS", "host_of", "is_loopback", "is_wildcard", "join_hostport",
-           "split_hostport"]
+__all__ = [
+    "WILDCARD_HOSTS",
+    "host_of",
+    "is_loopback",
+    "is_wildcard",
+    "join_hostport",
+    "split_hostport",
+]
 
 #: Hosts that mean "every interface" when a server binds them (compared without brackets).
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})  # noqa: S104 - recognised, not bound

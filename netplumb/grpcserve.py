@@ -23,8 +23,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 __all__ = [
-    "REPORT_PREFIX", "TokenInterceptor", "add_health", "bearer_of", "bind_port", "mark_serving",
-    "report_token", "report_vmid", "token_interceptors",
+    "REPORT_PREFIX",
+    "TokenInterceptor",
+    "add_health",
+    "bearer_of",
+    "bind_port",
+    "mark_serving",
+    "report_token",
+    "report_vmid",
+    "token_interceptors",
 ]
 
 
@@ -46,7 +53,7 @@ def report_vmid(token: str, bearer: str) -> str | None:
     """The vmid ``bearer`` is a report token for (keyed by ``token``), or None if it is not one."""
     if not bearer.startswith(REPORT_PREFIX):
         return None
-    vmid, _, _mac = bearer[len(REPORT_PREFIX):].rpartition(".")
+    vmid, _, _mac = bearer[len(REPORT_PREFIX) :].rpartition(".")
     if not vmid or not hmac.compare_digest(bearer.encode(), report_token(token, vmid).encode()):
         return None
     return vmid

@@ -30,8 +30,17 @@ import shlex
 from collections.abc import Mapping
 
 __all__ = [
-    "AGENT_NAMES", "MAX_VALUE", "MAX_VARIABLES", "NAME_RE", "REFUSED_NAMES", "REFUSED_PREFIXES",
-    "SAFE_PATH", "check", "guest_environment", "parse_env_args", "refusal",
+    "AGENT_NAMES",
+    "MAX_VALUE",
+    "MAX_VARIABLES",
+    "NAME_RE",
+    "REFUSED_NAMES",
+    "REFUSED_PREFIXES",
+    "SAFE_PATH",
+    "check",
+    "guest_environment",
+    "parse_env_args",
+    "refusal",
 ]
 
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
@@ -44,19 +53,59 @@ SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 AGENT_NAMES = frozenset({"PORT", "HOST", "VMID", "PATH", "HOME", "REGISTRY", "REPORT_TOKEN"})
 
 #: Names (upper-cased) that are code, a path to code, or a command to some program.
-REFUSED_NAMES = frozenset({
-    "ENV", "BASH_ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND", "IFS", "CDPATH",
-    "SHELL", "BROWSER", "PAGER", "MANPAGER", "EDITOR", "VISUAL", "TERMINAL",
-    "ZDOTDIR", "SSH_ASKPASS", "SUDO_ASKPASS", "LESSOPEN", "LESSCLOSE", "CLASSPATH",
-})
+REFUSED_NAMES = frozenset(
+    {
+        "ENV",
+        "BASH_ENV",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS4",
+        "PROMPT_COMMAND",
+        "IFS",
+        "CDPATH",
+        "SHELL",
+        "BROWSER",
+        "PAGER",
+        "MANPAGER",
+        "EDITOR",
+        "VISUAL",
+        "TERMINAL",
+        "ZDOTDIR",
+        "SSH_ASKPASS",
+        "SUDO_ASKPASS",
+        "LESSOPEN",
+        "LESSCLOSE",
+        "CLASSPATH",
+    }
+)
 #: Prefixes (upper-cased) of names that are code to some interpreter or loader.
 REFUSED_PREFIXES = (
     "PYTHON",  # PYTHONSTARTUP, PYTHONPATH, PYTHONWARNINGS (imports), PYTHONHOME...
-    "LD_", "DYLD_", "GLIBC_", "MALLOC_", "GCONV_",  # the dynamic loader and libc
+    "LD_",
+    "DYLD_",
+    "GLIBC_",
+    "MALLOC_",
+    "GCONV_",  # the dynamic loader and libc
     "BASH_",  # BASH_ENV, BASH_FUNC_* (exported functions)
-    "PERL", "RUBY", "GEM_", "BUNDLE", "NODE_", "NPM_", "LUA_", "PHP", "TCL", "R_",
-    "JAVA", "_JAVA_", "JDK_", "DOTNET_", "CORECLR_", "COMPLUS_", "MONO_",
-    "GIT_", "OPENSSL_",
+    "PERL",
+    "RUBY",
+    "GEM_",
+    "BUNDLE",
+    "NODE_",
+    "NPM_",
+    "LUA_",
+    "PHP",
+    "TCL",
+    "R_",
+    "JAVA",
+    "_JAVA_",
+    "JDK_",
+    "DOTNET_",
+    "CORECLR_",
+    "COMPLUS_",
+    "MONO_",
+    "GIT_",
+    "OPENSSL_",
 )
 
 
@@ -69,8 +118,10 @@ def refusal(name: str, value: str) -> str | None:
     if upper in AGENT_NAMES:
         return f"{name} is set by the agent for every guest"
     if upper in REFUSED_NAMES or upper.startswith(REFUSED_PREFIXES):
-        return (f"{name} is refused: programs read it as code or as a command to run "
-                "(see docs/security.md, 'A guest's environment')")
+        return (
+            f"{name} is refused: programs read it as code or as a command to run "
+            "(see docs/security.md, 'A guest's environment')"
+        )
     if len(value) > MAX_VALUE:
         return f"the value of {name} is longer than {MAX_VALUE} characters"
     if "\0" in value or "\n" in value or "\r" in value:

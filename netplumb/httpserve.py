@@ -33,8 +33,10 @@ __all__ = ["BoundedHandler", "BoundedServer"]
 
 log = logging.getLogger(__name__)
 
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
-         b"Content-Length: 22\r\nConnection: close\r\n\r\ntoo many connections\r\n")
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 22\r\nConnection: close\r\n\r\ntoo many connections\r\n"
+)
 
 
 class _Budget:
@@ -126,8 +128,10 @@ class BoundedServer:
                 for sock in late:
                     del self._deadlines[sock]
             for sock in late:
-                log.info("closing a connection that did not send its request in %.0fs",
-                         self.request_deadline_s)
+                log.info(
+                    "closing a connection that did not send its request in %.0fs",
+                    self.request_deadline_s,
+                )
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 

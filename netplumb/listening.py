@@ -42,7 +42,10 @@ def listen_refusal(
     if insecure:
         logging.getLogger("corral.security").warning(
             "%s listens on %s WITHOUT a token (--insecure): anyone who reaches this address "
-            "can call it; set %s", what, shown, variable,
+            "can call it; set %s",
+            what,
+            shown,
+            variable,
         )
         return None
     return (

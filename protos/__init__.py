@@ -23,6 +23,12 @@ from protos import mngrinfo_pb2_grpc as mngrinfo_grpc
 from protos import resmngr_pb2_grpc as resmngr_grpc
 
 __all__ = [
-    "fcdaemon_grpc", "fcdaemon_pb2", "gpuresc_grpc", "gpuresc_pb2", "mngrinfo_grpc",
-    "mngrinfo_pb2", "resmngr_grpc", "resmngr_pb2",
+    "fcdaemon_grpc",
+    "fcdaemon_pb2",
+    "gpuresc_grpc",
+    "gpuresc_pb2",
+    "mngrinfo_grpc",
+    "mngrinfo_pb2",
+    "resmngr_grpc",
+    "resmngr_pb2",
 ]

@@ -47,9 +47,14 @@ def generate(out_root: Path) -> None:
     (out_root / "protos").mkdir(parents=True, exist_ok=True)
     for proto in proto_files():
         args = [
-            "grpc_tools.protoc", *plugins, f"-I{ROOT}", f"-I{include}",
-            f"--python_out={out_root}", f"--grpc_python_out={out_root}",
-            f"--mypy_out={out_root}", f"--mypy_grpc_out={out_root}",
+            "grpc_tools.protoc",
+            *plugins,
+            f"-I{ROOT}",
+            f"-I{include}",
+            f"--python_out={out_root}",
+            f"--grpc_python_out={out_root}",
+            f"--mypy_out={out_root}",
+            f"--mypy_grpc_out={out_root}",
             str(proto.relative_to(ROOT)),
         ]
         if protoc.main(args) != 0:
@@ -71,7 +76,8 @@ def stale() -> list[str]:
         generate(Path(tmp))
         fresh = Path(tmp) / "protos"
         return [
-            name for name in generated_names()
+            name
+            for name in generated_names()
             if not (HERE / name).exists()
             or not filecmp.cmp(fresh / name, HERE / name, shallow=False)
         ]

@@ -28,15 +28,24 @@ def redis_argv(directory: Path, port: int, *, bind: str = "127.0.0.1") -> list[s
     """Command line for a persistent Redis on ``bind:port`` keeping its data in ``directory``."""
     return [
         redis_server_binary(),
-        "--port", str(port),
-        "--bind", bind,
-        "--dir", str(directory),
-        "--appendonly", "yes",
-        "--appendfsync", "everysec",
-        "--save", "",
-        "--protected-mode", "yes",
-        "--daemonize", "no",
-        "--logfile", "",
+        "--port",
+        str(port),
+        "--bind",
+        bind,
+        "--dir",
+        str(directory),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--protected-mode",
+        "yes",
+        "--daemonize",
+        "no",
+        "--logfile",
+        "",
     ]
 
 

@@ -47,8 +47,14 @@ class Child:
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the child runs
         self._log = log
         self.proc = subprocess.Popen(  # noqa: S603 - corral's own commands (stack.up)
-            self.argv, env=self.env, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+            self.argv,
+            env=self.env,
+            cwd=self.cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self.started_at = time.monotonic()
 
@@ -88,8 +94,9 @@ class Supervisor:
         self.children: list[Child] = []
         self.say = say
 
-    def start(self, child: Child, ready: Callable[[], bool] | None = None,
-              timeout: float = 60.0) -> Child:
+    def start(
+        self, child: Child, ready: Callable[[], bool] | None = None, timeout: float = 60.0
+    ) -> Child:
         """Start a child and wait until ``ready()`` says it serves."""
         self.children.append(child)
         child.start()
@@ -108,8 +115,10 @@ class Supervisor:
             if not child.alive and time.monotonic() - child.started_at > 5:
                 code = child.proc.returncode if child.proc else None
                 child.restarts += 1
-                self.say(f"{child.name} exited ({code}); restarting (#{child.restarts}); "
-                         f"log: {child.log_path}")
+                self.say(
+                    f"{child.name} exited ({code}); restarting (#{child.restarts}); "
+                    f"log: {child.log_path}"
+                )
                 child.start()
 
     def stop_all(self) -> None:

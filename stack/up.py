@@ -40,8 +40,15 @@ from workers.store.db import get_database
 from workers.store.migrate import safe_url, upgrade
 from workers.store.models import Node
 
-DEFAULT_PORTS = {"redis": 6379, "registry": 50052, "flower": 5555, "fcdaemon": 50051,
-                 "lambdo": 3000, "gateway": 8080, "metrics": 9808}
+DEFAULT_PORTS = {
+    "redis": 6379,
+    "registry": 50052,
+    "flower": 5555,
+    "fcdaemon": 50051,
+    "lambdo": 3000,
+    "gateway": 8080,
+    "metrics": 9808,
+}
 
 
 class AlreadyRunning(RuntimeError):
@@ -121,8 +128,10 @@ def run(options: UpOptions) -> int:
     stack_file = state / "stack.json"
     try:
         published, services = _start(options, state, logs, sup)
-        _write_private(stack_file, json.dumps(
-            {"pid": os.getpid(), "settings": published, "services": services}, indent=2))
+        _write_private(
+            stack_file,
+            json.dumps({"pid": os.getpid(), "settings": published, "services": services}, indent=2),
+        )
         _summary(published, services, state, options)
         while not stop_requested:
             sup.watch_once()
@@ -157,8 +166,10 @@ def _start(
     database = os.environ.get("CORRAL_DATABASE_URL") or f"sqlite:///{state / 'corral.sqlite'}"
     published["database_url"] = database
     before, after = upgrade(get_database(database))
-    _say(f"database {safe_url(database)} at revision {after}"
-         + ("" if before == after else f" (migrated from {before or 'empty'})"))
+    _say(
+        f"database {safe_url(database)} at revision {after}"
+        + ("" if before == after else f" (migrated from {before or 'empty'})")
+    )
 
     reg_port = free_port(DEFAULT_PORTS["registry"])
     published["registry_listen"] = services["registry"] = f"127.0.0.1:{reg_port}"
@@ -169,8 +180,9 @@ def _start(
         env["CORRAL_" + key.upper()] = str(value)
     env["CORRAL_STATE_DIR"] = str(state)
 
-    launch.start("registry", [PY, "-m", "tasks.cli", "registry"],
-                 ready=lambda: _port_open(reg_port))
+    launch.start(
+        "registry", [PY, "-m", "tasks.cli", "registry"], ready=lambda: _port_open(reg_port)
+    )
     _start_celery(launch, options, base, flower_port)
     services["gateway"] = _start_http(launch, "gateway", ["tasks.cli", "gateway"], "")
     services["metrics"] = _start_http(launch, "metrics", ["tasks.cli", "metrics"], "/metrics")
@@ -192,19 +204,32 @@ class _Launch:
     state: Path
     logs: Path
 
-    def start(self, name: str, argv: list[str], *, ready: Callable[[], bool] | None = None,
-              timeout: float = 60.0) -> None:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        ready: Callable[[], bool] | None = None,
+        timeout: float = 60.0,
+    ) -> None:
         """Start child ``name`` and wait until ``ready()`` says it serves."""
-        self.sup.start(Child(name, argv, self.env, self.logs / f"{name}.log", self.state),
-                       ready=ready, timeout=timeout)
+        self.sup.start(
+            Child(name, argv, self.env, self.logs / f"{name}.log", self.state),
+            ready=ready,
+            timeout=timeout,
+        )
 
 
 def _start_redis(launch: _Launch) -> str:
     """Start the embedded Redis; its URL."""
     (launch.state / "redis").mkdir(exist_ok=True)
     port = free_port(DEFAULT_PORTS["redis"])
-    launch.start("redis", redis_argv(launch.state / "redis", port),
-                 ready=lambda: _port_open(port), timeout=20)
+    launch.start(
+        "redis",
+        redis_argv(launch.state / "redis", port),
+        ready=lambda: _port_open(port),
+        timeout=20,
+    )
     return f"redis://127.0.0.1:{port}/0"
 
 
@@ -212,17 +237,51 @@ def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_po
     """Start the worker, beat and Flower (on loopback)."""
     worker_log = launch.logs / "worker.log"
     launch.start(
-        "worker", [PY, "-m", "celery", "-A", "workers", "worker", "-E", "-l", "INFO",
-                   *(["-c", str(options.worker_concurrency)]
-                     if options.worker_concurrency else []),
-                   "-n", "corral@%h", "-Q", ",".join(QUEUES)],
+        "worker",
+        [
+            PY,
+            "-m",
+            "celery",
+            "-A",
+            "workers",
+            "worker",
+            "-E",
+            "-l",
+            "INFO",
+            *(["-c", str(options.worker_concurrency)] if options.worker_concurrency else []),
+            "-n",
+            "corral@%h",
+            "-Q",
+            ",".join(QUEUES),
+        ],
         ready=lambda: worker_log.exists() and b" ready." in worker_log.read_bytes(),
         timeout=60,
     )
-    launch.start("beat", [PY, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
-                          "-s", str(launch.state / "beat-schedule")])
-    flower_argv = [PY, "-m", "celery", "-A", "workers", "flower", f"--port={flower_port}",
-                   "--address=127.0.0.1"]
+    launch.start(
+        "beat",
+        [
+            PY,
+            "-m",
+            "celery",
+            "-A",
+            "workers",
+            "beat",
+            "-l",
+            "INFO",
+            "-s",
+            str(launch.state / "beat-schedule"),
+        ],
+    )
+    flower_argv = [
+        PY,
+        "-m",
+        "celery",
+        "-A",
+        "workers",
+        "flower",
+        f"--port={flower_port}",
+        "--address=127.0.0.1",
+    ]
     if base.flower_user and base.flower_password:
         # through the environment, not argv, so `ps` does not show the password
         launch.env["FLOWER_BASIC_AUTH"] = f"{base.flower_user}:{base.flower_password}"
@@ -235,22 +294,43 @@ def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_po
 def _start_http(launch: _Launch, name: str, module_args: list[str], path: str) -> str:
     """Start one of corral's HTTP services on a loopback port; its URL."""
     port = free_port(DEFAULT_PORTS[name])
-    launch.start(name, [PY, "-m", *module_args, "--listen", f"127.0.0.1:{port}"],
-                 ready=lambda: _port_open(port), timeout=30)
+    launch.start(
+        name,
+        [PY, "-m", *module_args, "--listen", f"127.0.0.1:{port}"],
+        ready=lambda: _port_open(port),
+        timeout=30,
+    )
     return f"http://127.0.0.1:{port}{path}"
 
 
 def _start_agents(launch: _Launch, database: str, reg_port: int) -> dict[str, str]:
     """Start a local fcdaemon agent and Lambdo host, registered as nodes; their addresses."""
     fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
-    launch.start("fcdaemon", [PY, "-m", "agents.fcdaemon", "--listen", f"127.0.0.1:{fc_port}",
-                              "--registry", f"127.0.0.1:{reg_port}", "--node-id",
-                              "local-fcdaemon", "--driver", "process"],
-                 ready=lambda: _node_registered(database, "local-fcdaemon"), timeout=30)
+    launch.start(
+        "fcdaemon",
+        [
+            PY,
+            "-m",
+            "agents.fcdaemon",
+            "--listen",
+            f"127.0.0.1:{fc_port}",
+            "--registry",
+            f"127.0.0.1:{reg_port}",
+            "--node-id",
+            "local-fcdaemon",
+            "--driver",
+            "process",
+        ],
+        ready=lambda: _node_registered(database, "local-fcdaemon"),
+        timeout=30,
+    )
     lb_port = free_port(DEFAULT_PORTS["lambdo"])
     lambdo = f"http://127.0.0.1:{lb_port}"
-    launch.start("lambdo", [PY, "-m", "agents.lambdo", "--listen", f"127.0.0.1:{lb_port}",
-                            "--driver", "process"], ready=lambda: _port_open(lb_port))
+    launch.start(
+        "lambdo",
+        [PY, "-m", "agents.lambdo", "--listen", f"127.0.0.1:{lb_port}", "--driver", "process"],
+        ready=lambda: _port_open(lb_port),
+    )
     _add_lambdo_node(database, lambdo)
     return {"fcdaemon": f"127.0.0.1:{fc_port}", "lambdo": lambdo}
 
@@ -272,12 +352,18 @@ def _node_registered(database: str, external_id: str) -> bool:
 
 def _add_lambdo_node(database: str, url: str) -> None:
     with get_database(database).transaction() as s:
-        upsert_node(s, url, name="local-lambdo", kind=NodeKind.LAMBDO,
-                    default_capacity=get_settings().node_capacity)
+        upsert_node(
+            s,
+            url,
+            name="local-lambdo",
+            kind=NodeKind.LAMBDO,
+            default_capacity=get_settings().node_capacity,
+        )
 
 
-def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
-             options: UpOptions) -> None:
+def _summary(
+    published: dict[str, Any], services: dict[str, str], state: Path, options: UpOptions
+) -> None:
     lines = [
         "corral is up",
         f"  state directory  {state}",
@@ -293,6 +379,8 @@ def _summary(published: dict[str, Any], services: dict[str, str], state: Path,
             f"  fcdaemon agent   {services['fcdaemon']} (node local-fcdaemon)",
             f"  lambdo host      {services['lambdo']} (node local-lambdo)",
         ]
-    lines += [f"  logs             {state / 'logs'}",
-              "run `corral ...` from this directory in another terminal; Ctrl-C stops everything"]
+    lines += [
+        f"  logs             {state / 'logs'}",
+        "run `corral ...` from this directory in another terminal; Ctrl-C stops everything",
+    ]
     print("\n".join(lines), flush=True)

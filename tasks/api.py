@@ -118,6 +118,7 @@ def __getattr__(name: str) -> Any:
         return getattr(_EXPORTED_LATER[name], name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "RESENDABLE",
     "Audit",
@@ -279,9 +280,7 @@ def delete(replica_id: str, *, settings: Settings | None = None) -> str:
     return _submit(db, lambda s: requests.request_delete(s, replica_id))
 
 
-def hogs(
-    action: str, n: int, node: str | None = None, *, settings: Settings | None = None
-) -> str:
+def hogs(action: str, n: int, node: str | None = None, *, settings: Settings | None = None) -> str:
     """Start or stop ``n`` CPU hogs on ``node`` (default: all healthy agents); returns the op id."""
     db = database(settings)
     action, n = fleet_hogs.check_hogs(action, n)
@@ -297,8 +296,7 @@ def reap(idle_timeout: float | None = None, *, settings: Settings | None = None)
     """Ask for one reaper pass (optionally with an idle-timeout override); returns the op id."""
     db = database(settings)
     idle_timeout = reaper.check_idle_timeout(idle_timeout)
-    return _submit(db, lambda s: create_operation(s, OpKind.REAP,
-                                                          {"idle_timeout": idle_timeout}))
+    return _submit(db, lambda s: create_operation(s, OpKind.REAP, {"idle_timeout": idle_timeout}))
 
 
 def reconcile(*, settings: Settings | None = None) -> str:
@@ -374,9 +372,15 @@ def add_node(  # noqa: PLR0913 - keyword-only options with defaults
     """
     settings = settings or get_settings()
     with database(settings).transaction() as s:
-        node, created = fleet.upsert_node(s, address, name=name, kind=kind, capacity=capacity,
-                                          default_capacity=settings.node_capacity,
-                                          replica_networks=replica_networks)
+        node, created = fleet.upsert_node(
+            s,
+            address,
+            name=name,
+            kind=kind,
+            capacity=capacity,
+            default_capacity=settings.node_capacity,
+            replica_networks=replica_networks,
+        )
         return Saved(node_view(node), created)
 
 
@@ -426,9 +430,11 @@ def _keep_alive_windows(settings: Settings, name: str) -> dict[str, Any]:
     except redis.RedisError as exc:
         return {"mode": "unknown", "reason": f"Redis did not answer: {exc}"}
     now = time.time()
-    return {**plan.windows.as_dict(),
-            "last_activity_s_ago": None if plan.last is None else round(now - plan.last, 1),
-            "warm_now": plan.warm(now)}
+    return {
+        **plan.windows.as_dict(),
+        "last_activity_s_ago": None if plan.last is None else round(now - plan.last, 1),
+        "warm_now": plan.warm(now),
+    }
 
 
 def deploy(spec: FunctionSpec, *, settings: Settings | None = None) -> Saved[FunctionView]:
@@ -448,7 +454,8 @@ def remove_function(
         live = live_replica_ids(s, get_function(s, name))
     if live and not force:
         raise InputError(
-            f"function {name!r} has {len(live)} replica(s); delete them or use --force")
+            f"function {name!r} has {len(live)} replica(s); delete them or use --force"
+        )
     for op_id in [delete(rid, settings=settings) for rid in live]:
         view = wait(op_id, timeout=timeout, settings=settings)
         if view["status"] != "succeeded":
@@ -495,8 +502,7 @@ def add_gpus(
 ) -> list[GpuView]:
     """Record (or refresh) the GPUs a GPU server's AvA manager reports; they, by port."""
     settings = settings or get_settings()
-    found = gpu_inventory.add_gpu_server(database(settings), settings, address,
-                                         mngr_addr=manager)
+    found = gpu_inventory.add_gpu_server(database(settings), settings, address, mngr_addr=manager)
     return [gpu_inventory.gpu_view(g) for g in found]
 
 
@@ -529,16 +535,26 @@ def claim(
     _check_cold_start_timeout(cold_start_timeout)
     called = time.time()
     attempt = coldstarts.ClaimAttempt(
-        database(settings), settings, function, cold_start_timeout=cold_start_timeout,
-        ttl_s=ttl, spawn=lambda name: spawn(name, 1, settings=settings),
+        database(settings),
+        settings,
+        function,
+        cold_start_timeout=cold_start_timeout,
+        ttl_s=ttl,
+        spawn=lambda name: spawn(name, 1, settings=settings),
     )
     try:
         while True:
             got = attempt.step()
             if isinstance(got, claims.Claimed):
                 _invocation(settings, got.function, idletimes.Activity(arrivals=[called]))
-                return cast(ClaimView, {**got.as_dict(), "waited_s": round(attempt.waited_s, 3),
-                                        "spawned": attempt.spawned})
+                return cast(
+                    ClaimView,
+                    {
+                        **got.as_dict(),
+                        "waited_s": round(attempt.waited_s, 3),
+                        "spawned": attempt.spawned,
+                    },
+                )
             time.sleep(got)
     finally:
         attempt.close()
@@ -565,8 +581,11 @@ def release(claim_id: str, *, settings: Settings | None = None) -> ReleaseView:
 
 def _invocation(settings: Settings, function: str, seen: idletimes.Activity) -> None:
     """A claim is an invocation's start, its release the end: for the keep-alive histograms."""
-    idletimes.record_quietly(redis_clients.redis_client(settings.broker_url),
-                             idletimes.Shape.from_settings(settings), {function: seen})
+    idletimes.record_quietly(
+        redis_clients.redis_client(settings.broker_url),
+        idletimes.Shape.from_settings(settings),
+        {function: seen},
+    )
 
 
 def suspect(claim_id: str, reason: str, *, settings: Settings | None = None) -> str | None:

@@ -81,16 +81,29 @@ def _reap(task: CorralTask, idle_timeout: float | None, op_id: str | None) -> di
     # An operator's pass waits a little for a periodic one to end instead of failing.
     # Any error fails the operation (CorralTask).
     wait = settings.task_soft_time_limit_s / 4 if op_id else 0.0
-    report = reaper.reap(task.db, settings, idle_timeout=idle_timeout, holder=holder,
-                         lease_wait_s=wait, idle_times=redis_client(settings.broker_url))
+    report = reaper.reap(
+        task.db,
+        settings,
+        idle_timeout=idle_timeout,
+        holder=holder,
+        lease_wait_s=wait,
+        idle_times=redis_client(settings.broker_url),
+    )
     _count_reaped(settings, report.counts)
-    extra: dict[str, Any] = {"replacements": _spawn_each(task.db, report.replace),
-                             "redriven": _redrive(task)}
+    extra: dict[str, Any] = {
+        "replacements": _spawn_each(task.db, report.replace),
+        "redriven": _redrive(task),
+    }
     if op_id:
         reaper.record(task.db, op_id, report, extra)
     elif report.changed or extra["redriven"]:
-        extra["op_id"] = record_pass(task.db, OpKind.REAP, reaper.outcome(report, extra),
-                                     total=len(report.deleted), failed=report.failed)
+        extra["op_id"] = record_pass(
+            task.db,
+            OpKind.REAP,
+            reaper.outcome(report, extra),
+            total=len(report.deleted),
+            failed=report.failed,
+        )
     return {**report.as_dict(), **extra}
 
 
@@ -119,8 +132,10 @@ def _count_reaped(settings: Settings, counts: dict[str, int]) -> None:
 def _redrive(task: CorralTask) -> dict[str, str]:
     """Re-send the first task of every operation that stopped moving; op id -> outcome."""
     kinds = redrive.RESENDABLE
-    sent = {op_id: f"failed: {reason}"
-            for op_id, reason in redrive.give_up(task.db, task.settings, kinds).items()}
+    sent = {
+        op_id: f"failed: {reason}"
+        for op_id, reason in redrive.give_up(task.db, task.settings, kinds).items()
+    }
     for due in redrive.due(task.db, task.settings, kinds):
         try:
             dispatch.resend(due.kind, due.op_id, due.params)
@@ -169,8 +184,7 @@ def _reconcile(task: CorralTask, op_id: str | None) -> dict[str, Any]:
     """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""
     holder = leases.holder_name(task.request.id)
     report = reconciler.reconcile(task.db, task.settings, holder=holder)
-    result: dict[str, Any] = {**report.as_dict(),
-                              "spawned": _spawn_each(task.db, report.top_up)}
+    result: dict[str, Any] = {**report.as_dict(), "spawned": _spawn_each(task.db, report.top_up)}
     if op_id:
         record_result(task.db, op_id, result)
     elif report.changed:

@@ -39,9 +39,7 @@ def spawn(self: CorralTask, op_id: str) -> dict[str, Any]:
 
 
 @app.task(bind=True, name="corral.spawn_batch")
-def spawn_batch(
-    self: CorralTask, op_id: str, function_id: str, jobs: list[Any]
-) -> dict[str, Any]:
+def spawn_batch(self: CorralTask, op_id: str, function_id: str, jobs: list[Any]) -> dict[str, Any]:
     """Spawn up to ``SPAWN_BATCH`` replicas: rows in one transaction, VMs at once."""
     parsed = spawning.parse_jobs(jobs)
     nxt = spawning.run_batch(self.db, self.settings, op_id, function_id, parsed, self.budget)
@@ -51,12 +49,16 @@ def spawn_batch(
 
 @app.task(bind=True, name="corral.spawn_replica")
 def spawn_replica(
-    self: CorralTask, op_id: str | None, request_id: str, function_id: str,
+    self: CorralTask,
+    op_id: str | None,
+    request_id: str,
+    function_id: str,
     node_id: str | None = None,
 ) -> dict[str, Any]:
     """Create one replica (row first, then the VM), retrying transport errors with backoff."""
-    nxt = spawning.run_one(self.db, self.settings, op_id, request_id, function_id, node_id,
-                        self.budget)
+    nxt = spawning.run_one(
+        self.db, self.settings, op_id, request_id, function_id, node_id, self.budget
+    )
     mine = [exc for _, rid, exc in nxt.retry if rid == request_id]
     if mine:
         self.retry_within_budget(request_id, mine[0])
@@ -70,11 +72,14 @@ def spawn_replica(
 def delete_batch(self: CorralTask, op_id: str | None, replica_ids: list[Any]) -> dict[str, Any]:
     """Delete up to ``DELETE_BATCH`` replicas: mark, release at once, retire in one transaction."""
     out = deleting.delete_batch(self.db, self.settings, op_id, replica_ids, self.budget)
-    _send([delete_replica.si(rid, op_id).set(countdown=self.backoff(), retries=1)
-           for rid in out.retry]
-          + ([delete_batch.si(op_id, out.rest)] if out.rest else []))
-    return {"op_id": op_id, "deleted": out.done, "retrying": len(out.retry),
-            "left": len(out.rest)}
+    _send(
+        [
+            delete_replica.si(rid, op_id).set(countdown=self.backoff(), retries=1)
+            for rid in out.retry
+        ]
+        + ([delete_batch.si(op_id, out.rest)] if out.rest else [])
+    )
+    return {"op_id": op_id, "deleted": out.done, "retrying": len(out.retry), "left": len(out.rest)}
 
 
 @app.task(bind=True, name=dispatch.DELETE_REPLICA)
@@ -106,14 +111,23 @@ def scale(self: CorralTask, op_id: str) -> dict[str, Any]:
         plan = scaling.plan_scale(self.db, self.settings, op_id)
         timer.mark_planned()
         size = deleting.DELETE_BATCH
-        _send([delete_batch.si(op_id, plan.deletes[i : i + size])
-               for i in range(0, len(plan.deletes), size)])
-        fan = spawning.fan_out(self.db, self.settings, op_id, plan.function_id, plan.spawns,
-                            self.budget)
+        _send(
+            [
+                delete_batch.si(op_id, plan.deletes[i : i + size])
+                for i in range(0, len(plan.deletes), size)
+            ]
+        )
+        fan = spawning.fan_out(
+            self.db, self.settings, op_id, plan.function_id, plan.spawns, self.budget
+        )
         _send([_batch(op_id, plan.function_id, batch) for batch in fan.batches])
         _follow(self, plan.function_id, fan.first)
-    return {"op_id": op_id, "spawn": len(plan.spawns), "delete": len(plan.deletes),
-            "note": plan.note}
+    return {
+        "op_id": op_id,
+        "spawn": len(plan.spawns),
+        "delete": len(plan.deletes),
+        "note": plan.note,
+    }
 
 
 def _timed(task: CorralTask, op_id: str) -> contextlib.AbstractContextManager[stages.SpawnTimer]:
@@ -132,8 +146,10 @@ def _follow(task: CorralTask, function_id: str, nxt: Next) -> None:
     for op_id, request_id in nxt.rest:
         rest[op_id].append(spawning.SpawnJob(request_id))
     _send(
-        [spawn_replica.si(op, rid, function_id).set(countdown=task.backoff(), retries=1)
-         for op, rid, _ in nxt.retry]
+        [
+            spawn_replica.si(op, rid, function_id).set(countdown=task.backoff(), retries=1)
+            for op, rid, _ in nxt.retry
+        ]
         + [spawn_replica.si(op, rid, function_id) for op, rid in nxt.again]
         + [_batch(op, function_id, jobs) for op, jobs in rest.items()]
     )

@@ -65,8 +65,15 @@ def thread_worker(broker_env: Env) -> Iterator[Env]:
 class WorkerProcess:
     """``celery -A workers worker`` as a child process with the test's environment."""
 
-    def __init__(self, log_dir: Path, *, concurrency: int = 2, pool: str | None = None,
-                 extra_env: dict[str, str] | None = None, name: str = "w1") -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        concurrency: int = 2,
+        pool: str | None = None,
+        extra_env: dict[str, str] | None = None,
+        name: str = "w1",
+    ) -> None:
         """``pool``: ``-P`` (None: the app's own, as ``celery -A workers worker`` runs)."""
         self.log_path = log_dir / f"worker-{name}.log"
         self.concurrency = concurrency
@@ -80,13 +87,28 @@ class WorkerProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "celery", "-A", "workers", "worker",
-                *(["-P", self.pool] if self.pool else []), "-c", str(self.concurrency),
-                "-l", "INFO",
-                "-n", f"{self.name}@%h", "-Q", ",".join(QUEUES),
-                "--without-gossip", "--without-mingle",
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "workers",
+                "worker",
+                *(["-P", self.pool] if self.pool else []),
+                "-c",
+                str(self.concurrency),
+                "-l",
+                "INFO",
+                "-n",
+                f"{self.name}@%h",
+                "-Q",
+                ",".join(QUEUES),
+                "--without-gossip",
+                "--without-mingle",
             ],
-            cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout
@@ -137,8 +159,22 @@ def start_beat(tmp: Path, name: str, extra_env: dict[str, str]) -> subprocess.Po
     """``celery -A workers beat`` as a child process (log and schedule under ``tmp``)."""
     log = (tmp / f"beat-{name}.log").open("wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "workers", "beat", "-l", "INFO",
-         "--max-interval", "1", "-s", str(tmp / f"beat-{name}.schedule")],
-        cwd=ROOT, env={**os.environ, **FAST, **extra_env}, stdout=log,
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "workers",
+            "beat",
+            "-l",
+            "INFO",
+            "--max-interval",
+            "1",
+            "-s",
+            str(tmp / f"beat-{name}.schedule"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **FAST, **extra_env},
+        stdout=log,
         stderr=subprocess.STDOUT,
     )

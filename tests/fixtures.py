@@ -101,13 +101,11 @@ class Env:
 
 
 def _apply(env: Env, url: str, *, migrate: bool = True, **extra: Any) -> Env:
-    base = {k[len("CORRAL_"):].lower(): v for k, v in FAST.items()}
+    base = {k[len("CORRAL_") :].lower(): v for k, v in FAST.items()}
     env.set(**{**base, "broker_url": NO_BROKER, "database_url": url, "eager": "1", **extra})
     if migrate:
         upgrade(env.db)
     return env
-
-
 
 
 STORES = ("sqlite", "postgres")
@@ -141,9 +139,12 @@ def truncate(url: str) -> None:
     db = get_database(url)
     db.dispose()
     with db.engine.connect() as conn:
-        conn.execute(text(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND pid <> pg_backend_pid()"))
+        conn.execute(
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        )
         conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
         conn.commit()
     db.dispose()
@@ -235,12 +236,22 @@ def start_agents() -> Iterator[StartAgents]:
     """
     started: list[RunningAgent] = []
 
-    def start(n: int = 1, *, capacity: int = 64, env: Env | None = None,
-              seed_only: bool = False, registry: str | None = None) -> list[RunningAgent]:
+    def start(
+        n: int = 1,
+        *,
+        capacity: int = 64,
+        env: Env | None = None,
+        seed_only: bool = False,
+        registry: str | None = None,
+    ) -> list[RunningAgent]:
         """``seed_only``: agents without corral's extensions; ``registry``: report READY."""
         db = env.db if env is not None else get_database(get_settings().database_url)
-        batch = [serve_fcdaemon("127.0.0.1:0", seed_only=seed_only, registry=registry,
-                                advertise_ip="127.0.0.1") for _ in range(n)]
+        batch = [
+            serve_fcdaemon(
+                "127.0.0.1:0", seed_only=seed_only, registry=registry, advertise_ip="127.0.0.1"
+            )
+            for _ in range(n)
+        ]
         started.extend(batch)
         if registry:  # each agent registers itself (RegisterNode): wait until all have
             _wait_for_nodes(db, {agent.address for agent in batch})

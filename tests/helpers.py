@@ -72,13 +72,17 @@ def result_of(op: Mapping[str, Any] | Operation) -> dict[str, Any]:
 
 
 def creating(
-    env: Env, function_id: str, request_id: str, node_id: str | None = None,
+    env: Env,
+    function_id: str,
+    request_id: str,
+    node_id: str | None = None,
     op_id: str | None = None,
 ) -> Pending:
     """A Creating row for ``request_id``, placed and taken as a spawn handler does (no VM)."""
     place(env.db, env.settings, op_id, function_id, [SpawnJob(request_id, node_id)])
-    taken = take(env.db, env.settings, [request_id], owner_token(),
-                 Budget.of(env.settings).own_until())
+    taken = take(
+        env.db, env.settings, [request_id], owner_token(), Budget.of(env.settings).own_until()
+    )
     (pending,) = taken.pending
     return pending
 

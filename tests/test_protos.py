@@ -11,7 +11,9 @@ from protos import fcdaemon_pb2, resmngr_pb2
 def test_generated_modules_match_the_proto_files() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "protos.generate", "--check"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
 

@@ -92,8 +92,11 @@ class CorralTask(Task):  # type: ignore[misc]
     def _argument_types(self) -> dict[str, pydantic.TypeAdapter[Any]]:
         """A strict validator per annotated argument: a message is JSON, so no coercion."""
         hints = typing.get_type_hints(self.run)
-        return {name: pydantic.TypeAdapter(hints[name])
-                for name in self._signature.parameters if name in hints}
+        return {
+            name: pydantic.TypeAdapter(hints[name])
+            for name in self._signature.parameters
+            if name in hints
+        }
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task after checking its arguments; bad input fails the operation."""
@@ -120,15 +123,17 @@ class CorralTask(Task):  # type: ignore[misc]
         budget = _running.budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
         try:
             inject_fault(self.settings, self.name)
-            if (threading.current_thread() is threading.main_thread() or outer is not None
-                    or self.request.is_eager):
+            if (
+                threading.current_thread() is threading.main_thread()
+                or outer is not None
+                or self.request.is_eager
+            ):
                 # prefork, eager, and a first task its caller carries out itself
                 # (workers.dispatch: a gateway's cold start, whose calls have their own
                 # deadlines; a hard limit must not end the gateway): Celery's own
                 return super().__call__(*args, **kwargs)
             # A thread pool: Celery enforces no time limits there; workers.timelimits does.
-            with timelimits.watch(self.name, str(self.request.id), budget.soft_s,
-                                  budget.hard_s):
+            with timelimits.watch(self.name, str(self.request.id), budget.soft_s, budget.hard_s):
                 return super().__call__(*args, **kwargs)
         except InputError as exc:
             return self._reject(op_id, str(exc))
@@ -139,8 +144,12 @@ class CorralTask(Task):  # type: ignore[misc]
             # limit: workers.replicas.calls). The operation is not failed: the task is
             # idempotent, so running it again carries on where it stopped.
             self.retry_within_budget("ran into its soft time limit", exc)
-            log.error("task %s ran into its soft time limit with no retries left; its "
-                      "operation %s is left to redrive", self.request.id, op_id)
+            log.error(
+                "task %s ran into its soft time limit with no retries left; its "
+                "operation %s is left to redrive",
+                self.request.id,
+                op_id,
+            )
             return {"error": "soft time limit"}
         except Exception as exc:
             if is_transient(exc):  # deadlock, lock timeout, connection lost...: run it again
@@ -180,8 +189,9 @@ class CorralTask(Task):  # type: ignore[misc]
         """
         retries, most = self.request.retries, self.settings.retry_max
         if retries < most:
-            log.warning("%s %s: %s; retry %d of %d", self.name, what, exc or "retrying",
-                        retries + 1, most)
+            log.warning(
+                "%s %s: %s; retry %d of %d", self.name, what, exc or "retrying", retries + 1, most
+            )
             raise self.retry(exc=exc, countdown=self.backoff(), max_retries=most) from None
 
     def backoff(self) -> float:

@@ -93,8 +93,12 @@ def first_task(kind: OpKind, op_id: str, params: dict[str, Any]) -> Signature:
         case OpKind.DELETE:
             return _task(name, args=(params["replica"], op_id), immutable=True)
         case OpKind.HOGS:
-            kwargs = {"action": params["action"], "n": params["n"], "node": params["node"],
-                      "op_id": op_id}
+            kwargs = {
+                "action": params["action"],
+                "n": params["n"],
+                "node": params["node"],
+                "op_id": op_id,
+            }
         case OpKind.REAP:
             kwargs = {"idle_timeout": params.get("idle_timeout"), "op_id": op_id}
         case OpKind.RECONCILE:

@@ -42,8 +42,14 @@ class BackendError(CorralError):
     #: may have been carried out all the same (a timeout, a connection lost mid-call).
     nothing_done = True
 
-    def __init__(self, message: str, *, node: str | None = None, code: str | None = None,
-                 nothing_done: bool | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        node: str | None = None,
+        code: str | None = None,
+        nothing_done: bool | None = None,
+    ) -> None:
         self.node = node
         self.code = code
         if nothing_done is not None:

@@ -246,22 +246,36 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
 
 # column, the option that sets it, its default for a new function
 _COLUMNS: tuple[tuple[str, str, Any], ...] = (
-    ("kernel", "kernel", ""), ("initrd", "initrd", ""), ("kernel_args", "kernel_args", ""),
-    ("vm_type", "vm_type", "osv"), ("cpu", "cpu", 1), ("mem_mb", "mem", 512),
-    ("min_replicas", "min", 0), ("max_replicas", "max", 20),
-    ("image_storage", "image_storage", ""), ("inet_dev", "inet_dev", ""),
-    ("name_server", "name_server", ""), ("aws_access_key_id", "aws_access_key_id", None),
-    ("aws_secret_access_key", "aws_secret_access_key", None), ("rootfs", "rootfs", None),
-    ("ports", "ports", [8080]), ("idle_timeout_s", "idle_timeout", None),
-    ("readiness", "readiness", "agent"), ("exec_envs", "exec_envs", 1),
-    ("gpu_mem_mb", "gpu_mem", 0), ("placement", "placement", None),
-    ("autoscale", "autoscale", False), ("keep_alive", "keep_alive", "fixed"),
+    ("kernel", "kernel", ""),
+    ("initrd", "initrd", ""),
+    ("kernel_args", "kernel_args", ""),
+    ("vm_type", "vm_type", "osv"),
+    ("cpu", "cpu", 1),
+    ("mem_mb", "mem", 512),
+    ("min_replicas", "min", 0),
+    ("max_replicas", "max", 20),
+    ("image_storage", "image_storage", ""),
+    ("inet_dev", "inet_dev", ""),
+    ("name_server", "name_server", ""),
+    ("aws_access_key_id", "aws_access_key_id", None),
+    ("aws_secret_access_key", "aws_secret_access_key", None),
+    ("rootfs", "rootfs", None),
+    ("ports", "ports", [8080]),
+    ("idle_timeout_s", "idle_timeout", None),
+    ("readiness", "readiness", "agent"),
+    ("exec_envs", "exec_envs", 1),
+    ("gpu_mem_mb", "gpu_mem", 0),
+    ("placement", "placement", None),
+    ("autoscale", "autoscale", False),
+    ("keep_alive", "keep_alive", "fixed"),
 )
 
 
-def _values(spec: FunctionSpec, f: dict[str, Any], fn: Function, *,
-            created: bool) -> dict[str, Any]:
+def _values(
+    spec: FunctionSpec, f: dict[str, Any], fn: Function, *, created: bool
+) -> dict[str, Any]:
     """The function's columns: each option given, else its default (new) or value (update)."""
+
     def pick(option: str, current: Any, default: Any) -> Any:
         value = f.get(option)
         if value is not None:
@@ -278,8 +292,9 @@ def _values(spec: FunctionSpec, f: dict[str, Any], fn: Function, *,
     for column, option, default in _COLUMNS:
         fresh = list(default) if isinstance(default, list) else default  # no shared list
         values[column] = pick(option, getattr(fn, column), fresh)
-    values["scale_to_zero_after_s"] = pick(
-        "scale_to_zero_after", fn.scale_to_zero_after_s, None) or None  # 0 turns it off
+    values["scale_to_zero_after_s"] = (
+        pick("scale_to_zero_after", fn.scale_to_zero_after_s, None) or None
+    )  # 0 turns it off
     values["labels"] = spec.labels if (created or spec.labels) else fn.labels
     values["env"] = spec.env if (created or spec.env) else fn.env
     return values
@@ -288,17 +303,21 @@ def _values(spec: FunctionSpec, f: dict[str, Any], fn: Function, *,
 def _check(values: dict[str, Any], f: dict[str, Any]) -> None:
     """Refuse a function that could never run, naming the option to fix."""
     if values["min_replicas"] > values["max_replicas"]:
-        raise InputError(
-            f"max ({values['max_replicas']}) is below min ({values['min_replicas']})"
-        )
+        raise InputError(f"max ({values['max_replicas']}) is below min ({values['min_replicas']})")
     if f.get("scale_to_zero_after") and not values["autoscale"]:
-        raise InputError("--scale-to-zero-after needs --autoscale: only the autoscaler "
-                         "scales a function to zero")
-    if (values["keep_alive"] == "adaptive" and values["autoscale"]
-            and not values["scale_to_zero_after_s"]):
-        raise InputError("--keep-alive adaptive on an autoscaled function needs "
-                         "--scale-to-zero-after (its fixed fallback): without it the "
-                         "autoscaler never lets the last replica go")
+        raise InputError(
+            "--scale-to-zero-after needs --autoscale: only the autoscaler scales a function to zero"
+        )
+    if (
+        values["keep_alive"] == "adaptive"
+        and values["autoscale"]
+        and not values["scale_to_zero_after_s"]
+    ):
+        raise InputError(
+            "--keep-alive adaptive on an autoscaled function needs "
+            "--scale-to-zero-after (its fixed fallback): without it the "
+            "autoscaler never lets the last replica go"
+        )
     backend(values["backend"]).check_function(values)
     if not values["ports"]:
         raise InputError("a function needs at least one --port")
@@ -393,9 +412,11 @@ def list_functions(session: Session) -> list[Function]:
 
 def replica_counts(session: Session, function_id: str | None = None) -> dict[str, dict[str, int]]:
     """Live replicas per function id and state label (only ``function_id``'s, if given)."""
-    query = (select(Replica.function_id, Replica.status, func.count())
-             .where(Replica.status.in_(LIVE_STATES))
-             .group_by(Replica.function_id, Replica.status))
+    query = (
+        select(Replica.function_id, Replica.status, func.count())
+        .where(Replica.status.in_(LIVE_STATES))
+        .group_by(Replica.function_id, Replica.status)
+    )
     if function_id is not None:
         query = query.where(Replica.function_id == function_id)
     counts: dict[str, dict[str, int]] = {}
@@ -406,8 +427,11 @@ def replica_counts(session: Session, function_id: str | None = None) -> dict[str
 
 def live_replica_ids(session: Session, fn: Function) -> list[str]:
     """The ids of ``fn``'s live replicas."""
-    return list(session.scalars(select(Replica.id).where(
-        Replica.function_id == fn.id, Replica.status.in_(LIVE_STATES))))
+    return list(
+        session.scalars(
+            select(Replica.id).where(Replica.function_id == fn.id, Replica.status.in_(LIVE_STATES))
+        )
+    )
 
 
 def remove_function(session: Session, name: str) -> bool:
@@ -417,5 +441,3 @@ def remove_function(session: Session, name: str) -> bool:
         return False
     session.delete(fn)
     return True
-
-

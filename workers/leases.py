@@ -105,11 +105,14 @@ def first_seen(session: Session, name: str, holder: str, ttl_s: float) -> dateti
     _check(name, holder, ttl_s)
     conn = session.connection()
     insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    conn.execute(insert(LEASES).values(
-        name=name, holder=holder, expires_at=now() + timedelta(seconds=ttl_s)
-    ).on_conflict_do_nothing())
+    conn.execute(
+        insert(LEASES)
+        .values(name=name, holder=holder, expires_at=now() + timedelta(seconds=ttl_s))
+        .on_conflict_do_nothing()
+    )
     expires: datetime = conn.execute(
-        select(Lease.expires_at).where(Lease.name == name)).scalar_one()
+        select(Lease.expires_at).where(Lease.name == name)
+    ).scalar_one()
     return expires
 
 
@@ -117,9 +120,13 @@ def drop(session: Session, name: str, holder: str) -> bool:
     """Release ``name`` inside the caller's transaction if ``holder`` still holds it."""
     _check(name, holder)
     table = LEASES
-    gone = session.connection().execute(
-        delete(table).where(Lease.name == name, Lease.holder == holder).returning(table.c.name)
-    ).first()
+    gone = (
+        session.connection()
+        .execute(
+            delete(table).where(Lease.name == name, Lease.holder == holder).returning(table.c.name)
+        )
+        .first()
+    )
     return gone is not None
 
 

@@ -46,8 +46,7 @@ def lock_functions(session: Session) -> None:
 def lock_nodes(session: Session, kind: str) -> None:
     """Lock every node row of one backend kind, by name."""
     session.execute(
-        select(Node.id).where(Node.kind == kind).order_by(Node.name)
-        .with_for_update(key_share=True)
+        select(Node.id).where(Node.kind == kind).order_by(Node.name).with_for_update(key_share=True)
     ).all()
 
 

@@ -129,9 +129,11 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Every metric, computed now."""
-        up = GaugeMetricFamily("corral_exporter_source_up",
-                               "Whether a source answered this scrape (1) or not (0).",
-                               labels=["source"])
+        up = GaugeMetricFamily(
+            "corral_exporter_source_up",
+            "Whether a source answered this scrape (1) or not (0).",
+            labels=["source"],
+        )
         try:
             families = list(self._from_store())
         except Exception as exc:  # the store is down: say so, keep the scrape
@@ -154,42 +156,58 @@ class StoreCollector(Collector):
     def _from_store(self) -> Iterable[Metric]:
         with self.db.read() as s:
             names = dict(s.execute(select(Function.id, Function.name)).all())
-            counts = {(fid, status): n for fid, status, n in s.execute(
-                select(Replica.function_id, Replica.status, func.count())
-                .where(Replica.status.in_(LIVE_STATES))
-                .group_by(Replica.function_id, Replica.status))}
-            nodes = s.execute(select(Node.name, Node.healthy, Node.live, Node.capacity)
-                              .order_by(Node.name)).all()
-            ops = s.execute(select(Operation.kind, Operation.status, func.count())
-                            .group_by(Operation.kind, Operation.status)).all()
+            counts = {
+                (fid, status): n
+                for fid, status, n in s.execute(
+                    select(Replica.function_id, Replica.status, func.count())
+                    .where(Replica.status.in_(LIVE_STATES))
+                    .group_by(Replica.function_id, Replica.status)
+                )
+            }
+            nodes = s.execute(
+                select(Node.name, Node.healthy, Node.live, Node.capacity).order_by(Node.name)
+            ).all()
+            ops = s.execute(
+                select(Operation.kind, Operation.status, func.count()).group_by(
+                    Operation.kind, Operation.status
+                )
+            ).all()
             spawn = self._spawn_histogram(s)
 
-        replicas = GaugeMetricFamily("corral_replicas", "Live replicas per function and state.",
-                                     labels=["function", "state"])
+        replicas = GaugeMetricFamily(
+            "corral_replicas", "Live replicas per function and state.", labels=["function", "state"]
+        )
         for fid, name in sorted(names.items(), key=lambda kv: kv[1]):
             for state in LIVE_STATES:
-                replicas.add_metric([name, state.label],
-                                    counts.get((fid, state), 0))
+                replicas.add_metric([name, state.label], counts.get((fid, state), 0))
         yield replicas
         yield spawn
 
-        healthy = GaugeMetricFamily("corral_node_healthy",
-                                    "Whether a node passes its health checks (1) or not (0).",
-                                    labels=["node"])
-        live = GaugeMetricFamily("corral_node_replicas", "Live replicas on a node.",
-                                 labels=["node"])
-        capacity = GaugeMetricFamily("corral_node_capacity", "Replicas a node may hold.",
-                                     labels=["node"])
+        healthy = GaugeMetricFamily(
+            "corral_node_healthy",
+            "Whether a node passes its health checks (1) or not (0).",
+            labels=["node"],
+        )
+        live = GaugeMetricFamily(
+            "corral_node_replicas", "Live replicas on a node.", labels=["node"]
+        )
+        capacity = GaugeMetricFamily(
+            "corral_node_capacity", "Replicas a node may hold.", labels=["node"]
+        )
         for name, ok, n, cap in nodes:
             healthy.add_metric([name], 1 if ok else 0)
             live.add_metric([name], n)
             capacity.add_metric([name], cap)
         yield from (healthy, live, capacity)
 
-        finished = CounterMetricFamily("corral_operations", "Finished operations by kind and "
-                                       "outcome.", labels=["kind", "status"])
-        still = GaugeMetricFamily("corral_operations_open", "Operations pending or running.",
-                                  labels=["kind", "status"])
+        finished = CounterMetricFamily(
+            "corral_operations",
+            "Finished operations by kind and outcome.",
+            labels=["kind", "status"],
+        )
+        still = GaugeMetricFamily(
+            "corral_operations_open", "Operations pending or running.", labels=["kind", "status"]
+        )
         for kind, status, n in sorted(ops):
             (still if status in OP_OPEN else finished).add_metric([kind, status], n)
         yield from (finished, still)
@@ -197,9 +215,11 @@ class StoreCollector(Collector):
     def _spawn_histogram(self, s: Any) -> HistogramMetricFamily:
         dt = _seconds(self.db, Replica.ready_at, Operation.created_at)
         row = s.execute(
-            select(func.count(), func.coalesce(func.sum(dt), 0.0),
-                   *[func.coalesce(func.sum(case((dt <= b, 1), else_=0)), 0)
-                     for b in SPAWN_BUCKETS])
+            select(
+                func.count(),
+                func.coalesce(func.sum(dt), 0.0),
+                *[func.coalesce(func.sum(case((dt <= b, 1), else_=0)), 0) for b in SPAWN_BUCKETS],
+            )
             .select_from(Replica)
             .join(Operation, Operation.id == func.substr(Replica.request_id, 1, 32))
             .where(Replica.ready_at.is_not(None), Operation.kind.in_((OpKind.SPAWN, OpKind.SCALE)))
@@ -210,7 +230,9 @@ class StoreCollector(Collector):
         return HistogramMetricFamily(
             "corral_spawn_seconds",
             "Seconds from a spawn's enqueue (its operation accepted) to its replica Idle.",
-            buckets=buckets, sum_value=float(seconds))
+            buckets=buckets,
+            sum_value=float(seconds),
+        )
 
     def _from_redis(self, client: redis.Redis) -> Iterable[Metric]:
         pipe = client.pipeline(transaction=False)
@@ -224,32 +246,46 @@ class StoreCollector(Collector):
         pipe.hgetall(stages.KEY)
         replies = pipe.execute()
         reaped_raw, lengths, unacked, decisions, keep_alive, timed = (
-            replies[0], replies[1:-4], replies[-4], replies[-3], replies[-2], replies[-1])
+            replies[0],
+            replies[1:-4],
+            replies[-4],
+            replies[-3],
+            replies[-2],
+            replies[-1],
+        )
         yield _stages(timed)
 
-        reaped = CounterMetricFamily("corral_reaped", "Replicas the reaper deleted, by reason.",
-                                     labels=["reason"])
+        reaped = CounterMetricFamily(
+            "corral_reaped", "Replicas the reaper deleted, by reason.", labels=["reason"]
+        )
         got = {_text(k): int(v) for k, v in reaped_raw.items()}
         for reason in sorted(set(REAP_REASONS) | set(got)):
             reaped.add_metric([reason], got.get(reason, 0))
         yield reaped
 
-        queued = GaugeMetricFamily("corral_queue_length",
-                                   "Messages waiting in a Celery queue.", labels=["queue"])
+        queued = GaugeMetricFamily(
+            "corral_queue_length", "Messages waiting in a Celery queue.", labels=["queue"]
+        )
         steps = len(PRIORITY_STEPS)
         for i, queue in enumerate(QUEUES):
-            queued.add_metric([queue], sum(lengths[i * steps:(i + 1) * steps]))
+            queued.add_metric([queue], sum(lengths[i * steps : (i + 1) * steps]))
         yield queued
-        yield GaugeMetricFamily("corral_queue_unacked",
-                                "Messages delivered to workers and not yet acknowledged.",
-                                value=unacked)
+        yield GaugeMetricFamily(
+            "corral_queue_unacked",
+            "Messages delivered to workers and not yet acknowledged.",
+            value=unacked,
+        )
 
-        desired = GaugeMetricFamily("corral_autoscale_desired_replicas",
-                                    "The autoscaler's last target for a function.",
-                                    labels=["function"])
-        panic = GaugeMetricFamily("corral_autoscale_panic",
-                                  "Whether the autoscaler is in panic mode for a function.",
-                                  labels=["function"])
+        desired = GaugeMetricFamily(
+            "corral_autoscale_desired_replicas",
+            "The autoscaler's last target for a function.",
+            labels=["function"],
+        )
+        panic = GaugeMetricFamily(
+            "corral_autoscale_panic",
+            "Whether the autoscaler is in panic mode for a function.",
+            labels=["function"],
+        )
         for name, raw in sorted((_text(k), v) for k, v in decisions.items()):
             try:
                 last = json.loads(raw)
@@ -265,30 +301,39 @@ def _stages(raw: dict[bytes, bytes]) -> Metric:
     """The cold-start stages workers and registries counted (:mod:`workers.stages`)."""
     family = HistogramMetricFamily(stages.METRIC, stages.HELP, labels=["stage"])
     for stage, (buckets, total) in stages.histogram(raw).items():
-        family.add_metric([stage], [(_le(bound) if bound != float("inf") else "+Inf", count)
-                                    for bound, count in buckets],
-                          sum_value=total)
+        family.add_metric(
+            [stage],
+            [(_le(bound) if bound != float("inf") else "+Inf", count) for bound, count in buckets],
+            sum_value=total,
+        )
     return family
 
 
 def _keep_alive(published: dict[bytes, bytes]) -> Iterable[Metric]:
     """The adaptive functions' keep-alive windows, as the last autoscaler pass read them."""
-    mode = GaugeMetricFamily("corral_keepalive_mode",
-                             "1 for the keep-alive mode in force for an adaptive function.",
-                             labels=["function", "mode"])
+    mode = GaugeMetricFamily(
+        "corral_keepalive_mode",
+        "1 for the keep-alive mode in force for an adaptive function.",
+        labels=["function", "mode"],
+    )
     prewarm = GaugeMetricFamily(
         "corral_keepalive_prewarm_seconds",
         "Adaptive keep-alive: no replica needed before this, after the last call's end.",
-        labels=["function"])
+        labels=["function"],
+    )
     window = GaugeMetricFamily(
         "corral_keepalive_window_seconds",
         "Adaptive keep-alive: a replica kept until this, after the last call's end.",
-        labels=["function"])
-    idle_times = GaugeMetricFamily("corral_keepalive_idle_times",
-                                   "Idle times in a function's histogram.", labels=["function"])
-    warm = GaugeMetricFamily("corral_keepalive_warm",
-                             "Adaptive keep-alive: 1 while a replica should be up.",
-                             labels=["function"])
+        labels=["function"],
+    )
+    idle_times = GaugeMetricFamily(
+        "corral_keepalive_idle_times", "Idle times in a function's histogram.", labels=["function"]
+    )
+    warm = GaugeMetricFamily(
+        "corral_keepalive_warm",
+        "Adaptive keep-alive: 1 while a replica should be up.",
+        labels=["function"],
+    )
     for name, raw in sorted((_text(k), v) for k, v in published.items()):
         try:
             w = json.loads(raw)
@@ -364,8 +409,10 @@ def guarded(app: Callable[..., Any], token: str | None) -> Callable[..., Any]:
         if expected is not None:
             given = environ.get("HTTP_AUTHORIZATION", "").encode()
             if not hmac.compare_digest(given, expected):
-                start_response("401 Unauthorized", [("Content-Type", "text/plain"),
-                                                    ("WWW-Authenticate", "Bearer")])
+                start_response(
+                    "401 Unauthorized",
+                    [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")],
+                )
                 return [b"a bearer token is required\n"]
         return app(environ, start_response)  # type: ignore[no-any-return]
 
@@ -394,20 +441,30 @@ class RunningExporter:
 
 
 def serve(
-    db: Database, client: redis.Redis | None, listen: str, *, token: str | None = None,
+    db: Database,
+    client: redis.Redis | None,
+    listen: str,
+    *,
+    token: str | None = None,
     insecure: bool = False,
 ) -> RunningExporter:
     """Serve the metrics on ``listen`` in a background thread (port 0 picks a free one)."""
     host, port = parse_listen(listen)
-    refusal = listen_refusal("corral metrics", host, token, "CORRAL_METRICS_TOKEN",
-                             insecure=insecure)
+    refusal = listen_refusal(
+        "corral metrics", host, token, "CORRAL_METRICS_TOKEN", insecure=insecure
+    )
     if refusal is not None:
         raise InputError(refusal)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(db, client))
     app = guarded(make_wsgi_app(registry), token)
-    server = make_server(host, port, app, server_class=_Server6 if ":" in host else _Server,
-                         handler_class=_QuietHandler)
+    server = make_server(
+        host,
+        port,
+        app,
+        server_class=_Server6 if ":" in host else _Server,
+        handler_class=_QuietHandler,
+    )
     thread = threading.Thread(target=server.serve_forever, name="corral-metrics", daemon=True)
     thread.start()
     return RunningExporter(host, server.server_port, server, thread)

@@ -70,7 +70,11 @@ def describe_error(exc: BaseException) -> str:
 
 
 def create_operation(
-    session: Session, kind: OpKind, params: dict[str, Any], *, function_id: str | None = None,
+    session: Session,
+    kind: OpKind,
+    params: dict[str, Any],
+    *,
+    function_id: str | None = None,
     total: int = 0,
 ) -> Operation:
     """Write a pending operation record."""
@@ -176,8 +180,9 @@ def settle(
         return 0
     if ok:
         # The common case in one statement: count it; load the row only to finish it.
-        counted = session.connection().execute(
-            _COUNT_DONE, {"op_id": op_id, "at": now(), "n": n}).first()
+        counted = (
+            session.connection().execute(_COUNT_DONE, {"op_id": op_id, "at": now(), "n": n}).first()
+        )
         if counted is None:
             return n
         done, failed, total, status = counted
@@ -187,9 +192,7 @@ def settle(
         if op is not None:
             _maybe_finish_parts(session, op)
         return n
-    op = session.scalars(
-        select(Operation).where(Operation.id == op_id).with_for_update()
-    ).first()
+    op = session.scalars(select(Operation).where(Operation.id == op_id).with_for_update()).first()
     if op is None or op.status not in OP_OPEN:
         return n
     op.failed += n
@@ -209,10 +212,12 @@ def _first_time(session: Session, op_id: str, parts: Sequence[str]) -> int:
         return 0
     conn = session.connection()
     insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    stmt = (insert(OP_PARTS)
-            .values([{"operation_id": op_id, "part": part} for part in unique])
-            .on_conflict_do_nothing()
-            .returning(OP_PARTS.c.part))
+    stmt = (
+        insert(OP_PARTS)
+        .values([{"operation_id": op_id, "part": part} for part in unique])
+        .on_conflict_do_nothing()
+        .returning(OP_PARTS.c.part)
+    )
     return len(conn.execute(stmt).all())
 
 
@@ -225,8 +230,11 @@ def _maybe_finish_parts(session: Session, op: Operation) -> None:
 
 def forget_parts(session: Session, op_id: str) -> None:
     """Drop a finished operation's part markers (a finished operation counts nothing more)."""
-    session.execute(delete(OpPart).where(OpPart.operation_id == op_id)
-                    .execution_options(synchronize_session=False))
+    session.execute(
+        delete(OpPart)
+        .where(OpPart.operation_id == op_id)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def open_of(*kinds: OpKind) -> ColumnElement[bool]:

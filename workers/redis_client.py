@@ -20,5 +20,6 @@ def redis_client(url: str) -> redis.Redis | None:
     client = _clients.get(url)
     if client is None:
         client = _clients[url] = redis.Redis.from_url(
-            url, socket_timeout=5, socket_connect_timeout=5)
+            url, socket_timeout=5, socket_connect_timeout=5
+        )
     return client

@@ -68,17 +68,45 @@ from workers.store.models import Operation, Replica
 
 log = logging.getLogger(__name__)
 
-STAGES = ("ask", "queue", "plan", "placement", "agent_call", "record", "ready", "claim",
-          "first_byte")
+STAGES = (
+    "ask",
+    "queue",
+    "plan",
+    "placement",
+    "agent_call",
+    "record",
+    "ready",
+    "claim",
+    "first_byte",
+)
 #: Bucket bounds (seconds) of ``corral_cold_start_stage_seconds``, everywhere it is served.
-BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-           10.0, 30.0)
+BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 METRIC = "corral_cold_start_stage_seconds"
 HELP = "Seconds a cold start spends in each stage (workers.stages)."
 KEY = "corral:cold_start_stages"  # Redis hash: "<stage>|<le>" counts, "<stage>|sum"
 SENT_HEADER = "corral_sent_at"  # a first task's message: when it was sent (store clock, epoch s)
-SPAN_NAMES = {"placement": "spawn.placement", "agent_call": "agent.create",
-              "record": "spawn.record", "ready": "replica.ready"}
+SPAN_NAMES = {
+    "placement": "spawn.placement",
+    "agent_call": "agent.create",
+    "record": "spawn.record",
+    "ready": "replica.ready",
+}
 
 
 def sent_header() -> dict[str, float]:
@@ -130,9 +158,13 @@ class SpawnTimer:
         if call is None or call.answered is None or self.recorded is None:
             return {}
         planned = self.planned or self.started
-        out = {"queue": self.queue, "plan": planned - self.started,
-               "placement": call.sent - planned, "agent_call": call.answered - call.sent,
-               "record": self.recorded - call.answered}
+        out = {
+            "queue": self.queue,
+            "plan": planned - self.started,
+            "placement": call.sent - planned,
+            "agent_call": call.answered - call.sent,
+            "record": self.recorded - call.answered,
+        }
         return {k: round(max(0.0, v), 6) for k, v in out.items() if v is not None}
 
     def spans(self) -> None:
@@ -143,21 +175,36 @@ class SpawnTimer:
         t0_ns = self.started_ns + int((planned - self.started) * 1e9)
         first = min((c.sent for c in self.calls.values()), default=None)
         if first is not None:
-            tracing.record_between("spawn.placement", t0_ns, _ns(self, first),
-                                   parent=self.context, attributes={"corral.op_id": self.op_id})
+            tracing.record_between(
+                "spawn.placement",
+                t0_ns,
+                _ns(self, first),
+                parent=self.context,
+                attributes={"corral.op_id": self.op_id},
+            )
         for request_id, call in self.calls.items():
             if call.answered is not None:
                 tracing.record_between(
-                    "agent.create", _ns(self, call.sent), _ns(self, call.answered),
-                    parent=self.context, kind="client",
-                    attributes={"rpc.method": "CreateReplica", "corral.node": call.node,
-                                "corral.request_id": request_id})
+                    "agent.create",
+                    _ns(self, call.sent),
+                    _ns(self, call.answered),
+                    parent=self.context,
+                    kind="client",
+                    attributes={
+                        "rpc.method": "CreateReplica",
+                        "corral.node": call.node,
+                        "corral.request_id": request_id,
+                    },
+                )
         first_call = self.calls.get(self.first or "")
-        if (first_call is not None and first_call.answered is not None
-                and self.recorded is not None):
-            tracing.record_between("spawn.record", _ns(self, first_call.answered),
-                                   _ns(self, self.recorded), parent=self.context,
-                                   attributes={"corral.request_id": self.first or ""})
+        if first_call is not None and first_call.answered is not None and self.recorded is not None:
+            tracing.record_between(
+                "spawn.record",
+                _ns(self, first_call.answered),
+                _ns(self, self.recorded),
+                parent=self.context,
+                attributes={"corral.request_id": self.first or ""},
+            )
 
 
 def _ns(timer: SpawnTimer, at: float) -> int:
@@ -166,7 +213,8 @@ def _ns(timer: SpawnTimer, at: float) -> int:
 
 
 _current: contextvars.ContextVar[SpawnTimer | None] = contextvars.ContextVar(
-    "corral_spawn_timer", default=None)
+    "corral_spawn_timer", default=None
+)
 
 
 def current() -> SpawnTimer | None:
@@ -208,8 +256,10 @@ def recorded(session: Session, op_id: str | None, replica_id: str, request_id: s
     op = session.get(Operation, op_id, with_for_update=True)
     if not stages or op is None or (op.result or {}).get("stages"):
         return
-    extra: dict[str, Any] = {"stages": stages,
-                             "timed": {"replica": replica_id, "recorded_at": now().isoformat()}}
+    extra: dict[str, Any] = {
+        "stages": stages,
+        "timed": {"replica": replica_id, "recorded_at": now().isoformat()},
+    }
     if (carried := tracing.carrier_of(timer.context)) is not None:
         extra["trace"] = carried
     op.result = {**(op.result or {}), **extra}
@@ -227,8 +277,12 @@ class Ready:
 
     def observe(self, client: redis.Redis | None) -> None:
         """Count it in the histogram and record its span (tracing on)."""
-        tracing.record_between("replica.ready", self.at_ns - int(self.seconds * 1e9), self.at_ns,
-                               parent=tracing.context_of(self.trace))
+        tracing.record_between(
+            "replica.ready",
+            self.at_ns - int(self.seconds * 1e9),
+            self.at_ns,
+            parent=tracing.context_of(self.trace),
+        )
         observe_quietly(client, {"ready": self.seconds})
 
 
@@ -244,8 +298,13 @@ def ready(session: Session, replica: Replica, *, early: bool = False) -> Ready |
     op = session.get(Operation, replica.operation_id, with_for_update=True)
     result = (op.result or {}) if op is not None else {}
     stages, timed = result.get("stages"), result.get("timed")
-    if (op is None or not isinstance(stages, dict) or "ready" in stages
-            or not isinstance(timed, dict) or timed.get("replica") != replica.id):
+    if (
+        op is None
+        or not isinstance(stages, dict)
+        or "ready" in stages
+        or not isinstance(timed, dict)
+        or timed.get("replica") != replica.id
+    ):
         return None
     try:
         recorded_at = datetime.fromisoformat(str(timed.get("recorded_at")))
@@ -290,8 +349,7 @@ def observe_quietly(client: redis.Redis | None, stages: Mapping[str, float]) -> 
         log.debug("could not count cold-start stages: %s", exc)
 
 
-def histogram(raw: Mapping[Any, Any]
-              ) -> dict[str, tuple[list[tuple[float, float]], float]]:
+def histogram(raw: Mapping[Any, Any]) -> dict[str, tuple[list[tuple[float, float]], float]]:
     """The shared hash as cumulative buckets (bound, count) and a sum, per stage seen."""
     counts: dict[str, dict[str, float]] = {}
     for key, value in raw.items():

@@ -52,9 +52,12 @@ class Watched:
 
 
 def _exit_process(task: Watched) -> None:
-    log.critical("task %s[%s] is past its hard time limit and cannot be interrupted; the "
-                 "worker exits (its messages come back to other workers)", task.name,
-                 task.task_id)
+    log.critical(
+        "task %s[%s] is past its hard time limit and cannot be interrupted; the "
+        "worker exits (its messages come back to other workers)",
+        task.name,
+        task.task_id,
+    )
     for handler in logging.getLogger().handlers:
         with contextlib.suppress(Exception):
             handler.flush()
@@ -74,7 +77,8 @@ _watchdog_pid = -1
 def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
     """Raise ``exc`` in another thread at its next bytecode (None: cancel a pending one)."""
     ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None)
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+    )
 
 
 @contextlib.contextmanager
@@ -115,8 +119,7 @@ def _run() -> None:
                     hard.append(task)
                 elif at >= task.soft_at and not task.soft_sent:
                     task.soft_sent = True
-                    log.warning("task %s[%s] is past its soft time limit", task.name,
-                                task.task_id)
+                    log.warning("task %s[%s] is past its soft time limit", task.name, task.task_id)
                     _raise_in(task.thread_id, SoftTimeLimitExceeded)
         for task in hard:
             on_hard_limit(task)

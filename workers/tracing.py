@@ -72,8 +72,11 @@ _owned = False  # the provider is start()'s: stop() shuts it down
 _pid: int | None = None  # the process start() ran in (a fork must start again)
 _lock = threading.Lock()
 _OFF: contextlib.nullcontext[None] = contextlib.nullcontext()
-_NEEDED = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
-           "opentelemetry.instrumentation.celery")  # the otlp extra
+_NEEDED = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "opentelemetry.instrumentation.celery",
+)  # the otlp extra
 
 
 def on() -> bool:
@@ -101,8 +104,11 @@ def start(service: str, settings: Settings) -> bool:
 
         endpoint = settings.otlp_endpoint
         provider = TracerProvider(resource=Resource.create({"service.name": service}))
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
-            endpoint=endpoint, insecure=endpoint.startswith("http://"))))
+        provider.add_span_processor(
+            BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+            )
+        )
         _use(provider)
         _owned, _pid = True, os.getpid()
     log.info("tracing: %s sends spans to %s (OTLP/gRPC)", service, endpoint)
@@ -121,7 +127,8 @@ def check(settings: Settings) -> None:
         if not found:
             raise TracingUnavailable(
                 f"CORRAL_OTLP_ENDPOINT is set but {module} is not installed: "
-                "pip install 'corral[otlp]', or unset it")
+                "pip install 'corral[otlp]', or unset it"
+            )
 
 
 def use(provider: TracerProvider) -> None:
@@ -178,16 +185,23 @@ def _kind(kind: str) -> Any:
 
 
 @contextlib.contextmanager
-def _span(name: str, kind: str, attributes: Mapping[str, Any] | None,
-          parent: Context | None) -> Iterator[Span]:
+def _span(
+    name: str, kind: str, attributes: Mapping[str, Any] | None, parent: Context | None
+) -> Iterator[Span]:
     assert tracer is not None  # noqa: S101 - span() checked it
-    with tracer.start_as_current_span(name, context=parent, kind=_kind(kind),
-                                      attributes=dict(attributes or {})) as current:
+    with tracer.start_as_current_span(
+        name, context=parent, kind=_kind(kind), attributes=dict(attributes or {})
+    ) as current:
         yield current
 
 
-def span(name: str, *, kind: str = "internal", attributes: Mapping[str, Any] | None = None,
-         parent: Context | None = None) -> contextlib.AbstractContextManager[Span | None]:
+def span(
+    name: str,
+    *,
+    kind: str = "internal",
+    attributes: Mapping[str, Any] | None = None,
+    parent: Context | None = None,
+) -> contextlib.AbstractContextManager[Span | None]:
     """A span around a block, current inside it (a null context when tracing is off)."""
     if tracer is None:
         return _OFF
@@ -229,11 +243,23 @@ def context_of(carried: object) -> Context | None:
     return propagate.extract(headers) if headers else None
 
 
-def record_between(name: str, start_ns: int, end_ns: int, *, parent: Context | None,  # noqa: PLR0913 - a span's parts, the rest by name
-                   attributes: Mapping[str, Any] | None = None, kind: str = "internal") -> None:
+def record_between(  # noqa: PLR0913 - a span's parts, the rest by name
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    *,
+    parent: Context | None,
+    attributes: Mapping[str, Any] | None = None,
+    kind: str = "internal",
+) -> None:
     """Record a span from ``start_ns`` to ``end_ns`` (wall clock, ns) after the fact."""
     if tracer is None:
         return
-    done = tracer.start_span(name, context=parent, kind=_kind(kind),
-                             attributes=dict(attributes or {}), start_time=start_ns)
+    done = tracer.start_span(
+        name,
+        context=parent,
+        kind=_kind(kind),
+        attributes=dict(attributes or {}),
+        start_time=start_ns,
+    )
     done.end(end_time=max(start_ns, end_ns))

@@ -34,9 +34,20 @@ from netplumb.addresses import host_of, is_loopback, is_wildcard
 from workers.errors import PermanentBackendError
 
 __all__ = [
-    "IP", "LOOPBACK", "MAX_BODY", "VMID_RE", "Listeners", "Network", "check_ip",
-    "check_replica_address", "check_vmid", "host_ips", "listen_networks", "parse_networks",
-    "vmid_path", "warn_plaintext",
+    "IP",
+    "LOOPBACK",
+    "MAX_BODY",
+    "VMID_RE",
+    "Listeners",
+    "Network",
+    "check_ip",
+    "check_replica_address",
+    "check_vmid",
+    "host_ips",
+    "listen_networks",
+    "parse_networks",
+    "vmid_path",
+    "warn_plaintext",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,8 +99,9 @@ def parse_networks(cidrs: Iterable[str]) -> list[Network]:
         try:
             found.append(ipaddress.ip_network(cidr.strip(), strict=False))
         except ValueError:
-            raise ValueError(f"{cidr!r} is not a network (expected CIDR, e.g. 10.0.0.0/24)"
-                             ) from None
+            raise ValueError(
+                f"{cidr!r} is not a network (expected CIDR, e.g. 10.0.0.0/24)"
+            ) from None
     return found
 
 
@@ -124,7 +136,10 @@ def listen_networks(host: str) -> list[Network]:
 
 
 def check_replica_address(
-    host: str, port: int, networks: Iterable[Network], listeners: Listeners,
+    host: str,
+    port: int,
+    networks: Iterable[Network],
+    listeners: Listeners,
     node: str | None = None,
 ) -> None:
     """Refuse (PermanentBackendError ``untrusted``) a replica address its node may not give.
@@ -136,19 +151,26 @@ def check_replica_address(
     networks = list(networks)
     where = f"{host}:{port}"
     if not ips:
-        raise PermanentBackendError(f"answered replica address {where}, which does not resolve",
-                                    node=node, code="untrusted")
+        raise PermanentBackendError(
+            f"answered replica address {where}, which does not resolve", node=node, code="untrusted"
+        )
     for ip in ips:
         if not any(ip.version == net.version and ip in net for net in networks):
             shown = ", ".join(str(n) for n in networks) or "none"
             raise PermanentBackendError(
                 f"answered replica address {where}, outside the node's replica networks "
-                f"({shown}; `corral nodes add --replica-network`)", node=node, code="untrusted")
-        if any(port == lport and ip.version == net.version and ip in net
-               for net, lport in listeners):
+                f"({shown}; `corral nodes add --replica-network`)",
+                node=node,
+                code="untrusted",
+            )
+        if any(
+            port == lport and ip.version == net.version and ip in net for net, lport in listeners
+        ):
             raise PermanentBackendError(
                 f"answered replica address {where}, one of corral's own listeners",
-                node=node, code="untrusted")
+                node=node,
+                code="untrusted",
+            )
 
 
 # -- plain text off loopback -----------------------------------------------------------

@@ -69,8 +69,9 @@ def rich_table(
     is drawn wider (the terminal wraps it) rather than losing a column.
     """
     console = console or Console()
-    drawn = Table(box=box.SIMPLE_HEAD, header_style="bold", show_edge=False,
-                  padding=(0, 1, 0, 0))  # with the box's divider: two spaces, as in plain text
+    drawn = Table(
+        box=box.SIMPLE_HEAD, header_style="bold", show_edge=False, padding=(0, 1, 0, 0)
+    )  # with the box's divider: two spaces, as in plain text
     for column in columns:
         drawn.add_column(column.upper(), overflow="fold", min_width=len(column))
     for row in cells:
@@ -104,8 +105,9 @@ def wait_and_report(args: argparse.Namespace, settings: Settings, op_id: str) ->
         return 0
     bar = ProgressBar() if sys.stderr.isatty() and not args.json else None
     try:
-        view = api.wait(op_id, timeout=args.timeout, settings=settings,
-                        progress=bar.update if bar else None)
+        view = api.wait(
+            op_id, timeout=args.timeout, settings=settings, progress=bar.update if bar else None
+        )
     finally:
         if bar:
             bar.close()
@@ -139,15 +141,23 @@ class ProgressBar:
             return
         if self._progress is None:
             self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("({task.fields[failed]} failed)"), TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("({task.fields[failed]} failed)"),
+                TimeElapsedColumn(),
                 console=self._console,
             )
             self._progress.start()
             self._task = self._progress.add_task(view["kind"], total=total, failed=0)
         assert self._task is not None  # noqa: S101 - narrows for mypy: set in __enter__
-        self._progress.update(self._task, total=total, completed=view["done"] + view["failed"],
-                              failed=view["failed"], description=f"{view['kind']} {view['status']}")
+        self._progress.update(
+            self._task,
+            total=total,
+            completed=view["done"] + view["failed"],
+            failed=view["failed"],
+            description=f"{view['kind']} {view['status']}",
+        )
 
     def close(self) -> None:
         """Leave the bar's last state on screen."""

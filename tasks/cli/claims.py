@@ -20,8 +20,9 @@ from tasks.cli._output import emit
 
 def cmd_claim(args: argparse.Namespace, settings: Settings) -> int:
     """Take one execution environment of an Idle replica."""
-    got = api.claim(args.name, cold_start_timeout=args.cold_start_timeout, ttl=args.ttl,
-                    settings=settings)
+    got = api.claim(
+        args.name, cold_start_timeout=args.cold_start_timeout, ttl=args.ttl, settings=settings
+    )
     emit(args, got, lambda g: f"{g['claim_id']} {g['address'] or ''}".rstrip())
     return 0
 
@@ -29,8 +30,10 @@ def cmd_claim(args: argparse.Namespace, settings: Settings) -> int:
 def _released(v: ReleaseView) -> str:
     if not v["released"]:
         return str(v["detail"])
-    return (f"released {v['claim_id']}: replica {v['replica_id']} {v['status']} "
-            f"({v['envs_in_use']} of {v['envs_total']} environments in use)")
+    return (
+        f"released {v['claim_id']}: replica {v['replica_id']} {v['status']} "
+        f"({v['envs_in_use']} of {v['envs_total']} environments in use)"
+    )
 
 
 def cmd_release(args: argparse.Namespace, settings: Settings) -> int:

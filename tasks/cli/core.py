@@ -34,32 +34,66 @@ def cmd_db_check(args: argparse.Namespace, settings: Settings) -> int:
     found = api.check_db(fix=args.fix, settings=settings)
     drifts, checked = found.drifts, found.checked
     if args.json:
-        emit(args, {"checked": checked, "drift": [d.as_dict() for d in drifts],
-                    "fixed": bool(drifts) and args.fix}, kv)
+        emit(
+            args,
+            {
+                "checked": checked,
+                "drift": [d.as_dict() for d in drifts],
+                "fixed": bool(drifts) and args.fix,
+            },
+            kv,
+        )
     elif not drifts:
-        print(f"counters agree with the replica rows ({checked['nodes']} nodes, "
-              f"{checked['functions']} functions, {checked['gpus']} GPUs)")
+        print(
+            f"counters agree with the replica rows ({checked['nodes']} nodes, "
+            f"{checked['functions']} functions, {checked['gpus']} GPUs)"
+        )
     else:
         for d in drifts:
             print(d.message)
-        print(f"fixed {len(drifts)} counter(s)" if args.fix else
-              f"{len(drifts)} counter(s) disagree; `corral db check --fix` sets them to the "
-              "rows' values")
+        print(
+            f"fixed {len(drifts)} counter(s)"
+            if args.fix
+            else f"{len(drifts)} counter(s) disagree; `corral db check --fix` sets them to the "
+            "rows' values"
+        )
     return 0 if not drifts or args.fix else 1
 
 
 # -- nodes -------------------------------------------------------------------------------------
 
-NODE_COLUMNS = ["name", "kind", "address", "live", "capacity", "healthy", "draining",
-                "quarantined", "repointed", "last_error"]
+NODE_COLUMNS = [
+    "name",
+    "kind",
+    "address",
+    "live",
+    "capacity",
+    "healthy",
+    "draining",
+    "quarantined",
+    "repointed",
+    "last_error",
+]
 
 
 def cmd_nodes_add(args: argparse.Namespace, settings: Settings) -> int:
     """Add (or update) a node."""
-    saved = api.add_node(args.address, name=args.name, kind=args.kind, capacity=args.capacity,
-                         replica_networks=args.replica_network, settings=settings)
-    emit(args, saved.view, lambda v: f"{'added' if saved.created else 'updated'} node "
-         f"{v['name']} ({v['kind']} at {v['address']}, capacity {v['capacity']})")
+    saved = api.add_node(
+        args.address,
+        name=args.name,
+        kind=args.kind,
+        capacity=args.capacity,
+        replica_networks=args.replica_network,
+        settings=settings,
+    )
+    emit(
+        args,
+        saved.view,
+        lambda v: (
+            f"{'added' if saved.created else 'updated'} node "
+            f"{v['name']} ({v['kind']} at {v['address']}, capacity {v['capacity']})"
+        ),
+    )
     return 0
 
 
@@ -95,17 +129,41 @@ def cmd_nodes_drain(args: argparse.Namespace, settings: Settings) -> int:
 
 FUNCTION_COLUMNS = ["name", "backend", "image", "min", "max", "target", "live", "build_version"]
 # deploy's options, by the spec field each one fills
-DEPLOY_OPTIONS = ("image", "backend", "kernel", "initrd", "kernel_args", "vm_type", "cpu", "mem",
-                  "min", "max", "rootfs", "idle_timeout", "readiness", "exec_envs", "gpu_mem",
-                  "placement", "autoscale", "scale_to_zero_after", "keep_alive")
+DEPLOY_OPTIONS = (
+    "image",
+    "backend",
+    "kernel",
+    "initrd",
+    "kernel_args",
+    "vm_type",
+    "cpu",
+    "mem",
+    "min",
+    "max",
+    "rootfs",
+    "idle_timeout",
+    "readiness",
+    "exec_envs",
+    "gpu_mem",
+    "placement",
+    "autoscale",
+    "scale_to_zero_after",
+    "keep_alive",
+)
 
 
 def cmd_functions_deploy(args: argparse.Namespace, settings: Settings) -> int:
     """Create or update a function."""
     saved = api.deploy(_spec(args), settings=settings)
-    emit(args, saved.view, lambda v: f"{'deployed' if saved.created else 'updated'} function "
-         f"{v['name']} (build {v['build_version']}, {v['backend']}, min {v['min']}, "
-         f"max {v['max']})")
+    emit(
+        args,
+        saved.view,
+        lambda v: (
+            f"{'deployed' if saved.created else 'updated'} function "
+            f"{v['name']} (build {v['build_version']}, {v['backend']}, min {v['min']}, "
+            f"max {v['max']})"
+        ),
+    )
     return 0
 
 
@@ -132,16 +190,18 @@ def _aws_keys(args: argparse.Namespace) -> dict[str, str | None]:
     """The function's AWS keys from a file, the environment or (discouraged) argv."""
     key_id, secret = args.aws_access_key_id, args.aws_secret_access_key
     if secret is not None:
-        print("corral: warning: --aws-secret-access-key shows the key to anyone who can run "
-              "ps; prefer --aws-secret-access-key-file or --aws-keys-from-env", file=sys.stderr)
+        print(
+            "corral: warning: --aws-secret-access-key shows the key to anyone who can run "
+            "ps; prefer --aws-secret-access-key-file or --aws-keys-from-env",
+            file=sys.stderr,
+        )
     if args.aws_secret_access_key_file:
         secret = _read_secret(args.aws_secret_access_key_file)
     if args.aws_keys_from_env:
         key_id = key_id or os.environ.get("AWS_ACCESS_KEY_ID")
         secret = secret or os.environ.get("AWS_SECRET_ACCESS_KEY")
         if not key_id or not secret:
-            raise InputError(
-                "--aws-keys-from-env: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+            raise InputError("--aws-keys-from-env: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     return {"aws_access_key_id": key_id, "aws_secret_access_key": secret}
 
 
@@ -170,10 +230,10 @@ def cmd_functions_show(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_functions_remove(args: argparse.Namespace, settings: Settings) -> int:
     """Remove a function (with --force, delete its replicas first)."""
-    deleted = api.remove_function(args.name, force=args.force, timeout=args.timeout,
-                                  settings=settings)
-    print(f"removed function {args.name}"
-          + (f" and {deleted} replica(s)" if deleted else ""))
+    deleted = api.remove_function(
+        args.name, force=args.force, timeout=args.timeout, settings=settings
+    )
+    print(f"removed function {args.name}" + (f" and {deleted} replica(s)" if deleted else ""))
     return 0
 
 
@@ -213,6 +273,5 @@ def cmd_ops(args: argparse.Namespace, settings: Settings) -> int:
     if args.op_id:
         emit(args, api.operation(args.op_id, settings=settings), kv)
         return 0
-    emit(args, api.operations(args.limit, settings=settings),
-         lambda r: table(r, OPERATION_COLUMNS))
+    emit(args, api.operations(args.limit, settings=settings), lambda r: table(r, OPERATION_COLUMNS))
     return 0

@@ -20,6 +20,10 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per forwarded request
     api.database(settings)  # refuse an un-migrated store before listening
-    run_gateway(settings, args.listen, insecure=args.insecure,
-                on_ready=lambda url: print(f"gateway listening on {url}", flush=True))
+    run_gateway(
+        settings,
+        args.listen,
+        insecure=args.insecure,
+        on_ready=lambda url: print(f"gateway listening on {url}", flush=True),
+    )
     return 0

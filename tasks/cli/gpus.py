@@ -39,8 +39,11 @@ def cmd_gpus_add(args: argparse.Namespace, settings: Settings) -> int:
     """Record (or refresh) the GPUs of a GPU server."""
     views = api.add_gpus(args.address, manager=args.manager, settings=settings)
     server = views[0]["server"] if views else args.address
-    emit(args, views, lambda v: f"GPU server {server}: {len(v)} GPU(s)\n"
-         + table(_rows(v), GPU_COLUMNS))
+    emit(
+        args,
+        views,
+        lambda v: f"GPU server {server}: {len(v)} GPU(s)\n" + table(_rows(v), GPU_COLUMNS),
+    )
     return 0
 
 

@@ -32,8 +32,11 @@ def _reap_text(view: OperationView) -> str:
         + ", ".join(f"{counts.get(r, 0)} {r}" for r in ("idle", "stale", "stuck"))
     ]
     if deleted:
-        lines.append(table(deleted, ["replica_id", "function", "reason", "detail", "node",
-                                     "outcome", "error"]))
+        lines.append(
+            table(
+                deleted, ["replica_id", "function", "reason", "detail", "node", "outcome", "error"]
+            )
+        )
     if report.get("claims_expired"):
         lines.append(f"gave back {report['claims_expired']} expired claim(s)")
     kept = report.get("kept_for_min") or {}
@@ -70,8 +73,9 @@ def _reconcile_text(view: OperationView) -> str:
     return "\n".join(lines)
 
 
-def _run(args: argparse.Namespace, settings: Settings, op_id: str,
-         text: Callable[[OperationView], str]) -> int:
+def _run(
+    args: argparse.Namespace, settings: Settings, op_id: str, text: Callable[[OperationView], str]
+) -> int:
     if not args.wait:
         print(json.dumps({"operation": op_id}) if args.json else op_id)
         return 0

@@ -78,8 +78,13 @@ class Formatter(argparse.HelpFormatter):
     ``shutil.get_terminal_size`` would.
     """
 
-    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24,
-                 width: int | None = None) -> None:
+    def __init__(
+        self,
+        prog: str,
+        indent_increment: int = 2,
+        max_help_position: int = 24,
+        width: int | None = None,
+    ) -> None:
         super().__init__(prog, indent_increment, max_help_position, width or _columns())
 
 
@@ -105,8 +110,9 @@ class Commands:
             self.sub.add_parser(name, help=help, formatter_class=Formatter)
             unbuilt: argparse.ArgumentParser = _unbuilt()
             return unbuilt
-        p: argparse.ArgumentParser = self.sub.add_parser(name, help=help, description=help,
-                                                         formatter_class=Formatter)
+        p: argparse.ArgumentParser = self.sub.add_parser(
+            name, help=help, description=help, formatter_class=Formatter
+        )
         p.set_defaults(handler=Deferred(handler))
         if listing:
             p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -140,15 +146,27 @@ def _unbuilt() -> Any:
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The argument parser of every ``corral`` command; given ``argv``, only its command in full."""
     parser = argparse.ArgumentParser(
-        prog="corral", description="Control plane for serverless microVM fleets.",
+        prog="corral",
+        description="Control plane for serverless microVM fleets.",
         formatter_class=Formatter,
     )
     named = None if argv is None else next((a for a in argv if not a.startswith("-")), "")
-    top = Commands(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"),
-                   only=named)
-    for add in (_add_db, _add_nodes, _add_functions, _add_operations, _add_inspection,
-                _add_claims, _add_maintenance, _add_gpus, _add_hogs, _add_services,
-                _add_gateway):
+    top = Commands(
+        parser.add_subparsers(dest="command", required=True, metavar="COMMAND"), only=named
+    )
+    for add in (
+        _add_db,
+        _add_nodes,
+        _add_functions,
+        _add_operations,
+        _add_inspection,
+        _add_claims,
+        _add_maintenance,
+        _add_gpus,
+        _add_hogs,
+        _add_services,
+        _add_gateway,
+    ):
         add(top)
     return parser
 
@@ -156,8 +174,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def _add_db(top: Commands) -> None:
     db = top.group("db", "database schema", "db_cmd")
     db.add("upgrade", "core:cmd_db_upgrade", "migrate the database to the newest schema")
-    p = db.add("check", "core:cmd_db_check",
-               "recount node, function and GPU counters from the replica rows", listing=True)
+    p = db.add(
+        "check",
+        "core:cmd_db_check",
+        "recount node, function and GPU counters from the replica rows",
+        listing=True,
+    )
     p.add_argument("--fix", action="store_true", help="set drifted counters to the rows' values")
 
 
@@ -168,9 +190,13 @@ def _add_nodes(top: Commands) -> None:
     p.add_argument("--name")
     p.add_argument("--kind", choices=NODE_KINDS, default=NodeKind.FCDAEMON.value)
     p.add_argument("--capacity", type=integer, help="most live replicas on this node")
-    p.add_argument("--replica-network", action="append", metavar="CIDR",
-                   help="a network its replicas' addresses may be in (repeatable; default: the "
-                   "node's own host, for fcdaemon also CORRAL_REPLICA_NETWORKS)")
+    p.add_argument(
+        "--replica-network",
+        action="append",
+        metavar="CIDR",
+        help="a network its replicas' addresses may be in (repeatable; default: the "
+        "node's own host, for fcdaemon also CORRAL_REPLICA_NETWORKS)",
+    )
     nodes.add("list", "core:cmd_nodes_list", "list nodes", listing=True)
     p = nodes.add("remove", "core:cmd_remove", "remove a node that runs no replicas")
     p.add_argument("key", metavar="name")
@@ -181,8 +207,9 @@ def _add_nodes(top: Commands) -> None:
 
 def _add_functions(top: Commands) -> None:
     fns = top.group("functions", "deployable functions", "fn_cmd")
-    _deploy_options(fns.add("deploy", "core:cmd_functions_deploy", "create or update a function",
-                            listing=True))
+    _deploy_options(
+        fns.add("deploy", "core:cmd_functions_deploy", "create or update a function", listing=True)
+    )
     fns.add("list", "core:cmd_functions_list", "list functions", listing=True)
     p = fns.add("show", "core:cmd_functions_show", "show a function", listing=True)
     p.add_argument("name")
@@ -214,22 +241,39 @@ def _deploy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exec-envs", type=integer, help="concurrent requests per replica")
     p.add_argument("--gpu-mem", type=integer, help="GPU memory per replica in MB")
     p.add_argument("--placement")
-    p.add_argument("--autoscale", action=argparse.BooleanOptionalAction, default=None,
-                   help="let the autoscaler set the replica target from gateway demand")
-    p.add_argument("--scale-to-zero-after", type=float, metavar="S",
-                   help="with --autoscale: go to zero after S seconds without requests "
-                        "(0: never, the default)")
-    p.add_argument("--keep-alive", choices=["fixed", "adaptive"],
-                   help="how long idle replicas stay: fixed (--idle-timeout, the default) or "
-                        "adaptive (pre-warm and keep-alive windows learnt from the function's "
-                        "idle times)")
+    p.add_argument(
+        "--autoscale",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let the autoscaler set the replica target from gateway demand",
+    )
+    p.add_argument(
+        "--scale-to-zero-after",
+        type=float,
+        metavar="S",
+        help="with --autoscale: go to zero after S seconds without requests "
+        "(0: never, the default)",
+    )
+    p.add_argument(
+        "--keep-alive",
+        choices=["fixed", "adaptive"],
+        help="how long idle replicas stay: fixed (--idle-timeout, the default) or "
+        "adaptive (pre-warm and keep-alive windows learnt from the function's "
+        "idle times)",
+    )
     p.add_argument("--aws-access-key-id")
     aws = p.add_mutually_exclusive_group()
     aws.add_argument("--aws-secret-access-key", help="discouraged: argv is visible in ps")
-    aws.add_argument("--aws-secret-access-key-file", metavar="PATH",
-                     help="read the secret access key from this file")
-    p.add_argument("--aws-keys-from-env", action="store_true",
-                   help="take AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from the environment")
+    aws.add_argument(
+        "--aws-secret-access-key-file",
+        metavar="PATH",
+        help="read the secret access key from this file",
+    )
+    p.add_argument(
+        "--aws-keys-from-env",
+        action="store_true",
+        help="take AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from the environment",
+    )
 
 
 def _waiting(p: argparse.ArgumentParser) -> None:
@@ -267,38 +311,65 @@ def _add_inspection(top: Commands) -> None:
 
 
 def _add_claims(top: Commands) -> None:
-    p = top.add("claim", "claims:cmd_claim", "take one execution environment of an idle replica",
-                listing=True)
+    p = top.add(
+        "claim",
+        "claims:cmd_claim",
+        "take one execution environment of an idle replica",
+        listing=True,
+    )
     p.add_argument("name")
-    p.add_argument("--cold-start-timeout", type=float, default=0.0, metavar="S",
-                   help="with nothing idle, wait up to S seconds for a new replica")
-    p.add_argument("--ttl", type=float, default=None, metavar="S",
-                   help="the claim expires after S seconds (default CORRAL_CLAIM_TTL_S)")
-    p = top.add("release", "claims:cmd_release", "give a claimed execution environment back",
-                listing=True)
+    p.add_argument(
+        "--cold-start-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with nothing idle, wait up to S seconds for a new replica",
+    )
+    p.add_argument(
+        "--ttl",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the claim expires after S seconds (default CORRAL_CLAIM_TTL_S)",
+    )
+    p = top.add(
+        "release", "claims:cmd_release", "give a claimed execution environment back", listing=True
+    )
     p.add_argument("claim_id")
 
 
 def _add_maintenance(top: Commands) -> None:
-    p = top.add("reap", "maintenance:cmd_reap", "delete idle, stale and stuck replicas now",
-                listing=True)
-    p.add_argument("--idle-timeout", type=float, metavar="S",
-                   help="reap replicas idle at least S seconds (instead of each function's)")
+    p = top.add(
+        "reap", "maintenance:cmd_reap", "delete idle, stale and stuck replicas now", listing=True
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        metavar="S",
+        help="reap replicas idle at least S seconds (instead of each function's)",
+    )
     p.add_argument("--wait", action="store_true", help="wait for the pass and report it")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
-    p = top.add("reconcile", "maintenance:cmd_reconcile",
-                "compare rows with what agents run, fix both, restore mins", listing=True)
+    p = top.add(
+        "reconcile",
+        "maintenance:cmd_reconcile",
+        "compare rows with what agents run, fix both, restore mins",
+        listing=True,
+    )
     p.add_argument("--wait", action="store_true", help="wait for the pass and report it")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
 
 
 def _add_gpus(top: Commands) -> None:
     gpus = top.group("gpus", "GPU servers and their GPUs", "gpus_cmd")
-    p = gpus.add("add", "gpus:cmd_gpus_add", "record (or refresh) a GPU server's GPUs",
-                 listing=True)
+    p = gpus.add(
+        "add", "gpus:cmd_gpus_add", "record (or refresh) a GPU server's GPUs", listing=True
+    )
     p.add_argument("address", help="HOST[:PORT] of the AvA manager's GPUResc (port 50053)")
-    p.add_argument("--manager", help="HOST[:PORT] guests reach the AvA manager at "
-                   "(default HOST:CORRAL_GPU_MANAGER_PORT)")
+    p.add_argument(
+        "--manager",
+        help="HOST[:PORT] guests reach the AvA manager at (default HOST:CORRAL_GPU_MANAGER_PORT)",
+    )
     gpus.add("list", "gpus:cmd_gpus_list", "list GPUs: memory and slots in use", listing=True)
     p = gpus.add("remove", "core:cmd_remove", "forget a GPU no replica uses")
     p.add_argument("key", metavar="uuid")
@@ -306,8 +377,10 @@ def _add_gpus(top: Commands) -> None:
 
 def _add_hogs(top: Commands) -> None:
     hogs = top.group("hogs", "CPU-hog processes on node agents", "hog_action")
-    for action, text in (("start", "start N busy-loop processes on each node"),
-                         ("stop", "stop up to N busy-loop processes on each node")):
+    for action, text in (
+        ("start", "start N busy-loop processes on each node"),
+        ("stop", "stop up to N busy-loop processes on each node"),
+    ):
         p = hogs.add(action, "gpus:cmd_hogs", text)
         p.add_argument("n", type=integer, metavar="N")
         p.add_argument("--node", help="only this node (default: every healthy agent)")
@@ -317,30 +390,49 @@ def _add_hogs(top: Commands) -> None:
 
 
 def _add_services(top: Commands) -> None:
-    p = top.add("registry", "services:cmd_registry",
-                "serve the registry (resmngr, mngrinfo) over gRPC")
-    p.add_argument("--listen", help="HOST:PORT (default CORRAL_REGISTRY_LISTEN, 127.0.0.1:50052; "
-                   "off loopback needs CORRAL_REGISTRY_TOKEN)")
-    p.add_argument("--insecure", action="store_true",
-                   help="listen off loopback without a token (logs a warning at every start)")
+    p = top.add(
+        "registry", "services:cmd_registry", "serve the registry (resmngr, mngrinfo) over gRPC"
+    )
+    p.add_argument(
+        "--listen",
+        help="HOST:PORT (default CORRAL_REGISTRY_LISTEN, 127.0.0.1:50052; "
+        "off loopback needs CORRAL_REGISTRY_TOKEN)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen off loopback without a token (logs a warning at every start)",
+    )
     p = top.add("metrics", "services:cmd_metrics", "serve the control plane's Prometheus metrics")
     p.add_argument("--listen", help="HOST:PORT (default CORRAL_METRICS_LISTEN, 127.0.0.1:9808)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow an address off loopback without CORRAL_METRICS_TOKEN")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow an address off loopback without CORRAL_METRICS_TOKEN",
+    )
     p = top.add("agent", "agent:cmd_agent", "run a reference agent: fcdaemon, lambdo or gpus")
     p.add_argument("kind", choices=["fcdaemon", "lambdo", "gpus"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the agent's own options")
-    p = top.add("up", "services:cmd_up",
-                "run broker, store, registry, worker, beat, Flower and agents")
+    p = top.add(
+        "up", "services:cmd_up", "run broker, store, registry, worker, beat, Flower and agents"
+    )
     p.add_argument("--state-dir", help="where data and logs live (default .corral)")
     p.add_argument("--no-agents", action="store_true", help="run the control plane alone")
-    p.add_argument("--concurrency", type=integer, default=None,
-                   help="tasks the worker runs at once (default CORRAL_WORKER_CONCURRENCY, 8)")
+    p.add_argument(
+        "--concurrency",
+        type=integer,
+        default=None,
+        help="tasks the worker runs at once (default CORRAL_WORKER_CONCURRENCY, 8)",
+    )
 
 
 def _add_gateway(top: Commands) -> None:
-    p = top.add("gateway", "gateway:cmd_gateway",
-                "serve functions over HTTP at /function/NAME[/PATH]")
+    p = top.add(
+        "gateway", "gateway:cmd_gateway", "serve functions over HTTP at /function/NAME[/PATH]"
+    )
     p.add_argument("--listen", help="HOST:PORT (default CORRAL_GATEWAY_LISTEN, 127.0.0.1:8080)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback address without CORRAL_GATEWAY_TOKEN")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback address without CORRAL_GATEWAY_TOKEN",
+    )

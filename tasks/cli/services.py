@@ -33,9 +33,13 @@ def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_metrics(args: argparse.Namespace, settings: Settings) -> int:
     """Serve the control plane's Prometheus metrics until SIGINT / SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    running = serve(database(settings), redis_client(settings.broker_url),
-                    args.listen or settings.metrics_listen, token=settings.metrics_token,
-                    insecure=args.insecure)
+    running = serve(
+        database(settings),
+        redis_client(settings.broker_url),
+        args.listen or settings.metrics_listen,
+        token=settings.metrics_token,
+        insecure=args.insecure,
+    )
     print(f"metrics at {running.url}", flush=True)
     _until_signalled()
     running.stop()
@@ -54,7 +58,10 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     """Run the whole stack in the foreground."""
     state_dir = Path(args.state_dir) if args.state_dir else settings.state_dir
     try:
-        return run(UpOptions(state_dir=state_dir, agents=not args.no_agents,
-                             worker_concurrency=args.concurrency))
+        return run(
+            UpOptions(
+                state_dir=state_dir, agents=not args.no_agents, worker_concurrency=args.concurrency
+            )
+        )
     except AlreadyRunning as exc:
         raise CorralError(str(exc)) from None

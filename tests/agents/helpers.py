@@ -20,7 +20,12 @@ from agents.procs import is_alive
 from protos import resmngr_grpc, resmngr_pb2
 
 __all__ = [
-    "RecordingRegistry", "children_of", "http_get", "is_alive", "start_registry", "wait_until",
+    "RecordingRegistry",
+    "children_of",
+    "http_get",
+    "is_alive",
+    "start_registry",
+    "wait_until",
 ]
 
 T = TypeVar("T")

@@ -44,9 +44,20 @@ def test_resolve_command_runs_only_allowed_modules() -> None:
     assert resolve_command("hello") == ([sys.executable, "-m", "examples.hello"], root)
     assert resolve_command("examples.echo:latest")[0][-1] == "examples.echo"
     assert resolve_command("json.tool", ["json.tool"]) == (
-        [sys.executable, "-m", "json.tool"], str(Path(json.__file__).resolve().parents[1]))
-    for bad in ("", "sleep 5", "sh -c 'touch /tmp/x'", "no-such-binary-xyz", "'unterminated",
-                "json.tool", "examples.nope", "/bin/sh", "hello; true"):
+        [sys.executable, "-m", "json.tool"],
+        str(Path(json.__file__).resolve().parents[1]),
+    )
+    for bad in (
+        "",
+        "sleep 5",
+        "sh -c 'touch /tmp/x'",
+        "no-such-binary-xyz",
+        "'unterminated",
+        "json.tool",
+        "examples.nope",
+        "/bin/sh",
+        "hello; true",
+    ):
         with pytest.raises(ImageNotFound):
             resolve_command(bad)
 
@@ -112,8 +123,9 @@ def test_port_allocator_skips_ports_in_use() -> None:
         alloc.release([got])
 
 
-def _allowed_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
-                    code: str) -> dict[str, str]:
+def _allowed_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, code: str
+) -> dict[str, str]:
     """Write module ``name`` under tmp_path, importable here and in children (their env)."""
     (tmp_path / f"{name}.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -204,11 +204,13 @@ def test_ready_is_reported_after_the_replica_answers_http(
 
 
 @pytest.mark.parametrize(
-    "action", [resmngr_pb2.StatusUpdateReply.DESTROY, resmngr_pb2.StatusUpdateReply.KEEP_ALIVE],
+    "action",
+    [resmngr_pb2.StatusUpdateReply.DESTROY, resmngr_pb2.StatusUpdateReply.KEEP_ALIVE],
     ids=["destroy_releases_the_vm", "keep_alive_keeps_it"],
 )
 def test_the_answer_to_ready(
-    registry: tuple[str, RecordingRegistry], action: resmngr_pb2.StatusUpdateReply.Action.ValueType,
+    registry: tuple[str, RecordingRegistry],
+    action: resmngr_pb2.StatusUpdateReply.Action.ValueType,
 ) -> None:
     address, servicer = registry
     servicer.action = action

@@ -38,10 +38,13 @@ def test_get_gpu_resource_returns_the_map() -> None:
 
 def test_parse_gpus() -> None:
     assert parse_gpus("GPU-a:100, GPU-b:200") == {"GPU-a": 100, "GPU-b": 200}
-    for bad, why in (("", "no GPUs given"), ("GPU-a", "expected UUID:MB, got 'GPU-a'"),
-                     ("GPU-a:x", "expected UUID:MB, got 'GPU-a:x'"),
-                     ("GPU-a:1,GPU-a:2", "GPU GPU-a listed twice"),
-                     (":5", "expected UUID:MB, got ':5'")):
+    for bad, why in (
+        ("", "no GPUs given"),
+        ("GPU-a", "expected UUID:MB, got 'GPU-a'"),
+        ("GPU-a:x", "expected UUID:MB, got 'GPU-a:x'"),
+        ("GPU-a:1,GPU-a:2", "GPU GPU-a listed twice"),
+        (":5", "expected UUID:MB, got ':5'"),
+    ):
         with pytest.raises(ValueError, match=re.escape(why)):
             parse_gpus(bad)
 

@@ -187,10 +187,15 @@ def test_spawns_of_different_request_ids_run_side_by_side() -> None:
     same = same_bucket_ids(4)
     running = serve_lambdo(driver=MeetingDriver(len(same)))
     try:
-        with httpx.Client(base_url=running.url, timeout=30) as http, \
-                concurrent.futures.ThreadPoolExecutor(len(same)) as pool:
-            answers = list(pool.map(
-                lambda rid: http.post("/spawn", json={**spawn_body(), "requestId": rid}), same))
+        with (
+            httpx.Client(base_url=running.url, timeout=30) as http,
+            concurrent.futures.ThreadPoolExecutor(len(same)) as pool,
+        ):
+            answers = list(
+                pool.map(
+                    lambda rid: http.post("/spawn", json={**spawn_body(), "requestId": rid}), same
+                )
+            )
         assert [a.status_code for a in answers] == [200] * len(same)
         assert len({a.json()["id"] for a in answers}) == len(same)
     finally:

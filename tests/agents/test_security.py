@@ -56,9 +56,21 @@ def fcdaemon_cli(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """``corral agent fcdaemon --driver process`` as an operator starts it: (address, cwd)."""
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "agent", "fcdaemon", "--listen",
-         f"127.0.0.1:{port}", "--driver", "process"],
-        cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "tasks.cli",
+            "agent",
+            "fcdaemon",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--driver",
+            "process",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         _wait_port(port, proc)
@@ -68,12 +80,15 @@ def fcdaemon_cli(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         proc.wait(30)
 
 
-@pytest.mark.parametrize("image", [
-    "sh -c 'touch {marker}'",
-    "/bin/sh -c 'touch {marker}'",
-    "touch {marker}",
-    "os.system",  # a module, but not on the allow-list
-])
+@pytest.mark.parametrize(
+    "image",
+    [
+        "sh -c 'touch {marker}'",
+        "/bin/sh -c 'touch {marker}'",
+        "touch {marker}",
+        "os.system",  # a module, but not on the allow-list
+    ],
+)
 def test_a_shell_line_as_image_is_refused_and_nothing_runs(
     fcdaemon_cli: tuple[str, Path], image: str
 ) -> None:
@@ -81,8 +96,10 @@ def test_a_shell_line_as_image_is_refused_and_nothing_runs(
     marker = tmp / "x"
     stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(address))
     with pytest.raises(grpc.RpcError) as err:
-        stub.CreateReplica(fcdaemon_pb2.CreateRequest(
-            imageName=image.format(marker=marker), requestId="evil"), timeout=30)
+        stub.CreateReplica(
+            fcdaemon_pb2.CreateRequest(imageName=image.format(marker=marker), requestId="evil"),
+            timeout=30,
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "refused" in (err.value.details() or "")
     time.sleep(1.0)
@@ -101,16 +118,23 @@ def test_lambdo_rootfs_image_is_allow_listed_too(tmp_path: Path) -> None:
     try:
         with httpx.Client(base_url=running.url, timeout=30) as c:
             for path, body in (
-                ("/spawn", {"rootfs": {"id": "f_1", "location": "l", "image": shell},
-                            "requestedPorts": [8080]}),
+                (
+                    "/spawn",
+                    {
+                        "rootfs": {"id": "f_1", "location": "l", "image": shell},
+                        "requestedPorts": [8080],
+                    },
+                ),
                 ("/start", {"kernel": "/k", "image": shell, "portMapping": [[0, 8080]]}),
             ):
                 resp = c.post(path, json=body)
                 assert resp.status_code == 400, resp.text
                 assert "refused" in resp.text
             # a location that is not a module name is not run either: the default image is
-            resp = c.post("/spawn", json={"rootfs": {"id": "f_1", "location": shell},
-                                          "requestedPorts": [8080]})
+            resp = c.post(
+                "/spawn",
+                json={"rootfs": {"id": "f_1", "location": shell}, "requestedPorts": [8080]},
+            )
             assert resp.status_code == 200, resp.text
         time.sleep(1.0)
         assert not marker.exists()
@@ -121,20 +145,33 @@ def test_lambdo_rootfs_image_is_allow_listed_too(tmp_path: Path) -> None:
 
 def test_allow_image_lets_an_operator_add_a_module(tmp_path: Path) -> None:
     (tmp_path / "myfn.py").write_text(
-        "import os, pathlib\npathlib.Path(os.environ['OUT']).write_text('ran')\n")
+        "import os, pathlib\npathlib.Path(os.environ['OUT']).write_text('ran')\n"
+    )
     out = tmp_path / "out.txt"
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agents.fcdaemon", "--listen", f"127.0.0.1:{port}",
-         "--driver", "process", "--allow-image", "myfn"],
-        cwd=ROOT, env=_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "agents.fcdaemon",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--driver",
+            "process",
+            "--allow-image",
+            "myfn",
+        ],
+        cwd=ROOT,
+        env=_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         _wait_port(port, proc)
         stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        stub.CreateReplica(fcdaemon_pb2.CreateRequest(
-            imageName="myfn", kernelArgs=f"--env=OUT={out}"), timeout=30)
+        stub.CreateReplica(
+            fcdaemon_pb2.CreateRequest(imageName="myfn", kernelArgs=f"--env=OUT={out}"), timeout=30
+        )
         deadline = time.monotonic() + 30
         while not out.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -155,15 +192,22 @@ AGENTS: list[tuple[list[str], str, dict[str, str]]] = [
 
 
 def _run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tasks.cli", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tasks.cli", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture
 def migrated(tmp_path: Path) -> dict[str, str]:
     url = f"sqlite:///{tmp_path / 'c.sqlite'}"
-    env = _env(CORRAL_DATABASE_URL=url, CORRAL_STATE_DIR=str(tmp_path / "state"),
-               PYTHONPATH=str(ROOT))
+    env = _env(
+        CORRAL_DATABASE_URL=url, CORRAL_STATE_DIR=str(tmp_path / "state"), PYTHONPATH=str(ROOT)
+    )
     done = _run(["db", "upgrade"], env, tmp_path)
     assert done.returncode == 0, done.stderr
     return env
@@ -192,7 +236,10 @@ def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
         port = _free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "tasks.cli", *argv, "--listen", f"0.0.0.0:{port}", *extra],
-            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         try:
             _wait_port(port, proc)

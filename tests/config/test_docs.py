@@ -18,8 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_settings_reference_matches_the_code() -> None:
     # What CI runs: a setting added, removed or redescribed without rewriting the file fails.
-    done = subprocess.run([sys.executable, "-m", "config.docs", "--check"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "config.docs", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert (ROOT / "docs" / "settings.md").read_text() == docs.render()
 
@@ -92,4 +97,5 @@ def test_bounds_are_written_in_words() -> None:
 
 def test_rst_roles_become_code_spans() -> None:
     assert docs.markdown("a :class:`~config.settings.ConfigError` and ``x``") == (
-        "a `ConfigError` and `x`")
+        "a `ConfigError` and `x`"
+    )

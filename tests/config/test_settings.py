@@ -69,8 +69,10 @@ def test_running_stack_supplies_addresses_unless_the_environment_does(
 ) -> None:
     state = tmp_path / ".corral"
     state.mkdir()
-    published = {"broker_url": "redis://127.0.0.1:7000/0",
-                 "database_url": "sqlite:////tmp/stack.sqlite"}
+    published = {
+        "broker_url": "redis://127.0.0.1:7000/0",
+        "database_url": "sqlite:////tmp/stack.sqlite",
+    }
     (state / "stack.json").write_text(json.dumps({"pid": os.getpid(), "settings": published}))
     assert load_settings().broker_url == "redis://127.0.0.1:7000/0"
     monkeypatch.setenv("CORRAL_BROKER_URL", "redis://127.0.0.2:6379/0")

@@ -22,18 +22,22 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 def test_prometheus_config_scrapes_the_exporter_and_the_gateway() -> None:
     config = yaml.safe_load((EXAMPLES / "prometheus.yml").read_text())
-    targets = {job["job_name"]: job["static_configs"][0]["targets"]
-               for job in config["scrape_configs"]}
-    assert targets == {"corral-control-plane": ["127.0.0.1:9808"],
-                       "corral-gateway": ["127.0.0.1:8080"]}
+    targets = {
+        job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]
+    }
+    assert targets == {
+        "corral-control-plane": ["127.0.0.1:9808"],
+        "corral-gateway": ["127.0.0.1:8080"],
+    }
 
 
 def test_every_metric_the_dashboard_queries_exists(corral_env: Env) -> None:
     with corral_env.db.transaction() as s:  # one of each row, so every family has a sample
         deploy(s, spec_from(name="f", image="i", kernel="/k"), corral_env.settings)
         upsert_node(s, "127.0.0.1:1", name="n")
-        s.add_all([Operation(kind="spawn", status="pending"),
-                   Operation(kind="spawn", status="succeeded")])
+        s.add_all(
+            [Operation(kind="spawn", status="pending"), Operation(kind="spawn", status="succeeded")]
+        )
     running = serve(corral_env.db, None, "127.0.0.1:0")
     try:
         text = httpx.get(running.url, timeout=10).text
@@ -41,8 +45,13 @@ def test_every_metric_the_dashboard_queries_exists(corral_env: Env) -> None:
         running.stop()
     exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
     # metrics the exporter shows only once there is something to show (Redis, autoscaler)
-    exported |= {"corral_reaped_total", "corral_queue_length", "corral_queue_unacked",
-                 "corral_autoscale_desired_replicas", "corral_autoscale_panic"}
+    exported |= {
+        "corral_reaped_total",
+        "corral_queue_length",
+        "corral_queue_unacked",
+        "corral_autoscale_desired_replicas",
+        "corral_autoscale_panic",
+    }
     dashboard = json.loads((EXAMPLES / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 15
@@ -52,7 +61,10 @@ def test_every_metric_the_dashboard_queries_exists(corral_env: Env) -> None:
     served.cold_start("f", 0.5)
     served.load("f", 1, 0)
     served.stage("claim", 0.001)
-    gateway = {s.name for f in text_string_to_metric_families(served.render()[0].decode())
-               for s in f.samples}
+    gateway = {
+        s.name
+        for f in text_string_to_metric_families(served.render()[0].decode())
+        for s in f.samples
+    }
     assert used - exported - gateway == set()
     assert used & exported and used & gateway  # both halves are on it

@@ -39,7 +39,7 @@ SHORT = {
 
 
 def _env(env: Env, extra: dict[str, str]) -> None:
-    env.set(**{k[len("CORRAL_"):].lower(): v for k, v in extra.items()})
+    env.set(**{k[len("CORRAL_") :].lower(): v for k, v in extra.items()})
 
 
 def _wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
@@ -79,8 +79,11 @@ POOLS = pytest.mark.parametrize("pool", ["threads", "prefork"])  # the default, 
 @pytest.mark.timeout(120)
 @POOLS
 def test_a_spawn_message_delivered_twice_at_once_sends_each_create_once(
-    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
-    redis_url: str, pool: str,
+    broker_env: Env,
+    start_agents: StartAgents,
+    worker_processes: list[WorkerProcess],
+    redis_url: str,
+    pool: str,
 ) -> None:
     _env(broker_env, SHORT)
     agents = start_agents(2, env=broker_env, seed_only=True)
@@ -105,22 +108,23 @@ def test_a_spawn_message_delivered_twice_at_once_sends_each_create_once(
 @pytest.mark.timeout(150)
 @POOLS
 def test_a_worker_killed_mid_create_leaves_no_orphan_on_seed_agents(
-    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
-    registry: RunningRegistry, pool: str,
+    broker_env: Env,
+    start_agents: StartAgents,
+    worker_processes: list[WorkerProcess],
+    registry: RunningRegistry,
+    pool: str,
 ) -> None:
     _env(broker_env, SHORT)
     agents = start_agents(2, env=broker_env, seed_only=True, registry=registry.address)
     for agent in agents:  # the creates take a while; their guests then report READY
         agent.agent.inject("CreateReplica", *[Fault.delay(2.0)] * 6)
     deploy_fn(broker_env)
-    first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT,
-                          pool=pool)
+    first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT, pool=pool)
     worker_processes.append(first.start())
     op = api.spawn("hello", 6)
     _wait_for(lambda: _creates(agents) == 6, 20, "every create to reach an agent")
     first.kill()  # SIGKILL while every create is in flight: their answers are lost
-    second = WorkerProcess(broker_env.tmp, concurrency=2, name="second", extra_env=SHORT,
-                           pool=pool)
+    second = WorkerProcess(broker_env.tmp, concurrency=2, name="second", extra_env=SHORT, pool=pool)
     worker_processes.append(second.start())
     # The agents make the VMs anyway and their guests say READY; no row can take them (the
     # seed protocol cannot say which request a VM is for), so the registry has them released.
@@ -142,8 +146,9 @@ def test_a_worker_killed_mid_create_leaves_no_orphan_on_seed_agents(
     reap(broker_env.db, broker_env.settings, holder="t")
     assert {r.status for r in replicas(broker_env)} == {ReplicaState.DEAD}
     view = api.wait(op, timeout=10)
-    assert (view["status"], view["done"], view["failed"], view["total"]) == (
-        "failed", 0, 6, 6), view
+    assert (view["status"], view["done"], view["failed"], view["total"]) == ("failed", 0, 6, 6), (
+        view
+    )
     _fleet_agrees(broker_env, agents)
 
 
@@ -178,8 +183,9 @@ def test_a_thread_pool_worker_stuck_past_its_hard_limit_exits_and_another_finish
     _env(broker_env, limits)
     agents = start_agents(1, env=broker_env)
     fn_id = deploy_fn(broker_env)
-    stuck = WorkerProcess(broker_env.tmp, concurrency=2, name="stuck", extra_env=limits,
-                          pool="threads")
+    stuck = WorkerProcess(
+        broker_env.tmp, concurrency=2, name="stuck", extra_env=limits, pool="threads"
+    )
     worker_processes.append(stuck.start())
     with broker_env.db.transaction() as s:  # the function's row, locked past the hard limit
         s.execute(select(Function).where(Function.id == fn_id).with_for_update()).all()
@@ -187,8 +193,9 @@ def test_a_thread_pool_worker_stuck_past_its_hard_limit_exits_and_another_finish
         assert stuck.proc is not None
         assert stuck.proc.wait(30) == timelimits.EXIT_STATUS, stuck.tail()
     assert "past its hard time limit" in stuck.tail(), stuck.tail()
-    second = WorkerProcess(broker_env.tmp, concurrency=2, name="second", extra_env=limits,
-                           pool="threads")
+    second = WorkerProcess(
+        broker_env.tmp, concurrency=2, name="second", extra_env=limits, pool="threads"
+    )
     worker_processes.append(second.start())
     view = api.wait(op, timeout=60)  # its message came back after the visibility timeout
     assert (view["status"], view["done"], view["failed"]) == ("succeeded", 2, 0), view

@@ -47,8 +47,11 @@ def _free_port() -> int:
 
 def _status(pid: int) -> tuple[float, int]:
     """(resident MB, threads) of a process."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text()
-                  .splitlines() if ":" in line)
+    fields = dict(
+        line.split(":", 1)
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if ":" in line
+    )
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["Threads"])
 
 
@@ -76,6 +79,7 @@ def _peak(pid: int) -> Iterator[list[float]]:
 
 # -- attacks ---------------------------------------------------------------------------------
 
+
 def _connect(port: int) -> socket.socket | None:
     try:
         sock = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -92,8 +96,10 @@ def _send(sock: socket.socket, data: bytes) -> None:
 
 def http_half_sent(port: int, held: list[socket.socket], path: bytes = b"/spawn") -> None:
     """Requests with a 1 MiB body announced, 64 KiB of it sent, then silence."""
-    head = (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 1048576\r\n\r\n")
+    head = (
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1048576\r\n\r\n"
+    )
     for _ in range(CONNECTIONS):
         if (sock := _connect(port)) is not None:
             _send(sock, head + b"{" * 65536)
@@ -104,8 +110,9 @@ def http_endless_headers(port: int, held: list[socket.socket], path: bytes = b"/
     """Request heads that never end: 60 KiB header lines, one after another."""
     for _ in range(CONNECTIONS):
         if (sock := _connect(port)) is not None:
-            _send(sock, b"GET " + path + b" HTTP/1.1\r\n"
-                  + (b"X-Pad: " + b"a" * 60000 + b"\r\n") * 4)
+            _send(
+                sock, b"GET " + path + b" HTTP/1.1\r\n" + (b"X-Pad: " + b"a" * 60000 + b"\r\n") * 4
+            )
             held.append(sock)
 
 
@@ -118,6 +125,7 @@ def idle(port: int, held: list[socket.socket]) -> None:
 
 def http_oversized(port: int, held: list[socket.socket], path: bytes = b"/spawn") -> None:
     """Bodies of 64 MiB pushed as fast as the server takes them, 20 at once."""
+
     def push() -> None:
         sock = _connect(port)
         if sock is None:
@@ -128,6 +136,7 @@ def http_oversized(port: int, held: list[socket.socket], path: bytes = b"/spawn"
         with contextlib.suppress(OSError):
             for _ in range(1024):
                 sock.sendall(chunk)
+
     threads = [threading.Thread(target=push, daemon=True) for _ in range(20)]
     for t in threads:
         t.start()
@@ -137,6 +146,7 @@ def http_oversized(port: int, held: list[socket.socket], path: bytes = b"/spawn"
 
 def aimed(attack: Callable[..., None], path: bytes) -> Callable[[int, list[socket.socket]], None]:
     """An HTTP attack sent to ``path`` instead of its own."""
+
     def at(port: int, held: list[socket.socket]) -> None:
         attack(port, held, path=path)
 
@@ -145,8 +155,9 @@ def aimed(attack: Callable[..., None], path: bytes) -> Callable[[int, list[socke
 
 
 def _h2_frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") \
-        + payload
+    return (
+        len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+    )
 
 
 def _hpack_literal(name: bytes, value: bytes) -> bytes:
@@ -156,12 +167,24 @@ def _hpack_literal(name: bytes, value: bytes) -> bytes:
 
 def grpc_half_sent(method: str) -> Callable[[int, list[socket.socket]], None]:
     """HTTP/2 connections, each opening a call that announces a 4 MB message and sends 16 KB."""
-    headers = b"".join(_hpack_literal(k, v) for k, v in (
-        (b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
-        (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")))
+    headers = b"".join(
+        _hpack_literal(k, v)
+        for k, v in (
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", method.encode()),
+            (b":authority", b"x"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        )
+    )
     message = b"\x00" + (4_000_000).to_bytes(4, "big") + b"x" * 16000
-    data = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _h2_frame(4, 0, 0, b"")
-            + _h2_frame(1, 4, 1, headers) + _h2_frame(0, 0, 1, message))
+    data = (
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        + _h2_frame(4, 0, 0, b"")
+        + _h2_frame(1, 4, 1, headers)
+        + _h2_frame(0, 0, 1, message)
+    )
 
     def attack(port: int, held: list[socket.socket]) -> None:
         for _ in range(CONNECTIONS):
@@ -173,17 +196,22 @@ def grpc_half_sent(method: str) -> Callable[[int, list[socket.socket]], None]:
     return attack
 
 
-def grpc_oversized(call: Callable[[grpc.Channel, bytes], object]
-                   ) -> Callable[[int, list[socket.socket]], None]:
+def grpc_oversized(
+    call: Callable[[grpc.Channel, bytes], object],
+) -> Callable[[int, list[socket.socket]], None]:
     """120 unauthenticated calls at once, each carrying a 3.9 MB field."""
+
     def attack(port: int, held: list[socket.socket]) -> None:
         big = b"v" * 3_900_000
 
         def one() -> None:
             options = [("grpc.max_send_message_length", 8 << 20)]
-            with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel, \
-                    contextlib.suppress(grpc.RpcError):
+            with (
+                grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel,
+                contextlib.suppress(grpc.RpcError),
+            ):
                 call(channel, big)
+
         threads = [threading.Thread(target=one, daemon=True) for _ in range(120)]
         for t in threads:
             t.start()
@@ -196,6 +224,7 @@ def grpc_oversized(call: Callable[[grpc.Channel, bytes], object]
 
 def grpc_flood(method: str) -> Callable[[int, list[socket.socket]], None]:
     """1,000 unauthenticated calls in flight at once on one channel."""
+
     def attack(port: int, held: list[socket.socket]) -> None:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
@@ -234,17 +263,26 @@ class Listener:
 
 def _http_ok(path: str) -> Callable[[int], object]:
     def healthy(port: int) -> object:
-        resp = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10,
-                         headers={"Authorization": f"Bearer {TOKEN}"})
+        resp = httpx.get(
+            f"http://127.0.0.1:{port}{path}",
+            timeout=10,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
         assert resp.status_code == 200, resp.text
         return resp
+
     return healthy
 
 
 def _registry_ok(port: int) -> object:
     stub = resmngr_grpc.ResMngrServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    return stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(
-        vmid="nobody", status=resmngr_pb2.StatusUpdateRequest.READY), timeout=10, metadata=AUTH)
+    return stub.UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(
+            vmid="nobody", status=resmngr_pb2.StatusUpdateRequest.READY
+        ),
+        timeout=10,
+        metadata=AUTH,
+    )
 
 
 def _fcdaemon_ok(port: int) -> object:
@@ -259,18 +297,24 @@ def _gpus_ok(port: int) -> object:
 
 def _update_status(channel: grpc.Channel, vmid: bytes) -> object:
     stub = resmngr_grpc.ResMngrServiceStub(channel)
-    return stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(
-        vmid=vmid.decode(), status=resmngr_pb2.StatusUpdateRequest.READY), timeout=20)
+    return stub.UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(
+            vmid=vmid.decode(), status=resmngr_pb2.StatusUpdateRequest.READY
+        ),
+        timeout=20,
+    )
 
 
 def _create(channel: grpc.Channel, blob: bytes) -> object:
     return fcdaemon_grpc.FcServiceStub(channel).CreateReplica(
-        fcdaemon_pb2.CreateRequest(imageName="examples.hello", kernelArgs=blob.decode()),
-        timeout=20)
+        fcdaemon_pb2.CreateRequest(imageName="examples.hello", kernelArgs=blob.decode()), timeout=20
+    )
 
 
-STORE = {"CORRAL_DATABASE_URL": "sqlite:///{tmp}/corral.sqlite",
-         "CORRAL_BROKER_URL": "redis://127.0.0.1:1/0"}
+STORE = {
+    "CORRAL_DATABASE_URL": "sqlite:///{tmp}/corral.sqlite",
+    "CORRAL_BROKER_URL": "redis://127.0.0.1:1/0",
+}
 MIGRATE = [sys.executable, "-m", "tasks.cli", "db", "upgrade"]
 # gRPC core reads what arrives before it can refuse a stream: 120 oversized calls push
 # about 470 MB at a server, of which it may hold this much at the peak
@@ -278,37 +322,98 @@ GRPC_MB = 60.0
 HTTP_ATTACKS: list[Attack] = [http_half_sent, http_endless_headers, idle, http_oversized]
 
 LISTENERS = [
-    Listener("lambdo", [sys.executable, "-m", "agents.lambdo", "--listen", "127.0.0.1:{port}",
-                        "--driver", "memory", "--token", TOKEN],
-             _http_ok("/vms"), HTTP_ATTACKS, max_new_threads=70),  # 64 connections at most
-    Listener("metrics", [sys.executable, "-m", "tasks.cli", "metrics", "--listen",
-                         "127.0.0.1:{port}"],
-             _http_ok("/metrics"), HTTP_ATTACKS, max_new_threads=20,  # 16 connections at most
-             env={**STORE, "CORRAL_METRICS_TOKEN": TOKEN}, prepare=[MIGRATE]),
-    Listener("registry", [sys.executable, "-m", "tasks.cli", "registry", "--listen",
-                          "127.0.0.1:{port}"],
-             _registry_ok,
-             [grpc_half_sent("/resmngr.ResMngrService/UpdateStatus"), idle,
-              grpc_oversized(_update_status), grpc_flood("/resmngr.ResMngrService/UpdateStatus")],
-             env={**STORE, "CORRAL_REGISTRY_TOKEN": TOKEN}, prepare=[MIGRATE],
-             max_rss_growth_mb=GRPC_MB),
-    Listener("fcdaemon", [sys.executable, "-m", "agents.fcdaemon", "--listen",
-                          "127.0.0.1:{port}", "--driver", "memory", "--require-token", TOKEN],
-             _fcdaemon_ok,
-             [grpc_half_sent("/fcdaemon.FcService/CreateReplica"), idle,
-              grpc_oversized(_create), grpc_flood("/fcdaemon.FcService/CreateReplica")],
-             max_rss_growth_mb=GRPC_MB),
-    Listener("gpus", [sys.executable, "-m", "agents.gpus", "--listen", "127.0.0.1:{port}",
-                      "--gpus", "GPU-1:1000", "--require-token", TOKEN],
-             _gpus_ok, [grpc_half_sent("/gpuresc.GPUResc/GetGPUResource"), idle],
-             max_rss_growth_mb=GRPC_MB),
-    Listener("gateway", [sys.executable, "-m", "tasks.cli", "gateway", "--listen",
-                         "127.0.0.1:{port}"],
-             _http_ok("/metrics"),
-             [aimed(http_half_sent, b"/function/hello"),
-              aimed(http_endless_headers, b"/function/hello"), idle,
-              aimed(http_oversized, b"/function/hello")],
-             env={**STORE, "CORRAL_GATEWAY_TOKEN": TOKEN}, prepare=[MIGRATE]),
+    Listener(
+        "lambdo",
+        [
+            sys.executable,
+            "-m",
+            "agents.lambdo",
+            "--listen",
+            "127.0.0.1:{port}",
+            "--driver",
+            "memory",
+            "--token",
+            TOKEN,
+        ],
+        _http_ok("/vms"),
+        HTTP_ATTACKS,
+        max_new_threads=70,
+    ),  # 64 connections at most
+    Listener(
+        "metrics",
+        [sys.executable, "-m", "tasks.cli", "metrics", "--listen", "127.0.0.1:{port}"],
+        _http_ok("/metrics"),
+        HTTP_ATTACKS,
+        max_new_threads=20,  # 16 connections at most
+        env={**STORE, "CORRAL_METRICS_TOKEN": TOKEN},
+        prepare=[MIGRATE],
+    ),
+    Listener(
+        "registry",
+        [sys.executable, "-m", "tasks.cli", "registry", "--listen", "127.0.0.1:{port}"],
+        _registry_ok,
+        [
+            grpc_half_sent("/resmngr.ResMngrService/UpdateStatus"),
+            idle,
+            grpc_oversized(_update_status),
+            grpc_flood("/resmngr.ResMngrService/UpdateStatus"),
+        ],
+        env={**STORE, "CORRAL_REGISTRY_TOKEN": TOKEN},
+        prepare=[MIGRATE],
+        max_rss_growth_mb=GRPC_MB,
+    ),
+    Listener(
+        "fcdaemon",
+        [
+            sys.executable,
+            "-m",
+            "agents.fcdaemon",
+            "--listen",
+            "127.0.0.1:{port}",
+            "--driver",
+            "memory",
+            "--require-token",
+            TOKEN,
+        ],
+        _fcdaemon_ok,
+        [
+            grpc_half_sent("/fcdaemon.FcService/CreateReplica"),
+            idle,
+            grpc_oversized(_create),
+            grpc_flood("/fcdaemon.FcService/CreateReplica"),
+        ],
+        max_rss_growth_mb=GRPC_MB,
+    ),
+    Listener(
+        "gpus",
+        [
+            sys.executable,
+            "-m",
+            "agents.gpus",
+            "--listen",
+            "127.0.0.1:{port}",
+            "--gpus",
+            "GPU-1:1000",
+            "--require-token",
+            TOKEN,
+        ],
+        _gpus_ok,
+        [grpc_half_sent("/gpuresc.GPUResc/GetGPUResource"), idle],
+        max_rss_growth_mb=GRPC_MB,
+    ),
+    Listener(
+        "gateway",
+        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", "127.0.0.1:{port}"],
+        _http_ok("/metrics"),
+        [
+            aimed(http_half_sent, b"/function/hello"),
+            aimed(http_endless_headers, b"/function/hello"),
+            idle,
+            aimed(http_oversized, b"/function/hello"),
+        ],
+        env={**STORE, "CORRAL_GATEWAY_TOKEN": TOKEN},
+        prepare=[MIGRATE],
+    ),
 ]
 
 
@@ -330,8 +435,13 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Lis
     for argv in listener.prepare:
         subprocess.run(argv, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
     argv = [a.format(port=port) for a in listener.argv]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                            stderr=(tmp_path / "stderr.log").open("wb"))
+    proc = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "stderr.log").open("wb"),
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -365,8 +475,9 @@ def test_unauthenticated_work_stays_bounded(server: tuple[Listener, Server]) -> 
                 attack(srv.port, held)
                 time.sleep(1.0)  # let the server take in what was sent
             rss, threads = peak
-            report.append(f"{attack.__name__}: +{rss - base_rss:.0f} MB, "
-                          f"{threads - base_threads:+d} threads")
+            report.append(
+                f"{attack.__name__}: +{rss - base_rss:.0f} MB, {threads - base_threads:+d} threads"
+            )
             assert srv.proc.poll() is None, "the server died"
             assert rss - base_rss <= listener.max_rss_growth_mb, report
             assert threads - base_threads <= listener.max_new_threads, report

@@ -51,8 +51,7 @@ def _fn_id(env: Env, name: str = "hello") -> str:
 def _new_op(env: Env, kind: OpKind, **params: Any) -> str:
     """An operation written as the API writes it, without queueing its task."""
     with env.db.transaction() as s:
-        op = create_operation(s, kind, {"function": "hello", **params},
-                              function_id=_fn_id(env))
+        op = create_operation(s, kind, {"function": "hello", **params}, function_id=_fn_id(env))
         return op.id
 
 
@@ -70,7 +69,8 @@ def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
     def list_then_spawn_lands(node: Node, s: Any) -> Any:
         vms = listing(node, s)  # the node is listed before the VM exists...
         assert create(corral_env.db, settings, ["req-1"], Budget.of(settings)).states == {
-            "req-1": "idle"}
+            "req-1": "idle"
+        }
         return vms  # ...and the spawn records its VM before reconcile reads the rows
 
     monkeypatch.setattr(backends, "list_vms", list_then_spawn_lands)
@@ -98,16 +98,16 @@ def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
     fn_id, jobs = plan_spawn(corral_env.db, spawn_op)
     if readiness == "agent":  # the node is still making the VM while the delete comes
         agent.agent.inject("CreateReplica", Fault.delay(1.0))
-    spawning = threading.Thread(target=run_batch, args=(
-        corral_env.db, settings, spawn_op, fn_id, jobs, Budget.of(settings)))
+    spawning = threading.Thread(
+        target=run_batch, args=(corral_env.db, settings, spawn_op, fn_id, jobs, Budget.of(settings))
+    )
     spawning.start()
     if readiness == "guest":  # the VM exists; the replica waits in Starting for its guest
         spawning.join(10)
     else:
         _wait_for_call(agent)
     (row,) = replicas(corral_env)
-    assert row.status == (ReplicaState.STARTING if readiness == "guest"
-                          else ReplicaState.CREATING)
+    assert row.status == (ReplicaState.STARTING if readiness == "guest" else ReplicaState.CREATING)
 
     deleted = api.wait(api.delete(row.id), timeout=10)
     assert deleted["status"] == "succeeded"
@@ -215,7 +215,8 @@ def test_overlapping_health_passes_count_one_miss(
     monkeypatch.setattr(backends, "probe", slow_first)
     results: list[health.HealthReport] = []
     first = threading.Thread(
-        target=lambda: results.append(health.check_health(store.db, store.settings)))
+        target=lambda: results.append(health.check_health(store.db, store.settings))
+    )
     first.start()
     while not calls:
         threading.Event().wait(0.01)
@@ -243,8 +244,9 @@ def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
     reserve = placement.reserve_node
     taken: dict[int, int] = {}
 
-    def reserve_then_wait(session: Any, fn: Function, policy: str,
-                          pinned: str | None = None) -> Node:
+    def reserve_then_wait(
+        session: Any, fn: Function, policy: str, pinned: str | None = None
+    ) -> Node:
         node = reserve(session, fn, policy, pinned=pinned)
         me = threading.get_ident()
         taken[me] = taken.get(me, 0) + 1

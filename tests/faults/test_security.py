@@ -67,12 +67,15 @@ def test_registry_over_tls(corral_env: Env, certs: dict[str, Path]) -> None:
     try:
         creds = grpc.ssl_channel_credentials(root_certificates=certs["ca"].read_bytes())
         secure = resmngr_grpc.ResMngrServiceStub(grpc.secure_channel(running.address, creds))
-        secure.RegisterNode(resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=50051,
-                                                            node_id="tls-node"), timeout=5)
+        secure.RegisterNode(
+            resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=50051, node_id="tls-node"),
+            timeout=5,
+        )
         plain = resmngr_grpc.ResMngrServiceStub(grpc.insecure_channel(running.address))
         with pytest.raises(grpc.RpcError):
-            plain.RegisterNode(resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=1,
-                                                               node_id="x"), timeout=2)
+            plain.RegisterNode(
+                resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=1, node_id="x"), timeout=2
+            )
         with corral_env.db.read() as s:
             assert [n.external_id for n in s.scalars(select(Node))] == ["tls-node"]
     finally:
@@ -89,8 +92,20 @@ def test_aws_keys_never_leave_the_store(
             upsert_node(s, agent.address, name="n1")
         outputs = []
         for argv in (
-            ["functions", "deploy", "hello", "--image", "i", "--kernel", "/k",
-             "--aws-access-key-id", AWS_ID, "--aws-secret-access-key", AWS_SECRET, "--json"],
+            [
+                "functions",
+                "deploy",
+                "hello",
+                "--image",
+                "i",
+                "--kernel",
+                "/k",
+                "--aws-access-key-id",
+                AWS_ID,
+                "--aws-secret-access-key",
+                AWS_SECRET,
+                "--json",
+            ],
             ["functions", "deploy", "hello", "--image", "i", "--kernel", "/k"],
             ["functions", "show", "hello", "--json"],
             ["functions", "show", "hello"],

@@ -27,7 +27,11 @@ def test_a_short_schedule_still_has_every_fault_kind() -> None:
     assert [e.at_s for e in events if e.kind == "worker_kill"] == [20.0, 40.0, 60.0, 80.0]
     long = schedule(600.0)
     assert {e.kind: e.duration_s for e in long if e.kind != "worker_kill"} == {
-        "agent_delay": 60.0, "redis_stop": 10.0, "postgres_restart": 0.0, "agent_stop": 30.0}
+        "agent_delay": 60.0,
+        "redis_stop": 10.0,
+        "postgres_restart": 0.0,
+        "agent_stop": 30.0,
+    }
     assert sum(e.kind == "worker_kill" for e in long) == 29
 
 
@@ -41,14 +45,27 @@ def test_percentile_is_nearest_rank() -> None:
 def test_a_ninety_second_soak_keeps_every_invariant(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bench.soak", "--minutes", "1.5", "--quiesce", "120",
-         "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=420,
+        [
+            sys.executable,
+            "-m",
+            "bench.soak",
+            "--minutes",
+            "1.5",
+            "--quiesce",
+            "120",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
     )
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert {k: figures["faults"].get(k, 0) >= 1 for k in FAULT_KINDS} == dict.fromkeys(
-        FAULT_KINDS, True), run.stdout[-3000:]
+        FAULT_KINDS, True
+    ), run.stdout[-3000:]
     assert figures["violations"] == dict.fromkeys(figures["violations"], 0), run.stdout[-4000:]
     assert figures["submitted"] >= 60  # the load really ran: ~2 actions a second
     assert run.returncode == 0, run.stdout[-3000:]

@@ -48,7 +48,7 @@ def _wait_for(predicate: object, timeout: float, what: str) -> None:
 def test_worker_killed_mid_spawn_completes_with_exactly_one_vm(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
 ) -> None:
-    broker_env.set(**{k[len("CORRAL_"):].lower(): v for k, v in SHORT.items()})
+    broker_env.set(**{k[len("CORRAL_") :].lower(): v for k, v in SHORT.items()})
     agent = one_agent(broker_env, start_agents)
     agent.agent.inject("CreateReplica", Fault.delay(2.0))  # a slow agent
     first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT)
@@ -123,7 +123,9 @@ def test_agent_down_for_good_moves_the_replica_to_a_node_that_answers(
 
 @pytest.mark.timeout(150)
 def test_broker_restart_mid_run_loses_nothing(
-    broker_env: Env, redis_server: RedisServer, start_agents: StartAgents,
+    broker_env: Env,
+    redis_server: RedisServer,
+    start_agents: StartAgents,
     worker_processes: list[WorkerProcess],
 ) -> None:
     """Workers reconnect; a message Redis dropped as it went down is sent again.
@@ -133,7 +135,7 @@ def test_broker_restart_mid_run_loses_nothing(
     (beat, every second here) re-sends the task of an operation that stopped moving.
     """
     redrive = {**SHORT, "CORRAL_REDRIVE_AFTER_S": "3", "CORRAL_REAP_INTERVAL_S": "1"}
-    broker_env.set(**{k[len("CORRAL_"):].lower(): v for k, v in redrive.items()})
+    broker_env.set(**{k[len("CORRAL_") :].lower(): v for k, v in redrive.items()})
     agent = one_agent(broker_env, start_agents)
     agent.agent.inject("CreateReplica", *[Fault.delay(0.1)] * 20)
     worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=redrive)

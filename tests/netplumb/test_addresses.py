@@ -54,10 +54,21 @@ def test_host_of_every_shape(address: str, host: str) -> None:
 
 @pytest.mark.parametrize(
     ("host", "loopback"),
-    [("localhost", True), ("LOCALHOST", True), ("127.0.0.1", True), ("127.8.9.10", True),
-     ("::1", True), ("[::1]", True), ("[::1]:8080", True), ("http://127.0.0.1:9808", True),
-     ("0.0.0.0", False), ("::", False), ("", False), ("10.0.0.5", False),
-     ("localhost.example", False)],
+    [
+        ("localhost", True),
+        ("LOCALHOST", True),
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("[::1]:8080", True),
+        ("http://127.0.0.1:9808", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("10.0.0.5", False),
+        ("localhost.example", False),
+    ],
 )
 def test_is_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
@@ -65,8 +76,16 @@ def test_is_loopback(host: str, loopback: bool) -> None:
 
 @pytest.mark.parametrize(
     ("host", "wildcard"),
-    [("", True), ("0.0.0.0", True), ("::", True), ("[::]", True), ("*", True),
-     ("127.0.0.1", False), ("::1", False), ("node.example", False)],
+    [
+        ("", True),
+        ("0.0.0.0", True),
+        ("::", True),
+        ("[::]", True),
+        ("*", True),
+        ("127.0.0.1", False),
+        ("::1", False),
+        ("node.example", False),
+    ],
 )
 def test_is_wildcard(host: str, wildcard: bool) -> None:
     assert is_wildcard(host) is wildcard

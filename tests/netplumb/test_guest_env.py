@@ -34,15 +34,19 @@ Vector = Callable[[Path, Path], dict[str, str]]
 def _antigravity(tmp: Path, marker: Path) -> dict[str, str]:
     # the reproduction: a warnings filter imports antigravity, which opens a
     # "browser" (bash), which sources BASH_ENV, whose command substitution runs
-    return {"PYTHONWARNINGS": "all:0:antigravity.x:0:0", "BROWSER": "/bin/bash",
-            "BASH_ENV": f"$(id>{marker})"}
+    return {
+        "PYTHONWARNINGS": "all:0:antigravity.x:0:0",
+        "BROWSER": "/bin/bash",
+        "BASH_ENV": f"$(id>{marker})",
+    }
 
 
 def _pythonpath(tmp: Path, marker: Path) -> dict[str, str]:
     # any file the node's user can write becomes code: sitecustomize runs at start-up
     (tmp / "planted").mkdir()
     (tmp / "planted" / "sitecustomize.py").write_text(
-        f"open({str(marker)!r}, 'w').write('pwned')\n")
+        f"open({str(marker)!r}, 'w').write('pwned')\n"
+    )
     return {"PYTHONPATH": str(tmp / "planted")}
 
 
@@ -50,16 +54,21 @@ def _ld_preload(tmp: Path, marker: Path) -> dict[str, str]:
     if shutil.which("cc") is None:
         pytest.skip("no C compiler to build the preload library")
     src = tmp / "evil.c"
-    src.write_text('#include <stdio.h>\n__attribute__((constructor)) static void f(void) {\n'
-                   f'  FILE *o = fopen("{marker}", "w"); if (o) {{ fputs("pwned", o); '
-                   'fclose(o); }\n}\n')
+    src.write_text(
+        "#include <stdio.h>\n__attribute__((constructor)) static void f(void) {\n"
+        f'  FILE *o = fopen("{marker}", "w"); if (o) {{ fputs("pwned", o); '
+        "fclose(o); }\n}\n"
+    )
     lib = tmp / "evil.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, timeout=60)
     return {"LD_PRELOAD": str(lib)}
 
 
-VECTORS = {"antigravity-browser-bash_env": _antigravity, "pythonpath": _pythonpath,
-           "ld_preload": _ld_preload}
+VECTORS = {
+    "antigravity-browser-bash_env": _antigravity,
+    "pythonpath": _pythonpath,
+    "ld_preload": _ld_preload,
+}
 
 
 @pytest.fixture
@@ -90,8 +99,12 @@ def test_fcdaemon_refuses_code_in_env_kernel_args(
     kernel_args = " ".join(shlex.quote(f"--env={k}={v}") for k, v in env.items())
     stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(fcdaemon.address))
     with pytest.raises(grpc.RpcError) as err:
-        stub.CreateReplica(fcdaemon_pb2.CreateRequest(
-            imageName="examples.hello", kernelArgs=f"console=ttyS0 {kernel_args}"), timeout=30)
+        stub.CreateReplica(
+            fcdaemon_pb2.CreateRequest(
+                imageName="examples.hello", kernelArgs=f"console=ttyS0 {kernel_args}"
+            ),
+            timeout=30,
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "is refused" in (err.value.details() or "")
     assert fcdaemon.driver.list() == []
@@ -103,8 +116,11 @@ def test_lambdo_refuses_code_in_the_spawn_env(
     lambdo: RunningLambdo, tmp_path: Path, vector: Vector
 ) -> None:
     marker = tmp_path / "F"
-    body = {"rootfs": {"id": "f_1", "location": "examples.hello"}, "requestedPorts": [8080],
-            "env": vector(tmp_path, marker)}
+    body = {
+        "rootfs": {"id": "f_1", "location": "examples.hello"},
+        "requestedPorts": [8080],
+        "env": vector(tmp_path, marker),
+    }
     resp = httpx.post(f"{lambdo.url}/spawn", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert "is refused" in resp.text
@@ -121,15 +137,28 @@ def test_guests_never_inherit_the_agents_environment(
     fcdaemon: RunningAgent, lambdo: RunningLambdo, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # what `corral up` hands its agents: the operator's keys, Flower's password, tokens
-    secrets = {"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-operator-key", "FLOWER_BASIC_AUTH":
-               "admin:flower-pw", "CORRAL_REGISTRY_TOKEN": "reg-t0ken"}
+    secrets = {
+        "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-operator-key",
+        "FLOWER_BASIC_AUTH": "admin:flower-pw",
+        "CORRAL_REGISTRY_TOKEN": "reg-t0ken",
+    }
     for key, value in secrets.items():
         monkeypatch.setenv(key, value)
     stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(fcdaemon.address))
-    stub.CreateReplica(fcdaemon_pb2.CreateRequest(
-        imageName="examples.hello", kernelArgs="--env=GREETING='hi there'"), timeout=30)
-    resp = httpx.post(f"{lambdo.url}/spawn", timeout=30, json={
-        "rootfs": {"id": "f_1", "location": "examples.hello"}, "env": {"GREETING": "hi there"}})
+    stub.CreateReplica(
+        fcdaemon_pb2.CreateRequest(
+            imageName="examples.hello", kernelArgs="--env=GREETING='hi there'"
+        ),
+        timeout=30,
+    )
+    resp = httpx.post(
+        f"{lambdo.url}/spawn",
+        timeout=30,
+        json={
+            "rootfs": {"id": "f_1", "location": "examples.hello"},
+            "env": {"GREETING": "hi there"},
+        },
+    )
     assert resp.status_code == 200, resp.text
     for vm in (*fcdaemon.driver.list(), *lambdo.driver.list()):
         assert vm.pid is not None
@@ -142,13 +171,17 @@ def test_guests_never_inherit_the_agents_environment(
         assert set(environ) == {"GREETING", "PORT", "HOST", "VMID", "PATH", "PYTHONPATH"}
 
 
-@pytest.mark.parametrize("argv", [
-    ["--env", "PYTHONSTARTUP=/tmp/x.py"],
-    ["--env", "ld_preload=/tmp/x.so"],
-    ["--env", "BROWSER=/bin/bash"],
-    ["--kernel-args=console=ttyS0 --env=BASH_ENV=$(id)"],
-    ["--label", "KERNEL_ARGS=--env=NODE_OPTIONS=--require=/tmp/x.js"],
-], ids=["env", "lowercase", "browser", "kernel-args", "label"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--env", "PYTHONSTARTUP=/tmp/x.py"],
+        ["--env", "ld_preload=/tmp/x.so"],
+        ["--env", "BROWSER=/bin/bash"],
+        ["--kernel-args=console=ttyS0 --env=BASH_ENV=$(id)"],
+        ["--label", "KERNEL_ARGS=--env=NODE_OPTIONS=--require=/tmp/x.js"],
+    ],
+    ids=["env", "lowercase", "browser", "kernel-args", "label"],
+)
 def test_deploy_refuses_code_in_the_environment(
     corral_env: Env, capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
@@ -159,8 +192,11 @@ def test_deploy_refuses_code_in_the_environment(
         before = s.query(Function).one().build_version
     assert main([*base, *argv]) == 1
     err = capsys.readouterr().err
-    name = next(v for v in ("PYTHONSTARTUP", "ld_preload", "BROWSER", "BASH_ENV", "NODE_OPTIONS")
-                if v in " ".join(argv))
+    name = next(
+        v
+        for v in ("PYTHONSTARTUP", "ld_preload", "BROWSER", "BASH_ENV", "NODE_OPTIONS")
+        if v in " ".join(argv)
+    )
     assert f"{name} is refused" in err, err
     with corral_env.db.read() as s:  # nothing changed
         fn = s.query(Function).one()

@@ -14,21 +14,27 @@ def test_loopback_needs_no_token(host: str) -> None:
     assert listen_refusal("corral thing", host, None, "CORRAL_THING_TOKEN") is None
 
 
-@pytest.mark.parametrize(("host", "shown"), [("0.0.0.0", "0.0.0.0"), ("", "0.0.0.0"),
-                                             ("[::]", "::"), ("10.0.0.5", "10.0.0.5")])
+@pytest.mark.parametrize(
+    ("host", "shown"),
+    [("0.0.0.0", "0.0.0.0"), ("", "0.0.0.0"), ("[::]", "::"), ("10.0.0.5", "10.0.0.5")],
+)
 def test_off_loopback_without_a_token_is_refused_naming_the_variable(host: str, shown: str) -> None:
     reason = listen_refusal("corral thing", host, None, "CORRAL_THING_TOKEN")
-    assert reason == (f"corral thing refuses to listen on {shown} without a token: set "
-                      "CORRAL_THING_TOKEN (or listen on 127.0.0.1, or pass --insecure to "
-                      "accept the risk)")
+    assert reason == (
+        f"corral thing refuses to listen on {shown} without a token: set "
+        "CORRAL_THING_TOKEN (or listen on 127.0.0.1, or pass --insecure to "
+        "accept the risk)"
+    )
     assert listen_refusal("corral thing", host, "s3cret", "CORRAL_THING_TOKEN") is None
 
 
 def test_insecure_allows_it_with_a_warning_each_time(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="corral.security")
     for _ in range(2):
-        assert listen_refusal("corral thing", "10.0.0.5", None, "CORRAL_THING_TOKEN",
-                              insecure=True) is None
+        assert (
+            listen_refusal("corral thing", "10.0.0.5", None, "CORRAL_THING_TOKEN", insecure=True)
+            is None
+        )
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 2
     assert "listens on 10.0.0.5 WITHOUT a token" in warned[0]

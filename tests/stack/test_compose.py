@@ -30,8 +30,17 @@ def _command(service: dict[str, Any]) -> list[str]:
 
 def test_services_are_the_production_shape(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) >= {"redis", "postgres", "migrate", "worker", "beat", "flower",
-                             "registry", "agent", "gateway"}
+    assert set(services) >= {
+        "redis",
+        "postgres",
+        "migrate",
+        "worker",
+        "beat",
+        "flower",
+        "registry",
+        "agent",
+        "gateway",
+    }
     assert "--appendonly" in _command(services["redis"])  # a broker that survives restarts
     assert services["migrate"]["restart"] == "no"
     assert services["beat"]["deploy"]["replicas"] == 1
@@ -41,7 +50,8 @@ def test_services_are_the_production_shape(compose: dict[str, Any]) -> None:
     assert "container_name" not in gateway  # --scale gateway=N works: a host port range
     assert gateway["ports"] == ["${CORRAL_GATEWAY_PORTS:-8080-8089}:8080"]
     assert gateway["environment"]["CORRAL_GATEWAY_TOKEN"].startswith(
-        "${CORRAL_GATEWAY_TOKEN:?")  # off loopback: never without a token
+        "${CORRAL_GATEWAY_TOKEN:?"
+    )  # off loopback: never without a token
     for name in ("redis", "postgres", "worker", "flower", "registry", "agent", "gateway"):
         assert "healthcheck" in services[name], name
     assert "FLOWER_BASIC_AUTH" in services["flower"]["environment"]

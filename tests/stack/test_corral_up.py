@@ -31,8 +31,14 @@ def _env() -> dict[str, str]:
 
 
 def _corral(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "tasks.cli", *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tasks.cli", *args],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if check:
         assert proc.returncode == 0, f"corral {' '.join(args)}: {proc.stderr}"
     return proc
@@ -78,12 +84,37 @@ def _wait_up(tmp_path: Path, up: subprocess.Popen[bytes]) -> tuple[dict[str, Any
 
 def _deploy_and_scale(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
     """Deploy ``hello`` (fcdaemon) and ``web`` (Lambdo), scale them to 3 and 2; their replicas."""
-    out = _corral(tmp_path, "functions", "deploy", "hello", "--image", "examples.hello",
-                  "--kernel", "/boot/vmlinux", "--idle-timeout", "1",
-                  "--aws-access-key-id", AWS_ID, "--aws-secret-access-key", AWS_SECRET)
+    out = _corral(
+        tmp_path,
+        "functions",
+        "deploy",
+        "hello",
+        "--image",
+        "examples.hello",
+        "--kernel",
+        "/boot/vmlinux",
+        "--idle-timeout",
+        "1",
+        "--aws-access-key-id",
+        AWS_ID,
+        "--aws-secret-access-key",
+        AWS_SECRET,
+    )
     assert AWS_ID not in out.stdout and AWS_SECRET not in out.stdout
-    _corral(tmp_path, "functions", "deploy", "web", "--backend", "lambdo",
-            "--image", "examples.hello", "--rootfs", "examples.hello", "--idle-timeout", "1")
+    _corral(
+        tmp_path,
+        "functions",
+        "deploy",
+        "web",
+        "--backend",
+        "lambdo",
+        "--image",
+        "examples.hello",
+        "--rootfs",
+        "examples.hello",
+        "--idle-timeout",
+        "1",
+    )
     _corral(tmp_path, "scale", "hello", "3", "--wait")
     _corral(tmp_path, "scale", "web", "2", "--wait")
     replicas = json.loads(_corral(tmp_path, "replicas", "--json").stdout)
@@ -107,8 +138,7 @@ def _call(tmp_path: Path, by_fn: dict[str, list[dict[str, Any]]], gateway: str) 
     # The gateway keeps the environment it used for its keep window (CORRAL_GATEWAY_KEEP_S),
     # then gives it back: only then is the replica idle for the reaper.
     deadline = time.monotonic() + 30
-    while any(r["envs_in_use"] for r in json.loads(
-            _corral(tmp_path, "replicas", "--json").stdout)):
+    while any(r["envs_in_use"] for r in json.loads(_corral(tmp_path, "replicas", "--json").stdout)):
         assert time.monotonic() < deadline, "the gateway kept its claim past its keep window"
         time.sleep(0.2)
 
@@ -144,8 +174,11 @@ def _check_metrics(tmp_path: Path) -> None:
     deadline = time.monotonic() + 30
     while True:
         metrics = httpx.get(services["metrics"], timeout=10).text
-        values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
-                  if line.startswith(("corral_reaped_total", "corral_spawn_seconds_count"))}
+        values = {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in metrics.splitlines()
+            if line.startswith(("corral_reaped_total", "corral_spawn_seconds_count"))
+        }
         spawned = values["corral_spawn_seconds_count"]
         reaped = values['corral_reaped_total{reason="idle"}']
         if reaped == spawned or time.monotonic() > deadline:
@@ -182,8 +215,13 @@ def _check_private(state: Path) -> None:
 @pytest.mark.timeout(240)
 def test_corral_up_end_to_end(tmp_path: Path) -> None:
     up_log = (tmp_path / "up.out").open("w")
-    up = subprocess.Popen([sys.executable, "-m", "tasks.cli", "up"], cwd=tmp_path, env=_env(),
-                          stdout=up_log, stderr=subprocess.STDOUT)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "up"],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=up_log,
+        stderr=subprocess.STDOUT,
+    )
     started: set[int] = set()
     try:
         stack, services = _wait_up(tmp_path, up)
@@ -200,8 +238,9 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
 
         started = _descendants(up.pid)
         assert len(started) >= 9  # redis, registry, worker(+pool), beat, flower, metrics, agents...
-        reap = json.loads(_corral(tmp_path, "reap", "--idle-timeout", "0", "--wait",
-                                  "--json").stdout)
+        reap = json.loads(
+            _corral(tmp_path, "reap", "--idle-timeout", "0", "--wait", "--json").stdout
+        )
         assert reap["status"] == "succeeded", reap
         assert json.loads(_corral(tmp_path, "replicas", "--json").stdout) == []
 

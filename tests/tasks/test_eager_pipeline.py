@@ -22,9 +22,16 @@ def test_spawn_five_on_two_nodes_places_three_and_two(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     a, b = start_agents(2)
-    deploy_fn(corral_env, image="examples.hello:latest", kernel="/boot/vmlinux",
-              env={"GREETING": "hi there"}, cpu=2, mem=256,
-              aws_access_key_id="AKIAEXAMPLE", aws_secret_access_key="s3cr3t")
+    deploy_fn(
+        corral_env,
+        image="examples.hello:latest",
+        kernel="/boot/vmlinux",
+        env={"GREETING": "hi there"},
+        cpu=2,
+        mem=256,
+        aws_access_key_id="AKIAEXAMPLE",
+        aws_secret_access_key="s3cr3t",
+    )
     op = api.spawn("hello", 5)
     view = api.wait(op, timeout=10)
     assert view["status"] == "succeeded", view

@@ -82,7 +82,9 @@ def test_beat_and_the_passes_agree_that_housekeeping_sends_no_events() -> None:
 
 @pytest.mark.timeout(120)
 def test_after_housekeeping_and_a_scale_the_events_are_the_scales_tasks_only(
-    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
+    broker_env: Env,
+    start_agents: StartAgents,
+    worker_processes: list[WorkerProcess],
 ) -> None:
     start_agents(1, env=broker_env)
     deploy_fn(broker_env, idle_timeout=1)  # the scaled replicas are reaped a second later
@@ -160,8 +162,12 @@ def test_a_health_pass_is_an_operation_only_when_a_node_changed(
     result = maintenance.check_health()
     assert result["became_unhealthy"] == ["node1"]
     (op,) = _ops(corral_env)
-    assert (op.id, op.kind, op.status, op.params) == (result["op_id"], "health", "succeeded",
-                                                      {"by": "beat"})
+    assert (op.id, op.kind, op.status, op.params) == (
+        result["op_id"],
+        "health",
+        "succeeded",
+        {"by": "beat"},
+    )
     assert op.result is not None and op.result["became_unhealthy"] == ["node1"]
     assert "op_id" not in maintenance.check_health()  # still down: no change, no record
     back = serve_fcdaemon(f"127.0.0.1:{port}")

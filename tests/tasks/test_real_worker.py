@@ -55,12 +55,17 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     # An operation of one replica, and its spawn_replica message published twice.
     with thread_worker.db.transaction() as s:
         fn = get_function(s, "hello")
-        op = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 1},
-                              function_id=fn.id, total=1)
+        op = create_operation(
+            s, OpKind.SPAWN, {"function": "hello", "count": 1}, function_id=fn.id, total=1
+        )
         fn_id = fn.id
     for _ in range(2):
-        _publish_raw(thread_worker, "corral.spawn_replica",
-                     [op.id, f"{op.id}.0.0", fn_id, None], "corral.spawn")
+        _publish_raw(
+            thread_worker,
+            "corral.spawn_replica",
+            [op.id, f"{op.id}.0.0", fn_id, None],
+            "corral.spawn",
+        )
     view = api.wait(op.id, timeout=30)
     assert view["status"] == "succeeded", view
     assert (view["done"], view["failed"]) == (1, 0)
@@ -73,8 +78,9 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     with thread_worker.db.transaction() as s:
         delete_op = create_operation(s, OpKind.DELETE, {"replica": replica.id}, total=1)
     for _ in range(2):
-        _publish_raw(thread_worker, "corral.delete_replica", [replica.id, delete_op.id],
-                     "corral.delete")
+        _publish_raw(
+            thread_worker, "corral.delete_replica", [replica.id, delete_op.id], "corral.delete"
+        )
     view = api.wait(delete_op.id, timeout=30)
     assert view["status"] == "succeeded" and view["error"] is None, view
     time.sleep(0.5)
@@ -109,17 +115,22 @@ def test_malformed_task_message_fails_the_operation_and_worker_lives(
 
 @pytest.mark.timeout(90)
 def test_prefork_worker_process_spawns_and_keeps_secrets_out_of_messages_and_logs(
-    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
+    broker_env: Env,
+    start_agents: StartAgents,
+    worker_processes: list[WorkerProcess],
 ) -> None:
     agent = one_agent(
-        broker_env, start_agents,
-        aws_access_key_id="AKIASECRETID0001", aws_secret_access_key="s3cr3t/KEY",
+        broker_env,
+        start_agents,
+        aws_access_key_id="AKIASECRETID0001",
+        aws_secret_access_key="s3cr3t/KEY",
     )
     # Publish while no worker consumes, so the queued messages can be read as sent.
     op = api.spawn("hello", 4)
     r = redis.Redis.from_url(broker_env.settings.broker_url)
-    queued = [raw for key in r.keys("corral.*") if r.type(key) == b"list"
-              for raw in r.lrange(key, 0, -1)]
+    queued = [
+        raw for key in r.keys("corral.*") if r.type(key) == b"list" for raw in r.lrange(key, 0, -1)
+    ]
     assert queued, "the spawn message should be waiting in its queue"
     for raw in queued:
         assert b"AKIASECRETID0001" not in raw and b"s3cr3t" not in raw

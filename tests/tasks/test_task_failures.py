@@ -42,8 +42,9 @@ def test_a_raising_task_fails_its_operation_and_wait_returns_with_the_error(
     assert "FaultInjected" in capsys.readouterr().err
     (op,) = api_ops(store_env)
     assert op.status == "failed" and op.kind == "scale"
-    assert op.error == ("corral.scale: FaultInjected: fault injected in corral.scale "
-                        "(CORRAL_FAULT_RAISE_IN)")
+    assert op.error == (
+        "corral.scale: FaultInjected: fault injected in corral.scale (CORRAL_FAULT_RAISE_IN)"
+    )
     assert main(["ops", op.id]) == 0
     assert "FaultInjected" in capsys.readouterr().out  # `corral ops` shows the cause
 
@@ -65,8 +66,9 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
     view = api.wait(api.spawn("hello", 1), timeout=30)
     assert time.monotonic() - started < 10
     assert view["status"] == "failed", view
-    assert view["error"] == ("corral.spawn: FaultInjected: fault injected in corral.spawn "
-                             "(CORRAL_FAULT_RAISE_IN)")
+    assert view["error"] == (
+        "corral.spawn: FaultInjected: fault injected in corral.spawn (CORRAL_FAULT_RAISE_IN)"
+    )
     # a task carrying part of a scale: the scale ends failed too, not open for good
     view = api.wait(api.scale("hello", 0), timeout=30)
     assert view["status"] == "failed", view
@@ -76,8 +78,9 @@ def test_in_a_real_worker_a_raising_task_ends_its_operation_failed_promptly(
 def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) -> None:
     function_id = deploy_fn(store_env)
     with store_env.db.transaction() as s:
-        op_id = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 2},
-                                 function_id=function_id, total=2).id
+        op_id = create_operation(
+            s, OpKind.SPAWN, {"function": "hello", "count": 2}, function_id=function_id, total=2
+        ).id
     with store_env.db.transaction() as s:
         settle(s, op_id, parts=["a"], ok=True)
         settle(s, op_id, parts=["b"], ok=False, error="node said no")
@@ -97,8 +100,15 @@ def test_a_late_redelivery_leaves_a_partial_operation_partial(store_env: Env) ->
 def test_a_database_error_is_described_without_parameters_or_secrets(store_env: Env) -> None:
     deploy_fn(store_env, aws_access_key_id="AKIAABCDEFGHIJKLMNOP", aws_secret_access_key="s3cr3t")
     with pytest.raises(IntegrityError) as caught, store_env.db.transaction() as s:
-        s.add(Function(name="hello", image="i", build_version="1",
-                       aws_access_key_id="AKIAABCDEFGHIJKLMNOP", aws_secret_access_key="s3cr3t"))
+        s.add(
+            Function(
+                name="hello",
+                image="i",
+                build_version="1",
+                aws_access_key_id="AKIAABCDEFGHIJKLMNOP",
+                aws_secret_access_key="s3cr3t",
+            )
+        )
     described = describe_error(caught.value)
     assert described.startswith("IntegrityError: ") and "\n" not in described
     for secret in ("s3cr3t", "AKIAABCDEFGHIJKLMNOP"):

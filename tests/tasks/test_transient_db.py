@@ -23,8 +23,14 @@ pytestmark = [postgres_only, pytest.mark.timeout(120)]
 
 def _connect(env: Env) -> psycopg.Connection:
     url = make_url(env.settings.database_url)
-    return psycopg.connect(host=url.host, port=url.port, user=url.username,
-                           dbname=url.database, autocommit=True, connect_timeout=5)
+    return psycopg.connect(
+        host=url.host,
+        port=url.port,
+        user=url.username,
+        dbname=url.database,
+        autocommit=True,
+        connect_timeout=5,
+    )
 
 
 @pytest.fixture
@@ -48,8 +54,10 @@ def test_a_lock_timeout_is_retried_until_the_lock_is_free(
     worker: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
     with _connect(worker) as admin:
-        admin.execute(f"ALTER DATABASE {make_url(worker.settings.database_url).database} "
-                      "SET lock_timeout = '200ms'")
+        admin.execute(
+            f"ALTER DATABASE {make_url(worker.settings.database_url).database} "
+            "SET lock_timeout = '200ms'"
+        )
     try:
         worker.db.dispose()  # new connections take the database's lock_timeout
         holder = _hold_function_lock(worker)
@@ -64,8 +72,10 @@ def test_a_lock_timeout_is_retried_until_the_lock_is_free(
         view = api.wait(op_id, timeout=30)
     finally:
         with _connect(worker) as admin:
-            admin.execute(f"ALTER DATABASE {make_url(worker.settings.database_url).database} "
-                          "RESET lock_timeout")
+            admin.execute(
+                f"ALTER DATABASE {make_url(worker.settings.database_url).database} "
+                "RESET lock_timeout"
+            )
     assert view["status"] == "succeeded", view
     assert view["redrives"] == 0  # recovered in the task, not by a re-send
     assert "LockNotAvailable" in caplog.text or "lock timeout" in caplog.text
@@ -82,7 +92,9 @@ def test_a_terminated_backend_is_retried_on_a_new_connection(
         while True:  # the scale task's backend, waiting for the function's lock
             row = admin.execute(
                 "SELECT pid FROM pg_stat_activity WHERE datname = %s AND wait_event_type = "
-                "'Lock' AND pid <> %s", (database, holder.info.backend_pid)).fetchone()
+                "'Lock' AND pid <> %s",
+                (database, holder.info.backend_pid),
+            ).fetchone()
             if row is not None:
                 break
             assert time.monotonic() < deadline, "the scale task never waited for the lock"

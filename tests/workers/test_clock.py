@@ -28,7 +28,8 @@ def _server_time(env: Env) -> datetime:
     with env.db.read() as s:
         if env.db.is_sqlite:
             return datetime.fromisoformat(
-                s.scalar(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")))
+                s.scalar(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')"))
+            )
         value = s.scalar(text("SELECT clock_timestamp() AT TIME ZONE 'UTC'"))
         assert isinstance(value, datetime)
         return value

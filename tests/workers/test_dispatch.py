@@ -26,21 +26,39 @@ from workers.replicas.requests import request_spawn
 from workers.store.models import Operation, OpStatus
 
 
-@pytest.mark.parametrize(("kind", "params", "task", "args", "kwargs"), [
-    (OpKind.SPAWN, {"function": "f", "count": 2}, "corral.spawn", ("op1",), {}),
-    (OpKind.SCALE, {"function": "f", "target": 0}, "corral.scale", ("op1",), {}),
-    (OpKind.DELETE, {"replica": "r1"}, "corral.delete_replica", ("r1", "op1"), {}),
-    (OpKind.HOGS, {"action": "start", "n": 2, "node": None}, "corral.hogs", (),
-     {"action": "start", "n": 2, "node": None, "op_id": "op1"}),
-    (OpKind.REAP, {"idle_timeout": 30.0}, "corral.reap", (),
-     {"idle_timeout": 30.0, "op_id": "op1"}),
-    (OpKind.RECONCILE, {}, "corral.reconcile", (), {"op_id": "op1"}),
-])
-def test_each_kind_has_its_first_task(kind: OpKind, params: dict[str, Any], task: str,
-                                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    ("kind", "params", "task", "args", "kwargs"),
+    [
+        (OpKind.SPAWN, {"function": "f", "count": 2}, "corral.spawn", ("op1",), {}),
+        (OpKind.SCALE, {"function": "f", "target": 0}, "corral.scale", ("op1",), {}),
+        (OpKind.DELETE, {"replica": "r1"}, "corral.delete_replica", ("r1", "op1"), {}),
+        (
+            OpKind.HOGS,
+            {"action": "start", "n": 2, "node": None},
+            "corral.hogs",
+            (),
+            {"action": "start", "n": 2, "node": None, "op_id": "op1"},
+        ),
+        (
+            OpKind.REAP,
+            {"idle_timeout": 30.0},
+            "corral.reap",
+            (),
+            {"idle_timeout": 30.0, "op_id": "op1"},
+        ),
+        (OpKind.RECONCILE, {}, "corral.reconcile", (), {"op_id": "op1"}),
+    ],
+)
+def test_each_kind_has_its_first_task(
+    kind: OpKind, params: dict[str, Any], task: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     sig = dispatch.first_task(kind, "op1", params)
     assert (sig.task, tuple(sig.args), dict(sig.kwargs), sig.immutable) == (
-        task, args, kwargs, True)
+        task,
+        args,
+        kwargs,
+        True,
+    )
     assert task in ROUTES  # routed to a queue a worker consumes
 
 
@@ -72,7 +90,8 @@ def test_submit_writes_the_operation_then_queues_its_first_task(broker_env: Env)
         op = s.get(Operation, op_id)
         assert op is not None and (op.kind, op.status) == (OpKind.SPAWN, OpStatus.PENDING)
     assert _queued(broker_env, "corral.spawn") == [
-        {"task": "corral.spawn", "args": [op_id], "kwargs": {}}]
+        {"task": "corral.spawn", "args": [op_id], "kwargs": {}}
+    ]
 
 
 def test_a_refused_request_writes_and_queues_nothing(broker_env: Env) -> None:
@@ -98,7 +117,9 @@ def test_resend_queues_the_first_task_again_and_deletes_go_by_name(broker_env: E
 
 
 def test_a_first_task_carried_out_here_needs_no_worker_and_one_with_no_thread_is_queued(
-    broker_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch,
+    broker_env: Env,
+    start_agents: StartAgents,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     start_agents(1, env=broker_env)
     deploy_fn(broker_env)
@@ -117,7 +138,8 @@ def test_a_first_task_carried_out_here_needs_no_worker_and_one_with_no_thread_is
     monkeypatch.setattr(dispatch, "HERE_THREADS", 0)
     second = dispatch.submit(broker_env.db, lambda s: request_spawn(s, "hello", 1), here=True)
     assert _queued(broker_env, "corral.spawn") == [
-        {"task": "corral.spawn", "args": [second], "kwargs": {}}]
+        {"task": "corral.spawn", "args": [second], "kwargs": {}}
+    ]
     client = redis.Redis.from_url(broker_env.settings.broker_url)
     try:
         headers = json.loads(client.lindex("corral.spawn", 0))["headers"]  # type: ignore[arg-type]

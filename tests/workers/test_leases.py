@@ -43,8 +43,9 @@ def test_race_has_one_winner(corral_env: Env) -> None:
     assert len(race_for_lease(corral_env.db)) == 1
 
 
-@pytest.mark.parametrize(("name", "holder", "ttl"), [("", "a", 1), ("x" * 65, "a", 1),
-                                                     ("n", "", 1), ("n", "a", 0)])
+@pytest.mark.parametrize(
+    ("name", "holder", "ttl"), [("", "a", 1), ("x" * 65, "a", 1), ("n", "", 1), ("n", "a", 0)]
+)
 def test_bad_arguments(corral_env: Env, name: str, holder: str, ttl: float) -> None:
     with pytest.raises(InputError):
         leases.acquire(corral_env.db, name, holder, ttl)

@@ -82,18 +82,24 @@ def known_rows(env: Env) -> None:
         sp, sc = ops["spawned"].id, ops["scaling"].id
 
         def replica(request: str, status: ReplicaState, ready_after: float | None) -> Replica:
-            return Replica(request_id=request, function_id=alpha.id, node_id=a.id,
-                           status=int(status), build_version=alpha.build_version,
-                           ready_at=None if ready_after is None
-                           else T0 + timedelta(seconds=ready_after))
+            return Replica(
+                request_id=request,
+                function_id=alpha.id,
+                node_id=a.id,
+                status=int(status),
+                build_version=alpha.build_version,
+                ready_at=None if ready_after is None else T0 + timedelta(seconds=ready_after),
+            )
 
-        s.add_all([
-            replica(f"{sp}.0.0", ReplicaState.IDLE, 0.3),
-            replica(f"{sp}.1.0", ReplicaState.ALLOCATED, 4.0),
-            replica(f"{sp}.2.0", ReplicaState.DELETED, 20.0),  # gone now, but it did spawn
-            replica(f"{sc}.0", ReplicaState.CREATING, None),  # not ready yet
-            replica("by-hand-without-operation", ReplicaState.IDLE, 1.0),  # no enqueue time
-        ])
+        s.add_all(
+            [
+                replica(f"{sp}.0.0", ReplicaState.IDLE, 0.3),
+                replica(f"{sp}.1.0", ReplicaState.ALLOCATED, 4.0),
+                replica(f"{sp}.2.0", ReplicaState.DELETED, 20.0),  # gone now, but it did spawn
+                replica(f"{sc}.0", ReplicaState.CREATING, None),  # not ready yet
+                replica("by-hand-without-operation", ReplicaState.IDLE, 1.0),  # no enqueue time
+            ]
+        )
 
 
 def test_a_scrape_reports_the_store_and_redis_as_they_are(
@@ -114,14 +120,23 @@ def test_a_scrape_reports_the_store_and_redis_as_they_are(
     assert value(got, "corral_replicas", function="alpha", state="allocated") == 1
     assert value(got, "corral_replicas", function="alpha", state="creating") == 1
     assert value(got, "corral_replicas", function="beta", state="idle") == 0
-    assert ("corral_replicas", frozenset({("function", "alpha"), ("state", "deleted")})) \
-        not in got  # only live states
+    assert (
+        "corral_replicas",
+        frozenset({("function", "alpha"), ("state", "deleted")}),
+    ) not in got  # only live states
 
     # enqueue -> Idle of the three replicas spawned by a known operation: 0.3, 4 and 20 s
     assert value(got, "corral_spawn_seconds_count") == 3
     assert value(got, "corral_spawn_seconds_sum") == pytest.approx(24.3, abs=0.01)
-    for le, n in (("0.25", 0), ("0.5", 1), ("2.5", 1), ("5.0", 2), ("10.0", 2), ("30.0", 3),
-                  ("+Inf", 3)):
+    for le, n in (
+        ("0.25", 0),
+        ("0.5", 1),
+        ("2.5", 1),
+        ("5.0", 2),
+        ("10.0", 2),
+        ("30.0", 3),
+        ("+Inf", 3),
+    ):
         assert value(got, "corral_spawn_seconds_bucket", le=le) == n, le
 
     assert value(got, "corral_node_healthy", node="node-a") == 1
@@ -133,8 +148,10 @@ def test_a_scrape_reports_the_store_and_redis_as_they_are(
     assert value(got, "corral_operations_total", kind="reap", status="failed") == 2
     assert value(got, "corral_operations_open", kind="scale", status="running") == 1
     assert value(got, "corral_operations_open", kind="delete", status="pending") == 1
-    assert ("corral_operations_total",
-            frozenset({("kind", "scale"), ("status", "running")})) not in got
+    assert (
+        "corral_operations_total",
+        frozenset({("kind", "scale"), ("status", "running")}),
+    ) not in got
 
     assert value(got, "corral_reaped_total", reason="idle") == 6
     assert value(got, "corral_reaped_total", reason="stuck") == 2
@@ -161,8 +178,7 @@ def test_the_reaper_and_the_autoscaler_feed_their_metrics(
 ) -> None:
     start_agents(1, env=env)
     with env.db.transaction() as s:
-        deploy(s, spec_from(name="hello", image="i", kernel="/k", autoscale=True),
-               env.settings)
+        deploy(s, spec_from(name="hello", image="i", kernel="/k", autoscale=True), env.settings)
         deploy(s, spec_from(name="plain", image="i", kernel="/k"), env.settings)
     assert api.wait(api.spawn("hello", 3), timeout=30)["status"] == "succeeded"
     assert api.wait(api.spawn("plain", 2), timeout=30)["status"] == "succeeded"
@@ -171,8 +187,12 @@ def test_the_reaper_and_the_autoscaler_feed_their_metrics(
         fid = s.scalars(select(Function.id).where(Function.name == "hello")).one()
     # the autoscaler has been running (a fresh window would start in panic, holding the 3)
     client.set(state_key(fid), Window([(time.time() - 10, 0.0)]).to_json())
-    run_pass(env.db, env.settings, client,
-             lambda name, target: api.scale(name, target, settings=env.settings))
+    run_pass(
+        env.db,
+        env.settings,
+        client,
+        lambda name, target: api.scale(name, target, settings=env.settings),
+    )
     assert api.wait(api.reap(idle_timeout=0), timeout=30)["status"] == "succeeded"
     got = scrape(exporter.url)
     # no demand: the autoscaler wants 1 of hello (no scale to zero) and the reaper leaves
@@ -186,8 +206,9 @@ def test_the_reaper_and_the_autoscaler_feed_their_metrics(
 
 
 def test_a_source_that_does_not_answer_is_reported_not_fatal(env: Env) -> None:
-    dead = redis.Redis(host="127.0.0.1", port=free_port(), socket_timeout=0.5,
-                       socket_connect_timeout=0.5)
+    dead = redis.Redis(
+        host="127.0.0.1", port=free_port(), socket_timeout=0.5, socket_connect_timeout=0.5
+    )
     running = serve(env.db, dead, "127.0.0.1:0")
     try:
         got = scrape(running.url)
@@ -207,8 +228,7 @@ def test_a_token_guards_every_request(corral_env: Env) -> None:
         got = scrape(running.url, headers={"Authorization": "Bearer s3cret-token"})
         assert value(got, "corral_exporter_source_up", source="store") == 1
         other = running.url.replace("/metrics", "/other")
-        assert httpx.get(other, headers={"Authorization": "Bearer s3cret-token"}
-                         ).status_code == 404
+        assert httpx.get(other, headers={"Authorization": "Bearer s3cret-token"}).status_code == 404
     finally:
         running.stop()
 
@@ -230,13 +250,23 @@ def test_corral_metrics_command_serves_until_terminated(env: Env, redis_url: str
     known_rows(env)
     port = free_port()
     environ = {**os.environ, "PYTHONPATH": str(ROOT)}
-    refused = subprocess.run([sys.executable, "-m", "tasks.cli", "metrics", "--listen",
-                              "0.0.0.0:0"], env=environ, cwd=ROOT, capture_output=True,
-                             text=True, timeout=30)
+    refused = subprocess.run(
+        [sys.executable, "-m", "tasks.cli", "metrics", "--listen", "0.0.0.0:0"],
+        env=environ,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert refused.returncode == 1 and "CORRAL_METRICS_TOKEN" in refused.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "tasks.cli", "metrics", "--listen",
-                             f"127.0.0.1:{port}"], env=environ, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "metrics", "--listen", f"127.0.0.1:{port}"],
+        env=environ,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

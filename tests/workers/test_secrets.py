@@ -37,20 +37,27 @@ AWS_ID = "AKIAEXAMPLEKEY000001"
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY"
 
 
-@pytest.mark.parametrize(("variable", "url"), [
-    ("CORRAL_DATABASE_URL", f"postgres://bob:{PASSWORD}@127.0.0.1:1/corral"),
-    ("CORRAL_DATABASE_URL", f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:1/corral"),
-    ("CORRAL_DATABASE_URL", f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:notaport/corral"),
-    ("CORRAL_BROKER_URL", f"amqp://bob:{PASSWORD}@127.0.0.1:1/"),
-])
-def test_a_bad_url_with_a_password_never_prints_it(
-    tmp_path: Path, variable: str, url: str
-) -> None:
+@pytest.mark.parametrize(
+    ("variable", "url"),
+    [
+        ("CORRAL_DATABASE_URL", f"postgres://bob:{PASSWORD}@127.0.0.1:1/corral"),
+        ("CORRAL_DATABASE_URL", f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:1/corral"),
+        ("CORRAL_DATABASE_URL", f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:notaport/corral"),
+        ("CORRAL_BROKER_URL", f"amqp://bob:{PASSWORD}@127.0.0.1:1/"),
+    ],
+)
+def test_a_bad_url_with_a_password_never_prints_it(tmp_path: Path, variable: str, url: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({variable: url, "CORRAL_STATE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)})
     for argv in (["functions", "list"], ["db", "check"]):
-        done = subprocess.run([sys.executable, "-m", "tasks.cli", *argv], cwd=tmp_path,
-                              env=env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode != 0
         assert PASSWORD not in done.stdout + done.stderr, done.stderr
 
@@ -61,29 +68,50 @@ def test_agent_error_text_is_redacted_before_it_is_stored(corral_env: Env) -> No
     try:
         with corral_env.db.transaction() as s:
             upsert_node(s, agent.address, name="n1")
-            deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k",
-                                aws_access_key_id=AWS_ID, aws_secret_access_key=AWS_SECRET),
-                   corral_env.settings)
+            deploy(
+                s,
+                spec_from(
+                    name="hello",
+                    image="examples.hello",
+                    kernel="/k",
+                    aws_access_key_id=AWS_ID,
+                    aws_secret_access_key=AWS_SECRET,
+                ),
+                corral_env.settings,
+            )
         # a hostile or careless agent echoes what it was sent
-        agent.agent.inject("CreateReplica", Fault.abort(
-            grpc.StatusCode.INTERNAL,
-            f"bad creds {AWS_ID}/{AWS_SECRET} with Bearer agent-t0ken-value, "
-            f"db postgresql://u:{PASSWORD}@db/x password={PASSWORD} "
-            # the same again, URL-encoded, as in a query string
-            f"?key={quote(AWS_SECRET, safe='')}&alt={quote_plus(AWS_SECRET)}"
-            f"&db=postgresql%3A%2F%2Fu%3A{PASSWORD}%40db"))
+        agent.agent.inject(
+            "CreateReplica",
+            Fault.abort(
+                grpc.StatusCode.INTERNAL,
+                f"bad creds {AWS_ID}/{AWS_SECRET} with Bearer agent-t0ken-value, "
+                f"db postgresql://u:{PASSWORD}@db/x password={PASSWORD} "
+                # the same again, URL-encoded, as in a query string
+                f"?key={quote(AWS_SECRET, safe='')}&alt={quote_plus(AWS_SECRET)}"
+                f"&db=postgresql%3A%2F%2Fu%3A{PASSWORD}%40db",
+            ),
+        )
         view = api.wait(api.spawn("hello", 1), timeout=30)
         assert view["status"] == "failed" and "bad creds" in (view["error"] or "")
         with corral_env.db.read() as s:
-            stored = [str(v) for v in (
-                *[(o.error, o.result) for o in s.scalars(select(Operation))],
-                *[r.error for r in s.scalars(select(Replica))],
-                *[n.last_error for n in s.scalars(select(Node))],
-            )]
+            stored = [
+                str(v)
+                for v in (
+                    *[(o.error, o.result) for o in s.scalars(select(Operation))],
+                    *[r.error for r in s.scalars(select(Replica))],
+                    *[n.last_error for n in s.scalars(select(Node))],
+                )
+            ]
         text = " ".join(stored)
         assert "bad creds" in text
-        for secret in (AWS_ID, AWS_SECRET, "agent-t0ken-value", PASSWORD,
-                       quote(AWS_SECRET, safe=""), quote_plus(AWS_SECRET)):
+        for secret in (
+            AWS_ID,
+            AWS_SECRET,
+            "agent-t0ken-value",
+            PASSWORD,
+            quote(AWS_SECRET, safe=""),
+            quote_plus(AWS_SECRET),
+        ):
             assert secret not in text, text
         assert "<redacted>" not in text and "***" in text  # one mask
     finally:
@@ -100,18 +128,27 @@ def test_a_lambdo_error_body_is_redacted_with_the_calls_token(
     try:
         with corral_env.db.transaction() as s:
             upsert_node(s, host.url, name="l1", kind="lambdo")
-            deploy(s, spec_from(name="fn", image="examples.hello", backend="lambdo",
-                                rootfs="examples.hello"), corral_env.settings)
+            deploy(
+                s,
+                spec_from(
+                    name="fn", image="examples.hello", backend="lambdo", rootfs="examples.hello"
+                ),
+                corral_env.settings,
+            )
         for _ in range(20):  # every try of it
             host.agent.inject("spawn", Fault.abort(500, f"no such key {token} here"))
         view = api.wait(api.spawn("fn", 1), timeout=30)
         assert view["status"] == "failed" and "no such key *** here" in (view["error"] or ""), view
         assert main(["nodes", "list"]) == 0
         with corral_env.db.read() as s:
-            stored = " ".join(str(v) for v in (
-                *[(o.error, o.result) for o in s.scalars(select(Operation))],
-                *[r.error for r in s.scalars(select(Replica))],
-                *[n.last_error for n in s.scalars(select(Node))]))
+            stored = " ".join(
+                str(v)
+                for v in (
+                    *[(o.error, o.result) for o in s.scalars(select(Operation))],
+                    *[r.error for r in s.scalars(select(Replica))],
+                    *[n.last_error for n in s.scalars(select(Node))],
+                )
+            )
         shown = capsys.readouterr()
         assert "no such key *** here" in stored
         for text in (stored, caplog.text, shown.out, shown.err):
@@ -123,18 +160,30 @@ def test_a_lambdo_error_body_is_redacted_with_the_calls_token(
 def test_a_bad_setting_names_the_variable_and_never_a_secret(tmp_path: Path) -> None:
     """Before: a rule between settings printed every setting, tokens and passwords too."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
-    env.update({"CORRAL_STATE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT),
-                "CORRAL_DATABASE_URL": f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:1/c",
-                "CORRAL_AGENT_TOKEN": "agent-t0ken-value", "CORRAL_AWS_SECRET_ACCESS_KEY":
-                AWS_SECRET, "CORRAL_FLOWER_PASSWORD": "flower-pw-value"})
-    for bad, named in (({"CORRAL_TASK_SOFT_TIME_LIMIT_S": "100"}, "CORRAL_TASK_SOFT_TIME_LIMIT_S"),
-                       ({"CORRAL_NODE_CAPACITY": "lots"}, "CORRAL_NODE_CAPACITY"),
-                       ({"CORRAL_REGISTRY_TOKEN": ""}, None),  # empty: fine, nothing to say
-                       ({"CORRAL_NODE_CAPACITY": "-1", "CORRAL_METRICS_TOKEN": "m" * 3},
-                        "CORRAL_NODE_CAPACITY")):
-        done = subprocess.run([sys.executable, "-m", "tasks.cli", "nodes", "list"],
-                              cwd=tmp_path, env={**env, **bad}, capture_output=True, text=True,
-                              timeout=120)
+    env.update(
+        {
+            "CORRAL_STATE_DIR": str(tmp_path),
+            "PYTHONPATH": str(ROOT),
+            "CORRAL_DATABASE_URL": f"postgresql+psycopg://bob:{PASSWORD}@127.0.0.1:1/c",
+            "CORRAL_AGENT_TOKEN": "agent-t0ken-value",
+            "CORRAL_AWS_SECRET_ACCESS_KEY": AWS_SECRET,
+            "CORRAL_FLOWER_PASSWORD": "flower-pw-value",
+        }
+    )
+    for bad, named in (
+        ({"CORRAL_TASK_SOFT_TIME_LIMIT_S": "100"}, "CORRAL_TASK_SOFT_TIME_LIMIT_S"),
+        ({"CORRAL_NODE_CAPACITY": "lots"}, "CORRAL_NODE_CAPACITY"),
+        ({"CORRAL_REGISTRY_TOKEN": ""}, None),  # empty: fine, nothing to say
+        ({"CORRAL_NODE_CAPACITY": "-1", "CORRAL_METRICS_TOKEN": "m" * 3}, "CORRAL_NODE_CAPACITY"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "tasks.cli", "nodes", "list"],
+            cwd=tmp_path,
+            env={**env, **bad},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         out = done.stdout + done.stderr
         if named is not None:
             assert done.returncode != 0 and f"bad setting: {named}" in out, out
@@ -143,25 +192,71 @@ def test_a_bad_setting_names_the_variable_and_never_a_secret(tmp_path: Path) -> 
 
 
 def test_aws_keys_from_a_file_or_the_environment(
-    corral_env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    corral_env: Env,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     secret_file = tmp_path / "aws-secret"
     secret_file.write_text(AWS_SECRET + "\n")
-    assert main(["functions", "deploy", "f1", "--image", "examples.hello", "--kernel", "/k",
-                 "--aws-access-key-id", AWS_ID,
-                 "--aws-secret-access-key-file", str(secret_file)]) == 0
+    assert (
+        main(
+            [
+                "functions",
+                "deploy",
+                "f1",
+                "--image",
+                "examples.hello",
+                "--kernel",
+                "/k",
+                "--aws-access-key-id",
+                AWS_ID,
+                "--aws-secret-access-key-file",
+                str(secret_file),
+            ]
+        )
+        == 0
+    )
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", AWS_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET + "2")
-    assert main(["functions", "deploy", "f2", "--image", "examples.hello", "--kernel", "/k",
-                 "--aws-keys-from-env"]) == 0
-    assert main(["functions", "deploy", "f3", "--image", "examples.hello", "--kernel", "/k",
-                 "--aws-secret-access-key-file", str(tmp_path / "missing")]) == 1
+    assert (
+        main(
+            [
+                "functions",
+                "deploy",
+                "f2",
+                "--image",
+                "examples.hello",
+                "--kernel",
+                "/k",
+                "--aws-keys-from-env",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "functions",
+                "deploy",
+                "f3",
+                "--image",
+                "examples.hello",
+                "--kernel",
+                "/k",
+                "--aws-secret-access-key-file",
+                str(tmp_path / "missing"),
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr()
     assert AWS_SECRET not in out.out + out.err
     with corral_env.db.read() as s:
-        keys = {f.name: (f.aws_access_key_id, f.aws_secret_access_key)
-                for f in s.scalars(select(Function))}
+        keys = {
+            f.name: (f.aws_access_key_id, f.aws_secret_access_key)
+            for f in s.scalars(select(Function))
+        }
     assert keys == {"f1": (AWS_ID, AWS_SECRET), "f2": (AWS_ID, AWS_SECRET + "2")}
 
 
@@ -194,16 +289,22 @@ def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
     LambdoClient("http://127.0.0.1:1", token="t")
     assert caplog.text == ""
     (tmp_path / "ca.pem").write_text("")
-    AgentClient("192.0.2.10:50051", token="t", shared=False,
-                tls=TlsFiles(tmp_path / "ca.pem"))  # TLS: fine
+    AgentClient(
+        "192.0.2.10:50051", token="t", shared=False, tls=TlsFiles(tmp_path / "ca.pem")
+    )  # TLS: fine
     assert caplog.text == ""
-    plain = AgentClient("192.0.2.11:50051", token="t", shared=False, timeout_s=0.2,
-                        create_timeout_s=0.2)
+    plain = AgentClient(
+        "192.0.2.11:50051", token="t", shared=False, timeout_s=0.2, create_timeout_s=0.2
+    )
     LambdoClient("http://192.0.2.12:3000", token="t")
     with pytest.raises(BackendError):  # TEST-NET: nothing answers
-        inflight.run(plain.create_replica(
-            fcdaemon_pb2.CreateRequest(imageName="i", awsSecretAccessKey="s")))
+        inflight.run(
+            plain.create_replica(fcdaemon_pb2.CreateRequest(imageName="i", awsSecretAccessKey="s"))
+        )
     inflight.run(plain.close())
-    for what, host in (("the agent token", "192.0.2.11"), ("AWS keys", "192.0.2.11"),
-                       ("the Lambdo token", "192.0.2.12")):
+    for what, host in (
+        ("the agent token", "192.0.2.11"),
+        ("AWS keys", "192.0.2.11"),
+        ("the Lambdo token", "192.0.2.12"),
+    ):
         assert f"{what} travel(s) in plain text to {host}" in caplog.text

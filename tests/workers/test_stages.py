@@ -24,7 +24,9 @@ WORKER_STAGES = {"queue", "plan", "placement", "agent_call", "record"}
 
 
 def test_a_spawns_stages_are_on_its_operation_and_a_second_delivery_keeps_them(
-    corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str],
+    corral_env: Env,
+    start_agents: StartAgents,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     one_agent(corral_env, start_agents)
     op_id = spawn_ok("hello", 1)["id"]

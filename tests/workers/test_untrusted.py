@@ -78,8 +78,11 @@ def drip(conn: socket.socket, stop: threading.Event) -> None:
 def huge(conn: socket.socket, stop: threading.Event) -> None:
     """A 2 MiB answer."""
     body = b'{"id": "' + b"a" * (2 << 20) + b'", "port_mapping": []}'
-    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
 
 
 @pytest.fixture
@@ -142,7 +145,8 @@ def test_a_lambdo_vmid_must_be_well_formed(corral_env: Env, vmid: str) -> None:
         running.agent.inject("spawn", Fault.reply(200, body))
         with pytest.raises(PermanentBackendError, match="vmid"):
             inflight.run(
-                LambdoClient(running.url, timeout_s=5).spawn("f_1", "examples.hello", [8080]))
+                LambdoClient(running.url, timeout_s=5).spawn("f_1", "examples.hello", [8080])
+            )
     finally:
         running.stop()
 
@@ -162,20 +166,24 @@ def test_destroy_percent_encodes_the_vmid(corral_env: Env) -> None:
         running.stop()
 
 
-@pytest.mark.parametrize(("reply", "error"), [
-    (fcdaemon_pb2.CreateReply(vmid="v1", ip="evil.example; rm -rf /", port=8080),
-     "not an IP address"),
-    (fcdaemon_pb2.CreateReply(vmid="v1/../2", ip="127.0.0.1", port=8080), "malformed vmid"),
-])
-def test_an_agents_ip_and_vmid_are_checked(
-    corral_env: Env, reply: object, error: str
-) -> None:
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (
+            fcdaemon_pb2.CreateReply(vmid="v1", ip="evil.example; rm -rf /", port=8080),
+            "not an IP address",
+        ),
+        (fcdaemon_pb2.CreateReply(vmid="v1/../2", ip="127.0.0.1", port=8080), "malformed vmid"),
+    ],
+)
+def test_an_agents_ip_and_vmid_are_checked(corral_env: Env, reply: object, error: str) -> None:
     agent = serve_fcdaemon("127.0.0.1:0")
     try:
         with corral_env.db.transaction() as s:
             upsert_node(s, agent.address, name="n1")
-            deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k"),
-                   corral_env.settings)
+            deploy(
+                s, spec_from(name="hello", image="examples.hello", kernel="/k"), corral_env.settings
+            )
         agent.agent.inject("CreateReplica", Fault.reply(reply))
         view = api.wait(api.spawn("hello", 1), timeout=30)
         assert view["status"] == "failed" and error in (view["error"] or ""), view

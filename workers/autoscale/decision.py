@@ -124,8 +124,14 @@ class Window:
 
     def to_json(self) -> str:
         """The state as a JSON document (kept in Redis between passes)."""
-        return json.dumps({"samples": self.samples, "panic_since": self.panic_since,
-                           "first_seen": self.first_seen, "panic_pods": self.panic_pods})
+        return json.dumps(
+            {
+                "samples": self.samples,
+                "panic_since": self.panic_since,
+                "first_seen": self.first_seen,
+                "panic_pods": self.panic_pods,
+            }
+        )
 
     @classmethod
     def from_json(cls, raw: str | bytes | None) -> Window:
@@ -140,8 +146,12 @@ class Window:
             pods = data.get("panic_pods", 0)
             if isinstance(pods, bool) or not isinstance(pods, int) or pods < 0:
                 raise ValueError(f"panic_pods {pods!r}")
-            return cls(samples, None if panic is None else _finite(panic),
-                       None if first is None else _finite(first), pods)
+            return cls(
+                samples,
+                None if panic is None else _finite(panic),
+                None if first is None else _finite(first),
+                pods,
+            )
         except (ValueError, TypeError, AttributeError):
             return cls()
 
@@ -169,9 +179,16 @@ class Decision:
 
     def as_dict(self) -> dict[str, Any]:
         """The decision as plain data (task results, logs)."""
-        return {"desired": self.desired, "stable": self.stable, "panic": self.panic,
-                "panicking": self.panicking, "floor": self.floor, "capped": self.capped,
-                "slowed": self.slowed, "fresh": self.fresh}
+        return {
+            "desired": self.desired,
+            "stable": self.stable,
+            "panic": self.panic,
+            "panicking": self.panicking,
+            "floor": self.floor,
+            "capped": self.capped,
+            "slowed": self.slowed,
+            "fresh": self.fresh,
+        }
 
 
 def replicas_for(demand: float, exec_envs: int, utilization: float) -> int:
@@ -181,8 +198,9 @@ def replicas_for(demand: float, exec_envs: int, utilization: float) -> int:
     return max(0, math.ceil(demand / (max(1, exec_envs) * utilization) - EPSILON))
 
 
-def decide(policy: Policy, facts: Facts, window: Window, obs: Observation) -> tuple[
-        Decision, Window]:
+def decide(
+    policy: Policy, facts: Facts, window: Window, obs: Observation
+) -> tuple[Decision, Window]:
     """The target for this pass and the window state to keep for the next."""
     now = obs.at
     horizon = now - policy.stable_window_s

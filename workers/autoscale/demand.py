@@ -102,8 +102,11 @@ def read(
     out: dict[str, Demand] = {}
     for i, name in enumerate(names):
         fields, last = replies[2 * i], replies[2 * i + 1]
-        fresh = [s for s in (_parse(v) for v in fields.values()) if s is not None
-                 and current - s.at <= stale_after_s]
+        fresh = [
+            s
+            for s in (_parse(v) for v in fields.values())
+            if s is not None and current - s.at <= stale_after_s
+        ]
         out[name] = Demand(
             inflight=sum(s.inflight for s in fresh),
             queued=sum(s.queued for s in fresh),
@@ -119,8 +122,10 @@ def _parse(raw: bytes | str) -> Sample | None:
     try:
         data = json.loads(raw)
         return Sample(
-            inflight=int(data["inflight"]), queued=int(data["queued"]),
-            concurrency=float(data["concurrency"]), requests=int(data["requests"]),
+            inflight=int(data["inflight"]),
+            queued=int(data["queued"]),
+            concurrency=float(data["concurrency"]),
+            requests=int(data["requests"]),
             at=float(data["at"]),
         )
     except (ValueError, KeyError, TypeError):

@@ -136,8 +136,7 @@ class Shape:
     @classmethod
     def from_settings(cls, settings: Settings) -> Shape:
         """The shape of a :class:`config.settings.Settings`."""
-        return cls(settings.keepalive_bin_s, settings.keepalive_range_s,
-                   settings.keepalive_history)
+        return cls(settings.keepalive_bin_s, settings.keepalive_range_s, settings.keepalive_history)
 
     @property
     def bins(self) -> int:
@@ -223,15 +222,25 @@ def record(client: redis.Redis, shape: Shape, activity: Mapping[str, Activity]) 
         return
     pipe = client.pipeline(transaction=False)
     for function, seen in sorted(activity.items()):
-        pipe.eval(_RECORD, 1, key(function), repr(float(shape.bin_s)), shape.bins,
-                  shape.history, int(TTL_S * 1000), seen.short,
-                  "" if seen.last is None else repr(seen.last), RECENT_OOB,
-                  *(repr(a) for a in sorted(seen.arrivals)))
+        pipe.eval(
+            _RECORD,
+            1,
+            key(function),
+            repr(float(shape.bin_s)),
+            shape.bins,
+            shape.history,
+            int(TTL_S * 1000),
+            seen.short,
+            "" if seen.last is None else repr(seen.last),
+            RECENT_OOB,
+            *(repr(a) for a in sorted(seen.arrivals)),
+        )
     pipe.execute()
 
 
-def record_quietly(client: redis.Redis | None, shape: Shape,
-                   activity: Mapping[str, Activity]) -> None:
+def record_quietly(
+    client: redis.Redis | None, shape: Shape, activity: Mapping[str, Activity]
+) -> None:
     """:func:`record`, where a statistic is not worth failing the caller over."""
     if client is None:
         return
@@ -286,8 +295,10 @@ def parse(raw: Mapping[bytes | str, bytes | str], shape: Shape) -> IdleRecord:
 def plans(client: redis.Redis, settings: Settings, functions: Iterable[str]) -> dict[str, Plan]:
     """Each function's keep-alive windows now, from its recorded idle times."""
     policy = KeepAlivePolicy.from_settings(settings)
-    return {name: Plan(windows(policy, seen.histogram), seen.last)
-            for name, seen in load(client, Shape.from_settings(settings), functions).items()}
+    return {
+        name: Plan(windows(policy, seen.histogram), seen.last)
+        for name, seen in load(client, Shape.from_settings(settings), functions).items()
+    }
 
 
 def forget(client: redis.Redis, function: str) -> None:

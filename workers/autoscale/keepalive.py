@@ -148,9 +148,13 @@ class Windows:
 
     def as_dict(self) -> dict[str, Any]:
         """The windows as plain data (``functions show``, metrics, task results)."""
-        return {"mode": self.mode, "prewarm_s": round(self.prewarm_s, 3),
-                "keep_s": None if self.keep_s is None else round(self.keep_s, 3),
-                "idle_times": self.idle_times, "reason": self.reason}
+        return {
+            "mode": self.mode,
+            "prewarm_s": round(self.prewarm_s, 3),
+            "keep_s": None if self.keep_s is None else round(self.keep_s, 3),
+            "idle_times": self.idle_times,
+            "reason": self.reason,
+        }
 
 
 def fixed(reason: str, idle_times: int = 0) -> Windows:
@@ -164,8 +168,9 @@ def windows(policy: KeepAlivePolicy, hist: IdleHistogram | None) -> Windows:
         return fixed("no idle times recorded")
     total = hist.total
     if total < policy.min_idle_times:
-        return fixed(f"{total} idle times, not yet representative "
-                     f"(needs {policy.min_idle_times})", total)
+        return fixed(
+            f"{total} idle times, not yet representative (needs {policy.min_idle_times})", total
+        )
     if hist.oob / total >= policy.oob_threshold:
         return _forecast(policy, hist)
     cv = coefficient_of_variation(hist.counts)
@@ -173,9 +178,13 @@ def windows(policy: KeepAlivePolicy, hist: IdleHistogram | None) -> Windows:
         return fixed(f"no clear pattern (CV {cv:.2f} < {policy.cv_threshold:g})", total)
     head = percentile_bin(hist.counts, policy.head)
     tail = percentile_bin(hist.counts, policy.tail)
-    return Windows("histogram", head * hist.bin_s * (1 - policy.margin),
-                   (tail + 1) * hist.bin_s * (1 + policy.margin), total,
-                   f"CV {cv:.2f}: head in bin {head}, tail in bin {tail}")
+    return Windows(
+        "histogram",
+        head * hist.bin_s * (1 - policy.margin),
+        (tail + 1) * hist.bin_s * (1 + policy.margin),
+        total,
+        f"CV {cv:.2f}: head in bin {head}, tail in bin {tail}",
+    )
 
 
 def _forecast(policy: KeepAlivePolicy, hist: IdleHistogram) -> Windows:
@@ -188,11 +197,17 @@ def _forecast(policy: KeepAlivePolicy, hist: IdleHistogram) -> Windows:
     middle = statistics.median(recent)
     spread = max(recent) - min(recent)
     if spread > middle / 2:
-        return fixed(f"{share}, too irregular to forecast "
-                     f"({min(recent):.0f}s to {max(recent):.0f}s)", total)
+        return fixed(
+            f"{share}, too irregular to forecast ({min(recent):.0f}s to {max(recent):.0f}s)", total
+        )
     pad = max(hist.bin_s, policy.margin * spread)
-    return Windows("forecast", max(0.0, min(recent) - pad), max(recent) + pad, total,
-                   f"{share}: next about {middle:.0f}s after the last")
+    return Windows(
+        "forecast",
+        max(0.0, min(recent) - pad),
+        max(recent) + pad,
+        total,
+        f"{share}: next about {middle:.0f}s after the last",
+    )
 
 
 def coefficient_of_variation(counts: list[int]) -> float:

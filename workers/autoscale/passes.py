@@ -76,8 +76,10 @@ LOCK_KEY = STATE_PREFIX + "lock"
 DECISIONS_KEY = STATE_PREFIX + "decisions"
 # function name -> its keep-alive windows now as JSON (adaptive functions), for metrics
 KEEPALIVE_KEY = STATE_PREFIX + "keepalive"
-_RELEASE = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
-            "return redis.call('del', KEYS[1]) else return 0 end")
+_RELEASE = (
+    "if redis.call('get', KEYS[1]) == ARGV[1] then "
+    "return redis.call('del', KEYS[1]) else return 0 end"
+)
 READY_STATES = (ReplicaState.IDLE, ReplicaState.ALLOCATED)
 
 ScaleFn = Callable[[str, int], str]  # (function, target) -> operation id
@@ -99,8 +101,13 @@ class Outcome:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for the task's result."""
-        return {"target": self.target, **self.decision.as_dict(), "action": self.action,
-                "op_id": self.op_id, "error": self.error}
+        return {
+            "target": self.target,
+            **self.decision.as_dict(),
+            "action": self.action,
+            "op_id": self.op_id,
+            "error": self.error,
+        }
 
 
 @dataclass
@@ -114,9 +121,12 @@ class PassReport:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for the task's result."""
-        return {"skipped": self.skipped,
-                "functions": {k: v.as_dict() for k, v in self.functions.items()},
-                "keep_alive": self.keep_alive, "prewarmed": self.prewarmed}
+        return {
+            "skipped": self.skipped,
+            "functions": {k: v.as_dict() for k, v in self.functions.items()},
+            "keep_alive": self.keep_alive,
+            "prewarmed": self.prewarmed,
+        }
 
 
 def state_key(function_id: str) -> str:
@@ -140,22 +150,38 @@ class Subject:
 def load_facts(db: Database) -> dict[str, Subject]:
     """Every autoscaled or adaptive function, by id."""
     with db.read() as s:
-        fns = list(s.scalars(select(Function).where(
-            Function.autoscale.is_(True) | (Function.keep_alive == ADAPTIVE))))
+        fns = list(
+            s.scalars(
+                select(Function).where(
+                    Function.autoscale.is_(True) | (Function.keep_alive == ADAPTIVE)
+                )
+            )
+        )
         if not fns:
             return {}
         ids = [f.id for f in fns]
-        ready: dict[str, int] = {fid: n for fid, n in s.execute(
-            select(Replica.function_id, func.count())
-            .where(Replica.function_id.in_(ids), Replica.status.in_(READY_STATES))
-            .group_by(Replica.function_id)
-        )}
-        open_ops = {(fid, kind) for fid, kind in s.execute(
-            select(Operation.function_id, Operation.kind).where(
-                open_of(OpKind.SCALE, OpKind.SPAWN), Operation.function_id.in_(ids)))}
+        ready: dict[str, int] = {
+            fid: n
+            for fid, n in s.execute(
+                select(Replica.function_id, func.count())
+                .where(Replica.function_id.in_(ids), Replica.status.in_(READY_STATES))
+                .group_by(Replica.function_id)
+            )
+        }
+        open_ops = {
+            (fid, kind)
+            for fid, kind in s.execute(
+                select(Operation.function_id, Operation.kind).where(
+                    open_of(OpKind.SCALE, OpKind.SPAWN), Operation.function_id.in_(ids)
+                )
+            )
+        }
         return {
             f.id: Subject(
-                f.id, f.name, f.autoscale, f.keep_alive == ADAPTIVE,
+                f.id,
+                f.name,
+                f.autoscale,
+                f.keep_alive == ADAPTIVE,
                 decision_mod.Facts(
                     min_replicas=f.min_replicas,
                     max_replicas=f.max_replicas,
@@ -174,8 +200,13 @@ def load_facts(db: Database) -> dict[str, Subject]:
 
 
 def run_pass(  # noqa: PLR0913 - what a pass reads, and how it asks (the task's callables)
-    db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
-    spawn: SpawnFn | None = None, *, now: float | None = None,
+    db: Database,
+    settings: Settings,
+    client: redis.Redis,
+    scale: ScaleFn,
+    spawn: SpawnFn | None = None,
+    *,
+    now: float | None = None,
 ) -> PassReport:
     """One pass over the autoscaled and adaptive functions (skipped if another holds the lock).
 
@@ -192,8 +223,14 @@ def run_pass(  # noqa: PLR0913 - what a pass reads, and how it asks (the task's 
         client.eval(_RELEASE, 1, LOCK_KEY, token)
 
 
-def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,  # noqa: PLR0913 - run_pass's
-          spawn: SpawnFn | None, now: float) -> PassReport:
+def _pass(  # noqa: PLR0913 - run_pass's
+    db: Database,
+    settings: Settings,
+    client: redis.Redis,
+    scale: ScaleFn,
+    spawn: SpawnFn | None,
+    now: float,
+) -> PassReport:
     report = PassReport()
     subjects = load_facts(db)
     if not subjects:
@@ -204,19 +241,28 @@ def _pass(db: Database, settings: Settings, client: redis.Redis, scale: ScaleFn,
     pipe = client.pipeline(transaction=False)
     scaled = [f for f in subjects.values() if f.autoscale]
     if scaled:
-        demands = demand_mod.read(client, [f.name for f in scaled], now=now,
-                                  stale_after_s=settings.autoscale_demand_stale_s)
+        demands = demand_mod.read(
+            client,
+            [f.name for f in scaled],
+            now=now,
+            stale_after_s=settings.autoscale_demand_stale_s,
+        )
         windows = client.mget([state_key(f.id) for f in scaled])
         for fn, raw in zip(scaled, windows, strict=True):
             plan = plans.get(fn.name)
-            outcome, window = _decide(policy, fn, raw, demands.get(fn.name), now,
-                                      None if plan is None else plan.warm(now))
+            outcome, window = _decide(
+                policy, fn, raw, demands.get(fn.name), now, None if plan is None else plan.warm(now)
+            )
             _apply(outcome, fn, scale)
             report.functions[fn.name] = outcome
             pipe.set(state_key(fn.id), window.to_json(), px=keep_ms)
-            pipe.hset(DECISIONS_KEY, fn.name, json.dumps(
-                {"desired": outcome.decision.desired,
-                 "panicking": outcome.decision.panicking}))
+            pipe.hset(
+                DECISIONS_KEY,
+                fn.name,
+                json.dumps(
+                    {"desired": outcome.decision.desired, "panicking": outcome.decision.panicking}
+                ),
+            )
         pipe.expire(DECISIONS_KEY, keep_ms // 1000)
     for fn in subjects.values():
         plan = plans.get(fn.name)
@@ -240,14 +286,18 @@ def _plans(client: redis.Redis, settings: Settings, names: list[str]) -> dict[st
     try:
         return idletimes.plans(client, settings, names)
     except redis.RedisError as exc:
-        log.warning("autoscale: could not read idle times, keep-alive falls back to fixed: %s",
-                    exc)
+        log.warning("autoscale: could not read idle times, keep-alive falls back to fixed: %s", exc)
         return {}
 
 
-def _decide(policy: decision_mod.Policy, fn: Subject, raw: bytes | str | None,  # noqa: PLR0913 - an Observation's parts
-            seen: demand_mod.Demand | None, now: float,
-            warm: bool | None) -> tuple[Outcome, decision_mod.Window]:
+def _decide(  # noqa: PLR0913 - an Observation's parts
+    policy: decision_mod.Policy,
+    fn: Subject,
+    raw: bytes | str | None,
+    seen: demand_mod.Demand | None,
+    now: float,
+    warm: bool | None,
+) -> tuple[Outcome, decision_mod.Window]:
     """One autoscaled function's decision, and its window for the next pass."""
     obs = decision_mod.Observation(
         at=now,
@@ -256,7 +306,8 @@ def _decide(policy: decision_mod.Policy, fn: Subject, raw: bytes | str | None,  
         warm=warm,
     )
     decision, window = decision_mod.decide(
-        policy, fn.facts, decision_mod.Window.from_json(raw), obs)
+        policy, fn.facts, decision_mod.Window.from_json(raw), obs
+    )
     return Outcome(fn.name, fn.facts.target, decision, "kept"), window
 
 
@@ -267,12 +318,16 @@ def _apply(outcome: Outcome, fn: Subject, scale: ScaleFn) -> None:
         try:
             outcome.op_id = scale(fn.name, decision.desired)
             outcome.action = "scaled"
-            log.info("autoscale %s: %d -> %d (%s)", fn.name, fn.facts.target,
-                     decision.desired, decision.as_dict())
+            log.info(
+                "autoscale %s: %d -> %d (%s)",
+                fn.name,
+                fn.facts.target,
+                decision.desired,
+                decision.as_dict(),
+            )
         except CorralError as exc:  # min / max changed under us, broker down...
             outcome.action, outcome.error = "error", str(exc)
-            log.warning("autoscale %s: could not scale to %d: %s", fn.name,
-                        decision.desired, exc)
+            log.warning("autoscale %s: could not scale to %d: %s", fn.name, decision.desired, exc)
     elif fn.scale_open:
         outcome.action = "waiting"
 
@@ -283,8 +338,7 @@ def _prewarm(fn: Subject, spawn: SpawnFn, report: PassReport) -> None:
         return
     try:
         report.prewarmed[fn.name] = spawn(fn.name)
-        log.info("keep-alive %s: pre-warming one replica (%s)", fn.name,
-                 report.keep_alive[fn.name])
+        log.info("keep-alive %s: pre-warming one replica (%s)", fn.name, report.keep_alive[fn.name])
     except CorralError as exc:  # at its max, broker down...
         report.prewarmed[fn.name] = f"error: {exc}"
         log.warning("keep-alive %s: could not pre-warm: %s", fn.name, exc)

@@ -41,10 +41,25 @@ from workers.backends.networks import replica_address
 from workers.store.models import Function, Node
 
 __all__ = [
-    "BACKENDS", "CreateCall", "ListedVm", "NodeBackend", "Target", "Vm", "arelease",
-    "backend", "create_call", "guest_port", "hogs", "list_vms", "probe", "release_vm",
-    "send_create", "send_release", "target",
+    "BACKENDS",
+    "CreateCall",
+    "ListedVm",
+    "NodeBackend",
+    "Target",
+    "Vm",
+    "arelease",
+    "backend",
+    "create_call",
+    "guest_port",
+    "hogs",
+    "list_vms",
+    "probe",
+    "release_vm",
+    "send_create",
+    "send_release",
+    "target",
 ]
+
 
 def create_call(node: Node, fn: Function, request_id: str, settings: Settings) -> CreateCall:
     """What to send ``node`` for one replica of ``fn``."""
@@ -72,8 +87,9 @@ async def arelease(t: Target, vmid: str, settings: Settings) -> bool:
     # this package, never a client nor the slot source.
     from workers.backends import node_slots
 
-    async with inflight.slot(t.id, settings.node_max_inflight, settings.max_inflight,
-                             node_slots.source(settings)):
+    async with inflight.slot(
+        t.id, settings.node_max_inflight, settings.max_inflight, node_slots.source(settings)
+    ):
         return await send_release(t, vmid, settings)
 
 

@@ -39,8 +39,18 @@ from workers.errors import InputError
 from workers.kinds import NODE_KINDS, NodeKind
 from workers.store.models import Function, Node
 
-__all__ = ["BACKENDS", "CreateCall", "Created", "ListedVm", "NodeBackend", "Target", "Vm",
-           "backend", "guest_port", "target"]
+__all__ = [
+    "BACKENDS",
+    "CreateCall",
+    "Created",
+    "ListedVm",
+    "NodeBackend",
+    "Target",
+    "Vm",
+    "backend",
+    "guest_port",
+    "target",
+]
 
 DEFAULT_GUEST_PORT = 8080
 
@@ -163,4 +173,5 @@ def backend(kind: str) -> NodeBackend:
         return _load(NodeKind(kind))
     except ValueError:
         raise InputError(
-            f"unknown node kind {kind!r}; use one of {', '.join(NODE_KINDS)}") from None
+            f"unknown node kind {kind!r}; use one of {', '.join(NODE_KINDS)}"
+        ) from None

@@ -105,8 +105,9 @@ def _error(exc: grpc.RpcError, node: str, what: str, secrets: tuple[str, ...] = 
     detail = redact((exc.details() if hasattr(exc, "details") else str(exc)) or "", secrets)
     message = f"{what} failed: {code.name}: {detail}"
     if code in RETRYABLE_CODES:
-        return TransientBackendError(message, node=node, code=code.name,
-                                     nothing_done=_nothing_done(code, detail))
+        return TransientBackendError(
+            message, node=node, code=code.name, nothing_done=_nothing_done(code, detail)
+        )
     if code == grpc.StatusCode.NOT_FOUND:
         return VmGone(message, node=node, code=code.name)
     if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -133,7 +134,6 @@ async def _close_aio(resources: dict[str, Any]) -> None:
 
 
 inflight.on_reset(_close_aio)
-
 
 
 class AgentClient:
@@ -176,8 +176,9 @@ class AgentClient:
         """The FcService stub, on the channel (made now, on the loop, if not yet)."""
         if self._stub_made is None:
             if self._shared:
-                self._channel = inflight.resource(f"grpc:{self.address}:{self._tls}",
-                                                  self._new_channel)
+                self._channel = inflight.resource(
+                    f"grpc:{self.address}:{self._tls}", self._new_channel
+                )
             else:
                 self._channel = self._new_channel()
             self._stub_made = fcdaemon_grpc.FcServiceStub(self._channel)
@@ -194,10 +195,14 @@ class AgentClient:
     async def _call(self, method: str, request: Any, timeout: float) -> Any:
         try:
             return await getattr(self._stub(), method)(
-                request, timeout=timeout, metadata=self._metadata)
+                request, timeout=timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
-            secrets = (self._token or "", getattr(request, "awsAccessKeyID", ""),
-                       getattr(request, "awsSecretAccessKey", ""))
+            secrets = (
+                self._token or "",
+                getattr(request, "awsAccessKeyID", ""),
+                getattr(request, "awsSecretAccessKey", ""),
+            )
             raise _error(exc, self.node, method, secrets) from None
 
     async def create_replica(self, request: Any) -> CreatedVm:
@@ -213,7 +218,8 @@ class AgentClient:
         """Tear a VM down; False when the agent says it is already gone."""
         try:
             await self._call(
-                "ReleaseVMSetup", fcdaemon_pb2.ReleaseRequest(vmid=vmid), self.timeout_s)
+                "ReleaseVMSetup", fcdaemon_pb2.ReleaseRequest(vmid=vmid), self.timeout_s
+            )
         except VmGone:
             return False
         return True
@@ -265,11 +271,20 @@ class AgentClient:
 
 def client(t: Target, settings: Settings, *, shared: bool = True) -> AgentClient:
     """The client for node ``t`` with the settings' deadlines, token and TLS."""
-    tls = (TlsFiles(settings.agent_tls_ca, settings.agent_tls_cert, settings.agent_tls_key)
-           if settings.agent_tls_ca else None)
-    return AgentClient(t.address, node=t.name, timeout_s=settings.rpc_timeout_s,
-                       create_timeout_s=settings.create_timeout_s, token=settings.agent_token,
-                       tls=tls, shared=shared)
+    tls = (
+        TlsFiles(settings.agent_tls_ca, settings.agent_tls_cert, settings.agent_tls_key)
+        if settings.agent_tls_ca
+        else None
+    )
+    return AgentClient(
+        t.address,
+        node=t.name,
+        timeout_s=settings.rpc_timeout_s,
+        create_timeout_s=settings.create_timeout_s,
+        token=settings.agent_token,
+        tls=tls,
+        shared=shared,
+    )
 
 
 def kernel_args(fn: Function) -> str:
@@ -343,8 +358,10 @@ class FcdaemonBackend(NodeBackend):
 
     async def list_vms(self, t: Target, settings: Settings) -> list[ListedVm]:
         """ListReplicas (extension)."""
-        return [ListedVm(v.vmid, v.request_id, v.created_unix)
-                for v in await client(t, settings).list_replicas()]
+        return [
+            ListedVm(v.vmid, v.request_id, v.created_unix)
+            for v in await client(t, settings).list_replicas()
+        ]
 
     async def probe(self, t: Target, settings: Settings) -> bool:
         """The health service (or any answer at all), on a channel of its own."""

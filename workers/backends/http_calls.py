@@ -38,7 +38,10 @@ class HttpCall:
         """The streamed request on ``client`` (identity encoding: the body read is the body)."""
         headers = {**kwargs.pop("headers", {}), "Accept-Encoding": "identity"}
         return client.stream(
-            self.method, self.url, timeout=httpx.Timeout(self.timeout_s), headers=headers,
+            self.method,
+            self.url,
+            timeout=httpx.Timeout(self.timeout_s),
+            headers=headers,
             **kwargs,
         )
 
@@ -48,7 +51,8 @@ class HttpCall:
         if len(body) > self.max_body:
             raise PermanentBackendError(
                 f"{self.what} answered more than {self.max_body} bytes",
-                node=self.node, code="too-large",
+                node=self.node,
+                code="too-large",
             )
 
     def failed(self, exc: httpx.HTTPError) -> TransientBackendError:
@@ -57,11 +61,16 @@ class HttpCall:
         unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
         if isinstance(exc, httpx.TimeoutException):
             return TransientBackendError(
-                f"{self.what} timed out after {self.timeout_s:g}s", node=self.node,
-                code="timeout", nothing_done=unsent)
+                f"{self.what} timed out after {self.timeout_s:g}s",
+                node=self.node,
+                code="timeout",
+                nothing_done=unsent,
+            )
         return TransientBackendError(
             f"{self.what} failed: {type(exc).__name__}: {redact(str(exc), self.secrets)}",
-            node=self.node, code="transport", nothing_done=unsent,
+            node=self.node,
+            code="transport",
+            nothing_done=unsent,
         )
 
 
@@ -90,8 +99,11 @@ def _buffered(response: httpx.Response, body: bytearray) -> httpx.Response:
     """The streamed ``response`` as a plain one holding ``body``."""
     return httpx.Response(
         response.status_code,
-        headers=[(k, v) for k, v in response.headers.raw
-                 if k.lower() not in (b"content-encoding", b"transfer-encoding")],
+        headers=[
+            (k, v)
+            for k, v in response.headers.raw
+            if k.lower() not in (b"content-encoding", b"transfer-encoding")
+        ],
         content=bytes(body),
         request=response.request,
     )

@@ -399,8 +399,11 @@ class _LaneRun:
 
     def _too_late(self) -> bool:
         # The first call of a batch always goes, so that every batch makes progress.
-        return (self.start_before is not None and bool(self.batch.started)
-                and asyncio.get_running_loop().time() >= self.start_before)
+        return (
+            self.start_before is not None
+            and bool(self.batch.started)
+            and asyncio.get_running_loop().time() >= self.start_before
+        )
 
     async def lane(self, lane: Lane, key: Any, items: Sequence[Any]) -> None:
         """Send one node's calls, at most its bound at once, until done or told to stop."""
@@ -418,8 +421,7 @@ class _LaneRun:
                 width = lane.bound
                 if lane.probation is not None and not lane.succeeded:
                     width = min(width, lane.probation - lane.failures)
-                while (queue and len(running) < width and not stopped()
-                       and not self._too_late()):
+                while queue and len(running) < width and not stopped() and not self._too_late():
                     running.add(asyncio.ensure_future(self.one(lane, queue.popleft())))
                 if not running:
                     break

@@ -98,9 +98,13 @@ inflight.on_reset(_close_http)
 
 def _http() -> httpx.AsyncClient:
     """This process's HTTP client (made on the loop on first use)."""
-    return inflight.resource("http", lambda: httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
-        trust_env=False))
+    return inflight.resource(
+        "http",
+        lambda: httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
+            trust_env=False,
+        ),
+    )
 
 
 class LambdoClient:
@@ -108,7 +112,11 @@ class LambdoClient:
     typed errors (make it anywhere; call it from coroutines on the loop)."""
 
     def __init__(
-        self, base_url: str, *, node: str | None = None, timeout_s: float = 10.0,
+        self,
+        base_url: str,
+        *,
+        node: str | None = None,
+        timeout_s: float = 10.0,
         token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -120,8 +128,9 @@ class LambdoClient:
             warn_plaintext(host_of(self.base_url), "the Lambdo token")
 
     async def _request(self, method: str, path: str, what: str, **kwargs: Any) -> httpx.Response:
-        call = HttpCall(method, self.base_url + path, self.timeout_s, what, self.node,
-                        secrets=self._secrets)
+        call = HttpCall(
+            method, self.base_url + path, self.timeout_s, what, self.node, secrets=self._secrets
+        )
         response = await abounded_request(_http(), call, headers=self._headers, **kwargs)
         if response.status_code >= 500:
             raise TransientBackendError(  # the host answered: it says nothing was done
@@ -196,8 +205,9 @@ class LambdoClient:
 
 def client(t: Target, settings: Settings) -> LambdoClient:
     """The client for host ``t`` with the settings' deadline and token."""
-    return LambdoClient(t.address, node=t.name, timeout_s=settings.lambdo_timeout_s,
-                        token=settings.lambdo_token)
+    return LambdoClient(
+        t.address, node=t.name, timeout_s=settings.lambdo_timeout_s, token=settings.lambdo_token
+    )
 
 
 def rootfs_id(fn: Function) -> str:

@@ -45,7 +45,12 @@ from workers.untrusted import (
 )
 
 __all__ = [
-    "TTL_S", "control_plane", "default_networks", "forget", "networks_of", "replica_address",
+    "TTL_S",
+    "control_plane",
+    "default_networks",
+    "forget",
+    "networks_of",
+    "replica_address",
 ]
 
 TTL_S = 5.0
@@ -71,8 +76,9 @@ def _url_listener(url: str | None) -> tuple[str, int] | None:
 
 @lru_cache(maxsize=8)
 def _listeners(addresses: tuple[tuple[str, int], ...]) -> Listeners:
-    return frozenset((net, port) for host, port in addresses if port
-                     for net in listen_networks(host))
+    return frozenset(
+        (net, port) for host, port in addresses if port for net in listen_networks(host)
+    )
 
 
 def control_plane(settings: Settings) -> Listeners:
@@ -115,8 +121,9 @@ def networks_of(t: Target, settings: Settings) -> list[Network]:
     if cached is not None and time.monotonic() - cached[0] < TTL_S:
         return cached[1]
     configured = _configured(t.id, settings)
-    nets = (parse_networks(configured) if configured
-            else default_networks(t.kind, t.address, settings))
+    nets = (
+        parse_networks(configured) if configured else default_networks(t.kind, t.address, settings)
+    )
     with _lock:
         _networks[t.id] = (time.monotonic(), nets)
     return nets

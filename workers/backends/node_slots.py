@@ -92,8 +92,9 @@ def key(node: Hashable) -> str:
 
 def lease_s(settings: Settings) -> float:
     """How long a lease lives: the longest call timeout plus the slack."""
-    return max(settings.create_timeout_s, settings.rpc_timeout_s,
-               settings.lambdo_timeout_s) + SLACK_S
+    return (
+        max(settings.create_timeout_s, settings.rpc_timeout_s, settings.lambdo_timeout_s) + SLACK_S
+    )
 
 
 MAX_CONNECTIONS = 32  # to the slots' Redis, per worker process
@@ -114,18 +115,29 @@ class RedisSlots:
     def _client(self) -> Any:
         # A blocking pool: calls beyond its connections wait their turn (up to the socket
         # timeout) instead of failing, however many batches share the process's loop.
-        return inflight.resource(f"redis:{self.url}", lambda: redis.asyncio.Redis(
-            connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
-                self.url, max_connections=MAX_CONNECTIONS, timeout=5,
-                socket_timeout=5, socket_connect_timeout=5)))
+        return inflight.resource(
+            f"redis:{self.url}",
+            lambda: redis.asyncio.Redis(
+                connection_pool=redis.asyncio.BlockingConnectionPool.from_url(
+                    self.url,
+                    max_connections=MAX_CONNECTIONS,
+                    timeout=5,
+                    socket_timeout=5,
+                    socket_connect_timeout=5,
+                )
+            ),
+        )
 
     async def acquire(self, node: Hashable, bound: int, want: int) -> list[inflight.Lease]:
         """Up to ``want`` of the node's ``bound`` slots, granted at once."""
         tokens = [_token() for _ in range(want)]
         started = _loop_time()
         try:
-            n = int(await self._client().eval(
-                _ACQUIRE, 1, key(node), bound, int(self.ttl_s * 1000), *tokens))
+            n = int(
+                await self._client().eval(
+                    _ACQUIRE, 1, key(node), bound, int(self.ttl_s * 1000), *tokens
+                )
+            )
         except redis.RedisError as exc:
             raise _unavailable(node, exc) from None
         return [inflight.Lease(t, started + self.ttl_s) for t in tokens[:n]]
@@ -134,8 +146,9 @@ class RedisSlots:
         """Push a held lease's expiry out by a full lease; False when it had lapsed."""
         started = _loop_time()
         try:
-            ok = int(await self._client().eval(
-                _RENEW, 1, key(node), int(self.ttl_s * 1000), lease.token))
+            ok = int(
+                await self._client().eval(_RENEW, 1, key(node), int(self.ttl_s * 1000), lease.token)
+            )
         except redis.RedisError as exc:
             raise _unavailable(node, exc) from None
         if ok:
@@ -161,7 +174,8 @@ def _loop_time() -> float:
 
 def _unavailable(node: Hashable, exc: Exception) -> TransientBackendError:
     return TransientBackendError(
-        f"in-flight slots of node {node} unavailable (Redis: {type(exc).__name__}: {exc})")
+        f"in-flight slots of node {node} unavailable (Redis: {type(exc).__name__}: {exc})"
+    )
 
 
 def source(settings: Settings) -> RedisSlots | None:

@@ -57,9 +57,7 @@ HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]{1,253})(?::(\d{1,
 UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 
 
-def split_address(
-    address: str, default_port: int, what: str = "GPU server"
-) -> tuple[str, int]:
+def split_address(address: str, default_port: int, what: str = "GPU server") -> tuple[str, int]:
     """``HOST[:PORT]`` as (host, port), or a clear :class:`InputError`."""
     text = address.strip() if isinstance(address, str) else ""
     m = HOSTPORT_RE.match(text)
@@ -166,8 +164,14 @@ def record_gpus(
     return sorted(reported, key=lambda g: g.first_port)
 
 
-def _add_new(session: Session, settings: Settings, server: str, manager: str,  # noqa: PLR0913 - one server's report and what is known of it
-             gpus: dict[str, int], ours: list[Gpu]) -> None:
+def _add_new(  # noqa: PLR0913 - one server's report and what is known of it
+    session: Session,
+    settings: Settings,
+    server: str,
+    manager: str,
+    gpus: dict[str, int],
+    ours: list[Gpu],
+) -> None:
     """Add the reported GPUs not yet known, each with worker ports after the last ones."""
     next_port = max(
         (g.first_port + g.slots_total for g in ours), default=settings.first_worker_port
@@ -224,8 +228,9 @@ def get_gpu(session: Session, uuid: str, *, lock: bool = False) -> Gpu:
     """The GPU with this UUID, or :class:`NotFound`."""
     if not isinstance(uuid, str) or not UUID_RE.match(uuid):
         raise InputError(f"malformed GPU UUID {uuid!r}")
-    return one_or_not_found(session, select(Gpu).where(Gpu.uuid == uuid), f"GPU {uuid!r}",
-                            lock=lock)
+    return one_or_not_found(
+        session, select(Gpu).where(Gpu.uuid == uuid), f"GPU {uuid!r}", lock=lock
+    )
 
 
 def remove_gpu(session: Session, uuid: str) -> None:

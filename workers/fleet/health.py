@@ -109,15 +109,17 @@ def _probe_all(nodes: list[Node], settings: Settings) -> list[str | None]:
     """
     rounds = -(-len(nodes) // PROBE_THREADS)
     limit = rounds * 2 * settings.health_timeout_s + 1.0
-    pool = ThreadPoolExecutor(max_workers=min(PROBE_THREADS, len(nodes)),
-                              thread_name_prefix="health-probe")
+    pool = ThreadPoolExecutor(
+        max_workers=min(PROBE_THREADS, len(nodes)), thread_name_prefix="health-probe"
+    )
     try:
         futs = [pool.submit(_probe, node, settings) for node in nodes]
         wait(futs, timeout=limit)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     return [
-        fut.result() if fut.done() and not fut.cancelled()
+        fut.result()
+        if fut.done() and not fut.cancelled()
         else f"node {node.name}: probe did not finish within {limit:g}s"
         for node, fut in zip(nodes, futs, strict=True)
     ]
@@ -149,8 +151,10 @@ def _check_health(db: Database, settings: Settings) -> HealthReport:
     if not nodes:
         return report
     probe_settings = settings.model_copy(
-        update={"rpc_timeout_s": settings.health_timeout_s,
-                "lambdo_timeout_s": settings.health_timeout_s}
+        update={
+            "rpc_timeout_s": settings.health_timeout_s,
+            "lambdo_timeout_s": settings.health_timeout_s,
+        }
     )
     results = _probe_all(nodes, probe_settings)
     for node, error in zip(nodes, results, strict=True):
@@ -172,9 +176,7 @@ def mark_lost(db: Database, settings: Settings) -> int:
     lost = 0
     with db.transaction() as s:
         gone = list(
-            s.scalars(
-                select(Node).where(Node.healthy.is_(False), Node.unhealthy_since <= cutoff)
-            )
+            s.scalars(select(Node).where(Node.healthy.is_(False), Node.unhealthy_since <= cutoff))
         )
         if gone:
             lock_functions(s)  # counters of any function may move (workers.locks)
@@ -187,7 +189,10 @@ def mark_lost(db: Database, settings: Settings) -> int:
                 .with_for_update(of=Replica, skip_locked=True)
             ):
                 transition(
-                    s, replica, ReplicaState.DEAD, settings,
+                    s,
+                    replica,
+                    ReplicaState.DEAD,
+                    settings,
                     error=f"node {node.name} unreachable since {node.unhealthy_since}",
                 )
                 lost += 1

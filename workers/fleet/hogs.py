@@ -62,9 +62,7 @@ def hog_targets(session: Any, node: str | None) -> list[Node]:
     kinds = [kind for kind in NodeKind if backends.backend(kind).runs_hogs]
     nodes = list(
         session.scalars(
-            select(Node)
-            .where(Node.kind.in_(kinds), Node.healthy.is_(True))
-            .order_by(Node.name)
+            select(Node).where(Node.kind.in_(kinds), Node.healthy.is_(True)).order_by(Node.name)
         )
     )
     if not nodes:
@@ -102,8 +100,14 @@ class HogRequest:
     node: str | None = None
 
 
-def run_hogs(db: Database, settings: Settings, request: HogRequest, op_id: str | None = None,
-             *, last_try: bool = True) -> dict[str, Any]:
+def run_hogs(
+    db: Database,
+    settings: Settings,
+    request: HogRequest,
+    op_id: str | None = None,
+    *,
+    last_try: bool = True,
+) -> dict[str, Any]:
     """Call the nodes still owed a hog request; returns ``{"nodes": ..., "retry": bool}``.
 
     ``retry`` is True when some node failed with a retryable error and
@@ -115,7 +119,8 @@ def run_hogs(db: Database, settings: Settings, request: HogRequest, op_id: str |
     if owed.finished:
         return {"nodes": owed.outcomes, "retry": False}
     calls = [
-        call_node(target, settings, action, n) if target is not None
+        call_node(target, settings, action, n)
+        if target is not None
         else HogCall(owed.outcomes[name]["node_id"], name, False, f"node {name} was removed")
         for name, target in owed.nodes.items()
     ]
@@ -138,8 +143,9 @@ class _Owed:
     nodes: dict[str, Node | None]
     finished: bool = False
 
-    def record(self, db: Database, calls: list[HogCall], *, retry: bool
-               ) -> dict[str, dict[str, Any]]:
+    def record(
+        self, db: Database, calls: list[HogCall], *, retry: bool
+    ) -> dict[str, dict[str, Any]]:
         """Write each call's outcome on the operation; finish it unless a retry is due."""
         action, n, op_id, outcomes = self.request.action, self.request.n, self.op_id, self.outcomes
         with db.transaction() as s:
@@ -176,14 +182,16 @@ def _owed(db: Database, request: HogRequest, op_id: str | None) -> _Owed:
             return _Owed(request, op_id, (op.result or {}).get("nodes", {}), {}, finished=True)
         outcomes: dict[str, dict[str, Any]] = dict((op.result or {}).get("nodes", {})) if op else {}
         if not outcomes:
-            outcomes = {t.name: {"node_id": t.id, "state": "pending"}
-                        for t in hog_targets(s, request.node)}
+            outcomes = {
+                t.name: {"node_id": t.id, "state": "pending"} for t in hog_targets(s, request.node)
+            }
             if op is not None:
                 op.total = len(outcomes)
                 op.result = {"action": request.action, "n": request.n, "nodes": outcomes}
                 mark_running(op)
         owed = [
-            name for name, o in outcomes.items()
+            name
+            for name, o in outcomes.items()
             if o["state"] == "pending" or (o["state"] == "failed" and o.get("retryable"))
         ]
         found = {nd.name: nd for nd in s.scalars(select(Node).where(Node.name.in_(owed)))}

@@ -163,8 +163,11 @@ def note_creates(
         node.quarantined_until is not None and node.quarantined_until > at
     ):
         return None
-    backoff = settings.node_quarantine_s if node.quarantine_s is None else min(
-        settings.node_quarantine_max_s, node.quarantine_s * 2)
+    backoff = (
+        settings.node_quarantine_s
+        if node.quarantine_s is None
+        else min(settings.node_quarantine_max_s, node.quarantine_s * 2)
+    )
     node.quarantine_s = backoff
     node.quarantined_until = at + timedelta(seconds=backoff)
     why = f"quarantined for {backoff:g}s after {streak} failed creates in a row: {last}"
@@ -235,8 +238,11 @@ def node_view(node: Node) -> NodeView:
         "node_id": node.external_id,
         # identity (workers.registry.identity): an issued credential, and the last re-point
         "credential": node.credential_hash is not None,
-        "repointed": (f"from {node.repointed_from} at {iso(node.repointed_at)}"
-                      if node.repointed_at is not None else None),
+        "repointed": (
+            f"from {node.repointed_from} at {iso(node.repointed_at)}"
+            if node.repointed_at is not None
+            else None
+        ),
         # None: its kind's default (its own host; fcdaemon also CORRAL_REPLICA_NETWORKS)
         "replica_networks": node.replica_networks,
     }

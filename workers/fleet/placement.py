@@ -75,8 +75,12 @@ _TAKE_SLOT = (
 
 _TAKE_SLOTS = (
     update(Node)
-    .where(Node.id == bindparam("node_id"), Node.kind == bindparam("backend"), *_PLACEABLE,
-           Node.live + bindparam("k") <= Node.capacity)
+    .where(
+        Node.id == bindparam("node_id"),
+        Node.kind == bindparam("backend"),
+        *_PLACEABLE,
+        Node.live + bindparam("k") <= Node.capacity,
+    )
     .values(live=Node.live + bindparam("k"))
     .execution_options(synchronize_session=False)
 )
@@ -119,7 +123,10 @@ def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str])
 
 
 def reserve_node(
-    session: Session, fn: Function, policy: str, pinned: str | None = None,
+    session: Session,
+    fn: Function,
+    policy: str,
+    pinned: str | None = None,
     avoid: Sequence[str] = (),
 ) -> Node:
     """Pick a node for one replica of ``fn`` (not one in ``avoid``) and take one of its slots."""
@@ -135,8 +142,11 @@ def reserve_node(
             node = _candidate(session, fn, policy, tried)
             if node is None:
                 break
-        took = _rowcount(session.connection().execute(
-            _TAKE_SLOT, {"node_id": node.id, "backend": fn.backend, "now": now()}))
+        took = _rowcount(
+            session.connection().execute(
+                _TAKE_SLOT, {"node_id": node.id, "backend": fn.backend, "now": now()}
+            )
+        )
         if took:
             set_committed_value(node, "live", node.live + 1)  # what the UPDATE wrote
             if policy == "roundrobin":
@@ -180,8 +190,11 @@ def reserve_nodes(session: Session, fn: Function, n: int) -> list[Node]:
             heapq.heappush(heap, (live + 1, name, i))
     for i, k in taken.items():
         node = nodes[i]
-        took = _rowcount(session.connection().execute(
-            _TAKE_SLOTS, {"node_id": node.id, "backend": fn.backend, "now": now(), "k": k}))
+        took = _rowcount(
+            session.connection().execute(
+                _TAKE_SLOTS, {"node_id": node.id, "backend": fn.backend, "now": now(), "k": k}
+            )
+        )
         if not took:  # not under the node locks after all: refuse rather than overbook
             raise RuntimeError("reserve_nodes needs the backend's node locks held")
         set_committed_value(node, "live", node.live + k)
@@ -202,7 +215,8 @@ def free_nodes(session: Session, slots: Mapping[str, int]) -> None:
     """Give back slots on nodes: node id -> how many, in one statement."""
     if slots:
         session.connection().execute(
-            _FREE_SLOTS, [{"node_id": node_id, "n": n} for node_id, n in slots.items()])
+            _FREE_SLOTS, [{"node_id": node_id, "n": n} for node_id, n in slots.items()]
+        )
 
 
 def free_node(session: Session, node_id: str) -> None:
@@ -278,9 +292,12 @@ def spread_nodes(session: Session, fn: Function) -> list[str]:
     return list(
         session.scalars(
             select(Node.id)
-            .where(Node.kind == fn.backend, Node.healthy.is_(True), Node.draining.is_(False),
-                   or_(Node.quarantined_until.is_(None), Node.quarantined_until <= now()))
+            .where(
+                Node.kind == fn.backend,
+                Node.healthy.is_(True),
+                Node.draining.is_(False),
+                or_(Node.quarantined_until.is_(None), Node.quarantined_until <= now()),
+            )
             .order_by(Node.name)
         )
     )
-

@@ -110,9 +110,12 @@ class Gate:
         self._tick()
         t = time.monotonic()
         span = max(t - self._since, 1e-6)
-        out = Sample(inflight=self.active, queued=len(self.waiting),
-                     concurrency=round(self._area / span, 3), requests=self.arrivals,
-                     at=clock.epoch())
+        out = Sample(
+            inflight=self.active,
+            queued=len(self.waiting),
+            concurrency=round(self._area / span, 3),
+            requests=self.arrivals,
+            at=clock.epoch(),
+        )
         self._area, self._since, self.arrivals = 0.0, t, 0
         return out
-

@@ -72,12 +72,14 @@ def check_listen(settings: Settings, listen: str, *, insecure: bool = False) -> 
 class GatewayApp:
     """The ASGI application: the proxy for ``/function/``, Starlette for the rest."""
 
-    def __init__(self, gateway: Gateway, *, redis_url: str | None = None,
-                 gateway_id: str | None = None) -> None:
+    def __init__(
+        self, gateway: Gateway, *, redis_url: str | None = None, gateway_id: str | None = None
+    ) -> None:
         self.gateway = gateway
         self.redis_url = redis_url
         self.gateway_id = gateway_id or (
-            f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
+            f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        )
         self._reporter: asyncio.Task[None] | None = None
         self.site = Starlette(
             routes=[Route("/metrics", self.metrics), Route("/healthz", self.healthz)],
@@ -109,8 +111,9 @@ class GatewayApp:
     async def metrics(self, request: Request) -> Response:
         """The Prometheus exposition text."""
         if not self.gateway.authorized(request.scope):
-            return PlainTextResponse("missing or invalid gateway token\n", 401,
-                                     headers={"www-authenticate": "Bearer"})
+            return PlainTextResponse(
+                "missing or invalid gateway token\n", 401, headers={"www-authenticate": "Bearer"}
+            )
         body, content_type = self.gateway.metrics.render()
         return Response(body, headers={"content-type": content_type})
 
@@ -126,13 +129,17 @@ class GatewayApp:
                 await asyncio.sleep(interval)
                 await self._record_idle_times(client)
                 now = time.monotonic()
-                samples = {name: gate.sample() for name, gate in self.gateway.catalog.gates.items()
-                           if gate.active or gate.queued or now - gate.last_used < ACTIVE_S}
+                samples = {
+                    name: gate.sample()
+                    for name, gate in self.gateway.catalog.gates.items()
+                    if gate.active or gate.queued or now - gate.last_used < ACTIVE_S
+                }
                 if not samples:
                     continue
                 try:
-                    await self.gateway.background.store(demand.report, client, self.gateway_id,
-                                                        samples)
+                    await self.gateway.background.store(
+                        demand.report, client, self.gateway_id, samples
+                    )
                 except Exception as exc:  # Redis away: the next interval tries again
                     log.warning("gateway: demand report failed: %s", exc)
         finally:
@@ -154,8 +161,9 @@ def build_app(db: Database, settings: Settings) -> GatewayApp:
 class RunningGateway:
     """A gateway served by uvicorn in a background thread (tests, ``corral up``)."""
 
-    def __init__(self, server: Any, thread: threading.Thread, host: str, port: int,
-                 app: GatewayApp) -> None:
+    def __init__(
+        self, server: Any, thread: threading.Thread, host: str, port: int, app: GatewayApp
+    ) -> None:
         self.server = server
         self.thread = thread
         self.port = port
@@ -171,13 +179,19 @@ class RunningGateway:
 def _server(app: GatewayApp, settings: Settings) -> Any:
     # proxy_headers=False: uvicorn would believe X-Forwarded-* from loopback peers; the
     # gateway applies CORRAL_GATEWAY_TRUSTED_PROXIES itself (workers.gateway.headers).
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            proxy_headers=False,
-                            http=guarded_http(settings.gateway_read_timeout_s),
-                            limit_concurrency=settings.gateway_max_connections,
-                            server_header=False, date_header=False,
-                            timeout_graceful_shutdown=int(settings.gateway_timeout_s),
-                            timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        proxy_headers=False,
+        http=guarded_http(settings.gateway_read_timeout_s),
+        limit_concurrency=settings.gateway_max_connections,
+        server_header=False,
+        date_header=False,
+        timeout_graceful_shutdown=int(settings.gateway_timeout_s),
+        timeout_keep_alive=30,
+    )
     return uvicorn.Server(config)
 
 
@@ -210,8 +224,9 @@ def serve_gateway(
     tracing.start("corral-gateway", settings)
     app = app or build_app(db or get_database(settings.database_url), settings)
     server = _server(app, settings)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                              name="gateway", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="gateway", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + 15
     while not server.started:
@@ -221,8 +236,13 @@ def serve_gateway(
     return RunningGateway(server, thread, host, sock.getsockname()[1], app)
 
 
-def run_gateway(settings: Settings, listen: str | None = None, *, insecure: bool = False,
-                on_ready: Callable[[str], None] | None = None) -> None:
+def run_gateway(
+    settings: Settings,
+    listen: str | None = None,
+    *,
+    insecure: bool = False,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
     """Serve a gateway in the foreground until SIGINT / SIGTERM."""
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)

@@ -50,12 +50,15 @@ def has_body(scope: Scope) -> bool:
     return header(scope, b"transfer-encoding") is not None
 
 
-async def reply(send: Send, status: int, message: str,
-                headers: dict[str, str] | None = None) -> None:
+async def reply(
+    send: Send, status: int, message: str, headers: dict[str, str] | None = None
+) -> None:
     """Answer with a one-line plain-text body."""
     body = (message + "\n").encode()
-    raw = [(b"content-type", b"text/plain; charset=utf-8"),
-           (b"content-length", str(len(body)).encode())]
+    raw = [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+    ]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -32,8 +32,9 @@ class Background:
 
     async def shielded(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call that completes even if the caller is cancelled meanwhile."""
-        return await asyncio.shield(self.keep(
-            asyncio.ensure_future(self.store(lambda: fn(*args, **kwargs)))))
+        return await asyncio.shield(
+            self.keep(asyncio.ensure_future(self.store(lambda: fn(*args, **kwargs))))
+        )
 
     def soon(self, work: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         """Start ``work`` as a tracked task."""

@@ -58,8 +58,9 @@ class Bodies:
                     async with asyncio.timeout(self.read_timeout_s):
                         message = await receive()
                 except TimeoutError:
-                    raise Answer(408, f"request body not received within "
-                                      f"{self.read_timeout_s:g}s", CLOSE) from None
+                    raise Answer(
+                        408, f"request body not received within {self.read_timeout_s:g}s", CLOSE
+                    ) from None
                 if message["type"] == "http.disconnect":
                     raise ClientGone
                 chunk = message.get("body", b"")
@@ -82,7 +83,10 @@ class Bodies:
         if more <= 0:
             return reserved
         if self.held + more > self.budget:
-            raise Answer(503, "the gateway holds as many request bodies as it may: try again",
-                         {"retry-after": str(RETRY_AFTER_S), **CLOSE})
+            raise Answer(
+                503,
+                "the gateway holds as many request bodies as it may: try again",
+                {"retry-after": str(RETRY_AFTER_S), **CLOSE},
+            )
         self.held += more
         return size

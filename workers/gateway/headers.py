@@ -32,12 +32,25 @@ from typing import Any
 
 from config.settings import parse_networks
 
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
-                        b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
-                        b"trailers", b"transfer-encoding", b"upgrade"})
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
-FROM_PROXIES = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host",
-                          b"forwarded", b"x-real-ip"})
+FROM_PROXIES = frozenset(
+    {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"forwarded", b"x-real-ip"}
+)
+
 
 class Trusted:
     """The proxies whose forwarding headers the gateway believes."""
@@ -69,25 +82,35 @@ def connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
     return named
 
 
-def request_head(scope: Any, target: bytes, netloc: bytes, body: bytes,  # noqa: PLR0913 - one request's parts, the rest by name
-                 *, token: bytes | None, trusted: Trusted) -> bytes:
+def request_head(  # noqa: PLR0913 - one request's parts, the rest by name
+    scope: Any,
+    target: bytes,
+    netloc: bytes,
+    body: bytes,
+    *,
+    token: bytes | None,
+    trusted: Trusted,
+) -> bytes:
     """The request line and headers to send the replica (the body goes after them)."""
     peer = scope.get("client")
     peer_host = str(peer[0]) if peer else ""
     from_proxy = bool(peer_host) and peer_host in trusted
     raw: list[tuple[bytes, bytes]] = scope["headers"]
     named = connection_named(raw)
-    lines = [scope["method"].encode("ascii"), b" ", target, b" HTTP/1.1\r\nhost: ", netloc,
-             b"\r\n"]
+    lines = [scope["method"].encode("ascii"), b" ", target, b" HTTP/1.1\r\nhost: ", netloc, b"\r\n"]
     dropped: dict[bytes, bytes] = {}  # the first value of each header not passed on as is
     forwarded_for: list[bytes] = []
     for key, value in raw:
         k = key.lower()
         if k == b"x-forwarded-for" and from_proxy:
             forwarded_for.append(value)
-        elif (k in NOT_FORWARDED or k in named or (k in FROM_PROXIES and not from_proxy)
-              or k in (b"x-forwarded-proto", b"x-forwarded-host")
-              or (k == b"authorization" and token is not None)):  # the token stays here
+        elif (
+            k in NOT_FORWARDED
+            or k in named
+            or (k in FROM_PROXIES and not from_proxy)
+            or k in (b"x-forwarded-proto", b"x-forwarded-host")
+            or (k == b"authorization" and token is not None)
+        ):  # the token stays here
             dropped.setdefault(k, value)
         else:
             lines += [key, b": ", value, b"\r\n"]

@@ -206,8 +206,9 @@ class Connection(asyncio.Protocol):
                 self._fail("the replica switched protocols, which was not asked for")
             self._interim = True
             return
-        self._framed = any(k.lower() in (b"content-length", b"transfer-encoding")
-                           for k, _ in headers)
+        self._framed = any(
+            k.lower() in (b"content-length", b"transfer-encoding") for k, _ in headers
+        )
         self.exchange._headed(status, headers)
         if self.exchange.head_only or status in NO_BODY_STATUS:
             self._framed = True
@@ -299,8 +300,7 @@ class Pool:
         self.users = 0
         self.last_used = time.monotonic()
 
-    async def send(self, head: bytes, body: bytes, *, head_only: bool,
-                   buffer: int) -> Exchange:
+    async def send(self, head: bytes, body: bytes, *, head_only: bool, buffer: int) -> Exchange:
         """Send one request on an idle connection, else a new one; its exchange."""
         self.last_used = time.monotonic()
         too_old = self.last_used - IDLE_S
@@ -316,11 +316,11 @@ class Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: Connection(self),
-                                                       self.host, self.port)
+                _, conn = await loop.create_connection(
+                    lambda: Connection(self), self.host, self.port
+                )
         except TimeoutError:
-            raise Broken(f"no connection within {self.connect_timeout:g}s",
-                         refused=True) from None
+            raise Broken(f"no connection within {self.connect_timeout:g}s", refused=True) from None
         except OSError as exc:
             raise Broken(f"cannot connect: {exc}", refused=True) from None
         return conn

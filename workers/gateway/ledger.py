@@ -73,8 +73,13 @@ RENEW_MAX_S = 2.0  # held claims are renewed (and checked) at least this often
 class Ledger:
     """Every claim this gateway holds, the function pools, and their upkeep."""
 
-    def __init__(self, db: Database, settings: Settings, background: Background,
-                 on_cold_start: Callable[[str, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        background: Background,
+        on_cold_start: Callable[[str, float], None] | None = None,
+    ) -> None:
         self.db = db
         self.settings = settings
         self.background = background
@@ -139,9 +144,11 @@ class Ledger:
 
         async def run() -> bool:
             try:
-                got = await self.background.store(lambda: claims.claim_many(
-                    self.db, self.settings, name, count,
-                    ttl_s=self.settings.gateway_claim_ttl_s))
+                got = await self.background.store(
+                    lambda: claims.claim_many(
+                        self.db, self.settings, name, count, ttl_s=self.settings.gateway_claim_ttl_s
+                    )
+                )
             except NoIdleReplica:
                 got = []
             finally:
@@ -154,8 +161,9 @@ class Ledger:
         pool.refilling = task
         return task
 
-    async def _claim_or_wait(self, name: str, place: asyncio.Future[Claimed], began: float,
-                             began_at: datetime) -> Claimed:
+    async def _claim_or_wait(
+        self, name: str, place: asyncio.Future[Claimed], began: float, began_at: datetime
+    ) -> Claimed:
         """Claim through the store (a cold start if need be) unless the pool serves us first."""
         work = self.background.soon(self._claim(name, began, began_at))
         try:
@@ -176,10 +184,15 @@ class Ledger:
         """One request's claim attempt, cold start included, step by step in the threads."""
         settings = self.settings
         attempt = ClaimAttempt(
-            self.db, settings, name,
+            self.db,
+            settings,
+            name,
             cold_start_timeout=settings.gateway_cold_start_timeout_s,
             ttl_s=settings.gateway_claim_ttl_s,
-            spawn=self._spawn, wait_at_max=True, tried=True, told=self.told,
+            spawn=self._spawn,
+            wait_at_max=True,
+            tried=True,
+            told=self.told,
         )
         cold = False
         got: Claimed | float | None = None
@@ -191,8 +204,9 @@ class Ledger:
                 if isinstance(got, Claimed):
                     self.held[got.claim_id] = got
                     if cold:
-                        self.cold[got.claim_id] = ColdStart(name, got.replica_id, began,
-                                                            began_at, attempt.asked_at)
+                        self.cold[got.claim_id] = ColdStart(
+                            name, got.replica_id, began, began_at, attempt.asked_at
+                        )
                         if self.on_cold_start is not None:
                             self.on_cold_start(name, attempt.waited_s)
                     return got
@@ -215,11 +229,13 @@ class Ledger:
 
         The step runs in this task's context (its spawn's span is then the claim's child).
         """
-        step = asyncio.ensure_future(self.background.store(contextvars.copy_context().run,
-                                                           attempt.step))
+        step = asyncio.ensure_future(
+            self.background.store(contextvars.copy_context().run, attempt.step)
+        )
         try:
             return await asyncio.shield(step)
         except asyncio.CancelledError:
+
             def orphan(done: asyncio.Future[Claimed | float]) -> None:
                 if not done.cancelled() and done.exception() is None:
                     got = done.result()
@@ -258,8 +274,9 @@ class Ledger:
 
     async def retire(self, claimed: Claimed, reason: str) -> None:
         """Give back a failed replica's claim and delete the replica; drop its other claims."""
-        log.warning("gateway: replica %s of %s is suspect: %s", claimed.replica_id,
-                    claimed.function, reason)
+        log.warning(
+            "gateway: replica %s of %s is suspect: %s", claimed.replica_id, claimed.function, reason
+        )
         self.held.pop(claimed.claim_id, None)
         self.cold.pop(claimed.claim_id, None)
         self._unpooled.pop(claimed.claim_id, None)
@@ -268,8 +285,7 @@ class Ledger:
             if other.replica_id == claimed.replica_id:
                 self._unpooled[other.claim_id] = True
         try:
-            await self.background.shielded(self._suspect, claimed.claim_id,
-                                           f"suspect: {reason}")
+            await self.background.shielded(self._suspect, claimed.claim_id, f"suspect: {reason}")
         except CorralError as exc:  # the broker is down: the stuck sweep finishes the delete
             log.warning("gateway: could not queue the delete of %s: %s", claimed.replica_id, exc)
 
@@ -278,8 +294,11 @@ class Ledger:
 
         With ``CORRAL_GATEWAY_SPAWN_HERE`` its first task runs here, in the gateway.
         """
-        return dispatch.submit(self.db, partial(request_spawn, function=function, count=1),
-                               here=self.settings.gateway_spawn_here)
+        return dispatch.submit(
+            self.db,
+            partial(request_spawn, function=function, count=1),
+            here=self.settings.gateway_spawn_here,
+        )
 
     def _suspect(self, claim_id: str, reason: str) -> str | None:
         """Give the claim back, retire its replica and queue its delete; the operation id."""

@@ -29,9 +29,13 @@ MAX_HEAD = 64 * 1024  # bytes of request line and headers accepted (nginx: 4 x 8
 
 
 def _refusal(status: bytes, message: bytes) -> bytes:
-    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"content-length: " + str(len(message)).encode() + b"\r\nconnection: close\r\n\r\n"
-            + message)
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        b"content-length: "
+        + str(len(message)).encode()
+        + b"\r\nconnection: close\r\n\r\n"
+        + message
+    )
 
 
 TIMED_OUT = _refusal(b"408 Request Timeout", b"request head not received in time\n")

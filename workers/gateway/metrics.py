@@ -34,8 +34,23 @@ from prometheus_client import (
 from workers import stages
 
 UNKNOWN = "(unknown)"
-DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0, 60.0)
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 
 
@@ -46,27 +61,46 @@ class GatewayMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.invocations = Counter(
-            "corral_function_invocations", "Requests the gateway answered, by HTTP status code.",
-            ["function", "code"], registry=r)
+            "corral_function_invocations",
+            "Requests the gateway answered, by HTTP status code.",
+            ["function", "code"],
+            registry=r,
+        )
         self.duration = Histogram(
             "corral_function_duration_seconds",
             "Time from a request's arrival to the last byte of its response.",
-            ["function"], buckets=DURATION_BUCKETS, registry=r)
+            ["function"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.inflight = Gauge(
-            "corral_inflight", "Requests admitted: claiming an environment or being forwarded.",
-            ["function"], registry=r)
+            "corral_inflight",
+            "Requests admitted: claiming an environment or being forwarded.",
+            ["function"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
-            "corral_queue_depth", "Requests waiting for a free execution environment.",
-            ["function"], registry=r)
+            "corral_queue_depth",
+            "Requests waiting for a free execution environment.",
+            ["function"],
+            registry=r,
+        )
         self.cold_starts = Counter(
-            "corral_cold_starts", "Requests that found no Idle replica and waited for one.",
-            ["function"], registry=r)
+            "corral_cold_starts",
+            "Requests that found no Idle replica and waited for one.",
+            ["function"],
+            registry=r,
+        )
         self.cold_start_seconds = Histogram(
             "corral_cold_start_seconds",
             "For cold starts: time from the start of the claim to a ready replica.",
-            ["function"], buckets=COLD_START_BUCKETS, registry=r)
-        self.stages = Histogram(stages.METRIC, stages.HELP, ["stage"], buckets=stages.BUCKETS,
-                                registry=r)
+            ["function"],
+            buckets=COLD_START_BUCKETS,
+            registry=r,
+        )
+        self.stages = Histogram(
+            stages.METRIC, stages.HELP, ["stage"], buckets=stages.BUCKETS, registry=r
+        )
         # Labelled children, looked up once (every request touches several).
         self._counted: dict[tuple[str, int], Any] = {}
         self._timed: dict[str, Any] = {}
@@ -96,8 +130,10 @@ class GatewayMetrics:
         """Set a function's in-flight and queued gauges."""
         gauges = self._loads.get(function)
         if gauges is None:
-            gauges = self._loads[function] = (self.inflight.labels(function),
-                                              self.queue_depth.labels(function))
+            gauges = self._loads[function] = (
+                self.inflight.labels(function),
+                self.queue_depth.labels(function),
+            )
         gauges[0].set(inflight)
         gauges[1].set(queued)
 

@@ -85,22 +85,24 @@ def _ready_to_spawn() -> None:
 class Gateway:
     """The request flow over its parts: catalog, ledger of claims, upstreams, metrics."""
 
-    def __init__(self, db: Database, settings: Settings,
-                 metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self, db: Database, settings: Settings, metrics: GatewayMetrics | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
         # SQLite takes one write at a time anyway: more threads only wait in its busy
         # handler (sleeps of up to 100 ms each), so they would add latency, not speed.
         self.background = Background(1 if db.is_sqlite else settings.gateway_store_threads)
         self.catalog = Catalog(db, self.background, settings.gateway_queue)
-        self.ledger = Ledger(db, settings, self.background,
-                             on_cold_start=self.metrics.cold_start)
-        self._token = (f"Bearer {settings.gateway_token}".encode()
-                       if settings.gateway_token else None)
+        self.ledger = Ledger(db, settings, self.background, on_cold_start=self.metrics.cold_start)
+        self._token = (
+            f"Bearer {settings.gateway_token}".encode() if settings.gateway_token else None
+        )
         self.upstreams = Upstreams(settings, self._token)
         self.invocations = Recorder(settings.keepalive_bin_s)  # idle times, for keep-alive
-        self.bodies = Bodies(settings.gateway_max_body, settings.gateway_body_budget,
-                             settings.gateway_read_timeout_s)
+        self.bodies = Bodies(
+            settings.gateway_max_body, settings.gateway_body_budget, settings.gateway_read_timeout_s
+        )
         self._upkeep: list[asyncio.Task[None]] = []
         self._unlisten: Callable[[], None] = lambda: None
 
@@ -108,18 +110,22 @@ class Gateway:
 
     async def start(self) -> None:
         """Start the upkeep of held claims and upstream clients (on the serving loop)."""
-        self._upkeep = [asyncio.create_task(self.ledger.maintain()),
-                        asyncio.create_task(self._sweep_upstreams()),
-                        asyncio.create_task(self.upstreams.watch())]
+        self._upkeep = [
+            asyncio.create_task(self.ledger.maintain()),
+            asyncio.create_task(self._sweep_upstreams()),
+            asyncio.create_task(self.upstreams.watch()),
+        ]
         if self.settings.gateway_spawn_here:  # the first cold start need not load the tasks
             self._upkeep.append(asyncio.create_task(asyncio.to_thread(_ready_to_spawn)))
         loop = asyncio.get_running_loop()
         self._unlisten = notices.listen_here(  # spawns carried out here: told at once
-            lambda name: loop.call_soon_threadsafe(self.ledger.wake, name))
+            lambda name: loop.call_soon_threadsafe(self.ledger.wake, name)
+        )
         if redis_client(self.settings.broker_url) is not None:  # told of ready replicas
             self.ledger.told = True
-            self._upkeep.append(asyncio.create_task(
-                notices.listen(self.settings.broker_url, self.ledger.wake)))
+            self._upkeep.append(
+                asyncio.create_task(notices.listen(self.settings.broker_url, self.ledger.wake))
+            )
 
     async def close(self) -> None:
         """Give back every claim held, close the clients and the store threads."""
@@ -154,8 +160,12 @@ class Gateway:
         if tracing.tracer is None:
             await self._handle(scope, receive, send)
             return
-        with tracing.span(f"{scope['method']} /function/{{name}}", kind="server",
-                          parent=incoming(scope), attributes=request_attributes(scope)) as span:
+        with tracing.span(
+            f"{scope['method']} /function/{{name}}",
+            kind="server",
+            parent=incoming(scope),
+            attributes=request_attributes(scope),
+        ) as span:
             code = await self._handle(scope, receive, send)
             if span is not None:
                 span.set_attribute("http.response.status_code", code)
@@ -163,7 +173,7 @@ class Gateway:
     async def _handle(self, scope: Scope, receive: Receive, send: Send) -> int:
         """Serve one request; the status code answered (499: the caller went away first)."""
         started = time.perf_counter()
-        name = scope["path"][len(PREFIX):].split("/", 1)[0]
+        name = scope["path"][len(PREFIX) :].split("/", 1)[0]
         state = {"code": 0, "complete": False, "read": False}
 
         async def tracked(message: Message) -> None:
@@ -176,13 +186,17 @@ class Gateway:
         try:
             try:
                 if not self.authorized(scope):
-                    raise Answer(401, "missing or invalid gateway token",
-                                 {"www-authenticate": "Bearer"})
+                    raise Answer(
+                        401, "missing or invalid gateway token", {"www-authenticate": "Bearer"}
+                    )
                 info = await self.catalog.get(name)  # before the body: a 404 reads none
                 async with self.bodies.read(scope, receive) as body:
                     state["read"] = True
-                    await self._watched(self._admitted(scope, info, body, tracked), receive,
-                                        lambda: bool(state["complete"]))
+                    await self._watched(
+                        self._admitted(scope, info, body, tracked),
+                        receive,
+                        lambda: bool(state["complete"]),
+                    )
             except InputError as exc:  # unknown (catalog or store) or malformed name
                 what = f"unknown function {name!r}" if isinstance(exc, NotFound) else str(exc)
                 raise Answer(404, what) from None
@@ -201,8 +215,9 @@ class Gateway:
             self.metrics.answered(label, code, time.perf_counter() - started)
         return code
 
-    async def _watched(self, work: Awaitable[None], receive: Receive,
-                       complete: Callable[[], bool]) -> None:
+    async def _watched(
+        self, work: Awaitable[None], receive: Receive, complete: Callable[[], bool]
+    ) -> None:
         """Run ``work``, cancelling it if the client disconnects before its answer is complete.
 
         ``work`` runs in this task (no task of its own: one hand-off less per request);
@@ -245,11 +260,15 @@ class Gateway:
         try:
             await gate.enter(timeout)
         except QueueFull:
-            raise Answer(429, f"too many requests for {info.name}: the queue is full",
-                         {"retry-after": "1"}) from None
+            raise Answer(
+                429, f"too many requests for {info.name}: the queue is full", {"retry-after": "1"}
+            ) from None
         except QueueTimeout:
-            raise Answer(503, f"no free environment of {info.name} within {timeout:g}s",
-                         {"retry-after": str(RETRY_AFTER_S)}) from None
+            raise Answer(
+                503,
+                f"no free environment of {info.name} within {timeout:g}s",
+                {"retry-after": str(RETRY_AFTER_S)},
+            ) from None
         finally:
             self.metrics.load(info.name, gate.active, gate.queued)
         try:
@@ -266,9 +285,13 @@ class Gateway:
             claimed = await self.ledger.acquire(info.name)
             cold = self.ledger.cold.pop(claimed.claim_id, None) if self.ledger.cold else None
             try:
-                await self.upstreams.forward(scope, claimed, body,
-                                             send if cold is None else cold.watch(send),
-                                             functools.partial(self.ledger.give_back, claimed))
+                await self.upstreams.forward(
+                    scope,
+                    claimed,
+                    body,
+                    send if cold is None else cold.watch(send),
+                    functools.partial(self.ledger.give_back, claimed),
+                )
                 return
             except ReplicaFailed as exc:
                 await self.ledger.retire(claimed, str(exc))
@@ -277,5 +300,6 @@ class Gateway:
                 log.info("gateway: retrying %s %s on another replica", scope["method"], info.name)
             finally:
                 if cold is not None:  # its stages, off the request's path
-                    self.background.soon(self.background.store(cold.done, self.ledger.db,
-                                                               self.metrics.stage))
+                    self.background.soon(
+                        self.background.store(cold.done, self.ledger.db, self.metrics.stage)
+                    )

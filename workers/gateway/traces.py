@@ -46,16 +46,21 @@ if TYPE_CHECKING:
 
 def incoming(scope: Scope) -> Context | None:
     """The trace context a caller sent (``traceparent``), to continue; None if it sent none."""
-    carried = {key.decode("latin-1"): value.decode("latin-1")
-               for key, value in scope.get("headers", ())
-               if key in (b"traceparent", b"tracestate")}
+    carried = {
+        key.decode("latin-1"): value.decode("latin-1")
+        for key, value in scope.get("headers", ())
+        if key in (b"traceparent", b"tracestate")
+    }
     return tracing.context_of(carried) if carried else None
 
 
 def request_attributes(scope: Scope) -> dict[str, Any]:
     """A request span's attributes (OpenTelemetry's HTTP conventions)."""
-    return {"http.request.method": scope["method"], "url.path": scope["path"],
-            "http.route": "/function/{name}"}
+    return {
+        "http.request.method": scope["method"],
+        "url.path": scope["path"],
+        "http.route": "/function/{name}",
+    }
 
 
 @dataclass
@@ -97,7 +102,11 @@ class ColdStart:
         if self.first_byte is None:
             return
         observe("first_byte", self.first_byte - self.served)
-        tracing.record_between("upstream.first_byte", self.served_ns, self.first_byte_ns,
-                               parent=self.parent, kind="client",
-                               attributes={"corral.function": self.function,
-                                           "corral.replica_id": self.replica_id})
+        tracing.record_between(
+            "upstream.first_byte",
+            self.served_ns,
+            self.first_byte_ns,
+            parent=self.parent,
+            kind="client",
+            attributes={"corral.function": self.function, "corral.replica_id": self.replica_id},
+        )

@@ -58,7 +58,7 @@ class BrokenOff(Exception):
 def target_of(scope: Scope) -> bytes:
     """The request target for the replica: the raw path after ``/function/NAME``, and query."""
     raw = scope.get("raw_path") or quote(scope["path"]).encode("ascii")
-    rest = raw[len(RAW_PREFIX):].partition(b"/")[2]
+    rest = raw[len(RAW_PREFIX) :].partition(b"/")[2]
     query = scope.get("query_string", b"")
     return b"/" + rest + (b"?" + query if query else b"")
 
@@ -114,23 +114,31 @@ class Relay:
             if not self.too_slow or self.task is None:
                 raise
             self.task.uncancel()
-            raise CallerTooSlow(f"the caller took no part of its answer for "
-                                f"{self.timeout_s:g}s") from None
+            raise CallerTooSlow(
+                f"the caller took no part of its answer for {self.timeout_s:g}s"
+            ) from None
         finally:
             self.sending_since = 0.0
 
     def overdue(self, now: float) -> bool:
         """Cancel the request if its send has waited past the timeout; True if so."""
-        if self.sending_since and now - self.sending_since > self.timeout_s and \
-                self.task is not None and not self.too_slow:
+        if (
+            self.sending_since
+            and now - self.sending_since > self.timeout_s
+            and self.task is not None
+            and not self.too_slow
+        ):
             self.too_slow = True
             self.task.cancel()
         return self.too_slow
 
     async def stream(self, exchange: http1.Exchange) -> None:
         """Relay every chunk but the last."""
-        start = {"type": "http.response.start", "status": exchange.status,
-                 "headers": response_headers(exchange.headers)}
+        start = {
+            "type": "http.response.start",
+            "status": exchange.status,
+            "headers": response_headers(exchange.headers),
+        }
         while (chunk := await exchange.chunk()) is not None:
             if not chunk:
                 continue
@@ -138,8 +146,9 @@ class Relay:
                 self.answering = True
                 await self.send(start)
             if self.last:
-                await self.send({"type": "http.response.body", "body": self.last,
-                                 "more_body": True})
+                await self.send(
+                    {"type": "http.response.body", "body": self.last, "more_body": True}
+                )
             self.last = chunk
         if not self.answering:
             self.answering = True
@@ -160,8 +169,9 @@ class Upstreams:
         self._pools: dict[str, http1.Pool] = {}
         self._relays: set[Relay] = set()  # answers being relayed now
 
-    async def forward(self, scope: Scope, claimed: Claimed, body: bytes, send: Send,
-                      done: Callable[[], None]) -> None:
+    async def forward(
+        self, scope: Scope, claimed: Claimed, body: bytes, send: Send, done: Callable[[], None]
+    ) -> None:
         """Send the request to the claimed replica and stream its answer back.
 
         ``done`` is called once, when the environment may go back (the replica's answer
@@ -178,8 +188,9 @@ class Upstreams:
         if not _sendable(target):
             once()
             raise Answer(400, "cannot forward this request: its path is not plain ASCII")
-        head = request_head(scope, target, pool.netloc, body, token=self._token,
-                            trusted=self._trusted)
+        head = request_head(
+            scope, target, pool.netloc, body, token=self._token, trusted=self._trusted
+        )
         relay = Relay(send, self.settings.gateway_send_timeout_s)
         deadline = self.settings.gateway_timeout_s
         self._relays.add(relay)
@@ -187,13 +198,19 @@ class Upstreams:
             try:
                 await self._exchange(pool, head, body, scope["method"] == "HEAD", relay, once)
             except (TimeoutError, http1.Broken) as exc:
-                what = (f"no complete answer within {deadline:g}s"
-                        if isinstance(exc, TimeoutError) else str(exc))
+                what = (
+                    f"no complete answer within {deadline:g}s"
+                    if isinstance(exc, TimeoutError)
+                    else str(exc)
+                )
                 if relay.answering:
-                    raise BrokenOff(f"replica {claimed.replica_id} broke off its answer: "
-                                    f"{what}") from None
-                raise Answer(504 if isinstance(exc, TimeoutError) else 502,
-                             f"replica of {claimed.function}: {what}") from None
+                    raise BrokenOff(
+                        f"replica {claimed.replica_id} broke off its answer: {what}"
+                    ) from None
+                raise Answer(
+                    504 if isinstance(exc, TimeoutError) else 502,
+                    f"replica of {claimed.function}: {what}",
+                ) from None
             finally:
                 once()  # given back already if the whole answer had arrived
             await relay.finish()
@@ -211,8 +228,15 @@ class Upstreams:
             for relay in [r for r in self._relays if r.overdue(now)]:
                 self._relays.discard(relay)
 
-    async def _exchange(self, pool: http1.Pool, head: bytes, body: bytes, head_only: bool,  # noqa: PLR0913 - one exchange's parts
-                        relay: Relay, once: _Once) -> None:
+    async def _exchange(  # noqa: PLR0913 - one exchange's parts
+        self,
+        pool: http1.Pool,
+        head: bytes,
+        body: bytes,
+        head_only: bool,
+        relay: Relay,
+        once: _Once,
+    ) -> None:
         """Send, wait for the answer's head, relay its body; ``once`` when it is complete."""
         exchange: http1.Exchange | None = None
         pool.users += 1
@@ -243,8 +267,9 @@ class Upstreams:
             pool = self._pools[address] = http1.Pool(address, min(timeout, 5.0))
         return pool
 
-    async def _send(self, pool: http1.Pool, head: bytes, body: bytes,
-                    head_only: bool) -> http1.Exchange:
+    async def _send(
+        self, pool: http1.Pool, head: bytes, body: bytes, head_only: bool
+    ) -> http1.Exchange:
         """Send, trying a refused connection again for up to ``CONNECT_GRACE_S``.
 
         A replica can be Idle a moment before its server listens (an agent that answers

@@ -45,8 +45,10 @@ class Drift:
     @property
     def message(self) -> str:
         """One line for humans."""
-        return (f"{self.kind} {self.name}: {self.counter} is {self.stored}, "
-                f"the replica rows say {self.actual}")
+        return (
+            f"{self.kind} {self.name}: {self.counter} is {self.stored}, "
+            f"the replica rows say {self.actual}"
+        )
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,12 @@ def audit(session: Session, *, fix: bool = False, lock: bool = True) -> Audit:
     nodes = rows(Node, Node.name)
     gpus = rows(Gpu, Gpu.uuid)
     counted = _per(session, Replica.function_id, Replica.status.in_(COUNTED_STATES))
-    live = _per(session, Replica.node_id, Replica.status.in_(LIVE_STATES),
-                Replica.node_id.is_not(None))
-    held = _per(session, Replica.gpu_id, Replica.gpu_slot.is_not(None),
-                total=Replica.gpu_mem_mb)
+    live = _per(
+        session, Replica.node_id, Replica.status.in_(LIVE_STATES), Replica.node_id.is_not(None)
+    )
+    held = _per(session, Replica.gpu_id, Replica.gpu_slot.is_not(None), total=Replica.gpu_mem_mb)
     drifts: list[Drift] = []
-    plain = [("function", fn, fn.name, "replica_count", counted.get(fn.id, 0))
-             for fn in functions]
+    plain = [("function", fn, fn.name, "replica_count", counted.get(fn.id, 0)) for fn in functions]
     plain += [("node", node, node.name, "live", live.get(node.id, 0)) for node in nodes]
     for kind, row, name, counter, actual in plain:
         stored = getattr(row, counter)
@@ -99,8 +100,10 @@ def audit(session: Session, *, fix: bool = False, lock: bool = True) -> Audit:
                 setattr(row, counter, actual)
     for gpu in gpus:
         slots, mem = held.get(gpu.id, (0, 0))
-        for counter, total, free, actual in (("slots_used", "slots_total", "slots_free", slots),
-                                             ("mem_used_mb", "mem_total_mb", "mem_free_mb", mem)):
+        for counter, total, free, actual in (
+            ("slots_used", "slots_total", "slots_free", slots),
+            ("mem_used_mb", "mem_total_mb", "mem_free_mb", mem),
+        ):
             used = getattr(gpu, total) - getattr(gpu, free)
             if used != actual:
                 drifts.append(Drift("gpu", gpu.uuid, counter, used, actual))

@@ -183,8 +183,7 @@ class _Limits:
 class _Pass:
     """The selection step of one pass: one transaction, a budget, the min guard."""
 
-    def __init__(self, session: Session, settings: Settings, at: datetime,
-                 limits: _Limits) -> None:
+    def __init__(self, session: Session, settings: Settings, at: datetime, limits: _Limits) -> None:
         self.s = session
         self.settings = settings
         self.at = at
@@ -208,8 +207,14 @@ class _Pass:
         doomed = Doomed(replica.id, replica.vmid, replica.node)
         self.victims.append(
             _Victim(
-                Reaped(replica.id, replica.function.name, reason, detail, replica.vmid,
-                       replica.node.name if replica.node else None),
+                Reaped(
+                    replica.id,
+                    replica.function.name,
+                    reason,
+                    detail,
+                    replica.vmid,
+                    replica.node.name if replica.node else None,
+                ),
                 doomed,
                 error,
             )
@@ -225,9 +230,12 @@ class _Pass:
             rows = self.s.scalars(
                 self._lock(
                     select(Replica)
-                    .where(Replica.status == state, Replica.deadline_at <= self.at,
-                           # a create still owned by a live handler may yet be recorded
-                           or_(Replica.owner_until.is_(None), Replica.owner_until <= self.at))
+                    .where(
+                        Replica.status == state,
+                        Replica.deadline_at <= self.at,
+                        # a create still owned by a live handler may yet be recorded
+                        or_(Replica.owner_until.is_(None), Replica.owner_until <= self.at),
+                    )
                     .order_by(Replica.deadline_at)
                     .limit(self.left)
                 )
@@ -244,12 +252,16 @@ class _Pass:
             self._mark(replica, "stuck", "stuck in deleting")
             return
         if state == ReplicaState.CREATING:
-            error = (f"stuck in creating: no answer from the node within "
-                     f"{self.settings.creating_deadline_s:g}s")
+            error = (
+                f"stuck in creating: no answer from the node within "
+                f"{self.settings.creating_deadline_s:g}s"
+            )
         else:
             transition(self.s, replica, ReplicaState.STARTING_LIMIT, self.settings)
-            error = (f"stuck in starting: the guest did not report ready within "
-                     f"{self.settings.boot_deadline_s:g}s")
+            error = (
+                f"stuck in starting: the guest did not report ready within "
+                f"{self.settings.boot_deadline_s:g}s"
+            )
         log.info("replica %s %s (since %s)", replica.id, error, since)
         detail = error.split(":")[0]
         if replica.vmid is None or replica.node is None:
@@ -271,16 +283,17 @@ class _Pass:
         UPDATEs the session does not reflect in loaded objects, so this re-reads it
         (after this pass's own transitions, which the same transaction sees).
         """
-        return int(
-            self.s.scalar(select(Function.replica_count).where(Function.id == fn.id)) or 0
-        )
+        return int(self.s.scalar(select(Function.replica_count).where(Function.id == fn.id)) or 0)
 
     def _fresh_upto(self, fn: Function, cap: int) -> int:
         """How many of ``fn``'s counted replicas are of its current build, at most ``cap``."""
         inner = (
             select(Replica.id)
-            .where(Replica.function_id == fn.id, Replica.status.in_(COUNTED_STATES),
-                   Replica.build_version == fn.build_version)
+            .where(
+                Replica.function_id == fn.id,
+                Replica.status.in_(COUNTED_STATES),
+                Replica.build_version == fn.build_version,
+            )
             .limit(cap)
             .subquery()
         )
@@ -363,8 +376,11 @@ class _Pass:
         if self.idle_timeout is None:
             base = (
                 select(Replica)
-                .where(Replica.status == ReplicaState.IDLE, Replica.reap_at <= self.at,
-                       Replica.envs_in_use == 0)
+                .where(
+                    Replica.status == ReplicaState.IDLE,
+                    Replica.reap_at <= self.at,
+                    Replica.envs_in_use == 0,
+                )
                 .order_by(Replica.reap_at)
             )
             if self.plans:  # adaptive: judged by their windows below
@@ -373,8 +389,11 @@ class _Pass:
             cutoff = self.at - timedelta(seconds=self.idle_timeout)
             base = (
                 select(Replica)
-                .where(Replica.status == ReplicaState.IDLE, Replica.idle_since <= cutoff,
-                       Replica.envs_in_use == 0)
+                .where(
+                    Replica.status == ReplicaState.IDLE,
+                    Replica.idle_since <= cutoff,
+                    Replica.envs_in_use == 0,
+                )
                 .order_by(Replica.idle_since)
             )
         self._pages(base, "idle")
@@ -391,16 +410,22 @@ class _Pass:
             if cutoff is None:
                 continue
             warm = plan.warm(at)
-            note = ("; keep-alive: the next call is not due" if warm is False
-                    else f"; keep-alive: over {plan.windows.keep_s:.0f}s")
+            note = (
+                "; keep-alive: the next call is not due"
+                if warm is False
+                else f"; keep-alive: over {plan.windows.keep_s:.0f}s"
+            )
             self._pages(
                 select(Replica)
-                .where(Replica.function_id == fn_id, Replica.status == ReplicaState.IDLE,
-                       Replica.idle_since <= datetime.fromtimestamp(cutoff, UTC)
-                       .replace(tzinfo=None),
-                       Replica.envs_in_use == 0)
+                .where(
+                    Replica.function_id == fn_id,
+                    Replica.status == ReplicaState.IDLE,
+                    Replica.idle_since <= datetime.fromtimestamp(cutoff, UTC).replace(tzinfo=None),
+                    Replica.envs_in_use == 0,
+                )
                 .order_by(Replica.idle_since),
-                "idle", note,
+                "idle",
+                note,
             )
 
     def replacements(self) -> dict[str, int]:
@@ -456,8 +481,9 @@ def reap(  # noqa: PLR0913 - keyword-only options with defaults
     budget = settings.reap_batch if batch is None else batch
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise InputError(f"reap batch must be a positive integer, got {budget!r}")
-    report = ReapReport(holder=holder, idle_timeout=idle_timeout, batch=budget,
-                        started_at=iso(now()))
+    report = ReapReport(
+        holder=holder, idle_timeout=idle_timeout, batch=budget, started_at=iso(now())
+    )
     give_up = time.monotonic() + lease_wait_s
     while not leases.acquire(db, LEASE, holder, settings.lease_ttl_s):
         if time.monotonic() < give_up:
@@ -472,15 +498,20 @@ def reap(  # noqa: PLR0913 - keyword-only options with defaults
         report.claims_expired = claims.expire(db, settings)
         plans = {} if idle_timeout is not None else keep_alive_plans(db, settings, idle_times)
         report.keep_alive = {name: plan.windows.as_dict() for name, (_, plan) in plans.items()}
-        _run(db, settings, report,
-             _Limits(budget, idle_timeout, {fn_id: plan for fn_id, plan in plans.values()}))
+        _run(
+            db,
+            settings,
+            report,
+            _Limits(budget, idle_timeout, {fn_id: plan for fn_id, plan in plans.values()}),
+        )
     finally:
         leases.release(db, LEASE, holder)
     return report
 
 
-def keep_alive_plans(db: Database, settings: Settings,
-                     client: redis.Redis | None) -> dict[str, tuple[str, Plan]]:
+def keep_alive_plans(
+    db: Database, settings: Settings, client: redis.Redis | None
+) -> dict[str, tuple[str, Plan]]:
     """Adaptive functions whose windows decide now: name -> (function id, plan).
 
     A function whose idle times show no pattern yet is not among them (its fixed idle
@@ -489,8 +520,12 @@ def keep_alive_plans(db: Database, settings: Settings,
     if client is None:
         return {}
     with db.read() as s:
-        ids = {name: fid for name, fid in s.execute(
-            select(Function.name, Function.id).where(Function.keep_alive == "adaptive"))}
+        ids = {
+            name: fid
+            for name, fid in s.execute(
+                select(Function.name, Function.id).where(Function.keep_alive == "adaptive")
+            )
+        }
     if not ids:
         return {}
     try:
@@ -498,8 +533,9 @@ def keep_alive_plans(db: Database, settings: Settings,
     except redis.RedisError as exc:
         log.warning("reap: could not read idle times, keep-alive falls back to fixed: %s", exc)
         return {}
-    return {name: (ids[name], plan) for name, plan in plans.items()
-            if plan.windows.keep_s is not None}
+    return {
+        name: (ids[name], plan) for name, plan in plans.items() if plan.windows.keep_s is not None
+    }
 
 
 def _run(db: Database, settings: Settings, report: ReapReport, limits: _Limits) -> None:
@@ -517,8 +553,9 @@ def _run(db: Database, settings: Settings, report: ReapReport, limits: _Limits) 
     t1 = time.perf_counter()
     _release_all(db, settings, [v for v in victims if not v.retired])
     t2 = time.perf_counter()
-    finish_deletes(db, settings, {v.doomed.replica_id: v.error for v in victims
-                                  if not (v.retired or v.left)})
+    finish_deletes(
+        db, settings, {v.doomed.replica_id: v.error for v in victims if not (v.retired or v.left)}
+    )
     t3 = time.perf_counter()
     report.deleted = [v.reaped for v in victims]
     report.timings = {
@@ -545,8 +582,11 @@ def _release_all(db: Database, settings: Settings, victims: list[_Victim]) -> No
             if node is not None and node.id not in noted:  # one miss per node and pass
                 noted.add(node.id)
                 note_failure(db, settings, node.id, str(outcome))
-            _outcome(v, released=False,
-                     error=f"{outcome}; reconcile will destroy the VM once the node answers")
+            _outcome(
+                v,
+                released=False,
+                error=f"{outcome}; reconcile will destroy the VM once the node answers",
+            )
         elif isinstance(outcome, BackendError):
             _outcome(v, released=False, error=str(outcome))
         else:
@@ -579,8 +619,14 @@ def record(db: Database, op_id: str, report: ReapReport, extra: dict[str, Any]) 
         op.result = outcome(report, extra)
         if report.skipped:
             op.total, op.failed = 1, 1
-            finish(op, failed=1, total=1, error=(
-                f"skipped: another reap pass holds the lease ({report.held_by or 'unknown'})"))
+            finish(
+                op,
+                failed=1,
+                total=1,
+                error=(
+                    f"skipped: another reap pass holds the lease ({report.held_by or 'unknown'})"
+                ),
+            )
             return
         op.total = len(report.deleted)
         op.failed = report.failed

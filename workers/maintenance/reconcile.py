@@ -97,9 +97,13 @@ def reconcile(db: Database, settings: Settings, *, holder: str) -> ReconcileRepo
         return report
     try:
         with db.read() as s:
-            nodes = list(s.scalars(select(Node).where(Node.healthy.is_(True),
-                                                      Node.can_list.is_not(False))
-                                   .order_by(Node.name)))
+            nodes = list(
+                s.scalars(
+                    select(Node)
+                    .where(Node.healthy.is_(True), Node.can_list.is_not(False))
+                    .order_by(Node.name)
+                )
+            )
         # Rows read *before* the listings: a VM recorded on one of these rows existed
         # before its node was asked, so its absence from the listing means it is gone. A
         # spawn that records its VM while the node is listed is not among them (judged
@@ -137,8 +141,9 @@ def _list_all(settings: Settings, nodes: list[Node]) -> list[Listed]:
         except BackendError as exc:  # Unsupported among them
             return exc
 
-    with ThreadPoolExecutor(min(len(nodes), settings.reconcile_concurrency),
-                            thread_name_prefix="reconcile-list") as pool:
+    with ThreadPoolExecutor(
+        min(len(nodes), settings.reconcile_concurrency), thread_name_prefix="reconcile-list"
+    ) as pool:
         return list(pool.map(one, nodes))
 
 
@@ -155,8 +160,7 @@ class _Seen:
     listed: Listed
 
 
-def _reconcile_node(db: Database, settings: Settings, seen: _Seen,
-                    report: ReconcileReport) -> None:
+def _reconcile_node(db: Database, settings: Settings, seen: _Seen, report: ReconcileReport) -> None:
     """Destroy the node's orphan VMs, and end the rows whose VM vanished from it."""
     node = seen.node
     vms = _listing(db, node, seen.listed, report)
@@ -197,7 +201,10 @@ def _listing(
 
 
 def _destroy_orphans(
-    db: Database, settings: Settings, node: Node, vms: list[backends.ListedVm],
+    db: Database,
+    settings: Settings,
+    node: Node,
+    vms: list[backends.ListedVm],
     report: ReconcileReport,
 ) -> None:
     """Release listed VMs no row knows, once they are older than the orphan grace."""
@@ -205,8 +212,11 @@ def _destroy_orphans(
     rows = _live_rows(db, node)
     known = {r.vmid for r in rows if r.vmid}
     creating = {r.request_id for r in rows if r.status == ReplicaState.CREATING}
-    unknown = [vm for vm in vms
-               if vm.vmid not in known and not (vm.request_id and vm.request_id in creating)]
+    unknown = [
+        vm
+        for vm in vms
+        if vm.vmid not in known and not (vm.request_id and vm.request_id in creating)
+    ]
     for vm in _past_grace(db, settings, node, unknown, report):
         try:
             backends.release_vm(node, vm.vmid, settings)
@@ -217,7 +227,10 @@ def _destroy_orphans(
 
 
 def _past_grace(
-    db: Database, settings: Settings, node: Node, unknown: list[backends.ListedVm],
+    db: Database,
+    settings: Settings,
+    node: Node,
+    unknown: list[backends.ListedVm],
     report: ReconcileReport,
 ) -> list[backends.ListedVm]:
     """The unknown VMs first seen without a row at least ``CORRAL_ORPHAN_GRACE_S`` ago.
@@ -228,8 +241,11 @@ def _past_grace(
     names = {leases.keyed_name(SEEN, f"{node.id}/{vm.vmid}"): vm for vm in unknown}
     out = []
     with db.transaction() as s:
-        s.execute(delete(Lease).where(Lease.name.startswith(SEEN), Lease.holder == node.id,
-                                      Lease.name.not_in(list(names))))
+        s.execute(
+            delete(Lease).where(
+                Lease.name.startswith(SEEN), Lease.holder == node.id, Lease.name.not_in(list(names))
+            )
+        )
         at = now()
         for name, vm in names.items():
             grace = settings.orphan_grace_s
@@ -252,8 +268,13 @@ def _vanished(
         if replica.status == ReplicaState.DELETING:
             transition(s, replica, ReplicaState.DELETED, settings)
         else:
-            transition(s, replica, ReplicaState.DEAD, settings,
-                       error=f"VM {replica.vmid} vanished from node {node.name}")
+            transition(
+                s,
+                replica,
+                ReplicaState.DEAD,
+                settings,
+                error=f"VM {replica.vmid} vanished from node {node.name}",
+            )
             report.vanished.append(replica.id)
 
 
@@ -290,16 +311,16 @@ def below_min(db: Database, settings: Settings) -> dict[str, int]:
     """
     with db.read() as s:
         short = s.execute(
-            select(Function.id, Function.name, Function.min_replicas, Function.replica_count)
-            .where(Function.replica_count < Function.min_replicas)
+            select(Function.id, Function.name, Function.min_replicas, Function.replica_count).where(
+                Function.replica_count < Function.min_replicas
+            )
         ).all()
         pending = {
             fid
             for fid in s.scalars(
                 select(Operation.function_id).where(
                     open_of(OpKind.SPAWN),
-                    Operation.created_at
-                    >= now() - timedelta(seconds=settings.creating_deadline_s),
+                    Operation.created_at >= now() - timedelta(seconds=settings.creating_deadline_s),
                 )
             )
         }

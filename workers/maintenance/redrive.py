@@ -84,8 +84,9 @@ def due(
     out: list[Redrive] = []
     with db.transaction() as s:
         at = now()  # inside: the transaction has measured the store's clock
-        for op in _stalled(s, at - after, limit, Operation.kind.in_(list(kinds)),
-                           Operation.redrives < REDRIVE_MAX):
+        for op in _stalled(
+            s, at - after, limit, Operation.kind.in_(list(kinds)), Operation.redrives < REDRIVE_MAX
+        ):
             assert op.progress_at is not None  # noqa: S101 - narrows for mypy; the query's condition
             still = at - op.progress_at
             if still < after * (2**op.redrives):
@@ -94,8 +95,12 @@ def due(
             op.progress_at = at
             out.append(Redrive(op.id, op.kind, dict(op.params or {}), op.redrives))
             log.warning(
-                "operation %s (%s, %s) made no progress for %ds; re-sending its task "
-                "(%d of %d)", op.id, op.kind, op.status, still.total_seconds(), op.redrives,
+                "operation %s (%s, %s) made no progress for %ds; re-sending its task (%d of %d)",
+                op.id,
+                op.kind,
+                op.status,
+                still.total_seconds(),
+                op.redrives,
                 REDRIVE_MAX,
             )
     return out
@@ -118,11 +123,15 @@ def give_up(
             assert op.progress_at is not None  # noqa: S101 - narrows for mypy; the query's condition
             still = int((at - op.progress_at).total_seconds())
             if op.kind in resendable:
-                reason = (f"no progress after {op.redrives} re-sends of its task "
-                          f"(last {still}s ago); gave up")
+                reason = (
+                    f"no progress after {op.redrives} re-sends of its task "
+                    f"(last {still}s ago); gave up"
+                )
             else:
-                reason = (f"no progress for {still}s, and a {op.kind} task is never re-sent "
-                          "(not safe to repeat); gave up")
+                reason = (
+                    f"no progress for {still}s, and a {op.kind} task is never re-sent "
+                    "(not safe to repeat); gave up"
+                )
             log.error("operation %s (%s, %s): %s", op.id, op.kind, op.status, reason)
             fail_operation(s, op.id, reason)
             out[op.id] = reason

@@ -94,8 +94,11 @@ def _from_host(node: Node, peer: str | None) -> bool:
 def admit(node: Node, address: str, caller: Caller) -> Admission:
     """Whether ``caller`` may register ``node`` at ``address``; raises if it may not."""
     has = node.credential_hash is not None
-    shown = bool(has and caller.credential and hmac.compare_digest(
-        digest(caller.credential), str(node.credential_hash)))
+    shown = bool(
+        has
+        and caller.credential
+        and hmac.compare_digest(digest(caller.credential), str(node.credential_hash))
+    )
     if has and caller.credential and not shown:
         raise NotThatNode(f"wrong credential for node {node.external_id!r}")
     from_host = _from_host(node, caller.peer)
@@ -104,15 +107,18 @@ def admit(node: Node, address: str, caller: Caller) -> Admission:
     if has and not (shown or recovering or (from_host and not moves)):
         raise NotThatNode(
             f"node {node.external_id!r} has a credential; present it (an agent that lost it "
-            "is let back in from the node's host once the node is unhealthy)")
+            "is let back in from the node's host once the node is unhealthy)"
+        )
     if not has and not from_host:
         raise NotThatNode(
             f"node {node.external_id!r} registered from {node.address} without a credential: "
-            "only its own host may refresh it")
+            "only its own host may refresh it"
+        )
     if moves and node.healthy:
         raise StillHealthy(
             f"node {node.external_id!r} is registered at another address and is healthy; "
-            "it is not re-pointed until that address fails its health checks")
+            "it is not re-pointed until that address fails its health checks"
+        )
     # a credential goes to an agent that asks: for a node without one, and on recovery
     issue_one = caller.credential is not None and not shown and (not has or recovering)
     return Admission(repoint_from=node.address if moves else None, issue=issue_one)

@@ -156,8 +156,9 @@ class Registry:
         self._per_caller: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def register_node(self, ip: str, port: int, node_id: str, caller: Caller | None = None
-                      ) -> tuple[str, str | None]:
+    def register_node(
+        self, ip: str, port: int, node_id: str, caller: Caller | None = None
+    ) -> tuple[str, str | None]:
         """Add or refresh the node an agent announces: (its name, a credential issued to it).
 
         ``caller`` is who asks (:mod:`workers.registry.identity`); None trusts the claim
@@ -186,22 +187,43 @@ class Registry:
                 try:
                     admission = admit(node, address, caller)
                 except CorralError as exc:
-                    log.warning("RegisterNode of node %s (node_id %r) at %s from %s refused: %s",
-                                name, external, address, caller.peer or "?", exc)
+                    log.warning(
+                        "RegisterNode of node %s (node_id %r) at %s from %s refused: %s",
+                        name,
+                        external,
+                        address,
+                        caller.peer or "?",
+                        exc,
+                    )
                     raise
             node, created = upsert_node(
-                s, address, name=name, kind=NodeKind.FCDAEMON, external_id=external,
+                s,
+                address,
+                name=name,
+                kind=NodeKind.FCDAEMON,
+                external_id=external,
                 default_capacity=self.settings.node_capacity,
             )
             name = node.name
             if admission.repoint_from is not None:
                 node.repointed_at, node.repointed_from = now(), admission.repoint_from
-                log.warning("node %s (node_id %r) re-pointed from %s (unhealthy) to %s by %s",
-                            name, external, admission.repoint_from, address, caller.peer or "?")
+                log.warning(
+                    "node %s (node_id %r) re-pointed from %s (unhealthy) to %s by %s",
+                    name,
+                    external,
+                    admission.repoint_from,
+                    address,
+                    caller.peer or "?",
+                )
             if admission.issue:
                 credential, node.credential_hash = issue()
-        log.info("%s node %s at %s%s", "registered" if created else "refreshed", name, address,
-                 "; credential issued" if credential else "")
+        log.info(
+            "%s node %s at %s%s",
+            "registered" if created else "refreshed",
+            name,
+            address,
+            "; credential issued" if credential else "",
+        )
         return name, credential
 
     def update_status(self, vmid: str, status: int, peer: str | None = None) -> int:
@@ -232,16 +254,19 @@ class Registry:
         with self._lock:
             if vmid not in self.pending:
                 if self._per_caller[caller] >= MAX_PENDING_PER_CALLER:
-                    raise Busy(f"{MAX_PENDING_PER_CALLER} early READY reports from {caller} "
-                               "already wait; try again")
+                    raise Busy(
+                        f"{MAX_PENDING_PER_CALLER} early READY reports from {caller} "
+                        "already wait; try again"
+                    )
                 if len(self.pending) >= MAX_PENDING:
                     raise Busy(f"{MAX_PENDING} early READY reports already wait; try again")
                 self.pending.add(vmid)
                 self._caller_of[vmid] = caller
                 self._per_caller[caller] += 1
         if not reports.remember(self.db, self.settings, vmid, peer):
-            log.warning("early READY for %s from %s: another peer's report is already held",
-                        vmid, peer)
+            log.warning(
+                "early READY for %s from %s: another peer's report is already held", vmid, peer
+            )
         else:
             log.info("READY for %s before its VM is recorded: remembered", vmid)
 
@@ -280,12 +305,17 @@ class Registry:
 
     def _check_peer(self, replica: Replica, peer: str | None, node_too: bool) -> None:
         if not reports.peer_allowed(peer, replica, node_too=node_too):
-            log.warning("report for %s from %s refused: not its replica's%s IP", replica.vmid,
-                        peer, " or node's" if node_too else "")
+            log.warning(
+                "report for %s from %s refused: not its replica's%s IP",
+                replica.vmid,
+                peer,
+                " or node's" if node_too else "",
+            )
             raise Refused(f"{peer} may not report on vmid {replica.vmid}")
 
-    def _reported(self, s: Session, replica_id: str, peer: str | None, *,
-                  node_too: bool) -> Replica | None:
+    def _reported(
+        self, s: Session, replica_id: str, peer: str | None, *, node_too: bool
+    ) -> Replica | None:
         """The live replica a status report names, locked, its reporter checked; None when
         it is gone (the guest is told to destroy itself)."""
         replica = lock_replica(s, replica_id)
@@ -348,8 +378,9 @@ class Registry:
         Only the replica itself (``peer``, its IP) may ask; Refused otherwise.
         """
         with self.db.read() as s:
-            replica = s.scalars(select(Replica).where(
-                Replica.vmid == vmid, Replica.status.in_(LIVE_STATES))).first()
+            replica = s.scalars(
+                select(Replica).where(Replica.vmid == vmid, Replica.status.in_(LIVE_STATES))
+            ).first()
             if replica is None:
                 return None
             self._check_peer(replica, peer, node_too=False)
@@ -376,8 +407,9 @@ def _own_vm_only(registry: Registry, vmid: str, context: grpc.ServicerContext) -
     """Abort the call when the caller's report token is for another VM than ``vmid``."""
     scope = registry.scope(context)
     if scope is not None and scope != vmid:
-        context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                      "a guest's report token is good for its own VM only")
+        context.abort(
+            grpc.StatusCode.PERMISSION_DENIED, "a guest's report token is good for its own VM only"
+        )
 
 
 class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
@@ -390,11 +422,14 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
         """An agent announces itself (a guest's report token may not)."""
         if self.registry.scope(context) is not None:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "a report token cannot register")
-        caller = Caller(peer=reports.peer_ip(context.peer()),
-                        credential=request.credential if request.HasField("credential") else None)
+        caller = Caller(
+            peer=reports.peer_ip(context.peer()),
+            credential=request.credential if request.HasField("credential") else None,
+        )
         try:
             _, credential = self.registry.register_node(
-                request.ip, int(request.port), request.node_id, caller)
+                request.ip, int(request.port), request.node_id, caller
+            )
         except NotThatNode as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except StillHealthy as exc:
@@ -487,8 +522,7 @@ class RunningRegistry:
 REGISTRY = Server("corral registry", "CORRAL_REGISTRY_LISTEN", "CORRAL_REGISTRY_TOKEN")
 
 
-def check_listen(settings: Settings, listen: str | None = None, *,
-                 insecure: bool = False) -> str:
+def check_listen(settings: Settings, listen: str | None = None, *, insecure: bool = False) -> str:
     """The address to listen on; :class:`InputError` if malformed or off loopback tokenless."""
     address = listen or settings.registry_listen
     try:
@@ -498,9 +532,13 @@ def check_listen(settings: Settings, listen: str | None = None, *,
     return address
 
 
-def serve_registry(settings: Settings, listen: str | None = None,
-                   registry: Registry | None = None, *,
-                   insecure: bool = False) -> RunningRegistry:
+def serve_registry(
+    settings: Settings,
+    listen: str | None = None,
+    registry: Registry | None = None,
+    *,
+    insecure: bool = False,
+) -> RunningRegistry:
     """Start the registry on ``listen`` (default ``CORRAL_REGISTRY_LISTEN``).
 
     Off loopback it needs ``CORRAL_REGISTRY_TOKEN`` (:class:`CorralError` otherwise),
@@ -514,8 +552,10 @@ def serve_registry(settings: Settings, listen: str | None = None,
         options=SERVER_OPTIONS,
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         interceptors=token_interceptors(
-            settings.registry_token, "registry",
-            also=lambda bearer: bool(report_vmid(settings.registry_token or "", bearer))),
+            settings.registry_token,
+            "registry",
+            also=lambda bearer: bool(report_vmid(settings.registry_token or "", bearer)),
+        ),
     )
     resmngr_grpc.add_ResMngrServiceServicer_to_server(ResMngrServicer(registry), server)
     mngrinfo_grpc.add_AvAManagerInfoServicer_to_server(AvAManagerInfoServicer(registry), server)

@@ -90,9 +90,16 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
     async def body() -> None:
         try:
             await inflight.lanes(
-                work, lane_of, call, failed=failed, total=settings.max_inflight,
-                on_result=on_result, source=node_slots.source(settings), batch=ran.batch,
-                start_before=budget.send_until)
+                work,
+                lane_of,
+                call,
+                failed=failed,
+                total=settings.max_inflight,
+                on_result=on_result,
+                source=node_slots.source(settings),
+                batch=ran.batch,
+                start_before=budget.send_until,
+            )
         finally:
             unwound.set()
 
@@ -111,14 +118,18 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
         if not isinstance(exc, SoftTimeLimitExceeded):
             raise
         ran.cut = True
-        log.warning("soft time limit: %d of %d calls ended, %d cut off, the rest not sent",
-                    len(ran.batch.results), len(items),
-                    len(ran.batch.started) - len(ran.batch.results))
+        log.warning(
+            "soft time limit: %d of %d calls ended, %d cut off, the rest not sent",
+            len(ran.batch.results),
+            len(items),
+            len(ran.batch.started) - len(ran.batch.results),
+        )
     return ran
 
 
 def _hand_on(
-    ran: Ran[T], landed: queue.SimpleQueue[tuple[T, Any]],
+    ran: Ran[T],
+    landed: queue.SimpleQueue[tuple[T, Any]],
     on_landed: Callable[[list[tuple[T, Any]]], None] | None,
 ) -> None:
     """Give the calls that succeeded since last time to ``on_landed``."""

@@ -30,7 +30,6 @@ def check_target(fn: Function, target: object) -> int:
         raise InputError(f"target must not be negative, got {target}")
     if target < fn.min_replicas or target > fn.max_replicas:
         raise InputError(
-            f"target {target} is outside {fn.name}'s range "
-            f"[{fn.min_replicas}, {fn.max_replicas}]"
+            f"target {target} is outside {fn.name}'s range [{fn.min_replicas}, {fn.max_replicas}]"
         )
     return target

@@ -132,28 +132,50 @@ class _Fn:
 
 
 _FUNCTION = select(Function.id, Function.name, Function.build_version).where(
-    Function.name == bindparam("name"))
+    Function.name == bindparam("name")
+)
 # Take ``n`` environments of a chosen replica in one statement: Idle -> still Idle (another
 # environment free) or Allocated (the last one), busy either way (no idle clock). The same
 # bookkeeping as lifecycle.transition for this move: an Idle replica never has an
 # operation waiting on it (transition settles that when it becomes Idle), so none is due.
 _TAKE = (
     update(Replica)
-    .where(Replica.id == bindparam("replica_id"), Replica.status == int(ReplicaState.IDLE),
-           Replica.envs_in_use + bindparam("n") <= Replica.envs_total,
-           Replica.operation_id.is_(None))
-    .values(envs_in_use=Replica.envs_in_use + bindparam("n"), last_used_at=bindparam("at"),
-            updated_at=bindparam("at"), idle_since=None, reap_at=None, deadline_at=None,
-            status=case((Replica.envs_in_use + bindparam("n") >= Replica.envs_total,
-                         int(ReplicaState.ALLOCATED)), else_=int(ReplicaState.IDLE)))
+    .where(
+        Replica.id == bindparam("replica_id"),
+        Replica.status == int(ReplicaState.IDLE),
+        Replica.envs_in_use + bindparam("n") <= Replica.envs_total,
+        Replica.operation_id.is_(None),
+    )
+    .values(
+        envs_in_use=Replica.envs_in_use + bindparam("n"),
+        last_used_at=bindparam("at"),
+        updated_at=bindparam("at"),
+        idle_since=None,
+        reap_at=None,
+        deadline_at=None,
+        status=case(
+            (
+                Replica.envs_in_use + bindparam("n") >= Replica.envs_total,
+                int(ReplicaState.ALLOCATED),
+            ),
+            else_=int(ReplicaState.IDLE),
+        ),
+    )
     .returning(Replica.address, Replica.vmid)
     .execution_options(synchronize_session=False)
 )
 _LEND = insert(Claim)
 _HELD = select(Claim.replica_id).where(Claim.id == bindparam("claim_id"))
 _LOCK_FOR_RELEASE = (
-    select(Replica.status, Replica.envs_in_use, Replica.envs_total, Replica.ready_at,
-           Replica.operation_id, Function.name, Function.idle_timeout_s)
+    select(
+        Replica.status,
+        Replica.envs_in_use,
+        Replica.envs_total,
+        Replica.ready_at,
+        Replica.operation_id,
+        Function.name,
+        Function.idle_timeout_s,
+    )
     .join(Function, Function.id == Replica.function_id)
     .where(Replica.id == bindparam("replica_id"))
     .with_for_update(of=Replica)
@@ -166,8 +188,9 @@ _UNLEND = (
 )
 
 
-def _candidates(session: Session, fn: _Fn | Function, lock: str = "skip",
-                limit: int = 1) -> list[tuple[str, int]]:
+def _candidates(
+    session: Session, fn: _Fn | Function, lock: str = "skip", limit: int = 1
+) -> list[tuple[str, int]]:
     """Up to ``limit`` claimable replicas of ``fn``: (id, free environments).
 
     ``lock``: ``skip`` locks them, skipping rows others hold; ``none`` only looks
@@ -210,8 +233,15 @@ def claim(
     return claim_many(db, settings, function_name, 1, waiter=waiter, ttl_s=ttl_s)[0]
 
 
-def claim_many(db: Database, settings: Settings, function_name: str, count: int, *,  # noqa: PLR0913 - keyword-only options with defaults
-               waiter: Waiter | None = None, ttl_s: float | None = None) -> list[Claimed]:
+def claim_many(  # noqa: PLR0913 - keyword-only options with defaults
+    db: Database,
+    settings: Settings,
+    function_name: str,
+    count: int,
+    *,
+    waiter: Waiter | None = None,
+    ttl_s: float | None = None,
+) -> list[Claimed]:
     """Take up to ``count`` environments of Idle, current-build replicas in one transaction.
 
     Each environment is a claim of its own (released on its own); several may be of
@@ -250,8 +280,19 @@ def claim_many(db: Database, settings: Settings, function_name: str, count: int,
             if took is None:
                 continue
             ids = [new_id() for _ in range(n)]
-            conn.execute(_LEND, [{"id": cid, "replica_id": rid, "function_id": fn.id,
-                                  "created_at": at, "expires_at": expires} for cid in ids])
+            conn.execute(
+                _LEND,
+                [
+                    {
+                        "id": cid,
+                        "replica_id": rid,
+                        "function_id": fn.id,
+                        "created_at": at,
+                        "expires_at": expires,
+                    }
+                    for cid in ids
+                ],
+            )
             out += [Claimed(cid, rid, took.address, took.vmid, fn.name, expires) for cid in ids]
             if len(out) >= count:
                 break
@@ -277,16 +318,22 @@ def renew(db: Database, claim_ids: Collection[str], ttl_s: float) -> dict[str, b
         return {}
     with db.transaction() as s:
         conn = s.connection()
-        conn.execute(update(Claim).where(Claim.id.in_(ids))
-                     .values(expires_at=now() + timedelta(seconds=ttl))
-                     .execution_options(synchronize_session=False))
+        conn.execute(
+            update(Claim)
+            .where(Claim.id.in_(ids))
+            .values(expires_at=now() + timedelta(seconds=ttl))
+            .execution_options(synchronize_session=False)
+        )
         rows = conn.execute(
             select(Claim.id, Replica.status, Replica.build_version == Function.build_version)
             .join(Replica, Replica.id == Claim.replica_id)
             .join(Function, Function.id == Replica.function_id)
-            .where(Claim.id.in_(ids)))
-        return {cid: status in (ReplicaState.IDLE, ReplicaState.ALLOCATED) and bool(current)
-                for cid, status, current in rows}
+            .where(Claim.id.in_(ids))
+        )
+        return {
+            cid: status in (ReplicaState.IDLE, ReplicaState.ALLOCATED) and bool(current)
+            for cid, status, current in rows
+        }
 
 
 def _give_back(session: Session, replica: Replica, settings: Settings) -> None:
@@ -299,8 +346,14 @@ def _give_back(session: Session, replica: Replica, settings: Settings) -> None:
         session.flush()
 
 
-def _take_back(session: Session, replica: Replica, settings: Settings, claim_id: str,
-               *, expired_by: datetime | None = None) -> bool:
+def _take_back(
+    session: Session,
+    replica: Replica,
+    settings: Settings,
+    claim_id: str,
+    *,
+    expired_by: datetime | None = None,
+) -> bool:
     """Delete one claim row of a locked replica and give its environment back, if it is there.
 
     With ``expired_by``, only a claim that expired by then is taken back.
@@ -334,21 +387,32 @@ def release_many(db: Database, settings: Settings, claim_ids: Collection[str]) -
         return 0
     with db.transaction() as s:
         held = s.execute(select(Claim.id, Claim.replica_id).where(Claim.id.in_(ids))).all()
-        return sum(bool(_release_in(s, settings, cid)["released"])
-                   for cid, _rid in sorted(held, key=lambda row: (row[1], row[0])))
+        return sum(
+            bool(_release_in(s, settings, cid)["released"])
+            for cid, _rid in sorted(held, key=lambda row: (row[1], row[0]))
+        )
 
 
 def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]:
     """:func:`release` inside the caller's transaction."""
     conn = s.connection()
     held = conn.execute(_HELD, {"claim_id": claim_id}).first()
-    row = (conn.execute(_LOCK_FOR_RELEASE, {"replica_id": held[0]}).first()
-           if held is not None else None)
-    if held is None or row is None or conn.execute(
-            _UNLEND, {"claim_id": claim_id, "replica_id": held[0]}).first() is None:
-        return {"claim_id": claim_id, "released": False,
-                "detail": f"claim {claim_id} is not held (already released, or expired "
-                          "and given back): nothing changed"}
+    row = (
+        conn.execute(_LOCK_FOR_RELEASE, {"replica_id": held[0]}).first()
+        if held is not None
+        else None
+    )
+    if (
+        held is None
+        or row is None
+        or conn.execute(_UNLEND, {"claim_id": claim_id, "replica_id": held[0]}).first() is None
+    ):
+        return {
+            "claim_id": claim_id,
+            "released": False,
+            "detail": f"claim {claim_id} is not held (already released, or expired "
+            "and given back): nothing changed",
+        }
     rid = held[0]
     status, in_use, total, ready_at, op_id, fn_name, fn_idle = row
     if op_id is not None:  # an operation waits on this replica: the full transition
@@ -359,16 +423,19 @@ def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]
     else:
         at = now()
         in_use -= 1
-        values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at,
-                                  "updated_at": at}
+        values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at, "updated_at": at}
         if status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
             status = ReplicaState.IDLE
             values.update(status=status, deadline_at=None, ready_at=ready_at or at)
             if in_use == 0:  # idle from now: the reaper's clock starts
                 timeout = fn_idle if fn_idle is not None else settings.idle_timeout_s
                 values.update(idle_since=at, reap_at=at + timedelta(seconds=timeout))
-        conn.execute(update(Replica).where(Replica.id == rid).values(**values)
-                     .execution_options(synchronize_session=False))
+        conn.execute(
+            update(Replica)
+            .where(Replica.id == rid)
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
     return {
         "claim_id": claim_id,
         "released": True,
@@ -385,8 +452,10 @@ def expire(db: Database, settings: Settings, *, batch: int = EXPIRE_BATCH) -> in
     with db.transaction() as s:
         at = now()  # inside: the transaction has measured the store's clock
         due = s.execute(
-            select(Claim.id, Claim.replica_id).where(Claim.expires_at <= at)
-            .order_by(Claim.expires_at).limit(batch)
+            select(Claim.id, Claim.replica_id)
+            .where(Claim.expires_at <= at)
+            .order_by(Claim.expires_at)
+            .limit(batch)
         ).all()
         taken = 0
         for claim_id, replica_id in sorted(due, key=lambda row: row[1]):  # lock in id order
@@ -399,8 +468,10 @@ def expire(db: Database, settings: Settings, *, batch: int = EXPIRE_BATCH) -> in
 def finish_oldest(session: Session, replica: Replica, settings: Settings) -> bool:
     """A guest finished a piece of work: give back the locked replica's oldest claim, if any."""
     oldest = session.scalar(
-        select(Claim.id).where(Claim.replica_id == replica.id)
-        .order_by(Claim.created_at, Claim.id).limit(1)
+        select(Claim.id)
+        .where(Claim.replica_id == replica.id)
+        .order_by(Claim.created_at, Claim.id)
+        .limit(1)
     )
     return oldest is not None and _take_back(session, replica, settings, oldest)
 
@@ -420,8 +491,9 @@ def suspect(db: Database, settings: Settings, claim_id: str, reason: str) -> Ope
             return None
         if replica.status not in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
             return None
-        op = create_operation(s, OpKind.DELETE, {"replica": replica.id},
-                              function_id=replica.function_id, total=1)
+        op = create_operation(
+            s, OpKind.DELETE, {"replica": replica.id}, function_id=replica.function_id, total=1
+        )
         replica.operation_id = op.id
         transition(s, replica, ReplicaState.DELETING, settings, error=reason)
         return op

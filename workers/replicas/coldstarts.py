@@ -80,8 +80,9 @@ def _join(s: Session, fn: Function, wait_s: float) -> Waiter:
     return Waiter(fn.name, fn.id, token)
 
 
-def join_and_plan(db: Database, settings: Settings, function_name: str,
-                  wait_s: float) -> tuple[Waiter, ColdStartPlan]:
+def join_and_plan(
+    db: Database, settings: Settings, function_name: str, wait_s: float
+) -> tuple[Waiter, ColdStartPlan]:
     """:func:`join_waiters` and :func:`plan_cold_start` in one transaction.
 
     For a claimer that has just found nothing Idle: one transaction less before its
@@ -151,8 +152,13 @@ def _plan(s: Session, settings: Settings, fn: Function, waiter: Waiter) -> ColdS
         return ColdStartPlan(waiters, coming, None, idle)
     name = f"{_range(SPAWN_PREFIX, fn.id)[0]}{new_id()[:16]}"
     ttl = settings.creating_deadline_s + settings.boot_deadline_s
-    s.add(Lease(name=name, holder=f"{PENDING_SPAWN}{waiter.token}",
-                expires_at=at + timedelta(seconds=ttl)))
+    s.add(
+        Lease(
+            name=name,
+            holder=f"{PENDING_SPAWN}{waiter.token}",
+            expires_at=at + timedelta(seconds=ttl),
+        )
+    )
     return ColdStartPlan(waiters, coming, name)
 
 
@@ -171,7 +177,7 @@ def _spawns_coming(
         if row.holder.startswith(PENDING_SPAWN):
             # Being asked for right now by a waiter; if that waiter is gone (its
             # process died between deciding and asking), the spawn never will be.
-            done = row.holder[len(PENDING_SPAWN):] not in alive
+            done = row.holder[len(PENDING_SPAWN) :] not in alive
         else:
             done = ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED
         if row.expires_at <= at or done:
@@ -282,8 +288,9 @@ class ClaimAttempt:
         """A later step: claim as a waiter, else check the spawns asked for and plan again."""
         assert self._waiter is not None  # noqa: S101 - narrows for mypy
         try:
-            return claim(self.db, self.settings, self.function, waiter=self._waiter,
-                         ttl_s=self.ttl_s)
+            return claim(
+                self.db, self.settings, self.function, waiter=self._waiter, ttl_s=self.ttl_s
+            )
         except NoIdleReplica:
             pass
         self._check_spawns()
@@ -298,8 +305,9 @@ class ClaimAttempt:
         except CorralError as exc:
             drop_spawn(self.db, spawn)
             if not (self._wait_at_max and self._at_max()):
-                raise NoIdleReplica(f"no idle replica of {self.function}, and a cold start "
-                                    f"was refused: {exc}") from None
+                raise NoIdleReplica(
+                    f"no idle replica of {self.function}, and a cold start was refused: {exc}"
+                ) from None
             return False
         if self.asked_at is None:
             self.asked_at = time.monotonic()
@@ -317,8 +325,7 @@ class ClaimAttempt:
                 op = get_operation(s, op_id)
                 if op.status in FINISHED:
                     self._settled.add(op_id)
-                if op.status == OpStatus.FAILED and not (
-                        self._wait_at_max and self._at_max()):
+                if op.status == OpStatus.FAILED and not (self._wait_at_max and self._at_max()):
                     raise NoIdleReplica(f"cold start of {self.function} failed: {op.error}")
 
     def _at_max(self) -> bool:

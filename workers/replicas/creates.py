@@ -126,8 +126,14 @@ def create(db: Database, settings: Settings, request_ids: list[str], budget: Bud
     return nxt
 
 
-def _take(db: Database, settings: Settings, request_ids: list[str], token: str, budget: Budget,  # noqa: PLR0913 - one handler's round
-          nxt: Next) -> list[Pending]:
+def _take(  # noqa: PLR0913 - one handler's round
+    db: Database,
+    settings: Settings,
+    request_ids: list[str],
+    token: str,
+    budget: Budget,
+    nxt: Next,
+) -> list[Pending]:
     taken = take(db, settings, request_ids, token, budget.own_until())
     for request_id in taken.busy:
         nxt.states[request_id] = "owned elsewhere"
@@ -141,8 +147,15 @@ def _operations(db: Database, request_ids: list[str]) -> dict[str, str | None]:
     if not request_ids:
         return {}
     with db.read() as s:
-        return dict(s.execute(select(Replica.request_id, Replica.operation_id)
-                              .where(Replica.request_id.in_(request_ids))).tuples().all())
+        return dict(
+            s.execute(
+                select(Replica.request_id, Replica.operation_id).where(
+                    Replica.request_id.in_(request_ids)
+                )
+            )
+            .tuples()
+            .all()
+        )
 
 
 @dataclass
@@ -156,7 +169,11 @@ class _Sorted:
 
 
 def _round(  # noqa: PLR0913 - one handler's round
-    db: Database, settings: Settings, pendings: list[Pending], budget: Budget, token: str,
+    db: Database,
+    settings: Settings,
+    pendings: list[Pending],
+    budget: Budget,
+    token: str,
     nxt: Next,
 ) -> list[str]:
     """One round: every create at once, VMs recorded as they land; the moved request ids."""
@@ -164,15 +181,19 @@ def _round(  # noqa: PLR0913 - one handler's round
     by_node: dict[Hashable, list[Pending]] = defaultdict(list)
     for p in pendings:
         by_node[p.node.id].append(p)
-    sends = {p.request_id: backends.create_call(p.node, p.function, p.request_id, settings)
-             for p in pendings}
+    sends = {
+        p.request_id: backends.create_call(p.node, p.function, p.request_id, settings)
+        for p in pendings
+    }
 
     def lane_of(node_id: Hashable) -> inflight.Lane:
         node = nodes[str(node_id)]
         return inflight.Lane(
-            node_id, bound=settings.node_max_inflight,
+            node_id,
+            bound=settings.node_max_inflight,
             stop_after=max(1, settings.node_failures - node.create_failures),
-            probation=probation(node, settings))
+            probation=probation(node, settings),
+        )
 
     timer = stages.current()  # the task's (this runs on the event loop's thread)
 
@@ -184,8 +205,9 @@ def _round(  # noqa: PLR0913 - one handler's round
         except BackendError:
             raise
         except Exception as exc:  # a client bug must not take the batch down
-            raise PermanentBackendError(f"CreateReplica failed: {type(exc).__name__}: {exc}",
-                                        node=p.node.name) from None
+            raise PermanentBackendError(
+                f"CreateReplica failed: {type(exc).__name__}: {exc}", node=p.node.name
+            ) from None
         finally:
             if timer is not None:
                 timer.answered(p.request_id)
@@ -193,20 +215,26 @@ def _round(  # noqa: PLR0913 - one handler's round
     def on_landed(landed: list[tuple[Pending, backends.Vm]]) -> None:
         record(db, settings, landed, nxt)
 
-    ran = calls.run(settings, budget, by_node, lane_of, call, failed=_blames_node,
-                    on_landed=on_landed)
+    ran = calls.run(
+        settings, budget, by_node, lane_of, call, failed=_blames_node, on_landed=on_landed
+    )
     record(db, settings, ran.landed(), nxt)
     _learn(db, settings, by_node, ran)
     out = _sort(by_node, ran, nxt)
-    notes = [(nodes[str(key)], lane) for key, lane in ran.lanes.items()
-             if _needs_note(nodes[str(key)], lane)]
+    notes = [
+        (nodes[str(key)], lane)
+        for key, lane in ran.lanes.items()
+        if _needs_note(nodes[str(key)], lane)
+    ]
     if not (notes or out.dead or out.move or out.elsewhere or out.disown):
         return []
     return _settle(db, settings, pendings, notes, out, token, nxt)
 
 
 def _learn(
-    db: Database, settings: Settings, by_node: dict[Hashable, list[Pending]],
+    db: Database,
+    settings: Settings,
+    by_node: dict[Hashable, list[Pending]],
     ran: calls.Ran[Pending],
 ) -> None:
     """Ask each node that left a create's outcome unknown whether it deduplicates creates.
@@ -220,9 +248,15 @@ def _learn(
             continue
         unknown = any(
             (r is None and ran.started(p))
-            or (r is not None and isinstance(r.error, BackendError) and r.error.retryable
-                and not r.error.nothing_done)
-            for p in group for r in [ran.result(p)])
+            or (
+                r is not None
+                and isinstance(r.error, BackendError)
+                and r.error.retryable
+                and not r.error.nothing_done
+            )
+            for p in group
+            for r in [ran.result(p)]
+        )
         if unknown:
             probe_dedup(db, settings, node)
 
@@ -269,9 +303,12 @@ def _sort_error(p: Pending, exc: BaseException | None, out: _Sorted, nxt: Next) 
             log.warning("spawn %s: %s; retrying it alone", p.request_id, exc)
         else:
             nxt.states[p.request_id] = "outcome unknown"
-            log.warning("spawn %s: %s; the node may have made the VM and cannot tell: the "
-                        "create is not sent again (its row ends at its deadline)",
-                        p.request_id, exc)
+            log.warning(
+                "spawn %s: %s; the node may have made the VM and cannot tell: the "
+                "create is not sent again (its row ends at its deadline)",
+                p.request_id,
+                exc,
+            )
     elif exc is not None and request_error(exc):
         out.dead.append((p, str(exc)))
     else:
@@ -283,15 +320,20 @@ def _needs_note(node: Node, lane: inflight.Lane) -> bool:
     outcomes = _outcomes(lane)
     if not outcomes:
         return False
-    return not (all(o is None for o in outcomes) and node.create_failures == 0
-                and node.last_create_ok_at is not None)
+    return not (
+        all(o is None for o in outcomes)
+        and node.create_failures == 0
+        and node.last_create_ok_at is not None
+    )
 
 
 def _outcomes(lane: inflight.Lane) -> list[str | None]:
     """A lane's creates that count for its node, in order (transport errors only after retries)."""
-    return [None if e is None else str(e) for e in lane.log
-            if e is None or (not (isinstance(e, BackendError) and e.retryable)
-                             and _blames_node(e))]
+    return [
+        None if e is None else str(e)
+        for e in lane.log
+        if e is None or (not (isinstance(e, BackendError) and e.retryable) and _blames_node(e))
+    ]
 
 
 def record(
@@ -308,7 +350,10 @@ def record(
 
 
 def _arrivals(
-    s: Session, settings: Settings, landed: Sequence[tuple[Pending, backends.Vm]], nxt: Next,
+    s: Session,
+    settings: Settings,
+    landed: Sequence[tuple[Pending, backends.Vm]],
+    nxt: Next,
     readied: Readied,
 ) -> list[tuple[Pending, backends.Vm]]:
     """Record new VMs (operations counted once each); returns those to release."""
@@ -316,8 +361,16 @@ def _arrivals(
     done: dict[str, list[str]] = defaultdict(list)
     starting: dict[str, str] = {}  # vmid -> request id
     for p, vm in landed:
-        arrived = arrive(s, p.replica_id, p.operation_id, (vm.vmid, vm.address), p.function,
-                         settings, node_id=p.node.id, settle_op=False)
+        arrived = arrive(
+            s,
+            p.replica_id,
+            p.operation_id,
+            (vm.vmid, vm.address),
+            p.function,
+            settings,
+            node_id=p.node.id,
+            settle_op=False,
+        )
         if arrived is None:
             state, release = _late(s, p, vm)
             nxt.states[p.request_id] = state
@@ -353,8 +406,12 @@ def _late(s: Session, pending: Pending, vm: backends.Vm) -> tuple[str, bool]:
 def _release_late(settings: Settings, late: list[tuple[Pending, backends.Vm]]) -> None:
     """Release VMs no row took: nothing runs without a row."""
     for pending, vm in late:
-        log.info("replica %s: VM %s on %s came too late for its row; releasing it",
-                 pending.replica_id, vm.vmid, pending.node.name)
+        log.info(
+            "replica %s: VM %s on %s came too late for its row; releasing it",
+            pending.replica_id,
+            vm.vmid,
+            pending.node.name,
+        )
         try:
             backends.release_vm(pending.node, vm.vmid, settings)
         except BackendError as exc:
@@ -362,8 +419,13 @@ def _release_late(settings: Settings, late: list[tuple[Pending, backends.Vm]]) -
 
 
 def _settle(  # noqa: PLR0913 - one handler's round
-    db: Database, settings: Settings, pendings: list[Pending],
-    notes: list[tuple[Node, inflight.Lane]], out: _Sorted, token: str, nxt: Next,
+    db: Database,
+    settings: Settings,
+    pendings: list[Pending],
+    notes: list[tuple[Node, inflight.Lane]],
+    out: _Sorted,
+    token: str,
+    nxt: Next,
 ) -> list[str]:
     """Note the nodes' creates, end the Dead, move the rest; returns the moved request ids."""
     moved: list[str] = []
@@ -388,8 +450,7 @@ def _settle(  # noqa: PLR0913 - one handler's round
         # A node that stopped answering: its unsent creates go to another node if one has
         # room, else they wait for it, retried alone with backoff.
         for p, exc in out.elsewhere:
-            outcome = move(s, settings, p, token, f"not sent: {exc}", counted=False,
-                           or_stay=True)
+            outcome = move(s, settings, p, token, f"not sent: {exc}", counted=False, or_stay=True)
             if outcome == "moved":
                 moved.append(p.request_id)
             elif outcome == "stay":
@@ -408,8 +469,12 @@ def lock_for_moves(s: Session, pendings: Sequence[Pending]) -> None:
     themselves are locked one by one after these (:func:`move`, :func:`_fail`).
     """
     fn_ids = sorted({p.function.id for p in pendings})
-    s.execute(select(Function.id).where(Function.id.in_(fn_ids)).order_by(Function.name)
-              .with_for_update(key_share=True)).all()
+    s.execute(
+        select(Function.id)
+        .where(Function.id.in_(fn_ids))
+        .order_by(Function.name)
+        .with_for_update(key_share=True)
+    ).all()
     for kind in sorted({p.node.kind for p in pendings}):
         lock_nodes(s, kind)
     if any(p.function.gpu_mem_mb for p in pendings):
@@ -426,8 +491,15 @@ def _fail(s: Session, settings: Settings, p: Pending, token: str, error: str) ->
 
 
 def move(  # noqa: PLR0913 - one move's parts, the rest by name
-    s: Session, settings: Settings, p: Pending, token: str, error: str, *, counted: bool,
-    avoid: Sequence[str] = (), or_stay: bool = False,
+    s: Session,
+    settings: Settings,
+    p: Pending,
+    token: str,
+    error: str,
+    *,
+    counted: bool,
+    avoid: Sequence[str] = (),
+    or_stay: bool = False,
 ) -> str:
     """Move a row this handler owns off the node that failed its create (and ``avoid``).
 
@@ -446,13 +518,13 @@ def move(  # noqa: PLR0913 - one move's parts, the rest by name
         return "dead"
     fn = replica.function
     try:
-        node = reserve_node(s, fn, fn.placement or settings.placement,
-                            avoid=[p.node.id, *avoid])
+        node = reserve_node(s, fn, fn.placement or settings.placement, avoid=[p.node.id, *avoid])
     except CapacityError as exc:
         if or_stay:
             return "stay"
-        transition(s, replica, ReplicaState.DEAD, settings,
-                   error=f"{error}; no other node to try ({exc})")
+        transition(
+            s, replica, ReplicaState.DEAD, settings, error=f"{error}; no other node to try ({exc})"
+        )
         return "dead"
     free_node(s, p.node.id)
     replica.node_id = node.id

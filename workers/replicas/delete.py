@@ -93,8 +93,13 @@ def _begin_delete(
         if waiting and waiting != op_id:
             # A Creating or Starting replica is still owed to its spawn: that part
             # of the spawn fails now, or the spawn would wait for it for good.
-            settle(s, waiting, parts=[replica.id], ok=False,
-                   error=f"replica {replica.id} was deleted before it was ready")
+            settle(
+                s,
+                waiting,
+                parts=[replica.id],
+                ok=False,
+                error=f"replica {replica.id} was deleted before it was ready",
+            )
     elif op_id and replica.operation_id not in (None, op_id):
         settle(s, op_id, parts=[replica.id], ok=True)  # another operation is deleting it
     return Doomed(replica.id, replica.vmid, replica.node)
@@ -115,8 +120,10 @@ def begin_deletes(
     out = []
     with db.transaction() as s:
         rows = s.scalars(
-            select(Replica).options(lazyload(Replica.gpu))
-            .where(Replica.id.in_(list(replica_ids))).with_for_update(of=Replica)
+            select(Replica)
+            .options(lazyload(Replica.gpu))
+            .where(Replica.id.in_(list(replica_ids)))
+            .with_for_update(of=Replica)
         ).all()
         found = {r.id: r for r in rows}
         gone = [rid for rid in replica_ids if rid not in found]
@@ -154,8 +161,9 @@ def release_all(
         return out
 
     def lane_of(node_id: Hashable) -> inflight.Lane:
-        return inflight.Lane(node_id, bound=settings.node_max_inflight,
-                             stop_after=settings.node_failures)
+        return inflight.Lane(
+            node_id, bound=settings.node_max_inflight, stop_after=settings.node_failures
+        )
 
     async def call(item: tuple[str, backends.Target, str]) -> bool:
         _, t, vmid = item
@@ -164,11 +172,18 @@ def release_all(
         except BackendError:
             raise
         except Exception as exc:  # a client bug must not take the batch down
-            raise PermanentBackendError(f"ReleaseVMSetup failed: {type(exc).__name__}: {exc}",
-                                        node=t.name) from None
+            raise PermanentBackendError(
+                f"ReleaseVMSetup failed: {type(exc).__name__}: {exc}", node=t.name
+            ) from None
 
-    ran = calls.run(settings, budget or Budget.of(settings), work, lane_of, call,
-                    failed=lambda e: isinstance(e, TransientBackendError))
+    ran = calls.run(
+        settings,
+        budget or Budget.of(settings),
+        work,
+        lane_of,
+        call,
+        failed=lambda e: isinstance(e, TransientBackendError),
+    )
     for node_id, items in work.items():
         lane = ran.lanes.get(node_id)
         for item in items:
@@ -216,7 +231,11 @@ def delete_batch(
 
 
 def delete_one(
-    db: Database, settings: Settings, replica_id: str, op_id: str | None, *,
+    db: Database,
+    settings: Settings,
+    replica_id: str,
+    op_id: str | None,
+    *,
     error: TransientBackendError | None = None,
 ) -> tuple[str, str | None]:
     """Release one replica's VM and retire its row; (state, error).
@@ -251,8 +270,11 @@ def release_orphan(db: Database, settings: Settings, node_id: str, vmid: str) ->
     """Release a VM no replica took, unless a live row on that node has it after all."""
     with db.read() as s:
         node = s.get(Node, node_id)
-        taken = s.scalar(select(Replica.id).where(
-            Replica.node_id == node_id, Replica.vmid == vmid, Replica.status.in_(LIVE_STATES)))
+        taken = s.scalar(
+            select(Replica.id).where(
+                Replica.node_id == node_id, Replica.vmid == vmid, Replica.status.in_(LIVE_STATES)
+            )
+        )
     if node is None:
         return "no such node"
     if taken is not None:

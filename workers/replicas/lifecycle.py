@@ -104,16 +104,24 @@ def tombstone_name(vmid: str) -> str:
 
 _ARRIVE = (
     update(Replica)
-    .where(Replica.id == bindparam("replica_id"),
-           Replica.status == int(ReplicaState.CREATING),
-           Replica.node_id == bindparam("on_node"),
-           Replica.vmid.is_(None),
-           ~exists().where(Lease.name == bindparam("tombstone")))
+    .where(
+        Replica.id == bindparam("replica_id"),
+        Replica.status == int(ReplicaState.CREATING),
+        Replica.node_id == bindparam("on_node"),
+        Replica.vmid.is_(None),
+        ~exists().where(Lease.name == bindparam("tombstone")),
+    )
     .values(
-        vmid=bindparam("vmid"), address=bindparam("address"), status=bindparam("to"),
-        deadline_at=bindparam("deadline_at"), ready_at=bindparam("ready_at"),
-        idle_since=bindparam("ready_at"), reap_at=bindparam("reap_at"),
-        operation_id=bindparam("operation_id"), owner=None, owner_until=None,
+        vmid=bindparam("vmid"),
+        address=bindparam("address"),
+        status=bindparam("to"),
+        deadline_at=bindparam("deadline_at"),
+        ready_at=bindparam("ready_at"),
+        idle_since=bindparam("ready_at"),
+        reap_at=bindparam("reap_at"),
+        operation_id=bindparam("operation_id"),
+        owner=None,
+        owner_until=None,
     )
     .execution_options(synchronize_session=False)
 )
@@ -141,18 +149,21 @@ def arrive(  # noqa: PLR0913 - one arrival's parts, the rest by name
     at = now()
     to = ReplicaState.STARTING if fn.readiness == "guest" else ReplicaState.IDLE
     idle = to == ReplicaState.IDLE
-    done = session.connection().execute(_ARRIVE, {
-        "replica_id": replica_id,
-        "on_node": node_id,
-        "tombstone": tombstone_name(vm[0]),
-        "vmid": vm[0],
-        "address": vm[1],
-        "to": int(to),
-        "deadline_at": deadline_for(to, settings, at),
-        "ready_at": at if idle else None,
-        "reap_at": at + timedelta(seconds=idle_timeout(fn, settings)) if idle else None,
-        "operation_id": None if to in SETTLING else operation_id,
-    })
+    done = session.connection().execute(
+        _ARRIVE,
+        {
+            "replica_id": replica_id,
+            "on_node": node_id,
+            "tombstone": tombstone_name(vm[0]),
+            "vmid": vm[0],
+            "address": vm[1],
+            "to": int(to),
+            "deadline_at": deadline_for(to, settings, at),
+            "ready_at": at if idle else None,
+            "reap_at": at + timedelta(seconds=idle_timeout(fn, settings)) if idle else None,
+            "operation_id": None if to in SETTLING else operation_id,
+        },
+    )
     if done.rowcount != 1:
         return None
     if settle_op and operation_id and to in SETTLING:
@@ -208,8 +219,9 @@ def transition(
         replica.operation_id = None  # before the flush below: one UPDATE of the row
     session.flush()
     if waiting_op:
-        settle(session, waiting_op, parts=[replica.id], ok=to != ReplicaState.DEAD,
-               error=replica.error)
+        settle(
+            session, waiting_op, parts=[replica.id], ok=to != ReplicaState.DEAD, error=replica.error
+        )
 
 
 def _stamp_idle(replica: Replica, to: ReplicaState, settings: Settings, at: datetime) -> None:
@@ -233,8 +245,11 @@ def _retire(session: Session, replica: Replica, at: datetime) -> None:
     if replica.envs_in_use:
         # Claims end with their replica: ``envs_in_use`` counts claim rows, and a row
         # left behind would make its release (or expiry) count below zero.
-        session.execute(delete(Claim).where(Claim.replica_id == replica.id)
-                        .execution_options(synchronize_session=False))
+        session.execute(
+            delete(Claim)
+            .where(Claim.replica_id == replica.id)
+            .execution_options(synchronize_session=False)
+        )
     replica.envs_in_use = 0
     if replica.node_id is not None:
         free_node(session, replica.node_id)
@@ -259,17 +274,22 @@ def bump_reap_at(session: Session, fn: Function, settings: Settings) -> None:
 
 _MARK_DELETING = (
     update(Replica)
-    .where(Replica.id.in_(bindparam("ids", expanding=True)),
-           Replica.status == int(ReplicaState.IDLE))
-    .values(status=int(ReplicaState.DELETING), deadline_at=bindparam("deadline_at"),
-            idle_since=None, reap_at=None, operation_id=bindparam("operation_id"))
+    .where(
+        Replica.id.in_(bindparam("ids", expanding=True)), Replica.status == int(ReplicaState.IDLE)
+    )
+    .values(
+        status=int(ReplicaState.DELETING),
+        deadline_at=bindparam("deadline_at"),
+        idle_since=None,
+        reap_at=None,
+        operation_id=bindparam("operation_id"),
+    )
     .execution_options(synchronize_session=False)
 )
 _UNCOUNT_MANY = (
     update(Function)
     .where(Function.id == bindparam("function_id"))
-    .values(replica_count=Function.replica_count - bindparam("n"),
-            updated_at=Function.updated_at)
+    .values(replica_count=Function.replica_count - bindparam("n"), updated_at=Function.updated_at)
     .execution_options(synchronize_session=False)
 )
 
@@ -284,47 +304,59 @@ def mark_deleting(
     session.flush()
     at = now()
     deadline = deadline_for(ReplicaState.DELETING, settings, at)
-    session.connection().execute(_MARK_DELETING, {
-        "ids": [r.id for r in idle], "deadline_at": deadline, "operation_id": operation_id})
+    session.connection().execute(
+        _MARK_DELETING,
+        {"ids": [r.id for r in idle], "deadline_at": deadline, "operation_id": operation_id},
+    )
     per_function: dict[str, int] = defaultdict(int)
     for r in idle:
         per_function[r.function_id] += 1
         # what the UPDATE wrote, so the loaded objects agree with the rows
-        for key, value in (("status", int(ReplicaState.DELETING)), ("deadline_at", deadline),
-                           ("idle_since", None), ("reap_at", None),
-                           ("operation_id", operation_id)):
+        for key, value in (
+            ("status", int(ReplicaState.DELETING)),
+            ("deadline_at", deadline),
+            ("idle_since", None),
+            ("reap_at", None),
+            ("operation_id", operation_id),
+        ):
             set_committed_value(r, key, value)
-    session.connection().execute(_UNCOUNT_MANY, [
-        {"function_id": fid, "n": n} for fid, n in per_function.items()])
+    session.connection().execute(
+        _UNCOUNT_MANY, [{"function_id": fid, "n": n} for fid, n in per_function.items()]
+    )
 
 
-_DELETING = (
-    select(Replica.id, Replica.node_id, Replica.gpu_id, Replica.operation_id,
-           Replica.envs_in_use)
-    .where(Replica.id.in_(bindparam("ids", expanding=True)),
-           Replica.status == int(ReplicaState.DELETING))
+_DELETING = select(
+    Replica.id, Replica.node_id, Replica.gpu_id, Replica.operation_id, Replica.envs_in_use
+).where(
+    Replica.id.in_(bindparam("ids", expanding=True)), Replica.status == int(ReplicaState.DELETING)
 )
 # Counter rows before replicas (workers.locks): the batch's nodes by name, then the
 # replicas, skipping any another transaction holds (it is moving them: left to it).
 _LOCK_NODES = (
-    select(Node.id).where(Node.id.in_(bindparam("ids", expanding=True)))
-    .order_by(Node.name).with_for_update(key_share=True)
+    select(Node.id)
+    .where(Node.id.in_(bindparam("ids", expanding=True)))
+    .order_by(Node.name)
+    .with_for_update(key_share=True)
 )
 _LOCK_DELETING = _DELETING.with_for_update(skip_locked=True)
 _RETIRE = (
     update(Replica)
     .where(Replica.id == bindparam("rid"), Replica.status == int(ReplicaState.DELETING))
-    .values(status=bindparam("to"), error=func.coalesce(bindparam("error"), Replica.error),
-            retired_at=bindparam("at"),
-            envs_in_use=0, deadline_at=None, idle_since=None, reap_at=None,
-            operation_id=None)
+    .values(
+        status=bindparam("to"),
+        error=func.coalesce(bindparam("error"), Replica.error),
+        retired_at=bindparam("at"),
+        envs_in_use=0,
+        deadline_at=None,
+        idle_since=None,
+        reap_at=None,
+        operation_id=None,
+    )
     .execution_options(synchronize_session=False)
 )
 
 
-def retire_deleting(
-    session: Session, settings: Settings, errors: dict[str, str | None]
-) -> int:
+def retire_deleting(session: Session, settings: Settings, errors: dict[str, str | None]) -> int:
     """Retire Deleting replicas: Deleted, or Dead with their error; returns how many.
 
     The same bookkeeping as :func:`transition`, a few statements for the batch.
@@ -363,8 +395,16 @@ class _Retiring:
     failed: list[tuple[str, str, str]] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
 
-    def add(self, rid: str, to: ReplicaState, error: str | None, *,  # noqa: PLR0913 - one row's retirement, the rest by name
-            node_id: str | None, op_id: str | None, claimed: bool) -> None:
+    def add(  # noqa: PLR0913 - one row's retirement, the rest by name
+        self,
+        rid: str,
+        to: ReplicaState,
+        error: str | None,
+        *,
+        node_id: str | None,
+        op_id: str | None,
+        claimed: bool,
+    ) -> None:
         """Count one replica's retirement: its row, node slot, claims and operation."""
         self.params.append({"rid": rid, "to": int(to), "error": error, "at": self.at})
         if claimed:
@@ -381,8 +421,11 @@ class _Retiring:
         if self.params:
             session.connection().execute(_RETIRE, self.params)
         if self.claimed:  # claims end with their replica, as in transition
-            session.execute(delete(Claim).where(Claim.replica_id.in_(self.claimed))
-                            .execution_options(synchronize_session=False))
+            session.execute(
+                delete(Claim)
+                .where(Claim.replica_id.in_(self.claimed))
+                .execution_options(synchronize_session=False)
+            )
         free_nodes(session, self.slots)
         for op_id, rids in self.settled.items():
             settle(session, op_id, parts=rids, ok=True)

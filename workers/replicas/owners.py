@@ -72,8 +72,14 @@ class Budget:
     call_s: float
 
     @classmethod
-    def of(cls, settings: Settings, *, started: float | None = None,
-           soft_s: float | None = None, hard_s: float | None = None) -> Budget:
+    def of(
+        cls,
+        settings: Settings,
+        *,
+        started: float | None = None,
+        soft_s: float | None = None,
+        hard_s: float | None = None,
+    ) -> Budget:
         """The budget of a task started at ``started`` (now) under ``settings``' limits."""
         return cls(
             started=time.monotonic() if started is None else started,
@@ -121,8 +127,16 @@ class Taken:
 
 # Built once: the Creating rows of some requests that have no VM yet, with node and function.
 _CANDIDATES = (
-    select(Replica.id, Replica.request_id, Node, Function, Replica.operation_id,
-           Replica.placements, Replica.owner, Replica.owner_until)
+    select(
+        Replica.id,
+        Replica.request_id,
+        Node,
+        Function,
+        Replica.operation_id,
+        Replica.placements,
+        Replica.owner,
+        Replica.owner_until,
+    )
     .join(Node, Node.id == Replica.node_id)
     .join(Function, Function.id == Replica.function_id)
     .where(
@@ -169,11 +183,18 @@ def probe_dedup(db: Database, settings: Settings, node: Node) -> bool:
         log.info("node %s did not say whether it deduplicates creates: %s", node.name, exc)
         return False
     with db.transaction() as s:
-        s.execute(update(Node).where(Node.id == node.id).values(can_list=can)
-                  .execution_options(synchronize_session=False))
+        s.execute(
+            update(Node)
+            .where(Node.id == node.id)
+            .values(can_list=can)
+            .execution_options(synchronize_session=False)
+        )
     node.can_list = can
-    log.info("node %s %s", node.name,
-             "deduplicates creates (requestId)" if can else "speaks only the seed protocol")
+    log.info(
+        "node %s %s",
+        node.name,
+        "deduplicates creates (requestId)" if can else "speaks only the seed protocol",
+    )
     return can
 
 
@@ -204,8 +225,9 @@ def take(
     if not wanted:
         return out
     with db.transaction() as s:
-        won = set(s.scalars(_TAKE, {"ids": list(wanted), "at": now(), "token": token,
-                                    "until": until}))
+        won = set(
+            s.scalars(_TAKE, {"ids": list(wanted), "at": now(), "token": token, "until": until})
+        )
     for rid, pending in wanted.items():
         if rid in won:
             out.pending.append(pending)
@@ -222,5 +244,8 @@ def disown(session: Session, token: str, replica_ids: list[str]) -> None:
 
 def owns(replica: Replica, token: str, node_id: str) -> bool:
     """Whether a locked row is still Creating on ``node_id`` with this handler's create out."""
-    return (replica.status == ReplicaState.CREATING and replica.owner == token
-            and replica.node_id == node_id)
+    return (
+        replica.status == ReplicaState.CREATING
+        and replica.owner == token
+        and replica.node_id == node_id
+    )

@@ -126,7 +126,9 @@ def _holder(peer: str | None, vmid: str) -> str:
 
 
 def apply_early_reports(
-    session: Session, settings: Settings, vmids: Iterable[str],
+    session: Session,
+    settings: Settings,
+    vmids: Iterable[str],
     readied: Readied | None = None,
 ) -> set[str]:
     """Apply the remembered READYs of just-recorded ``vmids`` (Starting -> Idle); those applied.
@@ -154,8 +156,9 @@ def apply_early_reports(
         reporter = holder.partition("|")[0]
         peer = None if reporter == UNKNOWN_PEER else reporter
         if not peer_allowed(peer, replica):
-            log.warning("early READY for %s came from %s, not its replica or node: ignored",
-                        vmid, peer)
+            log.warning(
+                "early READY for %s came from %s, not its replica or node: ignored", vmid, peer
+            )
             continue
         if readied is not None:
             readied.functions.add(replica.function.name)
@@ -210,8 +213,11 @@ def orphans(db: Database, settings: Settings, at: datetime | None = None) -> lis
         s.execute(delete(Lease).where(Lease.name.startswith(TOMBSTONE), Lease.expires_at <= at))
         if not expired:
             return out
-        vmids = {row.holder.partition("|")[2]: row.holder.partition("|")[0]
-                 for row in expired if "|" in row.holder}
+        vmids = {
+            row.holder.partition("|")[2]: row.holder.partition("|")[0]
+            for row in expired
+            if "|" in row.holder
+        }
         taken = set(s.scalars(select(Replica.vmid).where(Replica.vmid.in_(list(vmids)))))
         nodes = s.execute(select(Node.id, Node.address)).all()
         keep = timedelta(seconds=settings.task_time_limit_s + settings.call_timeout_s)
@@ -219,11 +225,18 @@ def orphans(db: Database, settings: Settings, at: datetime | None = None) -> lis
             if vmid in taken:
                 continue
             take(s, tombstone_name(vmid), "orphan", keep.total_seconds())
-            behind = [nid for nid, address in nodes
-                      if peer != UNKNOWN_PEER and peer in address_ips(address)]
+            behind = [
+                nid
+                for nid, address in nodes
+                if peer != UNKNOWN_PEER and peer in address_ips(address)
+            ]
             out.append(Orphan(vmid, behind))
-            log.warning("VM %s said READY from %s and no replica took it within %gs: an "
-                        "orphan; releasing it on %s", vmid, peer,
-                        settings.create_timeout_s + settings.ready_grace_s,
-                        ", ".join(behind) or "no node (unknown reporter)")
+            log.warning(
+                "VM %s said READY from %s and no replica took it within %gs: an "
+                "orphan; releasing it on %s",
+                vmid,
+                peer,
+                settings.create_timeout_s + settings.ready_grace_s,
+                ", ".join(behind) or "no node (unknown reporter)",
+            )
     return out

@@ -33,20 +33,23 @@ def request_spawn(session: Session, function: str, count: int) -> Operation:
             f"spawning {adding} would give {function} {have + adding} replicas, "
             f"above its max of {fn.max_replicas}"
         )
-    return create_operation(session, OpKind.SPAWN, {"function": function, "count": count},
-                            function_id=fn.id)
+    return create_operation(
+        session, OpKind.SPAWN, {"function": function, "count": count}, function_id=fn.id
+    )
 
 
 def request_scale(session: Session, function: str, target: int) -> Operation:
     """An operation bringing ``function`` to ``target`` replicas (within its [min, max])."""
     fn = get_function(session, function)
     target = check_target(fn, target)
-    return create_operation(session, OpKind.SCALE, {"function": function, "target": target},
-                            function_id=fn.id)
+    return create_operation(
+        session, OpKind.SCALE, {"function": function, "target": target}, function_id=fn.id
+    )
 
 
 def request_delete(session: Session, replica_id: str) -> Operation:
     """An operation deleting the replica ``replica_id``."""
     replica = get_replica(session, replica_id)
-    return create_operation(session, OpKind.DELETE, {"replica": replica_id},
-                            function_id=replica.function_id, total=1)
+    return create_operation(
+        session, OpKind.DELETE, {"replica": replica_id}, function_id=replica.function_id, total=1
+    )

@@ -69,9 +69,12 @@ def unplaced(s: Session, function_id: str, *, exclude: str | None = None) -> int
         written = 0
         for i in range(0, len(wanted), 1000):
             chunk = wanted[i : i + 1000]
-            written += int(s.scalar(
-                select(func.count()).select_from(Replica).where(Replica.request_id.in_(chunk))
-            ) or 0)
+            written += int(
+                s.scalar(
+                    select(func.count()).select_from(Replica).where(Replica.request_id.in_(chunk))
+                )
+                or 0
+            )
         missing += max(0, len(wanted) - written)
     return missing
 
@@ -127,8 +130,7 @@ def plan_scale(db: Database, settings: Settings, op_id: str) -> ScalePlan:
         return ScalePlan(fn.id, spawns, deletes, note)
 
 
-def _mark_surplus(s: Session, settings: Settings, fn: Function, op_id: str, want: int
-                  ) -> list[str]:
+def _mark_surplus(s: Session, settings: Settings, fn: Function, op_id: str, want: int) -> list[str]:
     """Mark up to ``want`` unclaimed Idle replicas Deleting, old builds and longest idle first."""
     idle = s.scalars(
         select(Replica)

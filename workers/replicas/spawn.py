@@ -140,7 +140,11 @@ class FanOut:
 
 
 def fan_out(  # noqa: PLR0913 - one batch of one spawn
-    db: Database, settings: Settings, op_id: str, function_id: str, jobs: list[SpawnJob],
+    db: Database,
+    settings: Settings,
+    op_id: str,
+    function_id: str,
+    jobs: list[SpawnJob],
     budget: Budget,
 ) -> FanOut:
     """Split ``jobs`` into batches; work the first one here, return the others to queue."""
@@ -151,8 +155,12 @@ def fan_out(  # noqa: PLR0913 - one batch of one spawn
 
 
 def run_batch(  # noqa: PLR0913 - one batch of one spawn
-    db: Database, settings: Settings, op_id: str | None, function_id: str,
-    jobs: list[SpawnJob], budget: Budget,
+    db: Database,
+    settings: Settings,
+    op_id: str | None,
+    function_id: str,
+    jobs: list[SpawnJob],
+    budget: Budget,
 ) -> Next:
     """Write the batch's rows (those missing), then create the VMs of those no one else owns."""
     place(db, settings, op_id, function_id, jobs)
@@ -160,16 +168,19 @@ def run_batch(  # noqa: PLR0913 - one batch of one spawn
 
 
 def run_one(  # noqa: PLR0913 - one create of one spawn
-    db: Database, settings: Settings, op_id: str | None, request_id: str, function_id: str,
-    node_id: str | None, budget: Budget,
+    db: Database,
+    settings: Settings,
+    op_id: str | None,
+    request_id: str,
+    function_id: str,
+    node_id: str | None,
+    budget: Budget,
 ) -> Next:
     """One replica: its row written first if missing, then its create, as a batch of one."""
     return run_batch(db, settings, op_id, function_id, [SpawnJob(request_id, node_id)], budget)
 
 
-def give_up(
-    db: Database, settings: Settings, request_id: str, error: str, budget: Budget
-) -> Next:
+def give_up(db: Database, settings: Settings, request_id: str, error: str, budget: Budget) -> Next:
     """A create whose retries are spent: count it against the node and move the replica.
 
     ``Next.again`` holds the replica when it moved (create it there); otherwise it was
@@ -225,8 +236,13 @@ def place(
             return 0
         if fn is None:
             if op_id:  # parts with no row: counted once by their request ids
-                settle(s, op_id, parts=[job.request_id for job in todo], ok=False,
-                       error=f"function {function_id} was removed")
+                settle(
+                    s,
+                    op_id,
+                    parts=[job.request_id for job in todo],
+                    ok=False,
+                    error=f"function {function_id} was removed",
+                )
             return 0
         if len(todo) > 1:  # several reservations: every node (and GPU) first, in order
             lock_nodes(s, fn.backend)
@@ -250,8 +266,13 @@ def _count_toward_max(s: Session, fn: Function, wanted: int) -> int:
 
 
 def _write_rows(  # noqa: PLR0913 - one batch of one spawn
-    s: Session, settings: Settings, op_id: str | None, fn: Function, todo: list[SpawnJob],
-    *, room: int,
+    s: Session,
+    settings: Settings,
+    op_id: str | None,
+    fn: Function,
+    todo: list[SpawnJob],
+    *,
+    room: int,
 ) -> None:
     """Insert the Creating rows of the first ``room`` jobs, each on a node (and GPU).
 
@@ -278,12 +299,22 @@ def _write_rows(  # noqa: PLR0913 - one batch of one spawn
         if i >= room:
             # Never counted, never placed: record why, without going through transition.
             error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
-            over.append(Replica(**{**row, "status": int(ReplicaState.DEAD), "retired_at": at,
-                                   "operation_id": None, "error": error}))
+            over.append(
+                Replica(
+                    **{
+                        **row,
+                        "status": int(ReplicaState.DEAD),
+                        "retired_at": at,
+                        "operation_id": None,
+                        "error": error,
+                    }
+                )
+            )
             continue
         try:
-            row["node_id"] = (ready[i] if i < len(ready)
-                              else reserve_node(s, fn, policy, pinned=job.node_id)).id
+            row["node_id"] = (
+                ready[i] if i < len(ready) else reserve_node(s, fn, policy, pinned=job.node_id)
+            ).id
             if fn.gpu_mem_mb:
                 grant = reserve_gpu(s, fn, settings.gpu_fit)
                 row.update(gpu_id=grant.gpu_id, gpu_slot=grant.slot, gpu_mem_mb=grant.mem_mb)
@@ -312,7 +343,12 @@ def _reserve_together(
     locks): :func:`workers.fleet.placement.reserve_nodes`. Otherwise none, and each
     replica reserves its own.
     """
-    if (len(todo) > 1 and room and policy in ("loadbalance", "spread")
-            and not fn.gpu_mem_mb and all(job.node_id is None for job in todo)):
+    if (
+        len(todo) > 1
+        and room
+        and policy in ("loadbalance", "spread")
+        and not fn.gpu_mem_mb
+        and all(job.node_id is None for job in todo)
+    ):
         return reserve_nodes(s, fn, room)
     return []

@@ -22,7 +22,19 @@ from workers.store.models import (
 from workers.store.revisions import check_schema
 
 __all__ = [
-    "COUNTED_STATES", "FINAL_STATES", "LIVE_STATES", "Database", "Function", "Gpu", "Lease",
-    "Node", "OpStatus", "Operation", "Replica", "ReplicaState", "SchemaError", "check_schema",
+    "COUNTED_STATES",
+    "FINAL_STATES",
+    "LIVE_STATES",
+    "Database",
+    "Function",
+    "Gpu",
+    "Lease",
+    "Node",
+    "OpStatus",
+    "Operation",
+    "Replica",
+    "ReplicaState",
+    "SchemaError",
+    "check_schema",
     "get_database",
 ]

@@ -115,8 +115,10 @@ class Database:
 
 def pg_options(lock_timeout_s: float, statement_timeout_s: float) -> str:
     """libpq ``options`` setting the session's lock and statement timeouts (0: none)."""
-    return (f"-c lock_timeout={round(lock_timeout_s * 1000)} "
-            f"-c statement_timeout={round(statement_timeout_s * 1000)}")
+    return (
+        f"-c lock_timeout={round(lock_timeout_s * 1000)} "
+        f"-c statement_timeout={round(statement_timeout_s * 1000)}"
+    )
 
 
 def _make_engine(url: str) -> Engine:
@@ -127,9 +129,13 @@ def _make_engine(url: str) -> Engine:
     # hide_parameters: a database error's text (logged, or an operation's error) never
     # carries the statement's parameters, which may hold a function's secrets.
     kwargs: dict[str, Any] = {
-        "pool_pre_ping": True, "pool_size": 5, "max_overflow": 10, "hide_parameters": True,
-        "connect_args": {"options": pg_options(settings.db_lock_timeout_s,
-                                               settings.db_statement_timeout_s)},
+        "pool_pre_ping": True,
+        "pool_size": 5,
+        "max_overflow": 10,
+        "hide_parameters": True,
+        "connect_args": {
+            "options": pg_options(settings.db_lock_timeout_s, settings.db_statement_timeout_s)
+        },
     }
     return create_engine(url, **kwargs)
 

@@ -23,8 +23,15 @@ from workers.store.revisions import (
     safe_url,
 )
 
-__all__ = ["alembic_config", "check_schema", "current_revision", "head_revision", "new_revision",
-           "safe_url", "upgrade"]
+__all__ = [
+    "alembic_config",
+    "check_schema",
+    "current_revision",
+    "head_revision",
+    "new_revision",
+    "safe_url",
+    "upgrade",
+]
 
 
 def alembic_config(url: str) -> Config:

@@ -117,7 +117,10 @@ class OpStatus(enum.StrEnum):
 
 # The stored values of finished and of open operations: never changed again / still moving.
 OP_FINISHED: tuple[str, ...] = (
-    OpStatus.SUCCEEDED.value, OpStatus.FAILED.value, OpStatus.PARTIAL.value)
+    OpStatus.SUCCEEDED.value,
+    OpStatus.FAILED.value,
+    OpStatus.PARTIAL.value,
+)
 OP_OPEN: tuple[str, ...] = tuple(s.value for s in OpStatus if s.value not in OP_FINISHED)
 
 
@@ -227,8 +230,7 @@ class Function(Named, Base):
     scale_to_zero_after_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     # Keep-alive of idle replicas: "fixed" (the idle timeout, or scale_to_zero_after_s) or
     # "adaptive" (windows read off the function's idle-time histogram, workers.autoscale.keepalive).
-    keep_alive: Mapped[str] = mapped_column(String(8), default="fixed",
-                                            server_default="fixed")
+    keep_alive: Mapped[str] = mapped_column(String(8), default="fixed", server_default="fixed")
     rr_last_node: Mapped[str | None] = mapped_column(String(63), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)

@@ -22,7 +22,8 @@ from workers.store.db import Database
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 _LINE = re.compile(
-    r"""^revision, down_revision = (['"])(\w+)\1, (?:(['"])(\w+)\3|None)\s*$""", re.MULTILINE)
+    r"""^revision, down_revision = (['"])(\w+)\1, (?:(['"])(\w+)\3|None)\s*$""", re.MULTILINE
+)
 
 
 def revisions() -> dict[str, str | None]:

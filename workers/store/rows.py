@@ -20,9 +20,7 @@ __all__ = ["delete_unlinking_replicas", "one_or_not_found"]
 T = TypeVar("T")
 
 
-def one_or_not_found(
-    session: Session, query: Select[T], what: str, *, lock: bool = False
-) -> T:
+def one_or_not_found(session: Session, query: Select[T], what: str, *, lock: bool = False) -> T:
     """The row ``query`` selects (locked FOR UPDATE with ``lock``); NotFound("unknown {what}")."""
     if lock:
         query = query.with_for_update()

@@ -26,8 +26,24 @@ def _state(env: Env) -> tuple[int, int, int, int, list[tuple[str, int, int]]]:
 @pytest.fixture
 def ready(corral_env: Env, start_agents: StartAgents) -> Env:
     start_agents(1)
-    assert main(["functions", "deploy", "hello", "--image", "examples.hello",
-                 "--kernel", "/k", "--min", "1", "--max", "5"]) == 0
+    assert (
+        main(
+            [
+                "functions",
+                "deploy",
+                "hello",
+                "--image",
+                "examples.hello",
+                "--kernel",
+                "/k",
+                "--min",
+                "1",
+                "--max",
+                "5",
+            ]
+        )
+        == 0
+    )
     return corral_env
 
 
@@ -52,16 +68,22 @@ BAD = [
     (["functions", "deploy", "hello", "--label", "foo"], "malformed label 'foo'"),
     (["functions", "deploy", "hello", "--env", "=x"], "malformed env '=x'"),
     (["functions", "deploy", "hello", "--env", "1A=x"], "malformed env '1A=x'"),
-    (["functions", "deploy", "hello", "--label", "com.openfaas.scale.max=lots"],
-     "malformed label com.openfaas.scale.max='lots'"),
+    (
+        ["functions", "deploy", "hello", "--label", "com.openfaas.scale.max=lots"],
+        "malformed label com.openfaas.scale.max='lots'",
+    ),
     (["functions", "deploy", "x" * 64, "--image", "i", "--kernel", "/k"], "invalid function name"),
-    (["functions", "deploy", "bad\x07name", "--image", "i", "--kernel", "/k"],
-     "invalid function name"),
+    (
+        ["functions", "deploy", "bad\x07name", "--image", "i", "--kernel", "/k"],
+        "invalid function name",
+    ),
     (["functions", "deploy", "Hello", "--image", "i", "--kernel", "/k"], "invalid function name"),
     (["functions", "deploy", "new", "--image", "i"], "needs --kernel"),
     (["functions", "deploy", "new", "--kernel", "/k"], "--image is required"),
-    (["functions", "deploy", "new", "--image", "i", "--kernel", "/k", "--placement", "best"],
-     "unknown placement policy 'best'"),
+    (
+        ["functions", "deploy", "new", "--image", "i", "--kernel", "/k", "--placement", "best"],
+        "unknown placement policy 'best'",
+    ),
     (["functions", "deploy", "web", "--image", "i", "--backend", "lambdo"], "needs --rootfs"),
     (["nodes", "add", "not a host"], "invalid agent address"),
     (["nodes", "add", "127.0.0.1:99999"], "invalid agent address"),
@@ -117,8 +139,9 @@ def test_bad_toml_files(
     assert _state(ready) == before
 
 
-def test_good_toml_file_and_labels(ready: Env, tmp_path: Path,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_good_toml_file_and_labels(
+    ready: Env, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "fn.toml"
     path.write_text(
         'name = "t"\nimage = "img:latest"\nmax = 3\n'

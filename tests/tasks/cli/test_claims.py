@@ -34,9 +34,15 @@ def test_claim_release_reap_json(
 
     assert main(["release", got["claim_id"], "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out == {"claim_id": got["claim_id"], "released": True,
-                   "replica_id": got["replica_id"], "function": "hello", "status": "idle",
-                   "envs_in_use": 0, "envs_total": 1}
+    assert out == {
+        "claim_id": got["claim_id"],
+        "released": True,
+        "replica_id": got["replica_id"],
+        "function": "hello",
+        "status": "idle",
+        "envs_in_use": 0,
+        "envs_total": 1,
+    }
 
     clock.travel(15)  # never used: idle 35 s; the released one: 15 s
     assert main(["reap", "--wait", "--json"]) == 0
@@ -66,7 +72,8 @@ def test_human_output(
     assert main(["release", claim_id]) == 0  # a second release changes nothing, and says so
     assert capsys.readouterr().out == (
         f"claim {claim_id} is not held (already released, or expired and given back): "
-        "nothing changed\n")
+        "nothing changed\n"
+    )
     clock.travel(31)
     assert main(["reap", "--idle-timeout", "10", "--wait"]) == 0
     out = capsys.readouterr().out
@@ -82,7 +89,8 @@ def test_errors_are_one_line(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        "corral: error: malformed claim id 'not-a-claim': expected 32 hex characters\n")
+        "corral: error: malformed claim id 'not-a-claim': expected 32 hex characters\n"
+    )
 
     assert main(["claim", "hello", "--json"]) == 1
     assert capsys.readouterr().err == "corral: error: no idle replica of hello\n"

@@ -22,16 +22,39 @@ def test_listing_commands_print_one_json_document(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
     start_agents(2)
-    deployed = _json(capsys, ["functions", "deploy", "hello", "--image", "examples.hello",
-                              "--kernel", "/k", "--env", "A=1", "--label", "team=x", "--json"])
+    deployed = _json(
+        capsys,
+        [
+            "functions",
+            "deploy",
+            "hello",
+            "--image",
+            "examples.hello",
+            "--kernel",
+            "/k",
+            "--env",
+            "A=1",
+            "--label",
+            "team=x",
+            "--json",
+        ],
+    )
     assert isinstance(deployed, dict) and deployed["name"] == "hello"
     op = _json(capsys, ["spawn", "hello", "-n", "3", "--wait", "--json"])
     assert isinstance(op, dict) and op["status"] == "succeeded" and op["done"] == 3
     replicas = _json(capsys, ["replicas", "--function", "hello", "--json"])
     assert isinstance(replicas, list) and len(replicas) == 3
     for r in replicas:
-        for key in ("id", "function", "node", "status", "vmid", "address", "created_at",
-                    "last_used_at"):
+        for key in (
+            "id",
+            "function",
+            "node",
+            "status",
+            "vmid",
+            "address",
+            "created_at",
+            "last_used_at",
+        ):
             assert key in r
         assert r["status"] == "idle" and r["function"] == "hello"
     shown = _json(capsys, ["replicas", "show", replicas[0]["id"], "--json"])

@@ -26,17 +26,41 @@ def test_drifted_counters_are_reported_then_fixed(
     corral_env: Env, start_agents: StartAgents, capsys: pytest.CaptureFixture[str]
 ) -> None:
     start_agents(1, capacity=3, env=corral_env)
-    assert main(["functions", "deploy", "hello", "--image", "examples.hello",
-                 "--kernel", "/k", "--max", "10"]) == 0
+    assert (
+        main(
+            [
+                "functions",
+                "deploy",
+                "hello",
+                "--image",
+                "examples.hello",
+                "--kernel",
+                "/k",
+                "--max",
+                "10",
+            ]
+        )
+        == 0
+    )
     spawn_ok("hello", 2)
     with corral_env.db.transaction() as s:
-        s.add(Gpu(uuid="GPU-1", server="127.0.0.1:50053", mngr_addr="127.0.0.1:3333",
-                  mem_total_mb=16000, mem_free_mb=16000, slots_total=4, slots_free=4,
-                  first_port=4000))
+        s.add(
+            Gpu(
+                uuid="GPU-1",
+                server="127.0.0.1:50053",
+                mngr_addr="127.0.0.1:3333",
+                mem_total_mb=16000,
+                mem_free_mb=16000,
+                slots_total=4,
+                slots_free=4,
+                first_port=4000,
+            )
+        )
     capsys.readouterr()
     assert main(["db", "check"]) == 0
     assert capsys.readouterr().out.strip() == (
-        "counters agree with the replica rows (1 nodes, 1 functions, 1 GPUs)")
+        "counters agree with the replica rows (1 nodes, 1 functions, 1 GPUs)"
+    )
 
     # Someone edits rows by hand: the node looks full, the function bigger, the GPU busy.
     with corral_env.db.transaction() as s:
@@ -61,6 +85,9 @@ def test_drifted_counters_are_reported_then_fixed(
     spawn_ok("hello", 1)
     assert main(["db", "check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report == {"checked": {"functions": 1, "gpus": 1, "nodes": 1}, "drift": [],
-                      "fixed": False}
+    assert report == {
+        "checked": {"functions": 1, "gpus": 1, "nodes": 1},
+        "drift": [],
+        "fixed": False,
+    }
     assert _counters(corral_env)[:2] == (3, 3)

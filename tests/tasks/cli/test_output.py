@@ -17,10 +17,22 @@ ROWS = [
 
 
 def _view(done: int, failed: int, status: str, total: int = 4) -> OperationView:
-    return {"id": "0" * 32, "kind": "spawn", "status": status, "params": {}, "total": total,
-            "done": done, "failed": failed, "result": None, "error": None,
-            "created_at": None, "started_at": None, "finished_at": None,
-            "progress_at": None, "redrives": 0}
+    return {
+        "id": "0" * 32,
+        "kind": "spawn",
+        "status": status,
+        "params": {},
+        "total": total,
+        "done": done,
+        "failed": failed,
+        "result": None,
+        "error": None,
+        "created_at": None,
+        "started_at": None,
+        "finished_at": None,
+        "progress_at": None,
+        "redrives": 0,
+    }
 
 
 def test_off_a_terminal_a_listing_is_plain_aligned_text(
@@ -39,8 +51,11 @@ def test_on_a_terminal_a_listing_is_a_rich_table_of_the_same_cells(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_output, "on_terminal", lambda: True)
-    monkeypatch.setattr(_output, "Console", lambda: Console(
-        file=io.StringIO(), force_terminal=True, width=120, color_system=None))
+    monkeypatch.setattr(
+        _output,
+        "Console",
+        lambda: Console(file=io.StringIO(), force_terminal=True, width=120, color_system=None),
+    )
     drawn = _output.table(ROWS, ["name", "live", "error"])
     lines = drawn.splitlines()
     assert [w for w in lines[0].split()] == ["NAME", "LIVE", "ERROR"]
@@ -51,8 +66,7 @@ def test_on_a_terminal_a_listing_is_a_rich_table_of_the_same_cells(
 
 def test_the_progress_bar_counts_done_and_failed_of_the_total() -> None:
     out = io.StringIO()
-    bar = _output.ProgressBar(Console(file=out, force_terminal=True, width=100,
-                                      color_system=None))
+    bar = _output.ProgressBar(Console(file=out, force_terminal=True, width=100, color_system=None))
     bar.update(_view(0, 0, "running"))
     bar.update(_view(2, 1, "running"))
     bar.update(_view(3, 1, "partial"))

@@ -36,24 +36,43 @@ print(json.dumps({"status": status, "out": out.getvalue(),
 """
 # What a query of the store never needs: the Celery app and its transport, the agents'
 # gRPC stubs and HTTP client, Redis, Alembic, the gateway and the exporter.
-HEAVY = {"celery", "kombu", "grpc", "protos", "httpx", "redis", "alembic", "starlette",
-         "uvicorn", "prometheus_client"}
+HEAVY = {
+    "celery",
+    "kombu",
+    "grpc",
+    "protos",
+    "httpx",
+    "redis",
+    "alembic",
+    "starlette",
+    "uvicorn",
+    "prometheus_client",
+}
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> dict[str, str]:
     """The environment of a migrated SQLite store with no broker and no stack around."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
-    env.update(PYTHONPATH=str(ROOT), CORRAL_STATE_DIR=str(tmp_path / "state"),
-               CORRAL_DATABASE_URL=f"sqlite:///{tmp_path / 'corral.sqlite'}",
-               CORRAL_BROKER_URL="redis://127.0.0.1:1/0")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        CORRAL_STATE_DIR=str(tmp_path / "state"),
+        CORRAL_DATABASE_URL=f"sqlite:///{tmp_path / 'corral.sqlite'}",
+        CORRAL_BROKER_URL="redis://127.0.0.1:1/0",
+    )
     assert _corral(env, "db", "upgrade")["status"] == 0
     return env
 
 
 def _corral(env: dict[str, str], *args: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", RUN, *args], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=Path(env["CORRAL_STATE_DIR"]).parent)
+    done = subprocess.run(
+        [sys.executable, "-c", RUN, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(env["CORRAL_STATE_DIR"]).parent,
+    )
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
     return result
@@ -68,8 +87,10 @@ def test_help_loads_no_settings_nor_store(store: dict[str, str]) -> None:
     assert not {"pydantic", "sqlalchemy"} & set(usage["modules"])
 
 
-@pytest.mark.parametrize("command", [["nodes", "list"], ["functions", "list"], ["replicas"],
-                                     ["ops"], ["nodes", "list", "--json"]])
+@pytest.mark.parametrize(
+    "command",
+    [["nodes", "list"], ["functions", "list"], ["replicas"], ["ops"], ["nodes", "list", "--json"]],
+)
 def test_listings_load_the_store_and_nothing_heavy(
     store: dict[str, str], command: list[str]
 ) -> None:
@@ -95,14 +116,17 @@ def test_an_eager_operation_registers_the_tasks_it_runs(store: dict[str, str]) -
     assert "celery" in ran["modules"]
 
 
-@pytest.mark.parametrize("argv", [
-    ["nodes", "add", "127.0.0.1:1", "--name", "n", "--capacity", "3", "--json"],
-    ["functions", "deploy", "hello", "--image", "examples.hello", "--min", "1", "--autoscale"],
-    ["spawn", "hello", "-n", "3", "--wait"],
-    ["replicas", "show", "0123456789abcdef0123456789abcdef"],
-    ["hogs", "start", "2", "--node", "n"],
-    ["agent", "fcdaemon", "--listen", "127.0.0.1:1"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["nodes", "add", "127.0.0.1:1", "--name", "n", "--capacity", "3", "--json"],
+        ["functions", "deploy", "hello", "--image", "examples.hello", "--min", "1", "--autoscale"],
+        ["spawn", "hello", "-n", "3", "--wait"],
+        ["replicas", "show", "0123456789abcdef0123456789abcdef"],
+        ["hogs", "start", "2", "--node", "n"],
+        ["agent", "fcdaemon", "--listen", "127.0.0.1:1"],
+    ],
+)
 def test_a_parser_built_for_one_command_line_parses_it_as_the_whole_parser_does(
     argv: list[str],
 ) -> None:

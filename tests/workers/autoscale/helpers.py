@@ -8,8 +8,14 @@ from collections.abc import Callable
 from tests.celery_workers import WorkerProcess
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str,
-               worker: WorkerProcess, *, poll: float = 0.05) -> None:
+def wait_until(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    worker: WorkerProcess,
+    *,
+    poll: float = 0.05,
+) -> None:
     """Return once ``check()`` holds; fail with ``what`` and the worker's log after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

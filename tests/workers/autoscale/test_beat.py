@@ -47,15 +47,27 @@ class Gateway(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(0.25):
             load, at = self.load, time.time()
-            demand.report(self.client, "gw-1", {n: demand.Sample(
-                inflight=int(load), queued=0, concurrency=load, requests=int(load > 0), at=at)
-                for n in self.names})
+            demand.report(
+                self.client,
+                "gw-1",
+                {
+                    n: demand.Sample(
+                        inflight=int(load),
+                        queued=0,
+                        concurrency=load,
+                        requests=int(load > 0),
+                        at=at,
+                    )
+                    for n in self.names
+                },
+            )
 
 
 def idle(env: Env) -> dict[str, int]:
     with env.db.read() as s:
-        rows = s.execute(select(Function.name, Replica.status).join(
-            Replica, Replica.function_id == Function.id)).all()
+        rows = s.execute(
+            select(Function.name, Replica.status).join(Replica, Replica.function_id == Function.id)
+        ).all()
     out: dict[str, int] = {}
     for name, status in rows:
         if status == ReplicaState.IDLE:
@@ -68,23 +80,32 @@ def wait_for(env: Env, want: dict[str, int], timeout: float, worker: WorkerProce
         have = idle(env)
         return all(have.get(k, 0) == v for k, v in want.items())
 
-    wait_until(reached, timeout, f"wanted idle replicas {want}, have {idle(env)}", worker,
-               poll=0.2)
+    wait_until(reached, timeout, f"wanted idle replicas {want}, have {idle(env)}", worker, poll=0.2)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sustained_demand_scales_up_and_back_down_after_the_windows(
-    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess],
+    broker_env: Env,
+    start_agents: StartAgents,
+    worker_processes: list[WorkerProcess],
     redis_url: str,
 ) -> None:
     start_agents(2, env=broker_env)
     with broker_env.db.transaction() as s:
         for spec in (
-            spec_from(name="steady", image="examples.hello", kernel="/k", min=1, max=6,
-                      autoscale=True),
-            spec_from(name="zero", image="examples.hello", kernel="/k", min=0, max=6,
-                      autoscale=True, scale_to_zero_after=3.0),
+            spec_from(
+                name="steady", image="examples.hello", kernel="/k", min=1, max=6, autoscale=True
+            ),
+            spec_from(
+                name="zero",
+                image="examples.hello",
+                kernel="/k",
+                min=0,
+                max=6,
+                autoscale=True,
+                scale_to_zero_after=3.0,
+            ),
             spec_from(name="plain", image="examples.hello", kernel="/k", min=0, max=6),
         ):
             deploy(s, spec, broker_env.settings)
@@ -111,8 +132,9 @@ def test_sustained_demand_scales_up_and_back_down_after_the_windows(
 
     with broker_env.db.read() as s:
         names = {fid: name for fid, name in s.execute(select(Function.id, Function.name))}
-        ops = s.scalars(select(Operation).where(Operation.kind == "scale")
-                        .order_by(Operation.created_at)).all()
+        ops = s.scalars(
+            select(Operation).where(Operation.kind == "scale").order_by(Operation.created_at)
+        ).all()
         targets = {n: t for n, t in s.execute(select(Function.name, Function.target))}
     assert targets == {"steady": 1, "zero": 0, "plain": None}
     assert all(op.status == "succeeded" for op in ops), [(o.params, o.error) for o in ops]

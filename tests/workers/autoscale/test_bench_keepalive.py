@@ -69,8 +69,8 @@ def test_the_workload_is_shaped_like_the_paper_and_seeded() -> None:
 
 
 def test_it_prints_its_figures_without_matplotlib(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-        tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
     png = tmp_path / "k.png"
     assert bench.main(["--apps", "30", "--days", "1", "--plot", str(png)]) == 0
@@ -81,8 +81,9 @@ def test_it_prints_its_figures_without_matplotlib(
     assert "no plot: matplotlib is not installed" in out and not png.exists()
 
 
-def test_it_writes_a_plot_when_matplotlib_is_there(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_it_writes_a_plot_when_matplotlib_is_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "k.png"
     assert bench.main(["--apps", "20", "--days", "1", "--plot", str(png)]) == 0

@@ -19,13 +19,25 @@ from workers.autoscale.decision import (
     should_scale,
 )
 
-POLICY = Policy(target_utilization=0.7, stable_window_s=60, panic_window_s=6,
-                panic_threshold=2.0, max_scale_up_rate=10, max_scale_down_rate=2.0)
+POLICY = Policy(
+    target_utilization=0.7,
+    stable_window_s=60,
+    panic_window_s=6,
+    panic_threshold=2.0,
+    max_scale_up_rate=10,
+    max_scale_down_rate=2.0,
+)
 
 
 def facts(**kw: object) -> Facts:
-    base: dict[str, object] = {"min_replicas": 0, "max_replicas": 100, "exec_envs": 1,
-                               "ready": 1, "target": 1, "scale_to_zero_after_s": None}
+    base: dict[str, object] = {
+        "min_replicas": 0,
+        "max_replicas": 100,
+        "exec_envs": 1,
+        "ready": 1,
+        "target": 1,
+        "scale_to_zero_after_s": None,
+    }
     base.update(kw)
     return Facts(**base)  # type: ignore[arg-type]
 
@@ -47,21 +59,41 @@ class Run:
         if demand > 0:
             self.last_request = self.now
         f = self.facts
-        f = Facts(f.min_replicas, f.max_replicas, f.exec_envs,
-                  f.target if ready is None else ready, f.target, f.scale_to_zero_after_s)
-        d, self.window = decide(self.policy, f, self.window,
-                                Observation(self.now, demand, self.last_request))
-        self.facts = Facts(f.min_replicas, f.max_replicas, f.exec_envs, f.ready, d.desired,
-                           f.scale_to_zero_after_s)
+        f = Facts(
+            f.min_replicas,
+            f.max_replicas,
+            f.exec_envs,
+            f.target if ready is None else ready,
+            f.target,
+            f.scale_to_zero_after_s,
+        )
+        d, self.window = decide(
+            self.policy, f, self.window, Observation(self.now, demand, self.last_request)
+        )
+        self.facts = Facts(
+            f.min_replicas, f.max_replicas, f.exec_envs, f.ready, d.desired, f.scale_to_zero_after_s
+        )
         return d
 
 
-@pytest.mark.parametrize(("demand", "envs", "want"), [
-    (0, 1, 0), (0.1, 1, 1), (0.7, 1, 1), (0.71, 1, 2), (1.4, 1, 2), (7, 1, 10),
-    (2.1, 3, 1), (2.11, 3, 2), (14, 10, 2), (-3, 1, 0),
-])
+@pytest.mark.parametrize(
+    ("demand", "envs", "want"),
+    [
+        (0, 1, 0),
+        (0.1, 1, 1),
+        (0.7, 1, 1),
+        (0.71, 1, 2),
+        (1.4, 1, 2),
+        (7, 1, 10),
+        (2.1, 3, 1),
+        (2.11, 3, 2),
+        (14, 10, 2),
+        (-3, 1, 0),
+    ],
+)
 def test_replicas_for_divides_by_envs_times_utilization(
-        demand: float, envs: int, want: int) -> None:
+    demand: float, envs: int, want: int
+) -> None:
     assert replicas_for(demand, envs, 0.7) == want
 
 
@@ -184,12 +216,23 @@ def test_samples_older_than_the_window_are_dropped_and_the_state_round_trips() -
     assert Window.from_json(panicked.to_json()) == panicked
 
 
-@pytest.mark.parametrize("raw", [
-    None, b"", b"not json", b"[1,2]", b'{"samples": [[1]]}', b'{"samples": [[1, NaN]]}',
-    b'{"samples": [[Infinity, 1]]}', b'{"samples": [], "panic_since": "x"}',
-    b'{"samples": [], "panic_pods": -1}', b'{"samples": [], "panic_pods": 1.5}',
-    b'{"samples": [], "panic_pods": true}', b'{"samples": {"a": 1}}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        b"",
+        b"not json",
+        b"[1,2]",
+        b'{"samples": [[1]]}',
+        b'{"samples": [[1, NaN]]}',
+        b'{"samples": [[Infinity, 1]]}',
+        b'{"samples": [], "panic_since": "x"}',
+        b'{"samples": [], "panic_pods": -1}',
+        b'{"samples": [], "panic_pods": 1.5}',
+        b'{"samples": [], "panic_pods": true}',
+        b'{"samples": {"a": 1}}',
+    ],
+)
 def test_a_missing_or_malformed_state_is_a_fresh_window(raw: bytes | None) -> None:
     assert Window.from_json(raw) == Window()
 

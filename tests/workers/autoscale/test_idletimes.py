@@ -159,7 +159,8 @@ def test_short_starts_and_the_history_bound(client: redis.Redis) -> None:
 
 
 def test_another_shape_starts_the_history_again_and_keeps_the_last_activity(
-        client: redis.Redis) -> None:
+    client: redis.Redis,
+) -> None:
     t = 1_700_000_000.0
     record(client, SHAPE, {"f": Activity(arrivals=[t], last=t + 1)})
     record(client, SHAPE, {"f": Activity(arrivals=[t + 100], last=t + 101)})
@@ -171,16 +172,18 @@ def test_another_shape_starts_the_history_again_and_keeps_the_last_activity(
     assert load(client, SHAPE, ["f"])["f"].histogram is None  # the old shape is gone
 
 
-@pytest.mark.parametrize("fields", [
-    {"bin": "60.0", "n": "10", "c0": "x"},
-    {"bin": "60.0", "n": "10", "c99": "1"},
-    {"bin": "60.0", "n": "10", "c0": "-1"},
-    {"bin": "60.0", "n": "10", "oob": "1", "recent": "nan"},
-    {"bin": "sixty", "n": "10"},
-    {"n": "10", "c0": "3"},
-])
-def test_a_malformed_histogram_is_no_history(client: redis.Redis,
-                                             fields: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"bin": "60.0", "n": "10", "c0": "x"},
+        {"bin": "60.0", "n": "10", "c99": "1"},
+        {"bin": "60.0", "n": "10", "c0": "-1"},
+        {"bin": "60.0", "n": "10", "oob": "1", "recent": "nan"},
+        {"bin": "sixty", "n": "10"},
+        {"n": "10", "c0": "3"},
+    ],
+)
+def test_a_malformed_histogram_is_no_history(client: redis.Redis, fields: dict[str, str]) -> None:
     row: dict[Any, str] = {**fields, "last": "1700000000.5"}  # redis: a field is any encodable
     client.hset(key("f"), mapping=row)
     assert load(client, SHAPE, ["f"])["f"] == idletimes.IdleRecord(None, 1_700_000_000.5)
@@ -201,8 +204,9 @@ def test_recording_without_redis_loses_only_the_statistic() -> None:
 # -- the claim API -----------------------------------------------------------------------------
 
 
-def test_claims_and_releases_are_invocations(corral_env: Env, start_agents: StartAgents,
-                                             redis_url: str, client: redis.Redis) -> None:
+def test_claims_and_releases_are_invocations(
+    corral_env: Env, start_agents: StartAgents, redis_url: str, client: redis.Redis
+) -> None:
     corral_env.set(broker_url=redis_url, keepalive_bin_s="0.05", keepalive_range_s="3")
     start_agents(1, env=corral_env)
     deploy_fn(corral_env, "hello", min=1)
@@ -225,13 +229,21 @@ def test_claims_and_releases_are_invocations(corral_env: Env, start_agents: Star
 
 
 def test_requests_through_the_gateway_are_recorded(
-        thread_worker: Env, agent: RunningAgent, client: redis.Redis) -> None:
+    thread_worker: Env, agent: RunningAgent, client: redis.Redis
+) -> None:
     shape = Shape(bin_s=0.2, range_s=2.0)
     deploy_fn(thread_worker, "echo", image="examples.echo", max=2)
-    gw = serve_gateway(thread_worker.settings.model_copy(update={
-        "gateway_cold_start_timeout_s": 30.0, "gateway_report_interval_s": 0.1,
-        "keepalive_bin_s": shape.bin_s, "keepalive_range_s": shape.range_s}),
-        "127.0.0.1:0")
+    gw = serve_gateway(
+        thread_worker.settings.model_copy(
+            update={
+                "gateway_cold_start_timeout_s": 30.0,
+                "gateway_report_interval_s": 0.1,
+                "keepalive_bin_s": shape.bin_s,
+                "keepalive_range_s": shape.range_s,
+            }
+        ),
+        "127.0.0.1:0",
+    )
     try:
         with httpx.Client(timeout=60) as http:
             for pause in (0.5, 2.5, 0.0):  # then an idle time in bin 2, one out of bounds

@@ -71,12 +71,16 @@ def test_a_daily_job_beyond_the_range_is_forecast() -> None:
     assert w.keep_s == pytest.approx(day + 240 + pad)
 
 
-@pytest.mark.parametrize(("idle", "why"), [
-    ((5 * 3600, 9 * 3600, 20 * 3600, 30 * 3600, 6 * 3600), "too irregular"),
-    ((86_400.0, 86_410.0, 30.0, 40.0, 50.0), "too few to forecast"),
-])
+@pytest.mark.parametrize(
+    ("idle", "why"),
+    [
+        ((5 * 3600, 9 * 3600, 20 * 3600, 30 * 3600, 6 * 3600), "too irregular"),
+        ((86_400.0, 86_410.0, 30.0, 40.0, 50.0), "too few to forecast"),
+    ],
+)
 def test_idle_times_beyond_the_range_that_disagree_or_are_few_are_fixed(
-        idle: tuple[float, ...], why: str) -> None:
+    idle: tuple[float, ...], why: str
+) -> None:
     policy = KeepAlivePolicy(oob_threshold=0.4)
     w = windows(policy, hist(*idle))
     assert w.mode == "fixed" and why in w.reason
@@ -97,15 +101,19 @@ def test_cv_and_percentiles() -> None:
 HOURLY = Windows("histogram", 3000.0, 4000.0, 50, "test")
 
 
-@pytest.mark.parametrize(("since", "warm", "cutoff"), [
-    (10.0, False, 0.0),  # right after use: the next call is far, every idle replica may go
-    (2999.0, False, 0.0),
-    (3000.0, True, -4000.0),  # pre-warmed: kept (only those idle over 4000 s go)
-    (3999.0, True, -4000.0),
-    (4000.0, False, 0.0),  # past the tail: nothing kept
-])
+@pytest.mark.parametrize(
+    ("since", "warm", "cutoff"),
+    [
+        (10.0, False, 0.0),  # right after use: the next call is far, every idle replica may go
+        (2999.0, False, 0.0),
+        (3000.0, True, -4000.0),  # pre-warmed: kept (only those idle over 4000 s go)
+        (3999.0, True, -4000.0),
+        (4000.0, False, 0.0),  # past the tail: nothing kept
+    ],
+)
 def test_a_plan_warms_inside_its_windows_and_releases_outside(
-        since: float, warm: bool, cutoff: float) -> None:
+    since: float, warm: bool, cutoff: float
+) -> None:
     plan = Plan(HOURLY, last=1000.0)
     now = 1000.0 + since
     assert plan.warm(now) is warm
@@ -130,9 +138,16 @@ def test_keep_from_the_end_of_the_call_when_the_head_is_zero() -> None:
 
 
 def autoscaled(**kw: object) -> Facts:
-    base: dict[str, object] = {"min_replicas": 0, "max_replicas": 10, "exec_envs": 1,
-                               "ready": 0, "target": 0, "counted": 0, "at_zero": True,
-                               "scale_to_zero_after_s": 600.0}
+    base: dict[str, object] = {
+        "min_replicas": 0,
+        "max_replicas": 10,
+        "exec_envs": 1,
+        "ready": 0,
+        "target": 0,
+        "counted": 0,
+        "at_zero": True,
+        "scale_to_zero_after_s": 600.0,
+    }
     base.update(kw)
     return Facts(**base)  # type: ignore[arg-type]
 
@@ -152,17 +167,22 @@ def test_outside_its_windows_an_adaptive_function_goes_to_zero_at_once() -> None
 
 def test_demand_and_min_still_win_over_the_windows() -> None:
     busy = autoscaled(ready=1, target=1, counted=1, at_zero=False)
-    d, _ = decide(Policy(), busy, Window([(995.0, 0.7)]), Observation(1000.0, 0.7, 999.0,
-                                                                      warm=False))
+    d, _ = decide(
+        Policy(), busy, Window([(995.0, 0.7)]), Observation(1000.0, 0.7, 999.0, warm=False)
+    )
     assert d.desired == 1
-    floor, _ = decide(Policy(), autoscaled(min_replicas=2, ready=2, target=2, counted=2,
-                                           at_zero=False),
-                      Window([(930.0, 0.0)]), Observation(1000.0, 0.0, None, warm=False))
+    floor, _ = decide(
+        Policy(),
+        autoscaled(min_replicas=2, ready=2, target=2, counted=2, at_zero=False),
+        Window([(930.0, 0.0)]),
+        Observation(1000.0, 0.0, None, warm=False),
+    )
     assert floor.desired == 2
 
 
 def test_without_scale_to_zero_the_windows_never_take_the_last_replica() -> None:
     keep = autoscaled(ready=1, target=1, counted=1, at_zero=False, scale_to_zero_after_s=None)
-    d, _ = decide(Policy(), keep, Window([(930.0, 0.0)]), Observation(1000.0, 0.0, None,
-                                                                      warm=False))
+    d, _ = decide(
+        Policy(), keep, Window([(930.0, 0.0)]), Observation(1000.0, 0.0, None, warm=False)
+    )
     assert d.desired == 1

@@ -44,8 +44,15 @@ def client(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
 
 
-def history(client: redis.Redis, env: Env, name: str, *, every: float, calls: int,  # noqa: PLR0913 - a history's shape, by name
-            last_end: float) -> None:
+def history(  # noqa: PLR0913 - a history's shape, by name
+    client: redis.Redis,
+    env: Env,
+    name: str,
+    *,
+    every: float,
+    calls: int,
+    last_end: float,
+) -> None:
     """``calls`` invocations ``every`` seconds apart, the last one ending at ``last_end``."""
     shape = Shape.from_settings(env.settings)
     start = last_end - every * (calls - 1)
@@ -59,9 +66,11 @@ def idle_since(env: Env, name: str, seconds_ago: float) -> None:
     at = datetime.fromtimestamp(time.time() - seconds_ago, UTC).replace(tzinfo=None)
     with env.db.transaction() as s:
         fid = s.scalar(select(Function.id).where(Function.name == name))
-        s.execute(update(Replica).where(Replica.function_id == fid,
-                                        Replica.status == ReplicaState.IDLE)
-                  .values(idle_since=at))
+        s.execute(
+            update(Replica)
+            .where(Replica.function_id == fid, Replica.status == ReplicaState.IDLE)
+            .values(idle_since=at)
+        )
 
 
 def idle(env: Env, name: str) -> int:
@@ -86,7 +95,8 @@ def reap(env: Env, client: redis.Redis | None) -> reaper.ReapReport:
 
 
 def test_the_reaper_lets_a_replica_go_right_after_use_when_the_next_call_is_far(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     start_agents(1, env=env)
     deploy_fn(env, "tick", keep_alive="adaptive")
     deploy_fn(env, "plain")  # the same calls, fixed keep-alive (10 min)
@@ -104,7 +114,8 @@ def test_the_reaper_lets_a_replica_go_right_after_use_when_the_next_call_is_far(
 
 
 def test_the_reaper_keeps_a_prewarmed_replica_until_the_tail(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     now = due_tick(env, start_agents, client, 1)
     idle_since(env, "tick", 20)  # pre-warmed 20 s ago, the call is due
     assert reap(env, client).deleted == []
@@ -115,7 +126,8 @@ def test_the_reaper_keeps_a_prewarmed_replica_until_the_tail(
 
 
 def test_past_its_keep_alive_window_a_replica_goes_even_inside_the_windows(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     now = due_tick(env, start_agents, client, 2)
     with env.db.transaction() as s:  # one idle for an hour (a cold start's extra), one fresh
         rows = s.scalars(select(Replica).where(Replica.status == ReplicaState.IDLE)).all()
@@ -126,7 +138,8 @@ def test_past_its_keep_alive_window_a_replica_goes_even_inside_the_windows(
 
 
 def test_without_a_pattern_or_without_redis_the_fixed_timeout_holds(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     start_agents(1, env=env)
     deploy_fn(env, "new", keep_alive="adaptive", idle_timeout=60)
     deploy_fn(env, "tick", keep_alive="adaptive", idle_timeout=60)
@@ -142,13 +155,17 @@ def test_without_a_pattern_or_without_redis_the_fixed_timeout_holds(
     assert [d.function for d in report.deleted] == ["tick"]
     assert "new" not in report.keep_alive  # its fixed idle timeout decides
     with env.db.transaction() as s:  # 60 s later by its reap_at
-        s.execute(update(Replica).where(Replica.status == ReplicaState.IDLE)
-                  .values(reap_at=datetime.fromtimestamp(now - 1, UTC).replace(tzinfo=None)))
+        s.execute(
+            update(Replica)
+            .where(Replica.status == ReplicaState.IDLE)
+            .values(reap_at=datetime.fromtimestamp(now - 1, UTC).replace(tzinfo=None))
+        )
     assert [d.function for d in reap(env, client).deleted] == ["new"]
 
 
 def test_the_reaper_never_takes_an_adaptive_function_below_its_min(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     start_agents(1, env=env)
     deploy_fn(env, "tick", keep_alive="adaptive", min=1)
     spawn_idle(env, "tick", 2)
@@ -159,7 +176,8 @@ def test_the_reaper_never_takes_an_adaptive_function_below_its_min(
 
 
 def test_an_operators_idle_timeout_overrides_the_windows(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     due_tick(env, start_agents, client, 1)
     idle_since(env, "tick", 20)
     report = reaper.reap(env.db, env.settings, holder="op", idle_timeout=10, idle_times=client)
@@ -175,14 +193,17 @@ def scaler(env: Env) -> ScaleFn:
 
 def spawner(env: Env, asked: list[str]) -> SpawnFn:
     """A pre-warm spawn that also notes what it was asked for."""
+
     def spawn(name: str) -> str:
         asked.append(name)
         return api.spawn(name, 1, settings=env.settings)
+
     return spawn
 
 
 def test_a_pass_prewarms_a_function_whose_next_call_is_due(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     start_agents(1, env=env)
     deploy_fn(env, "tick", keep_alive="adaptive")
     deploy_fn(env, "plain")
@@ -198,15 +219,15 @@ def test_a_pass_prewarms_a_function_whose_next_call_is_due(
     assert asked == ["tick"] and report.prewarmed["tick"]
     assert api.operation(report.prewarmed["tick"])["status"] == "succeeded"
     assert idle(env, "tick") == 1 and idle(env, "plain") == 0
-    again = run_pass(env.db, env.settings, client, scaler(env), spawner(env, asked),
-                     now=due + 2)
+    again = run_pass(env.db, env.settings, client, scaler(env), spawner(env, asked), now=due + 2)
     assert asked == ["tick"] and again.prewarmed == {}  # it has its replica
     published = client.hget(KEEPALIVE_KEY, "tick")
     assert isinstance(published, bytes) and b'"warm": true' in published
 
 
 def test_no_prewarm_without_a_pattern_or_while_a_spawn_is_open(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     start_agents(1, env=env)
     deploy_fn(env, "new", keep_alive="adaptive")
     deploy_fn(env, "tick", keep_alive="adaptive")
@@ -223,7 +244,8 @@ def test_no_prewarm_without_a_pattern_or_while_a_spawn_is_open(
 
 
 def test_an_autoscaled_adaptive_function_is_prewarmed_from_zero_and_let_go_after(
-        env: Env, start_agents: StartAgents, client: redis.Redis) -> None:
+    env: Env, start_agents: StartAgents, client: redis.Redis
+) -> None:
     start_agents(1, env=env)
     deploy_fn(env, "tick", keep_alive="adaptive", autoscale=True, scale_to_zero_after=3600)
     with env.db.transaction() as s:
@@ -283,9 +305,9 @@ def test_the_windows_are_metrics(env: Env, client: redis.Redis) -> None:
     assert value(got, "corral_keepalive_mode", function="tick", mode="fixed") == 0
     assert value(got, "corral_keepalive_mode", function="new", mode="fixed") == 1
     assert value(got, "corral_keepalive_prewarm_seconds", function="tick") == pytest.approx(
-        PREWARM_S)
-    assert value(got, "corral_keepalive_window_seconds", function="tick") == pytest.approx(
-        KEEP_S)
+        PREWARM_S
+    )
+    assert value(got, "corral_keepalive_window_seconds", function="tick") == pytest.approx(KEEP_S)
     assert value(got, "corral_keepalive_idle_times", function="tick") == 7
     assert value(got, "corral_keepalive_warm", function="tick") == 1
     assert ("corral_keepalive_window_seconds", frozenset({("function", "new")})) not in got

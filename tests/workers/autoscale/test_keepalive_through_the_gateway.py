@@ -37,19 +37,26 @@ from workers.gateway import serve_gateway
 from workers.redis_client import redis_client
 from workers.store.models import Function, Replica, ReplicaState
 
-KEEPALIVE = {"keepalive_bin_s": "1", "keepalive_range_s": "20",
-             "keepalive_min_idle_times": "3", "keepalive_margin": "0.2",
-             "autoscale_interval_s": "0.25", "reap_interval_s": "0.5"}
+KEEPALIVE = {
+    "keepalive_bin_s": "1",
+    "keepalive_range_s": "20",
+    "keepalive_min_idle_times": "3",
+    "keepalive_margin": "0.2",
+    "autoscale_interval_s": "0.25",
+    "reap_interval_s": "0.5",
+}
 PERIOD_S = 5.5
-LIVE = (ReplicaState.CREATING, ReplicaState.STARTING, ReplicaState.IDLE,
-        ReplicaState.ALLOCATED)
+LIVE = (ReplicaState.CREATING, ReplicaState.STARTING, ReplicaState.IDLE, ReplicaState.ALLOCATED)
 
 
 def rows(env: Env, name: str) -> list[Replica]:
     with env.db.read() as s:
         fid = s.scalar(select(Function.id).where(Function.name == name))
-        return list(s.scalars(select(Replica).where(Replica.function_id == fid)
-                              .order_by(Replica.created_at)))
+        return list(
+            s.scalars(
+                select(Replica).where(Replica.function_id == fid).order_by(Replica.created_at)
+            )
+        )
 
 
 def live(env: Env, name: str) -> int:
@@ -72,7 +79,9 @@ def cold_starts(url: str, name: str) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
-    broker_env: Env, agent: RunningAgent, worker_processes: list[WorkerProcess],
+    broker_env: Env,
+    agent: RunningAgent,
+    worker_processes: list[WorkerProcess],
 ) -> None:
     settings = broker_env.set(**KEEPALIVE)
     for name, keep_alive in (("tick", "adaptive"), ("rare", "adaptive"), ("plain", "fixed")):
@@ -82,16 +91,27 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
     shape = Shape.from_settings(settings)
     before = time.time() - 15 * 6  # rare's history: called every 15 s, last 15 s from now
     for i in range(6):
-        idletimes.record(client, shape, {"rare": Activity(arrivals=[before + 15 * i - 0.1],
-                                                          last=before + 15 * i)})
+        idletimes.record(
+            client,
+            shape,
+            {"rare": Activity(arrivals=[before + 15 * i - 0.1], last=before + 15 * i)},
+        )
     worker = WorkerProcess(broker_env.tmp, concurrency=3)
     worker_processes.append(worker.start())
     beat = start_beat(broker_env.tmp, "keepalive", {})
-    gateway = serve_gateway(settings.model_copy(update={
-        "gateway_cold_start_timeout_s": 60.0, "gateway_report_interval_s": 0.1,
-        "gateway_keep_s": 0.0}), "127.0.0.1:0")
+    gateway = serve_gateway(
+        settings.model_copy(
+            update={
+                "gateway_cold_start_timeout_s": 60.0,
+                "gateway_report_interval_s": 0.1,
+                "gateway_keep_s": 0.0,
+            }
+        ),
+        "127.0.0.1:0",
+    )
     try:
         with httpx.Client(timeout=60) as http:
+
             def call(name: str) -> float:
                 """One call; returns when its answer ended."""
                 reply = http.post(f"{gateway.url}/function/{name}", content=b"x")
@@ -101,8 +121,12 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
             # -- rare and plain: one call each, cold
             rare_end = call("rare")
             call("plain")
-            wait_until(lambda: live(broker_env, "rare") == 0, 5,
-                       "rare's replica let go right after use", worker)
+            wait_until(
+                lambda: live(broker_env, "rare") == 0,
+                5,
+                "rare's replica let go right after use",
+                worker,
+            )
             let_go = time.time() - rare_end
             assert live(broker_env, "plain") == 1  # the fixed 10 minutes keep it
 

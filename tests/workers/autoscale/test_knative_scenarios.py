@@ -21,18 +21,29 @@ import pytest
 
 from workers.autoscale.decision import Decision, Facts, Observation, Policy, Window, decide
 
-KNATIVE = Policy(target_utilization=1.0, stable_window_s=60, panic_window_s=6,
-                 panic_threshold=2.0, max_scale_up_rate=10, max_scale_down_rate=10)
+KNATIVE = Policy(
+    target_utilization=1.0,
+    stable_window_s=60,
+    panic_window_s=6,
+    panic_threshold=2.0,
+    max_scale_up_rate=10,
+    max_scale_down_rate=10,
+)
 DEFAULTS = Policy()  # corral's defaults: Knative's max scale-down rate of 2.0
 T0 = 10_000.0
 
 
-def facts(target_value: int = 10, *, ready: int = 1, target: int | None = None,
-          **kw: object) -> Facts:
+def facts(
+    target_value: int = 10, *, ready: int = 1, target: int | None = None, **kw: object
+) -> Facts:
     """A function whose replica carries ``target_value`` requests (Knative's TargetValue)."""
-    base: dict[str, object] = {"min_replicas": 0, "max_replicas": 10_000,
-                               "exec_envs": target_value, "ready": ready,
-                               "target": ready if target is None else target}
+    base: dict[str, object] = {
+        "min_replicas": 0,
+        "max_replicas": 10_000,
+        "exec_envs": target_value,
+        "ready": ready,
+        "target": ready if target is None else target,
+    }
     base.update(kw)
     return Facts(**base)  # type: ignore[arg-type]
 
@@ -49,23 +60,27 @@ class Scaler:
     ready at once), as in Knative's tests where the fake pod counter is set by hand.
     """
 
-    def __init__(self, f: Facts, policy: Policy = KNATIVE, window: Window | None = None,
-                 at: float = T0) -> None:
+    def __init__(
+        self, f: Facts, policy: Policy = KNATIVE, window: Window | None = None, at: float = T0
+    ) -> None:
         self.facts, self.policy, self.at = f, policy, at
         self.window = warm(at) if window is None else window
         self.last_request: float | None = None
 
-    def step(self, demand: float, *, at: float | None = None, ready: int | None = None,
-             dt: float = 2.0) -> Decision:
+    def step(
+        self, demand: float, *, at: float | None = None, ready: int | None = None, dt: float = 2.0
+    ) -> Decision:
         self.at = self.at + dt if at is None else at
         if demand > 0:
             self.last_request = self.at
         if ready is not None:
             self.facts = replace(self.facts, ready=ready)
-        d, self.window = decide(self.policy, self.facts, self.window,
-                                Observation(self.at, demand, self.last_request))
-        self.facts = replace(self.facts, target=d.desired,
-                             ready=d.desired if ready is None else self.facts.ready)
+        d, self.window = decide(
+            self.policy, self.facts, self.window, Observation(self.at, demand, self.last_request)
+        )
+        self.facts = replace(
+            self.facts, target=d.desired, ready=d.desired if ready is None else self.facts.ready
+        )
         return d
 
 
@@ -295,7 +310,10 @@ def test_grace_longer_than_the_stable_window() -> None:
 
 def test_scale_to_zero_is_not_held_by_the_scale_down_rate() -> None:
     """One replica ready: floor(1 / 2) = 0, so the rate never keeps a last replica."""
-    run = Scaler(facts(10, ready=1, scale_to_zero_after_s=1.0), DEFAULTS,
-                 Window([(T0 - 100.0, 0.0)], None, T0 - 600.0))
+    run = Scaler(
+        facts(10, ready=1, scale_to_zero_after_s=1.0),
+        DEFAULTS,
+        Window([(T0 - 100.0, 0.0)], None, T0 - 600.0),
+    )
     d = run.step(0.0)
     assert d.desired == 0 and not d.slowed

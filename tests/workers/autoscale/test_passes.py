@@ -42,14 +42,29 @@ def fn_deploy(env: Env, name: str, **kw: object) -> None:
 def live(env: Env, name: str) -> int:
     with env.db.read() as s:
         fid = s.scalar(select(Function.id).where(Function.name == name))
-        return len(s.scalars(select(Replica).where(
-            Replica.function_id == fid, Replica.status == ReplicaState.IDLE)).all())
+        return len(
+            s.scalars(
+                select(Replica).where(
+                    Replica.function_id == fid, Replica.status == ReplicaState.IDLE
+                )
+            ).all()
+        )
 
 
 def report(client: redis.Redis, name: str, concurrency: float, at: float) -> None:
-    demand.report(client, "gw-test", {name: demand.Sample(
-        inflight=int(concurrency), queued=0, concurrency=concurrency,
-        requests=int(concurrency > 0), at=at)})
+    demand.report(
+        client,
+        "gw-test",
+        {
+            name: demand.Sample(
+                inflight=int(concurrency),
+                queued=0,
+                concurrency=concurrency,
+                requests=int(concurrency > 0),
+                at=at,
+            )
+        },
+    )
 
 
 def test_a_pass_scales_only_autoscaled_functions_and_keeps_its_window_in_redis(
@@ -93,8 +108,9 @@ def test_a_pass_scales_only_autoscaled_functions_and_keeps_its_window_in_redis(
         assert live(env, "auto") == want
 
 
-def test_no_second_scale_while_one_is_open(env: Env, start_agents: StartAgents,
-                                           redis_url: str) -> None:
+def test_no_second_scale_while_one_is_open(
+    env: Env, start_agents: StartAgents, redis_url: str
+) -> None:
     start_agents(1, env=env)
     fn_deploy(env, "auto", autoscale=True, max=8)
     client = redis.Redis.from_url(redis_url)
@@ -130,8 +146,9 @@ def test_a_pass_is_skipped_while_another_holds_the_lock(env: Env, redis_url: str
     assert client.get(LOCK_KEY) is None
 
 
-def one_request(env: Env, start_agents: StartAgents, redis_url: str,
-                after: float) -> tuple[redis.Redis, float]:
+def one_request(
+    env: Env, start_agents: StartAgents, redis_url: str, after: float
+) -> tuple[redis.Redis, float]:
     """A function ``zero`` that may go to zero ``after`` seconds; one pass saw a request."""
     start_agents(1, env=env)
     fn_deploy(env, "zero", autoscale=True, min=0, max=4, scale_to_zero_after=after)
@@ -143,8 +160,9 @@ def one_request(env: Env, start_agents: StartAgents, redis_url: str,
     return client, t
 
 
-def test_scale_to_zero_after_no_requests(env: Env, start_agents: StartAgents,
-                                         redis_url: str) -> None:
+def test_scale_to_zero_after_no_requests(
+    env: Env, start_agents: StartAgents, redis_url: str
+) -> None:
     client, t = one_request(env, start_agents, redis_url, 15)
     for dt in (2, 6, 12, 14):  # window over after 10 s, but the last request was < 15 s ago
         report(client, "zero", 0.0, t + dt)  # the gateway sees no load (and no requests)
@@ -182,8 +200,12 @@ def test_a_lost_window_keeps_the_ready_replicas(
     client = redis.Redis.from_url(redis_url)
     t = time.time()
     report(client, "auto", 2.8, t)
-    assert run_pass(env.db, env.settings, client, scaler(env), now=t).functions[
-        "auto"].decision.desired == 4
+    assert (
+        run_pass(env.db, env.settings, client, scaler(env), now=t)
+        .functions["auto"]
+        .decision.desired
+        == 4
+    )
     assert live(env, "auto") == 4
     with env.db.read() as s:
         fid = s.scalars(select(Function.id).where(Function.name == "auto")).one()

@@ -44,12 +44,26 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
     broker_env: Env, agent: RunningAgent, worker_processes: list[WorkerProcess]
 ) -> None:
     with broker_env.db.transaction() as s:
-        deploy(s, spec_from(name="echo", image="examples.echo", kernel="/k", min=0, max=6,
-                            exec_envs=1, autoscale=True, scale_to_zero_after=3.0),
-               broker_env.settings)
-    gateway = serve_gateway(broker_env.settings.model_copy(update={
-        "gateway_cold_start_timeout_s": 60.0, "gateway_report_interval_s": 0.25}),
-        "127.0.0.1:0")
+        deploy(
+            s,
+            spec_from(
+                name="echo",
+                image="examples.echo",
+                kernel="/k",
+                min=0,
+                max=6,
+                exec_envs=1,
+                autoscale=True,
+                scale_to_zero_after=3.0,
+            ),
+            broker_env.settings,
+        )
+    gateway = serve_gateway(
+        broker_env.settings.model_copy(
+            update={"gateway_cold_start_timeout_s": 60.0, "gateway_report_interval_s": 0.25}
+        ),
+        "127.0.0.1:0",
+    )
     worker = WorkerProcess(broker_env.tmp, concurrency=3, extra_env=FAST_AUTOSCALE)
     worker_processes.append(worker.start())
     beat = start_beat(broker_env.tmp, "one", FAST_AUTOSCALE)
@@ -59,8 +73,9 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
     def client() -> None:
         with httpx.Client(timeout=90) as http:
             while not stop.is_set():
-                codes.append(http.post(f"{gateway.url}/function/echo?delay=0.3",
-                                       content=b"x").status_code)
+                codes.append(
+                    http.post(f"{gateway.url}/function/echo?delay=0.3", content=b"x").status_code
+                )
 
     clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]
     try:
@@ -84,8 +99,9 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
         beat.wait(20)
         gateway.stop()
     with broker_env.db.read() as s:
-        ops = s.scalars(select(Operation).where(Operation.kind == "scale")
-                        .order_by(Operation.created_at)).all()
+        ops = s.scalars(
+            select(Operation).where(Operation.kind == "scale").order_by(Operation.created_at)
+        ).all()
         target = s.scalar(select(Function.target))
     targets = [op.params["target"] for op in ops]
     assert 6 in targets and targets[-1] == 0 and target == 0, targets

@@ -42,8 +42,12 @@ def test_each_backend_writes_its_addresses_one_way(
 
 @pytest.mark.parametrize(
     ("kind", "address"),
-    [(NodeKind.FCDAEMON, "http://10.0.0.5:3000"), (NodeKind.FCDAEMON, "h:0"),
-     (NodeKind.LAMBDO, "10.0.0.5:3000"), (NodeKind.LAMBDO, "ftp://h:1")],
+    [
+        (NodeKind.FCDAEMON, "http://10.0.0.5:3000"),
+        (NodeKind.FCDAEMON, "h:0"),
+        (NodeKind.LAMBDO, "10.0.0.5:3000"),
+        (NodeKind.LAMBDO, "ftp://h:1"),
+    ],
 )
 def test_an_address_of_the_wrong_shape_is_refused(kind: NodeKind, address: str) -> None:
     with pytest.raises(InputError, match="invalid"):

@@ -33,8 +33,13 @@ def lambdo(corral_env: Env) -> Iterator[RunningLambdo]:
 
 
 def _deploy(env: Env, **fields: Any) -> Function:
-    spec = {"name": "fn", "image": "examples.hello", "backend": "lambdo", "rootfs": ROOTFS,
-            **fields}
+    spec = {
+        "name": "fn",
+        "image": "examples.hello",
+        "backend": "lambdo",
+        "rootfs": ROOTFS,
+        **fields,
+    }
     with env.db.transaction() as s:
         fn, _ = deploy(s, spec_from(**spec), env.settings)
         return fn
@@ -141,12 +146,14 @@ def test_client_maps_unordered_pairs_and_rejects_garbage(lambdo: RunningLambdo) 
     vm = inflight.run(client.spawn("x_1", "examples.hello", [8080, 9090, 7070]))
     assert sorted(vm.port_mapping) == [7070, 8080, 9090]
     assert all(10000 <= h <= 19999 for h in vm.port_mapping.values())
-    lambdo.agent.inject("spawn", Fault.reply(200, '{"id": "", "port_mapping": []}',
-                                             "application/json"))
+    lambdo.agent.inject(
+        "spawn", Fault.reply(200, '{"id": "", "port_mapping": []}', "application/json")
+    )
     with pytest.raises(PermanentBackendError, match="empty vmid"):
         inflight.run(client.spawn("x_1", "examples.hello", [8080]))
-    lambdo.agent.inject("spawn", Fault.reply(200, '{"id": "a", "port_mapping": 3}',
-                                             "application/json"))
+    lambdo.agent.inject(
+        "spawn", Fault.reply(200, '{"id": "a", "port_mapping": 3}', "application/json")
+    )
     with pytest.raises(PermanentBackendError, match="unreadable"):
         inflight.run(client.spawn("x_1", "examples.hello", [8080]))
     assert inflight.run(client.destroy(vm.vmid)) is True
@@ -159,8 +166,11 @@ def test_bearer_token(corral_env: Env) -> None:
     try:
         with pytest.raises(PermanentBackendError, match="401"):
             inflight.run(LambdoClient(host.url, timeout_s=2).spawn("x_1", "examples.hello", [8080]))
-        vm = inflight.run(LambdoClient(host.url, timeout_s=2, token="s3cret").spawn(
-            "x_1", "examples.hello", [8080]))
+        vm = inflight.run(
+            LambdoClient(host.url, timeout_s=2, token="s3cret").spawn(
+                "x_1", "examples.hello", [8080]
+            )
+        )
         assert vm.vmid
     finally:
         host.stop()
@@ -170,5 +180,11 @@ def test_a_lambdo_function_needs_no_image_its_rootfs_is_its_image(corral_env: En
     fn = _deploy(corral_env, image=None)
     assert fn.image == ROOTFS
     with pytest.raises(InputError, match="--image is required"):
-        _deploy(corral_env, name="fc", image=None, backend="fcdaemon", rootfs=None,
-                kernel="/boot/vmlinux")
+        _deploy(
+            corral_env,
+            name="fc",
+            image=None,
+            backend="fcdaemon",
+            rootfs=None,
+            kernel="/boot/vmlinux",
+        )

@@ -24,8 +24,12 @@ from workers.functions import deploy, spec_from
 from workers.store.models import Node, Replica
 
 # where this test's control plane listens (none of these ports is bound: the settings say so)
-LISTENERS = {"metrics_listen": "127.0.0.1:19808", "gateway_listen": "127.0.0.1:18080",
-             "registry_listen": "0.0.0.0:15052", "flower_port": "15555"}
+LISTENERS = {
+    "metrics_listen": "127.0.0.1:19808",
+    "gateway_listen": "127.0.0.1:18080",
+    "registry_listen": "0.0.0.0:15052",
+    "flower_port": "15555",
+}
 
 
 @pytest.fixture
@@ -53,14 +57,18 @@ def _spawn_fails_untrusted(env: Env, why: str) -> None:
         assert [r.address for r in s.scalars(select(Replica))] == [None]
 
 
-@pytest.mark.parametrize("port", [19808, 18080, 15052, 15555, 1],
-                         ids=["metrics", "gateway", "registry-wildcard", "flower", "broker"])
+@pytest.mark.parametrize(
+    "port",
+    [19808, 18080, 15052, 15555, 1],
+    ids=["metrics", "gateway", "registry-wildcard", "flower", "broker"],
+)
 def test_an_agent_cannot_point_a_replica_at_corrals_own_listeners(
     env: Env, agent: RunningAgent, port: int
 ) -> None:
     # the reproduction: a fake agent pointed a replica at the metrics exporter
-    agent.agent.inject("CreateReplica", Fault.reply(
-        fcdaemon_pb2.CreateReply(vmid="v1", ip="127.0.0.1", port=port)))
+    agent.agent.inject(
+        "CreateReplica", Fault.reply(fcdaemon_pb2.CreateReply(vmid="v1", ip="127.0.0.1", port=port))
+    )
     _spawn_fails_untrusted(env, "one of corral's own listeners")
 
 
@@ -71,24 +79,41 @@ def test_a_replica_outside_its_nodes_networks_is_untrusted_until_the_operator_li
     agent.agent.inject("CreateReplica", Fault.reply(reply))
     _spawn_fails_untrusted(env, "outside the node's replica networks")
     # a malformed network: a clear error, the node unchanged
-    assert main(["nodes", "add", agent.address, "--name", "n1",
-                 "--replica-network", "10.9.8.0/33"]) == 1
+    assert (
+        main(["nodes", "add", agent.address, "--name", "n1", "--replica-network", "10.9.8.0/33"])
+        == 1
+    )
     assert "--replica-network: '10.9.8.0/33' is not a network" in capsys.readouterr().err
     with env.db.read() as s:
         assert s.scalars(select(Node.replica_networks)).one() is None
-    assert main(["nodes", "add", agent.address, "--name", "n1", "--replica-network",
-                 "10.9.8.0/24", "--replica-network", "127.0.0.1"]) == 0
+    assert (
+        main(
+            [
+                "nodes",
+                "add",
+                agent.address,
+                "--name",
+                "n1",
+                "--replica-network",
+                "10.9.8.0/24",
+                "--replica-network",
+                "127.0.0.1",
+            ]
+        )
+        == 0
+    )
     networks.forget()  # another process would see it within networks.TTL_S
     agent.agent.inject("CreateReplica", Fault.reply(reply))
     view = api.wait(api.spawn("victim", 1), timeout=30)
     assert view["status"] == "succeeded", view
     with env.db.read() as s:
         assert "http://10.9.8.7:8080" in [r.address for r in s.scalars(select(Replica))]
-    assert json.loads(_nodes_json(capsys))[0]["replica_networks"] == ["10.9.8.0/24",
-                                                                      "127.0.0.1/32"]
+    assert json.loads(_nodes_json(capsys))[0]["replica_networks"] == ["10.9.8.0/24", "127.0.0.1/32"]
     # a listener stays refused inside a listed network
-    agent.agent.inject("CreateReplica", Fault.reply(
-        fcdaemon_pb2.CreateReply(vmid="v2", ip="127.0.0.1", port=18080)))
+    agent.agent.inject(
+        "CreateReplica",
+        Fault.reply(fcdaemon_pb2.CreateReply(vmid="v2", ip="127.0.0.1", port=18080)),
+    )
     view = api.wait(api.spawn("victim", 1), timeout=30)
     assert view["status"] == "failed" and "own listeners" in (view["error"] or ""), view
 
@@ -104,10 +129,16 @@ def test_a_lambdo_host_cannot_map_a_replica_onto_a_listener(env: Env) -> None:
     try:
         with env.db.transaction() as s:
             upsert_node(s, host.url, name="l1", kind="lambdo")
-            deploy(s, spec_from(name="victim", image="examples.hello", backend="lambdo",
-                                rootfs="examples.hello"), env.settings)
-        host.agent.inject("spawn", Fault.reply(
-            200, json.dumps({"id": "v1", "port_mapping": [[18080, 8080]]})))
+            deploy(
+                s,
+                spec_from(
+                    name="victim", image="examples.hello", backend="lambdo", rootfs="examples.hello"
+                ),
+                env.settings,
+            )
+        host.agent.inject(
+            "spawn", Fault.reply(200, json.dumps({"id": "v1", "port_mapping": [[18080, 8080]]}))
+        )
         _spawn_fails_untrusted(env, "one of corral's own listeners")
         view = api.wait(api.spawn("victim", 1), timeout=30)  # an honest answer is fine
         assert view["status"] == "succeeded", view
@@ -119,6 +150,7 @@ def test_a_lambdo_host_cannot_map_a_replica_onto_a_listener(env: Env) -> None:
 def test_nor_at_the_database(env: Env, agent: RunningAgent) -> None:
     port = urlsplit(env.settings.database_url).port
     assert port is not None
-    agent.agent.inject("CreateReplica", Fault.reply(
-        fcdaemon_pb2.CreateReply(vmid="v1", ip="127.0.0.1", port=port)))
+    agent.agent.inject(
+        "CreateReplica", Fault.reply(fcdaemon_pb2.CreateReply(vmid="v1", ip="127.0.0.1", port=port))
+    )
     _spawn_fails_untrusted(env, "one of corral's own listeners")

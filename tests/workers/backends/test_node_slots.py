@@ -27,12 +27,12 @@ from workers.store.models import Node
 
 
 def _one_counting_agent(env: Env, counter: Counter, seconds: float) -> tuple[RunningAgent, str]:
-    agent = serve_fcdaemon("127.0.0.1:0", driver=CountingDriver(counter, seconds),
-                           max_workers=64)
+    agent = serve_fcdaemon("127.0.0.1:0", driver=CountingDriver(counter, seconds), max_workers=64)
     with env.db.transaction() as s:
         node_id = upsert_node(s, agent.address, name="counted", capacity=1000)[0].id
-        deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k", max=1000),
-               env.settings)
+        deploy(
+            s, spec_from(name="hello", image="examples.hello", kernel="/k", max=1000), env.settings
+        )
     return agent, node_id
 
 
@@ -100,7 +100,8 @@ def test_the_slots_of_a_killed_worker_lapse_by_themselves(
     agent, node_id = _one_counting_agent(broker_env, counter, 3.0)
     with broker_env.db.transaction() as s:  # a proven node: no probation
         s.get(Node, node_id).last_create_ok_at = s.scalar(  # type: ignore[union-attr]
-            select(Node.created_at).where(Node.id == node_id))
+            select(Node.created_at).where(Node.id == node_id)
+        )
     client = redis.Redis.from_url(settings.broker_url)
     try:
         worker = WorkerProcess(broker_env.tmp, concurrency=1, name="doomed").start()

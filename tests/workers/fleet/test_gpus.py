@@ -88,9 +88,7 @@ def test_more_slots_never_grow_into_the_next_gpus_ports(corral_env: Env) -> None
         settings = corral_env.set(workers_per_gpu=6)
         gpus = add_gpu_server(corral_env.db, settings, server.address)
     # A (4000-4003) is followed by B at 4004: it stays at 4 slots; B, the last, gets 6
-    assert [(g.uuid, g.first_port, g.slots_total) for g in gpus] == [
-        (A, 4000, 4), (B, 4004, 6)
-    ]
+    assert [(g.uuid, g.first_port, g.slots_total) for g in gpus] == [(A, 4000, 4), (B, 4004, 6)]
 
 
 def test_a_gpu_known_on_another_server_is_refused(corral_env: Env) -> None:

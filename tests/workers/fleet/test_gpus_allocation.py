@@ -53,7 +53,9 @@ def _dead(env: Env) -> list[Replica]:
 
 
 def test_four_fit_the_fifth_fails_and_a_delete_makes_room(
-    corral_env: Env, start_agents: StartAgents, gpu_server: RunningGpus,
+    corral_env: Env,
+    start_agents: StartAgents,
+    gpu_server: RunningGpus,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     start_agents(1)
@@ -82,8 +84,10 @@ def test_four_fit_the_fifth_fails_and_a_delete_makes_room(
 
     assert main(["gpus", "list", "--json"]) == 0
     rows = {r["uuid"]: r for r in json.loads(capsys.readouterr().out)}
-    assert {(r["mem_used_mb"], r["mem_total_mb"], r["slots_used"], r["slots_total"])
-            for r in rows.values()} == {(12000, 16000, 2, 4)}
+    assert {
+        (r["mem_used_mb"], r["mem_total_mb"], r["slots_used"], r["slots_total"])
+        for r in rows.values()
+    } == {(12000, 16000, 2, 4)}
     assert (rows[G0]["first_port"], rows[G1]["first_port"]) == (4000, 4004)
     assert {r["mngr_addr"] for r in rows.values()} == {"127.0.0.1:3333"}
     assert {r["server"] for r in rows.values()} == {gpu_server.address}
@@ -152,15 +156,18 @@ def test_manager_info_over_grpc(corral_env: Env) -> None:
             gpus = {g.id: g for g in gpus_by_uuid(corral_env).values()}
             for r in live(corral_env, "infer"):
                 reply = stub.GetAvAManagerInfo(
-                    mngrinfo_pb2.AvAManagerInfoRequest(vmid=r.vmid or ""), timeout=5)
+                    mngrinfo_pb2.AvAManagerInfoRequest(vmid=r.vmid or ""), timeout=5
+                )
                 gpu, port = _gpu_and_port(gpus, r)
                 assert (reply.gpu_uuid, reply.mngr_addr, reply.worker_port) == (
-                    gpu.uuid, gpu.mngr_addr, port)
+                    gpu.uuid,
+                    gpu.mngr_addr,
+                    port,
+                )
             (no_gpu,) = live(corral_env, "plain")
             for vmid in ("x", no_gpu.vmid or ""):  # unknown, and a replica without a GPU
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.GetAvAManagerInfo(mngrinfo_pb2.AvAManagerInfoRequest(vmid=vmid),
-                                           timeout=5)
+                    stub.GetAvAManagerInfo(mngrinfo_pb2.AvAManagerInfoRequest(vmid=vmid), timeout=5)
                 assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         registry.stop(0)

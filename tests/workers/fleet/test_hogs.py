@@ -56,10 +56,16 @@ def test_start_two_then_stop_one_on_every_node(
 
     assert main(["hogs", "stop", "1", "--wait", "--json"]) == 0
     view = json.loads(capsys.readouterr().out)
-    assert (view["kind"], view["status"], view["done"], view["total"]) == ("hogs", "succeeded",
-                                                                          2, 2)
+    assert (view["kind"], view["status"], view["done"], view["total"]) == (
+        "hogs",
+        "succeeded",
+        2,
+        2,
+    )
     assert {k: v["state"] for k, v in view["result"]["nodes"].items()} == {
-        "node1": "ok", "node2": "ok"}
+        "node1": "ok",
+        "node2": "ok",
+    }
     for agent in (a, b):
         assert [r.n for r in agent.agent.calls_of("StopCPUHogs")] == [1]
         assert agent.agent.hogs.count == 1
@@ -93,8 +99,11 @@ def test_a_refusing_node_is_reported_and_the_rest_proceed(
     two_agents: list[RunningAgent], capsys: pytest.CaptureFixture[str]
 ) -> None:
     a, b = two_agents
-    b.agent.inject("CreateCPUHogs", Fault.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "limit"),
-                   Fault.abort(grpc.StatusCode.INTERNAL, "no"))
+    b.agent.inject(
+        "CreateCPUHogs",
+        Fault.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "limit"),
+        Fault.abort(grpc.StatusCode.INTERNAL, "no"),
+    )
     assert main(["hogs", "start", "1", "--wait"]) == 1
     captured = capsys.readouterr()
     assert "partial" in captured.out
@@ -124,8 +133,9 @@ def test_bad_requests_change_nothing(two_agents: list[RunningAgent], corral_env:
     assert all(not x.agent.calls_of("CreateCPUHogs") for x in two_agents)
 
 
-def test_a_finished_operation_is_not_repeated(two_agents: list[RunningAgent],
-                                              corral_env: Env) -> None:
+def test_a_finished_operation_is_not_repeated(
+    two_agents: list[RunningAgent], corral_env: Env
+) -> None:
     a, _ = two_agents
     op = api.hogs("start", 1, "node1")
     assert api.wait(op, timeout=20)["status"] == "succeeded"

@@ -86,9 +86,7 @@ def test_roundrobin_skips_a_full_node(corral_env: Env, start_agents: StartAgents
     assert _order(corral_env) == ["node1", "node2", "node3", "node1", "node3"]
 
 
-def test_spread_puts_n_on_every_healthy_node(
-    corral_env: Env, start_agents: StartAgents
-) -> None:
+def test_spread_puts_n_on_every_healthy_node(corral_env: Env, start_agents: StartAgents) -> None:
     start_agents(3)
     deploy_fn(corral_env, "f", placement="spread")
     view = api.wait(api.spawn("f", 2), timeout=20)

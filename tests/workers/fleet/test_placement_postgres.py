@@ -42,8 +42,9 @@ def _check_invariants(env: Env) -> tuple[int, int]:
             assert mb == gpu.mem_total_mb - gpu.mem_free_mb, (gpu.uuid, mb, gpu.mem_free_mb)
             assert n <= gpu.slots_total, (gpu.uuid, n)
             assert n == gpu.slots_total - gpu.slots_free, (gpu.uuid, n, gpu.slots_free)
-        slots = list(s.execute(
-            select(Replica.gpu_id, Replica.gpu_slot).where(Replica.gpu_slot.is_not(None))))
+        slots = list(
+            s.execute(select(Replica.gpu_id, Replica.gpu_slot).where(Replica.gpu_slot.is_not(None)))
+        )
         assert len(slots) == len(set(slots))  # no slot handed out twice
         dead = list(s.scalars(select(Replica).where(Replica.status == ReplicaState.DEAD)))
         assert all(r.gpu_slot is None for r in dead)
@@ -51,8 +52,11 @@ def _check_invariants(env: Env) -> tuple[int, int]:
             f"no GPU capacity for {name} ({mb} MB)" for name, mb in FUNCTIONS.items()
         }
         for node in s.scalars(select(Node)):
-            on_node = s.scalar(select(func.count()).select_from(Replica).where(
-                Replica.node_id == node.id, Replica.status.in_(LIVE_STATES)))
+            on_node = s.scalar(
+                select(func.count())
+                .select_from(Replica)
+                .where(Replica.node_id == node.id, Replica.status.in_(LIVE_STATES))
+            )
             assert node.live == on_node, (node.name, node.live, on_node)
         assert audit_gpus(s) == []
         live_gpu = sum(n for n, _ in held.values())
@@ -70,8 +74,9 @@ def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
         add_gpu_server(env.db, env.settings, server.address)
     for name, mb in FUNCTIONS.items():
         deploy_fn(env, name, gpu_mem=mb)
-    workers = [WorkerProcess(env.tmp, concurrency=4, name=f"w{i}", pool="prefork")
-               for i in range(4)]
+    workers = [
+        WorkerProcess(env.tmp, concurrency=4, name=f"w{i}", pool="prefork") for i in range(4)
+    ]
     with ThreadPoolExecutor(4) as pool:
         worker_processes.extend(pool.map(lambda w: w.start(timeout=45), workers))
 
@@ -109,7 +114,7 @@ def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
     views = [api.wait(op, timeout=45) for op in ops]
     assert all(v["status"] in ("succeeded", "partial", "failed") for v in views)
     assert all(v["status"] == "succeeded" for v in views[: len(live_ids)]), views
-    placed = sum(v["done"] for v in views[len(live_ids):])
+    placed = sum(v["done"] for v in views[len(live_ids) :])
     live_gpu, _ = _check_invariants(env)
     assert live_gpu == placed and 1 <= placed <= 8
     assert time.monotonic() - started < 60
@@ -130,7 +135,11 @@ def test_roundrobin_stays_even_under_concurrent_spawns(
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(place, range(30)))
     with pg_env.db.read() as s:
-        counts = dict(s.execute(
-            select(Node.name, func.count(Replica.id)).join(Replica, Replica.node_id == Node.id)
-            .group_by(Node.name)).all())
+        counts = dict(
+            s.execute(
+                select(Node.name, func.count(Replica.id))
+                .join(Replica, Replica.node_id == Node.id)
+                .group_by(Node.name)
+            ).all()
+        )
     assert counts == {"node1": 10, "node2": 10, "node3": 10}

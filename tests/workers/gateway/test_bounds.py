@@ -49,8 +49,7 @@ def _answer(sock: socket.socket, within: float) -> bytes:
 
 def _post_head(path: str, length: int, token: str | None = None) -> bytes:
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
-    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\n{auth}Content-Length: {length}\r\n\r\n"
-            ).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: gw\r\n{auth}Content-Length: {length}\r\n\r\n").encode()
 
 
 def test_a_request_head_that_never_ends_is_408_and_closed(stack: Stack) -> None:
@@ -140,7 +139,9 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
     proc = subprocess.Popen(
         [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
         env={**os.environ, "CORRAL_GATEWAY_TOKEN": "t0ken"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     held: list[socket.socket] = []
     try:

@@ -35,12 +35,15 @@ def no_worker(broker_env: Env) -> Iterator[RunningAgent]:
 
 
 def test_the_gateway_carries_out_its_cold_start_and_is_told_when_it_is_ready(
-    broker_env: Env, no_worker: RunningAgent, monkeypatch: pytest.MonkeyPatch,
+    broker_env: Env,
+    no_worker: RunningAgent,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The waiting claim's own looks are 30 s apart: only the notice can wake it in time.
     monkeypatch.setattr(coldstarts, "TOLD_POLL_S", 30.0)
-    gateway = serve_gateway(broker_env.settings.model_copy(update={
-        "gateway_cold_start_timeout_s": 20.0}), "127.0.0.1:0")
+    gateway = serve_gateway(
+        broker_env.settings.model_copy(update={"gateway_cold_start_timeout_s": 20.0}), "127.0.0.1:0"
+    )
     try:
         started = time.monotonic()
         answer = httpx.get(f"{gateway.url}/function/hello", timeout=60)
@@ -58,11 +61,15 @@ def test_the_gateway_carries_out_its_cold_start_and_is_told_when_it_is_ready(
 
 
 def test_with_spawning_here_off_the_cold_start_waits_for_a_worker(
-    broker_env: Env, no_worker: RunningAgent,
+    broker_env: Env,
+    no_worker: RunningAgent,
 ) -> None:
-    gateway = serve_gateway(broker_env.settings.model_copy(update={
-        "gateway_spawn_here": False, "gateway_cold_start_timeout_s": 1.0}),
-        "127.0.0.1:0")
+    gateway = serve_gateway(
+        broker_env.settings.model_copy(
+            update={"gateway_spawn_here": False, "gateway_cold_start_timeout_s": 1.0}
+        ),
+        "127.0.0.1:0",
+    )
     try:
         answer = httpx.get(f"{gateway.url}/function/hello", timeout=60)
     finally:

@@ -111,8 +111,10 @@ def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
         async with httpx.AsyncClient(timeout=60) as client:
             busy = asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=2"))
             await asyncio.sleep(0.5)  # it holds the only environment
-            queued = [asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=0.1"))
-                      for _ in range(2)]
+            queued = [
+                asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=0.1"))
+                for _ in range(2)
+            ]
             await asyncio.sleep(0.5)
             refused = await client.get(f"{gw.url}/function/echo")
             assert refused.headers["retry-after"] == "1"
@@ -166,6 +168,8 @@ def test_no_listening_off_loopback_without_a_token(
     assert check_listen(settings, "[::1]:9000") == ("::1", 9000)
     assert main(["gateway", "--listen", "0.0.0.0:0"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("corral: error: corral gateway refuses to listen on 0.0.0.0 "
-                          "without a token: set CORRAL_GATEWAY_TOKEN")
+    assert err.startswith(
+        "corral: error: corral gateway refuses to listen on 0.0.0.0 "
+        "without a token: set CORRAL_GATEWAY_TOKEN"
+    )
     assert err.count("\n") == 1

@@ -19,9 +19,13 @@ import httpx
 
 from tests.workers.gateway.conftest import Stack
 
-SPOOFED = {"X-Forwarded-For": "6.6.6.6", "X-Forwarded-Proto": "https",
-           "X-Forwarded-Host": "evil.example", "Forwarded": "for=6.6.6.6;proto=https",
-           "X-Real-IP": "6.6.6.6"}
+SPOOFED = {
+    "X-Forwarded-For": "6.6.6.6",
+    "X-Forwarded-Proto": "https",
+    "X-Forwarded-Host": "evil.example",
+    "Forwarded": "for=6.6.6.6;proto=https",
+    "X-Real-IP": "6.6.6.6",
+}
 
 
 def _raw(url: str, path: str, headers: list[tuple[str, str]] | None = None) -> dict[str, Any]:
@@ -72,9 +76,15 @@ def test_hop_by_hop_and_connection_named_headers_stop_at_the_gateway(stack: Stac
     answer = httpx.get(
         f"{gw.url}/function/reflect?header=Connection:+x-replica-hop&header=X-Replica-Hop:+1"
         "&header=X-Kept:+yes",
-        headers={"Connection": "keep-alive, X-Caller-Hop", "X-Caller-Hop": "secret",
-                 "Keep-Alive": "timeout=5", "Proxy-Connection": "keep-alive",
-                 "X-Passed": "yes"}, timeout=60)
+        headers={
+            "Connection": "keep-alive, X-Caller-Hop",
+            "X-Caller-Hop": "secret",
+            "Keep-Alive": "timeout=5",
+            "Proxy-Connection": "keep-alive",
+            "X-Passed": "yes",
+        },
+        timeout=60,
+    )
     seen = answer.json()["headers"]
     assert seen["x-passed"] == "yes"
     assert not {"x-caller-hop", "keep-alive", "proxy-connection"} & seen.keys(), seen
@@ -87,8 +97,12 @@ def test_hop_by_hop_and_connection_named_headers_stop_at_the_gateway(stack: Stac
 def test_the_raw_path_reaches_the_replica_byte_for_byte(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
-    for path, query in (("/a%3Fadmin=1", ""), ("/x%2Fy/z", "q=%2F"), ("/a%00b", ""),
-                        ("/sp%20ace/", "a=1&b")):
+    for path, query in (
+        ("/a%3Fadmin=1", ""),
+        ("/x%2Fy/z", "q=%2F"),
+        ("/a%00b", ""),
+        ("/sp%20ace/", "a=1&b"),
+    ):
         seen = _raw(gw.url, f"/function/reflect{path}" + (f"?{query}" if query else ""))
         assert (seen["path"], seen["query"]) == (path, query)
     assert _raw(gw.url, "/function/reflect")["path"] == "/"

@@ -90,8 +90,7 @@ def test_held_claims_are_renewed_past_their_ttl_in_use_and_idle(stack: Stack) ->
             expired = 0
             while not call.done():  # the reaper's expiry sweep, again and again
                 await asyncio.sleep(0.25)
-                expired += await asyncio.to_thread(claims.expire, stack.env.db,
-                                                   stack.env.settings)
+                expired += await asyncio.to_thread(claims.expire, stack.env.db, stack.env.settings)
             return (await call).status_code, expired
 
     status, expired = asyncio.run(slow_request_while_reaping())
@@ -158,5 +157,4 @@ def test_stopping_the_gateway_gives_every_held_claim_back(stack: Stack) -> None:
     assert stack.claims() >= 3  # held after their requests
     gw.stop()
     assert stack.claims() == 0  # given back as it stopped, not by the keep window
-    assert all((r.status, r.envs_in_use) == (ReplicaState.IDLE, 0)
-               for r in stack.replicas("echo"))
+    assert all((r.status, r.envs_in_use) == (ReplicaState.IDLE, 0) for r in stack.replicas("echo"))

@@ -12,8 +12,7 @@ from workers.replicas.claims import Claimed
 
 
 def _claim(claim_id: str, replica_id: str = "r1") -> Claimed:
-    return Claimed(claim_id, replica_id, "http://127.0.0.1:9", "vm", "hello",
-                   datetime(2030, 1, 1))
+    return Claimed(claim_id, replica_id, "http://127.0.0.1:9", "vm", "hello", datetime(2030, 1, 1))
 
 
 def test_the_newest_idle_claim_is_taken_first() -> None:

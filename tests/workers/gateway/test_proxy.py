@@ -50,8 +50,12 @@ def test_method_path_query_headers_and_body_are_forwarded(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
     answer = httpx.request(
-        "PATCH", f"{gw.url}/function/reflect/a/b%20c?q=1&q=2&x=%2F",
-        headers={"X-Custom": "yes", "Connection": "keep-alive"}, content=b"payload", timeout=60)
+        "PATCH",
+        f"{gw.url}/function/reflect/a/b%20c?q=1&q=2&x=%2F",
+        headers={"X-Custom": "yes", "Connection": "keep-alive"},
+        content=b"payload",
+        timeout=60,
+    )
     assert answer.status_code == 200
     seen = json.loads(answer.content)
     assert seen["method"] == "PATCH"
@@ -87,10 +91,15 @@ def test_two_hundred_concurrent_first_requests_start_at_most_max_replicas(stack:
     async def run() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            return await asyncio.gather(*(
-                client.post(f"{gateways[i % 2].url}/function/echo?delay=0.05",
-                            content=f"request {i}".encode())
-                for i in range(200)))
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{gateways[i % 2].url}/function/echo?delay=0.05",
+                        content=f"request {i}".encode(),
+                    )
+                    for i in range(200)
+                )
+            )
 
     answers = asyncio.run(run())
     refused = {a.text for a in answers if a.status_code != 200}
@@ -130,8 +139,9 @@ def test_each_gateway_reports_its_demand_to_redis(stack: Stack) -> None:
 
     async def load() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            await asyncio.gather(*(http.get(f"{gw.url}/function/echo?delay=1.5")
-                                   for gw in (first, second, first)))
+            await asyncio.gather(
+                *(http.get(f"{gw.url}/function/echo?delay=1.5") for gw in (first, second, first))
+            )
 
     async def busy_then_read() -> dict[str, demand.Demand]:
         task = asyncio.ensure_future(load())

@@ -49,8 +49,9 @@ def spans() -> Iterator[InMemorySpanExporter]:
     provider.shutdown()
 
 
-def _wait_for(exporter: InMemorySpanExporter, names: set[str],
-              timeout: float = 20.0) -> dict[str, ReadableSpan]:
+def _wait_for(
+    exporter: InMemorySpanExporter, names: set[str], timeout: float = 20.0
+) -> dict[str, ReadableSpan]:
     """The finished spans by name, once every one of ``names`` has ended."""
     deadline = time.monotonic() + timeout
     while True:
@@ -73,8 +74,9 @@ def _metric(text: str, line_start: str) -> float:
 
 
 @pytest.fixture(params=[True, False], ids=["spawned-here", "through-the-broker"])
-def data_path(request: pytest.FixtureRequest, thread_worker: Env,
-              redis_url: str) -> Iterator[RunningGateway]:
+def data_path(
+    request: pytest.FixtureRequest, thread_worker: Env, redis_url: str
+) -> Iterator[RunningGateway]:
     """Registry, an agent that reports READY to it, a guest-ready function, a gateway.
 
     The gateway carries out its cold start's spawn itself, or sends it to the worker.
@@ -82,8 +84,12 @@ def data_path(request: pytest.FixtureRequest, thread_worker: Env,
     env = thread_worker
     redis_client(redis_url).delete(stages.KEY)  # type: ignore[union-attr]
     registry = serve_registry(env.settings, "127.0.0.1:0")
-    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver(),
-                           registry=f"127.0.0.1:{registry.port}", advertise_ip="127.0.0.1")
+    agent = serve_fcdaemon(
+        "127.0.0.1:0",
+        driver=ProcessDriver(),
+        registry=f"127.0.0.1:{registry.port}",
+        advertise_ip="127.0.0.1",
+    )
     gateway = None
     try:
         deadline = time.monotonic() + 15
@@ -91,9 +97,12 @@ def data_path(request: pytest.FixtureRequest, thread_worker: Env,
             assert time.monotonic() < deadline, "the agent did not register"
             time.sleep(0.05)
         deploy_fn(env, "traced", image="examples.hello", readiness="guest")
-        gateway = serve_gateway(env.settings.model_copy(update={
-            "gateway_cold_start_timeout_s": 30.0, "gateway_spawn_here": request.param}),
-            "127.0.0.1:0")
+        gateway = serve_gateway(
+            env.settings.model_copy(
+                update={"gateway_cold_start_timeout_s": 30.0, "gateway_spawn_here": request.param}
+            ),
+            "127.0.0.1:0",
+        )
         yield gateway
     finally:
         if gateway is not None:
@@ -138,17 +147,34 @@ def _check_tree(got: dict[str, ReadableSpan]) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_cold_start_is_one_trace_from_request_to_first_byte(
-    data_path: RunningGateway, thread_worker: Env, spans: InMemorySpanExporter,
+    data_path: RunningGateway,
+    thread_worker: Env,
+    spans: InMemorySpanExporter,
     redis_url: str,
 ) -> None:
-    answer = httpx.get(f"{data_path.url}/function/traced", timeout=60, headers={
-        "traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"})
+    answer = httpx.get(
+        f"{data_path.url}/function/traced",
+        timeout=60,
+        headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"},
+    )
     assert answer.status_code == 200 and answer.text == "hello from corral\n"
     here = data_path.app.gateway.settings.gateway_spawn_here
-    _check_tree(_wait_for(spans, {
-        "GET /function/{name}", "claim", "run/corral.spawn", "spawn.placement",
-        "agent.create", "spawn.record", "replica.ready", "upstream.first_byte",
-        *([] if here else ["apply_async/corral.spawn"])}))
+    _check_tree(
+        _wait_for(
+            spans,
+            {
+                "GET /function/{name}",
+                "claim",
+                "run/corral.spawn",
+                "spawn.placement",
+                "agent.create",
+                "spawn.record",
+                "replica.ready",
+                "upstream.first_byte",
+                *([] if here else ["apply_async/corral.spawn"]),
+            },
+        )
+    )
 
     # The spawn's stages are stored on its operation (``corral ops OP --json``)...
     (op,) = [o for o in api.operations(settings=thread_worker.settings) if o["kind"] == "spawn"]
@@ -160,9 +186,12 @@ def test_a_cold_start_is_one_trace_from_request_to_first_byte(
 
     # ...and counted: the worker's and registry's in Redis (served by corral metrics),
     # the gateway's in its own /metrics.
-    samples = {(s.labels.get("stage"), s.name): s.value
-               for family in StoreCollector(thread_worker.db, redis_client(redis_url)).collect()
-               if family.name == stages.METRIC for s in family.samples}
+    samples = {
+        (s.labels.get("stage"), s.name): s.value
+        for family in StoreCollector(thread_worker.db, redis_client(redis_url)).collect()
+        if family.name == stages.METRIC
+        for s in family.samples
+    }
     for stage in WORKER_STAGES:
         assert samples[stage, f"{stages.METRIC}_count"] == 1, stage
     text = httpx.get(f"{data_path.url}/metrics", timeout=10).text
@@ -232,7 +261,8 @@ def test_a_malformed_otlp_endpoint_is_refused(corral_env: Env) -> None:
 
 
 def test_an_endpoint_without_the_otlp_extra_is_a_clear_error(
-    corral_env: Env, monkeypatch: pytest.MonkeyPatch,
+    corral_env: Env,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(tracing, "_NEEDED", (*tracing._NEEDED, "opentelemetry.not_installed"))
     settings = corral_env.set(otlp_endpoint="http://127.0.0.1:4317")

@@ -134,9 +134,7 @@ def test_allocated_and_busy_replicas_are_never_reaped(
     assert (rows[busy].status, rows[busy].envs_in_use) == (ReplicaState.IDLE, 1)
 
 
-def test_idle_timeout_override_uses_idle_since(
-    corral_env: Env, start_agents: StartAgents
-) -> None:
+def test_idle_timeout_override_uses_idle_since(corral_env: Env, start_agents: StartAgents) -> None:
     one_node_idle(corral_env, start_agents, 2, idle_timeout=3600)
     clock.travel(10)
     assert _reap(corral_env).deleted == []
@@ -200,7 +198,9 @@ def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) 
     clock.travel(corral_env.settings.creating_deadline_s)
     report = _reap(corral_env)
     assert {d.replica_id: d.reason for d in report.deleted} == {
-        pending.replica_id: "stuck", doomed.id: "stuck"}
+        pending.replica_id: "stuck",
+        doomed.id: "stuck",
+    }
     rows = by_id(corral_env)
     assert rows[pending.replica_id].status == ReplicaState.DEAD
     assert "stuck in creating" in (rows[pending.replica_id].error or "")
@@ -263,8 +263,9 @@ def test_release_failures(corral_env: Env, start_agents: StartAgents) -> None:
     corral_env.set(node_max_inflight="1", node_failures="2")
     (agent,), _ = idle_on(corral_env, start_agents, 1, 5, idle_timeout=10)
     clock.travel(11)
-    agent.agent.inject("ReleaseVMSetup", *[Fault.abort(
-        grpc.StatusCode.UNAVAILABLE, "node rebooting")] * 10)
+    agent.agent.inject(
+        "ReleaseVMSetup", *[Fault.abort(grpc.StatusCode.UNAVAILABLE, "node rebooting")] * 10
+    )
     report = _reap(corral_env)
     failed = [d for d in report.deleted if d.outcome == "failed"]
     # After CORRAL_NODE_FAILURES transport failures in a row the node is not asked again
@@ -304,8 +305,12 @@ def test_reap_through_the_api_records_the_report(
     assert (view["total"], view["done"], view["failed"]) == (2, 2, 0)
 
     # an asked-for pass waits 0.5 s for the lease (calls must fit in the soft limit)
-    corral_env.set(task_soft_time_limit_s="2", create_timeout_s="0.5", rpc_timeout_s="0.5",
-                   lambdo_timeout_s="0.5")
+    corral_env.set(
+        task_soft_time_limit_s="2",
+        create_timeout_s="0.5",
+        rpc_timeout_s="0.5",
+        lambdo_timeout_s="0.5",
+    )
     assert leases.acquire(corral_env.db, LEASE, "someone", 60)
     started = time.monotonic()
     view = api.wait(api.reap(idle_timeout=0), timeout=30)

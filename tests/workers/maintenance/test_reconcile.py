@@ -24,9 +24,7 @@ from workers.maintenance.reconcile import reconcile
 from workers.store.models import Function, Node, ReplicaState
 
 
-def test_orphan_vm_is_destroyed_after_its_grace(
-    corral_env: Env, start_agents: StartAgents
-) -> None:
+def test_orphan_vm_is_destroyed_after_its_grace(corral_env: Env, start_agents: StartAgents) -> None:
     agent = one_agent(corral_env, start_agents)
     api.wait(api.spawn("hello", 1), timeout=10)
     orphan = agent.driver.start(VMSpec(image="examples.hello"))  # behind corral's back
@@ -155,8 +153,7 @@ def test_reconcile_lists_nodes_at_once_within_its_bound(corral_env: Env, bound: 
     corral_env.set(reconcile_concurrency=str(bound))
     seen: list[int] = []
     lock, now = threading.Lock(), [0]
-    agents = [serve_fcdaemon("127.0.0.1:0", driver=_SlowListing(seen, lock, now))
-              for _ in range(4)]
+    agents = [serve_fcdaemon("127.0.0.1:0", driver=_SlowListing(seen, lock, now)) for _ in range(4)]
     try:
         with corral_env.db.transaction() as s:
             for i, agent in enumerate(agents):

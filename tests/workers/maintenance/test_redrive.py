@@ -148,5 +148,6 @@ def test_progress_and_finished_operations_are_left_alone(corral_env: Env) -> Non
     clock.travel(2)
     assert redrive.due(corral_env.db, corral_env.settings, api.RESENDABLE) == []
     clock.travel(after)
-    assert [d.op_id for d in redrive.due(corral_env.db, corral_env.settings,
-                                         api.RESENDABLE)] == [moving]
+    assert [d.op_id for d in redrive.due(corral_env.db, corral_env.settings, api.RESENDABLE)] == [
+        moving
+    ]

@@ -61,11 +61,19 @@ def _stub(running: RunningRegistry) -> resmngr_grpc.ResMngrServiceStub:
     return resmngr_grpc.ResMngrServiceStub(grpc.insecure_channel(running.address))
 
 
-def _register(stub: resmngr_grpc.ResMngrServiceStub, ip: str, port: int, node_id: str,  # noqa: PLR0913 - RegisterNode's fields, and the caller's
-              metadata: tuple[tuple[str, str], ...] = TOKEN, credential: str | None = None
-              ) -> str:
-    reply = stub.RegisterNode(resmngr_pb2.RegisterNodeRequest(
-        ip=ip, port=port, node_id=node_id, credential=credential), timeout=10, metadata=metadata)
+def _register(  # noqa: PLR0913 - RegisterNode's fields, and the caller's
+    stub: resmngr_grpc.ResMngrServiceStub,
+    ip: str,
+    port: int,
+    node_id: str,
+    metadata: tuple[tuple[str, str], ...] = TOKEN,
+    credential: str | None = None,
+) -> str:
+    reply = stub.RegisterNode(
+        resmngr_pb2.RegisterNodeRequest(ip=ip, port=port, node_id=node_id, credential=credential),
+        timeout=10,
+        metadata=metadata,
+    )
     return str(reply.credential)
 
 
@@ -91,8 +99,9 @@ def test_an_attacker_with_the_token_cannot_divert_a_healthy_node(
     """The issue's reproduction: RegisterNode with a registered node's id, its host and
     another port, or another host claimed as its ip, while the node is healthy."""
     caplog.set_level(logging.WARNING, logger="workers.registry")
-    agent = serve_fcdaemon("127.0.0.1:0", registry=registry.address, node_id="node-a",
-                           token="reg-t0ken")
+    agent = serve_fcdaemon(
+        "127.0.0.1:0", registry=registry.address, node_id="node-a", token="reg-t0ken"
+    )
     stub = _stub(registry)
     # without the token: refused, nothing written
     with pytest.raises(grpc.RpcError) as err:
@@ -106,9 +115,13 @@ def test_an_attacker_with_the_token_cannot_divert_a_healthy_node(
         ):
             for credential in (None, "", "guessed"):
                 with pytest.raises(grpc.RpcError) as err:
-                    stub.RegisterNode(resmngr_pb2.RegisterNodeRequest(
-                        ip=ip, port=port, node_id="node-a", credential=credential),
-                        timeout=10, metadata=TOKEN)
+                    stub.RegisterNode(
+                        resmngr_pb2.RegisterNodeRequest(
+                            ip=ip, port=port, node_id="node-a", credential=credential
+                        ),
+                        timeout=10,
+                        metadata=TOKEN,
+                    )
                 assert err.value.code() == code, (ip, credential, err.value.details())
         assert _nodes(store) == {"node-a": agent.address}
         assert "calls from 127.0.0.1" in caplog.text and "present it" in caplog.text
@@ -123,8 +136,14 @@ def test_an_attacker_with_the_token_cannot_divert_a_healthy_node(
 def test_a_seed_only_agent_registers_without_the_credential_field_and_stays_registered(
     store: Env, registry: RunningRegistry
 ) -> None:
-    agent = serve_fcdaemon("127.0.0.1:0", registry=registry.address, node_id="seed-a",
-                           token="reg-t0ken", heartbeat=0.1, seed_only=True)
+    agent = serve_fcdaemon(
+        "127.0.0.1:0",
+        registry=registry.address,
+        node_id="seed-a",
+        token="reg-t0ken",
+        heartbeat=0.1,
+        seed_only=True,
+    )
     try:
         assert agent.reporter is not None
         assert agent.reporter.registered.wait(20)
@@ -142,7 +161,9 @@ def test_a_seed_only_agent_registers_without_the_credential_field_and_stays_regi
 
 
 def test_who_may_refresh_or_move_a_node(
-    store: Env, registry: RunningRegistry, caplog: pytest.LogCaptureFixture,
+    store: Env,
+    registry: RunningRegistry,
+    caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The identity rules, one registration at a time (nothing listens on these addresses,
@@ -150,8 +171,9 @@ def test_who_may_refresh_or_move_a_node(
     caplog.set_level(logging.WARNING, logger="workers.registry")
     reg = registry.registry
 
-    def register(ip: str, port: int, node_id: str, peer: str, credential: str | None = None
-                 ) -> str | None:
+    def register(
+        ip: str, port: int, node_id: str, peer: str, credential: str | None = None
+    ) -> str | None:
         return reg.register_node(ip, port, node_id, Caller(peer, credential))[1]
 
     # a seed agent (no credential field): pinned to the host it registered from
@@ -197,23 +219,31 @@ def test_who_may_refresh_or_move_a_node(
 def test_a_guests_report_token_can_report_on_its_own_vm_only(
     store: Env, registry: RunningRegistry
 ) -> None:
-    replica_id = _recorded(store, "127.0.0.1:50051", "req-own",
-                           Vm("vm-own", "http://127.0.0.1:20001"))
+    replica_id = _recorded(
+        store, "127.0.0.1:50051", "req-own", Vm("vm-own", "http://127.0.0.1:20001")
+    )
     stub = _stub(registry)
     other = (("authorization", f"Bearer {report_token('reg-t0ken', 'vm-other')}"),)
     forged = (("authorization", "Bearer vm.vm-own.0123456789abcdef0123456789abcdef"),)
     own = (("authorization", f"Bearer {report_token('reg-t0ken', 'vm-own')}"),)
-    for metadata, code in ((other, grpc.StatusCode.PERMISSION_DENIED),
-                           (forged, grpc.StatusCode.UNAUTHENTICATED)):
+    for metadata, code in (
+        (other, grpc.StatusCode.PERMISSION_DENIED),
+        (forged, grpc.StatusCode.UNAUTHENTICATED),
+    ):
         for status in (READY, FINISHED):
             with pytest.raises(grpc.RpcError) as err:
-                stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-own", status=status),
-                                  timeout=5, metadata=metadata)
+                stub.UpdateStatus(
+                    resmngr_pb2.StatusUpdateRequest(vmid="vm-own", status=status),
+                    timeout=5,
+                    metadata=metadata,
+                )
             assert err.value.code() == code
         with pytest.raises(grpc.RpcError) as err:
-            mngrinfo_grpc.AvAManagerInfoStub(grpc.insecure_channel(registry.address))\
-                .GetAvAManagerInfo(mngrinfo_pb2.AvAManagerInfoRequest(vmid="vm-own"),
-                                   timeout=5, metadata=metadata)
+            mngrinfo_grpc.AvAManagerInfoStub(
+                grpc.insecure_channel(registry.address)
+            ).GetAvAManagerInfo(
+                mngrinfo_pb2.AvAManagerInfoRequest(vmid="vm-own"), timeout=5, metadata=metadata
+            )
         assert err.value.code() == code
     with pytest.raises(grpc.RpcError) as err:  # nor may it register a node
         _register(stub, "127.0.0.1", 7777, "guest-node", metadata=own)
@@ -227,11 +257,16 @@ def test_a_guests_report_token_can_report_on_its_own_vm_only(
 def test_the_reference_agent_gives_each_guest_its_own_report_token(
     store: Env, registry: RunningRegistry
 ) -> None:
-    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver((33000, 33999)),
-                           registry=registry.address, token="reg-t0ken")
+    agent = serve_fcdaemon(
+        "127.0.0.1:0",
+        driver=ProcessDriver((33000, 33999)),
+        registry=registry.address,
+        token="reg-t0ken",
+    )
     try:
         reply = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(agent.address)).CreateReplica(
-            fcdaemon_pb2.CreateRequest(imageName="examples.hello"), timeout=30)
+            fcdaemon_pb2.CreateRequest(imageName="examples.hello"), timeout=30
+        )
         (vm,) = agent.driver.list()
         assert vm.pid is not None
         raw = Path(f"/proc/{vm.pid}/environ").read_bytes().decode()
@@ -262,10 +297,14 @@ def _guest_spawn(env: Env, node_address: str, request_id: str) -> tuple[str, Pen
     """A guest-readiness function and one spawn in flight on a node at ``node_address``."""
     with env.db.transaction() as s:
         if s.scalars(select(Function)).first() is None:
-            deploy(s, spec_from(name="g", image="examples.hello", kernel="/k",
-                                readiness="guest"), env.settings)
-        node, _ = upsert_node(s, node_address, name="n-" + node_address.replace(".", "-")
-                              .replace(":", "-"))
+            deploy(
+                s,
+                spec_from(name="g", image="examples.hello", kernel="/k", readiness="guest"),
+                env.settings,
+            )
+        node, _ = upsert_node(
+            s, node_address, name="n-" + node_address.replace(".", "-").replace(":", "-")
+        )
         node_id = node.id
         fn_id = s.scalars(select(Function.id)).one()
     pending = creating(env, fn_id, request_id, node_id)
@@ -279,10 +318,16 @@ def _recorded(env: Env, node_address: str, request_id: str, vm: Vm) -> str:
     return replica_id
 
 
-def _ready_makes_it_idle(env: Env, stub: resmngr_grpc.ResMngrServiceStub, vmid: str,
-                         replica_id: str, metadata: tuple[tuple[str, str], ...]) -> None:
-    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid=vmid, status=READY),
-                              timeout=5, metadata=metadata)
+def _ready_makes_it_idle(
+    env: Env,
+    stub: resmngr_grpc.ResMngrServiceStub,
+    vmid: str,
+    replica_id: str,
+    metadata: tuple[tuple[str, str], ...],
+) -> None:
+    reply = stub.UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(vmid=vmid, status=READY), timeout=5, metadata=metadata
+    )
     assert reply.action == Reply.OK
     with env.db.read() as s:
         assert s.get(Replica, replica_id).status == ReplicaState.IDLE  # type: ignore[union-attr]
@@ -295,8 +340,9 @@ def test_update_status_is_answered_at_once_and_an_early_ready_is_applied_on_reco
     stub = _stub(registry)
     started = time.monotonic()
     # The spawn is in flight (no vmid yet); CORRAL_READY_GRACE_S is 5 s, the call has 2.
-    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-early", status=READY),
-                              timeout=2, metadata=TOKEN)
+    reply = stub.UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(vmid="vm-early", status=READY), timeout=2, metadata=TOKEN
+    )
     assert reply.action == Reply.OK
     assert time.monotonic() - started < 2
     with store.db.read() as s:
@@ -316,21 +362,26 @@ def test_reports_count_only_from_the_replicas_or_its_nodes_ip(
     stub = _stub(registry)
     # a replica at 127.0.0.9 on a node at 127.0.0.8; this test calls from 127.0.0.1
     replica_id, pending = _guest_spawn(store, "127.0.0.8:50051", "req-far")
-    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-far", status=READY),
-                              timeout=5, metadata=TOKEN)
+    reply = stub.UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(vmid="vm-far", status=READY), timeout=5, metadata=TOKEN
+    )
     assert reply.action == Reply.OK  # remembered, not yet judged
     state = record_vm(store, pending, Vm("vm-far", "http://127.0.0.9:20001"))
     assert state == ReplicaState.STARTING.label  # the early report came from a stranger
     for status in (READY, FINISHED):
         with pytest.raises(grpc.RpcError) as err:
-            stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-far", status=status),
-                              timeout=5, metadata=TOKEN)
+            stub.UpdateStatus(
+                resmngr_pb2.StatusUpdateRequest(vmid="vm-far", status=status),
+                timeout=5,
+                metadata=TOKEN,
+            )
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with store.db.read() as s:
         assert s.get(Replica, replica_id).status == ReplicaState.STARTING  # type: ignore[union-attr]
     # the same report from the node's own IP (loopback here) is accepted
-    near_id = _recorded(store, "127.0.0.1:50051", "req-near",
-                        Vm("vm-near", "http://127.0.0.1:20002"))
+    near_id = _recorded(
+        store, "127.0.0.1:50051", "req-near", Vm("vm-near", "http://127.0.0.1:20002")
+    )
     _ready_makes_it_idle(store, stub, "vm-near", near_id, TOKEN)
 
 
@@ -342,16 +393,21 @@ def test_finished_and_gpu_info_only_from_the_guest_itself(
     whose agent reports it)."""
     stub = _stub(registry)
     # the node is at 127.0.0.1 (this test's peer); its replica at 127.0.0.9
-    replica_id = _recorded(store, "127.0.0.1:50051", "req-nat",
-                           Vm("vm-nat", "http://127.0.0.9:20001"))
+    replica_id = _recorded(
+        store, "127.0.0.1:50051", "req-nat", Vm("vm-nat", "http://127.0.0.9:20001")
+    )
     _ready_makes_it_idle(store, stub, "vm-nat", replica_id, TOKEN)
     with pytest.raises(grpc.RpcError) as err:
-        stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="vm-nat", status=FINISHED),
-                          timeout=5, metadata=TOKEN)
+        stub.UpdateStatus(
+            resmngr_pb2.StatusUpdateRequest(vmid="vm-nat", status=FINISHED),
+            timeout=5,
+            metadata=TOKEN,
+        )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with pytest.raises(grpc.RpcError) as err:
         mngrinfo_grpc.AvAManagerInfoStub(grpc.insecure_channel(registry.address)).GetAvAManagerInfo(
-            mngrinfo_pb2.AvAManagerInfoRequest(vmid="vm-nat"), timeout=5, metadata=TOKEN)
+            mngrinfo_pb2.AvAManagerInfoRequest(vmid="vm-nat"), timeout=5, metadata=TOKEN
+        )
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # the guest itself (its own IP) is heard
     assert registry.registry.update_status("vm-nat", FINISHED, "127.0.0.9") == Reply.KEEP_ALIVE
@@ -361,12 +417,15 @@ def test_a_vmid_is_bounded_before_anything_is_kept(store: Env, registry: Running
     """The issue's reproduction: early READYs of 3.9 MB vmids were each kept in memory."""
     _guest_spawn(store, "127.0.0.1:50051", "req-long")  # a spawn in flight: READYs are kept
     stub = _stub(registry)
-    for vmid, code in (("v" * 3_900_000, grpc.StatusCode.RESOURCE_EXHAUSTED),  # > 64 KiB
-                       ("v" * 200, grpc.StatusCode.INVALID_ARGUMENT),
-                       ("../etc", grpc.StatusCode.INVALID_ARGUMENT)):
+    for vmid, code in (
+        ("v" * 3_900_000, grpc.StatusCode.RESOURCE_EXHAUSTED),  # > 64 KiB
+        ("v" * 200, grpc.StatusCode.INVALID_ARGUMENT),
+        ("../etc", grpc.StatusCode.INVALID_ARGUMENT),
+    ):
         with pytest.raises(grpc.RpcError) as err:
-            stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid=vmid, status=READY),
-                              timeout=10, metadata=TOKEN)
+            stub.UpdateStatus(
+                resmngr_pb2.StatusUpdateRequest(vmid=vmid, status=READY), timeout=10, metadata=TOKEN
+            )
         assert err.value.code() == code, err.value.details()
     assert registry.registry.pending == set()
     with store.db.read() as s:
@@ -380,31 +439,38 @@ def test_one_caller_cannot_fill_the_early_ready_slots(
     _guest_spawn(store, "127.0.0.1:50051", "req-fill")
     stub = _stub(registry)
     for i in range(3):
-        reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid=f"fill-{i}", status=READY),
-                                  timeout=5, metadata=TOKEN)
+        reply = stub.UpdateStatus(
+            resmngr_pb2.StatusUpdateRequest(vmid=f"fill-{i}", status=READY),
+            timeout=5,
+            metadata=TOKEN,
+        )
         assert reply.action == Reply.OK
     with pytest.raises(grpc.RpcError) as err:
-        stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="fill-3", status=READY),
-                          timeout=5, metadata=TOKEN)
+        stub.UpdateStatus(
+            resmngr_pb2.StatusUpdateRequest(vmid="fill-3", status=READY), timeout=5, metadata=TOKEN
+        )
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # another caller's early READY still gets a slot; a repeat of a kept one is no new slot
     assert registry.registry.update_status("real-vm", READY, "127.0.0.2") == Reply.OK
-    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="fill-0", status=READY),
-                              timeout=5, metadata=TOKEN)
+    reply = stub.UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(vmid="fill-0", status=READY), timeout=5, metadata=TOKEN
+    )
     assert reply.action == Reply.OK
     assert registry.registry.pending == {"fill-0", "fill-1", "fill-2", "real-vm"}
     # expired ones give their slots back
     clock.travel(store.settings.create_timeout_s + store.settings.ready_grace_s + 1)
     registry.registry.sweep()
-    reply = stub.UpdateStatus(resmngr_pb2.StatusUpdateRequest(vmid="fill-3", status=READY),
-                              timeout=5, metadata=TOKEN)
+    reply = stub.UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(vmid="fill-3", status=READY), timeout=5, metadata=TOKEN
+    )
     assert reply.action == Reply.OK
 
 
 def test_an_early_ready_nobody_records_expires(store: Env, registry: RunningRegistry) -> None:
     _guest_spawn(store, "127.0.0.1:50051", "req-never")
     reply = _stub(registry).UpdateStatus(
-        resmngr_pb2.StatusUpdateRequest(vmid="vm-never", status=READY), timeout=5, metadata=TOKEN)
+        resmngr_pb2.StatusUpdateRequest(vmid="vm-never", status=READY), timeout=5, metadata=TOKEN
+    )
     assert reply.action == Reply.OK
     registry.registry.sweep()  # not recorded yet: still waiting
     assert registry.registry.pending == {"vm-never"}

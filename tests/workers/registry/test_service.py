@@ -115,7 +115,8 @@ def test_ready_that_beats_the_create_reply_is_not_destroyed(
     # A spawn in flight: row written as Creating, the agent has not answered yet.
     pending = creating(corral_env, fn_id, "req-early")
     reply = _stub(registry).UpdateStatus(
-        resmngr_pb2.StatusUpdateRequest(vmid="early-vm", status=READY), timeout=10)
+        resmngr_pb2.StatusUpdateRequest(vmid="early-vm", status=READY), timeout=10
+    )
     assert reply.action == Reply.OK
     assert registry.registry.pending == {"early-vm"}
     with corral_env.db.transaction() as s:

@@ -48,9 +48,7 @@ def by_id(env: Env) -> dict[str, Replica]:
 
 def released(agents: Iterable[RunningAgent]) -> Counter[str]:
     """How many ReleaseVMSetup calls each vmid got, over all agents."""
-    return Counter(
-        req.vmid for agent in agents for req in agent.agent.calls_of("ReleaseVMSetup")
-    )
+    return Counter(req.vmid for agent in agents for req in agent.agent.calls_of("ReleaseVMSetup"))
 
 
 def created(agents: Iterable[RunningAgent]) -> int:
@@ -87,8 +85,10 @@ def claim_race(
             return str(exc)
 
     results = at_once(claimers, one, timeout)
-    return ([r for r in results if not isinstance(r, str)],
-            [r for r in results if isinstance(r, str)])
+    return (
+        [r for r in results if not isinstance(r, str)],
+        [r for r in results if isinstance(r, str)],
+    )
 
 
 def race_for_lease(db: Database, racers: int = 8) -> list[str]:

@@ -48,11 +48,13 @@ def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice
 ) -> None:
     corral_env.set(node_max_inflight="2")
     (agent,) = start_agents(1, env=corral_env, seed_only=seed_only)
-    agent.agent.inject("CreateReplica", Fault.delay(0), Fault.delay(0),
-                       Fault.delay(1.5), Fault.delay(1.5))
+    agent.agent.inject(
+        "CreateReplica", Fault.delay(0), Fault.delay(0), Fault.delay(1.5), Fault.delay(1.5)
+    )
     with corral_env.db.transaction() as s:
-        op_id = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 6},
-                                 function_id=deploy_fn(corral_env)).id
+        op_id = create_operation(
+            s, OpKind.SPAWN, {"function": "hello", "count": 6}, function_id=deploy_fn(corral_env)
+        ).id
     fn_id, jobs = plan_spawn(corral_env.db, op_id)
     settings = corral_env.settings
     soft_limit_in(0.7)  # type: ignore[operator]  # two created, two in flight, two waiting
@@ -68,9 +70,14 @@ def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice
     # the rest is handed on; a seed agent's cut creates are not among it
     assert len(nxt.rest) == (2 if seed_only else 4)
 
-    again = run_batch(corral_env.db, settings, op_id, fn_id,
-                      [j for j in jobs if j.request_id in {r for _, r in nxt.rest}],
-                      Budget.of(settings))
+    again = run_batch(
+        corral_env.db,
+        settings,
+        op_id,
+        fn_id,
+        [j for j in jobs if j.request_id in {r for _, r in nxt.rest}],
+        Budget.of(settings),
+    )
     assert set(again.states.values()) == {"idle"}
     rows = {r.request_id: r for r in replicas(corral_env)}
     idle = [r for r in rows.values() if r.status == ReplicaState.IDLE]
@@ -79,8 +86,7 @@ def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice
         unknown = {rid for rid, state in nxt.states.items() if state == cut}
         # a VM the agent made for a cut create has no row: the registry releases it
         extra = {vm.request_id for vm in agent.driver.list()} - {r.request_id for r in idle}
-        assert extra <= unknown and {rows[r].status for r in unknown} == {
-            ReplicaState.CREATING}
+        assert extra <= unknown and {rows[r].status for r in unknown} == {ReplicaState.CREATING}
     else:  # the same requestId again: the agent answers with the VMs it made meanwhile
         assert len(idle) == 6 and len(agent.driver.list()) == 6
         assert {r.vmid for r in idle} == {vm.vmid for vm in agent.driver.list()}

@@ -84,9 +84,11 @@ def test_two_envs_serve_two_claims_then_allocated(
 def test_release_unknown_or_malformed(corral_env: Env) -> None:
     assert not release(corral_env.db, corral_env.settings, "0" * 32)["released"]
     assert api.release("f" * 32) == {
-        "claim_id": "f" * 32, "released": False,
+        "claim_id": "f" * 32,
+        "released": False,
         "detail": f"claim {'f' * 32} is not held (already released, or expired and given "
-                  "back): nothing changed"}
+        "back): nothing changed",
+    }
     with pytest.raises(InputError, match="malformed claim id"):
         api.release("nope")
 
@@ -96,9 +98,7 @@ def test_claim_unknown_function(corral_env: Env) -> None:
         api.claim("ghost")
 
 
-def test_stale_replicas_are_never_handed_out(
-    corral_env: Env, start_agents: StartAgents
-) -> None:
+def test_stale_replicas_are_never_handed_out(corral_env: Env, start_agents: StartAgents) -> None:
     old = one_node_idle(corral_env, start_agents, 2)
     deploy_fn(corral_env, env={"V": "2"})  # a new build: the two replicas are stale
     with pytest.raises(NoIdleReplica):

@@ -80,8 +80,9 @@ def test_an_expired_claim_is_given_back_by_the_reaper(
     short = api.claim("hello", ttl=10)
     long = api.claim("hello")  # the default CORRAL_CLAIM_TTL_S, 300 s
     assert by_id(store)[replica.id].status == ReplicaState.ALLOCATED
-    ttl = (datetime.fromisoformat(long["expires_at"]) -
-           datetime.fromisoformat(short["expires_at"])).total_seconds()
+    ttl = (
+        datetime.fromisoformat(long["expires_at"]) - datetime.fromisoformat(short["expires_at"])
+    ).total_seconds()
     assert 289 < ttl <= 291
 
     clock.travel(9)
@@ -162,19 +163,25 @@ def test_upgrading_gives_environments_in_use_claim_rows(tmp_path: Path) -> None:
     db = Database(url)
     try:
         with db.engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO functions (id, name, backend, image, kernel, initrd, kernel_args,"
-                " vm_type, cpu, mem_mb, min_replicas, max_replicas, replica_count, labels, env,"
-                " image_storage, inet_dev, name_server, build_version, ports, readiness,"
-                " exec_envs, gpu_mem_mb, created_at, updated_at) VALUES ('f', 'fn', 'fcdaemon',"
-                " 'i', '', '', '', 'osv', 1, 512, 0, 5, 2, '{}', '{}', '', '', '', 'b', '[]',"
-                " 'agent', 2, 0, '2026-01-01', '2026-01-01')"))
+            conn.execute(
+                text(
+                    "INSERT INTO functions (id, name, backend, image, kernel, initrd, kernel_args,"
+                    " vm_type, cpu, mem_mb, min_replicas, max_replicas, replica_count, labels, env,"
+                    " image_storage, inet_dev, name_server, build_version, ports, readiness,"
+                    " exec_envs, gpu_mem_mb, created_at, updated_at) VALUES ('f', 'fn', 'fcdaemon',"
+                    " 'i', '', '', '', 'osv', 1, 512, 0, 5, 2, '{}', '{}', '', '', '', 'b', '[]',"
+                    " 'agent', 2, 0, '2026-01-01', '2026-01-01')"
+                )
+            )
             for rid, used in (("r1", 2), ("r2", 0)):
-                conn.execute(text(
-                    "INSERT INTO replicas (id, request_id, function_id, status, build_version,"
-                    " envs_total, envs_in_use, gpu_mem_mb, created_at, updated_at) VALUES"
-                    " (:id, :id, 'f', 1, 'b', 2, :used, 0, '2026-01-01', '2026-01-01')"),
-                    {"id": rid, "used": used})
+                conn.execute(
+                    text(
+                        "INSERT INTO replicas (id, request_id, function_id, status, build_version,"
+                        " envs_total, envs_in_use, gpu_mem_mb, created_at, updated_at) VALUES"
+                        " (:id, :id, 'f', 1, 'b', 2, :used, 0, '2026-01-01', '2026-01-01')"
+                    ),
+                    {"id": rid, "used": used},
+                )
         command.upgrade(alembic_config(url), "head")
         with db.read() as s:
             rows = list(s.scalars(select(Claim)))
@@ -184,9 +191,7 @@ def test_upgrading_gives_environments_in_use_claim_rows(tmp_path: Path) -> None:
         db.dispose()
 
 
-def test_a_claim_on_a_replica_that_died_ends_with_it(
-    store: Env, start_agents: StartAgents
-) -> None:
+def test_a_claim_on_a_replica_that_died_ends_with_it(store: Env, start_agents: StartAgents) -> None:
     (replica,) = one_node_idle(store, start_agents)
     got = claim(store.db, store.settings, "hello")
     with store.db.transaction() as s:  # its VM vanished: reconcile marks the row Dead

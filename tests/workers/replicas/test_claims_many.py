@@ -46,11 +46,14 @@ def test_one_call_claims_several_environments_each_a_claim_of_its_own(
     # Each is given back on its own: a second release of one changes nothing.
     assert release(store_env.db, store_env.settings, got[0].claim_id)["released"]
     assert not release(store_env.db, store_env.settings, got[0].claim_id)["released"]
-    assert release_many(store_env.db, store_env.settings,
-                        [c.claim_id for c in got] + [more[0].claim_id]) == 5
+    assert (
+        release_many(
+            store_env.db, store_env.settings, [c.claim_id for c in got] + [more[0].claim_id]
+        )
+        == 5
+    )
     rows = by_id(store_env)
-    assert all((rows[r.id].status, rows[r.id].envs_in_use) == (ReplicaState.IDLE, 0)
-               for r in idle)
+    assert all((rows[r.id].status, rows[r.id].envs_in_use) == (ReplicaState.IDLE, 0) for r in idle)
     assert all(rows[r.id].idle_since is not None for r in idle)
 
 
@@ -62,7 +65,8 @@ def test_bad_counts_and_names_change_nothing(store_env: Env, start_agents: Start
     with pytest.raises(NotFound):
         claim_many(store_env.db, store_env.settings, "ghost", 2)
     assert [(r.status, r.envs_in_use) for r in by_id(store_env).values()] == [
-        (ReplicaState.IDLE, 0)]
+        (ReplicaState.IDLE, 0)
+    ]
 
 
 def test_renew_extends_held_claims_and_says_which_replicas_still_serve(
@@ -111,5 +115,6 @@ def test_sixteen_threads_claiming_batches_never_share_an_environment(
     assert len(got) == 10
     assert Counter(c.replica_id for c in got) == {r.id: 2 for r in idle}
     rows = by_id(store_env)
-    assert all((rows[r.id].status, rows[r.id].envs_in_use) == (ReplicaState.ALLOCATED, 2)
-               for r in idle)
+    assert all(
+        (rows[r.id].status, rows[r.id].envs_in_use) == (ReplicaState.ALLOCATED, 2) for r in idle
+    )

@@ -39,8 +39,7 @@ def test_four_processes_of_four_threads_share_ten_replicas(
     ready = ctx.Barrier(PROCESSES + 1)
     out = ctx.Queue()
     url = pg_env.settings.database_url
-    procs = [ctx.Process(target=claimer, args=(url, "hello", ready, out))
-             for _ in range(PROCESSES)]
+    procs = [ctx.Process(target=claimer, args=(url, "hello", ready, out)) for _ in range(PROCESSES)]
     for p in procs:
         p.start()
     ready.wait(timeout=60)
@@ -60,9 +59,7 @@ def test_four_processes_of_four_threads_share_ten_replicas(
     assert all(rows[rid].envs_in_use == 1 for rid in ok)
 
 
-def test_two_env_replicas_under_sixteen_threads(
-    pg_env: Env, start_agents: StartAgents
-) -> None:
+def test_two_env_replicas_under_sixteen_threads(pg_env: Env, start_agents: StartAgents) -> None:
     """A locked replica with a free environment is waited for, not skipped and missed."""
     idle = one_node_idle(pg_env, start_agents, 5, exec_envs=2)
     claims, misses = claim_race(pg_env, "hello", 16, timeout=60)
@@ -70,8 +67,9 @@ def test_two_env_replicas_under_sixteen_threads(
     assert len(got) == 10 and len(misses) == 6
     assert Counter(got) == {r.id: 2 for r in idle}
     rows = by_id(pg_env)
-    assert all((rows[r.id].status, rows[r.id].envs_in_use) == (ReplicaState.ALLOCATED, 2)
-               for r in idle)
+    assert all(
+        (rows[r.id].status, rows[r.id].envs_in_use) == (ReplicaState.ALLOCATED, 2) for r in idle
+    )
 
 
 def test_reaper_passes_without_the_lease_still_delete_each_replica_once(

@@ -30,8 +30,10 @@ def _claim_all(n: int, timeout: float = 20.0) -> tuple[list[api.ClaimView], list
             return f"{type(exc).__name__}: {exc}"
 
     results = at_once(n, one, timeout + 10)
-    return ([r for r in results if not isinstance(r, str)],
-            [r for r in results if isinstance(r, str)])
+    return (
+        [r for r in results if not isinstance(r, str)],
+        [r for r in results if isinstance(r, str)],
+    )
 
 
 def _no_waiters_left(env: Env) -> None:

@@ -44,8 +44,11 @@ def env(corral_env: Env) -> Env:
 
 def _deploy(env: Env, name: str = "hello", **fields: object) -> str:
     with env.db.transaction() as s:
-        return deploy(s, spec_from(name=name, image="examples.hello", kernel="/k", max=500,
-                                   **fields), env.settings)[0].id
+        return deploy(
+            s,
+            spec_from(name=name, image="examples.hello", kernel="/k", max=500, **fields),
+            env.settings,
+        )[0].id
 
 
 def _rows(env: Env) -> list[Replica]:
@@ -95,14 +98,13 @@ def test_a_mixed_batch_settles_each_replica_by_its_own_answer(
         assert get_function(s, "hello").replica_count == 4
 
 
-def test_a_redelivered_batch_makes_no_second_vm(
-    corral_env: Env, start_agents: StartAgents
-) -> None:
+def test_a_redelivered_batch_makes_no_second_vm(corral_env: Env, start_agents: StartAgents) -> None:
     a, b = start_agents(2, env=corral_env)
     fn_id = _deploy(corral_env)
     with corral_env.db.transaction() as s:
-        op = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 8},
-                              function_id=fn_id, total=8)
+        op = create_operation(
+            s, OpKind.SPAWN, {"function": "hello", "count": 8}, function_id=fn_id, total=8
+        )
         op_id = op.id
     jobs = [[f"{op_id}.{i}.0", None] for i in range(8)]
     # The first delivery wrote the rows, took them, and its calls reached the agents; then
@@ -110,8 +112,7 @@ def test_a_redelivered_batch_makes_no_second_vm(
     settings = corral_env.settings
     parsed = parse_jobs(jobs)
     place(corral_env.db, settings, op_id, fn_id, parsed)
-    dead = take(corral_env.db, settings, [j.request_id for j in parsed], owner_token(),
-                clock.now())
+    dead = take(corral_env.db, settings, [j.request_id for j in parsed], owner_token(), clock.now())
     first = {p.request_id: _create_directly(p, settings) for p in dead.pending[:5]}
     assert len(a.driver.list()) + len(b.driver.list()) == 5
     for _ in range(2):  # redelivered, twice
@@ -188,8 +189,10 @@ class Counter:
 
 
 def _counting_agents(env: Env, n: int, counter: Counter, seconds: float) -> list[RunningAgent]:
-    agents = [serve_fcdaemon("127.0.0.1:0", driver=CountingDriver(counter, seconds),
-                             max_workers=64) for _ in range(n)]
+    agents = [
+        serve_fcdaemon("127.0.0.1:0", driver=CountingDriver(counter, seconds), max_workers=64)
+        for _ in range(n)
+    ]
     with env.db.transaction() as s:
         for i, agent in enumerate(agents, start=1):
             upsert_node(s, agent.address, name=f"count{i}", capacity=500)

@@ -19,26 +19,54 @@ from workers.replicas.spawn import SpawnJob, place
 from workers.store.models import Claim, Function, Node, Operation, Replica, ReplicaState
 
 FIXED = datetime(2026, 11, 30, 9, 0, 0)
-COLUMNS = ("status", "vmid", "address", "deadline_at", "ready_at", "idle_since", "reap_at",
-           "operation_id", "envs_in_use", "node_id", "error", "retired_at", "owner",
-           "owner_until")
+COLUMNS = (
+    "status",
+    "vmid",
+    "address",
+    "deadline_at",
+    "ready_at",
+    "idle_since",
+    "reap_at",
+    "operation_id",
+    "envs_in_use",
+    "node_id",
+    "error",
+    "retired_at",
+    "owner",
+    "owner_until",
+)
 
 
-def _place_two(env: Env, monkeypatch: pytest.MonkeyPatch, **spec: Any
-               ) -> tuple[str, str, Pending, Pending]:
+def _place_two(
+    env: Env, monkeypatch: pytest.MonkeyPatch, **spec: Any
+) -> tuple[str, str, Pending, Pending]:
     """Two Creating replicas of ``hello`` on one node: the spawn's id, the function's, both."""
     settings = env.settings
     with env.db.transaction() as s:
-        fn, _ = deploy(s, spec_from(name="hello", image="examples.hello", kernel="/k",
-                                    idle_timeout=42, **spec), settings)
-        op_id = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": 2},
-                                 function_id=fn.id, total=2).id
+        fn, _ = deploy(
+            s,
+            spec_from(name="hello", image="examples.hello", kernel="/k", idle_timeout=42, **spec),
+            settings,
+        )
+        op_id = create_operation(
+            s, OpKind.SPAWN, {"function": "hello", "count": 2}, function_id=fn.id, total=2
+        ).id
         fn_id = fn.id
-    place(env.db, settings, op_id, fn_id,
-          [SpawnJob(f"{op_id}.0.0", None), SpawnJob(f"{op_id}.1.0", None)])
+    place(
+        env.db,
+        settings,
+        op_id,
+        fn_id,
+        [SpawnJob(f"{op_id}.0.0", None), SpawnJob(f"{op_id}.1.0", None)],
+    )
     monkeypatch.setattr(lifecycle, "now", lambda: FIXED)
-    taken = take(env.db, settings, [f"{op_id}.0.0", f"{op_id}.1.0"], owner_token(),
-                 Budget.of(settings).own_until())
+    taken = take(
+        env.db,
+        settings,
+        [f"{op_id}.0.0", f"{op_id}.1.0"],
+        owner_token(),
+        Budget.of(settings).own_until(),
+    )
     first, second = sorted(taken.pending, key=lambda p: p.request_id)
     return op_id, fn_id, first, second
 
@@ -52,11 +80,28 @@ def test_arrive_and_transition_give_the_same_row(
     op_id, _, fast, slow = _place_two(corral_env, monkeypatch, readiness=readiness)
 
     with corral_env.db.transaction() as s:  # a VM from another node is not this row's
-        assert lifecycle.arrive(s, fast.replica_id, fast.operation_id, ("vm-x", "127.0.0.1"),
-                                fast.function, settings, node_id="elsewhere") is None
+        assert (
+            lifecycle.arrive(
+                s,
+                fast.replica_id,
+                fast.operation_id,
+                ("vm-x", "127.0.0.1"),
+                fast.function,
+                settings,
+                node_id="elsewhere",
+            )
+            is None
+        )
     with corral_env.db.transaction() as s:
-        to = lifecycle.arrive(s, fast.replica_id, fast.operation_id, ("vm-a", "127.0.0.1"),
-                              fast.function, settings, node_id=fast.node.id)
+        to = lifecycle.arrive(
+            s,
+            fast.replica_id,
+            fast.operation_id,
+            ("vm-a", "127.0.0.1"),
+            fast.function,
+            settings,
+            node_id=fast.node.id,
+        )
     with corral_env.db.transaction() as s:
         replica = lifecycle.lock_replica(s, slow.replica_id)
         assert replica is not None
@@ -80,8 +125,15 @@ def test_arrive_and_transition_give_the_same_row(
         assert op.status == ("succeeded" if expected == ReplicaState.IDLE else "pending")
 
     with corral_env.db.transaction() as s:  # no longer Creating: nothing changes
-        again = lifecycle.arrive(s, fast.replica_id, fast.operation_id, ("vm-b", "x"),
-                                 fast.function, settings, node_id=fast.node.id)
+        again = lifecycle.arrive(
+            s,
+            fast.replica_id,
+            fast.operation_id,
+            ("vm-b", "x"),
+            fast.function,
+            settings,
+            node_id=fast.node.id,
+        )
     assert again is None
     assert row(fast.replica_id)["vmid"] == "vm-a"
 
@@ -90,18 +142,37 @@ def test_arrive_and_transition_give_the_same_row(
 # Two replicas of one function on one node; one takes the fast path, the other the
 # transition, and each move must change the same columns, counters and operation counts.
 
-ROW = ("status", "deadline_at", "ready_at", "idle_since", "reap_at", "operation_id",
-       "envs_in_use", "node_id", "error", "retired_at", "last_used_at")
+ROW = (
+    "status",
+    "deadline_at",
+    "ready_at",
+    "idle_since",
+    "reap_at",
+    "operation_id",
+    "envs_in_use",
+    "node_id",
+    "error",
+    "retired_at",
+    "last_used_at",
+)
 
 
-def _two_idle(env: Env, monkeypatch: pytest.MonkeyPatch, *, exec_envs: int = 1
-              ) -> tuple[str, str, str]:
+def _two_idle(
+    env: Env, monkeypatch: pytest.MonkeyPatch, *, exec_envs: int = 1
+) -> tuple[str, str, str]:
     """Two Idle replicas of ``hello`` on one node, made at :data:`FIXED`; their ids, fn id."""
     _, fn_id, *pending = _place_two(env, monkeypatch, exec_envs=exec_envs)
     for i, p in enumerate(pending):
         with env.db.transaction() as s:
-            to = lifecycle.arrive(s, p.replica_id, p.operation_id, (f"vm-{i}", "127.0.0.1"),
-                                  p.function, env.settings, node_id=p.node.id)
+            to = lifecycle.arrive(
+                s,
+                p.replica_id,
+                p.operation_id,
+                (f"vm-{i}", "127.0.0.1"),
+                p.function,
+                env.settings,
+                node_id=p.node.id,
+            )
         assert to == ReplicaState.IDLE
     return pending[0].replica_id, pending[1].replica_id, fn_id
 
@@ -125,8 +196,9 @@ def _counters(env: Env, replica_ids: tuple[str, ...], op_id: str) -> tuple[int, 
         (fn,) = s.scalars(select(Function)).all()
         op = s.get(Operation, op_id)
         assert op is not None
-        claims = s.scalar(select(func.count()).select_from(Claim)
-                          .where(Claim.replica_id.in_(replica_ids)))
+        claims = s.scalar(
+            select(func.count()).select_from(Claim).where(Claim.replica_id.in_(replica_ids))
+        )
         return node.live, fn.replica_count, int(claims or 0), op.done, op.failed
 
 

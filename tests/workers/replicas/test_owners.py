@@ -38,8 +38,12 @@ from workers.store.models import Node, ReplicaState
 def _spawn_op(env: Env, count: int) -> tuple[str, str, list[Any]]:
     """A spawn operation written and planned as its first task does: (op, function, jobs)."""
     with env.db.transaction() as s:
-        op_id = create_operation(s, OpKind.SPAWN, {"function": "hello", "count": count},
-                                 function_id=deploy_fn(env, max=20)).id
+        op_id = create_operation(
+            s,
+            OpKind.SPAWN,
+            {"function": "hello", "count": count},
+            function_id=deploy_fn(env, max=20),
+        ).id
     function_id, jobs = plan_spawn(env.db, op_id)
     return op_id, function_id, jobs
 
@@ -82,7 +86,8 @@ def test_two_deliveries_of_one_batch_at_once_send_each_create_once_to_a_seed_age
     assert {r.vmid for r in rows} == _vms(agents)
     # one delivery sent each create; the other found the row owned and left it alone
     states = [first.states.get(j.request_id) for j in jobs] + [
-        second.states.get(j.request_id) for j in jobs]
+        second.states.get(j.request_id) for j in jobs
+    ]
     assert states.count("idle") == 6 and states.count("owned elsewhere") == 6
     op = operation(corral_env, op_id)
     assert (op.status, op.done, op.failed, op.total) == ("succeeded", 6, 0, 6)
@@ -99,11 +104,13 @@ def test_a_create_left_by_a_dead_owner_is_sent_again_only_where_the_node_dedupli
     place(corral_env.db, settings, op_id, fn_id, jobs)
     # A handler took the rows and its creates reached the agent; then it died (its
     # ownership has lapsed) before recording anything.
-    dead = take(corral_env.db, settings, [j.request_id for j in jobs], owner_token(),
-                clock.now())
+    dead = take(corral_env.db, settings, [j.request_id for j in jobs], owner_token(), clock.now())
     for p in dead.pending:
-        inflight.run(fcdaemon.client(backends.target(p.node), settings).create_replica(
-            fcdaemon.create_request(p.function, p.request_id, settings)))
+        inflight.run(
+            fcdaemon.client(backends.target(p.node), settings).create_replica(
+                fcdaemon.create_request(p.function, p.request_id, settings)
+            )
+        )
     assert len(agent.driver.list()) == 3
 
     redelivered = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
@@ -147,8 +154,9 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     fresh_token = owner_token()
     with corral_env.db.transaction() as s:
         s.get(Node, stale.node.id).can_list = True  # type: ignore[union-attr]
-    (fresh,) = take(corral_env.db, settings, [request_id], fresh_token,
-                    Budget.of(settings).own_until()).pending
+    (fresh,) = take(
+        corral_env.db, settings, [request_id], fresh_token, Budget.of(settings).own_until()
+    ).pending
     first = stale.node.name
     assert _nodes(corral_env)[first].live == 1
 
@@ -165,8 +173,11 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     live = {name: n.live for name, n in _nodes(corral_env).items()}
     assert live == {first: 0, ("node2" if first == "node1" else "node1"): 1}
     # a VM the first node makes now, for the stale create, finds the row elsewhere
-    vm = inflight.run(fcdaemon.client(backends.target(stale.node), settings).create_replica(
-        fcdaemon.create_request(stale.function, request_id, settings)))
+    vm = inflight.run(
+        fcdaemon.client(backends.target(stale.node), settings).create_replica(
+            fcdaemon.create_request(stale.function, request_id, settings)
+        )
+    )
     nxt = creates.Next()
     creates.record(corral_env.db, settings, [(stale, backends.Vm(vm.vmid, "http://x"))], nxt)
     (row,) = replicas(corral_env)
@@ -186,8 +197,12 @@ def test_concurrent_give_ups_move_the_replica_once_and_leave_no_drift(
     place(corral_env.db, settings, op_id, fn_id, jobs)
     request_id = jobs[0].request_id
 
-    outcomes = at_once(4, lambda _: give_up(corral_env.db, settings, request_id,
-                                            "UNAVAILABLE: gone", Budget.of(settings)))
+    outcomes = at_once(
+        4,
+        lambda _: give_up(
+            corral_env.db, settings, request_id, "UNAVAILABLE: gone", Budget.of(settings)
+        ),
+    )
     states = sorted(nxt.states[request_id] for nxt in outcomes)
     assert states.count("moved") == 1, states
     assert sum(len(nxt.again) for nxt in outcomes) == 1
@@ -205,8 +220,9 @@ def test_a_delete_batch_delivered_twice_counts_each_replica_once(
     settings = corral_env.settings
     run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
     with corral_env.db.transaction() as s:
-        scale_id = create_operation(s, OpKind.SCALE, {"function": "hello", "target": 0},
-                                    function_id=fn_id).id
+        scale_id = create_operation(
+            s, OpKind.SCALE, {"function": "hello", "target": 0}, function_id=fn_id
+        ).id
     plan = plan_scale(corral_env.db, settings, scale_id)
     assert len(plan.deletes) == 3
     first, *rest = plan.deletes
@@ -216,8 +232,10 @@ def test_a_delete_batch_delivered_twice_counts_each_replica_once(
     # a second delivery of the whole batch, its last release slow
     slow_vmid = next(r.vmid for r in replicas(corral_env) if r.id == rest[-1])
     agent.agent.inject("ReleaseVMSetup", Fault.delay(0), Fault.delay(1.0))
-    thread = threading.Thread(target=delete_batch, args=(
-        corral_env.db, settings, scale_id, plan.deletes, Budget.of(settings)))
+    thread = threading.Thread(
+        target=delete_batch,
+        args=(corral_env.db, settings, scale_id, plan.deletes, Budget.of(settings)),
+    )
     thread.start()
     deadline = time.monotonic() + 5
     while len(agent.agent.calls_of("ReleaseVMSetup")) < 2 and time.monotonic() < deadline:

@@ -32,13 +32,19 @@ def test_a_spawn_is_a_pending_operation_of_its_function(store_env: Env) -> None:
         assert row.params == {"function": "hello", "count": 3}
 
 
-@pytest.mark.parametrize(("count", "error"), [
-    (0, "count must be between 1 and"), (-1, "count must be between 1 and"),
-    (True, "count must be an integer, got True"), ("2", "count must be an integer, got '2'"),
-    (6, "spawning 6 would give hello 6 replicas, above its max of 5"),
-])
-def test_a_bad_spawn_is_refused_and_writes_nothing(store_env: Env, count: object,
-                                                   error: str) -> None:
+@pytest.mark.parametrize(
+    ("count", "error"),
+    [
+        (0, "count must be between 1 and"),
+        (-1, "count must be between 1 and"),
+        (True, "count must be an integer, got True"),
+        ("2", "count must be an integer, got '2'"),
+        (6, "spawning 6 would give hello 6 replicas, above its max of 5"),
+    ],
+)
+def test_a_bad_spawn_is_refused_and_writes_nothing(
+    store_env: Env, count: object, error: str
+) -> None:
     deploy_fn(store_env, max=5)
     with pytest.raises(InputError, match=error), store_env.db.transaction() as s:
         request_spawn(s, "hello", count)  # type: ignore[arg-type]
@@ -52,8 +58,10 @@ def test_a_spread_spawn_counts_every_healthy_node_against_the_max(store_env: Env
             upsert_node(s, f"127.0.0.1:{50051 + i}", name=f"node{i}")
     with store_env.db.transaction() as s:
         request_spawn(s, "hello", 1)  # 3 replicas: within the max
-    with pytest.raises(InputError, match="spawning 6 would give hello 6 replicas"), \
-            store_env.db.transaction() as s:
+    with (
+        pytest.raises(InputError, match="spawning 6 would give hello 6 replicas"),
+        store_env.db.transaction() as s,
+    ):
         request_spawn(s, "hello", 2)  # 2 on each of 3 nodes
     assert _operations(store_env) == 1
 
@@ -68,15 +76,19 @@ def test_a_scale_sets_a_target_within_min_and_max(store_env: Env) -> None:
     fn_id = deploy_fn(store_env, min=1, max=4)
     with store_env.db.transaction() as s:
         op_id = request_scale(s, "hello", 4).id
-    for bad, error in ((5, r"target 5 is outside hello's range \[1, 4\]"),
-                       (0, r"target 0 is outside hello's range \[1, 4\]"),
-                       (-1, "target must not be negative"), (2.5, "target must be an integer")):
+    for bad, error in (
+        (5, r"target 5 is outside hello's range \[1, 4\]"),
+        (0, r"target 0 is outside hello's range \[1, 4\]"),
+        (-1, "target must not be negative"),
+        (2.5, "target must be an integer"),
+    ):
         with pytest.raises(InputError, match=error), store_env.db.transaction() as s:
             request_scale(s, "hello", bad)  # type: ignore[arg-type]
     with store_env.db.read() as s:
         ops = list(s.scalars(select(Operation)))
     assert [(o.id, o.kind, o.function_id, o.params) for o in ops] == [
-        (op_id, OpKind.SCALE, fn_id, {"function": "hello", "target": 4})]
+        (op_id, OpKind.SCALE, fn_id, {"function": "hello", "target": 4})
+    ]
 
 
 def test_a_delete_names_its_replica_and_counts_one_part(store_env: Env) -> None:
@@ -89,7 +101,6 @@ def test_a_delete_names_its_replica_and_counts_one_part(store_env: Env) -> None:
         op = request_delete(s, replica_id)
         assert (op.kind, op.total, op.function_id) == (OpKind.DELETE, 1, fn_id)
         assert op.params == {"replica": replica_id}
-    with pytest.raises(NotFound, match="unknown replica 'gone'"), \
-            store_env.db.transaction() as s:
+    with pytest.raises(NotFound, match="unknown replica 'gone'"), store_env.db.transaction() as s:
         request_delete(s, "gone")
     assert _operations(store_env) == 1

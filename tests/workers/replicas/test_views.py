@@ -34,7 +34,11 @@ def test_a_replica_as_operators_see_it(store_env: Env) -> None:
     assert (view["id"], view["function"], view["node"]) == (first, "hello", "node1")
     assert (view["status"], view["status_code"]) == ("creating", int(ReplicaState.CREATING))
     assert (view["request_id"], view["vmid"], view["gpu"], view["stale"]) == (
-        "r1", None, None, False)
+        "r1",
+        None,
+        None,
+        False,
+    )
     assert view["created_at"] is not None and view["created_at"].endswith("Z")
     deploy_fn(store_env)  # a new build of hello: the replica is stale from now on
     with store_env.db.read() as s:

@@ -46,9 +46,12 @@ def _versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **files: str) -> 
 
 
 def test_either_quote_style_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _versions(tmp_path, monkeypatch,
-              a='"""one"""\nrevision, down_revision = \'0001\', None\n',
-              b='"""two"""\n\nrevision, down_revision = "0002", "0001"\n')
+    _versions(
+        tmp_path,
+        monkeypatch,
+        a='"""one"""\nrevision, down_revision = \'0001\', None\n',
+        b='"""two"""\n\nrevision, down_revision = "0002", "0001"\n',
+    )
     assert revisions.revisions() == {"0001": None, "0002": "0001"}
     assert revisions.head_revision() == "0002"
 
@@ -56,9 +59,13 @@ def test_either_quote_style_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_a_file_without_its_line_or_two_heads_is_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _versions(tmp_path, monkeypatch, a='revision, down_revision = "0001", None\n',
-              b='revision, down_revision = "0002", "0001"\n',
-              c='revision, down_revision = "0003", "0001"\n')
+    _versions(
+        tmp_path,
+        monkeypatch,
+        a='revision, down_revision = "0001", None\n',
+        b='revision, down_revision = "0002", "0001"\n',
+        c='revision, down_revision = "0003", "0001"\n',
+    )
     with pytest.raises(SchemaError, match=r"one head, found \['0002', '0003'\]"):
         revisions.head_revision()
     (tmp_path / "versions" / "d.py").write_text("revision = '0004'\n")

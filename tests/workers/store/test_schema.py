@@ -86,15 +86,19 @@ def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(
         if url.startswith("postgresql"):  # a server far from UTC: timestamps must stay UTC
             with db.engine.connect() as conn:
                 name = conn.execute(text("SELECT current_database()")).scalar()
-                conn.execute(text(f'ALTER DATABASE "{name}" SET timezone TO \'Asia/Tokyo\''))
+                conn.execute(text(f"ALTER DATABASE \"{name}\" SET timezone TO 'Asia/Tokyo'"))
                 conn.commit()
             db.dispose()
         with db.engine.begin() as conn:
             for op_id, status in (("a", "running"), ("b", "succeeded")):
-                conn.execute(text(
-                    "INSERT INTO operations (id, kind, params, status, total, done, failed,"
-                    " created_at) VALUES (:id, 'spawn', '{}', :status, 1, 0, 0,"
-                    " '2026-01-01 00:00:00')"), {"id": op_id, "status": status})
+                conn.execute(
+                    text(
+                        "INSERT INTO operations (id, kind, params, status, total, done, failed,"
+                        " created_at) VALUES (:id, 'spawn', '{}', :status, 1, 0, 0,"
+                        " '2026-01-01 00:00:00')"
+                    ),
+                    {"id": op_id, "status": status},
+                )
         command.upgrade(alembic_config(url), "head")
         with db.read() as s:
             stamped = {op.id: op.progress_at for op in s.scalars(select(Operation))}

@@ -17,8 +17,14 @@ def test_status_columns_read_as_enums_and_store_plain_values(store_env: Env) -> 
     with store_env.db.transaction() as s:
         fn, _ = deploy(s, spec_from(name="hello", image="i", kernel="/k"), store_env.settings)
         op = create_operation(s, OpKind.SPAWN, {}, function_id=fn.id, total=1)
-        s.add(Replica(request_id="r-enum", function_id=fn.id, build_version=fn.build_version,
-                      status=ReplicaState.IDLE))
+        s.add(
+            Replica(
+                request_id="r-enum",
+                function_id=fn.id,
+                build_version=fn.build_version,
+                status=ReplicaState.IDLE,
+            )
+        )
         op_id = op.id
     with store_env.db.read() as s:
         replica = s.scalars(select(Replica).where(Replica.request_id == "r-enum")).one()
@@ -36,8 +42,10 @@ def test_a_status_that_is_no_member_is_refused_and_nothing_changes(store_env: En
     with store_env.db.transaction() as s:
         op_id = create_operation(s, OpKind.REAP, {}).id
     # the statement fails at commit, when the transaction block ends: the block is the call
-    with (pytest.raises(StatementError, match="'done' is not a valid OpStatus"),  # noqa: PT012
-          store_env.db.transaction() as s):
+    with (  # noqa: PT012
+        pytest.raises(StatementError, match="'done' is not a valid OpStatus"),
+        store_env.db.transaction() as s,
+    ):
         op = s.get(Operation, op_id)
         assert op is not None
         op.status = "done"  # type: ignore[assignment]  # what a typo would do at runtime

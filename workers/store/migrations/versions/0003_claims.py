@@ -33,13 +33,21 @@ CLAIMS = """
 def upgrade() -> None:
     claims = create_table("claims", CLAIMS)
     at = datetime.now(UTC).replace(tzinfo=None)
-    rows = op.get_bind().execute(
-        sa.text("SELECT id, function_id, envs_in_use FROM replicas WHERE envs_in_use > 0")
-    ).all()
+    rows = (
+        op.get_bind()
+        .execute(sa.text("SELECT id, function_id, envs_in_use FROM replicas WHERE envs_in_use > 0"))
+        .all()
+    )
     values = [
-        {"id": uuid.uuid4().hex, "replica_id": rid, "function_id": fid, "created_at": at,
-         "expires_at": at + timedelta(seconds=LEGACY_TTL_S)}
-        for rid, fid, n in rows for _ in range(int(n))
+        {
+            "id": uuid.uuid4().hex,
+            "replica_id": rid,
+            "function_id": fid,
+            "created_at": at,
+            "expires_at": at + timedelta(seconds=LEGACY_TTL_S),
+        }
+        for rid, fid, n in rows
+        for _ in range(int(n))
     ]
     if values:
         op.bulk_insert(claims, values)
