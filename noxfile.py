@@ -28,9 +28,10 @@ CHECKED = [
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the tree, and the import layers."""
+    """ruff over the tree (lint and format), and the import layers."""
     session.install("-e", ".[dev]")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
     session.run("lint-imports")
 
 
