@@ -350,6 +350,8 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         if resp.status != 204:
             self.send_header("Content-Type", resp.content_type)
         self.send_header("Content-Length", str(len(resp.body) if resp.status != 204 else 0))
+        if self.close_connection:  # say so: a client must not send its next request here
+            self.send_header("Connection", "close")
         self.end_headers()
         if resp.status != 204 and self.command != "HEAD":
             self.wfile.write(resp.body)
@@ -401,6 +403,7 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
         if not agent.authorized(self.headers.get("Authorization")):
             self.close_connection = True  # its body, if any, is never read
             self._send(Response.text(401, "missing or wrong bearer token"))
+            self.linger(self.wfile)
             return
         body = self._read_body()
         if isinstance(body, Response):

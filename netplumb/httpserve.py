@@ -33,6 +33,9 @@ __all__ = ["BoundedHandler", "BoundedServer"]
 
 log = logging.getLogger(__name__)
 
+LINGER_S = 1.0  # after an early answer, how long the caller's unread bytes are drained
+LINGER_BYTES = 64 * 1024  # and how many at most
+
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
     b"Content-Length: 22\r\nConnection: close\r\n\r\ntoo many connections\r\n"
@@ -174,6 +177,24 @@ class BoundedHandler:
     def request_read(self) -> None:
         """The request (or its head, when a body is yet to come) is in: stop its deadline."""
         self.server.disarm(self.connection)
+
+    def linger(self, wfile: Any) -> None:
+        """Close after an answer sent before the body was read, as nginx's lingering close.
+
+        The answer is flushed and the write side shut; then what the caller still sends
+        (at most :data:`LINGER_BYTES`, for at most :data:`LINGER_S`) is read and dropped,
+        so the caller reads the answer instead of a connection reset by unread bytes.
+        """
+        with contextlib.suppress(OSError):
+            wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            left = LINGER_BYTES
+            while left > 0:
+                chunk = self.connection.recv(min(left, 16 * 1024))
+                if not chunk:
+                    break
+                left -= len(chunk)
 
     def allow_body(self, length: int) -> None:
         """Let the next ``length`` bytes be read, within the server's request deadline."""

@@ -30,7 +30,7 @@ from workers.celery import CorralTask, app
 from workers.errors import CorralError
 from workers.fleet import health
 from workers.kinds import OpKind
-from workers.maintenance import reaper, redrive
+from workers.maintenance import reap_report, reaper, redrive
 from workers.maintenance import reconcile as reconciler
 from workers.metrics import count_reaped
 from workers.operations import record_pass, record_result
@@ -77,7 +77,7 @@ def _reap(task: CorralTask, idle_timeout: float | None, op_id: str | None) -> di
     settings = task.settings
     holder = leases.holder_name(task.request.id)
     if op_id:
-        reaper.start(task.db, op_id)
+        reap_report.start(task.db, op_id)
     # An operator's pass waits a little for a periodic one to end instead of failing.
     # Any error fails the operation (CorralTask).
     wait = settings.task_soft_time_limit_s / 4 if op_id else 0.0
@@ -95,12 +95,12 @@ def _reap(task: CorralTask, idle_timeout: float | None, op_id: str | None) -> di
         "redriven": _redrive(task),
     }
     if op_id:
-        reaper.record(task.db, op_id, report, extra)
+        reap_report.record(task.db, op_id, report, extra)
     elif report.changed or extra["redriven"]:
         extra["op_id"] = record_pass(
             task.db,
             OpKind.REAP,
-            reaper.outcome(report, extra),
+            reap_report.outcome(report, extra),
             total=len(report.deleted),
             failed=report.failed,
         )

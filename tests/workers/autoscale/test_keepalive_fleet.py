@@ -26,6 +26,7 @@ from workers.autoscale import idletimes
 from workers.autoscale.idletimes import Activity, Shape, record
 from workers.autoscale.passes import KEEPALIVE_KEY, ScaleFn, SpawnFn, run_pass
 from workers.maintenance import reaper
+from workers.maintenance.reap_report import ReapReport
 from workers.metrics import serve
 from workers.store.models import Function, Operation, Replica, ReplicaState
 
@@ -87,7 +88,7 @@ def due_tick(env: Env, start_agents: StartAgents, client: redis.Redis, n: int) -
     return now
 
 
-def reap(env: Env, client: redis.Redis | None) -> reaper.ReapReport:
+def reap(env: Env, client: redis.Redis | None) -> ReapReport:
     return reaper.reap(env.db, env.settings, holder="test", idle_times=client)
 
 

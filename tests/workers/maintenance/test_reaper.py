@@ -23,7 +23,8 @@ from tests.workers.replicas.helpers import (
 )
 from workers import clock, leases
 from workers.errors import InputError
-from workers.maintenance.reaper import LEASE, ReapReport, reap
+from workers.maintenance.reap_report import ReapReport
+from workers.maintenance.reaper import LEASE, reap
 from workers.replicas.claims import claim, release
 from workers.replicas.delete import begin_delete
 from workers.store.models import Function, Node, ReplicaState
