@@ -92,9 +92,7 @@ def key(node: Hashable) -> str:
 
 def lease_s(settings: Settings) -> float:
     """How long a lease lives: the longest call timeout plus the slack."""
-    return (
-        max(settings.create_timeout_s, settings.rpc_timeout_s, settings.lambdo_timeout_s) + SLACK_S
-    )
+    return settings.call_timeout_s + SLACK_S
 
 
 MAX_CONNECTIONS = 32  # to the slots' Redis, per worker process

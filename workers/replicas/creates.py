@@ -68,7 +68,7 @@ from workers.replicas.owners import (
 )
 from workers.replicas.reports import apply_early_reports
 from workers.store.db import Database
-from workers.store.models import Function, Node, Replica, ReplicaState
+from workers.store.models import Function, Node, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def create(db: Database, settings: Settings, request_ids: list[str], budget: Bud
         todo = _take(db, settings, moved, token, budget, nxt)
     else:
         moved = [p.request_id for p in todo]
-    ops = _operations(db, moved)
+    ops = {p.request_id: p.operation_id for p in todo}  # the round that moved them
     nxt.again += [(ops.get(r), r) for r in moved]  # moved more often than one call tries
     return nxt
 
@@ -140,22 +140,6 @@ def _take(  # noqa: PLR0913 - one handler's round
     for request_id in taken.unknown:
         nxt.states[request_id] = "outcome unknown"
     return taken.pending
-
-
-def _operations(db: Database, request_ids: list[str]) -> dict[str, str | None]:
-    """The operation each of these requests' rows is waiting for."""
-    if not request_ids:
-        return {}
-    with db.read() as s:
-        return dict(
-            s.execute(
-                select(Replica.request_id, Replica.operation_id).where(
-                    Replica.request_id.in_(request_ids)
-                )
-            )
-            .tuples()
-            .all()
-        )
 
 
 @dataclass
