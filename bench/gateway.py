@@ -28,6 +28,15 @@ little next to what it measures.
    (:mod:`workers.stages`: the spawn's from its operation, the gateway's from its
    ``/metrics``).
 
+With ``--pin [CPUS]`` the warm runs (1 and 2) are run twice: on shared cores, as
+above, then with the gateway pinned to CPUS (default: the last CPU) and everything
+else - this client, wrk, the replicas, agent, worker and Redis - to the other CPUs, on
+both sides: direct is measured with the same pinning of client and replicas, so the
+one difference is the gateway's hop (:mod:`bench.pinning`). On a small machine the
+shared reading caps the gateway at what the processes beside it leave; the pinned one
+is the production split (the gateway on cores of its own, the callers and replicas
+elsewhere).
+
 It prints, per concurrency, requests/s and p50 / p99 of both sides, the latency the
 gateway adds (p50 and p99 of the gateway minus those of direct) and the throughput
 ratio gateway / direct; the aims (issue 24) are at most 2 ms added at p50 at one
@@ -64,6 +73,7 @@ from sqlalchemy import select
 
 from bench import otlp_sink
 from bench.options import add_counts, add_store_option, store_for
+from bench.pinning import Pinning, split
 from config.celery import QUEUES
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
@@ -304,7 +314,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             "--seconds": (5, "seconds per wrk run"),
             "--replicas": (4, "warm replicas"),
             "--envs": (4, "environments per warm replica"),
-            "--cold": (20, "cold starts measured"),
+            "--cold": (20, "cold starts measured (0: none)"),
         },
     )
     add_store_option(parser)
@@ -320,12 +330,29 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "(CORRAL_GATEWAY_SPAWN_HERE=0), as before they ran in the gateway",
     )
     parser.add_argument(
+        "--pin",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="CPUS",
+        help="after the warm runs on shared cores, run them again with the gateway pinned to "
+        "CPUS (default: the last CPU) and every other process - client, wrk, replicas, agent, "
+        "worker, Redis - to the other CPUs, on both sides (bench.pinning)",
+    )
+    parser.add_argument(
         "--otlp",
         action="store_true",
         help="tracing on: every process sends its spans to a loopback OTLP sink "
         "(bench.otlp_sink), to measure what tracing costs",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.cpus = None  # (the gateway's CPUs, everyone else's) with --pin
+    if args.pin is not None:
+        try:
+            args.cpus = split(args.pin or None)
+        except ValueError as exc:
+            parser.error(f"--pin: {exc}")
+    return args
 
 
 def _warm_runs(
@@ -354,6 +381,23 @@ def _warm_runs(
             )
         )
     return warm
+
+
+def _warm_readings(
+    args: argparse.Namespace,
+    meter: CpuMeter,
+    addresses: list[str],
+    through: str,
+) -> None:
+    """The warm runs on shared cores, then (``--pin``) with the gateway on CPUs of its own."""
+    _report_warm(
+        "shared cores: every process on every CPU", _warm_runs(args, meter, addresses, through)
+    )
+    if args.cpus is None or args.cold_only:
+        return
+    with Pinning(meter.gateway.pid, *args.cpus) as pinned:
+        warm = _warm_runs(args, meter, addresses, through)
+    _report_warm(f"pinned: {pinned.describe()}", warm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,11 +476,12 @@ def main(argv: list[str] | None = None) -> int:
         _wait_http(gateway + "/healthz")
         addresses = _warm_replicas(args, db, agent_port)
         through = f"{gateway}/function/hello"
-        meter = CpuMeter(procs[3].pid, procs[1].pid)
-        warm = _warm_runs(args, meter, addresses, through)
-        cold, create = _cold_and_create(gateway, f"127.0.0.1:{agent_port}", args.cold)
-        _report(args, warm, create, cold)
-        _report_stages(db, gateway, cold)
+        _header(args)
+        _warm_readings(args, CpuMeter(procs[3].pid, procs[1].pid), addresses, through)
+        if args.cold > 0:
+            cold, create = _cold_and_create(gateway, f"127.0.0.1:{agent_port}", args.cold)
+            _report_cold(create, cold)
+            _report_stages(db, gateway, cold)
         return 0
     finally:
         for proc in reversed(procs):
@@ -495,19 +540,21 @@ def _cold_start(gateway: str, name: str) -> float:
     return took
 
 
-def _report(
-    args: Any,
-    warm: list[tuple[str, int, Run | None, Run | None]],
-    create: list[float],
-    cold: list[float],
-) -> None:
-    ms = 1000.0
+def _header(args: Any) -> None:
     print(
         f"gateway benchmark: {args.n} GETs per warm run (wrk: {args.seconds} s), "
         f"{args.replicas} warm replicas x {args.envs} environments (examples.hello), "
         f"{args.cold} cold starts; {'PostgreSQL' if args.postgres is not None else 'SQLite'} "
         f"store, one gateway process; load average {os.getloadavg()[0]:.2f}"
     )
+
+
+def _report_warm(reading: str, warm: list[tuple[str, int, Run | None, Run | None]]) -> None:
+    """One reading's warm runs: requests/s, latencies, CPU a request, added latency, ratio."""
+    if not warm:
+        return
+    ms = 1000.0
+    print(f"  {reading} (load average {os.getloadavg()[0]:.2f})")
     for tool, conns, direct, through in warm:
         if direct is None or through is None:
             print(f"  [{tool}, {conns} conn] skipped: wrk is not installed (apt-get install wrk)")
@@ -543,6 +590,11 @@ def _report(
             f"  [{tool}, {conns} conn] gateway adds p50 {added:6.2f} ms, p99 "
             f"{(through.p99 - direct.p99) * ms:6.2f} ms; ratio {ratio:.2f} ({aim})"
         )
+
+
+def _report_cold(create: list[float], cold: list[float]) -> None:
+    """Cold starts against the agent's own create-until-HTTP."""
+    ms = 1000.0
     c50, c99 = statistics.median(cold) * ms, _pct(cold, 0.99) * ms
     a50, a99 = statistics.median(create) * ms, _pct(create, 0.99) * ms
     print(f"  agent create+ready p50 {a50:7.1f} ms   p99 {a99:7.1f} ms")
