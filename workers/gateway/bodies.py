@@ -18,8 +18,6 @@ Each of these answers closes the connection (the rest of the body is never read)
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 
 from workers.gateway.asgi import RETRY_AFTER_S, Answer, ClientGone, Receive, Scope, header
 
@@ -35,9 +33,13 @@ class Bodies:
         self.read_timeout_s = read_timeout_s
         self.held = 0  # bytes reserved by the bodies being read or forwarded now
 
-    @contextlib.asynccontextmanager
-    async def read(self, scope: Scope, receive: Receive) -> AsyncIterator[bytes]:
-        """The request's body, held (and counted against the budget) inside the block."""
+    def read(self, scope: Scope, receive: Receive) -> Reading:
+        """The request's body, held (and counted against the budget) inside ``async with``."""
+        return Reading(self, scope, receive)
+
+    async def _take(self, reading: Reading) -> bytes:
+        """Read a body whole, its bytes reserved on ``reading`` (given back on any error)."""
+        scope, receive = reading.scope, reading.receive
         announced = header(scope, b"content-length")
         size = int(announced) if announced is not None and announced.isdigit() else 0
         if size > self.max_body:
@@ -46,11 +48,9 @@ class Bodies:
             message = await receive()  # no body: uvicorn has the (empty) answer ready
             if message["type"] == "http.disconnect":
                 raise ClientGone
-            yield message.get("body", b"")
-            return
-        reserved = 0
+            return bytes(message.get("body", b""))
         try:
-            reserved = self._reserve(size, reserved)
+            reading.reserved = self._reserve(size, 0)
             chunks: list[bytes] = []
             got = 0
             while True:
@@ -67,15 +67,14 @@ class Bodies:
                 got += len(chunk)
                 if got > self.max_body:
                     raise Answer(413, f"request body over {self.max_body} bytes", CLOSE)
-                reserved = self._reserve(got, reserved)
+                reading.reserved = self._reserve(got, reading.reserved)
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            del chunks
-            yield body
-        finally:
-            self.held -= reserved
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        except BaseException:
+            reading.release()
+            raise
 
     def _reserve(self, size: int, reserved: int) -> int:
         """Grow a body's reservation to ``size`` bytes; the new reservation."""
@@ -90,3 +89,29 @@ class Bodies:
             )
         self.held += more
         return size
+
+
+class Reading:
+    """One request's body while its request runs: ``async with bodies.read(...) as body``.
+
+    A class rather than a generator-based context manager: every request enters one.
+    """
+
+    __slots__ = ("bodies", "receive", "reserved", "scope")
+
+    def __init__(self, bodies: Bodies, scope: Scope, receive: Receive) -> None:
+        self.bodies = bodies
+        self.scope = scope
+        self.receive = receive
+        self.reserved = 0  # bytes of the budget this body holds
+
+    async def __aenter__(self) -> bytes:
+        return await self.bodies._take(self)
+
+    async def __aexit__(self, *_exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give the body's bytes back to the budget."""
+        self.bodies.held -= self.reserved
+        self.reserved = 0

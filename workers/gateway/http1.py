@@ -148,7 +148,8 @@ class Connection(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.closed = False
         self.idle_since = 0.0
-        self._parser: httptools.HttpResponseParser | None = None
+        self._parser: httptools.HttpResponseParser | None = None  # while an exchange runs
+        self._spare: httptools.HttpResponseParser | None = None  # the last one, reusable
         self._headers: list[tuple[bytes, bytes]] = []
         self._framed = False  # Content-Length or chunked: the answer does not end at EOF
         self._interim = False  # a 1xx answer, skipped
@@ -233,7 +234,10 @@ class Connection(asyncio.Protocol):
         """Write one request (one write, unless its body is large) and return its exchange."""
         assert self.transport is not None  # noqa: S101 - narrows for mypy after a check made above
         self.exchange = Exchange(self, head_only, buffer)
-        self._parser = httptools.HttpResponseParser(self)
+        # llhttp starts on the next message by itself after a complete one: the parser of
+        # an answer that ended cleanly serves the next request (not one after a HEAD,
+        # whose parser still expects the body its headers announced).
+        self._parser, self._spare = self._spare or httptools.HttpResponseParser(self), None
         self._headers, self._framed, self._interim = [], False, False
         if self._paused:  # paused by the last exchange, which has all it needs
             self._paused = False
@@ -250,6 +254,8 @@ class Connection(asyncio.Protocol):
         # A HEAD answer ends with its headers (llhttp would wait for its announced body;
         # the next request gets a parser of its own).
         reusable = not self.closed and self._framed and self._parser.should_keep_alive()
+        if reusable and not exchange.head_only and exchange.status not in NO_BODY_STATUS:
+            self._spare = self._parser
         self.exchange = None
         self._parser = None
         if reusable:

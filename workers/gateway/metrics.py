@@ -20,7 +20,7 @@ Requests for a function corral does not know are counted under
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -52,6 +52,18 @@ DURATION_BUCKETS = (
     60.0,
 )
 COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+
+
+class Load(Protocol):
+    """What a function's load gauges read: its admission gate."""
+
+    @property
+    def active(self) -> int:
+        """Requests admitted now."""
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a place now."""
 
 
 class GatewayMetrics:
@@ -105,6 +117,7 @@ class GatewayMetrics:
         self._counted: dict[tuple[str, int], Any] = {}
         self._timed: dict[str, Any] = {}
         self._loads: dict[str, tuple[Any, Any]] = {}
+        self._watched: dict[str, Load] = {}
 
     def answered(self, function: str, code: int, seconds: float) -> None:
         """Count one answered request and its duration."""
@@ -136,6 +149,14 @@ class GatewayMetrics:
             )
         gauges[0].set(inflight)
         gauges[1].set(queued)
+
+    def watch(self, function: str, gate: Load) -> None:
+        """Read a function's in-flight and queued gauges from its gate at each scrape."""
+        if self._watched.get(function) is gate:
+            return  # (every request calls this: a lookup, no gauge set per request)
+        self._watched[function] = gate
+        self.inflight.labels(function).set_function(lambda: gate.active)
+        self.queue_depth.labels(function).set_function(lambda: gate.queued)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

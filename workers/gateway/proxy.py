@@ -105,6 +105,9 @@ class Gateway:
         )
         self._upkeep: list[asyncio.Task[None]] = []
         self._unlisten: Callable[[], None] = lambda: None
+        # The serving loop, kept: asyncio.get_running_loop() costs a getpid() system call
+        # on Python 3.11, and a request would make several.
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -117,7 +120,8 @@ class Gateway:
         ]
         if self.settings.gateway_spawn_here:  # the first cold start need not load the tasks
             self._upkeep.append(asyncio.create_task(asyncio.to_thread(_ready_to_spawn)))
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self.upstreams.loop = loop
         self._unlisten = notices.listen_here(  # spawns carried out here: told at once
             lambda name: loop.call_soon_threadsafe(self.ledger.wake, name)
         )
@@ -224,7 +228,8 @@ class Gateway:
         a watcher task, started once the request has run for ``WATCH_AFTER_S`` (most are
         answered by then), cancels this one when the client goes away.
         """
-        me = asyncio.current_task()
+        loop = self._loop or asyncio.get_running_loop()
+        me = asyncio.current_task(loop)
         assert me is not None  # noqa: S101 - narrows for mypy after a check made above
         gone = False
         watcher: asyncio.Future[None] | None = None
@@ -241,7 +246,7 @@ class Gateway:
             nonlocal watcher
             watcher = asyncio.ensure_future(watch())
 
-        later = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start)
+        later = loop.call_later(WATCH_AFTER_S, start)
         try:
             await work
         except asyncio.CancelledError:
@@ -256,6 +261,7 @@ class Gateway:
 
     async def _admitted(self, scope: Scope, info: FunctionInfo, body: bytes, send: Send) -> None:
         gate = self.catalog.gates[info.name]
+        self.metrics.watch(info.name, gate)  # its in-flight and queued gauges
         timeout = self.settings.gateway_cold_start_timeout_s
         try:
             await gate.enter(timeout)
@@ -269,14 +275,12 @@ class Gateway:
                 f"no free environment of {info.name} within {timeout:g}s",
                 {"retry-after": str(RETRY_AFTER_S)},
             ) from None
-        finally:
-            self.metrics.load(info.name, gate.active, gate.queued)
+        self.invocations.started(info.name)  # keep-alive's idle times
         try:
-            with self.invocations.invocation(info.name):  # keep-alive's idle times
-                await self._call(scope, info, body, send)
+            await self._call(scope, info, body, send)
         finally:
+            self.invocations.ended(info.name)
             gate.leave()
-            self.metrics.load(info.name, gate.active, gate.queued)
 
     async def _call(self, scope: Scope, info: FunctionInfo, body: bytes, send: Send) -> None:
         """Claim, forward, stream back; one more replica for an idempotent request."""

@@ -63,9 +63,12 @@ def target_of(scope: Scope) -> bytes:
     return b"/" + rest + (b"?" + query if query else b"")
 
 
+_VISIBLE = bytes(range(0x21, 0x7F))
+
+
 def _sendable(target: bytes) -> bool:
     """True when every byte of the target is a visible ASCII character."""
-    return target.isascii() and all(0x21 <= b <= 0x7E for b in target)
+    return not target.translate(None, _VISIBLE)  # nothing left once they are taken out
 
 
 class _Once:
@@ -96,14 +99,21 @@ class Relay:
     Each piece must be taken by the caller within ``timeout_s`` (:class:`CallerTooSlow`).
     """
 
-    def __init__(self, send: Send, timeout_s: float) -> None:
+    def __init__(self, send: Send, timeout_s: float, task: asyncio.Task[object] | None) -> None:
         self._send = send
         self.timeout_s = timeout_s
         self.answering = False  # the response has started: an error can only break it off
         self.last = b""
         self.sending_since = 0.0  # while a send waits for the caller: when it began
         self.too_slow = False
-        self.task = asyncio.current_task()
+        self.expired = False  # no complete answer within the gateway's timeout
+        self.task = task
+
+    def expire(self) -> None:
+        """The answer's time is up: cancel the request (the exchange says 504 or breaks off)."""
+        if self.task is not None and not self.too_slow and not self.expired:
+            self.expired = True
+            self.task.cancel()
 
     async def send(self, message: Message) -> None:
         """Send one message; :meth:`Upstreams.watch` cuts off a caller that takes too long."""
@@ -127,6 +137,7 @@ class Relay:
             and now - self.sending_since > self.timeout_s
             and self.task is not None
             and not self.too_slow
+            and not self.expired
         ):
             self.too_slow = True
             self.task.cancel()
@@ -168,6 +179,9 @@ class Upstreams:
         self._trusted = Trusted(settings.gateway_trusted_proxies)
         self._pools: dict[str, http1.Pool] = {}
         self._relays: set[Relay] = set()  # answers being relayed now
+        # The serving loop (set by the gateway when it starts, else on first use): asking
+        # asyncio for it costs a getpid() system call on Python 3.11.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def forward(
         self, scope: Scope, claimed: Claimed, body: bytes, send: Send, done: Callable[[], None]
@@ -191,12 +205,17 @@ class Upstreams:
         head = request_head(
             scope, target, pool.netloc, body, token=self._token, trusted=self._trusted
         )
-        relay = Relay(send, self.settings.gateway_send_timeout_s)
+        loop = self.loop
+        if loop is None:
+            loop = self.loop = asyncio.get_running_loop()
+        relay = Relay(send, self.settings.gateway_send_timeout_s, asyncio.current_task(loop))
         deadline = self.settings.gateway_timeout_s
         self._relays.add(relay)
         try:
             try:
-                await self._exchange(pool, head, body, scope["method"] == "HEAD", relay, once)
+                await self._exchange(
+                    loop, pool, head, (body, scope["method"] == "HEAD"), relay, once
+                )
             except (TimeoutError, http1.Broken) as exc:
                 what = (
                     f"no complete answer within {deadline:g}s"
@@ -230,29 +249,40 @@ class Upstreams:
 
     async def _exchange(  # noqa: PLR0913 - one exchange's parts
         self,
+        loop: asyncio.AbstractEventLoop,
         pool: http1.Pool,
         head: bytes,
-        body: bytes,
-        head_only: bool,
+        request: tuple[bytes, bool],  # the body, and whether the method is HEAD
         relay: Relay,
         once: _Once,
     ) -> None:
-        """Send, wait for the answer's head, relay its body; ``once`` when it is complete."""
+        """Send, wait for the answer's head, relay its body; ``once`` when it is complete.
+
+        Raises ``TimeoutError`` when the answer is not complete within the gateway's
+        timeout (one timer that cancels the request: ``asyncio.timeout`` would ask for
+        the loop and the task again, a system call each on Python 3.11).
+        """
         exchange: http1.Exchange | None = None
         pool.users += 1
+        timer = loop.call_later(self.settings.gateway_timeout_s, relay.expire)
         try:
-            async with asyncio.timeout(self.settings.gateway_timeout_s):
-                exchange = await self._send(pool, head, body, head_only)
-                try:
-                    await exchange.head()
-                except http1.Broken as exc:
-                    raise ReplicaFailed(str(exc)) from None
-                exchange.when_complete(once)
-                await relay.stream(exchange)
+            exchange = await self._send(pool, head, *request)
+            try:
+                await exchange.head()
+            except http1.Broken as exc:
+                raise ReplicaFailed(str(exc)) from None
+            exchange.when_complete(once)
+            await relay.stream(exchange)
         except ReplicaFailed:
             once.cancel()  # the caller retires the replica with the claim
             raise
+        except asyncio.CancelledError:
+            if not relay.expired or relay.task is None:
+                raise
+            relay.task.uncancel()
+            raise TimeoutError from None
         finally:
+            timer.cancel()
             pool.users -= 1
             if exchange is not None:
                 exchange.abandon()  # closes a connection whose answer was not read through
