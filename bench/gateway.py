@@ -18,7 +18,8 @@ little next to what it measures.
    to ``/function/hello`` (each takes an environment the gateway holds, forwards,
    returns it); each request timed;
 2. the same with ``wrk`` (an independent load generator, Debian's package ``wrk``),
-   ``--seconds`` per run, when it is installed (skipped, and said so, when not);
+   ``--seconds`` per run, when it is installed (skipped, and said so, when not): one
+   wrk thread per replica on both sides, direct thread i on replica i (a Lua script);
 3. cold starts, taking turns with their baseline: ``--cold`` times, a CreateReplica
    straight to the agent timed until its new replica answers HTTP (its port tried every
    millisecond, then one GET: what any control plane must wait for), then one GET through
@@ -218,19 +219,42 @@ def _run_load(urls: list[str], n: int, concurrency: int) -> Run:
 _WRK_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
-def _wrk(url: str, connections: int, seconds: int) -> Run | None:
-    """One ``wrk`` run (None when wrk is not installed)."""
+# Thread i of wrk connects to the i-th address (wrk's own recipe: thread.addr in setup).
+_WRK_SPREAD = """
+local ports = {%s}
+local i = 0
+function setup(thread)
+  i = i + 1
+  thread.addr = wrk.lookup("%s", tostring(ports[(i - 1) %% #ports + 1]))[1]
+end
+"""
+
+
+def _wrk(urls: list[str], connections: int, seconds: int, threads: int) -> Run | None:
+    """One ``wrk`` run, thread i on ``urls[i % len(urls)]`` (None when wrk is not installed)."""
     wrk = shutil.which("wrk")
     if wrk is None:
         return None
-    threads = max(1, min(2, connections))
-    out = subprocess.run(
-        [wrk, f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency", url],
-        capture_output=True,
-        text=True,
-        timeout=seconds + 30,
-        check=True,
-    ).stdout
+    argv = [wrk, f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency"]
+    if len(urls) > 1:
+        hosts = {urlsplit(u).hostname for u in urls}
+        ports = ", ".join(str(urlsplit(u).port) for u in urls)
+        fd, name = tempfile.mkstemp(prefix="corral-bench-wrk-", suffix=".lua")
+        os.close(fd)
+        script = Path(name)
+        script.write_text(_WRK_SPREAD % (ports, hosts.pop()))
+        argv += ["-s", str(script)]
+    try:
+        out = subprocess.run(
+            [*argv, urls[0]],
+            capture_output=True,
+            text=True,
+            timeout=seconds + 30,
+            check=True,
+        ).stdout
+    finally:
+        if len(urls) > 1:
+            script.unlink()
     pct = {
         m[0]: float(m[1]) * _WRK_UNITS[m[2]]
         for m in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
@@ -372,12 +396,17 @@ def _warm_runs(
             )
         )
     for conns in (1, args.concurrency):
+        # As many wrk threads as replicas, on both sides: direct, each thread's connections
+        # go to one replica, so direct uses every replica, as the gateway does.
+        threads = max(1, min(conns, len(addresses)))
+        if conns % threads:
+            threads = 1
         warm.append(
             (
                 "wrk",
                 conns,
-                meter.measure(functools.partial(_wrk, addresses[0], conns, args.seconds)),
-                meter.measure(functools.partial(_wrk, through, conns, args.seconds)),
+                meter.measure(functools.partial(_wrk, addresses, conns, args.seconds, threads)),
+                meter.measure(functools.partial(_wrk, [through], conns, args.seconds, threads)),
             )
         )
     return warm
