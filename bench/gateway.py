@@ -14,12 +14,17 @@ little next to what it measures.
 
 1. warm, at one connection and at ``--concurrency`` connections: ``-n`` GETs
    straight to the replicas (**direct**: the outside baseline, no proxy, no claims;
-   connection i to replica i mod ``--replicas``) and the same GETs through the gateway
-   to ``/function/hello`` (each takes an environment the gateway holds, forwards,
-   returns it); each request timed;
+   connection i to replica i mod ``--replicas``), the same GETs through the **relay**
+   (:mod:`bench.relay`: ``bench/relay.c``, the cheapest possible proxy - a C TCP relay
+   that copies bytes, each accepted connection with an upstream connection of its own,
+   to the replicas in turn, so as many connections per replica as direct and the
+   gateway; built with ``cc`` into the run's temporary directory, and left out with a
+   note when there is no C compiler), and through the gateway to ``/function/hello``
+   (each takes an environment the gateway holds, forwards, returns it); each request
+   timed;
 2. the same with ``wrk`` (an independent load generator, Debian's package ``wrk``),
    ``--seconds`` per run, when it is installed (skipped, and said so, when not): one
-   wrk thread per replica on both sides, direct thread i on replica i (a Lua script);
+   wrk thread per replica on every side, direct thread i on replica i (a Lua script);
 3. cold starts, taking turns with their baseline: ``--cold`` times, a CreateReplica
    straight to the agent timed until its new replica answers HTTP (its port tried every
    millisecond, then one GET: what any control plane must wait for), then one GET through
@@ -30,18 +35,20 @@ little next to what it measures.
    ``/metrics``).
 
 With ``--pin [CPUS]`` the warm runs (1 and 2) are run twice: on shared cores, as
-above, then with the gateway pinned to CPUS (default: the last CPU) and everything
-else - this client, wrk, the replicas, agent, worker and Redis - to the other CPUs, on
-both sides: direct is measured with the same pinning of client and replicas, so the
-one difference is the gateway's hop (:mod:`bench.pinning`). On a small machine the
+above, then with the gateway and the relay pinned to CPUS (default: the last CPU) and
+everything else - this client, wrk, the replicas, agent, worker and Redis - to the
+other CPUs, on every side: direct is measured with the same pinning of client and
+replicas, so the one difference is the proxy's hop (:mod:`bench.pinning`). On a small machine the
 shared reading caps the gateway at what the processes beside it leave; the pinned one
 is the production split (the gateway on cores of its own, the callers and replicas
 elsewhere).
 
-It prints, per concurrency, requests/s and p50 / p99 of both sides, the latency the
-gateway adds (p50 and p99 of the gateway minus those of direct) and the throughput
-ratio gateway / direct; the aims (issue 24) are at most 2 ms added at p50 at one
-connection and a ratio of at least 0.8 at ``--concurrency``. Then the cold-start p50 /
+It prints, per concurrency, requests/s and p50 / p99 of each side, the CPU a request
+costs each proxy, the replicas and the client, the latency the relay and the gateway
+add (their p50 and p99 minus those of direct), their throughput ratios to direct, and
+the gateway's to the relay (how far the gateway is from the floor any proxy has here);
+the aims (issue 24) are at most 2 ms added at p50 at one connection and a ratio
+gateway / direct of at least 0.8 at ``--concurrency``. Then the cold-start p50 /
 p99 minus the agent's own create time of 3 (aims: at most 20 ms and 50 ms), and the
 p50 / p99 of each cold start minus the create just before it.
 """
@@ -72,7 +79,7 @@ import httpx
 import psutil
 from sqlalchemy import select
 
-from bench import otlp_sink
+from bench import otlp_sink, relay
 from bench.options import add_counts, add_store_option, store_for
 from bench.pinning import Pinning, split
 from config.celery import QUEUES
@@ -174,10 +181,10 @@ async def _load(urls: list[str], n: int, concurrency: int) -> Run:
 
 
 class CpuMeter:
-    """CPU time of the gateway, the replicas and this process, per request of a run."""
+    """CPU time of each proxy, the replicas and this process, per request of a run."""
 
-    def __init__(self, gateway_pid: int, agent_pid: int) -> None:
-        self.gateway = psutil.Process(gateway_pid)
+    def __init__(self, proxies: dict[str, int], agent_pid: int) -> None:
+        self.proxies = {name: psutil.Process(pid) for name, pid in proxies.items()}
         self.agent = psutil.Process(agent_pid)
 
     def _now(self) -> dict[str, float]:
@@ -192,7 +199,7 @@ class CpuMeter:
             return total
 
         return {
-            "gateway": cpu([self.gateway]),
+            **{name: cpu([proc]) for name, proc in self.proxies.items()},
             "replicas": cpu(self.agent.children(recursive=True)),
             "client": time.process_time(),
         }
@@ -379,53 +386,57 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _warm_runs(
-    args: argparse.Namespace, meter: CpuMeter, addresses: list[str], through: str
-) -> list[tuple[str, int, Run | None, Run | None]]:
-    """Direct and through the gateway: our client, then wrk, at 1 and N connections."""
-    warm: list[tuple[str, int, Run | None, Run | None]] = []
+@dataclass
+class Row:
+    """One load generator at one connection count: a run per side (None: wrk not installed)."""
+
+    tool: str
+    conns: int
+    runs: dict[str, Run | None]  # "direct", "relay" (when built), "gateway"
+
+
+def _warm_runs(args: argparse.Namespace, meter: CpuMeter, sides: dict[str, list[str]]) -> list[Row]:
+    """Each side (direct, relay, gateway): our client, then wrk, at 1 and N connections."""
+    warm: list[Row] = []
     if args.cold_only:
         return warm
     for conns in (1, args.concurrency):
         warm.append(
-            (
+            Row(
                 "client",
                 conns,
-                meter.measure(functools.partial(_run_load, addresses, args.n, conns)),
-                meter.measure(functools.partial(_run_load, [through], args.n, conns)),
+                {
+                    side: meter.measure(functools.partial(_run_load, urls, args.n, conns))
+                    for side, urls in sides.items()
+                },
             )
         )
     for conns in (1, args.concurrency):
-        # As many wrk threads as replicas, on both sides: direct, each thread's connections
-        # go to one replica, so direct uses every replica, as the gateway does.
-        threads = max(1, min(conns, len(addresses)))
+        # As many wrk threads as replicas, on every side: direct, each thread's connections
+        # go to one replica, so direct uses every replica, as the relay and the gateway do.
+        threads = max(1, min(conns, len(sides["direct"])))
         if conns % threads:
             threads = 1
         warm.append(
-            (
+            Row(
                 "wrk",
                 conns,
-                meter.measure(functools.partial(_wrk, addresses, conns, args.seconds, threads)),
-                meter.measure(functools.partial(_wrk, [through], conns, args.seconds, threads)),
+                {
+                    side: meter.measure(functools.partial(_wrk, urls, conns, args.seconds, threads))
+                    for side, urls in sides.items()
+                },
             )
         )
     return warm
 
 
-def _warm_readings(
-    args: argparse.Namespace,
-    meter: CpuMeter,
-    addresses: list[str],
-    through: str,
-) -> None:
-    """The warm runs on shared cores, then (``--pin``) with the gateway on CPUs of its own."""
-    _report_warm(
-        "shared cores: every process on every CPU", _warm_runs(args, meter, addresses, through)
-    )
+def _warm_readings(args: argparse.Namespace, meter: CpuMeter, sides: dict[str, list[str]]) -> None:
+    """The warm runs on shared cores, then (``--pin``) with the proxies on CPUs of their own."""
+    _report_warm("shared cores: every process on every CPU", _warm_runs(args, meter, sides))
     if args.cpus is None or args.cold_only:
         return
-    with Pinning(meter.gateway.pid, *args.cpus) as pinned:
-        warm = _warm_runs(args, meter, addresses, through)
+    with Pinning({name: p.pid for name, p in meter.proxies.items()}, *args.cpus) as pinned:
+        warm = _warm_runs(args, meter, sides)
     _report_warm(f"pinned: {pinned.describe()}", warm)
 
 
@@ -504,9 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         gateway = f"http://127.0.0.1:{gw_port}"
         _wait_http(gateway + "/healthz")
         addresses = _warm_replicas(args, db, agent_port)
-        through = f"{gateway}/function/hello"
         _header(args)
-        _warm_readings(args, CpuMeter(procs[3].pid, procs[1].pid), addresses, through)
+        sides, proxies = _sides(args, tmp, procs, addresses, gateway)
+        _warm_readings(args, CpuMeter(proxies, procs[1].pid), sides)
         if args.cold > 0:
             cold, create = _cold_and_create(gateway, f"127.0.0.1:{agent_port}", args.cold)
             _report_cold(create, cold)
@@ -525,6 +536,33 @@ def main(argv: list[str] | None = None) -> int:
         if sink is not None:
             print(f"  tracing on: {sink.sink.count} spans reached the OTLP sink")
             sink.stop()
+
+
+def _sides(
+    args: argparse.Namespace,
+    tmp: Path,
+    procs: list[subprocess.Popen[bytes]],
+    addresses: list[str],
+    gateway: str,
+) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """What the warm runs call (direct, the relay, the gateway) and the proxies' process ids.
+
+    The relay (bench.relay) is built and started here, in front of the same replicas,
+    unless there are no warm runs or it cannot be built (then it says why and is left out).
+    """
+    sides = {"direct": addresses}
+    proxies = {"gateway": procs[3].pid}
+    if not args.cold_only:
+        binary, why = relay.build(tmp)
+        if binary is None:
+            print(f"  relay (the cheapest proxy, bench/relay.c) skipped: {why}")
+        else:
+            floor = relay.start(binary, addresses, tmp / "relay.log")
+            procs.append(floor.proc)
+            sides["relay"] = [floor.url]
+            proxies["relay"] = floor.proc.pid
+    sides["gateway"] = [f"{gateway}/function/hello"]
+    return sides, proxies
 
 
 def _warm_replicas(args: argparse.Namespace, db: Any, agent_port: int) -> list[str]:
@@ -578,47 +616,54 @@ def _header(args: Any) -> None:
     )
 
 
-def _report_warm(reading: str, warm: list[tuple[str, int, Run | None, Run | None]]) -> None:
-    """One reading's warm runs: requests/s, latencies, CPU a request, added latency, ratio."""
+def _report_warm(reading: str, warm: list[Row]) -> None:
+    """One reading's warm runs: each side's requests/s and latencies, CPU, added latency, ratios."""
     if not warm:
         return
     ms = 1000.0
     print(f"  {reading} (load average {os.getloadavg()[0]:.2f})")
-    for tool, conns, direct, through in warm:
-        if direct is None or through is None:
-            print(f"  [{tool}, {conns} conn] skipped: wrk is not installed (apt-get install wrk)")
+    for row in warm:
+        tag = f"  [{row.tool}, {row.conns} conn]"
+        runs = {side: run for side, run in row.runs.items() if run is not None}
+        if len(runs) < len(row.runs):
+            print(f"{tag} skipped: wrk is not installed (apt-get install wrk)")
             continue
-        print(
-            f"  [{tool}, {conns} conn] direct  {direct.rps:8.0f} req/s   p50 "
-            f"{direct.p50 * ms:7.2f} ms   p99 {direct.p99 * ms:7.2f} ms   errors {direct.errors}"
-        )
-        print(
-            f"  [{tool}, {conns} conn] gateway {through.rps:8.0f} req/s   p50 "
-            f"{through.p50 * ms:7.2f} ms   p99 {through.p99 * ms:7.2f} ms   errors "
-            f"{through.errors}"
-        )
-        if through.cpu_us and direct.cpu_us:
-            cpu = through.cpu_us
+        for side, run in runs.items():
             print(
-                f"  [{tool}, {conns} conn] CPU a request: gateway {cpu['gateway']:5.0f} us, "
-                f"replicas {cpu['replicas']:4.0f} us (direct {direct.cpu_us['replicas']:4.0f})"
-                + (
-                    f", client {cpu['client']:4.0f} us (direct {direct.cpu_us['client']:4.0f})"
-                    if tool == "client"
-                    else ""
+                f"{tag} {side:<7} {run.rps:8.0f} req/s   p50 {run.p50 * ms:7.2f} ms   p99 "
+                f"{run.p99 * ms:7.2f} ms   errors {run.errors}"
+            )
+        direct = runs["direct"]
+        cpu = {side: run.cpu_us for side, run in runs.items() if run.cpu_us}
+        if len(cpu) == len(runs):
+            proxies = [f"{side} {cpu[side][side]:4.0f} us" for side in runs if side != "direct"]
+            groups = ["replicas"] + (["client"] if row.tool == "client" else [])
+            print(
+                f"{tag} CPU a request: "
+                + ", ".join(proxies)
+                + "".join(
+                    f"; {group} " + ", ".join(f"{cpu[side][group]:4.0f} us {side}" for side in runs)
+                    for group in groups
                 )
             )
-        added = (through.p50 - direct.p50) * ms
-        ratio = through.rps / direct.rps
-        aim = (
-            f"added p50 aim <= 2 ms: {'met' if added <= 2 else 'MISSED'}"
-            if conns == 1
-            else f"ratio aim >= 0.8: {'met' if ratio >= 0.8 else 'MISSED'}"
-        )
-        print(
-            f"  [{tool}, {conns} conn] gateway adds p50 {added:6.2f} ms, p99 "
-            f"{(through.p99 - direct.p99) * ms:6.2f} ms; ratio {ratio:.2f} ({aim})"
-        )
+        for side, run in runs.items():
+            if side == "direct":
+                continue
+            added = (run.p50 - direct.p50) * ms
+            ratio = run.rps / direct.rps
+            aim = ""
+            if side == "gateway":
+                aim = (
+                    f" (added p50 aim <= 2 ms: {'met' if added <= 2 else 'MISSED'})"
+                    if row.conns == 1
+                    else f" (ratio aim >= 0.8: {'met' if ratio >= 0.8 else 'MISSED'})"
+                )
+                if "relay" in runs:
+                    aim += f"; gateway / relay {run.rps / runs['relay'].rps:.2f}"
+            print(
+                f"{tag} {side} adds p50 {added:6.2f} ms, p99 "
+                f"{(run.p99 - direct.p99) * ms:6.2f} ms; ratio to direct {ratio:.2f}{aim}"
+            )
 
 
 def _report_cold(create: list[float], cold: list[float]) -> None:

@@ -1,10 +1,11 @@
-"""CPU pinning for benchmarks: one process tree on some CPUs, everything else on the others.
+"""CPU pinning for benchmarks: some process trees on some CPUs, everything else on the others.
 
 In production the gateway has cores of its own: the replicas are microVMs on other
 nodes and the callers are elsewhere. On one small machine every part of a benchmark
 competes for the same cores, so a proxy's throughput is capped by what the processes
 beside it spend. :class:`Pinning` reproduces the production split on one host: the
-*pinned* process (the gateway, with every thread it has) runs on its own CPUs, and
+*pinned* processes (the gateway, with every thread it has, and any other proxy measured
+in its place, such as bench.gateway's C relay) run on their own CPUs, and
 this process with every other process it started (load generator, replicas, agent,
 worker, Redis: their threads and their children, and what they start later, since
 Linux hands a thread's affinity to what it creates) on the rest.
@@ -67,10 +68,11 @@ def set_tree(proc: psutil.Process, cpus: set[int]) -> None:
 
 
 class Pinning:
-    """One process tree on its CPUs, this process and the rest of its tree on the others."""
+    """Some process trees on their CPUs, this process and the rest of its tree on the others."""
 
-    def __init__(self, pinned_pid: int, own: set[int], rest: set[int]) -> None:
-        self.pinned = psutil.Process(pinned_pid)
+    def __init__(self, pinned: dict[str, int], own: set[int], rest: set[int]) -> None:
+        self.names = list(pinned)  # what the pinned processes are, for describe()
+        self.pinned = [psutil.Process(pid) for pid in pinned.values()]
         self.own = own
         self.rest = rest
         self.everyone = os.sched_getaffinity(0)
@@ -79,11 +81,16 @@ class Pinning:
         me = psutil.Process()
         for tid in _threads(me.pid):
             os.sched_setaffinity(tid, others)
-        skip = {self.pinned.pid, *(p.pid for p in self.pinned.children(recursive=True))}
+        skip = {
+            pid
+            for proc in self.pinned
+            for pid in (proc.pid, *(p.pid for p in proc.children(recursive=True)))
+        }
         for child in me.children(recursive=False):
             if child.pid not in skip:
                 set_tree(child, others)
-        set_tree(self.pinned, pinned)
+        for proc in self.pinned:
+            set_tree(proc, pinned)
 
     def __enter__(self) -> Pinning:
         self._apply(self.own, self.rest)
@@ -95,8 +102,8 @@ class Pinning:
     def describe(self) -> str:
         """Which CPUs are whose, in words."""
         return (
-            f"gateway on CPU {_show(self.own)}, client, replicas, agent, worker and Redis "
-            f"on CPU {_show(self.rest)}"
+            f"{' and '.join(self.names)} on CPU {_show(self.own)}; client, replicas, agent, "
+            f"worker and Redis on CPU {_show(self.rest)}"
         )
 
 
