@@ -23,7 +23,8 @@ little next to what it measures.
    (each takes an environment the gateway holds, forwards, returns it); each request
    timed;
 2. the same with ``wrk`` (an independent load generator, Debian's package ``wrk``),
-   ``--seconds`` per run, when it is installed (skipped, and said so, when not): one
+   ``--seconds`` per run at ``--concurrency`` and half as long at one connection, when
+   it is installed (skipped, and said so, when not): one
    wrk thread per replica on every side, direct thread i on replica i (a Lua script);
 3. cold starts, taking turns with their baseline: ``--cold`` times, a CreateReplica
    straight to the agent timed until its new replica answers HTTP (its port tried every
@@ -342,7 +343,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         {
             "-n": (3000, "requests per warm run"),
             "--concurrency": (16, "connections of the second warm runs (the first: one)"),
-            "--seconds": (5, "seconds per wrk run"),
+            "--seconds": (5, "seconds per wrk run at --concurrency (at one connection: half)"),
             "--replicas": (4, "warm replicas"),
             "--envs": (4, "environments per warm replica"),
             "--cold": (20, "cold starts measured (0: none)"),
@@ -417,12 +418,15 @@ def _warm_runs(args: argparse.Namespace, meter: CpuMeter, sides: dict[str, list[
         threads = max(1, min(conns, len(sides["direct"])))
         if conns % threads:
             threads = 1
+        # At one connection wrk measures latency: half the time still gives some 30,000
+        # requests a side, and keeps three sides' runs about as long as two sides' were.
+        seconds = args.seconds if conns > 1 else max(1, math.ceil(args.seconds / 2))
         warm.append(
             Row(
                 "wrk",
                 conns,
                 {
-                    side: meter.measure(functools.partial(_wrk, urls, conns, args.seconds, threads))
+                    side: meter.measure(functools.partial(_wrk, urls, conns, seconds, threads))
                     for side, urls in sides.items()
                 },
             )
@@ -609,7 +613,8 @@ def _cold_start(gateway: str, name: str) -> float:
 
 def _header(args: Any) -> None:
     print(
-        f"gateway benchmark: {args.n} GETs per warm run (wrk: {args.seconds} s), "
+        f"gateway benchmark: {args.n} GETs per warm run (wrk: {args.seconds} s at "
+        f"{args.concurrency} connections, {max(1, math.ceil(args.seconds / 2))} s at one), "
         f"{args.replicas} warm replicas x {args.envs} environments (examples.hello), "
         f"{args.cold} cold starts; {'PostgreSQL' if args.postgres is not None else 'SQLite'} "
         f"store, one gateway process; load average {os.getloadavg()[0]:.2f}"
