@@ -534,13 +534,14 @@ def claim(
     settings = settings or get_settings()
     _check_cold_start_timeout(cold_start_timeout)
     called = time.time()
+    db = database(settings)
     attempt = coldstarts.ClaimAttempt(
-        database(settings),
+        db,
         settings,
         function,
         cold_start_timeout=cold_start_timeout,
         ttl_s=ttl,
-        spawn=lambda name: spawn(name, 1, settings=settings),
+        queue=lambda op: _enqueue(db, op),
     )
     try:
         while True:

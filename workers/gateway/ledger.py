@@ -29,8 +29,9 @@ cold-start timeout.
 ``CORRAL_GATEWAY_KEEP_S``), or to the store. :meth:`Ledger.retire` gives back a
 claim whose replica failed and has the replica deleted as *suspect*
 (:func:`workers.replicas.claims.suspect`), with every other claim this gateway holds on it.
-A cold start's spawn and a suspect's delete are operations queued as the maintenance
-passes queue theirs (:func:`workers.dispatch.submit`), not through the producer API.
+A cold start's spawn (written by its plan, :mod:`workers.replicas.coldstarts`) and a
+suspect's delete are operations queued as the maintenance passes queue theirs
+(:func:`workers.dispatch.enqueue`), not through the producer API.
 :meth:`Ledger.maintain` runs for the gateway's life: it gives back claims unused for
 the keep window and renews every claim held (each is a lease of
 ``CORRAL_GATEWAY_CLAIM_TTL_S``), so a gateway that dies leaves leases that expire by
@@ -48,7 +49,6 @@ import logging
 import time
 from collections.abc import Callable
 from datetime import datetime
-from functools import partial
 from typing import Any
 
 from config.settings import Settings
@@ -61,8 +61,8 @@ from workers.gateway.traces import ColdStart
 from workers.replicas import claims
 from workers.replicas.claims import Claimed, NoIdleReplica
 from workers.replicas.coldstarts import ClaimAttempt
-from workers.replicas.requests import request_spawn
 from workers.store.db import Database
+from workers.store.models import Operation
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class Ledger:
             name,
             cold_start_timeout=settings.gateway_cold_start_timeout_s,
             ttl_s=settings.gateway_claim_ttl_s,
-            spawn=self._spawn,
+            queue=self._queue_spawn,
             wait_at_max=True,
             tried=True,
             told=self.told,
@@ -289,16 +289,12 @@ class Ledger:
         except CorralError as exc:  # the broker is down: the stuck sweep finishes the delete
             log.warning("gateway: could not queue the delete of %s: %s", claimed.replica_id, exc)
 
-    def _spawn(self, function: str) -> str:
-        """Ask for one more replica of ``function`` (a cold start); the operation id.
+    def _queue_spawn(self, op: Operation) -> str:
+        """Queue the first task of a cold start's spawn, written already; the operation id.
 
-        With ``CORRAL_GATEWAY_SPAWN_HERE`` its first task runs here, in the gateway.
+        With ``CORRAL_GATEWAY_SPAWN_HERE`` it runs here, in the gateway.
         """
-        return dispatch.submit(
-            self.db,
-            partial(request_spawn, function=function, count=1),
-            here=self.settings.gateway_spawn_here,
-        )
+        return dispatch.enqueue(self.db, op, here=self.settings.gateway_spawn_here)
 
     def _suspect(self, claim_id: str, reason: str) -> str | None:
         """Give the claim back, retire its replica and queue its delete; the operation id."""

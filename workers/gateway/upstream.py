@@ -41,9 +41,11 @@ PREFIX = "/function/"
 RAW_PREFIX = PREFIX.encode()
 UPSTREAM_IDLE_S = 60.0  # a replica's pool unused this long (and no claim on it) is closed
 CONNECT_GRACE_S = 2.0  # a refused connection is tried again this long before it counts
-# ...first after 2 ms, then at most every 10 ms: a replica still starting is reached within
-# 10 ms of listening (a cold start's first byte), for some 50 us of a refused connect each.
-REFUSED_PAUSE_S = (0.002, 0.01)
+# ...every millisecond for the first 100 ms (a replica still starting is reached within a
+# millisecond of listening: a cold start's first byte), then less and less often, at most
+# every 10 ms; some 50 us of a refused connect each.
+REFUSED_PAUSE_S = (0.001, 0.01)
+REFUSED_FAST_S = 0.1
 READ_AHEAD = 1024 * 1024  # bytes of an answer read from the replica ahead of the caller
 
 
@@ -306,16 +308,19 @@ class Upstreams:
         CreateReplica as soon as the process runs); only a replica that keeps refusing
         is a failed one.
         """
-        give_up = time.monotonic() + CONNECT_GRACE_S
+        began = time.monotonic()
+        give_up = began + CONNECT_GRACE_S
         pause, most = REFUSED_PAUSE_S
         while True:
             try:
                 return await pool.send(head, body, head_only=head_only, buffer=READ_AHEAD)
             except http1.Broken as exc:
-                if not exc.refused or time.monotonic() + pause > give_up:
+                at = time.monotonic()
+                if not exc.refused or at + pause > give_up:
                     raise ReplicaFailed(str(exc)) from None
             await asyncio.sleep(pause)
-            pause = min(pause * 2, most)
+            if at - began > REFUSED_FAST_S:
+                pause = min(pause * 2, most)
 
     def sweep(self, wanted: set[str]) -> None:
         """Close idle connections past their time, and pools unused but those in ``wanted``."""

@@ -7,12 +7,15 @@ When nothing is Idle, a producer may wait for a new replica
 function *share* spawns: each waiter is a lease-like row ``cw:<function>:<token>``
 in the ``leases`` table (it expires by itself if the waiting process dies, and is
 deleted in the very transaction whose claim serves it), each spawn a waiter asked
-for is a row ``cs:<function>:<token>`` whose holder becomes the spawn's operation
-id. :func:`plan_cold_start` - one transaction, with the function row locked so
+for is a row ``cs:<function>:<token>`` whose holder is the spawn's operation id.
+:func:`plan_cold_start` - one transaction, with the function row locked so
 decisions for one function are serialised - counts the waiters and the
 environments already on their way (replicas of the current build in Creating /
 Starting, and waiter-requested spawns not finished yet, each counted once) and
-asks for one more spawn only when waiters outnumber them and nothing is Idle.
+asks for one more spawn only when waiters outnumber them and nothing is Idle: it
+writes the spawn's operation and its ``cs:`` row in that same transaction, and the
+caller queues the operation's first task once it has committed (a process that dies
+in between leaves an open operation, which redrive sends again).
 
 :class:`ClaimAttempt` is one caller's whole claim, cold start included, as a series
 of short steps (each a few store calls, never a sleep): :func:`tasks.api.claim`
@@ -28,12 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
-from workers.errors import CorralError, NotFound
+from workers.errors import CorralError, InputError, NotFound
 from workers.functions import get_function
 from workers.operations import FINISHED, get_operation
 from workers.replicas.claims import (
@@ -44,12 +47,12 @@ from workers.replicas.claims import (
     claim,
     idle_exists,
 )
+from workers.replicas.requests import spawn_of
 from workers.store.db import Database
 from workers.store.models import Function, Lease, Operation, OpStatus, Replica, ReplicaState, new_id
 
 WAITER_PREFIX = "cw"
 SPAWN_PREFIX = "cs"
-PENDING_SPAWN = "pending:"  # + the waiter's token, until the operation id replaces it
 TOLD_POLL_S = 0.1  # a claim told of ready replicas looks on its own this often at first
 
 
@@ -89,10 +92,7 @@ def join_and_plan(
     spawn is asked for. An environment freed meanwhile shows in the plan (``idle``).
     """
     with db.transaction() as s:
-        found = get_function(s, function_name)
-        fn = s.get(Function, found.id, with_for_update=True, populate_existing=True)
-        if fn is None:
-            raise NotFound(f"function {function_name!r} was removed")
+        fn = get_function(s, function_name, lock=True)
         waiter = _join(s, fn, wait_s)
         return waiter, _plan(s, settings, fn, waiter)
 
@@ -123,8 +123,10 @@ class ColdStartPlan:
 
     waiters: int
     in_flight: int
-    spawn: str | None  # the spawn row to fill in with the operation id, when a spawn is due
+    spawn: Operation | None  # the spawn written, when one was due: queue its first task
     idle: bool = False  # no spawn: an environment is free (claim it)
+    refused: str | None = None  # a spawn was due but refused (why)
+    at_max: bool = False  # the function has as many replicas as its max allows
 
 
 def plan_cold_start(db: Database, settings: Settings, waiter: Waiter) -> ColdStartPlan:
@@ -141,64 +143,46 @@ def _plan(s: Session, settings: Settings, fn: Function, waiter: Waiter) -> ColdS
     at = now()
     rows = _rows(s, WAITER_PREFIX, fn.id)
     alive = {row.name for row in rows if row.expires_at > at}
-    pending, spawn_ops, over = _spawns_coming(s, fn.id, alive, at)
+    spawn_ops, over = _spawns_coming(s, fn.id, at)
     over += [row.name for row in rows if row.expires_at <= at]
     if over:  # by name: a waiter that leaves deletes its own row, maybe first
         s.execute(delete(Lease).where(Lease.name.in_(over)))
     waiters = len(alive)
-    coming = (pending + len(spawn_ops)) * fn.exec_envs + in_flight_envs(s, fn, spawn_ops)
+    coming = len(spawn_ops) * fn.exec_envs + in_flight_envs(s, fn, spawn_ops)
     idle = idle_exists(s, fn)
     if waiters <= coming or idle:
         return ColdStartPlan(waiters, coming, None, idle)
-    name = f"{_range(SPAWN_PREFIX, fn.id)[0]}{new_id()[:16]}"
+    at_max = fn.replica_count >= fn.max_replicas
+    try:
+        op = spawn_of(s, fn, 1)
+    except InputError as exc:  # past the function's max: nothing written
+        return ColdStartPlan(waiters, coming, None, refused=str(exc), at_max=at_max)
     ttl = settings.creating_deadline_s + settings.boot_deadline_s
     s.add(
         Lease(
-            name=name,
-            holder=f"{PENDING_SPAWN}{waiter.token}",
+            name=f"{_range(SPAWN_PREFIX, fn.id)[0]}{new_id()[:16]}",
+            holder=op.id,
             expires_at=at + timedelta(seconds=ttl),
         )
     )
-    return ColdStartPlan(waiters, coming, name)
+    return ColdStartPlan(waiters, coming, op, at_max=at_max)
 
 
-def _spawns_coming(
-    s: Session, function_id: str, alive: set[str], at: datetime
-) -> tuple[int, set[str], list[str]]:
-    """Spawns still coming (asks being made, open operations) and the rows of those over."""
+def _spawns_coming(s: Session, function_id: str, at: datetime) -> tuple[set[str], list[str]]:
+    """The open spawn operations waiters asked for, and the rows of those over."""
     spawns = _rows(s, SPAWN_PREFIX, function_id)
-    op_ids = [r.holder for r in spawns if not r.holder.startswith(PENDING_SPAWN)]
     ops: dict[str, str] = {}
-    if op_ids:
-        rows = s.execute(select(Operation.id, Operation.status).where(Operation.id.in_(op_ids)))
+    if spawns:
+        ids = [r.holder for r in spawns]
+        rows = s.execute(select(Operation.id, Operation.status).where(Operation.id.in_(ids)))
         ops = {op_id: status for op_id, status in rows}
-    pending, spawn_ops, over = 0, set(), []
+    spawn_ops, over = set(), []
     for row in spawns:
-        if row.holder.startswith(PENDING_SPAWN):
-            # Being asked for right now by a waiter; if that waiter is gone (its
-            # process died between deciding and asking), the spawn never will be.
-            done = row.holder[len(PENDING_SPAWN) :] not in alive
-        else:
-            done = ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED
-        if row.expires_at <= at or done:
+        if row.expires_at <= at or ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED:
             over.append(row.name)
-        elif row.holder.startswith(PENDING_SPAWN):
-            pending += 1
         else:
             spawn_ops.add(row.holder)
-    return pending, spawn_ops, over
-
-
-def note_spawn(db: Database, spawn: str, op_id: str) -> None:
-    """Record the operation that carries out a waiter-requested spawn."""
-    with db.transaction() as s:
-        s.execute(update(Lease).where(Lease.name == spawn).values(holder=op_id))
-
-
-def drop_spawn(db: Database, spawn: str) -> None:
-    """Forget a waiter-requested spawn that was refused."""
-    with db.transaction() as s:
-        s.execute(delete(Lease).where(Lease.name == spawn))
+    return spawn_ops, over
 
 
 class ClaimAttempt:
@@ -207,10 +191,12 @@ class ClaimAttempt:
     :meth:`step` returns the :class:`Claimed` environment, or how many seconds to wait
     before the next step; it raises :class:`NoIdleReplica` (no cold start allowed, the
     cold start failed or was refused) or :class:`ClaimTimeout`. :meth:`close` must run
-    at the end, whatever happened. ``spawn(function) -> operation id`` asks for one
-    replica. With ``wait_at_max`` a spawn refused (or failed) because the function is
-    at its max is not an error: the caller waits for an environment to be released
-    instead (several gateways may ask for the last replica at once).
+    at the end, whatever happened. ``queue(operation) -> operation id`` queues the first
+    task of a spawn the plan wrote (:func:`workers.dispatch.enqueue`: it fails the
+    operation and raises when it cannot). With ``wait_at_max`` a spawn refused (or
+    failed) because the function is at its max is not an error: the caller waits for an
+    environment to be released instead (several gateways may ask for the last replica
+    at once).
 
     ``tried``: the caller has just found nothing Idle itself, so the first step does not
     look again before joining the waiters. ``told``: the caller is told when a replica of
@@ -226,7 +212,7 @@ class ClaimAttempt:
         settings: Settings,
         function: str,
         *,
-        spawn: Callable[[str], str],
+        queue: Callable[[Operation], str],
         cold_start_timeout: float = 0.0,
         ttl_s: float | None = None,
         wait_at_max: bool = False,
@@ -239,7 +225,7 @@ class ClaimAttempt:
         self.spawned: list[str] = []  # operations this caller asked for
         self.started = time.monotonic()
         self.asked_at: float | None = None  # time.monotonic() when its first spawn was asked
-        self._spawn = spawn
+        self._queue = queue
         self._wait_at_max = wait_at_max
         self._deadline = self.started + cold_start_timeout
         self._waiter: Waiter | None = None
@@ -265,6 +251,10 @@ class ClaimAttempt:
             return plan
         if plan.idle:
             return 0.0  # an environment came free meanwhile: claim it now
+        if plan.refused is not None and not (self._wait_at_max and plan.at_max):
+            raise NoIdleReplica(
+                f"no idle replica of {self.function}, and a cold start was refused: {plan.refused}"
+            )
         if plan.spawn is not None and self._ask(plan.spawn) and not self._told:
             return 0.0  # the new replica may be ready already (eager mode)
         wait = max(0.0, min(self._delay, self._deadline - time.monotonic()))
@@ -288,22 +278,24 @@ class ClaimAttempt:
         """A later step: claim as a waiter, else check the spawns asked for and plan again."""
         assert self._waiter is not None  # noqa: S101 - narrows for mypy
         try:
-            return claim(
+            got = claim(
                 self.db, self.settings, self.function, waiter=self._waiter, ttl_s=self.ttl_s
             )
         except NoIdleReplica:
             pass
+        else:
+            self._waiter = None  # the claim's transaction took this waiter out: close() is free
+            return got
         self._check_spawns()
         if time.monotonic() >= self._deadline:
             raise ClaimTimeout(f"no ready replica of {self.function} after {self.timeout:g}s")
         return plan_cold_start(self.db, self.settings, self._waiter)
 
-    def _ask(self, spawn: str) -> bool:
-        """Ask for the spawn the plan decided on; True if asked (False: refused, at max)."""
+    def _ask(self, spawn: Operation) -> bool:
+        """Queue the spawn the plan wrote; True if queued (False: it could not be, at max)."""
         try:
-            op_id = self._spawn(self.function)
-        except CorralError as exc:
-            drop_spawn(self.db, spawn)
+            op_id = self._queue(spawn)
+        except CorralError as exc:  # the operation was failed: no longer counted as coming
             if not (self._wait_at_max and self._at_max()):
                 raise NoIdleReplica(
                     f"no idle replica of {self.function}, and a cold start was refused: {exc}"
@@ -311,7 +303,6 @@ class ClaimAttempt:
             return False
         if self.asked_at is None:
             self.asked_at = time.monotonic()
-        note_spawn(self.db, spawn, op_id)
         self.spawned.append(op_id)
         return True
 

@@ -17,13 +17,18 @@ from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.checks import check_count, check_target
 from workers.replicas.views import get_replica
-from workers.store.models import Operation
+from workers.store.models import Function, Operation
 
 
 def request_spawn(session: Session, function: str, count: int) -> Operation:
     """An operation for ``count`` more replicas of ``function`` (``count`` per node: spread)."""
     count = check_count(count)
-    fn = get_function(session, function)
+    return spawn_of(session, get_function(session, function), count)
+
+
+def spawn_of(session: Session, fn: Function, count: int) -> Operation:
+    """:func:`request_spawn` for a function row the caller has read (``count`` checked)."""
+    function = fn.name
     adding = count
     if fn.placement == "spread":  # n on every healthy node
         adding = count * max(1, len(spread_nodes(session, fn)))

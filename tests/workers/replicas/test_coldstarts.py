@@ -14,10 +14,11 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, replicas
 from tests.workers.replicas.helpers import at_once, by_id, created, one_node_idle
+from workers.operations import fail_op
 from workers.replicas import coldstarts
 from workers.replicas.claims import NoIdleReplica
 from workers.replicas.coldstarts import ClaimTimeout
-from workers.store.models import Lease, ReplicaState
+from workers.store.models import Lease, Operation, ReplicaState
 
 
 def _claim_all(n: int, timeout: float = 20.0) -> tuple[list[api.ClaimView], list[str]]:
@@ -144,10 +145,18 @@ def test_spawn_decisions_count_waiters_and_spawns_in_flight(corral_env: Env) -> 
     w3 = coldstarts.join_waiters(db, "hello", 30)
     third = coldstarts.plan_cold_start(db, settings, w3)
     assert (third.waiters, third.in_flight) == (3, 2) and third.spawn is not None
-    # w1 dies before asking: its spawn no longer counts (w3's covers the two left).
+    # w1 leaves: its spawn was written with the plan, so it still counts (an operation
+    # never queued is sent by redrive), with w3's: four environments for two waiters.
     coldstarts.leave_waiters(db, w1)
     second = coldstarts.plan_cold_start(db, settings, w2)
-    assert (second.waiters, second.in_flight) == (2, 2) and second.spawn is None
-    coldstarts.drop_spawn(db, third.spawn)  # w3's spawn was refused: now w2 must ask
-    again = coldstarts.plan_cold_start(db, settings, w2)
+    assert (second.waiters, second.in_flight) == (2, 4) and second.spawn is None
+    assert first.spawn is not None and third.spawn is not None
+    fail_op(db, first.spawn.id, "could not queue the task")  # as enqueue does
+    fail_op(db, third.spawn.id, "could not queue the task")
+    again = coldstarts.plan_cold_start(db, settings, w2)  # failed spawns are not coming
     assert (again.waiters, again.in_flight) == (2, 0) and again.spawn is not None
+    with db.read() as s:
+        spawns = set(s.scalars(select(Lease.holder).where(Lease.name.like("cs:%"))))
+        ops = {op.id: op for op in s.scalars(select(Operation))}
+    assert spawns == {again.spawn.id}  # the failed ones' rows are gone; one row per spawn
+    assert ops[again.spawn.id].kind == "spawn" and ops[again.spawn.id].params["count"] == 1
