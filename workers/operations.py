@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypedDict, cast
 
-from sqlalchemy import ColumnElement, Table, and_, bindparam, delete, select, update
+from sqlalchemy import ColumnElement, Table, and_, bindparam, case, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
@@ -44,10 +44,23 @@ from workers.store.db import Database
 from workers.store.models import OP_FINISHED, OP_OPEN, Operation, OpPart, OpStatus
 
 FINISHED = OP_FINISHED  # the one definition is on the status type (workers.store.models)
+# Count parts done; the last of an operation with no failure also finishes it (succeeded).
+_ALL_DONE = and_(
+    Operation.done + bindparam("n") + Operation.failed >= Operation.total, Operation.failed == 0
+)
 _COUNT_DONE = (
     update(Operation)
     .where(Operation.id == bindparam("op_id"), Operation.status.in_(OP_OPEN))
-    .values(done=Operation.done + bindparam("n"), progress_at=bindparam("at"))
+    .values(
+        done=Operation.done + bindparam("n"),
+        progress_at=bindparam("at"),
+        status=case((_ALL_DONE, OpStatus.SUCCEEDED), else_=Operation.status),
+        finished_at=case((_ALL_DONE, bindparam("at")), else_=Operation.finished_at),
+        started_at=case(
+            (_ALL_DONE, func.coalesce(Operation.started_at, bindparam("at"))),
+            else_=Operation.started_at,
+        ),
+    )
     .returning(Operation.done, Operation.failed, Operation.total, Operation.status)
     .execution_options(synchronize_session=False)
 )
@@ -186,6 +199,9 @@ def settle(
         if counted is None:
             return n
         done, failed, total, status = counted
+        if status == OpStatus.SUCCEEDED.value:  # its last part: finished by that statement
+            forget_parts(session, op_id)
+            return n
         if done + failed < total and status != OpStatus.PENDING.value:
             return n
         op = session.get(Operation, op_id, with_for_update=True, populate_existing=True)
