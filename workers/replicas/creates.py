@@ -58,6 +58,7 @@ from workers.replicas.lifecycle import (
 from workers.replicas.notices import Readied
 from workers.replicas.owners import (
     Budget,
+    Owner,
     Pending,
     dedups,
     disown,
@@ -105,11 +106,24 @@ def _blames_node(exc: BaseException) -> bool:
     return not request_error(exc)
 
 
-def create(db: Database, settings: Settings, request_ids: list[str], budget: Budget) -> Next:
-    """Send the creates of these requests' rows that this handler may send; what came of them."""
-    token = owner_token()
+def create(  # noqa: PLR0913 - the rows, and the handler's own ones by name
+    db: Database,
+    settings: Settings,
+    request_ids: list[str],
+    budget: Budget,
+    *,
+    owner: Owner | None = None,
+    owned: Sequence[Pending] = (),
+) -> Next:
+    """Send the creates of these requests' rows that this handler may send; what came of them.
+
+    ``owned``: rows ``owner`` (this handler) wrote as its own; the others are taken first.
+    """
+    token = owner.token if owner is not None else owner_token()
     nxt = Next()
-    todo = _take(db, settings, request_ids, token, budget, nxt)
+    mine = {p.request_id for p in owned}
+    rest = [r for r in request_ids if r not in mine]
+    todo = [*owned, *_take(db, settings, rest, token, budget, nxt)]
     for _ in range(MAX_ROUNDS):
         if not todo:
             return nxt

@@ -105,6 +105,14 @@ def owner_token() -> str:
 
 
 @dataclass(frozen=True)
+class Owner:
+    """One handler as the owner of rows: its token, and when its ownership lapses."""
+
+    token: str
+    until: datetime
+
+
+@dataclass(frozen=True)
 class Pending:
     """A Creating replica this handler owns: where to create it and for which function."""
 

@@ -9,10 +9,12 @@ by every worker process. A batch (:func:`run_batch`):
 
 1. :func:`place` writes its replica rows as Creating - keyed by request id, each with a
    node slot (and GPU) reserved and counted toward the function's max - in one
-   transaction; a redelivered batch finds its rows and writes nothing twice;
-2. :func:`workers.replicas.creates.create` takes the rows no one else owns, sends their
-   creates at once and records what came back. A create is sent at most once per row to
-   a node that cannot deduplicate it (:mod:`workers.replicas.owners`).
+   transaction, owned by this handler from the start (no one else can have sent their
+   creates); a redelivered batch finds its rows and writes nothing twice;
+2. :func:`workers.replicas.creates.create` takes the rows no one else owns (those it
+   wrote are its own already), sends their creates at once and records what came back.
+   A create is sent at most once per row to a node that cannot deduplicate it
+   (:mod:`workers.replicas.owners`).
 
 A replica whose create hit a transport error is tried alone (``spawn_replica`` ->
 :func:`run_one`, retried with backoff); once its retries are spent :func:`give_up`
@@ -38,7 +40,7 @@ from workers.operations import mark_running, settle
 from workers.replicas.checks import check_count
 from workers.replicas.creates import Next, create, owned_move
 from workers.replicas.lifecycle import deadline_for, transition
-from workers.replicas.owners import Budget, owner_token, take
+from workers.replicas.owners import Budget, Owner, Pending, owner_token, take
 from workers.store.db import Database
 from workers.store.models import (
     OP_FINISHED,
@@ -47,6 +49,7 @@ from workers.store.models import (
     Operation,
     Replica,
     ReplicaState,
+    new_id,
 )
 
 log = logging.getLogger(__name__)
@@ -163,8 +166,9 @@ def run_batch(  # noqa: PLR0913 - one batch of one spawn
     budget: Budget,
 ) -> Next:
     """Write the batch's rows (those missing), then create the VMs of those no one else owns."""
-    place(db, settings, op_id, function_id, jobs)
-    return create(db, settings, [j.request_id for j in jobs], budget)
+    owner = Owner(owner_token(), budget.own_until())
+    written = place(db, settings, op_id, function_id, jobs, owner=owner)
+    return create(db, settings, [j.request_id for j in jobs], budget, owner=owner, owned=written)
 
 
 def run_one(  # noqa: PLR0913 - one create of one spawn
@@ -202,29 +206,32 @@ def give_up(db: Database, settings: Settings, request_id: str, error: str, budge
     return nxt
 
 
-def place(
+def place(  # noqa: PLR0913 - one batch of one spawn, its owner by name
     db: Database,
     settings: Settings,
     op_id: str | None,
     function_id: str,
     jobs: list[SpawnJob],
-) -> int:
+    *,
+    owner: Owner | None = None,
+) -> list[Pending]:
     """Write the Creating rows of ``jobs`` that have none yet, each with its node and GPU.
 
     One transaction for the whole batch: the function's count toward max is taken
     for as many as fit, then each replica reserves a node slot (and GPU) and all
-    rows are inserted together. A job that does not fit is written Dead with the
-    reason, and settles its operation as failed. Returns how many rows were written.
+    rows are inserted together, owned by ``owner`` if given. A job that does not fit
+    is written Dead with the reason, and settles its operation as failed. Returns the
+    Creating rows written (each :class:`Pending`, to be sent by ``owner``).
     """
     if not jobs:
-        return 0
+        return []
     ids = [job.request_id for job in jobs]
     known_query = select(Replica.request_id).where(Replica.request_id.in_(ids))
     with db.transaction() as s:
         if set(s.scalars(known_query)) >= set(ids):
-            return 0  # a redelivery: every row is written already
+            return []  # a redelivery: every row is written already
         if op_id and s.scalar(select(Operation.status).where(Operation.id == op_id)) in OP_FINISHED:
-            return 0  # the operation ended (failed to queue, say): its leftovers do nothing
+            return []  # the operation ended (failed to queue, say): its leftovers do nothing
         # FOR NO KEY UPDATE on PostgreSQL: serializes the count with other spawns of this
         # function without blocking the key-share locks that replica INSERTs take.
         fn = s.get(Function, function_id, with_for_update={"key_share": True})
@@ -233,7 +240,7 @@ def place(
         known = set(s.scalars(known_query))
         todo = [job for job in jobs if job.request_id not in known]
         if not todo:
-            return 0
+            return []
         if fn is None:
             if op_id:  # parts with no row: counted once by their request ids
                 settle(
@@ -243,13 +250,13 @@ def place(
                     ok=False,
                     error=f"function {function_id} was removed",
                 )
-            return 0
+            return []
         if len(todo) > 1:  # several reservations: every node (and GPU) first, in order
             lock_nodes(s, fn.backend)
             if fn.gpu_mem_mb:
                 lock_gpus(s)
-        _write_rows(s, settings, op_id, fn, todo, room=_count_toward_max(s, fn, len(todo)))
-        return len(todo)
+        room = _count_toward_max(s, fn, len(todo))
+        return _write_rows(s, settings, op_id, fn, todo, room=room, owner=owner)
 
 
 def _count_toward_max(s: Session, fn: Function, wanted: int) -> int:
@@ -273,21 +280,25 @@ def _write_rows(  # noqa: PLR0913 - one batch of one spawn
     todo: list[SpawnJob],
     *,
     room: int,
-) -> None:
+    owner: Owner | None,
+) -> list[Pending]:
     """Insert the Creating rows of the first ``room`` jobs, each on a node (and GPU).
 
     The rest are written Dead (over max); a counted one that finds no node or GPU
     ends Dead through :func:`transition`, which frees what it held. Rows without a
-    GPU go in one multi-row INSERT.
+    GPU go in one multi-row INSERT. Returns the Creating rows, as ``owner``'s.
     """
     at = now()
     placed: list[dict[str, Any]] = []
+    written: list[Pending] = []
+    mine = {"owner": owner.token, "owner_until": owner.until} if owner else {}
     failed: list[tuple[Replica, str]] = []
     over: list[Replica] = []
     policy = fn.placement or settings.placement
     ready = _reserve_together(s, fn, policy, todo, room)
     for i, job in enumerate(todo):
         row: dict[str, Any] = {
+            "id": new_id(),
             "request_id": job.request_id,
             "function_id": fn.id,
             "operation_id": op_id,
@@ -312,15 +323,15 @@ def _write_rows(  # noqa: PLR0913 - one batch of one spawn
             )
             continue
         try:
-            row["node_id"] = (
-                ready[i] if i < len(ready) else reserve_node(s, fn, policy, pinned=job.node_id)
-            ).id
+            node = ready[i] if i < len(ready) else reserve_node(s, fn, policy, pinned=job.node_id)
+            row["node_id"] = node.id
             if fn.gpu_mem_mb:
                 grant = reserve_gpu(s, fn, settings.gpu_fit)
                 row.update(gpu_id=grant.gpu_id, gpu_slot=grant.slot, gpu_mem_mb=grant.mem_mb)
-                s.add(Replica(**row))  # its slot must be visible to the next reserve_gpu
+                s.add(Replica(**row, **mine))  # its slot must be visible to the next reserve_gpu
             else:
-                placed.append(row)
+                placed.append({**row, **mine})
+            written.append(Pending(row["id"], job.request_id, node, fn, op_id))
         except CapacityError as exc:
             failed.append((Replica(**row), str(exc)))
     if placed:
@@ -332,6 +343,7 @@ def _write_rows(  # noqa: PLR0913 - one batch of one spawn
         settle(s, op_id, parts=[r.id for r in over], ok=False, error=over[0].error)
     for replica, error in failed:  # counted, maybe holding a node: transition frees it
         transition(s, replica, ReplicaState.DEAD, settings, error=error)
+    return written
 
 
 def _reserve_together(
