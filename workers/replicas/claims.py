@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, case, delete, insert, select, update
+from sqlalchemy import ColumnElement, Exists, bindparam, case, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
@@ -196,24 +196,31 @@ def _candidates(
     ``lock``: ``skip`` locks them, skipping rows others hold; ``none`` only looks
     (SQLite ignores row locks: its write transaction is the lock).
     """
-    query = (
-        select(Replica.id, Replica.envs_total - Replica.envs_in_use)
-        .where(
-            Replica.function_id == fn.id,
-            Replica.status == ReplicaState.IDLE,
-            Replica.build_version == fn.build_version,
-            Replica.envs_in_use < Replica.envs_total,
-        )
-        .limit(limit)
-    )
+    query = select(Replica.id, Replica.envs_total - Replica.envs_in_use)
+    query = query.where(*_claimable(fn)).limit(limit)
     if lock == "skip":
         query = query.with_for_update(skip_locked=True)
     return [(rid, int(free)) for rid, free in session.execute(query)]
 
 
+def _claimable(fn: _Fn | Function) -> tuple[ColumnElement[bool], ...]:
+    """The conditions on a replica of ``fn`` that could take a claim now."""
+    return (
+        Replica.function_id == fn.id,
+        Replica.status == ReplicaState.IDLE,
+        Replica.build_version == fn.build_version,
+        Replica.envs_in_use < Replica.envs_total,
+    )
+
+
+def idle_clause(fn: _Fn | Function) -> Exists:
+    """SQL: some replica of ``fn`` could take a claim now."""
+    return select(Replica.id).where(*_claimable(fn)).exists()
+
+
 def idle_exists(session: Session, fn: _Fn | Function) -> bool:
     """Whether any replica of ``fn`` could take a claim now (only looks: locks nothing)."""
-    return bool(_candidates(session, fn, "none"))
+    return bool(session.scalar(select(idle_clause(fn))))
 
 
 def claim(

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import ScalarSelect, and_, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
@@ -45,7 +45,7 @@ from workers.replicas.claims import (
     Waiter,
     check_ttl,
     claim,
-    idle_exists,
+    idle_clause,
 )
 from workers.replicas.requests import spawn_of
 from workers.store.db import Database
@@ -65,22 +65,33 @@ def _range(prefix: str, function_id: str) -> tuple[str, str]:
     return f"{prefix}:{function_id}:", f"{prefix}:{function_id};"
 
 
-def _rows(session: Session, prefix: str, function_id: str) -> list[Lease]:
-    lo, hi = _range(prefix, function_id)
-    return list(session.scalars(select(Lease).where(Lease.name >= lo, Lease.name < hi)))
+def _leases(session: Session, function_id: str) -> tuple[list[Lease], list[Lease]]:
+    """The function's waiter rows and spawn rows, in one read."""
+    ranges = [_range(prefix, function_id) for prefix in (WAITER_PREFIX, SPAWN_PREFIX)]
+    rows = session.scalars(
+        select(Lease).where(or_(*(and_(Lease.name >= lo, Lease.name < hi) for lo, hi in ranges)))
+    )
+    waiters: list[Lease] = []
+    spawns: list[Lease] = []
+    for row in rows:
+        (waiters if row.name.startswith(ranges[0][0]) else spawns).append(row)
+    return waiters, spawns
 
 
 def join_waiters(db: Database, function_name: str, wait_s: float) -> Waiter:
     """Register a claimer that waits up to ``wait_s`` seconds for a cold start."""
     with db.transaction() as s:
-        return _join(s, get_function(s, function_name), wait_s)
+        waiter, row = _join(get_function(s, function_name), wait_s)
+        s.add(row)
+        return waiter
 
 
-def _join(s: Session, fn: Function, wait_s: float) -> Waiter:
+def _join(fn: Function, wait_s: float) -> tuple[Waiter, Lease]:
+    """A new waiter of ``fn`` and its row, to add to the session."""
     token = f"{_range(WAITER_PREFIX, fn.id)[0]}{new_id()[:16]}"
     # The row outlives the wait a little, then lapses by itself if we never delete it.
-    s.add(Lease(name=token, holder="claim", expires_at=now() + timedelta(seconds=wait_s + 5)))
-    return Waiter(fn.name, fn.id, token)
+    row = Lease(name=token, holder="claim", expires_at=now() + timedelta(seconds=wait_s + 5))
+    return Waiter(fn.name, fn.id, token), row
 
 
 def join_and_plan(
@@ -93,8 +104,10 @@ def join_and_plan(
     """
     with db.transaction() as s:
         fn = get_function(s, function_name, lock=True)
-        waiter = _join(s, fn, wait_s)
-        return waiter, _plan(s, settings, fn, waiter)
+        waiter, row = _join(fn, wait_s)
+        plan = _plan(s, settings, fn, waiter, joining=True)
+        s.add(row)  # written with the plan's rows, in one flush
+        return waiter, plan
 
 
 def leave_waiters(db: Database, waiter: Waiter) -> None:
@@ -103,8 +116,8 @@ def leave_waiters(db: Database, waiter: Waiter) -> None:
         s.execute(delete(Lease).where(Lease.name == waiter.token))
 
 
-def in_flight_envs(session: Session, fn: Function, spawn_ops: set[str]) -> int:
-    """Environments of the current build already on their way (Creating or Starting)."""
+def in_flight_envs(fn: Function, spawn_ops: set[str]) -> ScalarSelect[int]:
+    """SQL: environments of the current build already on their way (Creating or Starting)."""
     query = select(func.coalesce(func.sum(Replica.envs_total), 0)).where(
         Replica.function_id == fn.id,
         Replica.status.in_((ReplicaState.CREATING, ReplicaState.STARTING)),
@@ -114,7 +127,7 @@ def in_flight_envs(session: Session, fn: Function, spawn_ops: set[str]) -> int:
         query = query.where(
             (Replica.operation_id.is_(None)) | Replica.operation_id.not_in(spawn_ops)
         )
-    return int(session.scalar(query) or 0)
+    return query.scalar_subquery()
 
 
 @dataclass(frozen=True)
@@ -138,18 +151,25 @@ def plan_cold_start(db: Database, settings: Settings, waiter: Waiter) -> ColdSta
         return _plan(s, settings, fn, waiter)
 
 
-def _plan(s: Session, settings: Settings, fn: Function, waiter: Waiter) -> ColdStartPlan:
-    """:func:`plan_cold_start` inside the caller's transaction (the function row locked)."""
+def _plan(
+    s: Session, settings: Settings, fn: Function, waiter: Waiter, *, joining: bool = False
+) -> ColdStartPlan:
+    """:func:`plan_cold_start` inside the caller's transaction (the function row locked).
+
+    ``joining``: the waiter's own row is not written yet (the caller adds it after).
+    """
     at = now()
-    rows = _rows(s, WAITER_PREFIX, fn.id)
-    alive = {row.name for row in rows if row.expires_at > at}
-    spawn_ops, over = _spawns_coming(s, fn.id, at)
+    rows, spawns = _leases(s, fn.id)
+    alive = {row.name for row in rows if row.expires_at > at} | (
+        {waiter.token} if joining else set()
+    )
+    spawn_ops, over = _spawns_coming(s, spawns, at)
     over += [row.name for row in rows if row.expires_at <= at]
     if over:  # by name: a waiter that leaves deletes its own row, maybe first
         s.execute(delete(Lease).where(Lease.name.in_(over)))
     waiters = len(alive)
-    coming = len(spawn_ops) * fn.exec_envs + in_flight_envs(s, fn, spawn_ops)
-    idle = idle_exists(s, fn)
+    on_the_way, idle = s.execute(select(in_flight_envs(fn, spawn_ops), idle_clause(fn))).one()
+    coming = len(spawn_ops) * fn.exec_envs + int(on_the_way or 0)
     if waiters <= coming or idle:
         return ColdStartPlan(waiters, coming, None, idle)
     at_max = fn.replica_count >= fn.max_replicas
@@ -168,9 +188,8 @@ def _plan(s: Session, settings: Settings, fn: Function, waiter: Waiter) -> ColdS
     return ColdStartPlan(waiters, coming, op, at_max=at_max)
 
 
-def _spawns_coming(s: Session, function_id: str, at: datetime) -> tuple[set[str], list[str]]:
-    """The open spawn operations waiters asked for, and the rows of those over."""
-    spawns = _rows(s, SPAWN_PREFIX, function_id)
+def _spawns_coming(s: Session, spawns: list[Lease], at: datetime) -> tuple[set[str], list[str]]:
+    """The open spawn operations of these spawn rows, and the rows of those over."""
     ops: dict[str, str] = {}
     if spawns:
         ids = [r.holder for r in spawns]
