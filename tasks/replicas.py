@@ -59,11 +59,14 @@ def spawn_replica(
     nxt = spawning.run_one(
         self.db, self.settings, op_id, request_id, function_id, node_id, self.budget
     )
-    mine = [exc for _, rid, exc in nxt.retry if rid == request_id]
+    mine = [(exc, node) for _, rid, exc, node in nxt.retry if rid == request_id]
     if mine:
-        self.retry_within_budget(request_id, mine[0])
-        error = f"{mine[0]} (gave up after {self.request.retries + 1} attempts)"
-        nxt = spawning.give_up(self.db, self.settings, request_id, error, self.budget)
+        exc, node = mine[0]
+        self.retry_within_budget(request_id, exc)
+        error = f"{exc} (gave up after {self.request.retries + 1} attempts)"
+        nxt = spawning.give_up(
+            self.db, self.settings, request_id, error, self.budget, failed_on=node
+        )
     _follow(self, function_id, nxt)
     return {"request_id": request_id, "state": nxt.states.get(request_id, "settled")}
 
@@ -148,7 +151,7 @@ def _follow(task: CorralTask, function_id: str, nxt: Next) -> None:
     _send(
         [
             spawn_replica.si(op, rid, function_id).set(countdown=task.backoff(), retries=1)
-            for op, rid, _ in nxt.retry
+            for op, rid, _, _ in nxt.retry
         ]
         + [spawn_replica.si(op, rid, function_id) for op, rid in nxt.again]
         + [_batch(op, function_id, jobs) for op, jobs in rest.items()]

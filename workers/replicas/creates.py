@@ -83,8 +83,8 @@ class Next:
     """What a handler's creates came to, and the work it leaves for other tasks."""
 
     states: dict[str, str] = field(default_factory=dict)  # request id -> what became of it
-    # try alone again after a backoff: (operation, request id, the error)
-    retry: list[tuple[str | None, str, BackendError]] = field(default_factory=list)
+    # try alone again after a backoff: (operation, request id, the error, the node it was on)
+    retry: list[tuple[str | None, str, BackendError, str]] = field(default_factory=list)
     again: list[tuple[str | None, str]] = field(default_factory=list)  # moved, not yet tried
     rest: list[tuple[str | None, str]] = field(default_factory=list)  # unsent: out of time
     tried: dict[str, list[str]] = field(default_factory=dict)  # request id -> nodes failed
@@ -296,7 +296,7 @@ def _sort_error(p: Pending, exc: BaseException | None, out: _Sorted, nxt: Next) 
     if isinstance(exc, BackendError) and exc.retryable:
         if exc.nothing_done or dedups(p.node):
             out.disown.append(p)
-            nxt.retry.append((p.operation_id, p.request_id, exc))
+            nxt.retry.append((p.operation_id, p.request_id, exc, p.node.id))
             nxt.states[p.request_id] = "retrying"
             log.warning("spawn %s: %s; retrying it alone", p.request_id, exc)
         else:
@@ -453,7 +453,7 @@ def _settle(  # noqa: PLR0913 - one handler's round
                 moved.append(p.request_id)
             elif outcome == "stay":
                 disown(s, token, [p.replica_id])
-                nxt.retry.append((p.operation_id, p.request_id, exc))
+                nxt.retry.append((p.operation_id, p.request_id, exc, p.node.id))
                 nxt.states[p.request_id] = "retrying"
     for request_id in moved:
         nxt.states[request_id] = "moved"

@@ -44,10 +44,12 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import TypeAlias
 
-from sqlalchemy import bindparam, or_, select, update
+from sqlalchemy import Row, bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
@@ -218,30 +220,57 @@ def take(
     out = Taken()
     if not request_ids:
         return out
-    with db.read() as s:
+    with db.transaction() as s:  # the common case: read and take in one transaction
         rows = s.execute(_CANDIDATES, {"request_ids": request_ids}).all()
-    at = now()
-    wanted: dict[str, Pending] = {}
-    for rid, request_id, node, fn, op_id, placements, owner, owner_until in rows:
-        if owner is not None and owner_until is not None and owner_until > at:
-            out.busy.append(request_id)
-            continue
-        if owner is not None and not probe_dedup(db, settings, node):
-            out.unknown.append(request_id)
-            continue
-        wanted[rid] = Pending(rid, request_id, node, fn, op_id, placements)
-    if not wanted:
-        return out
-    with db.transaction() as s:
-        won = set(
-            s.scalars(_TAKE, {"ids": list(wanted), "at": now(), "token": token, "until": until})
-        )
+        wanted, ask = _sort_candidates(rows, out)
+        won = _take(s, wanted, token, until)
+    if ask:  # lapsed owners on nodes not asked yet whether they deduplicate: ask first
+        for rid, pending in list(ask.items()):
+            if not probe_dedup(db, settings, pending.node):
+                del ask[rid]
+                out.unknown.append(pending.request_id)
+        with db.transaction() as s:
+            won |= _take(s, ask, token, until)
+        wanted |= ask
     for rid, pending in wanted.items():
         if rid in won:
             out.pending.append(pending)
         else:
             out.busy.append(pending.request_id)  # taken by another handler meanwhile
     return out
+
+
+_Candidate: TypeAlias = (
+    "Row[str, str, Node, Function, str | None, int, str | None, datetime | None]"
+)
+
+
+def _sort_candidates(
+    rows: Sequence[_Candidate], out: Taken
+) -> tuple[dict[str, Pending], dict[str, Pending]]:
+    """The rows to take now, and those to take once their node was asked (:func:`dedups`)."""
+    at = now()
+    wanted: dict[str, Pending] = {}
+    ask: dict[str, Pending] = {}
+    for rid, request_id, node, fn, op_id, placements, owner, owner_until in rows:
+        if owner is not None and owner_until is not None and owner_until > at:
+            out.busy.append(request_id)
+            continue
+        pending = Pending(rid, request_id, node, fn, op_id, placements)
+        if owner is None or dedups(node):
+            wanted[rid] = pending
+        elif node.can_list is None and backends.backend(node.kind).keyed_creates:
+            ask[rid] = pending
+        else:
+            out.unknown.append(request_id)
+    return wanted, ask
+
+
+def _take(s: Session, wanted: dict[str, Pending], token: str, until: datetime) -> set[str]:
+    """Own these rows where no live handler does; the ids won."""
+    if not wanted:
+        return set()
+    return set(s.scalars(_TAKE, {"ids": list(wanted), "at": now(), "token": token, "until": until}))
 
 
 def disown(session: Session, token: str, replica_ids: list[str]) -> None:

@@ -40,7 +40,7 @@ from workers.operations import mark_running, settle
 from workers.replicas.checks import check_count
 from workers.replicas.creates import Next, create, owned_move
 from workers.replicas.lifecycle import deadline_for, transition
-from workers.replicas.owners import Budget, Owner, Pending, owner_token, take
+from workers.replicas.owners import Budget, Owner, Pending, disown, owner_token, take
 from workers.store.db import Database
 from workers.store.models import (
     OP_FINISHED,
@@ -184,11 +184,21 @@ def run_one(  # noqa: PLR0913 - one create of one spawn
     return run_batch(db, settings, op_id, function_id, [SpawnJob(request_id, node_id)], budget)
 
 
-def give_up(db: Database, settings: Settings, request_id: str, error: str, budget: Budget) -> Next:
+def give_up(  # noqa: PLR0913 - one create's end, where it failed by name
+    db: Database,
+    settings: Settings,
+    request_id: str,
+    error: str,
+    budget: Budget,
+    *,
+    failed_on: str | None = None,
+) -> Next:
     """A create whose retries are spent: count it against the node and move the replica.
 
-    ``Next.again`` holds the replica when it moved (create it there); otherwise it was
-    marked Dead, or is another handler's now (nothing changed).
+    ``failed_on``: the node the create failed on; a replica no longer there was moved
+    already (by another delivery of this give-up) and is left alone. ``Next.again``
+    holds the replica when it moved (create it there); otherwise it was marked Dead, or
+    is another handler's now (nothing changed).
     """
     nxt = Next()
     token = owner_token()
@@ -197,6 +207,11 @@ def give_up(db: Database, settings: Settings, request_id: str, error: str, budge
         nxt.states[request_id] = "owned elsewhere" if taken.busy else "settled"
         return nxt
     (p,) = taken.pending
+    if failed_on is not None and p.node.id != failed_on:
+        with db.transaction() as s:
+            disown(s, token, [p.replica_id])
+        nxt.states[request_id] = "moved already"
+        return nxt
     note_failure(db, settings, p.node.id, error)
     if owned_move(db, settings, p, token, error):
         nxt.again.append((p.operation_id, request_id))

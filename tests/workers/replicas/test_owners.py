@@ -196,11 +196,18 @@ def test_concurrent_give_ups_move_the_replica_once_and_leave_no_drift(
     settings = corral_env.settings
     place(corral_env.db, settings, op_id, fn_id, jobs)
     request_id = jobs[0].request_id
+    (placed,) = replicas(corral_env)
+    assert placed.node_id is not None
 
-    outcomes = at_once(
+    outcomes = at_once(  # four deliveries of the give-up of one create that failed there
         4,
         lambda _: give_up(
-            corral_env.db, settings, request_id, "UNAVAILABLE: gone", Budget.of(settings)
+            corral_env.db,
+            settings,
+            request_id,
+            "UNAVAILABLE: gone",
+            Budget.of(settings),
+            failed_on=placed.node_id,
         ),
     )
     states = sorted(nxt.states[request_id] for nxt in outcomes)
