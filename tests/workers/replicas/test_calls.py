@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from billiard.pool import soft_timeout_sighandler
@@ -24,27 +25,41 @@ from workers.replicas.owners import Budget
 from workers.replicas.spawn import plan_spawn, run_batch
 from workers.store.models import ReplicaState
 
+SoftLimitWhen = Callable[[Callable[[], bool]], None]
+
 
 @pytest.fixture
-def soft_limit_in() -> Iterator[object]:
-    """``fire(seconds)``: deliver the soft time limit to this thread after ``seconds``."""
-    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
-    timers: list[threading.Timer] = []
+def soft_limit_when() -> Iterator[SoftLimitWhen]:
+    """``fire(ready)``: deliver the soft time limit to this thread once ``ready()`` is true.
 
-    def fire(seconds: float) -> None:
-        timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGUSR1))
-        timers.append(timer)
-        timer.start()
+    Waiting for the state the test needs, not for a time: on a busy machine two quick
+    creates may take longer than any fixed delay (within 10 s, or it fires anyway).
+    """
+    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    stop = threading.Event()
+    watchers: list[threading.Thread] = []
+
+    def fire(ready: Callable[[], bool]) -> None:
+        def watch() -> None:
+            deadline = time.monotonic() + 10
+            while not stop.is_set() and not ready() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if not stop.is_set():
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        watchers.append(threading.Thread(target=watch, daemon=True))
+        watchers[-1].start()
 
     yield fire
-    for timer in timers:
-        timer.cancel()
+    stop.set()
+    for watcher in watchers:
+        watcher.join(15)
     signal.signal(signal.SIGUSR1, previous)
 
 
 @pytest.mark.parametrize("seed_only", [True, False], ids=["seed", "extensions"])
 def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice_blindly(
-    corral_env: Env, start_agents: StartAgents, soft_limit_in: object, seed_only: bool
+    corral_env: Env, start_agents: StartAgents, soft_limit_when: SoftLimitWhen, seed_only: bool
 ) -> None:
     corral_env.set(node_max_inflight="2")
     (agent,) = start_agents(1, env=corral_env, seed_only=seed_only)
@@ -57,7 +72,13 @@ def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice
         ).id
     fn_id, jobs = plan_spawn(corral_env.db, op_id)
     settings = corral_env.settings
-    soft_limit_in(0.7)  # type: ignore[operator]  # two created, two in flight, two waiting
+
+    def two_created_two_in_flight() -> bool:  # and two waiting: the last two sent take 1.5 s
+        if len(agent.agent.calls_of("CreateReplica")) < 4:
+            return False
+        return sum(r.status == ReplicaState.IDLE for r in replicas(corral_env)) >= 2
+
+    soft_limit_when(two_created_two_in_flight)
     nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
 
     states = sorted(nxt.states[j.request_id] for j in jobs)
