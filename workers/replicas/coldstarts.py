@@ -139,7 +139,7 @@ class ColdStartPlan:
     spawn: Operation | None  # the spawn written, when one was due: queue its first task
     idle: bool = False  # no spawn: an environment is free (claim it)
     refused: str | None = None  # a spawn was due but refused (why)
-    at_max: bool = False  # the function has as many replicas as its max allows
+    at_max: bool = False  # refused: the function has as many replicas as its max allows
 
 
 def plan_cold_start(db: Database, settings: Settings, waiter: Waiter) -> ColdStartPlan:
@@ -160,9 +160,9 @@ def _plan(
     """
     at = now()
     rows, spawns = _leases(s, fn.id)
-    alive = {row.name for row in rows if row.expires_at > at} | (
-        {waiter.token} if joining else set()
-    )
+    alive = {row.name for row in rows if row.expires_at > at}
+    if joining:
+        alive.add(waiter.token)
     spawn_ops, over = _spawns_coming(s, spawns, at)
     over += [row.name for row in rows if row.expires_at <= at]
     if over:  # by name: a waiter that leaves deletes its own row, maybe first
@@ -172,10 +172,10 @@ def _plan(
     coming = len(spawn_ops) * fn.exec_envs + int(on_the_way or 0)
     if waiters <= coming or idle:
         return ColdStartPlan(waiters, coming, None, idle)
-    at_max = fn.replica_count >= fn.max_replicas
     try:
         op = spawn_of(s, fn, 1)
     except InputError as exc:  # past the function's max: nothing written
+        at_max = fn.replica_count >= fn.max_replicas
         return ColdStartPlan(waiters, coming, None, refused=str(exc), at_max=at_max)
     ttl = settings.creating_deadline_s + settings.boot_deadline_s
     s.add(
@@ -185,7 +185,7 @@ def _plan(
             expires_at=at + timedelta(seconds=ttl),
         )
     )
-    return ColdStartPlan(waiters, coming, op, at_max=at_max)
+    return ColdStartPlan(waiters, coming, op)
 
 
 def _spawns_coming(s: Session, spawns: list[Lease], at: datetime) -> tuple[set[str], list[str]]:

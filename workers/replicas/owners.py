@@ -224,11 +224,13 @@ def take(
         rows = s.execute(_CANDIDATES, {"request_ids": request_ids}).all()
         wanted, ask = _sort_candidates(rows, out)
         won = _take(s, wanted, token, until)
-    if ask:  # lapsed owners on nodes not asked yet whether they deduplicate: ask first
-        for rid, pending in list(ask.items()):
-            if not probe_dedup(db, settings, pending.node):
-                del ask[rid]
-                out.unknown.append(pending.request_id)
+    # Lapsed owners on nodes not asked yet whether they deduplicate: ask, outside the
+    # transaction; those that do are taken as the others were.
+    for rid, pending in list(ask.items()):
+        if not probe_dedup(db, settings, pending.node):
+            del ask[rid]
+            out.unknown.append(pending.request_id)
+    if ask:
         with db.transaction() as s:
             won |= _take(s, ask, token, until)
         wanted |= ask
