@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import select, text
+from sqlalchemy import inspect, select, text
 
 from config.settings import reset_settings
 from tasks.cli import main
@@ -19,6 +20,7 @@ from workers.clock import now
 from workers.store.db import Database
 from workers.store.migrate import alembic_config, head_revision, upgrade
 from workers.store.models import Base, Operation
+from workers.store.revisions import MIGRATIONS
 
 
 @pytest.fixture
@@ -65,7 +67,6 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_the_migrations_build_exactly_the_models(empty_url: str) -> None:
-
     db = Database(empty_url)
     try:
         upgrade(db)
@@ -73,6 +74,30 @@ def test_the_migrations_build_exactly_the_models(empty_url: str) -> None:
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         db.dispose()
+
+
+def test_every_revision_goes_down_and_up_again(empty_url: str) -> None:
+    cfg = alembic_config(empty_url)
+    command.upgrade(cfg, "head")
+    command.downgrade(cfg, "base")
+    db = Database(empty_url)
+    try:
+        with db.engine.connect() as conn:
+            assert set(inspect(conn).get_table_names()) <= {"alembic_version"}
+        command.upgrade(cfg, "head")
+        with db.engine.connect() as conn:
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    finally:
+        db.dispose()
+
+
+def test_a_revision_is_plain_alembic_and_never_imports_corral() -> None:
+    # A revision states the schema as it was at its time: the models (and any helper of
+    # corral's) change later, so it may import only SQLAlchemy, Alembic and the stdlib.
+    for path in sorted((MIGRATIONS / "versions").glob("*.py")):
+        imports = re.findall(r"^(?:from|import) (\w+)", path.read_text(), re.MULTILINE)
+        assert imports, path.name
+        assert not {"workers", "config", "tasks"} & set(imports), path.name
 
 
 def test_upgrading_from_0001_keeps_operations_and_starts_their_progress_clock(

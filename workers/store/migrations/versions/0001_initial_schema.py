@@ -1,170 +1,177 @@
-"""initial schema"""
+"""initial schema: functions, GPUs, leases, nodes, operations, replicas"""
 
 from __future__ import annotations
 
-from workers.store.ddl import create_table, drop_table
+import sqlalchemy as sa
+from alembic import op
 
 revision, down_revision = "0001", None
 
-FUNCTIONS = """
-    id str32
-    name str63
-    backend str16
-    image str1024
-    kernel str1024
-    initrd str1024
-    kernel_args text
-    vm_type str16
-    cpu int
-    mem_mb int
-    min_replicas int
-    max_replicas int
-    target int null
-    replica_count int
-    labels json
-    env json
-    image_storage str1024
-    inet_dev str64
-    name_server str255
-    aws_access_key_id str256 null
-    aws_secret_access_key str256 null
-    rootfs str2048 null
-    build_version str32
-    ports json
-    idle_timeout_s float null
-    readiness str8
-    exec_envs int
-    gpu_mem_mb int
-    placement str16 null
-    rr_last_node str63 null
-    created_at datetime
-    updated_at datetime
-    check ck_fn_envs: exec_envs >= 1
-    check ck_fn_gpu_mem: gpu_mem_mb >= 0
-    check ck_fn_minmax: min_replicas >= 0 AND min_replicas <= max_replicas
-    check ck_fn_replica_count: replica_count >= 0
-    primary key id
-    unique name
-"""
-GPUS = """
-    id str32
-    uuid str128
-    server str255
-    mngr_addr str255
-    mem_total_mb int
-    mem_free_mb int
-    slots_total int
-    slots_free int
-    first_port int
-    created_at datetime
-    check ck_gpu_mem: mem_free_mb >= 0 AND mem_free_mb <= mem_total_mb
-    check ck_gpu_slots: slots_free >= 0 AND slots_free <= slots_total
-    primary key id
-    unique uuid
-    index ix_gpus_fit: mem_free_mb
-"""
-LEASES = """
-    name str64
-    holder str128
-    expires_at datetime
-    primary key name
-"""
-NODES = """
-    id str32
-    name str63
-    kind str16
-    address str255
-    external_id str255 null
-    capacity int
-    live int
-    healthy bool
-    draining bool
-    misses int
-    unhealthy_since datetime null
-    last_seen_at datetime null
-    last_error text null
-    can_list bool null
-    created_at datetime
-    check ck_node_capacity: capacity >= 0
-    check ck_node_live: live >= 0
-    primary key id
-    unique external_id
-    unique name
-    index ix_nodes_place: kind healthy draining live
-"""
-OPERATIONS = """
-    id str32
-    kind str16
-    function_id str32 null
-    params json
-    status str16
-    total int
-    done int
-    failed int
-    result json null
-    error text null
-    created_at datetime
-    started_at datetime null
-    finished_at datetime null
-    primary key id
-    index ix_operations_created: created_at
-"""
-REPLICAS = """
-    id str32
-    request_id str128
-    function_id str32
-    node_id str32 null
-    operation_id str32 null
-    status int
-    vmid str255 null
-    address str255 null
-    build_version str32
-    error text null
-    envs_total int
-    envs_in_use int
-    gpu_id str32 null
-    gpu_slot int null
-    gpu_mem_mb int
-    created_at datetime
-    updated_at datetime
-    ready_at datetime null
-    last_used_at datetime null
-    idle_since datetime null
-    reap_at datetime null
-    deadline_at datetime null
-    retired_at datetime null
-    check ck_rep_envs: envs_in_use >= 0 AND envs_in_use <= envs_total
-    foreign key function_id -> functions.id on delete cascade
-    foreign key gpu_id -> gpus.id
-    foreign key node_id -> nodes.id
-    primary key id
-    unique request_id
-    index ix_replicas_claim: function_id status build_version
-    index ix_replicas_deadline: status deadline_at
-    index ix_replicas_fn_status: function_id status
-    index ix_replicas_idle: status idle_since
-    index ix_replicas_node_status: node_id status
-    index ix_replicas_op: operation_id
-    index ix_replicas_reap: status reap_at
-    index ix_replicas_vmid: vmid
-    unique index ux_replicas_gpu_slot: gpu_id gpu_slot where gpu_slot IS NOT NULL
-"""
-# in the order they are made (dropped in reverse)
-TABLES = {
-    "functions": FUNCTIONS,
-    "gpus": GPUS,
-    "leases": LEASES,
-    "nodes": NODES,
-    "operations": OPERATIONS,
-    "replicas": REPLICAS,
-}
+# A partial index, the same on both stores.
+GPU_SLOT_TAKEN = "gpu_slot IS NOT NULL"
 
 
 def upgrade() -> None:
-    for name, block in TABLES.items():
-        create_table(name, block)
+    op.create_table(
+        "functions",
+        sa.Column("id", sa.String(length=32), nullable=False),
+        sa.Column("name", sa.String(length=63), nullable=False),
+        sa.Column("backend", sa.String(length=16), nullable=False),
+        sa.Column("image", sa.String(length=1024), nullable=False),
+        sa.Column("kernel", sa.String(length=1024), nullable=False),
+        sa.Column("initrd", sa.String(length=1024), nullable=False),
+        sa.Column("kernel_args", sa.Text(), nullable=False),
+        sa.Column("vm_type", sa.String(length=16), nullable=False),
+        sa.Column("cpu", sa.Integer(), nullable=False),
+        sa.Column("mem_mb", sa.Integer(), nullable=False),
+        sa.Column("min_replicas", sa.Integer(), nullable=False),
+        sa.Column("max_replicas", sa.Integer(), nullable=False),
+        sa.Column("target", sa.Integer(), nullable=True),
+        sa.Column("replica_count", sa.Integer(), nullable=False),
+        sa.Column("labels", sa.JSON(), nullable=False),
+        sa.Column("env", sa.JSON(), nullable=False),
+        sa.Column("image_storage", sa.String(length=1024), nullable=False),
+        sa.Column("inet_dev", sa.String(length=64), nullable=False),
+        sa.Column("name_server", sa.String(length=255), nullable=False),
+        sa.Column("aws_access_key_id", sa.String(length=256), nullable=True),
+        sa.Column("aws_secret_access_key", sa.String(length=256), nullable=True),
+        sa.Column("rootfs", sa.String(length=2048), nullable=True),
+        sa.Column("build_version", sa.String(length=32), nullable=False),
+        sa.Column("ports", sa.JSON(), nullable=False),
+        sa.Column("idle_timeout_s", sa.Float(), nullable=True),
+        sa.Column("readiness", sa.String(length=8), nullable=False),
+        sa.Column("exec_envs", sa.Integer(), nullable=False),
+        sa.Column("gpu_mem_mb", sa.Integer(), nullable=False),
+        sa.Column("placement", sa.String(length=16), nullable=True),
+        sa.Column("rr_last_node", sa.String(length=63), nullable=True),
+        sa.Column("created_at", sa.DateTime(), nullable=False),
+        sa.Column("updated_at", sa.DateTime(), nullable=False),
+        sa.CheckConstraint("exec_envs >= 1", name="ck_fn_envs"),
+        sa.CheckConstraint("gpu_mem_mb >= 0", name="ck_fn_gpu_mem"),
+        sa.CheckConstraint(
+            "min_replicas >= 0 AND min_replicas <= max_replicas", name="ck_fn_minmax"
+        ),
+        sa.CheckConstraint("replica_count >= 0", name="ck_fn_replica_count"),
+        sa.PrimaryKeyConstraint("id"),
+        sa.UniqueConstraint("name"),
+    )
+    op.create_table(
+        "gpus",
+        sa.Column("id", sa.String(length=32), nullable=False),
+        sa.Column("uuid", sa.String(length=128), nullable=False),
+        sa.Column("server", sa.String(length=255), nullable=False),
+        sa.Column("mngr_addr", sa.String(length=255), nullable=False),
+        sa.Column("mem_total_mb", sa.Integer(), nullable=False),
+        sa.Column("mem_free_mb", sa.Integer(), nullable=False),
+        sa.Column("slots_total", sa.Integer(), nullable=False),
+        sa.Column("slots_free", sa.Integer(), nullable=False),
+        sa.Column("first_port", sa.Integer(), nullable=False),
+        sa.Column("created_at", sa.DateTime(), nullable=False),
+        sa.CheckConstraint("mem_free_mb >= 0 AND mem_free_mb <= mem_total_mb", name="ck_gpu_mem"),
+        sa.CheckConstraint("slots_free >= 0 AND slots_free <= slots_total", name="ck_gpu_slots"),
+        sa.PrimaryKeyConstraint("id"),
+        sa.UniqueConstraint("uuid"),
+    )
+    op.create_index("ix_gpus_fit", "gpus", ["mem_free_mb"])
+    op.create_table(
+        "leases",
+        sa.Column("name", sa.String(length=64), nullable=False),
+        sa.Column("holder", sa.String(length=128), nullable=False),
+        sa.Column("expires_at", sa.DateTime(), nullable=False),
+        sa.PrimaryKeyConstraint("name"),
+    )
+    op.create_table(
+        "nodes",
+        sa.Column("id", sa.String(length=32), nullable=False),
+        sa.Column("name", sa.String(length=63), nullable=False),
+        sa.Column("kind", sa.String(length=16), nullable=False),
+        sa.Column("address", sa.String(length=255), nullable=False),
+        sa.Column("external_id", sa.String(length=255), nullable=True),
+        sa.Column("capacity", sa.Integer(), nullable=False),
+        sa.Column("live", sa.Integer(), nullable=False),
+        sa.Column("healthy", sa.Boolean(), nullable=False),
+        sa.Column("draining", sa.Boolean(), nullable=False),
+        sa.Column("misses", sa.Integer(), nullable=False),
+        sa.Column("unhealthy_since", sa.DateTime(), nullable=True),
+        sa.Column("last_seen_at", sa.DateTime(), nullable=True),
+        sa.Column("last_error", sa.Text(), nullable=True),
+        sa.Column("can_list", sa.Boolean(), nullable=True),
+        sa.Column("created_at", sa.DateTime(), nullable=False),
+        sa.CheckConstraint("capacity >= 0", name="ck_node_capacity"),
+        sa.CheckConstraint("live >= 0", name="ck_node_live"),
+        sa.PrimaryKeyConstraint("id"),
+        sa.UniqueConstraint("external_id"),
+        sa.UniqueConstraint("name"),
+    )
+    op.create_index("ix_nodes_place", "nodes", ["kind", "healthy", "draining", "live"])
+    op.create_table(
+        "operations",
+        sa.Column("id", sa.String(length=32), nullable=False),
+        sa.Column("kind", sa.String(length=16), nullable=False),
+        sa.Column("function_id", sa.String(length=32), nullable=True),
+        sa.Column("params", sa.JSON(), nullable=False),
+        sa.Column("status", sa.String(length=16), nullable=False),
+        sa.Column("total", sa.Integer(), nullable=False),
+        sa.Column("done", sa.Integer(), nullable=False),
+        sa.Column("failed", sa.Integer(), nullable=False),
+        sa.Column("result", sa.JSON(), nullable=True),
+        sa.Column("error", sa.Text(), nullable=True),
+        sa.Column("created_at", sa.DateTime(), nullable=False),
+        sa.Column("started_at", sa.DateTime(), nullable=True),
+        sa.Column("finished_at", sa.DateTime(), nullable=True),
+        sa.PrimaryKeyConstraint("id"),
+    )
+    op.create_index("ix_operations_created", "operations", ["created_at"])
+    op.create_table(
+        "replicas",
+        sa.Column("id", sa.String(length=32), nullable=False),
+        sa.Column("request_id", sa.String(length=128), nullable=False),
+        sa.Column("function_id", sa.String(length=32), nullable=False),
+        sa.Column("node_id", sa.String(length=32), nullable=True),
+        sa.Column("operation_id", sa.String(length=32), nullable=True),
+        sa.Column("status", sa.Integer(), nullable=False),
+        sa.Column("vmid", sa.String(length=255), nullable=True),
+        sa.Column("address", sa.String(length=255), nullable=True),
+        sa.Column("build_version", sa.String(length=32), nullable=False),
+        sa.Column("error", sa.Text(), nullable=True),
+        sa.Column("envs_total", sa.Integer(), nullable=False),
+        sa.Column("envs_in_use", sa.Integer(), nullable=False),
+        sa.Column("gpu_id", sa.String(length=32), nullable=True),
+        sa.Column("gpu_slot", sa.Integer(), nullable=True),
+        sa.Column("gpu_mem_mb", sa.Integer(), nullable=False),
+        sa.Column("created_at", sa.DateTime(), nullable=False),
+        sa.Column("updated_at", sa.DateTime(), nullable=False),
+        sa.Column("ready_at", sa.DateTime(), nullable=True),
+        sa.Column("last_used_at", sa.DateTime(), nullable=True),
+        sa.Column("idle_since", sa.DateTime(), nullable=True),
+        sa.Column("reap_at", sa.DateTime(), nullable=True),
+        sa.Column("deadline_at", sa.DateTime(), nullable=True),
+        sa.Column("retired_at", sa.DateTime(), nullable=True),
+        sa.CheckConstraint("envs_in_use >= 0 AND envs_in_use <= envs_total", name="ck_rep_envs"),
+        sa.ForeignKeyConstraint(["function_id"], ["functions.id"], ondelete="CASCADE"),
+        sa.ForeignKeyConstraint(["gpu_id"], ["gpus.id"]),
+        sa.ForeignKeyConstraint(["node_id"], ["nodes.id"]),
+        sa.PrimaryKeyConstraint("id"),
+        sa.UniqueConstraint("request_id"),
+    )
+    op.create_index("ix_replicas_claim", "replicas", ["function_id", "status", "build_version"])
+    op.create_index("ix_replicas_deadline", "replicas", ["status", "deadline_at"])
+    op.create_index("ix_replicas_fn_status", "replicas", ["function_id", "status"])
+    op.create_index("ix_replicas_idle", "replicas", ["status", "idle_since"])
+    op.create_index("ix_replicas_node_status", "replicas", ["node_id", "status"])
+    op.create_index("ix_replicas_op", "replicas", ["operation_id"])
+    op.create_index("ix_replicas_reap", "replicas", ["status", "reap_at"])
+    op.create_index("ix_replicas_vmid", "replicas", ["vmid"])
+    op.create_index(
+        "ux_replicas_gpu_slot",
+        "replicas",
+        ["gpu_id", "gpu_slot"],
+        unique=True,
+        sqlite_where=sa.text(GPU_SLOT_TAKEN),
+        postgresql_where=sa.text(GPU_SLOT_TAKEN),
+    )
 
 
 def downgrade() -> None:
-    for name, block in reversed(TABLES.items()):
-        drop_table(name, block)
+    for table in ("replicas", "operations", "nodes", "leases", "gpus", "functions"):
+        op.drop_table(table)  # its indexes go with it

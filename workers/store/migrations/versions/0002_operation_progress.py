@@ -7,8 +7,6 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from alembic import op
 
-from workers.store.ddl import drop_columns
-
 revision, down_revision = "0002", "0001"
 
 
@@ -34,4 +32,6 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_index("ix_operations_status_progress", table_name="operations")
-    drop_columns("operations", "redrives", "progress_at")
+    with op.batch_alter_table("operations") as batch:  # SQLite rebuilds the table
+        batch.drop_column("redrives")
+        batch.drop_column("progress_at")

@@ -8,8 +8,6 @@ from datetime import UTC, datetime, timedelta
 import sqlalchemy as sa
 from alembic import op
 
-from workers.store.ddl import create_table, drop_table
-
 revision, down_revision = "0003", "0002"
 
 # Environments in use when this runs were claimed before claims had ids: each gets a
@@ -17,21 +15,20 @@ revision, down_revision = "0003", "0002"
 # if nobody releases it (a guest's FINISHED still gives back the oldest).
 LEGACY_TTL_S = 300
 
-CLAIMS = """
-    id str32
-    replica_id str32
-    function_id str32
-    created_at datetime
-    expires_at datetime
-    foreign key replica_id -> replicas.id on delete cascade
-    primary key id
-    index ix_claims_replica: replica_id created_at
-    index ix_claims_expires: expires_at
-"""
-
 
 def upgrade() -> None:
-    claims = create_table("claims", CLAIMS)
+    claims = op.create_table(
+        "claims",
+        sa.Column("id", sa.String(length=32), nullable=False),
+        sa.Column("replica_id", sa.String(length=32), nullable=False),
+        sa.Column("function_id", sa.String(length=32), nullable=False),
+        sa.Column("created_at", sa.DateTime(), nullable=False),
+        sa.Column("expires_at", sa.DateTime(), nullable=False),
+        sa.ForeignKeyConstraint(["replica_id"], ["replicas.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("id"),
+    )
+    op.create_index("ix_claims_replica", "claims", ["replica_id", "created_at"])
+    op.create_index("ix_claims_expires", "claims", ["expires_at"])
     at = datetime.now(UTC).replace(tzinfo=None)
     rows = (
         op.get_bind()
@@ -54,4 +51,4 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    drop_table("claims", CLAIMS)
+    op.drop_table("claims")  # its indexes go with it

@@ -5,8 +5,6 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from workers.store.ddl import drop_columns
-
 revision, down_revision = "0004", "0003"
 
 
@@ -23,7 +21,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    drop_columns("replicas", "placements")
-    drop_columns(
-        "nodes", "quarantine_s", "quarantined_until", "last_create_ok_at", "create_failures"
-    )
+    with op.batch_alter_table("replicas") as batch:  # SQLite rebuilds the table
+        batch.drop_column("placements")
+    with op.batch_alter_table("nodes") as batch:
+        batch.drop_column("quarantine_s")
+        batch.drop_column("quarantined_until")
+        batch.drop_column("last_create_ok_at")
+        batch.drop_column("create_failures")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from workers.store.ddl import drop_columns
-
 revision, down_revision = "0005", "0004"
 
 
@@ -20,4 +18,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    drop_columns("functions", "scale_to_zero_after_s", "autoscale")
+    with op.batch_alter_table("functions") as batch:  # SQLite rebuilds the table
+        batch.drop_column("scale_to_zero_after_s")
+        batch.drop_column("autoscale")

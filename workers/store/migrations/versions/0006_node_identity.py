@@ -5,8 +5,6 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from workers.store.ddl import drop_columns
-
 revision, down_revision = "0006", "0005"
 
 
@@ -20,4 +18,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    drop_columns("nodes", "replica_networks", "repointed_from", "repointed_at", "credential_hash")
+    with op.batch_alter_table("nodes") as batch:  # SQLite rebuilds the table
+        batch.drop_column("replica_networks")
+        batch.drop_column("repointed_from")
+        batch.drop_column("repointed_at")
+        batch.drop_column("credential_hash")

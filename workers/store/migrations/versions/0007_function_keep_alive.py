@@ -5,8 +5,6 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from workers.store.ddl import drop_columns
-
 revision, down_revision = "0007", "0006"
 
 
@@ -19,4 +17,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    drop_columns("functions", "keep_alive")
+    with op.batch_alter_table("functions") as batch:  # SQLite rebuilds the table
+        batch.drop_column("keep_alive")

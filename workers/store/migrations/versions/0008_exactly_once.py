@@ -5,15 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from workers.store.ddl import create_table, drop_columns, drop_table
-
 revision, down_revision = "0008", "0007"
-
-OP_PARTS = """
-    operation_id str32
-    part str128
-    primary key operation_id part
-"""
 
 
 def upgrade() -> None:
@@ -21,9 +13,16 @@ def upgrade() -> None:
     # they stay NULL (not sent), which the old code's redelivery treated the same way.
     op.add_column("replicas", sa.Column("owner", sa.String(length=32), nullable=True))
     op.add_column("replicas", sa.Column("owner_until", sa.DateTime(), nullable=True))
-    create_table("op_parts", OP_PARTS)
+    op.create_table(
+        "op_parts",
+        sa.Column("operation_id", sa.String(length=32), nullable=False),
+        sa.Column("part", sa.String(length=128), nullable=False),
+        sa.PrimaryKeyConstraint("operation_id", "part"),
+    )
 
 
 def downgrade() -> None:
-    drop_table("op_parts", OP_PARTS)
-    drop_columns("replicas", "owner_until", "owner")
+    op.drop_table("op_parts")
+    with op.batch_alter_table("replicas") as batch:  # SQLite rebuilds the table
+        batch.drop_column("owner_until")
+        batch.drop_column("owner")
