@@ -1,11 +1,11 @@
 """The settings reference, ``docs/settings.md``, written from :mod:`config.settings`.
 
-Every setting is a field of one of the groups in ``config/settings.py``, described by
-the string on the line below it. This module reads those strings from the source
-(with :mod:`ast`, so importing the settings costs nothing more at run time), the
-types, bounds and defaults from the model, and writes one table per group, in the
-order the groups are declared. A setting without its string is an error here, not a
-blank cell.
+Every setting is a field of one of the groups that :class:`~config.settings.Settings`
+derives from, described by the string on the line below it, which pydantic keeps as
+the field's description (``use_attribute_docstrings``). This module reads each field's
+description, type, bounds and default from the model (``model_fields``) and writes one
+table per group, in the order the groups are declared, each headed by the group's
+docstring. A setting without its string is an error here, not a blank cell.
 
 ``python -m config.docs`` rewrites the file; ``python -m config.docs --check`` exits 1
 while the file differs from what the code says. ``tests/config/test_docs.py`` runs the
@@ -15,12 +15,10 @@ check, so CI fails when a setting changes and its reference does not.
 from __future__ import annotations
 
 import argparse
-import ast
 import inspect
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -28,8 +26,7 @@ import annotated_types
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-from config import settings as settings_module
-from config.settings import ENV_PREFIX, Settings
+from config.settings import Settings, is_secret
 
 TARGET = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 HEADER = (
@@ -41,38 +38,6 @@ _ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
 
 class UndocumentedSetting(Exception):
     """A setting has no description string below it in ``config/settings.py``."""
-
-
-@dataclass(frozen=True)
-class _Declared:
-    """What the source says of one group: its docstring and each field's string."""
-
-    doc: str
-    fields: dict[str, tuple[str, str | None]]  # name -> (annotation as written, string)
-
-
-def _declared(source: str) -> dict[str, _Declared]:
-    """Every class in ``source``: its docstring and its annotated fields' strings."""
-    out: dict[str, _Declared] = {}
-    for node in ast.parse(source).body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        fields: dict[str, tuple[str, str | None]] = {}
-        body = node.body
-        for i, item in enumerate(body):
-            if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
-                continue
-            after = body[i + 1] if i + 1 < len(body) else None
-            doc = None
-            if (
-                isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)
-            ):
-                doc = inspect.cleandoc(after.value.value)
-            fields[item.target.id] = (ast.unparse(item.annotation), doc)
-        out[node.name] = _Declared(ast.get_docstring(node) or "", fields)
-    return out
 
 
 def markdown(text: str) -> str:
@@ -107,23 +72,21 @@ def _bounds(info: FieldInfo) -> str:
     return ", ".join(b for b in (low, high) if b)
 
 
-def accepts(info: FieldInfo, written: str) -> str:
-    """What a setting accepts, in words: its kind and bounds."""
+def accepts(name: str, info: FieldInfo) -> str:
+    """What setting ``name`` accepts, in words: its kind and bounds (``_s``: seconds)."""
     annotation = info.annotation
     if get_origin(annotation) is Literal:
         return ", ".join(f"`{v}`" for v in get_args(annotation))
-    kinds = {a for a in get_args(annotation) if a is not type(None)} or {annotation}
-    if written == "Secret":
+    if is_secret(info):
         return "secret (never shown)"
+    kinds = {a for a in get_args(annotation) if a is not type(None)} or {annotation}
     if kinds == {bool}:
         return "`true` / `false`"
     if kinds == {Path}:
         return "a path"
     if kinds == {str}:
         return "text"
-    kind = (
-        "seconds" if written.startswith("Seconds") else ("integer" if kinds == {int} else "number")
-    )
+    kind = "seconds" if name.endswith("_s") else ("integer" if kinds == {int} else "number")
     bounds = _bounds(info)
     return f"{kind}, {bounds}" if bounds else kind
 
@@ -142,48 +105,49 @@ def default(info: FieldInfo) -> str:
     return f"`{value}`"
 
 
-def _groups(model: type[BaseSettings]) -> list[type]:
+def _doc(obj: Any) -> str:
+    """An object's own docstring, dedented (not one it inherits)."""
+    return inspect.cleandoc(obj.__doc__ or "")
+
+
+def _groups(model: type[BaseSettings]) -> list[type[Any]]:
     return [base for base in model.__bases__ if base is not BaseSettings]
 
 
-def render(model: type[BaseSettings] = Settings, source: str | None = None) -> str:
+def render(model: type[BaseSettings] = Settings) -> str:
     """The Markdown reference of every setting of ``model``, one table per group."""
-    source = source if source is not None else Path(settings_module.__file__).read_text()
-    declared = _declared(source)
+    prefix = model.model_config.get("env_prefix") or ""
     lines = ["# Settings", "", HEADER, ""]
-    intro = ast.get_docstring(ast.parse(source)) or ""
-    model_doc = declared[model.__name__].doc if model.__name__ in declared else ""
-    for paragraph in (intro, model_doc.partition("\n")[2].strip()):
+    intro = _doc(sys.modules[model.__module__])
+    for paragraph in (intro, _doc(model).partition("\n")[2].strip()):
         lines += [markdown(paragraph), ""] if paragraph else []
     missing: list[str] = []
     seen: set[str] = set()
     for group in _groups(model):
-        found = declared.get(group.__name__)
-        if found is None:
-            raise UndocumentedSetting(f"no class {group.__name__} in the settings source")
-        title, _, rest = found.doc.partition("\n")
+        title, _, rest = _doc(group).partition("\n")
         lines += [f"## {markdown(title).rstrip('.')}", ""]
         if rest.strip():
-            lines += [markdown(inspect.cleandoc(rest)), ""]
+            lines += [markdown(rest.strip()), ""]
         lines += ["| variable | default | accepts | meaning |", "|---|---|---|---|"]
-        for name, (written, doc) in found.fields.items():
+        for name in group.model_fields:
             info = model.model_fields.get(name)
             if info is None or name in seen:
                 continue
             seen.add(name)
-            if not doc:
+            if not info.description:
                 missing.append(name)
                 continue
             lines.append(
-                f"| `{ENV_PREFIX}{name.upper()}` | {default(info)} | "
-                f"{accepts(info, written)} | {_one_line(doc)} |"
+                f"| `{prefix}{name.upper()}` | {default(info)} | "
+                f"{accepts(name, info)} | {_one_line(info.description)} |"
             )
         lines.append("")
     missing += sorted(set(model.model_fields) - seen)
     if missing:
         raise UndocumentedSetting(
             "settings without a description (a string on the line below the field in "
-            f"config/settings.py): {', '.join(f'{ENV_PREFIX}{m.upper()}' for m in missing)}"
+            "config/settings.py, in a group derived from _Group): "
+            f"{', '.join(f'{prefix}{m.upper()}' for m in missing)}"
         )
     return "\n".join(lines).rstrip("\n") + "\n"
 

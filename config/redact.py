@@ -14,8 +14,9 @@ printed, :func:`redact` replaces, with the one :data:`MASK`:
   key ids (``AKIA...``/``ASIA...``).
 
 :func:`redact_params` masks the values of secret-named keys in a mapping (an
-operation's parameters). :func:`is_secret_name` is the one rule for which names hold a
-secret (a setting, a parameter).
+operation's parameters); :func:`is_secret_name` is its rule for which names hold a
+secret. A secret *setting* needs neither: it is a ``SecretStr`` (:mod:`config.settings`),
+masked by pydantic wherever the settings are shown.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ _PATTERNS = [
 
 
 def is_secret_name(name: str) -> bool:
-    """True if a setting or parameter called ``name`` holds a secret."""
+    """True if a parameter called ``name`` holds a secret."""
     lowered = name.lower().replace("-", "_")
     return any(word in lowered for word in SECRET_WORDS)
 

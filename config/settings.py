@@ -6,6 +6,9 @@ directory named by ``CORRAL_STATE_DIR``), then the defaults below. A setting tha
 does not parse fails at start with a :class:`ConfigError` naming the variable; the
 message never shows a secret setting's value nor a password inside a URL.
 
+A token, key or password is a secret: wherever the settings are shown (printed,
+dumped as JSON, in an error) its value is masked.
+
 The state file is trusted only if it is owned by the current user and writable by
 nobody else: it names the database and broker every command then talks to, so a
 file another user could plant or edit would redirect this user's commands.
@@ -20,13 +23,22 @@ import os
 import stat
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from config.processes import pid_exists
-from config.redact import is_secret_name, redact
+from config.redact import redact
 
 ENV_PREFIX = "CORRAL_"
 MAX_KEEPALIVE_BINS = 10_000
@@ -42,15 +54,40 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 """A TCP port."""
 Count = Annotated[int, Field(ge=1)]
 """A number of things or tries, at least one."""
-Secret = str | None
-"""A token, key or password, unset by default (its name hides it in error messages)."""
 
 
 class ConfigError(Exception):
     """A setting is missing or malformed; the message names the variable."""
 
 
-class _Places(BaseModel):
+def reveal(secret: SecretStr | None) -> str | None:
+    """A secret setting's value for the one call that sends it; None when unset or empty."""
+    if secret is None:
+        return None
+    return secret.get_secret_value() or None
+
+
+def is_secret(info: FieldInfo) -> bool:
+    """True if a setting holds a secret: it is declared a :class:`~pydantic.SecretStr`."""
+    return info.annotation is SecretStr or SecretStr in get_args(info.annotation)
+
+
+class _Group(BaseModel):
+    """A group of settings, one section of the reference.
+
+    Each field is described by the string on the line below it: pydantic keeps it as
+    the field's description (``use_attribute_docstrings``: pydantic reads each class's
+    own source, so every group derives from this one for the setting), and
+    :mod:`config.docs` writes the reference from the fields. A secret is a
+    :class:`~pydantic.SecretStr`, shown masked in every dump of the settings (``repr``,
+    ``model_dump``, JSON, a validation error); its reader takes the value with
+    :func:`reveal` where it hands it on.
+    """
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class _Places(_Group):
     """Where things are: the state directory, the store, the broker, the registry.
 
     ``corral up`` fills in the database and broker URLs (its own SQLite file and
@@ -74,7 +111,7 @@ class _Places(BaseModel):
     """How long past the create timeout an early READY (its vmid not yet recorded) is kept."""
 
 
-class _Reliability(BaseModel):
+class _Reliability(_Group):
     """Reliability: task time limits, retries, broker redelivery."""
 
     task_soft_time_limit_s: Seconds = 60.0
@@ -95,7 +132,7 @@ class _Reliability(BaseModel):
     """The largest backoff ceiling."""
 
 
-class _Backends(BaseModel):
+class _Backends(_Group):
     """Node agents and Lambdo hosts: deadlines, credentials, calls in flight, quarantine."""
 
     rpc_timeout_s: Seconds = 10.0
@@ -104,9 +141,9 @@ class _Backends(BaseModel):
     """Deadline of a CreateReplica call."""
     lambdo_timeout_s: Seconds = 10.0
     """Deadline of an HTTP call to a Lambdo host (the whole call, not one read)."""
-    lambdo_token: Secret = None
+    lambdo_token: SecretStr | None = None
     """Bearer token sent to Lambdo hosts."""
-    agent_token: Secret = None
+    agent_token: SecretStr | None = None
     """Bearer token sent to node agents (their ``--token``)."""
     agent_tls_ca: Path | None = None
     """CA bundle to verify agents' TLS certificates; set: agents are called over TLS."""
@@ -114,7 +151,7 @@ class _Backends(BaseModel):
     """Client certificate presented to agents (mutual TLS)."""
     agent_tls_key: Path | None = None
     """The client certificate's key."""
-    registry_token: Secret = None
+    registry_token: SecretStr | None = None
     """Bearer token the registry requires of every call (needed to listen off loopback)."""
     registry_tls_cert: Path | None = None
     """The registry's TLS certificate; with the key, the registry serves TLS."""
@@ -137,7 +174,7 @@ class _Backends(BaseModel):
     node's own host, unless the node lists its own (``nodes add --replica-network``)."""
 
 
-class _CreateDefaults(BaseModel):
+class _CreateDefaults(_Group):
     """CreateRequest defaults: the seed's, overridden per function by its labels or options."""
 
     image_storage: str = "/var/run/osv-storage"
@@ -146,13 +183,13 @@ class _CreateDefaults(BaseModel):
     """``inetDev``: the agent's network device for the VM (empty: the agent's own choice)."""
     name_server: str = "8.8.8.8"
     """``nameServer``: the VM's DNS server."""
-    aws_access_key_id: str | None = None
+    aws_access_key_id: SecretStr | None = None
     """Default AWS access key id sent in CreateRequest (never logged or shown)."""
-    aws_secret_access_key: Secret = None
+    aws_secret_access_key: SecretStr | None = None
     """Default AWS secret key sent in CreateRequest (never logged or shown)."""
 
 
-class _Maintenance(BaseModel):
+class _Maintenance(_Group):
     """Replica lifecycle and beat's passes: reaper, reconcile, health, redrive."""
 
     idle_timeout_s: SecondsOrZero = 600.0
@@ -187,7 +224,7 @@ class _Maintenance(BaseModel):
     """A claim's lease unless the caller asks for another; the reaper takes back expired claims."""
 
 
-class _DatabaseGuards(BaseModel):
+class _DatabaseGuards(_Group):
     """PostgreSQL guards (0 turns one off).
 
     A statement waiting this long for a row lock, or running this long at all, fails
@@ -200,7 +237,7 @@ class _DatabaseGuards(BaseModel):
     """PostgreSQL ``statement_timeout`` on every connection."""
 
 
-class _Autoscale(BaseModel):
+class _Autoscale(_Group):
     """The autoscaler, for functions deployed with ``--autoscale`` (Knative's model)."""
 
     autoscale_interval_s: Seconds = 2.0
@@ -221,7 +258,7 @@ class _Autoscale(BaseModel):
     """A gateway's demand sample older than this is ignored (the gateway is gone)."""
 
 
-class _KeepAlive(BaseModel):
+class _KeepAlive(_Group):
     """Adaptive keep-alive (``--keep-alive adaptive``): idle-time histograms, the hybrid policy.
 
     corral records every function's idle times (from the end of one invocation to the
@@ -251,16 +288,16 @@ class _KeepAlive(BaseModel):
     """This share of idle times beyond the range or more: forecast from the latest of them."""
 
 
-class _Metrics(BaseModel):
+class _Metrics(_Group):
     """The control plane's Prometheus exporter (``corral metrics``)."""
 
     metrics_listen: str = "127.0.0.1:9808"
     """Where ``corral metrics`` listens."""
-    metrics_token: Secret = None
+    metrics_token: SecretStr | None = None
     """Bearer token every scrape must send (needed to listen off loopback)."""
 
 
-class _Tracing(BaseModel):
+class _Tracing(_Group):
     """Traces (OpenTelemetry): the stages of a cold start as spans, sent over OTLP."""
 
     otlp_endpoint: str | None = None
@@ -276,7 +313,7 @@ class _Tracing(BaseModel):
         return value
 
 
-class _Placement(BaseModel):
+class _Placement(_Group):
     """Placement and GPUs (AvA)."""
 
     placement: Literal["loadbalance", "roundrobin", "spread", "random", "pack"] = "loadbalance"
@@ -291,7 +328,7 @@ class _Placement(BaseModel):
     """Port of the AvA manager's API server on a GPU host."""
 
 
-class _Faults(BaseModel):
+class _Faults(_Group):
     """Test-only fault injection: never set it in production."""
 
     fault_raise_in: str = ""
@@ -311,12 +348,12 @@ def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Net
     return tuple(out)
 
 
-class _Gateway(BaseModel):
+class _Gateway(_Group):
     """The invocation gateway (``corral gateway``)."""
 
     gateway_listen: str = "127.0.0.1:8080"
     """Where the gateway listens."""
-    gateway_token: Secret = None
+    gateway_token: SecretStr | None = None
     """Bearer token callers must send (needed to listen off loopback)."""
     gateway_max_body: int = Field(10 * 1024 * 1024, ge=0)
     """Largest request body in bytes (10 MiB); larger is answered 413."""
@@ -354,14 +391,14 @@ class _Gateway(BaseModel):
         return value
 
 
-class _Flower(BaseModel):
+class _Flower(_Group):
     """Flower, the Celery monitor ``corral up`` starts."""
 
     flower_port: int = Field(5555, ge=0, le=65535)
     """Flower's port under ``corral up`` (0: 5555; taken: any free port)."""
     flower_user: str | None = None
     """Flower's basic-auth user (with the password: Flower asks for them)."""
-    flower_password: Secret = None
+    flower_password: SecretStr | None = None
     """Flower's basic-auth password."""
 
 
@@ -392,7 +429,13 @@ class Settings(
     keep-alive head percentile below the tail.
     """
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        extra="ignore",
+        frozen=True,
+        use_attribute_docstrings=True,
+        hide_input_in_errors=True,  # a ValidationError's text never shows a value
+    )
 
     @field_validator("database_url")
     @classmethod
@@ -494,6 +537,10 @@ def _trusted(path: Path) -> bool:
     return True
 
 
+SECRETS = frozenset(name for name, info in Settings.model_fields.items() if is_secret(info))
+"""The names of the secret settings."""
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Build settings from the environment, a running stack's state file and overrides."""
     values = {**_stack_defaults(dict(os.environ)), **overrides}
@@ -504,14 +551,14 @@ def load_settings(**overrides: Any) -> Settings:
 
 
 def _describe(exc: ValidationError) -> str:
-    """One line naming each bad variable; never a secret's value (config.redact)."""
+    """One line naming each bad variable; never a secret setting's value nor a URL's password."""
     problems = []
     for err in exc.errors():
         field = "_".join(str(p) for p in err["loc"])
         msg = redact(err["msg"].removeprefix("Value error, "))
         if not field:  # a rule between settings: its message names them, no value is shown
             problems.append(msg)
-        elif is_secret_name(field):
+        elif field in SECRETS:
             problems.append(f"{ENV_PREFIX}{field.upper()}: {msg}")
         else:
             shown = redact(repr(err.get("input")))

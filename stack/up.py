@@ -31,7 +31,7 @@ from sqlalchemy import select
 
 from config.celery import QUEUES
 from config.redact import redact
-from config.settings import Settings, get_settings, load_settings
+from config.settings import Settings, get_settings, load_settings, reveal
 from stack.redis import free_port, redis_argv
 from stack.supervisor import Child, Supervisor
 from workers.fleet.nodes import upsert_node
@@ -282,9 +282,10 @@ def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_po
         f"--port={flower_port}",
         "--address=127.0.0.1",
     ]
-    if base.flower_user and base.flower_password:
+    password = reveal(base.flower_password)
+    if base.flower_user and password:
         # through the environment, not argv, so `ps` does not show the password
-        launch.env["FLOWER_BASIC_AUTH"] = f"{base.flower_user}:{base.flower_password}"
+        launch.env["FLOWER_BASIC_AUTH"] = f"{base.flower_user}:{password}"
     else:
         # Flower listens on loopback only here; let local scripts read its API
         launch.env["FLOWER_UNAUTHENTICATED_API"] = "true"

@@ -8,7 +8,7 @@ import signal
 import threading
 from pathlib import Path
 
-from config.settings import Settings
+from config.settings import Settings, reveal
 from stack.up import AlreadyRunning, UpOptions, run
 from tasks.api import database
 from workers.errors import CorralError
@@ -37,7 +37,7 @@ def cmd_metrics(args: argparse.Namespace, settings: Settings) -> int:
         database(settings),
         redis_client(settings.broker_url),
         args.listen or settings.metrics_listen,
-        token=settings.metrics_token,
+        token=reveal(settings.metrics_token),
         insecure=args.insecure,
     )
     print(f"metrics at {running.url}", flush=True)

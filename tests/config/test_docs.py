@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from config import docs
 from config.settings import Settings
@@ -52,9 +52,10 @@ def test_check_fails_on_a_stale_file_and_writing_fixes_it(
     assert docs.main(["--check", "--output", str(target)]) == 0
 
 
-SOURCE = '''
 class _Group(BaseModel):
     """A group."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     described: int = 1
     """Has a string."""
@@ -63,24 +64,39 @@ class _Group(BaseModel):
 
 class Knobs(_Group, BaseSettings):
     """Knobs."""
-'''
+
+    model_config = SettingsConfigDict(env_prefix="CORRAL_")
 
 
-class _Group(BaseModel):
-    described: int = 1
+class _Documented(BaseModel):
+    """Now documented."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
     bare: int = 2
+    """Now it has one."""
 
 
-class Knobs(_Group, BaseSettings):
-    pass
+class Documented(_Documented, BaseSettings):
+    """Knobs, documented."""
+
+    model_config = SettingsConfigDict(env_prefix="CORRAL_")
 
 
 def test_a_setting_without_a_description_is_an_error_naming_it() -> None:
     with pytest.raises(docs.UndocumentedSetting, match="CORRAL_BARE") as caught:
-        docs.render(Knobs, SOURCE)
+        docs.render(Knobs)
     assert "CORRAL_DESCRIBED" not in str(caught.value)
-    documented = SOURCE.replace("bare: int = 2", 'bare: int = 2\n    """Now it has one."""')
-    assert "| `CORRAL_BARE` | `2` | integer | Now it has one. |" in docs.render(Knobs, documented)
+    text = docs.render(Documented)
+    assert "## Now documented\n" in text
+    assert "| `CORRAL_BARE` | `2` | integer | Now it has one. |" in text
+
+
+def test_a_settings_description_is_its_string_and_the_reference_shows_it() -> None:
+    # The authoring style: the string below a field, kept by pydantic as its description.
+    info = Settings.model_fields["reap_batch"]
+    assert info.description == "Replicas one reaper pass deletes at most."
+    assert f"| {info.description} |" in docs.render()
 
 
 class _Bounded(BaseModel):
@@ -90,9 +106,9 @@ class _Bounded(BaseModel):
 
 def test_bounds_are_written_in_words() -> None:
     port, ratio = _Bounded.model_fields["port"], _Bounded.model_fields["ratio"]
-    assert docs.accepts(port, "int") == "integer, 1 to 65,535"
-    assert docs.accepts(ratio, "float") == "number, > 0, <= 1"
-    assert docs.accepts(ratio, "Seconds") == "seconds, > 0, <= 1"
+    assert docs.accepts("port", port) == "integer, 1 to 65,535"
+    assert docs.accepts("ratio", ratio) == "number, > 0, <= 1"
+    assert docs.accepts("wait_s", ratio) == "seconds, > 0, <= 1"
 
 
 def test_rst_roles_become_code_spans() -> None:

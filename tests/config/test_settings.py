@@ -7,8 +7,19 @@ import os
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr, ValidationError
 
-from config.settings import ConfigError, load_settings, reset_settings
+from config.celery import celery_config
+from config.settings import (
+    SECRETS as SECRET_SETTINGS,
+)
+from config.settings import (
+    ConfigError,
+    Settings,
+    load_settings,
+    reset_settings,
+    reveal,
+)
 from tasks.cli import main
 
 
@@ -81,3 +92,81 @@ def test_running_stack_supplies_addresses_unless_the_environment_does(
     # a stack that is no longer running is ignored
     (state / "stack.json").write_text(json.dumps({"pid": 2**22 + 12345, "settings": published}))
     assert load_settings().database_url == "sqlite:///corral.sqlite"
+
+
+SECRETS = {
+    "CORRAL_LAMBDO_TOKEN": "lambdo-t0ken-value",
+    "CORRAL_AGENT_TOKEN": "agent-t0ken-value",
+    "CORRAL_REGISTRY_TOKEN": "registry-t0ken-value",
+    "CORRAL_AWS_ACCESS_KEY_ID": "AKIAEXAMPLEKEY000042",
+    "CORRAL_AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYzEXAMPLEKEY",
+    "CORRAL_METRICS_TOKEN": "metrics-t0ken-value",
+    "CORRAL_GATEWAY_TOKEN": "gateway-t0ken-value",
+    "CORRAL_FLOWER_PASSWORD": "flower-pw-value",
+}
+
+
+def _dumps(settings: Settings) -> dict[str, str]:
+    """Every way the settings are shown: printed, logged, dumped, handed to Celery."""
+    return {
+        "repr": repr(settings),
+        "str": str(settings),
+        "format": f"{settings}",
+        "model_dump": str(settings.model_dump()),
+        "model_dump json mode": json.dumps(settings.model_dump(mode="json")),
+        "model_dump_json": settings.model_dump_json(),
+        "vars": str(vars(settings)),
+        "celery config": repr(celery_config(settings)),
+    }
+
+
+def test_every_secret_setting_is_a_secretstr_and_masked_in_every_dump(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The secret settings are the SecretStr ones; the names this test sets are all of them.
+    assert {f"CORRAL_{name.upper()}" for name in SECRET_SETTINGS} == set(SECRETS)
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    settings = load_settings()
+    assert {n: reveal(getattr(settings, n[7:].lower())) for n in SECRETS} == SECRETS
+    shown = _dumps(settings)
+    # a bad value beside them, and a rule between settings broken: the errors
+    for bad in ({"CORRAL_NODE_CAPACITY": "lots"}, {"CORRAL_TASK_SOFT_TIME_LIMIT_S": "100"}):
+        with monkeypatch.context() as m:
+            for name, value in bad.items():
+                m.setenv(name, value)
+            with pytest.raises(ConfigError) as caught:
+                load_settings()
+            shown[f"ConfigError {bad}"] = str(caught.value)
+            with pytest.raises(ValidationError) as raw:
+                Settings.model_validate({})
+            shown[f"ValidationError {bad}"] = str(raw.value)
+            reset_settings()
+            try:
+                assert main(["nodes", "list"]) == 1
+            finally:
+                reset_settings()
+            shown[f"corral nodes list {bad}"] = "".join(capsys.readouterr())
+    # a bad value of a secret setting itself (not text): named, never shown
+    for name in SECRET_SETTINGS:
+        not_text = [SECRETS[f"CORRAL_{name.upper()}"]]
+        with pytest.raises(ConfigError, match=f"CORRAL_{name.upper()}") as caught:
+            load_settings(**{name: not_text})
+        shown[f"ConfigError {name}"] = str(caught.value)
+        with pytest.raises(ValidationError) as raw:
+            Settings.model_validate({name: not_text})
+        shown[f"ValidationError {name}"] = str(raw.value) + repr(raw.value)
+    assert "**********" in shown["repr"] and "bad setting: CORRAL_NODE_CAPACITY" in "".join(
+        shown.values()
+    )
+    for what, text in shown.items():
+        for secret in SECRETS.values():
+            assert secret not in text, f"{what} shows {secret}: {text}"
+
+
+def test_reveal_gives_the_value_or_none() -> None:
+    assert reveal(None) is None
+    assert reveal(SecretStr("")) is None  # set but empty: unset
+    assert reveal(SecretStr("t0ken")) == "t0ken"
+    assert load_settings(gateway_token="").gateway_token is not None
+    assert reveal(load_settings(gateway_token="").gateway_token) is None

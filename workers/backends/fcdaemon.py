@@ -29,7 +29,7 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from config.redact import redact
-from config.settings import Settings
+from config.settings import Settings, reveal
 from netplumb.addresses import host_of
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from workers.backends import inflight
@@ -281,7 +281,7 @@ def client(t: Target, settings: Settings, *, shared: bool = True) -> AgentClient
         node=t.name,
         timeout_s=settings.rpc_timeout_s,
         create_timeout_s=settings.create_timeout_s,
-        token=settings.agent_token,
+        token=reveal(settings.agent_token),
         tls=tls,
         shared=shared,
     )
@@ -303,8 +303,8 @@ def create_request(fn: Function, request_id: str, settings: Settings) -> Any:
         imageStoragePrefix=fn.image_storage or settings.image_storage,
         inetDev=fn.inet_dev or settings.inet_dev,
         nameServer=fn.name_server or settings.name_server,
-        awsAccessKeyID=fn.aws_access_key_id or settings.aws_access_key_id or "",
-        awsSecretAccessKey=fn.aws_secret_access_key or settings.aws_secret_access_key or "",
+        awsAccessKeyID=fn.aws_access_key_id or reveal(settings.aws_access_key_id) or "",
+        awsSecretAccessKey=fn.aws_secret_access_key or reveal(settings.aws_secret_access_key) or "",
         cpu=fn.cpu,
         mem=fn.mem_mb,
         numReplica=1,

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from config.redact import redact
-from config.settings import Settings
+from config.settings import Settings, reveal
 from netplumb.addresses import host_of
 from workers.backends import inflight
 from workers.backends.base import (
@@ -206,7 +206,10 @@ class LambdoClient:
 def client(t: Target, settings: Settings) -> LambdoClient:
     """The client for host ``t`` with the settings' deadline and token."""
     return LambdoClient(
-        t.address, node=t.name, timeout_s=settings.lambdo_timeout_s, token=settings.lambdo_token
+        t.address,
+        node=t.name,
+        timeout_s=settings.lambdo_timeout_s,
+        token=reveal(settings.lambdo_token),
     )
 
 

@@ -34,7 +34,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from config.settings import Settings
+from config.settings import Settings, reveal
 from protos import gpuresc_grpc
 from workers.backends.fcdaemon import RETRYABLE_CODES
 from workers.clock import iso
@@ -102,7 +102,7 @@ def add_gpu_server(
 ) -> list[Gpu]:
     """Record (or refresh) the GPUs a server reports; returns its GPUs by port."""
     server = server_address(address)
-    gpus = fetch_gpus(server, settings.rpc_timeout_s, settings.agent_token)
+    gpus = fetch_gpus(server, settings.rpc_timeout_s, reveal(settings.agent_token))
     if not gpus:
         raise PermanentBackendError(f"GPU server {server} reports no GPUs")
     for uuid, mb in gpus.items():

@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from config.settings import Settings
+from config.settings import Settings, reveal
 from netplumb.addresses import join_hostport
 from netplumb.listening import Server, listen_address
 from workers import tracing
@@ -64,7 +64,9 @@ class ListenRefused(CorralError):
 def check_listen(settings: Settings, listen: str, *, insecure: bool = False) -> tuple[str, int]:
     """Where to listen; refuses a non-loopback address without a token unless ``insecure``."""
     try:
-        host, port = listen_address(GATEWAY, listen, settings.gateway_token, insecure=insecure)
+        host, port = listen_address(
+            GATEWAY, listen, reveal(settings.gateway_token), insecure=insecure
+        )
     except ValueError as exc:
         raise ListenRefused(str(exc)) from None
     return host, port

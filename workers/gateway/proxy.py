@@ -37,7 +37,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from config.settings import Settings
+from config.settings import Settings, reveal
 from workers import tracing
 from workers.autoscale.idletimes import Recorder
 from workers.errors import InputError, NotFound
@@ -95,9 +95,8 @@ class Gateway:
         self.background = Background(1 if db.is_sqlite else settings.gateway_store_threads)
         self.catalog = Catalog(db, self.background, settings.gateway_queue)
         self.ledger = Ledger(db, settings, self.background, on_cold_start=self.metrics.cold_start)
-        self._token = (
-            f"Bearer {settings.gateway_token}".encode() if settings.gateway_token else None
-        )
+        token = reveal(settings.gateway_token)
+        self._token = f"Bearer {token}".encode() if token else None
         self.upstreams = Upstreams(settings, self._token)
         self.invocations = Recorder(settings.keepalive_bin_s)  # idle times, for keep-alive
         self.bodies = Bodies(

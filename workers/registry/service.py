@@ -49,7 +49,7 @@ import grpc
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from config.settings import Settings
+from config.settings import Settings, reveal
 from netplumb.addresses import join_hostport
 from netplumb.grpcserve import (
     add_health,
@@ -295,7 +295,7 @@ class Registry:
 
     def scope(self, context: grpc.ServicerContext) -> str | None:
         """The vmid the caller's credential is limited to (a guest's report token); None: any."""
-        token = self.settings.registry_token
+        token = reveal(self.settings.registry_token)
         if not token:
             return None
         bearer = bearer_of(context.invocation_metadata())
@@ -526,7 +526,7 @@ def check_listen(settings: Settings, listen: str | None = None, *, insecure: boo
     """The address to listen on; :class:`InputError` if malformed or off loopback tokenless."""
     address = listen or settings.registry_listen
     try:
-        listen_address(REGISTRY, address, settings.registry_token, insecure=insecure)
+        listen_address(REGISTRY, address, reveal(settings.registry_token), insecure=insecure)
     except ValueError as exc:
         raise InputError(str(exc)) from None
     return address
@@ -547,14 +547,15 @@ def serve_registry(
     address = check_listen(settings, listen, insecure=insecure)
     tracing.start("corral-registry", settings)  # READY spans (CORRAL_OTLP_ENDPOINT set)
     registry = registry or Registry(get_database(settings.database_url), settings)
+    token = reveal(settings.registry_token)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"),
         options=SERVER_OPTIONS,
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         interceptors=token_interceptors(
-            settings.registry_token,
+            token,
             "registry",
-            also=lambda bearer: bool(report_vmid(settings.registry_token or "", bearer)),
+            also=lambda bearer: bool(report_vmid(token or "", bearer)),
         ),
     )
     resmngr_grpc.add_ResMngrServiceServicer_to_server(ResMngrServicer(registry), server)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
 from tasks import api
 from tasks.cli import main
@@ -141,7 +142,7 @@ def test_a_call_past_the_timeout_is_504_and_releases(stack: Stack) -> None:
 
 def test_a_token_is_required_and_not_forwarded(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
-    gw = stack.gateway(gateway_token="s3cret")
+    gw = stack.gateway(gateway_token=SecretStr("s3cret"))
     assert httpx.get(f"{gw.url}/function/reflect", timeout=30).status_code == 401
     wrong = {"Authorization": "Bearer nope"}
     assert httpx.get(f"{gw.url}/function/reflect", headers=wrong, timeout=30).status_code == 401
@@ -162,7 +163,7 @@ def test_no_listening_off_loopback_without_a_token(
     with pytest.raises(ListenRefused, match="CORRAL_GATEWAY_TOKEN"):
         check_listen(settings, "0.0.0.0:8080")
     assert check_listen(settings, "0.0.0.0:8080", insecure=True) == ("0.0.0.0", 8080)
-    with_token = settings.model_copy(update={"gateway_token": "t"})
+    with_token = settings.model_copy(update={"gateway_token": SecretStr("t")})
     assert check_listen(with_token, "0.0.0.0:8080") == ("0.0.0.0", 8080)
     assert check_listen(settings, "127.0.0.1:0") == ("127.0.0.1", 0)
     assert check_listen(settings, "[::1]:9000") == ("::1", 9000)
