@@ -154,7 +154,7 @@ async def _load(urls: list[str], n: int, concurrency: int) -> Run:
     left = n
 
     async def call(url: str) -> bool:
-        exchange = await pools[url].send(heads[url], b"", head_only=False, buffer=1 << 20)
+        exchange = await pools[url].send(heads[url], b"", head_only=False)
         await exchange.head()
         while await exchange.chunk() is not None:
             pass

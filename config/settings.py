@@ -379,6 +379,16 @@ class _Gateway(_Group):
     """Longest a caller may take to accept the next piece of its answer; then it is cut off."""
     gateway_max_connections: Count = Field(4096, le=1_000_000)
     """Connections (and requests) the gateway serves at once; requests beyond are answered 503."""
+    gateway_answer_head_max: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
+    """Largest head of a replica's answer in bytes, interim heads included; over: 502."""
+    gateway_answer_head_lines: int = Field(100, ge=1, le=100_000)
+    """Most header lines in a replica's answer, interim heads included; more: 502."""
+    gateway_answer_head_timeout_s: Seconds = 10.0
+    """Longest a replica may take to send a head once its first byte came; then 504."""
+    gateway_read_ahead: int = Field(1024 * 1024, ge=64 * 1024)
+    """Bytes of one answer read from its replica ahead of the caller (memory, not payload)."""
+    gateway_read_ahead_budget: int = Field(64 * 1024 * 1024, ge=64 * 1024)
+    """All answers' bytes read ahead of their callers, in all; past it only waiting callers read."""
     gateway_trusted_proxies: str = ""
     """Proxies (addresses or CIDRs, comma separated) whose X-Forwarded-* the gateway keeps."""
     gateway_spawn_here: bool = True

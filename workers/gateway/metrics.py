@@ -15,7 +15,12 @@ Requests for a function corral does not know are counted under
 * ``corral_cold_start_seconds{function}`` - for those, claim start to ready;
 * ``corral_cold_start_stage_seconds{stage}`` - the cold-start stages the gateway times
   (``ask``, ``claim``, ``first_byte``: :mod:`workers.gateway.traces`); the worker's
-  and registry's stages of the same histogram are served by ``corral metrics``.
+  and registry's stages of the same histogram are served by ``corral metrics``;
+* ``corral_gateway_answers_refused_total{function,reason}`` - replicas' answers the
+  gateway refused (:class:`workers.gateway.http1.Rejected`), by the limit broken:
+  ``head_bytes``, ``head_lines``, ``head_timeout``, ``trailers``, ``upgrade``;
+* ``corral_gateway_read_ahead_bytes`` - what the answers read ahead of their callers
+  hold now, in memory (against ``CORRAL_GATEWAY_READ_AHEAD_BUDGET``).
 """
 
 from __future__ import annotations
@@ -112,6 +117,17 @@ class GatewayMetrics:
         )
         self.stages = Histogram(
             stages.METRIC, stages.HELP, ["stage"], buckets=stages.BUCKETS, registry=r
+        )
+        self.refused = Counter(
+            "corral_gateway_answers_refused",
+            "Replicas' answers the gateway refused, by the limit they broke.",
+            ["function", "reason"],
+            registry=r,
+        )
+        self.read_ahead = Gauge(
+            "corral_gateway_read_ahead_bytes",
+            "Bytes of answers read ahead of their callers now, in memory.",
+            registry=r,
         )
         # Labelled children, looked up once (every request touches several).
         self._counted: dict[tuple[str, int], Any] = {}

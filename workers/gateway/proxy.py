@@ -97,7 +97,7 @@ class Gateway:
         self.ledger = Ledger(db, settings, self.background, on_cold_start=self.metrics.cold_start)
         token = reveal(settings.gateway_token)
         self._token = f"Bearer {token}".encode() if token else None
-        self.upstreams = Upstreams(settings, self._token)
+        self.upstreams = Upstreams(settings, self._token, self.metrics)
         self.invocations = Recorder(settings.keepalive_bin_s)  # idle times, for keep-alive
         self.bodies = Bodies(
             settings.gateway_max_body, settings.gateway_body_budget, settings.gateway_read_timeout_s
@@ -159,8 +159,12 @@ class Gateway:
     # -- one request -----------------------------------------------------------------------
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Serve one ``/function/...`` request (ASGI); a span of its own when tracing is on."""
-        if tracing.tracer is None:
+        """Serve one ``/function/...`` request (ASGI); a span of its own when tracing is on.
+
+        The span (with the caller's ``traceparent`` and path) is opened only for a
+        caller that passed the token check: one without the token makes none.
+        """
+        if tracing.tracer is None or not self.authorized(scope):
             await self._handle(scope, receive, send)
             return
         with tracing.span(

@@ -11,11 +11,20 @@ be sure the environment is free again for its next request.
   as built, nothing added), swept once unused for ``UPSTREAM_IDLE_S`` with no claim
   held on its replica. No cookie is ever kept: a replica's cookies are its callers'.
 * **Header rules and the raw path**: :mod:`workers.gateway.headers`.
-* **Slow callers**: up to ``READ_AHEAD`` bytes of an answer are read from the replica
-  ahead of the caller, so an answer that fits frees its environment as soon as the
-  replica has sent it, whatever the caller does; and each piece must be taken by the
-  caller within ``CORRAL_GATEWAY_SEND_TIMEOUT_S``, or the answer is cut off (and the
-  environment of a larger answer goes back then).
+* **Slow callers**: up to ``CORRAL_GATEWAY_READ_AHEAD`` bytes of an answer (in memory)
+  are read from the replica ahead of the caller, so an answer that fits frees its
+  environment as soon as the replica has sent it, whatever the caller does; all
+  answers together hold at most ``CORRAL_GATEWAY_READ_AHEAD_BUDGET`` (past it, an
+  answer is read only while its caller waits for more); and each piece must be taken
+  by the caller within ``CORRAL_GATEWAY_SEND_TIMEOUT_S``, or the answer is cut off
+  (and the environment of a larger answer goes back then).
+* **Hostile answers** (:mod:`workers.gateway.http1`): a head over
+  ``CORRAL_GATEWAY_ANSWER_HEAD_MAX`` bytes or ``CORRAL_GATEWAY_ANSWER_HEAD_LINES``
+  lines (interim heads included), trailers or chunk framing over the same bytes, or a
+  ``101``, is refused with a 502; a head not complete within
+  ``CORRAL_GATEWAY_ANSWER_HEAD_TIMEOUT_S`` of its first byte, with a 504. The
+  connection is closed, the refusal counted (``corral_gateway_answers_refused_total``),
+  and the replica kept: it answered, and would answer the same to a second one.
 * **Failures**: a replica that refuses connections for ``CONNECT_GRACE_S`` (a moment of
   refusal is a server still starting), or breaks the exchange before its response
   headers, is a :class:`ReplicaFailed` (the claim not handed back: the caller retires
@@ -35,6 +44,7 @@ from config.settings import Settings
 from workers.gateway import http1
 from workers.gateway.asgi import Answer, Message, Scope, Send
 from workers.gateway.headers import Trusted, request_head, response_headers
+from workers.gateway.metrics import GatewayMetrics
 from workers.replicas.claims import Claimed
 
 PREFIX = "/function/"
@@ -46,7 +56,6 @@ CONNECT_GRACE_S = 2.0  # a refused connection is tried again this long before it
 # every 10 ms; some 50 us of a refused connect each.
 REFUSED_PAUSE_S = (0.001, 0.01)
 REFUSED_FAST_S = 0.1
-READ_AHEAD = 1024 * 1024  # bytes of an answer read from the replica ahead of the caller
 
 
 class ReplicaFailed(Exception):
@@ -175,10 +184,21 @@ class Relay:
 class Upstreams:
     """The connections to the replicas this gateway forwards to, and the forwarding itself."""
 
-    def __init__(self, settings: Settings, token: bytes | None) -> None:
+    def __init__(
+        self, settings: Settings, token: bytes | None, metrics: GatewayMetrics | None = None
+    ) -> None:
         self.settings = settings
         self._token = token
         self._trusted = Trusted(settings.gateway_trusted_proxies)
+        self.metrics = metrics or GatewayMetrics()
+        self.limits = http1.Limits(
+            head_bytes=settings.gateway_answer_head_max,
+            head_lines=settings.gateway_answer_head_lines,
+            head_timeout_s=settings.gateway_answer_head_timeout_s,
+            read_ahead=settings.gateway_read_ahead,
+        )
+        self.budget = http1.Budget(settings.gateway_read_ahead_budget)  # shared by all pools
+        self.metrics.read_ahead.set_function(lambda: self.budget.held)
         self._pools: dict[str, http1.Pool] = {}
         self._relays: set[Relay] = set()  # answers being relayed now
         # The serving loop (set by the gateway when it starts, else on first use): asking
@@ -224,14 +244,15 @@ class Upstreams:
                     if isinstance(exc, TimeoutError)
                     else str(exc)
                 )
+                status = 504 if isinstance(exc, TimeoutError) else 502
+                if isinstance(exc, http1.Rejected):
+                    self.metrics.refused.labels(claimed.function, exc.reason).inc()
+                    status = exc.status
                 if relay.answering:
                     raise BrokenOff(
                         f"replica {claimed.replica_id} broke off its answer: {what}"
                     ) from None
-                raise Answer(
-                    504 if isinstance(exc, TimeoutError) else 502,
-                    f"replica of {claimed.function}: {what}",
-                ) from None
+                raise Answer(status, f"replica of {claimed.function}: {what}") from None
             finally:
                 once()  # given back already if the whole answer had arrived
             await relay.finish()
@@ -271,6 +292,8 @@ class Upstreams:
             exchange = await self._send(pool, head, *request)
             try:
                 await exchange.head()
+            except http1.Rejected:
+                raise  # an answer, refused: the replica is not suspect
             except http1.Broken as exc:
                 raise ReplicaFailed(str(exc)) from None
             exchange.when_complete(once)
@@ -296,7 +319,9 @@ class Upstreams:
         pool = self._pools.get(address)
         if pool is None:
             timeout = self.settings.gateway_timeout_s
-            pool = self._pools[address] = http1.Pool(address, min(timeout, 5.0))
+            pool = self._pools[address] = http1.Pool(
+                address, min(timeout, 5.0), self.limits, self.budget
+            )
         return pool
 
     async def _send(
@@ -313,7 +338,7 @@ class Upstreams:
         pause, most = REFUSED_PAUSE_S
         while True:
             try:
-                return await pool.send(head, body, head_only=head_only, buffer=READ_AHEAD)
+                return await pool.send(head, body, head_only=head_only)
             except http1.Broken as exc:
                 at = time.monotonic()
                 if not exc.refused or at + pause > give_up:

@@ -2,18 +2,22 @@
 
 ``stack`` gives a migrated store (SQLite, then PostgreSQL), a real Celery worker
 (threads) on the session's Redis, one fcdaemon agent whose replicas are real processes
-serving HTTP on loopback, and :meth:`Stack.gateway` to start gateways (uvicorn, in
+serving HTTP on loopback (``examples.*``, and :data:`HOSTILE`: a replica whose answers
+attack the gateway), and :meth:`Stack.gateway` to start gateways (uvicorn, in
 threads) with settings of the test's choosing. A gateway keeps the claims it used for
 ``gateway_keep_s`` (1.5 s by default) before giving them back: :meth:`Stack.settled`
-waits for that.
+waits for that. :func:`free_port` and :func:`wait_healthy` serve the tests that run
+``corral gateway`` as a process of its own.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import func, select
 
@@ -23,6 +27,28 @@ from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
 from workers.gateway import RunningGateway, serve_gateway
 from workers.store.models import Claim, Replica
+
+HOSTILE = "tests.workers.gateway.hostile"  # the image of a replica whose answers attack
+
+
+def free_port() -> int:
+    """A loopback port free now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_healthy(url: str) -> None:
+    """Wait until the gateway at ``url`` answers ``/healthz`` (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.1)
 
 
 class Stack:
@@ -79,7 +105,7 @@ class Stack:
 @pytest.fixture
 def stack(thread_worker: Env) -> Iterator[Stack]:
     """Broker, worker, store, a process agent (registered as node ``node1``)."""
-    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver())
+    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver(allow_images=[HOSTILE]))
     with thread_worker.db.transaction() as s:
         upsert_node(s, agent.address, name="node1", capacity=64)
     running = Stack(thread_worker, agent)

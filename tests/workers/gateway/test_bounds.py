@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from tests.workers.gateway.conftest import Stack
+from tests.workers.gateway.conftest import Stack, free_port, wait_healthy
 
 MiB = 1024 * 1024
 
@@ -135,7 +135,7 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
     stack: Stack,
 ) -> None:
     stack.deploy("echo", image="examples.echo")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
         env={**os.environ, "CORRAL_GATEWAY_TOKEN": "t0ken"},
@@ -145,7 +145,7 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
     url = f"http://127.0.0.1:{port}"
     held: list[socket.socket] = []
     try:
-        _wait_healthy(url)
+        wait_healthy(url)
         base = _rss_mib(proc.pid)
         body = b"z" * (10 * MiB - 1)
         for _ in range(50):  # without the token: refused before a byte of body is read
@@ -171,21 +171,3 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
             sock.close()
         proc.terminate()
         proc.wait(15)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_healthy(url: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the gateway did not start"
-        time.sleep(0.1)
