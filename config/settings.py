@@ -380,7 +380,7 @@ class _Gateway(_Group):
     gateway_max_connections: Count = Field(4096, le=1_000_000)
     """Connections (and requests) the gateway serves at once; requests beyond are answered 503."""
     gateway_answer_head_max: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
-    """Largest head of a replica's answer in bytes, interim heads included; over: 502."""
+    """Largest head of a replica's answer in bytes (interim heads in; trailers alike); over: 502."""
     gateway_answer_head_lines: int = Field(100, ge=1, le=100_000)
     """Most header lines in a replica's answer, interim heads included; more: 502."""
     gateway_answer_head_timeout_s: Seconds = 10.0

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from pydantic import SecretStr
 
 from agents import ProcessDriver, serve_fcdaemon
 from bench import otlp_sink
@@ -197,6 +198,27 @@ def test_a_cold_start_is_one_trace_from_request_to_first_byte(
     text = httpx.get(f"{data_path.url}/metrics", timeout=10).text
     for stage in GATEWAY_STAGES:
         assert _metric(text, f'{stages.METRIC}_count{{stage="{stage}"}}') == 1, stage
+
+
+def test_a_caller_without_the_token_opens_no_span(
+    spans: InMemorySpanExporter, corral_env: Env
+) -> None:
+    """The request span (caller's traceparent, path) comes after the token check (issue 29)."""
+    settings = corral_env.settings.model_copy(update={"gateway_token": SecretStr("t0ken")})
+    gateway = serve_gateway(settings, "127.0.0.1:0")
+    parent = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
+    try:
+        path = f"{gateway.url}/function/ghost/{'p' * 60_000}"
+        assert httpx.get(path, headers=parent, timeout=10).status_code == 401
+        token = {**parent, "authorization": "Bearer t0ken"}
+        assert (
+            httpx.get(f"{gateway.url}/function/ghost", headers=token, timeout=10).status_code == 404
+        )
+    finally:
+        gateway.stop()
+    (request,) = [s for s in spans.get_finished_spans() if s.name == "GET /function/{name}"]
+    assert request.attributes is not None
+    assert request.attributes["http.response.status_code"] == 404  # the authorised one only
 
 
 def test_tracing_off_costs_nothing_and_records_nothing() -> None:
