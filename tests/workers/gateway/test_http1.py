@@ -12,7 +12,7 @@ import asyncio
 import gc
 import tracemalloc
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -297,7 +297,8 @@ def chunked(size: int, total: int) -> bytes:
 async def held_by(exchange: http1.Exchange, budget: http1.Budget, until: float) -> int:
     """What the budget holds once it has stopped growing (the connection paused)."""
     last = -1
-    while budget.held != last or not exchange.conn._paused:
+    conn = cast(http1.Connection, exchange.conn)
+    while budget.held != last or not conn._paused:
         last = budget.held
         await asyncio.sleep(0.05)
         assert asyncio.get_running_loop().time() < until, "the read-ahead never paused"
@@ -330,6 +331,37 @@ def test_two_byte_chunks_are_charged_by_memory_and_stop_at_the_read_ahead() -> N
             exchange.abandon()
 
     run(scenario())
+
+
+def test_tiny_chunks_are_fed_a_turns_worth_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    turns = [0]  # pieces of body handed over in each turn of the loop
+
+    def counted(self: http1.Connection, body: bytes) -> None:
+        turns[-1] += 1
+        original(self, body)
+
+    original = http1.Connection.on_body
+    monkeypatch.setattr(http1.Connection, "on_body", counted)
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(0)
+            turns.append(0)
+
+    async def scenario() -> None:
+        async with Server(writes(chunked(2, 1024 * 1024), OK)) as server:
+            pool = http1.Pool(server.address, 5.0)
+            tick = asyncio.ensure_future(ticker())
+            assert len((await fetch(pool))[2]) == 1024 * 1024
+            tick.cancel()
+            conn = pool.idle[0]
+            assert conn._feed_size < 4 * 1024  # learnt: about a turn's pieces of 7 bytes
+            assert (await fetch(pool))[2] == b"ok"
+
+    run(scenario())
+    busy = sorted(n for n in turns if n)
+    # the first feeds (the head's room, then FEED_FIRST) are larger; then a turn's worth
+    assert busy[len(busy) * 9 // 10] <= 2 * http1.PIECES_A_TURN, busy[-20:]
 
 
 def test_the_budget_pauses_callers_that_do_not_wait_and_serves_one_that_does() -> None:
