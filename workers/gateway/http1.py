@@ -5,7 +5,7 @@ and change nothing: the request target goes out byte for byte (``%2F`` stays ``%
 ``%3F`` is not a query), and no header is added - no ``Accept-Encoding``, no
 ``User-Agent``, no cookies. A general-purpose client (httpx) normalizes the URL and
 adds its own defaults; it also costs several times more per request than this one
-(measured: docs/benchmarks.md, "Why the gateway has its own client").
+(measured: docs/benchmarks.md, bench.clients).
 
 * :class:`Pool` - the idle connections to one replica address, last used first. A
   connection idle for ``IDLE_S`` is closed (servers close idle connections too - Node
