@@ -121,7 +121,7 @@ async def _aiohttp(port: int) -> tuple[Call, Callable[[], Awaitable[None]]]:
     async def call() -> int:
         async with session.get(url) as response:
             await response.read()
-            return response.status
+            return int(response.status)
 
     return call, session.close
 
