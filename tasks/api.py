@@ -409,12 +409,15 @@ def functions(*, settings: Settings | None = None) -> list[FunctionView]:
     return views
 
 
-def function(name: str, *, settings: Settings | None = None) -> FunctionView:
-    """One function, with its live replicas by state (and its keep-alive windows, if adaptive)."""
+def function(name: str, *, secrets: bool = False, settings: Settings | None = None) -> FunctionView:
+    """One function, with its live replicas by state (and its keep-alive windows, if adaptive).
+
+    Env values and ``--env=`` kernel arguments are masked unless ``secrets``.
+    """
     settings = settings or get_settings()
     with database(settings).read() as s:
         fn = get_function(s, name)
-        view = function_view(fn, replica_counts(s, fn.id).get(fn.id, {}))
+        view = function_view(fn, replica_counts(s, fn.id).get(fn.id, {}), secrets=secrets)
     if view["keep_alive"] == "adaptive":
         view["keep_alive_windows"] = _keep_alive_windows(settings, name)
     return view

@@ -6,11 +6,19 @@ The seed configured functions through labels (``KERNEL_IMAGE_PATH``,
 and explicit options win over labels. Every deploy bumps ``build_version``, which
 makes replicas of older builds *stale*: they are no longer handed out and the
 reaper replaces them.
+
+A function as shown (:func:`function_view`) never carries its AWS keys, and its
+environment only masked: every env value, and the value of every ``--env=K=V``
+kernel argument (also inside a ``KERNEL_ARGS`` label), is ``***`` unless asked for
+(``corral functions show --show-secrets``). Env values are secrets until shown
+otherwise, as Kubernetes and OpenFaaS treat theirs: a tenant's database password
+travels there as often as a log level.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
@@ -19,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from config.redact import MASK
 from config.settings import Settings
 from netplumb import guest_env
 from workers.backends.base import backend
@@ -367,8 +376,38 @@ class FunctionView(TypedDict):
     live: NotRequired[int]  # their sum (the listing)
 
 
-def function_view(fn: Function, counts: dict[str, int] | None = None) -> FunctionView:
-    """A function as the CLI and API show it; secrets are never included."""
+def masked_env_args(kernel_args: str) -> str:
+    """``kernel_args`` with the value of each ``--env=K=V`` masked (tokens as the agent
+    reads them, :func:`netplumb.guest_env.parse_env_args`)."""
+    if "--env=" not in kernel_args:
+        return kernel_args
+    try:
+        tokens, quoted = shlex.split(kernel_args), True
+    except ValueError:  # unbalanced quotes: the agent splits on spaces, and so does this
+        tokens, quoted = kernel_args.split(), False
+    return " ".join(
+        _masked_env_arg(token) or (shlex.quote(token) if quoted else token) for token in tokens
+    )
+
+
+def _masked_env_arg(token: str) -> str | None:
+    """``--env=K=***`` for an ``--env=K=V`` token with a value; None for any other."""
+    key, sep, value = token.removeprefix("--env=").partition("=")
+    return f"--env={key}={MASK}" if token.startswith("--env=") and sep and value else None
+
+
+def function_view(
+    fn: Function, counts: dict[str, int] | None = None, *, secrets: bool = False
+) -> FunctionView:
+    """A function as the CLI and API show it: never its AWS keys; its env values and
+    ``--env=`` kernel arguments masked unless ``secrets``."""
+    kernel_args, labels = fn.kernel_args, fn.labels
+    env = dict(fn.env or {})
+    if not secrets:
+        kernel_args = masked_env_args(kernel_args or "")
+        env = {key: MASK if value else value for key, value in env.items()}
+        if isinstance((labels or {}).get("KERNEL_ARGS"), str):
+            labels = {**labels, "KERNEL_ARGS": masked_env_args(labels["KERNEL_ARGS"])}
     view: FunctionView = {
         "id": fn.id,
         "name": fn.name,
@@ -376,15 +415,15 @@ def function_view(fn: Function, counts: dict[str, int] | None = None) -> Functio
         "image": fn.image,
         "kernel": fn.kernel,
         "initrd": fn.initrd,
-        "kernel_args": fn.kernel_args,
+        "kernel_args": kernel_args,
         "vm_type": fn.vm_type,
         "cpu": fn.cpu,
         "mem": fn.mem_mb,
         "min": fn.min_replicas,
         "max": fn.max_replicas,
         "target": fn.target,
-        "labels": fn.labels,
-        "env": fn.env,
+        "labels": labels,
+        "env": env,
         "rootfs": fn.rootfs,
         "ports": fn.ports,
         "build_version": fn.build_version,

@@ -224,7 +224,7 @@ def cmd_functions_list(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_functions_show(args: argparse.Namespace, settings: Settings) -> int:
     """Show one function."""
-    emit(args, api.function(args.name, settings=settings), kv)
+    emit(args, api.function(args.name, secrets=args.show_secrets, settings=settings), kv)
     return 0
 
 

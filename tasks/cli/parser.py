@@ -213,6 +213,11 @@ def _add_functions(top: Commands) -> None:
     fns.add("list", "core:cmd_functions_list", "list functions", listing=True)
     p = fns.add("show", "core:cmd_functions_show", "show a function", listing=True)
     p.add_argument("name")
+    p.add_argument(
+        "--show-secrets",
+        action="store_true",
+        help="show env values and --env= kernel arguments in clear (masked by default)",
+    )
     p = fns.add("remove", "core:cmd_functions_remove", "remove a function")
     p.add_argument("name")
     p.add_argument("--force", action="store_true", help="delete its replicas first")

@@ -308,3 +308,39 @@ def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
         ("the Lambdo token", "192.0.2.12"),
     ):
         assert f"{what} travel(s) in plain text to {host}" in caplog.text
+
+
+def test_functions_show_masks_env_values_unless_asked(
+    corral_env: Env, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 29: ``functions show --json`` printed every env value and ``--env=`` kernel
+    argument in clear; only the AWS keys were masked."""
+    clear = ("db-pass-0001", "api-key-0002", "label-key-0003")
+    deploys = (
+        ["functions", "deploy", "web", "--image", "i", "--kernel", "/k", "--env",
+         f"DB_PASS={clear[0]}", "--env", "LOG_LEVEL=debug", "--kernel-args",
+         f"console=ttyS0 --env=API_KEY={clear[1]} quiet", "--json"],
+        ["functions", "deploy", "--file", str(tmp_path / "fn.toml"), "--json"],
+    )  # fmt: skip
+    (tmp_path / "fn.toml").write_text(
+        'name = "seed"\nimage = "i"\n'
+        f'[labels]\nKERNEL_IMAGE_PATH = "/k"\nKERNEL_ARGS = "--env=TOKEN_X={clear[2]}"\n'
+    )
+    shown = ""
+    for argv in (
+        *deploys,
+        ["functions", "show", "web"],
+        ["functions", "show", "web", "--json"],
+        ["functions", "show", "seed", "--json"],
+        ["functions", "list", "--json"],
+    ):
+        assert main(argv) == 0, argv
+        shown += capsys.readouterr().out
+    for value in clear:
+        assert value not in shown
+    assert "--env=API_KEY=*** quiet" in shown and '"DB_PASS": "***"' in shown
+    assert '"KERNEL_ARGS": "--env=TOKEN_X=***"' in shown
+    assert main(["functions", "show", "web", "--show-secrets", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert view["env"] == {"DB_PASS": clear[0], "LOG_LEVEL": "debug"}
+    assert view["kernel_args"] == f"console=ttyS0 --env=API_KEY={clear[1]} quiet"

@@ -155,4 +155,6 @@ def test_good_toml_file_and_labels(
     assert view["image"] == "img"  # ':latest' stripped
     assert view["kernel"] == "/boot/k"  # from the seed's label
     assert view["max"] == 3  # the explicit key wins over the label
-    assert (view["mem"], view["vm_type"], view["env"]) == (256, "linux", {"GREETING": "hi"})
+    assert (view["mem"], view["vm_type"], view["env"]) == (256, "linux", {"GREETING": "***"})
+    assert main(["functions", "show", "t", "--show-secrets", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["env"] == {"GREETING": "hi"}
