@@ -14,6 +14,9 @@ VMs come from a :class:`agents.drivers.VMDriver` (processes or records); CPU hog
 real busy-loop processes. With a registry address the agent announces itself
 (``RegisterNode``, retried with backoff until the registry answers) and reports each
 replica READY (``UpdateStatus``) once its HTTP port answers; a DESTROY reply releases it.
+It registers an IP, never a name (the registry refuses names): ``--advertise-ip``
+must be one, and without it the listen host is used, a name resolved here once
+(:func:`node_ip`).
 
 For tests, :class:`FcAgent` records every call in ``calls`` and accepts scripted faults
 (:meth:`FcAgent.inject`, see :mod:`agents.faults`). AWS credentials in requests are
@@ -27,8 +30,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import ipaddress
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -62,7 +67,7 @@ from agents.runtime import (
     guess_node_ip,
     serve_until_signalled,
 )
-from netplumb.addresses import is_loopback, split_hostport
+from netplumb.addresses import is_loopback, join_hostport, split_hostport
 from netplumb.grpcserve import mark_serving, report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 
@@ -582,6 +587,29 @@ class RunningAgent(Running):
         log.info("fcdaemon on port %d stopped", self.port)
 
 
+def ip_argument(text: str) -> str:
+    """``--advertise-ip``: an IP address (the registry refuses a host name)."""
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an IP address (corral knows a node by IP, never by name)"
+        ) from None
+
+
+def node_ip(advertise: str) -> str:
+    """The IP to register: ``advertise`` if it is one, else what that name resolves to now."""
+    try:
+        return str(ipaddress.ip_address(advertise.strip("[]")))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(advertise, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise OSError(f"cannot resolve {advertise!r} to an IP to register: {exc}") from None
+    return str(infos[0][4][0]).split("%", 1)[0]
+
+
 def serve_fcdaemon(  # noqa: PLR0913 - a server's options, by name with defaults
     listen: str = "127.0.0.1:0",
     driver: VMDriver | None = None,
@@ -614,12 +642,12 @@ def serve_fcdaemon(  # noqa: PLR0913 - a server's options, by name with defaults
     fcdaemon_grpc.add_FcServiceServicer_to_server(agent, server)
     reporter: RegistryReporter | None = None
     if registry:
-        node_ip = advertise_ip or guess_node_ip(host)
+        ip = node_ip(advertise_ip or guess_node_ip(host))
         reporter = RegistryReporter(
             registry,
-            node_ip=node_ip,
+            node_ip=ip,
             node_port=port,
-            node_id=node_id or f"{node_ip}:{port}",
+            node_id=node_id or join_hostport(ip, port),
             token=token,
             on_destroy=agent.release,
             is_live=agent.is_live,
@@ -660,7 +688,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--registry", help="corral registry HOST:PORT to register with")
     parser.add_argument("--node-id", help="node id to register (default IP:PORT)")
-    parser.add_argument("--advertise-ip", help="IP the registry and clients should use")
+    parser.add_argument(
+        "--advertise-ip",
+        type=ip_argument,
+        help="IP the registry and clients should use: the one this agent calls the registry "
+        "from (default: the listen host's)",
+    )
     add_driver_arguments(
         parser,
         DEFAULT_PORT_RANGE,
@@ -694,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Run the node agent its command line describes until SIGINT/SIGTERM; the exit code."""
-    advertise = args.advertise_ip or guess_node_ip(args.host)
+    advertise = args.advertise_ip or node_ip(guess_node_ip(args.host))
     tls = None
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")

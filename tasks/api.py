@@ -367,21 +367,26 @@ def add_node(  # noqa: PLR0913 - keyword-only options with defaults
 ) -> Saved[NodeView]:
     """Add (or update, by name) a node agent or Lambdo host.
 
-    ``replica_networks`` (CIDRs): where its replicas' addresses may be (None: unchanged;
-    a new node gets its kind's default).
+    A host name in ``address`` is resolved now, once: the node is stored at the IP (the
+    view's ``resolved_from`` names the host). ``replica_networks`` (CIDRs): where its
+    replicas' addresses may be (None: unchanged; a new node gets its kind's default).
     """
     settings = settings or get_settings()
+    resolved, host = fleet.resolve_address(address, kind)
     with database(settings).transaction() as s:
         node, created = fleet.upsert_node(
             s,
-            address,
-            name=name,
+            resolved,
+            name=name or fleet.default_name(fleet.normalize_address(address, kind)),
             kind=kind,
             capacity=capacity,
             default_capacity=settings.node_capacity,
             replica_networks=replica_networks,
         )
-        return Saved(node_view(node), created)
+        view = node_view(node)
+    if host is not None:
+        view["resolved_from"] = host
+    return Saved(view, created)
 
 
 def remove_node(name: str, *, settings: Settings | None = None) -> None:

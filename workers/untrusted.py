@@ -5,17 +5,21 @@ not be able to make corral store garbage, hang a worker, or fill its memory. So:
 
 * a vmid must match ``[A-Za-z0-9._:-]{1,128}`` (:func:`check_vmid`) and is
   percent-encoded wherever it goes into a URL (:func:`vmid_path`);
-* an agent's ``ip`` must parse as an IP address (:func:`check_ip`);
-* a replica's address must be one its node may give out: inside the node's replica
-  networks, and never one of the control plane's own listeners (registry, gateway,
-  metrics exporter, Flower, broker, database) (:func:`check_replica_address`), or the
-  gateway would forward callers wherever an agent pointed it;
+* an agent's ``ip`` must parse as an IP address (:func:`check_ip`), and so must the host
+  of a node's address: corral never resolves a node's name or a replica's, since a
+  name could later stand for another machine (:func:`ip_literal`, no look-up);
+* a replica's address must be one its node may give out: an IP inside the node's
+  replica networks, and never one of the control plane's own listeners (registry,
+  gateway, metrics exporter, Flower, broker, database) (:func:`check_replica_address`),
+  or the gateway would forward callers wherever an agent pointed it;
 * an HTTP reply body is read up to :data:`MAX_BODY` (1 MiB) and every HTTP call has
   a total deadline, not only a per-read one (:mod:`workers.backends.http_calls`, which the
   HTTP clients use; this module imports no HTTP library, so what only checks an id or
   an address - ``corral nodes list`` among them - does not load httpx);
 * text that came back from an agent has the call's secrets and credential-shaped strings
-  masked before it is stored or logged (:func:`config.redact.redact`, the one redaction);
+  masked, and its control characters escaped (an ANSI or OSC sequence is shown, never
+  played on an operator's terminal), before it is stored or logged
+  (:func:`config.redact.redact`, the one pass such text goes through);
 * a token or AWS keys about to travel in plain text off loopback log a warning
   (:func:`warn_plaintext`, once per peer).
 """
@@ -44,6 +48,7 @@ __all__ = [
     "check_replica_address",
     "check_vmid",
     "host_ips",
+    "ip_literal",
     "listen_networks",
     "parse_networks",
     "vmid_path",
@@ -105,8 +110,25 @@ def parse_networks(cidrs: Iterable[str]) -> list[Network]:
     return found
 
 
+def ip_literal(address: str) -> IP | None:
+    """The IP an address's host is written as (``h:p``, a URL, a bare host); None for a name.
+
+    Never looks a name up. An IPv4-mapped IPv6 address is its IPv4 address.
+    """
+    try:
+        ip = ipaddress.ip_address(host_of(address.strip()))
+    except ValueError:
+        return None
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return mapped or ip
+
+
 def host_ips(host: str) -> set[IP]:
-    """The IPs ``host`` stands for: itself if it is one, else what it resolves to (maybe none)."""
+    """The IPs ``host`` stands for: itself if it is one, else what it resolves to (maybe none).
+
+    For corral's own listeners only (its settings); a node's or a replica's address is
+    never resolved (:func:`ip_literal`).
+    """
     host = host_of(host)
     try:
         return {ipaddress.ip_address(host)}
@@ -144,33 +166,32 @@ def check_replica_address(
 ) -> None:
     """Refuse (PermanentBackendError ``untrusted``) a replica address its node may not give.
 
-    Every IP ``host`` stands for must be inside one of ``networks``, and ``host:port``
-    must not be one of ``listeners`` (the control plane's own servers).
+    ``host`` must be an IP (a name is never resolved) inside one of ``networks``, and
+    ``host:port`` must not be one of ``listeners`` (the control plane's own servers).
     """
-    ips = host_ips(host)
+    ip = ip_literal(host)
     networks = list(networks)
     where = f"{host}:{port}"
-    if not ips:
+    if ip is None:
         raise PermanentBackendError(
-            f"answered replica address {where}, which does not resolve", node=node, code="untrusted"
+            f"answered replica address {where[:80]!r}, which is not an IP address",
+            node=node,
+            code="untrusted",
         )
-    for ip in ips:
-        if not any(ip.version == net.version and ip in net for net in networks):
-            shown = ", ".join(str(n) for n in networks) or "none"
-            raise PermanentBackendError(
-                f"answered replica address {where}, outside the node's replica networks "
-                f"({shown}; `corral nodes add --replica-network`)",
-                node=node,
-                code="untrusted",
-            )
-        if any(
-            port == lport and ip.version == net.version and ip in net for net, lport in listeners
-        ):
-            raise PermanentBackendError(
-                f"answered replica address {where}, one of corral's own listeners",
-                node=node,
-                code="untrusted",
-            )
+    if not any(ip.version == net.version and ip in net for net in networks):
+        shown = ", ".join(str(n) for n in networks) or "none"
+        raise PermanentBackendError(
+            f"answered replica address {where}, outside the node's replica networks "
+            f"({shown}; `corral nodes add --replica-network`)",
+            node=node,
+            code="untrusted",
+        )
+    if any(port == lport and ip.version == net.version and ip in net for net, lport in listeners):
+        raise PermanentBackendError(
+            f"answered replica address {where}, one of corral's own listeners",
+            node=node,
+            code="untrusted",
+        )
 
 
 # -- plain text off loopback -----------------------------------------------------------

@@ -90,8 +90,9 @@ def cmd_nodes_add(args: argparse.Namespace, settings: Settings) -> int:
         args,
         saved.view,
         lambda v: (
-            f"{'added' if saved.created else 'updated'} node "
-            f"{v['name']} ({v['kind']} at {v['address']}, capacity {v['capacity']})"
+            f"{'added' if saved.created else 'updated'} node {v['name']} at {v['address']}"
+            + (f" (resolved from {v['resolved_from']})" if "resolved_from" in v else "")
+            + f" ({v['kind']}, capacity {v['capacity']})"
         ),
     )
     return 0

@@ -186,7 +186,11 @@ def _add_db(top: Commands) -> None:
 def _add_nodes(top: Commands) -> None:
     nodes = top.group("nodes", "node agents and Lambdo hosts", "nodes_cmd")
     p = nodes.add("add", "core:cmd_nodes_add", "add or update a node", listing=True)
-    p.add_argument("address", help="HOST:PORT of an fcdaemon agent, or http://HOST:PORT of Lambdo")
+    p.add_argument(
+        "address",
+        help="HOST:PORT of an fcdaemon agent, or http://HOST:PORT of Lambdo (a host name is "
+        "resolved once, now: the node is stored at the IP)",
+    )
     p.add_argument("--name")
     p.add_argument("--kind", choices=NODE_KINDS, default=NodeKind.FCDAEMON.value)
     p.add_argument("--capacity", type=integer, help="most live replicas on this node")

@@ -7,7 +7,7 @@ control plane's own metrics exporter, say. So every create's address passes
 :func:`replica_address`:
 
 * **the node's replica networks**: ``corral nodes add --replica-network CIDR`` (stored
-  on the node), or by default the node's own host, plus ``CORRAL_REPLICA_NETWORKS`` for
+  on the node), or by default the node's own IP, plus ``CORRAL_REPLICA_NETWORKS`` for
   fcdaemon nodes (whose real VMs live on a network of their node's);
 * **never the control plane's listeners** (:func:`control_plane`): the registry, the
   gateway, the metrics exporter, Flower, the broker and the database, as the settings
@@ -15,8 +15,12 @@ control plane's own metrics exporter, say. So every create's address passes
 
 Anything else fails the create as an *untrusted* reply
 (:class:`~workers.errors.PermanentBackendError`, code ``untrusted``); the VM it made is
-an orphan that reconcile releases. A node's configured networks are read from the store
-and its host resolved at most every :data:`TTL_S` seconds per process, off the event loop.
+an orphan that reconcile releases. Nothing here is ever resolved: a node's address holds
+the IP it registered from (or that ``corral nodes add`` resolved once), and a replica's
+address must be an IP, so a name that later points elsewhere moves nothing. A node whose
+stored address is still a host name (written by an older corral) has no default network:
+its creates fail as untrusted until an operator re-adds it. A node's configured networks
+are read from the store at most every :data:`TTL_S` seconds per process, off the event loop.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from urllib.parse import urlsplit
 from sqlalchemy import select
 
 from config.settings import Settings
-from netplumb.addresses import host_of, join_hostport, split_hostport
+from netplumb.addresses import join_hostport, split_hostport
 from workers.backends.base import Target, backend
 from workers.store.db import get_database
 from workers.store.models import Node
@@ -39,7 +43,7 @@ from workers.untrusted import (
     Listeners,
     Network,
     check_replica_address,
-    host_ips,
+    ip_literal,
     listen_networks,
     parse_networks,
 )
@@ -99,9 +103,12 @@ def control_plane(settings: Settings) -> Listeners:
 
 
 def default_networks(kind: str, address: str, settings: Settings) -> list[Network]:
-    """A node's replica networks when it lists none: its own host (and, where its VMs live on
-    a network of their node's - fcdaemon nodes - ``CORRAL_REPLICA_NETWORKS``)."""
-    nets = [ipaddress.ip_network(ip) for ip in host_ips(host_of(address))]
+    """A node's replica networks when it lists none: its own IP (and, where its VMs live on
+    a network of their node's - fcdaemon nodes - ``CORRAL_REPLICA_NETWORKS``).
+
+    A host name is not resolved: it contributes no network."""
+    ip = ip_literal(address)
+    nets: list[Network] = [] if ip is None else [ipaddress.ip_network(ip)]
     if backend(kind).on_node_network:
         nets += parse_networks(c for c in settings.replica_networks.split(",") if c.strip())
     return nets

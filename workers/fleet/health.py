@@ -9,6 +9,11 @@ skips it; after ``CORRAL_NODE_DEAD_GRACE_S`` more, its replicas are marked Dead
 (reconcile then brings functions back to their min elsewhere). One good answer
 makes it healthy again.
 
+A node is probed at the IP its row holds, never through a name (a name could resolve
+to another machine by the next pass): a row an older corral stored with a host name is
+not dialled; each pass counts it a miss, saying to re-add it (``corral nodes add``
+resolves a name once).
+
 One pass runs at a time: a pass takes the ``health`` lease (:mod:`workers.leases`)
 like reap and reconcile, and a pass that cannot is skipped, so two passes that
 overlap (a slow pass and the next beat) never count the same miss twice. The
@@ -33,6 +38,7 @@ from workers.locks import lock_functions
 from workers.replicas.lifecycle import transition
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
+from workers.untrusted import ip_literal
 
 log = logging.getLogger(__name__)
 LEASE = "health"
@@ -89,6 +95,12 @@ class HealthReport:
 
 
 def _probe(node: Node, settings: Settings) -> str | None:
+    if ip_literal(node.address) is None:
+        return (
+            f"node {node.name}: its address {node.address} names a host, which corral does "
+            f"not resolve: re-add it (`corral nodes add ADDRESS --name {node.name}` resolves "
+            "a name once) or remove it"
+        )
     try:
         ok = backends.probe(node, settings)
     except BackendError as exc:

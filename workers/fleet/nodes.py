@@ -4,6 +4,20 @@ A node is either added by an operator (``corral nodes add``) or announces itself
 through the registry's ``RegisterNode``; both paths end in :func:`upsert_node`,
 idempotent by name (operator) or by the agent's ``node_id`` (registry).
 
+**A node's address is an IP, fixed when it is stored.** Corral sends a node the agent
+token and functions' AWS keys, accepts its agent's reports, lets its replicas be on its
+network, and destroys what it lists as orphans - all by its address. A host name would
+let whoever controls its DNS move all of that to another machine later, so a name is
+never stored: ``RegisterNode`` must claim the IP it calls from, and an operator's
+``corral nodes add NAME:PORT`` resolves the name once (:func:`resolve_address`) and
+stores the IP, as ``nodes add`` then shows. Nothing re-resolves it afterwards.
+
+**One node per address.** Two rows at one ``IP:PORT`` would be one agent seen twice:
+each listing the other's VMs as its own orphans. :func:`upsert_node` refuses an address
+another node holds (:class:`AddressTaken`), and the store's unique index on
+``nodes.endpoint`` (the IP and port, whatever the kind) makes two concurrent additions
+unable to both win.
+
 Placement learns from creates (:func:`note_creates`, called by the spawn path in
 the transaction that records a batch's results): a create that failed - a
 permanent answer, or a transport error after its retries - counts against its
@@ -18,13 +32,17 @@ it only as many calls as it may still fail until one succeeds (:func:`probation`
 from __future__ import annotations
 
 import re
+import socket
 from datetime import timedelta
-from typing import TypedDict
+from typing import NotRequired, TypedDict
+from urllib.parse import urlsplit
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
+from netplumb.addresses import join_hostport, split_hostport
 from workers.backends.base import backend
 from workers.clock import iso, now
 from workers.errors import InputError
@@ -32,12 +50,62 @@ from workers.functions import check_name
 from workers.kinds import NodeKind
 from workers.store.models import Node, Replica
 from workers.store.rows import delete_unlinking_replicas, one_or_not_found
-from workers.untrusted import parse_networks
+from workers.untrusted import IP, ip_literal, parse_networks
+
+_SCHEME_PORTS = {"http": 80, "https": 443}
+
+
+class AddressTaken(InputError):
+    """Another node is at this IP and port: one node per address."""
 
 
 def normalize_address(address: str, kind: str) -> str:
     """A node address in canonical form (``host:port`` for agents, a URL for Lambdo)."""
     return backend(kind).normalize_address(address.strip())
+
+
+def _parts(address: str) -> tuple[str, str, int]:
+    """(scheme, or "" for ``host:port``; host; port) of a normalized node address."""
+    if "://" not in address:
+        host, port = split_hostport(address)
+        return "", host, port
+    url = urlsplit(address)
+    return url.scheme, url.hostname or "", url.port or _SCHEME_PORTS[url.scheme]
+
+
+def _at(scheme: str, ip: IP, port: int) -> str:
+    hostport = join_hostport(str(ip), port)
+    return f"{scheme}://{hostport}" if scheme else hostport
+
+
+def resolve_address(address: str, kind: str) -> tuple[str, str | None]:
+    """``address`` normalized with its host as an IP, resolved now if it is a name (once:
+    what is stored is the IP); also the name it was resolved from (None for an IP)."""
+    address = normalize_address(address, kind)
+    scheme, host, port = _parts(address)
+    if ip_literal(host) is not None:
+        return address, None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise InputError(f"cannot resolve node host {host!r}: {exc}") from None
+    ip = ip_literal(str(infos[0][4][0]).split("%", 1)[0]) if infos else None
+    if ip is None:
+        raise InputError(f"node host {host!r} resolves to no IP address")
+    return _at(scheme, ip, port), host
+
+
+def _ip_address(address: str, kind: str) -> tuple[str, str]:
+    """(the address in canonical form, its ``IP:PORT``); InputError for a host name."""
+    scheme, host, port = _parts(normalize_address(address, kind))
+    ip = ip_literal(host)
+    if ip is None:
+        raise InputError(
+            f"node address {address[:80]!r} names a host: a node is stored by IP "
+            "(`corral nodes add` resolves a name once), never by a name that could "
+            "later stand for another machine"
+        )
+    return _at(scheme, ip, port), join_hostport(str(ip), port)
 
 
 def default_name(address: str) -> str:
@@ -60,10 +128,13 @@ def upsert_node(  # noqa: PLR0913 - keyword-only options with defaults
 ) -> tuple[Node, bool]:
     """Add a node or refresh the one with the same name / node_id; returns (node, created).
 
-    ``replica_networks`` (CIDRs) replaces the networks its replicas may live in; None
-    keeps them (a new node: its kind's default, :mod:`workers.backends.networks`).
+    ``address``'s host must be an IP (:func:`resolve_address` turns a name into one); an
+    address another node holds is refused (:class:`AddressTaken`), also when the other
+    node is added at the same moment. ``replica_networks`` (CIDRs) replaces the networks
+    its replicas may live in; None keeps them (a new node: its kind's default,
+    :mod:`workers.backends.networks`).
     """
-    address = normalize_address(address, kind)
+    address, endpoint = _ip_address(address, kind)
     name = check_name(name or default_name(address), "node")
     if capacity is not None and (capacity < 0 or capacity > 100_000):
         raise InputError(f"capacity must be between 0 and 100000, got {capacity}")
@@ -81,7 +152,11 @@ def upsert_node(  # noqa: PLR0913 - keyword-only options with defaults
         session.add(node)
     elif node.kind != kind:
         raise InputError(f"node {name!r} is a {node.kind} node, not {kind}")
+    holder = session.scalars(select(Node).where(Node.endpoint == endpoint)).first()
+    if holder is not None and holder is not node:
+        raise _taken(endpoint, holder.name)
     node.address = address
+    node.endpoint = endpoint
     if external_id:
         node.external_id = external_id
     if capacity is not None:
@@ -94,8 +169,20 @@ def upsert_node(  # noqa: PLR0913 - keyword-only options with defaults
     node.misses = 0
     node.unhealthy_since = None
     node.last_seen_at = now()
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError as exc:  # another node took the address since the check above
+        if "endpoint" in str(exc.orig):
+            raise _taken(endpoint, "another node") from None
+        raise
     return node, created
+
+
+def _taken(endpoint: str, holder: str) -> AddressTaken:
+    return AddressTaken(
+        f"address {endpoint} is already {holder}'s: one node per address (remove that "
+        "node first, `corral nodes remove NAME`, or add this one at its own address)"
+    )
 
 
 def _networks(cidrs: list[str] | None) -> list[str] | None:
@@ -204,6 +291,7 @@ class NodeView(TypedDict):
     credential: bool
     repointed: str | None
     replica_networks: list[str] | None
+    resolved_from: NotRequired[str]  # ``nodes add`` given a host name: the name it resolved
 
 
 def list_nodes(session: Session) -> list[Node]:

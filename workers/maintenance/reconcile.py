@@ -10,7 +10,12 @@ One pass (under the ``reconcile`` lease, so never two at once):
 
    * a VM with no row is an *orphan* (a spawn whose worker died between the
      agent's answer and the commit, a delete that could not reach the node, a VM
-     made behind corral's back). Once it has been seen without a row for
+     made behind corral's back). A VM belongs to the row that records it, whichever
+     node that row is on: one agent can answer at two node addresses (two IPs of one
+     host, a port forward), and a VM another node's row holds is never destroyed
+     (the pass reports it in ``held_elsewhere``). A listed vmid that is not a
+     well-formed id is never acted on (reported in ``errors``, escaped). Once a VM
+     has been seen without a row for
      ``CORRAL_ORPHAN_GRACE_S`` - on the store's clock, from the pass that first saw it
      (a lease ``seen:<node>/<vmid>``), never the agent's own clock - so a spawn still
      in flight is never hit, and unless it carries the request id of a replica still
@@ -58,6 +63,7 @@ from workers.store.models import (
     Replica,
     ReplicaState,
 )
+from workers.untrusted import VMID_RE
 
 log = logging.getLogger(__name__)
 LEASE = "reconcile"
@@ -74,6 +80,7 @@ class ReconcileReport:
     node_errors: dict[str, str] = field(default_factory=dict)
     orphans_destroyed: list[str] = field(default_factory=list)
     orphans_waiting: int = 0
+    held_elsewhere: list[str] = field(default_factory=list)
     vanished: list[str] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)
     top_up: dict[str, int] = field(default_factory=dict)
@@ -208,15 +215,7 @@ def _destroy_orphans(
     report: ReconcileReport,
 ) -> None:
     """Release listed VMs no row knows, once they are older than the orphan grace."""
-    # Rows read *after* the listing: a listed VM with no row here has none (orphans).
-    rows = _live_rows(db, node)
-    known = {r.vmid for r in rows if r.vmid}
-    creating = {r.request_id for r in rows if r.status == ReplicaState.CREATING}
-    unknown = [
-        vm
-        for vm in vms
-        if vm.vmid not in known and not (vm.request_id and vm.request_id in creating)
-    ]
+    unknown = _unknown(db, node, vms, report)
     for vm in _past_grace(db, settings, node, unknown, report):
         try:
             backends.release_vm(node, vm.vmid, settings)
@@ -224,6 +223,58 @@ def _destroy_orphans(
             log.warning("destroyed orphan VM %s on %s", vm.vmid, node.name)
         except BackendError as exc:
             report.errors.append(f"orphan {vm.vmid}: {exc}")
+
+
+#: Listed ids looked up per query (bound parameters stay well under every store's limit).
+_CHUNK = 500
+
+
+def _unknown(
+    db: Database, node: Node, vms: list[backends.ListedVm], report: ReconcileReport
+) -> list[backends.ListedVm]:
+    """The listed VMs no live row records - on any node - nor a Creating row is making."""
+    good = []
+    for vm in vms:
+        if VMID_RE.fullmatch(vm.vmid) and set(vm.vmid) != {"."}:
+            good.append(vm)
+        else:
+            report.errors.append(f"node {node.name} listed a malformed vmid {vm.vmid[:60]!r}")
+    # Rows read *after* the listing: a listed VM with no row here has none (orphans).
+    holders: dict[str, str | None] = {}
+    creating: set[str] = set()
+    with db.read() as s:
+        for at in range(0, len(good), _CHUNK):
+            chunk = good[at : at + _CHUNK]
+            rows = s.execute(
+                select(Replica.vmid, Replica.node_id).where(
+                    Replica.vmid.in_([vm.vmid for vm in chunk]), Replica.status.in_(LIVE_STATES)
+                )
+            )
+            holders.update((str(vmid), node_id) for vmid, node_id in rows)
+            asked = [vm.request_id for vm in chunk if vm.request_id]
+            if asked:
+                creating.update(
+                    s.scalars(
+                        select(Replica.request_id).where(
+                            Replica.request_id.in_(asked),
+                            Replica.status == ReplicaState.CREATING,
+                        )
+                    )
+                )
+    for vmid, holder in holders.items():
+        if holder != node.id:
+            report.held_elsewhere.append(f"{node.name}/{vmid}")
+            log.warning(
+                "node %s lists VM %s, which another node's replica holds: left alone (one "
+                "agent at two node addresses?)",
+                node.name,
+                vmid,
+            )
+    return [
+        vm
+        for vm in good
+        if vm.vmid not in holders and not (vm.request_id and vm.request_id in creating)
+    ]
 
 
 def _past_grace(

@@ -4,8 +4,10 @@ Whoever holds the registry token may call ``RegisterNode`` (agents do; so could 
 that got hold of it). A node's address decides where corral sends the agent token and
 functions' AWS keys, so registering is not enough to *be* a node. The rules:
 
-* **The peer, not the claim.** The ``ip`` a caller claims must be (or resolve to) the
-  IP its gRPC connection comes from (:func:`check_claim`).
+* **The peer, not the claim.** The ``ip`` a caller claims must be an IP address - never
+  a host name, which could resolve to the caller today and to another machine tomorrow
+  - and the one its gRPC connection comes from (:func:`check_claim`). The node's
+  address is that IP from then on; nothing about it is ever resolved.
 * **A credential.** An agent that knows corral's extension sends ``credential`` (empty
   on its first registration); the registry then issues the node a random credential
   (:func:`issue`; only its SHA-256 is stored) that every later registration of that
@@ -29,19 +31,24 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import secrets
 from dataclasses import dataclass
 
-from workers.errors import CorralError
-from workers.replicas.reports import address_ips
+from workers.errors import CorralError, InputError
 from workers.store.models import Node
+from workers.untrusted import ip_literal
 
 log = logging.getLogger(__name__)
 
 
 class NotThatNode(CorralError):
     """The caller has not shown it is the node it names (answered PERMISSION_DENIED)."""
+
+
+class NotAnIp(InputError):
+    """The claimed ``ip`` is a host name (answered INVALID_ARGUMENT)."""
 
 
 class StillHealthy(CorralError):
@@ -79,16 +86,26 @@ def issue() -> tuple[str, str]:
     return credential, digest(credential)
 
 
-def check_claim(ip: str, peer: str | None) -> None:
-    """Refuse a caller whose claimed ``ip`` is not the address it calls from."""
-    if peer is None:
-        return  # not an IP connection (a Unix socket): nothing to compare
-    if peer not in address_ips(ip):
+def check_claim(ip: str, peer: str | None) -> str:
+    """The claimed ``ip`` in canonical form; refused if it is not an IP address, or not the
+    address the caller calls from."""
+    try:
+        literal = ip_literal(str(ipaddress.ip_address(ip.strip("[]"))))  # an IP, nothing more
+    except ValueError:
+        raise NotAnIp(
+            f"RegisterNode's ip must be an IP address, got {ip[:64]!r}: a node is known by "
+            "the IP it calls from (the agent's --advertise-ip), never by a name that could "
+            "later stand for another machine (behind NAT: docs/operations.md)"
+        ) from None
+    if peer is not None and ip_literal(peer) != literal:  # None: a Unix socket, no peer IP
         raise NotThatNode(f"RegisterNode claims ip {ip[:64]!r} but calls from {peer}")
+    return str(literal)
 
 
 def _from_host(node: Node, peer: str | None) -> bool:
-    return peer is not None and peer in address_ips(node.address)
+    """Whether ``peer`` is the IP of ``node``'s address (a host name matches no peer)."""
+    here = ip_literal(node.address)
+    return peer is not None and here is not None and ip_literal(peer) == here
 
 
 def admit(node: Node, address: str, caller: Caller) -> Admission:

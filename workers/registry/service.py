@@ -4,10 +4,13 @@
 
 * ``RegisterNode(ip, port, node_id[, credential])`` adds the agent as an fcdaemon node
   or refreshes it and marks it healthy. ``node_id`` is matched exactly (``Gpu.1`` and
-  ``gpu-1`` are two nodes; a new node whose derived name is taken gets a suffix). Who
-  may register, refresh or move a node is :mod:`workers.registry.identity`'s: the
-  claimed ip must be the caller's, a node's credential (issued on its first
-  registration) must be shown, a healthy node is never re-pointed.
+  ``gpu-1`` are two nodes; a new node whose derived name is taken gets a suffix); it is
+  printable text of at most 255 characters (INVALID_ARGUMENT otherwise). Who may
+  register, refresh or move a node is :mod:`workers.registry.identity`'s: the claimed
+  ip must be an IP address (a host name: INVALID_ARGUMENT) and the caller's, a node's
+  credential (issued on its first registration) must be shown, a healthy node is never
+  re-pointed. An address another node holds is refused ALREADY_EXISTS
+  (:class:`~workers.fleet.nodes.AddressTaken`: one node per address).
 * ``UpdateStatus(vmid, READY)`` moves a Starting replica to Idle. It is answered at
   once: a READY for a vmid no row has yet, while a spawn is in flight, is remembered
   (:mod:`workers.replicas.reports`) and applied when the spawn records the VM; with no spawn
@@ -64,7 +67,7 @@ from workers import dispatch, stages, tracing
 from workers.clock import now
 from workers.errors import CorralError, InputError
 from workers.fleet.gpus import manager_info
-from workers.fleet.nodes import default_name, normalize_address, upsert_node
+from workers.fleet.nodes import AddressTaken, default_name, normalize_address, upsert_node
 from workers.kinds import NodeKind
 from workers.registry.identity import (
     Admission,
@@ -95,6 +98,7 @@ OK = resmngr_pb2.StatusUpdateReply.OK
 #: node; a guest's report token can only ever speak for its own vmid).
 MAX_PENDING = 10_000
 MAX_PENDING_PER_CALLER = 256
+MAX_NODE_ID = 255  # nodes.external_id
 
 
 class Refused(CorralError):
@@ -165,14 +169,19 @@ class Registry:
         (in-process callers).
         """
         if not ip or not 0 < port < 65536:
-            raise InputError(f"RegisterNode needs an ip and a port, got {ip!r}:{port}")
+            raise InputError(f"RegisterNode needs an ip and a port, got {ip[:64]!r}:{port}")
+        if len(node_id) > MAX_NODE_ID or not node_id.isprintable():
+            raise InputError(
+                f"RegisterNode's node_id {node_id[:64]!r} is not printable text of at most "
+                f"{MAX_NODE_ID} characters"
+            )
         caller = caller or Caller(peer=None, credential=None)
-        external = node_id or f"{ip}:{port}"
         try:
-            check_claim(ip, caller.peer)
-        except NotThatNode as exc:
-            log.warning("RegisterNode of node_id %r refused: %s", external[:64], exc)
+            ip = check_claim(ip, caller.peer)
+        except CorralError as exc:
+            log.warning("RegisterNode of node_id %r refused: %s", node_id[:64], exc)
             raise
+        external = node_id or join_hostport(ip, port)
         address = normalize_address(join_hostport(ip, port), NodeKind.FCDAEMON)
         credential: str | None = None
         with self.db.transaction() as s:
@@ -196,14 +205,24 @@ class Registry:
                         exc,
                     )
                     raise
-            node, created = upsert_node(
-                s,
-                address,
-                name=name,
-                kind=NodeKind.FCDAEMON,
-                external_id=external,
-                default_capacity=self.settings.node_capacity,
-            )
+            try:
+                node, created = upsert_node(
+                    s,
+                    address,
+                    name=name,
+                    kind=NodeKind.FCDAEMON,
+                    external_id=external,
+                    default_capacity=self.settings.node_capacity,
+                )
+            except AddressTaken as exc:
+                log.warning(
+                    "RegisterNode of node_id %r at %s from %s refused: %s",
+                    external,
+                    address,
+                    caller.peer or "?",
+                    exc,
+                )
+                raise
             name = node.name
             if admission.repoint_from is not None:
                 node.repointed_at, node.repointed_from = now(), admission.repoint_from
@@ -233,10 +252,13 @@ class Registry:
         if not VMID_RE.fullmatch(vmid):
             raise InputError(f"malformed vmid {vmid[:40]!r} (expected [A-Za-z0-9._:-]{{1,128}})")
         replica_id = _find_live(self.db, vmid)
-        if replica_id is None:
-            if not _spawns_in_flight(self.db):
+        if replica_id is None and not _spawns_in_flight(self.db):
+            # none in flight now: unknown, unless its spawn recorded it between the two reads
+            replica_id = _find_live(self.db, vmid)
+            if replica_id is None:
                 log.warning("status %s for unknown vmid %s: answering DESTROY", status, vmid)
                 return DESTROY
+        if replica_id is None:
             if status != READY:
                 return KEEP_ALIVE
             self._remember(vmid, peer)
@@ -434,6 +456,8 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except StillHealthy as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except AddressTaken as exc:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except CorralError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return resmngr_pb2.RegisterNodeReply(credential=credential or "")

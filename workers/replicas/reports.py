@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -75,23 +74,13 @@ def _normal(host: str) -> str | None:
     return str(mapped or ip)
 
 
-def _ips(host: str) -> set[str]:
-    """The IPs a replica or node host stands for (a name is resolved)."""
-    if not host:
-        return set()
-    literal = _normal(host)
-    if literal is not None:
-        return {literal}
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return set()
-    return {ip for info in infos if (ip := _normal(str(info[4][0]))) is not None}
-
-
 def address_ips(address: str | None) -> set[str]:
-    """The IPs of the host in a node's or replica's address (``h:p``, a URL; names resolved)."""
-    return _ips(host_of(address or ""))
+    """The IP of the host in a node's or replica's address (``h:p``, a URL), as a set.
+
+    A host name is never resolved (it could later stand for another machine): it has none.
+    """
+    literal = _normal(host_of(address or ""))
+    return set() if literal is None else {literal}
 
 
 def peer_allowed(peer: str | None, replica: Replica, *, node_too: bool = True) -> bool:

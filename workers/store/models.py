@@ -250,6 +250,10 @@ class Node(Named, Base):
 
     kind: Mapped[NodeKind] = mapped_column(StoredNodeKind(16), default=NodeKind.FCDAEMON)
     address: Mapped[str] = mapped_column(String(255))
+    # Its IP and port (``10.0.0.5:50051``, ``[::1]:3000``): one node per address, whatever
+    # its kind (workers.fleet.nodes). None only for a row an older corral stored with a
+    # host name, which corral no longer resolves.
+    endpoint: Mapped[str | None] = mapped_column(String(64), nullable=True)
     external_id: Mapped[str | None] = mapped_column(String(255), unique=True, nullable=True)
     capacity: Mapped[int] = mapped_column(Integer, default=64)
     live: Mapped[int] = mapped_column(Integer, default=0)
@@ -280,6 +284,7 @@ class Node(Named, Base):
         CheckConstraint("live >= 0", name="ck_node_live"),
         CheckConstraint("capacity >= 0", name="ck_node_capacity"),
         Index("ix_nodes_place", "kind", "healthy", "draining", "live"),
+        Index("ux_nodes_endpoint", "endpoint", unique=True),
     )
 
 
