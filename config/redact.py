@@ -13,6 +13,13 @@ printed, :func:`redact` replaces, with the one :data:`MASK`:
   ``aws_secret_access_key=`` style pairs (also with ``%3D`` / ``%3A``), and AWS access
   key ids (``AKIA...``/``ASIA...``).
 
+The same pass makes the text safe to show (:func:`escape_controls`): an operator reads
+it in a terminal (``corral nodes list``, a worker's log) or in Flower, where an agent's
+``\\x1b[2K\\r`` would erase the line and an OSC sequence set the window's title. Every
+control character - C0 and C1, DEL, line and paragraph separators, the bidirectional
+overrides - becomes its visible escape (``\\x1b``, ``\\u202e``). Text that is already
+escaped has none left, so escaping twice changes nothing.
+
 :func:`redact_params` masks the values of secret-named keys in a mapping (an
 operation's parameters); :func:`is_secret_name` is its rule for which names hold a
 secret. A secret *setting* needs neither: it is a ``SecretStr`` (:mod:`config.settings`),
@@ -27,7 +34,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import quote, quote_plus
 
-__all__ = ["MASK", "SECRET_WORDS", "is_secret_name", "redact", "redact_params"]
+__all__ = [
+    "MASK",
+    "SECRET_WORDS",
+    "escape_controls",
+    "is_secret_name",
+    "redact",
+    "redact_params",
+]
 
 MASK = "***"
 #: A name holding one of these (case-insensitive) holds a secret.
@@ -62,6 +76,22 @@ _PATTERNS = [
 ]
 
 
+#: Characters a terminal or a browser acts on rather than shows: C0 and DEL, C1 (``\x9b``
+#: is a CSI by itself), line and paragraph separators, bidirectional embeddings,
+#: overrides and isolates.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _visible(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character shown as its escape (``\\x1b``), once."""
+    return _CONTROLS.sub(_visible, text)
+
+
 def is_secret_name(name: str) -> bool:
     """True if a parameter called ``name`` holds a secret."""
     lowered = name.lower().replace("-", "_")
@@ -79,13 +109,14 @@ def _mask(match: re.Match[str]) -> str:
 
 
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
-    """``text`` with each of ``secrets`` (in every form) and credential-shaped strings masked."""
+    """``text`` with each of ``secrets`` (in every form) and credential-shaped strings masked,
+    and its control characters escaped."""
     forms = {form for s in secrets if s and len(s) >= _MIN_SECRET for form in _forms(s)}
     for form in sorted(forms, key=len, reverse=True):  # the longest first: no partial leftovers
         text = text.replace(form, MASK)
     for pattern in _PATTERNS:
         text = pattern.sub(_mask, text)
-    return text
+    return escape_controls(text)
 
 
 def redact_params(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,93 @@
+"""Text from the network reaches an operator's terminal (and Flower) escaped, never played.
+
+Issue 29's reproduction (6): an agent's error carrying ANSI and OSC sequences was stored
+as is and printed by ``corral nodes list`` (LAST_ERROR), where it erased the line and
+painted "HEALTHY-LOOKING TEXT" in green. Against a real agent on loopback.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from agents.faults import Fault
+from agents.fcdaemon import serve_fcdaemon
+from config.redact import escape_controls, redact
+from protos import fcdaemon_pb2
+from tasks import api
+from tasks.cli import main
+from tests.fixtures import Env
+from tests.helpers import deploy_fn
+from workers.fleet.nodes import upsert_node
+from workers.maintenance.reconcile import reconcile
+
+HOSTILE = "\x1b[2K\r\x1b[32mHEALTHY-LOOKING TEXT\x1b[0m\x1b]0;title\x07"
+
+
+def _controls(text: str) -> list[str]:
+    """The characters of ``text`` a terminal would act on (a line break between lines aside)."""
+    return [
+        ch
+        for ch in text
+        if ch != "\n" and (ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or ch in "\u2028\u202e")
+    ]
+
+
+def test_an_agents_error_is_stored_and_listed_escaped(
+    corral_env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corral_env.set(retry_max="0")
+    agent = serve_fcdaemon("127.0.0.1:0")
+    try:
+        with corral_env.db.transaction() as s:
+            upsert_node(s, agent.address, name="n1")
+        deploy_fn(corral_env)
+        agent.agent.inject("CreateReplica", Fault.abort(grpc.StatusCode.INTERNAL, HOSTILE))
+        view = api.wait(api.spawn("hello", 1), timeout=30)
+        assert view["status"] == "failed"
+    finally:
+        agent.stop(grace=0)
+    shown = {}
+    for argv in (["nodes", "list"], ["replicas", "--all"], ["ops"], ["nodes", "list", "--json"]):
+        capsys.readouterr()
+        assert main(argv) == 0
+        shown[" ".join(argv)] = capsys.readouterr().out
+    assert "\\x1b[32mHEALTHY-LOOKING TEXT\\x1b[0m\\x1b]0;title\\x07" in shown["nodes list"]
+    for what, out in shown.items():
+        assert _controls(out) == [], (what, out)
+
+
+def test_a_listed_vmid_that_is_no_id_is_never_acted_on(corral_env: Env) -> None:
+    """A VM id in a listing is checked as one in a create's reply: a hostile one is
+    reported (escaped), never released nor echoed raw into the pass's report."""
+    corral_env.set(orphan_grace_s="0")
+    agent = serve_fcdaemon("127.0.0.1:0")
+    try:
+        with corral_env.db.transaction() as s:
+            upsert_node(s, agent.address, name="n1")
+        listing = fcdaemon_pb2.ReplicaList(
+            replicas=[fcdaemon_pb2.ReplicaInfo(vmid=HOSTILE, ip="127.0.0.1", port=1)]
+        )
+        agent.agent.inject("ListReplicas", Fault.reply(listing))
+        report = reconcile(corral_env.db, corral_env.settings, holder="t")
+        assert report.orphans_destroyed == [] and agent.agent.calls_of("ReleaseVMSetup") == []
+        assert len(report.errors) == 1 and "malformed vmid" in report.errors[0]
+        assert _controls(str(report.as_dict())) == []
+    finally:
+        agent.stop(grace=0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        (HOSTILE, "\\x1b[2K\\x0d\\x1b[32mHEALTHY-LOOKING TEXT\\x1b[0m\\x1b]0;title\\x07"),
+        ("8-bit CSI \x9b2J, DEL \x7f, NUL \x00", "8-bit CSI \\x9b2J, DEL \\x7f, NUL \\x00"),
+        ("bidi \u202eoverride\u2069, line\u2028sep", "bidi \\u202eoverride\\u2069, line\\u2028sep"),
+        ("two\nlines\tand a tab", "two\\x0alines\\x09and a tab"),
+        ("plain text, é and 雪 stay", "plain text, é and 雪 stay"),
+    ],
+)
+def test_control_characters_are_escaped_once(raw: str, shown: str) -> None:
+    assert escape_controls(raw) == shown
+    assert escape_controls(shown) == shown  # escaping again changes nothing
+    assert redact(raw) == shown  # the one pass text from the network goes through
