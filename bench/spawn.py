@@ -4,14 +4,15 @@ Run: ``python -m bench.spawn [-n 1500] [--slow 2000] [--reap 1000] [-P POOL] [-c
 [--postgres [URL]]``
 
 Everything runs in this one process and one run, against one embedded Redis, each app
-with the worker command its users run (``celery -A APP worker``, the app's own pool and
-concurrency; ``-P`` / ``-c`` change corral's, never the baseline's):
+with the worker command its users run (``celery -A APP worker`` for the plain app,
+``corral worker`` for corral; each app's own pool and concurrency; ``-P`` / ``-c``
+change corral's, never the baseline's):
 
 1. **baseline** - a *plain* Celery app (:mod:`bench.plain`, not corral's: late
    acks, prefetch 1, JSON, results in Redis) runs ``n`` no-op tasks sent over one
    producer; timed from the first send until ``ResultSet.join_native()`` has
    every result;
-2. **P1** - ``spawn`` of ``n`` replicas by ``celery -A workers worker`` on two
+2. **P1** - ``spawn`` of ``n`` replicas by ``corral worker`` on two
    reference agents (memory driver) that answer at once; enqueue -> every
    replica Idle (the operation succeeded);
 3. **delete** - ``scale`` of that function to 0: every one of those replicas
@@ -90,24 +91,24 @@ class Run:
 
 
 def worker_argv(app: str, args: argparse.Namespace) -> list[str]:
-    """The worker command for ``app``: its users' default; corral's as ``-P`` / ``-c`` say."""
-    argv = [
-        sys.executable,
-        "-m",
-        "celery",
-        "-A",
-        app,
-        "worker",
-        "-l",
-        "WARNING",
-        "--without-gossip",
-        "--without-mingle",
-    ]
+    """The worker command for ``app``: its users' default; corral's as ``-P`` / ``-c`` say.
+
+    corral's users run ``corral worker`` (the worker under its time-limit supervisor).
+    """
+    command = ["stack.worker"] if app == "workers" else ["celery", "-A", app, "worker"]
+    argv = [sys.executable, "-m", *command, "-l", "WARNING", "--without-gossip", "--without-mingle"]
     if app == "workers" and args.pool:
         argv += ["-P", args.pool]
     if app == "workers" and args.concurrency:
         argv += ["-c", str(args.concurrency)]
     return argv
+
+
+def _shown(argv: list[str]) -> str:
+    """A worker command as its users type it."""
+    if argv[2] == "stack.worker":
+        return " ".join(["corral", "worker", *argv[3:]])
+    return " ".join(argv[2:])
 
 
 def _worker(
@@ -119,8 +120,21 @@ def _worker(
     )
 
 
-def _peak_rss_mib(pid: int) -> dict[str, float]:
-    """Peak resident memory (VmHWM) of a worker's main process and of its pool processes."""
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _peak_rss_mib(supervisor: int) -> dict[str, float]:
+    """Peak resident memory (VmHWM) of corral's worker, its pool processes and supervisor."""
 
     def hwm(p: int) -> float:
         try:
@@ -131,16 +145,14 @@ def _peak_rss_mib(pid: int) -> dict[str, float]:
             pass
         return 0.0
 
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    pool = [hwm(c) for c in children]
-    return {"main": hwm(pid), "pool_max": max(pool, default=0.0), "total": hwm(pid) + sum(pool)}
+    (pid,) = _children(supervisor)  # the Celery worker `corral worker` runs
+    pool = [hwm(c) for c in _children(pid)]
+    return {
+        "main": hwm(pid),
+        "pool_max": max(pool, default=0.0),
+        "supervisor": hwm(supervisor),
+        "total": hwm(pid) + sum(pool) + hwm(supervisor),
+    }
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:
@@ -411,8 +423,7 @@ def report(run: Run, args: argparse.Namespace) -> None:
     """Print one run's figures and ratios."""
     print(
         f"\nstore: {run.store}; broker: embedded Redis; workers: "
-        f"{' '.join(worker_argv('bench.plain', args)[2:])}; "
-        f"{' '.join(worker_argv('workers', args)[2:])}"
+        f"{_shown(worker_argv('bench.plain', args))}; {_shown(worker_argv('workers', args))}"
     )
     print(f"{'phase':<46}{'count':>7}{'seconds':>9}{'per second':>12}")
     rows = [
@@ -434,7 +445,8 @@ def report(run: Run, args: argparse.Namespace) -> None:
     largest = max(rss.get("main", 0), rss.get("pool_max", 0))
     print(
         f"worker peak RSS: main {rss.get('main', 0):.0f} MiB, largest pool process "
-        f"{rss.get('pool_max', 0):.0f} MiB, all {rss.get('total', 0):.0f} MiB "
+        f"{rss.get('pool_max', 0):.0f} MiB, supervisor {rss.get('supervisor', 0):.0f} MiB, "
+        f"all {rss.get('total', 0):.0f} MiB "
         f"(each process <= {MAX_RSS_MIB} MiB: {'met' if largest <= MAX_RSS_MIB else 'MISSED'})"
     )
     print(f"VMs: {run.counts}")

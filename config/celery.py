@@ -15,9 +15,9 @@ batch spends its time waiting on agents, and a process's batches share one event
 and its bounds (:mod:`workers.backends.inflight`), so one process keeps each node's call
 slots full across batches and operations instead of one batch at a time; a prefork
 process works one message at a time and caps itself at processes x batch size calls in
-flight. ``docs/benchmarks.md`` (``bench.spawn``) has the figures that chose it. Celery
-enforces time limits only in prefork; in a thread pool :mod:`workers.timelimits` does
-(the soft limit raised in the task's thread, the hard one ends the worker process).
+flight. ``docs/benchmarks.md`` (``bench.spawn``) has the figures that chose it, and
+``docs/reliability.md`` why: run it as ``corral worker`` (:mod:`stack.worker`), whose
+supervisor enforces the hard time limit a thread pool cannot enforce on itself.
 
 Reliability, chosen on purpose:
 
@@ -138,7 +138,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,
-        "task_soft_time_limit": settings.task_soft_time_limit_s,
+        # Celery's soft limit raises into the task wherever it is: off. The soft limit is a
+        # deadline the task checks itself (workers.timelimits); the hard one is Celery's
+        # in prefork and `corral worker`'s in a thread pool.
+        "task_soft_time_limit": None,
         "task_time_limit": settings.task_time_limit_s,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,

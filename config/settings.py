@@ -115,11 +115,12 @@ class _Reliability(_Group):
     """Reliability: task time limits, retries, broker redelivery."""
 
     task_soft_time_limit_s: Seconds = 60.0
-    """A task's soft time limit (it is told to stop); below the hard limit."""
+    """A task's soft time limit: past it the task starts no call and no transaction; below the
+    hard limit."""
     task_time_limit_s: Seconds = 90.0
-    """A task's hard time limit (its process is killed; in a thread pool, the worker exits)."""
+    """A task's hard time limit: its process is killed (a thread pool's by ``corral worker``)."""
     worker_pool: Literal["threads", "prefork"] = "threads"
-    """The pool ``celery -A workers worker`` runs tasks in, unless ``-P`` says otherwise."""
+    """The pool ``corral worker`` runs tasks in, unless ``-P`` says otherwise."""
     worker_concurrency: int = Field(8, ge=1, le=256)
     """Tasks one worker runs at once (threads, or prefork processes), unless ``-c`` says."""
     visibility_timeout_s: int = Field(300, gt=0)
@@ -235,6 +236,9 @@ class _DatabaseGuards(_Group):
     """PostgreSQL ``lock_timeout`` on every connection."""
     db_statement_timeout_s: SecondsOrZero = 60.0
     """PostgreSQL ``statement_timeout`` on every connection."""
+    db_idle_in_transaction_timeout_s: SecondsOrZero = 60.0
+    """PostgreSQL ``idle_in_transaction_session_timeout``: a session this long idle inside a
+    transaction is ended by the server and its locks freed (transactions take milliseconds)."""
 
 
 class _Autoscale(_Group):

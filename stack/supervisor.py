@@ -22,10 +22,13 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: be killed when the parent dies."""
+def die_with_parent() -> None:
+    """In a child, before exec: be SIGKILLed when the parent dies (Linux)."""
+    parent = os.getppid()
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the prctl took effect
+        os._exit(1)
 
 
 @dataclass
@@ -54,7 +57,7 @@ class Child:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self.started_at = time.monotonic()
 

@@ -1,15 +1,15 @@
 """``corral up``: broker, store, registry, worker, beat, Flower, gateway, metrics, agents.
 
-Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite
-store (migrated), the registry, one Celery worker on every queue with task events,
-celery beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port
-is taken), the Prometheus exporter (``corral metrics``, 127.0.0.1:9808 unless
-taken), then an fcdaemon agent (which registers itself through the registry) and a
-Lambdo host (added as a node), both with the process driver. Stop order is the
-reverse. Everything lives under the state directory (``.corral/`` in the working
-directory by default): data, logs, the lock that keeps a second
-``corral up`` out, and ``stack.json``, from which the CLI run in the same
-directory learns the broker, database and registry addresses.
+Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite store
+(migrated), the registry, one Celery worker on every queue with task events (as ``corral
+worker`` runs it: :mod:`stack.worker`), celery beat, Flower, the invocation gateway
+(http://127.0.0.1:8080 unless that port is taken), the Prometheus exporter (``corral
+metrics``, 127.0.0.1:9808 unless taken), then an fcdaemon agent (which registers itself
+through the registry) and a Lambdo host (added as a node), both with the process driver.
+Stop order is the reverse. Everything lives under the state directory (``.corral/`` in
+the working directory by default): data, logs, the lock that keeps a second ``corral
+up`` out, and ``stack.json``, from which the CLI run in the same directory learns the
+broker, database and registry addresses.
 """
 
 from __future__ import annotations
@@ -238,13 +238,10 @@ def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_po
     worker_log = launch.logs / "worker.log"
     launch.start(
         "worker",
-        [
+        [  # `corral worker`: the worker under the supervisor that keeps its hard time limits
             PY,
             "-m",
-            "celery",
-            "-A",
-            "workers",
-            "worker",
+            "stack.worker",
             "-E",
             "-l",
             "INFO",

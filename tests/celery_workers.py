@@ -4,14 +4,15 @@
 Redis broker (results on the same server), on an empty migrated store: SQLite and
 PostgreSQL in turn (``store_url`` in ``tests/fixtures.py``).
 ``thread_worker`` then runs a real worker in this process, consuming every corral
-queue; :class:`WorkerProcess` runs ``celery -A workers worker`` as a child process
-(the app's own pool, threads, unless a test asks for prefork), which a test can SIGKILL
-and replace; :func:`start_beat` runs
-``celery -A workers beat``.
+queue; :class:`WorkerProcess` runs ``corral worker`` - ``celery -A workers worker``
+under its supervisor, as operators run it (the app's own pool, threads, unless a test
+asks for prefork) - as a child process, which a test can SIGKILL and replace;
+:func:`start_beat` runs ``celery -A workers beat``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -63,9 +64,9 @@ def thread_worker(broker_env: Env) -> Iterator[Env]:
 
 
 class WorkerProcess:
-    """``celery -A workers worker`` as a child process with the test's environment."""
+    """``corral worker`` (a Celery worker and its supervisor) as a child process."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - options by name
         self,
         log_dir: Path,
         *,
@@ -73,12 +74,14 @@ class WorkerProcess:
         pool: str | None = None,
         extra_env: dict[str, str] | None = None,
         name: str = "w1",
+        include: str | None = None,
     ) -> None:
-        """``pool``: ``-P`` (None: the app's own, as ``celery -A workers worker`` runs)."""
+        """``pool``: ``-P`` (None: the app's own); ``include``: test task modules to load."""
         self.log_path = log_dir / f"worker-{name}.log"
         self.concurrency = concurrency
         self.pool = pool
         self.name = name
+        self.include = include
         self.env = {**os.environ, **FAST, **(extra_env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -89,11 +92,10 @@ class WorkerProcess:
             [
                 sys.executable,
                 "-m",
-                "celery",
-                "-A",
-                "workers",
+                "tasks.cli",
                 "worker",
                 *(["-P", self.pool] if self.pool else []),
+                *(["--include", self.include] if self.include else []),
                 "-c",
                 str(self.concurrency),
                 "-l",
@@ -127,9 +129,24 @@ class WorkerProcess:
         except OSError:
             return ""
 
+    def worker_pid(self) -> int | None:
+        """The pid of the Celery worker the supervisor runs now (None: none)."""
+        if self.proc is None:
+            return None
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return None
+        pids = [int(pid) for pid in children.split()]
+        return pids[0] if pids else None
+
     def kill(self) -> None:
-        """SIGKILL the worker and its pool processes at once (a crash)."""
+        """SIGKILL the worker, its pool processes and its supervisor at once (a crash)."""
         if self.proc is not None and self.proc.poll() is None:
+            worker = self.worker_pid()
+            if worker is not None:  # the worker's own process group: it and its pool
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(worker, signal.SIGKILL)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 

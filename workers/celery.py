@@ -20,6 +20,15 @@ after :func:`backoff_s` (exponential, equal jitter) within the task's retry budg
 (``CORRAL_RETRY_MAX``), the whole task again: tasks are idempotent and the
 failed transaction was rolled back.
 
+Time limits (:mod:`workers.timelimits`): Celery's soft limit is off in every pool (it
+raises ``SoftTimeLimitExceeded`` into the task wherever it is, :class:`CorralRequest`
+drops it even from a message that asks for one). A task runs under a deadline - its
+start plus its soft limit - that its work checks where stopping is clean; past it, the
+work raises :class:`~workers.timelimits.OutOfTime`, and the task is retried within its
+budget or, with none left, left to redrive: its operation is not failed. The hard limit
+is enforced from outside: billiard's parent in prefork, ``corral worker``
+(:mod:`stack.worker`) in a thread pool, to which the task reports its start and end.
+
 ``CORRAL_FAULT_RAISE_IN`` (test-only, empty by default) names tasks (comma
 separated) that raise :class:`FaultInjected` before running: how the tests make
 a task fail unexpectedly in a real worker.
@@ -40,11 +49,13 @@ import logging
 import random
 import threading
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 import pydantic
 from celery import Celery, Task, signals
-from celery.exceptions import SoftTimeLimitExceeded, TaskPredicate
+from celery.exceptions import TaskPredicate
+from celery.worker.request import Request
 
 from config.celery import celery_config
 from config.settings import Settings, get_settings
@@ -55,6 +66,7 @@ from workers.operations import describe_error, fail_op
 from workers.replicas.owners import Budget
 from workers.store.db import Database, get_database, is_transient
 from workers.store.revisions import check_schema
+from workers.timelimits import OutOfTime
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +74,27 @@ TASK_MODULES = ["tasks.replicas", "tasks.maintenance", "tasks.hogs"]
 _running = threading.local()  # the budget of the task this thread runs (CorralTask.budget)
 
 
+class CorralRequest(Request):  # type: ignore[misc]
+    """A task message as the worker's pool runs it: under its hard time limit only.
+
+    Celery's soft limit would be raised into the task wherever it is; corral's is a
+    deadline the task checks itself (the message's limits still reach the task's
+    ``request.timelimit``, from which :class:`CorralTask` takes it).
+    """
+
+    time_limits: tuple[float | None, float | None]  # (hard, soft), as Celery's pool reads them
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.time_limits = (self.time_limits[0], None)
+
+
 class CorralTask(Task):  # type: ignore[misc]
     """Base task: settings, database, argument checks, input errors as failed operations."""
 
     abstract = True
     acks_late = True
+    Request = CorralRequest
 
     @property
     def settings(self) -> Settings:
@@ -122,26 +150,16 @@ class CorralTask(Task):  # type: ignore[misc]
         hard, soft = self.request.timelimit or (None, None)
         budget = _running.budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
         try:
-            inject_fault(self.settings, self.name)
-            if (
-                threading.current_thread() is threading.main_thread()
-                or outer is not None
-                or self.request.is_eager
-            ):
-                # prefork, eager, and a first task its caller carries out itself
-                # (workers.dispatch: a gateway's cold start, whose calls have their own
-                # deadlines; a hard limit must not end the gateway): Celery's own
-                return super().__call__(*args, **kwargs)
-            # A thread pool: Celery enforces no time limits there; workers.timelimits does.
-            with timelimits.watch(self.name, str(self.request.id), budget.soft_s, budget.hard_s):
+            with self._limits(budget, nested=outer is not None):
+                inject_fault(self.settings, self.name)
                 return super().__call__(*args, **kwargs)
         except InputError as exc:
             return self._reject(op_id, str(exc))
         except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
             raise
-        except SoftTimeLimitExceeded as exc:
-            # Out of time between two steps (the agent calls themselves end cleanly at the
-            # limit: workers.replicas.calls). The operation is not failed: the task is
+        except OutOfTime as exc:
+            # Past the soft limit at a safe point (the agent calls themselves end cleanly
+            # there: workers.replicas.calls). The operation is not failed: the task is
             # idempotent, so running it again carries on where it stopped.
             self.retry_within_budget("ran into its soft time limit", exc)
             log.error(
@@ -158,6 +176,32 @@ class CorralTask(Task):  # type: ignore[misc]
             raise
         finally:
             _running.budget = outer
+
+    @contextlib.contextmanager
+    def _limits(self, budget: Budget, *, nested: bool) -> Iterator[None]:
+        """Run the task under its deadline; report its hard limit to a supervisor if any.
+
+        The handling of what the task raised (failing its operation, a retry) runs after,
+        under no deadline. A task run inside another (eager) ends by the earlier deadline.
+        """
+        deadline = timelimits.Deadline(budget.started + budget.soft_s)
+        outer = timelimits.current()
+        if outer is not None and outer.at < deadline.at:
+            deadline = outer
+        with timelimits.running(deadline):
+            if (
+                nested
+                or self.request.is_eager
+                or threading.current_thread() is threading.main_thread()
+            ):
+                # prefork (billiard's parent kills the child at the hard limit), solo,
+                # eager, and a first task its caller carries out itself (workers.dispatch:
+                # a gateway's cold start, whose calls have their own deadlines; a hard
+                # limit must not end the gateway)
+                yield
+            else:  # a thread pool: its supervisor (corral worker) kills a stuck worker
+                with timelimits.reported(self.name, str(self.request.id), budget.hard_s):
+                    yield
 
     def _fail(self, op_id: Any, exc: Exception) -> None:
         """End the operation of a task that raised: failed, with the redacted error."""
@@ -245,12 +289,13 @@ def configure(settings: Settings) -> None:
         app.amqp._producer_pool = None
     app._local = threading.local()  # the result backend is cached per thread
     app.conf.update(celery_config(settings))
-    # A task's time limits were copied from the config when it was bound, and travel in
-    # every message it sends (workers enforce a message's own limits): follow the new ones.
+    # A task's hard limit was copied from the config when it was bound, and travels in
+    # every message it sends (workers enforce a message's own limit): follow the new one.
+    # Celery's soft limit stays off (workers.timelimits).
     for task in app.tasks.values():
         if isinstance(task, CorralTask):
             type(task).time_limit = settings.task_time_limit_s
-            type(task).soft_time_limit = settings.task_soft_time_limit_s
+            type(task).soft_time_limit = None
             task._exec_options = None
 
 
@@ -286,6 +331,19 @@ def _trace_unforked(sender: Any = None, **_: Any) -> None:
     except tracing.TracingUnavailable as exc:
         log.critical("%s", exc)
         raise SystemExit(f"corral worker: {exc}") from None
+
+
+@signals.worker_init.connect
+def _hard_limits(sender: Any = None, **_: Any) -> None:
+    """Report to a supervising ``corral worker``; warn of a thread pool that has none."""
+    if timelimits.attach():
+        return
+    pool = str(getattr(getattr(sender, "pool_cls", None), "__module__", ""))
+    if "thread" in pool:
+        log.warning(
+            "this thread-pool worker runs without `corral worker`: nothing ends a task stuck "
+            "past its hard time limit (CORRAL_TASK_TIME_LIMIT_S); start it with `corral worker`"
+        )
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter

@@ -3,17 +3,32 @@
 Leases, claims, deadlines, redrive's ``progress_at`` and the orphan grace are times one
 host writes and another judges: a reaper whose host runs 31 s ahead would re-lend a
 claim a gateway still holds, a beat host 120 s ahead would re-send every open
-operation. So every process reads one clock, the store's: :func:`now` is this host's
-clock plus the difference to the database's clock, measured when a process first
-opens a transaction and again every :data:`SYNC_EVERY_S` (one ``SELECT`` of the
-server's time, halfway through the round trip; :mod:`workers.store.db` does it). On
-SQLite the store is a file on this host, so the difference is the host's own (none);
-on PostgreSQL it is the server's clock, whatever each host's says. Times kept in Redis
-for other hosts to judge (the gateways' demand samples and idle times) are stamped with
-:func:`epoch`, the same clock; the node call slots' leases use Redis's own ``TIME``.
+operation. So every process reads one clock, the store's, and never this host's wall
+clock:
 
-Tests move time with :func:`travel` (every process-local reading shifts) and pretend
-this host's clock is wrong with :func:`skew_host` (the next sync cancels it out).
+* :func:`now` is the database's time at the last measurement plus the
+  ``time.monotonic()`` seconds elapsed since. A process measures when it first opens a
+  transaction and again every :data:`SYNC_EVERY_S` (one ``SELECT`` of the server's
+  time, taken as halfway through the round trip; :mod:`workers.store.db` does it).
+  Between two measurements only the monotonic clock moves it, so a step of this host's
+  wall clock (an NTP correction, an operator's ``date -s``) changes nothing: a lease
+  another process holds for 60 s is still held 59 s later, whatever the wall clock says.
+  The next measurement reads the database again.
+* On PostgreSQL the database's clock is the server's, the same for every host. On
+  SQLite the store is a file on this host and its clock is this host's: a step of the
+  wall clock is a step of the store's clock there, seen at the next measurement.
+* Before its first measurement a process counts from this host's wall clock.
+
+Expiries that decide who owns something are judged in SQL on the database's own clock
+where they can (:func:`workers.store.db.store_now`: named leases, claims). Times kept in
+Redis for other hosts to judge (the gateways' demand samples and idle times) are
+stamped with :func:`epoch`, the same clock; the node call slots' leases use Redis's own
+``TIME``.
+
+Tests move time with :func:`travel` (every reading in this process shifts, and so does
+:func:`~workers.store.db.store_now`), pretend this host's clock has been wrong all along
+with :func:`skew_host` (the next measurement cancels it out), and step this host's wall
+clock between two measurements with :func:`step_host` (nothing reads it).
 """
 
 from __future__ import annotations
@@ -26,42 +41,62 @@ from datetime import UTC, datetime, timedelta
 SYNC_EVERY_S = 30.0
 
 _offset = timedelta(0)  # clock.travel: tests moving time
-_host_skew = timedelta(0)  # clock.skew_host: tests pretending this host's clock is off
-_to_db = timedelta(0)  # the database's clock minus this host's, as last measured
+_host_skew = timedelta(0)  # skew_host / step_host: tests pretending this host's clock is off
 _synced_at: float | None = None  # time.monotonic() of the last measurement
 _sync_lock = threading.Lock()
 
 
 def _host() -> datetime:
+    """This host's wall clock, naive UTC (read only before a process measures the store's)."""
     return datetime.now(UTC).replace(tzinfo=None) + _host_skew
+
+
+def _anchor_at(base: datetime, mono: float) -> tuple[float, datetime, float]:
+    """The clock's anchor: ``base`` (naive UTC) was the time at ``time.monotonic()`` ``mono``."""
+    return (mono, base, base.replace(tzinfo=UTC).timestamp())
+
+
+# (time.monotonic(), the store's time then, the same as seconds since the epoch): one
+# tuple, replaced whole, so a reader never pairs one measurement's time with another's.
+_anchor = _anchor_at(_host(), time.monotonic())
 
 
 def now() -> datetime:
     """The current time on the store's clock, naive UTC, shifted by any test offset."""
-    return _host() + _to_db + _offset
+    mono, base, _ = _anchor
+    return base + timedelta(seconds=time.monotonic() - mono) + _offset
 
 
 def epoch() -> float:
     """:func:`now` as seconds since the epoch (for timestamps kept outside the store, in Redis)."""
     # The same reading as now(), without building a datetime (the gateway stamps each request).
-    return time.time() + (_host_skew + _to_db + _offset).total_seconds()
+    mono, _, base = _anchor
+    return base + (time.monotonic() - mono) + _offset.total_seconds()
+
+
+def offset_s() -> float:
+    """Seconds tests moved this process's clock by (:func:`travel`); 0 otherwise."""
+    return _offset.total_seconds()
 
 
 def sync_due() -> bool:
-    """Whether this process should measure its distance to the database's clock again."""
+    """Whether this process should measure the database's clock again."""
     return _synced_at is None or time.monotonic() - _synced_at >= SYNC_EVERY_S
 
 
 def sync(read_db_time: Callable[[], datetime]) -> timedelta:
-    """Measure the database's clock against this host's (``read_db_time`` asks it once)."""
-    global _to_db, _synced_at
+    """Measure the database's clock (``read_db_time`` asks it once); its distance to ours."""
+    global _anchor, _synced_at
     with _sync_lock:
-        before = _host()
+        before = time.monotonic()
         db_time = read_db_time()
-        after = _host()
-        _to_db = db_time - (before + (after - before) / 2)
-        _synced_at = time.monotonic()
-        return _to_db
+        after = time.monotonic()
+        mid = (before + after) / 2
+        mono, base, _ = _anchor
+        drift = db_time - (base + timedelta(seconds=mid - mono))
+        _anchor = _anchor_at(db_time, mid)
+        _synced_at = after
+        return drift
 
 
 def travel(seconds: float) -> None:
@@ -71,18 +106,25 @@ def travel(seconds: float) -> None:
 
 
 def skew_host(seconds: float) -> None:
-    """Pretend this host's clock runs ``seconds`` ahead (tests); the next sync corrects it."""
-    global _host_skew, _synced_at
+    """Pretend this host's clock has run ``seconds`` ahead all along (tests); a sync corrects it."""
+    global _host_skew, _anchor, _synced_at
     _host_skew = timedelta(seconds=seconds)
+    _anchor = _anchor_at(_host(), time.monotonic())
     _synced_at = None
 
 
+def step_host(seconds: float) -> None:
+    """Step this host's wall clock by ``seconds`` now, between two syncs (tests)."""
+    global _host_skew
+    _host_skew += timedelta(seconds=seconds)
+
+
 def reset() -> None:
-    """Undo every :func:`travel` and :func:`skew_host`."""
-    global _offset, _host_skew, _to_db, _synced_at
+    """Undo every :func:`travel`, :func:`skew_host` and :func:`step_host`."""
+    global _offset, _host_skew, _anchor, _synced_at
     _offset = timedelta(0)
     _host_skew = timedelta(0)
-    _to_db = timedelta(0)
+    _anchor = _anchor_at(_host(), time.monotonic())
     _synced_at = None
 
 

@@ -15,7 +15,9 @@ one winner on SQLite and on PostgreSQL alike:
 
 The expiry is the safety net, not the protocol: a holder releases its lease when
 done (:func:`release` deletes the row only if it still holds it), and a crashed
-holder's lease lapses after ``ttl_s``. Times come from :mod:`workers.clock`, so
+holder's lease lapses after ``ttl_s``. Whether a lease has lapsed is judged by the
+database on its own clock (:func:`workers.store.db.store_now`), whatever this host's
+says; its expiry is written from :mod:`workers.clock` (the same clock, measured), so
 tests can let a lease expire with ``clock.travel``.
 """
 
@@ -35,7 +37,7 @@ from sqlalchemy.orm import Session
 
 from workers.clock import now
 from workers.errors import InputError
-from workers.store.db import Database
+from workers.store.db import Database, store_now
 from workers.store.models import Lease
 
 MAX_NAME = 64
@@ -77,13 +79,12 @@ def _check(name: str, holder: str, ttl_s: float | None = None) -> None:
 def take(session: Session, name: str, holder: str, ttl_s: float) -> bool:
     """Acquire or renew ``name`` inside the caller's transaction; True if ``holder`` has it."""
     _check(name, holder, ttl_s)
-    at = now()
-    expires = at + timedelta(seconds=ttl_s)
+    expires = now() + timedelta(seconds=ttl_s)
     conn = session.connection()
     table = LEASES
     took = conn.execute(
         update(table)
-        .where(Lease.name == name, or_(Lease.holder == holder, Lease.expires_at <= at))
+        .where(Lease.name == name, or_(Lease.holder == holder, Lease.expires_at <= store_now()))
         .values(holder=holder, expires_at=expires)
         .returning(table.c.name)
     ).first()
@@ -145,5 +146,7 @@ def release(db: Database, name: str, holder: str) -> bool:
 def current(db: Database, name: str) -> LeaseInfo | None:
     """The unexpired holder of ``name``, or None."""
     with db.read() as s:
-        row = s.scalars(select(Lease).where(Lease.name == name, Lease.expires_at > now())).first()
+        row = s.scalars(
+            select(Lease).where(Lease.name == name, Lease.expires_at > store_now())
+        ).first()
         return None if row is None else LeaseInfo(row.name, row.holder, row.expires_at)

@@ -1,125 +1,209 @@
-"""Time limits for tasks run in a thread pool, as Celery's prefork pool enforces them.
+"""Time limits that cannot wedge a worker: a soft deadline the work checks, a hard one from outside.
 
-Celery enforces ``task_soft_time_limit`` and ``task_time_limit`` only in its prefork
-pool: billiard's parent process sends the child SIGUSR1 at the soft limit (its handler
-raises ``SoftTimeLimitExceeded`` in the task) and kills the child at the hard limit. A
-thread pool - corral's default (:mod:`config.celery`) - has neither, so a task run on
-a pool thread registers here (:class:`workers.celery.CorralTask` does it) and one
-watchdog thread per process checks every :data:`WATCH_S`:
+Nothing is ever raised into a running thread. An exception raised asynchronously lands
+wherever the thread happens to be - inside ``logging``'s handler lock, half-way through
+returning a connection to the pool - and leaves that lock held or that connection lost
+for good. Celery's own soft limit does exactly that (billiard's SIGUSR1 handler raises
+``SoftTimeLimitExceeded`` wherever a prefork child is), so corral does not use it in
+either pool (:class:`workers.celery.CorralTask` turns it off), and enforces its limits
+in two parts:
 
-* **soft limit**: ``SoftTimeLimitExceeded`` is raised in the task's thread
-  (``PyThreadState_SetAsyncExc``), at the next bytecode it runs - as billiard's signal
-  handler raises it at the next bytecode of a prefork child. A batch waiting on agent
-  calls waits in slices, so it is reached within one slice and cuts its calls cleanly
-  (:mod:`workers.replicas.calls`);
-* **hard limit**: a thread still running then is stuck where Python cannot reach it (a
-  C call that does not return). The worker process logs which task and exits
-  (:data:`EXIT_STATUS`), as prefork's hard limit kills the child: the messages it held
-  are unacknowledged and come back to other workers after the visibility timeout (every
-  task may run twice), and its supervisor (``corral up``, compose) starts it again.
+* **The soft limit is a deadline the work checks at safe points.** The task base sets
+  the running task's :class:`Deadline` (its start plus ``CORRAL_TASK_SOFT_TIME_LIMIT_S``)
+  in a context variable for the task's thread (:func:`running`). The work looks at it
+  where stopping is clean: a store transaction is not opened past it
+  (:mod:`workers.store.db` calls :func:`check`, which raises :class:`OutOfTime`), a
+  batch of agent calls waiting in slices cancels its asyncio calls (cancelling is
+  cooperative) and then records what landed and hands the rest on
+  (:mod:`workers.replicas.calls`, :func:`wrap_up`), and a pause ends at it
+  (:func:`sleep`). The task base treats :class:`OutOfTime` as it treated
+  the soft limit: the task is retried within its budget or left to redrive, its
+  operation is never failed for it. Threads that run no task (a gateway's, the event
+  loop's) have no deadline: a gateway that carries out a first task itself
+  (:mod:`workers.dispatch`) gives the task a deadline that ends the task, never the
+  gateway.
+* **The hard limit is enforced from outside the work.** Work stuck where no safe point
+  comes (a C call that does not return, a lock wait) is ended by killing its process.
+  In a prefork pool billiard's parent kills the child at ``CORRAL_TASK_TIME_LIMIT_S``
+  (Celery's own, kept). A thread pool runs under ``corral worker``
+  (:mod:`stack.worker`), a supervisor outside the worker process: the worker reports
+  each task's start, hard limit and end to it over a pipe (:func:`reported`: one
+  ``os.write`` of a short line per event, atomic below ``PIPE_BUF``, under no lock), and
+  the supervisor SIGKILLs the worker whose task outlived its hard limit, writes one line
+  saying which task (with ``os.write``: never ``logging``, never under a lock) and
+  starts the worker again. The killed worker's messages are unacknowledged and come
+  back after the visibility timeout; the rows its tasks owned lapse at the same limit.
+
+The pipe's write end reaches the worker as the file descriptor named in
+:data:`WATCH_FD_ENV` with the supervisor's pid (``FD:PID``): :func:`attach` checks that
+the descriptor is a pipe and that its parent is that supervisor before reporting to it,
+and takes the variable out of the environment so no other program inherits it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import logging
+import contextvars
 import os
-import sys
+import re
+import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from celery.exceptions import SoftTimeLimitExceeded
+WATCH_FD_ENV = "CORRAL_WORKER_WATCH_FD"
+MAX_LINE = 512  # a report line, well below PIPE_BUF (4096): one write, never interleaved
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:@\-]")
 
-log = logging.getLogger(__name__)
 
-WATCH_S = 0.1
-EXIT_STATUS = 70  # EX_SOFTWARE: the worker ends itself, its supervisor starts it again
+class OutOfTime(Exception):
+    """The running task passed its soft time limit: nothing new is started."""
 
 
 @dataclass
-class Watched:
-    """One task running on a pool thread, and when its limits fall (``time.monotonic()``)."""
+class Deadline:
+    """When the running task's soft time limit falls (``time.monotonic()``)."""
 
-    thread_id: int
-    name: str
-    task_id: str
-    soft_at: float
-    hard_at: float
-    soft_sent: bool = False
+    at: float
+    wrapping_up: bool = False  # the limit was met by work that is now recording what it did
 
+    def left(self) -> float:
+        """Seconds until the deadline (negative past it)."""
+        return self.at - time.monotonic()
 
-def _exit_process(task: Watched) -> None:
-    log.critical(
-        "task %s[%s] is past its hard time limit and cannot be interrupted; the "
-        "worker exits (its messages come back to other workers)",
-        task.name,
-        task.task_id,
-    )
-    for handler in logging.getLogger().handlers:
-        with contextlib.suppress(Exception):
-            handler.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_STATUS)
+    def passed(self) -> bool:
+        """Whether the deadline has passed."""
+        return time.monotonic() >= self.at
 
 
-#: What happens to a task past its hard limit (tests replace it).
-on_hard_limit: Callable[[Watched], None] = _exit_process
-
-_watched: dict[int, Watched] = {}
-_lock = threading.Lock()
-_watchdog: threading.Thread | None = None
-_watchdog_pid = -1
-
-
-def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
-    """Raise ``exc`` in another thread at its next bytecode (None: cancel a pending one)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
-    )
+_deadline: contextvars.ContextVar[Deadline | None] = contextvars.ContextVar(
+    "corral_deadline", default=None
+)
 
 
 @contextlib.contextmanager
-def watch(name: str, task_id: str, soft_s: float, hard_s: float) -> Iterator[Watched]:
-    """Enforce a task's soft and hard time limits while the calling thread runs it."""
-    _start_watchdog()
-    started = time.monotonic()
-    task = Watched(threading.get_ident(), name, task_id, started + soft_s, started + hard_s)
-    with _lock:
-        _watched[task.thread_id] = task
+def running(deadline: Deadline | None) -> Iterator[Deadline | None]:
+    """Run the body under ``deadline`` (None: none), restoring the previous one after."""
+    token = _deadline.set(deadline)
     try:
-        yield task
+        yield deadline
     finally:
-        with _lock:
-            _watched.pop(task.thread_id, None)
-            if task.soft_sent:  # raised too late to land inside the task: never outside it
-                _raise_in(task.thread_id, None)
+        _deadline.reset(token)
 
 
-def _start_watchdog() -> None:
-    global _watchdog, _watchdog_pid
-    with _lock:
-        if _watchdog is not None and _watchdog_pid == os.getpid() and _watchdog.is_alive():
-            return
-        _watchdog = threading.Thread(target=_run, name="corral-timelimits", daemon=True)
-        _watchdog_pid = os.getpid()
-        _watchdog.start()
+def current() -> Deadline | None:
+    """The running task's deadline in this thread, if any."""
+    return _deadline.get()
 
 
-def _run() -> None:
-    while True:
-        time.sleep(WATCH_S)
-        at = time.monotonic()
-        hard: list[Watched] = []
-        with _lock:
-            for task in _watched.values():
-                if at >= task.hard_at:
-                    hard.append(task)
-                elif at >= task.soft_at and not task.soft_sent:
-                    task.soft_sent = True
-                    log.warning("task %s[%s] is past its soft time limit", task.name, task.task_id)
-                    _raise_in(task.thread_id, SoftTimeLimitExceeded)
-        for task in hard:
-            on_hard_limit(task)
+def passed() -> bool:
+    """Whether this thread runs a task that is past its soft time limit."""
+    deadline = _deadline.get()
+    return deadline is not None and deadline.passed()
+
+
+def check(what: str) -> None:
+    """Refuse to start ``what`` past the running task's soft time limit (:class:`OutOfTime`).
+
+    Not once the task is wrapping up (:func:`wrap_up`).
+    """
+    deadline = _deadline.get()
+    if deadline is not None and not deadline.wrapping_up and deadline.passed():
+        raise OutOfTime(f"past the task's soft time limit: {what} not started")
+
+
+def wrap_up() -> None:
+    """The running task met its soft limit and stopped its work: let it record what it did.
+
+    A batch of agent calls cut at the deadline (:mod:`workers.replicas.calls`) says so: the
+    transactions that record the VMs that landed and hand the rest on must go ahead, as
+    they did when the soft limit was an exception caught there. The hard limit bounds them.
+    """
+    deadline = _deadline.get()
+    if deadline is not None:
+        deadline.wrapping_up = True
+
+
+def sleep(seconds: float) -> None:
+    """Pause ``seconds``, or until the running task's deadline; then :func:`check` it."""
+    deadline = _deadline.get()
+    time.sleep(max(0.0, seconds if deadline is None else min(seconds, deadline.left())))
+    check("the work after a pause")
+
+
+# -- the hard limit: reports to the supervising ``corral worker`` ------------------------------
+
+_report_fd: int | None = None
+
+
+def attach() -> bool:
+    """Take the supervisor's pipe from the environment, if this process is its worker."""
+    global _report_fd
+    value = os.environ.pop(WATCH_FD_ENV, "")
+    fd_text, _, pid_text = value.partition(":")
+    if not (fd_text.isdigit() and pid_text.isdigit()) or os.getppid() != int(pid_text):
+        return False  # not set, or inherited by some other program: not ours to write to
+    fd = int(fd_text)
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        os.set_inheritable(fd, False)  # the worker's own children (agents, hogs) get none
+    except OSError:
+        return False
+    _report_fd = fd
+    return True
+
+
+def supervised() -> bool:
+    """Whether a supervisor enforces this worker's hard time limits."""
+    return _report_fd is not None
+
+
+def _safe(text: str, limit: int = 120) -> str:
+    """A task's name or id as a report carries it: no spaces, no newlines, bounded."""
+    return _UNSAFE.sub("?", text)[:limit] or "?"
+
+
+def _write(line: str) -> None:
+    fd = _report_fd
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):  # the supervisor is gone: its death kills us anyway
+        os.write(fd, line.encode()[:MAX_LINE])
+
+
+@contextlib.contextmanager
+def reported(name: str, task_id: str, hard_s: float) -> Iterator[None]:
+    """Tell the supervisor (if any) this thread runs a task with ``hard_s`` to finish it."""
+    key = threading.get_ident()
+    _write(f"start {key} {hard_s:.3f} {_safe(name)}[{_safe(task_id)}]\n")
+    try:
+        yield
+    finally:
+        _write(f"end {key}\n")
+
+
+@dataclass(frozen=True)
+class Report:
+    """One line a worker sent: a task started (``hard_s`` to run) or ended, on one thread."""
+
+    event: str  # "start" or "end"
+    key: str
+    hard_s: float = 0.0
+    task: str = ""
+
+
+def parse(line: bytes) -> Report | None:
+    """A report line as the supervisor reads it; None if it is not one."""
+    parts = line.decode("ascii", "replace").split()
+    match parts:
+        case ["start", key, hard, task]:
+            try:
+                hard_s = float(hard)
+            except ValueError:
+                return None
+            return Report("start", key, hard_s, task) if hard_s >= 0 else None
+        case ["end", key]:
+            return Report("end", key)
+    return None

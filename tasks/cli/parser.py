@@ -103,15 +103,23 @@ class Commands:
         return self.only is not None and name != self.only
 
     def add(
-        self, name: str, handler: str, help: str, *, listing: bool = False
+        self, name: str, handler: str, help: str, *, listing: bool = False, wraps: bool = False
     ) -> argparse.ArgumentParser:
-        """A new command ``name`` run by ``handler``."""
+        """A new command ``name`` run by ``handler``.
+
+        ``wraps``: the command passes every argument (``-h`` too) on to the program it wraps.
+        """
         if self._skip(name):
             self.sub.add_parser(name, help=help, formatter_class=Formatter)
             unbuilt: argparse.ArgumentParser = _unbuilt()
             return unbuilt
         p: argparse.ArgumentParser = self.sub.add_parser(
-            name, help=help, description=help, formatter_class=Formatter
+            name,
+            help=help,
+            description=help,
+            formatter_class=Formatter,
+            # no option of its own: "-c 4" is the wrapped program's, not an unknown one
+            **({"prefix_chars": "+", "add_help": False} if wraps else {}),
         )
         p.set_defaults(handler=Deferred(handler))
         if listing:
@@ -419,6 +427,13 @@ def _add_services(top: Commands) -> None:
         action="store_true",
         help="allow an address off loopback without CORRAL_METRICS_TOKEN",
     )
+    p = top.add(
+        "worker",
+        "worker:cmd_worker",
+        "run `celery -A workers worker` under a supervisor that enforces hard time limits",
+        wraps=True,
+    )
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the Celery worker's own options")
     p = top.add("agent", "agent:cmd_agent", "run a reference agent: fcdaemon, lambdo or gpus")
     p.add_argument("kind", choices=["fcdaemon", "lambdo", "gpus"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the agent's own options")

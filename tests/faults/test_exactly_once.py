@@ -15,19 +15,18 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import redis
-from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
 from tasks import api
 from tests.celery_workers import WorkerProcess
-from tests.fixtures import Env, StartAgents, postgres_only
+from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
-from workers import clock, timelimits
+from workers import clock
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
 from workers.registry.service import RunningRegistry, serve_registry
-from workers.store.models import LIVE_STATES, Function, ReplicaState
+from workers.store.models import LIVE_STATES, ReplicaState
 
 # Short limits so redelivery happens within a test: a task's creates must end within its
 # soft limit (calls of 2 s), its ownership of a row lapses at its hard limit.
@@ -169,35 +168,6 @@ def test_a_batch_that_would_outlive_its_task_ends_in_time_and_hands_on_the_rest(
     assert _creates([agent]) == 8
     log = worker.tail(400)
     # no task ran into a limit: each stopped sending in time and queued the rest
-    assert "SoftTimeLimitExceeded" not in log and "Hard time limit" not in log, log
+    assert "soft time limit" not in log and "hard time limit" not in log.lower(), log
     assert log.count("corral.spawn_batch[") >= 2, log
     _fleet_agrees(broker_env, [agent])
-
-
-@pytest.mark.timeout(120)
-@postgres_only  # a lock wait in psycopg's C wait loop: what the soft limit cannot interrupt
-def test_a_thread_pool_worker_stuck_past_its_hard_limit_exits_and_another_finishes(
-    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
-) -> None:
-    limits = {**SHORT, "CORRAL_DB_LOCK_TIMEOUT_S": "30"}  # the wait outlives the hard limit
-    _env(broker_env, limits)
-    agents = start_agents(1, env=broker_env)
-    fn_id = deploy_fn(broker_env)
-    stuck = WorkerProcess(
-        broker_env.tmp, concurrency=2, name="stuck", extra_env=limits, pool="threads"
-    )
-    worker_processes.append(stuck.start())
-    with broker_env.db.transaction() as s:  # the function's row, locked past the hard limit
-        s.execute(select(Function).where(Function.id == fn_id).with_for_update()).all()
-        op = api.spawn("hello", 2)
-        assert stuck.proc is not None
-        assert stuck.proc.wait(30) == timelimits.EXIT_STATUS, stuck.tail()
-    assert "past its hard time limit" in stuck.tail(), stuck.tail()
-    second = WorkerProcess(
-        broker_env.tmp, concurrency=2, name="second", extra_env=limits, pool="threads"
-    )
-    worker_processes.append(second.start())
-    view = api.wait(op, timeout=60)  # its message came back after the visibility timeout
-    assert (view["status"], view["done"], view["failed"]) == ("succeeded", 2, 0), view
-    assert _creates(agents) == 2
-    _fleet_agrees(broker_env, agents)

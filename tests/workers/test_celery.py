@@ -1,9 +1,20 @@
-"""The task base class's retry backoff: exponential, capped, with equal jitter."""
+"""The task base class: its retry backoff (exponential, capped, equal jitter), its time limits."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
+import json
+
+import pytest
+from kombu.message import Message
+
+from config.celery import celery_config
 from config.settings import load_settings
-from workers.celery import backoff_s
+from tests.faults import limit_tasks
+from tests.fixtures import Env
+from workers import leases, timelimits
+from workers.celery import CorralRequest, app, backoff_s
 
 
 def test_each_wait_is_half_to_all_of_its_doubling_capped_ceiling() -> None:
@@ -27,3 +38,49 @@ def test_the_retries_of_a_budget_span_at_least_half_their_ceilings() -> None:
 def test_a_zero_backoff_retries_at_once() -> None:
     settings = load_settings(retry_backoff_s=0, retry_backoff_max_s=0)
     assert backoff_s(settings, 3) == 0
+
+
+# -- time limits: Celery's soft limit off, corral's deadline checked at safe points ------------
+
+SHORT_LIMITS = {
+    "task_soft_time_limit_s": "1.2",
+    "task_time_limit_s": "3",
+    "retry_max": "0",
+    "rpc_timeout_s": "0.1",
+    "create_timeout_s": "0.1",
+    "lambdo_timeout_s": "0.1",
+}
+
+
+def test_celerys_soft_limit_is_off_even_for_a_message_that_asks_for_one() -> None:
+    settings = load_settings()
+    assert celery_config(settings)["task_soft_time_limit"] is None
+    assert celery_config(settings)["task_time_limit"] == settings.task_time_limit_s
+    sent = app.amqp.as_task_v2(
+        "a1b2", "corral.test.probe", args=("t",), kwargs={}, time_limit=90, soft_time_limit=60
+    )
+    message = Message(  # type: ignore[no-untyped-call]
+        body=json.dumps(sent.body),
+        headers=sent.headers,
+        content_type="application/json",
+        content_encoding="utf-8",
+    )
+    request = CorralRequest(message, app=app, task=limit_tasks.probe)
+    assert request.time_limits == (90, None)  # what the pool enforces: the hard limit only
+    assert request.request_dict["timelimit"] == [90, 60]  # the task's deadline still sees it
+
+
+def test_a_task_past_its_deadline_ends_at_a_safe_point_without_failing_or_wedging(
+    corral_env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    corral_env.set(**SHORT_LIMITS)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # as a gateway carries one out
+        outcome = pool.submit(contextvars.copy_context().run, limit_tasks.churn.apply, (7,))
+        result = outcome.result(timeout=30)
+        assert result.get() == {"error": "soft time limit"}
+        assert pool.submit(timelimits.current).result() is None  # the thread lives on, free
+    assert "ran into its soft time limit with no retries left" in caplog.text
+    with corral_env.db.read() as s:  # and the store is free: nothing held, nothing leaked
+        assert leases.first_seen(s, "churn-7", "reader", 60) is not None
+    pool_ = corral_env.db.engine.pool
+    assert pool_.checkedout() == 0  # type: ignore[attr-defined]

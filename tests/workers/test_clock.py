@@ -2,14 +2,15 @@
 
 ``clock.skew_host`` makes this process's host clock run ahead, as a badly synced host's
 would; the first transaction measures the store's clock again and cancels the skew out.
+``clock.step_host`` steps it between two measurements: nothing reads it there.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import redis
-from sqlalchemy import text
+from sqlalchemy import select, text
 
 from tasks import api
 from tests.fixtures import Env, StartAgents
@@ -21,6 +22,7 @@ from workers.kinds import OpKind
 from workers.maintenance import redrive
 from workers.maintenance.reaper import reap
 from workers.replicas.claims import claim
+from workers.store.db import store_now
 from workers.store.models import Claim, Operation, OpStatus
 
 
@@ -91,3 +93,32 @@ def test_a_gateway_on_a_host_20_s_behind_reports_demand_the_autoscaler_counts(
         pass
     seen = demand.read(client, ["hello"], stale_after_s=10)["hello"]
     assert (seen.gateways, seen.inflight) == (1, 3)  # fresh: judged on one clock
+
+
+def test_a_step_of_the_host_clock_between_two_syncs_changes_nothing(corral_env: Env) -> None:
+    with corral_env.db.read():
+        pass  # measured
+    before = clock.now()
+    assert leases.acquire(corral_env.db, "reap", "a", 60)
+    clock.step_host(600)  # an NTP step, an operator's `date -s`: the wall clock jumps
+    assert clock.now() - before < timedelta(seconds=5)
+    assert abs(clock.epoch() - before.replace(tzinfo=UTC).timestamp()) < 5
+    assert not leases.acquire(corral_env.db, "reap", "b", 60)  # a's lease has not lapsed
+    clock.sync(lambda: _server_time(corral_env))  # the next measurement: the store again
+    assert clock.now() - before < timedelta(seconds=5)
+
+
+def test_the_stores_clock_in_sql_is_the_servers_and_follows_travel(corral_env: Env) -> None:
+    with corral_env.db.read() as s:
+        stored = s.scalar(select(store_now()))
+    assert isinstance(stored, datetime)
+    assert abs(stored - _server_time(corral_env)) < timedelta(seconds=1)
+    assert leases.acquire(corral_env.db, "reap", "a", 60)
+    clock.travel(59)
+    assert not leases.acquire(corral_env.db, "reap", "b", 60)
+    clock.travel(2)  # past the lease, on the database's clock moved as the test's
+    assert leases.acquire(corral_env.db, "reap", "b", 60)
+    with corral_env.db.read() as s:
+        travelled = s.scalar(select(store_now()))
+    assert isinstance(travelled, datetime)
+    assert abs(travelled - _server_time(corral_env) - timedelta(seconds=61)) < timedelta(seconds=1)

@@ -1,80 +1,112 @@
-"""Time limits in a thread pool: the soft one raised in the task's thread, the hard one acted on."""
+"""The soft limit as a deadline the work checks; the hard limit's reports to the supervisor."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
-from celery.exceptions import SoftTimeLimitExceeded
 
 from workers import timelimits
+from workers.timelimits import Deadline, OutOfTime
+
+
+def test_nothing_is_refused_outside_a_task_or_before_its_deadline() -> None:
+    timelimits.check("work outside any task")
+    timelimits.sleep(0)
+    with timelimits.running(Deadline(time.monotonic() + 60)):
+        timelimits.check("work in time")
+        assert not timelimits.passed()
+
+
+def test_past_the_deadline_new_work_is_refused_until_the_task_wraps_up() -> None:
+    deadline = Deadline(time.monotonic() - 0.001)
+    with timelimits.running(deadline):
+        assert timelimits.passed()
+        with pytest.raises(OutOfTime, match="a store transaction not started"):
+            timelimits.check("a store transaction")
+        with pytest.raises(OutOfTime):
+            timelimits.sleep(5)  # returns at once: the deadline is behind it
+        timelimits.wrap_up()  # a cut batch records what landed
+        timelimits.check("recording what landed")
+    timelimits.check("the task base's own bookkeeping")  # after the task: no deadline
+    assert timelimits.current() is None
+
+
+def test_a_pause_ends_at_the_deadline_not_after_it() -> None:
+    started = time.monotonic()
+    with timelimits.running(Deadline(started + 0.05)), pytest.raises(OutOfTime):
+        timelimits.sleep(30)
+    assert time.monotonic() - started < 5
+
+
+def test_a_deadline_belongs_to_the_thread_that_runs_the_task() -> None:
+    seen: list[bool] = []
+    with timelimits.running(Deadline(time.monotonic() - 1)):
+        other = threading.Thread(target=lambda: seen.append(timelimits.passed()))
+        other.start()
+        other.join()
+        assert timelimits.passed()
+    assert seen == [False]  # a gateway's or the event loop's thread: no deadline
 
 
 @pytest.fixture
-def hard_limits(monkeypatch: pytest.MonkeyPatch) -> list[timelimits.Watched]:
-    """Tasks past their hard limit, recorded instead of ending the test process."""
-    seen: list[timelimits.Watched] = []
-    monkeypatch.setattr(timelimits, "on_hard_limit", seen.append)
-    return seen
+def pipe(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[int, int]]:
+    """A report pipe, as the supervisor hands it to its worker; detached afterwards."""
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr(timelimits, "_report_fd", None)
+    yield read_end, write_end
+    os.close(read_end)
+    os.close(write_end)
 
 
-def _in_thread(work: object) -> list[object]:
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(work())  # type: ignore[operator]
-        except BaseException as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive()
-    return out
-
-
-def test_a_task_past_its_soft_limit_gets_soft_time_limit_exceeded_in_its_thread(
-    hard_limits: list[timelimits.Watched],
+def test_a_worker_reports_each_task_start_and_end_in_lines_the_supervisor_reads(
+    pipe: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def task() -> str:
-        with timelimits.watch("t", "1", soft_s=0.3, hard_s=5):
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:  # Python code: reached at once
-                time.sleep(0.01)
-            return "ran to the end"
+    read_end, write_end = pipe
+    monkeypatch.setenv(timelimits.WATCH_FD_ENV, f"{write_end}:{os.getppid()}")
+    assert timelimits.attach() and timelimits.supervised()
+    assert timelimits.WATCH_FD_ENV not in os.environ  # no child of the worker inherits it
+    with timelimits.reported("corral.spawn", "id with spaces\nand a newline", 90.0):
+        pass
+    start, end, _ = os.read(read_end, 4096).split(b"\n")
+    started = timelimits.parse(start)
+    assert started is not None and started.event == "start" and started.hard_s == 90.0
+    assert started.task == "corral.spawn[id?with?spaces?and?a?newline]"
+    assert timelimits.parse(end) == timelimits.Report("end", started.key)
 
-    started = time.monotonic()
-    (outcome,) = _in_thread(task)
-    assert isinstance(outcome, SoftTimeLimitExceeded)
-    assert time.monotonic() - started < 2
-    assert hard_limits == []
 
-
-def test_a_task_stuck_where_python_cannot_reach_it_meets_the_hard_limit(
-    hard_limits: list[timelimits.Watched],
+@pytest.mark.parametrize(
+    "value",
+    ["", "junk", "3", "3:1", "999:{ppid}"],
+    ids=["unset", "junk", "no-pid", "not-parent", "bad-fd"],
+)
+def test_a_worker_reports_only_to_its_own_supervisors_pipe(
+    monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    def task() -> str:
-        with timelimits.watch("stuck", "2", soft_s=0.1, hard_s=0.4):
-            time.sleep(1.0)  # one C call: the soft limit waits for it to return
-            return "returned"
-
-    _in_thread(task)
-    assert [t.name for t in hard_limits][:1] == ["stuck"]
+    monkeypatch.setattr(timelimits, "_report_fd", None)
+    monkeypatch.setenv(timelimits.WATCH_FD_ENV, value.format(ppid=os.getppid()))
+    assert not timelimits.attach()
+    assert not timelimits.supervised()
 
 
-def test_a_task_that_ends_in_time_is_left_alone_and_its_thread_stays_clean(
-    hard_limits: list[timelimits.Watched],
+def test_a_descriptor_that_is_not_a_pipe_is_never_written_to(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def tasks() -> list[str]:
-        done = []
-        for i in range(3):  # the same thread runs task after task, as a pool thread does
-            with timelimits.watch("quick", str(i), soft_s=0.2, hard_s=1):
-                time.sleep(0.05)
-            done.append(str(i))
-        time.sleep(0.5)  # past every soft limit: nothing is raised outside a task
-        return done
+    monkeypatch.setattr(timelimits, "_report_fd", None)
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        monkeypatch.setenv(timelimits.WATCH_FD_ENV, f"{fd}:{os.getppid()}")
+        assert not timelimits.attach()
+    finally:
+        os.close(fd)
 
-    assert _in_thread(tasks) == [["0", "1", "2"]]
-    assert hard_limits == []
+
+@pytest.mark.parametrize(
+    "line",
+    [b"", b"start 1 x corral.spawn[1]", b"start 1 -1 t", b"end", b"stop 1", b"start 1 2 a b"],
+)
+def test_lines_that_are_not_reports_are_ignored(line: bytes) -> None:
+    assert timelimits.parse(line) is None

@@ -4,11 +4,14 @@ A batch's calls run on the process's event loop (:mod:`workers.backends.inflight
 per node and per process) while the task's thread waits in short slices: every
 :data:`FLUSH_S` it hands the calls that succeeded meanwhile to the caller, which records
 them (a guest's READY must find its vmid without waiting for the batch's slowest call).
-Waiting in slices also keeps the task interruptible: when Celery's soft time limit
-raises ``SoftTimeLimitExceeded`` in the task's thread, :func:`run` cancels the calls
-still in flight and returns what it knows - the calls that ended, the ones that were
-started and cut off (their outcome is unknown), the ones never started - instead of
-letting the calls run on behind a task that has ended. No call starts after the
+Each slice is also where the running task's soft time limit is checked
+(:mod:`workers.timelimits`): past it, :func:`run` cancels the calls still in flight (on
+the event loop: cancelling is cooperative, nothing is raised into a thread) and returns
+what it knows - the calls that ended, the ones that were started and cut off (their
+outcome is unknown), the ones never started - instead of letting the calls run on behind
+a task that has ended. The soft limit is then delivered: the task is wrapping up
+(:func:`workers.timelimits.wrap_up`), and the transactions that record what landed and
+hand the rest on go ahead (the hard limit still bounds them). No call starts after the
 handler's :class:`~workers.replicas.owners.Budget` says it could outlive the task.
 """
 
@@ -22,9 +25,8 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from celery.exceptions import SoftTimeLimitExceeded
-
 from config.settings import Settings
+from workers import timelimits
 from workers.backends import inflight, node_slots
 from workers.replicas.owners import Budget
 
@@ -42,7 +44,7 @@ class Ran(Generic[T]):
     batch: inflight.Batch
     items: list[T]
     handed: set[int] = field(default_factory=set)  # ids already given to ``on_landed``
-    cut: bool = False  # the soft time limit cut the batch short
+    cut: bool = False  # the task's soft time limit cut the batch short
 
     def result(self, item: T) -> inflight.Result | None:
         """The item's result, or None if its call never ended (cut, or never sent)."""
@@ -107,17 +109,22 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
     try:
         while True:
             try:
-                future.result(timeout=FLUSH_S)
+                future.result(timeout=_slice())
                 break
             except concurrent.futures.TimeoutError:
-                _hand_on(ran, landed, on_landed)
-    except BaseException as exc:  # never leave calls running behind the task
-        future.cancel()
-        if not unwound.wait(CANCEL_WAIT_S):
-            log.warning("calls of a cut batch did not unwind within %gs", CANCEL_WAIT_S)
-        if not isinstance(exc, SoftTimeLimitExceeded):
-            raise
-        ran.cut = True
+                try:
+                    timelimits.check("handing on the calls that landed")
+                    _hand_on(ran, landed, on_landed)
+                except timelimits.OutOfTime:
+                    ran.cut = True  # what landed and was not handed on is in ran.landed()
+                    timelimits.wrap_up()
+                    break
+    finally:  # never leave calls running behind the task, whatever ended the wait
+        if not future.done():
+            future.cancel()
+            if not unwound.wait(CANCEL_WAIT_S):
+                log.warning("calls of a cut batch did not unwind within %gs", CANCEL_WAIT_S)
+    if ran.cut:
         log.warning(
             "soft time limit: %d of %d calls ended, %d cut off, the rest not sent",
             len(ran.batch.results),
@@ -125,6 +132,14 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
             len(ran.batch.started) - len(ran.batch.results),
         )
     return ran
+
+
+def _slice() -> float:
+    """How long to wait for the batch before handing on and looking at the deadline again."""
+    deadline = timelimits.current()
+    if deadline is None or deadline.wrapping_up:
+        return FLUSH_S
+    return max(0.001, min(FLUSH_S, deadline.left()))
 
 
 def _hand_on(

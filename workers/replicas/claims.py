@@ -21,7 +21,7 @@ environment back - so it is given back at most once, whoever comes first:
   that expired, finds no row and changes nothing: a stale release can never free
   an environment a newer claim holds);
 * :func:`expire`, run by every reaper pass, for claims past their expiry (the
-  caller died or forgot);
+  caller died or forgot), as the database's own clock judges it;
 * :func:`finish_oldest`, when the guest reports FINISHED: the replica's oldest claim.
 
 Each takes the replica's row lock first and deletes the claim row second, so
@@ -68,7 +68,7 @@ from workers.functions import check_name
 from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.lifecycle import lock_replica, transition
-from workers.store.db import Database
+from workers.store.db import Database, store_now
 from workers.store.models import (
     Claim,
     Function,
@@ -359,7 +359,7 @@ def _take_back(
     settings: Settings,
     claim_id: str,
     *,
-    expired_by: datetime | None = None,
+    expired_by: datetime | ColumnElement[datetime] | None = None,
 ) -> bool:
     """Delete one claim row of a locked replica and give its environment back, if it is there.
 
@@ -457,7 +457,7 @@ def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]
 def expire(db: Database, settings: Settings, *, batch: int = EXPIRE_BATCH) -> int:
     """Give back the environments of claims past their expiry (oldest first); how many."""
     with db.transaction() as s:
-        at = now()  # inside: the transaction has measured the store's clock
+        at = store_now()  # judged by the database, on its own clock
         due = s.execute(
             select(Claim.id, Claim.replica_id)
             .where(Claim.expires_at <= at)

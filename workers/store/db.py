@@ -9,11 +9,24 @@ writers queue instead of failing on a lock upgrade; PostgreSQL runs at READ
 COMMITTED and relies on row locks and conditional UPDATEs; every PostgreSQL
 connection sets ``lock_timeout`` and ``statement_timeout`` (``CORRAL_DB_LOCK_TIMEOUT_S``,
 ``CORRAL_DB_STATEMENT_TIMEOUT_S``), so a statement stuck behind a lock fails with an
-``OperationalError`` instead of hanging its worker.
+``OperationalError`` instead of hanging its worker, and
+``idle_in_transaction_session_timeout`` (``CORRAL_DB_IDLE_IN_TRANSACTION_TIMEOUT_S``): the
+server ends a session left idle inside a transaction (its process stuck or gone), which
+would hold its row locks for good.
+
+A transaction is opened only while the running task is within its soft time limit
+(:func:`workers.timelimits.check`: past it, :class:`~workers.timelimits.OutOfTime` is
+raised before any connection is taken), and the connection it took goes back to the pool
+when it ends, however it ends: committed, rolled back on any exception, and on a
+``BaseException`` (an interrupt, a generator closed mid-transaction) invalidated
+rather than returned with its state unknown.
 
 The database's clock is the one every expiry is judged on (:mod:`workers.clock`): the
 first transaction a process opens, and one every ``clock.SYNC_EVERY_S`` after, asks the
-server for its time once.
+server for its time once; between two, the process counts on its monotonic clock. An
+expiry that decides who owns something can be judged by the database itself:
+:func:`store_now` is the server's current time in a statement (shifted by
+``clock.travel`` in tests).
 """
 
 from __future__ import annotations
@@ -25,17 +38,45 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import DateTime, Engine, Float, bindparam, create_engine, event, text
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from config.settings import get_settings
-from workers import clock
+from workers import clock, timelimits
 
 # The server's own time as naive UTC: clock_timestamp() moves during a transaction, unlike now().
 _PG_TIME = text("SELECT clock_timestamp() AT TIME ZONE 'UTC'")
 _SQLITE_TIME = text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")
+
+
+class _StoreNow(FunctionElement[datetime]):
+    """The database server's current time, naive UTC, plus an offset in seconds (tests)."""
+
+    type = DateTime()
+    name = "store_now"
+    inherit_cache = True
+
+
+@compiles(_StoreNow, "postgresql")
+def _store_now_pg(element: _StoreNow, compiler: SQLCompiler, **kw: Any) -> str:
+    offset = compiler.process(element.clauses, **kw)
+    return f"(timezone('UTC', statement_timestamp()) + make_interval(secs => {offset}))"
+
+
+@compiles(_StoreNow, "sqlite")
+def _store_now_sqlite(element: _StoreNow, compiler: SQLCompiler, **kw: Any) -> str:
+    offset = compiler.process(element.clauses, **kw)
+    return f"strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.6f seconds', {offset}))"
+
+
+def store_now() -> _StoreNow:
+    """The store's clock in a statement: its server's time now (with ``clock.travel``'s offset)."""
+    return _StoreNow(bindparam(None, clock.offset_s(), type_=Float))
 
 
 class Database:
@@ -77,7 +118,8 @@ class Database:
     @contextmanager
     def transaction(self) -> Iterator[Session]:
         """One transaction: commit on success, roll back on any exception."""
-        with self.session() as session, session.begin():
+        timelimits.check("a store transaction")
+        with _released(self.session()) as session, session.begin():
             if clock.sync_due():
                 self._sync_clock(session)
             yield session
@@ -85,7 +127,8 @@ class Database:
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A read-only transaction (on SQLite it does not take the write lock)."""
-        with self.session() as session:
+        timelimits.check("a store read")
+        with _released(self.session()) as session:
             # Closing (not rolling back) ends the transaction and keeps loaded rows readable.
             session.connection(execution_options={"corral_read": True})
             if clock.sync_due():
@@ -113,11 +156,41 @@ class Database:
         self._sessions = None
 
 
-def pg_options(lock_timeout_s: float, statement_timeout_s: float) -> str:
-    """libpq ``options`` setting the session's lock and statement timeouts (0: none)."""
+@contextmanager
+def _released(session: Session) -> Iterator[Session]:
+    """Close ``session`` however its block ends; past a ``BaseException``, drop its connection.
+
+    An ``Exception`` rolls the transaction back (``session.begin()``) and the connection
+    goes back to the pool clean. Anything else (``KeyboardInterrupt``, ``SystemExit``,
+    ``GeneratorExit``) may have cut a statement or the rollback itself short: the
+    connection is invalidated (closed, never reused) instead of pooled in that state.
+    """
+    try:
+        yield session
+    except Exception:
+        session.close()
+        raise
+    except BaseException:
+        try:
+            session.invalidate()
+        finally:
+            session.close()
+        raise
+    else:
+        session.close()
+
+
+def pg_options(
+    lock_timeout_s: float, statement_timeout_s: float, idle_in_transaction_s: float = 0.0
+) -> str:
+    """libpq ``options`` setting the session's lock, statement and idle-in-transaction timeouts.
+
+    0 turns one off.
+    """
     return (
         f"-c lock_timeout={round(lock_timeout_s * 1000)} "
-        f"-c statement_timeout={round(statement_timeout_s * 1000)}"
+        f"-c statement_timeout={round(statement_timeout_s * 1000)} "
+        f"-c idle_in_transaction_session_timeout={round(idle_in_transaction_s * 1000)}"
     )
 
 
@@ -134,7 +207,11 @@ def _make_engine(url: str) -> Engine:
         "max_overflow": 10,
         "hide_parameters": True,
         "connect_args": {
-            "options": pg_options(settings.db_lock_timeout_s, settings.db_statement_timeout_s)
+            "options": pg_options(
+                settings.db_lock_timeout_s,
+                settings.db_statement_timeout_s,
+                settings.db_idle_in_transaction_timeout_s,
+            )
         },
     }
     return create_engine(url, **kwargs)

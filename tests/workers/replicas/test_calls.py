@@ -1,24 +1,22 @@
 """A batch cut by the soft time limit: calls cancelled, landed VMs recorded, the rest handed on.
 
-Celery's prefork pool delivers the soft time limit as SIGUSR1, whose handler (billiard's
-own, installed here the same way) raises ``SoftTimeLimitExceeded`` in the task's thread
-wherever it is. These tests raise it in the middle of a real batch against real agents.
+The soft limit is a deadline the batch checks between its wait slices
+(:mod:`workers.timelimits`). These tests run a real batch against real agents under a
+deadline and pull the deadline in once the batch is where the test wants it.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from billiard.pool import soft_timeout_sighandler
 
 from agents.faults import Fault
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
+from workers import timelimits
 from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.owners import Budget
@@ -30,31 +28,30 @@ SoftLimitWhen = Callable[[Callable[[], bool]], None]
 
 @pytest.fixture
 def soft_limit_when() -> Iterator[SoftLimitWhen]:
-    """``fire(ready)``: deliver the soft time limit to this thread once ``ready()`` is true.
+    """``fire(ready)``: this thread's task meets its soft limit once ``ready()`` is true.
 
     Waiting for the state the test needs, not for a time: on a busy machine two quick
     creates may take longer than any fixed delay (within 10 s, or it fires anyway).
     """
-    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    deadline = timelimits.Deadline(time.monotonic() + 3600)
     stop = threading.Event()
     watchers: list[threading.Thread] = []
 
     def fire(ready: Callable[[], bool]) -> None:
         def watch() -> None:
-            deadline = time.monotonic() + 10
-            while not stop.is_set() and not ready() and time.monotonic() < deadline:
+            give_up = time.monotonic() + 10
+            while not stop.is_set() and not ready() and time.monotonic() < give_up:
                 time.sleep(0.005)
-            if not stop.is_set():
-                os.kill(os.getpid(), signal.SIGUSR1)
+            deadline.at = time.monotonic()  # the soft limit falls now
 
         watchers.append(threading.Thread(target=watch, daemon=True))
         watchers[-1].start()
 
-    yield fire
+    with timelimits.running(deadline):
+        yield fire
     stop.set()
     for watcher in watchers:
         watcher.join(15)
-    signal.signal(signal.SIGUSR1, previous)
 
 
 @pytest.mark.parametrize("seed_only", [True, False], ids=["seed", "extensions"])

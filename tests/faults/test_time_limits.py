@@ -1,0 +1,190 @@
+"""Time limits that cannot wedge a worker, with real ``corral worker`` processes in both pools.
+
+Nothing is raised into a running thread: a task past its soft limit stops at the next
+safe point (here: the start of a store transaction), so a hundred soft limits landing in
+tasks that log and use the store without pause leave no handler lock held, no pool
+connection checked out and no session idle in a transaction. A task stuck where no safe
+point comes is ended from outside at its hard limit: billiard's parent kills a prefork
+child, ``corral worker``'s supervisor kills and restarts a thread-pool worker, saying
+which task it was.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from tasks import api
+from tests.celery_workers import WorkerProcess
+from tests.eventually import eventually
+from tests.fixtures import Env, StartAgents, postgres_only
+from tests.helpers import deploy_fn
+from workers.celery import app
+
+TASKS = "tests.faults.limit_tasks"
+# Soft limits of 1.2 s (agent calls of 0.1 s fit in them), hard of 3 s; no retries, so
+# each soft limit ends its task with one line; messages of a killed worker back after 8 s.
+LIMITS = {
+    "CORRAL_TASK_SOFT_TIME_LIMIT_S": "1.2",
+    "CORRAL_TASK_TIME_LIMIT_S": "3",
+    "CORRAL_VISIBILITY_TIMEOUT_S": "8",
+    "CORRAL_RETRY_MAX": "0",
+    "CORRAL_RPC_TIMEOUT_S": "0.1",
+    "CORRAL_CREATE_TIMEOUT_S": "0.1",
+    "CORRAL_LAMBDO_TIMEOUT_S": "0.1",
+}
+SOFT_LIMITS = 100
+OUT_OF_TIME = "ran into its soft time limit with no retries left"
+POOLS = pytest.mark.parametrize("pool", ["threads", "prefork"])
+
+
+def _env(env: Env, extra: dict[str, str]) -> None:
+    env.set(**{k[len("CORRAL_") :].lower(): v for k, v in extra.items()})
+
+
+def _log(worker: WorkerProcess) -> str:
+    return worker.log_path.read_text(errors="replace")
+
+
+def _idle_in_transaction(env: Env) -> int:
+    """Sessions of the store idle inside a transaction (PostgreSQL), or 1 if SQLite is locked."""
+    if env.db.is_sqlite:
+        path = env.db.url.removeprefix("sqlite:///")
+        conn = sqlite3.connect(path, timeout=1.0, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # fails if a leaked transaction holds the lock
+            conn.execute("ROLLBACK")
+        except sqlite3.OperationalError:
+            return 1
+        finally:
+            conn.close()
+        return 0
+    with env.db.read() as s:
+        return int(
+            s.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND state LIKE 'idle in transaction%'"
+                )
+            )
+        )
+
+
+def _probe(worker: WorkerProcess, tag: str) -> list[int]:
+    """Run the probe task; the checked-out counts it logged (it could log: no lock held)."""
+    app.send_task("corral.test.probe", args=(tag,))
+    pattern = re.compile(rf"probe {tag}: pid \d+ checked out (\d+)")
+    found = eventually(
+        lambda: pattern.findall(_log(worker)),
+        60,
+        f"probe {tag} to log",
+        detail=worker.tail,
+    )
+    return [int(n) for n in found]
+
+
+def _stuck_and_ended(worker: WorkerProcess, pool: str, marker: Path, starts: int) -> None:
+    """Send a task that blocks for good; see its hard limit end it (the ``starts``th worker)."""
+    before = worker.worker_pid()
+    sent = app.send_task("corral.test.stuck", args=(str(marker),))
+    if pool == "threads":  # the supervisor kills the worker and starts it again
+        line = f"task corral.test.stuck[{sent.id}] outlived its hard time limit of 3s"
+        eventually(lambda: line in _log(worker), 60, "the kill", detail=worker.tail)
+        eventually(lambda: worker.worker_pid() not in (None, before), 30, "a new worker")
+        eventually(
+            lambda: _log(worker).count(" ready.") == starts, 60, "the restart", detail=worker.tail
+        )
+    else:  # billiard's parent kills the child and forks another
+        line = f"Hard time limit (3.0s) exceeded for corral.test.stuck[{sent.id}]"
+        eventually(lambda: line in _log(worker), 60, "the kill", detail=worker.tail)
+        eventually(
+            lambda: _log(worker).count("exited with 'signal 9 (SIGKILL)'") == starts - 1,
+            30,
+            "the child's end",
+            detail=worker.tail,
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@POOLS
+def test_a_hundred_soft_limits_in_busy_tasks_wedge_nothing_and_every_hard_limit_fires(
+    broker_env: Env, worker_processes: list[WorkerProcess], tmp_path: Path, pool: str
+) -> None:
+    _env(broker_env, LIMITS)
+    worker = WorkerProcess(
+        broker_env.tmp,
+        concurrency=8 if pool == "threads" else 4,
+        pool=pool,
+        extra_env=LIMITS,
+        include=TASKS,
+    )
+    worker_processes.append(worker.start())
+
+    for n in range(SOFT_LIMITS):
+        app.send_task("corral.test.churn", args=(n,))
+    eventually(
+        lambda: _log(worker).count(OUT_OF_TIME) >= SOFT_LIMITS,
+        300,
+        f"{SOFT_LIMITS} tasks to meet their soft limit",
+        poll=0.5,
+        detail=worker.tail,
+    )
+    log = _log(worker)
+    assert log.count(OUT_OF_TIME) == SOFT_LIMITS
+    assert "Traceback" not in log and "SoftTimeLimitExceeded" not in log, worker.tail(100)
+    if pool == "prefork":  # after each task, in its own process: nothing left checked out
+        after = re.findall(r"after a task: pid \d+ checked out (\d+)", log)
+        assert len(after) == SOFT_LIMITS and set(after) == {"0"}, after
+    assert _probe(worker, "soft") == [0]  # and a pool thread (or child) can still log
+    assert _idle_in_transaction(broker_env) == 0
+
+    # Two tasks stuck in a C call, one after the other: each is ended at its hard limit.
+    for k in (1, 2):
+        _stuck_and_ended(worker, pool, tmp_path / f"stuck-{k}", starts=k + 1)
+        assert _probe(worker, f"hard{k}") == [0]
+    assert worker.proc is not None and worker.proc.poll() is None  # still serving
+    assert _idle_in_transaction(broker_env) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@postgres_only  # a lock wait in psycopg's C wait loop: what no soft limit can interrupt
+def test_a_thread_pool_worker_stuck_past_its_hard_limit_is_restarted_and_finishes_the_spawn(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
+) -> None:
+    limits = {
+        **LIMITS,
+        "CORRAL_TASK_SOFT_TIME_LIMIT_S": "4",
+        "CORRAL_TASK_TIME_LIMIT_S": "5",
+        "CORRAL_RETRY_MAX": "3",
+        "CORRAL_RPC_TIMEOUT_S": "2",
+        "CORRAL_CREATE_TIMEOUT_S": "2",
+        "CORRAL_LAMBDO_TIMEOUT_S": "2",
+        "CORRAL_DB_LOCK_TIMEOUT_S": "30",
+    }
+    _env(broker_env, limits)
+    (agent,) = start_agents(1, env=broker_env)
+    fn_id = deploy_fn(broker_env)
+    worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=limits, pool="threads")
+    worker_processes.append(worker.start())
+    first = worker.worker_pid()
+    with broker_env.db.transaction() as s:  # the function's row, locked past the hard limit
+        s.execute(text("SELECT id FROM functions WHERE id = :id FOR UPDATE"), {"id": fn_id})
+        op = api.spawn("hello", 2)
+        eventually(
+            lambda: "outlived its hard time limit of 5s" in _log(worker),
+            30,
+            "the supervisor to kill the stuck worker",
+            detail=worker.tail,
+        )
+    assert "task corral.spawn[" in _log(worker), worker.tail()
+    eventually(lambda: worker.worker_pid() not in (None, first), 30, "the restarted worker")
+    view = api.wait(op, timeout=60)  # its message came back after the visibility timeout
+    assert (view["status"], view["done"], view["failed"]) == ("succeeded", 2, 0), view
+    assert len(agent.agent.calls_of("CreateReplica")) == 2
+    assert len(agent.driver.list()) == 2
