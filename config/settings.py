@@ -115,8 +115,8 @@ class _Reliability(_Group):
     """Reliability: task time limits, retries, broker redelivery."""
 
     task_soft_time_limit_s: Seconds = 60.0
-    """A task's soft time limit: past it the task starts no call and no transaction; below the
-    hard limit."""
+    """A task's soft time limit: past it the task stops at its next agent call or transaction;
+    below the hard limit."""
     task_time_limit_s: Seconds = 90.0
     """A task's hard time limit: its process is killed (a thread pool's by ``corral worker``)."""
     worker_pool: Literal["threads", "prefork"] = "threads"

@@ -11,17 +11,19 @@ in two parts:
 * **The soft limit is a deadline the work checks at safe points.** The task base sets
   the running task's :class:`Deadline` (its start plus ``CORRAL_TASK_SOFT_TIME_LIMIT_S``)
   in a context variable for the task's thread (:func:`running`). The work looks at it
-  where stopping is clean: a store transaction is not opened past it
+  where stopping is clean: the first store transaction to start past it is refused
   (:mod:`workers.store.db` calls :func:`check`, which raises :class:`OutOfTime`), a
   batch of agent calls waiting in slices cancels its asyncio calls (cancelling is
-  cooperative) and then records what landed and hands the rest on
-  (:mod:`workers.replicas.calls`, :func:`wrap_up`), and a pause ends at it
-  (:func:`sleep`). The task base treats :class:`OutOfTime` as it treated
-  the soft limit: the task is retried within its budget or left to redrive, its
-  operation is never failed for it. Threads that run no task (a gateway's, the event
-  loop's) have no deadline: a gateway that carries out a first task itself
-  (:mod:`workers.dispatch`) gives the task a deadline that ends the task, never the
-  gateway.
+  cooperative) and returns what came of them (:mod:`workers.replicas.calls`), a pause
+  ends at it (:func:`sleep`). The limit is delivered once, as Celery's exception was:
+  then the task is *wrapping up* (:func:`wrap_up`) and what it does on its way out -
+  record the VMs that landed, hand the rest on, disown rows, release a lease in a
+  ``finally`` - goes ahead, bounded by the hard limit. The task base treats
+  :class:`OutOfTime` as it treated the soft limit: the task is retried within its
+  budget or left to redrive, its operation is never failed for it. Threads that run no
+  task (a gateway's, the event loop's) have no deadline: a gateway that carries out a
+  first task itself (:mod:`workers.dispatch`) gives the task a deadline that ends the
+  task, never the gateway.
 * **The hard limit is enforced from outside the work.** Work stuck where no safe point
   comes (a C call that does not return, a lock wait) is ended by killing its process.
   In a prefork pool billiard's parent kills the child at ``CORRAL_TASK_TIME_LIMIT_S``
@@ -66,7 +68,7 @@ class Deadline:
     """When the running task's soft time limit falls (``time.monotonic()``)."""
 
     at: float
-    wrapping_up: bool = False  # the limit was met by work that is now recording what it did
+    wrapping_up: bool = False  # the limit was delivered: the task is on its way out
 
     def left(self) -> float:
         """Seconds until the deadline (negative past it)."""
@@ -106,19 +108,21 @@ def passed() -> bool:
 def check(what: str) -> None:
     """Refuse to start ``what`` past the running task's soft time limit (:class:`OutOfTime`).
 
-    Not once the task is wrapping up (:func:`wrap_up`).
+    Once: the refusal is the limit delivered, and the task is wrapping up from then on.
     """
     deadline = _deadline.get()
     if deadline is not None and not deadline.wrapping_up and deadline.passed():
+        deadline.wrapping_up = True
         raise OutOfTime(f"past the task's soft time limit: {what} not started")
 
 
 def wrap_up() -> None:
     """The running task met its soft limit and stopped its work: let it record what it did.
 
-    A batch of agent calls cut at the deadline (:mod:`workers.replicas.calls`) says so: the
-    transactions that record the VMs that landed and hand the rest on must go ahead, as
-    they did when the soft limit was an exception caught there. The hard limit bounds them.
+    :func:`check` says so when it refuses; a batch of agent calls cut at the deadline
+    (:mod:`workers.replicas.calls`) says so itself. The transactions on the way out go
+    ahead (recording what landed, handing the rest on, releasing what the task held), as
+    they did when the soft limit was an exception raised once; the hard limit bounds them.
     """
     deadline = _deadline.get()
     if deadline is not None:

@@ -115,9 +115,8 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
                 try:
                     timelimits.check("handing on the calls that landed")
                     _hand_on(ran, landed, on_landed)
-                except timelimits.OutOfTime:
+                except timelimits.OutOfTime:  # delivered: the task is now wrapping up
                     ran.cut = True  # what landed and was not handed on is in ran.landed()
-                    timelimits.wrap_up()
                     break
     finally:  # never leave calls running behind the task, whatever ended the wait
         if not future.done():

@@ -14,12 +14,12 @@ connection sets ``lock_timeout`` and ``statement_timeout`` (``CORRAL_DB_LOCK_TIM
 server ends a session left idle inside a transaction (its process stuck or gone), which
 would hold its row locks for good.
 
-A transaction is opened only while the running task is within its soft time limit
-(:func:`workers.timelimits.check`: past it, :class:`~workers.timelimits.OutOfTime` is
-raised before any connection is taken), and the connection it took goes back to the pool
-when it ends, however it ends: committed, rolled back on any exception, and on a
-``BaseException`` (an interrupt, a generator closed mid-transaction) invalidated
-rather than returned with its state unknown.
+The first transaction the running task starts past its soft time limit is refused
+(:func:`workers.timelimits.check`: :class:`~workers.timelimits.OutOfTime` is raised
+before any connection is taken; the task's way out then goes ahead), and the connection
+a transaction took goes back to the pool when it ends, however it ends: committed,
+rolled back on any exception, and on a ``BaseException`` (an interrupt, a generator
+closed mid-transaction) invalidated rather than returned with its state unknown.
 
 The database's clock is the one every expiry is judged on (:mod:`workers.clock`): the
 first transaction a process opens, and one every ``clock.SYNC_EVERY_S`` after, asks the
