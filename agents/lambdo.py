@@ -27,6 +27,10 @@ image, and any command line, is refused with 400 and nothing runs. The process
 listens on the host port of the first requested guest port. Host ports come from
 10000-19999.
 
+Serving: an ASGI application on uvicorn behind :mod:`netplumb.asgiserve`'s bounds
+(:data:`LIMITS`); the token is checked on a request's head, its body (at most 1 MiB,
+within 30 s) is read only then; driver calls run in a pool of 64 threads.
+
 For tests, :class:`LambdoAgent` records calls and takes scripted faults per path kind
 (``spawn``, ``destroy``, ``start``, ``vms``), see :mod:`agents.faults`.
 
@@ -36,25 +40,24 @@ Command line: ``corral agent lambdo`` / ``python -m agents.lambdo``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import json
 import logging
 import os
 import random
-import socket
-import sys
 import threading
-import time
 import urllib.parse
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 
 from agents import drivers, runtime
-from agents.faults import FaultHooks, record_call
+from agents.faults import Fault, FaultHooks, record_call
+from netplumb import asgiserve
 from netplumb.addresses import split_hostport
-from netplumb.httpserve import BoundedHandler, BoundedServer
+from netplumb.asgiserve import Receive, Scope, Send
 
 __all__ = [
     "DEFAULT_PORT_RANGE",
@@ -332,129 +335,62 @@ class LambdoAgent(FaultHooks):
         )
 
 
-class _Handler(BoundedHandler, BaseHTTPRequestHandler):
-    """Routes requests to the server's :class:`LambdoAgent` (bounded: :mod:`netplumb.httpserve`)."""
+# -- serving ------------------------------------------------------------------------------
 
-    protocol_version = "HTTP/1.1"
-    server_version = "corral-lambdo/1"
-    agent: LambdoAgent  # set on the per-server subclass
+#: What the host allows a caller before its token is checked (netplumb.asgiserve).
+LIMITS = asgiserve.Limits(max_connections=64, head_bytes=32 * 1024, head_timeout_s=10.0)
+BODY_TIMEOUT_S = 30.0  # a body, once the caller is authorised, must be in within this
+CALL_THREADS = 64  # calls to the driver at once (a create waits for its VM to answer)
 
-    def log_message(self, format: str, *args: object) -> None:
-        """Route access logs to ``logging`` at DEBUG."""
-        log.debug("%s %s", self.address_string(), format % args)
 
-    def _send(self, resp: Response) -> None:
-        self.send_response(resp.status)
-        if resp.status == 401:
-            self.send_header("WWW-Authenticate", 'Bearer realm="lambdo"')
-        if resp.status != 204:
-            self.send_header("Content-Type", resp.content_type)
-        self.send_header("Content-Length", str(len(resp.body) if resp.status != 204 else 0))
-        if self.close_connection:  # say so: a client must not send its next request here
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if resp.status != 204 and self.command != "HEAD":
-            self.wfile.write(resp.body)
+class _Site:
+    """The Lambdo HTTP API over a :class:`LambdoAgent`, as an ASGI application."""
 
-    def _read_body(self) -> bytes | Response:
-        """The body (asked for only once the caller is authorised), within MAX_BODY."""
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            self.close_connection = True
-            return Response.text(411, "chunked bodies are not supported; send Content-Length")
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            self.close_connection = True
-            return Response.text(400, "bad Content-Length")
-        if length > MAX_BODY or length < 0:
-            self.close_connection = True
-            return Response.text(413, f"body larger than {MAX_BODY} bytes")
-        if length <= 0:
-            return b""
-        self.allow_body(length)
-        body: bytes = self.rfile.read(length)
-        self.request_read()
-        if len(body) < length:  # the caller hung up or its deadline passed
-            self.close_connection = True
-            return Response.text(400, "incomplete body")
-        return body
+    def __init__(self, agent: LambdoAgent, pool: ThreadPoolExecutor) -> None:
+        self.agent = agent
+        self.pool = pool
 
-    def _route(self) -> tuple[str, str] | Response:
-        path = self.path.split("?", 1)[0]
-        method = self.command
-        if path == "/spawn":
-            return ("spawn", "") if method == "POST" else Response.text(405, "use POST")
-        if path == "/start":
-            return ("start", "") if method == "POST" else Response.text(405, "use POST")
-        if path == "/vms":
-            return ("vms", "") if method == "GET" else Response.text(405, "use GET")
-        if path.startswith("/destroy/"):
-            vmid = urllib.parse.unquote(path[len("/destroy/") :])  # corral percent-encodes it
-            if method != "DELETE":
-                return Response.text(405, "use DELETE")
-            if not vmid or "/" in vmid:
-                return Response.text(404, "not found")
-            return ("destroy", vmid)
-        return Response.text(404, f"no route {method} {path}")
-
-    def _handle(self) -> None:
-        self.request_read()  # the head is in; a body is read only for an authorised caller
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One request: the token is checked on its head; its body is read only then."""
+        if scope["type"] != "http":
+            return
         agent = self.agent
-        if not agent.authorized(self.headers.get("Authorization")):
-            self.close_connection = True  # its body, if any, is never read
-            self._send(Response.text(401, "missing or wrong bearer token"))
-            self.linger(self.wfile)
+        if not agent.authorized(_header(scope, b"authorization")):  # its body is never read
+            await _send(send, Response.text(401, "missing or wrong bearer token"), close=True)
             return
-        body = self._read_body()
+        body = await _read_body(scope, receive)
         if isinstance(body, Response):
-            self._send(body)
+            await _send(send, body, close=True)
             return
-        route = self._route()
+        method, path = scope["method"], scope["raw_path"].decode("latin-1")
+        route = _route(method, path)
         if isinstance(route, Response):
-            self._send(route)
+            await _send(send, route)
             return
         kind, vmid = route
         parsed, bad_json = _parse_json(body) if kind in ("spawn", "start") else (None, None)
         payload = vmid if kind == "destroy" else (body if bad_json else parsed)
         record_call(agent.calls, kind, payload)
-        if self._fault(kind):
-            return
-        resp = (
-            Response.text(400, bad_json)
-            if bad_json is not None
-            else self._answer(kind, parsed, vmid)
-        )
-        if resp.status >= 400:
-            log.info(
-                "%s %s -> %d %s",
-                self.command,
-                self.path,
-                resp.status,
-                resp.body.decode(errors="replace").strip(),
-            )
-        self._send(resp)
-
-    def _fault(self, kind: str) -> bool:
-        """Play the fault injected for ``kind``, if any; True when it answered (or hung up)."""
-        fault = self.agent.faults.take(kind)
-        if fault is None:
-            return False
-        log.info("%s: injected fault %s", kind, fault.kind)
-        if fault.kind == "delay":
-            time.sleep(fault.seconds)
-            return False
-        if fault.kind == "hangup":
-            self.close_connection = True
-        elif fault.kind == "abort":
-            status = fault.code if isinstance(fault.code, int) else 500
-            self._send(Response.text(status, fault.message or "injected"))
-        elif fault.kind == "reply":
-            status = fault.code if isinstance(fault.code, int) else 200
-            body = fault.value if isinstance(fault.value, bytes) else b""
-            self._send(Response(status, body, fault.content_type))
+        fault = agent.faults.take(kind)
+        if fault is not None:
+            log.info("%s: injected fault %s", kind, fault.kind)
+            if fault.kind == "hangup":
+                await asgiserve.hang_up(scope, receive)
+                return
+            if fault.kind == "delay":
+                await asyncio.sleep(fault.seconds)
+            elif fault.kind in ("abort", "reply"):
+                await _send(send, _faulty(fault))
+                return
+        if bad_json is not None:
+            resp = Response.text(400, bad_json)
         else:
-            return False
-        return True
+            loop = asyncio.get_running_loop()
+            resp = await loop.run_in_executor(self.pool, self._answer, kind, parsed, vmid)
+        if resp.status >= 400:
+            text = resp.body.decode(errors="replace").strip()
+            log.info("%s %s -> %d %s", method, path, resp.status, text)
+        await _send(send, resp)
 
     def _answer(self, kind: str, parsed: object, vmid: str) -> Response:
         """The agent's answer to one routed call; a 400 for bad input, a 500 for a bug."""
@@ -473,7 +409,83 @@ class _Handler(BoundedHandler, BaseHTTPRequestHandler):
             log.exception("%s failed", kind)
             return Response.text(500, f"{type(exc).__name__}: {exc}")
 
-    do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _handle
+
+def _faulty(fault: Fault) -> Response:
+    """The answer an ``abort`` or ``reply`` fault scripts."""
+    if fault.kind == "abort":
+        status = fault.code if isinstance(fault.code, int) else 500
+        return Response.text(status, fault.message or "injected")
+    status = fault.code if isinstance(fault.code, int) else 200
+    body = fault.value if isinstance(fault.value, bytes) else b""
+    return Response(status, body, fault.content_type)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The first value of a request header (``name`` in lower case), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def _read_body(scope: Scope, receive: Receive) -> bytes | Response:
+    """The body (asked for only once the caller is authorised), within MAX_BODY and in time."""
+    if "chunked" in (_header(scope, b"transfer-encoding") or "").lower():
+        return Response.text(411, "chunked bodies are not supported; send Content-Length")
+    try:
+        length = int(_header(scope, b"content-length") or 0)
+    except ValueError:
+        return Response.text(400, "bad Content-Length")
+    if length > MAX_BODY or length < 0:
+        return Response.text(413, f"body larger than {MAX_BODY} bytes")
+    chunks: list[bytes] = []
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            while length:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                if message["type"] == "http.disconnect" or not message.get("more_body"):
+                    break
+    except TimeoutError:
+        return Response.text(408, f"body not received within {BODY_TIMEOUT_S:g}s")
+    body = b"".join(chunks)
+    if len(body) < length:  # the caller hung up
+        return Response.text(400, "incomplete body")
+    return body
+
+
+async def _send(send: Send, resp: Response, *, close: bool = False) -> None:
+    """Answer; ``close``: and close the connection (a body left unread)."""
+    headers = [(b"server", b"corral-lambdo/1")]
+    if resp.status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="lambdo"'))
+    if resp.status != 204:
+        headers.append((b"content-type", resp.content_type.encode()))
+    body = resp.body if resp.status != 204 else b""
+    headers.append((b"content-length", str(len(body)).encode()))
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _route(method: str, raw_path: str) -> tuple[str, str] | Response:
+    """The path kind (and vm id) a request is for, or the answer when there is none."""
+    path = raw_path.split("?", 1)[0]
+    if path == "/spawn":
+        return ("spawn", "") if method == "POST" else Response.text(405, "use POST")
+    if path == "/start":
+        return ("start", "") if method == "POST" else Response.text(405, "use POST")
+    if path == "/vms":
+        return ("vms", "") if method == "GET" else Response.text(405, "use GET")
+    if path.startswith("/destroy/"):
+        vmid = urllib.parse.unquote(path[len("/destroy/") :])  # corral percent-encodes it
+        if method != "DELETE":
+            return Response.text(405, "use DELETE")
+        if not vmid or "/" in vmid:
+            return Response.text(404, "not found")
+        return ("destroy", vmid)
+    return Response.text(404, f"no route {method} {path}")
 
 
 def _parse_json(body: bytes) -> tuple[object, str | None]:
@@ -484,71 +496,58 @@ def _parse_json(body: bytes) -> tuple[object, str | None]:
         return None, f"body is not JSON: {exc}"
 
 
-class _LambdoServer(BoundedServer, ThreadingHTTPServer):
-    """Threaded HTTP server (a daemon thread per connection, at most 64), IPv4 or IPv6."""
-
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        """Bind ``address``; a host with ``:`` selects IPv6."""
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A caller that hung up before its answer is a log line, not a traceback on stderr."""
-        if isinstance(sys.exc_info()[1], ConnectionError):  # BrokenPipe, ConnectionReset...
-            log.info("client %s went away before its answer was sent", client_address)
-            return
-        super().handle_error(request, client_address)
-
-
 class RunningLambdo(runtime.Running):
     """A Lambdo host serving in a background thread; ``stop()`` tears everything down."""
 
     def __init__(
-        self, server: ThreadingHTTPServer, host: str, agent: LambdoAgent, driver: drivers.VMDriver
+        self,
+        server: asgiserve.BackgroundServer,
+        host: str,
+        agent: LambdoAgent,
+        driver: drivers.VMDriver,
+        pool: ThreadPoolExecutor,
     ) -> None:
-        """Wrap the parts built by :func:`serve_lambdo` and start serving."""
-        super().__init__(host, server.server_address[1])
+        """Wrap the parts built by :func:`serve_lambdo`, which started serving."""
+        super().__init__(host, server.port)
         self.server = server
         #: Base URL for a local client, e.g. ``http://127.0.0.1:3000``.
         self.url = f"http://{self.address}"
         self.agent = agent
         self.driver = driver
-        self._thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name=f"lambdo-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
+        self._pool = pool
 
     def _shutdown(self, grace: float) -> None:
         """Stop serving and stop every VM."""
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join(timeout=5)
+        self.server.stop(grace + 5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.driver.close()
         log.info("lambdo on port %d stopped", self.port)
 
 
-def serve_lambdo(
+def serve_lambdo(  # noqa: PLR0913 - a server's options, by name with defaults
     listen: str = "127.0.0.1:0",
     driver: drivers.VMDriver | None = None,
     token: str | None = None,
     *,
     default_image: str = "examples.hello",
     port_order: PortOrder = "shuffle",
+    limits: asgiserve.Limits = LIMITS,
 ) -> RunningLambdo:
     """Start a Lambdo host on ``listen`` (default driver: MemoryDriver over 10000-19999)."""
     host, port = split_hostport(listen)
     driver = driver if driver is not None else drivers.MemoryDriver(port_range=DEFAULT_PORT_RANGE)
     agent = LambdoAgent(driver, token=token, default_image=default_image, port_order=port_order)
-    handler = type("LambdoHandler", (_Handler,), {"agent": agent})
     bind = host or "0.0.0.0"  # noqa: S104 - --listen without a host; off loopback needs the token
-    server = _LambdoServer((bind, port), handler)
-    running = RunningLambdo(server, host, agent, driver)
+    sock = asgiserve.bind(bind, port)
+    pool = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="lambdo-call")
+    try:
+        server = asgiserve.start(
+            _Site(agent, pool), sock, limits, name="lambdo", timeout_graceful_shutdown=1
+        )
+    except BaseException:
+        pool.shutdown(wait=False)
+        raise
+    running = RunningLambdo(server, host, agent, driver, pool)
     log.info("lambdo listening on %s:%d", bind, running.port)
     return running
 

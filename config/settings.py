@@ -382,7 +382,9 @@ class _Gateway(_Group):
     gateway_send_timeout_s: Seconds = 30.0
     """Longest a caller may take to accept the next piece of its answer; then it is cut off."""
     gateway_max_connections: Count = Field(4096, le=1_000_000)
-    """Connections (and requests) the gateway serves at once; requests beyond are answered 503."""
+    """Connections the gateway serves at once; one more is answered 503 and closed."""
+    gateway_max_head_bytes: int = Field(64 * 1024, ge=1024, le=1024 * 1024)
+    """Largest request head (request line and headers, raw bytes); larger is answered 431."""
     gateway_answer_head_max: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)
     """Largest head of a replica's answer in bytes (interim heads in; trailers alike); over: 502."""
     gateway_answer_head_lines: int = Field(100, ge=1, le=100_000)

@@ -15,13 +15,15 @@ That plumbing lives here, in a package of its own below both ``workers`` and
 implementation anyone may replace, so the control plane must not depend on them
 (``lint-imports`` forbids it), and an agent process must not load the control
 plane's dependencies (SQLAlchemy, pydantic, Celery). ``netplumb`` imports neither of
-them, nor :mod:`config`: the standard library and gRPC only.
+them, nor :mod:`config`: the standard library, gRPC and the HTTP server stack
+(uvicorn, httptools) only.
 
 * :mod:`netplumb.addresses` - host and port strings: the one parser;
 * :mod:`netplumb.listening` - the listening rule;
 * :mod:`netplumb.grpcserve` - the bearer-token interceptor, guests' report tokens,
   the health service, binding a port;
-* :mod:`netplumb.httpserve` - bounded HTTP serving (connections, deadlines, header
-  bytes, a body only once authorised);
+* :mod:`netplumb.asgiserve` - bounded HTTP serving, the one server stack of the
+  gateway, the Lambdo host and the exporter (connections, a request head's bytes and
+  deadline, idle connections, a lingering close after an early answer);
 * :mod:`netplumb.guest_env` - what a function's environment may hold.
 """

@@ -49,27 +49,26 @@ From Redis:
 ``corral_exporter_source_up{source}`` says whether the store and Redis answered
 this scrape; a source that fails leaves its metrics out instead of failing the scrape.
 
-Serving: :func:`serve` runs a small threaded WSGI server. It refuses an address
-off loopback unless a token is set (``CORRAL_METRICS_TOKEN``; Prometheus sends it
-as ``Authorization: Bearer ...``) or ``insecure`` is asked for; with a token set,
-every request must carry it.
+Serving: :func:`serve` runs prometheus_client's ASGI app on uvicorn behind
+:mod:`netplumb.asgiserve`'s bounds (:data:`LIMITS`), in a background thread; a
+scrape reads the store and Redis in a worker thread. It refuses an address off
+loopback unless a token is set (``CORRAL_METRICS_TOKEN``; Prometheus sends it as
+``Authorization: Bearer ...``) or ``insecure`` is asked for; with a token set, every
+request must carry it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
-import socket
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import redis
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, make_asgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -81,8 +80,8 @@ from sqlalchemy import Float, case, cast, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from config.celery import QUEUES
+from netplumb import asgiserve
 from netplumb.addresses import join_hostport, split_hostport
-from netplumb.httpserve import BoundedHandler, BoundedServer
 from netplumb.listening import listen_refusal
 from workers import stages
 from workers.autoscale.keepalive import MODES
@@ -373,50 +372,68 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, port
 
 
-class _Server(BoundedServer, ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most 16, each with its deadlines (netplumb.httpserve)."""
-
-    max_connections = 16  # one Prometheus needs one
+#: What the exporter allows a caller before its token is checked (netplumb.asgiserve).
+LIMITS = asgiserve.Limits(max_connections=16, head_bytes=32 * 1024, head_timeout_s=10.0)
 
 
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+class _Collected(Collector):
+    """Metric families read already, served as they are."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        """The families read."""
+        return iter(self.families)
 
 
-class _QuietHandler(BoundedHandler, WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("metrics: " + format, *args)
+def scrape_app(collector: Collector) -> asgiserve.App:
+    """prometheus_client's ASGI app over what ``collector`` reads, read in a thread.
 
-    def handle(self) -> None:
-        """wsgiref serves one request per connection: read it within its bounds."""
-        with self.reading():
-            super().handle()
+    A scrape queries the store and Redis: off the event loop, which goes on serving
+    (and refusing) other connections meanwhile.
+    """
 
-    def get_environ(self) -> dict[str, Any]:
-        """The request's head is in (the exporter reads no body): its deadline ends."""
-        self.request_read()
-        return super().get_environ()
+    async def app(scope: asgiserve.Scope, receive: asgiserve.Receive, send: asgiserve.Send) -> None:
+        families = await asyncio.to_thread(lambda: list(collector.collect()))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collected(families))
+        await make_asgi_app(registry)(scope, receive, send)
+
+    return app
 
 
-def guarded(app: Callable[..., Any], token: str | None) -> Callable[..., Any]:
+def guarded(app: asgiserve.App, token: str | None) -> asgiserve.App:
     """``app`` behind ``Authorization: Bearer <token>`` (when a token is set), on /metrics only."""
     expected = f"Bearer {token}".encode() if token else None
 
-    def wsgi(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") not in ("/metrics", "/"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found; metrics are at /metrics\n"]
+    async def asgi(
+        scope: asgiserve.Scope, receive: asgiserve.Receive, send: asgiserve.Send
+    ) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] not in ("/metrics", "/"):
+            await _plain(send, 404, b"not found; metrics are at /metrics\n")
+            return
         if expected is not None:
-            given = environ.get("HTTP_AUTHORIZATION", "").encode()
-            if not hmac.compare_digest(given, expected):
-                start_response(
-                    "401 Unauthorized",
-                    [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")],
-                )
-                return [b"a bearer token is required\n"]
-        return app(environ, start_response)  # type: ignore[no-any-return]
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, expected):  # its body, if any, is never read
+                extra = [(b"www-authenticate", b"Bearer"), (b"connection", b"close")]
+                await _plain(send, 401, b"a bearer token is required\n", extra)
+                return
+        await app(scope, receive, send)
 
-    return wsgi
+    return asgi
+
+
+async def _plain(
+    send: asgiserve.Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 @dataclass
@@ -425,8 +442,7 @@ class RunningExporter:
 
     host: str
     port: int
-    server: WSGIServer
-    thread: threading.Thread
+    server: asgiserve.BackgroundServer
 
     @property
     def url(self) -> str:
@@ -435,9 +451,7 @@ class RunningExporter:
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
+        self.server.stop()
 
 
 def serve(
@@ -455,16 +469,6 @@ def serve(
     )
     if refusal is not None:
         raise InputError(refusal)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(StoreCollector(db, client))
-    app = guarded(make_wsgi_app(registry), token)
-    server = make_server(
-        host,
-        port,
-        app,
-        server_class=_Server6 if ":" in host else _Server,
-        handler_class=_QuietHandler,
-    )
-    thread = threading.Thread(target=server.serve_forever, name="corral-metrics", daemon=True)
-    thread.start()
-    return RunningExporter(host, server.server_port, server, thread)
+    app = guarded(scrape_app(StoreCollector(db, client)), token)
+    server = asgiserve.start(app, asgiserve.bind(host, port), LIMITS, name="corral-metrics")
+    return RunningExporter(host, server.port, server)

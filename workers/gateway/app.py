@@ -12,8 +12,9 @@ idle ones with zeros so their demand is seen to fall; and, at the same time, the
 starts and ends of the invocations it served (:mod:`workers.autoscale.idletimes`) for
 the keep-alive histograms.
 
-It is served by uvicorn on one asyncio loop; the store calls run in a bounded
-thread pool. It refuses to listen on a non-loopback address without
+It is served by uvicorn on one asyncio loop, behind the listener bounds of
+:mod:`netplumb.asgiserve` (connections, the request head's size and deadline); the
+store calls run in a bounded thread pool. It refuses to listen on a non-loopback address without
 ``CORRAL_GATEWAY_TOKEN`` unless told ``insecure`` (then it warns at every start).
 """
 
@@ -25,33 +26,32 @@ import gc
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import redis
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from config.settings import Settings, reveal
+from netplumb import asgiserve
 from netplumb.addresses import join_hostport
 from netplumb.listening import Server, listen_address
 from workers import tracing
 from workers.autoscale import demand, idletimes
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
-from workers.gateway.listener import guarded_http
 from workers.gateway.proxy import PREFIX, Gateway
 from workers.store.db import Database, get_database
 
 log = logging.getLogger(__name__)
 
 ACTIVE_S = 60.0  # a function is reported for this long after its last request
+KEEP_ALIVE_S = 30  # a kept-alive connection's wait for its next request
 
 
 GATEWAY = Server("corral gateway", "CORRAL_GATEWAY_LISTEN", "CORRAL_GATEWAY_TOKEN")
@@ -162,54 +162,38 @@ def build_app(db: Database, settings: Settings) -> GatewayApp:
 
 
 class RunningGateway:
-    """A gateway served by uvicorn in a background thread (tests, ``corral up``)."""
+    """A gateway served in a background thread (tests, ``corral up``)."""
 
-    def __init__(
-        self, server: Any, thread: threading.Thread, host: str, port: int, app: GatewayApp
-    ) -> None:
+    def __init__(self, server: asgiserve.BackgroundServer, host: str, app: GatewayApp) -> None:
         self.server = server
-        self.thread = thread
-        self.port = port
+        self.port = server.port
         self.app = app
-        self.url = f"http://{join_hostport(host, port)}"
+        self.url = f"http://{join_hostport(host, server.port)}"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and wait for the thread."""
-        self.server.should_exit = True
-        self.thread.join(timeout)
+        self.server.stop(timeout)
 
 
-def _server(app: GatewayApp, settings: Settings) -> Any:
-    # proxy_headers=False: uvicorn would believe X-Forwarded-* from loopback peers; the
-    # gateway applies CORRAL_GATEWAY_TRUSTED_PROXIES itself (workers.gateway.headers).
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
-        proxy_headers=False,
-        http=guarded_http(settings.gateway_read_timeout_s),
-        limit_concurrency=settings.gateway_max_connections,
-        server_header=False,
-        date_header=False,
-        timeout_graceful_shutdown=int(settings.gateway_timeout_s),
-        timeout_keep_alive=30,
+def _limits(settings: Settings) -> asgiserve.Limits:
+    return asgiserve.Limits(
+        max_connections=settings.gateway_max_connections,
+        head_bytes=settings.gateway_max_head_bytes,
+        head_timeout_s=settings.gateway_read_timeout_s,
+        idle_s=KEEP_ALIVE_S,
     )
-    return uvicorn.Server(config)
+
+
+def _options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options for the gateway (the netplumb.asgiserve defaults otherwise)."""
+    return {"lifespan": "on", "timeout_graceful_shutdown": int(settings.gateway_timeout_s)}
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return asgiserve.bind(host, port)
     except OSError as exc:
-        sock.close()
         raise ListenRefused(f"gateway cannot listen on {host}:{port}: {exc}") from None
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def serve_gateway(
@@ -226,17 +210,11 @@ def serve_gateway(
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)
     app = app or build_app(db or get_database(settings.database_url), settings)
-    server = _server(app, settings)
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="gateway", daemon=True
-    )
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise ListenRefused(f"gateway did not start on {host}:{port}")
-        time.sleep(0.01)
-    return RunningGateway(server, thread, host, sock.getsockname()[1], app)
+    try:
+        server = asgiserve.start(app, sock, _limits(settings), name="gateway", **_options(settings))
+    except OSError as exc:
+        raise ListenRefused(str(exc)) from None
+    return RunningGateway(server, host, app)
 
 
 def run_gateway(
@@ -252,11 +230,10 @@ def run_gateway(
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)  # spans, when CORRAL_OTLP_ENDPOINT is set
     app = build_app(get_database(settings.database_url), settings)
-    server = _server(app, settings)
     url = f"http://{join_hostport(host, sock.getsockname()[1])}"
     if on_ready is not None:
         on_ready(url)
     # What start-up made (modules, settings, the app) lives as long as the process: the
     # garbage collector, run every few hundred requests, need not walk it each time.
     gc.freeze()
-    server.run(sockets=[sock])
+    asgiserve.run(app, sock, _limits(settings), **_options(settings))

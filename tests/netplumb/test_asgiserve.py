@@ -1,0 +1,273 @@
+"""The bounds of corral's one HTTP server stack, each shown on a real server on loopback.
+
+A guarded uvicorn server (:mod:`netplumb.asgiserve`) serves a small application that
+checks a token before it reads a body, as the gateway, the Lambdo host and the
+exporter do. Each test attacks one bound: connections, a head's deadline and its size,
+an idle kept-alive connection, an early answer to a caller still sending, a pipelined
+head refused behind an answer under way. The last test feeds one connection its bytes
+split at every place near the end of a head, which a socket cannot be made to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+from uvicorn.server import ServerState
+
+from netplumb import asgiserve
+from netplumb.asgiserve import Limits, Receive, Scope, Send
+
+TOKEN = b"Bearer t0ken"
+LIMITS = Limits(max_connections=8, head_bytes=4096, head_timeout_s=0.5, idle_s=1)
+
+
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
+    """200 with the body's length; 401 (closing, the body unread) without the token."""
+    if scope["type"] != "http":
+        return
+    if (b"authorization", TOKEN) not in scope["headers"]:
+        await _answer(send, 401, b"token\n", close=True)
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(0.2)  # an answer under way while the next request comes
+    size, more = 0, True
+    while more:
+        message = await receive()
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    await _answer(send, 200, f"{size}\n".encode())
+
+
+async def _answer(send: Send, status: int, body: bytes, close: bool = False) -> None:
+    headers = [(b"content-length", str(len(body)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def served(limits: Limits = LIMITS) -> Iterator[int]:
+    """A guarded server of :func:`app` on a free loopback port (the port)."""
+    server = asgiserve.start(app, asgiserve.bind("127.0.0.1", 0), limits, name="test-server")
+    try:
+        yield server.port
+    finally:
+        server.stop()
+
+
+def _connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def _get(path: str = "/", extra: bytes = b"", token: bytes = TOKEN) -> bytes:
+    return (
+        b"GET "
+        + path.encode()
+        + b" HTTP/1.1\r\nHost: t\r\nAuthorization: "
+        + token
+        + (b"\r\n" + extra + b"\r\n")
+    )
+
+
+def _until_closed(sock: socket.socket, within: float = 5.0) -> bytes:
+    """Everything the server sends until it closes (a reset ends it too)."""
+    sock.settimeout(within)
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while piece := sock.recv(65536):
+            data += piece
+    return data
+
+
+def test_one_connection_over_the_limit_is_503_at_once_and_a_freed_place_is_served() -> None:
+    with served(Limits(max_connections=2)) as port:
+        first, second = _connect(port), _connect(port)
+        with first, second, _connect(port) as third:
+            assert _until_closed(third).startswith(b"HTTP/1.1 503 ")
+            first.sendall(_get())
+            assert first.recv(100).startswith(b"HTTP/1.1 200 ")  # the two are served
+        with _connect(port) as again:  # the places are free again
+            again.sendall(_get())
+            assert again.recv(100).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_head_not_in_by_its_deadline_is_408_however_slowly_it_drips() -> None:
+    with (
+        served() as port,
+        _connect(port) as silent,
+        _connect(port) as head,
+        _connect(port) as blank,
+    ):
+        blank.sendall(_get())
+        assert blank.recv(100).startswith(b"HTTP/1.1 200 ")
+        stop = threading.Event()
+
+        def drip(sock: socket.socket, data: bytes) -> None:  # a byte every 50 ms
+            for byte in data:
+                if stop.wait(0.05):
+                    return
+                with contextlib.suppress(OSError):
+                    sock.send(bytes([byte]))
+
+        drippers = [
+            threading.Thread(target=drip, args=(head, _get()[:-2] + b"X-Slow: " + b"a" * 999)),
+            threading.Thread(target=drip, args=(blank, b"\r\n" * 500)),  # between requests
+        ]
+        for dripper in drippers:
+            dripper.start()
+        try:
+            assert _until_closed(silent).startswith(b"HTTP/1.1 408 ")
+            assert _until_closed(head).startswith(b"HTTP/1.1 408 ")
+            assert _until_closed(blank).startswith(b"HTTP/1.1 408 ")
+            assert all(d.is_alive() for d in drippers)  # cut off long before they were done
+        finally:
+            stop.set()
+
+
+@pytest.mark.parametrize("shape", ["many headers", "one value that never ends"])
+def test_a_head_over_its_limit_is_431(shape: str) -> None:
+    with served() as port, _connect(port) as sock:
+        if shape == "many headers":
+            sock.sendall(_get(extra=b"".join(b"X-%d: %s\r\n" % (i, b"y" * 90) for i in range(50))))
+        else:
+            sock.sendall(_get()[:-2] + b"X-Long: ")
+            with contextlib.suppress(OSError):
+                for _ in range(256):  # 16 MiB, as fast as the server takes them
+                    sock.sendall(b"a" * 65536)
+        assert _until_closed(sock).startswith(b"HTTP/1.1 431 ")
+
+
+def test_a_kept_alive_connection_idle_past_its_limit_is_closed() -> None:
+    with served() as port, _connect(port) as sock:
+        sock.sendall(_get())
+        assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
+        assert _until_closed(sock) == b""  # idle_s=1: closed, nothing more said
+
+
+def test_an_answer_before_the_body_is_read_reaches_a_caller_still_sending() -> None:
+    with served() as port, _connect(port) as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 67108864\r\n\r\n")
+        sent = [0]
+
+        def push() -> None:  # 64 MiB the server never asked for
+            with contextlib.suppress(OSError):
+                for _ in range(1024):
+                    sent[0] += sock.send(b"z" * 65536)
+
+        pusher = threading.Thread(target=push, daemon=True)
+        pusher.start()
+        answer = _until_closed(sock)
+        pusher.join(10)
+    assert answer.startswith(b"HTTP/1.1 401 ") and answer.endswith(b"token\n"), answer
+    assert sent[0] < 16 * 1024 * 1024  # cut off after the lingering, not read whole
+
+
+def test_a_pipelined_head_over_the_limit_is_refused_after_the_answer_under_way() -> None:
+    with served() as port, _connect(port) as sock:
+        sock.sendall(_get("/slow") + _get()[:-2] + b"X-Long: ")  # then a value without end
+        with contextlib.suppress(OSError):
+            for _ in range(64):
+                sock.sendall(b"a" * 65536)
+        answers = _until_closed(sock)
+    assert answers.startswith(b"HTTP/1.1 200 ") and b"\r\n\r\n0\n" in answers, answers
+    assert answers.index(b"HTTP/1.1 431 ") > answers.index(b"0\n"), answers
+
+
+def test_bytes_after_an_upgrade_request_end_the_connection_after_its_answer() -> None:
+    with served() as port, _connect(port) as sock:
+        sock.sendall(_get(extra=b"Connection: Upgrade\r\nUpgrade: websocket\r\n"))
+        assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(b"\x81\x05hello")  # a websocket frame: nobody here speaks it
+        assert _until_closed(sock) == b""
+
+
+# -- a head's size, whatever the reads -------------------------------------------------------
+
+
+class _Wire(asyncio.Transport):
+    """The connection's socket, in memory: what the server wrote and whether it closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _answer_to(reads: list[bytes], limits: Limits, answers: int = 1) -> bytes:
+    """What a guarded connection answers to requests arriving in ``reads``."""
+    config = uvicorn.Config(asgiserve.serve_app(app), log_config=None)
+    config.load()
+    connection = asgiserve.guarded(limits)(config, ServerState(), {})
+    wire = _Wire()
+    connection.connection_made(wire)
+    for read in reads:
+        connection.data_received(read)
+    for _ in range(100):  # the application's task runs on this loop
+        if wire.closed or (wire.out.count(b"HTTP/1.1 ") == answers and wire.out.endswith(b"\n")):
+            break
+        await asyncio.sleep(0)
+    connection.connection_lost(None)
+    return bytes(wire.out)
+
+
+def _head_of(size: int) -> bytes:
+    """A request head of exactly ``size`` bytes, its blank line included."""
+    head = _get(extra=b"X-Pad: ")
+    pad = size - len(head) - 2
+    return head[:-2] + b"p" * pad + b"\r\n\r\n"
+
+
+def test_a_head_is_measured_exactly_however_the_reads_split_it() -> None:
+    limit = LIMITS.head_bytes
+    for size, status in ((limit, b"200"), (limit + 1, b"431")):
+        head = _head_of(size)
+        assert len(head) == size
+        splits: list[list[bytes]] = [[head], [b"\r\n" + head]]  # a blank line first is skipped
+        splits += [[head[:at], head[at:]] for at in range(size - 8, size)]  # end split up
+        splits += [[head[:100], head[100:at], head[at:]] for at in range(size - 4, size)]
+        splits += [
+            [head[:at], head[at : at + 1], head[at + 1 :]] for at in range(size - 5, size - 1)
+        ]
+        for reads in splits:
+            answer = asyncio.run(_answer_to(reads, LIMITS))
+            assert answer.startswith(b"HTTP/1.1 " + status), ([len(r) for r in reads], answer)
+
+
+def test_a_head_behind_another_request_in_one_read_is_counted_from_its_next_read() -> None:
+    first = _get()
+    second = _head_of(LIMITS.head_bytes + 1)
+    answer = asyncio.run(_answer_to([first + second[:100], second[100:]], LIMITS, answers=2))
+    assert answer.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 200 " in answer[10:], answer
+    answer = asyncio.run(
+        _answer_to([first + second[:100], second[100:-4], b"p" * 200, second[-4:]], LIMITS)
+    )
+    assert b"HTTP/1.1 431 " in answer, answer  # counted from its second read on: 4,197 bytes
