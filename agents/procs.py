@@ -8,9 +8,9 @@ Every replica and CPU hog is a real OS process that:
   through ctypes, before exec), so even a SIGKILLed agent leaves nothing behind.
 
 One Linux subtlety shapes this module: the "parent" that PDEATHSIG watches is the
-*thread* that forked the child, not the process. Agents handle requests on short-lived
-threads (``ThreadingHTTPServer`` makes one per request), so a child forked there would be
-killed the moment the request finished. All forks therefore go through a single
+*thread* that forked the child, not the process. Agents handle requests on pool threads
+(gRPC's, the Lambdo host's) that may end, so a child forked there would be killed the
+moment its thread did. All forks therefore go through a single
 long-lived spawner thread (:func:`spawn`), which lives as long as the agent process.
 """
 
