@@ -61,7 +61,13 @@ from workers.operations import (
     list_operations,
     operation_view,
 )
-from workers.replicas.views import ReplicaView, get_replica, list_replicas, replica_view
+from workers.replicas.views import (
+    ReplicaView,
+    get_replica,
+    list_replicas,
+    maybes_of,
+    replica_view,
+)
 from workers.store.db import Database, get_database
 from workers.store.models import OP_FINISHED, Operation
 from workers.store.revisions import check_schema, safe_url
@@ -305,9 +311,10 @@ def reconcile(*, settings: Settings | None = None) -> str:
 
 
 def operation(op_id: str, *, settings: Settings | None = None) -> OperationView:
-    """The operation's current record."""
+    """The operation's current record, with what became of its maybes."""
     with database(settings).read() as s:
-        return operation_view(get_operation(s, op_id))
+        op = get_operation(s, op_id)
+        return operation_view(op, maybes_of(s, op.id))
 
 
 def operations(limit: int = 50, *, settings: Settings | None = None) -> list[OperationView]:

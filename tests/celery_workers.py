@@ -26,6 +26,7 @@ from celery.contrib.testing.worker import start_worker
 
 from config.celery import QUEUES
 from tests.fixtures import FAST, Env, _apply
+from workers import clock
 from workers.celery import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,7 @@ def broker_env(
     env.set(eager="0")
     yield env
     env.db.dispose()
+    clock.reset()  # a test that moved time must not move the next one's
 
 
 @pytest.fixture

@@ -131,10 +131,13 @@ class OperationView(TypedDict):
     result: dict[str, Any] | None
     error: str | None
     redrives: int
+    # Its maybes (creates with unknown outcomes, replaced at once), by what became of them:
+    # open, adopted, released, ended (workers.replicas.maybes); shown for one operation.
+    maybes: dict[str, int]
 
 
-def operation_view(op: Operation) -> OperationView:
-    """An operation as the CLI and API show it."""
+def operation_view(op: Operation, maybes: dict[str, int] | None = None) -> OperationView:
+    """An operation as the CLI and API show it (with ``maybes``, its maybes' outcomes)."""
     return {
         "id": op.id,
         "kind": op.kind,
@@ -150,6 +153,7 @@ def operation_view(op: Operation) -> OperationView:
         "result": op.result,
         "error": op.error,
         "redrives": op.redrives,  # times its first task was re-sent (workers.maintenance.redrive)
+        "maybes": maybes or {},
     }
 
 

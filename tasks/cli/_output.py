@@ -117,6 +117,8 @@ def wait_and_report(args: argparse.Namespace, settings: Settings, op_id: str) ->
         line = f"operation {op_id} {view['status']}: {view['done']} done"
         if view["failed"]:
             line += f", {view['failed']} failed"
+        if view["maybes"].get("open"):  # creates with unknown outcomes, replaced at once
+            line += f" ({view['maybes']['open']} maybe(s) still open: see `corral ops {op_id}`)"
         print(line)
         note = ((view.get("result") or {}).get("plan") or {}).get("note")
         if note:

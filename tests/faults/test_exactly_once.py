@@ -26,7 +26,7 @@ from workers import clock
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
 from workers.registry.service import RunningRegistry, serve_registry
-from workers.store.models import LIVE_STATES, ReplicaState
+from workers.store.models import LIVE_STATES, Node, ReplicaState
 
 # Short limits so redelivery happens within a test: a task's creates must end within its
 # soft limit (calls of 2 s), its ownership of a row lapses at its hard limit.
@@ -55,10 +55,13 @@ def _creates(agents: list[RunningAgent]) -> int:
 
 
 def _fleet_agrees(env: Env, agents: list[RunningAgent]) -> None:
-    """Every VM the agents run has exactly one live row, and every live row's VM runs."""
+    """Every VM the agents run has exactly one live row, and every live row's VM runs.
+
+    A maybe (a create whose outcome is unknown) has no VM known; it holds its node slot.
+    """
     running = sorted(vm.vmid for agent in agents for vm in agent.driver.list())
-    live = sorted(str(r.vmid) for r in replicas(env) if r.status in LIVE_STATES)
-    assert running == live
+    live = [r for r in replicas(env) if r.status in LIVE_STATES]
+    assert running == sorted(str(r.vmid) for r in live if r.status != ReplicaState.MAYBE)
     with env.db.read() as s:
         found = audit(s, lock=False)
     assert found.drifts == [], [d.message for d in found.drifts]
@@ -106,49 +109,68 @@ def test_a_spawn_message_delivered_twice_at_once_sends_each_create_once(
 
 @pytest.mark.timeout(150)
 @POOLS
-def test_a_worker_killed_mid_create_leaves_no_orphan_on_seed_agents(
+def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6_vms(
     broker_env: Env,
     start_agents: StartAgents,
     worker_processes: list[WorkerProcess],
     registry: RunningRegistry,
     pool: str,
 ) -> None:
-    _env(broker_env, SHORT)
-    agents = start_agents(2, env=broker_env, seed_only=True, registry=registry.address)
-    for agent in agents:  # the creates take a while; their guests then report READY
-        agent.agent.inject("CreateReplica", *[Fault.delay(2.0)] * 6)
+    """SIGKILLed with 2 creates sent and 6 rows owned (2 calls at a time per node).
+
+    The killed worker had marked its round sent, so the redelivered spawn makes each row a
+    maybe (the seed protocol cannot tell what the agent did) and replaces it at once: 6 of
+    6. The two VMs the creates in flight made say READY before any row could take them,
+    and the registry releases them; the maybes hold their slots until their deadline.
+    """
+    limits = {**SHORT, "CORRAL_NODE_MAX_INFLIGHT": "2"}
+    _env(broker_env, limits)
+    (agent,) = start_agents(1, env=broker_env, seed_only=True, registry=registry.address)
+    agent.agent.inject("CreateReplica", Fault.delay(2.0), Fault.delay(2.0))  # the two sent
     deploy_fn(broker_env)
-    first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT, pool=pool)
+    first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=limits, pool=pool)
     worker_processes.append(first.start())
     op = api.spawn("hello", 6)
-    _wait_for(lambda: _creates(agents) == 6, 20, "every create to reach an agent")
-    first.kill()  # SIGKILL while every create is in flight: their answers are lost
-    second = WorkerProcess(broker_env.tmp, concurrency=2, name="second", extra_env=SHORT, pool=pool)
-    worker_processes.append(second.start())
-    # The agents make the VMs anyway and their guests say READY; no row can take them (the
-    # seed protocol cannot say which request a VM is for), so the registry has them released.
-    made: set[str] = set()
-
-    def all_made() -> bool:
-        made.update(vm.vmid for a in agents for vm in a.driver.list())
-        return len(made) == 6
-
-    _wait_for(all_made, 20, "the agents to finish the creates they were sent")
-    _wait_for(lambda: not any(a.driver.list() for a in agents), 60, "the orphans' release")
-    released = {r.vmid for a in agents for r in a.agent.calls_of("ReleaseVMSetup")}
-    assert made <= released  # each VM went because corral released it
-    assert _creates(agents) == 6, second.tail()  # the redelivery sent nothing again
-    rows = replicas(broker_env)
-    assert {r.status for r in rows} == {ReplicaState.CREATING}
-    # At their deadline the rows end Dead, each giving its slot and count back once.
-    clock.travel(broker_env.settings.creating_deadline_s + 1)
-    reap(broker_env.db, broker_env.settings, holder="t")
-    assert {r.status for r in replicas(broker_env)} == {ReplicaState.DEAD}
-    view = api.wait(op, timeout=10)
-    assert (view["status"], view["done"], view["failed"], view["total"]) == ("failed", 0, 6, 6), (
-        view
+    _wait_for(lambda: _creates([agent]) == 2, 20, "two creates to reach the agent")
+    first.kill()  # their answers are lost; four more rows were owned, their calls not started
+    second = WorkerProcess(
+        broker_env.tmp, concurrency=2, name="second", extra_env=limits, pool=pool
     )
-    _fleet_agrees(broker_env, agents)
+    worker_processes.append(second.start())
+    view = api.wait(op, timeout=60)
+    assert (view["status"], view["done"], view["failed"], view["total"]) == (
+        "succeeded",
+        6,
+        0,
+        6,
+    ), (view, second.tail())
+    rows = replicas(broker_env)
+    idle = {str(r.vmid) for r in rows if r.status == ReplicaState.IDLE}
+    assert len(idle) == 6 and _creates([agent]) == 8
+
+    def six_vms() -> bool:  # the two VMs made for the killed worker's creates are released
+        return {vm.vmid for vm in agent.driver.list()} == idle
+
+    _wait_for(six_vms, 30, "exactly the 6 replicas' VMs to run")
+    released = {r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")}
+    assert len(released) == 2 and not released & idle
+    _fleet_agrees(broker_env, [agent])
+    # The maybes hold their slots (the node never over-commits) until their deadline: this
+    # node's guests report READY (the replacements' did), so the READY window.
+    assert api.operation(op)["maybes"] == {"open": 6}
+
+    def node() -> Node:
+        with broker_env.db.read() as s:
+            return s.scalars(select(Node)).one()
+
+    assert node().live == 12
+    _wait_for(lambda: node().ready_seen_at is not None, 20, "a replacement's READY")
+    settings = broker_env.settings
+    clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
+    reap(broker_env.db, settings, holder="t")
+    assert api.operation(op)["maybes"] == {"ended": 6}
+    assert node().live == 6
+    _fleet_agrees(broker_env, [agent])
 
 
 @pytest.mark.timeout(120)

@@ -5,12 +5,13 @@ The model
 A pass removes three kinds of replica, in this order, at most
 ``CORRAL_REAP_BATCH`` (or ``batch``) of them in total:
 
-* ``stuck`` - rows left past their ``deadline_at`` in Creating, Starting or
-  Deleting (a worker died mid-request, a guest never said READY, a create whose
-  outcome an agent of the seed protocol cannot tell). Creating becomes Dead
-  ("stuck in creating") - never while a live handler still owns its create
+* ``stuck`` - rows left past their ``deadline_at`` in Creating, Starting, Deleting
+  or Maybe (a worker died mid-request, a guest never said READY, a maybe whose VM
+  never showed up: :mod:`workers.replicas.maybes`). Creating becomes Dead ("stuck in
+  creating") - never while a live handler still owns its create
   (:mod:`workers.replicas.owners`); Starting goes through StartingLimit to Dead;
-  Deleting is finished. Their VM, if they have one, is released.
+  Deleting is finished; a maybe ends Dead, giving its slot back. Their VM, if they
+  have one, is released.
 * ``stale`` - Idle replicas of an older build than their function's
   (``build_version`` differs): they are never handed out again.
 * ``idle`` - Idle replicas with no environment in use whose idle time (since
@@ -157,8 +158,13 @@ class _Pass:
     # -- stuck ------------------------------------------------------------------------------
 
     def stuck(self) -> None:
-        """Retire rows past their deadline in Creating, Starting or Deleting."""
-        for state in (ReplicaState.CREATING, ReplicaState.STARTING, ReplicaState.DELETING):
+        """Retire rows past their deadline in Creating, Starting, Deleting or Maybe."""
+        for state in (
+            ReplicaState.CREATING,
+            ReplicaState.STARTING,
+            ReplicaState.DELETING,
+            ReplicaState.MAYBE,
+        ):
             if self.left <= 0:
                 return
             rows = self.s.scalars(
@@ -190,6 +196,8 @@ class _Pass:
                 f"stuck in creating: no answer from the node within "
                 f"{self.settings.creating_deadline_s:g}s"
             )
+        elif state == ReplicaState.MAYBE:
+            error = f"maybe ended: no sign of its VM by its deadline ({replica.error})"
         else:
             transition(self.s, replica, ReplicaState.STARTING_LIMIT, self.settings)
             error = (

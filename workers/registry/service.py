@@ -14,9 +14,13 @@
 * ``UpdateStatus(vmid, READY)`` moves a Starting replica to Idle. It is answered at
   once: a READY for a vmid no row has yet, while a spawn is in flight, is remembered
   (:mod:`workers.replicas.reports`) and applied when the spawn records the VM; with no spawn
-  in flight the VM is an orphan and is answered DESTROY. A remembered READY that no
-  spawn records in time is an orphan too (a create whose answer never reached corral):
-  the registry's sweep has its VM released on the node behind the reporting IP.
+  in flight the VM is an orphan and is answered DESTROY. A READY that can only be a
+  *maybe*'s VM (a create whose answer never reached corral, on an agent that cannot
+  tell) settles that maybe, at once or at a later sweep
+  (:func:`~workers.replicas.reports.ready_of_maybe`): adopted (OK), or released
+  (DESTROY, and a release queued). A remembered READY that nothing takes in time is an
+  orphan too: the registry's sweep has its VM released on the node behind the reporting
+  IP. A READY for a recorded replica marks its node as one whose guests report READY.
 * ``UpdateStatus(vmid, FINISHED)`` gives back the replica's oldest claim and
   answers KEEP_ALIVE, or DESTROY when the replica should go (stale build, more
   replicas than the function's target, node draining); corral then deletes it.
@@ -121,7 +125,10 @@ def _spawns_in_flight(db: Database) -> bool:
         return (
             s.scalar(
                 select(Replica.id)
-                .where(Replica.status == ReplicaState.CREATING, Replica.vmid.is_(None))
+                .where(
+                    Replica.status.in_((ReplicaState.CREATING, ReplicaState.MAYBE)),
+                    Replica.vmid.is_(None),
+                )
                 .limit(1)
             )
             is not None
@@ -261,6 +268,9 @@ class Registry:
         if replica_id is None:
             if status != READY:
                 return KEEP_ALIVE
+            settled = reports.ready_of_maybe(self.db, self.settings, vmid, peer)
+            if settled is not None:
+                return self._settled(settled, vmid)
             self._remember(vmid, peer)
             replica_id = _find_live(self.db, vmid)  # recorded meanwhile?
             if replica_id is None:
@@ -300,10 +310,24 @@ class Registry:
             return
         waiting = reports.apply_reports(self.db, self.settings, vmids)
         self._forget(vmids - waiting)
+        for vmid in waiting:  # a maybe's VM, once nothing else in flight can claim it?
+            with self._lock:
+                caller = self._caller_of.get(vmid, reports.UNKNOWN_PEER)
+            settled = reports.ready_of_maybe(self.db, self.settings, vmid, caller)
+            if settled is not None:
+                self._forget({vmid})
+                self._settled(settled, vmid)
         for orphan in reports.orphans(self.db, self.settings):
             self._forget({orphan.vmid})
             for node_id in orphan.node_ids:
                 self.on_orphan(node_id, orphan.vmid)
+
+    def _settled(self, settled: reports.MaybeVm, vmid: str) -> int:
+        """A READY settled a maybe: OK if its VM was adopted, else DESTROY and release it."""
+        if settled.adopted:
+            return OK
+        self.on_orphan(settled.node_id, vmid)  # also when the agent acts on DESTROY itself
+        return DESTROY
 
     def _forget(self, vmids: set[str]) -> None:
         """Stop remembering these early READYs (applied or expired)."""
@@ -353,6 +377,8 @@ class Registry:
             replica = self._reported(s, replica_id, peer, node_too=True)
             if replica is None:
                 return DESTROY
+            if replica.status != ReplicaState.DELETING:
+                reports.note_ready(s, self.settings, replica)
             if replica.status == ReplicaState.STARTING:
                 readied.functions.add(replica.function.name)
                 timed = stages.ready(s, replica)  # the cold start's READY stage

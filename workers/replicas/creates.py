@@ -16,12 +16,18 @@ then sorts every other answer, in one transaction:
 * a transport error - when it proves nothing was created (a connection refused) or the
   node deduplicates creates, the row is disowned and tried alone again with backoff
   (``spawn_replica``; after its retries :func:`give_up` moves it). Otherwise the create
-  may have been carried out: the row stays as it is, never sent again (see
-  :mod:`workers.replicas.owners` for how such a row ends);
+  may have been carried out: the row becomes a *maybe* and a replacement is placed at
+  once, sent in the next round (:mod:`workers.replicas.maybes`);
 * a create a node that failed too often in this batch was never sent - moved elsewhere
   if another node has room, else tried alone with backoff;
-* a create the budget left unsent, or the soft time limit cut off on a node that
-  deduplicates - left for another ``spawn_batch`` (:class:`Next`).
+* a create the budget left unsent - its sent mark cleared, left for another
+  ``spawn_batch`` (:class:`Next`); one the time limit cut off mid-call - sent again
+  later where the node deduplicates, else a maybe with a replacement.
+
+A round's rows are marked sent (:func:`workers.replicas.owners.mark_sent`) in one
+committed ``UPDATE`` before its first call; a row the mark did not return (another
+delivery of the same message took it back first) is not sent. An exception anywhere
+lets go of every row the handler owns and has not sent (:func:`~workers.replicas.owners.let_go`).
 
 Every write checks the handler's token and the node it sent to, so a row another
 handler took, or one that moved, is never changed by a stale answer.
@@ -47,7 +53,7 @@ from workers.fleet.nodes import note_creates, probation
 from workers.fleet.placement import free_node, reserve_node
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import settle
-from workers.replicas import calls
+from workers.replicas import calls, maybes
 from workers.replicas.lifecycle import (
     SETTLING,
     arrive,
@@ -62,6 +68,8 @@ from workers.replicas.owners import (
     Pending,
     dedups,
     disown,
+    let_go,
+    mark_sent,
     owner_token,
     owns,
     probe_dedup,
@@ -88,12 +96,16 @@ class Next:
     again: list[tuple[str | None, str]] = field(default_factory=list)  # moved, not yet tried
     rest: list[tuple[str | None, str]] = field(default_factory=list)  # unsent: out of time
     tried: dict[str, list[str]] = field(default_factory=dict)  # request id -> nodes failed
+    maybes: list[str] = field(default_factory=list)  # rows made maybes (replica ids)
+    cut: bool = False  # a round was cut short by the task's time: no further round starts
 
     def tally(self) -> dict[str, int]:
-        """How many requests ended in each state."""
+        """How many requests ended in each state (and how many maybes were made)."""
         out: dict[str, int] = defaultdict(int)
         for state in self.states.values():
             out[state] += 1
+        if self.maybes:
+            out["maybes made"] = len(self.maybes)
         return dict(out)
 
 
@@ -121,26 +133,32 @@ def create(  # noqa: PLR0913 - the rows, and the handler's own ones by name
     """
     token = owner.token if owner is not None else owner_token()
     nxt = Next()
-    mine = {p.request_id for p in owned}
-    rest = [r for r in request_ids if r not in mine]
-    todo = [*owned, *_take(db, settings, rest, token, budget, nxt)]
-    for _ in range(MAX_ROUNDS):
-        if not todo:
-            return nxt
-        moved = _round(db, settings, todo, budget, token, nxt)
-        if not moved:
-            return nxt
-        if time.monotonic() >= budget.send_until:
-            break
-        todo = _take(db, settings, moved, token, budget, nxt)
-    else:
-        moved = [p.request_id for p in todo]
+    held: set[str] = {p.replica_id for p in owned}  # rows this handler may own
+    try:
+        mine = {p.request_id for p in owned}
+        rest = [r for r in request_ids if r not in mine]
+        todo = [*owned, *take_to_send(db, settings, rest, token, budget, nxt)]
+        for _ in range(MAX_ROUNDS):
+            if not todo:
+                return nxt
+            held.update(p.replica_id for p in todo)
+            moved = _round(db, settings, todo, budget, token, nxt)
+            if not moved:
+                return nxt
+            if nxt.cut or time.monotonic() >= budget.send_until:
+                break
+            todo = take_to_send(db, settings, moved, token, budget, nxt)
+        else:
+            moved = [p.request_id for p in todo]
+    except BaseException:
+        let_go(db, token, sorted(held))
+        raise
     ops = {p.request_id: p.operation_id for p in todo}  # the round that moved them
     nxt.again += [(ops.get(r), r) for r in moved]  # moved more often than one call tries
     return nxt
 
 
-def _take(  # noqa: PLR0913 - one handler's round
+def take_to_send(  # noqa: PLR0913 - one handler's round
     db: Database,
     settings: Settings,
     request_ids: list[str],
@@ -148,12 +166,48 @@ def _take(  # noqa: PLR0913 - one handler's round
     budget: Budget,
     nxt: Next,
 ) -> list[Pending]:
-    taken = take(db, settings, request_ids, token, budget.own_until())
+    """Take these requests' rows to send (an ambiguous one: a maybe, its replacement taken)."""
+    until = budget.own_until()
+    taken = take(db, settings, request_ids, token, until)
+    pending = taken.pending
+    replaced = replace_ambiguous(db, settings, taken.ambiguous, token, nxt)
+    if replaced:
+        again = take(db, settings, replaced, token, until)
+        pending += again.pending
+        taken.busy += again.busy
     for request_id in taken.busy:
         nxt.states[request_id] = "owned elsewhere"
-    for request_id in taken.unknown:
-        nxt.states[request_id] = "outcome unknown"
-    return taken.pending
+    return pending
+
+
+def replace_ambiguous(
+    db: Database, settings: Settings, ambiguous: Sequence[Pending], token: str, nxt: Next
+) -> list[str]:
+    """Make rows taken after their owner lapsed, sent with an unknown outcome, maybes.
+
+    Returns the request ids whose replacement is placed (to be taken and sent).
+    """
+    if not ambiguous:
+        return []
+    out = _Sorted(ambiguous=[(p, "its owner lapsed after sending it") for p in ambiguous])
+    with db.transaction() as s:
+        lock_for_moves(s, ambiguous)
+        return _replace(s, settings, out, token, nxt)
+
+
+def _replace(s: Session, settings: Settings, out: _Sorted, token: str, nxt: Next) -> list[str]:
+    """Make the sorted ambiguous rows maybes (locks held); the request ids replaced."""
+    replaced = []
+    for p, why in out.ambiguous:
+        outcome = maybes.replace(s, settings, p, token, why, max_placements=MAX_PLACEMENTS)
+        if outcome != "lost":
+            nxt.maybes.append(p.replica_id)
+        if outcome == "replaced":
+            replaced.append(p.request_id)
+        nxt.states[p.request_id] = {"replaced": "maybe, replaced", "maybe": "dead"}.get(
+            outcome, "owned elsewhere"
+        )
+    return replaced
 
 
 @dataclass
@@ -164,6 +218,7 @@ class _Sorted:
     move: list[tuple[Pending, str, bool]] = field(default_factory=list)  # why, a placement?
     elsewhere: list[tuple[Pending, BackendError]] = field(default_factory=list)
     disown: list[Pending] = field(default_factory=list)
+    ambiguous: list[tuple[Pending, str]] = field(default_factory=list)  # sent, unknown: maybes
 
 
 def _round(  # noqa: PLR0913 - one handler's round
@@ -175,6 +230,13 @@ def _round(  # noqa: PLR0913 - one handler's round
     nxt: Next,
 ) -> list[str]:
     """One round: every create at once, VMs recorded as they land; the moved request ids."""
+    marked = mark_sent(db, token, pendings)  # committed before the first call goes out
+    for p in pendings:
+        if p.replica_id not in marked:
+            nxt.states[p.request_id] = "owned elsewhere"  # another delivery took it back
+    pendings = [p for p in pendings if p.replica_id in marked]
+    if not pendings:
+        return []
     nodes = {p.node.id: p.node for p in pendings}
     by_node: dict[Hashable, list[Pending]] = defaultdict(list)
     for p in pendings:
@@ -216,6 +278,7 @@ def _round(  # noqa: PLR0913 - one handler's round
     ran = calls.run(
         settings, budget, by_node, lane_of, call, failed=_blames_node, on_landed=on_landed
     )
+    nxt.cut = nxt.cut or ran.cut
     record(db, settings, ran.landed(), nxt)
     _learn(db, settings, by_node, ran)
     out = _sort(by_node, ran, nxt)
@@ -224,7 +287,7 @@ def _round(  # noqa: PLR0913 - one handler's round
         for key, lane in ran.lanes.items()
         if _needs_note(nodes[str(key)], lane)
     ]
-    if not (notes or out.dead or out.move or out.elsewhere or out.disown):
+    if not (notes or out.dead or out.move or out.elsewhere or out.disown or out.ambiguous):
         return []
     return _settle(db, settings, pendings, notes, out, token, nxt)
 
@@ -275,9 +338,9 @@ def _sort(by_node: dict[Hashable, list[Pending]], ran: calls.Ran[Pending], nxt: 
                     nxt.rest.append((p.operation_id, p.request_id))
                     nxt.states[p.request_id] = "cut off, sent again later"
                 else:
-                    nxt.states[p.request_id] = "outcome unknown"
+                    out.ambiguous.append((p, "cut off by the task's time limit mid-call"))
             elif result is None and (id(p) in late or ran.cut or lane is None):
-                out.disown.append(p)  # never sent: out of time
+                out.disown.append(p)  # never sent: out of time (its sent mark goes)
                 nxt.rest.append((p.operation_id, p.request_id))
                 nxt.states[p.request_id] = "not sent yet"
             elif result is None:  # not sent: the node failed too often in this batch
@@ -300,10 +363,10 @@ def _sort_error(p: Pending, exc: BaseException | None, out: _Sorted, nxt: Next) 
             nxt.states[p.request_id] = "retrying"
             log.warning("spawn %s: %s; retrying it alone", p.request_id, exc)
         else:
-            nxt.states[p.request_id] = "outcome unknown"
+            out.ambiguous.append((p, str(exc)))
             log.warning(
-                "spawn %s: %s; the node may have made the VM and cannot tell: the "
-                "create is not sent again (its row ends at its deadline)",
+                "spawn %s: %s; the node may have made the VM and cannot tell: a maybe, "
+                "replaced at once",
                 p.request_id,
                 exc,
             )
@@ -344,7 +407,16 @@ def record(
     with db.transaction() as s:
         late = _arrivals(s, settings, landed, nxt, readied)
     readied.tell(settings)  # claims waiting on these functions: look now
-    _release_late(settings, late)
+    _release_late(settings, [(p, vm) for p, vm in late if not _kept(db, settings, p, vm, nxt)])
+
+
+def _kept(db: Database, settings: Settings, p: Pending, vm: backends.Vm, nxt: Next) -> bool:
+    """Whether a VM that came too late for its row is kept: its row became a maybe, adopting it."""
+    if nxt.states.get(p.request_id) != ReplicaState.MAYBE.label:
+        return False
+    kept = maybes.settle_vm(db, settings, p.replica_id, vm.vmid, vm.address)
+    nxt.states[p.request_id] = "maybe, adopted" if kept else "maybe, released"
+    return bool(kept)
 
 
 def _arrivals(
@@ -434,6 +506,7 @@ def _settle(  # noqa: PLR0913 - one handler's round
             if why:
                 log.warning("node %s %s", node.name, why)
         disown(s, token, [p.replica_id for p in out.disown])
+        moved += _replace(s, settings, out, token, nxt)
         for p, error in out.dead:
             if _fail(s, settings, p, token, error):
                 nxt.states[p.request_id] = "dead"
@@ -456,7 +529,8 @@ def _settle(  # noqa: PLR0913 - one handler's round
                 nxt.retry.append((p.operation_id, p.request_id, exc, p.node.id))
                 nxt.states[p.request_id] = "retrying"
     for request_id in moved:
-        nxt.states[request_id] = "moved"
+        if nxt.states.get(request_id) != "maybe, replaced":
+            nxt.states[request_id] = "moved"
     return moved
 
 
@@ -527,7 +601,7 @@ def move(  # noqa: PLR0913 - one move's parts, the rest by name
     free_node(s, p.node.id)
     replica.node_id = node.id
     replica.placements += int(counted)
-    replica.owner = replica.owner_until = None
+    replica.owner = replica.owner_until = replica.sent_at = None
     replica.deadline_at = deadline_for(ReplicaState.CREATING, settings, now())
     s.flush()
     log.info("replica %s moved from node %s to %s: %s", replica.id, p.node.name, node.name, error)

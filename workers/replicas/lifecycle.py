@@ -33,6 +33,10 @@ few statements instead of a flush per replica, doing the same bookkeeping:
 * :mod:`workers.replicas.claims` - taking an environment (Idle -> Idle or
   Allocated) and giving one back (-> Idle) are one statement each; a release
   whose replica an operation waits on goes through :func:`transition`;
+* a create whose outcome is unknown becomes a maybe (:func:`workers.replicas.maybes.replace`):
+  it keeps its node slot and GPU, its count passes to the replacement placed with it;
+  a maybe leaves through :func:`transition` (adopted: Idle, counted again; or Dead /
+  Deleted, its slot given back);
 * a spawn's rows past the function's max are inserted Dead
   (:mod:`workers.replicas.spawn`): never counted and never placed, they hold
   nothing to give back, and their part of the operation is settled failed.

@@ -1,39 +1,50 @@
-"""Who may send a replica's create: one owner at a time, and never a blind second send.
+"""Who may send a replica's create: one owner at a time, a "sent" mark, and never a blind resend.
 
 The model
 ---------
 The broker delivers at least once: a message can reach two workers at the same moment,
 come back after its worker was SIGKILLed mid-call, or be re-sent by redrive while a retry
 chain for the same replica still runs. The replica row, not the message, decides who
-sends its create, so every handler of every delivery obeys the same rule:
+sends its create, so every handler of every delivery obeys the same rules:
 
 * **Taking a row.** Before sending a create a handler *takes* the Creating row in a
   committed transaction: one conditional ``UPDATE`` sets ``owner`` (a token of this
   handler) and ``owner_until`` (when its task's hard time limit kills it, on the
-  store's clock: :mod:`workers.clock`), where ``owner`` is NULL - so of two handlers
-  exactly one wins, on SQLite and PostgreSQL alike. A row someone else owns is left to
-  them: a second delivery while the owner lives changes nothing.
-* **"Create sent".** An owner is only ever cleared by the owner itself, and only when
-  the create's outcome is known: its VM recorded (the row leaves Creating), an answer
-  that proves nothing was created (an error reply from the agent, a connection refused
-  before the request went out: the row is *disowned* and may be taken again), or a
-  create never sent (cut by the batch's budget or a failing node). So a row whose owner
-  has lapsed had a create sent whose outcome nobody knows.
-* **No blind re-send.** Such a row is taken over only on a node that deduplicates
-  creates (:func:`dedups`: corral's ``requestId`` extension, known from the node
-  answering ``ListReplicas``; probed once per node and remembered in
-  ``nodes.can_list``): sending the same ``requestId`` again returns the VM the agent
-  already made, or makes the one it never made. On an agent that speaks only the seed
-  protocol the row is never sent again: it keeps its slot and its count until its
-  deadline, when the reaper ends it Dead (giving both back once); a VM that shows up
-  for it reports READY to the registry and, with no row to take it, is released
-  (:mod:`workers.replicas.reports`), or is destroyed by reconcile where the node can
-  list its VMs.
+  store's clock: :mod:`workers.clock`) where no live handler owns it - so of two
+  handlers exactly one wins, on SQLite and PostgreSQL alike. A row someone else owns
+  is left to them: a second delivery while the owner lives changes nothing.
+* **"Sent".** Owning is not sending. Right before a round of calls its owner marks the
+  round's rows sent (``sent_at``: one ``UPDATE`` for the round, conditional on still
+  owning them, committed before any call starts); only the rows that ``UPDATE`` returned
+  are sent. The owner clears the mark of a call it knows never started (cut by the
+  budget, a node that failed too often in the batch) and of an answer that proves
+  nothing was made; an exception anywhere in a batch lets go of every row it owns and has
+  not sent (:func:`let_go`). So a row with no mark was never sent: any handler may take
+  it once its owner lapsed, on every kind of node. A row marked sent whose owner lapsed
+  had a create sent whose outcome nobody knows.
+* **Whose token.** A token is derived from the Celery message it handles (its task id and
+  retry number, plus a nonce per run: :func:`owner_token`). A retry of the task (a higher
+  retry number: the earlier run ended when it asked for the retry) takes back what the
+  earlier run owned, sent or not. A delivery of the same message with the same retry
+  number - a redelivery after a kill, or a second delivery at the same moment - may
+  take back only rows not yet marked sent: the mark is conditional on the owner, so of
+  two runs exactly one marks (and sends) each row, and a row already marked stays its
+  sender's until that owner lapses.
+* **No blind resend.** A sent row whose outcome is unknown is sent again only on a node
+  that deduplicates creates (:func:`dedups`: corral's ``requestId`` extension, known
+  from the node answering ``ListReplicas``; probed once per node and remembered in
+  ``nodes.can_list``): the same ``requestId`` again returns the VM the agent already
+  made. On an agent that speaks only the seed protocol (or a Lambdo host) it is
+  *ambiguous*: :func:`take` hands it back as such, and the caller makes it a *maybe*
+  and places a replacement at once (:mod:`workers.replicas.maybes`).
 * **Fencing.** Every write an owner makes about its create checks its token and the
   node it sent to: moving the row to another node, failing it, disowning it. A VM is
   recorded only on a row still Creating on the node that made it
   (:func:`workers.replicas.lifecycle.arrive`); a late answer for a row that moved or
-  ended is released, so nothing runs without a row.
+  ended is released, and one for a row that became a maybe settles the maybe.
+
+Invariant: a Creating row with no owner has no sent mark (every write that clears the
+owner of a Creating row clears the mark, or moves the row out of Creating).
 
 :class:`Budget` is a handler's time: its calls start only while they can end before the
 task's soft time limit, and its ownership lasts until the hard limit.
@@ -41,6 +52,7 @@ task's soft time limit, and its ownership lasts until the hard limit.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -49,7 +61,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TypeAlias
 
-from sqlalchemy import Row, bindparam, or_, select, update
+from celery import current_task
+from sqlalchemy import Row, and_, bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
@@ -101,9 +114,60 @@ class Budget:
         return now() + timedelta(seconds=left)
 
 
-def owner_token() -> str:
-    """A fresh owner token for one handler's creates."""
-    return uuid.uuid4().hex
+KEY_CHARS = 20  # of a token: the message's key (its Celery task id, hashed)
+RETRY_CHARS = 4  # then its retry number, in hex; the rest is a nonce of this run
+
+
+def owner_token(message: str | None = None, retries: int | None = None) -> str:
+    """A fresh owner token for one handler run of ``message`` (default: the running task's).
+
+    Its key is the message's (the Celery task id: a retry and a redelivery carry the same
+    one), then the retry number, then a nonce; outside a task the key is random.
+    """
+    if message is None:
+        message, found = _current_message()
+        retries = found if retries is None else retries
+    key = hashlib.sha256(message.encode()).hexdigest() if message else uuid.uuid4().hex
+    run = f"{min(max(retries or 0, 0), 16**RETRY_CHARS - 1):0{RETRY_CHARS}x}"
+    return (key[:KEY_CHARS] + run + uuid.uuid4().hex)[:32]
+
+
+def _current_message() -> tuple[str | None, int]:
+    """The Celery task id and retry number of the task this thread runs (None outside one)."""
+    request = getattr(current_task, "request", None) if current_task else None
+    task_id = getattr(request, "id", None)
+    retries = getattr(request, "retries", 0)
+    return (
+        task_id if isinstance(task_id, str) else None,
+        retries if isinstance(retries, int) else 0,
+    )
+
+
+def _retry_of(token: str) -> int:
+    """The retry number a token was made for (-1 when it does not say)."""
+    try:
+        return int(token[KEY_CHARS : KEY_CHARS + RETRY_CHARS], 16)
+    except ValueError:
+        return -1
+
+
+def _reclaim(theirs: str, mine: str, sent: bool) -> str | None:
+    """How ``mine`` may take a row a live ``theirs`` owns: ``earlier``, ``unsent`` or None.
+
+    ``earlier``: the same message's earlier run (it ended when it asked for the retry),
+    or this run itself - whatever it owns. ``unsent``: a run of the same message with the
+    same retry number - only a row it has not marked sent (the mark decides who sends).
+    """
+    if theirs == mine:
+        return "earlier"
+    if theirs[:KEY_CHARS] != mine[:KEY_CHARS]:
+        return None
+    ours, others = _retry_of(mine), _retry_of(theirs)
+    if others < ours:
+        return "earlier"
+    if others == ours and not sent:
+        return "unsent"
+    return None
 
 
 @dataclass(frozen=True)
@@ -124,6 +188,7 @@ class Pending:
     function: Function
     operation_id: str | None  # the operation waiting for this replica
     placements: int = 1  # nodes tried so far, this one included
+    sent: bool = False  # marked sent when taken: its create went out, outcome unknown
 
 
 @dataclass
@@ -132,7 +197,8 @@ class Taken:
 
     pending: list[Pending] = field(default_factory=list)  # now ours, to send
     busy: list[str] = field(default_factory=list)  # another live handler owns them
-    unknown: list[str] = field(default_factory=list)  # sent, outcome unknown, seed protocol
+    # now ours: sent, outcome unknown, on a node that cannot deduplicate (make maybes)
+    ambiguous: list[Pending] = field(default_factory=list)
 
 
 # Built once: the Creating rows of some requests that have no VM yet, with node and function.
@@ -146,6 +212,7 @@ _CANDIDATES = (
         Replica.placements,
         Replica.owner,
         Replica.owner_until,
+        Replica.sent_at,
     )
     .join(Node, Node.id == Replica.node_id)
     .join(Function, Function.id == Replica.function_id)
@@ -155,21 +222,45 @@ _CANDIDATES = (
         Replica.vmid.is_(None),
     )
 )
+_OWNED = (
+    Replica.id.in_(bindparam("ids", expanding=True)),
+    Replica.status == int(ReplicaState.CREATING),
+    Replica.vmid.is_(None),
+)
 _TAKE = (
     update(Replica)
     .where(
-        Replica.id.in_(bindparam("ids", expanding=True)),
-        Replica.status == int(ReplicaState.CREATING),
-        Replica.vmid.is_(None),
-        or_(Replica.owner.is_(None), Replica.owner_until <= bindparam("at")),
+        *_OWNED,
+        or_(
+            Replica.owner.is_(None),
+            Replica.owner_until <= bindparam("at"),
+            Replica.owner.in_(bindparam("earlier", expanding=True)),
+            and_(
+                Replica.owner.in_(bindparam("unsent", expanding=True)),
+                Replica.sent_at.is_(None),
+            ),
+        ),
     )
     .values(owner=bindparam("token"), owner_until=bindparam("until"))
+    .returning(Replica.id)
+    .execution_options(synchronize_session=False)
+)
+_MARK = (
+    update(Replica)
+    .where(*_OWNED, Replica.owner == bindparam("token"))
+    .values(sent_at=bindparam("at"))
     .returning(Replica.id)
     .execution_options(synchronize_session=False)
 )
 _DISOWN = (
     update(Replica)
     .where(Replica.id.in_(bindparam("ids", expanding=True)), Replica.owner == bindparam("token"))
+    .values(owner=None, owner_until=None, sent_at=None)
+    .execution_options(synchronize_session=False)
+)
+_LET_GO = (
+    update(Replica)
+    .where(*_OWNED, Replica.owner == bindparam("token"), Replica.sent_at.is_(None))
     .values(owner=None, owner_until=None)
     .execution_options(synchronize_session=False)
 )
@@ -211,72 +302,105 @@ def probe_dedup(db: Database, settings: Settings, node: Node) -> bool:
 def take(
     db: Database, settings: Settings, request_ids: list[str], token: str, until: datetime
 ) -> Taken:
-    """Own the Creating rows of ``request_ids`` that may be sent now; what became of each.
+    """Own the Creating rows of ``request_ids`` that this handler may take; what became of each.
 
-    Free rows are taken; a row whose owner lapsed is taken over only on a node that
-    deduplicates creates; rows another live handler owns, and rows sent to a
-    seed-protocol node with an unknown outcome, are left alone.
+    A row no live handler owns is taken (one this message's earlier run owned, too); a
+    row another live handler owns is left alone. Of the rows taken, those never sent -
+    or sent to a node that deduplicates creates (probed here the first time) - are to
+    send; those sent to a node that cannot deduplicate are ambiguous.
     """
     out = Taken()
     if not request_ids:
         return out
-    with db.transaction() as s:  # the common case: read and take in one transaction
+    with db.transaction() as s:  # read and take in one transaction
         rows = s.execute(_CANDIDATES, {"request_ids": request_ids}).all()
-        wanted, ask = _sort_candidates(rows, out)
-        won = _take(s, wanted, token, until)
-    # Lapsed owners on nodes not asked yet whether they deduplicate: ask, outside the
-    # transaction; those that do are taken as the others were.
-    for rid, pending in list(ask.items()):
-        if not probe_dedup(db, settings, pending.node):
-            del ask[rid]
-            out.unknown.append(pending.request_id)
-    if ask:
-        with db.transaction() as s:
-            won |= _take(s, ask, token, until)
-        wanted |= ask
+        wanted, earlier, unsent = _sort_candidates(rows, token, out)
+        won = _take(s, wanted, token, until, earlier, unsent)
     for rid, pending in wanted.items():
-        if rid in won:
+        if rid not in won:
+            out.busy.append(pending.request_id)  # taken by another handler meanwhile
+        elif not pending.sent or probe_dedup(db, settings, pending.node):
             out.pending.append(pending)
         else:
-            out.busy.append(pending.request_id)  # taken by another handler meanwhile
+            out.ambiguous.append(pending)
     return out
 
 
 _Candidate: TypeAlias = (
-    "Row[str, str, Node, Function, str | None, int, str | None, datetime | None]"
+    "Row[str, str, Node, Function, str | None, int, str | None, datetime | None, datetime | None]"
 )
 
 
 def _sort_candidates(
-    rows: Sequence[_Candidate], out: Taken
-) -> tuple[dict[str, Pending], dict[str, Pending]]:
-    """The rows to take now, and those to take once their node was asked (:func:`dedups`)."""
+    rows: Sequence[_Candidate], token: str, out: Taken
+) -> tuple[dict[str, Pending], set[str], set[str]]:
+    """The rows to take, and the live owners' tokens they may be taken back from (two kinds)."""
     at = now()
     wanted: dict[str, Pending] = {}
-    ask: dict[str, Pending] = {}
-    for rid, request_id, node, fn, op_id, placements, owner, owner_until in rows:
-        if owner is not None and owner_until is not None and owner_until > at:
-            out.busy.append(request_id)
-            continue
-        pending = Pending(rid, request_id, node, fn, op_id, placements)
-        if owner is None or dedups(node):
-            wanted[rid] = pending
-        elif node.can_list is None and backends.backend(node.kind).keyed_creates:
-            ask[rid] = pending
-        else:
-            out.unknown.append(request_id)
-    return wanted, ask
+    earlier: set[str] = set()
+    unsent: set[str] = set()
+    for rid, request_id, node, fn, op_id, placements, owner, until, sent_at in rows:
+        sent = sent_at is not None
+        if owner is not None and until is not None and until > at:
+            how = _reclaim(owner, token, sent)
+            if how is None:
+                out.busy.append(request_id)
+                continue
+            (earlier if how == "earlier" else unsent).add(owner)
+        wanted[rid] = Pending(rid, request_id, node, fn, op_id, placements, sent=sent)
+    return wanted, earlier, unsent
 
 
-def _take(s: Session, wanted: dict[str, Pending], token: str, until: datetime) -> set[str]:
-    """Own these rows where no live handler does; the ids won."""
+def _take(  # noqa: PLR0913 - one statement's parameters
+    s: Session,
+    wanted: dict[str, Pending],
+    token: str,
+    until: datetime,
+    earlier: set[str],
+    unsent: set[str],
+) -> set[str]:
+    """Own these rows where no live handler does (or one this handler may take back from)."""
     if not wanted:
         return set()
-    return set(s.scalars(_TAKE, {"ids": list(wanted), "at": now(), "token": token, "until": until}))
+    params = {
+        "ids": list(wanted),
+        "at": now(),
+        "token": token,
+        "until": until,
+        "earlier": sorted(earlier),
+        "unsent": sorted(unsent),
+    }
+    return set(s.scalars(_TAKE, params))
+
+
+def mark_sent(db: Database, token: str, pendings: Sequence[Pending]) -> set[str]:
+    """Mark these rows' creates sent, in one committed ``UPDATE``; the ids still ours to send."""
+    if not pendings:
+        return set()
+    with db.transaction() as s:
+        params = {"ids": [p.replica_id for p in pendings], "token": token, "at": now()}
+        return set(s.scalars(_MARK, params))
+
+
+def let_go(db: Database, token: str, replica_ids: Sequence[str]) -> None:
+    """After an exception: give up every one of these rows this handler owns and never sent.
+
+    Best effort (the store may be what failed): a row left owned lapses with its owner.
+    """
+    if not replica_ids:
+        return
+    try:
+        with db.transaction() as s:
+            s.connection().execute(_LET_GO, {"ids": list(replica_ids), "token": token})
+    except Exception as exc:
+        log.warning("could not give up %d unsent row(s): %s", len(replica_ids), exc)
 
 
 def disown(session: Session, token: str, replica_ids: list[str]) -> None:
-    """Give up rows this handler owns whose create was never sent, or proved to make nothing."""
+    """Give up rows this handler owns whose create was never sent, or proved to make nothing.
+
+    Their sent mark goes too: whoever takes them next sends them.
+    """
     if replica_ids:
         session.connection().execute(_DISOWN, {"ids": replica_ids, "token": token})
 

@@ -15,13 +15,22 @@ function answers. Two rules keep those reports honest and cheap:
   transaction; a remembered READY then moves the Starting replica to Idle. A VM
   recorded between the registry's look-up and its write is caught by the registry's
   own sweep (:func:`apply_reports` on the vmids it remembered), so no READY is lost.
-* **Orphans.** A READY that no spawn recorded in time - a create whose answer never
-  reached corral (its worker was killed mid-call, its call timed out) on an agent that
-  cannot tell which request a VM was for - is an orphan VM: :func:`orphans` ends the
-  remembered report with a tombstone (``gone:<vmid>``, which
+* **Maybes.** A READY for a vmid no row has may be the VM of a *maybe* (a create whose
+  answer never reached corral, on an agent that cannot tell which request a VM was for:
+  :mod:`workers.replicas.maybes`). :func:`ready_of_maybe` settles one with it as soon as
+  nothing else can claim the vmid: the reporter speaks for exactly one node with maybes,
+  and no create on it is still in flight. The registry tries at the READY and again at
+  each sweep while the report is remembered.
+* **Orphans.** A READY that no spawn recorded and no maybe took in time is an orphan VM:
+  :func:`orphans` ends the remembered report with a tombstone (``gone:<vmid>``, which
   :func:`~workers.replicas.lifecycle.arrive` honours, so no late answer can still record
   it) and names the nodes behind the reporting IP, whose VM the registry then has
-  released. The replica the VM was made for ends Dead at its creating deadline.
+  released.
+
+Where a READY comes from: a report is *behind* a node when its IP is the node's host, or
+lies in one of the node's configured replica networks (``--replica-network``); a guest's
+own READY (an IP other than its node's) gives its address as well, which adopting a
+maybe's VM needs.
 """
 
 from __future__ import annotations
@@ -33,18 +42,23 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from urllib.parse import unquote
 
-from sqlalchemy import delete, select
+from sqlalchemy import Select, delete, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from netplumb.addresses import host_of
-from workers import stages
+from workers import backends, stages
+from workers.backends import inflight
+from workers.backends.networks import replica_address
 from workers.clock import now
+from workers.errors import BackendError
 from workers.leases import MAX_HOLDER, keyed_name, take
+from workers.replicas import maybes
 from workers.replicas.lifecycle import TOMBSTONE, tombstone_name, transition
 from workers.replicas.notices import Readied
 from workers.store.db import Database
-from workers.store.models import Lease, Node, Replica, ReplicaState
+from workers.store.models import Function, Lease, Node, Replica, ReplicaState
+from workers.untrusted import parse_networks
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +154,15 @@ def apply_early_reports(
         if replica is None:
             continue  # not recorded yet: the report keeps waiting
         session.execute(delete(Lease).where(Lease.name == name))
-        if replica.status != ReplicaState.STARTING:
-            continue
         reporter = holder.partition("|")[0]
         peer = None if reporter == UNKNOWN_PEER else reporter
         if not peer_allowed(peer, replica):
             log.warning(
                 "early READY for %s came from %s, not its replica or node: ignored", vmid, peer
             )
+            continue
+        note_ready(session, settings, replica)
+        if replica.status != ReplicaState.STARTING:
             continue
         if readied is not None:
             readied.functions.add(replica.function.name)
@@ -229,3 +244,104 @@ def orphans(db: Database, settings: Settings, at: datetime | None = None) -> lis
                 ", ".join(behind) or "no node (unknown reporter)",
             )
     return out
+
+
+@dataclass(frozen=True)
+class MaybeVm:
+    """A maybe a READY settled: the node its VM runs on, and whether the VM was adopted."""
+
+    replica_id: str
+    node_id: str
+    adopted: bool  # else: the maybe ended, and the VM is to be released
+
+
+def behind(node: Node, peer: str) -> bool:
+    """Whether a report from ``peer`` (an IP) speaks for ``node``: its host, or its networks."""
+    if peer in address_ips(node.address):
+        return True
+    try:
+        nets = parse_networks(node.replica_networks or [])
+    except ValueError:
+        return False
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return any(ip in net for net in nets)
+
+
+_ANY_MAYBE = select(Replica.id).where(Replica.status == int(ReplicaState.MAYBE)).limit(1)
+
+
+def ready_of_maybe(db: Database, settings: Settings, vmid: str, peer: str | None) -> MaybeVm | None:
+    """Settle a maybe with a READY for ``vmid`` (no row has it), when it can only be the maybe's.
+
+    ``peer`` must speak for exactly one node with maybes (:func:`behind`), and no create
+    on the nodes behind it may still be in flight (marked sent, unanswered: its answer
+    may yet name this vmid). That node's oldest maybe then takes the VM
+    (:func:`workers.replicas.maybes.settle_vm`): adopted when the READY came from the
+    guest's own IP and the function wants one more replica, else ended for its release.
+    None: not now (the caller remembers the READY and asks again).
+    """
+    if not peer or peer == UNKNOWN_PEER:
+        return None
+    with db.read() as s:
+        if s.scalar(_ANY_MAYBE) is None:
+            return None
+        nodes = [n for n in s.scalars(select(Node)) if behind(n, peer)]
+        ids = [n.id for n in nodes]
+        # In this order: a create recorded after the first read is seen by the second.
+        if not ids or s.scalar(_in_flight(ids)) is not None or _recorded(s, vmid):
+            return None
+        found = s.execute(
+            select(Replica.id, Replica.node_id, Function)
+            .join(Function, Function.id == Replica.function_id)
+            .where(Replica.status == int(ReplicaState.MAYBE), Replica.node_id.in_(ids))
+            .order_by(Replica.sent_at, Replica.id)
+        ).all()
+    if not found or len({row[1] for row in found}) != 1:
+        return None  # none, or maybes on several nodes behind one IP: cannot tell whose
+    replica_id, node_id, fn = found[0]
+    node = next(n for n in nodes if n.id == node_id)
+    address = _guest_address(settings, node, fn, peer)
+    adopted = maybes.settle_vm(db, settings, replica_id, vmid, address)
+    return None if adopted is None else MaybeVm(replica_id, node.id, adopted)
+
+
+def _recorded(s: Session, vmid: str) -> bool:
+    """Whether a row has this vmid (its READY is that replica's, not a maybe's)."""
+    return s.scalar(select(Replica.id).where(Replica.vmid == vmid).limit(1)) is not None
+
+
+def _in_flight(node_ids: list[str]) -> Select[str]:
+    """A create on these nodes that went out and is not answered yet (one, if any)."""
+    return (
+        select(Replica.id)
+        .where(
+            Replica.node_id.in_(node_ids),
+            Replica.status == int(ReplicaState.CREATING),
+            Replica.sent_at.is_not(None),
+            Replica.vmid.is_(None),
+        )
+        .limit(1)
+    )
+
+
+def _guest_address(settings: Settings, node: Node, fn: Function, peer: str) -> str | None:
+    """The address of a VM whose guest said READY from ``peer``; None if the agent said it."""
+    if peer in address_ips(node.address):
+        return None  # the node's agent reported: where the VM answers is not known
+    try:
+        return inflight.run(
+            replica_address(backends.target(node), peer, backends.guest_port(fn), settings)
+        )
+    except BackendError as exc:
+        log.warning("READY from %s cannot be its VM's address: %s", peer, exc)
+        return None
+
+
+def note_ready(s: Session, settings: Settings, replica: Replica) -> None:
+    """A recorded replica's READY: its node is one whose guests report (once per node)."""
+    node = replica.node
+    if node is not None and node.ready_seen_at is None:
+        maybes.note_ready_node(s, settings, node.id)

@@ -9,12 +9,13 @@ by every worker process. A batch (:func:`run_batch`):
 
 1. :func:`place` writes its replica rows as Creating - keyed by request id, each with a
    node slot (and GPU) reserved and counted toward the function's max - in one
-   transaction, owned by this handler from the start (no one else can have sent their
-   creates); a redelivered batch finds its rows and writes nothing twice;
+   transaction, owned by this handler from the start and not yet marked sent; a
+   redelivered batch finds its rows and writes nothing twice;
 2. :func:`workers.replicas.creates.create` takes the rows no one else owns (those it
-   wrote are its own already), sends their creates at once and records what came back.
-   A create is sent at most once per row to a node that cannot deduplicate it
-   (:mod:`workers.replicas.owners`).
+   wrote are its own already), marks them sent, sends their creates at once and records
+   what came back. A create is sent at most once per row to a node that cannot
+   deduplicate it (:mod:`workers.replicas.owners`); one whose outcome is unknown there
+   becomes a maybe, replaced at once (:mod:`workers.replicas.maybes`).
 
 A replica whose create hit a transport error is tried alone (``spawn_replica`` ->
 :func:`run_one`, retried with backoff); once its retries are spent :func:`give_up`
@@ -38,7 +39,7 @@ from workers.fleet.placement import reserve_gpu, reserve_node, reserve_nodes, sp
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import mark_running, settle
 from workers.replicas.checks import check_count
-from workers.replicas.creates import Next, create, owned_move
+from workers.replicas.creates import Next, create, owned_move, replace_ambiguous
 from workers.replicas.lifecycle import deadline_for, transition
 from workers.replicas.owners import Budget, Owner, Pending, disown, owner_token, take
 from workers.store.db import Database
@@ -197,12 +198,18 @@ def give_up(  # noqa: PLR0913 - one create's end, where it failed by name
 
     ``failed_on``: the node the create failed on; a replica no longer there was moved
     already (by another delivery of this give-up) and is left alone. ``Next.again``
-    holds the replica when it moved (create it there); otherwise it was marked Dead, or
-    is another handler's now (nothing changed).
+    holds the replica when it moved (create it there) or was replaced (a handler sent it
+    since and died: a maybe now); otherwise it was marked Dead, or is another handler's
+    now (nothing changed).
     """
     nxt = Next()
     token = owner_token()
     taken = take(db, settings, [request_id], token, budget.own_until())
+    if taken.ambiguous:
+        replaced = replace_ambiguous(db, settings, taken.ambiguous, token, nxt)
+        nxt.again += [(p.operation_id, p.request_id) for p in taken.ambiguous]
+        nxt.again = [(op, r) for op, r in nxt.again if r in replaced]
+        return nxt
     if not taken.pending:
         nxt.states[request_id] = "owned elsewhere" if taken.busy else "settled"
         return nxt

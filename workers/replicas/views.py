@@ -18,7 +18,7 @@ class ReplicaView(TypedDict):
     id: str
     function: str
     node: str | None
-    status: str  # the state's label: idle, allocated, creating, ...
+    status: str  # the state's label: idle, allocated, creating, maybe, ...
     status_code: int
     vmid: str | None
     address: str | None
@@ -30,6 +30,8 @@ class ReplicaView(TypedDict):
     gpu_slot: int | None
     error: str | None
     request_id: str
+    maybe_of: str | None  # a maybe's operation (workers.replicas.maybes)
+    sent_at: str | None  # when its create was marked sent
     created_at: str | None
     ready_at: str | None
     last_used_at: str | None
@@ -54,6 +56,8 @@ def replica_view(replica: Replica) -> ReplicaView:
         "gpu_slot": replica.gpu_slot,
         "error": replica.error,
         "request_id": replica.request_id,
+        "maybe_of": replica.maybe_of,
+        "sent_at": iso(replica.sent_at),
         "created_at": iso(replica.created_at),
         "ready_at": iso(replica.ready_at),
         "last_used_at": iso(replica.last_used_at),
@@ -79,3 +83,20 @@ def list_replicas(
     if not include_retired:
         query = query.where(Replica.status.in_(LIVE_STATES))
     return list(session.scalars(query))
+
+
+def maybes_of(s: Session, op_id: str) -> dict[str, int]:
+    """The maybes made for an operation, by what became of them: open, adopted, released, ended."""
+    out: dict[str, int] = {}
+    rows = s.execute(
+        select(Replica.status, Replica.vmid, Replica.address).where(Replica.maybe_of == op_id)
+    )
+    for status, vmid, address in rows:
+        if status == ReplicaState.MAYBE:
+            key = "open"
+        elif address is not None:
+            key = "adopted"  # its VM became an ordinary replica
+        else:
+            key = "released" if vmid is not None else "ended"  # its VM went / never came
+        out[key] = out.get(key, 0) + 1
+    return out

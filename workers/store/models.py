@@ -2,12 +2,14 @@
 
 A *replica* is one microVM (or Lambdo VM) serving a function. Its ``status`` keeps
 the seed's numbers (Idle=0, Allocated=1, Creating=2, Dead=13, Starting=200,
-StartingLimit=210) and adds Deleting=220 and Deleted=230. A replica holds a slot
+StartingLimit=210) and adds Deleting=220, Deleted=230 and Maybe=240. A replica holds a slot
 on its node (``nodes.live``) and, for GPU functions, memory and a worker slot on
 one GPU (``gpus.mem_free_mb`` / ``gpus.slots_free``) exactly while it is *live*
 (any state but Dead and Deleted), and counts toward its function's
 ``replica_count`` (capped at ``max_replicas``) while it is Creating, Starting,
-Idle or Allocated; :mod:`workers.replicas.lifecycle` moves these counters in the
+Idle or Allocated (a *maybe* - a create sent whose outcome is unknown, on a node that
+cannot tell, :mod:`workers.replicas.maybes` - holds its slot but not the count, which
+passed to its replacement); :mod:`workers.replicas.lifecycle` moves these counters in the
 transaction of every state change (:func:`~workers.replicas.lifecycle.transition`, and the
 batch paths it lists). Counters are guarded in the database by CHECK
 constraints and changed only by conditional UPDATEs, so no interleaving of
@@ -71,6 +73,7 @@ class ReplicaState(enum.IntEnum):
     STARTING_LIMIT = 210
     DELETING = 220
     DELETED = 230
+    MAYBE = 240  # a create sent, outcome unknown: its node may run a VM for it
 
     @property
     def label(self) -> str:
@@ -85,6 +88,7 @@ LIVE_STATES: tuple[ReplicaState, ...] = (
     ReplicaState.IDLE,
     ReplicaState.ALLOCATED,
     ReplicaState.DELETING,
+    ReplicaState.MAYBE,
 )
 # States that count toward a function's replica count (scale targets, min/max).
 COUNTED_STATES: tuple[int, ...] = (
@@ -264,6 +268,9 @@ class Node(Named, Base):
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     can_list: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
+    # When a guest of this node first reported READY for a recorded replica (None: never
+    # seen - a maybe there waits for its creating deadline, workers.replicas.maybes).
+    ready_seen_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     # Placement learns (workers.fleet.nodes.note_creates): failed creates in a row, when the
     # last create succeeded (None: never - a new node is on probation), and a quarantine.
     create_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -330,11 +337,15 @@ class Replica(Keyed, Base):
     gpu_slot: Mapped[int | None] = mapped_column(Integer, nullable=True)
     gpu_mem_mb: Mapped[int] = mapped_column(Integer, default=0)
     placements: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
-    # Who has a create out for this row (workers.replicas.owners): a token, and until when
-    # its handler may still write (the task's hard time limit). NULL: no create is out for
-    # the row's current node. Set and lapsed: a create was sent and its outcome is unknown.
+    # Who may send this row's create (workers.replicas.owners): a token, and until when
+    # its handler may still write (the task's hard time limit); NULL: nobody. ``sent_at``:
+    # when its create was marked sent, committed right before the call (NULL: never sent
+    # to the row's current node, so any handler may send it).
     owner: Mapped[str | None] = mapped_column(String(32), nullable=True)
     owner_until: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    sent_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # A maybe's operation: the one its replacement serves (workers.replicas.maybes).
+    maybe_of: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)
     ready_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
@@ -360,6 +371,12 @@ class Replica(Keyed, Base):
         Index("ix_replicas_deadline", "status", "deadline_at"),
         Index("ix_replicas_vmid", "vmid"),
         Index("ix_replicas_op", "operation_id"),
+        Index(
+            "ix_replicas_maybe_of",
+            "maybe_of",
+            sqlite_where=text("maybe_of IS NOT NULL"),
+            postgresql_where=text("maybe_of IS NOT NULL"),
+        ),
         Index(
             "ux_replicas_gpu_slot",
             "gpu_id",

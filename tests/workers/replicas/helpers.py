@@ -1,20 +1,26 @@
-"""Shared helpers for the claims and reaper tests: spawn Idle replicas, races, count RPCs."""
+"""Shared helpers for the replica tests: spawn Idle replicas, races, count RPCs, check counters."""
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from sqlalchemy import select
 
 from agents.fcdaemon import RunningAgent
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn as deploy_fn  # re-exported: tests/gateway imports it here
 from tests.helpers import replicas, spawn_ok
 from workers import leases
+from workers.kinds import OpKind
+from workers.maintenance.audit import audit
+from workers.operations import create_operation
 from workers.replicas.claims import Claimed, NoIdleReplica, claim
+from workers.replicas.spawn import SpawnJob, plan_spawn
 from workers.store.db import Database
-from workers.store.models import Replica, ReplicaState
+from workers.store.models import Node, Replica, ReplicaState
 
 T = TypeVar("T")
 
@@ -95,3 +101,34 @@ def race_for_lease(db: Database, racers: int = 8) -> list[str]:
     """Let ``racers`` threads try to take the lease ``race`` at once; returns the winners."""
     won = at_once(racers, lambda i: f"h{i}" if leases.acquire(db, "race", f"h{i}", 60) else "")
     return [w for w in won if w]
+
+
+def spawn_op(env: Env, count: int, /, **fields: Any) -> tuple[str, str, list[SpawnJob]]:
+    """A spawn of ``hello`` written and planned as its first task does: (op, function, jobs)."""
+    with env.db.transaction() as s:
+        op_id = create_operation(
+            s,
+            OpKind.SPAWN,
+            {"function": "hello", "count": count},
+            function_id=deploy_fn(env, **{"max": 20, **fields}),
+        ).id
+    function_id, jobs = plan_spawn(env.db, op_id)
+    return op_id, function_id, jobs
+
+
+def running(agents: Iterable[RunningAgent]) -> set[str]:
+    """The vmids the agents run."""
+    return {vm.vmid for agent in agents for vm in agent.driver.list()}
+
+
+def no_drift(env: Env) -> None:
+    """Assert that ``corral db check`` finds every counter equal to what the rows say."""
+    with env.db.read() as s:
+        found = audit(s, lock=False)
+    assert found.drifts == [], [d.message for d in found.drifts]
+
+
+def nodes(env: Env) -> dict[str, Node]:
+    """Every node row by name."""
+    with env.db.read() as s:
+        return {n.name: n for n in s.scalars(select(Node))}

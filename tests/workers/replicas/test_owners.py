@@ -11,60 +11,24 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import pytest
-from sqlalchemy import select
 
 from agents.faults import Fault
-from agents.fcdaemon import RunningAgent
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, operation, replicas
-from tests.workers.replicas.helpers import at_once
+from tests.helpers import operation, replicas
+from tests.workers.replicas.helpers import at_once, created, no_drift, nodes, running, spawn_op
 from workers import backends, clock
 from workers.backends import fcdaemon, inflight
 from workers.kinds import OpKind
-from workers.maintenance.audit import audit
-from workers.maintenance.reaper import reap
 from workers.operations import create_operation
+from workers.registry.service import DESTROY, READY, Registry
 from workers.replicas import creates
 from workers.replicas.delete import delete_batch
-from workers.replicas.owners import Budget, Pending, owner_token, take
+from workers.replicas.owners import Budget, Pending, mark_sent, owner_token, take
 from workers.replicas.scale import plan_scale
-from workers.replicas.spawn import give_up, place, plan_spawn, run_batch
+from workers.replicas.spawn import give_up, place, run_batch
 from workers.store.models import Node, ReplicaState
-
-
-def _spawn_op(env: Env, count: int) -> tuple[str, str, list[Any]]:
-    """A spawn operation written and planned as its first task does: (op, function, jobs)."""
-    with env.db.transaction() as s:
-        op_id = create_operation(
-            s,
-            OpKind.SPAWN,
-            {"function": "hello", "count": count},
-            function_id=deploy_fn(env, max=20),
-        ).id
-    function_id, jobs = plan_spawn(env.db, op_id)
-    return op_id, function_id, jobs
-
-
-def _vms(agents: list[RunningAgent]) -> set[str]:
-    return {vm.vmid for agent in agents for vm in agent.driver.list()}
-
-
-def _creates(agents: list[RunningAgent]) -> int:
-    return sum(len(agent.agent.calls_of("CreateReplica")) for agent in agents)
-
-
-def _no_drift(env: Env) -> None:
-    with env.db.read() as s:
-        found = audit(s, lock=False)
-    assert found.drifts == [], [d.message for d in found.drifts]
-
-
-def _nodes(env: Env) -> dict[str, Node]:
-    with env.db.read() as s:
-        return {n.name: n for n in s.scalars(select(Node))}
 
 
 def test_two_deliveries_of_one_batch_at_once_send_each_create_once_to_a_seed_agent(
@@ -73,17 +37,17 @@ def test_two_deliveries_of_one_batch_at_once_send_each_create_once_to_a_seed_age
     agents = start_agents(2, env=corral_env, seed_only=True)
     for agent in agents:  # slow enough that both deliveries are in flight together
         agent.agent.inject("CreateReplica", *[Fault.delay(0.3)] * 6)
-    op_id, fn_id, jobs = _spawn_op(corral_env, 6)
+    op_id, fn_id, jobs = spawn_op(corral_env, 6)
     settings = corral_env.settings
 
     def deliver(_: int) -> creates.Next:
         return run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
 
     first, second = at_once(2, deliver)
-    assert _creates(agents) == 6  # the seed protocol made two VMs per replica before
+    assert created(agents) == 6  # the seed protocol made two VMs per replica before
     rows = replicas(corral_env)
     assert len(rows) == 6 and {r.status for r in rows} == {ReplicaState.IDLE}
-    assert {r.vmid for r in rows} == _vms(agents)
+    assert {r.vmid for r in rows} == running(agents)
     # one delivery sent each create; the other found the row owned and left it alone
     states = [first.states.get(j.request_id) for j in jobs] + [
         second.states.get(j.request_id) for j in jobs
@@ -91,7 +55,7 @@ def test_two_deliveries_of_one_batch_at_once_send_each_create_once_to_a_seed_age
     assert states.count("idle") == 6 and states.count("owned elsewhere") == 6
     op = operation(corral_env, op_id)
     assert (op.status, op.done, op.failed, op.total) == ("succeeded", 6, 0, 6)
-    _no_drift(corral_env)
+    no_drift(corral_env)
 
 
 @pytest.mark.parametrize("seed_only", [True, False], ids=["seed", "extensions"])
@@ -99,12 +63,14 @@ def test_a_create_left_by_a_dead_owner_is_sent_again_only_where_the_node_dedupli
     corral_env: Env, start_agents: StartAgents, seed_only: bool
 ) -> None:
     (agent,) = start_agents(1, env=corral_env, seed_only=seed_only)
-    op_id, fn_id, jobs = _spawn_op(corral_env, 3)
+    op_id, fn_id, jobs = spawn_op(corral_env, 3)
     settings = corral_env.settings
     place(corral_env.db, settings, op_id, fn_id, jobs)
-    # A handler took the rows and its creates reached the agent; then it died (its
-    # ownership has lapsed) before recording anything.
-    dead = take(corral_env.db, settings, [j.request_id for j in jobs], owner_token(), clock.now())
+    # A handler took the rows, marked them sent and its creates reached the agent; then
+    # it died (its ownership has lapsed) before recording anything.
+    token = owner_token()
+    dead = take(corral_env.db, settings, [j.request_id for j in jobs], token, clock.now())
+    assert mark_sent(corral_env.db, token, dead.pending) == {p.replica_id for p in dead.pending}
     for p in dead.pending:
         inflight.run(
             fcdaemon.client(backends.target(p.node), settings).create_replica(
@@ -115,35 +81,52 @@ def test_a_create_left_by_a_dead_owner_is_sent_again_only_where_the_node_dedupli
 
     redelivered = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
     rows = replicas(corral_env)
+    assert set(redelivered.states.values()) == {"idle"}
+    assert operation(corral_env, op_id).status == "succeeded"
     if not seed_only:  # the same requestId again: the agent answers with the VM it made
-        assert set(redelivered.states.values()) == {"idle"}
-        assert _creates([agent]) == 6 and len(agent.driver.list()) == 3
-        assert {r.vmid for r in rows} == _vms([agent])
-        assert operation(corral_env, op_id).status == "succeeded"
-        _no_drift(corral_env)
+        assert created([agent]) == 6 and len(agent.driver.list()) == 3
+        assert {r.vmid for r in rows} == running([agent])
+        no_drift(corral_env)
         return
-    # The seed protocol cannot tell: nothing is sent again, and the rows keep their slot
-    # and count until their deadline ends them Dead, each given back once.
-    assert set(redelivered.states.values()) == {"outcome unknown"}
-    assert _creates([agent]) == 3
-    assert {r.status for r in rows} == {ReplicaState.CREATING}
-    assert _nodes(corral_env)["node1"].live == 3
-    clock.travel(settings.creating_deadline_s + 1)
-    report = reap(corral_env.db, settings, holder="t")
-    assert sorted(d.reason for d in report.deleted) == ["stuck"] * 3
-    rows = replicas(corral_env)
-    assert {r.status for r in rows} == {ReplicaState.DEAD}
-    assert _nodes(corral_env)["node1"].live == 0
-    op = operation(corral_env, op_id)
-    assert (op.status, op.done, op.failed, op.total) == ("failed", 0, 3, 3)
-    _no_drift(corral_env)
+    # The seed protocol cannot tell: each row is a maybe, keeping its slot (not its
+    # count), and a replacement was created at once - never the same create again blindly.
+    assert len(redelivered.maybes) == 3 and created([agent]) == 6
+    maybes = [r for r in rows if r.status == ReplicaState.MAYBE]
+    assert {r.id for r in maybes} == set(redelivered.maybes)
+    assert all(r.vmid is None and r.maybe_of == op_id for r in maybes)
+    assert {r.request_id for r in rows if r.status == ReplicaState.IDLE} == {
+        j.request_id for j in jobs
+    }
+    assert nodes(corral_env)["node1"].live == 6 and len(agent.driver.list()) == 6
+    no_drift(corral_env)
+    # The first VMs now say READY: no create is in flight on their node, so each can
+    # only be a maybe's; the maybe ends and its VM is released.
+    released: list[str] = []
+
+    def release(node_id: str, vmid: str) -> None:
+        with corral_env.db.read() as s:
+            node = s.get(Node, node_id)
+            assert node is not None
+            backends.release_vm(node, vmid, settings)
+        released.append(vmid)
+
+    registry = Registry(corral_env.db, settings, on_orphan=release)
+    orphans = running([agent]) - {r.vmid for r in rows}
+    for vmid in orphans:
+        assert registry.update_status(vmid, READY, peer="127.0.0.1") == DESTROY
+    assert set(released) == orphans
+    idle = {r.vmid for r in replicas(corral_env) if r.status == ReplicaState.IDLE}
+    assert running([agent]) == idle
+    assert {r.status for r in replicas(corral_env) if r.maybe_of} == {ReplicaState.DELETED}
+    assert nodes(corral_env)["node1"].live == 3
+    no_drift(corral_env)
 
 
 def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     a, b = start_agents(2, env=corral_env)
-    op_id, fn_id, jobs = _spawn_op(corral_env, 1)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
     settings = corral_env.settings
     place(corral_env.db, settings, op_id, fn_id, jobs)
     request_id = jobs[0].request_id
@@ -158,7 +141,7 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
         corral_env.db, settings, [request_id], fresh_token, Budget.of(settings).own_until()
     ).pending
     first = stale.node.name
-    assert _nodes(corral_env)[first].live == 1
+    assert nodes(corral_env)[first].live == 1
 
     def moves(p: Pending, token: str) -> str:
         with corral_env.db.transaction() as s:
@@ -166,11 +149,11 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
             return creates.move(s, settings, p, token, "INTERNAL: boom", counted=True)
 
     assert moves(stale, stale_token) == "lost"  # not its row any more: nothing changes
-    assert _nodes(corral_env)[first].live == 1
+    assert nodes(corral_env)[first].live == 1
     assert moves(fresh, fresh_token) == "moved"
     assert moves(fresh, fresh_token) == "lost"  # its create on the first node is over
     assert moves(stale, stale_token) == "lost"
-    live = {name: n.live for name, n in _nodes(corral_env).items()}
+    live = {name: n.live for name, n in nodes(corral_env).items()}
     assert live == {first: 0, ("node2" if first == "node1" else "node1"): 1}
     # a VM the first node makes now, for the stale create, finds the row elsewhere
     vm = inflight.run(
@@ -184,15 +167,15 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     assert row.status == ReplicaState.CREATING and row.vmid is None
     assert row.node_id != stale.node.id and row.placements == 2
     assert a.driver.list() == [] or b.driver.list() == []  # the late VM was released
-    assert _vms([a, b]) == set()
-    _no_drift(corral_env)
+    assert running([a, b]) == set()
+    no_drift(corral_env)
 
 
-def test_concurrent_give_ups_move_the_replica_once_and_leave_no_drift(
+def test_concurrent_give_ups_move_the_replica_once_and_leaveno_drift(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     start_agents(3, env=corral_env)
-    op_id, fn_id, jobs = _spawn_op(corral_env, 1)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
     settings = corral_env.settings
     place(corral_env.db, settings, op_id, fn_id, jobs)
     request_id = jobs[0].request_id
@@ -215,15 +198,15 @@ def test_concurrent_give_ups_move_the_replica_once_and_leave_no_drift(
     assert sum(len(nxt.again) for nxt in outcomes) == 1
     (row,) = replicas(corral_env)
     assert row.placements == 2 and row.status == ReplicaState.CREATING
-    assert sum(n.live for n in _nodes(corral_env).values()) == 1
-    _no_drift(corral_env)
+    assert sum(n.live for n in nodes(corral_env).values()) == 1
+    no_drift(corral_env)
 
 
 def test_a_delete_batch_delivered_twice_counts_each_replica_once(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     (agent,) = start_agents(1, env=corral_env)
-    op_id, fn_id, jobs = _spawn_op(corral_env, 3)
+    op_id, fn_id, jobs = spawn_op(corral_env, 3)
     settings = corral_env.settings
     run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
     with corral_env.db.transaction() as s:
@@ -255,4 +238,4 @@ def test_a_delete_batch_delivered_twice_counts_each_replica_once(
     assert (op.status, op.done, op.failed, op.total) == ("succeeded", 3, 0, 3)
     assert {r.status for r in replicas(corral_env)} == {ReplicaState.DELETED}
     assert agent.driver.list() == [] and slow_vmid
-    _no_drift(corral_env)
+    no_drift(corral_env)

@@ -1,0 +1,292 @@
+"""The "sent" mark and maybes: a create goes out again only if it never went, and an ambiguous
+answer never parks its request.
+
+Each test drives the production path (``spawn.run_batch`` / ``creates.create``, the reaper,
+the registry's ``UpdateStatus`` logic) against real gRPC agents on loopback that speak only
+the seed protocol (no ``requestId``, no ``ListReplicas``: a create sent twice makes two VMs),
+on SQLite and PostgreSQL, and checks what the agents run against the rows and counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import pytest
+from sqlalchemy import select, update
+
+from agents.faults import Fault
+from agents.fcdaemon import RunningAgent
+from tasks import api
+from tests.eventually import eventually
+from tests.fixtures import Env, StartAgents
+from tests.helpers import operation, replicas
+from tests.workers.replicas.helpers import at_once, created, no_drift, nodes, running, spawn_op
+from workers import backends, clock
+from workers.backends import fcdaemon, inflight, networks
+from workers.maintenance.reaper import reap
+from workers.registry.service import OK, READY, Registry
+from workers.replicas import creates
+from workers.replicas.owners import Budget, Owner, disown, mark_sent, owner_token, take
+from workers.replicas.spawn import SpawnJob, place, run_batch
+from workers.store.models import Function, Node, Replica, ReplicaState
+
+UNAVAILABLE = Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")  # the agent did nothing
+
+
+def _maybes(env: Env) -> list[Replica]:
+    return [r for r in replicas(env) if r.status == ReplicaState.MAYBE]
+
+
+def _idle(env: Env) -> list[Replica]:
+    return [r for r in replicas(env) if r.status == ReplicaState.IDLE]
+
+
+def _releaser(env: Env, released: list[str]) -> Callable[[str, str], None]:
+    """What the registry does with a VM to release: release it on its node, and note it."""
+
+    def release(node_id: str, vmid: str) -> None:
+        with env.db.read() as s:
+            node = s.get(Node, node_id)
+            assert node is not None
+            backends.release_vm(node, vmid, env.settings)
+        released.append(vmid)
+
+    return release
+
+
+def test_a_row_owned_but_never_marked_sent_is_sent_by_the_next_handler(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    op_id, fn_id, jobs = spawn_op(corral_env, 3)
+    settings = corral_env.settings
+    place(corral_env.db, settings, op_id, fn_id, jobs)
+    # a handler took the rows and died before marking them sent (its ownership lapsed)
+    dead = take(corral_env.db, settings, [j.request_id for j in jobs], owner_token(), clock.now())
+    assert len(dead.pending) == 3 and created([agent]) == 0
+
+    nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    assert set(nxt.states.values()) == {"idle"} and nxt.maybes == []
+    assert created([agent]) == 3 and running([agent]) == {r.vmid for r in _idle(corral_env)}
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed) == ("succeeded", 3, 0)
+    no_drift(corral_env)
+
+
+def test_an_ambiguous_answer_from_a_seed_agent_makes_a_maybe_replaced_at_once(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    agent.agent.inject("CreateReplica", UNAVAILABLE, UNAVAILABLE)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+
+    nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    assert nxt.states == {jobs[0].request_id: "idle"} and len(nxt.maybes) == 2
+    assert created([agent]) == 3 and len(running([agent])) == 1
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed, op.total) == ("succeeded", 1, 0, 1)
+    (replica,) = _idle(corral_env)
+    assert replica.request_id == jobs[0].request_id and replica.placements == 3
+    maybes = _maybes(corral_env)
+    assert {r.id for r in maybes} == set(nxt.maybes)
+    assert all(r.vmid is None and r.maybe_of == op_id for r in maybes)
+    assert all(r.request_id.startswith(f"{jobs[0].request_id}~") for r in maybes)
+    # each maybe keeps its slot on the node; only the replica counts toward the function
+    assert nodes(corral_env)["node1"].live == 3
+    with corral_env.db.read() as s:
+        assert s.scalar(select(Function.replica_count).where(Function.id == fn_id)) == 1
+    no_drift(corral_env)
+    # `corral ops OP` and `corral replicas` show them as such
+    assert api.operation(op_id, settings=settings)["maybes"] == {"open": 2}
+    assert sorted(r["status"] for r in api.replicas("hello", settings=settings)) == [
+        "idle",
+        "maybe",
+        "maybe",
+    ]
+    # This node's guests were never seen to report READY: its maybes wait for the creating
+    # deadline, then end Dead, each giving its slot back once.
+    clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
+    reap(corral_env.db, settings, holder="t")
+    assert len(_maybes(corral_env)) == 2
+    clock.travel(settings.creating_deadline_s)
+    reap(corral_env.db, settings, holder="t")
+    assert _maybes(corral_env) == []
+    assert {r.status for r in replicas(corral_env) if r.maybe_of} == {ReplicaState.DEAD}
+    assert nodes(corral_env)["node1"].live == 1
+    assert api.operation(op_id, settings=settings)["maybes"] == {"ended": 2}
+    no_drift(corral_env)
+
+
+def test_a_maybe_on_a_node_whose_guests_report_ready_waits_only_as_long_as_a_ready_would(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    agent.agent.inject("CreateReplica", UNAVAILABLE)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    (maybe,) = _maybes(corral_env)
+    (replica,) = _idle(corral_env)
+    assert nodes(corral_env)["node1"].ready_seen_at is None
+    # the replacement's guest says READY: the node is one whose guests report, and the
+    # maybe made before anyone knew waits no longer than a READY would
+    registry = Registry(corral_env.db, settings)
+    assert registry.update_status(str(replica.vmid), READY, peer="127.0.0.1") == OK
+    assert nodes(corral_env)["node1"].ready_seen_at is not None
+    clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
+    reap(corral_env.db, settings, holder="t")
+    (ended,) = [r for r in replicas(corral_env) if r.id == maybe.id]
+    assert ended.status == ReplicaState.DEAD and "maybe ended" in str(ended.error)
+    assert nodes(corral_env)["node1"].live == 1
+    assert operation(corral_env, op_id).status == "succeeded"
+    no_drift(corral_env)
+
+
+def _lost_answer(env: Env, agent: RunningAgent, count: int) -> tuple[str, str, str]:
+    """A spawn of ``count`` whose first create's answer is lost (the agent makes the VM after
+    corral's deadline): (operation, function, the VM no row has) once the agent made it."""
+    env.set(create_timeout_s="1")
+    agent.agent.inject("CreateReplica", Fault.delay(2.0))
+    op_id, fn_id, jobs = spawn_op(env, count)
+    nxt = run_batch(env.db, env.settings, op_id, fn_id, jobs, Budget.of(env.settings))
+    assert set(nxt.states.values()) == {"idle"} and len(nxt.maybes) == 1, [
+        (r.status, r.error) for r in replicas(env)
+    ]
+    eventually(lambda: len(running([agent])) == count + 1, 10, "the agent to make the late VM")
+    (extra,) = running([agent]) - {r.vmid for r in _idle(env)}
+    return op_id, fn_id, extra
+
+
+def test_a_ready_that_can_only_be_the_maybes_ends_it_and_releases_its_vm(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    op_id, fn_id, vmid = _lost_answer(corral_env, agent, 2)
+    settings = corral_env.settings
+    assert operation(corral_env, op_id).status == "succeeded"
+    # another create on the node is in flight: its answer might yet name this vmid
+    token = owner_token()
+    place(corral_env.db, settings, None, fn_id, [SpawnJob("other")])
+    (other,) = take(
+        corral_env.db, settings, ["other"], token, Budget.of(settings).own_until()
+    ).pending
+    assert mark_sent(corral_env.db, token, [other]) == {other.replica_id}
+    released: list[str] = []
+    registry = Registry(corral_env.db, settings, on_orphan=_releaser(corral_env, released))
+    assert registry.update_status(vmid, READY, peer="127.0.0.1") == OK  # remembered
+    assert len(_maybes(corral_env)) == 1 and released == []
+    with corral_env.db.transaction() as s:  # that create proved to make nothing
+        disown(s, token, [other.replica_id])
+    registry.sweep()
+    assert released == [vmid] and vmid not in running([agent])
+    assert running([agent]) == {r.vmid for r in _idle(corral_env)}
+    (settled,) = [r for r in replicas(corral_env) if r.maybe_of == op_id]
+    assert (settled.status, settled.vmid) == (ReplicaState.DELETED, vmid)
+    assert api.operation(op_id, settings=settings)["maybes"] == {"released": 1}
+    no_drift(corral_env)
+
+
+def test_a_ready_from_the_maybes_own_guest_is_adopted_when_the_function_wants_it(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    with corral_env.db.transaction() as s:  # its guests report from their own network
+        s.execute(update(Node).values(replica_networks=["127.0.0.1/32", "10.77.0.0/24"]))
+    networks.forget()
+    op_id, _, vmid = _lost_answer(corral_env, agent, 1)
+    settings = corral_env.settings
+    with corral_env.db.transaction() as s:  # a scale wants two of them now
+        s.execute(update(Function).values(target=2))
+    released: list[str] = []
+    registry = Registry(corral_env.db, settings, on_orphan=_releaser(corral_env, released))
+    assert registry.update_status(vmid, READY, peer="10.77.0.9") == OK
+    (adopted,) = [r for r in replicas(corral_env) if r.maybe_of == op_id]
+    assert (adopted.status, adopted.vmid) == (ReplicaState.IDLE, vmid)
+    assert adopted.address == "http://10.77.0.9:8080" and released == []
+    assert running([agent]) == {r.vmid for r in _idle(corral_env)}
+    with corral_env.db.read() as s:
+        assert s.scalar(select(Function.replica_count)) == 2
+    assert api.operation(op_id, settings=settings)["maybes"] == {"adopted": 1}
+    no_drift(corral_env)
+
+
+def test_a_retry_of_the_same_message_takes_back_what_its_earlier_run_left(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    op_id, fn_id, jobs = spawn_op(corral_env, 2)
+    settings = corral_env.settings
+    ids = [j.request_id for j in jobs]
+    until = Budget.of(settings).own_until()  # the earlier run ended without giving them up
+    earlier = owner_token("message-1", 0)
+    written = place(corral_env.db, settings, op_id, fn_id, jobs, owner=Owner(earlier, until))
+    sent = next(p for p in written if p.request_id == ids[0])
+    assert mark_sent(corral_env.db, earlier, [sent]) == {sent.replica_id}
+    inflight.run(  # its one create went out and made a VM; its answer was lost
+        fcdaemon.client(backends.target(sent.node), settings).create_replica(
+            fcdaemon.create_request(sent.function, sent.request_id, settings)
+        )
+    )
+    # a handler of another message leaves both alone: their owner lives
+    other = take(corral_env.db, settings, ids, owner_token("message-2", 0), until)
+    assert sorted(other.busy) == sorted(ids) and other.pending == other.ambiguous == []
+    # a second delivery of the same message takes back only the row never sent
+    again = take(corral_env.db, settings, ids, owner_token("message-1", 0), until)
+    assert [p.request_id for p in again.pending] == [ids[1]] and again.busy == [ids[0]]
+    # its retry takes back everything: the sent row, ambiguous here, becomes a maybe
+    retry = Owner(owner_token("message-1", 1), until)
+    nxt = creates.create(corral_env.db, settings, ids, Budget.of(settings), owner=retry)
+    assert nxt.states == dict.fromkeys(ids, "idle") and len(nxt.maybes) == 1
+    assert created([agent]) == 3 and len(running([agent])) == 3
+    assert operation(corral_env, op_id).status == "succeeded"
+    no_drift(corral_env)
+
+
+def test_two_runs_of_one_message_at_once_send_each_create_once(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents = start_agents(2, env=corral_env, seed_only=True)
+    for agent in agents:  # slow enough that both runs overlap
+        agent.agent.inject("CreateReplica", *[Fault.delay(0.3)] * 6)
+    op_id, fn_id, jobs = spawn_op(corral_env, 6)
+    settings = corral_env.settings
+
+    def deliver(_: int) -> creates.Next:
+        owner = Owner(owner_token("message-1", 0), Budget.of(settings).own_until())
+        written = place(corral_env.db, settings, op_id, fn_id, jobs, owner=owner)
+        ids = [j.request_id for j in jobs]
+        return creates.create(
+            corral_env.db, settings, ids, Budget.of(settings), owner=owner, owned=written
+        )
+
+    at_once(2, deliver)
+    assert created(agents) == 6
+    assert {r.status for r in replicas(corral_env)} == {ReplicaState.IDLE}
+    assert running(agents) == {r.vmid for r in replicas(corral_env)}
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed) == ("succeeded", 6, 0)
+    no_drift(corral_env)
+
+
+def test_an_exception_in_a_batch_lets_go_of_the_rows_it_never_sent(
+    corral_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    op_id, fn_id, jobs = spawn_op(corral_env, 3)
+    settings = corral_env.settings
+
+    def store_gone(*_: object) -> set[str]:
+        raise RuntimeError("the store went away")
+
+    monkeypatch.setattr(creates, "mark_sent", store_gone)
+    with pytest.raises(RuntimeError, match="store went away"):
+        run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    rows = replicas(corral_env)
+    assert {(r.status, r.owner, r.sent_at) for r in rows} == {(ReplicaState.CREATING, None, None)}
+    monkeypatch.undo()
+    # nothing was sent: the next handler sends them at once, on a seed agent too
+    nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    assert set(nxt.states.values()) == {"idle"} and created([agent]) == 3
+    no_drift(corral_env)
