@@ -15,12 +15,11 @@
   once: a READY for a vmid no row has yet, while a spawn is in flight, is remembered
   (:mod:`workers.replicas.reports`) and applied when the spawn records the VM; with no spawn
   in flight the VM is an orphan and is answered DESTROY. A READY that can only be a
-  *maybe*'s VM (a create whose answer never reached corral, on an agent that cannot
-  tell) settles that maybe, at once or at a later sweep
+  *maybe*'s VM settles that maybe, at once or at a later sweep
   (:func:`~workers.replicas.reports.ready_of_maybe`): adopted (OK), or released
-  (DESTROY, and a release queued). A remembered READY that nothing takes in time is an
-  orphan too: the registry's sweep has its VM released on the node behind the reporting
-  IP. A READY for a recorded replica marks its node as one whose guests report READY.
+  (DESTROY, and a release queued). A remembered READY nothing takes in time is an
+  orphan too: the sweep has its VM released on the node behind the reporting IP. A
+  READY for a recorded replica marks its node as one whose guests report READY.
 * ``UpdateStatus(vmid, FINISHED)`` gives back the replica's oldest claim and
   answers KEEP_ALIVE, or DESTROY when the replica should go (stale build, more
   replicas than the function's target, node draining); corral then deletes it.

@@ -41,26 +41,21 @@ from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers import backends, stages
 from workers.backends import inflight
-from workers.clock import now
-from workers.errors import BackendError, CapacityError, PermanentBackendError
+from workers.errors import BackendError, PermanentBackendError
 from workers.fleet.nodes import note_creates, probation
-from workers.fleet.placement import free_node, reserve_node
-from workers.locks import lock_gpus, lock_nodes
 from workers.operations import settle
 from workers.replicas import calls, maybes
 from workers.replicas.lifecycle import (
     SETTLING,
     arrive,
-    deadline_for,
     lock_replica,
-    transition,
 )
+from workers.replicas.moves import MAX_PLACEMENTS, fail, lock_for_moves, move
 from workers.replicas.notices import Readied
 from workers.replicas.owners import (
     Budget,
@@ -71,17 +66,15 @@ from workers.replicas.owners import (
     let_go,
     mark_sent,
     owner_token,
-    owns,
     probe_dedup,
     take,
 )
 from workers.replicas.reports import apply_early_reports
 from workers.store.db import Database
-from workers.store.models import Function, Node, ReplicaState
+from workers.store.models import Node, ReplicaState
 
 log = logging.getLogger(__name__)
 
-MAX_PLACEMENTS = 3  # nodes a replica is tried on before it is marked Dead
 REQUEST_ERRORS = ("INVALID_ARGUMENT", "400")  # the request's fault, not the node's
 MAX_ROUNDS = 2 * MAX_PLACEMENTS  # rounds of creates one call makes (moves start a new one)
 
@@ -508,7 +501,7 @@ def _settle(  # noqa: PLR0913 - one handler's round
         disown(s, token, [p.replica_id for p in out.disown])
         moved += _replace(s, settings, out, token, nxt)
         for p, error in out.dead:
-            if _fail(s, settings, p, token, error):
+            if fail(s, settings, p, token, error):
                 nxt.states[p.request_id] = "dead"
         for p, error, counted in out.move:
             tried = nxt.tried.setdefault(p.request_id, [])
@@ -532,87 +525,3 @@ def _settle(  # noqa: PLR0913 - one handler's round
         if nxt.states.get(request_id) != "maybe, replaced":
             nxt.states[request_id] = "moved"
     return moved
-
-
-def lock_for_moves(s: Session, pendings: Sequence[Pending]) -> None:
-    """Lock what moving replicas touches, in the one order (workers.locks).
-
-    Their functions, then every node (and GPU) of their backends; the replica rows
-    themselves are locked one by one after these (:func:`move`, :func:`_fail`).
-    """
-    fn_ids = sorted({p.function.id for p in pendings})
-    s.execute(
-        select(Function.id)
-        .where(Function.id.in_(fn_ids))
-        .order_by(Function.name)
-        .with_for_update(key_share=True)
-    ).all()
-    for kind in sorted({p.node.kind for p in pendings}):
-        lock_nodes(s, kind)
-    if any(p.function.gpu_mem_mb for p in pendings):
-        lock_gpus(s)
-
-
-def _fail(s: Session, settings: Settings, p: Pending, token: str, error: str) -> bool:
-    """End a row this handler owns Dead; False if it is no longer ours to end."""
-    replica = lock_replica(s, p.replica_id)
-    if replica is None or not owns(replica, token, p.node.id):
-        return False
-    transition(s, replica, ReplicaState.DEAD, settings, error=error)
-    return True
-
-
-def move(  # noqa: PLR0913 - one move's parts, the rest by name
-    s: Session,
-    settings: Settings,
-    p: Pending,
-    token: str,
-    error: str,
-    *,
-    counted: bool,
-    avoid: Sequence[str] = (),
-    or_stay: bool = False,
-) -> str:
-    """Move a row this handler owns off the node that failed its create (and ``avoid``).
-
-    Returns ``moved`` (on another node, disowned: nothing was sent there yet), ``dead``
-    (tried on enough nodes, or no other node has room), ``stay`` (with ``or_stay`` and
-    no other node: nothing changed), or ``lost`` (no longer this handler's row on that
-    node: another handler took it, or it moved or ended; nothing changed). Only the
-    owner of the create on the row's current node frees that node's slot, once.
-    """
-    replica = lock_replica(s, p.replica_id)
-    if replica is None or not owns(replica, token, p.node.id):
-        return "lost"
-    if counted and replica.placements >= MAX_PLACEMENTS:
-        tried = f" (tried on {replica.placements} nodes)" if replica.placements > 1 else ""
-        transition(s, replica, ReplicaState.DEAD, settings, error=f"{error}{tried}")
-        return "dead"
-    fn = replica.function
-    try:
-        node = reserve_node(s, fn, fn.placement or settings.placement, avoid=[p.node.id, *avoid])
-    except CapacityError as exc:
-        if or_stay:
-            return "stay"
-        transition(
-            s, replica, ReplicaState.DEAD, settings, error=f"{error}; no other node to try ({exc})"
-        )
-        return "dead"
-    free_node(s, p.node.id)
-    replica.node_id = node.id
-    replica.placements += int(counted)
-    replica.owner = replica.owner_until = replica.sent_at = None
-    replica.deadline_at = deadline_for(ReplicaState.CREATING, settings, now())
-    s.flush()
-    log.info("replica %s moved from node %s to %s: %s", replica.id, p.node.name, node.name, error)
-    return "moved"
-
-
-def owned_move(db: Database, settings: Settings, p: Pending, token: str, error: str) -> bool:
-    """Move a row this handler owns after its retries are spent; True when it moved."""
-    with db.transaction() as s:
-        lock_for_moves(s, [p])
-        why = note_creates(s, settings, p.node.id, [error])
-        if why:
-            log.warning("node %s %s", p.node.name, why)
-        return move(s, settings, p, token, error, counted=True) == "moved"

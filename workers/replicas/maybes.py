@@ -101,7 +101,7 @@ def replace(  # noqa: PLR0913 - one row's replacement, its cap by name
 ) -> str:
     """Make a row this handler owns, sent with an unknown outcome, a maybe; place its replacement.
 
-    The caller holds the locks of a move (:func:`workers.replicas.creates.lock_for_moves`).
+    The caller holds the locks of a move (:func:`workers.replicas.moves.lock_for_moves`).
     Returns ``replaced`` (a new Creating row has the request id, unowned, to be sent),
     ``maybe`` (no replacement: the request's part failed) or ``lost`` (not this handler's
     row on that node any more: nothing changed).

@@ -39,8 +39,9 @@ from workers.fleet.placement import reserve_gpu, reserve_node, reserve_nodes, sp
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import mark_running, settle
 from workers.replicas.checks import check_count
-from workers.replicas.creates import Next, create, owned_move, replace_ambiguous
+from workers.replicas.creates import Next, create, replace_ambiguous
 from workers.replicas.lifecycle import deadline_for, transition
+from workers.replicas.moves import owned_move
 from workers.replicas.owners import Budget, Owner, Pending, disown, owner_token, take
 from workers.store.db import Database
 from workers.store.models import (

@@ -23,7 +23,7 @@ from workers.backends import fcdaemon, inflight
 from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.registry.service import DESTROY, READY, Registry
-from workers.replicas import creates
+from workers.replicas import creates, moves
 from workers.replicas.delete import delete_batch
 from workers.replicas.owners import Budget, Pending, mark_sent, owner_token, take
 from workers.replicas.scale import plan_scale
@@ -143,16 +143,16 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     first = stale.node.name
     assert nodes(corral_env)[first].live == 1
 
-    def moves(p: Pending, token: str) -> str:
+    def move(p: Pending, token: str) -> str:
         with corral_env.db.transaction() as s:
-            creates.lock_for_moves(s, [p])
-            return creates.move(s, settings, p, token, "INTERNAL: boom", counted=True)
+            moves.lock_for_moves(s, [p])
+            return moves.move(s, settings, p, token, "INTERNAL: boom", counted=True)
 
-    assert moves(stale, stale_token) == "lost"  # not its row any more: nothing changes
+    assert move(stale, stale_token) == "lost"  # not its row any more: nothing changes
     assert nodes(corral_env)[first].live == 1
-    assert moves(fresh, fresh_token) == "moved"
-    assert moves(fresh, fresh_token) == "lost"  # its create on the first node is over
-    assert moves(stale, stale_token) == "lost"
+    assert move(fresh, fresh_token) == "moved"
+    assert move(fresh, fresh_token) == "lost"  # its create on the first node is over
+    assert move(stale, stale_token) == "lost"
     live = {name: n.live for name, n in nodes(corral_env).items()}
     assert live == {first: 0, ("node2" if first == "node1" else "node1"): 1}
     # a VM the first node makes now, for the stale create, finds the row elsewhere
