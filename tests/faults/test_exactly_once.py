@@ -11,21 +11,23 @@ the operation ended with counts that match what happened to its replicas.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
+from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
 from tasks import api
 from tests.celery_workers import WorkerProcess
+from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
 from workers import clock
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
-from workers.registry.service import RunningRegistry, serve_registry
+from workers.registry.service import RunningRegistry
 from workers.store.models import LIVE_STATES, Node, ReplicaState
 
 # Short limits so redelivery happens within a test: a task's creates must end within its
@@ -65,17 +67,6 @@ def _fleet_agrees(env: Env, agents: list[RunningAgent]) -> None:
     with env.db.read() as s:
         found = audit(s, lock=False)
     assert found.drifts == [], [d.message for d in found.drifts]
-
-
-@pytest.fixture
-def registry(broker_env: Env) -> Iterator[RunningRegistry]:
-    """corral's registry on loopback, for agents to register with and report READY to."""
-    running = serve_registry(broker_env.settings, "127.0.0.1:0")
-    yield running
-    running.stop(grace=0)
-
-
-POOLS = pytest.mark.parametrize("pool", ["threads", "prefork"])  # the default, and prefork
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,6 @@ and ends by comparing both sides: every VM an agent runs has exactly one live ro
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -22,24 +21,16 @@ from agents.fcdaemon import RunningAgent
 from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.eventually import eventually
+from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
 from tests.workers.replicas.helpers import created, no_drift, running
 from workers import clock
 from workers.maintenance.reaper import reap
-from workers.registry.service import RunningRegistry, serve_registry
+from workers.registry.service import RunningRegistry
 from workers.store.models import Node, ReplicaState
 
-POOLS = pytest.mark.parametrize("pool", ["threads", "prefork"])
 UNAVAILABLE = Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")  # the agent did nothing
-
-
-@pytest.fixture
-def registry(broker_env: Env) -> Iterator[RunningRegistry]:
-    """corral's registry on loopback, for agents to register with and report READY to."""
-    running_registry = serve_registry(broker_env.settings, "127.0.0.1:0")
-    yield running_registry
-    running_registry.stop(grace=0)
 
 
 def _fleet_agrees(env: Env, agent: RunningAgent) -> None:

@@ -197,9 +197,10 @@ def _replace(s: Session, settings: Settings, out: _Sorted, token: str, nxt: Next
             nxt.maybes.append(p.replica_id)
         if outcome == "replaced":
             replaced.append(p.request_id)
-        nxt.states[p.request_id] = {"replaced": "maybe, replaced", "maybe": "dead"}.get(
-            outcome, "owned elsewhere"
-        )
+        nxt.states[p.request_id] = {
+            "replaced": "maybe, replaced",
+            "maybe": "maybe, not replaced",
+        }.get(outcome, "owned elsewhere")
     return replaced
 
 
