@@ -112,28 +112,6 @@ class Busy(CorralError):
     """Too much waits already; the caller may try again later (RESOURCE_EXHAUSTED)."""
 
 
-def _find_live(db: Database, vmid: str) -> str | None:
-    with db.read() as s:
-        return s.scalar(
-            select(Replica.id).where(Replica.vmid == vmid, Replica.status.in_(LIVE_STATES))
-        )
-
-
-def _spawns_in_flight(db: Database) -> bool:
-    with db.read() as s:
-        return (
-            s.scalar(
-                select(Replica.id)
-                .where(
-                    Replica.status.in_((ReplicaState.CREATING, ReplicaState.MAYBE)),
-                    Replica.vmid.is_(None),
-                )
-                .limit(1)
-            )
-            is not None
-        )
-
-
 def _free_name(session: Any, base: str) -> str:
     """``base``, or ``base-2``, ``base-3``... whichever no node has yet."""
     taken = set(session.scalars(select(Node.name).where(Node.name.startswith(base[:50]))))
@@ -257,21 +235,21 @@ class Registry:
             return DESTROY
         if not VMID_RE.fullmatch(vmid):
             raise InputError(f"malformed vmid {vmid[:40]!r} (expected [A-Za-z0-9._:-]{{1,128}})")
-        replica_id = _find_live(self.db, vmid)
-        if replica_id is None and not _spawns_in_flight(self.db):
+        replica_id = reports.live_replica(self.db, vmid)
+        if replica_id is None and not reports.creates_unrecorded(self.db):
             # none in flight now: unknown, unless its spawn recorded it between the two reads
-            replica_id = _find_live(self.db, vmid)
+            replica_id = reports.live_replica(self.db, vmid)
             if replica_id is None:
                 log.warning("status %s for unknown vmid %s: answering DESTROY", status, vmid)
                 return DESTROY
         if replica_id is None:
             if status != READY:
                 return KEEP_ALIVE
-            settled = reports.ready_of_maybe(self.db, self.settings, vmid, peer)
-            if settled is not None:
-                return self._settled(settled, vmid)
+            adopted = reports.ready_of_maybe(self.db, self.settings, vmid, peer, self.on_orphan)
+            if adopted is not None:  # a maybe's VM: kept, or released
+                return OK if adopted else DESTROY
             self._remember(vmid, peer)
-            replica_id = _find_live(self.db, vmid)  # recorded meanwhile?
+            replica_id = reports.live_replica(self.db, vmid)  # recorded meanwhile?
             if replica_id is None:
                 return OK
             if not reports.apply_reports(self.db, self.settings, [vmid]):
@@ -309,24 +287,16 @@ class Registry:
             return
         waiting = reports.apply_reports(self.db, self.settings, vmids)
         self._forget(vmids - waiting)
-        for vmid in waiting:  # a maybe's VM, once nothing else in flight can claim it?
-            with self._lock:
-                caller = self._caller_of.get(vmid, reports.UNKNOWN_PEER)
-            settled = reports.ready_of_maybe(self.db, self.settings, vmid, caller)
+        with self._lock:  # a maybe's VM, now that nothing in flight can claim it?
+            peers = {v: self._caller_of.get(v, reports.UNKNOWN_PEER) for v in waiting}
+        for vmid, peer in peers.items():
+            settled = reports.ready_of_maybe(self.db, self.settings, vmid, peer, self.on_orphan)
             if settled is not None:
                 self._forget({vmid})
-                self._settled(settled, vmid)
         for orphan in reports.orphans(self.db, self.settings):
             self._forget({orphan.vmid})
             for node_id in orphan.node_ids:
                 self.on_orphan(node_id, orphan.vmid)
-
-    def _settled(self, settled: reports.MaybeVm, vmid: str) -> int:
-        """A READY settled a maybe: OK if its VM was adopted, else DESTROY and release it."""
-        if settled.adopted:
-            return OK
-        self.on_orphan(settled.node_id, vmid)  # also when the agent acts on DESTROY itself
-        return DESTROY
 
     def _forget(self, vmids: set[str]) -> None:
         """Stop remembering these early READYs (applied or expired)."""
@@ -376,8 +346,7 @@ class Registry:
             replica = self._reported(s, replica_id, peer, node_too=True)
             if replica is None:
                 return DESTROY
-            if replica.status != ReplicaState.DELETING:
-                reports.note_ready(s, self.settings, replica)
+            reports.note_ready(s, self.settings, replica)  # its node's guests report READY
             if replica.status == ReplicaState.STARTING:
                 readied.functions.add(replica.function.name)
                 timed = stages.ready(s, replica)  # the cold start's READY stage

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from urllib.parse import unquote
@@ -57,7 +57,7 @@ from workers.replicas import maybes
 from workers.replicas.lifecycle import TOMBSTONE, tombstone_name, transition
 from workers.replicas.notices import Readied
 from workers.store.db import Database
-from workers.store.models import Function, Lease, Node, Replica, ReplicaState
+from workers.store.models import LIVE_STATES, Function, Lease, Node, Replica, ReplicaState
 from workers.untrusted import parse_networks
 
 log = logging.getLogger(__name__)
@@ -246,13 +246,24 @@ def orphans(db: Database, settings: Settings, at: datetime | None = None) -> lis
     return out
 
 
-@dataclass(frozen=True)
-class MaybeVm:
-    """A maybe a READY settled: the node its VM runs on, and whether the VM was adopted."""
+def live_replica(db: Database, vmid: str) -> str | None:
+    """The live replica whose VM is ``vmid``, if a row has it."""
+    with db.read() as s:
+        return s.scalar(
+            select(Replica.id).where(Replica.vmid == vmid, Replica.status.in_(LIVE_STATES))
+        )
 
-    replica_id: str
-    node_id: str
-    adopted: bool  # else: the maybe ended, and the VM is to be released
+
+def creates_unrecorded(db: Database) -> bool:
+    """Whether some VM may yet show up for a row: a create in flight, or a maybe."""
+    unrecorded = (ReplicaState.CREATING, ReplicaState.MAYBE)
+    with db.read() as s:
+        found = s.scalar(
+            select(Replica.id)
+            .where(Replica.status.in_(unrecorded), Replica.vmid.is_(None))
+            .limit(1)
+        )
+    return found is not None
 
 
 def behind(node: Node, peer: str) -> bool:
@@ -273,15 +284,22 @@ def behind(node: Node, peer: str) -> bool:
 _ANY_MAYBE = select(Replica.id).where(Replica.status == int(ReplicaState.MAYBE)).limit(1)
 
 
-def ready_of_maybe(db: Database, settings: Settings, vmid: str, peer: str | None) -> MaybeVm | None:
+def ready_of_maybe(
+    db: Database,
+    settings: Settings,
+    vmid: str,
+    peer: str | None,
+    release: Callable[[str, str], None],
+) -> bool | None:
     """Settle a maybe with a READY for ``vmid`` (no row has it), when it can only be the maybe's.
 
     ``peer`` must speak for exactly one node with maybes (:func:`behind`), and no create
     on the nodes behind it may still be in flight (marked sent, unanswered: its answer
     may yet name this vmid). That node's oldest maybe then takes the VM
     (:func:`workers.replicas.maybes.settle_vm`): adopted when the READY came from the
-    guest's own IP and the function wants one more replica, else ended for its release.
-    None: not now (the caller remembers the READY and asks again).
+    guest's own IP and the function wants one more replica (True), else ended and its
+    VM handed to ``release(node id, vmid)`` (False). None: not now (the caller
+    remembers the READY and asks again).
     """
     if not peer or peer == UNKNOWN_PEER:
         return None
@@ -305,7 +323,9 @@ def ready_of_maybe(db: Database, settings: Settings, vmid: str, peer: str | None
     node = next(n for n in nodes if n.id == node_id)
     address = _guest_address(settings, node, fn, peer)
     adopted = maybes.settle_vm(db, settings, replica_id, vmid, address)
-    return None if adopted is None else MaybeVm(replica_id, node.id, adopted)
+    if adopted is False:
+        release(node.id, vmid)  # also when the reporting agent acts on DESTROY itself
+    return adopted
 
 
 def _recorded(s: Session, vmid: str) -> bool:

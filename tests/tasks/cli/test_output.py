@@ -32,6 +32,7 @@ def _view(done: int, failed: int, status: str, total: int = 4) -> OperationView:
         "finished_at": None,
         "progress_at": None,
         "redrives": 0,
+        "maybes": {},
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision, down_revision = "0009", "0008"
+revision, down_revision = "0010", "0009"
 
 
 def upgrade() -> None:
