@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import redis
 from sqlalchemy import select
 
 from agents.fcdaemon import RunningAgent
+from config.celery import QUEUES
 from tasks import api
 from tests.fixtures import Env, StartAgents
 from workers.backends import Vm
@@ -16,6 +18,23 @@ from workers.replicas.creates import Next, record
 from workers.replicas.owners import Budget, Pending, owner_token, take
 from workers.replicas.spawn import SpawnJob, place
 from workers.store.models import LIVE_STATES, Operation, Replica
+
+
+def broker_drained(env: Env) -> bool:
+    """Whether every message sent to the broker has run: none queued, none unacknowledged.
+
+    Tasks are acknowledged after they ran (``acks_late``), and a task sends the tasks it
+    starts before it is acknowledged, so this holds only once a whole tree of tasks is over.
+    """
+    client = redis.Redis.from_url(env.settings.broker_url)
+    try:
+        with client.pipeline() as pipe:  # one reading (MULTI): queues, then unacked
+            for queue in QUEUES:
+                pipe.llen(queue)
+            pipe.hlen("unacked")
+            return not any(pipe.execute())
+    finally:
+        client.close()
 
 
 def deploy_fn(env: Env, /, name: str = "hello", **fields: object) -> str:

@@ -1,12 +1,10 @@
-"""Helpers for the agent tests: a recording registry server, polling, process checks."""
+"""Helpers for the agent tests: a recording registry server, HTTP and process checks."""
 
 from __future__ import annotations
 
 import http.client
 import threading
-import time
 import zlib
-from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
@@ -25,22 +23,9 @@ __all__ = [
     "http_get",
     "is_alive",
     "start_registry",
-    "wait_until",
 ]
 
 T = TypeVar("T")
-
-
-def wait_until(pred: Callable[[], T], timeout: float = 5.0, what: str = "condition") -> T:
-    """Poll ``pred`` until it returns something truthy; fail the test after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def http_get(

@@ -22,7 +22,8 @@ from agents.drivers import (
     parse_env_args,
     resolve_command,
 )
-from tests.agents.helpers import http_get, is_alive, wait_until
+from tests.agents.helpers import http_get, is_alive
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -146,7 +147,7 @@ def test_process_driver_passes_port_and_env(
     driver = ProcessDriver((20000, 29999), env=env, allow_images=["envdump"])
     try:
         vm = driver.start(VMSpec(image="envdump", kernel_args="--env=MSG=hi"))
-        text = wait_until(lambda: out.exists() and out.read_text(), what="child env")
+        text = eventually(lambda: out.exists() and out.read_text(), what="child env")
         assert text == f"{vm.port} hi {vm.vmid}"
         assert vm.pid is not None and is_alive(vm.pid)
     finally:

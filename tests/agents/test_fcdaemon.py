@@ -32,8 +32,8 @@ from tests.agents.helpers import (
     is_alive,
     same_bucket_ids,
     start_registry,
-    wait_until,
 )
+from tests.eventually import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -61,7 +61,7 @@ def test_create_replica_runs_a_process_that_serves_http(
     assert re.fullmatch(r"[0-9a-f]{32}", reply.vmid)
     assert reply.ip == "127.0.0.1"
     assert 20000 <= reply.port <= 29999
-    answer = wait_until(lambda: http_get(reply.ip, reply.port), what="replica HTTP")
+    answer = eventually(lambda: http_get(reply.ip, reply.port), what="replica HTTP")
     assert answer == (200, b"hello from corral\n")
     assert is_alive(pid_of(process_agent, reply.vmid))
 
@@ -71,7 +71,7 @@ def test_release_stops_the_process_and_unknown_vmid_is_not_found(
 ) -> None:
     reply = create(process_stub)
     pid = pid_of(process_agent, reply.vmid)
-    wait_until(lambda: http_get(reply.ip, reply.port), what="replica HTTP")
+    eventually(lambda: http_get(reply.ip, reply.port), what="replica HTTP")
 
     process_stub.ReleaseVMSetup(fcdaemon_pb2.ReleaseRequest(vmid=reply.vmid), timeout=10)
 
@@ -156,7 +156,7 @@ def test_dead_replica_disappears_from_list(
 ) -> None:
     reply = create(process_stub, requestId="dies")
     os.kill(pid_of(process_agent, reply.vmid), signal.SIGKILL)
-    wait_until(
+    eventually(
         lambda: not process_stub.ListReplicas(empty_pb2.Empty()).replicas, what="dead VM dropped"
     )
     # The request id no longer points at a live VM, so a retry makes a new one.
@@ -185,7 +185,7 @@ def test_ready_is_reported_after_the_replica_answers_http(
         driver=ProcessDriver(), registry=address, node_id="node-a", token="s3cret"
     )
     try:
-        ((register, md),) = wait_until(lambda: servicer.of("RegisterNode"), what="RegisterNode")
+        ((register, md),) = eventually(lambda: servicer.of("RegisterNode"), what="RegisterNode")
         assert (register.ip, register.port, register.node_id) == (
             "127.0.0.1",
             running.port,
@@ -194,7 +194,7 @@ def test_ready_is_reported_after_the_replica_answers_http(
         assert md.get("authorization") == "Bearer s3cret"
 
         reply = create(stub_for(running))
-        ((status, md),) = wait_until(lambda: servicer.of("UpdateStatus"), what="READY")
+        ((status, md),) = eventually(lambda: servicer.of("UpdateStatus"), what="READY")
         assert (status.vmid, status.status) == (reply.vmid, READY)
         assert md.get("authorization") == "Bearer s3cret"
         # READY means the function answers.
@@ -216,9 +216,9 @@ def test_the_answer_to_ready(
     servicer.action = action
     with serve_fcdaemon(driver=MemoryDriver(), registry=address) as running:
         reply = create(stub_for(running))
-        wait_until(lambda: servicer.of("UpdateStatus"), what="READY")
+        eventually(lambda: servicer.of("UpdateStatus"), what="READY")
         if action == resmngr_pb2.StatusUpdateReply.DESTROY:
-            wait_until(lambda: not running.driver.list(), what="VM released")
+            eventually(lambda: not running.driver.list(), what="VM released")
             assert not any(vm.vmid == reply.vmid for vm in running.driver.list())
         else:
             time.sleep(0.2)
@@ -233,12 +233,12 @@ def test_ready_is_retried_on_transient_errors_only(
     with serve_fcdaemon(driver=MemoryDriver(), registry=address) as running:
         stub = stub_for(running)
         first = create(stub)
-        wait_until(lambda: len(servicer.of("UpdateStatus")) == 3, what="READY retried twice")
+        eventually(lambda: len(servicer.of("UpdateStatus")) == 3, what="READY retried twice")
         assert {r.vmid for r, _ in servicer.of("UpdateStatus")} == {first.vmid}
 
         servicer.failures = [grpc.StatusCode.UNAUTHENTICATED]
         create(stub)
-        wait_until(lambda: len(servicer.of("UpdateStatus")) == 4, what="READY of second VM")
+        eventually(lambda: len(servicer.of("UpdateStatus")) == 4, what="READY of second VM")
         time.sleep(0.5)
         assert len(servicer.of("UpdateStatus")) == 4  # not retried: it cannot succeed
 
@@ -256,7 +256,7 @@ def test_register_node_is_retried_until_a_late_registry_comes_up() -> None:
         assert running.reporter is not None
         assert not running.reporter.registered.is_set()
         server, _, servicer = start_registry(f"127.0.0.1:{port}")
-        ((req, _md),) = wait_until(
+        ((req, _md),) = eventually(
             lambda: servicer.of("RegisterNode")[:1],
             timeout=8,
             what="RegisterNode after the registry came up",
@@ -398,7 +398,7 @@ def _start_agent_process(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, 
         found = re.search(r"fcdaemon listening on (\S+:\d+)", log_path.read_text())
         return found.group(1) if found else None
 
-    found = wait_until(address, timeout=10, what="agent start")
+    found = eventually(address, timeout=10, what="agent start")
     assert found is not None
     return proc, found, log_path
 
@@ -407,7 +407,7 @@ def _replica_and_hog(address: str, agent_pid: int) -> list[int]:
     stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(address))
     reply = stub.CreateReplica(fcdaemon_pb2.CreateRequest(imageName="hello"), timeout=10)
     stub.CreateCPUHogs(fcdaemon_pb2.CpuHogs(n=1), timeout=10)
-    wait_until(lambda: http_get("127.0.0.1", reply.port), what="replica HTTP")
+    eventually(lambda: http_get("127.0.0.1", reply.port), what="replica HTTP")
     kids = children_of(agent_pid)
     assert len(kids) == 2, kids
     return kids
@@ -420,7 +420,7 @@ def test_sigkill_of_the_agent_leaves_no_replica(tmp_path: Path) -> None:
         kids = _replica_and_hog(address, proc.pid)
         proc.kill()
         proc.wait(timeout=10)
-        wait_until(
+        eventually(
             lambda: not any(is_alive(k) for k in kids),
             timeout=5,
             what="replica and hog to die with the agent",

@@ -10,9 +10,6 @@ the operation ended with counts that match what happened to its replicas.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import pytest
 import redis
 from sqlalchemy import select
@@ -21,9 +18,10 @@ from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
 from tasks import api
 from tests.celery_workers import WorkerProcess
+from tests.eventually import eventually
 from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, replicas
+from tests.helpers import broker_drained, deploy_fn, replicas
 from workers import clock
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
@@ -41,15 +39,6 @@ SHORT = {
 
 def _env(env: Env, extra: dict[str, str]) -> None:
     env.set(**{k[len("CORRAL_") :].lower(): v for k, v in extra.items()})
-
-
-def _wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _creates(agents: list[RunningAgent]) -> int:
@@ -91,7 +80,7 @@ def test_a_spawn_message_delivered_twice_at_once_sends_each_create_once(
     worker_processes.append(worker.start())
     view = api.wait(op, timeout=60)
     assert (view["status"], view["done"], view["failed"]) == ("succeeded", 6, 0), view
-    time.sleep(1.0)  # let the second delivery finish too
+    eventually(lambda: broker_drained(broker_env), 30, "the second delivery to finish too")
     assert _creates(agents) == 6, worker.tail()  # 12 before: both deliveries sent them all
     rows = replicas(broker_env)
     assert len(rows) == 6 and {r.status for r in rows} == {ReplicaState.IDLE}
@@ -122,7 +111,7 @@ def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6
     first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=limits, pool=pool)
     worker_processes.append(first.start())
     op = api.spawn("hello", 6)
-    _wait_for(lambda: _creates([agent]) == 2, 20, "two creates to reach the agent")
+    eventually(lambda: _creates([agent]) == 2, 20, "two creates to reach the agent")
     first.kill()  # their answers are lost; four more rows were owned, their calls not started
     second = WorkerProcess(
         broker_env.tmp, concurrency=2, name="second", extra_env=limits, pool=pool
@@ -142,7 +131,7 @@ def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6
     def six_vms() -> bool:  # the two VMs made for the killed worker's creates are released
         return {vm.vmid for vm in agent.driver.list()} == idle
 
-    _wait_for(six_vms, 30, "exactly the 6 replicas' VMs to run")
+    eventually(six_vms, 30, "exactly the 6 replicas' VMs to run")
     released = {r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")}
     assert len(released) == 2 and not released & idle
     _fleet_agrees(broker_env, [agent])
@@ -155,7 +144,7 @@ def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6
             return s.scalars(select(Node)).one()
 
     assert node().live == 12
-    _wait_for(lambda: node().ready_seen_at is not None, 20, "a replacement's READY")
+    eventually(lambda: node().ready_seen_at is not None, 20, "a replacement's READY")
     settings = broker_env.settings
     clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
     reap(broker_env.db, settings, holder="t")

@@ -101,7 +101,9 @@ def test_after_housekeeping_and_a_scale_the_events_are_the_scales_tasks_only(
         finally:
             beat.terminate()
             beat.wait(20)
-        time.sleep(1)  # the last events of tasks in flight
+        # the last events of tasks in flight: worker-offline is the worker's last event
+        worker.stop()
+        events.wait_for("worker-offline")
 
     received = {e["uuid"]: e["name"] for e in events.of("task-received")}
     names = set(received.values())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -11,8 +10,9 @@ from sqlalchemy import select
 
 from tasks import api
 from tests.celery_workers import WorkerProcess
+from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, one_agent, spawn_ok
+from tests.helpers import broker_drained, deploy_fn, one_agent, spawn_ok
 from workers.celery import app
 from workers.functions import get_function
 from workers.kinds import OpKind
@@ -69,7 +69,8 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
     view = api.wait(op.id, timeout=30)
     assert view["status"] == "succeeded", view
     assert (view["done"], view["failed"]) == (1, 0)
-    time.sleep(0.5)  # give the second delivery time to run, then count VMs
+    # the second delivery ran too: then count VMs
+    eventually(lambda: broker_drained(thread_worker), 30, "the second delivery to run")
     assert len(agent.driver.list()) == 1
     (replica,) = _live(thread_worker)
 
@@ -83,7 +84,7 @@ def test_same_spawn_and_delete_messages_twice_create_and_release_one_vm(
         )
     view = api.wait(delete_op.id, timeout=30)
     assert view["status"] == "succeeded" and view["error"] is None, view
-    time.sleep(0.5)
+    eventually(lambda: broker_drained(thread_worker), 30, "the second delivery to run")
     assert {r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")} == {replica.vmid}
     assert agent.driver.list() == []
     with thread_worker.db.read() as s:

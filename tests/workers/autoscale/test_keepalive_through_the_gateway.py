@@ -28,9 +28,9 @@ from sqlalchemy import select
 
 from agents import RunningAgent
 from tests.celery_workers import WorkerProcess, start_beat
+from tests.eventually import eventually
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
-from tests.workers.autoscale.helpers import wait_until
 from workers.autoscale import idletimes
 from workers.autoscale.idletimes import Activity, Shape
 from workers.gateway import serve_gateway
@@ -121,11 +121,11 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
             # -- rare and plain: one call each, cold
             rare_end = call("rare")
             call("plain")
-            wait_until(
+            eventually(
                 lambda: live(broker_env, "rare") == 0,
                 5,
                 "rare's replica let go right after use",
-                worker,
+                detail=worker.tail,
             )
             let_go = time.time() - rare_end
             assert live(broker_env, "plain") == 1  # the fixed 10 minutes keep it

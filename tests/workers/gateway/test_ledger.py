@@ -9,12 +9,15 @@ import asyncio
 import os
 import signal
 import time
+from datetime import timedelta
 
 import httpx
 import redis
 
 from tasks import api
+from tests.eventually import eventually
 from tests.workers.gateway.conftest import Stack
+from workers import clock
 from workers.autoscale import demand
 from workers.replicas import claims
 from workers.store.models import Claim, ReplicaState
@@ -48,12 +51,18 @@ def test_a_second_request_reuses_the_held_claim_without_a_new_claim_row(stack: S
     assert set(gw.app.gateway.ledger.held) == {first.id}
     (replica,) = stack.replicas("hello")
     assert (replica.status, replica.envs_in_use) == (ReplicaState.ALLOCATED, 1)
-    # Held but idle is not demand: the autoscaler sees nothing in flight.
-    time.sleep(0.5)  # a demand report (every 0.2 s) after the last request
+    # Held but idle is not demand: the autoscaler sees nothing in flight (a report, every
+    # 0.2 s, after the last request says so).
     client = redis.Redis.from_url(stack.env.settings.broker_url)
-    seen = demand.read(client, ["hello"])["hello"]
-    client.close()
-    assert (seen.inflight, seen.queued) == (0, 0)
+
+    def nothing_in_flight() -> bool:
+        seen = demand.read(client, ["hello"])["hello"]
+        return seen is not None and (seen.inflight, seen.queued) == (0, 0)
+
+    try:
+        eventually(nothing_in_flight, 10, "a demand report of nothing in flight (claim held)")
+    finally:
+        client.close()
 
 
 def test_the_keep_window_gives_unused_environments_back(stack: Stack) -> None:
@@ -64,13 +73,14 @@ def test_the_keep_window_gives_unused_environments_back(stack: Stack) -> None:
     assert stack.claims() == 4  # all four held right after
     (replica,) = stack.replicas("echo")
     assert (replica.status, replica.envs_in_use) == (ReplicaState.ALLOCATED, 4)
-    # One request every 0.3 s keeps one environment in use; the other three go back.
+    # One request every 0.2 s keeps one environment in use; the other three go back
+    # (the keep window runs on the gateway's monotonic clock: this loop is its timing).
     started = time.monotonic()
     kept: set[str] = set()
     while time.monotonic() - started < 3.0:
         assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
         kept = {c.id for c in _rows(stack)}
-        time.sleep(0.3)
+        time.sleep(0.2)
     assert len(kept) == 1 and kept <= set(gw.app.gateway.ledger.held)
     waited = stack.settled(10)
     assert waited > 0.3  # the last one was kept a while...
@@ -96,10 +106,14 @@ def test_held_claims_are_renewed_past_their_ttl_in_use_and_idle(stack: Stack) ->
     status, expired = asyncio.run(slow_request_while_reaping())
     assert (status, expired) == (200, 0)  # in use 5 s with a 2 s lease: never expired
     (held,) = _rows(stack)
-    time.sleep(5.0)  # idle in the pool, more than twice its ttl
+    clock.travel(5.0)  # idle in the pool, more than twice its ttl...
+    (still,) = eventually(  # ...renewed (every ttl/3) past that
+        lambda: [c for c in _rows(stack) if c.expires_at > held.expires_at + timedelta(seconds=5)],
+        10,
+        "the idle claim's renewal after the clock moved on",
+    )
     assert claims.expire(stack.env.db, stack.env.settings) == 0
-    (still,) = _rows(stack)
-    assert still.id == held.id and still.expires_at > held.expires_at
+    assert still.id == held.id
     assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
     assert {c.id for c in _rows(stack)} == {held.id}  # and it serves again
 
@@ -124,10 +138,9 @@ def test_a_failed_replica_leaves_the_pool_with_all_its_claims(stack: Stack) -> N
     rows = {r.id: r for r in stack.replicas("echo")}
     assert rows[bad.id].status in (ReplicaState.DELETING, ReplicaState.DELETED)
     assert (rows[bad.id].error or "").startswith("suspect: ")
-    deadline = time.monotonic() + 10  # its other, idle claim is given back too
-    while any(c.replica_id == bad.id for c in _rows(stack)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [c for c in _rows(stack) if c.replica_id == bad.id] == []
+    eventually(  # its other, idle claim is given back too
+        lambda: all(c.replica_id != bad.id for c in _rows(stack)), 10, "bad's idle claim back"
+    )
     assert [c.replica_id for c in gw.app.gateway.ledger.held.values()] != []
     assert all(c.replica_id != bad.id for c in gw.app.gateway.ledger.held.values())
 
@@ -141,10 +154,8 @@ def test_a_replica_retired_elsewhere_leaves_the_pool_at_the_next_renewal(stack: 
     other = api.claim("reflect")  # its second environment, claimed by someone else...
     assert other["replica_id"] == replica.id
     api.suspect(other["claim_id"], "suspect: seen failing elsewhere")  # ...who retires it
-    deadline = time.monotonic() + 10
-    while gw.app.gateway.ledger.held and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert gw.app.gateway.ledger.held == {}  # renewal (every 0.5 s) saw it Deleting or gone
+    # renewal (every 0.5 s) saw it Deleting or gone
+    eventually(lambda: gw.app.gateway.ledger.held == {}, 10, "the retired replica's claim out")
     answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)
     assert answer.status_code == 200
     assert answer.headers["x-reflect-vmid"] != first.headers["x-reflect-vmid"]

@@ -6,15 +6,15 @@ A lost message is made by writing an operation record without queueing its task
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import select
 
 from tasks import api
+from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, one_agent, operation, result_of, spawn_ok
+from tests.helpers import broker_drained, deploy_fn, one_agent, operation, result_of, spawn_ok
 from workers import clock
 from workers.kinds import OpKind
 from workers.maintenance import redrive
@@ -55,11 +55,11 @@ def test_a_lost_spawn_is_sent_again_by_the_reap_pass_and_only_once(
     # the original message turning up after all changes nothing
     before = operation(thread_worker, op_id).progress_at
     api.resend(redrive.Redrive(op_id, OpKind.SPAWN, {}, 2))
-    deadline = time.monotonic() + 30
-    while operation(thread_worker, op_id).progress_at == before:  # the late task ran
-        assert time.monotonic() < deadline, "the late spawn never ran"
-        time.sleep(0.05)
-    time.sleep(1.0)  # and its per-replica tasks, which find their rows settled
+    eventually(
+        lambda: operation(thread_worker, op_id).progress_at != before, 30, "the late spawn to run"
+    )
+    # and its per-replica tasks, which find their rows settled
+    eventually(lambda: broker_drained(thread_worker), 30, "the late spawn's tasks to run")
     assert len(agent.driver.list()) == 2
     assert len(agent.agent.calls_of("CreateReplica")) == 2
     with thread_worker.db.read() as s:
