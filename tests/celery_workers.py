@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pytest
 from celery.contrib.testing.worker import start_worker
 
 from config.celery import QUEUES
+from tests.eventually import eventually
 from tests.fixtures import FAST, Env, _apply
 from workers import clock
 from workers.celery import app
@@ -123,6 +125,21 @@ class WorkerProcess:
                 return self
             time.sleep(0.1)
         raise TimeoutError(f"worker not ready after {timeout}s:\n{self.tail()}")
+
+    def succeeded(self, task: str) -> int:
+        """How many runs of ``task`` (``corral.reap_pass``...) the worker logged as succeeded."""
+        pattern = re.compile(rf"Task {re.escape(task)}\[[^\]]+\] succeeded")
+        return len(pattern.findall(self.log_path.read_text(errors="replace")))
+
+    def more_runs(self, task: str, n: int, timeout: float = 30.0) -> None:
+        """Wait until the worker has run ``task`` ``n`` more times (passes beat sends)."""
+        start = self.succeeded(task)
+        eventually(
+            lambda: self.succeeded(task) >= start + n,
+            timeout,
+            f"{n} more runs of {task}",
+            detail=self.tail,
+        )
 
     def tail(self, n: int = 60) -> str:
         """The last lines of the worker's log."""

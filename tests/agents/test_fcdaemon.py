@@ -226,7 +226,7 @@ def test_the_answer_to_ready(
 
 
 def test_ready_is_retried_on_transient_errors_only(
-    registry: tuple[str, RecordingRegistry],
+    registry: tuple[str, RecordingRegistry], caplog: pytest.LogCaptureFixture
 ) -> None:
     address, servicer = registry
     servicer.failures = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE]
@@ -237,13 +237,16 @@ def test_ready_is_retried_on_transient_errors_only(
         assert {r.vmid for r, _ in servicer.of("UpdateStatus")} == {first.vmid}
 
         servicer.failures = [grpc.StatusCode.UNAUTHENTICATED]
-        create(stub)
+        second = create(stub)
         eventually(lambda: len(servicer.of("UpdateStatus")) == 4, what="READY of second VM")
-        time.sleep(0.5)
+        given_up = f"READY of {second.vmid} not delivered"
+        eventually(lambda: given_up in caplog.text, what="the agent giving the READY up")
         assert len(servicer.of("UpdateStatus")) == 4  # not retried: it cannot succeed
 
 
-def test_register_node_is_retried_until_a_late_registry_comes_up() -> None:
+def test_register_node_is_retried_until_a_late_registry_comes_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -252,7 +255,7 @@ def test_register_node_is_retried_until_a_late_registry_comes_up() -> None:
     assert time.monotonic() - started < 1.0, "start must not wait for the registry"
     server = None
     try:
-        time.sleep(0.8)  # several failed attempts
+        eventually(lambda: "attempt 1); retrying" in caplog.text, what="a failed attempt")
         assert running.reporter is not None
         assert not running.reporter.registered.is_set()
         server, _, servicer = start_registry(f"127.0.0.1:{port}")

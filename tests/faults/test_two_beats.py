@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import collections
-import time
 
 import pytest
 from sqlalchemy import select
 
 from tests.celery_workers import WorkerProcess, start_beat
+from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from workers.store.models import Replica, ReplicaState
@@ -32,14 +32,14 @@ def test_two_beats_reap_each_replica_once(
     # a second after they became idle, both beats' reap passes cut 12 down to min (2)
     beats = [start_beat(broker_env.tmp, name, FAST_BEAT) for name in ("one", "two")]
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+
+        def cut_to_min() -> bool:
             with broker_env.db.read() as s:
-                live = s.scalars(select(Replica).where(Replica.status == ReplicaState.IDLE)).all()
-            if len(live) <= 2:
-                break
-            time.sleep(0.3)
-        time.sleep(2)  # let further passes from both beats run and find nothing
+                idle = s.scalars(select(Replica).where(Replica.status == ReplicaState.IDLE))
+                return len(idle.all()) <= 2
+
+        eventually(cut_to_min, 60, "the idle replicas cut to min", detail=worker.tail)
+        worker.more_runs("corral.reap_pass", 4)  # further passes from both beats find nothing
     finally:
         for beat in beats:
             beat.terminate()

@@ -11,7 +11,6 @@ function are ever open at once.
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 import time
 from datetime import UTC, datetime
@@ -28,7 +27,6 @@ from workers.functions import deploy, spec_from
 from workers.store.models import Function, Operation, Replica, ReplicaState
 
 STABLE_S = 4.0
-PASS_DONE = re.compile(r"Task corral\.autoscale\[[^\]]+\] succeeded")
 FAST_AUTOSCALE = {
     "CORRAL_AUTOSCALE_INTERVAL_S": "0.5",
     "CORRAL_AUTOSCALE_STABLE_WINDOW_S": str(STABLE_S),
@@ -91,16 +89,6 @@ def wait_for(env: Env, want: dict[str, int], timeout: float, worker: WorkerProce
     )
 
 
-def more_passes(worker: WorkerProcess, n: int) -> None:
-    """Wait until the worker has run ``n`` more autoscaler passes (beat sends one each 0.5 s)."""
-
-    def done() -> int:
-        return len(PASS_DONE.findall(worker.log_path.read_text(errors="replace")))
-
-    start = done()
-    eventually(lambda: done() >= start + n, 30, f"{n} more autoscaler passes", detail=worker.tail)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sustained_demand_scales_up_and_back_down_after_the_windows(
@@ -135,13 +123,15 @@ def test_sustained_demand_scales_up_and_back_down_after_the_windows(
     beat = start_beat(broker_env.tmp, "one", FAST_AUTOSCALE)
     try:
         wait_for(broker_env, {"steady": 4, "zero": 4, "plain": 0}, 90, worker)
-        more_passes(worker, 4)  # sustained: the target holds, nothing more is asked for
+        worker.more_runs(
+            "corral.autoscale", 4
+        )  # sustained: the target holds, nothing more is asked for
         assert idle(broker_env) == {"steady": 4, "zero": 4}
 
         stopped = time.time()
         gateway.load = 0.0
         wait_for(broker_env, {"steady": 1, "zero": 0, "plain": 0}, 90, worker)
-        more_passes(worker, 4)  # and it stays there
+        worker.more_runs("corral.autoscale", 4)  # and it stays there
         assert idle(broker_env) == {"steady": 1}
     finally:
         gateway.stopped.set()

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
+from tests.eventually import eventually
 from tests.workers.gateway.conftest import Stack, free_port, wait_healthy
 
 MiB = 1024 * 1024
@@ -96,7 +97,9 @@ def test_request_bodies_held_at_once_are_capped_in_all(stack: Stack) -> None:
     assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
     with _connect(gw.url) as first, _connect(gw.url) as second:
         first.sendall(_post_head("/function/echo", 600 * 1024) + b"a" * 100_000)
-        time.sleep(0.3)  # its 600 KiB are taken from the budget before it has arrived
+        eventually(  # its 600 KiB are taken from the budget before it has arrived
+            lambda: gw.app.gateway.bodies.held >= 600 * 1024, 10, "the first body's reservation"
+        )
         second.sendall(_post_head("/function/echo", 600 * 1024))
         refused = _answer(second, 5)
         assert refused.startswith(b"HTTP/1.1 503 ") and b"retry-after: 5" in refused
@@ -116,11 +119,10 @@ def test_a_caller_that_never_reads_its_answer_holds_no_environment(stack: Stack)
     with _connect(gw.url) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.sendall(b"GET /function/reflect?pad=67108864 HTTP/1.1\r\nHost: gw\r\n\r\n")
-        time.sleep(1.0)  # the replica is answering, 64 MiB that nobody reads
-        deadline = time.monotonic() + 8  # the call timeout is 60 s: it is not what frees it
-        while stack.claims() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert stack.claims() == 0
+        # the replica is answering, 64 MiB that nobody reads: its claim is taken...
+        eventually(lambda: stack.claims() > 0, 10, "the unread call's claim")
+        # ...and given back after the send timeout (the call timeout, 60 s, is not what frees it)
+        eventually(lambda: stack.claims() == 0, 8, "the claim of a caller that never reads")
     answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)  # the replica serves again
     assert answer.status_code == 200
     assert len(stack.replicas("reflect")) == 1

@@ -14,6 +14,7 @@ from pydantic import SecretStr
 
 from tasks import api
 from tasks.cli import main
+from tests.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.gateway import ListenRefused, check_listen
 from workers.store.models import ReplicaState
@@ -108,15 +109,21 @@ def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
     gw = stack.gateway(gateway_queue=2)
     assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # warm
 
+    async def gauge(name: str, value: int) -> None:
+        """Until the gateway's metric ``name`` for echo reads ``value``."""
+        line = f'{name}{{function="echo"}} {value:.1f}'
+        metrics = f"{gw.url}/metrics"
+        await asyncio.to_thread(eventually, lambda: line in httpx.get(metrics).text, 10, line)
+
     async def run() -> list[int]:
         async with httpx.AsyncClient(timeout=60) as client:
-            busy = asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=2"))
-            await asyncio.sleep(0.5)  # it holds the only environment
+            busy = asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=3"))
+            await gauge("corral_inflight", 1)  # it holds the only environment
             queued = [
                 asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=0.1"))
                 for _ in range(2)
             ]
-            await asyncio.sleep(0.5)
+            await gauge("corral_queue_depth", 2)
             refused = await client.get(f"{gw.url}/function/echo")
             assert refused.headers["retry-after"] == "1"
             metrics = (await client.get(f"{gw.url}/metrics")).text

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 import redis
 
+from tests.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.autoscale import demand
 from workers.store.models import FINAL_STATES, ReplicaState
@@ -140,21 +141,31 @@ def test_each_gateway_reports_its_demand_to_redis(stack: Stack) -> None:
     async def load() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
             await asyncio.gather(
-                *(http.get(f"{gw.url}/function/echo?delay=1.5") for gw in (first, second, first))
+                # long enough to be seen busy by reports every 0.2 s, even on a loaded machine
+                *(http.get(f"{gw.url}/function/echo?delay=3") for gw in (first, second, first))
             )
 
-    async def busy_then_read() -> dict[str, demand.Demand]:
+    def reported(inflight_and_queued: int) -> Callable[[], demand.Demand | None]:
+        """A check: both gateways' reports (every 0.2 s) add up to this much demand."""
+
+        def check() -> demand.Demand | None:
+            seen = demand.read(client, ["echo"])["echo"]
+            ok = seen is not None and seen.gateways == 2
+            return seen if ok and seen.inflight + seen.queued == inflight_and_queued else None
+
+        return check
+
+    async def busy_then_read() -> demand.Demand:
         task = asyncio.ensure_future(load())
-        await asyncio.sleep(1.2)  # both gateways reported (every 0.2 s) while busy
-        seen = demand.read(client, ["echo"])
+        # two environments busy, one request queued, as both gateways report while busy
+        seen = await asyncio.to_thread(eventually, reported(3), 10, "the busy gateways' demand")
         await task
+        assert seen is not None
         return seen
 
-    seen = asyncio.run(busy_then_read())["echo"]
-    assert seen.gateways == 2
-    assert seen.inflight + seen.queued == 3  # two environments busy, one request queued
+    seen = asyncio.run(busy_then_read())
     assert seen.concurrency > 0 and seen.last_request_at is not None
-    time.sleep(0.5)
-    after = demand.read(client, ["echo"])["echo"]
-    assert (after.inflight, after.queued, after.gateways) == (0, 0, 2)  # demand seen to fall
+    after = eventually(reported(0), 10, "demand seen to fall")
+    assert after is not None
+    assert (after.inflight, after.queued, after.gateways) == (0, 0, 2)
     client.close()
