@@ -17,6 +17,7 @@ from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from tasks import api
 from tests.celery_workers import WorkerProcess, start_beat
+from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent
 from tests.services import RedisServer
@@ -73,7 +74,7 @@ def test_worker_killed_mid_spawn_completes_with_exactly_one_vm(
 
 @pytest.mark.timeout(90)
 def test_agent_down_then_back_within_the_retry_window(
-    thread_worker: Env, start_agents: StartAgents
+    thread_worker: Env, start_agents: StartAgents, caplog: pytest.LogCaptureFixture
 ) -> None:
     thread_worker.set(retry_backoff_s="0.4", retry_backoff_max_s="2", retry_max="6")
     (agent,) = start_agents(1, env=thread_worker)
@@ -81,7 +82,7 @@ def test_agent_down_then_back_within_the_retry_window(
     deploy_fn(thread_worker)
     agent.stop(grace=0)
     op = api.spawn("hello", 1)
-    time.sleep(1.0)  # a couple of failed attempts
+    eventually(lambda: "; retry 2 of 6" in caplog.text, 30, "a couple of failed attempts")
     back = serve_fcdaemon(f"127.0.0.1:{port}")
     try:
         view = api.wait(op, timeout=60)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from config.celery import HOUSEKEEPING
+from tests.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 AWS_ID = "AKIAEXAMPLESECRET01"
@@ -145,15 +146,14 @@ def _call(tmp_path: Path, by_fn: dict[str, list[dict[str, Any]]], gateway: str) 
 
 def _check_flower(tmp_path: Path, flower: str) -> None:
     """Flower shows the operations' tasks (no housekeeping) and the broker's queues, no secret."""
-    deadline = time.monotonic() + 30
-    names: set[str] = set()
-    while time.monotonic() < deadline:
+
+    def listed() -> set[str]:
         tasks = httpx.get(f"{flower}/api/tasks", timeout=10).json()
         names = {t.get("name") for t in tasks.values()}
-        if {"corral.scale", "corral.reap"} <= names:
-            break
-        time.sleep(1)
-    assert {"corral.scale", "corral.reap"} <= names, names  # the operator's reap is listed
+        return names if {"corral.scale", "corral.reap"} <= names else set()
+
+    # the operator's reap is listed
+    names = eventually(listed, 30, "the scale and the operator's reap listed in Flower")
     # beat's passes (health every 5 s, autoscale every 2 s, ...) ran all along, unlisted
     assert not names & set(HOUSEKEEPING), names
     flower_text = httpx.get(f"{flower}/api/tasks", timeout=10).text
@@ -168,11 +168,11 @@ def _check_metrics(tmp_path: Path) -> None:
     """The exporter ``corral up`` started: its URL printed, the work above in its numbers."""
     services = json.loads((tmp_path / ".corral" / "stack.json").read_text())["services"]
     assert f"metrics          {services['metrics']}" in (tmp_path / "up.out").read_text()
+
     # Every replica spawned (the 5 above, and one the gateway's call cold-starts when beat's
     # pass already reaped hello's, idle timeout 1 s) was reaped as idle, by beat or by the
     # operator's pass; a pass adds to the total just after it retires its rows: wait for it.
-    deadline = time.monotonic() + 30
-    while True:
+    def counted() -> tuple[str, dict[str, float]] | None:
         metrics = httpx.get(services["metrics"], timeout=10).text
         values = {
             line.split(" ")[0]: float(line.split(" ")[1])
@@ -181,10 +181,12 @@ def _check_metrics(tmp_path: Path) -> None:
         }
         spawned = values["corral_spawn_seconds_count"]
         reaped = values['corral_reaped_total{reason="idle"}']
-        if reaped == spawned or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert spawned >= 5 and reaped == spawned, values
+        return (metrics, values) if reaped == spawned else None
+
+    found = eventually(counted, 30, "every replica spawned counted as reaped")
+    assert found is not None
+    metrics, values = found
+    assert values["corral_spawn_seconds_count"] >= 5, values
     assert 'corral_operations_total{kind="scale",status="succeeded"} 2.0' in metrics
     assert 'corral_replicas{function="hello",state="idle"} 0.0' in metrics
     assert 'corral_node_healthy{node="local-fcdaemon"} 1.0' in metrics
@@ -255,8 +257,7 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
     text = (tmp_path / "up.out").read_text()
     assert up.returncode == 0, text
     assert "stopped; nothing left running" in text
-    time.sleep(0.5)
-    assert [p for p in started if _alive(p)] == []
+    eventually(lambda: not [p for p in started if _alive(p)], 10, "every process it started gone")
     for log in (tmp_path / ".corral" / "logs").iterdir():
         content = log.read_text(errors="replace")
         assert AWS_ID not in content and AWS_SECRET not in content, log.name

@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tasks import api
+from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import one_agent, spawn_ok
 
@@ -66,7 +67,9 @@ def test_a_lock_timeout_is_retried_until_the_lock_is_free(
         while "transient database error" not in caplog.text:
             assert time.monotonic() < deadline, "the scale never hit the lock timeout"
             time.sleep(0.05)
-        time.sleep(0.5)  # a few more timeouts and retries
+        eventually(  # a few more timeouts and retries
+            lambda: caplog.text.count("transient database error") >= 3, 30, "three retries"
+        )
         holder.execute("COMMIT")
         holder.close()
         view = api.wait(op_id, timeout=30)

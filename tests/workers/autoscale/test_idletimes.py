@@ -246,7 +246,9 @@ def test_requests_through_the_gateway_are_recorded(
     )
     try:
         with httpx.Client(timeout=60) as http:
-            for pause in (0.5, 2.5, 0.0):  # then an idle time in bin 2, one out of bounds
+            # the idle times between requests are what is measured (the gateway's monotonic
+            # clock): these pauses are the test's input, in bin 2, then out of bounds
+            for pause in (0.5, 2.5, 0.0):
                 assert http.get(f"{gw.url}/function/echo").status_code == 200
                 time.sleep(pause)
             assert http.get(f"{gw.url}/function/echo").status_code == 200

@@ -11,7 +11,6 @@ autoscaler asks for more replicas than the four the gateway's own cold starts gi
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ from sqlalchemy import select
 
 from agents import RunningAgent
 from tests.celery_workers import WorkerProcess, start_beat
+from tests.eventually import eventually
 from tests.fixtures import Env
 from workers.functions import deploy, spec_from
 from workers.gateway import serve_gateway
@@ -81,18 +81,14 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
     try:
         for c in clients:
             c.start()
-        deadline = time.monotonic() + 120
-        while serving(broker_env) < 6 and time.monotonic() < deadline:
-            time.sleep(0.3)
-        assert serving(broker_env) == 6, worker.tail()  # 4 clients, 6 replicas: the autoscaler
+        # 4 clients, 6 replicas: the autoscaler
+        eventually(lambda: serving(broker_env) >= 6, 120, "6 replicas", detail=worker.tail)
+        assert serving(broker_env) == 6, worker.tail()
         stop.set()
         for c in clients:
             c.join(100)
         assert codes and set(codes) == {200}, sorted(set(codes))
-        deadline = time.monotonic() + 90
-        while serving(broker_env) > 0 and time.monotonic() < deadline:
-            time.sleep(0.3)
-        assert serving(broker_env) == 0, worker.tail()
+        eventually(lambda: serving(broker_env) == 0, 90, "back to zero", detail=worker.tail)
     finally:
         stop.set()
         beat.terminate()

@@ -142,7 +142,7 @@ class _SlowListing(MemoryDriver):
         with self.lock:
             self.now[0] += 1
             self.seen.append(self.now[0])
-        time.sleep(0.3)
+        time.sleep(0.3)  # a slow agent: two passes listing at once would overlap here
         with self.lock:
             self.now[0] -= 1
         return super().list()
