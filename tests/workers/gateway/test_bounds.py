@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -164,7 +165,7 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
             with contextlib.suppress(OSError):  # refused early: the budget is full
                 sock.sendall(body)
             held.append(sock)
-        time.sleep(1.0)
+        eventually(_settled(proc.pid), 30, "the gateway's memory to settle")
         grown = _rss_mib(proc.pid) - base
         assert grown < 128, f"the gateway grew {grown:.0f} MiB"  # 64 MiB budget + buffers
         assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
@@ -173,3 +174,15 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
             sock.close()
         proc.terminate()
         proc.wait(15)
+
+
+def _settled(pid: int) -> Callable[[], bool]:
+    """A check that holds once the process's memory stays within 1 MiB for 0.2 s (it has
+    taken in what was sent)."""
+
+    def check() -> bool:
+        before = _rss_mib(pid)
+        time.sleep(0.2)
+        return abs(_rss_mib(pid) - before) < 1
+
+    return check
