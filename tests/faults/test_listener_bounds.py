@@ -111,7 +111,7 @@ def _connect(port: int) -> socket.socket | None:
     # room; when it is full the SYN is dropped, and such a connection is one the server
     # refused: waiting out SYN retransmits for it (1 s, 3 s...) only made the test slow.
     try:
-        sock = socket.create_connection(("127.0.0.1", port), timeout=0.25)
+        sock = socket.create_connection(("127.0.0.1", port), timeout=0.1)
     except OSError:
         return None
     sock.settimeout(5)
