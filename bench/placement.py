@@ -39,7 +39,8 @@ import psycopg
 from sqlalchemy import insert, select, update
 from sqlalchemy.engine import make_url
 
-from workers.fleet.placement import FITS, POLICIES, reserve_gpu, reserve_node
+from workers.fleet.placement import FITS, reserve_gpu, reserve_node
+from workers.kinds import POLICIES
 from workers.store.db import Database
 from workers.store.migrate import upgrade
 from workers.store.models import Function, Gpu, Node, Replica, ReplicaState, new_id

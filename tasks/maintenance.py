@@ -35,6 +35,7 @@ from workers.maintenance import reconcile as reconciler
 from workers.metrics import count_reaped
 from workers.operations import record_pass, record_result
 from workers.redis_client import redis_client
+from workers.replicas.lost import mark_lost
 from workers.replicas.requests import request_scale, request_spawn
 from workers.store.db import Database
 
@@ -46,8 +47,9 @@ def check_health(self: CorralTask) -> dict[str, Any]:
     """Probe every node and update its health (beat, every ``CORRAL_HEALTH_INTERVAL_S``)."""
     holder = leases.holder_name(self.request.id)
     report = health.check_health(self.db, self.settings, holder=holder)
-    result = asdict(report)
-    if report.changed:
+    lost = 0 if report.skipped else mark_lost(self.db, self.settings)
+    result = {**asdict(report), "replicas_lost": lost}
+    if report.changed or lost:
         result["op_id"] = record_pass(self.db, OpKind.HEALTH, dict(result))
     return result
 

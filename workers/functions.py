@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import shlex
 import tomllib
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -33,14 +34,12 @@ from netplumb import guest_env
 from workers.backends.base import backend
 from workers.clock import iso, now
 from workers.errors import InputError
-from workers.fleet.placement import POLICIES
-from workers.kinds import NodeKind
-from workers.replicas.lifecycle import bump_reap_at
+from workers.kinds import POLICIES, NodeKind
+from workers.names import check_name
 from workers.store.models import LIVE_STATES, Function, Replica, ReplicaState
 from workers.store.rows import one_or_not_found
 
 MAX_REPLICAS = 10_000
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 ENV_KEY_RE = re.compile(rf"^{guest_env.NAME_RE.pattern}$")
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,253}$")
 
@@ -59,19 +58,6 @@ SEED_LABELS: dict[str, str] = {
     "com.openfaas.scale.max": "max",
     "GPU_MEM": "gpu_mem",
 }
-
-
-def check_name(name: str, what: str = "function") -> str:
-    """``name`` if it is a valid DNS-label name, else a clear :class:`InputError`."""
-    if not isinstance(name, str) or not name.isprintable() or not NAME_RE.match(name):
-        shown = name if isinstance(name, str) and name.isprintable() else repr(name)
-        if isinstance(shown, str) and len(shown) > 70:
-            shown = shown[:67] + "..."
-        raise InputError(
-            f"invalid {what} name {shown!r}: use 1-63 lowercase letters, digits and '-', "
-            "starting and ending with a letter or digit"
-        )
-    return name
 
 
 def parse_pairs(items: list[str] | None, what: str) -> dict[str, str]:
@@ -251,6 +237,25 @@ def deploy(session: Session, spec: FunctionSpec, settings: Settings) -> tuple[Fu
     if timeout_changed:
         bump_reap_at(session, fn, settings)
     return fn, created
+
+
+def idle_timeout(fn: Function, settings: Settings) -> float:
+    """The function's idle timeout in seconds (its own, else the default)."""
+    return fn.idle_timeout_s if fn.idle_timeout_s is not None else settings.idle_timeout_s
+
+
+def bump_reap_at(session: Session, fn: Function, settings: Settings) -> None:
+    """Recompute ``reap_at`` for a function's Idle replicas (its idle timeout changed)."""
+    seconds = idle_timeout(fn, settings)
+    for replica in session.scalars(
+        select(Replica).where(
+            Replica.function_id == fn.id,
+            Replica.status == ReplicaState.IDLE,
+            Replica.idle_since.is_not(None),
+        )
+    ):
+        assert replica.idle_since is not None  # noqa: S101 - narrows for mypy
+        replica.reap_at = replica.idle_since + timedelta(seconds=seconds)
 
 
 # column, the option that sets it, its default for a new function

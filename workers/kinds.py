@@ -3,8 +3,10 @@
 A node is an fcdaemon agent (gRPC) or a Lambdo host (HTTP): :class:`NodeKind` names
 it, and :func:`workers.backends.backend` picks the code that speaks to it from one
 table, so no caller branches on a node's kind. A function runs on one kind of node
-(``functions.backend``). An operation (:class:`OpKind`) is one producer request or
-one housekeeping pass that changed something.
+(``functions.backend``), placed by one of the :data:`POLICIES`
+(:mod:`workers.fleet.placement` carries them out; :mod:`workers.functions` checks a
+function names one). An operation (:class:`OpKind`) is one producer request or one
+housekeeping pass that changed something.
 
 Both are string enums: the store keeps the members' plain values (``nodes.kind``,
 ``functions.backend``, ``operations.kind``; unchanged since the seed), and a member
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["NODE_KINDS", "NodeKind", "OpKind"]
+__all__ = ["NODE_KINDS", "POLICIES", "NodeKind", "OpKind"]
 
 
 class NodeKind(enum.StrEnum):
@@ -28,6 +30,9 @@ class NodeKind(enum.StrEnum):
 
 #: Every node kind's stored value, for command-line choices and messages.
 NODE_KINDS: tuple[str, ...] = tuple(k.value for k in NodeKind)
+
+#: The placement policies a function may name (``functions.policy``).
+POLICIES = ("loadbalance", "roundrobin", "spread", "random", "pack")
 
 
 class OpKind(enum.StrEnum):

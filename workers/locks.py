@@ -11,7 +11,7 @@ avoids making them. Every transaction takes the rows it locks in this order:
 
 A transaction that may touch *several* counter rows takes them up front, in that
 order, before any replica: placement of a batch locks its function and then every
-node (and GPU) of its backend it may reserve on; the reaper, health's ``mark_lost``
+node (and GPU) of its backend it may reserve on; the reaper, ``replicas.lost.mark_lost``
 and reconcile's drain lock all functions first; ``corral db check`` locks all
 functions, nodes and GPUs. While holding counter rows they lock replicas only with
 ``SKIP LOCKED`` (a replica someone else is moving is left for the next pass), so

@@ -180,6 +180,23 @@ def test_a_health_pass_is_an_operation_only_when_a_node_changed(
     assert [op.kind for op in _ops(corral_env)] == ["health", "health"]
 
 
+def test_a_health_pass_marks_the_replicas_of_a_node_gone_past_its_grace_dead(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    corral_env.set(health_misses="1", node_dead_grace_s="0")
+    (agent,) = start_agents(1, env=corral_env)
+    deploy_fn(corral_env)
+    api.wait(api.spawn("hello", 1), timeout=10)
+    agent.stop(grace=0)
+    result = maintenance.check_health()
+    assert (result["became_unhealthy"], result["replicas_lost"]) == (["node1"], 1)
+    assert [r["status"] for r in api.replicas(all=True, settings=corral_env.settings)] == ["dead"]
+    (op,) = [op for op in _ops(corral_env) if op.kind == "health"]
+    assert op.result is not None and op.result["replicas_lost"] == 1
+    again = maintenance.check_health()  # still down: nothing more to lose, nothing recorded
+    assert again["replicas_lost"] == 0 and "op_id" not in again
+
+
 def test_a_reconcile_pass_that_destroyed_an_orphan_is_an_operation(
     corral_env: Env, start_agents: StartAgents
 ) -> None:

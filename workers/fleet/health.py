@@ -5,9 +5,9 @@ health service, or any answer at all from an agent that lacks it; an HTTP
 answer from a Lambdo host). A probe that fails counts a miss, as does a spawn or
 delete that gave up on transport errors (:func:`note_failure`). After
 ``CORRAL_HEALTH_MISSES`` misses in a row the node is unhealthy and placement
-skips it; after ``CORRAL_NODE_DEAD_GRACE_S`` more, its replicas are marked Dead
-(reconcile then brings functions back to their min elsewhere). One good answer
-makes it healthy again.
+skips it; after ``CORRAL_NODE_DEAD_GRACE_S`` more, its replicas are marked Dead by
+the health task (:func:`workers.replicas.lost.mark_lost`; reconcile then brings
+functions back to their min elsewhere). One good answer makes it healthy again.
 
 A node is probed at the IP its row holds, never through a name (a name could resolve
 to another machine by the next pass): a row an older corral stored with a host name is
@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from sqlalchemy import select
 
@@ -34,10 +33,8 @@ from config.settings import Settings
 from workers import backends, leases
 from workers.clock import now
 from workers.errors import BackendError
-from workers.locks import lock_functions
-from workers.replicas.lifecycle import transition
 from workers.store.db import Database
-from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
+from workers.store.models import Node
 from workers.untrusted import ip_literal
 
 log = logging.getLogger(__name__)
@@ -86,12 +83,11 @@ class HealthReport:
     missed: list[str] = field(default_factory=list)
     became_unhealthy: list[str] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)
-    replicas_lost: int = 0
 
     @property
     def changed(self) -> bool:
-        """Whether a node changed health or lost its replicas in this pass."""
-        return bool(self.became_unhealthy or self.recovered or self.replicas_lost)
+        """Whether a node changed health in this pass."""
+        return bool(self.became_unhealthy or self.recovered)
 
 
 def _probe(node: Node, settings: Settings) -> str | None:
@@ -143,7 +139,7 @@ def lease_ttl(settings: Settings) -> float:
 
 
 def check_health(db: Database, settings: Settings, *, holder: str | None = None) -> HealthReport:
-    """Probe every node once, update health, and mark replicas of long-dead nodes Dead.
+    """Probe every node once and update its health.
 
     Skipped (``report.skipped``) while another pass holds the ``health`` lease.
     """
@@ -178,34 +174,4 @@ def _check_health(db: Database, settings: Settings) -> HealthReport:
             report.missed.append(node.name)
             if note_failure(db, settings, node.id, error):
                 report.became_unhealthy.append(node.name)
-    report.replicas_lost = mark_lost(db, settings)
     return report
-
-
-def mark_lost(db: Database, settings: Settings) -> int:
-    """Mark Dead the replicas of nodes unhealthy for longer than the grace period."""
-    cutoff = now() - timedelta(seconds=settings.node_dead_grace_s)
-    lost = 0
-    with db.transaction() as s:
-        gone = list(
-            s.scalars(select(Node).where(Node.healthy.is_(False), Node.unhealthy_since <= cutoff))
-        )
-        if gone:
-            lock_functions(s)  # counters of any function may move (workers.locks)
-        for node in gone:
-            for replica in s.scalars(
-                select(Replica)
-                .where(Replica.node_id == node.id, Replica.status.in_(LIVE_STATES))
-                # of=Replica: not the outer-joined node/GPU; one someone else is moving is
-                # left for the next pass
-                .with_for_update(of=Replica, skip_locked=True)
-            ):
-                transition(
-                    s,
-                    replica,
-                    ReplicaState.DEAD,
-                    settings,
-                    error=f"node {node.name} unreachable since {node.unhealthy_since}",
-                )
-                lost += 1
-    return lost

@@ -46,8 +46,8 @@ from netplumb.addresses import join_hostport, split_hostport
 from workers.backends.base import backend
 from workers.clock import iso, now
 from workers.errors import InputError
-from workers.functions import check_name
 from workers.kinds import NodeKind
+from workers.names import check_name
 from workers.store.models import Node, Replica
 from workers.store.rows import delete_unlinking_replicas, one_or_not_found
 from workers.untrusted import IP, ip_literal, parse_networks

@@ -40,7 +40,7 @@ from workers.clock import now
 from workers.errors import CapacityError
 from workers.store.models import Function, Gpu, Node, Replica
 
-POLICIES = ("loadbalance", "roundrobin", "spread", "random", "pack")
+# The policies a function may name (workers.kinds.POLICIES) are carried out in _candidate.
 FITS = ("best", "first")
 MAX_ATTEMPTS = 16
 

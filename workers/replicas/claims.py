@@ -64,8 +64,8 @@ from sqlalchemy.orm import Session
 from config.settings import Settings
 from workers.clock import now
 from workers.errors import CorralError, InputError, NotFound, check_seconds
-from workers.functions import check_name
 from workers.kinds import OpKind
+from workers.names import check_name
 from workers.operations import create_operation
 from workers.replicas.lifecycle import lock_replica, transition
 from workers.store.db import Database, store_now

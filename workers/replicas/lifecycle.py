@@ -60,6 +60,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 from config.settings import Settings
 from workers.clock import now
 from workers.fleet.placement import free_gpu, free_node, free_nodes
+from workers.functions import idle_timeout
 from workers.leases import keyed_name
 from workers.locks import lock_gpus
 from workers.operations import settle
@@ -180,11 +181,6 @@ def lock_replica(session: Session, replica_id: str) -> Replica | None:
     return session.scalars(_LOCK_REPLICA, {"replica_id": replica_id}).first()
 
 
-def idle_timeout(fn: Function, settings: Settings) -> float:
-    """The function's idle timeout in seconds."""
-    return fn.idle_timeout_s if fn.idle_timeout_s is not None else settings.idle_timeout_s
-
-
 def deadline_for(state: ReplicaState, settings: Settings, at: datetime) -> datetime | None:
     """When a replica left in ``state`` counts as stuck."""
     if state in (ReplicaState.CREATING, ReplicaState.DELETING):
@@ -260,20 +256,6 @@ def _retire(session: Session, replica: Replica, at: datetime) -> None:
     if replica.gpu_id is not None and replica.gpu_slot is not None:
         free_gpu(session, replica.gpu_id, replica.gpu_mem_mb)
         replica.gpu_slot = None
-
-
-def bump_reap_at(session: Session, fn: Function, settings: Settings) -> None:
-    """Recompute ``reap_at`` for a function's Idle replicas (its idle timeout changed)."""
-    seconds = idle_timeout(fn, settings)
-    for replica in session.scalars(
-        select(Replica).where(
-            Replica.function_id == fn.id,
-            Replica.status == ReplicaState.IDLE,
-            Replica.idle_since.is_not(None),
-        )
-    ):
-        assert replica.idle_since is not None  # noqa: S101 - narrows for mypy
-        replica.reap_at = replica.idle_since + timedelta(seconds=seconds)
 
 
 _MARK_DELETING = (

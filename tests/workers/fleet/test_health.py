@@ -11,6 +11,7 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from workers.fleet.health import check_health
+from workers.replicas.lost import mark_lost
 from workers.store.models import Node
 
 
@@ -28,7 +29,8 @@ def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
     assert first.missed == ["node1"] and first.became_unhealthy == []
     second = check_health(store_env.db, store_env.settings)
     assert second.became_unhealthy == ["node1"]
-    assert second.replicas_lost == 1  # grace 0: its replica is Dead at once
+    assert mark_lost(store_env.db, store_env.settings) == 1  # grace 0: its replica is Dead
+    assert mark_lost(store_env.db, store_env.settings) == 0  # and only once
     with store_env.db.read() as s:
         nodes = {n.name: n for n in s.scalars(select(Node))}
     assert not nodes["node1"].healthy and nodes["node1"].live == 0
