@@ -20,8 +20,8 @@ Results are typed mappings (``NodeView``, ``FunctionView``, ``ReplicaView``,
 ``OperationView``, ``GpuView``, ``ClaimView``, ``ReleaseView``): plain dicts, ready for JSON.
 
 Importing the API loads the settings and the store, and no more: ``corral nodes list``
-is one query. What loads Celery (:mod:`workers.dispatch`: the first operation queued; in
-eager mode it also registers the task modules, to run them here), gRPC and the agent
+is one query. What loads Celery (the Celery queue and the tasks, :data:`tasks.maintenance.QUEUE`:
+the first operation queued; in eager mode the tasks run here), gRPC and the agent
 clients (requests, CPU hogs, the reaper's checks, the GPU inventory) or Alembic
 (:func:`upgrade_db`) is imported when first used (:class:`_Later`).
 ``tests/tasks/cli/test_startup.py`` checks what each command imports.
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Generic, NotRequired, TypedDict, TypeVar,
 from sqlalchemy.orm import Session
 
 from config.settings import Settings, get_settings
+from workers import dispatch
 from workers.errors import BrokerError, InputError
 from workers.fleet import nodes as fleet
 from workers.fleet.nodes import NodeView, node_view
@@ -86,7 +87,7 @@ class _Later:
 if TYPE_CHECKING:
     import redis
 
-    from workers import dispatch
+    from tasks import maintenance
     from workers import redis_client as redis_clients
     from workers.autoscale import idletimes
     from workers.fleet import gpus as gpu_inventory
@@ -101,7 +102,7 @@ if TYPE_CHECKING:
 else:
     # Celery; the agent clients and gRPC; Alembic; Redis; what one group of calls needs
     redis = _Later("redis")
-    dispatch = _Later("workers.dispatch")
+    maintenance = _Later("tasks.maintenance")
     redis_clients = _Later("workers.redis_client")
     idletimes = _Later("workers.autoscale.idletimes")
     gpu_inventory = _Later("workers.fleet.gpus")
@@ -237,17 +238,17 @@ def check_id(value: str, what: str) -> str:
 
 def resend(redrive: Redrive) -> None:
     """Send the first task of an operation that stopped moving again (see maintenance.redrive)."""
-    dispatch.resend(redrive.kind, redrive.op_id, redrive.params)
+    maintenance.QUEUE.send(redrive.work)
 
 
 def _submit(db: Database, write: Callable[[Session], Operation]) -> str:
     """Write an operation and queue its first task (:func:`workers.dispatch.submit`); its id."""
-    return dispatch.submit(db, write)
+    return dispatch.submit(db, maintenance.QUEUE, write)
 
 
 def _enqueue(db: Database, op: Operation) -> str:
     """Queue the first task of an operation already written; its id."""
-    return dispatch.enqueue(db, op)
+    return dispatch.enqueue(db, maintenance.QUEUE, op)
 
 
 # -- the schema --------------------------------------------------------------------------------

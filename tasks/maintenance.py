@@ -14,6 +14,12 @@ scales a pass asks for are operations like any producer's
 An operator's ``corral reap`` / ``corral reconcile`` is an operation whose first task
 is ``corral.reap`` / ``corral.reconcile``: the same pass, with task events, its report
 stored on the operation.
+
+The passes ask for every kind of work - spawns, scales, deletes, and the first task of
+any operation that stopped moving, a reap's or a reconcile's included - so this module,
+the task module above the others, is where the queue of every operation's first task
+is put together (:func:`first_task`, :data:`QUEUE`: :mod:`tasks.queues`), and handed to
+the logic that asks for work.
 """
 
 from __future__ import annotations
@@ -24,9 +30,13 @@ from functools import partial
 from typing import Any
 
 from config.settings import Settings
+from tasks import hogs as hog_tasks
+from tasks import replicas as replica_tasks
+from tasks.queues import Call, CeleryQueue, Tasks
 from workers import dispatch, leases
 from workers.autoscale.passes import run_pass
 from workers.celery import CorralTask, app
+from workers.dispatch import Work
 from workers.errors import CorralError
 from workers.fleet import health
 from workers.kinds import OpKind
@@ -94,7 +104,7 @@ def _reap(task: CorralTask, idle_timeout: float | None, op_id: str | None) -> di
     _count_reaped(settings, report.counts)
     extra: dict[str, Any] = {
         "replacements": _spawn_each(task.db, report.replace),
-        "redriven": _redrive(task),
+        "redriven": redrive.resend_due(task.db, settings, QUEUE),
     }
     if op_id:
         reap_report.record(task.db, op_id, report, extra)
@@ -114,7 +124,7 @@ def _spawn_each(db: Database, wanted: dict[str, int]) -> dict[str, str]:
     asked: dict[str, str] = {}
     for name, n in wanted.items():
         try:
-            asked[name] = dispatch.submit(db, partial(request_spawn, function=name, count=n))
+            asked[name] = dispatch.submit(db, QUEUE, partial(request_spawn, function=name, count=n))
         except CorralError as exc:
             asked[name] = f"error: {exc}"
     return asked
@@ -131,23 +141,6 @@ def _count_reaped(settings: Settings, counts: dict[str, int]) -> None:
         log.warning("could not count reaped replicas: %s", exc)
 
 
-def _redrive(task: CorralTask) -> dict[str, str]:
-    """Re-send the first task of every operation that stopped moving; op id -> outcome."""
-    kinds = redrive.RESENDABLE
-    sent = {
-        op_id: f"failed: {reason}"
-        for op_id, reason in redrive.give_up(task.db, task.settings, kinds).items()
-    }
-    for due in redrive.due(task.db, task.settings, kinds):
-        try:
-            dispatch.resend(due.kind, due.op_id, due.params)
-        except Exception as exc:  # the broker is down again: the next pass retries
-            sent[due.op_id] = f"error: {type(exc).__name__}: {exc}"
-        else:
-            sent[due.op_id] = f"re-sent {due.kind} ({due.attempt} of {redrive.REDRIVE_MAX})"
-    return sent
-
-
 @app.task(bind=True, name="corral.autoscale", send_events=False)
 def autoscale(self: CorralTask) -> dict[str, Any]:
     """One autoscaler pass (beat sends one every ``CORRAL_AUTOSCALE_INTERVAL_S``).
@@ -162,10 +155,10 @@ def autoscale(self: CorralTask) -> dict[str, Any]:
     db = self.db
 
     def scale(name: str, target: int) -> str:
-        return dispatch.submit(db, partial(request_scale, function=name, target=target))
+        return dispatch.submit(db, QUEUE, partial(request_scale, function=name, target=target))
 
     def prewarm(name: str) -> str:
-        return dispatch.submit(db, partial(request_spawn, function=name, count=1))
+        return dispatch.submit(db, QUEUE, partial(request_spawn, function=name, count=1))
 
     return run_pass(db, settings, client, scale, prewarm).as_dict()
 
@@ -185,10 +178,37 @@ def reconcile_pass(self: CorralTask) -> dict[str, Any]:
 def _reconcile(task: CorralTask, op_id: str | None) -> dict[str, Any]:
     """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""
     holder = leases.holder_name(task.request.id)
-    report = reconciler.reconcile(task.db, task.settings, holder=holder)
+    report = reconciler.reconcile(task.db, task.settings, holder=holder, queue=QUEUE)
     result: dict[str, Any] = {**report.as_dict(), "spawned": _spawn_each(task.db, report.top_up)}
     if op_id:
         record_result(task.db, op_id, result)
     elif report.changed:
         result["op_id"] = record_pass(task.db, OpKind.RECONCILE, dict(result))
     return result
+
+
+def first_task(work: Work) -> Call:
+    """The task that carries out an operation of ``work.kind``, called with its params."""
+    op_id, params = work.op_id, work.params
+    match work.kind:
+        case OpKind.SPAWN:
+            return Call(replica_tasks.spawn, (op_id,))
+        case OpKind.SCALE:
+            return Call(replica_tasks.scale, (op_id,))
+        case OpKind.DELETE:
+            return Call(replica_tasks.delete_replica, (params["replica"], op_id))
+        case OpKind.HOGS:
+            kwargs = {k: params[k] for k in ("action", "n", "node")}
+            return Call(hog_tasks.hogs, kwargs={**kwargs, "op_id": op_id})
+        case OpKind.REAP:
+            return Call(reap, kwargs={"idle_timeout": params.get("idle_timeout"), "op_id": op_id})
+        case OpKind.RECONCILE:
+            return Call(reconcile, kwargs={"op_id": op_id})
+    raise ValueError(f"no task carries out operations of kind {str(work.kind)!r}")
+
+
+#: The queue of every operation's first task, a replica's delete and an orphan's release:
+#: what the producer API, the CLI's services and these passes ask for work through.
+QUEUE = CeleryQueue(
+    Tasks(first_task, delete=replica_tasks.delete_replica, release=replica_tasks.release_orphan)
+)

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery import Signature
 
-from workers import dispatch, stages
+from workers import stages
 from workers.celery import CorralTask, app
 from workers.errors import TransientBackendError
 from workers.redis_client import redis_client
@@ -85,7 +85,7 @@ def delete_batch(self: CorralTask, op_id: str | None, replica_ids: list[Any]) ->
     return {"op_id": op_id, "deleted": out.done, "retrying": len(out.retry), "left": len(out.rest)}
 
 
-@app.task(bind=True, name=dispatch.DELETE_REPLICA)
+@app.task(bind=True, name="corral.delete_replica")
 def delete_replica(self: CorralTask, replica_id: str, op_id: str | None = None) -> dict[str, Any]:
     """Release a replica's VM and retire its row; an already deleted replica is fine."""
     try:
@@ -96,7 +96,7 @@ def delete_replica(self: CorralTask, replica_id: str, op_id: str | None = None) 
     return {"replica_id": replica_id, "state": state, "error": error}
 
 
-@app.task(bind=True, name=dispatch.RELEASE_ORPHAN)
+@app.task(bind=True, name="corral.release_orphan")
 def release_orphan(self: CorralTask, node_id: str, vmid: str) -> dict[str, Any]:
     """Release a VM no replica took (an orphan the registry found); retried with backoff."""
     try:

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from celery import signals
 from celery.contrib.testing.worker import start_worker
 
 from config.celery import QUEUES
@@ -63,8 +64,11 @@ def thread_worker(broker_env: Env) -> Iterator[Env]:
         loglevel="WARNING",
         shutdown_timeout=10,
         queues=list(QUEUES),
-    ):
+    ) as worker:
         yield broker_env
+    # The testing worker ends cold, which says nothing: say it ended, as a warm shutdown
+    # does (workers.celery: tasks this process runs from now on are no pool's).
+    signals.worker_shutdown.send(sender=worker)
 
 
 class WorkerProcess:

@@ -3,7 +3,8 @@
 ``celery -A workers worker|beat|flower`` finds the app in :mod:`workers.celery` by Celery's
 convention; importing :mod:`workers` itself builds nothing.
 
-* :mod:`workers.celery`, :mod:`workers.broker`, :mod:`workers.dispatch`: the Celery glue.
+* :mod:`workers.celery`, :mod:`workers.broker`: the Celery glue; :mod:`workers.dispatch`: the
+  ``TaskQueue`` port the logic asks for work through (implemented in :mod:`tasks.queues`).
 * :mod:`workers.backends`: clients of node agents (gRPC) and Lambdo hosts (HTTP).
 * :mod:`workers.fleet`: nodes, health, placement, GPUs.
 * :mod:`workers.replicas`: spawn, delete, scale, claims, the replica state machine.

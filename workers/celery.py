@@ -27,7 +27,12 @@ start plus its soft limit - that its work checks where stopping is clean; past i
 work raises :class:`~workers.timelimits.OutOfTime`, and the task is retried within its
 budget or, with none left, left to redrive: its operation is not failed. The hard limit
 is enforced from outside: billiard's parent in prefork, ``corral worker``
-(:mod:`stack.worker`) in a thread pool, to which the task reports its start and end.
+(:mod:`stack.worker`) in a thread (or solo) pool, to which the task reports its start
+and end. Where a task runs is declared, never guessed (:class:`Runs`): a worker declares
+its pool when it starts (``worker_init``); a caller that carries a task out itself (the
+in-process queue, :mod:`tasks.queues`) declares it :func:`inline` - in the caller's
+thread, no hard limit, by the deadline it gives; a process that starts no worker runs
+tasks only inline (eager mode).
 
 ``CORRAL_FAULT_RAISE_IN`` (test-only, empty by default) names tasks (comma
 separated) that raise :class:`FaultInjected` before running: how the tests make
@@ -42,7 +47,9 @@ set); a worker refuses to start on an un-migrated database.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
+import enum
 import functools
 import inspect
 import logging
@@ -72,6 +79,37 @@ log = logging.getLogger(__name__)
 
 TASK_MODULES = ["tasks.replicas", "tasks.maintenance", "tasks.hogs"]
 _running = threading.local()  # the budget of the task this thread runs (CorralTask.budget)
+
+
+class Runs(enum.Enum):
+    """Where a task runs, and so what ends it past its hard time limit."""
+
+    INLINE = "inline"  # in its caller's thread: nothing ends it (it has its deadline only)
+    PREFORK = "prefork"  # a prefork pool's child: billiard's parent kills it
+    REPORTED = "reported"  # a thread or solo pool: reported to `corral worker`, which kills it
+
+
+_pool = Runs.INLINE  # what this process's worker declared when it started (none: inline)
+_inline: contextvars.ContextVar[bool] = contextvars.ContextVar("corral_inline", default=False)
+
+
+@contextlib.contextmanager
+def inline(deadline: timelimits.Deadline) -> Iterator[None]:
+    """Run the tasks called in the body inline: in this thread, no hard limit, by ``deadline``.
+
+    A task's own deadline (its start plus its soft limit) still ends it if that is earlier.
+    """
+    token = _inline.set(True)
+    try:
+        with timelimits.running(deadline):
+            yield
+    finally:
+        _inline.reset(token)
+
+
+def runs() -> Runs:
+    """Where a task started now, in this context, runs."""
+    return Runs.INLINE if _inline.get() else _pool
 
 
 class CorralRequest(Request):  # type: ignore[misc]
@@ -150,7 +188,7 @@ class CorralTask(Task):  # type: ignore[misc]
         hard, soft = self.request.timelimit or (None, None)
         budget = _running.budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
         try:
-            with self._limits(budget, nested=outer is not None):
+            with self._limits(budget):
                 inject_fault(self.settings, self.name)
                 return super().__call__(*args, **kwargs)
         except InputError as exc:
@@ -178,30 +216,23 @@ class CorralTask(Task):  # type: ignore[misc]
             _running.budget = outer
 
     @contextlib.contextmanager
-    def _limits(self, budget: Budget, *, nested: bool) -> Iterator[None]:
-        """Run the task under its deadline; report its hard limit to a supervisor if any.
+    def _limits(self, budget: Budget) -> Iterator[None]:
+        """Run the task under its deadline; report its hard limit where a supervisor keeps it.
 
         The handling of what the task raised (failing its operation, a retry) runs after,
-        under no deadline. A task run inside another (eager) ends by the earlier deadline.
+        under no deadline. A task run inside another, or inline by a caller that gave a
+        deadline (:func:`inline`), ends by the earlier deadline.
         """
         deadline = timelimits.Deadline(budget.started + budget.soft_s)
         outer = timelimits.current()
         if outer is not None and outer.at < deadline.at:
             deadline = outer
         with timelimits.running(deadline):
-            if (
-                nested
-                or self.request.is_eager
-                or threading.current_thread() is threading.main_thread()
-            ):
-                # prefork (billiard's parent kills the child at the hard limit), solo,
-                # eager, and a first task its caller carries out itself (workers.dispatch:
-                # a gateway's cold start, whose calls have their own deadlines; a hard
-                # limit must not end the gateway)
-                yield
-            else:  # a thread pool: its supervisor (corral worker) kills a stuck worker
+            if runs() is Runs.REPORTED:
                 with timelimits.reported(self.name, str(self.request.id), budget.hard_s):
                     yield
+            else:  # prefork: billiard's parent ends it; inline: its deadline only
+                yield
 
     def _fail(self, op_id: Any, exc: Exception) -> None:
         """End the operation of a task that raised: failed, with the redacted error."""
@@ -316,6 +347,26 @@ def _send_spans(**_: Any) -> None:
     tracing.flush()
 
 
+def _pool_of(worker: Any) -> str:
+    """The module (or alias) of a starting worker's pool: ``...prefork``, ``threads``..."""
+    pool = getattr(worker, "pool_cls", None)
+    return pool if isinstance(pool, str) else str(getattr(pool, "__module__", ""))
+
+
+@signals.worker_init.connect
+def _declare_pool(sender: Any = None, **_: Any) -> None:
+    """Declare where this worker's tasks run (:class:`Runs`): its pool, from its configuration."""
+    global _pool
+    _pool = Runs.PREFORK if "prefork" in _pool_of(sender) else Runs.REPORTED
+
+
+@signals.worker_shutdown.connect
+def _undeclare_pool(**_: Any) -> None:
+    """The worker is gone: tasks this process still runs run inline (a test's own worker)."""
+    global _pool
+    _pool = Runs.INLINE
+
+
 @signals.worker_init.connect
 def _trace_unforked(sender: Any = None, **_: Any) -> None:
     """Tracing for a worker whose pool does not fork (threads, solo): the process's own.
@@ -323,8 +374,7 @@ def _trace_unforked(sender: Any = None, **_: Any) -> None:
     A prefork worker's children start theirs; the parent only checks it could.
     """
     try:
-        pool = getattr(sender, "pool_cls", None)
-        if "prefork" in str(getattr(pool, "__module__", pool)):
+        if "prefork" in _pool_of(sender):
             tracing.check(get_settings())
         else:
             tracing.start("corral-worker", get_settings())
@@ -338,8 +388,7 @@ def _hard_limits(sender: Any = None, **_: Any) -> None:
     """Report to a supervising ``corral worker``; warn of a thread pool that has none."""
     if timelimits.attach():
         return
-    pool = str(getattr(getattr(sender, "pool_cls", None), "__module__", ""))
-    if "thread" in pool:
+    if "thread" in _pool_of(sender):
         log.warning(
             "this thread-pool worker runs without `corral worker`: nothing ends a task stuck "
             "past its hard time limit (CORRAL_TASK_TIME_LIMIT_S); start it with `corral worker`"

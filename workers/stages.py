@@ -24,7 +24,7 @@ first_byte    claimed -> the first byte of the replica's answer passed on       
 ============  =======================================================================  ========
 
 "worker" is the spawn's task, wherever it runs: a Celery worker, or the gateway itself
-for a cold start it waits for (:mod:`workers.dispatch`, ``here``).
+for a cold start it waits for (:class:`workers.dispatch.TaskQueue`, ``run_here``).
 
 Where they go:
 

@@ -22,7 +22,7 @@ in two parts:
   :class:`OutOfTime` as it treated the soft limit: the task is retried within its
   budget or left to redrive, its operation is never failed for it. Threads that run no
   task (a gateway's, the event loop's) have no deadline: a gateway that carries out a
-  first task itself (:mod:`workers.dispatch`) gives the task a deadline that ends the
+  first task itself (:func:`workers.celery.inline`) gives the task a deadline that ends the
   task, never the gateway.
 * **The hard limit is enforced from outside the work.** Work stuck where no safe point
   comes (a C call that does not return, a lock wait) is ended by killing its process.

@@ -3,6 +3,9 @@
 Listens on ``--listen`` (default ``CORRAL_GATEWAY_LISTEN``, 127.0.0.1:8080). A
 non-loopback address needs ``CORRAL_GATEWAY_TOKEN`` (callers then send
 ``Authorization: Bearer <token>``) or ``--insecure``.
+
+The gateway asks for work through the Celery queue, with a few threads of its own on
+which a cold start's spawn is carried out here (:class:`tasks.queues.HereFirst`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import logging
 
 from config.settings import Settings
 from tasks import api
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
 from workers.gateway import run_gateway
 
 
@@ -23,6 +28,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
     run_gateway(
         settings,
         args.listen,
+        queue=HereFirst(QUEUE),
         insecure=args.insecure,
         on_ready=lambda url: print(f"gateway listening on {url}", flush=True),
     )

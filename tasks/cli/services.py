@@ -23,7 +23,9 @@ def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
         check_listen(settings, args.listen)  # refuse before anything else is said
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     database(settings)  # refuse an un-migrated store before listening
-    running = serve_registry(settings, args.listen, insecure=args.insecure)
+    from tasks.maintenance import QUEUE  # Celery and the tasks: for this command only
+
+    running = serve_registry(settings, args.listen, queue=QUEUE, insecure=args.insecure)
     print(f"registry listening on {args.listen or settings.registry_listen}", flush=True)
     _until_signalled()
     running.stop(2.0)

@@ -9,7 +9,9 @@ Work that meets its time limits, and a way to step the worker's host clock:
   out (after each task, too, in a prefork child, where no other task runs beside it);
 * ``corral.test.stuck``: blocks in one C call, reaching no safe point, until its hard
   limit ends it - once per marker file (a redelivered message returns at once);
-* ``corral.test.step_clock``: steps this process's host clock (``clock.step_host``).
+* ``corral.test.step_clock``: steps this process's host clock (``clock.step_host``);
+* ``corral.test.where``: says where it runs (:func:`workers.celery.runs`) and how long its
+  deadline leaves it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any
 from celery import signals
 
 from config.settings import get_settings
-from workers import clock, leases
-from workers.celery import CorralTask, app
+from workers import clock, leases, timelimits
+from workers.celery import CorralTask, app, runs
 from workers.store.db import get_database
 
 log = logging.getLogger("corral.test")
@@ -72,6 +74,15 @@ def step_clock(self: CorralTask, seconds: float) -> None:
     """Step this process's host clock by ``seconds``."""
     clock.step_host(seconds)
     log.info("stepped the host clock by %gs in pid %d", seconds, os.getpid())
+
+
+@app.task(bind=True, name="corral.test.where")
+def where(self: CorralTask, tag: str) -> dict[str, object]:
+    """Say where this task runs and how long its deadline leaves it (logged, and returned)."""
+    deadline = timelimits.current()
+    left = deadline.left() if deadline is not None else None
+    log.warning("where %s: %s", tag, runs().value)
+    return {"runs": runs().value, "left": left}
 
 
 @signals.task_postrun.connect

@@ -18,6 +18,7 @@ from sqlalchemy import select, text
 
 from agents.faults import Fault
 from tasks import api
+from tasks.maintenance import QUEUE
 from tasks.replicas import scale, spawn
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, operation, replicas, spawn_ok
@@ -74,9 +75,9 @@ def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
         return vms  # ...and the spawn records its VM before reconcile reads the rows
 
     monkeypatch.setattr(backends, "list_vms", list_then_spawn_lands)
-    first = reconcile(corral_env.db, settings, holder="t")
+    first = reconcile(corral_env.db, settings, holder="t", queue=QUEUE)
     monkeypatch.setattr(backends, "list_vms", listing)
-    second = reconcile(corral_env.db, settings, holder="t")
+    second = reconcile(corral_env.db, settings, holder="t", queue=QUEUE)
 
     assert first.vanished == [] and second.vanished == []
     assert second.orphans_destroyed == []

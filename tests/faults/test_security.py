@@ -14,6 +14,7 @@ from agents.fcdaemon import serve_fcdaemon
 from protos import resmngr_grpc, resmngr_pb2
 from tasks import api
 from tasks.cli import main
+from tasks.maintenance import QUEUE
 from tests.fixtures import Env
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
@@ -63,7 +64,7 @@ def test_spawn_over_tls_with_an_agent_token(corral_env: Env, certs: dict[str, Pa
 
 def test_registry_over_tls(corral_env: Env, certs: dict[str, Path]) -> None:
     settings = corral_env.set(registry_tls_cert=certs["cert"], registry_tls_key=certs["key"])
-    running = serve_registry(settings, "127.0.0.1:0")
+    running = serve_registry(settings, "127.0.0.1:0", queue=QUEUE)
     try:
         creds = grpc.ssl_channel_credentials(root_certificates=certs["ca"].read_bytes())
         secure = resmngr_grpc.ResMngrServiceStub(grpc.secure_channel(running.address, creds))

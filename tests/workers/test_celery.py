@@ -1,4 +1,5 @@
-"""The task base class: its retry backoff (exponential, capped, equal jitter), its time limits."""
+"""The task base class: its retry backoff (exponential, capped, equal jitter), its time limits,
+and where a task runs - declared by the worker's pool or by a caller that carries it out."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from kombu.message import Message
 
 from config.celery import celery_config
 from config.settings import load_settings
+from tasks.queues import Call, carry_out
+from tests.eventually import eventually
 from tests.faults import limit_tasks
 from tests.fixtures import Env
 from workers import leases, timelimits
-from workers.celery import CorralRequest, app, backoff_s
+from workers.celery import CorralRequest, Runs, app, backoff_s, runs
 
 
 def test_each_wait_is_half_to_all_of_its_doubling_capped_ceiling() -> None:
@@ -75,12 +78,38 @@ def test_a_task_past_its_deadline_ends_at_a_safe_point_without_failing_or_wedgin
 ) -> None:
     corral_env.set(**SHORT_LIMITS)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # as a gateway carries one out
-        outcome = pool.submit(contextvars.copy_context().run, limit_tasks.churn.apply, (7,))
-        result = outcome.result(timeout=30)
-        assert result.get() == {"error": "soft time limit"}
+        churn = Call(limit_tasks.churn, (7,))
+        outcome = pool.submit(contextvars.copy_context().run, carry_out, churn)
+        assert outcome.result(timeout=30) == {"error": "soft time limit"}
         assert pool.submit(timelimits.current).result() is None  # the thread lives on, free
     assert "ran into its soft time limit with no retries left" in caplog.text
     with corral_env.db.read() as s:  # and the store is free: nothing held, nothing leaked
         assert leases.first_seen(s, "churn-7", "reader", 60) is not None
     pool_ = corral_env.db.engine.pool
     assert pool_.checkedout() == 0  # type: ignore[attr-defined]
+
+
+# -- where a task runs: declared, never guessed --------------------------------------------
+
+
+def test_a_task_carried_out_here_runs_inline_by_the_deadline_it_was_given(
+    corral_env: Env,
+) -> None:
+    corral_env.set(task_soft_time_limit_s="40", task_time_limit_s="60")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a gateway's thread, not main
+        got = pool.submit(
+            contextvars.copy_context().run, carry_out, Call(limit_tasks.where, ("t",))
+        )
+        result = got.result(timeout=30)
+    assert result["runs"] == "inline" and 30 < result["left"] <= 40
+    assert runs() is Runs.INLINE and timelimits.current() is None  # nothing left declared
+
+
+def test_a_worker_declares_its_pool_and_its_tasks_run_there(
+    thread_worker: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A thread pool: each task is reported to its supervisor (none here: nothing written).
+    limit_tasks.where.apply_async(("pool",), queue="corral.maintenance")
+    eventually(lambda: "where pool: reported" in caplog.text, 20, "the task in the pool")
+    # In the same process, a task its caller carries out is inline all the same.
+    assert carry_out(Call(limit_tasks.where, ("here",)))["runs"] == "inline"

@@ -10,6 +10,7 @@ from sqlalchemy import select
 import tasks.replicas
 from tasks import api
 from tasks.cli import main
+from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, one_agent, operation, record_vm, result_of, spawn_ok
 from workers import clock, stages
@@ -68,7 +69,7 @@ def test_a_ready_after_the_record_is_timed_from_the_record(store_env: Env) -> No
     stored = result_of(operation(store_env, op_id))["stages"]
     assert set(stored) == WORKER_STAGES - {"queue"}  # no message header here: no queue stage
     clock.travel(0.25)  # the guest boots
-    registry = Registry(store_env.db, store_env.settings)
+    registry = Registry(store_env.db, store_env.settings, QUEUE)
     assert registry.update_status("vm-1", READY, "127.0.0.1") == OK
     ready = result_of(operation(store_env, op_id))["stages"]["ready"]
     assert 0.25 <= ready < 5
@@ -78,7 +79,7 @@ def test_a_ready_after_the_record_is_timed_from_the_record(store_env: Env) -> No
 
 def test_a_ready_that_came_before_the_record_is_a_ready_stage_of_zero(store_env: Env) -> None:
     op_id, pending = _timed_spawn(store_env)
-    registry = Registry(store_env.db, store_env.settings)
+    registry = Registry(store_env.db, store_env.settings, QUEUE)
     assert registry.update_status("vm-2", READY, "127.0.0.1") == OK  # remembered: too early
     assert _record_timed(store_env, op_id, pending, "vm-2") == "idle"  # applied on record
     stored = result_of(operation(store_env, op_id))["stages"]

@@ -16,6 +16,7 @@ from config.redact import escape_controls, redact
 from protos import fcdaemon_pb2
 from tasks import api
 from tasks.cli import main
+from tasks.maintenance import QUEUE
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from workers.fleet.nodes import upsert_node
@@ -69,7 +70,7 @@ def test_a_listed_vmid_that_is_no_id_is_never_acted_on(corral_env: Env) -> None:
             replicas=[fcdaemon_pb2.ReplicaInfo(vmid=HOSTILE, ip="127.0.0.1", port=1)]
         )
         agent.agent.inject("ListReplicas", Fault.reply(listing))
-        report = reconcile(corral_env.db, corral_env.settings, holder="t")
+        report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
         assert report.orphans_destroyed == [] and agent.agent.calls_of("ReleaseVMSetup") == []
         assert len(report.errors) == 1 and "malformed vmid" in report.errors[0]
         assert _controls(str(report.as_dict())) == []

@@ -43,6 +43,7 @@ from netplumb.addresses import join_hostport
 from netplumb.listening import Server, listen_address
 from workers import tracing
 from workers.autoscale import demand, idletimes
+from workers.dispatch import TaskQueue
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
 from workers.gateway.proxy import PREFIX, Gateway
@@ -156,9 +157,9 @@ class GatewayApp:
             await self.gateway.background.store(idletimes.record_quietly, client, shape, seen)
 
 
-def build_app(db: Database, settings: Settings) -> GatewayApp:
+def build_app(db: Database, settings: Settings, queue: TaskQueue) -> GatewayApp:
     """The gateway application over a store, reporting demand to the broker's Redis."""
-    return GatewayApp(Gateway(db, settings), redis_url=settings.broker_url)
+    return GatewayApp(Gateway(db, settings, queue), redis_url=settings.broker_url)
 
 
 class RunningGateway:
@@ -196,10 +197,11 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ListenRefused(f"gateway cannot listen on {host}:{port}: {exc}") from None
 
 
-def serve_gateway(
+def serve_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and its queue
     settings: Settings,
     listen: str | None = None,
     *,
+    queue: TaskQueue,
     insecure: bool = False,
     db: Database | None = None,
     app: GatewayApp | None = None,
@@ -209,7 +211,7 @@ def serve_gateway(
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)
-    app = app or build_app(db or get_database(settings.database_url), settings)
+    app = app or build_app(db or get_database(settings.database_url), settings, queue)
     try:
         server = asgiserve.start(app, sock, _limits(settings), name="gateway", **_options(settings))
     except OSError as exc:
@@ -221,15 +223,16 @@ def run_gateway(
     settings: Settings,
     listen: str | None = None,
     *,
+    queue: TaskQueue,
     insecure: bool = False,
     on_ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve a gateway in the foreground until SIGINT / SIGTERM."""
+    """Serve a gateway in the foreground until SIGINT / SIGTERM; it asks ``queue`` for work."""
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)  # spans, when CORRAL_OTLP_ENDPOINT is set
-    app = build_app(get_database(settings.database_url), settings)
+    app = build_app(get_database(settings.database_url), settings, queue)
     url = f"http://{join_hostport(host, sock.getsockname()[1])}"
     if on_ready is not None:
         on_ready(url)

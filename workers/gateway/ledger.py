@@ -31,7 +31,10 @@ claim whose replica failed and has the replica deleted as *suspect*
 (:func:`workers.replicas.claims.suspect`), with every other claim this gateway holds on it.
 A cold start's spawn (written by its plan, :mod:`workers.replicas.coldstarts`) and a
 suspect's delete are operations queued as the maintenance passes queue theirs
-(:func:`workers.dispatch.enqueue`), not through the producer API.
+(:func:`workers.dispatch.enqueue`), not through the producer API, on the
+:class:`~workers.dispatch.TaskQueue` the gateway is handed: a spawn is carried out in
+this process when the queue can (``CORRAL_GATEWAY_SPAWN_HERE``; ``corral gateway``'s
+queue has a few threads for it), else sent.
 :meth:`Ledger.maintain` runs for the gateway's life: it gives back claims unused for
 the keep window and renews every claim held (each is a lease of
 ``CORRAL_GATEWAY_CLAIM_TTL_S``), so a gateway that dies leaves leases that expire by
@@ -78,11 +81,13 @@ class Ledger:
         db: Database,
         settings: Settings,
         background: Background,
+        queue: dispatch.TaskQueue,
         on_cold_start: Callable[[str, float], None] | None = None,
     ) -> None:
         self.db = db
         self.settings = settings
         self.background = background
+        self.queue = queue
         self.on_cold_start = on_cold_start
         self.told = False  # notices of ready replicas reach wake() (the gateway listens)
         self.held: dict[str, Claimed] = {}
@@ -292,14 +297,14 @@ class Ledger:
     def _queue_spawn(self, op: Operation) -> str:
         """Queue the first task of a cold start's spawn, written already; the operation id.
 
-        With ``CORRAL_GATEWAY_SPAWN_HERE`` it runs here, in the gateway.
+        With ``CORRAL_GATEWAY_SPAWN_HERE`` it runs here, in the gateway, if the queue can.
         """
-        return dispatch.enqueue(self.db, op, here=self.settings.gateway_spawn_here)
+        return dispatch.enqueue(self.db, self.queue, op, here=self.settings.gateway_spawn_here)
 
     def _suspect(self, claim_id: str, reason: str) -> str | None:
         """Give the claim back, retire its replica and queue its delete; the operation id."""
         op = claims.suspect(self.db, self.settings, claim_id, reason)
-        return dispatch.enqueue(self.db, op) if op is not None else None
+        return dispatch.enqueue(self.db, self.queue, op) if op is not None else None
 
     def _release_soon(self, released: list[Claimed]) -> None:
         """Stop holding these claims and give them back to the store in the background."""

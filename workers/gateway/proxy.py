@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from config.settings import Settings, reveal
 from workers import tracing
 from workers.autoscale.idletimes import Recorder
+from workers.dispatch import TaskQueue
 from workers.errors import InputError, NotFound
 from workers.gateway.admission import QueueFull, QueueTimeout
 from workers.gateway.asgi import (
@@ -75,26 +76,26 @@ SWEEP_S = 5.0  # how often unused upstream clients are looked for
 WATCH_AFTER_S = 0.05  # a request running this long is watched for its client going away
 
 
-def _ready_to_spawn() -> None:
-    """Load Celery's app and the spawn task, which cold starts carry out in the gateway."""
-    from workers import dispatch  # Celery and the task modules: once, off the request path
-
-    dispatch.ready_here()
-
-
 class Gateway:
     """The request flow over its parts: catalog, ledger of claims, upstreams, metrics."""
 
     def __init__(
-        self, db: Database, settings: Settings, metrics: GatewayMetrics | None = None
+        self,
+        db: Database,
+        settings: Settings,
+        queue: TaskQueue,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
+        """``queue``: where cold starts' spawns and suspects' deletes are asked for."""
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
         # SQLite takes one write at a time anyway: more threads only wait in its busy
         # handler (sleeps of up to 100 ms each), so they would add latency, not speed.
         self.background = Background(1 if db.is_sqlite else settings.gateway_store_threads)
         self.catalog = Catalog(db, self.background, settings.gateway_queue)
-        self.ledger = Ledger(db, settings, self.background, on_cold_start=self.metrics.cold_start)
+        self.ledger = Ledger(
+            db, settings, self.background, queue, on_cold_start=self.metrics.cold_start
+        )
         token = reveal(settings.gateway_token)
         self._token = f"Bearer {token}".encode() if token else None
         self.upstreams = Upstreams(settings, self._token, self.metrics)
@@ -117,8 +118,6 @@ class Gateway:
             asyncio.create_task(self._sweep_upstreams()),
             asyncio.create_task(self.upstreams.watch()),
         ]
-        if self.settings.gateway_spawn_here:  # the first cold start need not load the tasks
-            self._upkeep.append(asyncio.create_task(asyncio.to_thread(_ready_to_spawn)))
         loop = self._loop = asyncio.get_running_loop()
         self.upstreams.loop = loop
         self._unlisten = notices.listen_here(  # spawns carried out here: told at once

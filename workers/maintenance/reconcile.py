@@ -29,7 +29,8 @@ One pass (under the ``reconcile`` lease, so never two at once):
 
    A node that answers UNIMPLEMENTED / 404 cannot list: it is skipped, and the
    report says so the first time (``nodes.can_list`` remembers).
-2. Idle replicas on draining nodes are deleted and replaced elsewhere.
+2. Idle replicas on draining nodes are marked Deleting, their deletes asked of the queue
+   the pass is handed (:class:`workers.dispatch.TaskQueue`), and replaced elsewhere.
 3. Functions below their min get a spawn for the difference (queued by the
    task), unless a spawn for them is still pending from the last few minutes.
 """
@@ -45,8 +46,9 @@ from typing import Any
 from sqlalchemy import delete, select
 
 from config.settings import Settings
-from workers import backends, dispatch, leases
+from workers import backends, leases
 from workers.clock import now
+from workers.dispatch import TaskQueue
 from workers.errors import BackendError, Unsupported
 from workers.kinds import OpKind
 from workers.locks import lock_functions
@@ -96,8 +98,10 @@ class ReconcileReport:
         return asdict(self)
 
 
-def reconcile(db: Database, settings: Settings, *, holder: str) -> ReconcileReport:
-    """Run one reconcile pass, unless another holds the lease."""
+def reconcile(
+    db: Database, settings: Settings, *, holder: str, queue: TaskQueue
+) -> ReconcileReport:
+    """Run one reconcile pass, unless another holds the lease; deletes go to ``queue``."""
     report = ReconcileReport()
     if not leases.acquire(db, LEASE, holder, settings.lease_ttl_s):
         report.skipped = True
@@ -118,7 +122,7 @@ def reconcile(db: Database, settings: Settings, *, holder: str) -> ReconcileRepo
         before = {node.id: _live_rows(db, node) for node in nodes}
         for node, listed in zip(nodes, _list_all(settings, nodes), strict=True):
             _reconcile_node(db, settings, _Seen(node, before[node.id], listed), report)
-        _drain(db, settings, report)
+        _drain(db, settings, report, queue)
         report.top_up = below_min(db, settings)
     finally:
         leases.release(db, LEASE, holder)
@@ -329,7 +333,7 @@ def _vanished(
             report.vanished.append(replica.id)
 
 
-def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:
+def _drain(db: Database, settings: Settings, report: ReconcileReport, queue: TaskQueue) -> None:
     """Delete Idle replicas of draining nodes; their functions get replacements."""
     doomed: list[str] = []
     with db.transaction() as s:
@@ -352,7 +356,7 @@ def _drain(db: Database, settings: Settings, report: ReconcileReport) -> None:
             doomed.append(replica.id)
             report.drained.append(replica.id)
     for replica_id in doomed:
-        dispatch.delete_replica(replica_id)
+        queue.delete_replica(replica_id)
 
 
 def below_min(db: Database, settings: Settings) -> dict[str, int]:

@@ -13,9 +13,10 @@ No worker will run it, and its operation would stay open for ever.
 So an open operation records when it last moved (``progress_at``: created, its
 first task ran, a part settled). Each reap pass calls :func:`due`, which takes
 the open operations that have not moved for ``CORRAL_REDRIVE_AFTER_S`` (doubled
-after every re-send), stamps them as re-sent, and returns them; the reap task sends
-each one's first task again (:func:`workers.dispatch.resend`). If the first message was
-only late, the second delivery finds the work done and does nothing more.
+after every re-send), stamps them as re-sent, and returns them; :func:`resend_due` (the
+reap task's) sends each one's first task again through the queue it is handed
+(:class:`workers.dispatch.TaskQueue`). If the first message was only late, the second
+delivery finds the work done and does nothing more.
 
 Only kinds whose first task is safe to repeat are passed in (not CPU hogs: a
 second ``CreateCPUHogs`` would start more hogs).
@@ -41,6 +42,7 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
+from workers.dispatch import TaskQueue, Work
 from workers.kinds import OpKind
 from workers.operations import fail_operation
 from workers.store.db import Database
@@ -63,6 +65,11 @@ class Redrive:
     kind: OpKind
     params: dict[str, Any]
     attempt: int  # 1 for the first re-send
+
+    @property
+    def work(self) -> Work:
+        """The first task to send again."""
+        return Work(self.kind, self.op_id, self.params)
 
 
 def _stalled(s: Session, since: datetime, limit: int, *where: Any) -> Sequence[Operation]:
@@ -104,6 +111,21 @@ def due(
                 REDRIVE_MAX,
             )
     return out
+
+
+def resend_due(
+    db: Database, settings: Settings, queue: TaskQueue, kinds: Collection[OpKind] = RESENDABLE
+) -> dict[str, str]:
+    """Fail the hopeless, re-send the first task of the rest that stopped moving; id -> outcome."""
+    sent = {op_id: f"failed: {reason}" for op_id, reason in give_up(db, settings, kinds).items()}
+    for redrive in due(db, settings, kinds):
+        try:
+            queue.send(redrive.work)
+        except Exception as exc:  # the broker is down again: the next pass retries
+            sent[redrive.op_id] = f"error: {type(exc).__name__}: {exc}"
+        else:
+            sent[redrive.op_id] = f"re-sent {redrive.kind} ({redrive.attempt} of {REDRIVE_MAX})"
+    return sent
 
 
 def give_up(

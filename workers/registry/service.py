@@ -24,6 +24,11 @@
   answers KEEP_ALIVE, or DESTROY when the replica should go (stale build, more
   replicas than the function's target, node draining); corral then deletes it.
 
+The deletes and releases the registry decides on are asked of the
+:class:`~workers.dispatch.TaskQueue` it is handed (``corral registry`` hands it the Celery
+one), and a queue that cannot take one is logged: the reaper's stuck sweep finishes a
+delete, reconcile destroys an orphan where the node can list its VMs.
+
 A READY is accepted only from that replica's IP or its node's IP, a FINISHED only from
 the replica's own IP (when the peer's address is known); any other caller is refused
 PERMISSION_DENIED.
@@ -47,7 +52,6 @@ import hmac
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -66,8 +70,9 @@ from netplumb.grpcserve import (
 )
 from netplumb.listening import Server, listen_address
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
-from workers import dispatch, stages, tracing
+from workers import stages, tracing
 from workers.clock import now
+from workers.dispatch import TaskQueue
 from workers.errors import CorralError, InputError
 from workers.fleet.gpus import manager_info
 from workers.fleet.nodes import AddressTaken, default_name, normalize_address, upsert_node
@@ -126,18 +131,10 @@ def _free_name(session: Any, base: str) -> str:
 class Registry:
     """The registry's logic, independent of gRPC plumbing."""
 
-    def __init__(
-        self,
-        db: Database,
-        settings: Settings,
-        *,
-        on_destroy: Callable[[str], None] | None = None,
-        on_orphan: Callable[[str, str], None] | None = None,
-    ) -> None:
+    def __init__(self, db: Database, settings: Settings, queue: TaskQueue) -> None:
         self.db = db
         self.settings = settings
-        self.on_destroy = on_destroy or _queue_delete
-        self.on_orphan = on_orphan or _queue_release
+        self.queue = queue
         #: vmids of early READYs remembered here, until applied or expired (see sweep).
         self.pending: set[str] = set()
         self._caller_of: dict[str, str] = {}  # pending vmid -> who reported it
@@ -388,6 +385,20 @@ class Registry:
         self.on_destroy(replica_id)
         return DESTROY
 
+    def on_destroy(self, replica_id: str) -> None:
+        """Have the replica (marked Deleting) deleted: its VM released, its row retired."""
+        try:
+            self.queue.delete_replica(replica_id)
+        except Exception as exc:  # the reaper's stuck sweep will finish it
+            log.warning("could not queue delete of %s: %s", replica_id, exc)
+
+    def on_orphan(self, node_id: str, vmid: str) -> None:
+        """Have an orphan VM (one no replica took) released on a node."""
+        try:
+            self.queue.release_orphan(node_id, vmid)
+        except Exception as exc:  # reconcile destroys it where the node can list its VMs
+            log.warning("could not queue the release of orphan %s: %s", vmid, exc)
+
     def manager_info(self, vmid: str, peer: str | None = None) -> tuple[str, str, int] | None:
         """(GPU uuid, manager address, worker port) given to the replica with this vmid.
 
@@ -401,22 +412,6 @@ class Registry:
                 return None
             self._check_peer(replica, peer, node_too=False)
             return manager_info(s, vmid)
-
-
-def _queue_release(node_id: str, vmid: str) -> None:
-    """Have a worker release an orphan VM (one no replica took) on a node."""
-    try:
-        dispatch.release_orphan(node_id, vmid)
-    except Exception as exc:  # reconcile destroys it where the node can list its VMs
-        log.warning("could not queue the release of orphan %s: %s", vmid, exc)
-
-
-def _queue_delete(replica_id: str) -> None:
-    """Have a worker release the VM and retire the row."""
-    try:
-        dispatch.delete_replica(replica_id)
-    except Exception as exc:  # the reaper's stuck sweep will finish it
-        log.warning("could not queue delete of %s: %s", replica_id, exc)
 
 
 def _own_vm_only(registry: Registry, vmid: str, context: grpc.ServicerContext) -> None:
@@ -553,18 +548,18 @@ def check_listen(settings: Settings, listen: str | None = None, *, insecure: boo
 def serve_registry(
     settings: Settings,
     listen: str | None = None,
-    registry: Registry | None = None,
     *,
+    queue: TaskQueue,
     insecure: bool = False,
 ) -> RunningRegistry:
-    """Start the registry on ``listen`` (default ``CORRAL_REGISTRY_LISTEN``).
+    """Start the registry on ``listen`` (default ``CORRAL_REGISTRY_LISTEN``), asking ``queue``.
 
     Off loopback it needs ``CORRAL_REGISTRY_TOKEN`` (:class:`CorralError` otherwise),
     unless ``insecure``, which logs a warning.
     """
     address = check_listen(settings, listen, insecure=insecure)
     tracing.start("corral-registry", settings)  # READY spans (CORRAL_OTLP_ENDPOINT set)
-    registry = registry or Registry(get_database(settings.database_url), settings)
+    registry = Registry(get_database(settings.database_url), settings, queue)
     token = reveal(settings.registry_token)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"),

@@ -11,7 +11,7 @@ applies a guest's READY, publish the function's name on the Redis channel
 :data:`CHANNEL` (the broker's server). A gateway subscribes (:func:`listen`) and wakes
 its claims waiting on that function at once (:meth:`workers.gateway.ledger.Ledger.wake`).
 
-A gateway that carries out a spawn itself (:mod:`workers.dispatch`) is also told
+A gateway that carries out a spawn itself (:class:`workers.dispatch.TaskQueue`) is also told
 directly, without the round trip through Redis (:func:`listen_here`).
 
 A notice is a hint, never the truth: the woken claim still claims through the store,

@@ -18,6 +18,8 @@ import redis
 
 from agents import RunningAgent
 from tasks import api
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
 from tests.fixtures import Env, StartAgents
 from tests.workers.replicas.helpers import deploy_fn
 from workers.autoscale import idletimes
@@ -243,6 +245,7 @@ def test_requests_through_the_gateway_are_recorded(
             }
         ),
         "127.0.0.1:0",
+        queue=HereFirst(QUEUE),
     )
     try:
         with httpx.Client(timeout=60) as http:

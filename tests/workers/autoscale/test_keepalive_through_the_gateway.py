@@ -27,6 +27,8 @@ import pytest
 from sqlalchemy import select
 
 from agents import RunningAgent
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.eventually import eventually
 from tests.fixtures import Env
@@ -108,6 +110,7 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
             }
         ),
         "127.0.0.1:0",
+        queue=HereFirst(QUEUE),
     )
     try:
         with httpx.Client(timeout=60) as http:

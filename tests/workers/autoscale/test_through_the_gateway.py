@@ -17,6 +17,8 @@ import pytest
 from sqlalchemy import select
 
 from agents import RunningAgent
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.eventually import eventually
 from tests.fixtures import Env
@@ -63,6 +65,7 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
             update={"gateway_cold_start_timeout_s": 60.0, "gateway_report_interval_s": 0.25}
         ),
         "127.0.0.1:0",
+        queue=HereFirst(QUEUE),
     )
     worker = WorkerProcess(broker_env.tmp, concurrency=3, extra_env=FAST_AUTOSCALE)
     worker_processes.append(worker.start())

@@ -14,6 +14,7 @@ from agents.gpus import RunningGpus, serve_gpus
 from protos import mngrinfo_grpc, mngrinfo_pb2
 from tasks import api
 from tasks.cli import main
+from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, spawn_ok
 from tests.workers.fleet.helpers import audit_gpus, gpus_by_uuid, live
@@ -149,7 +150,7 @@ def test_manager_info_over_grpc(corral_env: Env) -> None:
     spawn_ok("infer", 2, timeout=10)
     deploy_fn(corral_env, "plain")
     spawn_ok("plain", 1, timeout=10)
-    registry = serve_registry(corral_env.settings, "127.0.0.1:0")  # the real one
+    registry = serve_registry(corral_env.settings, "127.0.0.1:0", queue=QUEUE)  # the real one
     try:
         with grpc.insecure_channel(registry.address) as channel:
             stub = mngrinfo_grpc.AvAManagerInfoStub(channel)

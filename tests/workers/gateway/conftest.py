@@ -22,6 +22,8 @@ import pytest
 from sqlalchemy import func, select
 
 from agents import ProcessDriver, RunningAgent, serve_fcdaemon
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
 from tests.fixtures import Env
 from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
@@ -63,7 +65,7 @@ class Stack:
         """Start a gateway on a free loopback port (settings: the test's, plus ``overrides``)."""
         base = {"gateway_cold_start_timeout_s": 30.0, "gateway_report_interval_s": 0.2}
         settings = self.env.settings.model_copy(update={**base, **overrides})
-        running = serve_gateway(settings, "127.0.0.1:0")
+        running = serve_gateway(settings, "127.0.0.1:0", queue=HereFirst(QUEUE))
         self.gateways.append(running)
         return running
 

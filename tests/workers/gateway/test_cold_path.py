@@ -1,20 +1,25 @@
 """The cold path's shortcuts: the spawn carried out in the gateway, claims told of ready replicas.
 
 No Celery worker runs here: a cold start the gateway serves is one whose spawn the gateway
-carried out itself (``CORRAL_GATEWAY_SPAWN_HERE``, on by default); with it off the spawn
-waits in the broker for a worker.
+carried out itself, on a thread of its queue (:class:`tasks.queues.HereFirst`;
+``CORRAL_GATEWAY_SPAWN_HERE``, on by default). With it off, or with every thread busy, the
+spawn waits in the broker for a worker.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 
 from agents import ProcessDriver, RunningAgent, serve_fcdaemon
 from tasks import api
+from tasks.maintenance import QUEUE
+from tasks.queues import HERE_THREADS, HereFirst
 from tests.fixtures import Env
 from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
@@ -42,7 +47,9 @@ def test_the_gateway_carries_out_its_cold_start_and_is_told_when_it_is_ready(
     # The waiting claim's own looks are 30 s apart: only the notice can wake it in time.
     monkeypatch.setattr(coldstarts, "TOLD_POLL_S", 30.0)
     gateway = serve_gateway(
-        broker_env.settings.model_copy(update={"gateway_cold_start_timeout_s": 20.0}), "127.0.0.1:0"
+        broker_env.settings.model_copy(update={"gateway_cold_start_timeout_s": 20.0}),
+        "127.0.0.1:0",
+        queue=HereFirst(QUEUE),
     )
     try:
         started = time.monotonic()
@@ -60,15 +67,21 @@ def test_the_gateway_carries_out_its_cold_start_and_is_told_when_it_is_ready(
     assert [r.status for r in replicas(broker_env, "hello")] == [ReplicaState.IDLE]
 
 
-def test_with_spawning_here_off_the_cold_start_waits_for_a_worker(
-    broker_env: Env,
-    no_worker: RunningAgent,
+@pytest.mark.parametrize(
+    ("spawn_here", "threads"),
+    [(False, HERE_THREADS), (True, 0)],
+    ids=["spawning-here-off", "threads-busy"],
+)
+def test_a_cold_start_not_carried_out_here_waits_in_the_broker_for_a_worker(
+    broker_env: Env, no_worker: RunningAgent, spawn_here: bool, threads: int
 ) -> None:
+    queue = HereFirst(QUEUE, threads=threads)  # threads 0: every one of them busy
     gateway = serve_gateway(
         broker_env.settings.model_copy(
-            update={"gateway_spawn_here": False, "gateway_cold_start_timeout_s": 1.0}
+            update={"gateway_spawn_here": spawn_here, "gateway_cold_start_timeout_s": 1.0}
         ),
         "127.0.0.1:0",
+        queue=queue,
     )
     try:
         answer = httpx.get(f"{gateway.url}/function/hello", timeout=60)
@@ -78,3 +91,11 @@ def test_with_spawning_here_off_the_cold_start_waits_for_a_worker(
     (op,) = api.operations(settings=broker_env.settings)
     assert (op["kind"], op["status"]) == ("spawn", "pending")
     assert no_worker.agent.calls_of("CreateReplica") == []
+    assert queue.busy == 0
+    client = redis.Redis.from_url(broker_env.settings.broker_url)
+    try:
+        (message,) = [json.loads(m) for m in client.lrange("corral.spawn", 0, -1)]
+    finally:
+        client.close()
+    assert message["headers"]["task"] == "corral.spawn"
+    assert message["headers"]["argsrepr"] == repr((op["id"],))

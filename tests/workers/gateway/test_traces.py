@@ -24,6 +24,8 @@ from agents import ProcessDriver, serve_fcdaemon
 from bench import otlp_sink
 from config.settings import ConfigError
 from tasks import api
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
 from tests.fixtures import Env
 from tests.workers.replicas.helpers import deploy_fn
 from workers import stages, tracing
@@ -84,7 +86,7 @@ def data_path(
     """
     env = thread_worker
     redis_client(redis_url).delete(stages.KEY)  # type: ignore[union-attr]
-    registry = serve_registry(env.settings, "127.0.0.1:0")
+    registry = serve_registry(env.settings, "127.0.0.1:0", queue=QUEUE)
     agent = serve_fcdaemon(
         "127.0.0.1:0",
         driver=ProcessDriver(),
@@ -103,6 +105,7 @@ def data_path(
                 update={"gateway_cold_start_timeout_s": 30.0, "gateway_spawn_here": request.param}
             ),
             "127.0.0.1:0",
+            queue=HereFirst(QUEUE),
         )
         yield gateway
     finally:
@@ -205,7 +208,7 @@ def test_a_caller_without_the_token_opens_no_span(
 ) -> None:
     """The request span (caller's traceparent, path) comes after the token check (issue 29)."""
     settings = corral_env.settings.model_copy(update={"gateway_token": SecretStr("t0ken")})
-    gateway = serve_gateway(settings, "127.0.0.1:0")
+    gateway = serve_gateway(settings, "127.0.0.1:0", queue=HereFirst(QUEUE))
     parent = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
     try:
         path = f"{gateway.url}/function/ghost/{'p' * 60_000}"

@@ -15,6 +15,7 @@ from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from tasks import api
 from tasks.cli import main
+from tasks.maintenance import QUEUE
 from tasks.maintenance import reconcile as reconcile_task
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, one_agent, replicas
@@ -29,13 +30,13 @@ def test_orphan_vm_is_destroyed_after_its_grace(corral_env: Env, start_agents: S
     api.wait(api.spawn("hello", 1), timeout=10)
     orphan = agent.driver.start(VMSpec(image="examples.hello"))  # behind corral's back
     corral_env.set(orphan_grace_s="60")
-    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
     assert report.orphans_destroyed == [] and report.orphans_waiting == 1  # just seen
     clock.travel(59)  # the grace runs on corral's clock from the first sighting
-    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
     assert report.orphans_destroyed == [] and report.orphans_waiting == 1
     clock.travel(2)
-    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
     assert report.orphans_destroyed == [f"node1/{orphan.vmid}"]
     assert [vm.vmid for vm in agent.driver.list()] == [replicas(corral_env)[0].vmid]
     assert {r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")} == {orphan.vmid}
@@ -50,7 +51,7 @@ def test_vm_of_a_spawn_in_flight_is_not_an_orphan(
         fn_id = s.scalars(select(Function.id)).one()
     creating(corral_env, fn_id, "req-1")
     agent.driver.start(VMSpec(image="examples.hello", request_id="req-1"))
-    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
     assert report.orphans_destroyed == []
     assert len(agent.driver.list()) == 1
 
@@ -62,7 +63,7 @@ def test_vanished_vm_marks_the_row_dead_and_min_is_restored(
     api.wait(api.spawn("hello", 2), timeout=10)
     gone = replicas(corral_env)[0]
     assert agent.driver.stop(gone.vmid or "")  # the VM dies on the node
-    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
     assert report.vanished == [gone.id]
     assert report.top_up == {"hello": 1}
     dead = next(r for r in replicas(corral_env) if r.id == gone.id)
@@ -85,9 +86,9 @@ def test_node_without_list_extension_is_skipped_once(
 
     (agent,) = start_agents(1)
     agent.agent.inject("ListReplicas", Fault.abort(grpc.StatusCode.UNIMPLEMENTED, "old agent"))
-    first = reconcile(corral_env.db, corral_env.settings, holder="t")
+    first = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
     assert first.nodes_unlistable == ["node1"]
-    second = reconcile(corral_env.db, corral_env.settings, holder="t")
+    second = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
     assert second.nodes_unlistable == [] and second.nodes_checked == []
     assert len(agent.agent.calls_of("ListReplicas")) == 1
 
@@ -95,9 +96,9 @@ def test_node_without_list_extension_is_skipped_once(
 def test_only_one_reconcile_pass_at_a_time(corral_env: Env, start_agents: StartAgents) -> None:
     start_agents(1)
     assert leases.acquire(corral_env.db, "reconcile", "other", 60)
-    assert reconcile(corral_env.db, corral_env.settings, holder="me").skipped
+    assert reconcile(corral_env.db, corral_env.settings, holder="me", queue=QUEUE).skipped
     leases.release(corral_env.db, "reconcile", "other")
-    assert not reconcile(corral_env.db, corral_env.settings, holder="me").skipped
+    assert not reconcile(corral_env.db, corral_env.settings, holder="me", queue=QUEUE).skipped
 
 
 def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgents) -> None:
@@ -105,11 +106,13 @@ def test_drain_moves_idle_replicas_off(corral_env: Env, start_agents: StartAgent
     deploy_fn(corral_env, min=2)
     api.wait(api.spawn("hello", 2), timeout=10)
     assert main(["nodes", "drain", "node1"]) == 0
-    report = reconcile(corral_env.db, corral_env.settings, holder="t")
+    report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
     assert len(report.drained) == 1
     assert a.driver.list() == []
     # min is 2: the next pass replaces it on the other node
-    assert reconcile(corral_env.db, corral_env.settings, holder="t").top_up == {"hello": 1}
+    assert reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE).top_up == {
+        "hello": 1
+    }
 
 
 def test_reconcile_command_reports_what_it_found(
@@ -158,7 +161,7 @@ def test_reconcile_lists_nodes_at_once_within_its_bound(corral_env: Env, bound: 
         with corral_env.db.transaction() as s:
             for i, agent in enumerate(agents):
                 upsert_node(s, agent.address, name=f"slow{i}")
-        report = reconcile(corral_env.db, corral_env.settings, holder="t")
+        report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
         assert sorted(report.nodes_checked) == [f"slow{i}" for i in range(4)]
         assert max(seen) == min(bound, 4)  # listed together, never beyond the bound
     finally:

@@ -23,6 +23,7 @@ from netplumb.addresses import join_hostport
 from protos import resmngr_grpc, resmngr_pb2
 from tasks import api
 from tasks.cli import main
+from tasks.maintenance import QUEUE
 from tests.eventually import eventually
 from tests.fixtures import Env
 from tests.helpers import deploy_fn, replicas, spawn_ok
@@ -40,7 +41,7 @@ TOKEN = (("authorization", "Bearer reg-t0ken"),)
 @pytest.fixture
 def registry(corral_env: Env) -> Iterator[RunningRegistry]:
     settings = corral_env.set(registry_token="reg-t0ken", health_misses="1", orphan_grace_s="0")
-    running = serve_registry(settings, "127.0.0.1:0")
+    running = serve_registry(settings, "127.0.0.1:0", queue=QUEUE)
     networks.forget()
     yield running
     running.stop(0)
@@ -124,7 +125,7 @@ def test_a_name_stored_by_an_older_corral_is_never_resolved(
             alias = s.scalars(select(Node).where(Node.name == "alias-node")).one()
         assert "names a host, which corral does not resolve" in (alias.last_error or "")
         assert networks.default_networks(alias.kind, alias.address, corral_env.settings) == []
-        report = reconcile(corral_env.db, corral_env.settings, holder="t")
+        report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
         assert report.orphans_destroyed == [] and report.nodes_checked == ["victim"]
         _untouched(corral_env, agent, victim_vm.vmid)
     finally:
@@ -149,7 +150,7 @@ def test_a_second_node_at_an_address_is_refused(
             assert main(["nodes", "add", address, "--name", "dup-node"]) == 1
             assert "one node per address" in capsys.readouterr().err
         assert _nodes(corral_env) == before
-        report = reconcile(corral_env.db, corral_env.settings, holder="t")
+        report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
         assert report.orphans_destroyed == []
         _untouched(corral_env, agent, victim_vm.vmid)
     finally:
@@ -171,12 +172,12 @@ def test_reconcile_destroys_no_vm_another_nodes_row_holds(
         (victim_vm,) = agent.driver.list()
         with corral_env.db.transaction() as s:
             upsert_node(s, f"127.0.0.2:{agent.port}", name="twin")
-        report = reconcile(corral_env.db, corral_env.settings, holder="t")
+        report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
         assert report.nodes_checked == ["twin", "victim"]
         assert report.orphans_destroyed == []
         assert report.held_elsewhere == [f"twin/{victim_vm.vmid}"]
         # the next pass judges the victim's row against its own listing: still there
-        reconcile(corral_env.db, corral_env.settings, holder="t")
+        reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
         _untouched(corral_env, agent, victim_vm.vmid)
     finally:
         agent.stop(grace=0)

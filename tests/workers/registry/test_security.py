@@ -24,6 +24,7 @@ from protos import (
     resmngr_pb2,
 )
 from tasks.cli import main
+from tasks.maintenance import QUEUE
 from tests.fixtures import Env
 from tests.helpers import creating, record_vm
 from workers import clock
@@ -52,7 +53,7 @@ def store(corral_env: Env) -> Env:
 @pytest.fixture
 def registry(store: Env) -> Iterator[RunningRegistry]:
     settings = store.set(registry_token="reg-t0ken", ready_grace_s="5", health_misses="1")
-    running = serve_registry(settings, "127.0.0.1:0")
+    running = serve_registry(settings, "127.0.0.1:0", queue=QUEUE)
     yield running
     running.stop(0)
 

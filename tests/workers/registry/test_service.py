@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from protos import resmngr_grpc, resmngr_pb2
 from tasks import api
+from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating
 from workers.functions import deploy, spec_from
@@ -26,7 +27,7 @@ Reply = resmngr_pb2.StatusUpdateReply
 @pytest.fixture
 def registry(corral_env: Env) -> Iterator[RunningRegistry]:
     corral_env.set(ready_grace_s="0.3")
-    running = serve_registry(corral_env.settings, "127.0.0.1:0")
+    running = serve_registry(corral_env.settings, "127.0.0.1:0", queue=QUEUE)
     yield running
     running.stop(0)
 
@@ -155,7 +156,7 @@ def test_finished_on_a_stale_build_is_destroy(
 
 def test_registry_token_is_enforced(corral_env: Env) -> None:
     settings = corral_env.set(registry_token="t0ken")
-    running = serve_registry(settings, "127.0.0.1:0")
+    running = serve_registry(settings, "127.0.0.1:0", queue=QUEUE)
     try:
         stub = _stub(running)
         req = resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=50051, node_id="n")

@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 from sqlalchemy import select
 
 from agents.fcdaemon import RunningAgent
+from tasks.maintenance import QUEUE
+from tasks.queues import InProcessQueue
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn as deploy_fn  # re-exported: tests/gateway imports it here
 from tests.helpers import replicas, spawn_ok
@@ -132,3 +134,16 @@ def nodes(env: Env) -> dict[str, Node]:
     """Every node row by name."""
     with env.db.read() as s:
         return {n.name: n for n in s.scalars(select(Node))}
+
+
+class ReleasingQueue(InProcessQueue):
+    """The in-process queue (a release runs here, on its node), noting each VM it released."""
+
+    def __init__(self) -> None:
+        super().__init__(QUEUE.tasks)
+        self.released: list[str] = []
+
+    def release_orphan(self, node_id: str, vmid: str) -> None:
+        """Release the VM here, and note it."""
+        super().release_orphan(node_id, vmid)
+        self.released.append(vmid)

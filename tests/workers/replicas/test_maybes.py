@@ -9,8 +9,6 @@ on SQLite and PostgreSQL, and checks what the agents run against the rows and co
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import grpc
 import pytest
 from sqlalchemy import select, update
@@ -18,10 +16,19 @@ from sqlalchemy import select, update
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
 from tasks import api
+from tasks.maintenance import QUEUE
 from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import operation, replicas
-from tests.workers.replicas.helpers import at_once, created, no_drift, nodes, running, spawn_op
+from tests.workers.replicas.helpers import (
+    ReleasingQueue,
+    at_once,
+    created,
+    no_drift,
+    nodes,
+    running,
+    spawn_op,
+)
 from workers import backends, clock
 from workers.backends import fcdaemon, inflight, networks
 from workers.maintenance.reaper import reap
@@ -40,19 +47,6 @@ def _maybes(env: Env) -> list[Replica]:
 
 def _idle(env: Env) -> list[Replica]:
     return [r for r in replicas(env) if r.status == ReplicaState.IDLE]
-
-
-def _releaser(env: Env, released: list[str]) -> Callable[[str, str], None]:
-    """What the registry does with a VM to release: release it on its node, and note it."""
-
-    def release(node_id: str, vmid: str) -> None:
-        with env.db.read() as s:
-            node = s.get(Node, node_id)
-            assert node is not None
-            backends.release_vm(node, vmid, env.settings)
-        released.append(vmid)
-
-    return release
 
 
 def test_a_row_owned_but_never_marked_sent_is_sent_by_the_next_handler(
@@ -132,7 +126,7 @@ def test_a_maybe_on_a_node_whose_guests_report_ready_waits_only_as_long_as_a_rea
     assert nodes(corral_env)["node1"].ready_seen_at is None
     # the replacement's guest says READY: the node is one whose guests report, and the
     # maybe made before anyone knew waits no longer than a READY would
-    registry = Registry(corral_env.db, settings)
+    registry = Registry(corral_env.db, settings, QUEUE)
     assert registry.update_status(str(replica.vmid), READY, peer="127.0.0.1") == OK
     assert nodes(corral_env)["node1"].ready_seen_at is not None
     clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
@@ -173,8 +167,9 @@ def test_a_ready_that_can_only_be_the_maybes_ends_it_and_releases_its_vm(
         corral_env.db, settings, ["other"], token, Budget.of(settings).own_until()
     ).pending
     assert mark_sent(corral_env.db, token, [other]) == {other.replica_id}
-    released: list[str] = []
-    registry = Registry(corral_env.db, settings, on_orphan=_releaser(corral_env, released))
+    queue = ReleasingQueue()
+    released = queue.released
+    registry = Registry(corral_env.db, settings, queue)
     assert registry.update_status(vmid, READY, peer="127.0.0.1") == OK  # remembered
     assert len(_maybes(corral_env)) == 1 and released == []
     with corral_env.db.transaction() as s:  # that create proved to make nothing
@@ -199,8 +194,9 @@ def test_a_ready_from_the_maybes_own_guest_is_adopted_when_the_function_wants_it
     settings = corral_env.settings
     with corral_env.db.transaction() as s:  # a scale wants two of them now
         s.execute(update(Function).values(target=2))
-    released: list[str] = []
-    registry = Registry(corral_env.db, settings, on_orphan=_releaser(corral_env, released))
+    queue = ReleasingQueue()
+    released = queue.released
+    registry = Registry(corral_env.db, settings, queue)
     assert registry.update_status(vmid, READY, peer="10.77.0.9") == OK
     (adopted,) = [r for r in replicas(corral_env) if r.maybe_of == op_id]
     assert (adopted.status, adopted.vmid) == (ReplicaState.IDLE, vmid)

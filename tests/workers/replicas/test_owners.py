@@ -17,7 +17,15 @@ import pytest
 from agents.faults import Fault
 from tests.fixtures import Env, StartAgents
 from tests.helpers import operation, replicas
-from tests.workers.replicas.helpers import at_once, created, no_drift, nodes, running, spawn_op
+from tests.workers.replicas.helpers import (
+    ReleasingQueue,
+    at_once,
+    created,
+    no_drift,
+    nodes,
+    running,
+    spawn_op,
+)
 from workers import backends, clock
 from workers.backends import fcdaemon, inflight
 from workers.kinds import OpKind
@@ -101,16 +109,9 @@ def test_a_create_left_by_a_dead_owner_is_sent_again_only_where_the_node_dedupli
     no_drift(corral_env)
     # The first VMs now say READY: no create is in flight on their node, so each can
     # only be a maybe's; the maybe ends and its VM is released.
-    released: list[str] = []
-
-    def release(node_id: str, vmid: str) -> None:
-        with corral_env.db.read() as s:
-            node = s.get(Node, node_id)
-            assert node is not None
-            backends.release_vm(node, vmid, settings)
-        released.append(vmid)
-
-    registry = Registry(corral_env.db, settings, on_orphan=release)
+    queue = ReleasingQueue()
+    released = queue.released
+    registry = Registry(corral_env.db, settings, queue)
     orphans = running([agent]) - {r.vmid for r in rows}
     for vmid in orphans:
         assert registry.update_status(vmid, READY, peer="127.0.0.1") == DESTROY
