@@ -23,7 +23,7 @@ from workers.redis_client import redis_client
 from workers.replicas import delete as deleting
 from workers.replicas import scale as scaling
 from workers.replicas import spawn as spawning
-from workers.replicas.creates import Next
+from workers.replicas.outcomes import Next
 
 
 @app.task(bind=True, name="corral.spawn")
@@ -59,16 +59,15 @@ def spawn_replica(
     nxt = spawning.run_one(
         self.db, self.settings, op_id, request_id, function_id, node_id, self.budget
     )
-    mine = [(exc, node) for _, rid, exc, node in nxt.retry if rid == request_id]
-    if mine:
-        exc, node = mine[0]
-        self.retry_within_budget(request_id, exc)
-        error = f"{exc} (gave up after {self.request.retries + 1} attempts)"
+    mine = nxt.retry_of(request_id)
+    if mine is not None:
+        self.retry_within_budget(request_id, mine.error)
+        error = f"{mine.error} (gave up after {self.request.retries + 1} attempts)"
         nxt = spawning.give_up(
-            self.db, self.settings, request_id, error, self.budget, failed_on=node
+            self.db, self.settings, request_id, error, self.budget, failed_on=mine.node_id
         )
     _follow(self, function_id, nxt)
-    return {"request_id": request_id, "state": nxt.states.get(request_id, "settled")}
+    return {"request_id": request_id, "state": nxt.state(request_id).value}
 
 
 @app.task(bind=True, name="corral.delete_batch")
@@ -146,14 +145,16 @@ def _batch(op_id: str | None, function_id: str, jobs: list[spawning.SpawnJob]) -
 def _follow(task: CorralTask, function_id: str, nxt: Next) -> None:
     """Queue what a spawn handler left: lone retries, moved replicas, the unsent rest."""
     rest: dict[str | None, list[spawning.SpawnJob]] = defaultdict(list)
-    for op_id, request_id in nxt.rest:
-        rest[op_id].append(spawning.SpawnJob(request_id))
+    for r in nxt.rest:
+        rest[r.operation_id].append(spawning.SpawnJob(r.request_id))
     _send(
         [
-            spawn_replica.si(op, rid, function_id).set(countdown=task.backoff(), retries=1)
-            for op, rid, _, _ in nxt.retry
+            spawn_replica.si(r.operation_id, r.request_id, function_id).set(
+                countdown=task.backoff(), retries=1
+            )
+            for r in nxt.retry
         ]
-        + [spawn_replica.si(op, rid, function_id) for op, rid in nxt.again]
+        + [spawn_replica.si(r.operation_id, r.request_id, function_id) for r in nxt.again]
         + [_batch(op, function_id, jobs) for op, jobs in rest.items()]
     )
 

@@ -14,7 +14,8 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from workers.backends import Vm
 from workers.functions import deploy, spec_from
-from workers.replicas.creates import Next, record
+from workers.replicas.creates import record
+from workers.replicas.outcomes import Next, Outcome
 from workers.replicas.owners import Budget, Pending, owner_token, take
 from workers.replicas.spawn import SpawnJob, place
 from workers.store.models import LIVE_STATES, Operation, Replica
@@ -106,7 +107,7 @@ def creating(
     return pending
 
 
-def record_vm(env: Env, pending: Pending, vm: Vm) -> str:
+def record_vm(env: Env, pending: Pending, vm: Vm) -> Outcome:
     """Record ``vm`` for an owned row the way a spawn handler does; what became of the row."""
     nxt = Next()
     record(env.db, env.settings, [(pending, vm)], nxt)

@@ -20,7 +20,8 @@ clock:
 * Before its first measurement a process counts from this host's wall clock.
 
 Expiries that decide who owns something are judged in SQL on the database's own clock
-where they can (:func:`workers.store.db.store_now`: named leases, claims). Times kept in
+where they can (:func:`workers.store.db.store_now`: named leases, claims, the owners of
+creates, the reaper's stuck sweep). Times kept in
 Redis for other hosts to judge (the gateways' demand samples and idle times) are
 stamped with :func:`epoch`, the same clock; the node call slots' leases use Redis's own
 ``TIME``.

@@ -7,9 +7,9 @@ A pass removes three kinds of replica, in this order, at most
 
 * ``stuck`` - rows left past their ``deadline_at`` in Creating, Starting, Deleting
   or Maybe (a worker died mid-request, a guest never said READY, a maybe whose VM
-  never showed up: :mod:`workers.replicas.maybes`). Creating becomes Dead ("stuck in
-  creating") - never while a live handler still owns its create
-  (:mod:`workers.replicas.owners`); Starting goes through StartingLimit to Dead;
+  never showed up: :mod:`workers.replicas.maybes`), as the database's own clock judges
+  it. Creating becomes Dead ("stuck in creating") - never while a live handler still
+  owns its create (:mod:`workers.replicas.owners`); Starting goes through StartingLimit to Dead;
   Deleting is finished; a maybe ends Dead, giving its slot back. Their VM, if they
   have one, is released.
 * ``stale`` - Idle replicas of an older build than their function's
@@ -84,7 +84,7 @@ from workers.maintenance.reap_report import Reaped, ReapReport
 from workers.replicas import claims
 from workers.replicas.delete import Doomed, finish_deletes, release_all
 from workers.replicas.lifecycle import mark_deleting, transition
-from workers.store.db import Database
+from workers.store.db import Database, store_now
 from workers.store.models import COUNTED_STATES, Function, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -172,9 +172,10 @@ class _Pass:
                     select(Replica)
                     .where(
                         Replica.status == state,
-                        Replica.deadline_at <= self.at,
+                        # judged by the database, on its own clock (workers.clock)
+                        Replica.deadline_at <= store_now(),
                         # a create still owned by a live handler may yet be recorded
-                        or_(Replica.owner_until.is_(None), Replica.owner_until <= self.at),
+                        or_(Replica.owner_until.is_(None), Replica.owner_until <= store_now()),
                     )
                     .order_by(Replica.deadline_at)
                     .limit(self.left)

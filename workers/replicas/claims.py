@@ -27,8 +27,9 @@ environment back - so it is given back at most once, whoever comes first:
 Each takes the replica's row lock first and deletes the claim row second, so
 concurrent releases, expiries and FINISHED reports of one claim serialise on the
 replica and only the first finds the row. Taking an environment and giving one
-back are one statement each on the hot path (``_TAKE``, :func:`release`), doing what
-:func:`workers.replicas.lifecycle.transition` would (expiry, FINISHED, and a release
+back are one statement each on the hot path (``_TAKE``, :func:`release`), writing the
+columns of the table's moves (:func:`workers.replicas.lifecycle.changes`) as
+:func:`~workers.replicas.lifecycle.transition` would (expiry, FINISHED, and a release
 whose replica an operation waits on go through it): a replica whose last environment
 is released becomes idle *since that moment* (``idle_since = last_used_at``) and gets
 its ``reap_at``; a replica that takes a request is busy, with no ``idle_since`` and no
@@ -67,7 +68,13 @@ from workers.errors import CorralError, InputError, NotFound, check_seconds
 from workers.kinds import OpKind
 from workers.names import check_name
 from workers.operations import create_operation
-from workers.replicas.lifecycle import lock_replica, transition
+from workers.replicas.lifecycle import (
+    batch_params,
+    batch_values,
+    changes,
+    lock_replica,
+    transition,
+)
 from workers.store.db import Database, store_now
 from workers.store.models import (
     Claim,
@@ -78,6 +85,7 @@ from workers.store.models import (
     ReplicaState,
     new_id,
 )
+from workers.store.states import MOVES
 
 LOCKED_RETRY_S = 2.0  # how long a claim keeps looking while every Idle row is locked
 MAX_TTL_S = 86_400.0
@@ -135,9 +143,12 @@ _FUNCTION = select(Function.id, Function.name, Function.build_version).where(
     Function.name == bindparam("name")
 )
 # Take ``n`` environments of a chosen replica in one statement: Idle -> still Idle (another
-# environment free) or Allocated (the last one), busy either way (no idle clock). The same
-# bookkeeping as lifecycle.transition for this move: an Idle replica never has an
-# operation waiting on it (transition settles that when it becomes Idle), so none is due.
+# environment free) or Allocated (the last one), busy either way (no idle clock): the two
+# moves of the table write the same columns and values but the status, which the row's
+# count of free environments picks. An Idle replica never has an operation waiting on it
+# (a move to Idle settles it), so none is due.
+_TAKE_ONE = MOVES[(ReplicaState.IDLE, ReplicaState.IDLE)]
+_TAKE_LAST = MOVES[(ReplicaState.IDLE, ReplicaState.ALLOCATED)]
 _TAKE = (
     update(Replica)
     .where(
@@ -147,23 +158,32 @@ _TAKE = (
         Replica.operation_id.is_(None),
     )
     .values(
-        envs_in_use=Replica.envs_in_use + bindparam("n"),
-        last_used_at=bindparam("at"),
-        updated_at=bindparam("at"),
-        idle_since=None,
-        reap_at=None,
-        deadline_at=None,
-        status=case(
-            (
-                Replica.envs_in_use + bindparam("n") >= Replica.envs_total,
-                int(ReplicaState.ALLOCATED),
+        {
+            **batch_values(_TAKE_ONE),
+            "status": case(
+                (
+                    Replica.envs_in_use + bindparam("n") >= Replica.envs_total,
+                    int(_TAKE_LAST.target),
+                ),
+                else_=int(_TAKE_ONE.target),
             ),
-            else_=int(ReplicaState.IDLE),
-        ),
+            "envs_in_use": Replica.envs_in_use + bindparam("n"),
+            "last_used_at": bindparam("at"),
+            "updated_at": bindparam("at"),
+        }
     )
     .returning(Replica.address, Replica.vmid)
     .execution_options(synchronize_session=False)
 )
+
+
+def taken(settings: Settings, at: datetime) -> dict[str, Any]:
+    """The columns an environment taken at ``at`` writes, but the status (:data:`_TAKE`)."""
+    values = changes(_TAKE_ONE, settings, at, busy=True)
+    del values["status"]
+    return values
+
+
 _LEND = insert(Claim)
 _HELD = select(Claim.replica_id).where(Claim.id == bindparam("claim_id"))
 _LOCK_FOR_RELEASE = (
@@ -171,7 +191,6 @@ _LOCK_FOR_RELEASE = (
         Replica.status,
         Replica.envs_in_use,
         Replica.envs_total,
-        Replica.ready_at,
         Replica.operation_id,
         Function.name,
         Function.idle_timeout_s,
@@ -281,9 +300,10 @@ def claim_many(  # noqa: PLR0913 - keyword-only options with defaults
         expires = at + timedelta(seconds=ttl)
         conn = s.connection()
         out: list[Claimed] = []
+        values = batch_params(taken(settings, at))
         for rid, free in found:
             n = min(free, count - len(out))
-            took = conn.execute(_TAKE, {"replica_id": rid, "at": at, "n": n}).first()
+            took = conn.execute(_TAKE, {"replica_id": rid, "at": at, "n": n, **values}).first()
             if took is None:
                 continue
             ids = [new_id() for _ in range(n)]
@@ -421,7 +441,7 @@ def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]
             "and given back): nothing changed",
         }
     rid = held[0]
-    status, in_use, total, ready_at, op_id, fn_name, fn_idle = row
+    status, in_use, total, op_id, fn_name, fn_idle = row
     if op_id is not None:  # an operation waits on this replica: the full transition
         replica = lock_replica(s, rid)
         assert replica is not None  # noqa: S101 - narrows for mypy
@@ -432,11 +452,12 @@ def _release_in(s: Session, settings: Settings, claim_id: str) -> dict[str, Any]
         in_use -= 1
         values: dict[str, Any] = {"envs_in_use": in_use, "last_used_at": at, "updated_at": at}
         if status in (ReplicaState.IDLE, ReplicaState.ALLOCATED):
-            status = ReplicaState.IDLE
-            values.update(status=status, deadline_at=None, ready_at=ready_at or at)
-            if in_use == 0:  # idle from now: the reaper's clock starts
-                timeout = fn_idle if fn_idle is not None else settings.idle_timeout_s
-                values.update(idle_since=at, reap_at=at + timedelta(seconds=timeout))
+            # the move back to Idle (the table's), in the one statement; idle from now on
+            # when no other environment is in use: the reaper's clock starts
+            back = MOVES[(status, ReplicaState.IDLE)]
+            timeout = fn_idle if fn_idle is not None else settings.idle_timeout_s
+            values.update(changes(back, settings, at, reap_after_s=timeout, busy=in_use > 0))
+            status = back.target
         conn.execute(
             update(Replica)
             .where(Replica.id == rid)

@@ -35,6 +35,7 @@ handler took, or one that moved, is never changed by a stale answer.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import defaultdict
@@ -50,13 +51,11 @@ from workers.errors import BackendError, PermanentBackendError
 from workers.fleet.nodes import note_creates, probation
 from workers.operations import settle
 from workers.replicas import calls, maybes
-from workers.replicas.lifecycle import (
-    SETTLING,
-    arrive,
-    lock_replica,
-)
-from workers.replicas.moves import MAX_PLACEMENTS, fail, lock_for_moves, move
+from workers.replicas.lifecycle import arrive, lock_replica
+from workers.replicas.maybes import Replaced, Settled
+from workers.replicas.moves import MAX_PLACEMENTS, Moved, fail, lock_for_moves, move
 from workers.replicas.notices import Readied
+from workers.replicas.outcomes import Next, Outcome, Request, Retry
 from workers.replicas.owners import (
     Budget,
     Owner,
@@ -72,34 +71,12 @@ from workers.replicas.owners import (
 from workers.replicas.reports import apply_early_reports
 from workers.store.db import Database
 from workers.store.models import Node, ReplicaState
+from workers.store.states import SETTLING
 
 log = logging.getLogger(__name__)
 
 REQUEST_ERRORS = ("INVALID_ARGUMENT", "400")  # the request's fault, not the node's
 MAX_ROUNDS = 2 * MAX_PLACEMENTS  # rounds of creates one call makes (moves start a new one)
-
-
-@dataclass
-class Next:
-    """What a handler's creates came to, and the work it leaves for other tasks."""
-
-    states: dict[str, str] = field(default_factory=dict)  # request id -> what became of it
-    # try alone again after a backoff: (operation, request id, the error, the node it was on)
-    retry: list[tuple[str | None, str, BackendError, str]] = field(default_factory=list)
-    again: list[tuple[str | None, str]] = field(default_factory=list)  # moved, not yet tried
-    rest: list[tuple[str | None, str]] = field(default_factory=list)  # unsent: out of time
-    tried: dict[str, list[str]] = field(default_factory=dict)  # request id -> nodes failed
-    maybes: list[str] = field(default_factory=list)  # rows made maybes (replica ids)
-    cut: bool = False  # a round was cut short by the task's time: no further round starts
-
-    def tally(self) -> dict[str, int]:
-        """How many requests ended in each state (and how many maybes were made)."""
-        out: dict[str, int] = defaultdict(int)
-        for state in self.states.values():
-            out[state] += 1
-        if self.maybes:
-            out["maybes made"] = len(self.maybes)
-        return dict(out)
 
 
 def request_error(exc: BaseException) -> bool:
@@ -147,7 +124,7 @@ def create(  # noqa: PLR0913 - the rows, and the handler's own ones by name
         let_go(db, token, sorted(held))
         raise
     ops = {p.request_id: p.operation_id for p in todo}  # the round that moved them
-    nxt.again += [(ops.get(r), r) for r in moved]  # moved more often than one call tries
+    nxt.again += [Request(ops.get(r), r) for r in moved]  # moved more often than one call tries
     return nxt
 
 
@@ -169,7 +146,7 @@ def take_to_send(  # noqa: PLR0913 - one handler's round
         pending += again.pending
         taken.busy += again.busy
     for request_id in taken.busy:
-        nxt.states[request_id] = "owned elsewhere"
+        nxt.states[request_id] = Outcome.OWNED_ELSEWHERE
     return pending
 
 
@@ -182,37 +159,69 @@ def replace_ambiguous(
     """
     if not ambiguous:
         return []
-    out = _Sorted(ambiguous=[(p, "its owner lapsed after sending it") for p in ambiguous])
+    lapsed = [Verdict(p, Then.MAYBE, "its owner lapsed after sending it") for p in ambiguous]
     with db.transaction() as s:
         lock_for_moves(s, ambiguous)
-        return _replace(s, settings, out, token, nxt)
+        return _replace(s, settings, lapsed, token, nxt)
 
 
-def _replace(s: Session, settings: Settings, out: _Sorted, token: str, nxt: Next) -> list[str]:
-    """Make the sorted ambiguous rows maybes (locks held); the request ids replaced."""
+_REPLACED = {
+    Replaced.REPLACED: Outcome.MAYBE_REPLACED,
+    Replaced.UNREPLACED: Outcome.MAYBE_UNREPLACED,
+    Replaced.LOST: Outcome.OWNED_ELSEWHERE,
+}
+
+
+def _replace(
+    s: Session, settings: Settings, verdicts: Sequence[Verdict], token: str, nxt: Next
+) -> list[str]:
+    """Make rows sent with an unknown outcome maybes (locks held); the request ids replaced."""
     replaced = []
-    for p, why in out.ambiguous:
-        outcome = maybes.replace(s, settings, p, token, why, max_placements=MAX_PLACEMENTS)
-        if outcome != "lost":
+    for v in verdicts:
+        p = v.pending
+        outcome = maybes.replace(s, settings, p, token, v.why, max_placements=MAX_PLACEMENTS)
+        if outcome != Replaced.LOST:
             nxt.maybes.append(p.replica_id)
-        if outcome == "replaced":
+        if outcome == Replaced.REPLACED:
             replaced.append(p.request_id)
-        nxt.states[p.request_id] = {
-            "replaced": "maybe, replaced",
-            "maybe": "maybe, not replaced",
-        }.get(outcome, "owned elsewhere")
+        nxt.states[p.request_id] = _REPLACED[outcome]
     return replaced
+
+
+class Then(enum.Enum):
+    """What happens next to a row whose create brought no VM."""
+
+    DEAD = "dead"  # the request's own fault (every node would refuse it): Dead at once
+    MOVE = "move"  # its node failed it: another node, one more placement
+    MOVE_UNSENT = "move unsent"  # never sent, its node failed too often: another node
+    ELSEWHERE = "elsewhere"  # never sent, its node stopped answering: another, or retry
+    DISOWN = "disown"  # to be sent again later (by a retry, or another batch)
+    MAYBE = "maybe"  # sent, outcome unknown, on a node that cannot tell: a maybe
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What happens next to one row, and why (``error``: what a retry alone carries)."""
+
+    pending: Pending
+    then: Then
+    why: str = ""
+    error: BackendError | None = None
 
 
 @dataclass
 class _Sorted:
-    """A round's answers, sorted by what happens next to each row."""
+    """A round's answers, sorted by what happens next to each row (in the order found)."""
 
-    dead: list[tuple[Pending, str]] = field(default_factory=list)
-    move: list[tuple[Pending, str, bool]] = field(default_factory=list)  # why, a placement?
-    elsewhere: list[tuple[Pending, BackendError]] = field(default_factory=list)
-    disown: list[Pending] = field(default_factory=list)
-    ambiguous: list[tuple[Pending, str]] = field(default_factory=list)  # sent, unknown: maybes
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    def add(self, p: Pending, then: Then, why: str = "", error: BackendError | None = None) -> None:
+        """Note what happens next to ``p``."""
+        self.verdicts.append(Verdict(p, then, why, error))
+
+    def of(self, *then: Then) -> list[Verdict]:
+        """The verdicts of these kinds, in the order found."""
+        return [v for v in self.verdicts if v.then in then]
 
 
 def _round(  # noqa: PLR0913 - one handler's round
@@ -227,7 +236,7 @@ def _round(  # noqa: PLR0913 - one handler's round
     marked = mark_sent(db, token, pendings)  # committed before the first call goes out
     for p in pendings:
         if p.replica_id not in marked:
-            nxt.states[p.request_id] = "owned elsewhere"  # another delivery took it back
+            nxt.states[p.request_id] = Outcome.OWNED_ELSEWHERE  # another delivery took it back
     pendings = [p for p in pendings if p.replica_id in marked]
     if not pendings:
         return []
@@ -281,7 +290,7 @@ def _round(  # noqa: PLR0913 - one handler's round
         for key, lane in ran.lanes.items()
         if _needs_note(nodes[str(key)], lane)
     ]
-    if not (notes or out.dead or out.move or out.elsewhere or out.disown or out.ambiguous):
+    if not (notes or out.verdicts):
         return []
     return _settle(db, settings, pendings, notes, out, token, nxt)
 
@@ -328,21 +337,21 @@ def _sort(by_node: dict[Hashable, list[Pending]], ran: calls.Ran[Pending], nxt: 
                 continue  # a VM: recorded
             if result is None and ran.started(p):  # cut off by the soft time limit
                 if dedups(p.node):
-                    out.disown.append(p)
-                    nxt.rest.append((p.operation_id, p.request_id))
-                    nxt.states[p.request_id] = "cut off, sent again later"
+                    out.add(p, Then.DISOWN)
+                    nxt.rest.append(Request(p.operation_id, p.request_id))
+                    nxt.states[p.request_id] = Outcome.CUT_OFF
                 else:
-                    out.ambiguous.append((p, "cut off by the task's time limit mid-call"))
+                    out.add(p, Then.MAYBE, "cut off by the task's time limit mid-call")
             elif result is None and (id(p) in late or ran.cut or lane is None):
-                out.disown.append(p)  # never sent: out of time (its sent mark goes)
-                nxt.rest.append((p.operation_id, p.request_id))
-                nxt.states[p.request_id] = "not sent yet"
+                out.add(p, Then.DISOWN)  # never sent: out of time (its sent mark goes)
+                nxt.rest.append(Request(p.operation_id, p.request_id))
+                nxt.states[p.request_id] = Outcome.NOT_SENT
             elif result is None:  # not sent: the node failed too often in this batch
                 err = lane.last_error if lane is not None else None
                 if isinstance(err, BackendError) and err.retryable:
-                    out.elsewhere.append((p, err))
+                    out.add(p, Then.ELSEWHERE, f"not sent: {err}", err)
                 else:
-                    out.move.append((p, f"not sent: {err}", False))
+                    out.add(p, Then.MOVE_UNSENT, f"not sent: {err}")
             else:
                 _sort_error(p, result.error, out, nxt)
     return out
@@ -352,12 +361,12 @@ def _sort_error(p: Pending, exc: BaseException | None, out: _Sorted, nxt: Next) 
     """What a create's error does to its row."""
     if isinstance(exc, BackendError) and exc.retryable:
         if exc.nothing_done or dedups(p.node):
-            out.disown.append(p)
-            nxt.retry.append((p.operation_id, p.request_id, exc, p.node.id))
-            nxt.states[p.request_id] = "retrying"
+            out.add(p, Then.DISOWN)
+            nxt.retry.append(Retry(p.operation_id, p.request_id, exc, p.node.id))
+            nxt.states[p.request_id] = Outcome.RETRYING
             log.warning("spawn %s: %s; retrying it alone", p.request_id, exc)
         else:
-            out.ambiguous.append((p, str(exc)))
+            out.add(p, Then.MAYBE, str(exc))
             log.warning(
                 "spawn %s: %s; the node may have made the VM and cannot tell: a maybe, "
                 "replaced at once",
@@ -365,9 +374,9 @@ def _sort_error(p: Pending, exc: BaseException | None, out: _Sorted, nxt: Next) 
                 exc,
             )
     elif exc is not None and request_error(exc):
-        out.dead.append((p, str(exc)))
+        out.add(p, Then.DEAD, str(exc))
     else:
-        out.move.append((p, str(exc), True))
+        out.add(p, Then.MOVE, str(exc))
 
 
 def _needs_note(node: Node, lane: inflight.Lane) -> bool:
@@ -406,11 +415,11 @@ def record(
 
 def _kept(db: Database, settings: Settings, p: Pending, vm: backends.Vm, nxt: Next) -> bool:
     """Whether a VM that came too late for its row is kept: its row became a maybe, adopting it."""
-    if nxt.states.get(p.request_id) != ReplicaState.MAYBE.label:
+    if nxt.states.get(p.request_id) != Outcome.MAYBE:
         return False
-    kept = maybes.settle_vm(db, settings, p.replica_id, vm.vmid, vm.address)
-    nxt.states[p.request_id] = "maybe, adopted" if kept else "maybe, released"
-    return bool(kept)
+    kept = maybes.settle_vm(db, settings, p.replica_id, vm.vmid, vm.address) == Settled.ADOPTED
+    nxt.states[p.request_id] = Outcome.MAYBE_ADOPTED if kept else Outcome.MAYBE_RELEASED
+    return kept
 
 
 def _arrivals(
@@ -441,7 +450,7 @@ def _arrivals(
             if release:
                 late.append((p, vm))
             continue
-        nxt.states[p.request_id] = arrived.label
+        nxt.states[p.request_id] = Outcome.of(arrived)
         stages.recorded(s, p.operation_id, p.replica_id, p.request_id)
         if arrived == ReplicaState.STARTING:
             starting[vm.vmid] = p.request_id
@@ -453,18 +462,18 @@ def _arrivals(
         settle(s, op_id, parts=parts, ok=True)
     if starting:  # guests that said READY before their VM was recorded: Idle now
         for vmid in apply_early_reports(s, settings, starting, readied):
-            nxt.states[starting[vmid]] = ReplicaState.IDLE.label
+            nxt.states[starting[vmid]] = Outcome.IDLE
     return late
 
 
-def _late(s: Session, pending: Pending, vm: backends.Vm) -> tuple[str, bool]:
+def _late(s: Session, pending: Pending, vm: backends.Vm) -> tuple[Outcome, bool]:
     """A VM its row did not take: the row's state, and whether to release the VM."""
     replica = lock_replica(s, pending.replica_id)
     if replica is None:
-        return "gone", True
+        return Outcome.GONE, True
     if replica.vmid == vm.vmid and replica.node_id == pending.node.id:
-        return replica.state.label, False  # a second answer for the VM already recorded
-    return replica.state.label, True
+        return Outcome.of(replica.state), False  # a second answer for the VM already recorded
+    return Outcome.of(replica.state), True
 
 
 def _release_late(settings: Settings, late: list[tuple[Pending, backends.Vm]]) -> None:
@@ -499,30 +508,33 @@ def _settle(  # noqa: PLR0913 - one handler's round
             why = note_creates(s, settings, node.id, _outcomes(lane))
             if why:
                 log.warning("node %s %s", node.name, why)
-        disown(s, token, [p.replica_id for p in out.disown])
-        moved += _replace(s, settings, out, token, nxt)
-        for p, error in out.dead:
-            if fail(s, settings, p, token, error):
-                nxt.states[p.request_id] = "dead"
-        for p, error, counted in out.move:
+        disown(s, token, [v.pending.replica_id for v in out.of(Then.DISOWN)])
+        moved += _replace(s, settings, out.of(Then.MAYBE), token, nxt)
+        for v in out.of(Then.DEAD):
+            if fail(s, settings, v.pending, token, v.why):
+                nxt.states[v.pending.request_id] = Outcome.DEAD
+        for v in out.of(Then.MOVE, Then.MOVE_UNSENT):
+            p = v.pending
             tried = nxt.tried.setdefault(p.request_id, [])
             tried.append(p.node.id)
-            outcome = move(s, settings, p, token, error, counted=counted, avoid=tried)
-            if outcome == "moved":
+            counted = v.then == Then.MOVE
+            outcome = move(s, settings, p, token, v.why, counted=counted, avoid=tried)
+            if outcome == Moved.MOVED:
                 moved.append(p.request_id)
-            elif outcome == "dead":
-                nxt.states[p.request_id] = "dead"
+            elif outcome == Moved.DEAD:
+                nxt.states[p.request_id] = Outcome.DEAD
         # A node that stopped answering: its unsent creates go to another node if one has
         # room, else they wait for it, retried alone with backoff.
-        for p, exc in out.elsewhere:
-            outcome = move(s, settings, p, token, f"not sent: {exc}", counted=False, or_stay=True)
-            if outcome == "moved":
+        for v in out.of(Then.ELSEWHERE):
+            p = v.pending
+            outcome = move(s, settings, p, token, v.why, counted=False, or_stay=True)
+            if outcome == Moved.MOVED:
                 moved.append(p.request_id)
-            elif outcome == "stay":
+            elif outcome == Moved.STAY and v.error is not None:
                 disown(s, token, [p.replica_id])
-                nxt.retry.append((p.operation_id, p.request_id, exc, p.node.id))
-                nxt.states[p.request_id] = "retrying"
+                nxt.retry.append(Retry(p.operation_id, p.request_id, v.error, p.node.id))
+                nxt.states[p.request_id] = Outcome.RETRYING
     for request_id in moved:
-        if nxt.states.get(request_id) != "maybe, replaced":
-            nxt.states[request_id] = "moved"
+        if nxt.states.get(request_id) != Outcome.MAYBE_REPLACED:
+            nxt.states[request_id] = Outcome.MOVED
     return moved

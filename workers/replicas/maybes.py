@@ -11,18 +11,19 @@ the row after the owner lapsed: :func:`workers.replicas.owners.take`) makes the 
 *maybe* (:func:`replace`):
 
 * the row keeps its id, node slot and GPU grant (state Maybe, 240: the node may run a VM
-  for it, so nothing over-commits) and is renamed (``<request id>~<row id>``); it no
-  longer counts toward the function's replicas, and its operation no longer waits for it
-  (``maybe_of`` remembers which operation it was made for: ``corral ops OP`` counts its
-  maybes, :func:`workers.replicas.views.maybes_of`);
+  for it, so nothing over-commits) and is renamed (``<request id>~<row id>``); the move
+  from Creating to Maybe (:mod:`workers.store.states`) gives its count back and hands
+  its operation on: the operation no longer waits for it (``maybe_of`` remembers which
+  operation it was made for: ``corral ops OP`` counts its maybes,
+  :func:`workers.replicas.views.maybes_of`);
 * a *replacement* - a new Creating row with the original request id, the operation's
   part and the count - is placed at once by placement's usual rules (the same node or
-  another), and sent like any row. The count passes from the maybe to its replacement,
-  so the function's max bounds the replicas corral serves and creates: never more than
-  max, though for a maybe's lifetime a VM of it may run besides them. A request gets at
-  most ``MAX_PLACEMENTS`` rows in all (moves and replacements); past that, or with no
-  node to place it on, the maybe stays without a replacement, gives the count back and
-  its part of the operation fails.
+  another), counted in the same transaction, and sent like any row. The count passes
+  from the maybe to its replacement, so the function's max bounds the replicas corral
+  serves and creates: never more than max, though for a maybe's lifetime a VM of it may
+  run besides them. A request gets at most ``MAX_PLACEMENTS`` rows in all (moves and
+  replacements); past that, or with no node to place it on, the maybe stays without a
+  replacement (its count given back) and its part of the operation fails.
 
 What the node says next settles a maybe, once (every path locks the row and checks it is
 still a maybe):
@@ -47,8 +48,8 @@ The operation finishes when its replicas do, not when its maybes do.
 
 from __future__ import annotations
 
+import enum
 import logging
-from datetime import datetime, timedelta
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -58,15 +59,32 @@ from workers.clock import now
 from workers.errors import CapacityError
 from workers.fleet.placement import free_node, reserve_gpu, reserve_node
 from workers.operations import settle
-from workers.replicas.lifecycle import deadline_for, lock_replica, transition
+from workers.replicas.lifecycle import born, lock_replica, ready_window, recount, transition
 from workers.replicas.owners import Pending, owns
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, Function, Node, Replica, ReplicaState, new_id
+from workers.store.states import move
 
 log = logging.getLogger(__name__)
 
 MARK = "~"  # a maybe's request id: the original, this, its row id
 MAX_REQUEST_ID = 128  # replicas.request_id
+
+
+class Replaced(enum.Enum):
+    """What :func:`replace` did to a row."""
+
+    REPLACED = "replaced"  # a maybe; a new Creating row has the request id, unowned, to send
+    UNREPLACED = "not replaced"  # a maybe with no replacement: the request's part failed
+    LOST = "lost"  # not this handler's row on that node any more: nothing changed
+
+
+class Settled(enum.Enum):
+    """What a VM that showed up did to a maybe (:func:`settle_vm`)."""
+
+    ADOPTED = "adopted"  # an ordinary replica now (or adopted before)
+    RELEASED = "released"  # the maybe ended Deleted: the caller releases the VM
+    NOT_OURS = "not ours"  # not this row's VM (settled otherwise, or another row has it)
 
 
 def maybe_request_id(request_id: str, replica_id: str) -> str:
@@ -79,17 +97,6 @@ def reports_ready(node: Node, fn: Function) -> bool:
     return fn.readiness == "guest" or node.ready_seen_at is not None
 
 
-def ready_window(settings: Settings) -> timedelta:
-    """How long after a maybe is made its READY may still come (on a node that reports)."""
-    return timedelta(seconds=settings.create_timeout_s + settings.ready_grace_s)
-
-
-def _deadline(settings: Settings, node: Node, fn: Function, at: datetime) -> datetime:
-    if reports_ready(node, fn):
-        return at + ready_window(settings)
-    return at + timedelta(seconds=settings.creating_deadline_s)
-
-
 def replace(  # noqa: PLR0913 - one row's replacement, its cap by name
     s: Session,
     settings: Settings,
@@ -98,29 +105,28 @@ def replace(  # noqa: PLR0913 - one row's replacement, its cap by name
     why: str,
     *,
     max_placements: int,
-) -> str:
+) -> Replaced:
     """Make a row this handler owns, sent with an unknown outcome, a maybe; place its replacement.
 
     The caller holds the locks of a move (:func:`workers.replicas.moves.lock_for_moves`).
-    Returns ``replaced`` (a new Creating row has the request id, unowned, to be sent),
-    ``maybe`` (no replacement: the request's part failed) or ``lost`` (not this handler's
-    row on that node any more: nothing changed).
+    The move to Maybe gives the count back and hands the operation on (``maybe_of``); the
+    replacement is counted again and waited on by that operation.
     """
     replica = lock_replica(s, p.replica_id)
     if replica is None or not owns(replica, token, p.node.id):
-        return "lost"
+        return Replaced.LOST
     fn = replica.function
-    at = now()
     request_id, op_id = replica.request_id, replica.operation_id
-    replica.status = ReplicaState.MAYBE
     replica.request_id = maybe_request_id(request_id, replica.id)
-    replica.operation_id = None
-    replica.maybe_of = op_id
-    replica.owner = replica.owner_until = None
-    replica.sent_at = replica.sent_at or at
-    replica.deadline_at = _deadline(settings, p.node, fn, at)
-    replica.error = f"maybe: its create on {p.node.name} went out, outcome unknown ({why})"
-    s.flush()  # the request id is free for the replacement
+    replica.sent_at = replica.sent_at or now()
+    transition(  # flushes: the request id is free for the replacement
+        s,
+        replica,
+        ReplicaState.MAYBE,
+        settings,
+        error=f"maybe: its create on {p.node.name} went out, outcome unknown ({why})",
+        reports_ready=reports_ready(p.node, fn),
+    )
     log.warning("replica %s on %s is a maybe: %s", replica.id, p.node.name, why)
     if replica.placements >= max_placements:
         return _unreplaced(s, replica, op_id, f"tried {replica.placements} times")
@@ -133,12 +139,11 @@ def replace(  # noqa: PLR0913 - one row's replacement, its cap by name
         request_id=request_id,
         function_id=fn.id,
         operation_id=op_id,
-        status=ReplicaState.CREATING,
         build_version=fn.build_version,
         envs_total=fn.exec_envs,
-        deadline_at=deadline_for(ReplicaState.CREATING, settings, at),
         node_id=node.id,
         placements=replica.placements + 1,
+        **born(ReplicaState.CREATING, settings, now()),
     )
     if fn.gpu_mem_mb:
         try:
@@ -149,50 +154,45 @@ def replace(  # noqa: PLR0913 - one row's replacement, its cap by name
         row.gpu_id, row.gpu_slot, row.gpu_mem_mb = grant.gpu_id, grant.slot, grant.mem_mb
     s.add(row)
     s.flush()
-    replica.error += f"; replaced by {row.id} on {node.name}"
-    return "replaced"
+    recount(s, {fn.id: move(None, ReplicaState.CREATING).count})
+    replica.error = f"{replica.error}; replaced by {row.id} on {node.name}"
+    return Replaced.REPLACED
 
 
-def _unreplaced(s: Session, replica: Replica, op_id: str | None, why: str) -> str:
-    """A maybe with no replacement: the count goes back, the request's part fails."""
-    s.execute(
-        update(Function)
-        .where(Function.id == replica.function_id)
-        .values(replica_count=Function.replica_count - 1, updated_at=Function.updated_at)
-        .execution_options(synchronize_session=False)
-    )
+def _unreplaced(s: Session, replica: Replica, op_id: str | None, why: str) -> Replaced:
+    """A maybe with no replacement: the request's part fails (its count went with the move)."""
     replica.error = f"{replica.error}; not replaced ({why})"
     s.flush()
     if op_id:
         settle(s, op_id, parts=[replica.id], ok=False, error=replica.error)
-    return "maybe"
+    return Replaced.UNREPLACED
 
 
 def settle_vm(
     db: Database, settings: Settings, replica_id: str, vmid: str, address: str | None
-) -> bool | None:
-    """A VM showed up for a maybe: adopt it (True), or end the maybe for its VM's release (False).
+) -> Settled:
+    """A VM showed up for a maybe: adopt it, or end the maybe for its VM's release.
 
     Adopted when ``address`` (where the VM answers) is known and the function wants one
     more replica - below its target (or min) and its max; it is then an ordinary Idle
-    replica. Otherwise the maybe ends Deleted with ``vmid``, giving its slot back, and
-    the caller releases the VM. When the row is no longer a maybe (settled already): True
-    if it holds this VM as a replica (adopted before), else None (it is not this row's).
+    replica, counted again. Otherwise the maybe ends Deleted with ``vmid``, giving its
+    slot back, and the caller releases the VM. When the row is no longer a maybe
+    (settled already): adopted if it holds this VM as a replica, else not ours.
     """
     with db.transaction() as s:
         maybe = lock_replica(s, replica_id)
         if maybe is None or maybe.status != ReplicaState.MAYBE:
             held = maybe is not None and maybe.vmid == vmid and maybe.status in LIVE_STATES
-            return True if held else None
+            return Settled.ADOPTED if held else Settled.NOT_OURS
         if s.scalar(select(Replica.id).where(Replica.vmid == vmid).limit(1)) is not None:
-            return None  # another row's VM (recorded since the caller looked)
+            return Settled.NOT_OURS  # another row's VM (recorded since the caller looked)
         maybe.vmid = vmid
-        if address is not None and _count_one_more(s, maybe.function_id):
+        if address is not None and _wants_one_more(s, maybe.function_id):
             maybe.address = address
             maybe.error = None
             transition(s, maybe, ReplicaState.IDLE, settings)
             log.info("maybe %s: its VM %s showed up and is adopted", maybe.id, vmid)
-            return True
+            return Settled.ADOPTED
         transition(
             s,
             maybe,
@@ -201,14 +201,14 @@ def settle_vm(
             error=f"maybe: its VM {vmid} showed up after its replacement; released",
         )
         log.info("maybe %s: its VM %s showed up; releasing it (replaced)", maybe.id, vmid)
-        return False
+        return Settled.RELEASED
 
 
-def _count_one_more(s: Session, function_id: str) -> bool:
-    """Count one more replica of the function if it wants one (below its target and max).
+def _wants_one_more(s: Session, function_id: str) -> bool:
+    """Whether the function wants one more replica (below its target and max).
 
     The function row is locked after the replica's: the single-replica order of
-    :mod:`workers.locks`.
+    :mod:`workers.locks`; the move to Idle then counts it.
     """
     row = s.execute(
         select(
@@ -219,15 +219,7 @@ def _count_one_more(s: Session, function_id: str) -> bool:
     ).one_or_none()
     if row is None or row.target is None:
         return False
-    if row.replica_count >= min(max(row.target, row.min_replicas), row.max_replicas):
-        return False
-    s.execute(
-        update(Function)
-        .where(Function.id == function_id)
-        .values(replica_count=Function.replica_count + 1, updated_at=Function.updated_at)
-        .execution_options(synchronize_session=False)
-    )
-    return True
+    return bool(row.replica_count < min(max(row.target, row.min_replicas), row.max_replicas))
 
 
 def note_ready_node(s: Session, settings: Settings, node_id: str) -> None:

@@ -10,6 +10,7 @@ replacements, :mod:`workers.replicas.maybes`, count alike), then it is Dead.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
 
@@ -17,12 +18,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
 from workers.errors import CapacityError
 from workers.fleet.nodes import note_creates
 from workers.fleet.placement import free_node, reserve_node
 from workers.locks import lock_gpus, lock_nodes
-from workers.replicas.lifecycle import deadline_for, lock_replica, transition
+from workers.replicas.lifecycle import lock_replica, transition
 from workers.replicas.owners import Pending, owns
 from workers.store.db import Database
 from workers.store.models import Function, ReplicaState
@@ -30,6 +30,15 @@ from workers.store.models import Function, ReplicaState
 log = logging.getLogger(__name__)
 
 MAX_PLACEMENTS = 3  # nodes a replica is tried on before it is marked Dead
+
+
+class Moved(enum.Enum):
+    """What :func:`move` did to a row."""
+
+    MOVED = "moved"  # on another node, disowned: nothing was sent there yet
+    DEAD = "dead"  # tried on enough nodes, or no other node has room
+    STAY = "stay"  # no other node, and it may stay (nothing changed)
+    LOST = "lost"  # not this handler's row on that node any more (nothing changed)
 
 
 def lock_for_moves(s: Session, pendings: Sequence[Pending]) -> None:
@@ -70,40 +79,36 @@ def move(  # noqa: PLR0913 - one move's parts, the rest by name
     counted: bool,
     avoid: Sequence[str] = (),
     or_stay: bool = False,
-) -> str:
+) -> Moved:
     """Move a row this handler owns off the node that failed its create (and ``avoid``).
 
-    Returns ``moved`` (on another node, disowned: nothing was sent there yet), ``dead``
-    (tried on enough nodes, or no other node has room), ``stay`` (with ``or_stay`` and
-    no other node: nothing changed), or ``lost`` (no longer this handler's row on that
-    node: another handler took it, or it moved or ended; nothing changed). Only the
-    owner of the create on the row's current node frees that node's slot, once.
+    :attr:`Moved.STAY` only with ``or_stay``. Only the owner of the create on the row's
+    current node frees that node's slot, once; the move from Creating to Creating
+    (:mod:`workers.store.states`) disowns the row and clears its sent mark.
     """
     replica = lock_replica(s, p.replica_id)
     if replica is None or not owns(replica, token, p.node.id):
-        return "lost"
+        return Moved.LOST
     if counted and replica.placements >= MAX_PLACEMENTS:
         tried = f" (tried on {replica.placements} nodes)" if replica.placements > 1 else ""
         transition(s, replica, ReplicaState.DEAD, settings, error=f"{error}{tried}")
-        return "dead"
+        return Moved.DEAD
     fn = replica.function
     try:
         node = reserve_node(s, fn, fn.placement or settings.placement, avoid=[p.node.id, *avoid])
     except CapacityError as exc:
         if or_stay:
-            return "stay"
+            return Moved.STAY
         transition(
             s, replica, ReplicaState.DEAD, settings, error=f"{error}; no other node to try ({exc})"
         )
-        return "dead"
+        return Moved.DEAD
     free_node(s, p.node.id)
     replica.node_id = node.id
     replica.placements += int(counted)
-    replica.owner = replica.owner_until = replica.sent_at = None
-    replica.deadline_at = deadline_for(ReplicaState.CREATING, settings, now())
-    s.flush()
+    transition(s, replica, ReplicaState.CREATING, settings)
     log.info("replica %s moved from node %s to %s: %s", replica.id, p.node.name, node.name, error)
-    return "moved"
+    return Moved.MOVED
 
 
 def owned_move(db: Database, settings: Settings, p: Pending, token: str, error: str) -> bool:
@@ -113,4 +118,4 @@ def owned_move(db: Database, settings: Settings, p: Pending, token: str, error: 
         why = note_creates(s, settings, p.node.id, [error])
         if why:
             log.warning("node %s %s", p.node.name, why)
-        return move(s, settings, p, token, error, counted=True) == "moved"
+        return move(s, settings, p, token, error, counted=True) == Moved.MOVED

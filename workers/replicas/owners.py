@@ -11,7 +11,9 @@ sends its create, so every handler of every delivery obeys the same rules:
   committed transaction: one conditional ``UPDATE`` sets ``owner`` (a token of this
   handler) and ``owner_until`` (when its task's hard time limit kills it, on the
   store's clock: :mod:`workers.clock`) where no live handler owns it - so of two
-  handlers exactly one wins, on SQLite and PostgreSQL alike. A row someone else owns
+  handlers exactly one wins, on SQLite and PostgreSQL alike. Whether an owner is still
+  live is judged in SQL, by the database on its own clock
+  (:func:`workers.store.db.store_now`), never by the handler's host. A row someone else owns
   is left to them: a second delivery while the owner lives changes nothing.
 * **"Sent".** Owning is not sending. Right before a round of calls its owner marks the
   round's rows sent (``sent_at``: one ``UPDATE`` for the round, conditional on still
@@ -52,6 +54,7 @@ task's soft time limit, and its ownership lasts until the hard limit.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import logging
 import time
@@ -69,7 +72,7 @@ from config.settings import Settings
 from workers import backends
 from workers.clock import now
 from workers.errors import BackendError, Unsupported
-from workers.store.db import Database
+from workers.store.db import Database, store_now
 from workers.store.models import Function, Node, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
@@ -151,22 +154,30 @@ def _retry_of(token: str) -> int:
         return -1
 
 
-def _reclaim(theirs: str, mine: str, sent: bool) -> str | None:
-    """How ``mine`` may take a row a live ``theirs`` owns: ``earlier``, ``unsent`` or None.
+class Reclaim(enum.Enum):
+    """How a handler may take back a row another live run of its message owns."""
 
-    ``earlier``: the same message's earlier run (it ended when it asked for the retry),
-    or this run itself - whatever it owns. ``unsent``: a run of the same message with the
-    same retry number - only a row it has not marked sent (the mark decides who sends).
+    EARLIER = "earlier"  # the message's earlier run (or this one): whatever it owns
+    UNSENT = "unsent"  # a run with the same retry number: only a row not marked sent
+
+
+def _reclaim(theirs: str, mine: str, sent: bool) -> Reclaim | None:
+    """How ``mine`` may take a row a live ``theirs`` owns (None: not at all).
+
+    :attr:`Reclaim.EARLIER`: the same message's earlier run (it ended when it asked for
+    the retry), or this run itself. :attr:`Reclaim.UNSENT`: a run of the same message
+    with the same retry number - only a row it has not marked sent (the mark decides
+    who sends).
     """
     if theirs == mine:
-        return "earlier"
+        return Reclaim.EARLIER
     if theirs[:KEY_CHARS] != mine[:KEY_CHARS]:
         return None
     ours, others = _retry_of(mine), _retry_of(theirs)
     if others < ours:
-        return "earlier"
+        return Reclaim.EARLIER
     if others == ours and not sent:
-        return "unsent"
+        return Reclaim.UNSENT
     return None
 
 
@@ -201,7 +212,8 @@ class Taken:
     ambiguous: list[Pending] = field(default_factory=list)
 
 
-# Built once: the Creating rows of some requests that have no VM yet, with node and function.
+# Built once: the Creating rows of some requests that have no VM yet, with node and
+# function, and whether their owner is live - judged by the database, on its own clock.
 _CANDIDATES = (
     select(
         Replica.id,
@@ -211,7 +223,7 @@ _CANDIDATES = (
         Replica.operation_id,
         Replica.placements,
         Replica.owner,
-        Replica.owner_until,
+        Replica.owner_until > store_now(),
         Replica.sent_at,
     )
     .join(Node, Node.id == Replica.node_id)
@@ -233,7 +245,7 @@ _TAKE = (
         *_OWNED,
         or_(
             Replica.owner.is_(None),
-            Replica.owner_until <= bindparam("at"),
+            Replica.owner_until <= store_now(),
             Replica.owner.in_(bindparam("earlier", expanding=True)),
             and_(
                 Replica.owner.in_(bindparam("unsent", expanding=True)),
@@ -327,7 +339,7 @@ def take(
 
 
 _Candidate: TypeAlias = (
-    "Row[str, str, Node, Function, str | None, int, str | None, datetime | None, datetime | None]"
+    "Row[str, str, Node, Function, str | None, int, str | None, bool | None, datetime | None]"
 )
 
 
@@ -335,18 +347,17 @@ def _sort_candidates(
     rows: Sequence[_Candidate], token: str, out: Taken
 ) -> tuple[dict[str, Pending], set[str], set[str]]:
     """The rows to take, and the live owners' tokens they may be taken back from (two kinds)."""
-    at = now()
     wanted: dict[str, Pending] = {}
     earlier: set[str] = set()
     unsent: set[str] = set()
-    for rid, request_id, node, fn, op_id, placements, owner, until, sent_at in rows:
+    for rid, request_id, node, fn, op_id, placements, owner, live, sent_at in rows:
         sent = sent_at is not None
-        if owner is not None and until is not None and until > at:
+        if owner is not None and live:
             how = _reclaim(owner, token, sent)
             if how is None:
                 out.busy.append(request_id)
                 continue
-            (earlier if how == "earlier" else unsent).add(owner)
+            (earlier if how == Reclaim.EARLIER else unsent).add(owner)
         wanted[rid] = Pending(rid, request_id, node, fn, op_id, placements, sent=sent)
     return wanted, earlier, unsent
 
@@ -364,7 +375,6 @@ def _take(  # noqa: PLR0913 - one statement's parameters
         return set()
     params = {
         "ids": list(wanted),
-        "at": now(),
         "token": token,
         "until": until,
         "earlier": sorted(earlier),

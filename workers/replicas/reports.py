@@ -322,10 +322,10 @@ def ready_of_maybe(
     replica_id, node_id, fn = found[0]
     node = next(n for n in nodes if n.id == node_id)
     address = _guest_address(settings, node, fn, peer)
-    adopted = maybes.settle_vm(db, settings, replica_id, vmid, address)
-    if adopted is False:
+    settled = maybes.settle_vm(db, settings, replica_id, vmid, address)
+    if settled == maybes.Settled.RELEASED:
         release(node.id, vmid)  # also when the reporting agent acts on DESTROY itself
-    return adopted
+    return {maybes.Settled.ADOPTED: True, maybes.Settled.RELEASED: False}.get(settled)
 
 
 def _recorded(s: Session, vmid: str) -> bool:

@@ -4,7 +4,7 @@ A spawn (or the growing half of a scale) is carried out in batches of up to
 :data:`SPAWN_BATCH` replicas. :func:`plan_spawn` fixes the operation's request ids once
 (stored on the operation, so every delivery works the same requests); :func:`fan_out`
 works the first batch in the calling task and leaves the others to ``spawn_batch`` tasks
-(:class:`~workers.replicas.creates.Next` says what to queue), so a large spawn is shared
+(:class:`~workers.replicas.outcomes.Next` says what to queue), so a large spawn is shared
 by every worker process. A batch (:func:`run_batch`):
 
 1. :func:`place` writes its replica rows as Creating - keyed by request id, each with a
@@ -39,9 +39,10 @@ from workers.fleet.placement import reserve_gpu, reserve_node, reserve_nodes, sp
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import mark_running, settle
 from workers.replicas.checks import check_count
-from workers.replicas.creates import Next, create, replace_ambiguous
-from workers.replicas.lifecycle import deadline_for, transition
+from workers.replicas.creates import create, replace_ambiguous
+from workers.replicas.lifecycle import born, transition
 from workers.replicas.moves import owned_move
+from workers.replicas.outcomes import Next, Outcome, Request
 from workers.replicas.owners import Budget, Owner, Pending, disown, owner_token, take
 from workers.store.db import Database
 from workers.store.models import (
@@ -208,24 +209,27 @@ def give_up(  # noqa: PLR0913 - one create's end, where it failed by name
     taken = take(db, settings, [request_id], token, budget.own_until())
     if taken.ambiguous:
         replaced = replace_ambiguous(db, settings, taken.ambiguous, token, nxt)
-        nxt.again += [(p.operation_id, p.request_id) for p in taken.ambiguous]
-        nxt.again = [(op, r) for op, r in nxt.again if r in replaced]
+        nxt.again += [
+            Request(p.operation_id, p.request_id)
+            for p in taken.ambiguous
+            if p.request_id in replaced
+        ]
         return nxt
     if not taken.pending:
-        nxt.states[request_id] = "owned elsewhere" if taken.busy else "settled"
+        nxt.states[request_id] = Outcome.OWNED_ELSEWHERE if taken.busy else Outcome.SETTLED
         return nxt
     (p,) = taken.pending
     if failed_on is not None and p.node.id != failed_on:
         with db.transaction() as s:
             disown(s, token, [p.replica_id])
-        nxt.states[request_id] = "moved already"
+        nxt.states[request_id] = Outcome.MOVED_ALREADY
         return nxt
     note_failure(db, settings, p.node.id, error)
     if owned_move(db, settings, p, token, error):
-        nxt.again.append((p.operation_id, request_id))
-        nxt.states[request_id] = "moved"
+        nxt.again.append(Request(p.operation_id, request_id))
+        nxt.states[request_id] = Outcome.MOVED
     else:
-        nxt.states[request_id] = "dead"
+        nxt.states[request_id] = Outcome.DEAD
     return nxt
 
 
@@ -319,31 +323,22 @@ def _write_rows(  # noqa: PLR0913 - one batch of one spawn
     over: list[Replica] = []
     policy = fn.placement or settings.placement
     ready = _reserve_together(s, fn, policy, todo, room)
+    creating = born(ReplicaState.CREATING, settings, at)
     for i, job in enumerate(todo):
         row: dict[str, Any] = {
             "id": new_id(),
             "request_id": job.request_id,
             "function_id": fn.id,
             "operation_id": op_id,
-            "status": int(ReplicaState.CREATING),
             "build_version": fn.build_version,
             "envs_total": fn.exec_envs,
-            "deadline_at": deadline_for(ReplicaState.CREATING, settings, at),
+            **creating,
         }
         if i >= room:
-            # Never counted, never placed: record why, without going through transition.
+            # Never counted, never placed: inserted Dead with why (the table's insert move).
             error = f"{fn.name} is at its max of {fn.max_replicas} replicas"
-            over.append(
-                Replica(
-                    **{
-                        **row,
-                        "status": int(ReplicaState.DEAD),
-                        "retired_at": at,
-                        "operation_id": None,
-                        "error": error,
-                    }
-                )
-            )
+            dead = born(ReplicaState.DEAD, settings, at)
+            over.append(Replica(**{**row, **dead, "error": error}))
             continue
         try:
             node = ready[i] if i < len(ready) else reserve_node(s, fn, policy, pinned=job.node_id)

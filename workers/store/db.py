@@ -75,8 +75,12 @@ def _store_now_sqlite(element: _StoreNow, compiler: SQLCompiler, **kw: Any) -> s
 
 
 def store_now() -> _StoreNow:
-    """The store's clock in a statement: its server's time now (with ``clock.travel``'s offset)."""
-    return _StoreNow(bindparam(None, clock.offset_s(), type_=Float))
+    """The store's clock in a statement: its server's time now (with ``clock.travel``'s offset).
+
+    The offset is read when the statement runs, so a statement built once keeps honouring
+    ``clock.travel``.
+    """
+    return _StoreNow(bindparam(None, callable_=clock.offset_s, type_=Float))
 
 
 class Database:

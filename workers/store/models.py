@@ -9,9 +9,10 @@ one GPU (``gpus.mem_free_mb`` / ``gpus.slots_free``) exactly while it is *live*
 ``replica_count`` (capped at ``max_replicas``) while it is Creating, Starting,
 Idle or Allocated (a *maybe* - a create sent whose outcome is unknown, on a node that
 cannot tell, :mod:`workers.replicas.maybes` - holds its slot but not the count, which
-passed to its replacement); :mod:`workers.replicas.lifecycle` moves these counters in the
-transaction of every state change (:func:`~workers.replicas.lifecycle.transition`, and the
-batch paths it lists). Counters are guarded in the database by CHECK
+passed to its replacement). The states, and every move between them with what it does
+to these counters, are one table (:mod:`workers.store.states`);
+:mod:`workers.replicas.lifecycle` carries the moves out in the transaction of every state
+change. Counters are guarded in the database by CHECK
 constraints and changed only by conditional UPDATEs, so no interleaving of
 workers can over-commit a node or a GPU.
 
@@ -55,49 +56,15 @@ from sqlalchemy.types import TypeDecorator
 
 from workers.clock import now
 from workers.kinds import NodeKind, OpKind
+from workers.store.states import COUNTED_STATES as COUNTED_STATES
+from workers.store.states import FINAL_STATES as FINAL_STATES
+from workers.store.states import LIVE_STATES as LIVE_STATES
+from workers.store.states import ReplicaState as ReplicaState
 
 
 def new_id() -> str:
     """A fresh random identifier for a row."""
     return uuid.uuid4().hex
-
-
-class ReplicaState(enum.IntEnum):
-    """Replica states; the first six are the seed's numbers and never change."""
-
-    IDLE = 0
-    ALLOCATED = 1
-    CREATING = 2
-    DEAD = 13
-    STARTING = 200
-    STARTING_LIMIT = 210
-    DELETING = 220
-    DELETED = 230
-    MAYBE = 240  # a create sent, outcome unknown: its node may run a VM for it
-
-    @property
-    def label(self) -> str:
-        """Lowercase name used by the CLI and JSON output."""
-        return self.name.lower()
-
-
-LIVE_STATES: tuple[ReplicaState, ...] = (
-    ReplicaState.CREATING,
-    ReplicaState.STARTING,
-    ReplicaState.STARTING_LIMIT,
-    ReplicaState.IDLE,
-    ReplicaState.ALLOCATED,
-    ReplicaState.DELETING,
-    ReplicaState.MAYBE,
-)
-# States that count toward a function's replica count (scale targets, min/max).
-COUNTED_STATES: tuple[int, ...] = (
-    ReplicaState.CREATING,
-    ReplicaState.STARTING,
-    ReplicaState.IDLE,
-    ReplicaState.ALLOCATED,
-)
-FINAL_STATES: tuple[int, ...] = (ReplicaState.DEAD, ReplicaState.DELETED)
 
 
 class OpStatus(enum.StrEnum):

@@ -96,7 +96,7 @@ def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice
         settings,
         op_id,
         fn_id,
-        [j for j in jobs if j.request_id in {r for _, r in nxt.rest + nxt.again}],
+        [j for j in jobs if j.request_id in {r.request_id for r in nxt.rest + nxt.again}],
         Budget.of(settings),
     )
     assert set(again.states.values()) == {"idle"}

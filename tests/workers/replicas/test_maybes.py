@@ -34,6 +34,7 @@ from workers.backends import fcdaemon, inflight, networks
 from workers.maintenance.reaper import reap
 from workers.registry.service import OK, READY, Registry
 from workers.replicas import creates
+from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Owner, disown, mark_sent, owner_token, take
 from workers.replicas.spawn import SpawnJob, place, run_batch
 from workers.store.models import Function, Node, Replica, ReplicaState
@@ -249,7 +250,7 @@ def test_two_runs_of_one_message_at_once_send_each_create_once(
     op_id, fn_id, jobs = spawn_op(corral_env, 6)
     settings = corral_env.settings
 
-    def deliver(_: int) -> creates.Next:
+    def deliver(_: int) -> Next:
         owner = Owner(owner_token("message-1", 0), Budget.of(settings).own_until())
         written = place(corral_env.db, settings, op_id, fn_id, jobs, owner=owner)
         ids = [j.request_id for j in jobs]

@@ -33,6 +33,7 @@ from workers.operations import create_operation
 from workers.registry.service import DESTROY, READY, Registry
 from workers.replicas import creates, moves
 from workers.replicas.delete import delete_batch
+from workers.replicas.outcomes import Next, Outcome
 from workers.replicas.owners import Budget, Pending, mark_sent, owner_token, take
 from workers.replicas.scale import plan_scale
 from workers.replicas.spawn import give_up, place, run_batch
@@ -48,7 +49,7 @@ def test_two_deliveries_of_one_batch_at_once_send_each_create_once_to_a_seed_age
     op_id, fn_id, jobs = spawn_op(corral_env, 6)
     settings = corral_env.settings
 
-    def deliver(_: int) -> creates.Next:
+    def deliver(_: int) -> Next:
         return run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
 
     first, second = at_once(2, deliver)
@@ -60,7 +61,7 @@ def test_two_deliveries_of_one_batch_at_once_send_each_create_once_to_a_seed_age
     states = [first.states.get(j.request_id) for j in jobs] + [
         second.states.get(j.request_id) for j in jobs
     ]
-    assert states.count("idle") == 6 and states.count("owned elsewhere") == 6
+    assert states.count(Outcome.IDLE) == 6 and states.count(Outcome.OWNED_ELSEWHERE) == 6
     op = operation(corral_env, op_id)
     assert (op.status, op.done, op.failed, op.total) == ("succeeded", 6, 0, 6)
     no_drift(corral_env)
@@ -144,16 +145,16 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     first = stale.node.name
     assert nodes(corral_env)[first].live == 1
 
-    def move(p: Pending, token: str) -> str:
+    def move(p: Pending, token: str) -> moves.Moved:
         with corral_env.db.transaction() as s:
             moves.lock_for_moves(s, [p])
             return moves.move(s, settings, p, token, "INTERNAL: boom", counted=True)
 
-    assert move(stale, stale_token) == "lost"  # not its row any more: nothing changes
+    assert move(stale, stale_token) == moves.Moved.LOST  # not its row any more: nothing changes
     assert nodes(corral_env)[first].live == 1
-    assert move(fresh, fresh_token) == "moved"
-    assert move(fresh, fresh_token) == "lost"  # its create on the first node is over
-    assert move(stale, stale_token) == "lost"
+    assert move(fresh, fresh_token) == moves.Moved.MOVED
+    assert move(fresh, fresh_token) == moves.Moved.LOST  # its create on the first node is over
+    assert move(stale, stale_token) == moves.Moved.LOST
     live = {name: n.live for name, n in nodes(corral_env).items()}
     assert live == {first: 0, ("node2" if first == "node1" else "node1"): 1}
     # a VM the first node makes now, for the stale create, finds the row elsewhere
@@ -162,7 +163,7 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
             fcdaemon.create_request(stale.function, request_id, settings)
         )
     )
-    nxt = creates.Next()
+    nxt = Next()
     creates.record(corral_env.db, settings, [(stale, backends.Vm(vm.vmid, "http://x"))], nxt)
     (row,) = replicas(corral_env)
     assert row.status == ReplicaState.CREATING and row.vmid is None
@@ -195,7 +196,7 @@ def test_concurrent_give_ups_move_the_replica_once_and_leaveno_drift(
         ),
     )
     states = sorted(nxt.states[request_id] for nxt in outcomes)
-    assert states.count("moved") == 1, states
+    assert states.count(Outcome.MOVED) == 1, states
     assert sum(len(nxt.again) for nxt in outcomes) == 1
     (row,) = replicas(corral_env)
     assert row.placements == 2 and row.status == ReplicaState.CREATING
