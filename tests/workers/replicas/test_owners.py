@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -29,12 +30,14 @@ from tests.workers.replicas.helpers import (
 from workers import backends, clock
 from workers.backends import fcdaemon, inflight
 from workers.kinds import OpKind
+from workers.maintenance import reaper
+from workers.maintenance.reaper import reap
 from workers.operations import create_operation
 from workers.registry.service import DESTROY, READY, Registry
-from workers.replicas import creates, moves
+from workers.replicas import creates, moves, owners
 from workers.replicas.delete import delete_batch
 from workers.replicas.outcomes import Next, Outcome
-from workers.replicas.owners import Budget, Pending, mark_sent, owner_token, take
+from workers.replicas.owners import Budget, Owner, Pending, mark_sent, owner_token, take
 from workers.replicas.scale import plan_scale
 from workers.replicas.spawn import give_up, place, run_batch
 from workers.store.models import Node, ReplicaState
@@ -122,6 +125,27 @@ def test_a_create_left_by_a_dead_owner_is_sent_again_only_where_the_node_dedupli
     assert {r.status for r in replicas(corral_env) if r.maybe_of} == {ReplicaState.DELETED}
     assert nodes(corral_env)["node1"].live == 3
     no_drift(corral_env)
+
+
+def test_whether_an_owner_is_live_is_judged_by_the_database_not_the_handlers_clock(
+    corral_env: Env, start_agents: StartAgents, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start_agents(1, env=corral_env)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    request_id = jobs[0].request_id
+    owner = Owner(owner_token(), Budget.of(settings).own_until())
+    place(corral_env.db, settings, op_id, fn_id, jobs, owner=owner)  # owned, live
+    # A handler and a reaper whose clocks read an hour ahead (say, before their next
+    # measurement of the store's clock): to the database the owner is still live.
+    ahead = clock.now() + timedelta(hours=1)
+    monkeypatch.setattr(owners, "now", lambda: ahead)
+    monkeypatch.setattr(reaper, "now", lambda: ahead)
+    taken = take(corral_env.db, settings, [request_id], owner_token(), ahead)
+    assert (taken.pending, taken.busy) == ([], [request_id])
+    assert reap(corral_env.db, settings, holder="ahead").deleted == []
+    (row,) = replicas(corral_env)
+    assert (row.status, row.owner) == (ReplicaState.CREATING, owner.token)
 
 
 def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
