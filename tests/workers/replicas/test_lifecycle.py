@@ -115,10 +115,10 @@ _PG_LOG = (
     "FOR EACH ROW EXECUTE FUNCTION moves_seen_note()",
 )
 _PG_UNLOG = (
-    "DROP TRIGGER moves_seen_u ON replicas",
-    "DROP TRIGGER moves_seen_i ON replicas",
-    "DROP FUNCTION moves_seen_note()",
-    "DROP TABLE moves_seen",
+    "DROP TRIGGER IF EXISTS moves_seen_u ON replicas",
+    "DROP TRIGGER IF EXISTS moves_seen_i ON replicas",
+    "DROP FUNCTION IF EXISTS moves_seen_note()",
+    "DROP TABLE IF EXISTS moves_seen",
 )
 
 
@@ -130,7 +130,7 @@ def moves_seen(corral_env: Env) -> Iterator[Seen]:
     """Log every (status before, status written) the store sees; the fixture reads the log."""
     db = corral_env.db
     with db.engine.begin() as conn:
-        for statement in _SQLITE_LOG if db.is_sqlite else _PG_LOG:
+        for statement in _SQLITE_LOG if db.is_sqlite else (*_PG_UNLOG, *_PG_LOG):
             conn.execute(text(statement))
 
     def seen() -> set[tuple[S | None, S]]:
