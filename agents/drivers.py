@@ -580,10 +580,13 @@ def driver_from_args(
     memory: Callable[[], VMDriver],
     **process_options: Any,
 ) -> VMDriver:
-    """The driver ``--driver`` asks for: processes bound to ``args.host``, or ``memory()``."""
+    """The driver ``--driver`` asks for: processes bound to ``args.host`` (or to
+    ``--replica-ip``, where the agent has it), or ``memory()``."""
     if args.driver != "process":
         return memory()
-    bind = "0.0.0.0" if is_wildcard(args.host) else args.host  # noqa: S104 - --listen's own host
+    bind = getattr(args, "replica_ip", None) or (
+        "0.0.0.0" if is_wildcard(args.host) else args.host  # noqa: S104 - --listen's own host
+    )
     try:
         return ProcessDriver(
             args.port_range, bind_host=bind, allow_images=args.allow_image, **process_options

@@ -588,7 +588,7 @@ class RunningAgent(Running):
 
 
 def ip_argument(text: str) -> str:
-    """``--advertise-ip``: an IP address (the registry refuses a host name)."""
+    """``--advertise-ip`` or ``--replica-ip``: an IP address (never a host name)."""
     try:
         return str(ipaddress.ip_address(text.strip("[]")))
     except ValueError:
@@ -694,6 +694,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="IP the registry and clients should use: the one this agent calls the registry "
         "from (default: the listen host's)",
     )
+    parser.add_argument(
+        "--replica-ip",
+        type=ip_argument,
+        help="IP its replicas get and (process driver) listen on: an address of this host on "
+        "its replica network (default the advertised IP)",
+    )
     add_driver_arguments(
         parser,
         DEFAULT_PORT_RANGE,
@@ -734,8 +740,9 @@ def serve_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if args.tls_cert:
         with open(args.tls_key, "rb") as key, open(args.tls_cert, "rb") as cert:
             tls = (key.read(), cert.read())
+    replica_ip = args.replica_ip or advertise
     driver = driver_from_args(
-        parser, args, lambda: MemoryDriver(args.port_range, ip=advertise), advertise_ip=advertise
+        parser, args, lambda: MemoryDriver(args.port_range, ip=replica_ip), advertise_ip=replica_ip
     )
     return serve_until_signalled(
         lambda: serve_fcdaemon(

@@ -376,7 +376,7 @@ def test_health_service_reports_serving(memory_agent: RunningAgent) -> None:
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _start_agent_process(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
+def _start_agent_process(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     log_path = tmp_path / "agent.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log_path, "wb") as log_file:
@@ -389,6 +389,7 @@ def _start_agent_process(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, 
                 "127.0.0.1:0",
                 "--driver",
                 "process",
+                *extra,
             ],
             cwd=ROOT,
             env=env,
@@ -414,6 +415,24 @@ def _replica_and_hog(address: str, agent_pid: int) -> list[int]:
     kids = children_of(agent_pid)
     assert len(kids) == 2, kids
     return kids
+
+
+@pytest.mark.timeout(40)
+def test_replicas_get_and_listen_on_the_replica_ip(tmp_path: Path) -> None:
+    """``--replica-ip``: a replica network's address of the host, not the agent's own."""
+    proc, address, _ = _start_agent_process(tmp_path, "--replica-ip", "127.0.0.2")
+    try:
+        assert address.startswith("127.0.0.1:")
+        stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(address))
+        reply = create(stub)
+        assert reply.ip == "127.0.0.2"
+        listed = stub.ListReplicas(empty_pb2.Empty(), timeout=10).replicas
+        assert [(r.vmid, r.ip) for r in listed] == [(reply.vmid, "127.0.0.2")]
+        wait_until(lambda: http_get("127.0.0.2", reply.port), what="replica on 127.0.0.2")
+        assert not http_get("127.0.0.1", reply.port)  # bound to the replica IP only
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.timeout(40)
