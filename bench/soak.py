@@ -52,10 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -72,35 +69,29 @@ from sqlalchemy import func, select
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from agents.lambdo import serve_lambdo
+from bench.history import Load, Tracked, compare, not_final, outcomes
 from config.settings import get_settings, reset_settings
-from tasks import api
 from tasks.api import database
 from tests.celery_workers import WorkerProcess, start_beat
 from tests.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
 from workers import backends
 from workers.celery import configure
-from workers.errors import InputError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.maintenance.audit import audit
-from workers.replicas.claims import NoIdleReplica
 from workers.store.db import get_database
 from workers.store.migrate import upgrade
 from workers.store.models import (
     LIVE_STATES,
-    OP_FINISHED,
     Claim,
     Node,
-    Operation,
     Replica,
-    ReplicaState,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_KINDS = ("worker_kill", "redis_stop", "postgres_restart", "agent_stop", "agent_delay")
 WORKERS = 3
 FUNCTIONS = ("soak-a", "soak-b", "soak-l")
-REDEPLOY_EVERY_S = 30.0
 KILL_EVERY_S = 20.0
 SEED_NODE = "soak-seed"
 DELAYED_METHODS = ("CreateReplica", "ReleaseVMSetup", "ListReplicas")
@@ -180,24 +171,6 @@ def _steps(every: float, until: float) -> list[float]:
         out.append(round(t, 3))
         t += every
     return out
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The ``q``-th percentile (nearest rank) of ``values``, None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
-    return ordered[rank - 1]
-
-
-@dataclass
-class Tracked:
-    """An operation the load generator got an id for."""
-
-    op_id: str
-    kind: str
-    submitted_s: float  # seconds into the run
 
 
 @dataclass
@@ -358,13 +331,6 @@ class Fleet:
             for name in FUNCTIONS:
                 deploy(s, spec_from(name=name, **SPECS[name]), get_settings())
 
-    def redeploy(self, name: str, build: int) -> None:
-        """Deploy ``name`` again with a new build (the reaper retires the old replicas)."""
-        with self._db().transaction() as s:
-            deploy(
-                s, spec_from(name=name, **SPECS[name], env={"BUILD": str(build)}), get_settings()
-            )
-
     def _new_worker(self, slot: int) -> Any:
         self.generation += 1
         worker = WorkerProcess(
@@ -469,98 +435,6 @@ class Fleet:
         self.pg.stop()
 
 
-class Load:
-    """The load generator: one action every ``1 / rate`` seconds until stopped."""
-
-    def __init__(self, fleet: Fleet, results: Results, rate: float, seed: int, t0: float) -> None:
-        self.fleet = fleet
-        self.results = results
-        self.rate = rate
-        self.rng = random.Random(seed)
-        self.t0 = t0
-        self.stop = threading.Event()
-        self.held: list[tuple[float, str]] = []  # (release at, claim id)
-        self.builds = 0
-
-    def run(self) -> None:
-        """Issue actions at the steady rate until :attr:`stop` is set."""
-        next_at = time.monotonic()
-        next_deploy = time.monotonic() + REDEPLOY_EVERY_S
-        actions = [(self.spawn, 3), (self.scale, 2), (self.delete, 3), (self.claim, 3)]
-        population = [a for a, w in actions for _ in range(w)]
-        while not self.stop.is_set():
-            self.release_due()
-            if time.monotonic() >= next_deploy:
-                next_deploy += REDEPLOY_EVERY_S
-                self.attempt("redeploy", self.redeploy)
-            self.attempt("action", self.rng.choice(population))
-            next_at += 1.0 / self.rate
-            self.stop.wait(max(0.0, next_at - time.monotonic()))
-
-    def attempt(self, what: str, action: Callable[[], None]) -> None:
-        """Run one action; count a refusal or an error instead of stopping."""
-        try:
-            action()
-        except (InputError, NoIdleReplica) as exc:  # unknown, above max, nothing idle
-            self.results.refused[type(exc).__name__] += 1
-        except Exception as exc:  # the broker or the store is down: the producer sees it
-            self.results.errors[type(exc).__name__] += 1
-
-    def _track(self, op_id: str, kind: str) -> None:
-        self.results.ops.append(Tracked(op_id, kind, time.monotonic() - self.t0))
-
-    def spawn(self) -> None:
-        """Ask for one or two more replicas of a random function."""
-        self._track(api.spawn(self.rng.choice(FUNCTIONS), self.rng.randint(1, 2)), "spawn")
-
-    def scale(self) -> None:
-        """Scale a random function to a random target in [min, 6]."""
-        name = self.rng.choice(FUNCTIONS)
-        self._track(api.scale(name, self.rng.randint(1 if name == "soak-a" else 0, 6)), "scale")
-
-    def delete(self) -> None:
-        """Delete a random Idle or Creating replica."""
-
-        with self.fleet._db().read() as s:
-            ids = list(
-                s.scalars(
-                    select(Replica.id).where(
-                        Replica.status.in_([ReplicaState.IDLE, ReplicaState.CREATING])
-                    )
-                )
-            )
-        if ids:
-            self._track(api.delete(self.rng.choice(ids)), "delete")
-
-    def claim(self) -> None:
-        """Claim an environment of a random function; it is released 1-4 s later."""
-        got = api.claim(self.rng.choice(FUNCTIONS))
-        self.results.claims["claimed"] += 1
-        self.held.append((time.monotonic() + self.rng.uniform(1, 4), got["claim_id"]))
-
-    def release_due(self, everything: bool = False) -> None:
-        """Release the claims whose time has come (all of them with ``everything``)."""
-        now = time.monotonic()
-        keep = []
-        for at, claim_id in self.held:
-            if not everything and at > now:
-                keep.append((at, claim_id))
-                continue
-            try:
-                api.release(claim_id)
-                self.results.claims["released"] += 1
-            except Exception as exc:
-                self.results.errors[f"release: {type(exc).__name__}"] += 1
-                keep.append((at, claim_id))  # the store was down: try again
-        self.held = keep
-
-    def redeploy(self) -> None:
-        """Deploy a random function again with a new build."""
-        self.builds += 1
-        self.fleet.redeploy(self.rng.choice(FUNCTIONS), self.builds)
-        self.results.claims["redeploys"] += 1
-
-
 class Faults:
     """Fires the schedule; each event in its own thread, so windows may overlap."""
 
@@ -618,18 +492,6 @@ def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, lis
     """Every invariant's violations now, with a few examples of each."""
     settings = get_settings()
     db = fleet._db()
-    bad: dict[str, list[str]] = {
-        k: []
-        for k in (
-            "orphan_vms",
-            "duplicate_rows",
-            "rows_without_vm",
-            "ops_not_final",
-            "counter_drift",
-            "claims_outstanding",
-            "unexpected_deaths",
-        )
-    }
     with db.read() as s:
         nodes = list(s.scalars(select(Node).order_by(Node.name)))
         rows = s.execute(
@@ -637,13 +499,6 @@ def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, lis
                 Replica.status.in_(LIVE_STATES)
             )
         ).all()
-        ops = dict(
-            s.execute(
-                select(Operation.id, Operation.status).where(
-                    Operation.id.in_([o.op_id for o in results.ops])
-                )
-            ).all()
-        )
         claims = s.scalar(select(func.count()).select_from(Claim)) or 0
         in_use = (
             s.scalar(
@@ -653,85 +508,29 @@ def check(fleet: Fleet, results: Results) -> tuple[dict[str, int], dict[str, lis
             )
             or 0
         )
-    by_vm: dict[tuple[str, str], list[str]] = {}
-    for rid, node_id, vmid, status in rows:
-        if vmid is None:
-            bad["rows_without_vm"].append(f"{rid} (status {status}, no VM yet)")
-            continue
-        by_vm.setdefault((node_id, vmid), []).append(rid)
-    listed: set[tuple[str, str]] = set()
+    listed: dict[str, tuple[str, list[str] | Exception]] = {}
     for node in nodes:
         try:
-            vms = fleet.listing(node, settings)
+            listed[node.id] = (node.name, [vm.vmid for vm in fleet.listing(node, settings)])
         except Exception as exc:
-            bad["rows_without_vm"].append(f"node {node.name} cannot list: {exc}")
-            continue
-        for vm in vms:
-            key = (node.id, vm.vmid)
-            listed.add(key)
-            owners = by_vm.get(key, [])
-            if not owners:
-                bad["orphan_vms"].append(f"{node.name}/{vm.vmid}")
-            elif len(owners) > 1:
-                bad["duplicate_rows"].append(f"{node.name}/{vm.vmid}: {owners}")
-    for key, owners in by_vm.items():
-        if key not in listed:
-            bad["rows_without_vm"].extend(f"{rid} (VM {key[1]} not on its node)" for rid in owners)
-    for tracked in results.ops:
-        status = ops.get(tracked.op_id)
-        if status not in OP_FINISHED:
-            bad["ops_not_final"].append(f"{tracked.kind} {tracked.op_id} ({status})")
+            listed[node.id] = (node.name, exc)
+    bad = compare([tuple(r) for r in rows], listed)
+    bad["ops_not_final"] = not_final(db, results.ops)
     with db.transaction() as s:
-        drifts = audit(s).drifts
-    bad["counter_drift"] = [d.message for d in drifts]
-    if claims or in_use:
-        bad["claims_outstanding"].append(f"{claims} claim rows, {in_use} environments in use")
+        bad["counter_drift"] = [d.message for d in audit(s).drifts]
+    bad["claims_outstanding"] = (
+        [f"{claims} claim rows, {in_use} environments in use"] if claims or in_use else []
+    )
     bad["unexpected_deaths"] = fleet.dead()
     return {k: len(v) for k, v in bad.items()}, {k: v[:5] for k, v in bad.items() if v}
 
 
 def figures(fleet: Fleet, results: Results) -> None:
     """Fill in per-minute counts, final states and spawn completion percentiles."""
-
-    with fleet._db().read() as s:
-        rows = {
-            r.id: r
-            for r in s.scalars(
-                select(Operation).where(Operation.id.in_([o.op_id for o in results.ops]))
-            )
-        }
-    minutes = max(1, int(results.minutes + 0.999))
-    per = [{"minute": m + 1, "submitted": 0, "completed": 0} for m in range(minutes)]
-    spawn_s: list[float] = []
-    for tracked in results.ops:
-        minute = min(minutes - 1, int(tracked.submitted_s // 60))
-        per[minute]["submitted"] += 1
-        op = rows.get(tracked.op_id)
-        if op is None:
-            continue
-        results.final[op.status] += 1
-        if op.error:
-            results.reasons[f"{tracked.kind}: {_reason(op.error)}"] += 1
-        if op.finished_at is None:
-            continue
-        took = (op.finished_at - op.created_at).total_seconds()
-        done_minute = int((tracked.submitted_s + took) // 60)
-        if done_minute < minutes:
-            per[done_minute]["completed"] += 1
-        else:
-            per[-1]["completed"] += 1  # completed while quiescing
-        if tracked.kind == "spawn" and op.status == "succeeded":
-            spawn_s.append(took)
-    results.per_minute = per
-    results.spawn_p50_s = percentile(spawn_s, 50)
-    results.spawn_p99_s = percentile(spawn_s, 99)
-    results.spawns_timed = len(spawn_s)
-
-
-def _reason(error: str) -> str:
-    """An operation's error without its ids and counts, so alike failures group together."""
-    text = error.split("first: ", 1)[-1]
-    return re.sub(r"[0-9a-f]{32}(\.[0-9.]+)?|\b\d+(\.\d+)?\b", "#", text)[:100]
+    got = outcomes(fleet._db(), results.ops, results.minutes)
+    results.final, results.reasons, results.per_minute = got.final, got.reasons, got.per_minute
+    results.spawn_p50_s, results.spawn_p99_s = got.spawn_p50_s, got.spawn_p99_s
+    results.spawns_timed = got.spawns_timed
 
 
 def report(results: Results) -> str:
@@ -786,7 +585,7 @@ def run(
         fleet.start()
         duration = minutes * 60
         t0 = time.monotonic()
-        load = Load(fleet, results, rate, seed, t0)
+        load = Load(fleet._db, SPECS, results, rate, seed, t0)
         faults = Faults(fleet, results, schedule(duration), t0, log)
         threads = [
             threading.Thread(target=load.run, daemon=True),
@@ -806,10 +605,7 @@ def run(
         threads[1].join()  # every fault window closed
         log(f"[{time.monotonic() - t0:6.1f}s] load stopped; quiescing")
         quiet = time.monotonic()
-        while load.held and time.monotonic() < quiet + 30:
-            load.release_due(everything=True)
-            if load.held:
-                time.sleep(1)
+        load.release_all(within_s=30)
         while True:
             violations, examples = check(fleet, results)
             if all(v == 0 for v in violations.values()):

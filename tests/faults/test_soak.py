@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import FAULT_KINDS, percentile, schedule
+from bench.history import percentile
+from bench.soak import FAULT_KINDS, schedule
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
