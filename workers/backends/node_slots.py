@@ -171,8 +171,11 @@ def _loop_time() -> float:
 
 
 def _unavailable(node: Hashable, exc: Exception) -> TransientBackendError:
+    """Slots are taken (or renewed) before a call goes out: nothing was sent to the node, so a
+    create may be sent again, also to an agent that cannot deduplicate it."""
     return TransientBackendError(
-        f"in-flight slots of node {node} unavailable (Redis: {type(exc).__name__}: {exc})"
+        f"in-flight slots of node {node} unavailable (Redis: {type(exc).__name__}: {exc})",
+        nothing_done=True,
     )
 
 

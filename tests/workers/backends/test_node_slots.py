@@ -19,8 +19,10 @@ from config.settings import get_settings
 from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.fixtures import Env, sqlite_only
+from tests.services import free_port
 from tests.workers.replicas.test_creates import Counter, CountingDriver
 from workers.backends import inflight, node_slots
+from workers.errors import TransientBackendError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Node
@@ -34,6 +36,19 @@ def _one_counting_agent(env: Env, counter: Counter, seconds: float) -> tuple[Run
             s, spec_from(name="hello", image="examples.hello", kernel="/k", max=1000), env.settings
         )
     return agent, node_id
+
+
+def test_slots_unavailable_say_nothing_was_sent() -> None:
+    """A broker that is down fails the call before it goes out: a create on a seed agent may
+    be sent again (it was left "outcome unknown" until its deadline before)."""
+    slots = node_slots.RedisSlots(f"redis://127.0.0.1:{free_port()}/0", ttl_s=30)
+
+    try:
+        with pytest.raises(TransientBackendError, match="unavailable") as caught:
+            inflight.run(slots.acquire("n1", 4, 1), timeout=30)
+    finally:
+        inflight.reset()
+    assert caught.value.nothing_done is True
 
 
 def test_leases_are_granted_in_chunks_up_to_the_bound_and_given_back(redis_url: str) -> None:
