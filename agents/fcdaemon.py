@@ -469,10 +469,12 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
                 with self._map_lock:
                     self._vm_by_request[rid] = vm.vmid
                     self._request_by_vm[vm.vmid] = rid
+        # a seed agent ignores the id, but says which it was sent (who sends twice shows)
         log.info(
-            "CreateReplica image=%s requestId=%s: %s at %s:%d",
+            "CreateReplica image=%s requestId=%s%s: %s at %s:%d",
             request.imageName,
-            rid or "-",
+            request.requestId[:128] or "-",
+            " (ignored: seed protocol)" if self.seed_only and request.requestId else "",
             vm.vmid,
             vm.ip,
             vm.port,

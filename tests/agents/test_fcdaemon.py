@@ -369,6 +369,19 @@ def test_calls_record_requests_and_aws_secrets_are_never_logged(
     )
 
 
+def test_a_seed_agent_makes_a_vm_per_create_and_logs_the_request_id_it_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What lets a log reader (the partition run's checker) see a create sent twice."""
+    caplog.set_level(logging.INFO, logger="agents.fcdaemon")
+    with serve_fcdaemon(driver=MemoryDriver(), seed_only=True) as running:
+        stub = stub_for(running)
+        first, again = create(stub, requestId="op.0.0"), create(stub, requestId="op.0.0")
+    assert first.vmid != again.vmid  # the seed protocol does not deduplicate
+    logged = re.findall(r"requestId=(\S+) \(ignored: seed protocol\): (\w+) at", caplog.text)
+    assert logged == [("op.0.0", first.vmid), ("op.0.0", again.vmid)]
+
+
 def test_health_service_reports_serving(memory_agent: RunningAgent) -> None:
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(memory_agent.address))
     for service in ("", "fcdaemon.FcService"):
