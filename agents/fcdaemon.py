@@ -338,8 +338,11 @@ class RegistryReporter:
                 reply = self._stub.UpdateStatus(request, timeout=5.0, metadata=self._metadata)
                 break
             except grpc.RpcError as exc:
+                # Retried for as long as the VM lives, not until a deadline: a READY is how
+                # corral finds a VM whose create's answer it lost, and a registry cut off
+                # for a minute must not leave such a VM unknown for ever.
                 code = exc.code()
-                if code in _FINAL_CODES or time.monotonic() > deadline or not self.is_live(vm.vmid):
+                if code in _FINAL_CODES or not self.is_live(vm.vmid):
                     log.warning("READY of %s not delivered: %s %s", vm.vmid, code, exc.details())
                     return
                 self._stop.wait(backoff)

@@ -21,7 +21,8 @@ from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agents import Fault, MemoryDriver, ProcessDriver, RunningAgent, serve_fcdaemon
-from agents.fcdaemon import main
+from agents.drivers import VMSpec
+from agents.fcdaemon import RegistryReporter, main
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_pb2
 from tests.agents.conftest import stub_for
 from tests.agents.helpers import (
@@ -242,6 +243,33 @@ def test_ready_is_retried_on_transient_errors_only(
         given_up = f"READY of {second.vmid} not delivered"
         eventually(lambda: given_up in caplog.text, what="the agent giving the READY up")
         assert len(servicer.of("UpdateStatus")) == 4  # not retried: it cannot succeed
+
+
+def test_ready_is_retried_past_the_ready_timeout_while_the_vm_lives(
+    registry: tuple[str, RecordingRegistry], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registry cut off for longer than the probe's timeout still hears the READY."""
+    address, servicer = registry
+    servicer.failures = [grpc.StatusCode.UNAVAILABLE] * 8  # ~1 s of back-off at 0.2 s at most
+    driver = MemoryDriver()
+    vm = driver.start(VMSpec(image="examples.hello"))
+    reporter = RegistryReporter(
+        address, node_ip="127.0.0.1", node_port=1, node_id="n",
+        is_live=lambda v: driver.get(v) is not None, ready_timeout=0.3, max_backoff=0.2,
+    )  # fmt: skip
+    try:
+        reporter.report_ready(vm, probe=False)
+        eventually(lambda: len(servicer.of("UpdateStatus")) == 9, what="READY delivered at last")
+        driver.stop(vm.vmid)
+        servicer.failures = [grpc.StatusCode.UNAVAILABLE] * 1000
+        gone = driver.start(VMSpec(image="examples.hello"))
+        driver.stop(gone.vmid)
+        reporter.report_ready(gone, probe=False)  # a VM that is gone is not reported for ever
+        given_up = f"READY of {gone.vmid} not delivered"
+        eventually(lambda: given_up in caplog.text, what="the agent giving the gone VM up")
+        assert len(servicer.of("UpdateStatus")) == 10
+    finally:
+        reporter.close()
 
 
 def test_register_node_is_retried_until_a_late_registry_comes_up(
