@@ -271,7 +271,7 @@ def outcomes(db: Database, ops: list[Tracked], minutes: float) -> Outcomes:
         op = rows.get(tracked.op_id)
         if op is None:
             continue
-        out.final[op.status] += 1
+        out.final[str(getattr(op.status, "value", op.status))] += 1
         if op.error:
             out.reasons[f"{tracked.kind}: {reason(op.error)}"] += 1
         if op.finished_at is None:

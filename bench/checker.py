@@ -1,0 +1,294 @@
+"""The checker: a history recorded while faults fire, judged against the final state.
+
+In Jepsen's sense: clients record what they asked and what they were told (the
+history); once every fault is healed and the fleet had a quiet period, the checker
+reads the final state and says where the two disagree. Every disagreement is an
+*anomaly*; one is enough to fail the run.
+
+Recorded while the run goes on:
+
+* :class:`Callers` - gateway calls from the ``ctl`` host, each with the status it got
+  or the error it met and how long it took. A call must be answered with a status
+  (an HTTP answer, 5xx included) before its deadline: the admission wait, then two
+  tries of a claim (the cold-start timeout) and the call (the gateway timeout), plus
+  :data:`SLACK_S`. ``calls_hung`` (no answer by the deadline) and ``calls_unanswered``
+  (the connection failed or was cut) are anomalies.
+* :class:`Sampler` - once a second, the live rows on every node (the store) and the VMs
+  on every agent host (``/proc``), each against the node's capacity:
+  ``rows_over_capacity`` / ``vms_over_capacity``.
+
+Judged at the end (:func:`final_state`): every VM an agent runs has exactly one live
+row and every live row's VM runs on its node (:func:`bench.history.compare`, with
+``/proc`` as the truth of what runs); ``ops_open``: no operation at all - the load's,
+the gateway's cold starts, the housekeeping passes' - is still pending or running;
+``db_check``: ``corral db check`` exits 0; ``claims_outstanding``; and
+``unexpected_deaths``: no process died that the nemesis did not kill (a worker that
+exits at its hard time limit, status 70, is restarted as its supervisor would and only
+counted); and ``seed_creates_twice`` (:func:`seed_creates_twice`), from the agents' own
+history: no seed-protocol agent carried out one row's create twice.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from sqlalchemy import func, select
+
+from bench.history import compare
+from bench.nsfleet import CALLED, Fleet
+from config.settings import Settings
+from workers.store.models import (
+    LIVE_STATES,
+    OP_FINISHED,
+    Claim,
+    Node,
+    Operation,
+    Replica,
+    ReplicaState,
+)
+
+SLACK_S = 5.0
+#: The errors of a row whose VM, on a node that cannot list its VMs, nothing releases
+#: (docs/reliability.md, "What corral does not promise"): its delete's release could not
+#: reach the node, or the node was unreachable past its dead grace. Reported, not failed
+#: (``--strict`` fails them too).
+KNOWN_GAP = ("ReleaseVMSetup failed", "unreachable since")
+
+
+def call_deadline(settings: Settings) -> float:
+    """The longest a gateway call may take before it must have an answer."""
+    cold, call = settings.gateway_cold_start_timeout_s, settings.gateway_timeout_s
+    return cold + 2 * (cold + call) + SLACK_S
+
+
+@dataclass
+class Call:
+    """One gateway call: what, when (seconds into the run), how long, and what came back."""
+
+    function: str
+    began_s: float
+    took_s: float
+    status: int | None
+    error: str | None = None
+
+
+@dataclass
+class Callers:
+    """Threads calling the gateway from ``ctl``, each once every ``every_s`` seconds."""
+
+    fleet: Fleet
+    deadline_s: float
+    t0: float
+    threads: int = 3
+    every_s: float = 1.5
+    calls: list[Call] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> list[threading.Thread]:
+        """Start the callers."""
+        out = []
+        for i in range(self.threads):
+            t = threading.Thread(target=self._loop, args=(i,), name=f"caller{i}", daemon=True)
+            t.start()
+            out.append(t)
+        return out
+
+    def _loop(self, i: int) -> None:
+        with self.fleet.gateway() as client:
+            n = i
+            while not self.stop.wait(self.every_s):
+                self.call(client, CALLED[n % len(CALLED)])
+                n += 1
+
+    def call(self, client: httpx.Client, function: str) -> Call:
+        """One call, recorded."""
+        began = time.monotonic()
+        status, error = None, None
+        try:
+            status = client.get(f"/function/{function}", timeout=self.deadline_s + 10).status_code
+        except httpx.HTTPError as exc:
+            error = type(exc).__name__
+        call = Call(function, began - self.t0, time.monotonic() - began, status, error)
+        with self._lock:
+            self.calls.append(call)
+        return call
+
+    def anomalies(self) -> dict[str, list[str]]:
+        """Calls with no status, or answered past their deadline."""
+        hung, unanswered = [], []
+        for c in self.calls:
+            what = f"{c.function} at {c.began_s:.0f}s: {c.status or c.error} after {c.took_s:.1f}s"
+            if c.took_s > self.deadline_s:
+                hung.append(what)
+            elif c.status is None:
+                unanswered.append(what)
+        return {"calls_hung": hung, "calls_unanswered": unanswered}
+
+    def figures(self) -> dict[str, Any]:
+        """Calls by outcome, and the slowest."""
+        by = Counter(str(c.status or c.error) for c in self.calls)
+        return {
+            "calls": len(self.calls),
+            "by_outcome": dict(sorted(by.items())),
+            "slowest_s": round(max((c.took_s for c in self.calls), default=0.0), 1),
+        }
+
+
+@dataclass
+class Sampler:
+    """Once a second: live rows and running VMs per node, against each node's capacity.
+
+    Live rows above capacity are an anomaly at any sample. VMs above it are one only
+    when they stay so for longer than ``vm_grace_s``: a VM can outlive its row (a create
+    whose answer was lost, its row retired at its deadline and its slot reused) until
+    reconcile or the registry releases it, which takes at most that long.
+    """
+
+    fleet: Fleet
+    t0: float
+    vm_grace_s: float
+    stop: threading.Event = field(default_factory=threading.Event)
+    samples: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    over: dict[str, list[str]] = field(
+        default_factory=lambda: {"rows_over_capacity": [], "vms_over_capacity": []}
+    )
+    peak_rows: Counter[str] = field(default_factory=Counter)
+    peak_vms: Counter[str] = field(default_factory=Counter)
+    vm_excess_s: Counter[str] = field(default_factory=Counter)  # longest run over, by node
+    _over_since: dict[str, float] = field(default_factory=dict)
+
+    def run(self) -> None:
+        """Sample until :attr:`stop`."""
+        while not self.stop.wait(1.0):
+            try:
+                self.sample()
+            except Exception as exc:  # the store is cut off or restarting: no sample
+                self.errors[type(exc).__name__] += 1
+
+    def sample(self) -> None:
+        """One sample."""
+        vms = self.fleet.vms()
+        with self.fleet.db().read() as s:
+            nodes = {n.id: (n.name, n.capacity) for n in s.scalars(select(Node))}
+            rows = dict(
+                s.execute(
+                    select(Replica.node_id, func.count())
+                    .where(Replica.status.in_(LIVE_STATES))
+                    .group_by(Replica.node_id)
+                ).all()
+            )
+        at = time.monotonic() - self.t0
+        self.samples += 1
+        for node_id, (name, capacity) in nodes.items():
+            n_rows, n_vms = rows.get(node_id, 0), len(vms.get(name, ()))
+            self.peak_rows[name] = max(self.peak_rows[name], n_rows)
+            self.peak_vms[name] = max(self.peak_vms[name], n_vms)
+            if n_rows > capacity:
+                self.over["rows_over_capacity"].append(
+                    f"{name}: {n_rows} > {capacity} at {at:.0f}s"
+                )
+            if n_vms <= capacity:
+                self._over_since.pop(name, None)
+                continue
+            since = self._over_since.setdefault(name, at)
+            self.vm_excess_s[name] = max(self.vm_excess_s[name], round(at - since))
+            if at - since > self.vm_grace_s:
+                self.over["vms_over_capacity"].append(
+                    f"{name}: {n_vms} VMs > {capacity} since {since:.0f}s, at {at:.0f}s"
+                )
+
+
+def vm_grace(settings: Settings) -> float:
+    """The longest a VM may outlive its row before reconcile or the registry releases it."""
+    listed = settings.orphan_grace_s + 2 * settings.reconcile_interval_s
+    reported = settings.create_timeout_s + settings.ready_grace_s + settings.reap_interval_s
+    return max(listed, reported) + settings.rpc_timeout_s + SLACK_S
+
+
+def final_state(fleet: Fleet) -> dict[str, list[str]]:
+    """Every end-of-run anomaly now, by kind (empty lists where none)."""
+    db = fleet.db()
+    vms = fleet.vms()
+    with db.read() as s:
+        nodes = {n.id: n.name for n in s.scalars(select(Node))}
+        rows = [
+            tuple(r)
+            for r in s.execute(
+                select(Replica.id, Replica.node_id, Replica.vmid, Replica.status).where(
+                    Replica.status.in_(LIVE_STATES)
+                )
+            )
+        ]
+        open_ops = [
+            f"{kind} {op_id} ({status})"
+            for op_id, kind, status in s.execute(
+                select(Operation.id, Operation.kind, Operation.status).where(
+                    Operation.status.not_in(list(OP_FINISHED))
+                )
+            )
+        ]
+        claims = s.scalar(select(func.count()).select_from(Claim)) or 0
+    listed = {node_id: (name, vms.get(name, set())) for node_id, name in nodes.items()}
+    bad = compare(rows, listed)  # type: ignore[arg-type]
+    stories = [_story(db, o) for o in bad["orphan_vms"]]
+    bad["orphan_vms"] = [text for text, known in stories if not known]
+    bad["known_gap"] = [text for text, known in stories if known]
+    bad["ops_open"] = open_ops
+    check = fleet.cli("db", "check", check=False)
+    bad["db_check"] = [] if check.returncode == 0 else check.stdout.strip().splitlines()[:5]
+    bad["claims_outstanding"] = [f"{claims} claim rows"] if claims else []
+    bad["unexpected_deaths"] = fleet.dead()
+    bad["seed_creates_twice"] = seed_creates_twice(fleet)
+    return bad
+
+
+_SEED_CREATE = re.compile(r"requestId=(\S+) \(ignored: seed protocol\): (\w+) at")
+
+
+def seed_creates_twice(fleet: Fleet) -> list[str]:
+    """Rows whose create a seed-protocol agent received (and carried out) more than once.
+
+    The history from the agents' side: a seed agent logs the request id of every create
+    it carries out (it does not use it). Two VMs for one request id on one such agent
+    is a create sent twice to an agent that cannot deduplicate it - what the ownership
+    of rows (:mod:`workers.replicas.owners`) exists to prevent.
+    """
+    out = []
+    for host in fleet.layout.agent_names:
+        if not fleet.layout.seed(host):
+            continue
+        made: dict[str, list[str]] = {}
+        for rid, vmid in _SEED_CREATE.findall(fleet.procs[host].log.read_text(errors="replace")):
+            made.setdefault(rid, []).append(vmid)
+        out += [f"{host}: {rid} -> {vms}" for rid, vms in made.items() if len(vms) > 1]
+    return out
+
+
+def _story(db: Any, orphan: str) -> tuple[str, bool]:
+    """An orphan VM (``node/vmid``) with what the store knows of it, and whether it is the
+    known gap (:data:`KNOWN_GAP`): on a node that cannot list its VMs, a row ended Dead
+    because its release could not reach the node or the node was lost."""
+    name, vmid = orphan.rsplit("/", 1)
+    with db.read() as s:
+        can_list = s.scalar(select(Node.can_list).where(Node.name == name))
+        rows = s.execute(
+            select(Replica.id, Replica.status, Replica.error).where(Replica.vmid == vmid)
+        ).all()
+    told = "; ".join(f"row {r.id} {r.status} ({(r.error or '')[:120]})" for r in rows)
+    known = (
+        can_list is False
+        and bool(rows)
+        and all(
+            r.status == ReplicaState.DEAD and any(k in (r.error or "") for k in KNOWN_GAP)
+            for r in rows
+        )
+    )
+    return f"{orphan}: {told or 'no row ever recorded it'}", known

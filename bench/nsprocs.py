@@ -1,0 +1,367 @@
+"""The hosts of a fleet in namespaces and the processes on them: layout, servers, processes.
+
+The layout (:class:`Layout`) gives every process its own host on :data:`bench.netns.SUBNET`:
+
+===========  ===============  ==========================================================
+host         address          runs
+===========  ===============  ==========================================================
+``ctl``      10.231.0.2       the harness: producers, gateway callers, the checker
+``redis``    10.231.0.3       the broker (``requirepass``, append-only)
+``pg``       10.231.0.4       the store (PostgreSQL as ``nobody``, password auth)
+``reg``      10.231.0.5       ``corral registry`` (``CORRAL_REGISTRY_TOKEN``)
+``beat``     10.231.0.6       ``celery beat``
+``gw``       10.231.0.7       ``corral gateway`` (``CORRAL_GATEWAY_TOKEN``)
+``wN``       10.231.0.1N      ``celery worker`` (the app's thread pool)
+``fcN``      10.231.0.2N      a reference fcdaemon agent (``CORRAL_AGENT_TOKEN``, process
+                              driver); its replicas are on its replica network
+                              10.232.N.0/24 at 10.232.N.1 (``--replica-ip``); some speak
+                              only the seed protocol (``--seed-only``)
+``lb``       10.231.0.40      a reference Lambdo host (``CORRAL_LAMBDO_TOKEN``)
+===========  ===============  ==========================================================
+
+Each listener binds its host's address, never a wildcard, and every one has its
+token: nothing listens unauthenticated. The gateway host (and ``ctl``, to look) has a
+route to each agent's replica network through that agent's address; nothing else does.
+The fleet is configured as an operator would: agents register themselves with the
+registry, then ``corral nodes add ADDRESS --name N --capacity C --replica-network CIDR``
+pins each fcdaemon node's replica network, and ``corral nodes add http://...
+--kind lambdo`` adds the Lambdo host.
+
+What runs on an agent host is also read from outside the agent (:func:`vms_by_host`): a
+process-driver replica is a process in the agent's namespace with ``VMID`` in its
+environment, so the checker needs no agent's word for what runs - not even a seed agent's,
+which cannot list its VMs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import psycopg
+import redis
+
+from bench.netns import Host, Launcher
+from config.celery import QUEUES
+from tests.services import PostgresServer, RedisServer, _ManagedProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT_PORT = 50051
+LAMBDO_PORT = 3000
+REPLICA_PORTS = (20480, 24575)  # one u32 mask: 0x5000/0xf000
+REPLICA_PORT_MASK = (0x5000, 0xF000)
+
+
+def _ip(n: int) -> str:
+    return f"10.231.0.{n}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many of each: worker hosts, fcdaemon agent hosts, of which seed-only."""
+
+    workers: int = 2
+    agents: int = 5
+    seed_only: int = 2
+    capacity: int = 4
+
+    @property
+    def worker_names(self) -> list[str]:
+        """``w1`` ..."""
+        return [f"w{i + 1}" for i in range(self.workers)]
+
+    @property
+    def agent_names(self) -> list[str]:
+        """``fc1`` ...: the last ``seed_only`` of them speak only the seed protocol."""
+        return [f"fc{i + 1}" for i in range(self.agents)]
+
+    def seed(self, agent: str) -> bool:
+        """Whether ``agent`` speaks only the seed protocol."""
+        return self.agent_names.index(agent) >= self.agents - self.seed_only
+
+    def hosts(self) -> list[Host]:
+        """Every host of the fleet, with its addresses and routes."""
+        routes = tuple((self.replica_network(a), self.ip(a)) for a in self.agent_names)
+        fixed = [("ctl", 2), ("redis", 3), ("pg", 4), ("reg", 5), ("beat", 6), ("gw", 7)]
+        out = [
+            Host(name, _ip(n), routes=routes if name in ("ctl", "gw") else ()) for name, n in fixed
+        ]
+        out += [Host(w, self.ip(w)) for w in self.worker_names]
+        out += [
+            Host(a, self.ip(a), addresses=(f"{self.replica_ip(a)}/24",)) for a in self.agent_names
+        ]
+        out.append(Host("lb", self.ip("lb")))
+        return out
+
+    def ip(self, host: str) -> str:
+        """The address of ``host``."""
+        fixed = {"ctl": 2, "redis": 3, "pg": 4, "reg": 5, "beat": 6, "gw": 7, "lb": 40}
+        if host in fixed:
+            return _ip(fixed[host])
+        if host.startswith("w"):
+            return _ip(10 + int(host[1:]))
+        return _ip(20 + int(host[2:]))
+
+    def replica_network(self, agent: str) -> str:
+        """The replica network of fcdaemon agent ``agent``."""
+        return f"10.232.{int(agent[2:])}.0/24"
+
+    def replica_ip(self, agent: str) -> str:
+        """The address its replicas get."""
+        return f"10.232.{int(agent[2:])}.1"
+
+    def node_name(self, host: str) -> str:
+        """The corral node name of an agent host."""
+        return f"pt-{host}"
+
+
+class _OnHost(_ManagedProcess):
+    """A server of ``tests.services`` started inside a host, on its address, with a password."""
+
+    launcher: Launcher
+    host: str
+    ip: str
+    password: str
+
+    def _on(self, launcher: Launcher, host: str, ip: str, password: str) -> None:
+        self.launcher, self.host, self.ip, self.password = launcher, host, ip, password
+
+    def _spawn(
+        self, argv: list[str], log_path: Path, cwd: Path, user: int | None = None
+    ) -> subprocess.Popen[bytes]:
+        self._close_log()
+        self._log_file = log_path.open("ab")
+        self._proc = self.launcher.popen(
+            self.host, argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
+            stderr=subprocess.STDOUT, cwd=cwd, user=user, group=_gid(user),
+            extra_groups=[] if user is not None else None,
+        )  # fmt: skip
+        return self._proc
+
+
+class NsRedis(_OnHost, RedisServer):
+    """The broker on its host's address, with a password (from a file, not argv)."""
+
+    def __init__(self, directory: Path, launcher: Launcher, host: str, ip: str, password: str):
+        RedisServer.__init__(self, directory, port=6379)
+        self._on(launcher, host, ip, password)
+
+    def _argv(self, port: int) -> list[str]:
+        conf = self.directory / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {self.password}\n")
+        argv = super()._argv(port)
+        argv[argv.index("--bind") + 1] = self.ip
+        return [argv[0], str(conf), *argv[1:]]
+
+    def url_for(self, db: int) -> str:
+        """``redis://:PASSWORD@IP:6379/db``."""
+        return f"redis://:{self.password}@{self.ip}:{self.port}/{db}"
+
+    def client(self, db: int = 0) -> redis.Redis:
+        """A client of database ``db``."""
+        return redis.Redis.from_url(self.url_for(db), socket_timeout=5)
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(redis.RedisError), self.client() as client:
+                if client.ping():
+                    return True
+            time.sleep(0.1)
+        return False
+
+
+class NsPostgres(_OnHost, PostgresServer):
+    """The store on its host's address: a password (SCRAM) over TCP, run as ``nobody``."""
+
+    def __init__(self, directory: Path, launcher: Launcher, host: str, ip: str, password: str):
+        PostgresServer.__init__(self, directory, port=5432)
+        self._on(launcher, host, ip, password)
+
+    def _initdb(self) -> None:
+        if (self.data_dir / "PG_VERSION").exists():
+            return
+        pwfile = self.directory / "pwfile"
+        pwfile.touch(mode=0o600)
+        pwfile.write_text(self.password + "\n")
+        self._chown(pwfile)
+        try:
+            subprocess.run(
+                [str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
+                 "--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}",
+                 "-E", "UTF8", "--locale=C", "--no-sync"],
+                stdin=subprocess.DEVNULL, capture_output=True, cwd=self.directory,
+                env={**os.environ, "LC_ALL": "C", "LANG": "C"}, user=self.run_as,
+                group=_gid(self.run_as), extra_groups=[] if self.run_as is not None else None,
+                check=True, timeout=300,
+            )  # fmt: skip
+        finally:
+            pwfile.unlink()
+        with (self.data_dir / "pg_hba.conf").open("a") as hba:
+            hba.write("host all all 10.231.0.0/24 scram-sha-256\n")
+
+    def _argv(self, port: int) -> list[str]:
+        argv = super()._argv(port)
+        argv[argv.index("listen_addresses=127.0.0.1")] = f"listen_addresses={self.ip}"
+        return argv
+
+    def url_for(self, dbname: str) -> str:
+        """The SQLAlchemy URL of ``dbname`` over TCP, with the password."""
+        return f"postgresql+psycopg://postgres:{self.password}@{self.ip}:{self.port}/{dbname}"
+
+    def conninfo(self, dbname: str = "postgres") -> str:
+        """libpq connection string of ``dbname`` over TCP."""
+        return (
+            f"host={self.ip} port={self.port} user=postgres dbname={dbname} "
+            f"password={self.password}"
+        )
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with psycopg.connect(self.conninfo(), connect_timeout=2) as conn:
+                    conn.execute("SELECT 1")
+                return True
+            except psycopg.OperationalError:
+                time.sleep(0.1)
+        return False
+
+
+def _gid(uid: int | None) -> int | None:
+    return None if uid is None else pwd.getpwuid(uid).pw_gid
+
+
+def _port_open(ip: str, port: int) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Proc:
+    """One process of the fleet: what it runs, on which host, its log; started by a launcher."""
+
+    name: str
+    host: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    ready: Callable[[], bool] | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    _out: IO[bytes] | None = field(default=None, repr=False)
+
+    def start(self, launcher: Launcher) -> Proc:
+        """Start it (not waiting until it serves)."""
+        self._out = self.log.open("ab")
+        self.popen = launcher.popen(
+            self.host, self.argv, env=self.env, cwd=ROOT, stdin=subprocess.DEVNULL,
+            stdout=self._out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        return self
+
+    def wait_ready(self, timeout: float = 90.0) -> Proc:
+        """Wait until ``ready()`` holds; raise with the log's tail if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while self.ready is not None and not self.ready():
+            if not self.alive:
+                raise RuntimeError(f"{self.name} exited at start:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not ready after {timeout:g}s:\n{self.tail()}")
+            time.sleep(0.2)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """Whether it runs."""
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def pid(self) -> int:
+        """Its process id."""
+        assert self.popen is not None
+        return self.popen.pid
+
+    def signal(self, sig: signal.Signals, group: bool = False) -> None:
+        """Send ``sig`` to the process (its whole group with ``group``)."""
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                (os.killpg if group else os.kill)(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL its whole process group (a crash) and reap it."""
+        self.signal(signal.SIGCONT, group=True)
+        self.signal(signal.SIGKILL, group=True)
+        if self.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(10)
+        if self._out is not None:
+            self._out.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM its group, SIGKILL what is left after ``timeout``."""
+        self.signal(signal.SIGCONT, group=True)
+        self.signal(signal.SIGTERM, group=True)
+        if self.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout)
+        self.kill()
+
+    def tail(self, lines: int = 30) -> str:
+        """The end of its log."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def vms_by_host(inodes: dict[int, str]) -> dict[str, set[str]]:
+    """The VMs running in each host of ``inodes`` (namespace inode -> host), read from /proc."""
+    found: dict[str, set[str]] = {host: set() for host in inodes.values()}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            ino = os.stat(f"/proc/{entry.name}/ns/net").st_ino
+            host = inodes.get(ino)
+            if host is None:
+                continue
+            environ = Path(f"/proc/{entry.name}/environ").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        for var in environ.split(b"\0"):
+            if var.startswith(b"VMID="):
+                found[host].add(var[5:].decode(errors="replace"))
+    return found
+
+
+def worker_argv(name: str, inject: str | None) -> list[str]:
+    """``celery -A workers worker`` as an operator runs it (through a defect with ``inject``)."""
+    celery = ["-m", "celery", "-A", "workers", "worker", "-l", "INFO", "-n", f"{name}@%h",
+              "-Q", ",".join(QUEUES), "--without-gossip", "--without-mingle"]  # fmt: skip
+    return _python(celery, inject)
+
+
+def _python(args: list[str], inject: str | None) -> list[str]:
+    if inject is None:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "bench.defects", inject, *args]
+
+
+def new_secret() -> str:
+    """A token or password for this run."""
+    return secrets.token_urlsafe(24)

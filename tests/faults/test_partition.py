@@ -1,0 +1,180 @@
+"""corral on many hosts made of network namespaces, under partitions (``bench/partition.py``).
+
+The short fixed run (an agent host isolated, then a worker cut from Redis) runs as its own
+process, as in CI: it must leave no anomaly and nothing behind - no namespace, no link,
+no process. The pieces it stands on are tested here too: the cuts really cut (and only
+what they name), the schedule is the seed's, and cleanup finds what a dead run left.
+
+Needs root and iproute2 (CI runs as root); elsewhere these tests are skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench import nemesis
+from bench.netns import Host, Launcher, Network, available, cleanup, cleanup_stale, run_namespaces
+from bench.nsprocs import Layout
+from tests.eventually import eventually
+
+ROOT = Path(__file__).resolve().parents[2]
+why = available()
+needs_netns = pytest.mark.skipif(why is not None, reason=f"no network namespaces here: {why}")
+
+
+def _links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
+    return {line.split(":")[1].strip() for line in out.stdout.splitlines()}
+
+
+def test_the_schedule_is_the_seeds_and_a_twenty_minute_run_meets_the_bar() -> None:
+    lay = Layout(workers=2, agents=5, seed_only=2)
+    faults = nemesis.schedule(7, 1200.0, lay)
+    assert faults == nemesis.schedule(7, 1200.0, lay)
+    assert faults != nemesis.schedule(8, 1200.0, lay)
+    kinds = [f.kind for f in faults]
+    assert sum(k in nemesis.PARTITIONS for k in kinds) >= 30
+    assert kinds.count("kill") >= 10
+    assert {"isolate", "cut", "unreachable", "freeze", "redis", "postgres"} <= set(kinds)
+    assert all(f.at_s + f.duration_s < 1200.0 for f in faults)  # all healed before the end
+    targets = {t for f in faults for t in f.targets}
+    assert "ctl" not in targets  # the harness's own host is never cut
+    assert not [f for f in faults if f.kind == "isolate" and f.targets == ("gw",)]
+
+
+def test_the_ci_schedule_isolates_a_seed_agent_then_cuts_a_worker_from_redis() -> None:
+    lay = Layout(workers=2, agents=3, seed_only=1)
+    faults = nemesis.ci_schedule(45.0, lay)
+    assert [(f.kind, f.targets) for f in faults] == [
+        ("isolate", ("fc3",)),
+        ("cut", ("w1", "redis")),
+    ]
+    assert lay.seed("fc3")
+    assert all(f.at_s + f.duration_s < 45.0 for f in faults)
+
+
+@pytest.fixture
+def three_hosts() -> Iterator[tuple[Network, Launcher]]:
+    """Hosts a, b, c on a switch, and a listener on port 7000 in each."""
+    net = Network(str(os.getpid()))
+    launcher = None
+    try:
+        net.create([Host(h, f"10.231.0.{n}") for h, n in (("a", 10), ("b", 11), ("c", 12))])
+        launcher = Launcher(net)
+        serve = "import socket\ns=socket.socket();s.bind(('0.0.0.0',7000));s.listen()\n"
+        serve += "while True: s.accept()[0].close()"
+        for h in ("a", "b", "c"):
+            launcher.popen(h, [sys.executable, "-c", serve])
+        yield net, launcher
+    finally:
+        if launcher is not None:
+            launcher.close()
+        cleanup(net.run, keep=os.getpid())
+
+
+def _reach(net: Network, src: str, dst: str) -> bool:
+    with net.entered(src):
+        try:
+            socket.create_connection((net.hosts[dst].ip, 7000), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+
+@needs_netns
+def test_cuts_cut_only_what_they_name_and_heal_restores_all(
+    three_hosts: tuple[Network, Launcher],
+) -> None:
+    net, _ = three_hosts
+    eventually(lambda: _reach(net, "a", "b") and _reach(net, "b", "a"), 10, "listeners up")
+    # nothing leaves the namespaces: no route out
+    with net.entered("a"), pytest.raises(OSError, match="unreachable"):
+        socket.create_connection(("1.1.1.1", 53), timeout=1)
+
+    net.block("a", "b")  # one side dropping is enough for TCP both ways
+    assert not _reach(net, "a", "b")
+    assert not _reach(net, "b", "a")
+    assert _reach(net, "a", "c") and _reach(net, "c", "b")
+    net.heal()
+    assert _reach(net, "a", "b") and _reach(net, "b", "a")
+
+    net.block("b", "a", syn_only=True)  # a still reaches b; b cannot open to a
+    assert _reach(net, "a", "b")
+    assert not _reach(net, "b", "a")
+    net.heal()
+
+    net.block("a", sports=((7000, 0xFFFF),))  # a's listener unreachable, a reaches out
+    assert not _reach(net, "b", "a") and not _reach(net, "c", "a")
+    assert _reach(net, "a", "b")
+    net.heal()
+
+    net.link("c", False)
+    assert not _reach(net, "a", "c") and not _reach(net, "c", "b")
+    assert _reach(net, "a", "b")
+    net.heal()
+    assert all(_reach(net, s, d) for s in "abc" for d in "abc" if s != d)
+    assert net.faulty == []
+
+
+@needs_netns
+def test_cleanup_finds_a_dead_runs_namespaces_and_kills_what_runs_in_them() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    net = Network(str(gone.pid))  # a run whose harness is no longer alive
+    try:
+        net.create([Host("x", "10.231.0.10")])
+        launcher = Launcher(net)
+        sleeper = launcher.popen("x", ["sleep", "600"])
+        sleeper_pid = sleeper.pid
+        assert net.pids("x") == [sleeper_pid]
+        removed = cleanup_stale()
+        assert sorted(removed) == [net.ns("sw"), net.ns("x")]
+        assert str(gone.pid) not in run_namespaces()
+        sleeper.wait(10)
+        assert sleeper.returncode is not None
+        launcher.close()
+    finally:
+        cleanup(net.run)
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(300)
+def test_the_short_partition_run_has_no_anomaly_and_leaves_nothing(tmp_path: Path) -> None:
+    links_before = _links()
+    out = tmp_path / "partition.json"
+    started = time.monotonic()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "bench.partition", "--ci", "--json", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        stdout, _ = run.communicate(timeout=280)
+    finally:
+        run.kill()
+    took = time.monotonic() - started
+    tail = stdout[-4000:]
+    assert out.exists(), tail
+    figures = json.loads(out.read_text())
+    assert figures["anomalies"] == dict.fromkeys(figures["anomalies"], 0), tail
+    assert figures["faults"]["isolate"] == 1 and figures["faults"]["cut"] == 1, tail
+    assert figures["submitted"] >= 40, tail  # the load really ran: ~2 actions a second
+    assert figures["gateway"]["calls"] >= 30, tail
+    assert figures["samples"] >= 30, tail
+    assert run.returncode == 0, tail
+    assert took < 150, f"the short run took {took:.0f}s"
+    assert str(run.pid) not in run_namespaces()
+    assert _links() == links_before  # nothing made in this namespace
