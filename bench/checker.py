@@ -282,7 +282,9 @@ def _story(db: Any, orphan: str) -> tuple[str, bool]:
         rows = s.execute(
             select(Replica.id, Replica.status, Replica.error).where(Replica.vmid == vmid)
         ).all()
-    told = "; ".join(f"row {r.id} {r.status} ({(r.error or '')[:120]})" for r in rows)
+    told = "; ".join(
+        f"row {r.id} {ReplicaState(r.status).name} ({(r.error or '')[:120]})" for r in rows
+    )
     known = (
         can_list is False
         and bool(rows)

@@ -58,10 +58,8 @@ def _no_release() -> None:
     async def send_release(t: Any, vmid: str, settings: Any) -> bool:
         return True
 
-    defective = SimpleNamespace(
-        **{**vars(backends), "release_vm": lambda node, vmid, settings: True},
-        send_release=send_release,
-    )
+    names = {**vars(backends), "release_vm": lambda node, vmid, settings: True}
+    defective = SimpleNamespace(**{**names, "send_release": send_release})
     setattr(delete, "backends", defective)  # noqa: B010 - the module's own name for it
 
 

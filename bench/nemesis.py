@@ -72,7 +72,7 @@ def _pairs(lay: Layout) -> list[tuple[str, str]]:
 
 def schedule(seed: int, duration_s: float, lay: Layout) -> list[Fault]:
     """The faults of a run of ``duration_s`` seconds: a partition every 12-30 s (a few past
-    the dead grace), a worker kill every 40-90 s, a freeze every 90-200 s, Redis and
+    the dead grace), a worker kill every 40-90 s, a freeze every 45-120 s, Redis and
     PostgreSQL every 200-350 s; each stream drawn from its own generator of ``seed``."""
     end = duration_s - 5.0
     isolatable = [*lay.agent_names, "lb", *lay.worker_names, "beat", "reg", "redis", "pg"]
@@ -98,7 +98,7 @@ def schedule(seed: int, duration_s: float, lay: Layout) -> list[Fault]:
         out.append(Fault(round(t, 1), kind, targets, round(min(d, end - t), 1)))
     for rng, t in stream("kill", (20, 40), (40, 90)):
         out.append(Fault(round(t, 1), "kill", (rng.choice(lay.worker_names),)))
-    for rng, t in stream("freeze", (30, 90), (90, 200)):
+    for rng, t in stream("freeze", (20, 60), (45, 120)):
         who = rng.choice([*lay.agent_names, "lb"])
         out.append(Fault(round(t, 1), "freeze", (who,), round(min(rng.uniform(3, 20), end - t), 1)))
     for rng, t in stream("redis", (60, 150), (200, 350)):

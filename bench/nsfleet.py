@@ -47,7 +47,6 @@ from bench.nsprocs import (
 )
 from bench.soak import SOAK_ENV
 from config.settings import get_settings, reset_settings
-from tests.services import make_shared_tempdir
 from workers.celery import configure
 from workers.functions import deploy, spec_from
 from workers.store.db import Database, get_database
@@ -118,9 +117,7 @@ class Fleet:
             self.tmp / "redis", self.launcher, "redis", lay.ip("redis"), new_secret()
         )
         self.redis.start()
-        self.pg = NsPostgres(
-            make_shared_tempdir("corral-pt-pg-"), self.launcher, "pg", lay.ip("pg"), new_secret()
-        )
+        self.pg = NsPostgres(self.tmp / "pg", self.launcher, "pg", lay.ip("pg"), new_secret())
         self.pg.start()
         self.env = {
             **PT_ENV,
