@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,11 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from bench import nemesis
 from bench.netns import Host, Launcher, Network, available, cleanup, cleanup_stale, run_namespaces
-from bench.nsprocs import Layout
+from bench.nsprocs import Layout, NsPostgres
 from tests.eventually import eventually
+from tests.services import make_shared_tempdir
+from workers.store.db import Database, is_transient
 
 ROOT = Path(__file__).resolve().parents[2]
 why = available()
@@ -144,6 +149,45 @@ def test_cleanup_finds_a_dead_runs_namespaces_and_kills_what_runs_in_them() -> N
         launcher.close()
     finally:
         cleanup(net.run)
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(120)
+def test_a_store_behind_a_cut_fails_a_statement_in_seconds_instead_of_hanging() -> None:
+    """Found by the partition run: with PostgreSQL cut off every worker hung in libpq (the
+    kernel's minutes of retries) until its hard time limit, and exited."""
+    net = Network(str(os.getpid()))
+    launcher = None
+    directory = make_shared_tempdir("corral-pt-test-pg-")
+    try:
+        net.create([Host("pg", "10.231.0.4"), Host("cl", "10.231.0.9")])
+        launcher = Launcher(net)
+        pg = NsPostgres(directory, launcher, "pg", "10.231.0.4", "test-password")
+        with net.entered("cl"):
+            pg.start()
+            db = Database(pg.url_for("postgres"))
+            with db.read() as s:
+                assert s.scalar(text("SELECT 1")) == 1  # a pooled connection, in use below
+            net.link("pg", False)  # the store's cable out: nothing answers, nothing refuses
+            for what in ("a pooled connection", "a new connection"):
+                started = time.monotonic()
+                with pytest.raises(OperationalError) as caught, db.read() as s:
+                    s.scalar(text("SELECT 1"))
+                took = time.monotonic() - started
+                assert took < 30, f"{what}: {took:.0f}s"
+                assert is_transient(caught.value)  # the task retries it
+            net.heal()
+            with db.read() as s:
+                assert s.scalar(text("SELECT 1")) == 1
+            db.dispose()
+            pg.stop()
+    finally:
+        if launcher is not None:
+            launcher.close()
+        cleanup(net.run, keep=os.getpid())
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @needs_netns

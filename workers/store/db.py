@@ -12,7 +12,8 @@ connection sets ``lock_timeout`` and ``statement_timeout`` (``CORRAL_DB_LOCK_TIM
 ``OperationalError`` instead of hanging its worker, and
 ``idle_in_transaction_session_timeout`` (``CORRAL_DB_IDLE_IN_TRANSACTION_TIMEOUT_S``): the
 server ends a session left idle inside a transaction (its process stuck or gone), which
-would hold its row locks for good.
+would hold its row locks for good; and it gives up on a server it cannot reach within seconds
+(:data:`PG_NETWORK`).
 
 The first transaction the running task starts past its soft time limit is refused
 (:func:`workers.timelimits.check`: :class:`~workers.timelimits.OutOfTime` is raised
@@ -198,6 +199,23 @@ def pg_options(
     )
 
 
+#: libpq's network settings: a server that cannot be reached (a partition, a host gone,
+#: not one that refuses) fails a connection within ``connect_timeout`` seconds, and a
+#: connection in use within about ten (keepalives while it waits for an answer, a
+#: ``tcp_user_timeout`` while what it sent goes unacknowledged), instead of the kernel's
+#: minutes of SYN retries and retransmissions - long enough that every worker waiting on
+#: the store met its hard time limit and exited. The error is a connection error, which a
+#: task retries (:func:`is_transient`).
+PG_NETWORK: dict[str, int] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,
+}
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         return _sqlite_engine(url)
@@ -215,7 +233,8 @@ def _make_engine(url: str) -> Engine:
                 settings.db_lock_timeout_s,
                 settings.db_statement_timeout_s,
                 settings.db_idle_in_transaction_timeout_s,
-            )
+            ),
+            **PG_NETWORK,
         },
     }
     return create_engine(url, **kwargs)
