@@ -162,10 +162,10 @@ class Fleet:
         return {**base, **extra, "PYTHONPATH": str(ROOT)}
 
     def _proc(self, role: str, host: str, argv: list[str], env: dict[str, str]) -> Proc:
-        proc = Proc(role, host, argv, env, self.logs / f"{role}.log")
-        with self.lock:
+        proc = Proc(role, host, argv, env, self.logs / f"{role}.log").start(self.launcher)
+        with self.lock:  # only once it runs: the supervisor reads every registered one
             self.procs[role] = proc
-        return proc.start(self.launcher)
+        return proc
 
     def _corral(self, role: str, args: list[str], port: int | None = None) -> Proc:
         """A corral process on host ``role``, waited for until it listens on ``port``."""
@@ -232,12 +232,12 @@ class Fleet:
         return done
 
     def _worker(self, host: str) -> Proc:
-        self.generation += 1
-        role = host
-        name = f"{host}g{self.generation}"
-        proc = self._proc(role, host, worker_argv(name, self.inject), self._child_env(**self.env))
-        log = proc.log
-        size = log.stat().st_size if log.exists() else 0
+        with self.lock:
+            self.generation += 1
+            name = f"{host}g{self.generation}"
+        log = self.logs / f"{host}.log"
+        size = log.stat().st_size if log.exists() else 0  # its "ready." comes after this
+        proc = self._proc(host, host, worker_argv(name, self.inject), self._child_env(**self.env))
         proc.ready = lambda: b" ready." in log.read_bytes()[size:]
         return proc
 
