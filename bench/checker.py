@@ -55,10 +55,10 @@ from workers.store.models import (
 
 SLACK_S = 5.0
 #: The errors of a row whose VM, on a node that cannot list its VMs, nothing releases
-#: (docs/reliability.md, "What corral does not promise"): its delete's release could not
-#: reach the node, or the node was unreachable past its dead grace. Reported, not failed
-#: (``--strict`` fails them too).
-KNOWN_GAP = ("ReleaseVMSetup failed", "unreachable since")
+#: (docs/reliability.md, "What corral does not promise"): its delete gave up on the release
+#: (the node unreachable, or the broker that leases the node's call slots), or the node was
+#: unreachable past its dead grace. Reported, not failed (``--strict`` fails them too).
+KNOWN_GAP = ("ReleaseVMSetup failed", "in-flight slots of node", "unreachable since")
 
 
 def call_deadline(settings: Settings) -> float:
