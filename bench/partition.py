@@ -179,12 +179,14 @@ def _exercise(  # noqa: PLR0913 - one run's parts
     sampler.stop.set()
     threads[1].join(10)
     known = final.pop("known_gap")
+    vms_over, vm_excess = sampler.vms_over({k.split(":", 1)[0].rsplit("/", 1)[-1] for k in known})
     if args.strict:
         final["known_gap"] = known
     results.known = known
     results.anomalies = {
         **final,
-        **sampler.over,
+        "rows_over_capacity": sampler.rows_over,
+        "vms_over_capacity": vms_over,
         **callers.anomalies(),
         "nemesis_failed": [f"{d.fault}: {d.error}" for d in nem.done if d.error],
     }
@@ -209,7 +211,7 @@ def _exercise(  # noqa: PLR0913 - one run's parts
         "sample_errors": dict(sampler.errors),
         "peak_rows": dict(sampler.peak_rows),
         "peak_vms": dict(sampler.peak_vms),
-        "vms_over_capacity_s": dict(sampler.vm_excess_s),
+        "vms_over_capacity_s": vm_excess,
         "worker_exits": list(fleet.exits),
         "settled_after_s": None if settled is None else round(settled, 1),
         "wall_s": round(time.monotonic() - began, 1),

@@ -24,7 +24,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from bench import nemesis
+from bench import checker, nemesis
 from bench.netns import Host, Launcher, Network, available, cleanup, cleanup_stale, run_namespaces
 from bench.nsprocs import Layout, NsPostgres
 from tests.eventually import eventually
@@ -65,6 +65,20 @@ def test_the_ci_schedule_isolates_a_seed_agent_then_cuts_a_worker_from_redis() -
     ]
     assert lay.seed("fc3")
     assert all(f.at_s + f.duration_s < 45.0 for f in faults)
+
+
+def test_vms_over_capacity_count_only_runs_past_the_grace_and_not_the_known_gap() -> None:
+    sampler = checker.Sampler(fleet=None, t0=0.0, vm_grace_s=10.0)  # type: ignore[arg-type]
+    five, leaked = frozenset("abcde"), frozenset("abcdz")
+    sampler.crowded = [("n1", 4, float(t), five) for t in range(0, 9)]  # 8 s: within grace
+    sampler.crowded += [("n1", 4, float(t), five) for t in range(20, 40)]  # 19 s: past it
+    sampler.crowded += [("n2", 4, float(t), leaked) for t in range(0, 60)]  # z never goes
+    over, longest = sampler.vms_over(known=set())
+    assert longest == {"n1": 19, "n2": 59}
+    assert {o.split(":")[0] for o in over} == {"n1", "n2"}
+    assert over[0] == "n1: 5 VMs > 4 since 20s, at 31s"
+    over, longest = sampler.vms_over(known={"z"})  # the known gap's VM is not counted
+    assert {o.split(":")[0] for o in over} == {"n1"}
 
 
 @pytest.fixture
