@@ -22,8 +22,8 @@ row and every live row's VM runs on its node (:func:`bench.history.compare`, wit
 ``/proc`` as the truth of what runs); ``ops_open``: no operation at all - the load's,
 the gateway's cold starts, the housekeeping passes' - is still pending or running;
 ``db_check``: ``corral db check`` exits 0; ``claims_outstanding``; and
-``unexpected_deaths``: no process died that the nemesis did not kill (a worker that
-exits at its hard time limit, status 70, is restarted as its supervisor would and only
+``unexpected_deaths``: no process died that the nemesis did not kill (``corral worker``
+killing and restarting its worker at a task's hard time limit is by design, and only
 counted); and ``seed_creates_twice`` (:func:`seed_creates_twice`), from the agents' own
 history: no seed-protocol agent carried out one row's create twice.
 """
@@ -43,6 +43,7 @@ from sqlalchemy import func, select
 from bench.history import compare
 from bench.nsfleet import CALLED, Fleet
 from config.settings import Settings
+from workers.replicas.maybes import MARK
 from workers.store.models import (
     LIVE_STATES,
     OP_FINISHED,
@@ -268,19 +269,31 @@ def seed_creates_twice(fleet: Fleet) -> list[str]:
     """Rows whose create a seed-protocol agent received (and carried out) more than once.
 
     The history from the agents' side: a seed agent logs the request id of every create
-    it carries out (it does not use it). Two VMs for one request id on one such agent
-    is a create sent twice to an agent that cannot deduplicate it - what the ownership
-    of rows (:mod:`workers.replicas.owners`) exists to prevent.
+    it carries out (it does not use it). A request id is sent once by each row that
+    bore it: the row itself and, where a create's outcome was unknown, each *maybe* it
+    became (renamed ``<request id>~<row id>``: :mod:`workers.replicas.maybes`) - whose
+    replacement is sent again under the same id, by design. More VMs for one request id
+    on one such agent than rows that bore it is a row's create sent twice to an agent
+    that cannot deduplicate it - what the ownership of rows
+    (:mod:`workers.replicas.owners`) exists to prevent.
     """
-    out = []
+    made: dict[tuple[str, str], list[str]] = {}
     for host in fleet.layout.agent_names:
-        if not fleet.layout.seed(host):
-            continue
-        made: dict[str, list[str]] = {}
-        for rid, vmid in _SEED_CREATE.findall(fleet.procs[host].log.read_text(errors="replace")):
-            made.setdefault(rid, []).append(vmid)
-        out += [f"{host}: {rid} -> {vms}" for rid, vms in made.items() if len(vms) > 1]
-    return out
+        if fleet.layout.seed(host):
+            log = fleet.procs[host].log.read_text(errors="replace")
+            for rid, vmid in _SEED_CREATE.findall(log):
+                made.setdefault((host, rid), []).append(vmid)
+    twice = {key: vms for key, vms in made.items() if len(vms) > 1}
+    if not twice:
+        return []
+    with fleet.db().read() as s:
+        ids = list(s.scalars(select(Replica.request_id)))
+    bore: Counter[str] = Counter(rid.split(MARK, 1)[0] for rid in ids)
+    return [
+        f"{host}: {rid} -> {vms} ({bore[rid]} rows bore it)"
+        for (host, rid), vms in twice.items()
+        if len(vms) > bore[rid]
+    ]
 
 
 def _story(db: Any, orphan: str) -> tuple[str, bool]:

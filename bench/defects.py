@@ -2,7 +2,10 @@
 
 Run: ``python -m bench.defects DEFECT -m MODULE ARGS...`` - applies the defect to the
 modules already imported by name, then runs ``python -m MODULE ARGS...`` in this
-process. The partition run starts its workers and gateway this way with ``--inject``.
+process. The partition run starts its workers and gateway this way with ``--inject``;
+``corral worker`` runs its Celery worker as a child, which is started through this
+module too (the supervisor's :func:`stack.worker.celery_argv` is replaced), so the
+defect is in the process that runs the tasks.
 Nothing in corral reads these: the defects live here, in the harness, only.
 
 * ``no-ownership`` - the ownership checks of :mod:`workers.replicas.owners` off: a
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import runpy
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy import update
@@ -83,6 +86,13 @@ def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[0] not in DEFECTS or argv[1] != "-m":
         sys.exit(f"usage: python -m bench.defects {{{','.join(DEFECTS)}}} -m MODULE [ARGS...]")
     DEFECTS[argv[0]]()
+    import stack.worker
+
+    def celery_argv(options: Sequence[str]) -> list[str]:
+        tail = ["-m", "celery", "-A", "workers", "worker", *options]
+        return [sys.executable, "-m", "bench.defects", argv[0], *tail]
+
+    setattr(stack.worker, "celery_argv", celery_argv)  # noqa: B010 - its callers look it up
     sys.argv = [argv[2], *argv[3:]]
     runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
 

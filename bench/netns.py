@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stack.supervisor import _die_with_parent
+from stack.supervisor import die_with_parent
 
 PREFIX = "corral-pt"
 NETNS_DIR = Path("/var/run/netns")
@@ -330,7 +330,7 @@ class Launcher:
             try:
                 with self.net.entered(host):
                     proc = subprocess.Popen(
-                        argv, start_new_session=True, preexec_fn=_die_with_parent, **kwargs
+                        argv, start_new_session=True, preexec_fn=die_with_parent, **kwargs
                     )
                 done.set_result(proc)
             except BaseException as exc:  # handed to the caller

@@ -8,10 +8,10 @@ the same ``CORRAL_*`` environment (:data:`PT_ENV`: the soak's short intervals, s
 fault leaves behind is repaired within a quiet period), except the agents, which get
 only their own tokens.
 
-The process faults are here too: a worker SIGKILLed (its whole group) and a new one
-started on the same host, an agent frozen (SIGSTOP) and thawed, Redis stopped and
-started, PostgreSQL restarted. :meth:`Fleet.dead` lists processes that died without
-the nemesis killing them.
+The process faults are here too: a worker SIGKILLed (``corral worker``'s process group;
+its Celery worker dies with it) and a new one started on the same host, an agent frozen
+(SIGSTOP) and thawed, Redis stopped and started, PostgreSQL restarted.
+:meth:`Fleet.dead` lists processes that died without the nemesis killing them.
 """
 
 from __future__ import annotations
@@ -293,8 +293,9 @@ class Fleet:
     def supervise(self) -> None:
         """Restart, as a supervisor would, a worker that exited by itself (in the background).
 
-        An exit with status 70 is a worker ending itself at a task's hard time limit
-        (:mod:`workers.timelimits`), by design; any other exit stays in :meth:`dead`.
+        ``corral worker`` restarts its worker itself when a task outlives its hard time limit
+        (:meth:`hard_limit_restarts` counts those); a ``corral worker`` that exits at all is
+        restarted here and stays in :meth:`dead`.
         """
         for host in self.layout.worker_names:
             with self.lock:
@@ -303,10 +304,16 @@ class Fleet:
                     continue
                 code = proc.popen.returncode if proc.popen is not None else None
                 self.exits.append(f"{host} exited with {code}")
-                if code == 70:
-                    self.killed.add(proc.pid)
                 self._restarting.add(host)
             threading.Thread(target=self._restart, args=(host,), daemon=True).start()
+
+    def hard_limit_restarts(self) -> list[str]:
+        """What ``corral worker`` said each time it killed and restarted its worker."""
+        out = []
+        for host in self.layout.worker_names:
+            text = (self.logs / f"{host}.log").read_text(errors="replace")
+            out += [f"{host}: {line}" for line in text.splitlines() if "outlived its hard" in line]
+        return out
 
     def _restart(self, host: str) -> None:
         try:

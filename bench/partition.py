@@ -213,6 +213,7 @@ def _exercise(  # noqa: PLR0913 - one run's parts
         "peak_vms": dict(sampler.peak_vms),
         "vms_over_capacity_s": vm_excess,
         "worker_exits": list(fleet.exits),
+        "hard_limit_restarts": fleet.hard_limit_restarts(),
         "settled_after_s": None if settled is None else round(settled, 1),
         "wall_s": round(time.monotonic() - began, 1),
     }
@@ -235,7 +236,8 @@ def report(results: Results) -> str:
         f"capacity samples: {f['samples']} (errors {f['sample_errors']}); peak rows "
         f"{f['peak_rows']}; peak VMs {f['peak_vms']} (longest over capacity, s: "
         f"{f['vms_over_capacity_s']})",
-        f"workers that exited by themselves (restarted): {f['worker_exits']}",
+        f"workers that exited by themselves (restarted): {f['worker_exits']}; restarted by "
+        f"corral worker at a hard time limit: {f['hard_limit_restarts']}",
         f"settled after the quiet period: {f['settled_after_s']}s; wall {f['wall_s']}s",
         "anomalies (all must be 0):",
     ]

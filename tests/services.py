@@ -415,9 +415,10 @@ class PostgresServer(_Server):
         if result.returncode != 0:
             raise RuntimeError(f"initdb failed (exit {result.returncode}):\n{_tail(log)}")
 
-    def _executor_on(self, port: int) -> _Postmaster:
+    def argv(self, port: int, listen: str = LOOPBACK) -> list[str]:
+        """The ``postgres`` command line of this cluster, on ``listen``:``port``."""
         settings = {
-            "listen_addresses": LOOPBACK,
+            "listen_addresses": listen,
             "port": str(port),
             "unix_socket_directories": str(self.directory / "sock"),
             "fsync": "off",
@@ -428,8 +429,11 @@ class PostgresServer(_Server):
         argv = [str(self.bindir / "postgres"), "-D", str(self.data_dir)]
         for key, value in settings.items():
             argv += ["-c", f"{key}={value}"]
+        return argv
+
+    def _executor_on(self, port: int) -> _Postmaster:
         assert self._log is not None
-        return _Postmaster(argv, port, self.conninfo(port=port), self._log, self.run_as)
+        return _Postmaster(self.argv(port), port, self.conninfo(port=port), self._log, self.run_as)
 
     def start(self) -> None:
         """Run initdb if needed, start postgres and wait until it answers."""

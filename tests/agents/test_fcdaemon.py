@@ -469,7 +469,7 @@ def test_replicas_get_and_listen_on_the_replica_ip(tmp_path: Path) -> None:
         assert reply.ip == "127.0.0.2"
         listed = stub.ListReplicas(empty_pb2.Empty(), timeout=10).replicas
         assert [(r.vmid, r.ip) for r in listed] == [(reply.vmid, "127.0.0.2")]
-        wait_until(lambda: http_get("127.0.0.2", reply.port), what="replica on 127.0.0.2")
+        eventually(lambda: http_get("127.0.0.2", reply.port), what="replica on 127.0.0.2")
         assert not http_get("127.0.0.1", reply.port)  # bound to the replica IP only
     finally:
         proc.kill()
