@@ -55,11 +55,6 @@ from workers.store.models import (
 )
 
 SLACK_S = 5.0
-#: The errors of a row whose VM, on a node that cannot list its VMs, nothing releases
-#: (docs/reliability.md, "What corral does not promise"): its delete gave up on the release
-#: (the node unreachable, or the broker that leases the node's call slots), or the node was
-#: unreachable past its dead grace. Reported, not failed (``--strict`` fails them too).
-KNOWN_GAP = ("ReleaseVMSetup failed", "in-flight slots of node", "unreachable since")
 
 
 def call_deadline(settings: Settings) -> float:
@@ -149,8 +144,7 @@ class Sampler:
     Live rows above capacity are an anomaly at any sample. VMs above it are one only
     when they stay so for longer than ``vm_grace_s``: a VM can outlive its row (a create
     whose answer was lost, its row retired at its deadline and its slot reused) until
-    reconcile or the registry releases it, which takes at most that long. VMs of the known
-    gap (:data:`KNOWN_GAP`) stay for good and are not counted (:meth:`vms_over`).
+    reconcile or the registry releases it, which takes at most that long (:meth:`vms_over`).
     """
 
     fleet: Fleet
@@ -196,15 +190,15 @@ class Sampler:
             if len(running) > capacity:
                 self.crowded.append((name, capacity, at, running))
 
-    def vms_over(self, known: set[str]) -> tuple[list[str], dict[str, int]]:
-        """Runs of samples with more VMs than capacity (``known`` VMs not counted) longer
-        than the grace; and the longest run per node, in seconds."""
+    def vms_over(self) -> tuple[list[str], dict[str, int]]:
+        """Runs of samples with more VMs than capacity longer than the grace; and the longest
+        run per node, in seconds."""
         over: list[str] = []
         longest: Counter[str] = Counter()
         since: dict[str, float] = {}
         last: dict[str, float] = {}
         for name, capacity, at, running in self.crowded:
-            if len(running - known) <= capacity:
+            if len(running) <= capacity:
                 continue
             if at - last.get(name, -1e9) > 2.5:  # a sample or two missed ends a run
                 since[name] = at
@@ -212,7 +206,7 @@ class Sampler:
             longest[name] = max(longest[name], round(at - since[name]))
             if at - since[name] > self.vm_grace_s:
                 over.append(
-                    f"{name}: {len(running - known)} VMs > {capacity} since "
+                    f"{name}: {len(running)} VMs > {capacity} since "
                     f"{since[name]:.0f}s, at {at:.0f}s"
                 )
         return over, dict(longest)
@@ -250,9 +244,7 @@ def final_state(fleet: Fleet) -> dict[str, list[str]]:
         claims = s.scalar(select(func.count()).select_from(Claim)) or 0
     listed = {node_id: (name, vms.get(name, set())) for node_id, name in nodes.items()}
     bad = compare(rows, listed)  # type: ignore[arg-type]
-    stories = [_story(db, o) for o in bad["orphan_vms"]]
-    bad["orphan_vms"] = [text for text, known in stories if not known]
-    bad["known_gap"] = [text for text, known in stories if known]
+    bad["orphan_vms"] = [_story(db, o) for o in bad["orphan_vms"]]
     bad["ops_open"] = open_ops
     check = fleet.cli("db", "check", check=False)
     bad["db_check"] = [] if check.returncode == 0 else check.stdout.strip().splitlines()[:5]
@@ -296,25 +288,14 @@ def seed_creates_twice(fleet: Fleet) -> list[str]:
     ]
 
 
-def _story(db: Any, orphan: str) -> tuple[str, bool]:
-    """An orphan VM (``node/vmid``) with what the store knows of it, and whether it is the
-    known gap (:data:`KNOWN_GAP`): on a node that cannot list its VMs, a row ended Dead
-    because its release could not reach the node or the node was lost."""
-    name, vmid = orphan.rsplit("/", 1)
+def _story(db: Any, orphan: str) -> str:
+    """An orphan VM (``node/vmid``) with what the store knows of it: the rows that had it."""
+    _name, vmid = orphan.rsplit("/", 1)
     with db.read() as s:
-        can_list = s.scalar(select(Node.can_list).where(Node.name == name))
         rows = s.execute(
             select(Replica.id, Replica.status, Replica.error).where(Replica.vmid == vmid)
         ).all()
     told = "; ".join(
         f"row {r.id} {ReplicaState(r.status).name} ({(r.error or '')[:120]})" for r in rows
     )
-    known = (
-        can_list is False
-        and bool(rows)
-        and all(
-            r.status == ReplicaState.DEAD and any(k in (r.error or "") for k in KNOWN_GAP)
-            for r in rows
-        )
-    )
-    return f"{orphan}: {told or 'no row ever recorded it'}", known
+    return f"{orphan}: {told or 'no row ever recorded it'}"

@@ -66,7 +66,6 @@ class Results:
     claims: Counter[str] = field(default_factory=Counter)
     figures: dict[str, Any] = field(default_factory=dict)
     anomalies: dict[str, list[str]] = field(default_factory=dict)
-    known: list[str] = field(default_factory=list)  # the known gap's orphans (checker)
 
     @property
     def ok(self) -> bool:
@@ -79,7 +78,6 @@ class Results:
             **self.figures,
             "anomalies": {k: len(v) for k, v in self.anomalies.items()},
             "examples": {k: v[:5] for k, v in self.anomalies.items() if v},
-            "known_gap": self.known,
             "ok": self.ok,
         }
 
@@ -178,11 +176,7 @@ def _exercise(  # noqa: PLR0913 - one run's parts
     settled = time.monotonic() - quiet_at if not any(final.values()) else None
     sampler.stop.set()
     threads[1].join(10)
-    known = final.pop("known_gap")
-    vms_over, vm_excess = sampler.vms_over({k.split(":", 1)[0].rsplit("/", 1)[-1] for k in known})
-    if args.strict:
-        final["known_gap"] = known
-    results.known = known
+    vms_over, vm_excess = sampler.vms_over()
     results.anomalies = {
         **final,
         "rows_over_capacity": sampler.rows_over,
@@ -243,8 +237,6 @@ def report(results: Results) -> str:
     ]
     for kind, found in results.anomalies.items():
         lines.append(f"  {kind:<20} {len(found)}" + (f"   e.g. {found[:3]}" if found else ""))
-    if results.known:
-        lines.append(f"known gap (not failed; --strict fails it): {results.known}")
     lines.append("RESULT: " + ("ok" if results.ok else "FAILED"))
     return "\n".join(lines)
 
@@ -267,7 +259,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--settle", type=float, default=150.0, help="then wait this long to settle")
     p.add_argument("--ci", action="store_true", help="the short fixed run of the CI test")
     p.add_argument("--inject", help="run workers and gateway with this defect (bench.defects)")
-    p.add_argument("--strict", action="store_true", help="count the checker's known gap too")
     p.add_argument("--json", type=Path, help="also write the figures here as JSON")
     p.add_argument("--keep", action="store_true", help="keep the logs even when the run passes")
     p.add_argument("--cleanup", action="store_true", help="only remove what earlier runs left")

@@ -212,7 +212,8 @@ class _Maintenance(_Group):
     health_timeout_s: Seconds = 2.0
     """Deadline of one health probe."""
     node_dead_grace_s: SecondsOrZero = 60.0
-    """How long a node stays unhealthy before its replicas are marked Dead."""
+    """How long a node stays unhealthy before its replicas are marked Dead (those with a VM on
+    a node that cannot list its VMs: Deleting, their VMs released once it answers)."""
     creating_deadline_s: Seconds = 300.0
     """A replica Creating (or Deleting) longer than this is stuck: the reaper retires it."""
     redrive_after_s: Seconds = 120.0

@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import NotRequired, TypedDict
 from urllib.parse import urlsplit
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -48,7 +48,7 @@ from workers.clock import iso, now
 from workers.errors import InputError
 from workers.kinds import NodeKind
 from workers.names import check_name
-from workers.store.models import Node, Replica
+from workers.store.models import Node, Replica, ReplicaState
 from workers.store.rows import delete_unlinking_replicas, one_or_not_found
 from workers.untrusted import IP, ip_literal, parse_networks
 
@@ -202,9 +202,24 @@ def get_node(session: Session, name: str) -> Node:
 
 
 def remove_node(session: Session, name: str) -> None:
-    """Remove a node that runs no replicas."""
+    """Remove a node that runs no replicas, or an unhealthy one whose rows only wait on it.
+
+    Rows Deleting on an unhealthy node wait for it to answer before their VMs are released
+    (:func:`workers.replicas.delete.release_waits`); removing the node says it will not:
+    they are unlinked, and the reaper retires them with no VM to release.
+    """
     node = get_node(session, name)
-    if node.live:
+    waiting = 0
+    if node.live and not node.healthy:
+        waiting = (
+            session.scalar(
+                select(func.count()).where(
+                    Replica.node_id == node.id, Replica.status == ReplicaState.DELETING
+                )
+            )
+            or 0
+        )
+    if node.live > waiting:
         raise InputError(
             f"node {name!r} still runs {node.live} replica(s): drain it (`corral nodes drain "
             f"{name}`) and wait, or delete them first"

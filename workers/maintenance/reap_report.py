@@ -29,7 +29,9 @@ class Reaped:
     node: str | None
     # deleted | gone (the node no longer had the VM) | retired (stuck: the row ends Dead, as
     # meant) | failed (the VM could not be released: the row is Dead with the error) |
-    # left (the pass ran out of time: the row stays Deleting, a later pass finishes it)
+    # left (the pass ran out of time: the row stays Deleting, a later pass finishes it) |
+    # waiting (the node did not answer and cannot list its VMs: the row stays Deleting,
+    # holding its slot, until a pass releases it once the node answers)
     outcome: str = "pending"
     error: str | None = None
 

@@ -45,7 +45,11 @@ other pass can pick them; then every VM is released at once
 (:func:`workers.replicas.delete.release_all`, bounded per node and per process; a VM
 already gone counts as released) and the rows retired in one transaction
 (:func:`workers.replicas.delete.finish_deletes`): Deleted, or Dead with an error when the
-node could not be reached (the error says reconcile will destroy the VM). After
+node could not be reached (the error says reconcile will destroy the VM) - except on a
+node that cannot list its VMs (:func:`workers.replicas.delete.release_waits`), where
+nothing would: the row stays Deleting, holding its slot, and a later pass's stuck sweep
+releases it, once its node is healthy again (Deleting rows on an unhealthy node are not
+swept). After
 ``CORRAL_NODE_FAILURES`` transport failures in a row from one node, the rest of
 that node's VMs are not waited for again in the same pass. A pass
 therefore costs in proportion to what it deletes (plus two probes of the
@@ -82,10 +86,17 @@ from workers.fleet.health import note_failure
 from workers.locks import lock_functions
 from workers.maintenance.reap_report import Reaped, ReapReport
 from workers.replicas import claims
-from workers.replicas.delete import Doomed, finish_deletes, release_all
+from workers.replicas.delete import (
+    WAITS,
+    Doomed,
+    finish_deletes,
+    release_all,
+    release_waits,
+    wait_for_node,
+)
 from workers.replicas.lifecycle import mark_deleting, transition
 from workers.store.db import Database, store_now
-from workers.store.models import COUNTED_STATES, Function, Replica, ReplicaState
+from workers.store.models import COUNTED_STATES, Function, Node, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
 
@@ -167,19 +178,20 @@ class _Pass:
         ):
             if self.left <= 0:
                 return
-            rows = self.s.scalars(
-                self._lock(
-                    select(Replica)
-                    .where(
-                        Replica.status == state,
-                        # judged by the database, on its own clock (workers.clock)
-                        Replica.deadline_at <= store_now(),
-                        # a create still owned by a live handler may yet be recorded
-                        or_(Replica.owner_until.is_(None), Replica.owner_until <= store_now()),
-                    )
-                    .order_by(Replica.deadline_at)
-                    .limit(self.left)
+            query = select(Replica).where(
+                Replica.status == state,
+                # judged by the database, on its own clock (workers.clock)
+                Replica.deadline_at <= store_now(),
+                # a create still owned by a live handler may yet be recorded
+                or_(Replica.owner_until.is_(None), Replica.owner_until <= store_now()),
+            )
+            if state == ReplicaState.DELETING:  # a release waits for its node to answer
+                unhealthy = select(Node.id).where(Node.healthy.is_(False))
+                query = query.where(
+                    or_(Replica.node_id.is_(None), Replica.node_id.not_in(unhealthy))
                 )
+            rows = self.s.scalars(
+                self._lock(query.order_by(Replica.deadline_at).limit(self.left))
             ).all()
             for replica in rows:
                 self._stuck_one(replica, state)
@@ -515,6 +527,7 @@ def _release_all(db: Database, settings: Settings, victims: list[_Victim]) -> No
     """Release every victim's VM at once (bounded per node); outcomes on the victims."""
     outcomes = release_all(settings, [v.doomed for v in victims])
     noted: set[str] = set()
+    waiting: dict[str, str] = {}
     for v in victims:
         outcome = outcomes[v.doomed.replica_id]
         if outcome is None:  # out of time: the next pass finds it past its deadline
@@ -525,6 +538,11 @@ def _release_all(db: Database, settings: Settings, victims: list[_Victim]) -> No
             if node is not None and node.id not in noted:  # one miss per node and pass
                 noted.add(node.id)
                 note_failure(db, settings, node.id, str(outcome))
+            if release_waits(node):  # nothing else would find the VM: the row waits
+                v.left = True
+                v.reaped.outcome = "waiting"
+                v.reaped.error = waiting[v.doomed.replica_id] = f"{outcome}; {WAITS}"
+                continue
             _outcome(
                 v,
                 released=False,
@@ -534,6 +552,7 @@ def _release_all(db: Database, settings: Settings, victims: list[_Victim]) -> No
             _outcome(v, released=False, error=str(outcome))
         else:
             _outcome(v, released=outcome)
+    wait_for_node(db, settings, waiting)
 
 
 def _outcome(v: _Victim, *, released: bool, error: str | None = None) -> None:

@@ -12,6 +12,14 @@ A delete is split at the network call like every other job, a batch of up to
 3. :func:`finish_deletes` retires the rows in one transaction: Deleted, or Dead with the
    error that stopped the release.
 
+A release the node never got (its retries ran out on transport errors) is not given up
+where nothing else would find the VM: on a node that cannot list its VMs, or has not
+said it can (:func:`release_waits` - an agent of the seed protocol: reconcile cannot see
+its orphans, and its guest said READY long ago), the row stays Deleting, holding the
+slot its VM does hold, and the reaper's stuck sweep releases it once the node answers
+(:func:`wait_for_node`; the delete's operation fails now, saying so). Elsewhere the row
+ends Dead and reconcile destroys the VM as an orphan.
+
 A release is safe to send twice (the second hears "already gone"), so two handlers of one
 delete need no owner; what must not happen twice is the counting: each replica settles its
 operation once (:func:`workers.operations.settle`'s parts), however many deliveries or
@@ -207,6 +215,37 @@ def finish_deletes(db: Database, settings: Settings, errors: dict[str, str | Non
         retire_deleting(s, settings, errors)
 
 
+#: Why a row whose release the node never got stays Deleting (:func:`wait_for_node`).
+WAITS = "the node cannot list its VMs: the row stays Deleting until the node answers"
+
+
+def release_waits(node: Node | None) -> bool:
+    """Whether a release ``node`` never got must wait for it: nothing else would find the VM.
+
+    True on a node that cannot list its VMs or has not said it can (``nodes.can_list``
+    not true): reconcile finds no orphan there.
+    """
+    return node is not None and node.can_list is not True
+
+
+def wait_for_node(db: Database, settings: Settings, errors: dict[str, str]) -> None:
+    """Leave Deleting rows whose release the node never got Deleting, for the reaper.
+
+    Each keeps its slot (its VM holds it) and gets a fresh deadline, past which the
+    reaper's stuck sweep tries the release again once its node is healthy; the operation
+    that waits on it fails now with its error.
+    """
+    with db.transaction() as s:
+        for replica_id, error in errors.items():
+            replica = lock_replica(s, replica_id)
+            if replica is None or replica.status != ReplicaState.DELETING:
+                continue
+            transition(s, replica, ReplicaState.DELETING, settings, error=error)
+            waiting, replica.operation_id = replica.operation_id, None
+            if waiting:
+                settle(s, waiting, parts=[replica.id], ok=False, error=error)
+
+
 def delete_batch(
     db: Database, settings: Settings, op_id: str | None, replica_ids: list[str], budget: Budget
 ) -> Deleted:
@@ -247,9 +286,13 @@ def delete_one(
     if doomed is None:
         return "already gone", None
     if error is not None:
-        message = f"{error}; reconcile will destroy the VM once the node answers"
         if doomed.node is not None:
             note_failure(db, settings, doomed.node.id, str(error))
+        if doomed.vmid is not None and release_waits(doomed.node):
+            message = f"{error}; {WAITS}"
+            wait_for_node(db, settings, {replica_id: message})
+            return "deleting", message
+        message = f"{error}; reconcile will destroy the VM once the node answers"
         finish_deletes(db, settings, {replica_id: message})
         return "dead", message
     if doomed.vmid is None or doomed.node is None:

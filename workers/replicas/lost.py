@@ -7,6 +7,13 @@ the replica state machine (:func:`workers.replicas.lifecycle.transition`: their
 reservations are freed, their operations settled). Reconcile then brings their
 functions back to their min elsewhere. A node that answers again keeps its Dead rows;
 what it still runs is an orphan to reconcile.
+
+Except where reconcile cannot see orphans: on a node that cannot list its VMs
+(:func:`workers.replicas.delete.release_waits`: an agent of the seed protocol) a row
+with a VM is marked Deleting instead - it no longer counts toward its function, its
+operation fails, but it keeps the slot its VM may still hold - and the reaper releases
+the VM once the node answers (:mod:`workers.replicas.delete`). Rows already Deleting
+there wait likewise.
 """
 
 from __future__ import annotations
@@ -14,10 +21,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import now
 from workers.locks import lock_functions
+from workers.operations import settle
+from workers.replicas.delete import WAITS, release_waits
 from workers.replicas.lifecycle import transition
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
@@ -41,12 +51,20 @@ def mark_lost(db: Database, settings: Settings) -> int:
                 # left for the next pass
                 .with_for_update(of=Replica, skip_locked=True)
             ):
-                transition(
-                    s,
-                    replica,
-                    ReplicaState.DEAD,
-                    settings,
-                    error=f"node {node.name} unreachable since {node.unhealthy_since}",
-                )
+                error = f"node {node.name} unreachable since {node.unhealthy_since}"
+                if replica.vmid is None or not release_waits(node):
+                    transition(s, replica, ReplicaState.DEAD, settings, error=error)
+                elif replica.status != ReplicaState.DELETING:
+                    _wait_for_node(s, settings, replica, f"{error}; {WAITS}")
+                else:
+                    continue  # already waits for its release
                 lost += 1
     return lost
+
+
+def _wait_for_node(s: Session, settings: Settings, replica: Replica, error: str) -> None:
+    """Mark a lost node's replica Deleting, its VM released once the node answers."""
+    waiting, replica.operation_id = replica.operation_id, None
+    transition(s, replica, ReplicaState.DELETING, settings, error=error)
+    if waiting:
+        settle(s, waiting, parts=[replica.id], ok=False, error=error)

@@ -182,6 +182,8 @@ class Move:
 
 
 _ANY_LIVE_TO_DEAD = "its node was lost (health), its VM vanished (reconcile)"
+# a lost node that cannot list its VMs: a VM there is released once it answers (health)
+_LOST_WAITS = "its VM's node lost, and it cannot list (health)"
 
 #: Every move the code makes. ``source`` None: a row inserted in that state.
 MOVES: dict[tuple[ReplicaState | None, ReplicaState], Move] = {
@@ -193,7 +195,11 @@ MOVES: dict[tuple[ReplicaState | None, ReplicaState], Move] = {
         Move(_S.CREATING, _S.STARTING, "its VM recorded; the guest reports READY (arrive)"),
         Move(_S.CREATING, _S.IDLE, "its VM recorded (arrive)"),
         Move(_S.CREATING, _S.MAYBE, "its create went out, outcome unknown (maybes.replace)"),
-        Move(_S.CREATING, _S.DELETING, "deleted before it was ready; stuck with a VM (reaper)"),
+        Move(
+            _S.CREATING,
+            _S.DELETING,
+            f"deleted before it was ready; stuck with a VM (reaper); {_LOST_WAITS}",
+        ),
         Move(
             _S.CREATING,
             _S.DEAD,
@@ -201,23 +207,40 @@ MOVES: dict[tuple[ReplicaState | None, ReplicaState], Move] = {
         ),
         Move(_S.STARTING, _S.IDLE, "its guest said READY (registry)"),
         Move(_S.STARTING, _S.STARTING_LIMIT, "no READY by its boot deadline (reaper)"),
-        Move(_S.STARTING, _S.DELETING, "deleted, or finished (delete, registry)"),
+        Move(_S.STARTING, _S.DELETING, f"deleted, or finished (delete, registry); {_LOST_WAITS}"),
         Move(_S.STARTING, _S.DEAD, _ANY_LIVE_TO_DEAD),
-        Move(_S.STARTING_LIMIT, _S.DELETING, "on its way out: its VM is released (reaper)"),
+        Move(
+            _S.STARTING_LIMIT,
+            _S.DELETING,
+            f"on its way out: its VM is released (reaper); {_LOST_WAITS}",
+        ),
         Move(_S.STARTING_LIMIT, _S.DEAD, f"no VM to release (reaper); {_ANY_LIVE_TO_DEAD}"),
         Move(_S.IDLE, _S.IDLE, "an environment taken, another still free; or given back (claims)"),
         Move(_S.IDLE, _S.ALLOCATED, "its last free environment taken (claims)"),
-        Move(_S.IDLE, _S.DELETING, "reaped, scaled down, drained, deleted (mark_deleting)"),
+        Move(
+            _S.IDLE,
+            _S.DELETING,
+            f"reaped, scaled down, drained, deleted (mark_deleting); {_LOST_WAITS}",
+        ),
         Move(_S.IDLE, _S.DEAD, _ANY_LIVE_TO_DEAD),
         Move(_S.ALLOCATED, _S.IDLE, "an environment given back: released, expired, FINISHED"),
-        Move(_S.ALLOCATED, _S.DELETING, "failed to answer a request (claims.suspect), deleted"),
+        Move(
+            _S.ALLOCATED,
+            _S.DELETING,
+            f"failed to answer a request (claims.suspect), deleted; {_LOST_WAITS}",
+        ),
         Move(_S.ALLOCATED, _S.DEAD, _ANY_LIVE_TO_DEAD),
-        Move(_S.DELETING, _S.DELETING, "a delete that died midway, taken over (reaper)"),
+        Move(
+            _S.DELETING,
+            _S.DELETING,
+            "a delete that died midway, taken over (reaper); a release its node never got "
+            "waits, if the node cannot list its VMs (delete, reaper)",
+        ),
         Move(_S.DELETING, _S.DELETED, "its VM released or gone (retire_deleting, reconcile)"),
         Move(_S.DELETING, _S.DEAD, f"its release failed (retire_deleting); {_ANY_LIVE_TO_DEAD}"),
         Move(_S.MAYBE, _S.IDLE, "its VM showed up and the function wants it: adopted"),
         Move(_S.MAYBE, _S.DELETED, "its VM showed up after its replacement: released"),
-        Move(_S.MAYBE, _S.DELETING, "deleted by an operator (delete)"),
+        Move(_S.MAYBE, _S.DELETING, f"deleted by an operator (delete); {_LOST_WAITS}"),
         Move(_S.MAYBE, _S.DEAD, f"no sign of its VM by its deadline (reaper); {_ANY_LIVE_TO_DEAD}"),
     )
 }

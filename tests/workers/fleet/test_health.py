@@ -4,7 +4,7 @@ comes back when it answers again. Real agents on loopback, on SQLite and Postgre
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from agents.fcdaemon import serve_fcdaemon
 from tasks import api
@@ -21,6 +21,8 @@ def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
 ) -> None:
     store_env.set(health_misses="2", node_dead_grace_s="0")
     a, b = start_agents(2)
+    with store_env.db.transaction() as s:  # they list their VMs (reconcile learns it), so
+        s.execute(update(Node).values(can_list=True))  # a lost node's rows end Dead
     deploy_fn(store_env)
     api.wait(api.spawn("hello", 2), timeout=10)  # one on each node
     port = a.port

@@ -7,7 +7,7 @@ import time
 
 import grpc
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from agents.faults import Fault, FaultPlan
 from tasks import api
@@ -263,6 +263,8 @@ def test_release_failures(corral_env: Env, start_agents: StartAgents) -> None:
     # One call at a time to the node, so the order of outcomes is the order of calls.
     corral_env.set(node_max_inflight="1", node_failures="2")
     (agent,), _ = idle_on(corral_env, start_agents, 1, 5, idle_timeout=10)
+    with corral_env.db.transaction() as s:  # it lists its VMs (reconcile learns it): a VM
+        s.execute(update(Node).values(can_list=True))  # its release missed is an orphan
     clock.travel(11)
     agent.agent.inject(
         "ReleaseVMSetup", *[Fault.abort(grpc.StatusCode.UNAVAILABLE, "node rebooting")] * 10
