@@ -32,10 +32,8 @@ def spawn(self: CorralTask, op_id: str) -> dict[str, Any]:
     with _timed(self, op_id) as timer:
         function_id, jobs = spawning.plan_spawn(self.db, op_id)
         timer.mark_planned()
-        fan = spawning.fan_out(self.db, self.settings, op_id, function_id, jobs, self.budget)
-        _send([_batch(op_id, function_id, batch) for batch in fan.batches])
-        _follow(self, function_id, fan.first)
-    return {"op_id": op_id, "replicas": len(jobs), "states": fan.first.tally()}
+        first = _fan_out(self, op_id, function_id, jobs)
+    return {"op_id": op_id, "replicas": len(jobs), "states": first.tally()}
 
 
 @app.task(bind=True, name="corral.spawn_batch")
@@ -119,11 +117,7 @@ def scale(self: CorralTask, op_id: str) -> dict[str, Any]:
                 for i in range(0, len(plan.deletes), size)
             ]
         )
-        fan = spawning.fan_out(
-            self.db, self.settings, op_id, plan.function_id, plan.spawns, self.budget
-        )
-        _send([_batch(op_id, plan.function_id, batch) for batch in fan.batches])
-        _follow(self, plan.function_id, fan.first)
+        _fan_out(self, op_id, plan.function_id, plan.spawns)
     return {
         "op_id": op_id,
         "spawn": len(plan.spawns),
@@ -136,6 +130,17 @@ def _timed(task: CorralTask, op_id: str) -> contextlib.AbstractContextManager[st
     """Time this first task's spawn stages (:mod:`workers.stages`)."""
     sent_at = (task.request.headers or {}).get(stages.SENT_HEADER)
     return stages.timing(op_id, sent_at, redis_client(task.settings.broker_url))
+
+
+def _fan_out(task: CorralTask, op_id: str, function_id: str, jobs: list[spawning.SpawnJob]) -> Next:
+    """Queue a spawn's other batches, then work its first here; the first's outcome."""
+    first, rest = spawning.split(jobs)
+    _send([_batch(op_id, function_id, batch) for batch in rest])  # every worker, at once
+    if not first:
+        return Next()
+    nxt = spawning.run_batch(task.db, task.settings, op_id, function_id, first, task.budget)
+    _follow(task, function_id, nxt)
+    return nxt
 
 
 def _batch(op_id: str | None, function_id: str, jobs: list[spawning.SpawnJob]) -> Signature:

@@ -8,15 +8,19 @@ import pytest
 import redis
 from sqlalchemy import select
 
+from agents import serve_fcdaemon
 from tasks import api
+from tests.agents.helpers import MeetingDriver
 from tests.celery_workers import WorkerProcess
 from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import broker_drained, deploy_fn, one_agent, spawn_ok
 from workers.celery import app
+from workers.fleet.nodes import upsert_node
 from workers.functions import get_function
 from workers.kinds import OpKind
 from workers.operations import create_operation
+from workers.replicas import spawn as spawning
 from workers.store.models import Replica, ReplicaState
 
 
@@ -38,6 +42,28 @@ def test_spawn_scale_delete_through_a_thread_worker(
     assert api.wait(api.scale("hello", 2), timeout=30)["status"] == "succeeded"
     assert len(_live(thread_worker)) == 2
     assert len(a.driver.list()) + len(b.driver.list()) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_spawns_other_batches_start_while_its_first_is_in_flight(
+    thread_worker: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spawn queues its other batches before it works the first one, not after."""
+    monkeypatch.setattr(spawning, "SPAWN_BATCH", 2)
+    driver = MeetingDriver(4)  # each create waits until all four are under way at once
+    agent = serve_fcdaemon("127.0.0.1:0", driver=driver)
+    try:
+        with thread_worker.db.transaction() as s:
+            upsert_node(s, agent.address, name="node1", capacity=8)
+        deploy_fn(thread_worker)
+        view = api.wait(api.spawn("hello", 4), timeout=30)
+        # before: the second batch was queued once the first batch's creates had come
+        # back, which they never did: the first two timed out and were sent again
+        assert view["status"] == "succeeded", view
+        assert len(agent.agent.calls_of("CreateReplica")) == 4  # none failed and sent again
+        assert not driver.meeting.broken and len(driver.list()) == 4
+    finally:
+        agent.stop(grace=0)
 
 
 def _publish_raw(env: Env, task: str, args: list[object], queue: str) -> str:

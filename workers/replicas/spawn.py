@@ -2,10 +2,10 @@
 
 A spawn (or the growing half of a scale) is carried out in batches of up to
 :data:`SPAWN_BATCH` replicas. :func:`plan_spawn` fixes the operation's request ids once
-(stored on the operation, so every delivery works the same requests); :func:`fan_out`
-works the first batch in the calling task and leaves the others to ``spawn_batch`` tasks
-(:class:`~workers.replicas.outcomes.Next` says what to queue), so a large spawn is shared
-by every worker process. A batch (:func:`run_batch`):
+(stored on the operation, so every delivery works the same requests); :func:`split`
+cuts them into batches: the calling task queues all but the first as ``spawn_batch``
+tasks, then works the first itself, so a large spawn is shared by every worker process
+from its start. A batch (:func:`run_batch`):
 
 1. :func:`place` writes its replica rows as Creating - keyed by request id, each with a
    node slot (and GPU) reserved and counted toward the function's max - in one
@@ -137,27 +137,14 @@ def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
         return fn.id, jobs
 
 
-@dataclass(frozen=True)
-class FanOut:
-    """A fan-out's work: the first batch's outcome, and the other batches to queue."""
+def split(jobs: list[SpawnJob]) -> tuple[list[SpawnJob], list[list[SpawnJob]]]:
+    """A spawn's jobs as batches of :data:`SPAWN_BATCH`: the first, to work here, and the rest.
 
-    first: Next
-    batches: list[list[SpawnJob]]
-
-
-def fan_out(  # noqa: PLR0913 - one batch of one spawn
-    db: Database,
-    settings: Settings,
-    op_id: str,
-    function_id: str,
-    jobs: list[SpawnJob],
-    budget: Budget,
-) -> FanOut:
-    """Split ``jobs`` into batches; work the first one here, return the others to queue."""
+    The caller queues the rest *before* it works the first, so every worker starts on
+    them while the first batch's creates are in flight.
+    """
     batches = [jobs[i : i + SPAWN_BATCH] for i in range(0, len(jobs), SPAWN_BATCH)]
-    if not batches:
-        return FanOut(Next(), [])
-    return FanOut(run_batch(db, settings, op_id, function_id, batches[0], budget), batches[1:])
+    return (batches[0], batches[1:]) if batches else ([], [])
 
 
 def run_batch(  # noqa: PLR0913 - one batch of one spawn
