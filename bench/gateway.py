@@ -5,7 +5,7 @@ Run: ``python -m bench.gateway [-n 3000] [--concurrency 16] [--replicas 4] [--co
 
 Everything runs on this machine, each part in its own process: an embedded Redis, a
 SQLite store (or PostgreSQL with ``--postgres``: a throwaway server unless URL is
-given), one ``celery -A workers worker`` (prefork x2), one reference fcdaemon agent
+given), one ``corral worker`` (its default pool), one reference fcdaemon agent
 whose replicas are real processes (``examples.hello``: a threaded Python HTTP server
 that answers in one send, in about a hundred microseconds), one ``corral gateway``,
 and this process as the HTTP client: kept-alive HTTP/1.1 connections on uvloop with
@@ -499,14 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 py,
                 "-m",
-                "celery",
-                "-A",
-                "workers",
-                "worker",
-                "-P",
-                "prefork",
-                "-c",
-                "2",
+                "stack.worker",  # `corral worker`, its users' command, with its own pool
                 "-l",
                 "WARNING",
                 "--without-gossip",
