@@ -35,8 +35,11 @@ thread, so nothing outlives the harness even if the harness is SIGKILLed. The ha
 own thread (producers, checker) lives in the ``ctl`` host (:meth:`Network.move_here`).
 
 :func:`cleanup` removes a run's namespaces, first killing every process still inside
-them; :func:`cleanup_stale` does it for every run whose harness is gone, and the harness
-calls it at start and at exit, so a run killed any way leaves nothing for long.
+them; :func:`cleanup_stale` does it for every run whose harness is gone (no process
+with its pid, or one that started after its namespaces were made: the pid was reused).
+A run calls it as it starts, and ``python -m bench.partition --cleanup`` does only
+that: Ctrl-C, SIGTERM and failures are torn down by the run itself, a SIGKILL or the
+OOM killer cannot be, and the next run (or ``--cleanup``) removes what it left.
 """
 
 from __future__ import annotations
@@ -278,9 +281,29 @@ def run_namespaces() -> dict[str, list[str]]:
     return found
 
 
-def _harness_alive(run: str) -> bool:
-    """Whether the process that made run ``run`` (its harness, or a test) still runs."""
-    return Path(f"/proc/{run}").exists()
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch); None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        up = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return None
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22: since boot, in ticks
+    return time.time() - up + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _harness_alive(run: str, names: list[str]) -> bool:
+    """Whether the process that made run ``run``'s namespaces (its harness, or a test)
+    still runs: a process with that pid that started before they were made (a namespace's
+    file has the time it was made), not a later one that got the pid again."""
+    started = _started_at(int(run))
+    if started is None:
+        return False
+    try:
+        made = min(os.stat(NETNS_DIR / name).st_mtime for name in names)
+    except OSError:  # being removed meanwhile (by its own run): not ours to touch
+        return True
+    return started <= made + 0.2  # ticks are 10 ms; the clock is read twice
 
 
 def cleanup(run: str, keep: int | None = None) -> list[str]:
@@ -302,8 +325,8 @@ def cleanup(run: str, keep: int | None = None) -> list[str]:
 def cleanup_stale() -> list[str]:
     """Remove the namespaces of every run whose harness is gone; the names removed."""
     removed: list[str] = []
-    for run in run_namespaces():
-        if not _harness_alive(run):
+    for run, names in run_namespaces().items():
+        if not _harness_alive(run, names):
             removed += cleanup(run)
     return removed
 

@@ -249,7 +249,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1, help="the nemesis schedule's and load's seed")
     p.add_argument("--minutes", type=float, default=5.0, help="load and faults for this long")
     p.add_argument(
-        "--agents", type=int, default=5, help="fcdaemon agent hosts (plus a Lambdo host)"
+        "--agents", type=int, default=6, help="fcdaemon agent hosts (plus a Lambdo host)"
     )
     p.add_argument("--seed-only", type=int, default=2, help="of which speak only the seed protocol")
     p.add_argument("--workers", type=int, default=2, help="worker hosts")

@@ -25,7 +25,17 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from bench import checker, nemesis
-from bench.netns import Host, Launcher, Network, available, cleanup, cleanup_stale, run_namespaces
+from bench.netns import (
+    NETNS_DIR,
+    PREFIX,
+    Host,
+    Launcher,
+    Network,
+    available,
+    cleanup,
+    cleanup_stale,
+    run_namespaces,
+)
 from bench.nsprocs import Layout, NsPostgres
 from tests.eventually import eventually
 from tests.services import make_shared_tempdir
@@ -42,7 +52,7 @@ def _links() -> set[str]:
 
 
 def test_the_schedule_is_the_seeds_and_a_twenty_minute_run_meets_the_bar() -> None:
-    lay = Layout(workers=2, agents=5, seed_only=2)
+    lay = Layout(workers=2, agents=6, seed_only=2)
     faults = nemesis.schedule(7, 1200.0, lay)
     assert faults == nemesis.schedule(7, 1200.0, lay)
     assert faults != nemesis.schedule(8, 1200.0, lay)
@@ -166,6 +176,36 @@ def test_cleanup_finds_a_dead_runs_namespaces_and_kills_what_runs_in_them() -> N
         if launcher is not None:
             launcher.close()
         cleanup(net.run)
+
+
+@needs_netns
+def test_cleanup_takes_a_dead_runs_namespaces_whose_pid_a_later_process_got() -> None:
+    """A SIGKILLed run's pid may belong to another process by the time the next run
+    starts: its namespaces are still a dead run's, while a live run's are left alone."""
+    harness = subprocess.Popen(["sleep", "600"])
+    net = Network(str(harness.pid))
+    launcher = later = None
+    try:
+        net.create([Host("x", "10.231.0.10")])
+        launcher = Launcher(net)
+        sleeper = launcher.popen("x", ["sleep", "600"])
+        made = (NETNS_DIR / net.ns("x")).stat().st_mtime
+        eventually(lambda: time.time() > made + 0.5, 5, "the clock past the namespace's birth")
+        later = subprocess.Popen(["sleep", "600"])  # as if it got the dead run's pid
+        reused = f"{PREFIX}-{later.pid}-x"
+        subprocess.run(["ip", "netns", "attach", reused, str(sleeper.pid)], check=True)
+        assert str(later.pid) in run_namespaces()
+        removed = cleanup_stale()
+        assert reused in removed and str(later.pid) not in run_namespaces()
+        assert net.run in run_namespaces()  # its harness lives: its own names stay
+        assert later.poll() is None  # the process that got the pid is not touched
+    finally:
+        for proc in (harness, later):
+            if proc is not None:
+                proc.kill()
+                cleanup(str(proc.pid))
+        if launcher is not None:
+            launcher.close()
 
 
 @needs_netns
