@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
@@ -37,9 +38,16 @@ from bench.netns import (
     run_namespaces,
 )
 from bench.nsprocs import Layout, NsPostgres
+from config.settings import get_settings
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
 from tests.eventually import eventually
+from tests.fixtures import NO_BROKER
 from tests.services import make_shared_tempdir
+from workers.gateway import serve_gateway
+from workers.gateway.asgi import RETRY_AFTER_S
 from workers.store.db import Database, is_transient
+from workers.store.migrate import upgrade
 
 ROOT = Path(__file__).resolve().parents[2]
 why = available()
@@ -208,13 +216,9 @@ def test_cleanup_takes_a_dead_runs_namespaces_whose_pid_a_later_process_got() ->
             launcher.close()
 
 
-@needs_netns
-@pytest.mark.slow
-@pytest.mark.postgres
-@pytest.mark.timeout(120)
-def test_a_store_behind_a_cut_fails_a_statement_in_seconds_instead_of_hanging() -> None:
-    """Found by the partition run: with PostgreSQL cut off every worker hung in libpq (the
-    kernel's minutes of retries) until its hard time limit, and exited."""
+@pytest.fixture
+def store_host() -> Iterator[tuple[Network, NsPostgres]]:
+    """PostgreSQL on host ``pg`` (10.231.0.4), running, and a client host ``cl``."""
     net = Network(str(os.getpid()))
     launcher = None
     directory = make_shared_tempdir("corral-pt-test-pg-")
@@ -224,9 +228,38 @@ def test_a_store_behind_a_cut_fails_a_statement_in_seconds_instead_of_hanging() 
         pg = NsPostgres(directory, launcher, "pg", "10.231.0.4", "test-password")
         with net.entered("cl"):
             pg.start()
-            db = Database(pg.url_for("postgres"))
+        yield net, pg
+        pg.stop()
+    finally:
+        if launcher is not None:
+            launcher.close()
+        cleanup(net.run, keep=os.getpid())
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(150)
+def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answers_503(
+    store_host: tuple[Network, NsPostgres],
+) -> None:
+    """Found by the partition run: with PostgreSQL cut off every worker hung in libpq (the
+    kernel's minutes of retries) until its hard time limit, and exited; and a request the
+    gateway had to ask the store about ended in an unhandled error - a 500 and a traceback."""
+    net, pg = store_host
+    settings = get_settings().model_copy(
+        update={"database_url": pg.url_for("postgres"), "broker_url": NO_BROKER}
+    )
+    with net.entered("cl"):  # the gateway's threads start here: they are on host cl
+        db = Database(settings.database_url)
+        upgrade(db)
+        gateway = serve_gateway(settings, "127.0.0.1:0", queue=HereFirst(QUEUE), db=db)
+        url = f"{gateway.url}/function/nothing-by-this-name"
+        try:
             with db.read() as s:
                 assert s.scalar(text("SELECT 1")) == 1  # a pooled connection, in use below
+            assert httpx.get(url, timeout=30).status_code == 404  # the store says so
             net.link("pg", False)  # the store's cable out: nothing answers, nothing refuses
             for what in ("a pooled connection", "a new connection"):
                 started = time.monotonic()
@@ -235,16 +268,17 @@ def test_a_store_behind_a_cut_fails_a_statement_in_seconds_instead_of_hanging() 
                 took = time.monotonic() - started
                 assert took < 30, f"{what}: {took:.0f}s"
                 assert is_transient(caught.value)  # the task retries it
+                answer = httpx.get(url, timeout=60)
+                assert answer.status_code == 503, answer.text
+                assert answer.headers["retry-after"] == str(RETRY_AFTER_S)
+                assert "the store is unavailable" in answer.text
             net.heal()
             with db.read() as s:
                 assert s.scalar(text("SELECT 1")) == 1
+            eventually(lambda: httpx.get(url, timeout=30).status_code == 404, 30, "a 404 again")
+        finally:
+            gateway.stop()
             db.dispose()
-            pg.stop()
-    finally:
-        if launcher is not None:
-            launcher.close()
-        cleanup(net.run, keep=os.getpid())
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @needs_netns

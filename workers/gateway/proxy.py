@@ -22,6 +22,9 @@ A request goes through these steps, each with its own answer when it fails:
    otherwise -> 502. No complete answer within ``CORRAL_GATEWAY_TIMEOUT_S`` -> 504
    (a slow replica is not retired).
 
+The store unreachable at any step (cut off, restarting: an error that passes if tried
+again) -> 503 with ``Retry-After``; any other store error is a bug, and a 500.
+
 The environment is returned on every path out - error, timeout, and a client that goes
 away (a watcher on the ASGI ``receive`` channel cancels the request; returning it is
 synchronous, and a claim a cancelled store call still makes goes to the pool).
@@ -36,6 +39,8 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
+
+from sqlalchemy.exc import DBAPIError
 
 from config.settings import Settings, reveal
 from workers import tracing
@@ -65,7 +70,7 @@ from workers.gateway.upstream import PREFIX, BrokenOff, ReplicaFailed, Upstreams
 from workers.redis_client import redis_client
 from workers.replicas import notices
 from workers.replicas.claims import NoIdleReplica
-from workers.store.db import Database
+from workers.store.db import Database, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +213,13 @@ class Gateway:
                 raise Answer(404, what) from None
             except NoIdleReplica as exc:  # timed out, or the cold start failed
                 raise Answer(503, str(exc), {"retry-after": str(RETRY_AFTER_S)}) from None
+            except DBAPIError as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("gateway: the store is unavailable: %s", str(exc.orig).split("\n")[0])
+                raise Answer(
+                    503, "the store is unavailable", {"retry-after": str(RETRY_AFTER_S)}
+                ) from None
         except Answer as answer:
             extra = {} if state["read"] or not has_body(scope) else CLOSE  # body left unread
             await reply(tracked, answer.status, answer.message, {**answer.headers, **extra})
