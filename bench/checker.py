@@ -11,8 +11,10 @@ Recorded while the run goes on:
   or the error it met and how long it took. A call must be answered with a status
   (an HTTP answer, 5xx included) before its deadline: the admission wait, then two
   tries of a claim (the cold-start timeout) and the call (the gateway timeout), plus
-  :data:`SLACK_S`. ``calls_hung`` (no answer by the deadline) and ``calls_unanswered``
-  (the connection failed or was cut) are anomalies.
+  :data:`SLACK_S`. ``calls_hung`` (no answer by the deadline), ``calls_unanswered``
+  (the connection failed or was cut) and ``calls_500`` (an error the gateway did not
+  handle: the functions called answer 200, and the gateway's own refusals are 429,
+  502, 503 and 504) are anomalies.
 * :class:`Sampler` - once a second, the live rows on every node (the store) and the VMs
   on every agent host (``/proc``), each against the node's capacity:
   ``rows_over_capacity`` / ``vms_over_capacity``.
@@ -55,6 +57,7 @@ from workers.store.models import (
 )
 
 SLACK_S = 5.0
+INTERNAL_ERROR = 500  # the functions called answer 200: a 500 is an error the gateway left
 
 
 def call_deadline(settings: Settings) -> float:
@@ -117,15 +120,17 @@ class Callers:
         return call
 
     def anomalies(self) -> dict[str, list[str]]:
-        """Calls with no status, or answered past their deadline."""
-        hung, unanswered = [], []
+        """Calls with no status, answered past their deadline, or with a 500."""
+        hung, unanswered, errored = [], [], []
         for c in self.calls:
             what = f"{c.function} at {c.began_s:.0f}s: {c.status or c.error} after {c.took_s:.1f}s"
             if c.took_s > self.deadline_s:
                 hung.append(what)
             elif c.status is None:
                 unanswered.append(what)
-        return {"calls_hung": hung, "calls_unanswered": unanswered}
+            elif c.status == INTERNAL_ERROR:
+                errored.append(what)
+        return {"calls_hung": hung, "calls_unanswered": unanswered, "calls_500": errored}
 
     def figures(self) -> dict[str, Any]:
         """Calls by outcome, and the slowest."""
