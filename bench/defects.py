@@ -38,7 +38,7 @@ def _no_ownership() -> None:
             return out
         with db.transaction() as s:
             rows = s.execute(owners._CANDIDATES, {"request_ids": request_ids}).all()
-            for rid, request_id, node, fn, op_id, placements, _owner, _until in rows:
+            for rid, request_id, node, fn, op_id, placements, *_owner_and_sent in rows:
                 s.execute(
                     update(Replica).where(Replica.id == rid).values(owner=token, owner_until=until)
                 )
