@@ -23,7 +23,10 @@ Judged at the end (:func:`final_state`): every VM an agent runs has exactly one 
 row and every live row's VM runs on its node (:func:`bench.history.compare`, with
 ``/proc`` as the truth of what runs); ``ops_open``: no operation at all - the load's,
 the gateway's cold starts, the housekeeping passes' - is still pending or running;
-``db_check``: ``corral db check`` exits 0; ``claims_outstanding``; and
+``ops_failed_by_a_bug``: none ended failed because a task raised a programming error
+(``ValueError``, ``TypeError``, ``AttributeError``...: a refusal, a node's answer or a
+transient error past its retries is an outcome, that is a bug); ``db_check``:
+``corral db check`` exits 0; ``claims_outstanding``; and
 ``unexpected_deaths``: no process died that the nemesis did not kill (``corral worker``
 killing and restarting its worker at a task's hard time limit is by design, and only
 counted); and ``seed_creates_twice`` (:func:`seed_creates_twice`), from the agents' own
@@ -215,6 +218,18 @@ class Sampler:
                     f"{since[name]:.0f}s, at {at:.0f}s"
                 )
         return over, dict(longest)
+
+
+_BUG = re.compile(
+    r"\b(ValueError|TypeError|AttributeError|KeyError|IndexError|AssertionError|NameError"
+    r"|UnboundLocalError|ZeroDivisionError)\b"
+)
+
+
+def failed_by_a_bug(reasons: Counter[str]) -> list[str]:
+    """Operations that failed because a task raised a programming error (not a refusal, a
+    node's answer or a transient error past its retries): ``ops_failed_by_a_bug``."""
+    return [f"{n} x {why}" for why, n in reasons.items() if _BUG.search(why)]
 
 
 def vm_grace(settings: Settings) -> float:

@@ -177,14 +177,15 @@ def _exercise(  # noqa: PLR0913 - one run's parts
     sampler.stop.set()
     threads[1].join(10)
     vms_over, vm_excess = sampler.vms_over()
+    got = outcomes(fleet.db(), results.ops, args.minutes)
     results.anomalies = {
+        "ops_failed_by_a_bug": checker.failed_by_a_bug(got.reasons),
         **final,
         "rows_over_capacity": sampler.rows_over,
         "vms_over_capacity": vms_over,
         **callers.anomalies(),
         "nemesis_failed": [f"{d.fault}: {d.error}" for d in nem.done if d.error],
     }
-    got = outcomes(fleet.db(), results.ops, args.minutes)
     results.figures = {
         "seed": args.seed,
         "minutes": args.minutes,

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,6 +96,20 @@ def test_vms_over_capacity_count_only_runs_past_the_grace() -> None:
     assert longest == {"n1": 19, "n2": 0}
     assert {o.split(":")[0] for o in over} == {"n1"}
     assert over[0] == "n1: 5 VMs > 4 since 20s, at 31s"
+
+
+def test_an_operation_failed_by_a_programming_error_is_an_anomaly_an_outcome_is_not() -> None:
+    reasons = Counter(
+        {
+            "spawn: no capacity for pt-l on any healthy lambdo node": 25,
+            "delete: node pt-fc1: ReleaseVMSetup failed: DEADLINE_EXCEEDED: Deadline Exceeded": 1,
+            "scale: corral.spawn: OperationalError: connection failed": 1,  # past its retries
+            "spawn: corral.spawn_replica: ValueError: too many values to unpack (expected #)": 4,
+        }
+    )
+    assert checker.failed_by_a_bug(reasons) == [
+        "4 x spawn: corral.spawn_replica: ValueError: too many values to unpack (expected #)"
+    ]
 
 
 @pytest.fixture
