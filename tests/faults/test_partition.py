@@ -145,7 +145,7 @@ def test_cuts_cut_only_what_they_name_and_heal_restores_all(
     three_hosts: tuple[Network, Launcher],
 ) -> None:
     net, _ = three_hosts
-    eventually(lambda: _reach(net, "a", "b") and _reach(net, "b", "a"), 10, "listeners up")
+    eventually(lambda: all(_reach(net, "a", d) for d in "bc") and _reach(net, "b", "a"), 30, "up")
     # nothing leaves the namespaces: no route out
     with net.entered("a"), pytest.raises(OSError, match="unreachable"):
         socket.create_connection(("1.1.1.1", 53), timeout=1)
