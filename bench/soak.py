@@ -17,7 +17,7 @@ A load generator issues, at ``--rate`` actions a second: spawns, scales, deletes
 a random Idle or Creating replica, claims (each released one to four seconds later),
 and every 30 s a re-deploy (a new build, so the reaper retires the old one's replicas). At the
 same time a fault schedule, scaled to the duration (each window shrinks so that a
-90-second run still has every kind at least once), fires:
+45-second run, as CI's, still has every kind at least once), fires:
 
 * ``worker_kill`` - SIGKILL one worker (its whole process group) every 20 s, and
   start a new one;
