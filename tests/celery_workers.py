@@ -27,10 +27,12 @@ from celery import signals
 from celery.contrib.testing.worker import start_worker
 
 from config.celery import QUEUES
+from config.settings import get_settings, reset_settings
 from tests.eventually import eventually
 from tests.fixtures import FAST, Env, _apply
+from tests.services import RedisServer
 from workers import clock
-from workers.celery import app
+from workers.celery import app, configure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,9 +55,28 @@ def broker_env(
     clock.reset()  # a test that moved time must not move the next one's
 
 
-@pytest.fixture
-def thread_worker(broker_env: Env) -> Iterator[Env]:
-    """A real Celery worker (thread pool) on the test broker, in this process."""
+@contextlib.contextmanager
+def shared_broker_env(tmp: Path, store_url: str, redis: RedisServer) -> Iterator[Env]:
+    """``broker_env``'s settings for a wider scope than a test (a module's shared parts).
+
+    ``store_url`` must be migrated; Redis is emptied first. Settings are restored after.
+    """
+    url = redis.emptied()
+    with pytest.MonkeyPatch.context() as mp:
+        env = _apply(Env(mp, tmp), store_url, migrate=False, broker_url=url, result_backend=url)
+        env.set(eager="0")
+        try:
+            yield env
+        finally:
+            env.db.dispose()
+            clock.reset()
+    reset_settings()
+    configure(get_settings())
+
+
+@contextlib.contextmanager
+def worker_thread() -> Iterator[None]:
+    """A real Celery worker (thread pool) on the broker in force, in this process."""
     with start_worker(
         app,
         pool="threads",
@@ -65,10 +86,17 @@ def thread_worker(broker_env: Env) -> Iterator[Env]:
         shutdown_timeout=10,
         queues=list(QUEUES),
     ) as worker:
-        yield broker_env
+        yield
     # The testing worker ends cold, which says nothing: say it ended, as a warm shutdown
     # does (workers.celery: tasks this process runs from now on are no pool's).
     signals.worker_shutdown.send(sender=worker)
+
+
+@pytest.fixture
+def thread_worker(broker_env: Env) -> Iterator[Env]:
+    """A real Celery worker (thread pool) on the test broker, in this process."""
+    with worker_thread():
+        yield broker_env
 
 
 class WorkerProcess:

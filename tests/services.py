@@ -224,6 +224,16 @@ class RedisServer(_Server):
         executor = _start_on_a_port(self._executor_on, self.port, log)
         self._executor, self.port = executor, executor.port
 
+    def emptied(self) -> str:
+        """Database 0's URL, the server started if it was stopped and emptied (FLUSHALL)."""
+        self.start()
+        client = self.client()
+        try:
+            client.flushall()
+        finally:
+            client.close()
+        return self.url
+
 
 # ---------------------------------------------------------------------------------- PostgreSQL
 
@@ -497,14 +507,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """URL of database 0 on the session Redis, emptied (FLUSHALL) before the test."""
-    if not redis_server.is_running():  # a previous test may have stopped it
-        redis_server.start()
-    client = redis_server.client()
-    try:
-        client.flushall()
-    finally:
-        client.close()
-    return redis_server.url
+    return redis_server.emptied()  # started again if a previous test stopped it
 
 
 def _postgres_required() -> bool:

@@ -12,6 +12,7 @@ waits for that. :func:`free_port` and :func:`wait_healthy` serve the tests that 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -104,14 +105,23 @@ class Stack:
         return len(self.agent.agent.calls_of("CreateReplica"))
 
 
+@contextlib.contextmanager
+def data_path(env: Env) -> Iterator[Stack]:
+    """A process agent (registered as node ``node1``) on the store and broker of ``env``."""
+    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver(allow_images=[HOSTILE]))
+    with env.db.transaction() as s:
+        upsert_node(s, agent.address, name="node1", capacity=64)
+    running = Stack(env, agent)
+    try:
+        yield running
+    finally:
+        for gateway in running.gateways:
+            gateway.stop()
+        agent.stop(grace=0)
+
+
 @pytest.fixture
 def stack(thread_worker: Env) -> Iterator[Stack]:
     """Broker, worker, store, a process agent (registered as node ``node1``)."""
-    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver(allow_images=[HOSTILE]))
-    with thread_worker.db.transaction() as s:
-        upsert_node(s, agent.address, name="node1", capacity=64)
-    running = Stack(thread_worker, agent)
-    yield running
-    for gateway in running.gateways:
-        gateway.stop()
-    agent.stop(grace=0)
+    with data_path(thread_worker) as running:
+        yield running
