@@ -120,10 +120,12 @@ class WorkerProcess:
         self.include = include
         self.env = {**os.environ, **FAST, **(extra_env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
+        self._asked = False  # a warm shutdown was asked for
 
     def start(self, timeout: float = 30.0) -> WorkerProcess:
         """Start the worker and wait until it says it is ready."""
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self._asked = False
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -201,11 +203,17 @@ class WorkerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
+    def ask_to_stop(self) -> None:
+        """Begin a warm shutdown (SIGTERM) without waiting for it: :meth:`stop` waits."""
+        if self.proc is not None and self.proc.poll() is None and not self._asked:
+            self.proc.send_signal(signal.SIGTERM)
+            self._asked = True
+
     def stop(self, timeout: float = 20.0) -> None:
         """Warm shutdown (SIGTERM), SIGKILL if it does not finish in time."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        self.ask_to_stop()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -219,6 +227,8 @@ def worker_processes(broker_env: Env, tmp_path: Path) -> Iterator[list[WorkerPro
     """A list to append started :class:`WorkerProcess` objects to; all stopped afterwards."""
     started: list[WorkerProcess] = []
     yield started
+    for worker in started:  # all at once: a prefork worker's warm stop takes seconds
+        worker.ask_to_stop()
     for worker in started:
         worker.stop()
 
