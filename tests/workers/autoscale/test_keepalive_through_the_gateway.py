@@ -48,6 +48,7 @@ KEEPALIVE = {
     "reap_interval_s": "0.5",
 }
 PERIOD_S = 5.5
+RARE_LET_GO_S = 10  # rare's pre-warm comes 12 s after its call; nothing may come before 10 s
 LIVE = (ReplicaState.CREATING, ReplicaState.STARTING, ReplicaState.IDLE, ReplicaState.ALLOCATED)
 
 
@@ -124,13 +125,14 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
             # -- rare and plain: one call each, cold
             rare_end = call("rare")
             call("plain")
+            # let go by the reaper's next passes, long before its pre-warm is due (12 s
+            # after this call), where the fixed keep-alive keeps plain's for 10 minutes
             eventually(
                 lambda: live(broker_env, "rare") == 0,
-                5,
+                RARE_LET_GO_S,
                 "rare's replica let go right after use",
                 detail=worker.tail,
             )
-            let_go = time.time() - rare_end
             assert live(broker_env, "plain") == 1  # the fixed 10 minutes keep it
 
             # -- tick: every 5.5 s
@@ -149,11 +151,10 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
         cold = cold_starts(gateway_url, "tick")
         gateway.stop()
 
-    assert let_go < 5
     used, *since = rows(broker_env, "rare")
     assert used.status == ReplicaState.DELETED and used.error is None
     # the only others are pre-warms for its next call (due 12 s after this one ended)
-    assert all(r.created_at > naive(rare_end + 10) for r in since), since
+    assert all(r.created_at > naive(rare_end + RARE_LET_GO_S) for r in since), since
 
     # the first replica served calls 1-4 and was let go right after the fourth...
     first, *later = replaced
