@@ -91,7 +91,8 @@ class Child:
 
 
 class Supervisor:
-    """Starts children in order, restarts ones that die, stops them in reverse order."""
+    """Starts children (one by one, or several at once), restarts ones that die, stops them in
+    reverse order."""
 
     def __init__(self, say: Callable[[str], None]) -> None:
         self.children: list[Child] = []
@@ -101,16 +102,33 @@ class Supervisor:
         self, child: Child, ready: Callable[[], bool] | None = None, timeout: float = 60.0
     ) -> Child:
         """Start a child and wait until ``ready()`` says it serves."""
+        self.launch(child)
+        self.wait_ready([(child, ready, timeout)])
+        return child
+
+    def launch(self, child: Child) -> Child:
+        """Start a child without waiting for it (:meth:`wait_ready` does)."""
         self.children.append(child)
         child.start()
-        deadline = time.monotonic() + timeout
-        while ready is not None and not ready():
-            if not child.alive:
-                raise RuntimeError(f"{child.name} exited at start:\n{child.tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{child.name} not ready after {timeout:g}s:\n{child.tail()}")
-            time.sleep(0.1)
         return child
+
+    def wait_ready(self, waits: list[tuple[Child, Callable[[], bool] | None, float]]) -> None:
+        """Wait until each child's ``ready()`` says it serves, within its timeout from its start.
+
+        A child that exits first, or is not ready in time, raises (naming it, with its log's end).
+        """
+        todo = [(child, ready, timeout) for child, ready, timeout in waits if ready is not None]
+        while todo:
+            for child, ready, timeout in list(todo):
+                if ready is not None and ready():
+                    todo.remove((child, ready, timeout))
+                elif not child.alive:
+                    raise RuntimeError(f"{child.name} exited at start:\n{child.tail()}")
+                elif time.monotonic() > child.started_at + timeout:
+                    tail = child.tail()
+                    raise TimeoutError(f"{child.name} not ready after {timeout:g}s:\n{tail}")
+            if todo:
+                time.sleep(0.1)
 
     def watch_once(self) -> None:
         """Restart any child that died (at most once every 5 s each)."""

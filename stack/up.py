@@ -1,12 +1,13 @@
 """``corral up``: broker, store, registry, worker, beat, Flower, gateway, metrics, agents.
 
 Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite store
-(migrated), the registry, one Celery worker on every queue with task events (as ``corral
-worker`` runs it: :mod:`stack.worker`), celery beat, Flower, the invocation gateway
-(http://127.0.0.1:8080 unless that port is taken), the Prometheus exporter (``corral
-metrics``, 127.0.0.1:9808 unless taken), then an fcdaemon agent (which registers itself
-through the registry) and a Lambdo host (added as a node), both with the process driver.
-Stop order is the reverse. Everything lives under the state directory (``.corral/`` in
+(migrated); then, all at once (each needs only those two), the registry, one Celery worker
+on every queue with task events (as ``corral worker`` runs it: :mod:`stack.worker`), celery
+beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port is taken) and
+the Prometheus exporter (``corral metrics``, 127.0.0.1:9808 unless taken); once they all
+serve, an fcdaemon agent (which registers itself through the registry) and a Lambdo host
+(added as a node), both with the process driver, at once. Stop order is the reverse of the
+start order. Everything lives under the state directory (``.corral/`` in
 the working directory by default): data, logs, the lock that keeps a second ``corral
 up`` out, and ``stack.json``, from which the CLI run in the same directory learns the
 broker, database and registry addresses.
@@ -22,7 +23,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,12 +181,13 @@ def _start(
         env["CORRAL_" + key.upper()] = str(value)
     env["CORRAL_STATE_DIR"] = str(state)
 
-    launch.start(
-        "registry", [PY, "-m", "tasks.cli", "registry"], ready=lambda: _port_open(reg_port)
-    )
-    _start_celery(launch, options, base, flower_port)
-    services["gateway"] = _start_http(launch, "gateway", ["tasks.cli", "gateway"], "")
-    services["metrics"] = _start_http(launch, "metrics", ["tasks.cli", "metrics"], "/metrics")
+    with launch.together():  # each needs only the broker and the store
+        launch.start(
+            "registry", [PY, "-m", "tasks.cli", "registry"], ready=lambda: _port_open(reg_port)
+        )
+        _start_celery(launch, options, base, flower_port)
+        services["gateway"] = _start_http(launch, "gateway", ["tasks.cli", "gateway"], "")
+        services["metrics"] = _start_http(launch, "metrics", ["tasks.cli", "metrics"], "/metrics")
     if options.agents:
         services.update(_start_agents(launch, database, reg_port))
     return published, services
@@ -203,6 +205,7 @@ class _Launch:
     env: dict[str, str]
     state: Path
     logs: Path
+    _waits: list[tuple[Child, Callable[[], bool] | None, float]] | None = None
 
     def start(
         self,
@@ -212,12 +215,24 @@ class _Launch:
         ready: Callable[[], bool] | None = None,
         timeout: float = 60.0,
     ) -> None:
-        """Start child ``name`` and wait until ``ready()`` says it serves."""
-        self.sup.start(
-            Child(name, argv, self.env, self.logs / f"{name}.log", self.state),
-            ready=ready,
-            timeout=timeout,
-        )
+        """Start child ``name`` and wait until ``ready()`` says it serves (inside
+        :meth:`together`: when the block ends)."""
+        child = self.sup.launch(Child(name, argv, self.env, self.logs / f"{name}.log", self.state))
+        wait = (child, ready, timeout)
+        if self._waits is None:
+            self.sup.wait_ready([wait])
+        else:
+            self._waits.append(wait)
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Children started in the block start at once; its end waits until each serves."""
+        self._waits = []
+        try:
+            yield
+            self.sup.wait_ready(self._waits)
+        finally:
+            self._waits = None
 
 
 def _start_redis(launch: _Launch) -> str:
@@ -303,32 +318,33 @@ def _start_http(launch: _Launch, name: str, module_args: list[str], path: str) -
 
 def _start_agents(launch: _Launch, database: str, reg_port: int) -> dict[str, str]:
     """Start a local fcdaemon agent and Lambdo host, registered as nodes; their addresses."""
-    fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
-    launch.start(
-        "fcdaemon",
-        [
-            PY,
-            "-m",
-            "agents.fcdaemon",
-            "--listen",
-            f"127.0.0.1:{fc_port}",
-            "--registry",
-            f"127.0.0.1:{reg_port}",
-            "--node-id",
-            "local-fcdaemon",
-            "--driver",
-            "process",
-        ],
-        ready=lambda: _node_registered(database, "local-fcdaemon"),
-        timeout=30,
-    )
-    lb_port = free_port(DEFAULT_PORTS["lambdo"])
-    lambdo = f"http://127.0.0.1:{lb_port}"
-    launch.start(
-        "lambdo",
-        [PY, "-m", "agents.lambdo", "--listen", f"127.0.0.1:{lb_port}", "--driver", "process"],
-        ready=lambda: _port_open(lb_port),
-    )
+    with launch.together():  # the agent registers through the registry, up by now
+        fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
+        launch.start(
+            "fcdaemon",
+            [
+                PY,
+                "-m",
+                "agents.fcdaemon",
+                "--listen",
+                f"127.0.0.1:{fc_port}",
+                "--registry",
+                f"127.0.0.1:{reg_port}",
+                "--node-id",
+                "local-fcdaemon",
+                "--driver",
+                "process",
+            ],
+            ready=lambda: _node_registered(database, "local-fcdaemon"),
+            timeout=30,
+        )
+        lb_port = free_port(DEFAULT_PORTS["lambdo"])
+        lambdo = f"http://127.0.0.1:{lb_port}"
+        launch.start(
+            "lambdo",
+            [PY, "-m", "agents.lambdo", "--listen", f"127.0.0.1:{lb_port}", "--driver", "process"],
+            ready=lambda: _port_open(lb_port),
+        )
     _add_lambdo_node(database, lambdo)
     return {"fcdaemon": f"127.0.0.1:{fc_port}", "lambdo": lambdo}
 
