@@ -4,6 +4,7 @@ loopback without a token. Real agent processes started by their command lines.""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -203,14 +204,13 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.Complete
 
 
 @pytest.fixture
-def migrated(tmp_path: Path) -> dict[str, str]:
+def migrated(tmp_path: Path, sqlite_template: Path) -> dict[str, str]:
+    """The environment of a migrated SQLite store (a copy of the session's migrated file)."""
+    shutil.copyfile(sqlite_template, tmp_path / "c.sqlite")
     url = f"sqlite:///{tmp_path / 'c.sqlite'}"
-    env = _env(
+    return _env(
         CORRAL_DATABASE_URL=url, CORRAL_STATE_DIR=str(tmp_path / "state"), PYTHONPATH=str(ROOT)
     )
-    done = _run(["db", "upgrade"], env, tmp_path)
-    assert done.returncode == 0, done.stderr
-    return env
 
 
 @pytest.mark.parametrize(("argv", "variable", "_"), AGENTS, ids=lambda v: str(v))
