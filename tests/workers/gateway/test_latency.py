@@ -18,6 +18,7 @@ from tests.workers.gateway.conftest import Stack
 CALLS = 50
 STALL_MS = 40.0  # the delayed-ACK timer a stalled call waits out
 ROUNDS = 3  # a stall is every call, every round; a busy machine's stray wait is one call
+STRAYS = 2  # stray waits a round may have (a busy machine's: 40-56 ms, one a round, seen)
 
 
 def _keepalive_calls(url: str, n: int) -> list[float]:
@@ -42,11 +43,12 @@ def test_fifty_keepalive_calls_through_the_gateway_and_direct_never_stall(stack:
 
     for where, url in (("direct", replica.address), ("gateway", f"{gw.url}/function/hello")):
         rounds = []
-        for _ in range(ROUNDS):  # a round with every call well under the stall is enough
+        for _ in range(ROUNDS):  # a round with (nearly) every call well under the stall
             times = _keepalive_calls(url, CALLS)
-            rounds.append((statistics.median(times), max(times)))
-            if max(times) < STALL_MS * 0.75:
+            slow = sum(t >= STALL_MS * 0.75 for t in times)
+            rounds.append((statistics.median(times), max(times), slow))
+            if slow <= STRAYS:
                 break
         else:
-            raise AssertionError(f"{where}: (p50, max) ms of each round: {rounds}")
+            raise AssertionError(f"{where}: (p50, max ms, slow calls) of each round: {rounds}")
         assert statistics.median(times) < 5.0, (where, statistics.median(times))
