@@ -14,7 +14,9 @@ server that consumes it:
 
 * ``Fault.abort(code, message)`` - gRPC: ``context.abort(code, message)`` with a
   ``grpc.StatusCode``; HTTP: answer status ``code`` with a plain-text body.
-* ``Fault.delay(seconds)`` - sleep, then handle the call normally.
+* ``Fault.delay(seconds)`` - sleep, then handle the call normally;
+  ``Fault.delay(seconds, until=event)`` - wait until the test sets ``event`` (at most
+  ``seconds``), then handle it: a call held in flight until something else happened.
 * ``Fault.reply(message)`` - gRPC: answer this message instead of doing the work;
   ``Fault.reply(status, body, content_type)`` - HTTP: answer this response instead.
 * ``Fault.hangup()`` - HTTP only: close the connection without any response.
@@ -23,6 +25,7 @@ server that consumes it:
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -59,6 +62,7 @@ class Fault:
     seconds: float = 0.0
     value: Any = None
     content_type: str = "text/plain; charset=utf-8"
+    until: threading.Event | None = None
 
     @classmethod
     def abort(cls, code: Any, message: str = "") -> Fault:
@@ -66,11 +70,18 @@ class Fault:
         return cls(kind="abort", code=code, message=message)
 
     @classmethod
-    def delay(cls, seconds: float) -> Fault:
-        """Sleep ``seconds`` before handling the call normally."""
+    def delay(cls, seconds: float, until: threading.Event | None = None) -> Fault:
+        """Sleep ``seconds`` (or until ``until`` is set, at most that) before handling the call."""
         if seconds < 0:
             raise ValueError("delay must not be negative")
-        return cls(kind="delay", seconds=float(seconds))
+        return cls(kind="delay", seconds=float(seconds), until=until)
+
+    def wait(self) -> None:
+        """A delay's wait, in this thread."""
+        if self.until is None:
+            time.sleep(self.seconds)
+        else:
+            self.until.wait(self.seconds)
 
     @classmethod
     def reply(

@@ -10,7 +10,6 @@ listen address. :class:`GrpcFaultHooks` plays the faults a test scripts
 from __future__ import annotations
 
 import logging
-import time
 from concurrent import futures
 from typing import Any
 
@@ -71,7 +70,7 @@ class GrpcFaultHooks(FaultHooks):
             return False, None
         log.info("%s: injected fault %s", method, fault.kind)
         if fault.kind == "delay":
-            time.sleep(fault.seconds)
+            fault.wait()
             return False, None
         if fault.kind == "reply":
             return True, fault.value

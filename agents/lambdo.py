@@ -377,7 +377,9 @@ class _Site:
             if fault.kind == "hangup":
                 await asgiserve.hang_up(scope, receive)
                 return
-            if fault.kind == "delay":
+            if fault.kind == "delay" and fault.until is not None:
+                await asyncio.to_thread(fault.wait)
+            elif fault.kind == "delay":
                 await asyncio.sleep(fault.seconds)
             elif fault.kind in ("abort", "reply"):
                 await _send(send, _faulty(fault))

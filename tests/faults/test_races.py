@@ -97,8 +97,9 @@ def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
     settings = corral_env.settings
     spawn_op = _new_op(corral_env, OpKind.SPAWN, count=1)
     fn_id, jobs = plan_spawn(corral_env.db, spawn_op)
-    if readiness == "agent":  # the node is still making the VM while the delete comes
-        agent.agent.inject("CreateReplica", Fault.delay(1.0))
+    made = threading.Event()  # the node is still making the VM until the delete is done
+    if readiness == "agent":
+        agent.agent.inject("CreateReplica", Fault.delay(60, until=made))
     spawning = threading.Thread(
         target=run_batch, args=(corral_env.db, settings, spawn_op, fn_id, jobs, Budget.of(settings))
     )
@@ -110,7 +111,10 @@ def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
     (row,) = replicas(corral_env)
     assert row.status == (ReplicaState.STARTING if readiness == "guest" else ReplicaState.CREATING)
 
-    deleted = api.wait(api.delete(row.id), timeout=10)
+    try:
+        deleted = api.wait(api.delete(row.id), timeout=10)
+    finally:
+        made.set()
     assert deleted["status"] == "succeeded"
     spawned = api.wait(spawn_op, timeout=5)  # timed out here before the fix
     assert spawned["status"] == "failed"

@@ -61,8 +61,13 @@ def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice
 ) -> None:
     corral_env.set(node_max_inflight="2")
     (agent,) = start_agents(1, env=corral_env, seed_only=seed_only)
+    held = threading.Event()  # the last two sent stay in flight until the batch was cut
     agent.agent.inject(
-        "CreateReplica", Fault.delay(0), Fault.delay(0), Fault.delay(1.5), Fault.delay(1.5)
+        "CreateReplica",
+        Fault.delay(0),
+        Fault.delay(0),
+        Fault.delay(60, until=held),
+        Fault.delay(60, until=held),
     )
     with corral_env.db.transaction() as s:
         op_id = create_operation(
@@ -71,13 +76,16 @@ def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice
     fn_id, jobs = plan_spawn(corral_env.db, op_id)
     settings = corral_env.settings
 
-    def two_created_two_in_flight() -> bool:  # and two waiting: the last two sent take 1.5 s
+    def two_created_two_in_flight() -> bool:  # and two waiting
         if len(agent.agent.calls_of("CreateReplica")) < 4:
             return False
         return sum(r.status == ReplicaState.IDLE for r in replicas(corral_env)) >= 2
 
     soft_limit_when(two_created_two_in_flight)
-    nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    try:
+        nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    finally:
+        held.set()  # the node goes on making those two VMs
 
     states = sorted(nxt.states[j.request_id] for j in jobs)
     cut = "maybe, replaced" if seed_only else "cut off, sent again later"
