@@ -168,7 +168,25 @@ class _Server:
 # --------------------------------------------------------------------------------------- Redis
 
 
-class _PingedRedis(RedisExecutor):
+class _SessionLeader(Executor):
+    """An executor whose server leads its own session, with no Python run between fork and exec.
+
+    mirakuru starts a server with ``preexec_fn=os.setsid``: Python code in the child of a
+    process with threads (the suite's gRPC agents and clients run some), which the
+    ``subprocess`` docs call unsafe and gRPC's fork handlers make so - a Redis restart's
+    child once died of SIGSEGV before it ran redis-server. ``start_new_session`` makes the
+    same ``setsid`` in C (and lets ``subprocess`` use ``vfork``).
+    """
+
+    @property
+    def _popen_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(super()._popen_kwargs)
+        if kwargs.pop("preexec_fn", None) is not None:
+            kwargs["start_new_session"] = True
+        return kwargs
+
+
+class _PingedRedis(_SessionLeader, RedisExecutor):
     """pytest-redis's executor, ready when Redis answers PING (after loading its AOF)."""
 
     def after_start_check(self) -> bool:
@@ -319,7 +337,7 @@ def _as_user(uid: int | None) -> dict[str, Any]:
     return {"user": uid, "group": pwd.getpwuid(uid).pw_gid, "extra_groups": []}
 
 
-class _Postmaster(Executor):
+class _Postmaster(_SessionLeader):
     """``postgres`` run by mirakuru: ready when it answers a query, stopped by SIGINT (fast)."""
 
     def __init__(self, argv: list[str], port: int, conninfo: str, log: IO[bytes], uid: int | None):
