@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
 import redis
@@ -12,6 +13,7 @@ from agents.fcdaemon import RunningAgent
 from config.celery import QUEUES
 from tasks import api
 from tests.fixtures import Env, StartAgents
+from workers import clock
 from workers.backends import Vm
 from workers.functions import deploy, spec_from
 from workers.replicas.creates import record
@@ -112,3 +114,12 @@ def record_vm(env: Env, pending: Pending, vm: Vm) -> Outcome:
     nxt = Next()
     record(env.db, env.settings, [(pending, vm)], nxt)
     return nxt.states[pending.request_id]
+
+
+def lapsed() -> datetime:
+    """An ownership deadline the store's clock has passed (a handler that died a second ago).
+
+    Not ``clock.now()``: the process's estimate of the store's time may run a few
+    milliseconds ahead of the transaction time PostgreSQL compares it with.
+    """
+    return clock.now() - timedelta(seconds=1)

@@ -23,7 +23,7 @@ from config.settings import Settings
 from tasks import api
 from tasks.replicas import delete_batch, spawn_batch
 from tests.fixtures import Env, StartAgents
-from tests.helpers import result_of
+from tests.helpers import lapsed, result_of
 from workers import backends, clock
 from workers.backends import fcdaemon, inflight
 from workers.backends.fcdaemon import CreatedVm
@@ -112,7 +112,7 @@ def test_a_redelivered_batch_makes_no_second_vm(corral_env: Env, start_agents: S
     settings = corral_env.settings
     parsed = parse_jobs(jobs)
     place(corral_env.db, settings, op_id, fn_id, parsed)
-    dead = take(corral_env.db, settings, [j.request_id for j in parsed], owner_token(), clock.now())
+    dead = take(corral_env.db, settings, [j.request_id for j in parsed], owner_token(), lapsed())
     first = {p.request_id: _create_directly(p, settings) for p in dead.pending[:5]}
     assert len(a.driver.list()) + len(b.driver.list()) == 5
     for _ in range(2):  # redelivered, twice

@@ -19,7 +19,7 @@ from tasks import api
 from tasks.maintenance import QUEUE
 from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
-from tests.helpers import operation, replicas
+from tests.helpers import lapsed, operation, replicas
 from tests.workers.replicas.helpers import (
     ReleasingQueue,
     at_once,
@@ -58,7 +58,7 @@ def test_a_row_owned_but_never_marked_sent_is_sent_by_the_next_handler(
     settings = corral_env.settings
     place(corral_env.db, settings, op_id, fn_id, jobs)
     # a handler took the rows and died before marking them sent (its ownership lapsed)
-    dead = take(corral_env.db, settings, [j.request_id for j in jobs], owner_token(), clock.now())
+    dead = take(corral_env.db, settings, [j.request_id for j in jobs], owner_token(), lapsed())
     assert len(dead.pending) == 3 and created([agent]) == 0
 
     nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))

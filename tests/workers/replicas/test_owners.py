@@ -17,7 +17,7 @@ import pytest
 
 from agents.faults import Fault
 from tests.fixtures import Env, StartAgents
-from tests.helpers import operation, replicas
+from tests.helpers import lapsed, operation, replicas
 from tests.workers.replicas.helpers import (
     ReleasingQueue,
     at_once,
@@ -81,7 +81,7 @@ def test_a_create_left_by_a_dead_owner_is_sent_again_only_where_the_node_dedupli
     # A handler took the rows, marked them sent and its creates reached the agent; then
     # it died (its ownership has lapsed) before recording anything.
     token = owner_token()
-    dead = take(corral_env.db, settings, [j.request_id for j in jobs], token, clock.now())
+    dead = take(corral_env.db, settings, [j.request_id for j in jobs], token, lapsed())
     assert mark_sent(corral_env.db, token, dead.pending) == {p.replica_id for p in dead.pending}
     for p in dead.pending:
         inflight.run(
@@ -158,7 +158,7 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     request_id = jobs[0].request_id
     # the first handler's ownership lapses (a retry chain stuck on a hanging agent)...
     stale_token = owner_token()
-    (stale,) = take(corral_env.db, settings, [request_id], stale_token, clock.now()).pending
+    (stale,) = take(corral_env.db, settings, [request_id], stale_token, lapsed()).pending
     # ...and a redelivered batch takes the row over (the agent deduplicates creates)
     fresh_token = owner_token()
     with corral_env.db.transaction() as s:
