@@ -184,8 +184,9 @@ def test_a_cold_start_is_one_trace_from_request_to_first_byte(
     (op,) = [o for o in api.operations(settings=thread_worker.settings) if o["kind"] == "spawn"]
     assert op["result"] is not None
     stored = op["result"]["stages"]
+    # every stage, ``ready`` included (0 when the guest's READY beat its VM's record: a
+    # busy worker records the create's answer after the guest has booted and reported)
     assert set(stored) == WORKER_STAGES and all(v >= 0 for v in stored.values())
-    assert stored["ready"] > 0  # the guest said READY after its VM was recorded
     assert op["result"]["trace"]["traceparent"].split("-")[1] == CALLER_TRACE
 
     # ...and counted: the worker's and registry's in Redis (served by corral metrics),
