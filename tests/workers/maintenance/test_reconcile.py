@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import grpc
 import pytest
@@ -133,21 +132,30 @@ def test_reconcile_command_reports_what_it_found(
     assert len(agent.driver.list()) == 1  # the orphan is gone, min 1 was spawned
 
 
-class _SlowListing(MemoryDriver):
-    """A memory driver whose listing takes a while, counting how many run at once."""
+class _MeetingListing(MemoryDriver):
+    """A memory driver whose listings wait for each other in groups, counting how many run at once.
 
-    def __init__(self, seen: list[int], lock: threading.Lock, now: list[int]) -> None:
+    Each listing waits until ``meeting.parties`` listings are under way together (or
+    breaks the meeting after 10 s: listed one by one), so the count shows whether nodes
+    are listed at once without a guessed sleep.
+    """
+
+    def __init__(
+        self, seen: list[int], lock: threading.Lock, now: list[int], meeting: threading.Barrier
+    ) -> None:
         super().__init__()
-        self.seen, self.lock, self.now = seen, lock, now
+        self.seen, self.lock, self.now, self.meeting = seen, lock, now, meeting
 
     def list(self) -> list[VM]:
-        """List slowly, counted."""
+        """List once the meeting is complete, counted."""
         with self.lock:
             self.now[0] += 1
             self.seen.append(self.now[0])
-        time.sleep(0.3)  # a slow agent: two passes listing at once would overlap here
-        with self.lock:
-            self.now[0] -= 1
+        try:
+            self.meeting.wait()
+        finally:
+            with self.lock:
+                self.now[0] -= 1
         return super().list()
 
 
@@ -156,7 +164,11 @@ def test_reconcile_lists_nodes_at_once_within_its_bound(corral_env: Env, bound: 
     corral_env.set(reconcile_concurrency=str(bound))
     seen: list[int] = []
     lock, now = threading.Lock(), [0]
-    agents = [serve_fcdaemon("127.0.0.1:0", driver=_SlowListing(seen, lock, now)) for _ in range(4)]
+    meeting = threading.Barrier(min(bound, 4), timeout=10)
+    agents = [
+        serve_fcdaemon("127.0.0.1:0", driver=_MeetingListing(seen, lock, now, meeting))
+        for _ in range(4)
+    ]
     try:
         with corral_env.db.transaction() as s:
             for i, agent in enumerate(agents):
