@@ -4,7 +4,10 @@ Demand is not written by the test here: a real gateway (uvicorn, in this process
 forwards four clients' requests to replicas the process agent runs, and reports its
 in-flight and queued counts to Redis as it does in production. Under that load the
 autoscaler asks for more replicas than the four the gateway's own cold starts give
-(ceil(4 / 0.7) = 6, the max); once the clients stop it takes the function to zero
+(ceil(4 / 0.7) = 6, the max). That needs an average demand above 3.5 of the four
+clients, so each call takes 2 s: a client's own turn between calls (tens of ms, more on
+a busy machine) must stay under an eighth of a call (at 0.3 s a loaded machine's turns
+brought the demand down to a target of 3); once the clients stop it takes the function to zero
 (``--scale-to-zero-after``) after its windows.
 """
 
@@ -77,7 +80,7 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
         with httpx.Client(timeout=90) as http:
             while not stop.is_set():
                 codes.append(
-                    http.post(f"{gateway.url}/function/echo?delay=0.3", content=b"x").status_code
+                    http.post(f"{gateway.url}/function/echo?delay=2", content=b"x").status_code
                 )
 
     clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]

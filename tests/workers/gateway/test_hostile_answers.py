@@ -2,12 +2,14 @@
 
 ``corral gateway`` runs as a process of its own (:mod:`.gateway_process`, with a token)
 in front of a function whose replica attacks it (:mod:`tests.workers.gateway.hostile`)
-and of ``examples.hello``. While the attack runs, hello is called and each call timed: its
-p50 must stay under 50 ms, the gateway's peak memory (``VmHWM`` from ``/proc``, reset
-before the attack) within 64 MiB of its resident memory before, and the hostile
-answer be refused - 502, the refusal counted - or, for what comes after a status line
-went out, broken off. A gateway that grows past 1 GiB is killed at once (the test has
-failed by then; the machine is shared).
+and of ``examples.hello``. Hello is called and timed just before the attack and while it
+runs: its p50 meanwhile must stay under 50 ms or, on a machine whose quiet p50 is already
+slow, four times that quiet p50 (an attack that holds the gateway's loop costs hello
+whole seconds; the machine's load is not the attack's doing), the gateway's peak
+memory (``VmHWM`` from ``/proc``, reset before the attack) within 64 MiB of its
+resident memory before, and the hostile answer be refused - 502, the refusal counted -
+or, for what comes after a status line went out, broken off. A gateway that grows past
+1 GiB is killed at once (the test has failed by then; the machine is shared).
 
 The attacks are on the gateway's reading of an upstream answer, which no store code
 takes part in: they share one gateway (and its two replicas) on one store, PostgreSQL,
@@ -81,6 +83,7 @@ class Outcome:
 
     answers: list[str]  # each attacking call's status code, or the error it ended in
     p50_s: float  # hello's p50 meanwhile
+    quiet_p50_s: float  # hello's p50 just before the attack
     grown_mib: float  # the gateway's peak memory over its resident memory before
 
 
@@ -108,6 +111,7 @@ def _hello_p50(gw: Gateway, calls: int, more: threading.Event | None = None) -> 
 
 def attack(gw: Gateway, path: str, attackers: int = 2, rounds: int = 3) -> Outcome:
     """``attackers`` callers each call ``path`` ``rounds`` times while hello is timed."""
+    quiet = _hello_p50(gw, 20)
     gw.reset_peak()
     base = gw.kib("VmRSS")
     answers: list[str] = []
@@ -134,12 +138,19 @@ def attack(gw: Gateway, path: str, attackers: int = 2, rounds: int = 3) -> Outco
         done.set()
         for thread in threads:
             thread.join(120)
-    return Outcome(answers, p50, (gw.kib("VmHWM") - base) / 1024)
+    return Outcome(answers, p50, quiet, (gw.kib("VmHWM") - base) / 1024)
+
+
+def _served(p50_s: float, quiet_p50_s: float) -> None:
+    limit = max(P50_S, 4 * quiet_p50_s)
+    assert p50_s < limit, (
+        f"hello's p50 was {p50_s * 1000:.1f} ms, {quiet_p50_s * 1000:.1f} ms quiet just before"
+    )
 
 
 def _bounded(outcome: Outcome) -> None:
     assert outcome.grown_mib < GROWTH_MIB, f"the gateway grew {outcome.grown_mib:.0f} MiB"
-    assert outcome.p50_s < P50_S, f"hello's p50 was {outcome.p50_s * 1000:.1f} ms"
+    _served(outcome.p50_s, outcome.quiet_p50_s)
 
 
 def test_a_header_bomb_is_refused_at_100_lines(gateway: Gateway) -> None:
@@ -186,6 +197,7 @@ def test_a_head_that_drips_is_answered_504_at_the_head_deadline(gateway: Gateway
 def test_callers_that_never_read_two_byte_chunks_hold_the_budget_at_most(
     gateway: Gateway,
 ) -> None:
+    quiet = _hello_p50(gateway, 20)
     gateway.reset_peak()
     base = gateway.kib("VmRSS")
     done = threading.Event()
@@ -217,13 +229,14 @@ def test_callers_that_never_read_two_byte_chunks_hold_the_budget_at_most(
         done.set()
         for sock in held:
             sock.close()
-    _bounded(Outcome([], p50, grown))
+    _bounded(Outcome([], p50, quiet, grown))
     assert 0 < held_now <= BUDGET + 20 * 256 * 1024  # past the budget: a read each at most
 
 
 def test_callers_that_read_two_byte_chunks_leave_the_loop_to_others(gateway: Gateway) -> None:
     # Joined, tiny chunks are relayed fast; the parser then pays about 1 us a chunk, and
     # is fed a read a slice at a time (http1.FEED) so that others are served between.
+    quiet = _hello_p50(gateway, 20)
     stop = threading.Event()
     got: list[int] = []
 
@@ -247,7 +260,7 @@ def test_callers_that_read_two_byte_chunks_leave_the_loop_to_others(gateway: Gat
         stop.set()
         for thread in readers:
             thread.join(60)
-    assert p50 < P50_S, f"hello's p50 was {p50 * 1000:.1f} ms"
+    _served(p50, quiet)
 
 
 def test_bytes_after_an_answer_never_reach_the_next_request(gateway: Gateway) -> None:
