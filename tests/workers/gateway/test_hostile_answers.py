@@ -3,9 +3,11 @@
 ``corral gateway`` runs as a process of its own (:mod:`.gateway_process`, with a token)
 in front of a function whose replica attacks it (:mod:`tests.workers.gateway.hostile`)
 and of ``examples.hello``. Hello is called and timed just before the attack and while it
-runs: its p50 meanwhile must stay under 50 ms or, on a machine whose quiet p50 is already
-slow, four times that quiet p50 (an attack that holds the gateway's loop costs hello
-whole seconds; the machine's load is not the attack's doing), the gateway's peak
+runs: its p50 meanwhile must stay under 250 ms or, on a machine whose quiet p50 is
+already slow, four times that quiet p50 (an attack that holds the gateway's loop costs
+hello whole seconds; a busy machine's scheduling costs tens of ms, 51 ms seen at load 20
+against 5 ms quiet a second before, and is not the attack's doing: what the gateway's
+warm path costs is bench.gateway's to measure), the gateway's peak
 memory (``VmHWM`` from ``/proc``, reset before the attack) within 64 MiB of its
 resident memory before, and the hostile answer be refused - 502, the refusal counted -
 or, for what comes after a status line went out, broken off. A gateway that grows past
@@ -40,7 +42,7 @@ from workers.store.db import get_database
 from workers.store.migrate import upgrade
 
 GROWTH_MIB = 64
-P50_S = 0.050
+P50_S = 0.250
 RUNAWAY_MIB = 1024
 
 

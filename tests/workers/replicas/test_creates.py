@@ -22,6 +22,7 @@ from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings
 from tasks import api
 from tasks.replicas import delete_batch, spawn_batch
+from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import lapsed, result_of
 from workers import backends, clock
@@ -299,7 +300,8 @@ def test_vms_are_recorded_as_they_come_not_when_the_slowest_create_ends(
     _deploy(corral_env)
     with corral_env.db.transaction() as s:  # a proven node: no probation
         s.scalars(select(Node)).one().last_create_ok_at = clock.now()
-    agent.agent.inject("CreateReplica", Fault.delay(3.0))
+    held = threading.Event()  # the slow create is held until the four others are recorded
+    agent.agent.inject("CreateReplica", Fault.delay(60.0, until=held))
     done = threading.Event()
     ops: list[str] = []
 
@@ -308,16 +310,17 @@ def test_vms_are_recorded_as_they_come_not_when_the_slowest_create_ends(
         done.set()
 
     thread = threading.Thread(target=spawn_five)
-    started = time.monotonic()
     thread.start()
-    states: list[int] = []
-    while time.monotonic() - started < 2.5:
-        states = sorted(r.status for r in _rows(corral_env))
-        if states.count(ReplicaState.IDLE) == 4:
-            break
-        time.sleep(0.05)
-    assert states == sorted([ReplicaState.IDLE] * 4 + [ReplicaState.CREATING]), states
-    assert not done.is_set()  # the slow create still runs
+    try:
+        four_idle = sorted([ReplicaState.IDLE] * 4 + [ReplicaState.CREATING])
+        eventually(
+            lambda: sorted(r.status for r in _rows(corral_env)) == four_idle,
+            30,
+            "four VMs recorded while the fifth create is held",
+        )
+        assert not done.is_set()  # the slow create still runs
+    finally:
+        held.set()
     thread.join(30)
     assert api.wait(ops[0], timeout=10)["status"] == "succeeded"
     assert {r.status for r in _rows(corral_env)} == {ReplicaState.IDLE}
