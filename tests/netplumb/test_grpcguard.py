@@ -237,3 +237,33 @@ def test_stop_says_not_serving_and_ends_the_servers_threads(gated: Gated) -> Non
             unbound.bind(f"127.0.0.1:{taken.getsockname()[1]}")
     assert unbound.wait_for_termination(0)
     eventually(lambda: set(threading.enumerate()) <= before, 10, "its threads gone")
+
+
+def _server_settings(port: int) -> dict[int, int]:
+    """The HTTP/2 SETTINGS a server sends a new connection (id -> value)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        data = b""
+        while True:
+            while len(data) < 9:
+                data += sock.recv(65536)
+            length, kind, flags = int.from_bytes(data[:3], "big"), data[3], data[4]
+            while len(data) < 9 + length:
+                data += sock.recv(65536)
+            payload, data = data[9 : 9 + length], data[9 + length :]
+            if kind == 4 and not flags & 1:  # SETTINGS, not an ACK
+                return {
+                    int.from_bytes(payload[i : i + 2], "big"): int.from_bytes(
+                        payload[i + 2 : i + 6], "big"
+                    )
+                    for i in range(0, len(payload), 6)
+                }
+
+
+def test_a_connection_may_carry_at_most_1024_calls_at_once(gated: Gated) -> None:
+    server, address = _serve(gated)
+    try:
+        max_concurrent_streams = 3  # RFC 9113's SETTINGS_MAX_CONCURRENT_STREAMS
+        assert _server_settings(int(address.rsplit(":", 1)[1]))[max_concurrent_streams] == 1024
+    finally:
+        server.stop(0)
