@@ -97,10 +97,11 @@ class CallAborted(Exception):
 
 
 class ThreadContext:
-    """The servicer context a synchronous handler gets on the pool (as grpc's sync server's).
+    """The servicer context a synchronous handler gets on the pool.
 
-    ``abort`` raises :class:`CallAborted` and the guard sends the status from the loop;
-    the metadata and the peer were read there when the call began.
+    The part of :class:`grpc.ServicerContext` corral's servicers use: ``abort`` raises
+    :class:`CallAborted` and the guard sends the status from the loop; the metadata and
+    the peer were read there when the call began.
     """
 
     def __init__(self, metadata: tuple[Any, ...], peer: str, deadline: float | None) -> None:
