@@ -50,9 +50,12 @@ def half_sent(
 
 
 def code_of(call: grpc.Future[Any]) -> grpc.StatusCode | None:
-    """The status a finished call got (None while it runs, OK if it succeeded)."""
+    """The status a finished call got (None while it runs, OK if it succeeded, CANCELLED if
+    its caller gave up)."""
     if not call.done():
         return None
+    if call.cancelled():
+        return grpc.StatusCode.CANCELLED
     error = call.exception()
     if error is None:
         return grpc.StatusCode.OK
