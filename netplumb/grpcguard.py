@@ -169,7 +169,7 @@ class Guard(grpc.aio.ServerInterceptor):
     # -- who is calling ----------------------------------------------------------------
 
     def _classify(self, method: str, metadata: Sequence[Any]) -> str | None:
-        """ "trusted", "report:<bearer>", "open", or None (refused before its message)."""
+        """The caller's kind: trusted, ``report:<bearer>``, open, or None (refused now)."""
         if self._expected is None:
             return "trusted"
         sent = str(dict(metadata).get("authorization", ""))
