@@ -44,7 +44,6 @@ from typing import Any
 
 import grpc
 from google.protobuf import empty_pb2
-from grpc_health.v1 import health
 
 from agents.drivers import (
     VM,
@@ -68,7 +67,7 @@ from agents.runtime import (
     serve_until_signalled,
 )
 from netplumb.addresses import is_loopback, join_hostport, split_hostport
-from netplumb.grpcserve import mark_serving, report_token
+from netplumb.grpcserve import GuardedServer, report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 
 __all__ = [
@@ -565,12 +564,11 @@ class RunningAgent(Running):
     def __init__(  # noqa: PLR0913 - the parts serve_fcdaemon built, by name
         self,
         *,
-        server: grpc.Server,
+        server: GuardedServer,
         port: int,
         host: str,
         agent: FcAgent,
         driver: VMDriver,
-        health_servicer: health.HealthServicer,
         reporter: RegistryReporter | None,
     ) -> None:
         """Wrap the parts built by :func:`serve_fcdaemon`."""
@@ -578,15 +576,13 @@ class RunningAgent(Running):
         self.server = server
         self.agent = agent
         self.driver = driver
-        self.health = health_servicer
         self.reporter = reporter
 
     def _shutdown(self, grace: float) -> None:
-        """Stop serving, then stop every replica and hog."""
-        self.health.enter_graceful_shutdown()
+        """Stop serving (health says NOT_SERVING first), then stop every replica and hog."""
         if self.reporter is not None:
             self.reporter.close()
-        self.server.stop(grace).wait()
+        self.server.stop(grace)
         self.driver.close()
         self.agent.hogs.close()
         log.info("fcdaemon on port %d stopped", self.port)
@@ -640,11 +636,11 @@ def serve_fcdaemon(  # noqa: PLR0913 - a server's options, by name with defaults
     """
     host, _ = split_hostport(listen)
     driver = driver if driver is not None else MemoryDriver()
-    server, health_servicer, port = agent_server(
+    server, port = agent_server(
         "fcdaemon", listen, max_workers=max_workers, require_token=require_token, tls=tls
     )
     agent = FcAgent(driver, hogs=HogPool(max_hogs), seed_only=seed_only)
-    fcdaemon_grpc.add_FcServiceServicer_to_server(agent, server)
+    server.add(fcdaemon_grpc.add_FcServiceServicer_to_server, agent)
     reporter: RegistryReporter | None = None
     if registry:
         ip = node_ip(advertise_ip or guess_node_ip(host))
@@ -663,8 +659,7 @@ def serve_fcdaemon(  # noqa: PLR0913 - a server's options, by name with defaults
         if readiness_probe:
             rep = reporter
             agent.on_created = lambda vm: rep.report_ready(vm, probe=vm.pid is not None)
-    server.start()
-    mark_serving(health_servicer, SERVICE_NAME)
+    server.start(SERVICE_NAME)
     if reporter is not None:
         reporter.start()
     log.info("fcdaemon listening on %s:%d", host or "0.0.0.0", port)  # noqa: S104 - a log line
@@ -674,7 +669,6 @@ def serve_fcdaemon(  # noqa: PLR0913 - a server's options, by name with defaults
         host=host,
         agent=agent,
         driver=driver,
-        health_servicer=health_servicer,
         reporter=reporter,
     )
 

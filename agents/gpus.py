@@ -20,12 +20,11 @@ import subprocess
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health
 
 from agents import runtime
 from agents.grpcserve import GrpcFaultHooks, agent_server
 from netplumb.addresses import split_hostport
-from netplumb.grpcserve import mark_serving
+from netplumb.grpcserve import GuardedServer
 from protos import gpuresc_grpc, gpuresc_pb2
 
 __all__ = [
@@ -113,22 +112,19 @@ class RunningGpus(runtime.Running):
 
     def __init__(
         self,
-        server: grpc.Server,
+        server: GuardedServer,
         host: str,
         port: int,
         agent: GpuAgent,
-        health_servicer: health.HealthServicer,
     ) -> None:
         """Wrap the parts built by :func:`serve_gpus`."""
         super().__init__(host, port)
         self.server = server
         self.agent = agent
-        self.health = health_servicer
 
     def _shutdown(self, grace: float) -> None:
-        """Stop serving."""
-        self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        """Stop serving (health says NOT_SERVING first)."""
+        self.server.stop(grace)
 
 
 def serve_gpus(
@@ -139,15 +135,12 @@ def serve_gpus(
     """Start a GPU inventory server answering ``gpus`` on ``listen`` (token: as fcdaemon's)."""
     host, _ = split_hostport(listen)
     agent = GpuAgent(gpus or {})
-    server, health_servicer, port = agent_server(
-        "gpus", listen, max_workers=8, require_token=require_token
-    )
-    gpuresc_grpc.add_GPURescServicer_to_server(agent, server)
-    server.start()
-    mark_serving(health_servicer, SERVICE_NAME)
+    server, port = agent_server("gpus", listen, max_workers=8, require_token=require_token)
+    server.add(gpuresc_grpc.add_GPURescServicer_to_server, agent)
+    server.start(SERVICE_NAME)
     shown = host or "0.0.0.0"  # noqa: S104 - a log line
     log.info("gpus listening on %s:%d serving %d GPU(s)", shown, port, len(agent.gpus))
-    return RunningGpus(server, host, port, agent, health_servicer)
+    return RunningGpus(server, host, port, agent)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,37 +1,31 @@
 """The agents' gRPC servers: how one is built, and the faults it can be told to play.
 
-:func:`agent_server` makes the server the node agent and the GPU inventory run: its
-options (:data:`AGENT_OPTIONS`), a bound on calls in flight, the token rule and the
-health service (:mod:`netplumb.grpcserve`, shared with corral's registry), bound to the
-listen address. :class:`GrpcFaultHooks` plays the faults a test scripts
+:func:`agent_server` makes the server the node agent and the GPU inventory run: a
+:class:`~netplumb.grpcserve.GuardedServer` (shared with corral's registry: the token
+checked on a call's headers, calls in flight capped per caller, a deadline for the
+request message, health answered off the thread pool) with the agents' message size,
+bound to the listen address. :class:`GrpcFaultHooks` plays the faults a test scripts
 (:mod:`agents.faults`) on a gRPC call.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health
 
 from agents.faults import FaultHooks, record_call
-from netplumb.grpcserve import add_health, bind_port, token_interceptors
+from netplumb.grpcserve import GuardedServer, Limits
 
-__all__ = ["AGENT_OPTIONS", "GrpcFaultHooks", "agent_server"]
+__all__ = ["MAX_MESSAGE", "GrpcFaultHooks", "agent_server"]
 
 log = logging.getLogger("agents.faults")
 
 
-#: An agent's server: no other process may share its port; a message is at most 1 MiB (a
-#: CreateRequest with a function's whole environment is far less). Calls per connection are
-#: not capped: a client that opens many before the server's SETTINGS arrive has them refused
-#: (REFUSED_STREAM), which a reap of hundreds showed; the cap on calls in all holds instead.
-AGENT_OPTIONS = [
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", 1 << 20),
-]
+#: An agent's largest request message: 1 MiB (a CreateRequest with a function's whole
+#: environment is far less).
+MAX_MESSAGE = 1 << 20
 
 
 def agent_server(
@@ -41,22 +35,21 @@ def agent_server(
     max_workers: int,
     require_token: str | None = None,
     tls: tuple[bytes, bytes] | None = None,
-) -> tuple[grpc.Server, health.HealthServicer, int]:
-    """An agent's gRPC server bound to ``listen``: (server, its health service, port).
+) -> tuple[GuardedServer, int]:
+    """An agent's gRPC server bound to ``listen``: (server, port).
 
-    Add the agent's servicer, then ``server.start()`` and
-    :func:`~netplumb.grpcserve.mark_serving`.
+    Add the agent's servicer (:meth:`~netplumb.grpcserve.GuardedServer.add`), then
+    ``server.start(SERVICE_NAME)``. Callers with the token may have 4 calls per
+    handler thread in flight each (running or waiting for a thread).
     """
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-        options=AGENT_OPTIONS,
-        # calls beyond this (running or queued for the threads, each holding its message)
-        # are answered RESOURCE_EXHAUSTED at once instead of piling up in memory
-        maximum_concurrent_rpcs=4 * max_workers,
-        interceptors=token_interceptors(require_token),
+    server = GuardedServer(
+        name,
+        workers=max_workers,
+        max_message=MAX_MESSAGE,
+        token=require_token,
+        limits=Limits(calls_per_peer=4 * max_workers),
     )
-    health_servicer = add_health(server)
-    return server, health_servicer, bind_port(server, listen, tls)
+    return server, server.bind(listen, tls)
 
 
 class GrpcFaultHooks(FaultHooks):

@@ -20,8 +20,11 @@ them, nor :mod:`config`: the standard library, gRPC and the HTTP server stack
 
 * :mod:`netplumb.addresses` - host and port strings: the one parser;
 * :mod:`netplumb.listening` - the listening rule;
-* :mod:`netplumb.grpcserve` - the bearer-token interceptor, guests' report tokens,
-  the health service, binding a port;
+* :mod:`netplumb.grpcserve` - the one gRPC server shape (an event loop thread in front
+  of the handlers' pool), guests' report tokens;
+* :mod:`netplumb.grpcguard` - what a gRPC caller may hold: the token checked on a
+  call's headers, calls in flight capped per kind of caller, the request message's
+  deadline;
 * :mod:`netplumb.asgiserve` - bounded HTTP serving, the one server stack of the
   gateway, the Lambdo host and the exporter (connections, a request head's bytes and
   deadline, idle connections, a lingering close after an early answer);

@@ -11,19 +11,23 @@ Addresses come in four shapes, and IPv6 makes each of them ambiguous to a naive
 
 :func:`host_of` takes any of them and returns the host alone, never in brackets, so
 the host can be compared, resolved or checked (:func:`is_loopback`, :func:`is_wildcard`)
-whichever shape it arrived in.
+whichever shape it arrived in. A gRPC server names its caller as ``ipv4:1.2.3.4:5`` or
+``ipv6:[::1]:5``; :func:`peer_ip` takes the IP out of that.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from urllib.parse import unquote
 
 __all__ = [
     "WILDCARD_HOSTS",
     "host_of",
+    "ip_literal",
     "is_loopback",
     "is_wildcard",
     "join_hostport",
+    "peer_ip",
     "split_hostport",
 ]
 
@@ -71,3 +75,21 @@ def is_loopback(host: str) -> bool:
 def is_wildcard(host: str) -> bool:
     """True for a host that binds every interface (``0.0.0.0``, ``::``, ``[::]``, ``*``, empty)."""
     return host.strip().strip("[]") in WILDCARD_HOSTS
+
+
+def ip_literal(host: str) -> str | None:
+    """``host`` as a normal IP string (an IPv4-mapped IPv6 address as IPv4); None if no IP."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip)
+
+
+def peer_ip(peer: str) -> str | None:
+    """The IP of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``); None if unknown."""
+    family, _, rest = unquote(peer or "").partition(":")
+    if family not in ("ipv4", "ipv6") or ":" not in rest:
+        return None
+    return ip_literal(host_of(rest))

@@ -1,42 +1,71 @@
-"""gRPC serving shared by the agents and corral's registry: the bearer-token rule, health, ports.
+"""gRPC serving shared by the agents and corral's registry: one server shape, behind one guard.
 
-Every corral gRPC server checks callers the same way: with a token configured, each call
-must carry ``authorization: Bearer <token>`` metadata or is refused UNAUTHENTICATED,
-except the standard ``grpc.health.v1`` service, which stays open so health checks need
-no secret. :class:`TokenInterceptor` is that rule; the node agent, the GPU inventory
-and the registry install it. The registry also accepts a guest's *report token*
-(:func:`report_token`: ``vm.<vmid>.<MAC keyed by the registry token>``), which an agent
-gives each guest it starts and which lets that guest report on its own VM only. The
-other helpers are the steps every server takes: the health service, binding the listen
-address (plain or TLS) and marking it serving (the agents' own server set-up is
-:mod:`agents.grpcserve`).
+Every corral gRPC server (the node agent, the GPU inventory, the registry) is a
+:class:`GuardedServer`: a :mod:`grpc.aio` server on an event loop of its own thread,
+behind the :class:`~netplumb.grpcguard.Guard`. The loop takes every call's headers and
+message, checks the bearer token on the headers alone, caps what each kind of caller has
+in flight, and hands a call to the thread pool (``workers`` threads, where the
+servicers' synchronous handlers run) only once its message is in: a caller without the
+token, or one that never sends its message, holds no thread. The standard
+``grpc.health.v1`` service is answered on the loop, never by the pool, and stays open:
+health checks need no secret (a caller with the token is still counted as trusted).
+
+The registry also accepts a guest's *report token* (:func:`report_token`:
+``vm.<vmid>.<MAC keyed by the registry token>``), which an agent gives each guest it
+starts and which lets that guest report on its own VM only.
+
+The connection level is bounded by gRPC core's options (:data:`SERVER_OPTIONS`): streams
+per connection, idle and aged connections closed, a handshake deadline, no port
+sharing; each server sets its largest message.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent import futures
+from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+import grpc.aio
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from netplumb.grpcguard import Guard, Limits, bearer_of
 
 __all__ = [
     "REPORT_PREFIX",
-    "TokenInterceptor",
-    "add_health",
+    "SERVER_OPTIONS",
+    "GuardedServer",
+    "Limits",
     "bearer_of",
-    "bind_port",
-    "mark_serving",
     "report_token",
     "report_vmid",
-    "token_interceptors",
 ]
 
+T = TypeVar("T")
 
 REPORT_PREFIX = "vm."
 _REPORT_MAC_HEX = 32
+
+#: Every corral gRPC server: no other process may share its port; at most 1,024 calls at
+#: once on one connection (far above what one peer may have in flight: the guard's
+#: caps answer first); a connection with no call for 5 minutes is closed, and every
+#: connection after 30 minutes (±10 %: gRPC's jitter), its calls given 60 s to finish
+#: (more than the longest create corral waits for); a connection must finish its
+#: HTTP/2 handshake within 10 s.
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_concurrent_streams", 1024),
+    ("grpc.max_connection_idle_ms", 300_000),
+    ("grpc.max_connection_age_ms", 1_800_000),
+    ("grpc.max_connection_age_grace_ms", 60_000),
+    ("grpc.server_handshake_timeout_ms", 10_000),
+]
 
 
 def report_token(token: str, vmid: str) -> str:
@@ -51,7 +80,7 @@ def report_token(token: str, vmid: str) -> str:
 
 def report_vmid(token: str, bearer: str) -> str | None:
     """The vmid ``bearer`` is a report token for (keyed by ``token``), or None if it is not one."""
-    if not bearer.startswith(REPORT_PREFIX):
+    if not token or not bearer.startswith(REPORT_PREFIX):
         return None
     vmid, _, _mac = bearer[len(REPORT_PREFIX) :].rpartition(".")
     if not vmid or not hmac.compare_digest(bearer.encode(), report_token(token, vmid).encode()):
@@ -59,74 +88,128 @@ def report_vmid(token: str, bearer: str) -> str | None:
     return vmid
 
 
-def bearer_of(metadata: Any) -> str:
-    """The bearer value of a call's ``authorization`` metadata ("" if none)."""
-    sent = str(dict(metadata or ()).get("authorization", ""))
-    scheme, _, value = sent.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else ""
+class GuardedServer:
+    """A gRPC server on its own event loop thread, behind the guard; handlers on a thread pool.
 
+    Build it, :meth:`add` the servicers, :meth:`bind`, then :meth:`start`;
+    :meth:`stop` once (later calls do nothing).
+    """
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without the shared bearer token (the health service stays open)."""
-
-    def __init__(
-        self, token: str, what: str = "agent", *, also: Callable[[str], bool] | None = None
+    def __init__(  # noqa: PLR0913 - a server's options, by name
+        self,
+        name: str,
+        *,
+        workers: int,
+        max_message: int,
+        token: str | None = None,
+        what: str = "agent",
+        report: Callable[[str], str | None] | None = None,
+        limits: Limits | None = None,
     ) -> None:
-        """Expect ``authorization: Bearer <token>``; a refusal names the ``what`` token.
+        """A server named ``name`` (its threads' names) with ``workers`` handler threads.
 
-        ``also(bearer)`` may accept other bearer values (the registry: guests' report
-        tokens); the servicer then limits what such a caller may do.
+        With ``token``, a call must carry ``authorization: Bearer <token>`` or is refused
+        UNAUTHENTICATED (a refusal names the ``what`` token); ``report`` lets guests'
+        report tokens in (:class:`~netplumb.grpcguard.Guard`). A request message is at
+        most ``max_message`` bytes; ``limits``: the guard's caps (default :class:`Limits`).
         """
-        self._expected = f"Bearer {token}".encode()
-        self._also = also
-        message = f"missing or invalid {what} token"
+        self.name = name
+        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self.guard = Guard(token, self.pool, what=what, report=report, limits=limits or Limits())
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"{name}-grpc", daemon=True
+        )
+        self._thread.start()
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._stopping = False
+        options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", max_message)]
+        self._server, self._health = self._run(self._build(options))
 
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def _build(
+        self, options: list[tuple[str, int]]
+    ) -> tuple[grpc.aio.Server, health_async.HealthServicer]:
+        server = grpc.aio.server(
+            migration_thread_pool=self.pool, interceptors=[self.guard], options=options
+        )
+        health = health_async.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        return server, health
 
-        self._deny: Any = grpc.unary_unary_rpc_method_handler(deny)
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        """Let the call through only with the right token."""
-        if details.method.startswith("/grpc.health."):
-            return continuation(details)
-        sent = str(dict(details.invocation_metadata).get("authorization", ""))
-        if hmac.compare_digest(sent.encode(), self._expected):
-            return continuation(details)
-        if self._also is not None and self._also(bearer_of(details.invocation_metadata)):
-            return continuation(details)
-        return self._deny
+    def add(self, add_to_server: Callable[[Any, Any], None], servicer: object) -> None:
+        """Add ``servicer`` with its generated ``add_XServicer_to_server`` function."""
 
+        async def add() -> None:
+            add_to_server(servicer, self._server)
 
-def token_interceptors(
-    token: str | None, what: str = "agent", *, also: Callable[[str], bool] | None = None
-) -> list[grpc.ServerInterceptor]:
-    """The interceptors a server needs: the token check when ``token`` is set, else none."""
-    return [TokenInterceptor(token, what, also=also)] if token else []
+        self._run(add())
 
+    def bind(self, listen: str, tls: tuple[bytes, bytes] | None = None) -> int:
+        """Bind ``listen`` (TLS with a (key, chain) PEM pair); the port, or OSError if it cannot.
 
-def add_health(server: grpc.Server, *, non_blocking: bool = True) -> health.HealthServicer:
-    """Add the standard health service to ``server`` (NOT_SERVING until marked)."""
-    servicer = health.HealthServicer(experimental_non_blocking=non_blocking)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    return servicer
+        A server that cannot bind is stopped (its threads end) before the error is raised.
+        """
 
+        async def bind() -> int:
+            if tls is not None:
+                return int(self._server.add_secure_port(listen, grpc.ssl_server_credentials([tls])))
+            return int(self._server.add_insecure_port(listen))
 
-def mark_serving(servicer: health.HealthServicer, *services: str) -> None:
-    """Report the server (``""``) and each named service SERVING."""
-    for service in ("", *services):
-        servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        try:
+            port = self._run(bind())
+        except RuntimeError as exc:
+            self.stop(0)
+            raise OSError(f"cannot listen on {listen}: {exc}") from exc
+        if port == 0:
+            self.stop(0)
+            raise OSError(f"cannot listen on {listen}")
+        return port
 
+    def start(self, *services: str) -> None:
+        """Start serving; health says SERVING for the server and each of ``services``."""
 
-def bind_port(server: grpc.Server, listen: str, tls: tuple[bytes, bytes] | None = None) -> int:
-    """Bind ``listen`` (TLS with a (key, chain) PEM pair); the port, or OSError if it cannot."""
-    try:
-        if tls is not None:
-            port = server.add_secure_port(listen, grpc.ssl_server_credentials([tls]))
-        else:
-            port = server.add_insecure_port(listen)
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {listen}: {exc}") from exc
-    if port == 0:
-        raise OSError(f"cannot listen on {listen}")
-    return int(port)
+        async def start() -> None:
+            for service in ("", *services):
+                await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            await self._server.start()
+
+        self._run(start())
+
+    def stop(self, grace: float = 0.5) -> threading.Event:
+        """Say NOT_SERVING, stop (calls in flight get ``grace`` seconds), end the threads.
+
+        Returns an event, already set: the server has stopped.
+        """
+        with self._lock:
+            if self._stopping:
+                self._stopped.wait()
+                return self._stopped
+            self._stopping = True
+
+        async def stop() -> None:
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(grace)
+            pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+        try:
+            self._run(stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            with contextlib.suppress(RuntimeError):
+                self._loop.close()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self._stopped.set()
+        return self._stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """Block until the server has stopped (or ``timeout``); True if it has."""
+        return self._stopped.wait(timeout)

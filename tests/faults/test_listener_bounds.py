@@ -351,6 +351,8 @@ GRPC_MB = 60.0
 HTTP_ATTACKS: list[Attack] = [http_half_sent, http_endless_headers, idle, http_oversized]
 # the HTTP servers serve every connection on one event loop: an attack starts no thread
 HTTP_THREADS = 2
+# nor do the gRPC servers: a call reaches a handler thread only with its credential and message
+GRPC_THREADS = 2
 
 LISTENERS = [
     Listener(
@@ -392,6 +394,7 @@ LISTENERS = [
         env={**STORE, "CORRAL_REGISTRY_TOKEN": TOKEN},
         prepare=[MIGRATE],
         max_rss_growth_mb=GRPC_MB,
+        max_new_threads=GRPC_THREADS,
     ),
     Listener(
         "fcdaemon",
@@ -414,6 +417,7 @@ LISTENERS = [
             grpc_flood("/fcdaemon.FcService/CreateReplica"),
         ],
         max_rss_growth_mb=GRPC_MB,
+        max_new_threads=GRPC_THREADS,
     ),
     Listener(
         "gpus",
@@ -431,6 +435,7 @@ LISTENERS = [
         _gpus_ok,
         [grpc_half_sent("/gpuresc.GPUResc/GetGPUResource"), idle],
         max_rss_growth_mb=GRPC_MB,
+        max_new_threads=GRPC_THREADS,
     ),
     Listener(
         "gateway",

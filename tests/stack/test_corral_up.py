@@ -1,4 +1,9 @@
-"""``corral up`` end to end: driven by the CLI as a user would."""
+"""``corral up`` end to end: driven by the CLI as a user would, and attacked as a stranger would.
+
+One stack serves every check (it is slow to start): the README's quickstart, run
+verbatim; every listener refusing a caller without the stack's credentials (the
+registry, the agent, the Lambdo host, the exporter, Flower, Redis); and the
+credentials never printed, logged, on a command line or in a guest's environment."""
 
 from __future__ import annotations
 
@@ -11,10 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
+import redis
+from google.protobuf import empty_pb2
 
 from config.celery import HOUSEKEEPING
+from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 from tests.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +79,23 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _credentials(tmp_path: Path) -> dict[str, str]:
+    """The stack's credentials, as its operator reads them."""
+    data = json.loads((tmp_path / ".corral" / "credentials.json").read_text())
+    assert isinstance(data, dict)
+    return {str(k): str(v) for k, v in data.items()}
+
+
+def _secrets(tmp_path: Path) -> list[str]:
+    """Every secret of the stack (the Flower user is a name, not a secret)."""
+    return [v for k, v in _credentials(tmp_path).items() if k != "flower_user"]
+
+
+def _flower_auth(tmp_path: Path) -> tuple[str, str]:
+    creds = _credentials(tmp_path)
+    return creds["flower_user"], creds["flower_password"]
 
 
 def _wait_up(tmp_path: Path, up: subprocess.Popen[bytes]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -147,8 +173,10 @@ def _call(tmp_path: Path, by_fn: dict[str, list[dict[str, Any]]], gateway: str) 
 def _check_flower(tmp_path: Path, flower: str) -> None:
     """Flower shows the operations' tasks (no housekeeping) and the broker's queues, no secret."""
 
+    auth = _flower_auth(tmp_path)
+
     def listed() -> set[str]:
-        tasks = httpx.get(f"{flower}/api/tasks", timeout=10).json()
+        tasks = httpx.get(f"{flower}/api/tasks", timeout=10, auth=auth).json()
         names = {t.get("name") for t in tasks.values()}
         return names if {"corral.scale", "corral.reap"} <= names else set()
 
@@ -156,10 +184,11 @@ def _check_flower(tmp_path: Path, flower: str) -> None:
     names = eventually(listed, 30, "the scale and the operator's reap listed in Flower")
     # beat's passes (health every 5 s, autoscale every 2 s, ...) ran all along, unlisted
     assert not names & set(HOUSEKEEPING), names
-    flower_text = httpx.get(f"{flower}/api/tasks", timeout=10).text
-    broker_page = httpx.get(f"{flower}/broker", timeout=10)  # queue lengths, read from Redis
+    flower_text = httpx.get(f"{flower}/api/tasks", timeout=10, auth=auth).text
+    broker_page = httpx.get(f"{flower}/broker", timeout=10, auth=auth)  # queues, from Redis
     assert broker_page.status_code == 200 and "corral.spawn" in broker_page.text
     assert AWS_ID not in flower_text and AWS_SECRET not in flower_text
+    assert not any(secret in broker_page.text + flower_text for secret in _secrets(tmp_path))
     ops = _corral(tmp_path, "ops", "--json").stdout
     assert AWS_ID not in ops and AWS_SECRET not in ops
 
@@ -172,8 +201,10 @@ def _check_metrics(tmp_path: Path) -> None:
     # Every replica spawned (the 5 above: their idle timeout, 600 s, keeps them for the
     # checks on a busy machine too) was reaped as idle by the operator's pass; a pass adds
     # to the total just after it retires its rows: wait for it.
+    token = {"Authorization": f"Bearer {_credentials(tmp_path)['metrics_token']}"}
+
     def counted() -> tuple[str, dict[str, float]] | None:
-        metrics = httpx.get(services["metrics"], timeout=10).text
+        metrics = httpx.get(services["metrics"], timeout=10, headers=token).text
         values = {
             line.split(" ")[0]: float(line.split(" ")[1])
             for line in metrics.splitlines()
@@ -193,8 +224,9 @@ def _check_metrics(tmp_path: Path) -> None:
     assert AWS_ID not in metrics and AWS_SECRET not in metrics
 
 
-def _check_guests_environment(up_pid: int) -> None:
-    """Every replica (a process with a VMID) has none of the operator's environment."""
+def _check_guests_environment(up_pid: int, secrets: list[str]) -> None:
+    """Every replica (a process with a VMID) has none of the operator's environment, nor
+    any of the stack's credentials."""
     guests = 0
     for pid in _descendants(up_pid):
         try:
@@ -204,7 +236,144 @@ def _check_guests_environment(up_pid: int) -> None:
         if b"\0VMID=" in b"\0" + environ:
             guests += 1
             assert OPERATOR_SECRET.encode() not in environ and b"AWS_SECRET" not in environ
+            assert not [s for s in secrets if s.encode() in environ], pid
     assert guests >= 5  # hello's three and web's two
+
+
+def _refused_grpc(call: Any) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    code = err.value.code()
+    assert isinstance(code, grpc.StatusCode)
+    return code
+
+
+def _check_grpc_refusals(services: dict[str, str], by_fn: dict[str, list[dict[str, Any]]]) -> None:
+    """The registry and the agent refuse a caller without the stack's tokens."""
+    registry = resmngr_grpc.ResMngrServiceStub(grpc.insecure_channel(services["registry"]))
+    fake = resmngr_pb2.RegisterNodeRequest(ip="127.0.0.1", port=1, node_id="fake-node")
+    assert _refused_grpc(lambda: registry.RegisterNode(fake, timeout=10)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    vmid = by_fn["hello"][0]["vmid"]
+    ready = resmngr_pb2.StatusUpdateRequest(vmid=vmid, status=resmngr_pb2.StatusUpdateRequest.READY)
+    assert _refused_grpc(lambda: registry.UpdateStatus(ready, timeout=10)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    agent = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(services["fcdaemon"]))
+    for call in (
+        lambda: agent.ListReplicas(empty_pb2.Empty(), timeout=10),
+        lambda: agent.ReleaseVMSetup(fcdaemon_pb2.ReleaseRequest(vmid=vmid), timeout=10),
+        lambda: agent.CreateCPUHogs(fcdaemon_pb2.CpuHogs(n=1), timeout=10),
+    ):
+        assert _refused_grpc(call) == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _check_http_refusals(tmp_path: Path, services: dict[str, str], web_vmid: str) -> None:
+    """The Lambdo host and the exporter refuse a caller without their tokens."""
+    lambdo = services["lambdo"]
+    spawn = {"rootfs": {"id": "x", "location": "examples.hello"}, "requestedPorts": [8080]}
+    assert httpx.post(f"{lambdo}/spawn", json=spawn, timeout=10).status_code == 401
+    assert httpx.delete(f"{lambdo}/destroy/{web_vmid}", timeout=10).status_code == 401
+    assert httpx.get(f"{lambdo}/vms", timeout=10).status_code == 401
+    assert httpx.get(services["metrics"], timeout=10).status_code == 401
+    wrong = {"Authorization": "Bearer " + _credentials(tmp_path)["agent_token"]}  # another's
+    assert httpx.get(services["metrics"], timeout=10, headers=wrong).status_code == 401
+
+
+def _check_flower_refusals(tmp_path: Path, flower: str) -> None:
+    """Flower: no API without the stack's user and password, no cross-site POST even with
+    them (a browser that has logged in sends them along), no other Host, no CORS."""
+    auth = _flower_auth(tmp_path)
+    workers = httpx.get(f"{flower}/api/workers?refresh=1", timeout=30, auth=auth)
+    assert workers.status_code == 200, workers.text
+    worker = next(iter(workers.json()))  # corral@host
+    shutdown = f"{flower}/api/worker/shutdown/{worker}"
+    rate_limit = f"{flower}/api/task/rate-limit/{worker}"
+    limit = {"taskname": "corral.spawn", "ratelimit": "1/h"}
+    answers = [
+        httpx.get(f"{flower}/api/workers", timeout=10),
+        httpx.post(shutdown, timeout=10),
+        httpx.post(rate_limit, data=limit, timeout=10),
+    ]
+    assert [a.status_code for a in answers] == [401, 401, 401]
+    for headers in (
+        {"Sec-Fetch-Site": "cross-site", "Origin": "http://evil.example"},
+        {"Origin": "http://evil.example"},  # a browser without fetch metadata
+    ):
+        for url, data in ((shutdown, None), (rate_limit, limit)):
+            refused = httpx.post(url, data=data, auth=auth, headers=headers, timeout=10)
+            assert refused.status_code == 403, refused.text
+            answers.append(refused)
+    rebound = httpx.get(
+        f"{flower}/api/workers", auth=auth, headers={"Host": "evil.example"}, timeout=10
+    )
+    assert rebound.status_code == 403
+    answers.append(rebound)
+    assert not [a for a in answers if "access-control-allow-origin" in a.headers]
+    # the worker is still there (a shutdown that went through would have stopped it)
+    assert worker in httpx.get(f"{flower}/api/workers?refresh=1", timeout=30, auth=auth).json()
+
+
+def _check_redis_refusals(tmp_path: Path, broker_url: str) -> None:
+    """Redis: nothing without the password; with it, no CONFIG (nor MODULE, DEBUG)."""
+    port = int(broker_url.rsplit(":", 1)[1].split("/")[0])
+    assert ":***@" not in broker_url and "@127.0.0.1:" in broker_url  # a password in it
+    stranger = redis.Redis(port=port, socket_timeout=10)
+    with pytest.raises(redis.exceptions.RedisError, match=r"(?i)auth"):
+        stranger.config_set("dir", str(tmp_path))
+    stranger.close()
+    operator = redis.Redis.from_url(broker_url, socket_timeout=10)
+    assert operator.ping()
+    for command in (
+        lambda: operator.config_set("dir", str(tmp_path)),
+        operator.module_list,
+        lambda: operator.debug_object("corral.spawn"),
+    ):
+        with pytest.raises(redis.exceptions.ResponseError, match="unknown command"):
+            command()
+    operator.close()
+
+
+def _check_secrets_never_shown(tmp_path: Path, up_pid: int) -> None:
+    """No credential in ``corral up``'s output nor on any of its processes' command lines."""
+    secrets = _secrets(tmp_path)
+    assert len(secrets) == 6
+    out = (tmp_path / "up.out").read_text()
+    assert str(tmp_path / ".corral" / "credentials.json") in out  # the banner names the file
+    assert not [s for s in secrets if s in out]
+    for pid in _descendants(up_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert not [s for s in secrets if s.encode() in argv], argv
+
+
+def _readme_quickstart(gateway: str) -> str:
+    """The README's "Try it" commands, verbatim (the gateway's port, if 8080 was taken)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Try it", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```sh\n")[1:]
+    script = "".join(block.split("```", 1)[0] for block in blocks)
+    assert "corral scale hello 3 --wait" in script and "corral scale web 2 --wait" in script
+    return script.replace("http://127.0.0.1:8080", gateway)
+
+
+def _check_quickstart(tmp_path: Path, gateway: str) -> None:
+    """The README's quickstart works as written, in the stack's directory."""
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    done = subprocess.run(
+        ["bash", "-e", "-c", _readme_quickstart(gateway)],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("hello from corral") == 3, done.stdout  # 2 through the gateway
+    assert done.stdout.count("succeeded") >= 2, done.stdout  # both scales waited for
 
 
 def _check_private(state: Path) -> None:
@@ -214,7 +383,7 @@ def _check_private(state: Path) -> None:
         assert path.stat().st_mode & 0o077 == 0, f"{path} is {oct(path.stat().st_mode)}"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_corral_up_end_to_end(tmp_path: Path) -> None:
     up_log = (tmp_path / "up.out").open("w")
     up = subprocess.Popen(
@@ -234,8 +403,14 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
         assert {n["name"] for n in nodes} == {"local-fcdaemon", "local-lambdo"}
 
         by_fn = _deploy_and_scale(tmp_path)
-        _check_guests_environment(up.pid)
+        _check_guests_environment(up.pid, _secrets(tmp_path))
         _check_private(tmp_path / ".corral")
+        _check_secrets_never_shown(tmp_path, up.pid)
+        # a stranger gets nothing from any listener; the stack's replicas live on (_call)
+        _check_grpc_refusals(services, by_fn)
+        _check_http_refusals(tmp_path, services, by_fn["web"][0]["vmid"])
+        _check_flower_refusals(tmp_path, f"http://127.0.0.1:{stack['flower_port']}")
+        _check_redis_refusals(tmp_path, stack["broker_url"])
         _call(tmp_path, by_fn, services["gateway"])  # the data path: a function over HTTP
 
         started = _descendants(up.pid)
@@ -248,6 +423,7 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
 
         _check_flower(tmp_path, f"http://127.0.0.1:{stack['flower_port']}")
         _check_metrics(tmp_path)
+        _check_quickstart(tmp_path, services["gateway"])
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -256,8 +432,10 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
             up_log.close()
     text = (tmp_path / "up.out").read_text()
     assert up.returncode == 0, text
+    secrets = _secrets(tmp_path)
     assert "stopped; nothing left running" in text
     eventually(lambda: not [p for p in started if _alive(p)], 10, "every process it started gone")
     for log in (tmp_path / ".corral" / "logs").iterdir():
         content = log.read_text(errors="replace")
         assert AWS_ID not in content and AWS_SECRET not in content, log.name
+        assert not [secret for secret in secrets if secret in content], log.name

@@ -38,10 +38,11 @@ AvA worker it was given (NOT_FOUND for an unknown vmid or a replica without GPU;
 the replica's own IP may ask).
 
 When ``CORRAL_REGISTRY_TOKEN`` is set, every call must carry
-``authorization: Bearer <token>`` metadata or it is refused UNAUTHENTICATED (the
-agents' :class:`~netplumb.grpcserve.TokenInterceptor`; the health service stays open),
-or a guest's report token (:func:`~netplumb.grpcserve.report_token`), good for
-``UpdateStatus`` and ``GetAvAManagerInfo`` of its own vmid only; TLS
+``authorization: Bearer <token>`` metadata or it is refused UNAUTHENTICATED before its
+message is read (the agents' :class:`~netplumb.grpcserve.GuardedServer`; the health
+service stays open), or a guest's report token (:func:`~netplumb.grpcserve.report_token`),
+good for ``UpdateStatus`` and ``GetAvAManagerInfo`` of its own vmid only, and a few
+calls at a time (:data:`LIMITS`); TLS
 is on when ``CORRAL_REGISTRY_TLS_CERT`` / ``_KEY`` are set. The registry refuses to
 listen off loopback without a token unless started with ``insecure=True``.
 """
@@ -52,7 +53,6 @@ import hmac
 import logging
 import threading
 from collections import Counter
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -60,14 +60,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings, reveal
-from netplumb.addresses import join_hostport
-from netplumb.grpcserve import (
-    add_health,
-    bearer_of,
-    mark_serving,
-    report_vmid,
-    token_interceptors,
-)
+from netplumb.addresses import join_hostport, peer_ip
+from netplumb.grpcserve import GuardedServer, Limits, bearer_of, report_vmid
 from netplumb.listening import Server, listen_address
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
 from workers import stages, tracing
@@ -434,7 +428,7 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
         if self.registry.scope(context) is not None:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "a report token cannot register")
         caller = Caller(
-            peer=reports.peer_ip(context.peer()),
+            peer=peer_ip(context.peer()),
             credential=request.credential if request.HasField("credential") else None,
         )
         try:
@@ -454,7 +448,7 @@ class ResMngrServicer(resmngr_grpc.ResMngrServiceServicer):
     def UpdateStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
         """A guest reports READY or FINISHED."""
         _own_vm_only(self.registry, request.vmid, context)
-        peer = reports.peer_ip(context.peer())
+        peer = peer_ip(context.peer())
         try:
             action = self.registry.update_status(request.vmid, int(request.status), peer)
         except Refused as exc:
@@ -478,7 +472,7 @@ class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
         """Which GPU and AvA worker a guest was given (asked by that guest only)."""
         _own_vm_only(self.registry, request.vmid, context)
         try:
-            info = self.registry.manager_info(request.vmid, reports.peer_ip(context.peer()))
+            info = self.registry.manager_info(request.vmid, peer_ip(context.peer()))
         except Refused as exc:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if info is None:
@@ -491,14 +485,12 @@ class AvAManagerInfoServicer(mngrinfo_grpc.AvAManagerInfoServicer):
 
 
 #: Bounds on work before a caller is known: every registry message is small (a vmid is at
-#: most 128 characters), so 64 KiB is plenty; calls beyond MAX_CONCURRENT_RPCS (running
-#: or queued for the 32 threads) are answered RESOURCE_EXHAUSTED at once; no other
-#: process may share the port (SO_REUSEPORT off).
-SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", 64 * 1024),
-]
-MAX_CONCURRENT_RPCS = 256
+#: most 128 characters), so 64 KiB is plenty; 32 handler threads; callers with the token
+#: may have 256 calls in flight from one IP (running or waiting for a thread), guests
+#: (report tokens) 8 together and 2 each (:class:`~netplumb.grpcguard.Limits`).
+MAX_MESSAGE = 64 * 1024
+WORKERS = 32
+LIMITS = Limits(calls_per_peer=256)
 
 
 class RunningRegistry:
@@ -506,7 +498,7 @@ class RunningRegistry:
 
     SWEEP_S = 0.5
 
-    def __init__(self, server: grpc.Server, port: int, registry: Registry) -> None:
+    def __init__(self, server: GuardedServer, port: int, registry: Registry) -> None:
         self.server = server
         self.port = port
         self.registry = registry
@@ -525,7 +517,7 @@ class RunningRegistry:
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving (in-flight calls get ``grace`` seconds)."""
         self._stop.set()
-        self.server.stop(grace).wait()
+        self.server.stop(grace)
 
     def wait(self) -> None:
         """Block until the server stops."""
@@ -561,29 +553,21 @@ def serve_registry(
     tracing.start("corral-registry", settings)  # READY spans (CORRAL_OTLP_ENDPOINT set)
     registry = Registry(get_database(settings.database_url), settings, queue)
     token = reveal(settings.registry_token)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="registry"),
-        options=SERVER_OPTIONS,
-        maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-        interceptors=token_interceptors(
-            token,
-            "registry",
-            also=lambda bearer: bool(report_vmid(token or "", bearer)),
-        ),
+    server = GuardedServer(
+        "registry",
+        workers=WORKERS,
+        max_message=MAX_MESSAGE,
+        token=token,
+        what="registry",
+        report=lambda bearer: report_vmid(token or "", bearer),
+        limits=LIMITS,
     )
-    resmngr_grpc.add_ResMngrServiceServicer_to_server(ResMngrServicer(registry), server)
-    mngrinfo_grpc.add_AvAManagerInfoServicer_to_server(AvAManagerInfoServicer(registry), server)
-    health_servicer = add_health(server, non_blocking=False)
+    server.add(resmngr_grpc.add_ResMngrServiceServicer_to_server, ResMngrServicer(registry))
+    server.add(mngrinfo_grpc.add_AvAManagerInfoServicer_to_server, AvAManagerInfoServicer(registry))
+    tls = None
     if settings.registry_tls_cert and settings.registry_tls_key:
-        creds = grpc.ssl_server_credentials(
-            [(settings.registry_tls_key.read_bytes(), settings.registry_tls_cert.read_bytes())]
-        )
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"registry cannot listen on {address}")
+        tls = (settings.registry_tls_key.read_bytes(), settings.registry_tls_cert.read_bytes())
+    port = server.bind(address, tls)
     server.start()
-    mark_serving(health_servicer)
     log.info("registry listening on %s (port %d)", address, port)
     return RunningRegistry(server, port, registry)

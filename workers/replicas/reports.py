@@ -40,13 +40,12 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from urllib.parse import unquote
 
 from sqlalchemy import Select, delete, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from netplumb.addresses import host_of
+from netplumb.addresses import host_of, ip_literal
 from workers import backends, stages
 from workers.backends import inflight
 from workers.backends.networks import replica_address
@@ -71,29 +70,12 @@ def lease_name(vmid: str) -> str:
     return keyed_name(PREFIX, vmid)
 
 
-def peer_ip(peer: str) -> str | None:
-    """The IP of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``); None if unknown."""
-    family, _, rest = unquote(peer or "").partition(":")
-    if family not in ("ipv4", "ipv6") or ":" not in rest:
-        return None
-    return _normal(host_of(rest))
-
-
-def _normal(host: str) -> str | None:
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return None
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return str(mapped or ip)
-
-
 def address_ips(address: str | None) -> set[str]:
     """The IP of the host in a node's or replica's address (``h:p``, a URL), as a set.
 
     A host name is never resolved (it could later stand for another machine): it has none.
     """
-    literal = _normal(host_of(address or ""))
+    literal = ip_literal(host_of(address or ""))
     return set() if literal is None else {literal}
 
 

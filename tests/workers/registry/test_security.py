@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sqlalchemy import select
 
 from agents.drivers import ProcessDriver
@@ -25,7 +26,9 @@ from protos import (
 )
 from tasks.cli import main
 from tasks.maintenance import QUEUE
+from tests.eventually import eventually
 from tests.fixtures import Env
+from tests.grpc_calls import code_of, half_sent
 from tests.helpers import creating, record_vm
 from workers import clock
 from workers.backends import Vm
@@ -489,3 +492,44 @@ def test_no_other_process_can_share_the_registrys_port(registry: RunningRegistry
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         with pytest.raises(OSError, match="Address already in use"):
             other.bind(("127.0.0.1", registry.port))
+
+
+def test_half_sent_calls_leave_authorised_calls_and_health_answered(
+    registry: RunningRegistry,
+) -> None:
+    """The issue's reproduction against the registry: 40 calls without a token and 32 with
+    a guest's report token send their headers and never a message.
+
+    Before, the token check answered only once a message arrived and a report token was
+    let through to a handler thread, so these calls held every one of the registry's 32
+    threads: agents' reports and the health check timed out.
+    """
+    stub = _stub(registry)
+    health_stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(registry.address))
+    nobody = resmngr_pb2.StatusUpdateRequest(vmid="nobody", status=READY)
+    assert stub.UpdateStatus(nobody, timeout=10, metadata=TOKEN).action == Reply.DESTROY
+    guest = (("authorization", f"Bearer {report_token('reg-t0ken', 'vm-guest')}"),)
+    method = "/resmngr.ResMngrService/UpdateStatus"
+    with (
+        half_sent(registry.address, method, 40) as anonymous,
+        half_sent(registry.address, method, 32, guest) as guests,
+    ):
+        for _ in range(3):
+            assert stub.UpdateStatus(nobody, timeout=1.0, metadata=TOKEN).action == Reply.DESTROY
+            reply = health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # refused from their headers alone; the guest may hold two calls (its token's cap)
+        # while they wait for a message, and its others were refused at once
+        eventually(lambda: all(code_of(c) for c in anonymous), 10, "anonymous refusals")
+        assert {code_of(c) for c in anonymous} == {grpc.StatusCode.UNAUTHENTICATED}
+        limits = service.LIMITS
+        eventually(
+            lambda: sum(code_of(c) is None for c in guests) == limits.report_calls_per_token,
+            10,
+            "all but the guest's cap refused",
+        )
+        assert {code_of(c) for c in guests} == {None, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        # another guest still reports (its VM is unknown here: DESTROY)
+        other = (("authorization", f"Bearer {report_token('reg-t0ken', 'vm-other')}"),)
+        other_ready = resmngr_pb2.StatusUpdateRequest(vmid="vm-other", status=READY)
+        assert stub.UpdateStatus(other_ready, timeout=1.0, metadata=other).action == Reply.DESTROY
