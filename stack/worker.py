@@ -104,7 +104,7 @@ def worker_env(options: Sequence[str]) -> dict[str, str]:
 class _Stderr:
     """This process's stderr, written without ever waiting.
 
-    A pipe (compose, systemd, a test harness) is written through a descriptor of its own
+    A pipe (compose, a log shipper, a test harness) is written through a descriptor of its own
     opened non-blocking - the worker shares the pipe but not this descriptor's flags - so a
     line that does not fit is dropped and counted; anything else (a file, a terminal) is
     written only when ``poll`` says it takes a line now.
@@ -153,6 +153,7 @@ class _Task:
     due: float
     hard_s: float
     task: str
+    task_id: str  # "" if the report carried none
 
 
 @dataclass
@@ -191,7 +192,7 @@ class _Running:
                 self.tasks.pop(report.key, None)
             case "start" if len(self.tasks) < MAX_TRACKED or report.key in self.tasks:
                 due = time.monotonic() + report.hard_s
-                self.tasks[report.key] = _Task(due, report.hard_s, report.task)
+                self.tasks[report.key] = _Task(due, report.hard_s, report.task, report.task_id)
             case "got":
                 if len(self.held) >= MAX_TRACKED:  # the oldest is forgotten: back by the sweep
                     del self.held[next(iter(self.held))]
@@ -347,9 +348,8 @@ def _hand_back(worker: _Running, outlived: list[_Task]) -> None:
         settings = get_settings()
         client = redis_client(settings.broker_url)
         for task in outlived:
-            task_id = timelimits.Report("start", "", task=task.task).task_id
-            if client is not None and task_id:
-                killed = poison.count_kill(client, task_id)
+            if client is not None and task.task_id:
+                killed = poison.count_kill(client, task.task_id)
                 _say(f"task {task.task} killed at its hard time limit {killed} time(s)")
         if worker.held and client is not None:
             options = celery_config(settings)["broker_transport_options"]
@@ -357,9 +357,11 @@ def _hand_back(worker: _Running, outlived: list[_Task]) -> None:
             if back:
                 _say(f"{back} message(s) the worker held put back on their queues")
     except Exception as exc:  # the supervisor goes on: it says why
+        from config.redact import redact
+
         _say(
             f"could not hand the worker's messages back ({type(exc).__name__}: "
-            f"{str(exc)[:200]}): they come back after the visibility timeout"
+            f"{redact(str(exc))[:200]}): they come back after the visibility timeout"
         )
 
 

@@ -464,8 +464,10 @@ def _trace_unforked(sender: Any = None, **_: Any) -> None:
 
 
 @signals.task_postrun.connect
-def _publish_clock_offset(**_: Any) -> None:
+def _publish_clock_offset(task: Any = None, **_: Any) -> None:
     """After a task, publish a new measurement of the host clock (:mod:`workers.clock_offsets`)."""
+    if task is None or task.request.is_eager:
+        return  # a worker's tasks only: an eager caller is no worker
     client = redis_client(get_settings().broker_url)
     if client is None:
         return
