@@ -7,7 +7,7 @@ expiry (``config.celery.beat_schedule``): each is leased and idempotent, and run
 one late does no harm. What the expiry was for - a worker back after a while must not
 work through the pile of passes that queued meanwhile - is done by number, on no clock:
 
-* as a pass is sent (by beat, or anyone's ``send_task``), it takes the next number of
+* as a pass is sent (by beat, or by anyone else), it takes the next number of
   its kind from the broker's Redis (``HINCRBY``) and carries it in a message header
   (:data:`HEADER`; :func:`number`, from ``workers.celery``'s ``before_task_publish``);
 * as it starts, one Lua script compares its number with the highest one *covered* of
