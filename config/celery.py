@@ -26,8 +26,14 @@ Reliability, chosen on purpose:
   (rows keyed by request id, deletes of deleted replicas succeed).
 * ``task_reject_on_worker_lost`` - when a pool process dies mid-task, the message
   goes back to the queue at once instead of being acknowledged as failed (prefork);
-  a worker process that dies leaves its messages unacknowledged, and they come back
-  after the visibility timeout.
+  a worker process that dies leaves its messages unacknowledged: ``corral worker``
+  puts them back at once (:mod:`stack.worker`), else they come back after the
+  visibility timeout.
+* ``task_acks_on_timeout`` off - a prefork child killed at its hard time limit has its
+  message given back, not acknowledged, and the kill counted: a message killed three
+  times is given up and its operation failed with that reason (:mod:`workers.poison`),
+  as in a thread pool under ``corral worker``. Acknowledged, a spawn stuck in a lock
+  wait stayed ``running`` with no rows until redrive.
 * ``worker_prefetch_multiplier = 1`` - a worker holds one unacknowledged message
   per pool slot, so a slow agent does not strand a backlog in one worker.
 * soft / hard time limits (60 s / 90 s by default) bound every task, and the Redis
@@ -101,14 +107,17 @@ ROUTES: dict[str, dict[str, str]] = {
 
 
 def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
-    """The periodic work celery beat sends; each expires before the next is due."""
+    """The periodic work celery beat sends.
+
+    No ``expires``: Celery stamps it from beat's wall clock and the worker checks it
+    against its own, so a worker a few seconds ahead dropped every short-interval pass,
+    and one 600 s ahead every pass. A pass is leased and idempotent; one that waited in
+    the queue behind a later one that ran already is skipped by number, on no clock
+    (:mod:`workers.beat_passes`).
+    """
 
     def every(seconds: float, task: str) -> dict[str, Any]:
-        return {
-            "task": task,
-            "schedule": timedelta(seconds=seconds),
-            "options": {"expires": max(1.0, seconds)},
-        }
+        return {"task": task, "schedule": timedelta(seconds=seconds)}
 
     return {
         "reap": every(settings.reap_interval_s, "corral.reap_pass"),
@@ -135,6 +144,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "accept_content": ["json"],
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        "task_acks_on_timeout": False,
         "worker_prefetch_multiplier": 1,
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,

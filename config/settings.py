@@ -42,6 +42,7 @@ from config.redact import redact
 
 ENV_PREFIX = "CORRAL_"
 MAX_KEEPALIVE_BINS = 10_000
+MAX_DEFAULT_STATEMENT_S = 20.0
 STACK_FILE = "stack.json"
 
 
@@ -205,6 +206,9 @@ class _Maintenance(_Group):
     """How long reconcile sees a VM without a row (on corral's clock) before destroying it."""
     reconcile_concurrency: int = Field(16, ge=1, le=256)
     """Nodes one reconcile pass lists at once (each call with its own deadline)."""
+    reconcile_batch: Count = Field(200, le=100_000)
+    """Orphan VMs one reconcile pass releases at most (all at once within each node's bound);
+    the next pass releases the rest."""
     health_interval_s: Seconds = 5.0
     """How often beat sends a health pass (every node probed)."""
     health_misses: Count = 3
@@ -221,7 +225,8 @@ class _Maintenance(_Group):
     boot_deadline_s: Seconds = 60.0
     """A replica Starting (its guest has not said READY) longer than this is stuck."""
     lease_ttl_s: Seconds = 300.0
-    """How long a reaper or reconcile pass holds its lease (a pass killed mid-way frees it then)."""
+    """How long a reaper or reconcile pass holds its lease at most; inside a task, until just
+    after its hard time limit (a pass killed mid-way frees it then)."""
     claim_ttl_s: Seconds = Field(300.0, le=86_400)
     """A claim's lease unless the caller asks for another; the reaper takes back expired claims."""
 
@@ -230,13 +235,18 @@ class _DatabaseGuards(_Group):
     """PostgreSQL guards (0 turns one off).
 
     A statement waiting this long for a row lock, or running this long at all, fails
-    with an OperationalError instead of hanging a worker behind a stuck lock holder.
+    with an OperationalError instead of hanging a worker behind a stuck lock holder. Inside
+    a task both are cut further to the time left before the task's hard limit (SQLite's
+    busy timeout too), and a statement that locks several rows waits at most the lock
+    timeout for all of them together.
     """
 
     db_lock_timeout_s: SecondsOrZero = 10.0
     """PostgreSQL ``lock_timeout`` on every connection."""
-    db_statement_timeout_s: SecondsOrZero = 60.0
-    """PostgreSQL ``statement_timeout`` on every connection."""
+    db_statement_timeout_s: float | None = Field(None, ge=0)
+    """PostgreSQL ``statement_timeout`` on every connection; unset: half the time between the soft
+    and the hard time limit, at most 20 s. Set, it must be below that time (a task's way out
+    after its soft limit must never wait on one statement past its hard limit)."""
     db_idle_in_transaction_timeout_s: SecondsOrZero = 60.0
     """PostgreSQL ``idle_in_transaction_session_timeout``: a session this long idle inside a
     transaction is ended by the server and its locks freed (transactions take milliseconds)."""
@@ -440,10 +450,11 @@ class Settings(
 
     Each field is read from ``CORRAL_<NAME>``; the groups only organise the code and
     this reference, which ``python -m config.docs`` writes from the string below each
-    field. Four rules hold between settings: the soft time limit is below the hard
-    one, the visibility timeout above the hard one, the panic window no longer than
-    the stable window, the keep-alive range between 1 and 10000 bins, and the
-    keep-alive head percentile below the tail.
+    field. Rules hold between settings: the soft time limit is below the hard one and
+    exceeds the longest agent call by more than a second, a statement timeout set is
+    below the time between the two limits, the visibility timeout is above the hard
+    limit, the panic window no longer than the stable window, the keep-alive range
+    between 1 and 10000 bins, and the keep-alive head percentile below the tail.
     """
 
     model_config = SettingsConfigDict(
@@ -501,12 +512,27 @@ class Settings(
                 "(CORRAL_CREATE_TIMEOUT_S, CORRAL_RPC_TIMEOUT_S, CORRAL_LAMBDO_TIMEOUT_S) by "
                 "more than a second: a task's calls must end before it is out of time"
             )
+        wrap_up = self.task_time_limit_s - self.task_soft_time_limit_s
+        if self.db_statement_timeout_s is not None and self.db_statement_timeout_s >= wrap_up:
+            raise ValueError(
+                "CORRAL_DB_STATEMENT_TIMEOUT_S must be below CORRAL_TASK_TIME_LIMIT_S - "
+                f"CORRAL_TASK_SOFT_TIME_LIMIT_S ({wrap_up:g} s): a task's way out after its soft "
+                "limit must never wait on one statement past its hard limit"
+            )
         if self.visibility_timeout_s <= self.task_time_limit_s:
             raise ValueError(
                 "CORRAL_VISIBILITY_TIMEOUT_S must exceed CORRAL_TASK_TIME_LIMIT_S, or a running "
                 "task's message would be handed to a second worker"
             )
         return self
+
+    @property
+    def statement_timeout_s(self) -> float:
+        """PostgreSQL's ``statement_timeout``: set, or half the wrap-up time (20 s at most)."""
+        if self.db_statement_timeout_s is not None:
+            return self.db_statement_timeout_s
+        wrap_up = self.task_time_limit_s - self.task_soft_time_limit_s
+        return min(MAX_DEFAULT_STATEMENT_S, wrap_up / 2)
 
     @property
     def call_timeout_s(self) -> float:

@@ -4,23 +4,33 @@
 stays outside it. Celery enforces a hard time limit only in its prefork pool (billiard's
 parent kills the child); in a thread pool nothing inside the process can end a thread
 stuck in a C call, and an exception raised into it would land anywhere
-(:mod:`workers.timelimits`). So the worker reports every task it starts - which thread,
-which task, how long it may run - and every task it ends, over a pipe to this process;
-this process keeps the deadlines and, when one passes with its task still running:
+(:mod:`workers.timelimits`). So the worker reports, over a pipe to this process, every
+task it starts - which thread, which task, how long it may run - and ends, and every
+message it takes from the broker and acknowledges (its delivery tag). This process keeps
+the deadlines and, when one passes with its task still running:
 
-1. writes one line naming the task to its stderr with ``os.write`` (no ``logging``, no
-   lock: nothing here can be left holding one);
-2. SIGKILLs the worker's process group (the worker and any pool processes);
-3. starts the worker again. The killed worker's messages were never acknowledged and
-   come back after the broker's visibility timeout (every task may run twice).
+1. SIGKILLs the worker's process group (the worker and any pool processes), first:
+   nothing it does before can delay the kill;
+2. writes one line naming the task to its stderr, without blocking: ``os.write`` (no
+   ``logging``, no lock) on a descriptor of its own that does not wait - a line that
+   does not fit in a stalled pipe is dropped, and the kill stands;
+3. counts the kill of that task in the broker's Redis (:mod:`workers.poison`: a message
+   killed three times is given up when it comes back, its operation failed) and puts
+   every message the worker held, unacknowledged, back on its queue at once
+   (:func:`workers.broker.restore`, kombu's own restore by delivery tag), so the killed
+   worker's other tasks run again within seconds instead of after the visibility
+   timeout;
+4. starts the worker again.
 
-A worker that ends by itself ends this command with its exit status (``corral up`` and
-compose restart it as they restart any service). SIGTERM, SIGINT, SIGQUIT, SIGHUP,
-SIGUSR1 and SIGUSR2 are passed on to the worker (SIGTERM: Celery's warm shutdown; the
-hard limits are enforced until it is over). The worker is in a process group of its own
-and gets ``PR_SET_PDEATHSIG`` = SIGKILL: if this supervisor dies, so does the worker,
-and with no supervisor no thread-pool worker runs unwatched. Running as PID 1 (a
-container), this process also reaps whatever orphans the worker leaves.
+A worker that ends by itself has what it held put back the same way (after a warm
+shutdown Celery has done it already), and ends this command with its exit status
+(``corral up`` and compose restart it as they restart any service). SIGTERM, SIGINT,
+SIGQUIT, SIGHUP, SIGUSR1 and SIGUSR2 are passed on to the worker (SIGTERM: Celery's warm
+shutdown; the hard limits are enforced until it is over). The worker is in a process
+group of its own and gets ``PR_SET_PDEATHSIG`` = SIGKILL: if this supervisor dies, so
+does the worker, and with no supervisor no thread-pool worker runs unwatched (its
+messages then come back after the visibility timeout). Running as PID 1 (a container),
+this process also reaps whatever orphans the worker leaves.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import contextlib
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -40,7 +51,8 @@ from workers import timelimits
 
 POLL_S = 0.2  # how often a worker's exit is noticed when no report arrives
 MAX_BUFFER = 64 * 1024  # unparsed report bytes kept; a line longer than this is dropped
-MAX_TRACKED = 10_000  # tasks tracked at once (a worker runs a few dozen)
+MAX_TRACKED = 10_000  # tasks, or held messages, tracked at once (a worker runs a few dozen)
+MAX_SAY = 4096  # one line to stderr: PIPE_BUF, so a pipe takes it whole or not at all
 FORWARDED = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -89,19 +101,69 @@ def worker_env(options: Sequence[str]) -> dict[str, str]:
     return env
 
 
+class _Stderr:
+    """This process's stderr, written without ever waiting.
+
+    A pipe (compose, a log shipper, a test harness) is written through a descriptor of its own
+    opened non-blocking - the worker shares the pipe but not this descriptor's flags - so a
+    line that does not fit is dropped and counted; anything else (a file, a terminal) is
+    written only when ``poll`` says it takes a line now.
+    """
+
+    def __init__(self) -> None:
+        self.fd = 2
+        self.dropped = 0
+        with contextlib.suppress(OSError):
+            if stat.S_ISFIFO(os.fstat(2).st_mode):
+                self.fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def write(self, data: bytes) -> bool:
+        """Write ``data`` (at most :data:`MAX_SAY` bytes) whole, now, or not at all."""
+        try:
+            if self.fd == 2:
+                poller = select.poll()
+                poller.register(2, select.POLLOUT)
+                if not poller.poll(0):
+                    raise BlockingIOError
+            os.write(self.fd, data[:MAX_SAY])
+        except OSError:  # full (BlockingIOError), or gone: the line is dropped
+            self.dropped += 1
+            return False
+        return True
+
+
+_stderr: _Stderr | None = None
+
+
 def _say(text: str) -> None:
-    """One line to stderr in one ``os.write``: no logging, no lock."""
-    with contextlib.suppress(OSError):
-        os.write(2, f"corral worker: {text}\n".encode(errors="replace"))
+    """One line to stderr in one ``os.write``: no logging, no lock, never a wait."""
+    global _stderr
+    if _stderr is None:
+        _stderr = _Stderr()
+    dropped = _stderr.dropped
+    note = f" ({dropped} line(s) of this supervisor dropped before)" if dropped else ""
+    if _stderr.write(f"corral worker: {text}{note}\n".encode(errors="replace")):
+        _stderr.dropped = 0
+
+
+@dataclass(frozen=True)
+class _Task:
+    """A task the worker reported running: when its hard limit falls, the limit, its name[id]."""
+
+    due: float
+    hard_s: float
+    task: str
+    task_id: str  # "" if the report carried none
 
 
 @dataclass
 class _Running:
-    """One worker process, its pipe and the tasks it reported running."""
+    """One worker process, its pipe, the tasks it runs and the messages it holds."""
 
     proc: subprocess.Popen[bytes]
     reports: int  # the pipe's read end
-    tasks: dict[str, tuple[float, float, str]] = field(default_factory=dict)  # key: due, hard, task
+    tasks: dict[str, _Task] = field(default_factory=dict)  # key: the task's thread
+    held: dict[str, str] = field(default_factory=dict)  # delivery tag -> name[id]
     buffer: bytes = b""
     status: int | None = None
     closed: bool = False  # every write end is closed: the worker and its children are gone
@@ -121,25 +183,39 @@ class _Running:
             self.buffer = b""
         for line in lines:
             report = timelimits.parse(line)
-            if report is None:
-                continue
-            if report.event == "end":
-                self.tasks.pop(report.key, None)
-            elif len(self.tasks) < MAX_TRACKED or report.key in self.tasks:
-                due = time.monotonic() + report.hard_s
-                self.tasks[report.key] = (due, report.hard_s, report.task)
+            if report is not None:
+                self._take(report)
 
-    def overdue(self) -> tuple[float, str] | None:
-        """The hard limit and name of a task past its hard limit, if any."""
+    def _take(self, report: timelimits.Report) -> None:
+        match report.event:
+            case "end":
+                self.tasks.pop(report.key, None)
+            case "start" if len(self.tasks) < MAX_TRACKED or report.key in self.tasks:
+                due = time.monotonic() + report.hard_s
+                self.tasks[report.key] = _Task(due, report.hard_s, report.task, report.task_id)
+            case "got":
+                if len(self.held) >= MAX_TRACKED:  # the oldest is forgotten: back by the sweep
+                    del self.held[next(iter(self.held))]
+                self.held[report.key] = report.task
+            case "done":
+                self.held.pop(report.key, None)
+
+    def drain(self) -> None:
+        """Read what is left in the pipe of a worker that is gone."""
+        while not self.closed:
+            ready, _, _ = select.select([self.reports], [], [], 0)
+            if not ready:
+                return
+            self.read()
+
+    def overdue(self) -> list[_Task]:
+        """The tasks past their hard limit."""
         at = time.monotonic()
-        for due, hard, task in self.tasks.values():
-            if at >= due:
-                return hard, task
-        return None
+        return [task for task in self.tasks.values() if at >= task.due]
 
     def wait_s(self) -> float:
         """How long to wait for a report before looking again."""
-        nearest = min((due for due, _, _ in self.tasks.values()), default=float("inf"))
+        nearest = min((task.due for task in self.tasks.values()), default=float("inf"))
         return max(0.0, min(POLL_S, nearest - time.monotonic()))
 
     def kill(self) -> None:
@@ -218,18 +294,22 @@ def supervise(options: Sequence[str]) -> int:
         worker = signals.worker = _start(options)
         try:
             outlived = _watch(worker)
+            worker.drain()
         finally:
             worker.close()
-        if outlived is None or signals.stopping:
+        _hand_back(worker, outlived)
+        if not outlived or signals.stopping:
             status = worker.status if worker.status is not None else 1
             return status if status >= 0 else 128 - status
         restarts += 1
-        hard, task = outlived
-        _say(f"worker started again (#{restarts}) after task {task} outlived {hard:g}s")
+        _say(
+            f"worker started again (#{restarts}) after task {outlived[0].task} outlived "
+            f"{outlived[0].hard_s:g}s"
+        )
 
 
-def _watch(worker: _Running) -> tuple[float, str] | None:
-    """Watch one worker until it ends (None) or a task outlives its hard limit (killed)."""
+def _watch(worker: _Running) -> list[_Task]:
+    """Watch one worker until it ends (no task) or tasks outlive their hard limit (killed)."""
     while True:
         if worker.closed:
             time.sleep(worker.wait_s())
@@ -238,17 +318,51 @@ def _watch(worker: _Running) -> tuple[float, str] | None:
             if ready:
                 worker.read()
         overdue = worker.overdue()
-        if overdue is not None:
-            hard, task = overdue
-            _say(
-                f"task {task} outlived its hard time limit of {hard:g}s: killing the worker "
-                f"(pid {worker.proc.pid}); its messages come back after the visibility timeout"
-            )
-            worker.kill()
+        if overdue:
+            worker.kill()  # first: nothing below may delay it
+            for task in overdue:
+                _say(
+                    f"task {task.task} outlived its hard time limit of {task.hard_s:g}s: "
+                    f"killed the worker (pid {worker.proc.pid})"
+                )
             return overdue
         _reap(worker)
         if worker.status is not None:
-            return None
+            return []
+
+
+def _hand_back(worker: _Running, outlived: list[_Task]) -> None:
+    """Count the kills of the tasks that outlived their limit; put what the worker held back.
+
+    Best effort: without Redis, a kill goes uncounted and the messages come back after the
+    visibility timeout, as they did before.
+    """
+    if not outlived and not worker.held:
+        return
+    try:
+        from config.celery import celery_config
+        from config.settings import get_settings
+        from workers import broker, poison
+        from workers.redis_client import redis_client
+
+        settings = get_settings()
+        client = redis_client(settings.broker_url)
+        for task in outlived:
+            if client is not None and task.task_id:
+                killed = poison.count_kill(client, task.task_id)
+                _say(f"task {task.task} killed at its hard time limit {killed} time(s)")
+        if worker.held and client is not None:
+            options = celery_config(settings)["broker_transport_options"]
+            back = broker.restore(settings.broker_url, list(worker.held), options)
+            if back:
+                _say(f"{back} message(s) the worker held put back on their queues")
+    except Exception as exc:  # the supervisor goes on: it says why
+        from config.redact import redact
+
+        _say(
+            f"could not hand the worker's messages back ({type(exc).__name__}: "
+            f"{redact(str(exc))[:200]}): they come back after the visibility timeout"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """Housekeeping: health checks, reap, reconcile and the autoscaler, periodic or asked for.
 
 Beat sends the periodic passes (``config.celery.HOUSEKEEPING``) on the
-``corral.maintenance`` queue; each expires before the next one is due, so a stopped
-worker does not come back to a pile of stale passes. They are declared with
+``corral.maintenance`` queue. They carry no expiry (judged by a worker's clock against
+beat's, it dropped passes whenever the two disagreed): a pass that waited behind a later
+one that ran is skipped by number instead (:mod:`workers.beat_passes`), so a stopped
+worker does not come back to a pile of stale passes to run. They are declared with
 ``send_events=False``: a worker sends no task events for them, so Flower lists the
 operations' tasks instead of a health check every 5 s and an autoscaler pass every
 2 s. What a pass did stays visible: its log lines (the worker logs every task it
@@ -43,7 +45,7 @@ from workers.kinds import OpKind
 from workers.maintenance import reap_report, reaper, redrive
 from workers.maintenance import reconcile as reconciler
 from workers.metrics import count_reaped
-from workers.operations import record_pass, record_result
+from workers.operations import record_pass
 from workers.redis_client import redis_client
 from workers.replicas.lost import mark_lost
 from workers.replicas.requests import request_scale, request_spawn
@@ -176,12 +178,22 @@ def reconcile_pass(self: CorralTask) -> dict[str, Any]:
 
 
 def _reconcile(task: CorralTask, op_id: str | None) -> dict[str, Any]:
-    """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min."""
-    holder = leases.holder_name(task.request.id)
-    report = reconciler.reconcile(task.db, task.settings, holder=holder, queue=QUEUE)
+    """One reconcile pass: orphans destroyed, vanished VMs' rows Dead, functions back to min.
+
+    An operator's pass waits a little for a periodic one to end; skipped, it says so.
+    """
+    settings = task.settings
+    report = reconciler.reconcile(
+        task.db,
+        settings,
+        holder=leases.holder_name(task.request.id),
+        queue=QUEUE,
+        budget=task.budget,
+        lease_wait_s=settings.task_soft_time_limit_s / 4 if op_id else 0.0,
+    )
     result: dict[str, Any] = {**report.as_dict(), "spawned": _spawn_each(task.db, report.top_up)}
     if op_id:
-        record_result(task.db, op_id, result)
+        reconciler.record(task.db, op_id, report, result)
     elif report.changed:
         result["op_id"] = record_pass(task.db, OpKind.RECONCILE, dict(result))
     return result

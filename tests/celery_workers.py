@@ -12,15 +12,20 @@ asks for prefork) - as a child process, which a test can SIGKILL and replace;
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import os
 import re
 import signal
 import subprocess
 import sys
+import termios
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 from celery import signals
@@ -111,16 +116,24 @@ class WorkerProcess:
         extra_env: dict[str, str] | None = None,
         name: str = "w1",
         include: str | None = None,
+        log_pipe: bool = False,
     ) -> None:
-        """``pool``: ``-P`` (None: the app's own); ``include``: test task modules to load."""
+        """``pool``: ``-P`` (None: the app's own); ``include``: test task modules to load.
+
+        ``log_pipe``: the worker's stdout and stderr are a pipe this process copies to the
+        log file, and can stop reading (:meth:`stalled`), as a stuck log shipper does.
+        """
         self.log_path = log_dir / f"worker-{name}.log"
         self.concurrency = concurrency
         self.pool = pool
         self.name = name
         self.include = include
+        self.log_pipe = log_pipe
         self.env = {**os.environ, **FAST, **(extra_env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self._asked = False  # a warm shutdown was asked for
+        self._reading = threading.Event()  # the log pipe is being read
+        self._reading.set()
 
     def start(self, timeout: float = 30.0) -> WorkerProcess:
         """Start the worker and wait until it says it is ready."""
@@ -147,10 +160,14 @@ class WorkerProcess:
             ],
             cwd=ROOT,
             env=self.env,
-            stdout=self._log,
+            stdout=subprocess.PIPE if self.log_pipe else self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        if self.proc.stdout is not None:
+            threading.Thread(
+                target=self._copy_log, args=(self.proc.stdout, self._log), daemon=True
+            ).start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -159,6 +176,48 @@ class WorkerProcess:
                 return self
             time.sleep(0.1)
         raise TimeoutError(f"worker not ready after {timeout}s:\n{self.tail()}")
+
+    def _copy_log(self, pipe: IO[bytes], log: IO[bytes]) -> None:
+        """Copy the worker's output to its log while reading is not stalled, until it ends."""
+        fd = pipe.fileno()
+        while True:
+            self._reading.wait()
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            try:
+                log.write(chunk)
+                log.flush()
+            except ValueError:  # the log was closed (the worker stopped): nothing to keep
+                return
+
+    @contextlib.contextmanager
+    def stalled(self) -> Iterator[None]:
+        """Stop reading the worker's log pipe for the body (``log_pipe`` workers)."""
+        assert self.log_pipe, "a worker started with log_pipe=True"
+        self._reading.clear()
+        try:
+            yield
+        finally:
+            self._reading.set()
+
+    def unread_log_bytes(self) -> int:
+        """Bytes the worker wrote to its log pipe that nobody has read yet."""
+        assert self.proc is not None and self.proc.stdout is not None
+        pending = array.array("i", [0])
+        fcntl.ioctl(self.proc.stdout.fileno(), termios.FIONREAD, pending)
+        return pending[0]
+
+    def tree(self) -> set[int]:
+        """The pids of the Celery worker the supervisor runs and of its pool processes."""
+        worker = self.worker_pid()
+        if worker is None:
+            return set()
+        try:
+            children = Path(f"/proc/{worker}/task/{worker}/children").read_text().split()
+        except OSError:
+            children = []
+        return {worker, *(int(pid) for pid in children)}
 
     def succeeded(self, task: str) -> int:
         """How many runs of ``task`` (``corral.reap_pass``...) the worker logged as succeeded."""

@@ -19,17 +19,22 @@ timeout (tasks are idempotent, so a redelivery is harmless).
 ``rediss`` URL schemes to this transport in kombu's alias table, so broker URLs
 stay ``redis://...`` everywhere (logs, ``celery inspect``, Flower's broker
 page, which picks its Redis client by URL scheme).
+
+:func:`restore` puts the messages a dead worker held back on their queues at once, by
+their delivery tags, instead of after the visibility timeout (:mod:`stack.worker`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import redis
+from kombu.connection import Connection
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 
-__all__ = ["Channel", "Transport", "install"]
+__all__ = ["Channel", "Transport", "install", "restore"]
 
 SCHEMES = ("redis", "rediss")
 
@@ -54,3 +59,22 @@ def install() -> None:
     """Make ``redis://`` and ``rediss://`` broker URLs use :class:`Transport` in this process."""
     for scheme in SCHEMES:
         TRANSPORT_ALIASES[scheme] = f"{__name__}:Transport"
+
+
+def restore(url: str, tags: Iterable[str], options: dict[str, Any]) -> int:
+    """Put the unacknowledged messages with these delivery tags back on their queues; how many.
+
+    kombu's own restore (``QoS.restore_by_tag``, what a worker's warm shutdown does for the
+    messages it holds): in one Redis transaction each message leaves the unacked hash and
+    goes back to the head of its queue, marked redelivered. A tag no longer held
+    (acknowledged, or restored already by kombu's sweep) is skipped. Only for the tags of a
+    worker that is gone: a live worker's message would run twice at once.
+    """
+    install()
+    with Connection(url, transport_options=options) as conn:
+        channel: Any = conn.default_channel
+        client = channel.client
+        held = [tag for tag in dict.fromkeys(tags) if client.hexists(channel.unacked_key, tag)]
+        for tag in held:
+            channel.qos.restore_by_tag(tag, client=client)
+    return len(held)

@@ -64,12 +64,13 @@ from celery import Celery, Task, signals
 from celery.exceptions import TaskPredicate
 from celery.worker.request import Request
 
-from config.celery import celery_config
+from config.celery import HOUSEKEEPING, celery_config
 from config.settings import Settings, get_settings
-from workers import broker, timelimits, tracing
+from workers import beat_passes, broker, clock_offsets, logs, poison, timelimits, tracing
 from workers.backends import inflight
 from workers.errors import InputError, SchemaError
 from workers.operations import describe_error, fail_op
+from workers.redis_client import redis_client
 from workers.replicas.owners import Budget
 from workers.store.db import Database, get_database, is_transient
 from workers.store.revisions import check_schema
@@ -113,11 +114,18 @@ def runs() -> Runs:
 
 
 class CorralRequest(Request):  # type: ignore[misc]
-    """A task message as the worker's pool runs it: under its hard time limit only.
+    """A task message as the worker holds and runs it: under its hard time limit only.
 
     Celery's soft limit would be raised into the task wherever it is; corral's is a
     deadline the task checks itself (the message's limits still reach the task's
     ``request.timelimit``, from which :class:`CorralTask` takes it).
+
+    The message's delivery tag is reported to a supervising ``corral worker`` when the
+    worker takes it and when it is acknowledged or given back (:func:`timelimits.received`,
+    :func:`timelimits.settled`): what the worker holds when it dies is put back on its
+    queue at once (:mod:`stack.worker`). A prefork child killed at its hard limit has its
+    kill counted (:mod:`workers.poison`) and its message given back (``task_acks_on_timeout``
+    is off), not acknowledged.
     """
 
     time_limits: tuple[float | None, float | None]  # (hard, soft), as Celery's pool reads them
@@ -125,6 +133,43 @@ class CorralRequest(Request):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.time_limits = (self.time_limits[0], None)
+        tag = getattr(self.message, "delivery_tag", None)
+        self._tag = None if tag is None else str(tag)
+        if self._tag is not None:
+            timelimits.received(self._tag, self.name, str(self.id))
+
+    def acknowledge(self) -> None:
+        """Acknowledge the message (once), and say it is no longer held."""
+        held = not self.acknowledged
+        super().acknowledge()
+        if held and self._tag is not None:
+            timelimits.settled(self._tag)
+
+    def reject(self, requeue: bool = False) -> None:
+        """Give the message back or drop it (once), and say it is no longer held."""
+        held = not self.acknowledged
+        super().reject(requeue=requeue)
+        if held and self._tag is not None:
+            timelimits.settled(self._tag)
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        """Past the hard limit (billiard kills the child): count the kill, give the message back."""
+        if not soft:
+            count_kill(str(self.id))
+        super().on_timeout(soft, timeout)
+
+
+def count_kill(task_id: str) -> None:
+    """Count one kill of ``task_id`` at its hard limit (:mod:`workers.poison`); never raises."""
+    client = redis_client(get_settings().broker_url)
+    if client is None:
+        return
+    try:
+        killed = poison.count_kill(client, task_id)
+    except Exception as exc:  # the message comes back all the same; counted at its next kill
+        log.warning("could not count the kill of task %s: %s", task_id, exc)
+    else:
+        log.warning("task %s killed at its hard time limit (%d times)", task_id, killed)
 
 
 class CorralTask(Task):  # type: ignore[misc]
@@ -184,6 +229,11 @@ class CorralTask(Task):  # type: ignore[misc]
                     f" ({exc.errors()[0]['msg']})",
                 )
         op_id = bound.arguments.get("op_id")
+        killed = self._kills()
+        if killed >= poison.MAX_KILLS:
+            return self._reject(op_id, poison.given_up(killed))
+        if self._superseded():
+            return {"skipped": True, "reason": "superseded: a later pass of its kind started"}
         outer = getattr(_running, "budget", None)  # an eager task run inside another
         hard, soft = self.request.timelimit or (None, None)
         budget = _running.budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
@@ -215,6 +265,34 @@ class CorralTask(Task):  # type: ignore[misc]
         finally:
             _running.budget = outer
 
+    def _kills(self) -> int:
+        """How often this message's task was killed at its hard limit (looked up if redelivered)."""
+        info = self.request.delivery_info or {}
+        if self.request.is_eager or not info.get("redelivered"):
+            return 0
+        client = redis_client(self.settings.broker_url)
+        if client is None:
+            return 0
+        try:
+            return poison.kills(client, str(self.request.id))
+        except Exception as exc:  # Redis away: run it (a kill is counted when it happens)
+            log.warning("could not read the kills of task %s: %s", self.request.id, exc)
+            return 0
+
+    def _superseded(self) -> bool:
+        """Whether this is a housekeeping pass a later one covered (:mod:`workers.beat_passes`)."""
+        mine = getattr(self.request, beat_passes.HEADER, None)
+        if self.name not in HOUSEKEEPING or not isinstance(mine, int):
+            return False
+        client = redis_client(self.settings.broker_url)
+        if client is None:
+            return False
+        try:
+            return beat_passes.superseded(client, self.name, mine)
+        except Exception as exc:  # Redis away: run it (passes are leased and idempotent)
+            log.warning("could not check pass %s of %s: %s", mine, self.name, exc)
+            return False
+
     @contextlib.contextmanager
     def _limits(self, budget: Budget) -> Iterator[None]:
         """Run the task under its deadline; report its hard limit where a supervisor keeps it.
@@ -223,7 +301,9 @@ class CorralTask(Task):  # type: ignore[misc]
         under no deadline. A task run inside another, or inline by a caller that gave a
         deadline (:func:`inline`), ends by the earlier deadline.
         """
-        deadline = timelimits.Deadline(budget.started + budget.soft_s)
+        deadline = timelimits.Deadline(
+            budget.started + budget.soft_s, hard_at=budget.started + budget.hard_s
+        )
         outer = timelimits.current()
         if outer is not None and outer.at < deadline.at:
             deadline = outer
@@ -381,6 +461,44 @@ def _trace_unforked(sender: Any = None, **_: Any) -> None:
     except tracing.TracingUnavailable as exc:
         log.critical("%s", exc)
         raise SystemExit(f"corral worker: {exc}") from None
+
+
+@signals.task_postrun.connect
+def _publish_clock_offset(task: Any = None, **_: Any) -> None:
+    """After a task, publish a new measurement of the host clock (:mod:`workers.clock_offsets`)."""
+    if task is None or task.request.is_eager:
+        return  # a worker's tasks only: an eager caller is no worker
+    client = redis_client(get_settings().broker_url)
+    if client is None:
+        return
+    try:
+        clock_offsets.publish(client)
+    except Exception as exc:  # a metric: the next task tries again
+        log.debug("could not publish the clock offset: %s", exc)
+
+
+@signals.before_task_publish.connect
+def _number_pass(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """A housekeeping pass being sent takes its number (:mod:`workers.beat_passes`)."""
+    if sender not in HOUSEKEEPING or headers is None:
+        return
+    client = redis_client(get_settings().broker_url)
+    if client is None:
+        return
+    try:
+        headers[beat_passes.HEADER] = beat_passes.number(client, sender)
+    except Exception as exc:  # unnumbered, it runs whenever it comes
+        log.warning("could not number a %s pass: %s", sender, exc)
+
+
+@signals.celeryd_after_setup.connect
+def _bounded_logs(**_: Any) -> None:
+    """A worker started from the command line logs through a bounded queue (:mod:`workers.logs`).
+
+    Sent once the worker's logging is set up and before its pool starts; a test's worker
+    in a thread (``celery.contrib.testing``) is not such a worker and keeps its handlers.
+    """
+    logs.install()
 
 
 @signals.worker_init.connect

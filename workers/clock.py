@@ -45,6 +45,8 @@ _offset = timedelta(0)  # clock.travel: tests moving time
 _host_skew = timedelta(0)  # skew_host / step_host: tests pretending this host's clock is off
 _synced_at: float | None = None  # time.monotonic() of the last measurement
 _sync_lock = threading.Lock()
+_measured: tuple[int, float] | None = None  # (measurement number, host clock - store's, s)
+_measurements = 0  # in this process, ever (numbers are never reused)
 
 
 def _host() -> datetime:
@@ -86,18 +88,34 @@ def sync_due() -> bool:
 
 
 def sync(read_db_time: Callable[[], datetime]) -> timedelta:
-    """Measure the database's clock (``read_db_time`` asks it once); its distance to ours."""
-    global _anchor, _synced_at
+    """Measure the database's clock (``read_db_time`` asks it once); its distance to ours.
+
+    It also notes how far this host's wall clock is from the store's (:func:`host_offset`).
+    """
+    global _anchor, _synced_at, _measured, _measurements
     with _sync_lock:
         before = time.monotonic()
         db_time = read_db_time()
         after = time.monotonic()
+        host = _host()
         mid = (before + after) / 2
         mono, base, _ = _anchor
         drift = db_time - (base + timedelta(seconds=mid - mono))
         _anchor = _anchor_at(db_time, mid)
         _synced_at = after
+        offset = (host - timedelta(seconds=after - mid) - db_time).total_seconds()
+        _measurements += 1
+        _measured = (_measurements, offset)
         return drift
+
+
+def host_offset() -> tuple[int, float] | None:
+    """The last measurement of this host's wall clock against the store's: (its number, s ahead).
+
+    None before the first. Nothing in corral reads the host's clock; an operator watches
+    this (``corral_clock_offset_seconds``).
+    """
+    return _measured
 
 
 def travel(seconds: float) -> None:
@@ -122,7 +140,8 @@ def step_host(seconds: float) -> None:
 
 def reset() -> None:
     """Undo every :func:`travel`, :func:`skew_host` and :func:`step_host`."""
-    global _offset, _host_skew, _anchor, _synced_at
+    global _offset, _host_skew, _anchor, _synced_at, _measured
+    _measured = None
     _offset = timedelta(0)
     _host_skew = timedelta(0)
     _anchor = _anchor_at(_host(), time.monotonic())

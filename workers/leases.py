@@ -15,7 +15,8 @@ one winner on SQLite and on PostgreSQL alike:
 
 The expiry is the safety net, not the protocol: a holder releases its lease when
 done (:func:`release` deletes the row only if it still holds it), and a crashed
-holder's lease lapses after ``ttl_s``. Whether a lease has lapsed is judged by the
+holder's lease lapses after ``ttl_s`` - for a housekeeping pass, just after its task's
+hard limit (:func:`pass_ttl`). Whether a lease has lapsed is judged by the
 database on its own clock (:func:`workers.store.db.store_now`), whatever this host's
 says; its expiry is written from :mod:`workers.clock` (the same clock, measured), so
 tests can let a lease expire with ``clock.travel``.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -35,11 +37,15 @@ from sqlalchemy import Table, delete, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from config.settings import Settings
+from workers import timelimits
 from workers.clock import now
 from workers.errors import InputError
 from workers.store.db import Database, store_now
 from workers.store.models import Lease
 
+PASS_SLACK_S = 5.0  # a pass's lease outlives its task's hard limit by this much
+POLL_S = 0.2  # how often a holder waiting for a lease looks again
 MAX_NAME = 64
 MAX_HOLDER = 128
 LEASES = cast(Table, Lease.__table__)
@@ -129,6 +135,33 @@ def drop(session: Session, name: str, holder: str) -> bool:
         .first()
     )
     return gone is not None
+
+
+def pass_ttl(settings: Settings) -> float:
+    """How long a housekeeping pass takes its lease for: until just after its task's hard limit.
+
+    A pass cannot outlive its task, which is killed at its hard limit; a lease that lived
+    ``CORRAL_LEASE_TTL_S`` (300 s) past a kill stopped every pass of its kind that long.
+    Outside a task (no hard limit), ``CORRAL_LEASE_TTL_S``.
+    """
+    left = timelimits.hard_left()
+    if left is None:
+        return settings.lease_ttl_s
+    return min(settings.lease_ttl_s, max(0.0, left) + PASS_SLACK_S)
+
+
+def acquire_within(
+    db: Database, name: str, holder: str, ttl_s: float, wait_s: float
+) -> tuple[bool, str | None]:
+    """Take ``name``, waiting up to ``wait_s`` for it to be free; (taken, else who holds it)."""
+    give_up = time.monotonic() + wait_s
+    while not acquire(db, name, holder, ttl_s):
+        if time.monotonic() < give_up:
+            time.sleep(min(POLL_S, max(0.0, give_up - time.monotonic())))
+            continue
+        info = current(db, name)
+        return False, info.holder if info else None
+    return True, None
 
 
 def acquire(db: Database, name: str, holder: str, ttl_s: float) -> bool:

@@ -24,6 +24,9 @@ one function, node and GPU it holds, in that order. It never waits for a second
 replica and never holds two rows of one kind, and everything that holds several
 counter rows waits for replicas only with ``SKIP LOCKED``: no cycle can form.
 
+A statement that locks many counter rows waits for them all at most one lock timeout
+(:func:`workers.store.db.one_lock_wait`), not one per row another transaction holds.
+
 SQLite takes one database-wide write lock per transaction (``BEGIN IMMEDIATE``),
 so none of this matters there; these statements run there as plain reads.
 """
@@ -33,23 +36,28 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from workers.store.db import one_lock_wait
 from workers.store.models import Function, Gpu, Node
 
 
 def lock_functions(session: Session) -> None:
     """Lock every function row, by name (FOR NO KEY UPDATE: replica inserts still proceed)."""
-    session.execute(
-        select(Function.id).order_by(Function.name).with_for_update(key_share=True)
-    ).all()
+    with one_lock_wait(session):
+        session.execute(
+            select(Function.id).order_by(Function.name).with_for_update(key_share=True)
+        ).all()
 
 
 def lock_nodes(session: Session, kind: str) -> None:
     """Lock every node row of one backend kind, by name."""
-    session.execute(
+    statement = (
         select(Node.id).where(Node.kind == kind).order_by(Node.name).with_for_update(key_share=True)
-    ).all()
+    )
+    with one_lock_wait(session):
+        session.execute(statement).all()
 
 
 def lock_gpus(session: Session) -> None:
     """Lock every GPU row, by uuid."""
-    session.execute(select(Gpu.id).order_by(Gpu.uuid).with_for_update(key_share=True)).all()
+    with one_lock_wait(session):
+        session.execute(select(Gpu.id).order_by(Gpu.uuid).with_for_update(key_share=True)).all()

@@ -46,6 +46,14 @@ From Redis:
   ``corral_keepalive_idle_times{function}`` (idle times in the histogram) and
   ``corral_keepalive_warm{function}`` (1 while a replica should be up).
 
+and what the workers report of themselves:
+
+* ``corral_clock_offset_seconds{host}`` - how far a host's wall clock is from the store's,
+  as its workers last measured it (:mod:`workers.clock_offsets`; corral reads no host's
+  clock, this is for operators);
+* ``corral_log_records_dropped_total`` - log records workers dropped because their log's
+  reader did not keep up (:mod:`workers.logs`: logging never blocks a task).
+
 ``corral_exporter_source_up{source}`` says whether the store and Redis answered
 this scrape; a source that fails leaves its metrics out instead of failing the scrape.
 
@@ -83,7 +91,7 @@ from config.celery import QUEUES
 from netplumb import asgiserve
 from netplumb.addresses import join_hostport, split_hostport
 from netplumb.listening import listen_refusal
-from workers import stages
+from workers import clock_offsets, logs, stages
 from workers.autoscale.keepalive import MODES
 from workers.autoscale.passes import DECISIONS_KEY, KEEPALIVE_KEY
 from workers.errors import InputError
@@ -294,6 +302,24 @@ class StoreCollector(Collector):
                 continue
         yield from (desired, panic)
         yield from _keep_alive(keep_alive)
+        yield from _workers(client)
+
+
+def _workers(client: redis.Redis) -> Iterable[Metric]:
+    """What the workers report of themselves: their hosts' clocks, their dropped log records."""
+    offset = GaugeMetricFamily(
+        "corral_clock_offset_seconds",
+        "How far a host's wall clock is ahead of the store's, as its workers last measured it.",
+        labels=["host"],
+    )
+    for host, seconds in sorted(clock_offsets.offsets(client).items()):
+        offset.add_metric([host], seconds)
+    yield offset
+    yield CounterMetricFamily(
+        "corral_log_records_dropped",
+        "Log records workers dropped because their log's reader did not keep up.",
+        value=logs.dropped_total(client),
+    )
 
 
 def _stages(raw: dict[bytes, bytes]) -> Metric:

@@ -24,17 +24,22 @@ in two parts:
   task (a gateway's, the event loop's) have no deadline: a gateway that carries out a
   first task itself (:func:`workers.celery.inline`) gives the task a deadline that ends the
   task, never the gateway.
+* **No wait outlasts the hard limit.** The deadline also knows when the hard limit
+  falls (:func:`hard_left`): a store transaction's statement and lock timeouts are cut
+  to the time left (:mod:`workers.store.db`), the way out after the soft limit included.
 * **The hard limit is enforced from outside the work.** Work stuck where no safe point
-  comes (a C call that does not return, a lock wait) is ended by killing its process.
+  comes (a C call that does not return) is ended by killing its process.
   In a prefork pool billiard's parent kills the child at ``CORRAL_TASK_TIME_LIMIT_S``
-  (Celery's own, kept). A thread pool runs under ``corral worker``
+  (Celery's own, kept; the message is given back and the kill counted,
+  :mod:`workers.poison`). A thread pool runs under ``corral worker``
   (:mod:`stack.worker`), a supervisor outside the worker process: the worker reports
   each task's start, hard limit and end to it over a pipe (:func:`reported`: one
   ``os.write`` of a short line per event, atomic below ``PIPE_BUF``, under no lock), and
-  the supervisor SIGKILLs the worker whose task outlived its hard limit, writes one line
-  saying which task (with ``os.write``: never ``logging``, never under a lock) and
-  starts the worker again. The killed worker's messages are unacknowledged and come
-  back after the visibility timeout; the rows its tasks owned lapse at the same limit.
+  each message it takes and settles (:func:`received`, :func:`settled`: its delivery
+  tag). The supervisor SIGKILLs the worker whose task outlived its hard limit, writes
+  one line saying which task (``os.write``, never blocking), counts the kill, puts every
+  message the worker held back on its queue at once and starts the worker again: its
+  other tasks run again within seconds; the rows its tasks owned lapse at the same limit.
 
 The pipe's write end reaches the worker as the file descriptor named in
 :data:`WATCH_FD_ENV` with the supervisor's pid (``FD:PID``): :func:`attach` checks that
@@ -65,14 +70,19 @@ class OutOfTime(Exception):
 
 @dataclass
 class Deadline:
-    """When the running task's soft time limit falls (``time.monotonic()``)."""
+    """When the running task's soft time limit falls, and its hard one (``time.monotonic()``)."""
 
     at: float
+    hard_at: float | None = None  # None: nothing ends the task from outside (inline)
     wrapping_up: bool = False  # the limit was delivered: the task is on its way out
 
     def left(self) -> float:
         """Seconds until the deadline (negative past it)."""
         return self.at - time.monotonic()
+
+    def hard_left(self) -> float | None:
+        """Seconds until the hard limit kills the task (negative past it); None: no hard limit."""
+        return None if self.hard_at is None else self.hard_at - time.monotonic()
 
     def passed(self) -> bool:
         """Whether the deadline has passed."""
@@ -97,6 +107,17 @@ def running(deadline: Deadline | None) -> Iterator[Deadline | None]:
 def current() -> Deadline | None:
     """The running task's deadline in this thread, if any."""
     return _deadline.get()
+
+
+def hard_left() -> float | None:
+    """Seconds before the running task's hard limit ends it; None: no task, or no hard limit.
+
+    What a wait inside the task may take at most: a store transaction's statement and lock
+    timeouts are cut to it (:mod:`workers.store.db`), its way out after the soft limit
+    included.
+    """
+    deadline = _deadline.get()
+    return None if deadline is None else deadline.hard_left()
 
 
 def passed() -> bool:
@@ -188,14 +209,34 @@ def reported(name: str, task_id: str, hard_s: float) -> Iterator[None]:
         _write(f"end {key}\n")
 
 
+def received(delivery_tag: str, name: str, task_id: str) -> None:
+    """Tell the supervisor (if any) this worker holds a message, unacknowledged, by its tag."""
+    _write(f"got {_safe(delivery_tag, 64)} {_safe(name)}[{_safe(task_id)}]\n")
+
+
+def settled(delivery_tag: str) -> None:
+    """Tell the supervisor (if any) the message is acknowledged or given back: no longer held."""
+    _write(f"done {_safe(delivery_tag, 64)}\n")
+
+
 @dataclass(frozen=True)
 class Report:
-    """One line a worker sent: a task started (``hard_s`` to run) or ended, on one thread."""
+    """One line a worker sent.
 
-    event: str  # "start" or "end"
+    A task started (``hard_s`` to run) or ended, on one thread (``key``: the thread); or a
+    message received or settled (``key``: its delivery tag).
+    """
+
+    event: str  # "start", "end", "got" or "done"
     key: str
     hard_s: float = 0.0
     task: str = ""
+
+    @property
+    def task_id(self) -> str:
+        """The task id in ``task`` (``name[id]``), or "" if it carries none."""
+        name, _, rest = self.task.partition("[")
+        return rest[:-1] if name and rest.endswith("]") else ""
 
 
 def parse(line: bytes) -> Report | None:
@@ -210,4 +251,8 @@ def parse(line: bytes) -> Report | None:
             return Report("start", key, hard_s, task) if hard_s >= 0 else None
         case ["end", key]:
             return Report("end", key)
+        case ["got", tag, task]:
+            return Report("got", tag, task=task)
+        case ["done", tag]:
+            return Report("done", tag)
     return None

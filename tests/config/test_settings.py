@@ -40,6 +40,15 @@ def test_defaults() -> None:
     assert s.visibility_timeout_s > s.task_time_limit_s > s.task_soft_time_limit_s
 
 
+def test_the_statement_timeout_fits_between_the_soft_and_the_hard_limit_unless_set() -> None:
+    assert load_settings().statement_timeout_s == 15  # half of 90 - 60
+    calls = {"rpc_timeout_s": 1, "create_timeout_s": 1, "lambdo_timeout_s": 1}
+    short = load_settings(task_soft_time_limit_s=4, task_time_limit_s=5, **calls)
+    assert short.statement_timeout_s == 0.5  # short limits need no setting of their own
+    assert load_settings(db_statement_timeout_s=29).statement_timeout_s == 29
+    assert load_settings(db_statement_timeout_s=0).statement_timeout_s == 0  # off: allowed
+
+
 @pytest.mark.parametrize(
     ("name", "value", "message"),
     [
@@ -50,6 +59,13 @@ def test_defaults() -> None:
         ("CORRAL_DATABASE_URL", "mysql://x", "CORRAL_DATABASE_URL"),
         ("CORRAL_BROKER_URL", "amqp://x", "CORRAL_BROKER_URL"),
         ("CORRAL_VISIBILITY_TIMEOUT_S", "60", "CORRAL_VISIBILITY_TIMEOUT_S must exceed"),
+        (  # the default limits leave 30 s between the soft and the hard one
+            "CORRAL_DB_STATEMENT_TIMEOUT_S",
+            "30",
+            "CORRAL_DB_STATEMENT_TIMEOUT_S must be below CORRAL_TASK_TIME_LIMIT_S - "
+            "CORRAL_TASK_SOFT_TIME_LIMIT_S (30 s)",
+        ),
+        ("CORRAL_DB_STATEMENT_TIMEOUT_S", "-1", "CORRAL_DB_STATEMENT_TIMEOUT_S: Input should be"),
     ],
 )
 def test_a_bad_setting_is_named(

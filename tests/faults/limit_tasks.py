@@ -9,6 +9,10 @@ Work that meets its time limits, and a way to step the worker's host clock:
   out (after each task, too, in a prefork child, where no other task runs beside it);
 * ``corral.test.stuck``: blocks in one C call, reaching no safe point, until its hard
   limit ends it - once per marker file (a redelivered message returns at once);
+* ``corral.test.poison``: blocks in one C call on every delivery (a poison message), an
+  operation's task;
+* ``corral.test.wait_for``: waits at safe points until a file exists (a neighbour of the
+  poison message, in flight when it is killed);
 * ``corral.test.step_clock``: steps this process's host clock (``clock.step_host``);
 * ``corral.test.where``: says where it runs (:func:`workers.celery.runs`) and how long its
   deadline leaves it.
@@ -67,6 +71,24 @@ def stuck(self: CorralTask, marker: str) -> str:
     log.info("stuck %s: blocking", self.request.id)
     threading.Event().wait()  # one lock wait in C: no safe point ever comes
     return "never"
+
+
+@app.task(bind=True, name="corral.test.poison")
+def poison(self: CorralTask, op_id: str) -> str:
+    """Block in one C call until killed, on every delivery (its operation: ``op_id``)."""
+    log.info("poison %s: delivered, blocking", self.request.id)
+    threading.Event().wait()
+    return "never"
+
+
+@app.task(bind=True, name="corral.test.wait_for")
+def wait_for(self: CorralTask, marker: str, tag: str) -> str:
+    """Wait until ``marker`` exists (looking at the deadline every 50 ms), then end."""
+    log.info("wait_for %s: waiting in pid %d", tag, os.getpid())
+    while not Path(marker).exists():
+        timelimits.sleep(0.05)
+    log.info("wait_for %s: done", tag)
+    return tag
 
 
 @app.task(bind=True, name="corral.test.step_clock")

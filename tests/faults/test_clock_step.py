@@ -1,25 +1,33 @@
-"""A host clock step between two syncs takes nothing early, with real ``corral worker`` processes.
+"""Host clocks that are wrong take nothing early and stop nothing, with real ``corral worker``s.
 
 The worker's host clock jumps 600 s ahead (``clock.step_host``, run in the worker by a
 test-only task) after the worker measured the store's clock. Its reaper pass must still
 find the reap lease another beat holds for 60 s held, a gateway's 30 s claim held, and a
 Creating row a live handler owns owned: the worker's clock moves with its monotonic
 clock between syncs, and expiries of leases and claims are judged by the database.
+
+A worker whose whole process runs 600 s ahead of beat's (libfaketime, Debian's
+``faketime``, preloaded into it) still runs beat's passes and reaps: passes carry no
+expiry stamped by beat's clock and judged by the worker's. Its offset from the store's
+clock is exported (``corral_clock_offset_seconds``).
 """
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
+import redis
 from sqlalchemy import select
 
-from tests.celery_workers import WorkerProcess
+from tests.celery_workers import WorkerProcess, start_beat
 from tests.eventually import eventually
 from tests.faults.test_time_limits import TASKS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, spawn_ok
-from workers import leases
+from workers import clock_offsets, leases
 from workers.celery import app
 from workers.maintenance.reaper import LEASE
 from workers.replicas.claims import claim
@@ -78,3 +86,59 @@ def test_a_600_s_host_clock_step_takes_no_lease_claim_or_row_early(
         row = s.scalars(select(Replica).where(Replica.request_id == owned.request_id)).one()
         assert row.status == ReplicaState.CREATING and row.owner is not None, row.error
     assert len(agent.driver.list()) == 1  # nothing released
+
+
+LIBFAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))), None)
+AHEAD_S = 600
+BEAT = {
+    "CORRAL_REAP_INTERVAL_S": "1",
+    "CORRAL_RECONCILE_INTERVAL_S": "1",
+    "CORRAL_HEALTH_INTERVAL_S": "1",
+}
+
+
+def ahead(seconds: int) -> dict[str, str]:
+    """The environment that runs a process (and what it starts) ``seconds`` ahead: libfaketime.
+
+    Its wall clock only: monotonic clocks are left alone, as a wrong host clock leaves them.
+    Skipped where Debian's ``faketime`` is not installed, except in CI (``.ci/run`` installs it).
+    """
+    if LIBFAKETIME is None:
+        message = "libfaketime not found in /usr/lib/*/faketime (apt-get install faketime)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{message}, but CI=true: .ci/run installs it", pytrace=False)
+        pytest.skip(message)
+    return {
+        "LD_PRELOAD": str(LIBFAKETIME),
+        "FAKETIME": f"+{seconds}s",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_600_s_ahead_of_beat_still_reaps(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
+) -> None:
+    (agent,) = start_agents(1, env=broker_env)
+    deploy_fn(broker_env, idle_timeout=1)
+    worker = WorkerProcess(broker_env.tmp, extra_env={**BEAT, **ahead(AHEAD_S)})
+    worker_processes.append(worker.start())
+    spawn_ok("hello", 2, timeout=60)
+    assert len(agent.driver.list()) == 2
+    beat = start_beat(broker_env.tmp, "behind", BEAT)  # this host's clock: 600 s behind it
+    try:
+        eventually(
+            lambda: not agent.driver.list(), 90, "the idle replicas reaped", detail=worker.tail
+        )
+    finally:
+        beat.terminate()
+        beat.wait(20)
+    with broker_env.db.read() as s:
+        rows = list(s.scalars(select(Replica)))
+    assert {row.status for row in rows} == {ReplicaState.DELETED}, [r.error for r in rows]
+    assert worker.succeeded("corral.reap_pass") >= 1
+    if not broker_env.db.is_sqlite:  # SQLite's clock is the faked process's own: no offset
+        client = redis.Redis.from_url(broker_env.settings.broker_url)
+        (offset,) = clock_offsets.offsets(client).values()
+        assert AHEAD_S - 5 < offset < AHEAD_S + 5, offset

@@ -281,11 +281,11 @@ def test_two_batches_pinned_in_opposite_node_orders_do_not_deadlock(
 
 
 def test_postgres_connections_carry_lock_and_statement_timeouts(pg_env: Env) -> None:
-    settings = pg_env.set(db_lock_timeout_s="2.5", db_statement_timeout_s="40")
+    settings = pg_env.set(db_lock_timeout_s="2.5", db_statement_timeout_s="25")
     pg_env.db.dispose()
     with pg_env.db.read() as s:
         assert s.scalar(text("SHOW lock_timeout")) == "2500ms"
-        assert s.scalar(text("SHOW statement_timeout")) == "40s"
+        assert s.scalar(text("SHOW statement_timeout")) == "25s"
     assert settings.db_lock_timeout_s == 2.5
 
 

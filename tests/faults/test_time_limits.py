@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from tasks import api
 from tests.celery_workers import WorkerProcess
 from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents, postgres_only
-from tests.helpers import deploy_fn
+from tests.helpers import broker_drained, deploy_fn
 from workers.celery import app
 
 TASKS = "tests.faults.limit_tasks"
@@ -84,6 +85,18 @@ def _idle_in_transaction(env: Env) -> int:
         )
 
 
+def _churning_worker(
+    env: Env, started: list[WorkerProcess], pool: str, *, log_pipe: bool = False
+) -> WorkerProcess:
+    """A started worker for the churners (``LIMITS``, the test tasks) in ``pool``."""
+    _env(env, LIMITS)
+    worker = WorkerProcess(
+        env.tmp, concurrency=CHURNERS, pool=pool, extra_env=LIMITS, include=TASKS, log_pipe=log_pipe
+    )
+    started.append(worker.start())
+    return worker
+
+
 def _probe(worker: WorkerProcess, tag: str) -> list[int]:
     """Run the probe task; the checked-out counts it logged (it could log: no lock held)."""
     app.send_task("corral.test.probe", args=(tag,))
@@ -125,15 +138,7 @@ def _stuck_and_ended(worker: WorkerProcess, pool: str, marker: Path, starts: int
 def test_a_hundred_soft_limits_in_busy_tasks_wedge_nothing_and_every_hard_limit_fires(
     broker_env: Env, worker_processes: list[WorkerProcess], tmp_path: Path, pool: str
 ) -> None:
-    _env(broker_env, LIMITS)
-    worker = WorkerProcess(
-        broker_env.tmp,
-        concurrency=CHURNERS,
-        pool=pool,
-        extra_env=LIMITS,
-        include=TASKS,
-    )
-    worker_processes.append(worker.start())
+    worker = _churning_worker(broker_env, worker_processes, pool)
 
     for n in range(SOFT_LIMITS):
         app.send_task("corral.test.churn", args=(n,), **CHURN_LIMITS)
@@ -168,40 +173,74 @@ def test_a_hundred_soft_limits_in_busy_tasks_wedge_nothing_and_every_hard_limit_
     assert _idle_in_transaction(broker_env) == 0
 
 
+STALL_S = 12  # how long the log's reader stops reading: the fault itself, not a wait
+FULL_PIPE = 60_000  # unread bytes of a full pipe (64 KiB) less a page: writers wait now
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-@postgres_only  # a lock wait in psycopg's C wait loop: what no soft limit can interrupt
-def test_a_thread_pool_worker_stuck_past_its_hard_limit_is_restarted_and_finishes_the_spawn(
-    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
+@pytest.mark.timeout(300)
+@POOLS
+def test_a_12_s_stall_of_the_log_pipe_kills_nothing(
+    broker_env: Env, worker_processes: list[WorkerProcess], pool: str
 ) -> None:
+    worker = _churning_worker(broker_env, worker_processes, pool, log_pipe=True)
+    tree = worker.tree()  # the worker and its pool processes: a kill changes them
+    with worker.stalled():
+        # churners that log without pause, for longer than the stall, past their hard limit
+        for n in range(20 * CHURNERS):
+            app.send_task("corral.test.churn", args=(n,), **CHURN_LIMITS)
+        eventually(lambda: worker.unread_log_bytes() >= FULL_PIPE, 60, "the log pipe to fill")
+        time.sleep(STALL_S)
+        assert worker.tree() == tree, "the worker or a pool process was killed in the stall"
+    eventually(lambda: broker_drained(broker_env), 120, "every churner to end", detail=worker.tail)
+    log = _log(worker)
+    assert worker.tree() == tree, worker.tail(100)
+    assert CHURN_KILLED.search(log) is None, worker.tail(100)
+    assert "Traceback" not in log, worker.tail(100)
+    assert _probe(worker, "after") == [0]  # every thread logs again
+    assert _idle_in_transaction(broker_env) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@postgres_only  # a row lock another transaction holds
+@POOLS
+def test_a_spawn_waiting_on_a_node_lock_ends_the_wait_before_its_hard_limit_and_finishes(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess], pool: str
+) -> None:
+    """A lock wait past the hard limit was what no soft limit could interrupt (psycopg waits
+    in C): the worker was killed. Its timeouts are cut to the time left now: the wait ends,
+    the task is retried, and the spawn finishes once the lock is free, with no kill."""
     limits = {
         **LIMITS,
-        "CORRAL_TASK_SOFT_TIME_LIMIT_S": "4",
-        "CORRAL_TASK_TIME_LIMIT_S": "5",
+        "CORRAL_TASK_SOFT_TIME_LIMIT_S": "2",
+        "CORRAL_TASK_TIME_LIMIT_S": "4",
         "CORRAL_RETRY_MAX": "3",
-        "CORRAL_RPC_TIMEOUT_S": "2",
-        "CORRAL_CREATE_TIMEOUT_S": "2",
-        "CORRAL_LAMBDO_TIMEOUT_S": "2",
-        "CORRAL_DB_LOCK_TIMEOUT_S": "30",
+        "CORRAL_RPC_TIMEOUT_S": "0.5",
+        "CORRAL_CREATE_TIMEOUT_S": "0.5",
+        "CORRAL_LAMBDO_TIMEOUT_S": "0.5",
+        "CORRAL_DB_LOCK_TIMEOUT_S": "30",  # a lock wait alone would outlast the task
+        "CORRAL_DB_STATEMENT_TIMEOUT_S": "0",  # off: only the time left bounds it
     }
     _env(broker_env, limits)
     (agent,) = start_agents(1, env=broker_env)
-    fn_id = deploy_fn(broker_env)
-    worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=limits, pool="threads")
+    deploy_fn(broker_env)
+    worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=limits, pool=pool)
     worker_processes.append(worker.start())
-    first = worker.worker_pid()
-    with broker_env.db.transaction() as s:  # the function's row, locked past the hard limit
-        s.execute(text("SELECT id FROM functions WHERE id = :id FOR UPDATE"), {"id": fn_id})
+    tree = worker.tree()
+    with broker_env.db.transaction() as s:  # every node's row, locked past the hard limit
+        s.execute(text("SELECT id FROM nodes FOR UPDATE"))
         op = api.spawn("hello", 2)
         eventually(
-            lambda: "outlived its hard time limit of 5s" in _log(worker),
-            30,
-            "the supervisor to kill the stuck worker",
+            lambda: "hit a transient database error" in _log(worker),
+            60,
+            "the spawn's lock wait to end before its hard limit",
             detail=worker.tail,
         )
-    assert "task corral.spawn[" in _log(worker), worker.tail()
-    eventually(lambda: worker.worker_pid() not in (None, first), 30, "the restarted worker")
-    view = api.wait(op, timeout=60)  # its message came back after the visibility timeout
+    view = api.wait(op, timeout=60)  # retried: the lock is free now
     assert (view["status"], view["done"], view["failed"]) == ("succeeded", 2, 0), view
     assert len(agent.agent.calls_of("CreateReplica")) == 2
     assert len(agent.driver.list()) == 2
+    log = _log(worker)
+    assert "outlived its hard time limit" not in log and "Hard time limit" not in log, log
+    assert worker.tree() == tree  # nothing was killed

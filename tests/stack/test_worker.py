@@ -1,14 +1,17 @@
 """``corral worker``: the supervisor that keeps a worker's hard time limits, and what it passes on.
 
 Its kill-and-restart at a hard limit is shown with real tasks in
-``tests/faults/test_time_limits.py``; here: it passes signals on and ends with its
-worker, its worker ends with it, and ``-P prefork`` means prefork.
+``tests/faults/test_time_limits.py`` and ``tests/faults/test_hard_limit_kills.py``; here:
+it passes signals on and ends with its worker, its worker ends with it, ``-P prefork``
+means prefork, and what it says never waits for a stalled stderr.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -70,3 +73,38 @@ def test_the_pool_the_command_line_names_is_the_one_the_worker_runs(
     assert worker_env(options).get("CORRAL_WORKER_POOL") == (
         "prefork" if pool == "prefork" else None
     )
+
+
+def test_the_supervisor_never_waits_for_a_stderr_pipe_nobody_reads() -> None:
+    read_end, write_end = os.pipe()  # nobody reads it: a stalled log shipper
+    try:
+        lines = 20_000  # about 1.5 MB, twenty pipes' worth
+        speaker = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"from stack.worker import _say\nfor n in range({lines}): _say(f'line {{n}}')",
+            ],
+            stderr=write_end,
+        )
+        os.close(write_end)
+        write_end = -1
+        assert speaker.wait(60) == 0  # it ended: no write waited for the reader
+        os.set_blocking(read_end, False)
+        said = b""
+        while True:
+            try:
+                chunk = os.read(read_end, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            said += chunk
+        kept = said.decode().splitlines()
+        assert kept[0] == "corral worker: line 0"
+        assert all(line.startswith("corral worker: line ") for line in kept)  # whole lines
+        assert 0 < len(kept) < lines  # the rest were dropped
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)

@@ -19,6 +19,7 @@ from sqlalchemy import select, update
 from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.services import free_port
+from workers import clock, clock_offsets, logs
 from workers.autoscale.decision import Window
 from workers.autoscale.passes import run_pass, state_key
 from workers.errors import InputError
@@ -277,3 +278,20 @@ def test_corral_metrics_command_serves_until_terminated(env: Env, redis_url: str
     finally:
         proc.terminate()
         assert proc.wait(20) == 0
+
+
+def test_hosts_clock_offsets_and_dropped_log_records_are_exported(
+    env: Env, exporter: RunningExporter, redis_url: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    clock.skew_host(8)  # this host's clock runs 8 s ahead of the store's
+    with env.db.read():  # a transaction measures the store's clock
+        pass
+    assert clock_offsets.publish(client, host="fast-host")
+    assert not clock_offsets.publish(client, host="fast-host")  # once per measurement
+    client.hset(clock_offsets.KEY, "gone-host", '{"offset_s": 3, "at": 0}')  # long silent
+    client.incrby(logs.DROPPED_KEY, 7)
+    got = scrape(exporter.url)
+    assert 7.5 < value(got, "corral_clock_offset_seconds", host="fast-host") < 8.5
+    assert ("corral_clock_offset_seconds", frozenset({("host", "gone-host")})) not in got
+    assert value(got, "corral_log_records_dropped_total") == 7

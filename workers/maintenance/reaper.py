@@ -101,7 +101,6 @@ from workers.store.models import COUNTED_STATES, Function, Node, Replica, Replic
 log = logging.getLogger(__name__)
 
 LEASE = "reap"
-LEASE_POLL_S = 0.2
 MAX_EXAMINED = 10  # rows a pass may look at, per unit of batch, while skipping kept ones
 
 
@@ -439,14 +438,11 @@ def reap(  # noqa: PLR0913 - keyword-only options with defaults
     report = ReapReport(
         holder=holder, idle_timeout=idle_timeout, batch=budget, started_at=iso(now())
     )
-    give_up = time.monotonic() + lease_wait_s
-    while not leases.acquire(db, LEASE, holder, settings.lease_ttl_s):
-        if time.monotonic() < give_up:
-            time.sleep(min(LEASE_POLL_S, max(0.0, give_up - time.monotonic())))
-            continue
-        info = leases.current(db, LEASE)
+    taken, report.held_by = leases.acquire_within(
+        db, LEASE, holder, leases.pass_ttl(settings), lease_wait_s
+    )
+    if not taken:
         report.skipped = True
-        report.held_by = info.holder if info else None
         log.info("reap pass %s skipped: lease held by %s", holder, report.held_by)
         return report
     try:

@@ -1,6 +1,10 @@
 """Reconcile: make the rows and the fleet agree, because agents are the truth about what runs.
 
-One pass (under the ``reconcile`` lease, so never two at once):
+One pass (under the ``reconcile`` lease, so never two at once; the lease lives until just
+after the pass's task meets its hard limit, so a holder killed mid-pass blocks the next
+pass for seconds, not ``CORRAL_LEASE_TTL_S``; a pass that finds it held is *skipped* and
+says who holds it - an operator's ``corral reconcile`` waits a little for it first, then
+ends failed, "skipped", never succeeded):
 
 1. Every healthy node that can list its VMs (``ListReplicas`` on agents,
    ``GET /vms`` on Lambdo hosts) is asked - ``CORRAL_RECONCILE_CONCURRENCY`` nodes
@@ -19,7 +23,13 @@ One pass (under the ``reconcile`` lease, so never two at once):
      ``CORRAL_ORPHAN_GRACE_S`` - on the store's clock, from the pass that first saw it
      (a lease ``seen:<node>/<vmid>``), never the agent's own clock - so a spawn still
      in flight is never hit, and unless it carries the request id of a replica still
-     Creating, it is destroyed;
+     Creating, it is destroyed. The orphans of every node are released together once
+     the nodes are judged, at most ``CORRAL_RECONCILE_BATCH`` per pass, all in flight at
+     once within each node's bound (``workers.replicas.delete.release_all``: the fleet's
+     node call slots) and none started past the pass's soft time limit (less the longest
+     call): 60 orphans that take 1.2 s each to release cost a pass about 1.2 s x 60 / the
+     node's bound, never its hard limit. What is left (``orphans_left``, ``more``) the
+     next pass releases at once: their grace is over;
    * a row whose VM the node no longer runs is marked Dead ("VM vanished"),
      which frees its reservations; a Deleting row whose VM is gone is Deleted.
      Only rows that already had their VM *before* the node was listed are
@@ -52,12 +62,15 @@ from workers.dispatch import TaskQueue
 from workers.errors import BackendError, Unsupported
 from workers.kinds import OpKind
 from workers.locks import lock_functions
-from workers.operations import open_of
+from workers.operations import finish, open_of
+from workers.replicas.delete import Doomed, release_all
 from workers.replicas.lifecycle import lock_replica, transition
+from workers.replicas.owners import Budget
 from workers.replicas.scale import unplaced
 from workers.store.db import Database
 from workers.store.models import (
     LIVE_STATES,
+    OP_FINISHED,
     Function,
     Lease,
     Node,
@@ -77,11 +90,14 @@ class ReconcileReport:
     """What one reconcile pass found and did."""
 
     skipped: bool = False
+    held_by: str | None = None  # skipped: who holds the lease
     nodes_checked: list[str] = field(default_factory=list)
     nodes_unlistable: list[str] = field(default_factory=list)
     node_errors: dict[str, str] = field(default_factory=dict)
     orphans_destroyed: list[str] = field(default_factory=list)
     orphans_waiting: int = 0
+    orphans_left: int = 0  # past their grace, not released by this pass: the next one does
+    more: bool = False  # more orphans than one pass releases (CORRAL_RECONCILE_BATCH)
     held_elsewhere: list[str] = field(default_factory=list)
     vanished: list[str] = field(default_factory=list)
     drained: list[str] = field(default_factory=list)
@@ -98,13 +114,28 @@ class ReconcileReport:
         return asdict(self)
 
 
-def reconcile(
-    db: Database, settings: Settings, *, holder: str, queue: TaskQueue
+def reconcile(  # noqa: PLR0913 - the pass's parts, the rest by name
+    db: Database,
+    settings: Settings,
+    *,
+    holder: str,
+    queue: TaskQueue,
+    budget: Budget | None = None,
+    lease_wait_s: float = 0.0,
 ) -> ReconcileReport:
-    """Run one reconcile pass, unless another holds the lease; deletes go to ``queue``."""
+    """Run one reconcile pass, unless another holds the lease; deletes go to ``queue``.
+
+    ``budget`` is the time of the task the pass runs in (no release starts past its soft
+    limit, less the longest call); ``lease_wait_s`` lets a pass someone asked for wait
+    that long for a running pass to end instead of being skipped at once.
+    """
     report = ReconcileReport()
-    if not leases.acquire(db, LEASE, holder, settings.lease_ttl_s):
+    taken, report.held_by = leases.acquire_within(
+        db, LEASE, holder, leases.pass_ttl(settings), lease_wait_s
+    )
+    if not taken:
         report.skipped = True
+        log.info("reconcile pass %s skipped: lease held by %s", holder, report.held_by)
         return report
     try:
         with db.read() as s:
@@ -120,13 +151,42 @@ def reconcile(
         # spawn that records its VM while the node is listed is not among them (judged
         # next pass).
         before = {node.id: _live_rows(db, node) for node in nodes}
+        orphans: list[tuple[Node, backends.ListedVm]] = []
         for node, listed in zip(nodes, _list_all(settings, nodes), strict=True):
-            _reconcile_node(db, settings, _Seen(node, before[node.id], listed), report)
+            orphans += _reconcile_node(db, settings, _Seen(node, before[node.id], listed), report)
+        _destroy_orphans(settings, orphans, report, budget)
         _drain(db, settings, report, queue)
         report.top_up = below_min(db, settings)
     finally:
         leases.release(db, LEASE, holder)
     return report
+
+
+def record(db: Database, op_id: str, report: ReconcileReport, result: dict[str, Any]) -> None:
+    """Finish an operator's reconcile with ``result``: failed if skipped, partial if it left any.
+
+    A pass skipped because another holds the lease did nothing: its operation says so
+    ("skipped: ..."), never succeeded. One that left orphans or could not release some
+    is partial, with how many and why.
+    """
+    with db.transaction() as s:
+        op = s.get(Operation, op_id, with_for_update=True)
+        if op is None or op.status in OP_FINISHED:
+            return
+        op.result = result
+        if report.skipped:
+            op.total, op.failed = 1, 1
+            held = report.held_by or "unknown"
+            error = f"skipped: another reconcile pass holds the lease ({held})"
+            finish(op, failed=1, total=1, error=error)
+            return
+        failed = report.orphans_left + len(report.errors)
+        op.total = len(report.orphans_destroyed) + failed or 1
+        op.failed, op.done = failed, op.total - failed
+        why = report.errors[0] if report.errors else None
+        if report.orphans_left:
+            why = f"{report.orphans_left} orphan VM(s) left for the next pass"
+        finish(op, failed=failed, total=op.total, error=why)
 
 
 def _live_rows(db: Database, node: Node) -> list[Any]:
@@ -171,18 +231,21 @@ class _Seen:
     listed: Listed
 
 
-def _reconcile_node(db: Database, settings: Settings, seen: _Seen, report: ReconcileReport) -> None:
-    """Destroy the node's orphan VMs, and end the rows whose VM vanished from it."""
+def _reconcile_node(
+    db: Database, settings: Settings, seen: _Seen, report: ReconcileReport
+) -> list[tuple[Node, backends.ListedVm]]:
+    """End the rows whose VM vanished from the node; its orphans past their grace."""
     node = seen.node
     vms = _listing(db, node, seen.listed, report)
     if vms is None:
-        return
-    _destroy_orphans(db, settings, node, vms, report)
+        return []
+    orphans = _past_grace(db, settings, node, _unknown(db, node, vms, report), report)
     on_node = {vm.vmid for vm in vms}
     for row in seen.before:
         if row.vmid is None or row.vmid in on_node or row.status == ReplicaState.CREATING:
             continue
         _vanished(db, settings, node, row, report)
+    return [(node, vm) for vm in orphans]
 
 
 def _set_can_list(db: Database, node: Node, can_list: bool) -> None:
@@ -212,21 +275,30 @@ def _listing(
 
 
 def _destroy_orphans(
-    db: Database,
     settings: Settings,
-    node: Node,
-    vms: list[backends.ListedVm],
+    orphans: list[tuple[Node, backends.ListedVm]],
     report: ReconcileReport,
+    budget: Budget | None,
 ) -> None:
-    """Release listed VMs no row knows, once they are older than the orphan grace."""
-    unknown = _unknown(db, node, vms, report)
-    for vm in _past_grace(db, settings, node, unknown, report):
-        try:
-            backends.release_vm(node, vm.vmid, settings)
-            report.orphans_destroyed.append(f"{node.name}/{vm.vmid}")
-            log.warning("destroyed orphan VM %s on %s", vm.vmid, node.name)
-        except BackendError as exc:
-            report.errors.append(f"orphan {vm.vmid}: {exc}")
+    """Release orphan VMs past their grace: at most a batch, all at once within each node's
+    bound, none started past the pass's soft limit; what is left waits for the next pass."""
+    batch = orphans[: settings.reconcile_batch]
+    report.more = len(orphans) > len(batch)
+    report.orphans_left = len(orphans) - len(batch)
+    doomed = {
+        f"{node.name}/{vm.vmid}": Doomed(f"{node.name}/{vm.vmid}", vm.vmid, node)
+        for node, vm in batch
+    }
+    for key, released in release_all(settings, list(doomed.values()), budget).items():
+        if released is None:  # not sent in the pass's time: the next pass
+            report.orphans_left += 1
+        elif isinstance(released, BackendError):
+            report.errors.append(f"orphan {key}: {released}")
+        else:  # released, or gone already
+            report.orphans_destroyed.append(key)
+            log.warning("destroyed orphan VM %s", key)
+    if report.orphans_left:
+        log.info("reconcile left %d orphan VM(s) to the next pass", report.orphans_left)
 
 
 #: Listed ids looked up per query (bound parameters stay well under every store's limit).

@@ -15,6 +15,15 @@ server ends a session left idle inside a transaction (its process stuck or gone)
 would hold its row locks for good; and it gives up on a server it cannot reach within seconds
 (:data:`PG_NETWORK`).
 
+Inside a task no wait outlasts the task: a transaction's statement and lock timeouts are
+the settings cut to the time left before the task's hard limit, less :data:`WAY_OUT_S`
+for its way out (``SET LOCAL`` through ``set_config``, one statement, only when the cut is
+below the settings; on SQLite the busy timeout, before ``BEGIN``), its way out after the
+soft limit included; and a statement that locks many rows at once
+(:func:`one_lock_wait`: ``workers.locks``) runs under a statement timeout of the lock
+timeout, so its waits add up to one lock timeout, not one per row (a placement locking
+every node waited 11 s with a 2.5 s lock timeout).
+
 The first transaction the running task starts past its soft time limit is refused
 (:func:`workers.timelimits.check`: :class:`~workers.timelimits.OutOfTime` is raised
 before any connection is taken; the task's way out then goes ahead), and the connection
@@ -49,6 +58,17 @@ from sqlalchemy.sql.functions import FunctionElement
 
 from config.settings import get_settings
 from workers import clock, timelimits
+
+#: Seconds kept for a task's way out after a wait its time cut short: the error, the rollback,
+#: the retry. A transaction starting with less left than this waits MIN_WAIT_S at most.
+WAY_OUT_S = 0.5
+MIN_WAIT_S = 0.001  # PostgreSQL reads 0 as "no timeout": never cut to it
+SQLITE_BUSY_S = 30.0  # SQLite's busy timeout outside a task
+_SET_WAITS = text(
+    "SELECT set_config('statement_timeout', :statement, true), "
+    "set_config('lock_timeout', :lock, true)"
+)
+_SET_STATEMENT = text("SELECT set_config('statement_timeout', :statement, true)")
 
 # The server's own time as naive UTC: clock_timestamp() moves during a transaction, unlike now().
 _PG_TIME = text("SELECT clock_timestamp() AT TIME ZONE 'UTC'")
@@ -125,6 +145,7 @@ class Database:
         """One transaction: commit on success, roll back on any exception."""
         timelimits.check("a store transaction")
         with _released(self.session()) as session, session.begin():
+            self._bound(session)
             if clock.sync_due():
                 self._sync_clock(session)
             yield session
@@ -136,9 +157,19 @@ class Database:
         with _released(self.session()) as session:
             # Closing (not rolling back) ends the transaction and keeps loaded rows readable.
             session.connection(execution_options={"corral_read": True})
+            self._bound(session)
             if clock.sync_due():
                 self._sync_clock(session)
             yield session
+
+    def _bound(self, session: Session) -> None:
+        """Cut this transaction's statement and lock timeouts to the running task's time left."""
+        if self.is_sqlite or timelimits.hard_left() is None:
+            return  # SQLite: its busy timeout is cut before BEGIN (_sqlite_engine)
+        settings = get_settings()
+        statement, lock = wait_bounds()
+        if (statement, lock) != (settings.statement_timeout_s, settings.db_lock_timeout_s):
+            session.execute(_SET_WAITS, {"statement": _ms(statement), "lock": _ms(lock)})
 
     def _sync_clock(self, session: Session) -> None:
         """Measure the server's clock against this host's (:mod:`workers.clock`)."""
@@ -159,6 +190,46 @@ class Database:
             self._engine.dispose()
         self._engine = None
         self._sessions = None
+
+
+def wait_bounds() -> tuple[float, float]:
+    """The statement and lock timeouts (s, 0: off) of a statement starting now in this thread.
+
+    The settings, cut to the time left before the running task's hard limit less
+    :data:`WAY_OUT_S` (at least :data:`MIN_WAIT_S`); outside a task, the settings.
+    """
+    settings = get_settings()
+    statement, lock = settings.statement_timeout_s, settings.db_lock_timeout_s
+    left = timelimits.hard_left()
+    if left is None:
+        return statement, lock
+    room = max(MIN_WAIT_S, left - WAY_OUT_S)
+    return (min(statement, room) if statement else room, min(lock, room) if lock else room)
+
+
+def _ms(seconds: float) -> str:
+    return str(max(1, round(seconds * 1000))) if seconds else "0"
+
+
+@contextmanager
+def one_lock_wait(session: Session) -> Iterator[None]:
+    """Run a statement that locks many rows so its waits add up to one lock timeout at most.
+
+    ``lock_timeout`` bounds each wait for a row lock; a statement locking every node
+    waits that long per node held. In the body the statement timeout is the lock timeout
+    (PostgreSQL; SQLite takes one lock per transaction), then back to what it was. A body
+    that raises leaves the transaction to its rollback, which undoes the change.
+    """
+    if session.get_bind().dialect.name != "postgresql":
+        yield
+        return
+    statement, lock = wait_bounds()
+    if not lock or (statement and statement <= lock):
+        yield  # the statement timeout bounds it already
+        return
+    session.execute(_SET_STATEMENT, {"statement": _ms(lock)})
+    yield
+    session.execute(_SET_STATEMENT, {"statement": _ms(statement)})
 
 
 @contextmanager
@@ -231,7 +302,7 @@ def _make_engine(url: str) -> Engine:
         "connect_args": {
             "options": pg_options(
                 settings.db_lock_timeout_s,
-                settings.db_statement_timeout_s,
+                settings.statement_timeout_s,
                 settings.db_idle_in_transaction_timeout_s,
             ),
             **PG_NETWORK,
@@ -257,12 +328,20 @@ def _sqlite_engine(url: str) -> Engine:
         if not memory:
             cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
-        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute(f"PRAGMA busy_timeout={round(SQLITE_BUSY_S * 1000)}")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
+        left = timelimits.hard_left()  # a task's transaction waits for the lock its time left
+        busy = SQLITE_BUSY_S
+        if left is not None:
+            busy = min(busy, max(MIN_WAIT_S, left - WAY_OUT_S))
+        busy_ms = max(1, round(busy * 1000))
+        if conn.info.get("corral_busy_ms") != busy_ms:
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={busy_ms}")
+            conn.info["corral_busy_ms"] = busy_ms
         read_only = conn.get_execution_options().get("corral_read", False)
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 

@@ -10,6 +10,7 @@ connections and PostgreSQL's ``pg_stat_activity``.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -21,9 +22,9 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from tests.eventually import eventually
-from tests.fixtures import Env, postgres_only
+from tests.fixtures import Env, postgres_only, sqlite_only
 from workers import leases, timelimits
-from workers.store.db import Database, get_database
+from workers.store.db import WAY_OUT_S, Database, get_database, is_transient
 
 IDLE_IN_TRANSACTION = text(
     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
@@ -133,3 +134,95 @@ def test_postgresql_ends_a_session_left_idle_in_a_transaction(store_env: Env) ->
     finally:
         session.close()
     db.dispose()
+
+
+# -- no wait outlasts the task: timeouts cut to the time left before its hard limit -----------
+
+HARD_S = 2.0  # the task's hard limit, from now
+LONG_S = 30.0  # the store's own lock timeout (and SQLite's busy timeout): past the hard limit
+
+
+def _in_a_task_of(hard_s: float, body: Callable[[], object]) -> BaseException | None:
+    """Run ``body`` in a thread as a task whose hard limit is ``hard_s`` away; what it raised.
+
+    A body still waiting long after the hard limit (the thread not done in 15 s) fails.
+    """
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        start = time.monotonic()
+        deadline = timelimits.Deadline(start + hard_s / 2, hard_at=start + hard_s)
+        with timelimits.running(deadline):
+            try:
+                body()
+            except BaseException as exc:  # handed to the test
+                raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(15)
+    assert not thread.is_alive(), "a wait in the store outlasted the task's hard limit"
+    return raised[0] if raised else None
+
+
+@postgres_only  # a row lock (SQLite's write lock: below)
+def test_a_lock_wait_in_a_task_ends_before_its_hard_limit(store_env: Env) -> None:
+    store_env.set(db_lock_timeout_s=str(LONG_S))
+    db = store_env.db
+    with db.transaction() as s:
+        leases.take(s, "held", "holder", 60)
+    holder = db.engine.connect()
+    try:
+        holder.execute(text("SELECT 1 FROM leases WHERE name = 'held' FOR UPDATE"))
+
+        def wait_for_the_row() -> None:
+            with db.transaction() as s:
+                s.execute(text("SELECT 1 FROM leases WHERE name = 'held' FOR UPDATE"))
+
+        exc = _in_a_task_of(HARD_S, wait_for_the_row)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert isinstance(exc, DBAPIError) and is_transient(exc), exc  # retried by the task base
+    with db.transaction() as s:  # outside a task: the store's own timeouts again
+        assert s.scalar(text("SHOW lock_timeout")) == "30s"
+
+
+@postgres_only
+def test_a_transaction_in_a_task_runs_under_the_time_left(store_env: Env) -> None:
+    store_env.set(db_lock_timeout_s=str(LONG_S))
+    shown: list[tuple[str, str]] = []
+
+    def show() -> None:
+        with store_env.db.read() as s:
+            timeouts = s.execute(
+                text("SELECT current_setting('statement_timeout'), current_setting('lock_timeout')")
+            ).one()
+            shown.append((str(timeouts[0]), str(timeouts[1])))
+
+    assert _in_a_task_of(HARD_S, show) is None
+    ((statement, lock),) = shown
+    assert statement == lock and statement.endswith("ms"), shown  # both cut to the time left
+    assert 0 < int(statement.removesuffix("ms")) <= (HARD_S - WAY_OUT_S) * 1000
+
+
+@sqlite_only  # SQLite's one write lock, held by another connection past the hard limit
+def test_a_sqlite_transaction_in_a_task_waits_for_the_write_lock_only_its_time_left(
+    store_env: Env,
+) -> None:
+    db = store_env.db
+    holder = sqlite3.connect(db.url.removeprefix("sqlite:///"), isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+
+        def write() -> None:
+            with db.transaction() as s:
+                leases.take(s, "written", "me", 60)
+
+        exc = _in_a_task_of(HARD_S, write)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert isinstance(exc, DBAPIError) and is_transient(exc), exc
+    with db.transaction() as s:  # outside a task: waits as long as before
+        leases.take(s, "written", "me", 60)
