@@ -2,15 +2,16 @@
 
 Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite store
 (migrated); then, all at once (each needs only those two), the registry, one Celery worker
-on every queue with task events (as ``corral worker`` runs it: :mod:`stack.worker`), celery
-beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port is taken) and
-the Prometheus exporter (``corral metrics``, 127.0.0.1:9808 unless taken); once they all
-serve, an fcdaemon agent (which registers itself through the registry) and a Lambdo host
-(added as a node), both with the process driver, at once. Stop order is the reverse of the
-start order. Everything lives under the state directory (``.corral/`` in
-the working directory by default): data, logs, the lock that keeps a second ``corral
-up`` out, and ``stack.json``, from which the CLI run in the same directory learns the
-broker, database and registry addresses.
+on the control plane's queues with task events (as ``corral worker`` runs it:
+:mod:`stack.worker`) and one on ``corral.invocations`` (asynchronous calls: a queue and
+worker of their own), celery beat, Flower, the invocation gateway
+(http://127.0.0.1:8080 unless that port is taken) and the Prometheus exporter (``corral
+metrics``, 127.0.0.1:9808 unless taken); once they all serve, an fcdaemon agent (which
+registers itself through the registry) and a Lambdo host (added as a node), both with the
+process driver, at once. Stop order is the reverse of the start order. Everything lives
+under the state directory (``.corral/`` in the working directory by default): data, logs,
+the lock that keeps a second ``corral up`` out, and ``stack.json``, from which the CLI run
+in the same directory learns the broker, database and registry addresses.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from config.celery import QUEUES
+from config.celery import CONTROL_QUEUES, INVOCATIONS
 from config.redact import redact
 from config.settings import Settings, get_settings, load_settings, reveal
 from stack.redis import free_port, redis_argv
@@ -248,6 +249,9 @@ def _start_redis(launch: _Launch) -> str:
     return f"redis://127.0.0.1:{port}/0"
 
 
+INVOKER_CONCURRENCY = 16  # asynchronous calls one invoker runs at once (each waits on a replica)
+
+
 def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_port: int) -> None:
     """Start the worker, beat and Flower (on loopback)."""
     worker_log = launch.logs / "worker.log"
@@ -264,9 +268,29 @@ def _start_celery(launch: _Launch, options: UpOptions, base: Settings, flower_po
             "-n",
             "corral@%h",
             "-Q",
-            ",".join(QUEUES),
+            ",".join(CONTROL_QUEUES),
         ],
         ready=lambda: worker_log.exists() and b" ready." in worker_log.read_bytes(),
+        timeout=60,
+    )
+    invoker_log = launch.logs / "invoker.log"
+    launch.start(
+        "invoker",
+        [  # asynchronous calls: their own worker, so a backlog never delays the control plane
+            PY,
+            "-m",
+            "stack.worker",
+            "-E",
+            "-l",
+            "INFO",
+            "-c",
+            str(INVOKER_CONCURRENCY),
+            "-n",
+            "invoker@%h",
+            "-Q",
+            INVOCATIONS,
+        ],
+        ready=lambda: invoker_log.exists() and b" ready." in invoker_log.read_bytes(),
         timeout=60,
     )
     launch.start(
