@@ -1,12 +1,12 @@
 """A function that keeps a ledger of the asynchronous calls it runs: the async-call tests' image.
 
 Every request that carries ``X-Call-Id`` appends one line to the file ``$CALLEE_LEDGER``
-(``<call id> <attempt> <vmid>``, one ``write`` in append mode: lines never interleave),
-then answers ``$CALLEE_STATUS`` (200 by default) with a JSON body: the call id, the
-attempt, the body received and the replica's vmid. ``?delay=S`` waits S seconds first
-(a call still running when its worker is killed); ``?fail=N`` answers 500 to attempts 1
-to N (a call retried, then answered). A request without ``X-Call-Id`` (the agent's
-readiness probe, a synchronous call) is answered and not recorded::
+as it arrives (``<call id> <attempt> <vmid>``, one ``write`` in append mode: lines never
+interleave), then answers ``$CALLEE_STATUS`` (200 by default) with a JSON body: the call
+id, the attempt, the body received and the replica's vmid. ``?delay=S`` waits S seconds
+before answering (a call still running when its worker is killed); ``?fail=N`` answers
+500 to attempts 1 to N (a call retried, then answered). A request without ``X-Call-Id``
+(the agent's readiness probe, a synchronous call) is answered and not recorded::
 
     PORT=8080 CALLEE_LEDGER=/tmp/ledger python -m tests.workers.gateway.callee
 """
@@ -27,9 +27,6 @@ class CalleeHandler(QuietHandler):
     def _serve(self) -> None:
         body = self.read_body()
         asked = parse_qs(urlsplit(self.path).query)
-        delay = float(asked.get("delay", ["0"])[-1])
-        if delay:
-            time.sleep(min(delay, 300.0))
         call_id = self.headers.get("X-Call-Id")
         attempt = int(self.headers.get("X-Call-Attempt") or 0)
         vmid = os.environ.get("VMID", "")
@@ -40,6 +37,9 @@ class CalleeHandler(QuietHandler):
                 os.write(fd, f"{call_id} {attempt} {vmid}\n".encode())
             finally:
                 os.close(fd)
+        delay = float(asked.get("delay", ["0"])[-1])
+        if delay:
+            time.sleep(min(delay, 300.0))
         status = int(os.environ.get("CALLEE_STATUS") or 200)
         if attempt and attempt <= int(asked.get("fail", ["0"])[-1]):
             status = 500

@@ -7,15 +7,22 @@ the worker runs it through the gateway's own flow (a cold start included); ``GET
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import redis
 from sqlalchemy import func, select
 
+from tasks import api
+from tasks.cli import main
 from tests.eventually import eventually
 from tests.workers.gateway.conftest import CALLEE, Stack
+from workers.invocations import callbacks
 from workers.store.models import Call, CallStatus
 
 
@@ -78,9 +85,7 @@ def test_a_call_is_accepted_then_its_answer_is_stored(stack: Stack, tmp_path: Pa
 def test_a_pending_call_reads_202_and_an_unknown_one_404(stack: Stack, tmp_path: Path) -> None:
     stack.deploy("callee", image=CALLEE, env={"CALLEE_LEDGER": str(tmp_path / "ledger")})
     gw = stack.gateway()
-    call_id = httpx.post(
-        f"{gw.url}/async-function/callee?delay=2", timeout=30
-    ).headers["x-call-id"]
+    call_id = httpx.post(f"{gw.url}/async-function/callee?delay=2", timeout=30).headers["x-call-id"]
     pending = httpx.get(f"{gw.url}/calls/{call_id}", timeout=10)
     assert pending.status_code == 202
     assert pending.json()["status"] in ("queued", "running")
@@ -139,10 +144,138 @@ def test_a_failing_call_is_retried_then_answered(stack: Stack, tmp_path: Path) -
     ledger = tmp_path / "ledger"
     stack.deploy("callee", image=CALLEE, env={"CALLEE_LEDGER": str(ledger)}, call_attempts=3)
     gw = stack.gateway()
-    call_id = httpx.post(f"{gw.url}/async-function/callee?fail=1", timeout=30).headers[
-        "x-call-id"
-    ]
+    call_id = httpx.post(f"{gw.url}/async-function/callee?fail=1", timeout=30).headers["x-call-id"]
     call = _finished(stack, call_id)
     assert (call.status, call.attempts, call.answer_status) == (CallStatus.SUCCEEDED, 2, 200)
     assert _ledger(ledger) == [(call_id, 1), (call_id, 2)]
+    stack.settled()
+
+
+def test_a_call_answered_500_is_retried_then_dead_then_redriven_and_answered(
+    stack: Stack, tmp_path: Path
+) -> None:
+    stack.env.set(calls_backoff_s=0.05, calls_backoff_max_s=0.2)
+    ledger = tmp_path / "ledger"
+    env = {"CALLEE_LEDGER": str(ledger), "CALLEE_STATUS": "500"}
+    stack.deploy("callee", image=CALLEE, env=env, call_attempts=2)
+    gw = stack.gateway()
+    call_id = httpx.post(f"{gw.url}/async-function/callee", timeout=30).headers["x-call-id"]
+    dead = _finished(stack, call_id)
+    assert (dead.status, dead.attempts, dead.answer_status) == (CallStatus.DEAD, 2, 500)
+    assert dead.error is not None and dead.error.startswith(
+        "gave up after 2 attempts: answered 500"
+    )
+    shown = httpx.get(f"{gw.url}/calls/{call_id}", timeout=10)
+    assert (shown.status_code, shown.headers["x-call-status"]) == (500, "dead")  # its last answer
+
+    stack.deploy("callee", image=CALLEE, env={**env, "CALLEE_STATUS": "200"}, call_attempts=2)
+    stack.settled()  # the fixed build's replicas serve from now: no claim on the old one held
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["calls", "redrive", call_id, "--json"]) == 0
+    assert json.loads(out.getvalue()) == {"redriven": [call_id]}
+    call = _finished(stack, call_id)  # queued again by the redrive, until it is over
+    assert call.status == CallStatus.SUCCEEDED, call.error
+    assert (call.attempts, call.attempt_limit, call.redrives, call.answer_status) == (3, 4, 1, 200)
+    assert _ledger(ledger) == [(call_id, 1), (call_id, 2), (call_id, 3)]
+    assert httpx.get(f"{gw.url}/calls/{call_id}", timeout=10).status_code == 200
+    stack.settled()
+
+
+class Receiver:
+    """A callback receiver on 127.0.0.2 (loopback, but not the nodes' 127.0.0.1)."""
+
+    def __init__(self, status: int = 200) -> None:
+        self.got: list[tuple[dict[str, str], bytes, str]] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                receiver.got.append(
+                    ({k.lower(): v for k, v in self.headers.items()}, body, self.path)
+                )
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.2", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+KEY = "callback-k3y"
+
+
+def test_a_callback_is_delivered_signed(stack: Stack, tmp_path: Path) -> None:
+    stack.env.set(callback_key=KEY, callback_hosts="127.0.0.2")
+    stack.deploy("callee", image=CALLEE, env={"CALLEE_LEDGER": str(tmp_path / "ledger")})
+    gw = stack.gateway()
+    receiver = Receiver()
+    try:
+        url = f"http://127.0.0.2:{receiver.port}/hook?token=s3cret"
+        call_id = httpx.post(
+            f"{gw.url}/async-function/callee", content=b"hi", headers={"X-Callback-Url": url}
+        ).headers["x-call-id"]
+        eventually(lambda: receiver.got, 60, "the callback delivered")
+        (headers, body, path) = receiver.got[0]
+        assert path == "/hook?token=s3cret"
+        assert headers["x-call-id"] == call_id
+        assert (headers["x-call-status"], headers["x-function-status"]) == ("succeeded", "200")
+        assert json.loads(body)["call_id"] == call_id  # the stored answer's body
+        assert headers["content-type"] == "application/json"
+        stamp, signature = headers["x-corral-timestamp"], headers["x-corral-signature"]
+        assert callbacks.verify(KEY, stamp, signature, call_id, body)
+        assert not callbacks.verify("another key", stamp, signature, call_id, body)
+        assert not callbacks.verify(KEY, stamp, signature, call_id, body + b"!")
+        assert not callbacks.verify(KEY, stamp, signature, "0" * 32, body)
+        eventually(lambda: _finished(stack, call_id).callback_state == "delivered", 30, "recorded")
+        shown = api.call(call_id)
+        assert shown["callback"] is not None
+        assert shown["callback"]["url"] == f"http://127.0.0.2:{receiver.port}/hook?***"
+    finally:
+        receiver.close()
+    stack.settled()
+
+
+def test_a_callback_host_off_the_allow_list_is_refused_at_once(stack: Stack) -> None:
+    stack.env.set(callback_key=KEY, callback_hosts="127.0.0.2")
+    stack.deploy("callee", image=CALLEE)
+    gw = stack.gateway()
+    for url in ("http://example.com/hook", "http://127.0.0.3/hook", "ftp://127.0.0.2/x"):
+        answer = httpx.post(
+            f"{gw.url}/async-function/callee", headers={"X-Callback-Url": url}, timeout=10
+        )
+        assert answer.status_code == 400, url
+    assert _count(stack) == 0
+
+
+def test_a_callback_to_corrals_own_listeners_or_nodes_is_refused(stack: Stack) -> None:
+    stack.env.set(callback_key=KEY, callback_hosts="127.0.0.0/8")
+    stack.deploy("callee", image=CALLEE)
+    gw = stack.gateway()
+    redis_port = int(stack.env.settings.broker_url.rsplit(":", 1)[1].split("/")[0])
+    targets = {
+        f"http://127.0.0.2:{redis_port}/": "one of corral's own listeners",  # the broker
+        "http://127.0.0.1:9/": "node node1's address",  # the agent's host
+    }
+    for url, why in targets.items():
+        call_id = httpx.post(
+            f"{gw.url}/async-function/callee", headers={"X-Callback-Url": url}, timeout=10
+        ).headers["x-call-id"]
+        call = eventually(
+            lambda cid=call_id: (c := _finished(stack, cid)).callback_state == "failed" and c,
+            60,
+            f"the callback to {url} refused",
+        )
+        assert call.callback_error is not None and why in call.callback_error, call.callback_error
+        assert call.callback_attempts == 1  # refused, not retried
     stack.settled()
