@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,8 +18,15 @@ from sqlalchemy import func, select
 
 from tasks import api
 from tasks.cli import main
+from tasks.invocations import CALLS
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
 from tests.eventually import eventually
+from tests.fixtures import Env
+from tests.helpers import deploy_fn
 from tests.workers.gateway.conftest import CALLEE, Stack
+from tests.workers.invocations.receiver import Receiver
+from workers.gateway import serve_gateway
 from workers.invocations import callbacks
 from workers.store.models import Call, CallStatus
 
@@ -182,36 +187,6 @@ def test_a_call_answered_500_is_retried_then_dead_then_redriven_and_answered(
     stack.settled()
 
 
-class Receiver:
-    """A callback receiver on 127.0.0.2 (loopback, but not the nodes' 127.0.0.1)."""
-
-    def __init__(self, status: int = 200) -> None:
-        self.got: list[tuple[dict[str, str], bytes, str]] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                receiver.got.append(
-                    ({k.lower(): v for k, v in self.headers.items()}, body, self.path)
-                )
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *_: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.2", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 KEY = "callback-k3y"
 
 
@@ -278,4 +253,49 @@ def test_a_callback_to_corrals_own_listeners_or_nodes_is_refused(stack: Stack) -
         )
         assert call.callback_error is not None and why in call.callback_error, call.callback_error
         assert call.callback_attempts == 1  # refused, not retried
+    stack.settled()
+
+
+def test_a_full_calls_queue_is_answered_429(broker_env: Env) -> None:
+    """No worker consumes the queue here: its first message fills it."""
+    broker_env.set(calls_queue_max=1)
+    deploy_fn(broker_env, "fn")
+    gateway = serve_gateway(broker_env.settings, "127.0.0.1:0", queue=HereFirst(QUEUE), calls=CALLS)
+    try:
+        assert httpx.post(f"{gateway.url}/async-function/fn", timeout=10).status_code == 202
+        full = httpx.post(f"{gateway.url}/async-function/fn", content=b"x", timeout=10)
+        assert full.status_code == 429 and full.headers["retry-after"]
+        with broker_env.db.read() as s:
+            assert s.scalar(select(func.count()).select_from(Call)) == 1  # nothing stored
+        text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+        assert 'corral_gateway_calls_total{code="429",function="fn"} 1.0' in text
+        assert 'corral_gateway_calls_total{code="202",function="fn"} 1.0' in text
+        assert "corral_gateway_call_accept_seconds_count 1.0" in text
+    finally:
+        gateway.stop()
+
+
+def test_calls_are_listed_shown_and_purged_from_the_command_line(stack: Stack) -> None:
+    stack.deploy("callee", image=CALLEE)
+    gw = stack.gateway()
+    call_id = httpx.post(f"{gw.url}/async-function/callee", content=b"hi").headers["x-call-id"]
+    _finished(stack, call_id)
+
+    def run(*argv: str) -> object:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(list(argv)) == 0
+        return json.loads(out.getvalue())
+
+    listed = run("calls", "--json", "--function", "callee")
+    assert isinstance(listed, list) and [c["id"] for c in listed] == [call_id]
+    assert listed[0]["status"] == "succeeded" and "answer" not in listed[0]
+    shown = run("calls", "show", call_id, "--json")
+    assert isinstance(shown, dict)
+    assert shown["answer"]["status"] == 200 and shown["answer"]["encoding"] == "utf-8"
+    assert json.loads(shown["answer"]["body"])["body"] == "hi"
+    assert run("calls", "--json", "--status", "dead") == []
+    assert run("calls", "purge", "--json") == {"purged": 0}  # finished just now: kept
+    assert run("calls", "purge", "--older-than", "0", "--json") == {"purged": 1}
+    assert _count(stack) == 0
     stack.settled()
