@@ -14,6 +14,10 @@ from pathlib import Path
 
 import httpx
 import redis
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from sqlalchemy import func, select
 
 from tasks import api
@@ -26,6 +30,7 @@ from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from tests.workers.gateway.conftest import CALLEE, Stack
 from tests.workers.invocations.receiver import Receiver
+from workers import tracing
 from workers.gateway import serve_gateway
 from workers.invocations import callbacks
 from workers.store.models import Call, CallStatus
@@ -48,6 +53,16 @@ def _finished(stack: Stack, call_id: str) -> Call:
             return call if call is not None and CallStatus(call.status).finished else None
 
     found = eventually(over, 60, f"call {call_id} finished")
+    assert found is not None
+    return found
+
+
+def _callback_over(stack: Stack, call_id: str) -> Call:
+    def over() -> Call | None:
+        call = _finished(stack, call_id)
+        return call if call.callback_state in ("delivered", "failed") else None
+
+    found = eventually(over, 60, f"call {call_id}'s callback over")
     assert found is not None
     return found
 
@@ -246,11 +261,8 @@ def test_a_callback_to_corrals_own_listeners_or_nodes_is_refused(stack: Stack) -
         call_id = httpx.post(
             f"{gw.url}/async-function/callee", headers={"X-Callback-Url": url}, timeout=10
         ).headers["x-call-id"]
-        call = eventually(
-            lambda cid=call_id: (c := _finished(stack, cid)).callback_state == "failed" and c,
-            60,
-            f"the callback to {url} refused",
-        )
+        call = _callback_over(stack, call_id)
+        assert call.callback_state == "failed"
         assert call.callback_error is not None and why in call.callback_error, call.callback_error
         assert call.callback_attempts == 1  # refused, not retried
     stack.settled()
@@ -298,4 +310,50 @@ def test_calls_are_listed_shown_and_purged_from_the_command_line(stack: Stack) -
     assert run("calls", "purge", "--json") == {"purged": 0}  # finished just now: kept
     assert run("calls", "purge", "--older-than", "0", "--json") == {"purged": 1}
     assert _count(stack) == 0
+    stack.settled()
+
+
+CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_a_calls_attempts_are_spans_of_the_callers_trace(stack: Stack) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use(provider)
+    try:
+        stack.deploy("callee", image=CALLEE)
+        gw = stack.gateway()
+        parent = {"traceparent": f"00-{CALLER_TRACE}-00f067aa0ba902b7-01"}
+        call_id = httpx.post(f"{gw.url}/async-function/callee", headers=parent, timeout=30).headers[
+            "x-call-id"
+        ]
+        _finished(stack, call_id)
+
+        def spans() -> dict[str, ReadableSpan] | None:
+            got = {s.name: s for s in exporter.get_finished_spans()}
+            wanted = {"POST /async-function/{name}", "call.attempt", "POST /function/{name}"}
+            return got if wanted <= got.keys() else None
+
+        got = eventually(spans, 30, "the call's spans")
+        assert got is not None
+        accept, attempt, served = (
+            got["POST /async-function/{name}"],
+            got["call.attempt"],
+            got["POST /function/{name}"],
+        )
+        for span in (accept, attempt, served):
+            assert span.context is not None
+            assert format(span.context.trace_id, "032x") == CALLER_TRACE, span.name
+        assert attempt.parent is not None and accept.context is not None
+        assert attempt.parent.span_id == accept.context.span_id
+        assert served.parent is not None and attempt.context is not None
+        assert served.parent.span_id == attempt.context.span_id
+        assert attempt.attributes is not None
+        assert attempt.attributes["corral.call_id"] == call_id
+        assert attempt.attributes["corral.call_verdict"] == "succeeded"
+        assert (accept.kind, served.kind) == (SpanKind.SERVER, SpanKind.SERVER)
+    finally:
+        tracing.stop()
+        provider.shutdown()
     stack.settled()
