@@ -8,7 +8,8 @@ bounds (413, 408, 503) - then:
 * ``X-Callback-Url`` must be allowed (:func:`workers.invocations.callbacks.check_url`) and
   ``Idempotency-Key`` well formed, else 400; both are checked before the body is read;
 * with ``CORRAL_CALLS_QUEUE_MAX`` messages waiting in ``corral.invocations`` already, 429
-  with ``Retry-After``;
+  with ``Retry-After`` (checked with the body in hand: the check, the write and the send
+  are one hop to the store's threads);
 * the request is stored as this gateway would forward it (:func:`stored_request`: the
   forwarding rules of :mod:`workers.gateway.headers` - hop-by-hop headers and those
   ``Connection`` names, ``Expect``, the gateway's token never kept; corral's own
@@ -129,6 +130,10 @@ class _Shown:
     truncated: bool
 
 
+class Full(Exception):
+    """The calls' queue is full: answer 429."""
+
+
 class CallsFront:
     """The gateway's routes for asynchronous calls, beside its proxy."""
 
@@ -190,7 +195,6 @@ class CallsFront:
                 what = f"unknown function {name!r}" if isinstance(exc, NotFound) else str(exc)
                 raise Answer(404, what) from None
             key, callback = self._names(scope)
-            await self._room()
             async with self.gateway.bodies.read(scope, receive) as body:
                 read = True
                 request = stored_request(scope, body, token=self._token)
@@ -231,25 +235,21 @@ class CallsFront:
             raise Answer(400, str(exc)) from None
         return key, callback
 
-    async def _room(self) -> None:
+    def _room(self) -> None:
         """429 when the calls' queue holds ``CORRAL_CALLS_QUEUE_MAX`` messages already."""
         try:
-            waiting = await self.gateway.background.store(self.queue.backlog)
+            waiting = self.queue.backlog()
         except Exception as exc:  # cannot tell: the send decides
             log.warning("gateway: could not read the calls' backlog: %s", exc)
             return
         if waiting is not None and waiting >= self.settings.calls_queue_max:
-            raise Answer(
-                429,
-                f"too many calls waiting ({waiting}): try again later",
-                {"retry-after": str(RETRY_AFTER_S)},
-            )
+            raise Full(f"too many calls waiting ({waiting}): try again later")
 
     async def _store(
         self, name: str, request: StoredRequest, key: str | None, callback: str | None
     ) -> Accepted:
-        """Write the call and send its message (in the store's threads; done even if the caller
-        goes away meanwhile)."""
+        """Check there is room, write the call and send its message: one hop to the store's
+        threads, finished even if the caller goes away meanwhile."""
         trace = tracing.carrier()
         try:
             return await self.gateway.background.shielded(
@@ -257,6 +257,8 @@ class CallsFront:
             )
         except NotFound:
             raise Answer(404, f"unknown function {name!r}") from None
+        except Full as exc:
+            raise Answer(429, str(exc), {"retry-after": str(RETRY_AFTER_S)}) from None
         except BrokerError as exc:
             raise Answer(503, str(exc), {"retry-after": str(RETRY_AFTER_S)}) from None
         except InputError as exc:
@@ -277,6 +279,7 @@ class CallsFront:
         callback: str | None,
         trace: dict[str, str] | None,
     ) -> Accepted:
+        self._room()
         accepted = records.accept(
             self.db, self.settings, name, request, key=key, callback=callback, trace=trace
         )

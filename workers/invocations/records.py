@@ -1,10 +1,12 @@
 """Calls as rows: accepting one (its idempotency key), reading them, redriving, purging.
 
-:func:`accept` writes a call in one transaction with its function's limits (attempts,
-the age no attempt may start after). With an ``Idempotency-Key`` the row is inserted
-``ON CONFLICT DO NOTHING`` on the unique (function, key) index: of two requests with one
-key, at once or apart, exactly one inserts, and the other reads the row the first wrote
-(PostgreSQL makes the second wait for the first's commit). A key older than
+:func:`accept` writes a call with its function's limits (attempts, the age no attempt
+may start after) in one statement - an INSERT from a SELECT of the function, so a
+function removed meanwhile inserts nothing - committed alone (the 202's hot path: no
+transaction round trips). With an ``Idempotency-Key`` the row is inserted ``ON CONFLICT DO NOTHING``
+on the unique (function, key) index: of two requests with one key, at once or apart,
+exactly one inserts, and the other reads the row the first wrote (PostgreSQL makes the
+second wait for the first's commit). A key older than
 ``CORRAL_CALLS_IDEMPOTENCY_WINDOW_S`` is taken off its old call, and the new call takes it.
 
 :func:`redrive` opens dead calls again; :func:`purge` removes finished calls by age and
@@ -14,22 +16,22 @@ beyond a count; :func:`call_view` is a call as the CLI and ``GET /calls/ID`` sho
 from __future__ import annotations
 
 import base64
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NotRequired, TypedDict
 from urllib.parse import urlsplit
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import Connection, bindparam, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.clock import iso, now
 from workers.errors import InputError, NotFound
-from workers.functions import get_function
 from workers.names import check_name
-from workers.store.db import Database
+from workers.store.db import Database, seconds_after
 from workers.store.models import CALL_FINISHED, Call, CallStatus, Function, new_id
 
 MAX_KEY = 255  # characters of an Idempotency-Key
@@ -77,6 +79,53 @@ def limits(fn: Function | None, settings: Settings) -> tuple[int, float]:
     return attempts or settings.calls_max_attempts, age or settings.calls_max_age_s
 
 
+#: The columns :func:`accept` writes from its parameters (the rest come from the function).
+_WRITTEN = (
+    "id",
+    "function",
+    "status",
+    "idempotency_key",
+    "method",
+    "path",
+    "query",
+    "headers",
+    "body",
+    "client",
+    "scheme",
+    "trace",
+    "attempts",
+    "next_at",
+    "resend_at",
+    "redrives",
+    "created_at",
+    "updated_at",
+    "answer_truncated",
+    "callback_url",
+    "callback_attempts",
+)
+
+
+@functools.cache
+def _statements(sqlite_store: bool) -> tuple[Any, Any]:
+    """The INSERT of a call from a SELECT of its function, built once per dialect: plain,
+    and ``ON CONFLICT DO NOTHING`` on the idempotency key (both ``RETURNING`` its id)."""
+    columns = Call.__table__.c
+    values = [bindparam(name, type_=columns[name].type) for name in _WRITTEN]
+    made = (sqlite.insert if sqlite_store else postgresql.insert)(Call).from_select(
+        [*_WRITTEN, "attempt_limit", "expires_at"],
+        select(
+            *values,
+            func.coalesce(Function.call_attempts, bindparam("default_attempts")),
+            seconds_after(
+                bindparam("at", type_=columns.created_at.type),
+                func.coalesce(Function.call_max_age_s, bindparam("default_age")),
+            ),
+        ).where(Function.name == bindparam("function_name")),
+    )
+    keyed = made.on_conflict_do_nothing(index_elements=["function", "idempotency_key"])
+    return made.returning(Call.id), keyed.returning(Call.id)
+
+
 def accept(  # noqa: PLR0913 - the request, the rest by name
     db: Database,
     settings: Settings,
@@ -93,73 +142,66 @@ def accept(  # noqa: PLR0913 - the request, the rest by name
     """
     key = check_key(key)
     check_name(function)
-    with db.transaction() as s:
-        fn = get_function(s, function)
-        attempts, age = limits(fn, settings)
-        at = now()
-        values = {
-            "id": new_id(),
-            "function": function,
-            "status": CallStatus.QUEUED.value,
-            "idempotency_key": key,
-            "method": request.method,
-            "path": request.path,
-            "query": request.query,
-            "headers": [list(pair) for pair in request.headers],
-            "body": request.body,
-            "client": request.client,
-            "scheme": request.scheme,
-            "trace": trace,
-            "attempts": 0,
-            "attempt_limit": attempts,
-            "expires_at": at + timedelta(seconds=age),
-            "next_at": at,
-            "resend_at": at + timedelta(seconds=settings.calls_resend_s),
-            "redrives": 0,
-            "created_at": at,
-            "updated_at": at,
-            "answer_truncated": False,
-            "callback_url": callback,
-            "callback_attempts": 0,
-        }
+    at = now()
+    params: dict[str, Any] = {
+        "id": new_id(),
+        "function": function,
+        "function_name": function,
+        "status": CallStatus.QUEUED.value,
+        "idempotency_key": key,
+        "method": request.method,
+        "path": request.path,
+        "query": request.query,
+        "headers": [list(pair) for pair in request.headers],
+        "body": request.body,
+        "client": request.client,
+        "scheme": request.scheme,
+        "trace": trace,
+        "attempts": 0,
+        "next_at": at,
+        "resend_at": at + timedelta(seconds=settings.calls_resend_s),
+        "redrives": 0,
+        "created_at": at,
+        "updated_at": at,
+        "answer_truncated": False,
+        "callback_url": callback,
+        "callback_attempts": 0,
+        "at": at,
+        "default_attempts": settings.calls_max_attempts,
+        "default_age": settings.calls_max_age_s,
+    }
+    plain, keyed = _statements(db.is_sqlite)
+    with db.statements() as conn:
         if key is None:
-            s.execute(_insert(db).values(values))
-            return Accepted(str(values["id"]), CallStatus.QUEUED)
-        return _keyed(s, db, settings, values, at)
-
-
-def _insert(db: Database) -> Any:
-    """INSERT for this store's dialect (both know ``ON CONFLICT DO NOTHING``)."""
-    return (sqlite.insert if db.is_sqlite else postgresql.insert)(Call)
+            if conn.execute(plain, params).first() is None:
+                raise NotFound(f"unknown function {function!r}")
+            return Accepted(str(params["id"]), CallStatus.QUEUED)
+        window = at - timedelta(seconds=settings.calls_idempotency_window_s)
+        return _keyed(conn, keyed, params, window)
 
 
 def _keyed(
-    s: Session, db: Database, settings: Settings, values: dict[str, Any], at: datetime
+    conn: Connection, insert: Any, params: dict[str, Any], window_start: datetime
 ) -> Accepted:
     """Insert a call with a key, unless the key names a call of the window already."""
-    key, function = values["idempotency_key"], values["function"]
-    insert = (
-        _insert(db)
-        .values(values)
-        .on_conflict_do_nothing(index_elements=["function", "idempotency_key"])
-        .returning(Call.id)
-    )
-    window_start = at - timedelta(seconds=settings.calls_idempotency_window_s)
+    key, function = params["idempotency_key"], params["function"]
     for _ in range(3):
-        made = s.execute(insert).scalar()
+        made = conn.execute(insert, params).scalar()
         if made is not None:
             return Accepted(made, CallStatus.QUEUED)
-        held = s.execute(
+        held = conn.execute(
             select(Call.id, Call.status, Call.created_at).where(
                 Call.function == function, Call.idempotency_key == key
             )
         ).first()
         if held is None:
+            if not conn.execute(select(Function.id).where(Function.name == function)).first():
+                raise NotFound(f"unknown function {function!r}")
             continue  # purged meanwhile: insert again
         if held.created_at >= window_start:
             return Accepted(held.id, CallStatus(held.status), replayed=True)
         # past the window: the key is free again; the old call keeps no key
-        s.execute(
+        conn.execute(
             update(Call)
             .where(Call.id == held.id, Call.idempotency_key == key)
             .values(idempotency_key=None)
