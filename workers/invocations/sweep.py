@@ -8,7 +8,13 @@ acceptance or retry plus ``CORRAL_CALLS_RESEND_S``, or its attempt's lease - and
 sweep sends the message of each call past it again (and moves ``resend_at`` on), as
 the callbacks of finished calls past their ``callback_at``. A message sent twice starts
 one attempt (:func:`workers.invocations.attempts.begin`), so the sweep errs on the side
-of sending. It also purges finished calls past ``CORRAL_CALLS_KEEP_S`` and beyond
+of sending - but not into a backlog: a queued call's message is most likely still
+waiting in ``corral.invocations``, so of the queued calls past their ``resend_at`` it
+sends only as many as the queue's length cannot account for (queued calls minus
+messages waiting), oldest first. A backlog that outlasts ``CORRAL_CALLS_RESEND_S`` is
+then not sent a second time, which under overload would double the work of every
+worker; a message really lost shows as a call the queue has no message for. It also
+purges finished calls past ``CORRAL_CALLS_KEEP_S`` and beyond
 ``CORRAL_CALLS_KEEP_MAX`` (a few batches a pass). Several sweeps at once only send
 some messages twice: the rows are taken with ``SKIP LOCKED`` and moved on before the
 messages go out.
@@ -21,7 +27,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import InstrumentedAttribute
 
 from config.settings import Settings
@@ -29,7 +35,7 @@ from workers.clock import now
 from workers.invocations.queue import CallQueue
 from workers.invocations.records import purge
 from workers.store.db import Database, store_now
-from workers.store.models import CALL_OPEN, Call
+from workers.store.models import Call, CallStatus
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +63,7 @@ class SweepReport:
 
 
 def _due(
-    db: Database, settings: Settings, column: InstrumentedAttribute[Any], *open_: Any
+    db: Database, settings: Settings, column: InstrumentedAttribute[Any], *where: Any
 ) -> list[str]:
     """Take up to a batch of calls past ``column`` and move it on; their ids."""
     later = now() + timedelta(seconds=settings.calls_resend_s)
@@ -65,7 +71,7 @@ def _due(
         ids = list(
             s.scalars(
                 select(Call.id)
-                .where(column < store_now(), *open_)
+                .where(column < store_now(), *where)
                 .order_by(column)
                 .limit(RESEND_BATCH)
                 .with_for_update(skip_locked=True)
@@ -76,12 +82,33 @@ def _due(
     return ids
 
 
+def _missing(db: Database, queue: CallQueue, overdue: int) -> int:
+    """How many of the queued calls' messages may be lost: the queued calls the backlog of
+    ``corral.invocations`` cannot account for (all ``overdue`` when it cannot be read)."""
+    if not overdue:
+        return 0
+    try:
+        waiting = queue.backlog()
+    except Exception:
+        waiting = None
+    if waiting is None:
+        return overdue
+    with db.read() as s:
+        queued = s.scalar(select(func.count()).where(Call.status == CallStatus.QUEUED.value)) or 0
+    return max(0, min(overdue, int(queued) - waiting))
+
+
 def sweep(db: Database, settings: Settings, queue: CallQueue) -> SweepReport:
     """One pass: send lost messages of calls and callbacks again, purge old calls."""
     resent = callbacks = 0
     error = None
     try:
-        for call_id in _due(db, settings, Call.resend_at, Call.status.in_(CALL_OPEN)):
+        moving = Call.status.in_((CallStatus.RUNNING.value, CallStatus.RETRYING.value))
+        queued = _due(db, settings, Call.resend_at, Call.status == CallStatus.QUEUED.value)
+        for call_id in queued[: _missing(db, queue, len(queued))]:  # oldest first
+            queue.send(call_id)
+            resent += 1
+        for call_id in _due(db, settings, Call.resend_at, moving):
             queue.send(call_id)
             resent += 1
         for call_id in _due(db, settings, Call.callback_at, Call.callback_state == "pending"):

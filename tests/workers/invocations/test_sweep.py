@@ -41,7 +41,7 @@ def _sent(client: redis.Redis, queue: str = "corral.invocations") -> list[tuple[
     return out
 
 
-def test_lost_messages_are_sent_again_once_per_interval(
+def test_lost_messages_are_sent_again_once_per_interval_never_into_a_backlog(
     broker_env: Env, client: redis.Redis
 ) -> None:
     env = broker_env
@@ -69,8 +69,16 @@ def test_lost_messages_are_sent_again_once_per_interval(
     )
     clock.travel(60)  # now the lapsed attempt's lease and a resend interval have passed too
     report = sweep.sweep(db, settings, CALLS)
-    assert report.resent == 2  # the queued one again (still not started), and the lapsed one
+    # the lapsed one; not the queued one: the message sent for it still waits in the queue
+    assert report.resent == 1
+    invokes = sorted(cid for task, cid in _sent(client) if task == "corral.invoke")
+    assert invokes == sorted([queued, lapsed])
     assert sweep.sweep(db, settings, CALLS).resent == 0  # moved on: not every pass
+    client.delete("corral.invocations")  # the queue lost its messages (a broker crash)
+    clock.travel(6)
+    assert sweep.sweep(db, settings, CALLS).resent == 2  # the queued call's once more, now
+    invokes = sorted(cid for task, cid in _sent(client) if task == "corral.invoke")
+    assert invokes == sorted([queued, lapsed])  # (and the lapsed one's: nobody took it)
     with db.read() as s:
         statuses = dict(s.execute(select(Call.id, Call.status)).all())
     assert statuses[done] == CallStatus.SUCCEEDED.value
