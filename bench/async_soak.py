@@ -90,9 +90,6 @@ SOAK_ENV = {
     "CORRAL_CALLS_QUEUE_MAX": "1000000",
     "CORRAL_GATEWAY_CLAIM_TTL_S": "10",
     "CORRAL_GATEWAY_STORE_THREADS": "16",
-    "CORRAL_REAP_INTERVAL_S": "5",
-    "CORRAL_RECONCILE_INTERVAL_S": "30",
-    "CORRAL_HEALTH_INTERVAL_S": "2",
     "CORRAL_IDLE_TIMEOUT_S": "600",
     "CORRAL_RETRY_BACKOFF_S": "0.1",
     "CORRAL_RETRY_BACKOFF_MAX_S": "1",
@@ -232,6 +229,13 @@ class Fleet:
             worker.kill()
             self.workers[slot] = self._new_worker(slot)
 
+    def pause_workers(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) every worker, its whole process group."""
+        for worker in self.workers:
+            pid = worker.worker_pid()
+            if pid is not None:
+                os.killpg(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def crash_redis(self, seconds: float) -> None:
         """SIGKILL Redis (no clean shutdown: its last appends may be lost); start it again."""
         pid = self.redis.pid
@@ -260,8 +264,9 @@ class Fleet:
         if self.watch:
             with contextlib.suppress(Exception):
                 terminals.remove(self.db)
-        self.redis.stop()
-        self.pg.stop()
+        for server in (self.redis, self.pg):
+            with contextlib.suppress(Exception):  # a slow stop is killed: it is over either way
+                server.stop()
 
 
 class Load:

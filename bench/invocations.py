@@ -11,10 +11,11 @@ client, on uvloop with the gateway's own lean HTTP/1.1 client
 (:mod:`workers.gateway.http1`), kept-alive connections. Replicas are warmed first.
 
 1. **The 202**, at one connection: ``-n`` ``POST /async-function/callee/work`` one after
-   the other (the call stored, its message sent, 202), each timed; the baseline in the
-   same run is the same POST made synchronously (``/function/callee/work``: claimed,
-   forwarded to a warm replica, answered). Aims (issue 39): p50 at most 5 ms, p99 at
-   most 20 ms.
+   the other (the call stored, its message sent, 202), each timed, with the workers
+   stopped meanwhile (SIGSTOP: on two cores they would take the gateway's CPU running the
+   calls; the calls wait in the queue, and run after); the baseline in the same run is
+   the same POST made synchronously (``/function/callee/work``: claimed, forwarded to a
+   warm replica, answered). Aims (issue 39): p50 at most 5 ms, p99 at most 20 ms.
 2. **Completed per second**, at ``--concurrency`` connections: ``--calls`` calls sent
    asynchronously, timed from the first POST until the store has every one over (run by
    the workers, each through their own gateway's flow); against the same number of the
@@ -72,7 +73,7 @@ class Cpu:
 
     def read(self) -> dict[str, float]:
         """Seconds of CPU each part has used so far (its processes alive now)."""
-        roots = {
+        roots: dict[str, list[int | None]] = {
             "gateway": [self.fleet.gateway.pid],
             "workers": [w.proc.pid for w in self.fleet.workers if w.proc is not None],
             "postgres": [self.fleet.pg.pid],
@@ -181,10 +182,17 @@ async def _bench(fleet: Fleet, args: argparse.Namespace) -> dict[str, Timed]:
         ("202, 1 connection", "/async-function/callee/work", n, 1, 202),
         (f"sync, {c} connections", "/function/callee/work", args.calls, c, 200),
     ):
-        before = cpu.read()
-        run = await client.run(path, count, concurrency, ok=ok)
-        out[name] = _metered(cpu, run, before, count)
-    await _completed(fleet, client, warm, c)  # the 202s above run meanwhile: let them end
+        paused = ok == 202
+        fleet.pause_workers(paused)
+        try:
+            before = cpu.read()
+            run = await client.run(path, count, concurrency, ok=ok)
+            out[name] = _metered(cpu, run, before, count)
+        finally:
+            if paused:
+                fleet.pause_workers(False)
+        while _open_calls(fleet):  # the calls just accepted run before the next side
+            await asyncio.sleep(0.05)
     before = cpu.read()
     run = await _completed(fleet, client, args.calls, c)
     out[f"async, {c} connections"] = _metered(cpu, run, before, args.calls)
