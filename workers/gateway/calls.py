@@ -63,7 +63,7 @@ from workers.gateway.proxy import Gateway
 from workers.gateway.traces import incoming
 from workers.invocations import callbacks, records
 from workers.invocations.queue import CallQueue
-from workers.invocations.records import Accepted, CallView, StoredRequest
+from workers.invocations.records import Accepted, CallView, StoredAnswer, StoredRequest
 from workers.store.db import Database, is_transient
 from workers.store.models import Call, CallStatus
 
@@ -124,10 +124,7 @@ class _Shown:
     view: CallView
     status: CallStatus
     attempts: int
-    answer_status: int | None
-    answer_headers: list[list[str]]
-    answer_body: bytes
-    truncated: bool
+    answer: StoredAnswer
 
 
 class Full(Exception):
@@ -314,7 +311,7 @@ class CallsFront:
         status = {"x-call-status": shown.status.value, "x-call-id": shown.view["id"]}
         if not shown.status.finished:
             await _json(send, 202, dict(shown.view), status, head=head)
-        elif shown.answer_status is None:
+        elif shown.answer.status is None:
             await _json(send, 502, dict(shown.view), status, head=head)
         else:
             await _replay(send, shown, status, head=head)
@@ -323,13 +320,10 @@ class CallsFront:
         with self.db.read() as s:
             call: Call = records.get_call(s, call_id)
             return _Shown(
-                view=records.call_view(call),
-                status=CallStatus(call.status),
-                attempts=call.attempts,
-                answer_status=call.answer_status,
-                answer_headers=list(call.answer_headers or []),
-                answer_body=call.answer_body or b"",
-                truncated=call.answer_truncated,
+                records.call_view(call),
+                CallStatus(call.status),
+                call.attempts,
+                StoredAnswer.of(call),
             )
 
 
@@ -356,16 +350,17 @@ async def _json(
 
 async def _replay(send: Send, shown: _Shown, extra: dict[str, str], *, head: bool) -> None:
     """Answer with a finished call's stored answer."""
+    answer = shown.answer
     raw = [
-        (str(k).encode("latin-1"), str(v).encode("latin-1"))
-        for k, v in shown.answer_headers
-        if str(k).lower().encode("latin-1") not in NOT_REPLAYED
+        (k.encode("latin-1"), v.encode("latin-1"))
+        for k, v in answer.headers
+        if k.lower().encode("latin-1") not in NOT_REPLAYED
     ]
-    raw.append((b"content-length", str(len(shown.answer_body)).encode()))
+    raw.append((b"content-length", str(len(answer.body)).encode()))
     extra = {**extra, "x-call-attempts": str(shown.attempts)}
-    if shown.truncated:
+    if answer.truncated:
         extra["x-call-answer-truncated"] = "true"
     raw += [(k.encode(), v.encode()) for k, v in extra.items()]
-    assert shown.answer_status is not None  # noqa: S101 - narrowed by the caller
-    await send({"type": "http.response.start", "status": shown.answer_status, "headers": raw})
-    await send({"type": "http.response.body", "body": b"" if head else shown.answer_body})
+    assert answer.status is not None  # noqa: S101 - narrowed by the caller
+    await send({"type": "http.response.start", "status": answer.status, "headers": raw})
+    await send({"type": "http.response.body", "body": b"" if head else answer.body})

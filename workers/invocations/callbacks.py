@@ -53,6 +53,7 @@ from workers.backends.networks import control_plane, default_networks
 from workers.errors import InputError
 from workers.invocations import stats
 from workers.invocations.attempts import backoff_s
+from workers.invocations.records import StoredAnswer
 from workers.store.db import Database
 from workers.store.models import Call, Node
 from workers.untrusted import IP, ip_literal, parse_networks
@@ -222,9 +223,7 @@ class _Snapshot:
     url: str
     status: str
     attempts: int
-    answer_status: int | None
-    answer_headers: list[list[str]]
-    body: bytes
+    answer: StoredAnswer
     delivery: int
     trace: dict[str, str] | None
 
@@ -300,9 +299,7 @@ def _take(db: Database, settings: Settings, call_id: str) -> _Snapshot | None:
             url=call.callback_url,
             status=str(call.status),
             attempts=call.attempts,
-            answer_status=call.answer_status,
-            answer_headers=list(call.answer_headers or []),
-            body=call.answer_body or b"",
+            answer=StoredAnswer.of(call),
             delivery=call.callback_attempts,
             trace=call.trace,
         )
@@ -320,7 +317,7 @@ def _post(settings: Settings, url: Url, ip: IP, snap: _Snapshot) -> int:
     timestamp = int(clock.epoch())
     key = reveal(settings.callback_key) or ""
     content_type = next(
-        (v for k, v in snap.answer_headers if k.lower() == "content-type"),
+        (v for k, v in snap.answer.headers if k.lower() == "content-type"),
         "application/octet-stream",
     )
     netloc = url.host if url.port == (443 if url.scheme == "https" else 80) else None
@@ -332,14 +329,14 @@ def _post(settings: Settings, url: Url, ip: IP, snap: _Snapshot) -> int:
         "x-call-status": snap.status,
         "x-call-attempts": str(snap.attempts),
         TIMESTAMP: str(timestamp),
-        SIGNATURE: sign(key, timestamp, snap.call_id, snap.body),
+        SIGNATURE: sign(key, timestamp, snap.call_id, snap.answer.body),
     }
-    if snap.answer_status is not None:
-        headers["x-function-status"] = str(snap.answer_status)
+    if snap.answer.status is not None:
+        headers["x-function-status"] = str(snap.answer.status)
     extensions = {"sni_hostname": url.host} if url.scheme == "https" and url.by_name else {}
     address = f"{url.scheme}://{join_hostport(str(ip), url.port)}{url.target}"
     with _client(settings).stream(
-        "POST", address, content=snap.body, headers=headers, extensions=extensions
+        "POST", address, content=snap.answer.body, headers=headers, extensions=extensions
     ) as answer:
         return answer.status_code  # its body is not read
 

@@ -61,6 +61,26 @@ class Accepted:
     replayed: bool = False
 
 
+@dataclass(frozen=True)
+class StoredAnswer:
+    """A call's last answer as kept: its status (None: it got none), headers, body."""
+
+    status: int | None
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    truncated: bool  # the body was cut at CORRAL_CALLS_ANSWER_MAX bytes
+
+    @classmethod
+    def of(cls, call: Call) -> StoredAnswer:
+        """The answer a call row keeps."""
+        return cls(
+            status=call.answer_status,
+            headers=tuple((str(k), str(v)) for k, v in call.answer_headers or ()),
+            body=call.answer_body or b"",
+            truncated=call.answer_truncated,
+        )
+
+
 def check_key(key: str | None) -> str | None:
     """An ``Idempotency-Key`` (printable ASCII, at most 255 characters), else InputError."""
     if key is None:
