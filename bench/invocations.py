@@ -235,7 +235,7 @@ def report(runs: dict[str, Timed], concurrency: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark and print its figures."""
+    """Run the benchmark and print its figures; non-zero if a request was not answered right."""
     parser = argparse.ArgumentParser(prog="python -m bench.invocations")
     parser.add_argument("-n", type=int, default=2000, help="requests timed at one connection")
     parser.add_argument("--calls", type=int, default=3000, help="calls of the throughput runs")
@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         fleet.stop()
     print(report(runs, args.concurrency), flush=True)
-    return 0
+    return 1 if any(run.errors for run in runs.values()) else 0
 
 
 if __name__ == "__main__":

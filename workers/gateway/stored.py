@@ -12,8 +12,10 @@ raw path, query, the stored headers plus ``X-Call-Id`` and ``X-Call-Attempt``, t
 caller's address, the body) and keeps what it answers (:class:`Capture`): the status,
 the headers and up to ``CORRAL_CALLS_ANSWER_MAX`` bytes of the body. The gateway's own
 answers (429, 502, 503, 504) come back the same way; an answer that breaks off is no
-answer. With a gateway token set, the replayed request carries it (in this process
-only: it is never stored, and never forwarded).
+answer; a function removed since the call was accepted is a final "no answer" (its call
+dead at once: the gateway's 404 would read as the function's own). With a gateway token
+set, the replayed request carries it (in this process only: it is never stored, and
+never forwarded).
 
 :func:`run_attempt` runs one attempt from a task's thread, within the task's soft time
 limit: an attempt still running then is cancelled - the flow gives its environment back
@@ -34,6 +36,7 @@ from config.settings import Settings, reveal
 from workers import timelimits, tracing
 from workers.backends import inflight
 from workers.dispatch import TaskQueue
+from workers.errors import InputError
 from workers.gateway.app import GatewayApp, build_app
 from workers.gateway.asgi import Message, Scope
 from workers.invocations.attempts import Answer, Attempt
@@ -139,8 +142,12 @@ class Replay:
             await self._lifespan.__aexit__(None, None, None)
 
     async def run(self, attempt: Attempt) -> Answer:
-        """Serve one attempt; what it got."""
+        """Serve one attempt; what it got (a function removed since: no attempt can serve it)."""
         await asyncio.shield(self.ready)
+        try:
+            await self.app.gateway.catalog.get(attempt.function)
+        except InputError as exc:  # its 404 would read as the function's own answer
+            return Answer(None, error=f"the function is gone: {exc}", final=True)
         scope = scope_of(attempt, self.settings, tracing.carrier())
         capture = Capture(self.settings.calls_answer_max)
         over = asyncio.Event()

@@ -80,10 +80,11 @@ class Answer:
     body: bytes = b""
     truncated: bool = False
     error: str | None = None  # what went wrong (no answer, or the gateway's own answer)
+    final: bool = False  # no other attempt could do better (its function was removed)
 
     @property
     def retried(self) -> bool:
-        """Whether this answer is tried again: none at all, 429, or a 5xx."""
+        """Whether this answer is tried again: none at all, 429, or a 5xx (unless final)."""
         return self.status is None or self.status == 429 or self.status >= 500
 
     @property
@@ -292,6 +293,9 @@ def finish(db: Database, settings: Settings, attempt: Attempt, answer: Answer) -
             setattr(call, column, value)
         wait = backoff_s(settings, attempt.number, answer.retry_after_s)
         error = answer.describe()
+        if answer.final:
+            _settle(call, CallStatus.DEAD, at, settings, error=error)
+            return Outcome(Verdict.DEAD, error, callback=call.callback_url is not None)
         if attempt.number < call.attempt_limit and at + timedelta(seconds=wait) < call.expires_at:
             call.status = CallStatus.RETRYING
             call.owner = call.lease_until = None

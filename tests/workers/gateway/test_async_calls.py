@@ -25,6 +25,7 @@ from tasks.cli import main
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from tests.celery_workers import worker_thread
 from tests.eventually import eventually
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
@@ -357,3 +358,44 @@ def test_a_calls_attempts_are_spans_of_the_callers_trace(stack: Stack) -> None:
         tracing.stop()
         provider.shutdown()
     stack.settled()
+
+
+def test_an_answer_is_kept_up_to_its_bound_and_marked_cut(stack: Stack) -> None:
+    stack.env.set(calls_answer_max=40)
+    stack.deploy("callee", image=CALLEE)
+    gw = stack.gateway()
+    call_id = httpx.post(f"{gw.url}/async-function/callee", content=b"x" * 500, timeout=30).headers[
+        "x-call-id"
+    ]
+    call = _finished(stack, call_id)
+    assert call.status == CallStatus.SUCCEEDED
+    assert call.answer_truncated and len(call.answer_body or b"") == 40
+    shown = httpx.get(f"{gw.url}/calls/{call_id}", timeout=10)
+    assert shown.headers["x-call-answer-truncated"] == "true"
+    assert len(shown.content) == 40 and shown.headers["content-length"] == "40"
+    stack.settled()
+
+
+def test_a_call_whose_function_was_removed_before_it_ran_is_dead_at_once(
+    broker_env: Env,
+) -> None:
+    deploy_fn(broker_env, "fn")
+    gateway = serve_gateway(broker_env.settings, "127.0.0.1:0", queue=HereFirst(QUEUE), calls=CALLS)
+    try:
+        call_id = httpx.post(f"{gateway.url}/async-function/fn", timeout=10).headers["x-call-id"]
+    finally:
+        gateway.stop()
+    api.remove_function("fn")
+    with worker_thread():  # the call's message runs only now
+        with broker_env.db.read() as s:
+            assert s.get(Call, call_id) is not None
+
+        def over() -> Call | None:
+            with broker_env.db.read() as s:
+                call = s.get(Call, call_id)
+                return call if call is not None and CallStatus(call.status).finished else None
+
+        call = eventually(over, 60, "the call over")
+    assert call is not None
+    assert (call.status, call.attempts) == (CallStatus.DEAD, 1)  # not tried again
+    assert call.error is not None and "the function is gone" in call.error
