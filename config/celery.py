@@ -6,8 +6,12 @@ is off, so a task routed nowhere is an error, not a silently created queue):
 * ``corral.spawn`` - spawn fan-out and batches, lone retries of one replica;
 * ``corral.delete`` - replica deletions, in batches and alone;
 * ``corral.scale`` - scale planning;
-* ``corral.maintenance`` - housekeeping (beat's health, reap, reconcile and autoscaler
-  passes, and an operator's reap or reconcile), CPU hogs.
+* ``corral.maintenance`` - housekeeping (beat's health, reap, reconcile, autoscaler and
+  calls' sweep passes, and an operator's reap or reconcile), CPU hogs;
+* ``corral.invocations`` - asynchronous calls and their callbacks. A queue of its own,
+  consumed by workers of its own (``corral worker -Q corral.invocations``; ``corral up``
+  starts one): a backlog of calls never delays a spawn, a delete or housekeeping.
+  :data:`CONTROL_QUEUES` are the others.
 
 The pool: a thread pool, eight tasks at once per worker process by default
 (``CORRAL_WORKER_POOL`` / ``CORRAL_WORKER_CONCURRENCY``; ``-P`` / ``-c`` still win). A
@@ -88,9 +92,13 @@ TASKS_BY_QUEUE: dict[str, tuple[str, ...]] = {
         "corral.reconcile_pass",
         "corral.hogs",
         "corral.noop",
+        "corral.calls_pass",
     ),
+    "corral.invocations": ("corral.invoke", "corral.call_callback"),
 }
 QUEUES = tuple(TASKS_BY_QUEUE)
+INVOCATIONS = "corral.invocations"
+CONTROL_QUEUES = tuple(q for q in QUEUES if q != INVOCATIONS)  # all but the calls' own
 
 # Beat's periodic passes: they send no task events (Flower lists operations), and an
 # operator's reap or reconcile is a task of its own (corral.reap, corral.reconcile).
@@ -99,6 +107,7 @@ HOUSEKEEPING = (
     "corral.autoscale",
     "corral.reap_pass",
     "corral.reconcile_pass",
+    "corral.calls_pass",
 )
 
 ROUTES: dict[str, dict[str, str]] = {
@@ -124,6 +133,7 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
         "reconcile": every(settings.reconcile_interval_s, "corral.reconcile_pass"),
         "check-health": every(settings.health_interval_s, "corral.check_health"),
         "autoscale": every(settings.autoscale_interval_s, "corral.autoscale"),
+        "calls": every(settings.calls_sweep_interval_s, "corral.calls_pass"),
     }
 
 

@@ -20,6 +20,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import stat
 from functools import lru_cache
 from pathlib import Path
@@ -363,6 +364,32 @@ def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Net
     return tuple(out)
 
 
+_HOST_LABEL = r"(?!-)[a-z0-9-]{1,63}(?<!-)"
+_HOST_PATTERN = re.compile(rf"(\*\.)?{_HOST_LABEL}(\.{_HOST_LABEL})*")
+
+
+def parse_hosts(
+    text: str,
+) -> tuple[tuple[str, ...], tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]]:
+    """Comma-separated host names (``*.example.com`` for any below it), IPs and CIDRs: the
+    names (lower case) and the networks; raises ValueError naming a bad entry."""
+    names: list[str] = []
+    nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        try:
+            nets.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+            continue
+        except ValueError:
+            pass
+        name = item.lower().rstrip(".")
+        if len(name) > 253 or not _HOST_PATTERN.fullmatch(name):
+            raise ValueError(f"{item!r} is not a host name, *.domain, IP address or CIDR")
+        names.append(name)
+    return tuple(names), tuple(nets)
+
+
 class _Gateway(_Group):
     """The invocation gateway (``corral gateway``)."""
 
@@ -418,6 +445,48 @@ class _Gateway(_Group):
         return value
 
 
+class _Calls(_Group):
+    """Asynchronous calls (``POST /async-function/NAME``): attempts, retention, callbacks.
+
+    A call is stored, queued on ``corral.invocations`` and run by a worker through the
+    gateway's own request flow; an attempt that gets no answer, a 429 or a 5xx is tried
+    again after a backoff until the function's attempts or age are spent, and the call is
+    then *dead*, kept with its last answer. A function may set its own attempts and age
+    (``functions deploy --call-attempts N --call-max-age S``).
+    """
+
+    calls_max_attempts: int = Field(3, ge=1, le=100)
+    """Attempts of one call, the first included, unless its function sets its own."""
+    calls_max_age_s: Seconds = 21_600.0
+    """No attempt starts later than this after the call was accepted, unless its function says."""
+    calls_backoff_s: Seconds = 1.0
+    """The first retry's backoff ceiling, doubled per attempt; a wait is half to all of it."""
+    calls_backoff_max_s: Seconds = 60.0
+    """The largest backoff ceiling (a 429's or 503's ``Retry-After`` is honoured up to it)."""
+    calls_queue_max: int = Field(100_000, ge=1)
+    """Messages waiting in ``corral.invocations`` at which a new call is answered 429."""
+    calls_idempotency_window_s: Seconds = 86_400.0
+    """How long an ``Idempotency-Key`` names the call it made (per function), while it is kept."""
+    calls_keep_s: Seconds = 86_400.0
+    """Finished calls, with their answers, are kept this long after they finished."""
+    calls_keep_max: int = Field(100_000, ge=1)
+    """Finished calls kept at most; the sweep purges the oldest beyond."""
+    calls_answer_max: int = Field(1024 * 1024, ge=0, le=64 * 1024 * 1024)
+    """Bytes of an answer's body kept; the rest is dropped and the call marked truncated."""
+    calls_resend_s: Seconds = 120.0
+    """A call its message should have started this long ago is sent again (a message lost)."""
+    calls_sweep_interval_s: Seconds = 5.0
+    """How often beat sends the calls' sweep (lost messages sent again, old calls purged)."""
+    callback_key: SecretStr | None = None
+    """HMAC-SHA256 key that signs callbacks (``X-Corral-Signature``); unset: callbacks refused."""
+    callback_hosts: str = ""
+    """Hosts callbacks may go to (comma separated: a name, ``*.example.com``, an IP or CIDR)."""
+    callback_attempts: int = Field(5, ge=1, le=100)
+    """Deliveries of one callback tried before it is given up (failed)."""
+    callback_timeout_s: Seconds = 10.0
+    """One callback delivery, connecting and the receiver's answer included."""
+
+
 class _Flower(_Group):
     """Flower, the Celery monitor ``corral up`` starts."""
 
@@ -443,6 +512,7 @@ class Settings(
     _Placement,
     _Faults,
     _Gateway,
+    _Calls,
     _Flower,
     BaseSettings,
 ):
@@ -453,8 +523,9 @@ class Settings(
     field. Rules hold between settings: the soft time limit is below the hard one and
     exceeds the longest agent call by more than a second, a statement timeout set is
     below the time between the two limits, the visibility timeout is above the hard
-    limit, the panic window no longer than the stable window, the keep-alive range
-    between 1 and 10000 bins, and the keep-alive head percentile below the tail.
+    limit (and above the hard limit plus the calls' largest backoff), the panic window
+    no longer than the stable window, the keep-alive range between 1 and 10000 bins,
+    and the keep-alive head percentile below the tail.
     """
 
     model_config = SettingsConfigDict(
@@ -480,6 +551,12 @@ class Settings(
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
                 raise ValueError(f"{cidr!r} is not a network (CIDR, e.g. 10.0.0.0/24)") from None
+        return value
+
+    @field_validator("callback_hosts")
+    @classmethod
+    def _callback_hosts(cls, value: str) -> str:
+        parse_hosts(value)
         return value
 
     @field_validator("broker_url")
@@ -523,6 +600,11 @@ class Settings(
             raise ValueError(
                 "CORRAL_VISIBILITY_TIMEOUT_S must exceed CORRAL_TASK_TIME_LIMIT_S, or a running "
                 "task's message would be handed to a second worker"
+            )
+        if self.calls_backoff_max_s + self.task_time_limit_s >= self.visibility_timeout_s:
+            raise ValueError(
+                "CORRAL_VISIBILITY_TIMEOUT_S must exceed CORRAL_CALLS_BACKOFF_MAX_S plus "
+                "CORRAL_TASK_TIME_LIMIT_S: a retry waits its backoff delivered, unacknowledged"
             )
         return self
 

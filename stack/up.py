@@ -2,8 +2,9 @@
 
 Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite store
 (migrated); then, all at once (each needs only those two), the registry, one Celery worker
-on every queue with task events (as ``corral worker`` runs it: :mod:`stack.worker`), celery
-beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port is taken) and
+on the control plane's queues with task events (as ``corral worker`` runs it:
+:mod:`stack.worker`) and one on ``corral.invocations`` (asynchronous calls: a queue and
+worker of their own), celery beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port is taken) and
 the Prometheus exporter (``corral metrics``, 127.0.0.1:9808 unless taken); once they all
 serve, an fcdaemon agent (which registers itself through the registry) and a Lambdo host
 (added as a node), both with the process driver, at once. Stop order is the reverse of the
@@ -39,7 +40,7 @@ from urllib.parse import quote
 
 from sqlalchemy import select
 
-from config.celery import QUEUES
+from config.celery import CONTROL_QUEUES, INVOCATIONS
 from config.redact import redact
 from config.settings import get_settings, load_settings
 from stack.credentials import FILE as CREDENTIALS
@@ -262,6 +263,9 @@ def _start_redis(launch: _Launch, credentials: Credentials) -> str:
     return f"redis://:{quote(credentials.redis_password, safe='')}@127.0.0.1:{port}/0"
 
 
+INVOKER_CONCURRENCY = 16  # asynchronous calls one invoker runs at once (each waits on a replica)
+
+
 def _start_celery(
     launch: _Launch, options: UpOptions, credentials: Credentials, flower_port: int
 ) -> None:
@@ -280,9 +284,29 @@ def _start_celery(
             "-n",
             "corral@%h",
             "-Q",
-            ",".join(QUEUES),
+            ",".join(CONTROL_QUEUES),
         ],
         ready=lambda: worker_log.exists() and b" ready." in worker_log.read_bytes(),
+        timeout=60,
+    )
+    invoker_log = launch.logs / "invoker.log"
+    launch.start(
+        "invoker",
+        [  # asynchronous calls: their own worker, so a backlog never delays the control plane
+            PY,
+            "-m",
+            "stack.worker",
+            "-E",
+            "-l",
+            "INFO",
+            "-c",
+            str(INVOKER_CONCURRENCY),
+            "-n",
+            "invoker@%h",
+            "-Q",
+            INVOCATIONS,
+        ],
+        ready=lambda: invoker_log.exists() and b" ready." in invoker_log.read_bytes(),
         timeout=60,
     )
     launch.start(

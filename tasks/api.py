@@ -15,9 +15,11 @@ The rest reads and changes the store directly, as the CLI's commands do: nodes
 (:func:`functions`, :func:`function`, :func:`deploy`, :func:`remove_function`),
 replicas (:func:`replicas`, :func:`replica`), operations (:func:`operations`,
 :func:`operation`), GPUs (:func:`gpus`, :func:`add_gpus`, :func:`remove_gpu`), claims
-(:func:`claim`, :func:`release`) and the schema (:func:`upgrade_db`, :func:`check_db`).
-Results are typed mappings (``NodeView``, ``FunctionView``, ``ReplicaView``,
-``OperationView``, ``GpuView``, ``ClaimView``, ``ReleaseView``): plain dicts, ready for JSON.
+(:func:`claim`, :func:`release`), asynchronous calls (:func:`calls`, :func:`call`,
+:func:`redrive_calls`, :func:`purge_calls`) and the schema (:func:`upgrade_db`,
+:func:`check_db`). Results are typed mappings (``NodeView``, ``FunctionView``,
+``ReplicaView``, ``OperationView``, ``GpuView``, ``ClaimView``, ``ReleaseView``,
+``CallView``): plain dicts, ready for JSON.
 
 Importing the API loads the settings and the store, and no more: ``corral nodes list``
 is one query. What loads Celery (the Celery queue and the tasks, :data:`tasks.maintenance.QUEUE`:
@@ -54,6 +56,8 @@ from workers.functions import (
 )
 from workers.functions import deploy as deploy_spec
 from workers.functions import remove_function as remove_function_row
+from workers.invocations import records as call_records
+from workers.invocations.records import CallView
 from workers.kinds import OpKind
 from workers.operations import (
     OperationView,
@@ -87,12 +91,13 @@ class _Later:
 if TYPE_CHECKING:
     import redis
 
-    from tasks import maintenance
+    from tasks import invocations, maintenance
     from workers import redis_client as redis_clients
     from workers.autoscale import idletimes
     from workers.fleet import gpus as gpu_inventory
     from workers.fleet import hogs as fleet_hogs
     from workers.fleet.gpus import GpuView
+    from workers.invocations import stats as call_stats
     from workers.maintenance import audit as counters
     from workers.maintenance import reaper, redrive
     from workers.maintenance.audit import Audit
@@ -103,6 +108,8 @@ else:
     # Celery; the agent clients and gRPC; Alembic; Redis; what one group of calls needs
     redis = _Later("redis")
     maintenance = _Later("tasks.maintenance")
+    invocations = _Later("tasks.invocations")
+    call_stats = _Later("workers.invocations.stats")
     redis_clients = _Later("workers.redis_client")
     idletimes = _Later("workers.autoscale.idletimes")
     gpu_inventory = _Later("workers.fleet.gpus")
@@ -130,6 +137,7 @@ __all__ = [
     "RESENDABLE",
     "Audit",
     "BrokerError",
+    "CallView",
     "ClaimView",
     "FunctionView",
     "GpuView",
@@ -141,6 +149,8 @@ __all__ = [
     "Saved",
     "add_gpus",
     "add_node",
+    "call",
+    "calls",
     "check_db",
     "check_id",
     "claim",
@@ -155,8 +165,10 @@ __all__ = [
     "nodes",
     "operation",
     "operations",
+    "purge_calls",
     "reap",
     "reconcile",
+    "redrive_calls",
     "release",
     "remove_function",
     "remove_gpu",
@@ -610,3 +622,58 @@ def suspect(claim_id: str, reason: str, *, settings: Settings | None = None) -> 
     db = database(settings)
     op = claims.suspect(db, settings or get_settings(), check_id(claim_id, "claim"), reason)
     return _enqueue(db, op) if op is not None else None
+
+
+# -- asynchronous calls --------------------------------------------------------------------
+
+
+def calls(
+    function: str | None = None,
+    *,
+    status: str | None = None,
+    limit: int = 50,
+    settings: Settings | None = None,
+) -> list[CallView]:
+    """Asynchronous calls, newest first (of one function, in one status)."""
+    with database(settings).read() as s:
+        found = call_records.list_calls(s, function=function, status=status, limit=limit)
+        return [call_records.call_view(c) for c in found]
+
+
+def call(call_id: str, *, settings: Settings | None = None) -> CallView:
+    """One asynchronous call, with its stored answer (``answer``)."""
+    with database(settings).read() as s:
+        return call_records.call_view(call_records.get_call(s, call_id), answer=True)
+
+
+def redrive_calls(
+    ids: list[str] | None = None,
+    *,
+    function: str | None = None,
+    every: bool = False,
+    settings: Settings | None = None,
+) -> list[str]:
+    """Queue dead calls again - these ``ids``, those of ``function``, or ``every`` one; their ids.
+
+    Each keeps its id and gets a fresh budget of attempts and age from its function.
+    """
+    if not ids and function is None and not every:
+        raise InputError("name the calls to redrive: their ids, --function NAME or --all")
+    settings = settings or get_settings()
+    redriven = call_records.redrive(
+        database(settings), settings, ids or (), function=function, limit=100_000
+    )
+    counters = redis_clients.redis_client(settings.broker_url)
+    for call_id in redriven:
+        invocations.CALLS.send(call_id)  # a send that fails: the sweep sends it
+    if redriven and counters is not None:
+        with contextlib.suppress(redis.RedisError):
+            call_stats.count(counters, "redriven", len(redriven))
+    return redriven
+
+
+def purge_calls(older_than: float | None = None, *, settings: Settings | None = None) -> int:
+    """Delete finished calls that finished ``older_than`` seconds ago (default
+    ``CORRAL_CALLS_KEEP_S``); how many."""
+    settings = settings or get_settings()
+    return call_records.purge(database(settings), settings, older_than_s=older_than)

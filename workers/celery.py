@@ -78,7 +78,7 @@ from workers.timelimits import OutOfTime
 
 log = logging.getLogger(__name__)
 
-TASK_MODULES = ["tasks.replicas", "tasks.maintenance", "tasks.hogs"]
+TASK_MODULES = ["tasks.replicas", "tasks.maintenance", "tasks.hogs", "tasks.invocations"]
 _running = threading.local()  # the budget of the task this thread runs (CorralTask.budget)
 
 

@@ -113,6 +113,10 @@ class FunctionSpec(BaseModel):
     # how long an idle replica is kept: the fixed idle timeout, or windows learnt from the
     # function's idle times (workers.autoscale.keepalive)
     keep_alive: Literal["fixed", "adaptive"] | None = None
+    # asynchronous calls (workers.invocations): attempts of one call, and the longest a call
+    # may wait for an attempt to start (None: the settings' defaults)
+    call_attempts: int | None = Field(None, ge=1, le=100)
+    call_max_age: float | None = Field(None, gt=0, le=30 * 86400)
 
     @field_validator("ports")
     @classmethod
@@ -282,6 +286,8 @@ _COLUMNS: tuple[tuple[str, str, Any], ...] = (
     ("placement", "placement", None),
     ("autoscale", "autoscale", False),
     ("keep_alive", "keep_alive", "fixed"),
+    ("call_attempts", "call_attempts", None),
+    ("call_max_age_s", "call_max_age", None),
 )
 
 
@@ -373,6 +379,8 @@ class FunctionView(TypedDict):
     autoscale: bool
     scale_to_zero_after: float | None
     keep_alive: str  # fixed | adaptive
+    call_attempts: int | None  # attempts of one asynchronous call (None: the default)
+    call_max_age: float | None  # seconds (None: the default)
     aws_credentials: str  # "set" or "unset", never the keys
     created_at: str | None
     updated_at: str | None
@@ -440,6 +448,8 @@ def function_view(
         "autoscale": fn.autoscale,
         "scale_to_zero_after": fn.scale_to_zero_after_s,
         "keep_alive": fn.keep_alive,
+        "call_attempts": fn.call_attempts,
+        "call_max_age": fn.call_max_age_s,
         "aws_credentials": "set" if fn.aws_access_key_id or fn.aws_secret_access_key else "unset",
         "created_at": iso(fn.created_at),
         "updated_at": iso(fn.updated_at),

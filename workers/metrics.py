@@ -20,7 +20,10 @@ From the store:
   ``corral_node_capacity{node}``;
 * ``corral_operations_total{kind,status}`` - finished operations (succeeded,
   failed, partial): a counter, it only grows; ``corral_operations_open{kind,status}``
-  - operations still pending or running: a gauge.
+  - operations still pending or running: a gauge;
+* ``corral_calls_open{status}`` - asynchronous calls queued, running and retrying, and
+  ``corral_calls_queue_age_seconds`` - how long the oldest queued call has waited
+  (:mod:`workers.invocations.stats`).
 
 From Redis:
 
@@ -35,6 +38,10 @@ From Redis:
   queues (``LLEN`` of the queue's list, over kombu's priority lists), and
   ``corral_queue_unacked`` - messages delivered to a worker and not yet
   acknowledged;
+* ``corral_calls_total{outcome}`` - attempts' verdicts (``succeeded``, ``retried``,
+  ``dead``) and redrives, and ``corral_callbacks_total{outcome}`` - callbacks
+  ``delivered`` and ``failed``: one Redis hash every worker adds to
+  (:func:`workers.invocations.stats.count`);
 * ``corral_autoscale_desired_replicas{function}`` and
   ``corral_autoscale_panic{function}`` - the autoscaler's last decision;
 * for functions with adaptive keep-alive, as the autoscaler's last pass read them
@@ -95,6 +102,7 @@ from workers import clock_offsets, logs, stages
 from workers.autoscale.keepalive import MODES
 from workers.autoscale.passes import DECISIONS_KEY, KEEPALIVE_KEY
 from workers.errors import InputError
+from workers.invocations import stats as call_stats
 from workers.kinds import OpKind
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, OP_OPEN, Function, Node, Operation, Replica
@@ -180,6 +188,7 @@ class StoreCollector(Collector):
                 )
             ).all()
             spawn = self._spawn_histogram(s)
+            calls = call_stats.open_calls(s)
 
         replicas = GaugeMetricFamily(
             "corral_replicas", "Live replicas per function and state.", labels=["function", "state"]
@@ -219,6 +228,20 @@ class StoreCollector(Collector):
             (still if status in OP_OPEN else finished).add_metric([kind, status], n)
         yield from (finished, still)
 
+        open_calls = GaugeMetricFamily(
+            "corral_calls_open",
+            "Asynchronous calls not over yet, by status.",
+            labels=["status"],
+        )
+        for call_status, waiting in sorted(calls.by_status.items()):
+            open_calls.add_metric([call_status], waiting)
+        yield open_calls
+        yield GaugeMetricFamily(
+            "corral_calls_queue_age_seconds",
+            "How long the oldest queued asynchronous call has waited for its first attempt.",
+            value=calls.oldest_queued_s,
+        )
+
     def _spawn_histogram(self, s: Any) -> HistogramMetricFamily:
         dt = _seconds(self.db, Replica.ready_at, Operation.created_at)
         row = s.execute(
@@ -251,16 +274,19 @@ class StoreCollector(Collector):
         pipe.hgetall(DECISIONS_KEY)
         pipe.hgetall(KEEPALIVE_KEY)
         pipe.hgetall(stages.KEY)
+        pipe.hgetall(call_stats.KEY)
         replies = pipe.execute()
-        reaped_raw, lengths, unacked, decisions, keep_alive, timed = (
+        reaped_raw, lengths, unacked, decisions, keep_alive, timed, called = (
             replies[0],
-            replies[1:-4],
+            replies[1:-5],
+            replies[-5],
             replies[-4],
             replies[-3],
             replies[-2],
             replies[-1],
         )
         yield _stages(timed)
+        yield from _calls(called)
 
         reaped = CounterMetricFamily(
             "corral_reaped", "Replicas the reaper deleted, by reason.", labels=["reason"]
@@ -320,6 +346,24 @@ def _workers(client: redis.Redis) -> Iterable[Metric]:
         "Log records workers dropped because their log's reader did not keep up.",
         value=logs.dropped_total(client),
     )
+
+
+def _calls(raw: Mapping[bytes | str, bytes | str]) -> Iterable[Metric]:
+    """The asynchronous calls' shared totals: attempts' verdicts and redrives, callbacks."""
+    calls = CounterMetricFamily(
+        "corral_calls",
+        "Asynchronous calls' attempts by verdict (succeeded, retried, dead), and redrives.",
+        labels=["outcome"],
+    )
+    delivered = CounterMetricFamily(
+        "corral_callbacks", "Callbacks of finished calls, delivered or failed.", labels=["outcome"]
+    )
+    for event, n in call_stats.totals(raw).items():
+        if event.startswith("callback_"):
+            delivered.add_metric([event.removeprefix("callback_")], n)
+        else:
+            calls.add_metric([event], n)
+    yield from (calls, delivered)
 
 
 def _stages(raw: dict[bytes, bytes]) -> Metric:

@@ -150,6 +150,8 @@ DEPLOY_OPTIONS = (
     "autoscale",
     "scale_to_zero_after",
     "keep_alive",
+    "call_attempts",
+    "call_max_age",
 )
 
 

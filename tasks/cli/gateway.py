@@ -1,11 +1,13 @@
-"""``corral gateway``: serve functions over HTTP at ``/function/NAME[/PATH]``.
+"""``corral gateway``: serve functions over HTTP at ``/function/NAME[/PATH]`` (and asynchronous
+calls at ``/async-function/NAME[/PATH]``, their answers at ``/calls/ID``).
 
 Listens on ``--listen`` (default ``CORRAL_GATEWAY_LISTEN``, 127.0.0.1:8080). A
 non-loopback address needs ``CORRAL_GATEWAY_TOKEN`` (callers then send
 ``Authorization: Bearer <token>``) or ``--insecure``.
 
 The gateway asks for work through the Celery queue, with a few threads of its own on
-which a cold start's spawn is carried out here (:class:`tasks.queues.HereFirst`).
+which a cold start's spawn is carried out here (:class:`tasks.queues.HereFirst`);
+asynchronous calls are sent to ``corral.invocations`` (:data:`tasks.invocations.CALLS`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 
 from config.settings import Settings
 from tasks import api
+from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from workers.gateway import run_gateway
@@ -29,6 +32,7 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
         settings,
         args.listen,
         queue=HereFirst(QUEUE),
+        calls=CALLS,
         insecure=args.insecure,
         on_ready=lambda url: print(f"gateway listening on {url}", flush=True),
     )

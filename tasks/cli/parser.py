@@ -169,6 +169,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         _add_operations,
         _add_inspection,
         _add_claims,
+        _add_calls,
         _add_maintenance,
         _add_gpus,
         _add_hogs,
@@ -258,6 +259,19 @@ def _deploy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exec-envs", type=integer, help="concurrent requests per replica")
     p.add_argument("--gpu-mem", type=integer, help="GPU memory per replica in MB")
     p.add_argument("--placement")
+    p.add_argument(
+        "--call-attempts",
+        type=integer,
+        metavar="N",
+        help="attempts of one asynchronous call (default CORRAL_CALLS_MAX_ATTEMPTS)",
+    )
+    p.add_argument(
+        "--call-max-age",
+        type=float,
+        metavar="S",
+        help="no attempt of an asynchronous call starts later than S seconds after it was "
+        "accepted (default CORRAL_CALLS_MAX_AGE_S)",
+    )
     p.add_argument(
         "--autoscale",
         action=argparse.BooleanOptionalAction,
@@ -353,6 +367,37 @@ def _add_claims(top: Commands) -> None:
         "release", "claims:cmd_release", "give a claimed execution environment back", listing=True
     )
     p.add_argument("claim_id")
+
+
+def _add_calls(top: Commands) -> None:
+    p = top.add(
+        "calls",
+        "calls:cmd_calls",
+        "list asynchronous calls (or show, redrive or purge them)",
+        listing=True,
+    )
+    p.add_argument("--function", help="only this function's calls")
+    p.add_argument("--status", choices=["queued", "running", "retrying", "succeeded", "dead"])
+    p.add_argument("--limit", type=integer, default=50)
+    sub = p.add_subparsers(dest="calls_cmd", required=False)
+    q = sub.add_parser("show", help="show one call and its answer", formatter_class=Formatter)
+    q.add_argument("call_id")
+    q.add_argument("--json", action="store_true", help="print one JSON document")
+    q = sub.add_parser(
+        "redrive", help="queue dead calls again (a fresh budget)", formatter_class=Formatter
+    )
+    q.add_argument("ids", nargs="*", metavar="CALL_ID")
+    q.add_argument("--function", dest="redrive_function", help="every dead call of a function")
+    q.add_argument("--all", action="store_true", help="every dead call")
+    q.add_argument("--json", action="store_true", help="print one JSON document")
+    q = sub.add_parser("purge", help="delete finished calls", formatter_class=Formatter)
+    q.add_argument(
+        "--older-than",
+        type=float,
+        metavar="S",
+        help="finished at least S seconds ago (default CORRAL_CALLS_KEEP_S)",
+    )
+    q.add_argument("--json", action="store_true", help="print one JSON document")
 
 
 def _add_maintenance(top: Commands) -> None:
@@ -452,7 +497,9 @@ def _add_services(top: Commands) -> None:
 
 def _add_gateway(top: Commands) -> None:
     p = top.add(
-        "gateway", "gateway:cmd_gateway", "serve functions over HTTP at /function/NAME[/PATH]"
+        "gateway",
+        "gateway:cmd_gateway",
+        "serve functions over HTTP at /function/NAME[/PATH] (and /async-function/NAME)",
     )
     p.add_argument("--listen", help="HOST:PORT (default CORRAL_GATEWAY_LISTEN, 127.0.0.1:8080)")
     p.add_argument(

@@ -119,6 +119,7 @@ SECRETS = {
     "CORRAL_METRICS_TOKEN": "metrics-t0ken-value",
     "CORRAL_GATEWAY_TOKEN": "gateway-t0ken-value",
     "CORRAL_FLOWER_PASSWORD": "flower-pw-value",
+    "CORRAL_CALLBACK_KEY": "callback-k3y-value",
 }
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from config.celery import CONTROL_QUEUES, INVOCATIONS, QUEUES, ROUTES
 from config.settings import Settings
 from tasks.cli import build_parser
 
@@ -110,3 +111,22 @@ def test_environment_names_real_settings(compose: dict[str, Any]) -> None:
         for key in env:
             if key.startswith("CORRAL_"):
                 assert key in known, f"{name}: {key} is not a corral setting"
+
+
+def test_asynchronous_calls_have_a_queue_and_workers_of_their_own(
+    compose: dict[str, Any],
+) -> None:
+    """A backlog of calls never delays a spawn, a delete or housekeeping."""
+    services = compose["services"]
+
+    def queues(name: str) -> set[str]:
+        argv = _command(services[name])
+        return set(argv[argv.index("-Q") + 1].split(","))
+
+    assert queues("worker") == set(CONTROL_QUEUES)
+    assert queues("invoker") == {INVOCATIONS}
+    assert INVOCATIONS not in CONTROL_QUEUES and set(QUEUES) == {*CONTROL_QUEUES, INVOCATIONS}
+    assert {task for task, route in ROUTES.items() if route["queue"] == INVOCATIONS} == {
+        "corral.invoke",
+        "corral.call_callback",
+    }

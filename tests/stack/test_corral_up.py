@@ -162,8 +162,20 @@ def _call(tmp_path: Path, by_fn: dict[str, list[dict[str, Any]]], gateway: str) 
     called = httpx.get(f"{gateway}/function/hello", timeout=60)
     assert called.status_code == 200 and called.text == "hello from corral\n"
     assert httpx.get(f"{gateway}/function/nope", timeout=10).status_code == 404
-    # The gateway keeps the environment it used for its keep window (CORRAL_GATEWAY_KEEP_S),
-    # then gives it back: only then is the replica idle for the reaper.
+    # an asynchronous call: 202 at once, run by the invoker worker, its answer kept
+    accepted = httpx.post(f"{gateway}/async-function/hello", content=b"work", timeout=30)
+    assert accepted.status_code == 202, accepted.text
+    call = f"{gateway}/calls/{accepted.headers['x-call-id']}"
+
+    def answered() -> httpx.Response | None:
+        read = httpx.get(call, timeout=10)
+        return read if read.status_code == 200 else None
+
+    done = eventually(answered, 60, "the call's answer")
+    assert done is not None
+    assert done.text == "hello from corral\n" and done.headers["x-call-status"] == "succeeded"
+    # The gateway (and the invoker's) keeps the environment it used for its keep window
+    # (CORRAL_GATEWAY_KEEP_S), then gives it back: only then is the replica idle for the reaper.
     deadline = time.monotonic() + 30
     while any(r["envs_in_use"] for r in json.loads(_corral(tmp_path, "replicas", "--json").stdout)):
         assert time.monotonic() < deadline, "the gateway kept its claim past its keep window"
@@ -178,10 +190,10 @@ def _check_flower(tmp_path: Path, flower: str) -> None:
     def listed() -> set[str]:
         tasks = httpx.get(f"{flower}/api/tasks", timeout=10, auth=auth).json()
         names = {t.get("name") for t in tasks.values()}
-        return names if {"corral.scale", "corral.reap"} <= names else set()
+        return names if {"corral.scale", "corral.reap", "corral.invoke"} <= names else set()
 
-    # the operator's reap is listed
-    names = eventually(listed, 30, "the scale and the operator's reap listed in Flower")
+    # the operator's reap is listed, and the asynchronous call's attempt
+    names = eventually(listed, 30, "the scale, the operator's reap and the call listed in Flower")
     # beat's passes (health every 5 s, autoscale every 2 s, ...) ran all along, unlisted
     assert not names & set(HOUSEKEEPING), names
     flower_text = httpx.get(f"{flower}/api/tasks", timeout=10, auth=auth).text

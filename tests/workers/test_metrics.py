@@ -25,8 +25,11 @@ from workers.autoscale.passes import run_pass, state_key
 from workers.errors import InputError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
+from workers.invocations import attempts, records
+from workers.invocations import stats as call_stats
+from workers.invocations.records import StoredRequest
 from workers.metrics import RunningExporter, count_reaped, serve
-from workers.store.models import Function, Node, Operation, Replica, ReplicaState
+from workers.store.models import Call, Function, Node, Operation, Replica, ReplicaState
 
 ROOT = Path(__file__).resolve().parents[2]
 T0 = datetime(2026, 11, 30, 12, 0, 0)
@@ -295,3 +298,31 @@ def test_hosts_clock_offsets_and_dropped_log_records_are_exported(
     assert 7.5 < value(got, "corral_clock_offset_seconds", host="fast-host") < 8.5
     assert ("corral_clock_offset_seconds", frozenset({("host", "gone-host")})) not in got
     assert value(got, "corral_log_records_dropped_total") == 7
+
+
+def test_asynchronous_calls_are_counted_and_the_oldest_queued_aged(
+    env: Env, exporter: RunningExporter, redis_url: str
+) -> None:
+    with env.db.transaction() as s:
+        deploy(s, spec_from(name="fn", image="i", kernel="/k"), env.settings)
+    request = StoredRequest("POST", "", "", (), b"")
+    oldest = records.accept(env.db, env.settings, "fn", request).call_id
+    clock.travel(30)
+    records.accept(env.db, env.settings, "fn", request)
+    running = records.accept(env.db, env.settings, "fn", request).call_id
+    attempts.begin(env.db, env.settings, running, clock.now() + timedelta(seconds=60))
+    client = redis.Redis.from_url(redis_url)
+    call_stats.count(client, "succeeded", 4)
+    call_stats.count(client, "retry")  # an attempt's verdict counts as its event
+    call_stats.count(client, "callback_delivered", 2)
+    samples = scrape(exporter.url)
+    assert value(samples, "corral_calls_open", status="queued") == 2
+    assert value(samples, "corral_calls_open", status="running") == 1
+    assert value(samples, "corral_calls_open", status="retrying") == 0
+    assert 30 <= value(samples, "corral_calls_queue_age_seconds") < 60
+    assert value(samples, "corral_calls_total", outcome="succeeded") == 4
+    assert value(samples, "corral_calls_total", outcome="retried") == 1
+    assert value(samples, "corral_calls_total", outcome="dead") == 0
+    assert value(samples, "corral_callbacks_total", outcome="delivered") == 2
+    with env.db.read() as s:
+        assert s.get(Call, oldest) is not None

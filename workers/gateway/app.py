@@ -1,7 +1,9 @@
 """The gateway's ASGI application and server: routes, demand reports, listening rules.
 
 Routes: ``/function/NAME[/PATH]`` (any method) goes to the proxy
-(:mod:`workers.gateway.proxy`); ``GET /metrics`` serves the Prometheus text
+(:mod:`workers.gateway.proxy`); ``POST /async-function/NAME[/PATH]`` and ``GET /calls/ID``
+to asynchronous calls (:mod:`workers.gateway.calls`), when the gateway is handed a
+:class:`~workers.invocations.queue.CallQueue`; ``GET /metrics`` serves the Prometheus text
 (:mod:`workers.gateway.metrics`); ``GET /healthz`` answers ``ok``. With a token set,
 ``/metrics`` needs it too; ``/healthz`` never does (it says nothing).
 
@@ -46,7 +48,9 @@ from workers.autoscale import demand, idletimes
 from workers.dispatch import TaskQueue
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
+from workers.gateway.calls import PREFIXES, CallsFront
 from workers.gateway.proxy import PREFIX, Gateway
+from workers.invocations.queue import CallQueue
 from workers.store.db import Database, get_database
 
 log = logging.getLogger(__name__)
@@ -77,9 +81,15 @@ class GatewayApp:
     """The ASGI application: the proxy for ``/function/``, Starlette for the rest."""
 
     def __init__(
-        self, gateway: Gateway, *, redis_url: str | None = None, gateway_id: str | None = None
+        self,
+        gateway: Gateway,
+        *,
+        redis_url: str | None = None,
+        gateway_id: str | None = None,
+        calls: CallsFront | None = None,
     ) -> None:
         self.gateway = gateway
+        self.calls = calls
         self.redis_url = redis_url
         self.gateway_id = gateway_id or (
             f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -94,6 +104,12 @@ class GatewayApp:
         """ASGI entry point."""
         if scope["type"] == "http" and scope["path"].startswith(PREFIX):
             await self.gateway.handle(scope, receive, send)
+        elif (
+            self.calls is not None
+            and scope["type"] == "http"
+            and scope["path"].startswith(PREFIXES)
+        ):
+            await self.calls.handle(scope, receive, send)
         else:
             await self.site(scope, receive, send)
 
@@ -157,9 +173,16 @@ class GatewayApp:
             await self.gateway.background.store(idletimes.record_quietly, client, shape, seen)
 
 
-def build_app(db: Database, settings: Settings, queue: TaskQueue) -> GatewayApp:
-    """The gateway application over a store, reporting demand to the broker's Redis."""
-    return GatewayApp(Gateway(db, settings, queue), redis_url=settings.broker_url)
+def build_app(
+    db: Database, settings: Settings, queue: TaskQueue, calls: CallQueue | None = None
+) -> GatewayApp:
+    """The gateway application over a store, reporting demand to the broker's Redis.
+
+    ``calls``: where asynchronous calls are sent (None: ``/async-function/`` is not served).
+    """
+    gateway = Gateway(db, settings, queue)
+    front = CallsFront(gateway, db, calls) if calls is not None else None
+    return GatewayApp(gateway, redis_url=settings.broker_url, calls=front)
 
 
 class RunningGateway:
@@ -205,13 +228,14 @@ def serve_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and it
     insecure: bool = False,
     db: Database | None = None,
     app: GatewayApp | None = None,
+    calls: CallQueue | None = None,
 ) -> RunningGateway:
     """Start a gateway in a background thread; returns once it accepts connections."""
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)
-    app = app or build_app(db or get_database(settings.database_url), settings, queue)
+    app = app or build_app(db or get_database(settings.database_url), settings, queue, calls)
     try:
         server = asgiserve.start(app, sock, _limits(settings), name="gateway", **_options(settings))
     except OSError as exc:
@@ -219,20 +243,22 @@ def serve_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and it
     return RunningGateway(server, host, app)
 
 
-def run_gateway(
+def run_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and its queues
     settings: Settings,
     listen: str | None = None,
     *,
     queue: TaskQueue,
     insecure: bool = False,
     on_ready: Callable[[str], None] | None = None,
+    calls: CallQueue | None = None,
 ) -> None:
-    """Serve a gateway in the foreground until SIGINT / SIGTERM; it asks ``queue`` for work."""
+    """Serve a gateway in the foreground until SIGINT / SIGTERM; it asks ``queue`` for work
+    (and sends asynchronous calls to ``calls``)."""
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)  # spans, when CORRAL_OTLP_ENDPOINT is set
-    app = build_app(get_database(settings.database_url), settings, queue)
+    app = build_app(get_database(settings.database_url), settings, queue, calls)
     url = f"http://{join_hostport(host, sock.getsockname()[1])}"
     if on_ready is not None:
         on_ready(url)

@@ -48,7 +48,16 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Engine, Float, bindparam, create_engine, event, text
+from sqlalchemy import (
+    Connection,
+    DateTime,
+    Engine,
+    Float,
+    bindparam,
+    create_engine,
+    event,
+    text,
+)
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
@@ -102,6 +111,31 @@ def store_now() -> _StoreNow:
     ``clock.travel``.
     """
     return _StoreNow(bindparam(None, callable_=clock.offset_s, type_=Float))
+
+
+class _After(FunctionElement[datetime]):
+    """A time plus a number of seconds, in SQL, naive UTC."""
+
+    type = DateTime()
+    name = "seconds_after"
+    inherit_cache = True
+
+
+@compiles(_After, "postgresql")
+def _after_pg(element: _After, compiler: SQLCompiler, **kw: Any) -> str:
+    at, seconds = (compiler.process(c, **kw) for c in element.clauses)
+    return f"({at} + make_interval(secs => {seconds}))"
+
+
+@compiles(_After, "sqlite")
+def _after_sqlite(element: _After, compiler: SQLCompiler, **kw: Any) -> str:
+    at, seconds = (compiler.process(c, **kw) for c in element.clauses)
+    return f"strftime('%Y-%m-%d %H:%M:%f', {at}, printf('%+.6f seconds', {seconds}))"
+
+
+def seconds_after(at: Any, seconds: Any) -> _After:
+    """SQL: the time ``at`` plus ``seconds`` (either a value or a column)."""
+    return _After(at, seconds)
 
 
 class Database:
@@ -170,6 +204,19 @@ class Database:
         statement, lock = wait_bounds()
         if (statement, lock) != (settings.statement_timeout_s, settings.db_lock_timeout_s):
             session.execute(_SET_WAITS, {"statement": _ms(statement), "lock": _ms(lock)})
+
+    @contextmanager
+    def statements(self) -> Iterator[Connection]:
+        """A connection on which each statement commits by itself: for a hot path of single
+        statements, each atomic alone (PostgreSQL's autocommit: no ``BEGIN`` and ``COMMIT``
+        round trips). On SQLite, one write transaction around them all."""
+        if self.is_sqlite:
+            with self.transaction() as session:
+                yield session.connection()
+            return
+        timelimits.check("a store statement")
+        with self.engine.connect() as conn:
+            yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
     def _sync_clock(self, session: Session) -> None:
         """Measure the server's clock against this host's (:mod:`workers.clock`)."""

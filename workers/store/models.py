@@ -1,4 +1,4 @@
-"""The rows corral keeps: functions, nodes, GPUs, replicas, operations and leases.
+"""The rows corral keeps: functions, nodes, GPUs, replicas, operations, leases and calls.
 
 A *replica* is one microVM (or Lambdo VM) serving a function. Its ``status`` keeps
 the seed's numbers (Idle=0, Allocated=1, Creating=2, Dead=13, Starting=200,
@@ -23,6 +23,10 @@ released or its ``expires_at`` passes (the reaper then gives it back): a replica
 An *operation* is one producer request (spawn, delete, scale, reap, ...): what was
 asked, how far it got, and how it ended.
 
+A *call* is one asynchronous invocation (``POST /async-function/NAME``): the request as
+the gateway would forward it, its attempts, and the one terminal record it ends in
+(succeeded or dead) with the last answer; :mod:`workers.invocations` keeps it.
+
 The status and kind columns are read as their enums (``Replica.status`` as
 :class:`ReplicaState`, ``Operation.status`` as :class:`OpStatus`, ``Operation.kind`` as
 :class:`~workers.kinds.OpKind`, ``Node.kind`` and ``Function.backend`` as
@@ -46,6 +50,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     text,
@@ -95,6 +100,30 @@ OP_FINISHED: tuple[str, ...] = (
 OP_OPEN: tuple[str, ...] = tuple(s.value for s in OpStatus if s.value not in OP_FINISHED)
 
 
+class CallStatus(enum.StrEnum):
+    """Where an asynchronous call is: open (queued, running, retrying) or over (the other two).
+
+    *succeeded*: an attempt got an answer that is not retried (any status but 429 and 5xx);
+    *dead*: its attempts or its age were spent (the last answer and error kept). A call
+    reaches one of them once; only ``corral calls redrive`` opens a dead one again.
+    """
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    DEAD = "dead"
+
+    @property
+    def finished(self) -> bool:
+        """Whether a call in this status is over."""
+        return self.value in CALL_FINISHED
+
+
+CALL_FINISHED: tuple[str, ...] = (CallStatus.SUCCEEDED.value, CallStatus.DEAD.value)
+CALL_OPEN: tuple[str, ...] = tuple(s.value for s in CallStatus if s.value not in CALL_FINISHED)
+
+
 class _Stored(TypeDecorator[Any]):
     """A status or kind column read as its enum, written as the member's value (schema unchanged).
 
@@ -125,6 +154,14 @@ class StoredOpStatus(_Stored):
 
     impl = String
     members = OpStatus
+    cache_ok = True
+
+
+class StoredCallStatus(_Stored):
+    """``calls.status``: the status strings, read as :class:`CallStatus`."""
+
+    impl = String
+    members = CallStatus
     cache_ok = True
 
 
@@ -203,6 +240,10 @@ class Function(Named, Base):
     # "adaptive" (windows read off the function's idle-time histogram, workers.autoscale.keepalive).
     keep_alive: Mapped[str] = mapped_column(String(8), default="fixed", server_default="fixed")
     rr_last_node: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    # Asynchronous calls (workers.invocations): attempts of one call and the longest a call
+    # may wait for an attempt to start; None: the settings' defaults.
+    call_attempts: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    call_max_age_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
     updated_at: Mapped[datetime] = mapped_column(DateTime, default=now, onupdate=now)
 
@@ -426,4 +467,65 @@ class Claim(Keyed, Base):
         Index("ix_claims_replica", "replica_id", "created_at"),
         # The reaper's expiry sweep: one range of this index.
         Index("ix_claims_expires", "expires_at"),
+    )
+
+
+class Call(Keyed, Base):
+    """One asynchronous call: the stored request, its attempts, its outcome and its callback.
+
+    The id (random, 128 bits) is what its caller holds: ``GET /calls/ID`` shows the call.
+    ``resend_at`` is when the calls' sweep sends its message again if the call has not
+    moved by then (a lost message, a worker that died mid-attempt); None once it is over.
+    """
+
+    __tablename__ = "calls"
+
+    function: Mapped[str] = mapped_column(String(63))
+    status: Mapped[CallStatus] = mapped_column(StoredCallStatus(16), default=CallStatus.QUEUED)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    # The request as the gateway would forward it (workers.gateway.calls): text is latin-1.
+    method: Mapped[str] = mapped_column(String(16))
+    path: Mapped[str] = mapped_column(Text, default="")
+    query: Mapped[str] = mapped_column(Text, default="")
+    headers: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    body: Mapped[bytes] = mapped_column(LargeBinary, default=b"")
+    client: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    scheme: Mapped[str] = mapped_column(String(8), default="http")
+    trace: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # Attempts: how many started, the number the next may not reach, until when one may start.
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    attempt_limit: Mapped[int] = mapped_column(Integer)
+    expires_at: Mapped[datetime] = mapped_column(DateTime)
+    owner: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    next_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+    resend_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    redrives: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+    # The last attempt's answer (None: it got none) and what went wrong, if anything.
+    answer_status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    answer_headers: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+    answer_body: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    answer_truncated: Mapped[bool] = mapped_column(Boolean, default=False)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # X-Callback-Url: its delivery once the call is over (pending, delivered, failed).
+    callback_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    callback_state: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    callback_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    callback_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    callback_status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    callback_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    __table_args__ = (
+        CheckConstraint("attempts >= 0 AND attempt_limit >= 1", name="ck_call_attempts"),
+        # One call per key and function: the store refuses a second (no check-then-insert).
+        Index("ux_calls_key", "function", "idempotency_key", unique=True),
+        Index("ix_calls_status_created", "status", "created_at"),
+        Index("ix_calls_function_created", "function", "created_at"),
+        Index("ix_calls_resend", "resend_at"),
+        Index("ix_calls_finished", "finished_at"),
+        Index("ix_calls_callback", "callback_at"),
     )

@@ -23,6 +23,7 @@ import pytest
 from sqlalchemy import func, select
 
 from agents import ProcessDriver, RunningAgent, serve_fcdaemon
+from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from tests.fixtures import Env
@@ -32,6 +33,7 @@ from workers.gateway import RunningGateway, serve_gateway
 from workers.store.models import Claim, Replica
 
 HOSTILE = "tests.workers.gateway.hostile"  # the image of a replica whose answers attack
+CALLEE = "tests.workers.gateway.callee"  # the image of a function that records its calls
 
 
 def free_port() -> int:
@@ -63,10 +65,11 @@ class Stack:
         self.gateways: list[RunningGateway] = []
 
     def gateway(self, **overrides: Any) -> RunningGateway:
-        """Start a gateway on a free loopback port (settings: the test's, plus ``overrides``)."""
+        """Start a gateway on a free loopback port (settings: the test's, plus ``overrides``);
+        it sends asynchronous calls to ``corral.invocations``."""
         base = {"gateway_cold_start_timeout_s": 30.0, "gateway_report_interval_s": 0.2}
         settings = self.env.settings.model_copy(update={**base, **overrides})
-        running = serve_gateway(settings, "127.0.0.1:0", queue=HereFirst(QUEUE))
+        running = serve_gateway(settings, "127.0.0.1:0", queue=HereFirst(QUEUE), calls=CALLS)
         self.gateways.append(running)
         return running
 
@@ -108,7 +111,7 @@ class Stack:
 @contextlib.contextmanager
 def data_path(env: Env) -> Iterator[Stack]:
     """A process agent (registered as node ``node1``) on the store and broker of ``env``."""
-    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver(allow_images=[HOSTILE]))
+    agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver(allow_images=[HOSTILE, CALLEE]))
     with env.db.transaction() as s:
         upsert_node(s, agent.address, name="node1", capacity=64)
     running = Stack(env, agent)
