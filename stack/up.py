@@ -4,15 +4,15 @@ Start order: embedded Redis (unless ``CORRAL_BROKER_URL`` names one), the SQLite
 (migrated); then, all at once (each needs only those two), the registry, one Celery worker
 on the control plane's queues with task events (as ``corral worker`` runs it:
 :mod:`stack.worker`) and one on ``corral.invocations`` (asynchronous calls: a queue and
-worker of their own), celery beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port is taken) and
-the Prometheus exporter (``corral metrics``, 127.0.0.1:9808 unless taken); once they all
-serve, an fcdaemon agent (which registers itself through the registry) and a Lambdo host
-(added as a node), both with the process driver, at once. Stop order is the reverse of the
-start order. Everything lives under the state directory (``.corral/`` in
-the working directory by default): data, logs, the lock that keeps a second ``corral
-up`` out, the stack's credentials (:mod:`stack.credentials`) and ``stack.json``, from
-which the CLI run in the same directory learns the broker, database and registry
-addresses and the credentials.
+worker of their own), celery beat, Flower, the invocation gateway (http://127.0.0.1:8080
+unless that port is taken) and the Prometheus exporter (``corral metrics``,
+127.0.0.1:9808 unless taken); once they all serve, an fcdaemon agent (which registers
+itself through the registry) and a Lambdo host (added as a node), both with the process
+driver, at once. Stop order is the reverse of the start order. Everything lives under the
+state directory (``.corral/`` in the working directory by default): data, logs, the lock
+that keeps a second ``corral up`` out, the stack's credentials (:mod:`stack.credentials`)
+and ``stack.json``, from which the CLI run in the same directory learns the broker,
+database and registry addresses and the credentials.
 
 Every listener asks for a credential, on loopback too: the registry and the agents
 their tokens (the agent's ``--require-token``), the Lambdo host and the exporter
