@@ -106,6 +106,11 @@ def spec_from_request(request: Any) -> VMSpec:
     )
 
 
+def created_reply(vm: VM) -> Any:
+    """The ``CreateReply`` for a VM (``start``: how it started, where the driver says)."""
+    return fcdaemon_pb2.CreateReply(ip=vm.ip, vmid=vm.vmid, port=vm.port, start=vm.start)
+
+
 class HogPool:
     """CPU-hog processes: busy loops in their own process groups, dying with the agent."""
 
@@ -392,6 +397,17 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         self._map_lock = threading.Lock()
         # a second create of the same requestId waits for the first; other ids run side by side
         self._creating = KeyedLock()
+        self._adopt_requests()
+
+    def _adopt_requests(self) -> None:
+        """Know the request ids of VMs the driver already runs (a qemu driver's adopted
+        VMs, after a restart), so a repeated create is answered with its VM."""
+        if self.seed_only:
+            return
+        for vm in self.driver.list():
+            if vm.request_id:
+                self._vm_by_request[vm.request_id] = vm.vmid
+                self._request_by_vm[vm.vmid] = vm.request_id
 
     # -- VM bookkeeping -----------------------------------------------------------------
 
@@ -452,9 +468,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
             existing = self._existing(rid) if rid else None
             if existing is not None:
                 log.info("CreateReplica requestId=%s: already running as %s", rid, existing.vmid)
-                return fcdaemon_pb2.CreateReply(
-                    ip=existing.ip, vmid=existing.vmid, port=existing.port
-                )
+                return created_reply(existing)
             spec = spec_from_request(request)
             if self.guest_vars is not None:
                 spec.agent_env.update(self.guest_vars(spec.vmid))
@@ -487,7 +501,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
                 self.on_created(vm)
             except Exception:
                 log.exception("post-create hook failed for %s", vm.vmid)
-        return fcdaemon_pb2.CreateReply(ip=vm.ip, vmid=vm.vmid, port=vm.port)
+        return created_reply(vm)
 
     def ReleaseVMSetup(self, request: Any, context: grpc.ServicerContext) -> Any:
         """Tear a replica down; NOT_FOUND if the vmid is unknown."""
@@ -711,6 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
         vms="replicas",
         port_help="host ports for process replicas",
         image_source="images",
+        qemu=True,
     )
     parser.add_argument(
         "--token",
