@@ -132,6 +132,11 @@ class _Plan:
         return "restore" if self.restore is not None else "boot"
 
 
+def _slot(module: str, m: Machine) -> str:
+    """A snapshot's slot: the image and the VM's shape (``examples.hello@256m1c``)."""
+    return f"{module}@{m.mem_mb}m{m.cpus}c"
+
+
 class _StartFailed(Exception):
     """A start failed; the guest is torn down by the caller."""
 
@@ -355,7 +360,7 @@ class QemuDriver:
             raise DriverError(f"cannot build the image of {module!r}: {exc}") from exc
         m = self._machine(spec)
         key = self._snapshot_key(image, m)
-        slot = f"{module}@{m.mem_mb}m{m.cpus}c"
+        slot = _slot(module, m)
         deadline = time.monotonic() + self.boot_timeout
         mapping: list[tuple[int, int]] = []
         try:
@@ -774,6 +779,13 @@ class QemuDriver:
         ]
         live.sort(key=lambda v: v.created_unix)
         return live
+
+    def has_snapshot(self, spec: VMSpec) -> bool:
+        """Whether a create of ``spec`` would restore: a snapshot of its build exists."""
+        module = image_module(spec.image, self.allow_images)
+        image = self.images.image(module)
+        m = self._machine(spec)
+        return self.snapshots.find(_slot(module, m), self._snapshot_key(image, m)) is not None
 
     def stats(self) -> dict[str, Any]:
         """Starts by kind, adoptions, snapshots taken and refused (since this driver began)."""

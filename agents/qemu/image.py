@@ -31,7 +31,6 @@ used removed first.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import io
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import IO
 
 from agents.qemu.kernel import Kernel
+from agents.qemu.locks import lock_file
 
 __all__ = [
     "BUILDER_VERSION",
@@ -61,7 +61,6 @@ __all__ = [
     "ImageError",
     "Runtime",
     "function_files",
-    "lock_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -102,18 +101,6 @@ MAX_FUNCTION_FILES = 4000
 
 class ImageError(RuntimeError):
     """An image could not be built."""
-
-
-@contextlib.contextmanager
-def lock_file(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if missing) across processes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # -- cpio (newc) ---------------------------------------------------------------------------

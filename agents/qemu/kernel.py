@@ -37,6 +37,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agents.qemu.locks import lock_file
+
 __all__ = [
     "KERNEL_PACKAGE",
     "MODULES",
@@ -282,6 +284,11 @@ def _unpack(deb: Path, into: Path, package: str, version: str) -> Kernel:
 def prepare_kernel(cache: Path, *, download: bool = True) -> Kernel:
     """The guest kernel, prepared in ``cache`` (fetched and unpacked only when missing)."""
     cache.mkdir(parents=True, exist_ok=True)
+    with lock_file(cache / ".kernel.lock"):
+        return _prepare(cache, download)
+
+
+def _prepare(cache: Path, download: bool) -> Kernel:
     deb = fetch_debs(cache / "debs", download=download)
     package, version = _deb_field(deb, "Package"), _deb_field(deb, "Version")
     kernels = cache / "kernel"
