@@ -5,6 +5,7 @@ Debian's cloud kernel with an initramfs that holds a Python runtime and the func
 controlled over QMP, reached through a user-mode network forward on the agent's host,
 and started warm from a snapshot of its build once one exists. The parts, bottom up:
 
+* :mod:`agents.qemu.cache` - where the cache is, and locks between processes sharing it;
 * :mod:`agents.qemu.kernel` - the guest kernel: fetched with apt, unpacked into a cache;
 * :mod:`agents.qemu.image` - guest images (initramfs) per function build;
 * :mod:`agents.qemu.guest` - the runtime inside each guest (standard library only);

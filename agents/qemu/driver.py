@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import http.client
 import json
 import logging
@@ -50,7 +52,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,7 @@ from agents.drivers import (
     image_module,
     validate_ports,
 )
+from agents.qemu.cache import cache_secret, default_cache
 from agents.qemu.image import Image, ImageCache, ImageError, Runtime
 from agents.qemu.kernel import prepare_kernel
 from agents.qemu.machine import Machine, Qemu, QemuError, command, machine, probe_accel
@@ -74,28 +77,18 @@ from agents.qemu.snapshots import SnapshotKey, Snapshots
 from netplumb import guest_env
 from netplumb.addresses import is_wildcard
 
-__all__ = ["DEFAULT_CACHE", "QemuDriver", "default_cache"]
+__all__ = ["QemuDriver", "default_cache"]
 
 log = logging.getLogger(__name__)
 
 #: Bytes of one control line from a guest (it is untrusted: longer lines are refused).
 MAX_CONTROL_LINE = 64 * 1024
 MIN_MEM_MB, DEFAULT_MEM_MB = 128, 256
+#: How often the port of a guest that has not said it listens is probed.
+SERVING_POLL_S = 0.1
 #: Unix socket paths must fit in ``sun_path`` (108 bytes).
 _MAX_SOCKET_PATH = 100
 _PRINTABLE = re.compile(r"[^\x20-\x7e\n\t]")
-
-
-def default_cache() -> Path:
-    """``$CORRAL_QEMU_CACHE``, else ``~/.cache/corral/qemu``."""
-    env = os.environ.get("CORRAL_QEMU_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "corral" / "qemu"
-
-
-DEFAULT_CACHE = default_cache()
 
 
 @dataclass
@@ -112,6 +105,21 @@ class _Guest:
     closed: bool = field(default=False)
 
 
+class _Phases:
+    """When each phase of a start ended, for the log (``qemu 0.09s, loaded 0.21s...``)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        """Phase ``name`` ends now."""
+        self.marks.append((name, time.monotonic() - self.started))
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {at:.2f}s" for name, at in self.marks)
+
+
 @dataclass(frozen=True)
 class _Plan:
     """One start: the request, the image and machine, ports, deadline, snapshot."""
@@ -125,6 +133,7 @@ class _Plan:
     key: SnapshotKey
     slot: str
     restore: Path | None = None  # the snapshot to restore from (None: boot)
+    phases: _Phases = field(default_factory=lambda: _Phases())
 
     @property
     def kind(self) -> str:
@@ -200,19 +209,29 @@ class _Control:
                     raise _StartFailed("QEMU never opened the control socket") from None
                 time.sleep(0.005)
 
-    def event(self, deadline: float, alive: Any) -> dict[str, Any]:
-        """The guest's next event (a JSON object with an ``event`` string)."""
+    def event(
+        self, want: str, deadline: float, alive: Callable[[], bool], *, or_none: bool = False
+    ) -> dict[str, Any] | None:
+        """The guest's next event ``want`` (a JSON object whose ``event`` is it; others are
+        passed over); at the deadline, None with ``or_none``, else _StartFailed. A
+        ``failed`` event fails the start."""
         while True:
             while b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)
                 with contextlib.suppress(ValueError):
                     message = json.loads(line)
                     if isinstance(message, dict) and isinstance(message.get("event"), str):
-                        return message
+                        if message["event"] == "failed":
+                            error = _PRINTABLE.sub("?", str(message.get("error", "")))[-2000:]
+                            raise _StartFailed(f"the function failed: {error}")
+                        if message["event"] == want:
+                            return message
             if len(self._buf) > MAX_CONTROL_LINE:
                 raise _StartFailed("the guest sent an overlong control line")
             left = deadline - time.monotonic()
             if left <= 0:
+                if or_none:
+                    return None
                 raise _StartFailed("timed out")
             self.sock.settimeout(min(left, 0.25))
             try:
@@ -289,6 +308,7 @@ class QemuDriver:
         self.kernel = prepare_kernel(self.cache, download=download)
         self.runtime = Runtime.find(python, busybox)
         self.images = ImageCache(self.cache, self.kernel, self.runtime, max_images)
+        self._secret = cache_secret(self.cache)
         self.snapshots = Snapshots(
             self.cache, max_snapshots=max_snapshots, max_bytes=max_snapshot_bytes
         )
@@ -323,9 +343,11 @@ class QemuDriver:
         cpus = min(max(spec.cpu, 1), os.cpu_count() or 1)
         return machine(self.qemu, self.accel, mem, cpus, self._tsc_khz)
 
-    def _snapshot_key(self, image: Image, m: Machine) -> SnapshotKey:
+    def _snapshot_key(self, image: Image, m: Machine, spec: VMSpec) -> SnapshotKey:
+        env = json.dumps(self._start_env(spec), sort_keys=True).encode()
         return SnapshotKey(
             build=image.key,
+            env=hmac.new(self._secret, env, hashlib.sha256).hexdigest()[:32],
             kernel=self.kernel.key,
             qemu=m.qemu,
             accel=m.accel,
@@ -335,12 +357,15 @@ class QemuDriver:
             append=m.append,
         )
 
+    def _start_env(self, spec: VMSpec) -> dict[str, str]:
+        """What every replica of a build shares: the function's variables, its port."""
+        own = {"PORT": str(spec.guest_port), "HOST": "0.0.0.0", "HOME": "/root"}  # noqa: S104 - the guest's own interface
+        return guest_env.guest_environment(spec.checked_env(), {**self._env, **own})
+
     def _identity(self, spec: VMSpec, vmid: str) -> dict[str, Any]:
-        own = {"PORT": str(spec.guest_port), "HOST": "0.0.0.0", "VMID": vmid, "HOME": "/root"}  # noqa: S104 - the guest's own interface
-        env = guest_env.guest_environment(
-            spec.checked_env(), {**self._env, **spec.agent_env, **own}
-        )
-        return {"env": env, "seed": os.urandom(32).hex(), "time": time.time()}
+        """What is one replica's own: its id and the agent's variables, randomness, the time."""
+        env = {**spec.agent_env, "VMID": vmid}
+        return {"kind": "identity", "env": env, "seed": os.urandom(32).hex(), "time": time.time()}
 
     # -- start -----------------------------------------------------------------------------
 
@@ -359,7 +384,7 @@ class QemuDriver:
         except (ImageError, OSError) as exc:
             raise DriverError(f"cannot build the image of {module!r}: {exc}") from exc
         m = self._machine(spec)
-        key = self._snapshot_key(image, m)
+        key = self._snapshot_key(image, m, spec)
         slot = _slot(module, m)
         deadline = time.monotonic() + self.boot_timeout
         mapping: list[tuple[int, int]] = []
@@ -374,14 +399,14 @@ class QemuDriver:
         try:
             if state is not None:
                 try:
-                    return self._start(dataclasses.replace(plan, restore=state))
+                    return self._start(dataclasses.replace(plan, restore=state, phases=_Phases()))
                 except DriverError as exc:
                     with self._lock:
                         self._counts["restore_failed"] += 1
                     if time.monotonic() > deadline - 1.0:
                         raise
                     log.warning("restore of %s failed (%s); booting cold", vmid, exc)
-            return self._start(plan)
+            return self._start(dataclasses.replace(plan, phases=_Phases()))
         except BaseException:
             self._ports.release(h for h, _ in mapping)
             raise
@@ -428,11 +453,12 @@ class QemuDriver:
             self.stop(plan.vmid)
             raise DriverError("driver is closed")
         log.info(
-            "replica %s: %s %s in %.2fs (pid %d, port %d)",
+            "replica %s: %s %s in %.2fs (%s; pid %d, port %d)",
             plan.vmid,
             "restored" if plan.restore is not None else "booted",
             plan.image.module,
             time.monotonic() - started,
+            plan.phases,
             guest.pid,
             guest.vm.port,
         )
@@ -441,11 +467,13 @@ class QemuDriver:
     def _bring_up(self, plan: _Plan, directory: Path, holder: list[_Guest]) -> _Guest:
         """Launch, load or resume, snapshot (first boot of a build), identity, serving."""
         deadline = plan.deadline
+        mark = plan.phases.mark
         with contextlib.ExitStack() as stack:
             staging = None
             if plan.restore is None and self.snapshots_on:
                 staging = stack.enter_context(self.snapshots.taking(plan.slot, plan.key))
             guest = self._launch(plan, directory, holder)
+            mark("qemu")
             monitor = guest.monitor
             assert monitor is not None  # noqa: S101 - _launch connects it
 
@@ -457,18 +485,20 @@ class QemuDriver:
             )
             if plan.restore is not None:
                 self._resume(monitor, deadline, alive)
+                mark("loaded")
             else:
-                event = control.event(deadline, alive)
-                if event["event"] != "loaded":
-                    error = str(event.get("error", ""))[-2000:]
-                    raise _StartFailed(f"the guest could not load {plan.image.module}: {error}")
-                if staging is not None and not self._save(monitor, staging, deadline):
-                    staging = None
+                control.send({"kind": "start", "env": self._start_env(plan.spec)}, deadline)
+                self._wait_serving(guest, control, deadline, alive, mark)
+                mark("serving")
+                if staging is not None:
+                    if not self._save(monitor, staging, deadline):
+                        staging = None
+                    mark("snapshot")
             control.send(self._identity(plan.spec, plan.vmid), deadline)
-            event = control.event(deadline, alive)
-            if event["event"] != "identity":
-                raise _StartFailed(f"the guest answered {event['event']!r} to its identity")
-            self._wait_serving(guest, deadline, alive)
+            control.event("identity", deadline, alive)
+            mark("identity")
+            self._wait_answer(guest, deadline, alive)
+            mark("answered")
             if staging is not None:
                 self.snapshots.publish(plan.slot, plan.key, staging)
                 log.info("snapshot of %s (%s) published", plan.slot, plan.image.key[:12])
@@ -582,17 +612,42 @@ class QemuDriver:
             )
         return ok
 
-    def _wait_serving(self, guest: _Guest, deadline: float, alive: Any) -> None:
-        host = "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
+    def _wait_serving(
+        self,
+        guest: _Guest,
+        control: _Control,
+        deadline: float,
+        alive: Callable[[], bool],
+        mark: Callable[[str], None],
+    ) -> None:
+        """Wait until a booting guest's function answers HTTP: probed when the guest says
+        it listens, and every ``SERVING_POLL_S`` until then (it may listen some other way)."""
+        told = False
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _StartFailed("timed out")
-            if not alive():
-                raise _StartFailed("QEMU exited")
-            if _http_answers(host, guest.vm.port, min(1.0, max(0.05, left))):
+            if not told:
+                poll = min(deadline, time.monotonic() + SERVING_POLL_S)
+                if control.event("listening", poll, alive, or_none=True) is not None:
+                    told = True
+                    mark("listening")
+            if self._answers(guest, deadline, alive):
                 return
+            if told:
+                time.sleep(0.01)
+
+    def _wait_answer(self, guest: _Guest, deadline: float, alive: Callable[[], bool]) -> None:
+        """Wait until the guest's port answers HTTP."""
+        while not self._answers(guest, deadline, alive):
             time.sleep(0.01)
+
+    def _answers(self, guest: _Guest, deadline: float, alive: Callable[[], bool]) -> bool:
+        """Whether the guest's port answers ``GET /`` now; _StartFailed past the deadline."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _StartFailed("timed out")
+        if not alive():
+            raise _StartFailed("QEMU exited")
+        host = "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
+        return _http_answers(host, guest.vm.port, min(1.0, max(0.05, left)))
 
     # -- records, console, teardown ----------------------------------------------------------
 
@@ -785,7 +840,8 @@ class QemuDriver:
         module = image_module(spec.image, self.allow_images)
         image = self.images.image(module)
         m = self._machine(spec)
-        return self.snapshots.find(_slot(module, m), self._snapshot_key(image, m)) is not None
+        key = self._snapshot_key(image, m, spec)
+        return self.snapshots.find(_slot(module, m), key) is not None
 
     def stats(self) -> dict[str, Any]:
         """Starts by kind, adoptions, snapshots taken and refused (since this driver began)."""

@@ -2,24 +2,30 @@
 
 The model
 ---------
-One Python process per guest does three things, in order:
+One Python process per guest runs the function, in two steps the agent drives over the
+control port (a virtio serial port named ``corral``, whose other end is a unix socket
+only the agent holds; one JSON object per line each way):
 
-1. **load**: imports the function's module (``image.json``'s ``module``; the function's
-   own top-level package is on ``sys.path``), so its imports are paid before a snapshot;
-2. **wait for an identity** on the control port (a virtio serial port named ``corral``,
-   whose other end is a unix socket only the agent holds), after saying ``loaded``. An
-   agent may snapshot the guest here: it holds nothing of any replica yet, so every
-   restored clone starts from the same blank state;
-3. **take the identity and serve**: the agent sends one JSON line - the replica's
-   environment (``VMID``, the report token, the function's variables), fresh random
-   bytes and the host's time. The runtime replaces ``os.environ`` with it, credits the
-   bytes to the kernel's pool and forces the kernel's CRNG to reseed (``RNDADDENTROPY``,
-   ``RNDRESEEDCRNG``), reseeds Python's ``random``, sets the clock, answers
-   ``identity``, and runs the module as ``__main__`` (``python -m MODULE``, as the
-   process driver runs it): the function binds its port now, with its own identity.
+1. **start**: the agent sends the function's environment (its variables, ``PORT``,
+   ``HOST``: what every replica of the build shares). The runtime sets it and runs the
+   function's module as ``__main__`` (``python -m MODULE``, as the process driver runs
+   it), and says ``listening`` when the function listens on ``PORT`` (Python's
+   ``socket.socket.listen`` is wrapped to notice). The agent probes the port; once it
+   answers, the agent may **snapshot** the guest: a serving function that has been
+   given nothing of any replica yet;
+2. **identity**: the agent sends what is the replica's own - ``VMID``, the report token
+   and registry, fresh random bytes, the host's time. A thread of the runtime (it waits
+   for this line while the function serves) adds the variables to ``os.environ``,
+   credits the bytes to the kernel's pool and forces its CRNG to reseed
+   (``RNDADDENTROPY``, ``RNDRESEEDCRNG``), reseeds Python's ``random``, sets the clock,
+   announces the guest's address on the network (a gratuitous ARP, so that the QEMU a
+   snapshot was restored into learns it at once) and answers ``identity``.
 
-Restored clones share everything from before step 3 (their uptime, Python's hash seed);
-from step 3 on each has its own variables, kernel randomness and clock.
+A replica restored from the snapshot resumes at step 2: its function is already
+serving, only its identity is new. So a function reads its replica's identity
+(``VMID``...) when it handles a request, not when it starts; whatever it made at start
+(its own random keys, say) every replica restored from the snapshot shares, as with
+Lambda SnapStart. Python's hash seed is the snapshot's too.
 
 Standard library only, and nothing from ``agents``: this file is copied into the guest
 image on its own. A failure before serving exits, and the guest's kernel then powers the
@@ -30,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib
 import json
 import os
 import random
@@ -38,14 +43,15 @@ import runpy
 import socket
 import struct
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
 CONFIG = "/corral/image.json"
 PORT_NAME = "corral"
-#: Longest line the agent may send (the environment is bounded by the agent as well).
-MAX_LINE = 1 << 20
+#: Longest line the agent may send (an environment is bounded by the agent as well).
+MAX_LINE = 4 << 20
 # linux/random.h: _IOW('R', 0x03, int[2]) and _IO('R', 0x07)
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
@@ -64,25 +70,46 @@ def control_port(name: str = PORT_NAME, wait: float = 30.0) -> str:
         time.sleep(0.01)
 
 
-def send(fd: int, message: dict[str, object]) -> None:
-    """Write one JSON line to the agent."""
-    data = (json.dumps(message) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data) :]
+class Control:
+    """The guest's end of the control port: JSON lines."""
+
+    def __init__(self, path: str) -> None:
+        """Open the port."""
+        self.fd = os.open(path, os.O_RDWR)
+        self._buf = b""
+        self._lock = threading.Lock()
+
+    def send(self, message: dict[str, object]) -> None:
+        """Write one JSON line to the agent."""
+        data = (json.dumps(message) + "\n").encode()
+        with self._lock:
+            while data:
+                data = data[os.write(self.fd, data) :]
+
+    def receive(self) -> dict[str, object]:
+        """The next JSON object from the agent; waits while the agent is not connected (its
+        reads give EOF then, as just after a restore)."""
+        while b"\n" not in self._buf:
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                time.sleep(0.005)
+                continue
+            self._buf += chunk
+            if len(self._buf) > MAX_LINE:
+                raise RuntimeError("control line too long")
+        line, self._buf = self._buf.split(b"\n", 1)
+        message = json.loads(line)
+        if not isinstance(message, dict):
+            raise RuntimeError("control message is not an object")
+        return message
 
 
-def read_line(fd: int) -> bytes:
-    """One line from the agent; waits while the agent is not connected (reads give EOF)."""
-    buf = b""
-    while b"\n" not in buf:
-        chunk = os.read(fd, 65536)
-        if not chunk:  # the agent's end is closed (as after a restore): wait for it
-            time.sleep(0.005)
-            continue
-        buf += chunk
-        if len(buf) > MAX_LINE:
-            raise RuntimeError("control line too long")
-    return buf.split(b"\n", 1)[0]
+def _strings(value: object, what: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise RuntimeError(f"{what} without an environment")
+    return value
 
 
 def reseed(seed: bytes) -> None:
@@ -112,50 +139,74 @@ def announce(interface: str = "eth0") -> None:
 
 
 def take_identity(message: dict[str, object]) -> None:
-    """Become the replica ``message`` describes: environment, randomness, clock."""
-    env = message.get("env")
+    """Become the replica ``message`` describes: its variables, randomness, clock."""
+    env = _strings(message.get("env"), "identity")
     seed = message.get("seed")
-    if not isinstance(env, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise RuntimeError("identity without an environment")
     if not isinstance(seed, str):
         raise RuntimeError("identity without a seed")
-    os.environ.clear()
     os.environ.update(env)
     reseed(bytes.fromhex(seed))
     at = message.get("time")
     if isinstance(at, int | float):
         with contextlib.suppress(OSError):
             time.clock_settime(time.CLOCK_REALTIME, float(at))
+    with contextlib.suppress(OSError):
+        announce()
 
 
-def _uptime() -> float:
-    with contextlib.suppress(OSError, ValueError):
-        return float(Path("/proc/uptime").read_text().split()[0])
-    return 0.0
+def identities(control: Control) -> None:
+    """Wait for the replica's identity (now, or after a restore), take it and say so."""
+    try:
+        message = control.receive()
+        take_identity(message)
+        control.send({"event": "identity", "vmid": os.environ.get("VMID", "")})
+    except BaseException:
+        with contextlib.suppress(OSError):
+            control.send({"event": "failed", "error": traceback.format_exc(limit=4)[-2000:]})
+        os._exit(1)  # a guest without its identity must not serve
+
+
+def tell_when_listening(control: Control, port: int) -> None:
+    """Say ``listening`` once this process listens on TCP ``port``.
+
+    Python's ``socket.socket.listen`` is wrapped: the first socket that listens on
+    ``port`` (``http.server``, ``asyncio``... all listen through it) sends the event.
+    Polling ``/proc/net/tcp`` instead would cost the guest's one CPU more than the
+    function's own start.
+    """
+    original = socket.socket.listen
+    told = threading.Event()
+
+    def listen(self: socket.socket, *args: int) -> None:
+        original(self, *args)
+        with contextlib.suppress(OSError, IndexError, TypeError):
+            if not told.is_set() and self.getsockname()[1] == port:
+                told.set()
+                control.send({"event": "listening", "port": port})
+
+    socket.socket.listen = listen  # type: ignore[assignment,method-assign]
 
 
 def main() -> int:
-    """Load the function, wait for an identity, then run the function as ``__main__``."""
+    """Take the function's environment, run it as ``__main__``; the identity comes aside."""
     config = json.loads(Path(CONFIG).read_text())
     module = str(config["module"])
     sys.path[:0] = [str(p) for p in config["path"]]
-    fd = os.open(control_port(), os.O_RDWR)
+    control = Control(control_port())
     try:
-        importlib.import_module(module)
-    except BaseException:
-        send(fd, {"event": "failed", "error": traceback.format_exc(limit=8)[-4000:]})
+        start = control.receive()
+        os.environ.clear()
+        os.environ.update(_strings(start.get("env"), "start"))
+        tell_when_listening(control, int(os.environ.get("PORT") or 8080))
+        threading.Thread(target=identities, args=(control,), daemon=True).start()
+        sys.argv = [module]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
         raise
-    send(fd, {"event": "loaded", "uptime": _uptime()})
-    message = json.loads(read_line(fd))
-    take_identity(message)
-    with contextlib.suppress(OSError):
-        announce()
-    send(fd, {"event": "identity", "vmid": os.environ.get("VMID", "")})
-    os.close(fd)
-    sys.argv = [module]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            control.send({"event": "failed", "error": traceback.format_exc(limit=8)[-4000:]})
+        raise
     return 0
 
 

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from agents.qemu.cache import lock_file
 from agents.qemu.kernel import Kernel
-from agents.qemu.locks import lock_file
 
 __all__ = [
     "BUILDER_VERSION",
@@ -66,7 +66,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Bump when what the builder writes changes: every image key changes with it.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
+TAG = sys.implementation.cache_tag
 GUEST_IP = "10.0.2.15"
 GUEST_GATEWAY = "10.0.2.2"
 GUEST_RUNTIME = Path(__file__).with_name("guest.py")
@@ -281,6 +282,17 @@ def _pyc(source: Path) -> bytes:
     return header + marshal.dumps(code)
 
 
+def _unchecked_pyc(source: Path) -> bytes:
+    """``source`` compiled to a ``__pycache__`` entry that is used without checking the source
+    (an unchecked-hash ``.pyc``: the image's files carry no modification times to check)."""
+    data = source.read_bytes()
+    code = compile(data, str(source), "exec", dont_inherit=True)
+    flags = (1).to_bytes(4, "little")  # hash-based, unchecked
+    return (
+        importlib.util.MAGIC_NUMBER + flags + importlib.util.source_hash(data) + marshal.dumps(code)
+    )
+
+
 def _cached_pyc(source: Path) -> bytes | None:
     """The interpreter's own ``__pycache__`` entry for ``source``, if current."""
     tag = sys.implementation.cache_tag
@@ -467,6 +479,9 @@ exec {python} -I -S -B -u /corral/guest.py
             for path, rel in files:
                 mode = path.stat().st_mode
                 cpio.file(f"corral/fn/{rel}", path.read_bytes(), mode & 0o755 | 0o444)
+                if rel.endswith(".py"):  # compiled here: the guest would compile at each start
+                    cached = f"{os.path.dirname(rel)}/__pycache__/{Path(rel).stem}.{TAG}.pyc"
+                    cpio.file(f"corral/fn/{cached.lstrip('/')}", _unchecked_pyc(path))
             config = {"module": module, "path": ["/corral/fn"]}
             cpio.file("corral/image.json", json.dumps(config).encode())
 

@@ -24,6 +24,7 @@ the others (disk is bounded).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -37,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents.qemu.locks import lock_file
+from agents.qemu.cache import default_cache, lock_file
 
 __all__ = [
     "KERNEL_PACKAGE",
@@ -310,3 +311,26 @@ def _prepare(cache: Path, download: bool) -> Kernel:
                 old.unlink()
     os.utime(into)
     return kernel
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m agents.qemu.kernel [--cache DIR]``: fetch and unpack the guest kernel now."""
+    parser = argparse.ArgumentParser(
+        prog="python -m agents.qemu.kernel",
+        description=f"Fetch {KERNEL_PACKAGE} with apt-get and unpack it into the qemu "
+        "driver's cache (what an agent would do on its first start).",
+    )
+    parser.add_argument("--cache", type=Path, default=None, help="default: the driver's")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        kernel = prepare_kernel(args.cache or default_cache())
+    except KernelError as exc:
+        print(f"error: {exc}", flush=True)
+        return 1
+    print(f"guest kernel {kernel.key} ({kernel.release}) in {kernel.directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

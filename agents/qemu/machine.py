@@ -42,9 +42,9 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from agents.qemu.cache import lock_file
 from agents.qemu.image import Cpio
 from agents.qemu.kernel import Kernel
-from agents.qemu.locks import lock_file
 
 __all__ = [
     "ACCELS",

@@ -2,17 +2,18 @@
 
 The model
 ---------
-After the first replica of a build has loaded its function (and before it has any
-identity: :mod:`agents.qemu.guest`), the driver pauses it and writes its whole state -
-RAM, devices - to a file with QMP ``migrate``; once that replica has answered, the
+Once the first replica of a build serves (and before it has any identity:
+:mod:`agents.qemu.guest`), the driver pauses it and writes its whole state - RAM,
+devices - to a file with QMP ``migrate``; once that replica has answered as itself, the
 snapshot is published. Later creates of the same image start QEMU with ``-incoming`` on
-that file and ``cont`` it: the function is already loaded, only the identity is new.
+that file and ``cont`` it: the function is already serving, only the identity is new.
 
 A snapshot lives in ``CACHE/snapshots/<slot>/<key>/`` (``state`` and ``meta.json``; the
 slot is the image and the VM's shape, ``examples.hello@512m1c``),
 where the key hashes everything the saved state depends on (:class:`SnapshotKey`): the
-function's build (every byte of its image), the kernel, the QEMU binary and the
-machine (accelerator, CPU model, memory, CPUs, kernel arguments). A create looks only in
+function's build (every byte of its image) and environment (a keyed hash: the snapshot's
+function has read it), the kernel, the QEMU binary and the machine (accelerator, CPU
+model, memory, CPUs, kernel arguments). A create looks only in
 its slot: a snapshot there under another key - an older build, another
 kernel, another QEMU - is **refused**: never restored, counted (by the fields that
 differ) and deleted; the VM boots cold and becomes the new build's snapshot.
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _REASONS = {
     "build": "another build of the function",
+    "env": "another environment",
     "kernel": "another kernel",
     "qemu": "another QEMU",
 }
@@ -54,6 +56,7 @@ class SnapshotKey:
     """What a snapshot's state depends on; a restore needs every field equal."""
 
     build: str  # the image's key
+    env: str  # a keyed hash of the function's environment (it is set before the snapshot)
     kernel: str
     qemu: str
     accel: str

@@ -23,6 +23,7 @@ from agents.qemu.snapshots import SnapshotKey, Snapshots
 
 KEY = SnapshotKey(
     build="b1",
+    env="e1",
     kernel="linux-image=1",
     qemu="QEMU 7.2",
     accel="tcg",
@@ -195,11 +196,15 @@ def test_a_guest_that_floods_its_control_port_fails_its_start(
         while not accepted and time.monotonic() < deadline:
             time.sleep(0.01)
         guest = accepted[0]
-        guest.sendall(b'{"noise": 1}\nnot json\n{"event": "loaded"}\n')
-        assert control.event(time.monotonic() + 5, lambda: True) == {"event": "loaded"}
+        guest.sendall(b'{"noise": 1}\nnot json\n{"event": "other"}\n{"event": "listening"}\n')
+        got = control.event("listening", time.monotonic() + 5, lambda: True)
+        assert got == {"event": "listening"}
+        guest.sendall(b'{"event": "failed", "error": "Traceback \\u001b[31m..."}\n')
+        with pytest.raises(_StartFailed, match="the function failed: Traceback \\?"):
+            control.event("identity", time.monotonic() + 5, lambda: True)
         guest.sendall(b"x" * (200 * 1024))  # no line end: never an event
         with pytest.raises(_StartFailed, match="overlong"):
-            control.event(time.monotonic() + 5, lambda: True)
+            control.event("identity", time.monotonic() + 5, lambda: True)
     finally:
         control.close()
 
