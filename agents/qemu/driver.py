@@ -285,6 +285,7 @@ class QemuDriver:
         busybox: str | None = None,
         tsc_khz: int | None = None,
         download: bool = True,
+        run_as: str | None = "nobody",
     ) -> None:
         """Prepare the kernel, runtime and QEMU (QemuError, KernelError, ImageError when
         one is missing), choose the accelerator, and adopt the VMs left in ``state``."""
@@ -304,6 +305,8 @@ class QemuDriver:
         self.max_mem_mb = max(MIN_MEM_MB, max_mem_mb)
         self._env = dict(env or {})
         self._tsc_khz = tsc_khz
+        #: The user QEMU becomes after start-up (only an agent running as root can say one).
+        self.run_as = run_as if os.geteuid() == 0 else None
         self.qemu = Qemu.find(qemu)
         self.kernel = prepare_kernel(self.cache, download=download)
         self.runtime = Runtime.find(python, busybox)
@@ -405,7 +408,11 @@ class QemuDriver:
                         self._counts["restore_failed"] += 1
                     if time.monotonic() > deadline - 1.0:
                         raise
-                    log.warning("restore of %s failed (%s); booting cold", vmid, exc)
+                    # not out of time: the snapshot itself failed (QEMU refused it, say)
+                    self.snapshots.discard(plan.slot, key)
+                    log.warning(
+                        "restore of %s failed (%s); snapshot deleted, booting cold", vmid, exc
+                    )
             return self._start(dataclasses.replace(plan, phases=_Phases()))
         except BaseException:
             self._ports.release(h for h, _ in mapping)
@@ -519,6 +526,7 @@ class QemuDriver:
             directory,
             forwards,
             incoming_fd=fd,
+            run_as=self.run_as,
         )
         try:
             with open(directory / "qemu.log", "wb") as out:

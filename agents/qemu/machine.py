@@ -13,7 +13,10 @@ PVH entry), no PCI, no disks; virtio-mmio devices only. What it is given:
   VM's private directory (the identity channel of :mod:`agents.qemu.guest`), and QMP on
   another unix socket there;
 * **console**: the serial console into a 64 KiB ring buffer inside QEMU (read over QMP
-  when a guest fails), so a guest cannot fill the host's disk with output.
+  when a guest fails), so a guest cannot fill the host's disk with output;
+* **confinement**: QEMU's seccomp sandbox (no exec, no privilege changes) and, when the
+  agent runs as root, ``-runas`` an unprivileged user once QEMU has opened its files and
+  sockets: the emulator faces the guest, and a guest is an attacker.
 
 **Accelerator.** KVM when a probe shows it boots this kernel (a guest that prints a
 marker and powers off), else TCG, QEMU's software emulator. Some hosts (nested,
@@ -63,6 +66,11 @@ _PROBE_MARKER = "corral-accel-probe-ok"
 #: Kernel arguments every guest gets (``quiet``: a serial console costs a VM exit per byte).
 BASE_ARGS = "console=ttyS0 panic=-1 quiet cryptomgr.notests ipv6.disable=1"
 TCG_TIMER_ARGS = "tsc=reliable lapic_timer_period=4000000"
+#: QEMU's seccomp filter: no obsolete system calls, no fork or exec, no scheduler or
+#: CPU-affinity changes; and no set*uid unless QEMU must drop root itself (``-runas``,
+#: after which it has no privilege to regain). A guest that breaks out of the emulator
+#: lands in a process that can do little.
+SANDBOX = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
 
 
 class QemuError(RuntimeError):
@@ -143,11 +151,15 @@ def command(  # noqa: PLR0913 - one VM's parts, by name
     forwards: list[tuple[str, int, int]],
     *,
     incoming_fd: int | None = None,
+    run_as: str | None = None,
 ) -> list[str]:
-    """The argv of one VM (``forwards``: host address, host port, guest port)."""
+    """The argv of one VM (``forwards``: host address, host port, guest port; ``run_as``: the
+    user QEMU becomes once it has opened what it needs)."""
     hostfwd = ",".join(f"hostfwd=tcp:{h}:{hp}-:{gp}" for h, hp, gp in forwards)
     argv = [
         str(qemu.binary),
+        "-sandbox",
+        SANDBOX if run_as else f"{SANDBOX},elevateprivileges=deny",
         "-name",
         "corral-vm,debug-threads=off",
         "-M",
@@ -189,6 +201,8 @@ def command(  # noqa: PLR0913 - one VM's parts, by name
     ]
     if incoming_fd is not None:
         argv += ["-incoming", f"fd:{incoming_fd}"]
+    if run_as:
+        argv += ["-runas", run_as]
     return argv
 
 

@@ -165,6 +165,10 @@ class Snapshots:
         self._prune()
         return slot / key.digest() / "state"
 
+    def discard(self, name: str, key: SnapshotKey) -> None:
+        """Delete the snapshot of ``key`` (one that failed to restore)."""
+        shutil.rmtree(self._slot(name) / key.digest(), ignore_errors=True)
+
     def _prune(self) -> None:
         """Remove the least recently used snapshots beyond the bounds."""
         entries = []

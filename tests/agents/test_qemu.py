@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from agents import RunningAgent, serve_fcdaemon
 from agents.drivers import DriverError, VMSpec
 from agents.procs import is_alive
 from agents.qemu.driver import QemuDriver
+from netplumb.grpcserve import report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from tasks import api
 from tasks.maintenance import QUEUE
@@ -84,13 +86,18 @@ def listed(stub: fcdaemon_grpc.FcServiceStub) -> list[Any]:
     return list(stub.ListReplicas(empty_pb2.Empty(), timeout=10).replicas)
 
 
+REGISTRY_TOKEN = "registry-token-never-on-a-command-line"
+
+
 @pytest.fixture
 def qemu_agent(
     make_qemu_driver: MakeQemuDriver, registry: tuple[str, RecordingRegistry]
 ) -> Iterator[tuple[RunningAgent, QemuDriver]]:
-    """An agent on a qemu driver, reporting READY to a recording registry."""
+    """An agent on a qemu driver, reporting READY to a recording registry (with a token)."""
     driver = make_qemu_driver()
-    running = serve_fcdaemon(driver=driver, registry=registry[0], advertise_ip="127.0.0.1")
+    running = serve_fcdaemon(
+        driver=driver, registry=registry[0], advertise_ip="127.0.0.1", token=REGISTRY_TOKEN
+    )
     yield running, driver
     running.stop()
 
@@ -108,7 +115,13 @@ def test_a_guest_starts_reports_ready_serves_and_is_released(
     assert whoami(reply.port)["vmid"] == reply.vmid
     vm = driver.get(reply.vmid)
     assert vm is not None and vm.pid is not None
-    assert b"qemu-system-x86_64" in Path(f"/proc/{vm.pid}/cmdline").read_bytes()
+    cmdline = Path(f"/proc/{vm.pid}/cmdline").read_bytes()
+    assert b"qemu-system-x86_64" in cmdline and b"-sandbox" in cmdline
+    # its identity went over its control port, never on QEMU's command line (ps shows it)
+    assert reply.vmid.encode() not in cmdline
+    assert report_token(REGISTRY_TOKEN, reply.vmid).encode() not in cmdline
+    if os.geteuid() == 0:  # an agent running as root runs QEMU as nobody
+        assert Path(f"/proc/{vm.pid}").stat().st_uid == pwd.getpwnam("nobody").pw_uid
     ready = eventually(
         lambda: [r for r, _ in registry[1].of("UpdateStatus") if r.vmid == reply.vmid],
         timeout=30,
