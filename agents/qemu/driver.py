@@ -358,6 +358,7 @@ class QemuDriver:
             mem_mb=m.mem_mb,
             cpus=m.cpus,
             append=m.append,
+            devices=m.devices,
         )
 
     def _start_env(self, spec: VMSpec) -> dict[str, str]:

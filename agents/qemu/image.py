@@ -368,7 +368,13 @@ class ImageCache:
         self.max_images = max(1, max_images)
         self._base_key = hashlib.sha256(
             "\0".join(
-                [BUILDER_VERSION, kernel.key, runtime.key(), _file_digest(GUEST_RUNTIME)]
+                [
+                    BUILDER_VERSION,
+                    kernel.key,
+                    ",".join(kernel.modules),
+                    runtime.key(),
+                    _file_digest(GUEST_RUNTIME),
+                ]
             ).encode()
         ).hexdigest()[:32]
 

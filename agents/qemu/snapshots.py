@@ -64,6 +64,7 @@ class SnapshotKey:
     mem_mb: int
     cpus: int
     append: str
+    devices: str = ""
 
     def digest(self) -> str:
         """A short hash of every field (the snapshot's directory name)."""

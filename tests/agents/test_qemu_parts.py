@@ -48,6 +48,7 @@ def _publish(store: Snapshots, slot: str, key: SnapshotKey, data: bytes = b"stat
         ({"kernel": "linux-image=2"}, "another kernel"),
         ({"qemu": "QEMU 8.2"}, "another QEMU"),
         ({"mem_mb": 512}, "another machine (mem_mb)"),
+        ({"devices": "virtio-net-device"}, "another machine (devices)"),
     ],
 )
 def test_a_snapshot_under_another_key_is_refused_counted_and_deleted(
