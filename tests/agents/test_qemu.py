@@ -322,6 +322,24 @@ def test_a_snapshot_of_another_build_is_refused_and_the_guest_boots_cold(
     assert len([p for p in slot.iterdir() if p.is_dir() and not p.name.startswith(".")]) == 1
 
 
+def test_a_snapshot_that_fails_to_restore_is_deleted_and_the_guest_boots_cold(
+    make_qemu_driver: MakeQemuDriver,
+) -> None:
+    driver = make_qemu_driver()
+    spec = VMSpec(image=IMAGE, mem_mb=320)  # a VM shape, and so a snapshot, of its own
+    first = driver.start(spec)
+    eventually(lambda: driver.has_snapshot(spec), timeout=QEMU_BOOT_S, what="the snapshot")
+    driver.stop(first.vmid)
+    (state,) = (driver.snapshots.directory / f"{IMAGE}@320m1c").glob("*/state")
+    state.write_bytes(b"not a migration stream")  # a snapshot QEMU cannot load
+    vm = driver.start(VMSpec(image=IMAGE, mem_mb=320))
+    assert vm.start == "boot"  # the create did not fail: it booted cold...
+    assert whoami(vm.port)["vmid"] == vm.vmid
+    assert driver.stats()["restore_failed"] == 1
+    assert not state.exists() or state.read_bytes() != b"not a migration stream"  # ...deleted
+    assert qemus_naming(driver.state) == [vm.pid]  # the failed restore's QEMU is gone
+
+
 def test_bad_input_is_refused_before_any_vm_starts(
     make_qemu_driver: MakeQemuDriver, qemu_state: Path
 ) -> None:
