@@ -242,6 +242,18 @@ class PortAllocator:
                 return port
         raise DriverError(f"no free host port in {self.low}-{self.high}")
 
+    def map(self, guest_ports: Iterable[int], wanted: dict[int, int]) -> list[tuple[int, int]]:
+        """A host port for each guest port (``wanted[guest]`` if given): (host, guest) pairs;
+        on failure none stays claimed."""
+        mapping: list[tuple[int, int]] = []
+        try:
+            for g in guest_ports:
+                mapping.append((self.allocate(wanted.get(g)), g))
+        except DriverError:
+            self.release(h for h, _ in mapping)
+            raise
+        return mapping
+
     def claim(self, ports: Iterable[int]) -> None:
         """Mark ports as taken by what already listens on them (a VM adopted after a restart)."""
         with self._lock:
@@ -283,13 +295,7 @@ class MemoryDriver:
         if self._ports is None:
             mapping = [(g, g) for g in guest_ports]
         else:
-            mapping = []
-            try:
-                for g in guest_ports:
-                    mapping.append((self._ports.allocate(spec.host_ports.get(g)), g))
-            except DriverError:
-                self._ports.release(h for h, _ in mapping)
-                raise
+            mapping = self._ports.map(guest_ports, spec.host_ports)
         vm = VM(
             vmid=spec.vmid or uuid.uuid4().hex,
             ip=self.ip,
@@ -451,10 +457,8 @@ class ProcessDriver:
         spec.checked_env()
         guest_ports = validate_ports(spec)
         vmid = spec.vmid or uuid.uuid4().hex
-        mapping: list[tuple[int, int]] = []
+        mapping = self._ports.map(guest_ports, spec.host_ports)
         try:
-            for g in guest_ports:
-                mapping.append((self._ports.allocate(spec.host_ports.get(g)), g))
             env = self._child_env(spec, vmid, mapping[0][0], root)
             proc = spawn(argv, env)
         except OSError as exc:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import ipaddress
 import logging
 import os
@@ -65,6 +64,7 @@ from agents.runtime import (
     agent_main,
     connect_host,
     guess_node_ip,
+    http_answers,
     serve_until_signalled,
 )
 from netplumb.addresses import is_loopback, join_hostport, split_hostport
@@ -182,19 +182,6 @@ _FINAL_CODES = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
     }
 )
-
-
-def _http_answers(host: str, port: int, timeout: float = 1.0) -> bool:
-    """True if ``GET /`` on host:port gets any HTTP response."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", "/")
-        conn.getresponse().read()
-        return True
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
 
 
 class RegistryReporter:
@@ -323,7 +310,7 @@ class RegistryReporter:
         deadline = time.monotonic() + self.ready_timeout
         if probe:
             host = connect_host(vm.ip)
-            while not _http_answers(host, vm.port):
+            while not http_answers(host, vm.port):
                 if self._stop.is_set() or not self.is_live(vm.vmid):
                     return
                 if time.monotonic() > deadline:

@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
-import http.client
 import json
 import logging
 import os
@@ -74,6 +73,7 @@ from agents.qemu.kernel import prepare_kernel
 from agents.qemu.machine import Machine, Qemu, QemuError, command, machine, probe_accel
 from agents.qemu.qmp import Monitor, QmpError, QmpLoop
 from agents.qemu.snapshots import SnapshotKey, Snapshots
+from agents.runtime import http_answers
 from netplumb import guest_env
 from netplumb.addresses import is_wildcard
 
@@ -179,18 +179,6 @@ def _wait_exit(pidfd: int, timeout: float) -> bool:
     except (OSError, ValueError):
         return True
     return bool(ready)
-
-
-def _http_answers(host: str, port: int, timeout: float) -> bool:
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", "/")
-        conn.getresponse().read(1 << 16)
-        return True
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
 
 
 class _Control:
@@ -391,13 +379,7 @@ class QemuDriver:
         key = self._snapshot_key(image, m, spec)
         slot = _slot(module, m)
         deadline = time.monotonic() + self.boot_timeout
-        mapping: list[tuple[int, int]] = []
-        try:
-            for g in guest_ports:
-                mapping.append((self._ports.allocate(spec.host_ports.get(g)), g))
-        except DriverError:
-            self._ports.release(h for h, _ in mapping)
-            raise
+        mapping = self._ports.map(guest_ports, spec.host_ports)
         state = self.snapshots.find(slot, key) if self.snapshots_on else None
         plan = _Plan(spec, vmid, image, m, mapping, deadline, key, slot)
         try:
@@ -656,7 +638,7 @@ class QemuDriver:
         if not alive():
             raise _StartFailed("QEMU exited")
         host = "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
-        return _http_answers(host, guest.vm.port, min(1.0, max(0.05, left)))
+        return http_answers(host, guest.vm.port, min(1.0, max(0.05, left)))
 
     # -- records, console, teardown ----------------------------------------------------------
 
