@@ -16,6 +16,8 @@ For each, what the ``agent_call`` stage of a cold start is made of, straight at 
   ``GET /`` is answered. For QEMU, a cold boot (snapshots off);
 * **restore to first answer** (``--restores``): QEMU from its build's snapshot, the warm
   start; aims: p50 at most 0.5 s, and at most a fifth of the cold boot's p50;
+* with each, the **CPU** the replica's process used to get there (QEMU's, or the
+  function's process): what a start costs whatever else runs on the machine;
 * **destroy**: ``stop`` until the process (QEMU) is gone;
 * **PSS per replica**: proportional set size of the process (QEMU) serving, idle
   (``/proc/PID/smaps_rollup``), after a cold boot and after a restore;
@@ -132,6 +134,8 @@ class Figures:
     name: str
     cold: list[float] = field(default_factory=list)
     restore: list[float] = field(default_factory=list)
+    cold_cpu: list[float] = field(default_factory=list)  # CPU seconds the replica used to get there
+    restore_cpu: list[float] = field(default_factory=list)
     destroy: list[float] = field(default_factory=list)
     pss_cold: list[int] = field(default_factory=list)
     pss_restore: list[int] = field(default_factory=list)
@@ -192,6 +196,7 @@ def measure(
         for _ in range(args.n):
             vm, took = start_answered(cold)
             figures.cold.append(took)
+            figures.cold_cpu.append(cpu_seconds(vm.pid))
             figures.pss_cold.append(pss_kib(vm.pid))
             figures.destroy.append(destroy(cold, vm))
         if not restores:
@@ -211,6 +216,7 @@ def measure(
             if vm.start != "restore":
                 raise RuntimeError(f"a warm start was a {vm.start!r}, not a restore")
             figures.restore.append(took)
+            figures.restore_cpu.append(cpu_seconds(vm.pid))
             figures.pss_restore.append(pss_kib(vm.pid))
             figures.destroy.append(destroy(warm, vm))
         figures.rate = burst(warm, args.burst)
@@ -236,6 +242,8 @@ def report(process: Figures, qemu: Figures, accel: str) -> bool:
     rows = [
         ("cold start to first answer (p50 p99)", _s(process.cold), _s(qemu.cold)),
         ("restore to first answer (p50 p99)", "-", _s(qemu.restore)),
+        ("  CPU it used getting there (p50 p99)", _s(process.cold_cpu), _s(qemu.cold_cpu)),
+        ("  CPU a restore used (p50 p99)", "-", _s(qemu.restore_cpu)),
         ("destroy (p50 p99)", _s(process.destroy), _s(qemu.destroy)),
         (
             "PSS per replica, MiB (cold | restored)",
