@@ -113,33 +113,42 @@ def _strings(value: object, what: str) -> dict[str, str]:
 
 
 def reseed(seed: bytes) -> None:
-    """Credit ``seed`` to the kernel's entropy pool, reseed its CRNG and Python's ``random``."""
+    """Credit ``seed`` to the kernel's entropy pool, reseed its CRNG and Python's ``random``
+    (from the seed itself: no further read of the kernel's generator)."""
     with open("/dev/urandom", "wb") as urandom:
         info = struct.pack("ii", len(seed) * 8, len(seed)) + seed
         fcntl.ioctl(urandom, RNDADDENTROPY, info)
         with contextlib.suppress(OSError):  # kernels before 4.17
             fcntl.ioctl(urandom, RNDRESEEDCRNG)
-    random.seed()
+    random.seed(seed)
 
 
-def announce(interface: str = "eth0") -> None:
-    """Broadcast a gratuitous ARP for this guest's address on ``interface``.
+class Announcer:
+    """Broadcasts gratuitous ARPs for this guest's address on ``interface``.
 
-    QEMU's user-mode network learns the guest's MAC address from it: a restored guest is
+    QEMU's user-mode network learns the guest's MAC address from one: a restored guest is
     unknown to the new QEMU's network, which would otherwise hold the first forwarded
-    connection until its own ARP and TCP retries (a second or more).
+    connection until its own ARP and TCP retries (a second or more). The socket and the
+    frame are made at start, before any snapshot: after a restore only ``send`` runs.
     """
-    ip = bytes(int(part) for part in os.environ.get("GUEST_IP", "10.0.2.15").split("."))
-    with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as raw:
-        raw.bind((interface, 0))
-        mac = raw.getsockname()[4][:6]
-        frame = b"\xff" * 6 + mac + b"\x08\x06"  # broadcast, ARP
-        frame += b"\x00\x01\x08\x00\x06\x04\x00\x01" + mac + ip + b"\x00" * 6 + ip
-        raw.send(frame)
+
+    def __init__(self, interface: str = "eth0") -> None:
+        """Open a raw socket on ``interface`` and build the frame."""
+        ip = bytes(int(part) for part in os.environ.get("GUEST_IP", "10.0.2.15").split("."))
+        self.raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+        self.raw.bind((interface, 0))
+        mac = self.raw.getsockname()[4][:6]
+        self.frame = b"\xff" * 6 + mac + b"\x08\x06"  # broadcast, ARP
+        self.frame += b"\x00\x01\x08\x00\x06\x04\x00\x01" + mac + ip + b"\x00" * 6 + ip
+
+    def announce(self) -> None:
+        """Send the gratuitous ARP."""
+        self.raw.send(self.frame)
 
 
-def take_identity(message: dict[str, object]) -> None:
-    """Become the replica ``message`` describes: its variables, randomness, clock."""
+def take_identity(message: dict[str, object], announcer: Announcer | None) -> None:
+    """Become the replica ``message`` describes: its variables, randomness, clock; then say
+    where it is on the network."""
     env = _strings(message.get("env"), "identity")
     seed = message.get("seed")
     if not isinstance(seed, str):
@@ -150,15 +159,19 @@ def take_identity(message: dict[str, object]) -> None:
     if isinstance(at, int | float):
         with contextlib.suppress(OSError):
             time.clock_settime(time.CLOCK_REALTIME, float(at))
-    with contextlib.suppress(OSError):
-        announce()
+    if announcer is not None:
+        with contextlib.suppress(OSError):
+            announcer.announce()
 
 
 def identities(control: Control) -> None:
     """Wait for the replica's identity (now, or after a restore), take it and say so."""
+    announcer = None
+    with contextlib.suppress(OSError):
+        announcer = Announcer()
     try:
         message = control.receive()
-        take_identity(message)
+        take_identity(message, announcer)
         control.send({"event": "identity", "vmid": os.environ.get("VMID", "")})
     except BaseException:
         with contextlib.suppress(OSError):

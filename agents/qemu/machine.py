@@ -188,12 +188,6 @@ def command(  # noqa: PLR0913 - one VM's parts, by name
         "-no-user-config",
         "-nographic",
         "-no-reboot",
-        "-kernel",
-        str(kernel),
-        "-initrd",
-        str(initrd),
-        "-append",
-        m.append,
         "-netdev",
         f"user,id=n0,restrict=on,{hostfwd}" if hostfwd else "user,id=n0,restrict=on",
         "-chardev",
@@ -206,7 +200,9 @@ def command(  # noqa: PLR0913 - one VM's parts, by name
         "-qmp",
         f"unix:{directory / 'qmp.sock'},server=on,wait=off",
     ]
-    if incoming_fd is not None:
+    if incoming_fd is None:
+        argv += ["-kernel", str(kernel), "-initrd", str(initrd), "-append", m.append]
+    else:  # the snapshot holds the booted kernel: QEMU need not load (and copy) it again
         argv += ["-incoming", f"fd:{incoming_fd}"]
     if run_as:
         argv += ["-runas", run_as]
