@@ -44,6 +44,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -494,7 +495,13 @@ exec {python} -I -S -B -u /corral/guest.py
         _archive(entries, out)
 
     def _prune(self, keep: Path) -> None:
-        """Keep the newest ``max_images`` function images and the current base."""
+        """Keep the newest ``max_images`` function images and the current base; remove what
+        a build killed mid-way left (an hour old)."""
+        stale = time.time() - 3600
+        for leftover in self.directory.glob(".build-*"):
+            with contextlib.suppress(OSError):
+                if leftover.stat().st_mtime < stale:
+                    leftover.unlink()
         images = sorted(
             (p for p in self.directory.glob("fn-*.cpio.gz") if p != keep),
             key=lambda p: p.stat().st_mtime,

@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -139,10 +140,13 @@ class Snapshots:
                 if target.is_dir():
                     yield None
                     return
-                fd, staging = tempfile.mkstemp(prefix=".state-", dir=slot)
+                # One staging file per key, under its lock: what a killed taker left is
+                # overwritten here, not kept beside a new one.
+                staging = slot / f".{key.digest()}.staging"
+                fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.close(fd)
                 try:
-                    yield Path(staging)
+                    yield staging
                 finally:
                     with contextlib.suppress(OSError):
                         os.unlink(staging)
@@ -171,7 +175,16 @@ class Snapshots:
         shutil.rmtree(self._slot(name) / key.digest(), ignore_errors=True)
 
     def _prune(self) -> None:
-        """Remove the least recently used snapshots beyond the bounds."""
+        """Remove the least recently used snapshots beyond the bounds, and what a taker
+        killed mid-way left (a staging file or a half-made directory, an hour old)."""
+        stale = time.time() - 3600
+        for leftover in [*self.directory.glob("*/.*.staging"), *self.directory.glob("*/.new-*")]:
+            with contextlib.suppress(OSError):
+                if leftover.stat().st_mtime < stale:
+                    if leftover.is_dir():
+                        shutil.rmtree(leftover, ignore_errors=True)
+                    else:
+                        leftover.unlink()
         entries = []
         for meta in self.directory.glob("*/*/meta.json"):
             with contextlib.suppress(OSError):

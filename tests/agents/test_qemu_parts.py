@@ -95,6 +95,27 @@ def test_the_store_keeps_the_most_recently_used_snapshots_within_its_bounds(
     assert store.find("d@256m1c", KEY) is None
 
 
+def test_what_a_killed_taker_left_is_overwritten_or_removed(tmp_path: Path) -> None:
+    store = Snapshots(tmp_path)
+    slot = tmp_path / "snapshots" / "fn@256m1c"
+    slot.mkdir(parents=True)
+    left = slot / f".{KEY.digest()}.staging"  # a taker of KEY killed mid-write
+    left.write_bytes(b"x" * 1000)
+    half = slot / ".new-abc"  # one killed while publishing another key
+    half.mkdir()
+    other = dataclasses.replace(KEY, build="b0")
+    stale = slot / f".{other.digest()}.staging"
+    stale.write_bytes(b"x" * 1000)
+    for path in (half, stale):
+        os.utime(path, (1000, 1000))
+    with store.taking("fn@256m1c", KEY) as staging:
+        assert staging == left and staging.read_bytes() == b""  # overwritten, not kept beside
+        staging.write_bytes(b"state")
+        store.publish("fn@256m1c", KEY, staging)
+    assert not left.exists() and not half.exists() and not stale.exists()
+    assert store.find("fn@256m1c", KEY) is not None
+
+
 def test_a_file_that_is_not_a_bzimage_is_refused() -> None:
     with pytest.raises(KernelError, match="not a bzImage"):
         extract_vmlinux(b"\x7fELF" + b"\0" * 4096)
