@@ -11,6 +11,9 @@ and started warm from a snapshot of its build once one exists. The parts, bottom
 * :mod:`agents.qemu.guest` - the runtime inside each guest (standard library only);
 * :mod:`agents.qemu.machine` - QEMU, the accelerator probe (KVM or TCG), the command line;
 * :mod:`agents.qemu.qmp` - QMP from the driver's threads;
+* :mod:`agents.qemu.control` - the host's end of a guest's control port;
+* :mod:`agents.qemu.guests` - one VM's QEMU process, record and monitor; adoption;
+* :mod:`agents.qemu.migration` - saving a guest to a snapshot and resuming one, over QMP;
 * :mod:`agents.qemu.snapshots` - snapshots per build, refused for any other;
 * :mod:`agents.qemu.driver` - :class:`~agents.qemu.driver.QemuDriver`, the
   :class:`~agents.drivers.VMDriver` tying them together.

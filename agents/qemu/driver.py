@@ -8,26 +8,26 @@ guest answers HTTP on its host port, so a create's answer means a replica that s
 ``restrict=on`` and reaches no registry. A start is one of two kinds, reported on the VM
 (``VM.start``, the ``CreateReply.start`` extension, ``corral ops OP --json``):
 
-* **boot**: QEMU boots the kernel and the image of the function's build
-  (:mod:`agents.qemu.image`); the guest loads the function and says ``loaded`` on its
-  control port. If the build has no snapshot yet, the driver takes one now (QMP
-  ``stop``, ``migrate`` to a file, ``cont``: :mod:`agents.qemu.snapshots`) and publishes
-  it once this replica has answered;
+* **boot**: QEMU boots the kernel with the image of the function's build
+  (:mod:`agents.qemu.image`); the driver sends the guest the build's environment and the
+  function starts (:mod:`agents.qemu.guest`). Once it answers, if the build has no
+  snapshot yet, the driver takes one (:mod:`agents.qemu.migration`) and publishes it
+  when this replica has answered as itself (:mod:`agents.qemu.snapshots`);
 * **restore**: QEMU starts with ``-incoming`` on the build's snapshot and is ``cont``-ed:
-  the guest is where the snapshot left it, loaded and waiting for an identity.
+  the function is already serving, waiting only for an identity.
 
-Either way the driver then sends the guest its identity (environment with ``VMID`` and
-the report token, fresh random bytes, the time) and waits for its port to answer. All of
-it within ``boot_timeout`` (the create deadline): a guest that is not serving by then is
-killed, and the create fails with the tail of its console.
+Either way the driver then sends the guest its identity (``VMID``, the report token and
+registry, fresh random bytes, the time: :mod:`agents.qemu.control`) and waits for its
+port to answer. All of it within ``boot_timeout`` (the create deadline): a guest that is
+not serving by then is killed, and the create fails with the tail of its console.
 
 **What runs is what QEMU runs.** A VM whose QEMU process exited is gone: ``list`` and
 ``get`` drop it (its ports and directory are freed). Each VM has a directory in the
 driver's state directory (QMP and control sockets, ``vm.json``); QEMU is not tied to the
 agent's life, so an agent that crashes leaves its VMs running, and the next agent on the
-same state directory **adopts** every VM that was serving (its QEMU still the one
-recorded, answering QMP) and kills the rest: nothing is left orphaned. A clean stop
-(``close``) stops every VM, as the other drivers do.
+same state directory **adopts** every VM that was serving and kills the rest
+(:mod:`agents.qemu.guests`): nothing is left orphaned. A clean stop (``close``) stops
+every VM, as the other drivers do.
 
 **Disk** is bounded: one kernel, at most ``max_images`` images and ``max_snapshots``
 snapshots (least recently used go first); a VM's directory goes with the VM.
@@ -43,10 +43,7 @@ import json
 import logging
 import os
 import re
-import select
 import shutil
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -67,7 +64,18 @@ from agents.drivers import (
     image_module,
     validate_ports,
 )
+from agents.qemu import migration
 from agents.qemu.cache import cache_secret, default_cache
+from agents.qemu.control import Control, Phases, StartFailed
+from agents.qemu.guests import (
+    Guest,
+    adopt_all,
+    console_tail,
+    exited,
+    qemu_log,
+    terminate,
+    write_record,
+)
 from agents.qemu.image import Image, ImageCache, ImageError, Runtime
 from agents.qemu.kernel import prepare_kernel
 from agents.qemu.machine import Machine, Qemu, QemuError, command, machine, probe_accel
@@ -81,43 +89,11 @@ __all__ = ["QemuDriver", "default_cache"]
 
 log = logging.getLogger(__name__)
 
-#: Bytes of one control line from a guest (it is untrusted: longer lines are refused).
-MAX_CONTROL_LINE = 64 * 1024
 MIN_MEM_MB, DEFAULT_MEM_MB = 128, 256
 #: How often the port of a guest that has not said it listens is probed.
 SERVING_POLL_S = 0.1
 #: Unix socket paths must fit in ``sun_path`` (108 bytes).
 _MAX_SOCKET_PATH = 100
-_PRINTABLE = re.compile(r"[^\x20-\x7e\n\t]")
-
-
-@dataclass
-class _Guest:
-    """One VM: what corral sees (``vm``) and what runs it."""
-
-    vm: VM
-    directory: Path
-    pid: int
-    pidfd: int
-    proc: subprocess.Popen[bytes] | None  # None: adopted from an earlier agent
-    monitor: Monitor | None = None
-    ready: bool = False  # serving: listed, and adopted by the next agent
-    closed: bool = field(default=False)
-
-
-class _Phases:
-    """When each phase of a start ended, for the log (``qemu 0.09s, loaded 0.21s...``)."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.marks: list[tuple[str, float]] = []
-
-    def mark(self, name: str) -> None:
-        """Phase ``name`` ends now."""
-        self.marks.append((name, time.monotonic() - self.started))
-
-    def __str__(self) -> str:
-        return ", ".join(f"{name} {at:.2f}s" for name, at in self.marks)
 
 
 @dataclass(frozen=True)
@@ -133,7 +109,7 @@ class _Plan:
     key: SnapshotKey
     slot: str
     restore: Path | None = None  # the snapshot to restore from (None: boot)
-    phases: _Phases = field(default_factory=lambda: _Phases())
+    phases: Phases = field(default_factory=lambda: Phases())
 
     @property
     def kind(self) -> str:
@@ -144,108 +120,6 @@ class _Plan:
 def _slot(module: str, m: Machine) -> str:
     """A snapshot's slot: the image and the VM's shape (``examples.hello@256m1c``)."""
     return f"{module}@{m.mem_mb}m{m.cpus}c"
-
-
-class _StartFailed(Exception):
-    """A start failed; the guest is torn down by the caller."""
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-
-
-def _exited(pidfd: int) -> bool:
-    """Whether the process behind ``pidfd`` has exited (a pidfd polls readable then)."""
-    try:
-        ready, _, _ = select.select([pidfd], [], [], 0)
-    except (OSError, ValueError):
-        return True
-    return bool(ready)
-
-
-def _wait_exit(pidfd: int, timeout: float) -> bool:
-    try:
-        ready, _, _ = select.select([pidfd], [], [], max(0.0, timeout))
-    except (OSError, ValueError):
-        return True
-    return bool(ready)
-
-
-class _Control:
-    """The host end of a guest's control port: JSON lines, bounded, never executed."""
-
-    def __init__(self, path: Path, deadline: float) -> None:
-        self._buf = b""
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        while True:
-            try:
-                self.sock.connect(str(path))
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.sock.close()
-                    raise _StartFailed("QEMU never opened the control socket") from None
-                time.sleep(0.005)
-
-    def event(
-        self, want: str, deadline: float, alive: Callable[[], bool], *, or_none: bool = False
-    ) -> dict[str, Any] | None:
-        """The guest's next event ``want`` (a JSON object whose ``event`` is it; others are
-        passed over); at the deadline, None with ``or_none``, else _StartFailed. A
-        ``failed`` event fails the start."""
-        while True:
-            while b"\n" in self._buf:
-                line, self._buf = self._buf.split(b"\n", 1)
-                with contextlib.suppress(ValueError):
-                    message = json.loads(line)
-                    if isinstance(message, dict) and isinstance(message.get("event"), str):
-                        if message["event"] == "failed":
-                            error = _PRINTABLE.sub("?", str(message.get("error", "")))[-2000:]
-                            raise _StartFailed(f"the function failed: {error}")
-                        if message["event"] == want:
-                            return message
-            if len(self._buf) > MAX_CONTROL_LINE:
-                raise _StartFailed("the guest sent an overlong control line")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if or_none:
-                    return None
-                raise _StartFailed("timed out")
-            self.sock.settimeout(min(left, 0.25))
-            try:
-                chunk = self.sock.recv(65536)
-            except TimeoutError:
-                if not alive():
-                    raise _StartFailed("QEMU exited") from None
-                continue
-            except OSError as exc:
-                raise _StartFailed(f"control port: {exc}") from None
-            if not chunk:
-                raise _StartFailed("QEMU exited" if not alive() else "control port closed")
-            self._buf += chunk
-
-    def send(self, message: dict[str, Any], deadline: float) -> None:
-        """Send one JSON line."""
-        self.sock.settimeout(max(0.001, deadline - time.monotonic()))
-        try:
-            self.sock.sendall(json.dumps(message).encode() + b"\n")
-        except OSError as exc:
-            raise _StartFailed(f"control port: {exc}") from None
-
-    def close(self) -> None:
-        """Close the socket."""
-        with contextlib.suppress(OSError):
-            self.sock.close()
 
 
 class QemuDriver:
@@ -320,7 +194,7 @@ class QemuDriver:
         )
         self._ports = PortAllocator(*port_range, host=bind_host)
         self._qmp = QmpLoop()
-        self._guests: dict[str, _Guest] = {}
+        self._guests: dict[str, Guest] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._counts = {"boot": 0, "restore": 0, "restore_failed": 0, "adopted": 0, "killed": 0}
@@ -385,7 +259,7 @@ class QemuDriver:
         try:
             if state is not None:
                 try:
-                    return self._start(dataclasses.replace(plan, restore=state, phases=_Phases()))
+                    return self._start(dataclasses.replace(plan, restore=state, phases=Phases()))
                 except DriverError as exc:
                     with self._lock:
                         self._counts["restore_failed"] += 1
@@ -396,7 +270,7 @@ class QemuDriver:
                     log.warning(
                         "restore of %s failed (%s); snapshot deleted, booting cold", vmid, exc
                     )
-            return self._start(dataclasses.replace(plan, phases=_Phases()))
+            return self._start(dataclasses.replace(plan, phases=Phases()))
         except BaseException:
             self._ports.release(h for h, _ in mapping)
             raise
@@ -408,12 +282,12 @@ class QemuDriver:
             raise DriverError(f"vmid {plan.vmid} is in use")
         directory.mkdir(mode=0o700)
         started = time.monotonic()
-        holder: list[_Guest] = []
+        holder: list[Guest] = []
         try:
             guest = self._bring_up(plan, directory, holder)
-        except (_StartFailed, QmpError, OSError) as exc:
+        except (StartFailed, QmpError, OSError) as exc:
             guest_or_none = holder[0] if holder else None
-            tail = self._console_tail(guest_or_none) if guest_or_none is not None else ""
+            tail = console_tail(guest_or_none) if guest_or_none is not None else ""
             self._kill(guest_or_none, directory)
             timed_out = time.monotonic() >= plan.deadline
             why = "timed out" if timed_out else str(exc)
@@ -435,7 +309,7 @@ class QemuDriver:
             self._kill(holder[0] if holder else None, directory)
             raise
         guest.ready = True
-        self._record(guest, ready=True)
+        write_record(guest)
         with self._lock:
             self._counts[plan.kind] += 1
             closed = self._closed
@@ -454,7 +328,7 @@ class QemuDriver:
         )
         return dataclasses.replace(guest.vm, port_mapping=list(guest.vm.port_mapping))
 
-    def _bring_up(self, plan: _Plan, directory: Path, holder: list[_Guest]) -> _Guest:
+    def _bring_up(self, plan: _Plan, directory: Path, holder: list[Guest]) -> Guest:
         """Launch, load or resume, snapshot (first boot of a build), identity, serving."""
         deadline = plan.deadline
         mark = plan.phases.mark
@@ -468,20 +342,20 @@ class QemuDriver:
             assert monitor is not None  # noqa: S101 - _launch connects it
 
             def alive() -> bool:
-                return not _exited(guest.pidfd)
+                return not exited(guest.pidfd)
 
             control = stack.enter_context(
-                contextlib.closing(_Control(directory / "ctl.sock", deadline))
+                contextlib.closing(Control(directory / "ctl.sock", deadline))
             )
             if plan.restore is not None:
-                self._resume(monitor, deadline, alive)
+                migration.resume(monitor, deadline, alive)
                 mark("loaded")
             else:
                 control.send({"kind": "start", "env": self._start_env(plan.spec)}, deadline)
                 self._wait_serving(guest, control, deadline, alive, mark)
                 mark("serving")
                 if staging is not None:
-                    if not self._save(monitor, staging, deadline):
+                    if not migration.save(monitor, staging, deadline):
                         staging = None
                     mark("snapshot")
             control.send(self._identity(plan.spec, plan.vmid), deadline)
@@ -494,7 +368,7 @@ class QemuDriver:
                 log.info("snapshot of %s (%s) published", plan.slot, plan.image.key[:12])
         return guest
 
-    def _launch(self, plan: _Plan, directory: Path, holder: list[_Guest]) -> _Guest:
+    def _launch(self, plan: _Plan, directory: Path, holder: list[Guest]) -> Guest:
         """Start QEMU for one VM and connect its monitor; the guest is recorded (and put in
         ``holder`` as soon as it runs, for the caller to tear down on failure)."""
         host = "0.0.0.0" if is_wildcard(self.bind_host) else self.bind_host  # noqa: S104 - the operator's bind host
@@ -538,9 +412,9 @@ class QemuDriver:
             image=plan.spec.image,
             start=plan.kind,
         )
-        guest = _Guest(vm, directory, proc.pid, pidfd, proc)
+        guest = Guest(vm, directory, proc.pid, pidfd, proc)
         holder.append(guest)
-        self._record(guest, ready=False)
+        write_record(guest)
         with self._lock:
             self._guests[plan.vmid] = guest
         monitor = Monitor(self._qmp, directory / "qmp.sock", f"vm-{plan.vmid[:8]}")
@@ -548,65 +422,13 @@ class QemuDriver:
         try:
             monitor.connect(10.0)
         except QmpError as exc:
-            raise _StartFailed(f"QEMU did not start: {self._qemu_log(directory)}") from exc
+            raise StartFailed(f"QEMU did not start: {qemu_log(directory)}") from exc
         return guest
-
-    def _resume(self, monitor: Monitor, deadline: float, alive: Any) -> None:
-        """Wait for an incoming snapshot to be loaded, then run the VM."""
-        while True:
-            status = monitor.execute("query-status", timeout=max(0.1, deadline - time.monotonic()))
-            if status.get("status") != "inmigrate":
-                break
-            if time.monotonic() > deadline:
-                raise _StartFailed("timed out")
-            if not alive():
-                raise _StartFailed("QEMU exited while loading the snapshot")
-            time.sleep(0.005)
-        monitor.execute("cont", timeout=max(0.1, deadline - time.monotonic()))
-
-    def _save(self, monitor: Monitor, staging: Path, deadline: float) -> bool:
-        """Snapshot a loaded guest to ``staging`` and run it again; False if that failed."""
-        started = time.monotonic()
-        ok = False
-        try:
-            monitor.execute("stop")
-            monitor.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
-            fd = os.open(staging, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-            try:
-                monitor.send_fd(fd, "corral-snapshot")
-            finally:
-                os.close(fd)
-            monitor.execute("migrate", {"uri": "fd:corral-snapshot"})
-            while True:
-                info = monitor.execute("query-migrate")
-                status = info.get("status")
-                if status in ("completed", "failed", "cancelled"):
-                    ok = status == "completed"
-                    if not ok:
-                        log.warning("snapshot failed: %s", info.get("error-desc", status))
-                    break
-                if time.monotonic() > deadline:
-                    with contextlib.suppress(QmpError):
-                        monitor.execute("migrate_cancel")
-                    log.warning("snapshot not finished in time; abandoned")
-                    break
-                time.sleep(0.01)
-        except (QmpError, OSError) as exc:
-            log.warning("snapshot failed: %s", exc)
-        finally:
-            monitor.execute("cont")
-        if ok:
-            log.info(
-                "snapshot written in %.2fs (%d MiB)",
-                time.monotonic() - started,
-                staging.stat().st_size >> 20,
-            )
-        return ok
 
     def _wait_serving(
         self,
-        guest: _Guest,
-        control: _Control,
+        guest: Guest,
+        control: Control,
         deadline: float,
         alive: Callable[[], bool],
         mark: Callable[[str], None],
@@ -625,60 +447,24 @@ class QemuDriver:
             if told:
                 time.sleep(0.01)
 
-    def _wait_answer(self, guest: _Guest, deadline: float, alive: Callable[[], bool]) -> None:
+    def _wait_answer(self, guest: Guest, deadline: float, alive: Callable[[], bool]) -> None:
         """Wait until the guest's port answers HTTP."""
         while not self._answers(guest, deadline, alive):
             time.sleep(0.01)
 
-    def _answers(self, guest: _Guest, deadline: float, alive: Callable[[], bool]) -> bool:
-        """Whether the guest's port answers ``GET /`` now; _StartFailed past the deadline."""
+    def _answers(self, guest: Guest, deadline: float, alive: Callable[[], bool]) -> bool:
+        """Whether the guest's port answers ``GET /`` now; StartFailed past the deadline."""
         left = deadline - time.monotonic()
         if left <= 0:
-            raise _StartFailed("timed out")
+            raise StartFailed("timed out")
         if not alive():
-            raise _StartFailed("QEMU exited")
+            raise StartFailed("QEMU exited")
         host = "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
         return http_answers(host, guest.vm.port, min(1.0, max(0.05, left)))
 
     # -- records, console, teardown ----------------------------------------------------------
 
-    def _record(self, guest: _Guest, *, ready: bool) -> None:
-        vm = guest.vm
-        _write_json(
-            guest.directory / "vm.json",
-            {
-                "vmid": vm.vmid,
-                "request_id": vm.request_id,
-                "image": vm.image,
-                "ip": vm.ip,
-                "port_mapping": vm.port_mapping,
-                "created_unix": vm.created_unix,
-                "pid": guest.pid,
-                "start": vm.start,
-                "ready": ready,
-            },
-        )
-
-    def _console_tail(self, guest: _Guest, chars: int = 1500) -> str:
-        """The end of the guest's console (untrusted: printable ASCII only, bounded)."""
-        if guest.monitor is None or _exited(guest.pidfd):
-            return ""
-        try:
-            text = guest.monitor.execute(
-                "ringbuf-read", {"device": "con", "size": 65536, "format": "utf8"}, timeout=2.0
-            )
-        except QmpError:
-            return ""
-        return _PRINTABLE.sub("?", str(text))[-chars:].replace("\n", " | ").strip()
-
-    @staticmethod
-    def _qemu_log(directory: Path) -> str:
-        with contextlib.suppress(OSError):
-            text = (directory / "qemu.log").read_bytes()[-2000:].decode("utf-8", "replace")
-            return _PRINTABLE.sub("?", text).strip().replace("\n", " | ") or "no output"
-        return "no output"
-
-    def _kill(self, guest: _Guest | None, directory: Path, grace: float = 0.0) -> None:
+    def _kill(self, guest: Guest | None, directory: Path, grace: float = 0.0) -> None:
         """Stop a VM's QEMU (``quit``, then SIGKILL after ``grace``), free its parts."""
         if guest is not None:
             with self._lock:
@@ -687,20 +473,7 @@ class QemuDriver:
                 if guest.closed:
                     return
                 guest.closed = True
-            if guest.monitor is not None:
-                if grace > 0 and not _exited(guest.pidfd):
-                    with contextlib.suppress(QmpError):
-                        guest.monitor.execute("quit", timeout=grace)
-                guest.monitor.close()
-            if not _wait_exit(guest.pidfd, grace):
-                with contextlib.suppress(ProcessLookupError, OSError):
-                    signal.pidfd_send_signal(guest.pidfd, signal.SIGKILL)
-                _wait_exit(guest.pidfd, 5.0)
-            if guest.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    guest.proc.wait(1.0)
-            with contextlib.suppress(OSError):
-                os.close(guest.pidfd)
+            terminate(guest, grace)
             self._ports.release(h for h, _ in guest.vm.port_mapping)
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -708,86 +481,22 @@ class QemuDriver:
 
     def _adopt(self) -> None:
         """Adopt the serving VMs an earlier agent left in the state directory; kill the rest."""
-        for directory in sorted(p for p in self.state.iterdir() if p.is_dir()):
-            record = _read_json(directory / "vm.json") or {}
-            pid = record.get("pid")
-            pidfd = None
-            if isinstance(pid, int) and pid > 0:
-                with contextlib.suppress(OSError):
-                    pidfd = os.pidfd_open(pid)
-            ours = pidfd is not None and isinstance(pid, int) and self._runs_here(pid, directory)
-            guest = None
-            if ours and pidfd is not None:
-                guest = self._adoptable(record, directory, pidfd)
-            if guest is not None:
-                with self._lock:
-                    self._guests[guest.vm.vmid] = guest
-                    self._counts["adopted"] += 1
-                log.info(
-                    "adopted replica %s (pid %d, port %d)", guest.vm.vmid, guest.pid, guest.vm.port
-                )
-                continue
-            if ours and pidfd is not None:
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                _wait_exit(pidfd, 5.0)
-                with self._lock:
-                    self._counts["killed"] += 1
-                log.warning(
-                    "killed VM %s left by an earlier agent (pid %s): not serving",
-                    directory.name,
-                    pid,
-                )
-            if pidfd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(pidfd)
-            shutil.rmtree(directory, ignore_errors=True)
-
-    @staticmethod
-    def _runs_here(pid: int, directory: Path) -> bool:
-        """Whether ``pid`` is a QEMU of this VM directory (not a reused pid)."""
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            return False
-        return str(directory / "qmp.sock").encode() in cmdline
-
-    def _adoptable(self, record: dict[str, Any], directory: Path, pidfd: int) -> _Guest | None:
-        """The guest a VM's record describes if it was serving and still runs; else None."""
-        try:
-            mapping = [(int(h), int(g)) for h, g in record["port_mapping"]]
-            vm = VM(
-                vmid=str(record["vmid"]),
-                ip=str(record["ip"]),
-                port=mapping[0][0],
-                request_id=str(record.get("request_id") or ""),
-                created_unix=float(record["created_unix"]),
-                pid=int(record["pid"]),
-                port_mapping=mapping,
-                image=str(record.get("image") or ""),
-                start=str(record.get("start") or ""),
+        adopted, killed = adopt_all(self.state, self._qmp)
+        for guest in adopted:
+            self._ports.claim(h for h, _ in guest.vm.port_mapping)
+            with self._lock:
+                self._guests[guest.vm.vmid] = guest
+            log.info(
+                "adopted replica %s (pid %d, port %d)", guest.vm.vmid, guest.pid, guest.vm.port
             )
-        except (KeyError, TypeError, ValueError, IndexError):
-            return None
-        if not record.get("ready") or _exited(pidfd):
-            return None
-        monitor = Monitor(self._qmp, directory / "qmp.sock", f"vm-{vm.vmid[:8]}")
-        try:
-            monitor.connect(5.0)
-            status = monitor.execute("query-status", timeout=5.0)
-        except QmpError:
-            monitor.close()
-            return None
-        if status.get("status") != "running":
-            monitor.close()
-            return None
-        self._ports.claim(h for h, _ in mapping)
-        return _Guest(vm, directory, vm.pid or 0, pidfd, None, monitor, ready=True)
+        with self._lock:
+            self._counts["adopted"] += len(adopted)
+            self._counts["killed"] += killed
 
     # -- the driver interface ----------------------------------------------------------------
 
-    def _alive(self, guest: _Guest) -> bool:
-        if not _exited(guest.pidfd):
+    def _alive(self, guest: Guest) -> bool:
+        if not exited(guest.pidfd):
             return True
         code = guest.proc.poll() if guest.proc is not None else None
         log.warning(

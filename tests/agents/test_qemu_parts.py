@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.qemu.driver import _Control, _StartFailed
+from agents.qemu.control import Control, StartFailed
 from agents.qemu.image import ImageCache, Runtime
 from agents.qemu.kernel import Kernel, KernelError, extract_vmlinux, load_order, prepare_kernel
 from agents.qemu.machine import Qemu, probe_accel
@@ -212,7 +212,7 @@ def test_a_guest_that_floods_its_control_port_fails_its_start(
     control_path: tuple[Path, list[socket.socket]],
 ) -> None:
     path, accepted = control_path
-    control = _Control(path, time.monotonic() + 5)
+    control = Control(path, time.monotonic() + 5)
     try:
         deadline = time.monotonic() + 5
         while not accepted and time.monotonic() < deadline:
@@ -222,10 +222,10 @@ def test_a_guest_that_floods_its_control_port_fails_its_start(
         got = control.event("listening", time.monotonic() + 5, lambda: True)
         assert got == {"event": "listening"}
         guest.sendall(b'{"event": "failed", "error": "Traceback \\u001b[31m..."}\n')
-        with pytest.raises(_StartFailed, match="the function failed: Traceback \\?"):
+        with pytest.raises(StartFailed, match="the function failed: Traceback \\?"):
             control.event("identity", time.monotonic() + 5, lambda: True)
         guest.sendall(b"x" * (200 * 1024))  # no line end: never an event
-        with pytest.raises(_StartFailed, match="overlong"):
+        with pytest.raises(StartFailed, match="overlong"):
             control.event("identity", time.monotonic() + 5, lambda: True)
     finally:
         control.close()
