@@ -6,7 +6,8 @@ on every queue with task events (as ``corral worker`` runs it: :mod:`stack.worke
 beat, Flower, the invocation gateway (http://127.0.0.1:8080 unless that port is taken) and
 the Prometheus exporter (``corral metrics``, 127.0.0.1:9808 unless taken); once they all
 serve, an fcdaemon agent (which registers itself through the registry) and a Lambdo host
-(added as a node), both with the process driver, at once. Stop order is the reverse of the
+(added as a node), both with the process driver (``--driver qemu``: the fcdaemon agent's
+replicas are QEMU microVMs instead), at once. Stop order is the reverse of the
 start order. Everything lives under the state directory (``.corral/`` in
 the working directory by default): data, logs, the lock that keeps a second ``corral
 up`` out, and ``stack.json``, from which the CLI run in the same directory learns the
