@@ -387,11 +387,12 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         self._adopt_requests()
 
     def _adopt_requests(self) -> None:
-        """Know the request ids of VMs the driver already runs (a qemu driver's adopted
-        VMs, after a restart), so a repeated create is answered with its VM."""
-        if self.seed_only:
+        """Know the request ids of the VMs a driver adopted as it started (the qemu
+        driver's, after a restart), so a repeated create is answered with its VM."""
+        adopted = getattr(self.driver, "adopted", None)
+        if self.seed_only or not callable(adopted):
             return
-        for vm in self.driver.list():
+        for vm in adopted():
             if vm.request_id:
                 self._vm_by_request[vm.request_id] = vm.vmid
                 self._request_by_vm[vm.vmid] = vm.request_id

@@ -198,6 +198,7 @@ class QemuDriver:
         self._lock = threading.Lock()
         self._closed = False
         self._counts = {"boot": 0, "restore": 0, "restore_failed": 0, "adopted": 0, "killed": 0}
+        self._adopted: list[VM] = []
         self._adopt()
 
     # -- the VM's parts --------------------------------------------------------------------
@@ -482,6 +483,7 @@ class QemuDriver:
     def _adopt(self) -> None:
         """Adopt the serving VMs an earlier agent left in the state directory; kill the rest."""
         adopted, killed = adopt_all(self.state, self._qmp)
+        self._adopted = [dataclasses.replace(g.vm) for g in adopted]
         for guest in adopted:
             self._ports.claim(h for h, _ in guest.vm.port_mapping)
             with self._lock:
@@ -504,6 +506,10 @@ class QemuDriver:
         )
         self._kill(guest, guest.directory)
         return False
+
+    def adopted(self) -> list[VM]:
+        """The VMs adopted from an earlier agent as this driver started."""
+        return list(self._adopted)
 
     def get(self, vmid: str) -> VM | None:
         """The live VM with this id, or None (a VM whose QEMU exited is dropped)."""
