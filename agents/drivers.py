@@ -21,7 +21,8 @@ Two drivers ship here:
   (no ``PYTHONPATH``, ``LD_PRELOAD``, ``BASH_ENV``...), and what the driver sets
   itself, never the agent's own.
 
-A real Firecracker/QEMU driver would implement the same protocol.
+A third, :class:`agents.qemu.driver.QemuDriver` (``--driver qemu``, in :mod:`agents.qemu`),
+runs each replica as a QEMU microVM booting a real Linux guest, with snapshot warm starts.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ __all__ = [
     "image_module",
     "parse_env_args",
     "resolve_command",
+    "validate_ports",
 ]
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,9 @@ class VM:
     #: (host port, guest port) pairs; the first pair is the function's port.
     port_mapping: list[tuple[int, int]] = field(default_factory=list)
     image: str = ""
+    #: How the VM came to be, where the driver says: "boot" (a cold boot) or "restore"
+    #: (from a snapshot); "" for drivers without the distinction (process, memory).
+    start: str = ""
 
 
 @dataclass
@@ -163,7 +168,8 @@ class VMDriver(Protocol):
         ...
 
 
-def _validate_ports(spec: VMSpec) -> list[int]:
+def validate_ports(spec: VMSpec) -> list[int]:
+    """The spec's guest ports, the function's first; ImageNotFound if one is invalid."""
     ports = spec.guest_ports
     for port in ports:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
@@ -236,6 +242,23 @@ class PortAllocator:
                 return port
         raise DriverError(f"no free host port in {self.low}-{self.high}")
 
+    def map(self, guest_ports: Iterable[int], wanted: dict[int, int]) -> list[tuple[int, int]]:
+        """A host port for each guest port (``wanted[guest]`` if given): (host, guest) pairs;
+        on failure none stays claimed."""
+        mapping: list[tuple[int, int]] = []
+        try:
+            for g in guest_ports:
+                mapping.append((self.allocate(wanted.get(g)), g))
+        except DriverError:
+            self.release(h for h, _ in mapping)
+            raise
+        return mapping
+
+    def claim(self, ports: Iterable[int]) -> None:
+        """Mark ports as taken by what already listens on them (a VM adopted after a restart)."""
+        with self._lock:
+            self._claimed.update(ports)
+
     def release(self, ports: Iterable[int]) -> None:
         """Give ports back."""
         with self._lock:
@@ -268,17 +291,11 @@ class MemoryDriver:
         if not spec.image:
             raise ImageNotFound("empty image name")
         spec.checked_env()
-        guest_ports = _validate_ports(spec)
+        guest_ports = validate_ports(spec)
         if self._ports is None:
             mapping = [(g, g) for g in guest_ports]
         else:
-            mapping = []
-            try:
-                for g in guest_ports:
-                    mapping.append((self._ports.allocate(spec.host_ports.get(g)), g))
-            except DriverError:
-                self._ports.release(h for h, _ in mapping)
-                raise
+            mapping = self._ports.map(guest_ports, spec.host_ports)
         vm = VM(
             vmid=spec.vmid or uuid.uuid4().hex,
             ip=self.ip,
@@ -438,12 +455,10 @@ class ProcessDriver:
             raise DriverError("driver is closed")
         argv, root = resolve_command(spec.image, self.allow_images)
         spec.checked_env()
-        guest_ports = _validate_ports(spec)
+        guest_ports = validate_ports(spec)
         vmid = spec.vmid or uuid.uuid4().hex
-        mapping: list[tuple[int, int]] = []
+        mapping = self._ports.map(guest_ports, spec.host_ports)
         try:
-            for g in guest_ports:
-                mapping.append((self._ports.allocate(spec.host_ports.get(g)), g))
             env = self._child_env(spec, vmid, mapping[0][0], root)
             proc = spawn(argv, env)
         except OSError as exc:
@@ -545,20 +560,23 @@ class ProcessDriver:
             list(pool.map(self.stop, vmids))
 
 
-def add_driver_arguments(
+def add_driver_arguments(  # noqa: PLR0913 - keyword-only options with defaults
     parser: argparse.ArgumentParser,
     port_range: tuple[int, int],
     *,
     vms: str,
     port_help: str,
     image_source: str,
+    qemu: bool = False,
 ) -> None:
-    """Add ``--driver``, ``--port-range`` and ``--allow-image`` to an agent's parser."""
+    """Add ``--driver``, ``--port-range`` and ``--allow-image`` to an agent's parser (and,
+    with ``qemu``, the ``qemu`` driver and its ``--qemu-*`` options)."""
     parser.add_argument(
         "--driver",
-        choices=["process", "memory"],
+        choices=["process", "memory", "qemu"] if qemu else ["process", "memory"],
         default="process",
-        help=f"process: {vms} are real processes; memory: records only",
+        help=f"process: {vms} are real processes; memory: records only"
+        + ("; qemu: QEMU microVMs booting a Linux guest" if qemu else ""),
     )
     parser.add_argument(
         "--port-range",
@@ -572,6 +590,64 @@ def add_driver_arguments(
         metavar="MODULE",
         help=f"also let {image_source} run this Python module (repeatable; examples.* always may)",
     )
+    if qemu:
+        group = parser.add_argument_group("qemu driver")
+        group.add_argument(
+            "--qemu-cache",
+            metavar="DIR",
+            help="kernel, images, snapshots (default $CORRAL_QEMU_CACHE or ~/.cache/corral/qemu)",
+        )
+        group.add_argument(
+            "--qemu-state",
+            metavar="DIR",
+            help="the VMs' sockets and records; an agent restarted on the same directory "
+            "adopts its running VMs (default CACHE/run/LISTEN-PORT)",
+        )
+        group.add_argument(
+            "--qemu-accel",
+            choices=["auto", "kvm", "tcg"],
+            default="auto",
+            help="auto (default): KVM if a probe boots a guest with it, else TCG",
+        )
+        group.add_argument(
+            "--qemu-boot-timeout",
+            type=float,
+            default=25.0,
+            metavar="S",
+            help="a guest not serving this long after its create is killed (default 25)",
+        )
+        group.add_argument(
+            "--qemu-no-snapshots",
+            action="store_true",
+            help="always boot cold: no snapshot is taken or restored",
+        )
+
+
+def _qemu_driver(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, bind: str, **options: Any
+) -> VMDriver:
+    """The ``qemu`` driver ``--qemu-*`` describes; exits 1 with the reason if it cannot run."""
+    from agents.qemu import driver as qemu
+
+    cache = Path(args.qemu_cache) if args.qemu_cache else qemu.default_cache()
+    listen_port = str(args.listen).rpartition(":")[2] or "default"
+    state = Path(args.qemu_state) if args.qemu_state else cache / "run" / listen_port
+    try:
+        return qemu.QemuDriver(
+            args.port_range,
+            cache=cache,
+            state=state,
+            bind_host=bind,
+            advertise_ip=options.get("advertise_ip"),
+            accel=args.qemu_accel,
+            boot_timeout=args.qemu_boot_timeout,
+            snapshots=not args.qemu_no_snapshots,
+            allow_images=args.allow_image,
+        )
+    except ValueError as exc:
+        parser.error(f"--allow-image: {exc}")
+    except (RuntimeError, OSError) as exc:  # QEMU, the kernel or a guest runtime missing
+        parser.exit(1, f"{parser.prog}: qemu driver: {exc}\n")
 
 
 def driver_from_args(
@@ -580,13 +656,15 @@ def driver_from_args(
     memory: Callable[[], VMDriver],
     **process_options: Any,
 ) -> VMDriver:
-    """The driver ``--driver`` asks for: processes bound to ``args.host`` (or to
-    ``--replica-ip``, where the agent has it), or ``memory()``."""
-    if args.driver != "process":
+    """The driver ``--driver`` asks for: processes (or QEMU VMs) bound to ``args.host``
+    (or to ``--replica-ip``, where the agent has it), or ``memory()``."""
+    if args.driver not in ("process", "qemu"):
         return memory()
     bind = getattr(args, "replica_ip", None) or (
         "0.0.0.0" if is_wildcard(args.host) else args.host  # noqa: S104 - --listen's own host
     )
+    if args.driver == "qemu":
+        return _qemu_driver(parser, args, bind, **process_options)
     try:
         return ProcessDriver(
             args.port_range, bind_host=bind, allow_images=args.allow_image, **process_options

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import ipaddress
 import logging
 import os
@@ -64,6 +63,7 @@ from agents.runtime import (
     agent_main,
     connect_host,
     guess_node_ip,
+    http_answers,
     serve_until_signalled,
 )
 from netplumb.addresses import is_loopback, join_hostport, split_hostport
@@ -103,6 +103,11 @@ def spec_from_request(request: Any) -> VMSpec:
         request_id=request.requestId,
         vmid=uuid.uuid4().hex,
     )
+
+
+def created_reply(vm: VM) -> Any:
+    """The ``CreateReply`` for a VM (``start``: how it started, where the driver says)."""
+    return fcdaemon_pb2.CreateReply(ip=vm.ip, vmid=vm.vmid, port=vm.port, start=vm.start)
 
 
 class HogPool:
@@ -176,19 +181,6 @@ _FINAL_CODES = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
     }
 )
-
-
-def _http_answers(host: str, port: int, timeout: float = 1.0) -> bool:
-    """True if ``GET /`` on host:port gets any HTTP response."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", "/")
-        conn.getresponse().read()
-        return True
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
 
 
 class RegistryReporter:
@@ -317,7 +309,7 @@ class RegistryReporter:
         deadline = time.monotonic() + self.ready_timeout
         if probe:
             host = connect_host(vm.ip)
-            while not _http_answers(host, vm.port):
+            while not http_answers(host, vm.port):
                 if self._stop.is_set() or not self.is_live(vm.vmid):
                     return
                 if time.monotonic() > deadline:
@@ -391,6 +383,18 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         self._map_lock = threading.Lock()
         # a second create of the same requestId waits for the first; other ids run side by side
         self._creating = KeyedLock()
+        self._adopt_requests()
+
+    def _adopt_requests(self) -> None:
+        """Know the request ids of the VMs a driver adopted as it started (the qemu
+        driver's, after a restart), so a repeated create is answered with its VM."""
+        adopted = getattr(self.driver, "adopted", None)
+        if self.seed_only or not callable(adopted):
+            return
+        for vm in adopted():
+            if vm.request_id:
+                self._vm_by_request[vm.request_id] = vm.vmid
+                self._request_by_vm[vm.vmid] = vm.request_id
 
     # -- VM bookkeeping -----------------------------------------------------------------
 
@@ -451,9 +455,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
             existing = self._existing(rid) if rid else None
             if existing is not None:
                 log.info("CreateReplica requestId=%s: already running as %s", rid, existing.vmid)
-                return fcdaemon_pb2.CreateReply(
-                    ip=existing.ip, vmid=existing.vmid, port=existing.port
-                )
+                return created_reply(existing)
             spec = spec_from_request(request)
             if self.guest_vars is not None:
                 spec.agent_env.update(self.guest_vars(spec.vmid))
@@ -486,7 +488,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
                 self.on_created(vm)
             except Exception:
                 log.exception("post-create hook failed for %s", vm.vmid)
-        return fcdaemon_pb2.CreateReply(ip=vm.ip, vmid=vm.vmid, port=vm.port)
+        return created_reply(vm)
 
     def ReleaseVMSetup(self, request: Any, context: grpc.ServicerContext) -> Any:
         """Tear a replica down; NOT_FOUND if the vmid is unknown."""
@@ -705,6 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
         vms="replicas",
         port_help="host ports for process replicas",
         image_source="images",
+        qemu=True,
     )
     parser.add_argument(
         "--token",

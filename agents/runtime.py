@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import logging
 import os
 import signal
@@ -35,6 +36,7 @@ __all__ = [
     "configure_logging",
     "connect_host",
     "guess_node_ip",
+    "http_answers",
     "parse_agent_args",
     "parse_port_range",
     "serve_until_signalled",
@@ -45,6 +47,19 @@ __all__ = [
 def connect_host(host: str) -> str:
     """The address a local client should dial for a server bound to ``host``."""
     return "127.0.0.1" if is_wildcard(host) else host_of(host)
+
+
+def http_answers(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True if ``GET /`` on host:port gets any HTTP response (its body read, up to 64 KiB)."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/")
+        conn.getresponse().read(1 << 16)
+        return True
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
 
 
 def guess_node_ip(listen_host: str) -> str:

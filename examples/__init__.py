@@ -12,4 +12,5 @@ Examples use only the standard library, so they start in a fraction of a second.
 
 * :mod:`examples.hello` - answers ``hello from corral`` to GET and POST.
 * :mod:`examples.echo` - echoes the request body back, after an optional delay.
+* :mod:`examples.whoami` - says which replica answered: its VMID, fresh random numbers, its clock.
 """

@@ -8,7 +8,8 @@ worker of their own), celery beat, Flower, the invocation gateway (http://127.0.
 unless that port is taken) and the Prometheus exporter (``corral metrics``,
 127.0.0.1:9808 unless taken); once they all serve, an fcdaemon agent (which registers
 itself through the registry) and a Lambdo host (added as a node), both with the process
-driver, at once. Stop order is the reverse of the start order. Everything lives under the
+driver (``--driver qemu``: the fcdaemon agent's replicas are QEMU microVMs instead), at
+once. Stop order is the reverse of the start order. Everything lives under the
 state directory (``.corral/`` in the working directory by default): data, logs, the lock
 that keeps a second ``corral up`` out, the stack's credentials (:mod:`stack.credentials`)
 and ``stack.json``, from which the CLI run in the same directory learns the broker,
@@ -75,6 +76,7 @@ class UpOptions:
     state_dir: Path
     agents: bool = True
     worker_concurrency: int | None = None  # None: CORRAL_WORKER_CONCURRENCY
+    driver: str = "process"  # the fcdaemon agent's: "process" or "qemu" (real microVMs)
 
 
 def _say(message: str) -> None:
@@ -202,7 +204,7 @@ def _start(
         services["gateway"] = _start_http(launch, "gateway", ["tasks.cli", "gateway"], "")
         services["metrics"] = _start_http(launch, "metrics", ["tasks.cli", "metrics"], "/metrics")
     if options.agents:
-        services.update(_start_agents(launch, database, reg_port))
+        services.update(_start_agents(launch, database, reg_port, options.driver))
     return published, services
 
 
@@ -343,8 +345,23 @@ def _start_http(launch: _Launch, name: str, module_args: list[str], path: str) -
     return f"http://127.0.0.1:{port}{path}"
 
 
-def _start_agents(launch: _Launch, database: str, reg_port: int) -> dict[str, str]:
+def _fcdaemon_driver(driver: str, state: Path) -> tuple[list[str], float]:
+    """The fcdaemon agent's driver options, and how long it may take to start serving.
+
+    ``qemu``: its VMs' state lives in the state directory (a restarted stack adopts the
+    VMs a killed agent left), and its first start may fetch and unpack the guest kernel
+    and probe KVM.
+    """
+    if driver != "qemu":
+        return ["--driver", "process"], 30.0
+    return ["--driver", "qemu", "--qemu-state", str(state / "qemu")], 180.0
+
+
+def _start_agents(
+    launch: _Launch, database: str, reg_port: int, driver: str = "process"
+) -> dict[str, str]:
     """Start a local fcdaemon agent and Lambdo host, registered as nodes; their addresses."""
+    driver_args, ready_s = _fcdaemon_driver(driver, launch.state)
     with launch.together():  # the agent registers through the registry, up by now
         fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
         launch.start(
@@ -359,11 +376,10 @@ def _start_agents(launch: _Launch, database: str, reg_port: int) -> dict[str, st
                 f"127.0.0.1:{reg_port}",
                 "--node-id",
                 "local-fcdaemon",
-                "--driver",
-                "process",
+                *driver_args,
             ],
             ready=lambda: _node_registered(database, "local-fcdaemon"),
-            timeout=30,
+            timeout=ready_s,
         )
         lb_port = free_port(DEFAULT_PORTS["lambdo"])
         lambdo = f"http://127.0.0.1:{lb_port}"
@@ -420,7 +436,7 @@ def _summary(
     ]
     if options.agents:
         lines += [
-            f"  fcdaemon agent   {services['fcdaemon']} (node local-fcdaemon)",
+            f"  fcdaemon agent   {services['fcdaemon']} (node local-fcdaemon, {options.driver})",
             f"  lambdo host      {services['lambdo']} (node local-lambdo)",
         ]
     lines += [

@@ -40,6 +40,11 @@ Where they go:
   (:func:`histogram`), as ``corral_reaped_total`` is kept;
 * with tracing on (:mod:`workers.tracing`), each is a span too.
 
+How each VM started, where its node says (a ``qemu`` agent: ``boot`` for a cold boot,
+``restore`` from a snapshot; ``CreateReply.start``), is stored on its operation as
+``result.starts`` (replica id -> how), for every replica of the operation
+(:func:`vm_starts`), beside the stages of the first.
+
 A task times its spawn with :func:`timing` (the timer is the task thread's current one,
 so the code that sends creates and records VMs marks it without being handed it) and
 marks it at each step; when the task ends, the timer's spans are recorded and its stages
@@ -265,6 +270,27 @@ def recorded(session: Session, op_id: str | None, replica_id: str, request_id: s
     op.result = {**(op.result or {}), **extra}
     session.flush()
     timer.stages = stages
+
+
+#: Most entries an operation's ``result.starts`` holds (a spawn of thousands keeps the first).
+MAX_STARTS = 1000
+
+
+def vm_starts(session: Session, op_id: str, starts: Mapping[str, str]) -> None:
+    """Store how VMs of an operation started (replica id -> "boot" / "restore") on it."""
+    if not starts:
+        return
+    op = session.get(Operation, op_id, with_for_update=True)
+    if op is None:
+        return
+    result = op.result or {}
+    have = dict(result.get("starts") or {})
+    for replica_id, how in starts.items():
+        if len(have) >= MAX_STARTS:
+            break
+        have[replica_id] = how
+    op.result = {**result, "starts": have}
+    session.flush()
 
 
 @dataclass(frozen=True)

@@ -488,6 +488,12 @@ def _add_services(top: Commands) -> None:
     p.add_argument("--state-dir", help="where data and logs live (default .corral)")
     p.add_argument("--no-agents", action="store_true", help="run the control plane alone")
     p.add_argument(
+        "--driver",
+        choices=["process", "qemu"],
+        default="process",
+        help="the fcdaemon agent's replicas: processes (default) or QEMU microVMs",
+    )
+    p.add_argument(
         "--concurrency",
         type=integer,
         default=None,

@@ -62,7 +62,10 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     try:
         return run(
             UpOptions(
-                state_dir=state_dir, agents=not args.no_agents, worker_concurrency=args.concurrency
+                state_dir=state_dir,
+                agents=not args.no_agents,
+                worker_concurrency=args.concurrency,
+                driver=args.driver,
             )
         )
     except AlreadyRunning as exc:

@@ -1,13 +1,20 @@
-"""Fixtures for the agent tests: agents with real drivers, a recording registry."""
+"""Fixtures for the agent tests: agents with real drivers (QEMU too), a recording registry."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from agents import MemoryDriver, ProcessDriver, RunningAgent, serve_fcdaemon
+from agents.qemu.driver import QemuDriver, default_cache
 from protos import fcdaemon_grpc
 from tests.agents.helpers import RecordingRegistry, start_registry
 
@@ -51,3 +58,94 @@ def process_stub(process_agent: RunningAgent) -> fcdaemon_grpc.FcServiceStub:
 def memory_stub(memory_agent: RunningAgent) -> fcdaemon_grpc.FcServiceStub:
     """Stub for :func:`memory_agent`."""
     return stub_for(memory_agent)
+
+
+# -- the qemu driver: real guests -----------------------------------------------------------
+
+#: Set (as ``.ci/run`` does), or ``CI=true``: a machine without QEMU fails the qemu tests
+#: instead of skipping them, as ``CORRAL_REQUIRE_POSTGRES`` does for PostgreSQL.
+REQUIRE_QEMU_ENV = "CORRAL_REQUIRE_QEMU"
+#: How long a guest may take to serve in these tests: TCG boots on 2 shared, busy cores.
+QEMU_BOOT_S = 150.0
+
+
+def qemu_required() -> bool:
+    """Whether a missing QEMU fails the tests that need it (CI) rather than skipping them."""
+    flag = os.environ.get(REQUIRE_QEMU_ENV, "").strip().lower() in {"1", "true", "yes"}
+    return flag or os.environ.get("CI", "").strip().lower() == "true"
+
+
+@pytest.fixture(scope="session")
+def qemu_cache() -> Path:
+    """The qemu driver's cache, shared by every test and run (the kernel is fetched once,
+    images built once per build); skips the test where QEMU or busybox is missing."""
+    missing = [
+        what
+        for what, found in (
+            (
+                "qemu-system-x86_64 (apt-get install qemu-system-x86)",
+                shutil.which("qemu-system-x86_64"),
+            ),
+            ("busybox (apt-get install busybox-static)", shutil.which("busybox")),
+            ("dpkg-deb", shutil.which("dpkg-deb")),
+        )
+        if not found
+    ]
+    if missing:
+        message = f"the qemu driver needs {', '.join(missing)}"
+        if qemu_required():
+            pytest.fail(f"{message}, but {REQUIRE_QEMU_ENV}=1 or CI=true is set", pytrace=False)
+        pytest.skip(message)
+    return default_cache()
+
+
+def kill_processes_naming(directory: Path) -> list[int]:
+    """SIGKILL every process whose command line names ``directory``; their pids."""
+    needle = str(directory).encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+        except OSError:
+            continue
+    return killed
+
+
+@pytest.fixture
+def qemu_state() -> Iterator[Path]:
+    """A state directory for one test's VMs (short: unix socket paths live in it); any
+    process left naming it is killed at the end."""
+    path = Path(tempfile.mkdtemp(prefix="cq-", dir="/tmp"))
+    yield path
+    kill_processes_naming(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+MakeQemuDriver = Callable[..., QemuDriver]
+
+
+@pytest.fixture
+def make_qemu_driver(qemu_cache: Path, qemu_state: Path) -> Iterator[MakeQemuDriver]:
+    """Make qemu drivers on this test's state directory (TCG: the same on every host);
+    every one is closed at the end."""
+    made: list[QemuDriver] = []
+
+    def make(**options: Any) -> QemuDriver:
+        settings: dict[str, Any] = {
+            "cache": qemu_cache,
+            "state": qemu_state,
+            "accel": "tcg",
+            "boot_timeout": QEMU_BOOT_S,
+            **options,
+        }
+        driver = QemuDriver(**settings)
+        made.append(driver)
+        return driver
+
+    yield make
+    for driver in made:
+        driver.close()

@@ -73,7 +73,7 @@ async def send_create(call: CreateCall, settings: Settings) -> Vm:
     created = await backend(t.kind).create(call, settings)
     # the one place a reply becomes a Vm: its address checked (workers.backends.networks)
     address = await replica_address(t, created.host, created.port or call.guest_port, settings)
-    return Vm(created.vmid, address)
+    return Vm(created.vmid, address, created.start)
 
 
 async def send_release(t: Target, vmid: str, settings: Settings) -> bool:

@@ -41,6 +41,7 @@ from workers.store.models import Function, Node
 
 __all__ = [
     "BACKENDS",
+    "VM_STARTS",
     "CreateCall",
     "Created",
     "ListedVm",
@@ -55,12 +56,19 @@ __all__ = [
 DEFAULT_GUEST_PORT = 8080
 
 
+#: How a node may say its VM started (``CreateReply.start``): a cold boot, or a restore
+#: from a snapshot. Anything else a node sends is dropped (nodes are not trusted).
+VM_STARTS = ("boot", "restore")
+
+
 @dataclass(frozen=True)
 class Vm:
-    """A VM as corral records it: the agent's id and where the function answers."""
+    """A VM as corral records it: the agent's id and where the function answers (and how
+    it started, where its node says: one of :data:`VM_STARTS`, else "")."""
 
     vmid: str
     address: str
+    start: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,7 @@ class Created:
     vmid: str
     host: str
     port: int
+    start: str = ""  # one of VM_STARTS, or "" (the node does not say)
 
 
 @dataclass(frozen=True)

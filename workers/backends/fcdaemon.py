@@ -20,7 +20,7 @@ import contextlib
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,15 @@ from config.settings import Settings, reveal
 from netplumb.addresses import host_of
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from workers.backends import inflight
-from workers.backends.base import CreateCall, Created, ListedVm, NodeBackend, Target, guest_port
+from workers.backends.base import (
+    VM_STARTS,
+    CreateCall,
+    Created,
+    ListedVm,
+    NodeBackend,
+    Target,
+    guest_port,
+)
 from workers.errors import (
     BackendError,
     InputError,
@@ -73,6 +81,8 @@ class CreatedVm:
     vmid: str
     ip: str
     port: int
+    #: How it started, where the agent says (``CreateReply.start``): "boot", "restore" or "".
+    start: str = field(default="", kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -212,7 +222,8 @@ class AgentClient:
         reply = await self._call("CreateReplica", request, self.create_timeout_s)
         vmid = check_vmid(reply.vmid, self.node)
         ip = check_ip(reply.ip, self.node) if reply.ip else ""
-        return CreatedVm(vmid=vmid, ip=ip, port=int(reply.port))
+        start = reply.start if reply.start in VM_STARTS else ""
+        return CreatedVm(vmid=vmid, ip=ip, port=int(reply.port), start=start)
 
     async def release(self, vmid: str) -> bool:
         """Tear a VM down; False when the agent says it is already gone."""
@@ -350,7 +361,8 @@ class FcdaemonBackend(NodeBackend):
     async def create(self, call: CreateCall, settings: Settings) -> Created:
         """CreateReplica; the replica is at its reply's ip (else the node's host) and port."""
         created = await client(call.target, settings).create_replica(call.request)
-        return Created(created.vmid, created.ip or host_of(call.target.address), created.port)
+        host = created.ip or host_of(call.target.address)
+        return Created(created.vmid, host, created.port, created.start)
 
     async def release(self, t: Target, vmid: str, settings: Settings) -> bool:
         """ReleaseVMSetup; False on NOT_FOUND."""

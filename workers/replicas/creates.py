@@ -432,6 +432,7 @@ def _arrivals(
     """Record new VMs (operations counted once each); returns those to release."""
     late = []
     done: dict[str, list[str]] = defaultdict(list)
+    starts: dict[str, dict[str, str]] = defaultdict(dict)  # op -> replica -> how it started
     starting: dict[str, str] = {}  # vmid -> request id
     for p, vm in landed:
         arrived = arrive(
@@ -452,12 +453,16 @@ def _arrivals(
             continue
         nxt.states[p.request_id] = Outcome.of(arrived)
         stages.recorded(s, p.operation_id, p.replica_id, p.request_id)
+        if vm.start and p.operation_id:
+            starts[p.operation_id][p.replica_id] = vm.start
         if arrived == ReplicaState.STARTING:
             starting[vm.vmid] = p.request_id
         else:
             readied.functions.add(p.function.name)
         if p.operation_id and arrived in SETTLING:
             done[p.operation_id].append(p.replica_id)
+    for op_id, how in starts.items():
+        stages.vm_starts(s, op_id, how)
     for op_id, parts in done.items():
         settle(s, op_id, parts=parts, ok=True)
     if starting:  # guests that said READY before their VM was recorded: Idle now
