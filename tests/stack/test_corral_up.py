@@ -384,7 +384,9 @@ def _check_quickstart(tmp_path: Path, gateway: str) -> None:
         timeout=180,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("hello from corral") == 3, done.stdout  # 2 through the gateway
+    # 2 through the gateway, 1 from the claimed address, and the asynchronous call's
+    # stored answer if it was done when it was asked for
+    assert done.stdout.count("hello from corral") in (3, 4), done.stdout
     assert done.stdout.count("succeeded") >= 2, done.stdout  # both scales waited for
 
 
