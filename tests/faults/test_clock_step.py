@@ -14,8 +14,8 @@ import re
 import pytest
 from sqlalchemy import select
 
-from tests.celery_workers import WorkerProcess
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
 from tests.faults.test_time_limits import TASKS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, spawn_ok

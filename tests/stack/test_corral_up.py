@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from config.celery import HOUSEKEEPING
-from tests.eventually import eventually
+from testkit.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 AWS_ID = "AKIAEXAMPLESECRET01"

@@ -13,8 +13,8 @@ import signal
 import pytest
 
 from stack.worker import pool_option, worker_env
-from tests.celery_workers import WorkerProcess
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
 from tests.fixtures import Env
 
 

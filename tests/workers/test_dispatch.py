@@ -22,7 +22,7 @@ from agents import Fault
 from config.celery import ROUTES
 from tasks.maintenance import QUEUE, first_task
 from tasks.queues import CeleryQueue, HereFirst, InProcessQueue
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
 from workers import dispatch, stages

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 from sqlalchemy import select, update
 
-from bench.placement import decide, populate
 from tasks import api
+from testkit.fleets import decide, populate
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import live, per_node
@@ -149,7 +149,7 @@ def test_unknown_policy_is_refused_at_deploy(corral_env: Env) -> None:
         deploy_fn(corral_env, "f", placement="fastest")
 
 
-def test_placement_bench_decision_changes_nothing(corral_env: Env) -> None:
+def test_a_placement_decision_over_a_populated_fleet_changes_nothing(corral_env: Env) -> None:
     fn_id = populate(corral_env.db, 5, 8)
 
     def snapshot() -> tuple[list[int], list[int], int]:
