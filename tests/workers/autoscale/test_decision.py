@@ -159,6 +159,14 @@ def test_in_panic_the_target_never_goes_down_even_after_the_stable_window() -> N
     # without panic the stable window (10 s) would have let the target fall to 3 by now
 
 
+def test_in_panic_a_target_raised_elsewhere_is_not_lowered() -> None:
+    # panicking, its floor 2; since then an operator's `corral scale` set the target to 8
+    window = Window([(994.0, 0.0)], panic_since=998.0, first_seen=900.0, panic_pods=2)
+    d, after = decide(POLICY, facts(target=8, ready=2), window, Observation(1000.0, 3.0, 1000.0))
+    assert d.panicking and d.panic == 5  # ceil(3 / 0.7) = 5 >= 2 x 2 ready
+    assert d.desired == 8 and after.panic_pods == 8  # not 5: panic never scales down
+
+
 def test_panic_ends_a_stable_window_after_the_last_crossing() -> None:
     pol = Policy(stable_window_s=10, panic_window_s=2, panic_threshold=2.0, max_scale_up_rate=10)
     run = Run(facts(min_replicas=1, target=1, ready=1), policy=pol)
