@@ -44,6 +44,11 @@ def test_the_longest_form_is_masked_first_so_nothing_of_it_is_left() -> None:
     assert redact("key abcdefgh and abcd", ["abcd", "abcdefgh"]) == f"key {MASK} and {MASK}"
 
 
+def test_the_longest_form_is_masked_first_whatever_its_letters() -> None:
+    # sorted by their letters the short one comes first, and would leave "abcd...xx"
+    assert redact("key abcdzz12xx", ["zz12", "abcdzz12xx"]) == f"key {MASK}"
+
+
 def test_short_or_missing_secrets_mask_nothing() -> None:
     assert redact("a cat sat on the mat", ["cat", "", None]) == "a cat sat on the mat"
     assert redact("a cats tail", ["cats"]) == f"a {MASK} tail"  # four characters do
