@@ -15,8 +15,9 @@ postgres"``). This command runs mutmut over them (in ``mutants/``, a copy of the
 checkout itself is never changed), then prints each module's score and every mutant that
 was not killed - ``mutmut show NAME`` shows its diff - and exits 1 when the whole is below
 ``--aim`` (90 % by default). mutmut keeps its results in ``mutants/`` and runs again only
-what changed since; ``--fresh`` starts over. docs/benchmarks.md ("Mutation
-testing") has the last scores.
+what changed since (a mutant of a function whose code changed is tested again); after
+tests were added, ``--recheck`` tests again every mutant not killed; ``--fresh`` starts
+over. docs/benchmarks.md ("Mutation testing") has the last scores.
 """
 
 from __future__ import annotations
@@ -119,16 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="print the last run's scores, run nothing"
     )
+    parser.add_argument(
+        "--recheck",
+        action="store_true",
+        help="test again only the mutants not killed last time (after tests were added)",
+    )
     parser.add_argument("--jobs", type=int, help="mutants tested at once (default: the CPUs)")
     args = parser.parse_args(argv)
     if not args.report_only:
         if args.fresh:
             shutil.rmtree(MUTANTS, ignore_errors=True)
         jobs = ["--max-children", str(args.jobs)] if args.jobs else []
-        done = subprocess.run([sys.executable, "-m", "mutmut", "run", *jobs], cwd=ROOT, check=False)
-        if done.returncode != 0:
-            print(f"mutmut run failed (exit {done.returncode})", file=sys.stderr)
-            return done.returncode
+        names = [n for s in scores(modules()) for n, _ in s.undetected] if args.recheck else []
+        if names or not args.recheck:  # no names: mutmut runs what it has not yet
+            run = [sys.executable, "-m", "mutmut", "run", *jobs, *names]
+            done = subprocess.run(run, cwd=ROOT, check=False)
+            if done.returncode != 0:
+                print(f"mutmut run failed (exit {done.returncode})", file=sys.stderr)
+                return done.returncode
     all_scores = scores(modules())
     print(report(all_scores))
     return 0 if whole_percent(all_scores) >= args.aim else 1
