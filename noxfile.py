@@ -22,6 +22,7 @@ CHECKED = [
     "agents",
     "netplumb",
     "examples",
+    "testkit",
     "bench",
     "protos",
     "tests",

@@ -58,9 +58,9 @@ from sqlalchemy import func, select
 
 from agents import ProcessDriver, serve_fcdaemon
 from config.settings import get_settings, reset_settings
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
-from tests.workers.invocations import terminals
+from testkit import terminals
+from testkit.processes import WorkerProcess, start_beat
+from testkit.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from

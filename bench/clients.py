@@ -37,21 +37,16 @@ import httpcore
 import httpx
 import uvloop
 
+from testkit.services import free_port
 from workers.gateway import http1
 
 ROOT = Path(__file__).resolve().parent.parent
 Call = Callable[[], Awaitable[int]]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _replica() -> tuple[subprocess.Popen[bytes], int]:
     """``examples.hello`` on a free loopback port, once it accepts connections."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PORT": str(port), "HOST": "127.0.0.1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "examples.hello"], env=env, cwd=ROOT, stderr=subprocess.DEVNULL

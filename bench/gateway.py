@@ -80,14 +80,15 @@ import httpx
 import psutil
 from sqlalchemy import select
 
-from bench import otlp_sink, relay
+from bench import relay
 from bench.options import add_counts, add_store_option, store_for
 from bench.pinning import Pinning, split
 from config.celery import QUEUES
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
-from stack.redis import free_port, redis_argv
 from tasks import api
+from testkit import otlp_sink
+from testkit.services import RedisServer, free_port
 from workers import stages
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
@@ -116,12 +117,6 @@ def _wait_http(url: str, timeout: float = 30.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} did not answer within {timeout:g}s") from None
             time.sleep(0.01)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -375,7 +370,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--otlp",
         action="store_true",
         help="tracing on: every process sends its spans to a loopback OTLP sink "
-        "(bench.otlp_sink), to measure what tracing costs",
+        "(testkit.otlp_sink), to measure what tracing costs",
     )
     args = parser.parse_args(argv)
     args.cpus = None  # (the gateway's CPUs, everyone else's) with --pin
@@ -448,12 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its figures."""
     args = _parse(argv)
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))
-    redis_port = free_port()
+    redis = RedisServer(tmp / "redis")
+    redis.start()
     db_url, pg_server = store_for(args, tmp)
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
-        "CORRAL_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
-        "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",
+        "CORRAL_BROKER_URL": redis.url_for(0),
+        "CORRAL_RESULT_BACKEND": redis.url_for(1),
         "CORRAL_DATABASE_URL": db_url,
         "CORRAL_STATE_DIR": str(tmp / "state"),
         "PYTHONPATH": str(ROOT),
@@ -468,19 +464,19 @@ def main(argv: list[str] | None = None) -> int:
     configure(get_settings())  # this run's broker
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(name: str, argv: list[str]) -> None:
+    def start(name: str, argv: list[str]) -> subprocess.Popen[bytes]:
         log = (tmp / f"{name}.log").open("wb")
         procs.append(
             subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         )
+        return procs[-1]
 
     try:
-        start("redis", redis_argv(tmp, redis_port))
         db = get_database(env["CORRAL_DATABASE_URL"])
         upgrade(db)
-        agent_port, gw_port = _free_port(), _free_port()
+        agent_port, gw_port = free_port(), free_port()
         py = sys.executable
-        start(
+        agent = start(
             "agent",
             [
                 py,
@@ -508,13 +504,15 @@ def main(argv: list[str] | None = None) -> int:
                 ",".join(QUEUES),
             ],
         )
-        start("gateway", [py, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{gw_port}"])
+        proxy = start(
+            "gateway", [py, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{gw_port}"]
+        )
         gateway = f"http://127.0.0.1:{gw_port}"
         _wait_http(gateway + "/healthz")
         addresses = _warm_replicas(args, db, agent_port)
         _header(args)
-        sides, proxies = _sides(args, tmp, procs, addresses, gateway)
-        _warm_readings(args, CpuMeter(proxies, procs[1].pid), sides)
+        sides, proxies = _sides(args, tmp, procs, addresses, (gateway, proxy.pid))
+        _warm_readings(args, CpuMeter(proxies, agent.pid), sides)
         if args.cold > 0:
             cold, create = _cold_and_create(gateway, f"127.0.0.1:{agent_port}", args.cold)
             _report_cold(create, cold)
@@ -528,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(15)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        redis.stop()
         if pg_server is not None:
             pg_server.stop()
         if sink is not None:
@@ -540,7 +539,7 @@ def _sides(
     tmp: Path,
     procs: list[subprocess.Popen[bytes]],
     addresses: list[str],
-    gateway: str,
+    gateway: tuple[str, int],
 ) -> tuple[dict[str, list[str]], dict[str, int]]:
     """What the warm runs call (direct, the relay, the gateway) and the proxies' process ids.
 
@@ -548,7 +547,8 @@ def _sides(
     unless there are no warm runs or it cannot be built (then it says why and is left out).
     """
     sides = {"direct": addresses}
-    proxies = {"gateway": procs[3].pid}
+    url, pid = gateway  # the gateway's URL and process id
+    proxies = {"gateway": pid}
     if not args.cold_only:
         binary, why = relay.build(tmp)
         if binary is None:
@@ -558,7 +558,7 @@ def _sides(
             procs.append(floor.proc)
             sides["relay"] = [floor.url]
             proxies["relay"] = floor.proc.pid
-    sides["gateway"] = [f"{gateway}/function/hello"]
+    sides["gateway"] = [f"{url}/function/hello"]
     return sides, proxies
 
 

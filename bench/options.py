@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from tests.services import PostgresServer, make_shared_tempdir
+from testkit.services import PostgresServer, make_shared_tempdir
 
 Counts = dict[str, tuple[int, str]]  # option -> (default, help)
 

@@ -6,15 +6,15 @@ Run: ``python -m bench.partition [--seed S] [--minutes M] [--agents N] [--json F
 
 What it does, in order:
 
-1. removes what an earlier run left (:func:`bench.netns.cleanup_stale`);
-2. builds the hosts (:mod:`bench.netns`: a switch namespace and one namespace per host,
+1. removes what an earlier run left (:func:`testkit.netns.cleanup_stale`);
+2. builds the hosts (:mod:`testkit.netns`: a switch namespace and one namespace per host,
    each with its address in 10.231.0.0/24, agents with a replica network each) and
-   starts corral on them (:mod:`bench.nsfleet`): Redis, PostgreSQL, the registry, N
+   starts corral on them (:mod:`testkit.nsfleet`): Redis, PostgreSQL, the registry, N
    fcdaemon agents (some seed-only) and a Lambdo host, two or more workers, beat and the
    gateway - every listener on its host's address and behind its token;
-3. for ``--minutes``: the load generator (:class:`bench.history.Load`: spawn, scale,
+3. for ``--minutes``: the load generator (:class:`testkit.history.Load`: spawn, scale,
    delete, claim, re-deploy), gateway callers and a capacity sampler
-   (:mod:`bench.checker`) record a history while the nemesis (:mod:`bench.nemesis`)
+   (:mod:`testkit.checker`) record a history while the nemesis (:mod:`testkit.nemesis`)
    partitions hosts, heals them, kills workers, freezes agents and restarts Redis and
    PostgreSQL on a schedule drawn from ``--seed``;
 4. heals everything, stops the load, waits ``--quiet`` seconds, then checks the final
@@ -43,13 +43,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench import checker, nemesis
-from bench.history import Load, Tracked, outcomes
-from bench.netns import Launcher, Network, available, cleanup, cleanup_stale
-from bench.nsfleet import FUNCTIONS, Fleet
-from bench.nsprocs import Layout
 from config.settings import get_settings
-from tests.services import make_shared_tempdir
+from testkit import checker, nemesis
+from testkit.history import Load, Tracked, outcomes
+from testkit.netns import Launcher, Network, available, cleanup, cleanup_stale
+from testkit.nsfleet import FUNCTIONS, Fleet
+from testkit.nsprocs import Layout
+from testkit.services import make_shared_tempdir
 
 CI = {"minutes": 0.75, "agents": 3, "seed_only": 1, "quiet": 10.0, "settle": 60.0}
 

@@ -69,11 +69,12 @@ from sqlalchemy import func, select
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from agents.lambdo import serve_lambdo
-from bench.history import Load, Tracked, compare, not_final, outcomes
 from config.settings import get_settings, reset_settings
 from tasks.api import database
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
+from testkit.history import Load, Tracked, compare, not_final, outcomes
+from testkit.processes import WorkerProcess, start_beat
+from testkit.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
+from testkit.soak_plan import FAULT_KINDS, SOAK_ENV, FaultEvent, schedule
 from workers import backends
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
@@ -89,10 +90,8 @@ from workers.store.models import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULT_KINDS = ("worker_kill", "redis_stop", "postgres_restart", "agent_stop", "agent_delay")
 WORKERS = 3
 FUNCTIONS = ("soak-a", "soak-b", "soak-l")
-KILL_EVERY_S = 20.0
 SEED_NODE = "soak-seed"
 DELAYED_METHODS = ("CreateReplica", "ReleaseVMSetup", "ListReplicas")
 SPECS: dict[str, dict[str, Any]] = {
@@ -112,65 +111,6 @@ SPECS: dict[str, dict[str, Any]] = {
         "rootfs": "https://objects.example/soak/rootfs.ext4",
     },
 }
-
-# Settings for every process of the soak: short intervals and deadlines, so that what
-# the faults leave behind is found and repaired within the quiesce window.
-SOAK_ENV = {
-    "CORRAL_HEALTH_INTERVAL_S": "1",
-    "CORRAL_HEALTH_TIMEOUT_S": "1",
-    "CORRAL_HEALTH_MISSES": "3",
-    "CORRAL_NODE_DEAD_GRACE_S": "60",
-    "CORRAL_REAP_INTERVAL_S": "5",
-    "CORRAL_RECONCILE_INTERVAL_S": "5",
-    "CORRAL_ORPHAN_GRACE_S": "10",
-    "CORRAL_IDLE_TIMEOUT_S": "40",
-    "CORRAL_CREATING_DEADLINE_S": "45",
-    "CORRAL_BOOT_DEADLINE_S": "30",
-    "CORRAL_REDRIVE_AFTER_S": "15",
-    "CORRAL_LEASE_TTL_S": "20",
-    "CORRAL_TASK_SOFT_TIME_LIMIT_S": "15",
-    "CORRAL_TASK_TIME_LIMIT_S": "20",
-    "CORRAL_VISIBILITY_TIMEOUT_S": "30",
-    "CORRAL_RETRY_MAX": "4",
-    "CORRAL_RETRY_BACKOFF_S": "0.5",
-    "CORRAL_RETRY_BACKOFF_MAX_S": "4",
-    "CORRAL_RPC_TIMEOUT_S": "5",
-    "CORRAL_CREATE_TIMEOUT_S": "10",
-    "CORRAL_LAMBDO_TIMEOUT_S": "5",
-    "CORRAL_NODE_CAPACITY": "40",
-    "CORRAL_CLAIM_TTL_S": "60",
-}
-
-
-@dataclass(frozen=True)
-class FaultEvent:
-    """One fault of the schedule: when (seconds into the run), what, for how long."""
-
-    at_s: float
-    kind: str
-    duration_s: float = 0.0
-
-
-def schedule(duration_s: float) -> list[FaultEvent]:
-    """The fault schedule for a run of ``duration_s``: windows shrink to fit short runs."""
-    events = [
-        FaultEvent(t, "worker_kill") for t in _steps(min(KILL_EVERY_S, duration_s / 4), duration_s)
-    ]
-    events += [
-        FaultEvent(0.05 * duration_s, "agent_delay", min(60.0, duration_s / 4)),
-        FaultEvent(0.30 * duration_s, "redis_stop", min(10.0, duration_s / 9)),
-        FaultEvent(0.50 * duration_s, "postgres_restart"),
-        FaultEvent(0.62 * duration_s, "agent_stop", min(30.0, duration_s / 6)),
-    ]
-    return sorted(events, key=lambda e: e.at_s)
-
-
-def _steps(every: float, until: float) -> list[float]:
-    out, t = [], every
-    while t < until:
-        out.append(round(t, 3))
-        t += every
-    return out
 
 
 @dataclass

@@ -46,7 +46,6 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,8 +62,8 @@ from bench.options import add_counts, add_store_option, store_for
 from bench.plain import make_app
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_pb2, fcdaemon_pb2_grpc
-from stack.redis import free_port, redis_argv
 from tasks import api
+from testkit.services import RedisServer
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
@@ -189,15 +188,16 @@ def _timed_op(api: Any, start: Any, what: str) -> float:
 def run_once(args: argparse.Namespace) -> Run:
     """One full run: baseline, P1, delete, reap, P5; returns its figures."""
     tmp = Path(tempfile.mkdtemp(prefix="corral-bench-"))
-    port = free_port()
-    redis = subprocess.Popen(redis_argv(tmp, port), stdout=subprocess.DEVNULL)
+    redis = RedisServer(tmp / "redis")
+    redis.start()
+    port = redis.port
+    assert port is not None
     db_url, pg_server = store_for(args, tmp)
     run = Run(store="PostgreSQL" if args.postgres is not None else "SQLite")
     env = _bench_env(args, tmp, port, db_url)
     worker = None
     agents: _AgentHost | None = None
     try:
-        _wait_port(port)
         run.rates["baseline"], run.seconds["baseline"] = _baseline(args, env, tmp)
         reset_settings()
         configure(get_settings())  # this run's broker, not an earlier run's
@@ -212,8 +212,7 @@ def run_once(args: argparse.Namespace) -> Run:
         _stop(worker)
         if agents is not None:
             agents.stop()
-        redis.terminate()
-        redis.wait(10)
+        redis.stop()
         if pg_server is not None:
             pg_server.stop()
     counts = {
@@ -517,16 +516,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"(runs: {', '.join(f'{v:.2f}' for v in ratios)})"
             )
     return 0
-
-
-def _wait_port(port: int) -> None:
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("embedded Redis did not start")
 
 
 if __name__ == "__main__":

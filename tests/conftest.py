@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests import requirements
+
 pytest_plugins = ["tests.services", "tests.fixtures", "tests.celery_workers"]
 
 SLOW_FIXTURES = frozenset({"broker_env", "thread_worker", "worker_processes"})
@@ -23,3 +25,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith("tests/stack/"):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip or fail a test whose ``needs`` are unmet (tests.requirements)."""
+    requirements.check(item)

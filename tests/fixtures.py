@@ -47,6 +47,7 @@ from sqlalchemy import select, text
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings, get_settings, reset_settings
+from testkit.processes import FAST
 from workers import clock
 from workers.backends import inflight
 from workers.celery import configure
@@ -55,15 +56,6 @@ from workers.store.db import Database, get_database
 from workers.store.migrate import upgrade
 from workers.store.models import Base, Node
 
-FAST = {
-    "CORRAL_RETRY_BACKOFF_S": "0.01",
-    "CORRAL_RETRY_BACKOFF_MAX_S": "0.05",
-    "CORRAL_RETRY_MAX": "3",
-    "CORRAL_RPC_TIMEOUT_S": "2",
-    "CORRAL_CREATE_TIMEOUT_S": "2",
-    "CORRAL_LAMBDO_TIMEOUT_S": "2",
-    "CORRAL_HEALTH_TIMEOUT_S": "0.5",
-}
 # Eager tests need no broker, and must not write to a Redis someone runs on the default
 # port (a developer's, or another suite's `corral up`): nothing listens on port 1.
 NO_BROKER = "redis://127.0.0.1:1/0"

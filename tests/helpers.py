@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -123,3 +125,31 @@ def lapsed() -> datetime:
     milliseconds ahead of the transaction time PostgreSQL compares it with.
     """
     return clock.now() - timedelta(seconds=1)
+
+
+def queued(env: Env, queue: str) -> list[dict[str, Any]]:
+    """The messages waiting in ``queue`` on the test broker, oldest first (kombu pushes on
+    the left): each one's task, args, kwargs and headers."""
+    client = redis.Redis.from_url(env.settings.broker_url)
+    try:
+        raw = client.lrange(queue, 0, -1)
+    finally:
+        client.close()
+    out = []
+    for item in reversed(raw):
+        message = json.loads(item)
+        body = json.loads(base64.b64decode(message["body"]))
+        out.append(
+            {
+                "task": message["headers"]["task"],
+                "args": body[0],
+                "kwargs": body[1],
+                "headers": message["headers"],
+            }
+        )
+    return out
+
+
+def calls(messages: list[dict[str, Any]]) -> list[tuple[str, list[Any], dict[str, Any]]]:
+    """Each message's task, args and kwargs."""
+    return [(m["task"], m["args"], m["kwargs"]) for m in messages]

@@ -22,8 +22,8 @@ from agents.drivers import (
     parse_env_args,
     resolve_command,
 )
+from testkit.eventually import eventually
 from tests.agents.helpers import http_get, is_alive
-from tests.eventually import eventually
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -24,6 +24,7 @@ from agents import Fault, MemoryDriver, ProcessDriver, RunningAgent, serve_fcdae
 from agents.drivers import VMSpec
 from agents.fcdaemon import RegistryReporter, main
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_pb2
+from testkit.eventually import eventually
 from tests.agents.conftest import stub_for
 from tests.agents.helpers import (
     MeetingDriver,
@@ -34,7 +35,6 @@ from tests.agents.helpers import (
     same_bucket_ids,
     start_registry,
 )
-from tests.eventually import eventually
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,8 +13,8 @@ import pytest
 
 from agents import Fault, ProcessDriver, RunningLambdo, serve_lambdo
 from agents.lambdo import main
+from testkit.eventually import eventually
 from tests.agents.helpers import MeetingDriver, http_get, is_alive, same_bucket_ids
-from tests.eventually import eventually
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -34,12 +34,12 @@ from protos import fcdaemon_grpc, fcdaemon_pb2
 from tasks import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit.eventually import eventually
+from testkit.services import free_port
 from tests.agents.conftest import QEMU_BOOT_S, MakeQemuDriver, kill_processes_naming, stub_for
 from tests.agents.helpers import RecordingRegistry, http_get
-from tests.eventually import eventually
 from tests.fixtures import Env
 from tests.helpers import deploy_fn, replicas
-from tests.services import free_port
 from workers.fleet.nodes import upsert_node
 from workers.gateway import serve_gateway
 

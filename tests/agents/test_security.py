@@ -29,16 +29,11 @@ from config.settings import Settings
 from netplumb.addresses import is_loopback, split_hostport
 from netplumb.grpcserve import report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.services import free_port
 from tests.grpc_calls import code_of, half_sent
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -61,7 +56,7 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) ->
 @pytest.fixture
 def fcdaemon_cli(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """``corral agent fcdaemon --driver process`` as an operator starts it: (address, cwd)."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -155,7 +150,7 @@ def test_allow_image_lets_an_operator_add_a_module(tmp_path: Path) -> None:
         "import os, pathlib\npathlib.Path(os.environ['OUT']).write_text('ran')\n"
     )
     out = tmp_path / "out.txt"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -223,7 +218,7 @@ def migrated(tmp_path: Path, sqlite_template: Path) -> dict[str, str]:
 def test_no_listener_off_loopback_without_a_token(
     argv: list[str], variable: str, _: object, migrated: dict[str, str], tmp_path: Path
 ) -> None:
-    done = _run([*argv, "--listen", f"0.0.0.0:{_free_port()}"], migrated, tmp_path)
+    done = _run([*argv, "--listen", f"0.0.0.0:{free_port()}"], migrated, tmp_path)
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -239,7 +234,7 @@ def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
         (["--insecure"], migrated),
         ([], {**migrated, variable: "a-long-enough-token"}),
     ):
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "tasks.cli", *argv, "--listen", f"0.0.0.0:{port}", *extra],
             cwd=tmp_path,

@@ -23,12 +23,12 @@ from agents import ProcessDriver, serve_fcdaemon
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.eventually import eventually
+from testkit import terminals
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from tests.workers.gateway.conftest import CALLEE
-from tests.workers.invocations import terminals
 from workers.fleet.nodes import upsert_node
 from workers.gateway import serve_gateway
 from workers.store.models import Call, CallStatus

@@ -16,8 +16,8 @@ import redis
 from agents.drivers import VMSpec
 from agents.faults import Fault
 from tasks import api
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess, start_beat
 from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
 from workers import leases

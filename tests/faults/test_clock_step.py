@@ -22,8 +22,8 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess, start_beat
 from tests.faults.test_time_limits import TASKS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, spawn_ok

@@ -17,8 +17,8 @@ from sqlalchemy import select
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
 from tasks import api
-from tests.celery_workers import WorkerProcess
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
 from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import broker_drained, deploy_fn, replicas

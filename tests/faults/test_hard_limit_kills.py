@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.celery_workers import WorkerProcess
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
 from tests.faults.conftest import POOLS
 from tests.faults.test_time_limits import TASKS
 from tests.fixtures import Env

@@ -33,18 +33,13 @@ from google.protobuf import empty_pb2
 
 from agents import lambdo
 from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc, resmngr_grpc, resmngr_pb2
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.services import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "bounds-t0ken"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 CONNECTIONS = 150  # as in the issue: 150 half-sent requests
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _status(pid: int) -> tuple[float, int]:
@@ -465,7 +460,7 @@ class Server:
 @pytest.fixture(params=LISTENERS, ids=[listener.name for listener in LISTENERS])
 def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Listener, Server]]:
     listener: Listener = request.param
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({k: v.format(tmp=tmp_path) for k, v in listener.env.items()})
     env["CORRAL_STATE_DIR"] = str(tmp_path / "state")

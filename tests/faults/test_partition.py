@@ -5,7 +5,9 @@ process, as in CI: it must leave no anomaly and nothing behind - no namespace, n
 no process. The pieces it stands on are tested here too: the cuts really cut (and only
 what they name), the schedule is the seed's, and cleanup finds what a dead run left.
 
-Needs root and iproute2 (CI runs as root); elsewhere these tests are skipped, saying why.
+Needs root and iproute2 (CI runs as root and installs iproute2); elsewhere these tests are
+skipped, saying why, unless the run requires them (``CI=true`` or
+``CORRAL_REQUIRE_NETNS=1``: tests/requirements.py), when they fail instead.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from bench import checker, nemesis
-from bench.netns import (
+from config.settings import get_settings
+from tasks.maintenance import QUEUE
+from tasks.queues import HereFirst
+from testkit import checker, nemesis
+from testkit.eventually import eventually
+from testkit.netns import (
     NETNS_DIR,
     PREFIX,
     Host,
@@ -38,13 +44,10 @@ from bench.netns import (
     cleanup_stale,
     run_namespaces,
 )
-from bench.nsprocs import Layout, NsPostgres
-from config.settings import get_settings
-from tasks.maintenance import QUEUE
-from tasks.queues import HereFirst
-from tests.eventually import eventually
+from testkit.nsprocs import Layout, NsPostgres
+from testkit.services import make_shared_tempdir
 from tests.fixtures import NO_BROKER
-from tests.services import make_shared_tempdir
+from tests.requirements import NETNS, needs
 from workers.gateway import serve_gateway
 from workers.gateway.asgi import RETRY_AFTER_S
 from workers.store.db import Database, is_transient
@@ -52,7 +55,7 @@ from workers.store.migrate import upgrade
 
 ROOT = Path(__file__).resolve().parents[2]
 why = available()
-needs_netns = pytest.mark.skipif(why is not None, reason=f"no network namespaces here: {why}")
+needs_netns = needs(NETNS, None if why is None else f"no network namespaces here: {why}")
 
 
 def _links() -> set[str]:

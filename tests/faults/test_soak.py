@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.history import percentile
-from bench.soak import FAULT_KINDS, schedule
+from testkit.history import percentile
+from testkit.soak_plan import FAULT_KINDS, schedule
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 CI_S = 45.0  # the soak's length here

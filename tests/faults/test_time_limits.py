@@ -20,8 +20,8 @@ import pytest
 from sqlalchemy import text
 
 from tasks import api
-from tests.celery_workers import WorkerProcess
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import broker_drained, deploy_fn
 from workers.celery import app

@@ -7,8 +7,8 @@ import collections
 import pytest
 from sqlalchemy import select
 
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from workers.store.models import Replica, ReplicaState

@@ -16,11 +16,11 @@ from sqlalchemy import select
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from tasks import api
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess, start_beat
+from testkit.services import RedisServer
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent
-from tests.services import RedisServer
 from workers.fleet.health import check_health
 from workers.store.models import Node, Replica, ReplicaState
 

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from netplumb.addresses import peer_ip
 from netplumb.grpcserve import GuardedServer, Limits
 from protos import fcdaemon_grpc, fcdaemon_pb2
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.grpc_calls import code_of, half_sent
 
 TOKEN = "guard-t0ken"

@@ -25,6 +25,7 @@ from agents.lambdo import RunningLambdo, serve_lambdo
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from tasks.cli import main
 from tests.fixtures import Env
+from tests.requirements import CC, unmet
 from workers.store.models import Function
 
 Vector = Callable[[Path, Path], dict[str, str]]
@@ -51,7 +52,7 @@ def _pythonpath(tmp: Path, marker: Path) -> dict[str, str]:
 
 def _ld_preload(tmp: Path, marker: Path) -> dict[str, str]:
     if shutil.which("cc") is None:
-        pytest.skip("no C compiler to build the preload library")
+        unmet(CC, "no C compiler (cc) to build the preload library")
     src = tmp / "evil.c"
     src.write_text(
         "#include <stdio.h>\n__attribute__((constructor)) static void f(void) {\n"

@@ -24,7 +24,7 @@ from google.protobuf import empty_pb2
 
 from config.celery import HOUSEKEEPING
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
-from tests.eventually import eventually
+from testkit.eventually import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
 AWS_ID = "AKIAEXAMPLESECRET01"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stack.supervisor import Child, Supervisor
-from tests.eventually import eventually
+from testkit.eventually import eventually
 
 
 def _child(tmp_path: Path, name: str, script: str) -> Child:

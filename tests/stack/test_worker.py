@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from stack.worker import pool_option, worker_env
-from tests.celery_workers import WorkerProcess
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
 from tests.fixtures import Env
 
 

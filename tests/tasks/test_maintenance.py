@@ -22,7 +22,7 @@ from agents.fcdaemon import serve_fcdaemon
 from config.celery import HOUSEKEEPING, ROUTES, beat_schedule
 from config.settings import get_settings
 from tasks import api, maintenance
-from tests.celery_workers import WorkerProcess, start_beat
+from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from workers.celery import app

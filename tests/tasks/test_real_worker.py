@@ -10,9 +10,9 @@ from sqlalchemy import select
 
 from agents import serve_fcdaemon
 from tasks import api
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
 from tests.agents.helpers import MeetingDriver
-from tests.celery_workers import WorkerProcess
-from tests.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import broker_drained, deploy_fn, one_agent, spawn_ok
 from workers.celery import app

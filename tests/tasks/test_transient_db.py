@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from tasks import api
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import one_agent, spawn_ok
 

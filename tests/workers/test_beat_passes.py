@@ -11,8 +11,8 @@ import re
 import pytest
 import redis
 
-from tests.celery_workers import WorkerProcess
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
 from tests.fixtures import Env, sqlite_only
 from workers import beat_passes
 from workers.celery import app

@@ -18,7 +18,7 @@ from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.transport import redis as kombu_redis
 
-from tests.services import RedisServer
+from testkit.services import RedisServer
 from workers.broker import Transport
 from workers.celery import app
 

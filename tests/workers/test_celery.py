@@ -13,7 +13,7 @@ from kombu.message import Message
 from config.celery import celery_config
 from config.settings import load_settings
 from tasks.queues import Call, carry_out
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.faults import limit_tasks
 from tests.fixtures import Env
 from workers import leases, timelimits

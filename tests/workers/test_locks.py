@@ -16,7 +16,7 @@ import time
 from sqlalchemy import Connection, select, text
 from sqlalchemy.exc import DBAPIError
 
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, postgres_only
 from workers.fleet.nodes import upsert_node
 from workers.kinds import NodeKind

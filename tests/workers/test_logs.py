@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, sqlite_only
 from workers import logs
 

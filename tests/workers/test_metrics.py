@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select, update
 
 from tasks import api
+from testkit.services import free_port
 from tests.fixtures import Env, StartAgents
-from tests.services import free_port
 from workers import clock, clock_offsets, logs
 from workers.autoscale.decision import Window
 from workers.autoscale.passes import run_pass, state_key

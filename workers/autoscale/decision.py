@@ -145,7 +145,7 @@ class Window:
             first = data.get("first_seen")
             pods = data.get("panic_pods", 0)
             if isinstance(pods, bool) or not isinstance(pods, int) or pods < 0:
-                raise ValueError(f"panic_pods {pods!r}")
+                raise ValueError(f"panic_pods {pods!r}")  # pragma: no mutate - never shown
             return cls(
                 samples,
                 None if panic is None else _finite(panic),
@@ -160,7 +160,7 @@ def _finite(value: Any) -> float:
     """``value`` as a finite float, else ValueError (JSON may say NaN or Infinity)."""
     number = float(value)
     if not math.isfinite(number):
-        raise ValueError(f"not a finite number: {value!r}")
+        raise ValueError(f"not a finite number: {value!r}")  # pragma: no mutate - never shown
     return number
 
 
@@ -193,8 +193,6 @@ class Decision:
 
 def replicas_for(demand: float, exec_envs: int, utilization: float) -> int:
     """Replicas that serve ``demand`` concurrent requests at the target utilization."""
-    if demand <= 0:
-        return 0
     return max(0, math.ceil(demand / (max(1, exec_envs) * utilization) - EPSILON))
 
 
@@ -236,10 +234,9 @@ def decide(
         desired = max(desired, facts.target, panic_pods)  # never scale down in panic
         panic_pods = desired
     capped = False
-    if desired > facts.target:
-        ceiling = max(facts.target, math.ceil(ready * policy.max_scale_up_rate))
-        if desired > ceiling:
-            desired, capped = ceiling, True
+    ceiling = max(facts.target, math.ceil(ready * policy.max_scale_up_rate))
+    if desired > ceiling:  # a rise past the scale-up rate (never below the target)
+        desired, capped = ceiling, True
 
     floor = floor_for(facts, first_seen, obs)
     desired = max(floor, min(desired, facts.max_replicas))
@@ -253,7 +250,7 @@ def floor_for(facts: Facts, first_seen: float, obs: Observation) -> int:
     after = facts.scale_to_zero_after_s
     quiet_since = obs.last_request_at if obs.last_request_at is not None else first_seen
     if after is None:
-        may_be_zero = False
+        may_be_zero = False  # pragma: no mutate - read as a boolean: None is the same
     elif obs.warm is not None:  # adaptive keep-alive: its windows, not the request clock
         may_be_zero = not obs.warm
     else:

@@ -250,7 +250,11 @@ def delete_batch(
     db: Database, settings: Settings, op_id: str | None, replica_ids: list[str], budget: Budget
 ) -> Deleted:
     """Delete up to ``DELETE_BATCH`` replicas: mark, release at once, retire in one transaction."""
-    if not replica_ids or not all(isinstance(r, str) for r in replica_ids):
+    if (
+        not isinstance(replica_ids, list | tuple)
+        or not replica_ids
+        or not all(isinstance(r, str) for r in replica_ids)
+    ):
         raise InputError("replica_ids must be a non-empty list of replica ids")
     doomed = begin_deletes(db, settings, replica_ids, op_id)
     outcomes = release_all(settings, doomed, budget)

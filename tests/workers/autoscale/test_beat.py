@@ -19,8 +19,8 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
 from workers.autoscale import demand
 from workers.functions import deploy, spec_from

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from config.settings import get_settings
 from workers.autoscale.decision import (
     Decision,
     Facts,
@@ -159,6 +160,14 @@ def test_in_panic_the_target_never_goes_down_even_after_the_stable_window() -> N
     # without panic the stable window (10 s) would have let the target fall to 3 by now
 
 
+def test_in_panic_a_target_raised_elsewhere_is_not_lowered() -> None:
+    # panicking, its floor 2; since then an operator's `corral scale` set the target to 8
+    window = Window([(994.0, 0.0)], panic_since=998.0, first_seen=900.0, panic_pods=2)
+    d, after = decide(POLICY, facts(target=8, ready=2), window, Observation(1000.0, 3.0, 1000.0))
+    assert d.panicking and d.panic == 5  # ceil(3 / 0.7) = 5 >= 2 x 2 ready
+    assert d.desired == 8 and after.panic_pods == 8  # not 5: panic never scales down
+
+
 def test_panic_ends_a_stable_window_after_the_last_crossing() -> None:
     pol = Policy(stable_window_s=10, panic_window_s=2, panic_threshold=2.0, max_scale_up_rate=10)
     run = Run(facts(min_replicas=1, target=1, ready=1), policy=pol)
@@ -262,3 +271,86 @@ def test_should_scale_tops_up_a_target_that_lost_replicas() -> None:
     assert should_scale(d, facts(target=3, counted=1), scale_open=False)  # reaped under it
     assert not should_scale(d, facts(target=3, counted=5), scale_open=False)  # busy surplus
     assert not should_scale(d, facts(target=3, counted=1), scale_open=True)
+
+
+# -- the edges mutation testing found untested (python -m testkit.mutation) -----------------
+
+
+def test_a_demand_within_rounding_of_zero_asks_for_no_replica() -> None:
+    assert replicas_for(1e-10, 1, 0.7) == 0
+
+
+def test_a_second_pass_at_the_same_instant_keeps_the_first_ones_sample() -> None:
+    window = Window([(994.0, 0.0), (1000.0, 7.0)], None, 900.0)
+    d, after = decide(POLICY, facts(target=10, ready=10), window, Observation(1000.0, 0.0))
+    assert d.stable == 10 and not d.fresh  # ceil(7 / 0.7): the sample at this very instant
+    assert after.samples == [(994.0, 0.0), (1000.0, 7.0), (1000.0, 0.0)]
+
+
+def test_a_fresh_window_keeps_the_ready_replicas_as_its_floor_above_the_target() -> None:
+    # a lost window, five replicas ready while the target says three (a scale-down under way)
+    d, after = decide(POLICY, facts(target=3, ready=5), Window(), Observation(1000.0, 0.0))
+    assert d.fresh and d.panicking and d.desired == 5 and after.panic_pods == 5
+
+
+def test_calm_again_the_panic_floor_is_forgotten() -> None:
+    pol = Policy(stable_window_s=10, panic_window_s=2, panic_threshold=2.0, max_scale_up_rate=10)
+    run = Run(facts(min_replicas=1, target=1, ready=1), policy=pol)
+    run.tick(7.0, ready=1)
+    assert run.window.panic_pods == 10
+    for _ in range(5):
+        run.tick(0.0, ready=10)
+    assert run.window.panic_since is None and run.window.panic_pods == 0
+
+
+def test_a_rise_exactly_to_the_cap_is_not_capped() -> None:
+    run = Run(facts(target=1, ready=2, max_replicas=1000))
+    d = run.tick(14.0, ready=2)  # asks for ceil(14 / 0.7) = 20 = 10 x 2 ready
+    assert d.desired == 20 and d.capped is False and d.slowed is False
+
+
+def test_a_decision_as_plain_data() -> None:
+    d = Run(facts(target=1)).tick(2.8)
+    assert d.as_dict() == {
+        "desired": 4,
+        "stable": 4,
+        "panic": 4,
+        "panicking": True,  # 4 asked for against 1 ready: twice the threshold
+        "floor": 1,  # no scale to zero: an autoscaled function keeps one
+        "capped": False,
+        "slowed": False,
+        "fresh": False,
+    }
+
+
+@pytest.mark.parametrize(("warm", "floor"), [(True, 1), (False, 0)])
+def test_adaptive_keep_alive_decides_the_floor_instead_of_the_request_clock(
+    warm: bool, floor: int
+) -> None:
+    f = facts(target=1, scale_to_zero_after_s=3600.0)  # the request clock would keep one
+    obs = Observation(1000.0, 0.0, last_request_at=999.0, warm=warm)
+    d, _ = decide(POLICY, f, Window([(994.0, 0.0)], None, 900.0), obs)
+    assert d.floor == floor and d.desired == floor
+
+
+def test_the_policy_is_the_settings() -> None:
+    settings = get_settings().model_copy(
+        update={
+            "autoscale_target_utilization": 0.5,
+            "autoscale_stable_window_s": 30.0,
+            "autoscale_panic_window_s": 3.0,
+            "autoscale_panic_threshold": 3.0,
+            "autoscale_max_scale_up_rate": 4.0,
+            "autoscale_max_scale_down_rate": 5.0,
+        }
+    )
+    assert Policy.from_settings(settings) == Policy(0.5, 30.0, 3.0, 3.0, 4.0, 5.0)
+
+
+def test_a_state_without_samples_keeps_the_rest() -> None:
+    assert Window.from_json(b'{"panic_since": 5.0, "first_seen": 1.0, "panic_pods": 2}') == (
+        Window([], 5.0, 1.0, 2)
+    )
+    assert Window.from_json(b'{"samples": [[1.0, 2.0]], "first_seen": null}') == Window(
+        [(1.0, 2.0)]
+    )

@@ -8,6 +8,7 @@ that class, the fleet through the script.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import Any
@@ -15,17 +16,19 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from sqlalchemy import select
 
 from agents import RunningAgent
 from tasks import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from tests.fixtures import Env, StartAgents
+from tests.fixtures import NO_BROKER, Env, StartAgents
 from tests.workers.replicas.helpers import deploy_fn
 from workers.autoscale import idletimes
 from workers.autoscale.idletimes import Activity, Recorder, Shape, key, load, record
 from workers.autoscale.keepalive import RECENT_OOB, IdleHistogram
 from workers.gateway import serve_gateway
+from workers.store.models import Claim
 
 SHAPE = Shape(bin_s=60.0, range_s=600.0, history=10_000)  # 10 bins of a minute
 
@@ -197,10 +200,31 @@ def test_a_missing_histogram_is_no_history_and_keys_expire(client: redis.Redis) 
     assert 29 * 86_400 < client.ttl(key("f")) <= 30 * 86_400
 
 
-def test_recording_without_redis_loses_only_the_statistic() -> None:
-    dead = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
-    idletimes.record_quietly(dead, SHAPE, {"f": Activity(last=1.0)})  # no exception
-    idletimes.record_quietly(None, SHAPE, {"f": Activity(last=1.0)})
+def test_recording_without_redis_loses_only_the_statistic(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    dead = redis.Redis.from_url(NO_BROKER, socket_connect_timeout=0.5)
+    with pytest.raises(redis.ConnectionError):
+        record(dead, SHAPE, {"f": Activity(last=1.0)})  # what record_quietly keeps quiet
+    with caplog.at_level(logging.DEBUG, logger=idletimes.__name__):
+        idletimes.record_quietly(dead, SHAPE, {"f": Activity(last=1.0)})  # no exception
+        [said] = caplog.records  # the loss is said, once, at debug
+        assert said.levelno == logging.DEBUG
+        assert said.getMessage().startswith("could not record idle times: ")
+        idletimes.record_quietly(None, SHAPE, {"f": Activity(last=1.0)})  # no Redis: nothing
+    assert len(caplog.records) == 1
+
+
+def test_a_release_without_redis_still_releases(corral_env: Env, start_agents: StartAgents) -> None:
+    assert corral_env.settings.broker_url == NO_BROKER  # nothing listens: the statistic is lost
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "hello", min=1)
+    api.spawn("hello")
+    claim = api.claim("hello")
+    assert api.release(claim["claim_id"])["released"]
+    with corral_env.db.read() as s:
+        assert s.scalars(select(Claim)).all() == []  # the environment is free again
+    assert api.claim("hello")["replica_id"] == claim["replica_id"]
 
 
 # -- the claim API -----------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from sqlalchemy import select
 from agents import RunningAgent
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from workers.autoscale import idletimes

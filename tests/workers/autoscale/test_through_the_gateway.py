@@ -22,8 +22,8 @@ from sqlalchemy import select
 from agents import RunningAgent
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from tests.celery_workers import WorkerProcess, start_beat
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env
 from workers.functions import deploy, spec_from
 from workers.gateway import serve_gateway

@@ -17,9 +17,9 @@ from sqlalchemy import select
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import get_settings
 from tasks import api
-from tests.celery_workers import WorkerProcess
+from testkit.processes import WorkerProcess
+from testkit.services import free_port
 from tests.fixtures import Env, sqlite_only
-from tests.services import free_port
 from tests.workers.replicas.test_creates import Counter, CountingDriver
 from workers.backends import inflight, node_slots
 from workers.errors import TransientBackendError

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime, timedelta
 
 import pytest
 from sqlalchemy import select, update
 
-from bench.placement import decide, populate
 from tasks import api
+from testkit.fleets import decide, populate
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import live, per_node
-from workers.errors import InputError
-from workers.store.models import Gpu, Node, Replica
+from workers import clock
+from workers.errors import CapacityError, InputError
+from workers.fleet.placement import reserve_gpu, spread_nodes
+from workers.store.models import Function, Gpu, Node, Replica, ReplicaState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,7 +152,7 @@ def test_unknown_policy_is_refused_at_deploy(corral_env: Env) -> None:
         deploy_fn(corral_env, "f", placement="fastest")
 
 
-def test_placement_bench_decision_changes_nothing(corral_env: Env) -> None:
+def test_a_placement_decision_over_a_populated_fleet_changes_nothing(corral_env: Env) -> None:
     fn_id = populate(corral_env.db, 5, 8)
 
     def snapshot() -> tuple[list[int], list[int], int]:
@@ -164,3 +167,152 @@ def test_placement_bench_decision_changes_nothing(corral_env: Env) -> None:
     for policy in ("loadbalance", "roundrobin", "random", "pack"):
         decide(corral_env.db, fn_id, policy, "best", None)
     assert snapshot() == before
+
+
+# -- GPUs and spread nodes, one decision at a time (the edges mutation testing found) --------
+
+
+def _gpus(env: Env, *specs: tuple[str, int, int, int]) -> dict[str, str]:
+    """GPUs (uuid, free MB, free slots, first port), each of 4 slots and 16 GB, created in
+    order a second apart; their ids by uuid."""
+    with env.db.transaction() as s:
+        for i, (uuid, free_mb, slots_free, port) in enumerate(specs):
+            s.add(
+                Gpu(
+                    uuid=uuid,
+                    server="gs:1",
+                    mngr_addr="gm:1",
+                    mem_total_mb=16_000,
+                    mem_free_mb=free_mb,
+                    slots_total=4,
+                    slots_free=slots_free,
+                    first_port=port,
+                    created_at=datetime(2030, 1, 1, 0, 0, i),
+                )
+            )
+    with env.db.read() as s:
+        return {g.uuid: g.id for g in s.scalars(select(Gpu))}
+
+
+def _reserve(env: Env, fit: str) -> tuple[str, int, dict[str, tuple[int, int]]]:
+    """Reserve one GPU for ``f`` (3,000 MB) and commit; (its uuid, slot, every GPU's free)."""
+    with env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        grant = reserve_gpu(s, fn, fit)
+    with env.db.read() as s:
+        free = {g.uuid: (g.mem_free_mb, g.slots_free) for g in s.scalars(select(Gpu))}
+        uuid = s.scalars(select(Gpu.uuid).where(Gpu.id == grant.gpu_id)).one()
+    assert grant.mem_mb == 3_000
+    return uuid, grant.slot, free
+
+
+def test_best_fit_takes_the_fullest_gpu_that_fits_exactly_or_more(corral_env: Env) -> None:
+    deploy_fn(corral_env, "f", gpu_mem=3_000)
+    _gpus(
+        corral_env,
+        ("g-roomy", 9_000, 4, 4000),
+        ("g-short", 2_999, 4, 4004),  # a megabyte short
+        ("g-exact", 3_000, 2, 4008),  # exactly enough: the best fit
+        ("g-noslot", 3_000, 0, 4012),  # memory, but no worker slot
+    )
+    uuid, slot, free = _reserve(corral_env, "best")
+    assert (uuid, slot) == ("g-exact", 0)
+    assert free == {
+        "g-roomy": (9_000, 4),
+        "g-short": (2_999, 4),
+        "g-exact": (0, 1),
+        "g-noslot": (3_000, 0),
+    }
+    uuid, _, free = _reserve(corral_env, "best")  # nothing exact left: the roomy one
+    assert uuid == "g-roomy" and free["g-roomy"] == (6_000, 3)
+
+
+def test_best_fit_breaks_ties_by_uuid_and_first_fit_takes_the_first_recorded(
+    corral_env: Env,
+) -> None:
+    deploy_fn(corral_env, "f", gpu_mem=3_000)
+    _gpus(
+        corral_env,
+        ("g-b", 5_000, 4, 4000),  # recorded first
+        ("g-a", 5_000, 4, 4004),
+        ("g-c", 4_000, 4, 4008),
+    )
+    assert _reserve(corral_env, "best")[0] == "g-c"  # the least free that fits
+    assert _reserve(corral_env, "best")[0] == "g-a"  # g-a and g-b equal: by uuid
+    assert _reserve(corral_env, "first")[0] == "g-b"  # the first recorded
+
+
+def test_first_fit_orders_gpus_recorded_together_by_port_then_uuid(corral_env: Env) -> None:
+    deploy_fn(corral_env, "f", gpu_mem=3_000)
+    with corral_env.db.transaction() as s:
+        for uuid, port in (("g-a", 4004), ("g-c", 4000), ("g-b", 4000)):
+            s.add(
+                Gpu(uuid=uuid, server="gs:1", mngr_addr="gm:1", mem_total_mb=16_000,
+                    mem_free_mb=16_000, slots_total=4, slots_free=4, first_port=port,
+                    created_at=datetime(2030, 1, 1))
+            )  # fmt: skip
+    assert _reserve(corral_env, "first")[0] == "g-b"  # the lowest port, then the uuid
+    with corral_env.db.transaction() as s:
+        s.execute(update(Gpu).where(Gpu.uuid == "g-b").values(slots_free=0))
+    assert _reserve(corral_env, "first")[0] == "g-c"  # the same port: by uuid
+    with corral_env.db.transaction() as s:
+        s.execute(update(Gpu).where(Gpu.uuid == "g-c").values(slots_free=0))
+    assert _reserve(corral_env, "first")[0] == "g-a"
+
+
+def test_a_gpu_whose_slots_replicas_hold_is_given_back_and_another_taken(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "f", gpu_mem=3_000)
+    ids = _gpus(corral_env, ("g-lying", 3_000, 1, 4000), ("g-true", 8_000, 4, 4004))
+    # the counters say g-lying has a slot; replica rows hold all four
+    with corral_env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        for slot in range(4):
+            held = Replica(request_id=f"held-{slot}", function_id=fn.id, build_version="b",
+                           status=int(ReplicaState.DEAD))  # fmt: skip
+            held.gpu_id, held.gpu_slot = ids["g-lying"], slot
+            s.add(held)
+    uuid, slot, free = _reserve(corral_env, "best")
+    assert (uuid, slot) == ("g-true", 0)
+    assert free == {"g-lying": (3_000, 1), "g-true": (5_000, 3)}  # g-lying's given back
+
+
+def test_no_gpu_that_fits_is_a_capacity_error_that_changes_nothing(corral_env: Env) -> None:
+    deploy_fn(corral_env, "f", gpu_mem=3_000)
+    _gpus(corral_env, ("g-small", 2_000, 4, 4000), ("g-full", 9_000, 0, 4004))
+    with corral_env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        with pytest.raises(CapacityError, match=r"no GPU capacity for f \(3000 MB\)"):
+            reserve_gpu(s, fn, "best")
+    with corral_env.db.read() as s:
+        assert {g.uuid: (g.mem_free_mb, g.slots_free) for g in s.scalars(select(Gpu))} == {
+            "g-small": (2_000, 4),
+            "g-full": (9_000, 0),
+        }
+
+
+def test_spread_puts_replicas_on_every_placeable_node_of_its_kind_by_name(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(4, env=corral_env)
+    deploy_fn(corral_env, "f")
+    with corral_env.db.transaction() as s:
+        s.add(Node(name="aa-lambdo", kind="lambdo", address="127.0.0.1:9", capacity=4))
+        s.execute(update(Node).where(Node.name == "node2").values(healthy=False))
+        s.execute(update(Node).where(Node.name == "node3").values(draining=True))
+        s.execute(
+            update(Node)
+            .where(Node.name == "node4")
+            .values(quarantined_until=clock.now() + timedelta(minutes=5))
+        )
+    with corral_env.db.read() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        names = {n.id: n.name for n in s.scalars(select(Node))}
+        assert [names[i] for i in spread_nodes(s, fn)] == ["node1"]
+    with corral_env.db.transaction() as s:  # the quarantine is over: node4 again, in order
+        s.execute(update(Node).values(quarantined_until=clock.now() - timedelta(seconds=1)))
+    with corral_env.db.read() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        assert [names[i] for i in spread_nodes(s, fn)] == ["node1", "node4"]

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 
 from agents.gpus import serve_gpus
 from tasks import api
-from tests.celery_workers import WorkerProcess
+from testkit.processes import WorkerProcess
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn
 from tests.workers.fleet.helpers import audit_gpus

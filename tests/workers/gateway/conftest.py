@@ -13,7 +13,6 @@ waits for that. :func:`free_port` and :func:`wait_healthy` serve the tests that 
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,13 +33,6 @@ from workers.store.models import Claim, Replica
 
 HOSTILE = "tests.workers.gateway.hostile"  # the image of a replica whose answers attack
 CALLEE = "tests.workers.gateway.callee"  # the image of a function that records its calls
-
-
-def free_port() -> int:
-    """A loopback port free now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_healthy(url: str) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.workers.gateway.conftest import HOSTILE, Stack, free_port, wait_healthy
+from testkit.services import free_port
+from tests.workers.gateway.conftest import HOSTILE, Stack, wait_healthy
 
 MiB = 1024 * 1024
 TOKEN = "t0ken"

@@ -25,8 +25,8 @@ from tasks.cli import main
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit.eventually import eventually
 from tests.celery_workers import worker_thread
-from tests.eventually import eventually
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from tests.workers.gateway.conftest import CALLEE, Stack

@@ -23,8 +23,9 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 
-from tests.eventually import eventually
-from tests.workers.gateway.conftest import Stack, free_port, wait_healthy
+from testkit.eventually import eventually
+from testkit.services import free_port
+from tests.workers.gateway.conftest import Stack, wait_healthy
 
 MiB = 1024 * 1024
 

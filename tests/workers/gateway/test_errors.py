@@ -14,7 +14,7 @@ from pydantic import SecretStr
 
 from tasks import api
 from tasks.cli import main
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.gateway import ListenRefused, check_listen
 from workers.store.models import ReplicaState

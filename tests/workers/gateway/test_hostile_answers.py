@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from testkit.eventually import eventually
+from testkit.services import PostgresServer, RedisServer
 from tests.celery_workers import shared_broker_env, worker_thread
-from tests.eventually import eventually
-from tests.services import PostgresServer, RedisServer
 from tests.workers.gateway.conftest import data_path
 from tests.workers.gateway.gateway_process import AUTH, BUDGET, TOKEN, Gateway, MiB, gateway_process
 from workers.store.db import get_database

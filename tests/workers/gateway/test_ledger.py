@@ -15,7 +15,7 @@ import httpx
 import redis
 
 from tasks import api
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers import clock
 from workers.autoscale import demand

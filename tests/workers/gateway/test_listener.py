@@ -6,6 +6,10 @@ header was complete: one connection without a token made the gateway spend secon
 CPU on it, and everyone's calls waited. Here ``corral gateway`` runs as an operator
 runs it (its own process, a token set); two callers at a time, one after another, send
 such a value while an authorised caller calls a warm function.
+
+What is measured is what the gateway spends, not how long anything took: a busy machine
+stretches every wall-clock time, but not the CPU the gateway burns per attack nor the
+bytes it takes before it answers.
 """
 
 from __future__ import annotations
@@ -20,41 +24,43 @@ import threading
 import time
 
 import httpx
+import psutil
 
-from tests.eventually import eventually
+from testkit.eventually import eventually
+from testkit.services import free_port
 from tests.workers.gateway.conftest import Stack
 
 TOKEN = "listener-t0ken"
 MiB = 1024 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _unterminated_value(port: int, cap: int = 64 * MiB) -> tuple[float, bytes]:
-    """Send ``X-Long: aaaa…`` until the gateway stops taking it; (seconds, what it answered)."""
-    started = time.monotonic()
+def _unterminated_value(port: int, cap: int = 64 * MiB) -> tuple[int, bytes]:
+    """Send ``X-Long: aaaa…`` until the gateway stops taking it; (bytes sent, its answer)."""
+    sent = 0
     with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
         sock.sendall(b"GET /function/hello HTTP/1.1\r\nHost: gw\r\nX-Long: ")
         chunk = b"a" * 65536
         with contextlib.suppress(OSError):
             for _ in range(cap // len(chunk)):
                 sock.sendall(chunk)
+                sent += len(chunk)
         answer = b""
         with contextlib.suppress(OSError):
             while piece := sock.recv(4096):
                 answer += piece
-    return time.monotonic() - started, answer
+    return sent, answer
 
 
-def test_an_unterminated_header_value_is_431_within_a_second_and_stalls_nobody(
+def _cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def test_an_unterminated_header_value_is_431_at_once_and_costs_the_gateway_little(
     stack: Stack,
 ) -> None:
     stack.deploy("hello")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
         env={**os.environ, "CORRAL_GATEWAY_TOKEN": TOKEN},
@@ -63,7 +69,7 @@ def test_an_unterminated_header_value_is_431_within_a_second_and_stalls_nobody(
     )
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    attacks: list[tuple[float, bytes]] = []
+    attacks: list[tuple[int, bytes]] = []
     stop = threading.Event()
 
     def attack() -> None:
@@ -74,6 +80,8 @@ def test_an_unterminated_header_value_is_431_within_a_second_and_stalls_nobody(
         with httpx.Client(base_url=url, headers=auth, timeout=20) as client:
             eventually(lambda: _answers(client, "/healthz"), 60, "the gateway to listen")
             eventually(lambda: _answers(client, "/function/hello"), 60, "a warm replica")
+            gateway = psutil.Process(proc.pid)
+            cpu_before = _cpu_s(gateway)
             attackers = [threading.Thread(target=attack, daemon=True) for _ in range(2)]
             for attacker in attackers:
                 attacker.start()
@@ -88,17 +96,22 @@ def test_an_unterminated_header_value_is_431_within_a_second_and_stalls_nobody(
                 stop.set()
                 for attacker in attackers:
                     attacker.join(60)
+            cpu_per_attack = (_cpu_s(gateway) - cpu_before) / max(1, len(attacks))
         assert attacks, "no attack was made"
-        slowest = max(seconds for seconds, _ in attacks)
+        most = max(sent for sent, _ in attacks)
         answers = {answer[:12] for _, answer in attacks}
-        p50 = statistics.median(took)
         seen = (
-            f"{len(attacks)} attacks answered {answers}, the slowest in {slowest:.2f}s; "
-            f"authorised calls' p50 {p50 * 1000:.1f} ms over {len(took)} calls"
+            f"{len(attacks)} attacks answered {answers} after at most {most / MiB:.1f} MiB; "
+            f"the gateway's CPU per attack {cpu_per_attack * 1000:.1f} ms (with "
+            f"{len(took)} authorised calls, all answered 200, p50 "
+            f"{statistics.median(took) * 1000:.1f} ms)"
         )
         print(seen)
-        assert answers == {b"HTTP/1.1 431"} and slowest < 1.0, seen
-        assert p50 < 0.050, seen
+        # answered long before the attacker ran out of header to send (the loopback's
+        # socket buffers hold a few MiB of what was sent before the gateway closed)
+        assert answers == {b"HTTP/1.1 431"} and most < 32 * MiB, seen
+        # a head copied whole at every read cost seconds of CPU per attack
+        assert cpu_per_attack < 0.05, seen
     finally:
         proc.terminate()
         proc.wait(15)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import redis
 
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.autoscale import demand
 from workers.store.models import FINAL_STATES, ReplicaState

@@ -21,11 +21,12 @@ from opentelemetry.trace import SpanKind
 from pydantic import SecretStr
 
 from agents import ProcessDriver, serve_fcdaemon
-from bench import otlp_sink
 from config.settings import ConfigError
 from tasks import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit import otlp_sink
+from testkit.eventually import eventually
 from tests.fixtures import Env
 from tests.workers.replicas.helpers import deploy_fn
 from workers import stages, tracing
@@ -95,10 +96,8 @@ def data_path(
     )
     gateway = None
     try:
-        deadline = time.monotonic() + 15
-        while not api.nodes(settings=env.settings):  # the agent registers itself
-            assert time.monotonic() < deadline, "the agent did not register"
-            time.sleep(0.05)
+        # the agent registers itself (retrying with backoff while the registry starts)
+        eventually(lambda: api.nodes(settings=env.settings), 60, "the agent to register")
         deploy_fn(env, "traced", image="examples.hello", readiness="guest")
         gateway = serve_gateway(
             env.settings.model_copy(

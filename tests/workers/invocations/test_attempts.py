@@ -13,9 +13,9 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import update
 
+from testkit import terminals
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
-from tests.workers.invocations import terminals
 from workers import clock
 from workers.invocations import attempts, records
 from workers.invocations.attempts import Answer, Attempt, Outcome, Verdict

@@ -23,11 +23,11 @@ from tests.workers.replicas.helpers import (
 )
 from workers import clock, leases
 from workers.errors import InputError
-from workers.maintenance.reap_report import ReapReport
+from workers.maintenance.reap_report import Reaped, ReapReport
 from workers.maintenance.reaper import LEASE, reap
 from workers.replicas.claims import claim, release
 from workers.replicas.delete import begin_delete
-from workers.store.models import Function, Node, ReplicaState
+from workers.store.models import Function, Node, Replica, ReplicaState
 
 
 def _reap(env: Env, **kwargs: object) -> ReapReport:
@@ -195,18 +195,27 @@ def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) 
 
     clock.travel(corral_env.settings.boot_deadline_s + 1)
     report = _reap(corral_env)
-    assert [d.replica_id for d in report.deleted] == [booting.id]
+    boot_error = "stuck in starting: the guest did not report ready within 60s"
+    assert report.deleted == [
+        Reaped(booting.id, "booting", "stuck", "stuck in starting", booting.vmid, "node1",
+               "retired", boot_error)
+    ]  # fmt: skip
+    assert report.counts == {"stuck": 1, "stale": 0, "idle": 0}
     clock.travel(corral_env.settings.creating_deadline_s)
     report = _reap(corral_env)
-    assert {d.replica_id: d.reason for d in report.deleted} == {
-        pending.replica_id: "stuck",
-        doomed.id: "stuck",
-    }
+    create_error = "stuck in creating: no answer from the node within 300s"
+    assert sorted(report.deleted, key=lambda d: d.detail) == [
+        Reaped(pending.replica_id, "hello", "stuck", "stuck in creating", None, "node1",
+               "retired", create_error),
+        Reaped(doomed.id, "hello", "stuck", "stuck in deleting", doomed.vmid, "node1",
+               "deleted", None),
+    ]  # fmt: skip
     rows = by_id(corral_env)
-    assert rows[pending.replica_id].status == ReplicaState.DEAD
-    assert "stuck in creating" in (rows[pending.replica_id].error or "")
-    assert rows[booting.id].status == ReplicaState.DEAD
-    assert "stuck in starting" in (rows[booting.id].error or "")
+    assert (rows[pending.replica_id].status, rows[pending.replica_id].error) == (
+        ReplicaState.DEAD,
+        create_error,
+    )
+    assert (rows[booting.id].status, rows[booting.id].error) == (ReplicaState.DEAD, boot_error)
     assert rows[doomed.id].status == ReplicaState.DELETED
     assert released(agents) == {booting.vmid: 1, doomed.vmid: 1}
     assert _live_on_nodes(corral_env) == 0
@@ -327,3 +336,57 @@ def test_reap_through_the_api_records_the_report(
     assert view["status"] == "succeeded", view
     with pytest.raises(InputError, match="idle timeout"):
         api.reap(idle_timeout="soon")  # type: ignore[arg-type]
+
+
+# -- the edges mutation testing found untested (python -m testkit.mutation) -----------------
+
+
+def test_a_stale_replica_kept_for_min_asks_for_the_fresh_ones_missing(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "pinned", min=2)
+    deploy_fn(corral_env, "other")
+    stale = spawn_idle(corral_env, "pinned", 2)
+    deploy_fn(corral_env, "pinned", min=2, env={"BUILD": "2"})  # both stale now
+    fresh = [r for r in spawn_idle(corral_env, "pinned", 2) if r.id not in {s.id for s in stale}]
+    begin_delete(corral_env.db, corral_env.settings, fresh[1].id)  # fresh, on its way out
+    spawn_idle(corral_env, "other", 3)  # fresh replicas of another function, of the same
+    with corral_env.db.transaction() as s:  # build (build versions are deploy times)
+        build = s.scalar(select(Function.build_version).where(Function.name == "pinned"))
+        s.execute(update(Function).values(build_version=build))
+        s.execute(update(Replica).where(Replica.function_id != fresh[0].function_id).values(
+            build_version=build
+        ))  # fmt: skip
+    report = _reap(corral_env)
+    # three counted (two stale, one fresh): one stale may go, the other is kept for min,
+    # and the one fresh replica of the two min asks for is missing
+    assert report.counts == {"stuck": 0, "stale": 1, "idle": 0}
+    assert report.kept_for_min == {"pinned": 1}
+    assert report.replace == {"pinned": 1}
+
+
+def test_a_stuck_create_still_owned_by_a_live_handler_is_left_to_it(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    corral_env.set(creating_deadline_s="5")  # past its deadline long before its owner's
+    start_agents(1, env=corral_env)
+    fn_id = deploy_fn(corral_env)
+    pending = creating(corral_env, fn_id, "req-owned")
+    clock.travel(6)
+    assert _reap(corral_env).deleted == []  # its handler may yet record its VM
+    assert by_id(corral_env)[pending.replica_id].status == ReplicaState.CREATING
+    clock.travel(corral_env.settings.task_time_limit_s)  # the handler's ownership lapsed
+    assert [d.replica_id for d in _reap(corral_env).deleted] == [pending.replica_id]
+
+
+def test_the_stuck_sweep_stops_at_the_batch(corral_env: Env, start_agents: StartAgents) -> None:
+    start_agents(1, env=corral_env)
+    fn_id = deploy_fn(corral_env)
+    first = creating(corral_env, fn_id, "req-1")
+    clock.travel(1)
+    creating(corral_env, fn_id, "req-2")
+    clock.travel(corral_env.settings.creating_deadline_s + corral_env.settings.task_time_limit_s)
+    report = _reap(corral_env, batch=1)
+    assert [d.replica_id for d in report.deleted] == [first.replica_id]  # the oldest deadline
+    assert report.more

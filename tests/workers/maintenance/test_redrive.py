@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import select
 
 from tasks import api
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import broker_drained, deploy_fn, one_agent, operation, result_of, spawn_ok
 from workers import clock

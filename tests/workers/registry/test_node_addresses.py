@@ -24,7 +24,7 @@ from protos import resmngr_grpc, resmngr_pb2
 from tasks import api
 from tasks.cli import main
 from tasks.maintenance import QUEUE
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env
 from tests.helpers import deploy_fn, replicas, spawn_ok
 from workers.backends import networks

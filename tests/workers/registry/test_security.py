@@ -26,7 +26,7 @@ from protos import (
 )
 from tasks.cli import main
 from tasks.maintenance import QUEUE
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env
 from tests.grpc_calls import code_of, half_sent
 from tests.helpers import creating, record_vm

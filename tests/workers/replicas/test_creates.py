@@ -22,7 +22,7 @@ from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings
 from tasks import api
 from tasks.replicas import delete_batch, spawn_batch
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import lapsed, result_of
 from workers import backends, clock

@@ -1,5 +1,7 @@
 """The table of moves (workers/store/states.py) against the code that carries it out.
 
+The table on its own is tested in tests/workers/store/test_states.py.
+
 Every move the code makes is in the table (a trigger in the store logs every status the
 production paths write while they spawn, lend, make maybes, reap and delete); a move the
 table does not list is refused and changes nothing; and each move does the bookkeeping
@@ -14,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from pathlib import Path
 
 import grpc
 import pytest
@@ -35,15 +36,12 @@ from workers.replicas.owners import Budget
 from workers.replicas.spawn import SpawnJob, run_batch
 from workers.store.models import Claim, Function, Node, Operation, Replica, ReplicaState, new_id
 from workers.store.states import (
-    FINAL_STATES,
-    LIVE_STATES,
     MOVES,
     RULES,
     Deadline,
     IllegalMove,
     Move,
     OnOperation,
-    markdown,
 )
 
 S = ReplicaState
@@ -53,27 +51,6 @@ IDLE_TIMEOUT_S = 42
 
 
 # -- the table itself ----------------------------------------------------------------------
-
-
-def test_the_table_never_leaves_a_final_state_and_can_always_end_a_live_one() -> None:
-    assert not [m for m in MOVES.values() if m.source in FINAL_STATES]
-    for state in LIVE_STATES:  # health ends any live replica Dead; a delete marks it Deleting
-        assert (state, S.DEAD) in MOVES and (state, S.DELETING) in MOVES, state
-    assert {m.target for m in MOVES.values() if m.source is None} == {S.CREATING, S.DEAD}
-
-
-def test_what_a_move_does_follows_from_its_two_states() -> None:
-    creating_to_maybe = MOVES[(S.CREATING, S.MAYBE)]
-    assert (creating_to_maybe.count, creating_to_maybe.operation) == (-1, OnOperation.HANDED_ON)
-    assert "maybe_of" in creating_to_maybe.writes and creating_to_maybe.disowns
-    assert MOVES[(S.MAYBE, S.IDLE)].count == 1  # adopted: counted again
-    assert MOVES[(S.MAYBE, S.IDLE)].first_ready and not MOVES[(S.ALLOCATED, S.IDLE)].first_ready
-    assert MOVES[(S.IDLE, S.DELETING)].count == -1 and not MOVES[(S.IDLE, S.DELETING)].retires
-    dead = MOVES[(S.DELETING, S.DEAD)]
-    assert dead.retires and dead.operation == OnOperation.FAILED and dead.count == 0
-    moved = MOVES[(S.CREATING, S.CREATING)]
-    assert moved.unsends and moved.disowns and moved.deadline == Deadline.CREATE
-    assert not MOVES[(S.CREATING, S.MAYBE)].unsends  # a maybe keeps its sent mark
 
 
 def test_a_claim_takes_with_one_statement_because_its_two_moves_write_the_same() -> None:
@@ -88,11 +65,6 @@ def test_a_claim_takes_with_one_statement_because_its_two_moves_write_the_same()
 
 def test_every_state_is_an_outcome_a_handler_can_report() -> None:
     assert {Outcome.of(state) for state in ReplicaState} <= set(Outcome)
-
-
-def test_the_architecture_doc_shows_the_table() -> None:
-    doc = (Path(__file__).parents[3] / "docs" / "architecture.md").read_text()
-    assert markdown() in doc, "docs/architecture.md: paste workers.store.states.markdown()"
 
 
 # -- every move the code makes is in the table ---------------------------------------------

@@ -17,7 +17,7 @@ from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
 from tasks import api
 from tasks.maintenance import QUEUE
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import lapsed, operation, replicas
 from tests.workers.replicas.helpers import (

@@ -17,7 +17,7 @@ from sqlalchemy import select, update
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from tasks import api
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
 from tests.workers.replicas.helpers import no_drift, nodes, running, spawn_idle

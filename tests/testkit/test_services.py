@@ -1,7 +1,8 @@
-"""Tests for the test-service fixtures in tests/services.py."""
+"""The test services (testkit/services.py) and the suite's fixtures (tests/services.py)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import socket
@@ -12,7 +13,13 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from tests.services import PostgresServer, RedisServer, find_pg_bindir, make_shared_tempdir
+from testkit.services import (
+    PostgresServer,
+    RedisServer,
+    find_pg_bindir,
+    free_port,
+    make_shared_tempdir,
+)
 
 
 def _accepts(port: int) -> bool:
@@ -184,3 +191,35 @@ def test_as_root_a_server_nobody_cannot_reach_runs_from_a_copy(tmp_path: Path) -
             assert conn.execute("SELECT 1").fetchone() == (1,)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------- free_port
+
+
+def _defines(path: Path, names: set[str]) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(
+        isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name in names
+        for node in ast.walk(tree)
+    )
+
+
+SOURCES = ("config", "tasks", "workers", "agents", "netplumb", "stack", "examples", "testkit",
+           "bench", "tests")  # fmt: skip
+
+
+def test_there_is_one_free_port_in_the_tree() -> None:
+    root = Path(__file__).resolve().parents[2]
+    found = sorted(
+        str(path.relative_to(root))
+        for top in SOURCES
+        for path in (root / top).rglob("*.py")
+        if _defines(path, {"free_port", "_free_port"})
+    )
+    assert found == ["stack/redis.py"]  # testkit.services names it for the tests and benches
+
+
+def test_free_port_is_free_on_loopback() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # raises if it was taken

@@ -1,6 +1,6 @@
 """A whole corral fleet on namespace hosts: started as an operator would, faulted by the nemesis.
 
-:class:`Fleet` starts, on the hosts :class:`bench.nsprocs.Layout` describes, the broker
+:class:`Fleet` starts, on the hosts :class:`testkit.nsprocs.Layout` describes, the broker
 and the store (each with a password), ``corral db upgrade``'s migrations, the registry,
 the agents (which register themselves), ``corral nodes add`` for each node's capacity and
 replica network, the functions, the workers, beat and the gateway. Every process gets
@@ -29,8 +29,9 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
-from bench.netns import Launcher, Network
-from bench.nsprocs import (
+from config.settings import get_settings, reset_settings
+from testkit.netns import Launcher, Network
+from testkit.nsprocs import (
     AGENT_PORT,
     LAMBDO_PORT,
     REPLICA_PORTS,
@@ -45,8 +46,7 @@ from bench.nsprocs import (
     vms_by_host,
     worker_argv,
 )
-from bench.soak import SOAK_ENV
-from config.settings import get_settings, reset_settings
+from testkit.soak_plan import SOAK_ENV
 from workers.celery import configure
 from workers.functions import deploy, spec_from
 from workers.store.db import Database, get_database

@@ -4,7 +4,7 @@
 measure what tracing costs when it is on; the tests use it to check that spans really
 leave a process over OTLP. It speaks the collector's ``TraceService.Export`` and keeps
 each span's service, name, trace id and parent (up to ``keep`` spans; it counts them
-all). ``python -m bench.otlp_sink [--listen 127.0.0.1:4317]`` runs one in the
+all). ``python -m testkit.otlp_sink [--listen 127.0.0.1:4317]`` runs one in the
 foreground and prints what arrives.
 """
 
@@ -108,7 +108,7 @@ def serve(listen: str = "127.0.0.1:0", *, keep: int = 100_000, echo: bool = Fals
 
 def main(argv: list[str] | None = None) -> int:
     """Serve a sink in the foreground, printing each span."""
-    parser = argparse.ArgumentParser(prog="python -m bench.otlp_sink", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m testkit.otlp_sink", description=__doc__)
     parser.add_argument("--listen", default="127.0.0.1:4317")
     args = parser.parse_args(argv)
     running = serve(args.listen, keep=0, echo=True)

@@ -20,7 +20,7 @@ Recorded while the run goes on:
   ``rows_over_capacity`` / ``vms_over_capacity``.
 
 Judged at the end (:func:`final_state`): every VM an agent runs has exactly one live
-row and every live row's VM runs on its node (:func:`bench.history.compare`, with
+row and every live row's VM runs on its node (:func:`testkit.history.compare`, with
 ``/proc`` as the truth of what runs); ``ops_open``: no operation at all - the load's,
 the gateway's cold starts, the housekeeping passes' - is still pending or running;
 ``ops_failed_by_a_bug``: none ended failed because a task raised a programming error
@@ -45,9 +45,9 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from bench.history import compare
-from bench.nsfleet import CALLED, Fleet
 from config.settings import Settings
+from testkit.history import compare
+from testkit.nsfleet import CALLED, Fleet
 from workers.replicas.maybes import MARK
 from workers.store.models import (
     LIVE_STATES,

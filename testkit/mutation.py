@@ -1,0 +1,147 @@
+"""Mutation testing of corral's core rules: ``python -m testkit.mutation``, one score per module.
+
+A test suite proves what it claims only if breaking the code breaks a test. mutmut makes
+one-line changes to the rules' modules (a ``<`` for a ``<=``, a term dropped from a
+``max``, a constant changed, a condition negated), one at a time, and runs the tests
+that cover the changed function; a mutant no test fails on *survived*, a mutant in code
+no selected test runs has *no tests*. Both count against the score:
+
+    score = (killed + timed out) / every mutant
+
+The modules and the tests run against them are mutmut's configuration in
+``pyproject.toml`` (``[tool.mutmut]``: ``only_mutate`` and
+``pytest_add_cli_args_test_selection``; the tests run in one process on SQLite, ``-k "not
+postgres"``). This command runs mutmut over them (in ``mutants/``, a copy of the tree; the
+checkout itself is never changed), then prints each module's score and every mutant that
+was not killed - ``mutmut show NAME`` shows its diff - and exits 1 when the whole is below
+``--aim`` (90 % by default). mutmut keeps its results in ``mutants/`` and runs again only
+what changed since (a mutant of a function whose code changed is tested again); after
+tests were added, ``--recheck`` tests again every mutant not killed; ``--fresh`` starts
+over. docs/benchmarks.md ("Mutation testing") has the last scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mutmut.stats import status_by_exit_code
+
+ROOT = Path(__file__).resolve().parent.parent
+MUTANTS = ROOT / "mutants"
+DETECTED = {"killed", "timeout"}
+
+
+@dataclass
+class Score:
+    """One module's mutants, by outcome."""
+
+    path: str
+    outcomes: Counter[str] = field(default_factory=Counter)
+    undetected: list[tuple[str, str]] = field(default_factory=list)  # (mutant, outcome)
+
+    @property
+    def total(self) -> int:
+        """Every mutant of the module."""
+        return sum(self.outcomes.values())
+
+    @property
+    def detected(self) -> int:
+        """Mutants a test failed on (or ran too long with)."""
+        return sum(n for outcome, n in self.outcomes.items() if outcome in DETECTED)
+
+    @property
+    def percent(self) -> float:
+        """Detected mutants as a percentage of all (100 for a module with none)."""
+        return 100.0 * self.detected / self.total if self.total else 100.0
+
+
+def modules(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The modules mutated: ``[tool.mutmut] only_mutate``."""
+    with pyproject.open("rb") as f:
+        return list(tomllib.load(f)["tool"]["mutmut"]["only_mutate"])
+
+
+def scores(paths: list[str], mutants: Path = MUTANTS) -> list[Score]:
+    """Each module's outcomes, read from mutmut's results (``mutants/<path>.meta``)."""
+    out = []
+    for path in paths:
+        score = Score(path)
+        meta = mutants / f"{path}.meta"
+        if meta.exists():
+            for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+                outcome = status_by_exit_code[code]
+                score.outcomes[outcome] += 1
+                if outcome not in DETECTED:
+                    score.undetected.append((name, outcome))
+        out.append(score)
+    return out
+
+
+def report(all_scores: list[Score]) -> str:
+    """The scores as a table, then every mutant not detected."""
+    lines = [f"{'module':<36}{'mutants':>8}{'killed':>8}{'survived':>9}{'no tests':>9}{'score':>8}"]
+    for s in all_scores:
+        lines.append(
+            f"{s.path:<36}{s.total:>8}{s.detected:>8}{s.outcomes['survived']:>9}"
+            f"{s.outcomes['no tests']:>9}{s.percent:>7.1f}%"
+        )
+    total = sum(s.total for s in all_scores)
+    detected = sum(s.detected for s in all_scores)
+    whole = 100.0 * detected / total if total else 100.0
+    lines.append(f"{'all':<36}{total:>8}{detected:>8}{'':>18}{whole:>7.1f}%")
+    missed = [m for s in all_scores for m in s.undetected]
+    if missed:
+        lines += ["", "not detected (mutmut show NAME):"]
+        lines += [f"  {outcome:<12} {name}" for name, outcome in missed]
+    return "\n".join(lines)
+
+
+def whole_percent(all_scores: list[Score]) -> float:
+    """Detected mutants of every module, as a percentage of all."""
+    total = sum(s.total for s in all_scores)
+    return 100.0 * sum(s.detected for s in all_scores) / total if total else 100.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run mutmut over the core rules and print the scores; 1 if below the aim."""
+    parser = argparse.ArgumentParser(
+        prog="python -m testkit.mutation", description=__doc__.split("\n\n")[0] if __doc__ else ""
+    )
+    parser.add_argument("--aim", type=float, default=90.0, help="least score, %% (default 90)")
+    parser.add_argument("--fresh", action="store_true", help="forget earlier results first")
+    parser.add_argument(
+        "--report-only", action="store_true", help="print the last run's scores, run nothing"
+    )
+    parser.add_argument(
+        "--recheck",
+        action="store_true",
+        help="test again only the mutants not killed last time (after tests were added)",
+    )
+    parser.add_argument("--jobs", type=int, help="mutants tested at once (default: the CPUs)")
+    args = parser.parse_args(argv)
+    if not args.report_only:
+        if args.fresh:
+            shutil.rmtree(MUTANTS, ignore_errors=True)
+        jobs = ["--max-children", str(args.jobs)] if args.jobs else []
+        names = [n for s in scores(modules()) for n, _ in s.undetected] if args.recheck else []
+        if names or not args.recheck:  # no names: mutmut runs what it has not yet
+            run = [sys.executable, "-m", "mutmut", "run", *jobs, *names]
+            done = subprocess.run(run, cwd=ROOT, check=False)
+            if done.returncode != 0:
+                print(f"mutmut run failed (exit {done.returncode})", file=sys.stderr)
+                return done.returncode
+    all_scores = scores(modules())
+    print(report(all_scores))
+    return 0 if whole_percent(all_scores) >= args.aim else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

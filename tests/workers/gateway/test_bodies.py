@@ -1,0 +1,145 @@
+"""Request bodies (workers/gateway/bodies.py): read whole, bounded per request, in all and in
+time; what a body holds of the budget is given back when its request ends.
+
+:class:`Bodies` is driven directly with an ASGI ``receive`` of the test's own; the bounds
+through a real gateway, against callers that hold them, are in test_bounds.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from workers.gateway.asgi import RETRY_AFTER_S, Answer, ClientGone
+from workers.gateway.bodies import Bodies
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+def _scope(**headers: str) -> dict[str, Any]:
+    return {"headers": [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]}
+
+
+def _pieces(*chunks: bytes) -> Receive:
+    """A receive that hands out ``chunks`` as one body, then waits for good."""
+    queue = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+        for i, c in enumerate(chunks)
+    ]
+
+    async def receive() -> dict[str, Any]:
+        if queue:
+            return queue.pop(0)
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+def test_a_body_is_read_whole_and_holds_its_bytes_until_its_request_ends() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=100, budget=100, read_timeout_s=5)
+        async with bodies.read(_scope(content_length="11"), _pieces(b"hello", b" world")) as body:
+            assert body == b"hello world" and bodies.held == 11
+        assert bodies.held == 0
+
+    asyncio.run(run())
+
+
+def test_a_chunked_body_takes_the_budget_as_it_arrives_a_byte_at_a_time() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=100, budget=100, read_timeout_s=5)
+        pieces = [bytes([c]) for c in b"abcde"]
+        async with bodies.read(_scope(transfer_encoding="chunked"), _pieces(*pieces)) as body:
+            assert body == b"abcde" and bodies.held == 5
+        assert bodies.held == 0
+
+    asyncio.run(run())
+
+
+def test_a_body_that_fills_the_budget_exactly_fits_and_one_byte_more_is_refused() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=100, budget=10, read_timeout_s=5)
+        async with bodies.read(_scope(content_length="6"), _pieces(b"x" * 6)):
+            async with bodies.read(_scope(content_length="4"), _pieces(b"y" * 4)) as second:
+                assert second == b"yyyy" and bodies.held == 10  # exactly the budget
+            with pytest.raises(Answer) as refused:
+                async with bodies.read(_scope(content_length="5"), _pieces(b"z" * 5)):
+                    pass
+            assert bodies.held == 6  # the refused body took nothing
+        assert bodies.held == 0
+        answer = refused.value
+        assert (answer.status, answer.message) == (
+            503,
+            "the gateway holds as many request bodies as it may: try again",
+        )
+        assert answer.headers == {"retry-after": str(RETRY_AFTER_S), "connection": "close"}
+
+    asyncio.run(run())
+
+
+def test_a_body_over_the_limit_is_413_announced_or_counted() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=5, budget=100, read_timeout_s=5)
+        for scope, receive in (
+            (_scope(content_length="6"), _pieces(b"x" * 6)),
+            (_scope(transfer_encoding="chunked"), _pieces(b"xxx", b"xxx")),
+        ):
+            with pytest.raises(Answer) as over:
+                async with bodies.read(scope, receive):
+                    pass
+            assert (over.value.status, over.value.message) == (413, "request body over 5 bytes")
+            assert bodies.held == 0
+
+    asyncio.run(run())
+
+
+def test_a_body_that_stops_arriving_is_408_and_gives_its_bytes_back() -> None:
+    async def stalls() -> None:
+        bodies = Bodies(max_body=100, budget=100, read_timeout_s=0.05)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        with pytest.raises(Answer) as slow:
+            async with bodies.read(_scope(content_length="10"), receive):
+                pass
+        assert (slow.value.status, slow.value.message) == (
+            408,
+            "request body not received within 0.05s",
+        )
+        assert bodies.held == 0
+
+    asyncio.run(stalls())
+
+
+def test_a_caller_that_goes_away_mid_body_gives_its_bytes_back() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=100, budget=100, read_timeout_s=5)
+        sent: list[dict[str, Any]] = [
+            {"type": "http.request", "body": b"abc", "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+
+        async def receive() -> dict[str, Any]:
+            return sent.pop(0)
+
+        with pytest.raises(ClientGone):
+            async with bodies.read(_scope(content_length="10"), receive):
+                pass
+        assert bodies.held == 0
+
+    asyncio.run(run())
+
+
+def test_no_body_announced_reads_the_one_message_and_holds_nothing() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=100, budget=0, read_timeout_s=5)
+        async with bodies.read(_scope(), _pieces(b"")) as body:
+            assert body == b"" and bodies.held == 0
+
+    asyncio.run(run())
