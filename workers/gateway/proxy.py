@@ -43,6 +43,7 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.exc import DBAPIError
 
 from config.settings import Settings, reveal
+from netplumb import asgiserve
 from workers import tracing
 from workers.autoscale.idletimes import Recorder
 from workers.dispatch import TaskQueue
@@ -106,7 +107,13 @@ class Gateway:
         self.upstreams = Upstreams(settings, self._token, self.metrics)
         self.invocations = Recorder(settings.keepalive_bin_s)  # idle times, for keep-alive
         self.bodies = Bodies(
-            settings.gateway_max_body, settings.gateway_body_budget, settings.gateway_read_timeout_s
+            settings.gateway_max_body,
+            settings.gateway_body_budget,
+            settings.gateway_read_timeout_s,
+            per_peer=settings.gateway_body_per_peer,
+            min_rate=settings.gateway_body_min_rate,
+            grace_s=settings.gateway_body_grace_s,
+            trusted=self.upstreams.trusted,
         )
         self._upkeep: list[asyncio.Task[None]] = []
         self._unlisten: Callable[[], None] = lambda: None
@@ -154,11 +161,14 @@ class Gateway:
             self.upstreams.sweep({c.address for c in self.ledger.held.values() if c.address})
 
     def authorized(self, scope: Scope) -> bool:
-        """True when no token is set or the request carries it."""
-        if self._token is None:
-            return True
-        sent = (header(scope, b"authorization") or "").encode("latin-1")
-        return hmac.compare_digest(sent, self._token)
+        """True when no token is set or the request carries it (its connection is then
+        no longer anonymous: :func:`netplumb.asgiserve.authenticated`)."""
+        if self._token is not None:
+            sent = (header(scope, b"authorization") or "").encode("latin-1")
+            if not hmac.compare_digest(sent, self._token):
+                return False
+        asgiserve.authenticated(scope)
+        return True
 
     # -- one request -----------------------------------------------------------------------
 

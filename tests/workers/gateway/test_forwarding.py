@@ -119,3 +119,33 @@ def test_accept_encoding_goes_as_the_caller_sent_it_and_nothing_is_added(stack: 
     asked = _raw(gw.url, "/function/reflect", [("Accept-Encoding", "br;q=1.0, identity;q=0.5")])
     assert asked["headers"]["accept-encoding"] == "br;q=1.0, identity;q=0.5"
     stack.settled()
+
+
+def test_a_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> None:
+    """One origin serves every function: a cookie one sets for ``/`` must not reach another."""
+    stack.deploy("reflect", image="examples.reflect")
+    stack.deploy("other", image="examples.reflect")
+    gw = stack.gateway()
+    with httpx.Client(timeout=60) as browser:  # a cookie jar that applies Path and Domain
+        set_cookies = [
+            "session=alice; Path=/; HttpOnly",
+            "theme=dark",  # no Path: a browser would take /function's
+            "deep=1; Path=/app; Domain=127.0.0.1",
+        ]
+        first = browser.get(
+            f"{gw.url}/function/reflect", params=[("set-cookie", c) for c in set_cookies]
+        )
+        assert first.headers.get_list("set-cookie") == [
+            "session=alice; HttpOnly; Path=/function/reflect",
+            "theme=dark; Path=/function/reflect",
+            "deep=1; Path=/function/reflect/app",
+        ]
+        other = browser.get(f"{gw.url}/function/other").json()["headers"]
+        assert "cookie" not in other  # another function on the same gateway: none of them
+        mine = browser.get(f"{gw.url}/function/reflect/app/x").json()["headers"]
+        assert sorted(mine["cookie"].split("; ")) == ["deep=1", "session=alice", "theme=dark"]
+        assert browser.get(f"{gw.url}/function/reflect").json()["headers"]["cookie"] in (
+            "session=alice; theme=dark",
+            "theme=dark; session=alice",
+        )
+    stack.settled()
