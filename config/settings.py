@@ -337,7 +337,8 @@ class _Faults(_Group):
     """Test-only fault injection: never set it in production."""
 
     fault_raise_in: str = ""
-    """Task names (comma separated, e.g. ``corral.scale``) that raise before running."""
+    """Task names (comma separated, e.g. ``corral.scale``) that raise before running; ``NAME@here``:
+    before one carried out in the caller's process is set up."""
 
 
 def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
