@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
@@ -21,6 +22,7 @@ from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from workers.fleet.nodes import upsert_node
 from workers.maintenance.reconcile import reconcile
+from workers.store.models import Function
 
 HOSTILE = "\x1b[2K\r\x1b[32mHEALTHY-LOOKING TEXT\x1b[0m\x1b]0;title\x07"
 
@@ -30,7 +32,7 @@ def _controls(text: str) -> list[str]:
     return [
         ch
         for ch in text
-        if ch != "\n" and (ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or ch in "\u2028\u202e")
+        if ch != "\n" and (ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or not ch.isprintable())
     ]
 
 
@@ -54,6 +56,30 @@ def test_an_agents_error_is_stored_and_listed_escaped(
         assert main(argv) == 0
         shown[" ".join(argv)] = capsys.readouterr().out
     assert "\\x1b[32mHEALTHY-LOOKING TEXT\\x1b[0m\\x1b]0;title\\x07" in shown["nodes list"]
+    for what, out in shown.items():
+        assert _controls(out) == [], (what, out)
+
+
+def test_tenant_text_is_listed_and_shown_escaped(
+    corral_env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36 (8): what a tenant gave reached the terminal raw through ``functions
+    list/show``. Deploys now refuse it (tests/tasks/cli/test_bad_input.py); rows an older
+    corral stored as given are printed escaped."""
+    deploy_fn(corral_env)
+    with corral_env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "hello")).one()
+        fn.image = "i\nhello2  evil  " + HOSTILE  # a forged row, then a repainted line
+        fn.kernel, fn.initrd, fn.rootfs = HOSTILE, "\u202eevil", "\x9b2J"
+        fn.kernel_args = "quiet " + HOSTILE
+        fn.labels = {"A": HOSTILE}
+    shown = {}
+    for argv in (["functions", "list"], ["functions", "show", "hello"]):
+        capsys.readouterr()
+        assert main(argv) == 0
+        shown[" ".join(argv)] = capsys.readouterr().out
+    assert len(shown["functions list"].splitlines()) == 2  # the header and one row
+    assert "i\\x0ahello2  evil  \\x1b[2K" in shown["functions list"]
     for what, out in shown.items():
         assert _controls(out) == [], (what, out)
 
@@ -84,6 +110,7 @@ def test_a_listed_vmid_that_is_no_id_is_never_acted_on(corral_env: Env) -> None:
         (HOSTILE, "\\x1b[2K\\x0d\\x1b[32mHEALTHY-LOOKING TEXT\\x1b[0m\\x1b]0;title\\x07"),
         ("8-bit CSI \x9b2J, DEL \x7f, NUL \x00", "8-bit CSI \\x9b2J, DEL \\x7f, NUL \\x00"),
         ("bidi \u202eoverride\u2069, line\u2028sep", "bidi \\u202eoverride\\u2069, line\\u2028sep"),
+        ("marks \u200f\u200e\u061c", "marks \\u200f\\u200e\\u061c"),
         ("two\nlines\tand a tab", "two\\x0alines\\x09and a tab"),
         ("plain text, é and 雪 stay", "plain text, é and 雪 stay"),
     ],
