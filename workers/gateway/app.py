@@ -13,9 +13,12 @@ starts and ends of the invocations it served (:mod:`workers.autoscale.idletimes`
 the keep-alive histograms.
 
 It is served by uvicorn on one asyncio loop, behind the listener bounds of
-:mod:`netplumb.asgiserve` (connections, the request head's size and deadline); the
-store calls run in a bounded thread pool. It refuses to listen on a non-loopback address without
-``CORRAL_GATEWAY_TOKEN`` unless told ``insecure`` (then it warns at every start).
+:mod:`netplumb.asgiserve` (connections in all and per peer, the request head's size and
+deadline, trailers), its caps kept below the descriptor limit it raises at start (two
+descriptors a connection, :data:`RESERVED_DESCRIPTORS` for the rest; the connections to
+replicas stay within the same number); the store calls run in a bounded thread pool.
+It refuses to listen on a non-loopback address without ``CORRAL_GATEWAY_TOKEN`` unless
+told ``insecure`` (then it warns at every start).
 """
 
 from __future__ import annotations

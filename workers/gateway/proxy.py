@@ -3,12 +3,13 @@
 A request goes through these steps, each with its own answer when it fails:
 
 1. **Token.** With ``CORRAL_GATEWAY_TOKEN`` set, ``Authorization: Bearer <token>``
-   is required (401 otherwise) and is not forwarded.
+   is required (401 otherwise) and is not forwarded. A request that passes marks its
+   connection as credentialed (:func:`netplumb.asgiserve.authenticated`).
 2. **Function.** Its limits (:mod:`workers.gateway.catalog`); an unknown name -> 404.
    Both come before the body: neither costs a byte of it.
 3. **Body** (:mod:`workers.gateway.bodies`). Read in full before anything is claimed,
-   so a slow upload holds no environment; bounded per request (413), in all (503) and
-   in time (408).
+   so a slow upload holds no environment; bounded per request (413), per peer and in
+   all as it arrives (503), and in time: each piece, and a minimum rate (408).
 4. **Admission** (:mod:`workers.gateway.admission`): beyond ``max_replicas x
    exec_envs`` requests the request queues; a full queue -> 429, no place within the
    cold-start timeout -> 503 with ``Retry-After``.
