@@ -138,10 +138,12 @@ def response_headers(raw: list[tuple[bytes, bytes]], function: str) -> list[tupl
     cookies scoped to ``function``."""
     named = connection_named(raw)
     dropped = HOP_BY_HOP | named if named else HOP_BY_HOP
-    kept = [(k, v) for k, v in raw if k.lower() not in dropped]
-    for i, (key, value) in enumerate(kept):
-        if len(key) == 10 and key.lower() == b"set-cookie":
-            kept[i] = (key, scoped_cookie(value, function))
+    kept = []
+    for key, value in raw:
+        lower = key.lower()
+        if lower in dropped:
+            continue
+        kept.append((key, scoped_cookie(value, function) if lower == b"set-cookie" else value))
     return kept
 
 
