@@ -393,7 +393,7 @@ class _Gateway(_Group):
     """Connections the gateway serves at once; one more is answered 503 and closed."""
     gateway_max_connections_per_peer: Count = Field(1024, le=1_000_000)
     """Of them, from one peer address (trusted proxies: the total only); one more: 503."""
-    gateway_anonymous_per_peer: Count = Field(128, le=1_000_000)
+    gateway_anonymous_per_peer: Count = Field(256, le=1_000_000)
     """Of a peer's connections, how many may have shown no credential yet (a token checked)."""
     gateway_max_head_bytes: int = Field(64 * 1024, ge=1024, le=1024 * 1024)
     """Largest request head (request line and headers, raw bytes); larger is answered 431."""

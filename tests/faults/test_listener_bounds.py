@@ -560,7 +560,7 @@ def test_a_slow_drip_is_cut_off_at_the_request_deadline() -> None:
 # -- one peer's connections ------------------------------------------------------------------
 
 # The gateway's caps, made small enough for a test to reach (its defaults: 4,096 in all,
-# 1,024 a peer, 128 of them anonymous); the Lambdo host's and the exporter's are their own.
+# 1,024 a peer, 256 of them anonymous); the Lambdo host's and the exporter's are their own.
 SMALL_GATEWAY = {
     "CORRAL_GATEWAY_MAX_CONNECTIONS": "64",
     "CORRAL_GATEWAY_MAX_CONNECTIONS_PER_PEER": "48",
