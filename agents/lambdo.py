@@ -337,8 +337,15 @@ class LambdoAgent(FaultHooks):
 
 # -- serving ------------------------------------------------------------------------------
 
-#: What the host allows a caller before its token is checked (netplumb.asgiserve).
-LIMITS = asgiserve.Limits(max_connections=64, head_bytes=32 * 1024, head_timeout_s=10.0)
+#: What the host allows a caller before its token is checked (netplumb.asgiserve): 64
+#: connections, 48 from one address, 16 of them before they have shown the token.
+LIMITS = asgiserve.Limits(
+    max_connections=64,
+    per_peer=48,
+    anonymous_per_peer=16,
+    head_bytes=32 * 1024,
+    head_timeout_s=10.0,
+)
 BODY_TIMEOUT_S = 30.0  # a body, once the caller is authorised, must be in within this
 CALL_THREADS = 64  # calls to the driver at once (a create waits for its VM to answer)
 
@@ -358,6 +365,7 @@ class _Site:
         if not agent.authorized(_header(scope, b"authorization")):  # its body is never read
             await _send(send, Response.text(401, "missing or wrong bearer token"), close=True)
             return
+        asgiserve.authenticated(scope)  # its connection no longer counts as anonymous
         body = await _read_body(scope, receive)
         if isinstance(body, Response):
             await _send(send, body, close=True)

@@ -77,9 +77,11 @@ _PATTERNS = [
 
 
 #: Characters a terminal or a browser acts on rather than shows: C0 and DEL, C1 (``\x9b``
-#: is a CSI by itself), line and paragraph separators, bidirectional embeddings,
+#: is a CSI by itself), line and paragraph separators, bidirectional marks, embeddings,
 #: overrides and isolates.
-_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_CONTROLS = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
 
 
 def _visible(match: re.Match[str]) -> str:

@@ -348,7 +348,8 @@ class _Faults(_Group):
     """Test-only fault injection: never set it in production."""
 
     fault_raise_in: str = ""
-    """Task names (comma separated, e.g. ``corral.scale``) that raise before running."""
+    """Task names (comma separated, e.g. ``corral.scale``) that raise before running; ``NAME@here``:
+    before one carried out in the caller's process is set up."""
 
 
 def parse_networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
@@ -414,13 +415,23 @@ class _Gateway(_Group):
     gateway_claim_ttl_s: float = Field(30.0, ge=1, le=86_400)
     """The lease of each claim the gateway holds, renewed at least every 2 s while held."""
     gateway_body_budget: int = Field(64 * 1024 * 1024, ge=0)
-    """Request bodies the gateway holds at once, in all (bytes); one that does not fit is 503."""
+    """Request bodies the gateway holds at once, in all (bytes, as they arrive); over: 503."""
+    gateway_body_per_peer: int = Field(16 * 1024 * 1024, ge=0)
+    """Of that, what one peer address's bodies may hold at once (trusted proxies: the total)."""
+    gateway_body_min_rate: int = Field(4096, ge=1)
+    """Bytes a second a body must average once its grace period is over; slower: 408."""
+    gateway_body_grace_s: Seconds = 10.0
+    """A body's time before its average rate counts (each piece still within the read timeout)."""
     gateway_read_timeout_s: Seconds = 15.0
     """Longest wait for a request's head, or the next piece of its body; then 408 and closed."""
     gateway_send_timeout_s: Seconds = 30.0
     """Longest a caller may take to accept the next piece of its answer; then it is cut off."""
     gateway_max_connections: Count = Field(4096, le=1_000_000)
     """Connections the gateway serves at once; one more is answered 503 and closed."""
+    gateway_max_connections_per_peer: Count = Field(1024, le=1_000_000)
+    """Of them, from one peer address (trusted proxies: the total only); one more: 503."""
+    gateway_anonymous_per_peer: Count = Field(256, le=1_000_000)
+    """Of a peer's connections, how many may have shown no credential yet (a token checked)."""
     gateway_max_head_bytes: int = Field(64 * 1024, ge=1024, le=1024 * 1024)
     """Largest request head (request line and headers, raw bytes); larger is answered 431."""
     gateway_answer_head_max: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)

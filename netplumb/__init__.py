@@ -26,7 +26,10 @@ them, nor :mod:`config`: the standard library, gRPC and the HTTP server stack
   call's headers, calls in flight capped per kind of caller, the request message's
   deadline;
 * :mod:`netplumb.asgiserve` - bounded HTTP serving, the one server stack of the
-  gateway, the Lambdo host and the exporter (connections, a request head's bytes and
-  deadline, idle connections, a lingering close after an early answer);
+  gateway, the Lambdo host and the exporter (connections in all and per peer, a request
+  head's bytes and deadline, trailers, idle connections, a lingering close after an
+  early answer);
+* :mod:`netplumb.descriptors` - the descriptor limit, raised at start, that the
+  servers' caps stay below;
 * :mod:`netplumb.guest_env` - what a function's environment may hold.
 """

@@ -20,12 +20,22 @@ uses, built from the task modules.
   :data:`HERE_THREADS` threads of this process (the broker hop saved), or sent when they
   are all busy; everything else is sent. Nothing else changes: the operation was written
   first, so a process that dies mid-task leaves what a killed worker leaves (an open
-  operation that redrive sends again, rows whose owner's lease lapses).
+  operation that redrive sends again, rows whose owner's lease lapses). Celery sets
+  itself up lazily (the app's finalization, each thread's result backend, the broker
+  connection; the nodes' backend modules are imported on first use too), so
+  :func:`prepare` and each thread's first job do that when the queue is made - at the
+  gateway's start, not inside a cold start, where a failure (descriptors run out) would
+  leave it undone. And a task that does not get through here - it failed before it ran
+  (:class:`NotCarriedOut`), it failed, or Celery crashed around it - is sent to the
+  broker once: a worker elsewhere may not share this process's trouble, and every task
+  may run twice (an operation that finished makes it do nothing). Before, such an
+  operation stayed open, and the cold starts of its function waited on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import socket
@@ -37,18 +47,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery import Signature, states
+from celery import Signature, signals, states
 from celery.app.trace import build_tracer
 
 from config.settings import get_settings
 from workers import stages, timelimits
 from workers.backends import inflight
-from workers.celery import CorralTask, inline
+from workers.backends.base import backend
+from workers.celery import CorralTask, inject_fault, inline
 from workers.dispatch import Work
+from workers.kinds import NODE_KINDS
 
 log = logging.getLogger(__name__)
 
 HERE_THREADS = 4  # first tasks the gateway carries out itself at once; more are sent
+HAND_ON_S = 60.0  # how long a task that did not get through here is tried at the broker
+HAND_ON_PAUSE_S = 0.1  # the first pause between those tries (doubling, up to 2 s)
 
 
 @dataclass(frozen=True)
@@ -119,16 +133,56 @@ class InProcessQueue:
         carry_out(Call(self.tasks.release, (node_id, vmid)))
 
 
+class NotCarriedOut(Exception):
+    """A task carried out here failed before it ran (Celery's set-up, say): nothing was done."""
+
+
+# The task id carried out in this context, and whether it has started (Celery's prerun).
+_started: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "corral_started", default=None
+)
+
+
+@signals.task_prerun.connect
+def _mark_started(task_id: str | None = None, **_: Any) -> None:
+    """Celery is about to run a task: if it is the one carried out here, it has started."""
+    box = _started.get()
+    if box is not None and box[0] == task_id:
+        box[1] = True
+
+
 def carry_out(call: Call, headers: Mapping[str, Any] | None = None) -> Any:
     """Run a task in this thread as a worker runs its message, inline; what it returned.
 
     Its deadline is the soft limit from now, and nothing enforces a hard limit: the
     caller's own calls have their deadlines, and a hard limit must not end the caller.
     What it raised is logged (and ended its operation failed, :class:`CorralTask`); a
-    retry it asked for is sent, never run here at once.
+    retry it asked for is sent, never run here at once. What fails before the task ran
+    raises :class:`NotCarriedOut`.
     """
+    return _carry_out(call, headers)[1]
+
+
+def _carry_out(call: Call, headers: Mapping[str, Any] | None) -> tuple[bool, Any]:
+    """:func:`carry_out`, saying too whether the task failed (raised) or ran through."""
     task = call.task
     task_id = str(uuid.uuid4())
+    box = [task_id, False]
+    token = _started.set(box)
+    try:
+        return _trace(call, task_id, headers)
+    except Exception as exc:
+        if box[1]:
+            raise
+        raise NotCarriedOut(f"{task.name} failed before it ran: {exc!r}") from exc
+    finally:
+        _started.reset(token)
+
+
+def _trace(call: Call, task_id: str, headers: Mapping[str, Any] | None) -> tuple[bool, Any]:
+    task = call.task
+    settings = get_settings()
+    inject_fault(settings, f"{task.name}@here")  # tests: a crash before the task ran
     request = {
         "id": task_id,
         "task": task.name,
@@ -141,17 +195,49 @@ def carry_out(call: Call, headers: Mapping[str, Any] | None = None) -> Any:
         "delivery_info": {"is_eager": False},
     }
     tracer = build_tracer(task.name, task, eager=True, propagate=False, app=task.app)
-    soft_s = get_settings().task_soft_time_limit_s
+    soft_s = settings.task_soft_time_limit_s
     with inline(timelimits.Deadline(time.monotonic() + soft_s)):
         traced = tracer(task_id, list(call.args), dict(call.kwargs), request)
-    if traced.info is not None and traced.info.state == states.FAILURE:
+    failed = traced.info is not None and traced.info.state == states.FAILURE
+    if failed:
         log.warning("task %s carried out here failed: %s", task.name, traced.retval)
-    return traced.retval
+    return not failed, traced.retval
 
 
-def _warm() -> None:
-    """Start the event loop that sends agent calls (:mod:`workers.backends.inflight`)."""
+def prepare(tasks: Tasks) -> None:
+    """Finish the lazy set-up a task carried out here would do in its first run: Celery's
+    app, its tasks' tracers, this thread's result backend, what sending a message takes,
+    the nodes' backend modules."""
+    app = tasks.delete.app
+    app.finalize()
+    amqp = app.amqp
+    _ = (amqp.create_task_message, amqp.send_task_message, amqp.router, app.producer_pool)
+    for name, task in app.tasks.items():
+        if isinstance(task, CorralTask):
+            build_tracer(name, task, eager=True, propagate=False, app=app)
+    _ = app.backend  # made per thread for Redis (not thread-safe), on a task's first failure
+    for kind in NODE_KINDS:
+        backend(kind)
+
+
+def _warm(tasks: Tasks, ready: threading.Barrier | None, first: bool) -> None:
+    """Set up one thread of the pool (each takes one such job: they meet at ``ready``); the
+    first also starts the event loop that sends agent calls (:mod:`workers.backends.inflight`)
+    and puts a connection to the broker in the producer pool (a broker that is down now is
+    logged, and connected to when a message needs it)."""
+    if ready is not None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            ready.wait(10)
+    app = tasks.delete.app
+    _ = app.backend  # this thread's
+    if not first:
+        return
     inflight.run(asyncio.sleep(0))
+    try:
+        with app.producer_or_acquire() as producer:
+            producer.connection.ensure_connection(max_retries=1)
+    except Exception as exc:
+        log.warning("no connection to the broker yet: %s", exc)
 
 
 class HereFirst:
@@ -164,7 +250,10 @@ class HereFirst:
         self._lock = threading.Lock()
         self._busy = 0
         self._pool = ThreadPoolExecutor(max(threads, 1), thread_name_prefix="first-task")
-        self._pool.submit(_warm)  # ahead of the first cold start, off its path
+        prepare(queue.tasks)  # at the gateway's start, not in its first cold start
+        ready = threading.Barrier(threads) if threads > 1 else None
+        for i in range(max(threads, 1)):  # ahead of the first cold start, off its path
+            self._pool.submit(_warm, queue.tasks, ready, i == 0)
 
     @property
     def busy(self) -> int:
@@ -187,16 +276,43 @@ class HereFirst:
             self.queue.send(work)
             return
         # In this context: the caller's trace goes on in the task.
-        self._pool.submit(contextvars.copy_context().run, self._run, call)
+        self._pool.submit(contextvars.copy_context().run, self._run, call, work)
 
-    def _run(self, call: Call) -> None:
+    def _run(self, call: Call, work: Work) -> None:
+        """Carry the task out; one that did not get through here goes to the broker."""
         try:
-            carry_out(call, headers=stages.sent_header())
-        except Exception:  # nothing escapes a thread unseen
-            log.exception("task %s carried out here crashed", call.task.name)
+            try:
+                done = _carry_out(call, stages.sent_header())[0]
+            except NotCarriedOut as exc:  # nothing was done
+                log.warning("%s", exc)
+                done = False
+            except Exception:  # Celery's own handling crashed, around the task
+                log.exception("task %s carried out here crashed", call.task.name)
+                done = False
+            if not done:
+                self._hand_on(call, work)
         finally:
             with self._lock:
                 self._busy -= 1
+
+    def _hand_on(self, call: Call, work: Work) -> None:
+        """Send a task that did not get through here to the broker (a worker may not share
+        this process's trouble, descriptors run out say; its operation, if it finished,
+        makes it do nothing: every task may run twice). Sending may fail for the same
+        trouble: it is tried again for :data:`HAND_ON_S`, then left to redrive."""
+        pause, give_up = HAND_ON_PAUSE_S, time.monotonic() + HAND_ON_S
+        while True:
+            try:
+                self.queue.send(work)
+            except Exception as exc:
+                if time.monotonic() + pause > give_up:
+                    log.error("task %s could not be sent either: %s", call.task.name, exc)
+                    return
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
+            else:
+                log.warning("task %s did not get through here: sent to the broker", call.task.name)
+                return
 
     def delete_replica(self, replica_id: str) -> None:
         """Send the delete of one replica."""

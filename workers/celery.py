@@ -36,7 +36,8 @@ tasks only inline (eager mode).
 
 ``CORRAL_FAULT_RAISE_IN`` (test-only, empty by default) names tasks (comma
 separated) that raise :class:`FaultInjected` before running: how the tests make
-a task fail unexpectedly in a real worker.
+a task fail unexpectedly in a real worker (``NAME@here``: in the caller's process,
+before a task carried out there is set up, :func:`tasks.queues.carry_out`).
 
 Per-process resources - the database engine, gRPC channels and the HTTP client -
 are dropped in ``worker_process_init`` so each prefork child makes its own (and

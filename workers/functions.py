@@ -7,6 +7,13 @@ and explicit options win over labels. Every deploy bumps ``build_version``, whic
 makes replicas of older builds *stale*: they are no longer handed out and the
 reaper replaces them.
 
+Every text a tenant gives is checked before anything is stored (:func:`check_text`):
+printable (no control, line-breaking or bidirectional character: a newline in
+``--image`` forged a row of ``functions list``, an escape sequence repainted the
+operator's terminal), bounded in length, and for an image, a path, a URL, an interface
+and a name server, a grammar of its own (:data:`GRAMMARS`). Bad input is a clear error
+and changes nothing.
+
 A function as shown (:func:`function_view`) never carries its AWS keys, and its
 environment only masked: every env value, and the value of every ``--env=K=V``
 kernel argument (also inside a ``KERNEL_ARGS`` label), is ``***`` unless asked for
@@ -22,7 +29,7 @@ import shlex
 import tomllib
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, Literal, NamedTuple, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy import func, select
@@ -42,6 +49,62 @@ from workers.store.rows import one_or_not_found
 MAX_REPLICAS = 10_000
 ENV_KEY_RE = re.compile(rf"^{guest_env.NAME_RE.pattern}$")
 LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,253}$")
+MAX_LABELS = 256
+MAX_LABEL_VALUE = 4096
+
+
+class Grammar(NamedTuple):
+    """What one kind of tenant text may be: a pattern, a length, and how to name it."""
+
+    pattern: re.Pattern[str]
+    most: int
+    expected: str
+
+
+_VISIBLE = r"[!-~]"  # printable ASCII but the space
+GRAMMARS: dict[str, Grammar] = {
+    # a module (examples.hello) or an OCI reference (registry:5000/ns/name:tag@sha256:...)
+    "image": Grammar(re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*"), 255, "an image name"),
+    # a file on the node: no space, and never an option (a leading '-')
+    "path": Grammar(re.compile(r"(?!-)[A-Za-z0-9._/+~@:,=%-]+"), 4096, "a path"),
+    # the rootfs of a Lambdo function: a URL or an image name, no space
+    "rootfs": Grammar(
+        re.compile(r"[A-Za-z0-9][A-Za-z0-9._~:/?#\[\]@!$&'()*+,;=%-]*"), 2048, "a URL"
+    ),
+    "interface": Grammar(re.compile(r"[A-Za-z0-9_.:-]+"), 15, "a network interface name"),
+    "host": Grammar(re.compile(r"[A-Za-z0-9.:-]+"), 253, "an IP address or host name"),
+    "arguments": Grammar(re.compile(r".*", re.DOTALL), 4096, "kernel arguments"),
+    "secret": Grammar(re.compile(f"{_VISIBLE}+"), 256, "a key without spaces"),
+}
+# Each text field of a function and its grammar.
+TEXT_FIELDS = {
+    "image": "image",
+    "kernel": "path",
+    "initrd": "path",
+    "image_storage": "path",
+    "rootfs": "rootfs",
+    "inet_dev": "interface",
+    "name_server": "host",
+    "kernel_args": "arguments",
+    "aws_access_key_id": "secret",
+    "aws_secret_access_key": "secret",
+}
+
+
+def check_text(value: str, grammar: Grammar, *, secret: bool = False) -> str:
+    """``value`` if it is printable text of ``grammar`` within its length; ValueError if not.
+
+    The value is shown in the error escaped and shortened (never, for a secret).
+    """
+    shown = "the value" if secret else repr(value[:40]) + ("..." if len(value) > 40 else "")
+    if not value.isprintable():
+        raise ValueError(f"{shown} has a control, line-breaking or bidirectional character")
+    if len(value) > grammar.most:
+        raise ValueError(f"{shown} is over {grammar.most} characters")
+    if not grammar.pattern.fullmatch(value):
+        raise ValueError(f"{shown} is not {grammar.expected}")
+    return value
+
 
 # The seed's labels and the spec field each one fills.
 SEED_LABELS: dict[str, str] = {
@@ -64,12 +127,16 @@ def parse_pairs(items: list[str] | None, what: str) -> dict[str, str]:
     """``["K=V", ...]`` as a dict; a clear error for anything else."""
     pairs: dict[str, str] = {}
     key_re = ENV_KEY_RE if what == "env" else LABEL_KEY_RE
+    if len(items or []) > MAX_LABELS:
+        raise InputError(f"at most {MAX_LABELS} of {what}s")
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key_re.match(key):
             raise InputError(f"malformed {what} {item!r}: expected KEY=VALUE")
         if not value.isprintable():
             raise InputError(f"malformed {what} {key!r}: value has non-printable characters")
+        if len(value) > MAX_LABEL_VALUE:
+            raise InputError(f"malformed {what} {key!r}: value over {MAX_LABEL_VALUE} characters")
         reason = guest_env.refusal(key, value) if what == "env" else None
         if reason is not None:
             raise InputError(f"env {reason}")
@@ -117,6 +184,15 @@ class FunctionSpec(BaseModel):
     # may wait for an attempt to start (None: the settings' defaults)
     call_attempts: int | None = Field(None, ge=1, le=100)
     call_max_age: float | None = Field(None, gt=0, le=30 * 86400)
+
+    @field_validator(*TEXT_FIELDS)
+    @classmethod
+    def _text(cls, value: str | None, info: Any) -> str | None:
+        """Printable, bounded, of its field's grammar (empty: not given)."""
+        if value:
+            field = info.field_name
+            check_text(value, GRAMMARS[TEXT_FIELDS[field]], secret=field.startswith("aws"))
+        return value
 
     @field_validator("ports")
     @classmethod

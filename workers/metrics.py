@@ -442,8 +442,15 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, port
 
 
-#: What the exporter allows a caller before its token is checked (netplumb.asgiserve).
-LIMITS = asgiserve.Limits(max_connections=16, head_bytes=32 * 1024, head_timeout_s=10.0)
+#: What the exporter allows a caller before its token is checked (netplumb.asgiserve): 16
+#: connections, 8 from one address, 4 of them before they have shown the token.
+LIMITS = asgiserve.Limits(
+    max_connections=16,
+    per_peer=8,
+    anonymous_per_peer=4,
+    head_bytes=32 * 1024,
+    head_timeout_s=10.0,
+)
 
 
 class _Collected(Collector):
@@ -491,6 +498,7 @@ def guarded(app: asgiserve.App, token: str | None) -> asgiserve.App:
                 extra = [(b"www-authenticate", b"Bearer"), (b"connection", b"close")]
                 await _plain(send, 401, b"a bearer token is required\n", extra)
                 return
+        asgiserve.authenticated(scope)  # its connection no longer counts as anonymous
         await app(scope, receive, send)
 
     return asgi

@@ -4,6 +4,11 @@ On a terminal, listings are drawn as rich tables and ``--wait`` shows a rich pro
 bar (on stderr); anywhere else (a pipe, a file, the tests) a listing is plain aligned
 text - the same columns, one row a line - and there is no bar. ``--json`` output is
 the same either way.
+
+Every cell and value printed is escaped (:func:`config.redact.escape_controls`): what
+a tenant, an agent or an older corral stored may hold control or bidirectional
+characters, which a terminal would act on (a newline forges a row, an escape sequence
+repaints the screen); they show as ``\x1b``, ``\u202e``. JSON escapes them itself.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from config.redact import escape_controls
 from config.settings import Settings
 from tasks import api
 from tasks.api import OperationView
@@ -51,7 +57,7 @@ def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
     """Rows as a table: rich on a terminal, else aligned plain text."""
     if not rows:
         return "(none)"
-    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    cells = [[cell(r.get(c)) for c in columns] for r in rows]
     if on_terminal():
         return rich_table(columns, cells)
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
@@ -85,14 +91,19 @@ def rich_table(
 def kv(data: Mapping[str, Any]) -> str:
     """A mapping as aligned ``key  value`` lines."""
     width = max(len(k) for k in data)
-    return "\n".join(f"{k.ljust(width)}  {fmt(v)}" for k, v in data.items())
+    return "\n".join(f"{escape_controls(k).ljust(width)}  {fmt(v)}" for k, v in data.items())
+
+
+def cell(value: Any) -> str:
+    """One value as a table's cell, its control characters escaped."""
+    return "" if value is None else escape_controls(str(value))
 
 
 def fmt(value: Any) -> str:
-    """One value as table text."""
+    """One value as table text, its control characters escaped."""
     if isinstance(value, dict | list):
-        return json.dumps(value, sort_keys=True)
-    return "" if value is None else str(value)
+        return json.dumps(value, sort_keys=True)  # escapes them itself
+    return "" if value is None else escape_controls(str(value))
 
 
 def wait_and_report(args: argparse.Namespace, settings: Settings, op_id: str) -> int:

@@ -101,6 +101,7 @@ def test_redacting_twice_changes_nothing() -> None:
         (HOSTILE, "\\x1b[2K\\x0d\\x1b[32mHEALTHY-LOOKING TEXT\\x1b[0m\\x1b]0;title\\x07"),
         ("8-bit CSI \x9b2J, DEL \x7f, NUL \x00", "8-bit CSI \\x9b2J, DEL \\x7f, NUL \\x00"),
         ("bidi \u202eoverride\u2069, line\u2028sep", "bidi \\u202eoverride\\u2069, line\\u2028sep"),
+        ("marks \u200f\u200e\u061c", "marks \\u200f\\u200e\\u061c"),
         ("two\nlines\tand a tab", "two\\x0alines\\x09and a tab"),
         ("plain text, é and 雪 stay", "plain text, é and 雪 stay"),
         ("\x1f\x20\x7e\x80\xa0", "\\x1f ~\\x80\xa0"),  # the edges of each range

@@ -457,9 +457,9 @@ class Server:
     port: int
 
 
-@pytest.fixture(params=LISTENERS, ids=[listener.name for listener in LISTENERS])
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Listener, Server]]:
-    listener: Listener = request.param
+@contextlib.contextmanager
+def _running(listener: Listener, tmp_path: Path) -> Iterator[Server]:
+    """``listener`` started as its own process; stopped on the way out."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({k: v.format(tmp=tmp_path) for k, v in listener.env.items()})
@@ -485,13 +485,20 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Lis
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        yield listener, Server(proc, port)
+        yield Server(proc, port)
     finally:
         proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(params=LISTENERS, ids=[listener.name for listener in LISTENERS])
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Listener, Server]]:
+    listener: Listener = request.param
+    with _running(listener, tmp_path) as running:
+        yield listener, running
 
 
 def test_unauthenticated_work_stays_bounded(server: tuple[Listener, Server]) -> None:
@@ -548,3 +555,62 @@ def test_a_slow_drip_is_cut_off_at_the_request_deadline() -> None:
         _http_ok("/vms")(running.port)  # everyone else is still served
     finally:
         running.stop()
+
+
+# -- one peer's connections ------------------------------------------------------------------
+
+# The gateway's caps, made small enough for a test to reach (its defaults: 4,096 in all,
+# 1,024 a peer, 256 of them anonymous); the Lambdo host's and the exporter's are their own.
+SMALL_GATEWAY = {
+    "CORRAL_GATEWAY_MAX_CONNECTIONS": "64",
+    "CORRAL_GATEWAY_MAX_CONNECTIONS_PER_PEER": "48",
+    "CORRAL_GATEWAY_ANONYMOUS_PER_PEER": "16",
+}
+HEALTHY_PATH = {"lambdo": b"/vms", "metrics": b"/metrics", "gateway": b"/metrics"}
+
+
+def _from(address: str, port: int) -> socket.socket | None:
+    try:
+        return socket.create_connection(("127.0.0.1", port), 2, source_address=(address, 0))
+    except OSError:
+        return None
+
+
+@pytest.fixture(
+    params=[listener for listener in LISTENERS if listener.name in HEALTHY_PATH],
+    ids=list(HEALTHY_PATH),
+)
+def http_server(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[Listener, Server]]:
+    listener: Listener = request.param
+    if listener.name == "gateway":
+        listener = dataclasses.replace(listener, env={**listener.env, **SMALL_GATEWAY})
+    with _running(listener, tmp_path) as running:
+        yield listener, running
+
+
+def test_one_peer_holding_every_connection_it_may_leaves_another_peer_served(
+    http_server: tuple[Listener, Server],
+) -> None:
+    listener, srv = http_server
+    path = HEALTHY_PATH[listener.name]
+    request = b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(100):  # kept-alive connections that showed the token, all it may hold
+            if (sock := _from("127.0.0.2", srv.port)) is None:
+                continue
+            held.append(sock)
+            with contextlib.suppress(OSError):
+                sock.sendall(request + b"\r\n\r\n")
+                sock.recv(65536)  # its answer (a 503 past the peer's cap)
+        for _ in range(100):  # and half-sent heads, no credential shown
+            if (sock := _from("127.0.0.2", srv.port)) is not None:
+                held.append(sock)
+                _send(sock, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(3):  # another peer (127.0.0.1) is served all the while
+            listener.healthy(srv.port)
+    finally:
+        for sock in held:
+            sock.close()

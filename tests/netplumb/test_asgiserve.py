@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from uvicorn.server import ServerState
@@ -35,6 +37,7 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     if (b"authorization", TOKEN) not in scope["headers"]:
         await _answer(send, 401, b"token\n", close=True)
         return
+    asgiserve.authenticated(scope)
     if scope["path"] == "/slow":
         await asyncio.sleep(0.2)  # an answer under way while the next request comes
     size, more = 0, True
@@ -42,6 +45,10 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         message = await receive()
         size += len(message.get("body", b""))
         more = message.get("more_body", False)
+    if scope["path"] == "/headers":  # the header names the application was given
+        names = b",".join(name for name, _ in scope["headers"])
+        await _answer(send, 200, b"%d %s\n" % (size, names))
+        return
     await _answer(send, 200, f"{size}\n".encode())
 
 
@@ -187,6 +194,112 @@ def test_bytes_after_an_upgrade_request_end_the_connection_after_its_answer() ->
         assert sock.recv(100).startswith(b"HTTP/1.1 200 ")
         sock.sendall(b"\x81\x05hello")  # a websocket frame: nobody here speaks it
         assert _until_closed(sock) == b""
+
+
+# -- trailers ------------------------------------------------------------------------------
+
+
+def _chunked(path: bytes = b"/headers") -> bytes:
+    return (
+        b"POST " + path + b" HTTP/1.1\r\nHost: t\r\nAuthorization: " + TOKEN + b"\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+    )
+
+
+def test_trailers_never_reach_the_application() -> None:
+    with served() as port, _connect(port) as sock:
+        sock.sendall(_chunked() + b"0\r\nCookie: stolen=1\r\nAuthorization: x\r\n\r\n")
+        answer = sock.recv(1000)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert answer.endswith(b"\r\n\r\n3 host,authorization,transfer-encoding\n"), answer
+
+
+def test_trailers_past_the_head_limit_cut_the_connection() -> None:
+    with served() as port, _connect(port) as sock:
+        sock.sendall(_chunked() + b"0\r\n")
+        sent = 0
+        with contextlib.suppress(OSError):
+            for _ in range(256):  # 16 MiB of trailer lines, as fast as the server takes them
+                sent += sock.send(b"X-Trailer: b\r\n" * 4096)
+        answer = _until_closed(sock)
+    assert not answer.startswith(b"HTTP/1.1 200 "), answer
+    assert sent < 8 * 1024 * 1024  # cut off near the head's limit, not read whole
+
+
+# -- connections per peer -------------------------------------------------------------------
+
+
+def _from(address: str, port: int) -> socket.socket:
+    """A connection from ``address`` (on loopback, any of 127.0.0.0/8 tells peers apart)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(address, 0))
+
+
+def _served(sock: socket.socket) -> bool:
+    sock.sendall(_get())
+    return sock.recv(100).startswith(b"HTTP/1.1 200 ")
+
+
+def test_one_peer_holding_every_connection_it_may_leaves_another_peer_served() -> None:
+    limits = Limits(max_connections=10, per_peer=4, anonymous_per_peer=2, evict_after_s=60)
+    with served(limits) as port, contextlib.ExitStack() as held:
+        for _ in range(2):  # connections that showed the token
+            assert _served(held.enter_context(_from("127.0.0.2", port)))
+        for _ in range(2):  # and half-sent ones, no credential shown: its sub-cap
+            quiet = held.enter_context(_from("127.0.0.2", port))
+            quiet.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n")
+        with _from("127.0.0.2", port) as fifth:  # over its caps, its request sent at once
+            fifth.sendall(_get())
+            assert _until_closed(fifth).startswith(b"HTTP/1.1 503 ")
+        with _from("127.0.0.3", port) as other:  # another peer: served
+            assert _served(other)
+        for _ in range(4):  # a peer whose every connection showed the token: up to its cap
+            assert _served(held.enter_context(_from("127.0.0.4", port)))
+        with _from("127.0.0.4", port) as over:
+            over.sendall(_get())
+            assert _until_closed(over).startswith(b"HTTP/1.1 503 ")
+        with _from("127.0.0.3", port) as other:
+            assert _served(other)
+
+
+def test_an_anonymous_connection_makes_room_for_one_that_may_show_a_credential() -> None:
+    limits = Limits(max_connections=4, per_peer=4, anonymous_per_peer=2, evict_after_s=0.0)
+    with served(limits) as port, contextlib.ExitStack() as held:
+        quiet = [held.enter_context(_from("127.0.0.2", port)) for _ in range(2)]
+        caller = held.enter_context(_from("127.0.0.2", port))
+        assert _served(caller)  # its peer's oldest quiet connection made room
+        assert _until_closed(quiet[0]).startswith(b"HTTP/1.1 503 ")
+        authed = [held.enter_context(_from("127.0.0.3", port)) for _ in range(2)]
+        assert all(_served(sock) for sock in authed)
+        newcomer = held.enter_context(_from("127.0.0.4", port))
+        assert _served(newcomer)  # the server was full: the oldest quiet connection went
+        assert _until_closed(quiet[1]).startswith(b"HTTP/1.1 503 ")
+        with _from("127.0.0.3", port) as third:  # one over the cap, none quiet: refused
+            third.sendall(_get())
+            assert _until_closed(third).startswith(b"HTTP/1.1 503 ")
+        assert all(_served(sock) for sock in [caller, *authed])  # never closed for another
+
+
+def test_a_refused_connection_is_answered_503_that_its_caller_reads() -> None:
+    limits = Limits(max_connections=1, evict_after_s=60)
+    with served(limits) as port, _from("127.0.0.2", port):
+        transport = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(transport=transport, timeout=10) as client:
+            statuses = set()
+            for _ in range(20):  # a request sent at once, a 1 MiB body with it
+                answer = client.post(
+                    f"http://127.0.0.1:{port}/",
+                    content=b"z" * (1 << 20),
+                    headers={"authorization": TOKEN.decode()},
+                )
+                statuses.add(answer.status_code)
+    assert statuses == {503}
+
+
+def test_caps_stay_below_the_descriptor_limit() -> None:
+    limits = Limits(max_connections=4096, per_peer=1024, anonymous_per_peer=256)
+    kept = dataclasses.replace(limits, descriptors=2, reserve=128).within(256)
+    assert (kept.max_connections, kept.per_peer, kept.anonymous_per_peer) == (64, 64, 64)
+    assert limits.within(1 << 20) == limits
 
 
 # -- a head's size, whatever the reads -------------------------------------------------------

@@ -109,6 +109,28 @@ def test_the_gateways_queue_carries_out_here_while_a_thread_is_free_and_sends_th
     assert operation(broker_env, second).status == OpStatus.PENDING  # no worker took it
 
 
+def test_a_task_that_crashed_here_before_it_ran_goes_to_the_broker(
+    thread_worker: Env, start_agents: StartAgents
+) -> None:
+    """A first task that fails before it runs here (issue 36: Celery's lazy set-up, out of
+    descriptors) did nothing: it is sent to the broker, and a worker carries it out."""
+    start_agents(1, env=thread_worker)
+    deploy_fn(thread_worker)
+    queue = HereFirst(QUEUE, threads=1)
+    thread_worker.set(fault_raise_in="corral.spawn@here")  # raises here, before the task runs
+    spawned = dispatch.submit(
+        thread_worker.db, queue, lambda s: request_spawn(s, "hello", 1), here=True
+    )
+    eventually(
+        lambda: operation(thread_worker, spawned).status == OpStatus.SUCCEEDED,
+        30,
+        "the spawn, carried out by the worker",
+    )
+    assert queue.busy == 0
+    (replica,) = replicas(thread_worker, "hello")
+    assert replica.status == ReplicaState.IDLE
+
+
 def test_the_celery_queue_reaches_a_real_worker(
     thread_worker: Env, start_agents: StartAgents
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
@@ -20,6 +21,7 @@ from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from workers.fleet.nodes import upsert_node
 from workers.maintenance.reconcile import reconcile
+from workers.store.models import Function
 
 HOSTILE = "\x1b[2K\r\x1b[32mHEALTHY-LOOKING TEXT\x1b[0m\x1b]0;title\x07"
 
@@ -29,7 +31,7 @@ def _controls(text: str) -> list[str]:
     return [
         ch
         for ch in text
-        if ch != "\n" and (ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or ch in "\u2028\u202e")
+        if ch != "\n" and (ord(ch) < 0x20 or 0x7F <= ord(ch) <= 0x9F or not ch.isprintable())
     ]
 
 
@@ -53,6 +55,30 @@ def test_an_agents_error_is_stored_and_listed_escaped(
         assert main(argv) == 0
         shown[" ".join(argv)] = capsys.readouterr().out
     assert "\\x1b[32mHEALTHY-LOOKING TEXT\\x1b[0m\\x1b]0;title\\x07" in shown["nodes list"]
+    for what, out in shown.items():
+        assert _controls(out) == [], (what, out)
+
+
+def test_tenant_text_is_listed_and_shown_escaped(
+    corral_env: Env, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36 (8): what a tenant gave reached the terminal raw through ``functions
+    list/show``. Deploys now refuse it (tests/tasks/cli/test_bad_input.py); rows an older
+    corral stored as given are printed escaped."""
+    deploy_fn(corral_env)
+    with corral_env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "hello")).one()
+        fn.image = "i\nhello2  evil  " + HOSTILE  # a forged row, then a repainted line
+        fn.kernel, fn.initrd, fn.rootfs = HOSTILE, "\u202eevil", "\x9b2J"
+        fn.kernel_args = "quiet " + HOSTILE
+        fn.labels = {"A": HOSTILE}
+    shown = {}
+    for argv in (["functions", "list"], ["functions", "show", "hello"]):
+        capsys.readouterr()
+        assert main(argv) == 0
+        shown[" ".join(argv)] = capsys.readouterr().out
+    assert len(shown["functions list"].splitlines()) == 2  # the header and one row
+    assert "i\\x0ahello2  evil  \\x1b[2K" in shown["functions list"]
     for what, out in shown.items():
         assert _controls(out) == [], (what, out)
 

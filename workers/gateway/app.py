@@ -15,9 +15,12 @@ starts and ends of the invocations it served (:mod:`workers.autoscale.idletimes`
 the keep-alive histograms.
 
 It is served by uvicorn on one asyncio loop, behind the listener bounds of
-:mod:`netplumb.asgiserve` (connections, the request head's size and deadline); the
-store calls run in a bounded thread pool. It refuses to listen on a non-loopback address without
-``CORRAL_GATEWAY_TOKEN`` unless told ``insecure`` (then it warns at every start).
+:mod:`netplumb.asgiserve` (connections in all and per peer, the request head's size and
+deadline, trailers), its caps kept below the descriptor limit it raises at start (two
+descriptors a connection, :data:`RESERVED_DESCRIPTORS` for the rest; the connections to
+replicas stay within the same number); the store calls run in a bounded thread pool.
+It refuses to listen on a non-loopback address without ``CORRAL_GATEWAY_TOKEN`` unless
+told ``insecure`` (then it warns at every start).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from config.settings import Settings, reveal
+from config.settings import Settings, parse_networks, reveal
 from netplumb import asgiserve
 from netplumb.addresses import join_hostport
 from netplumb.listening import Server, listen_address
@@ -57,6 +60,9 @@ log = logging.getLogger(__name__)
 
 ACTIVE_S = 60.0  # a function is reported for this long after its last request
 KEEP_ALIVE_S = 30  # a kept-alive connection's wait for its next request
+# Descriptors kept for all but callers' and replicas' connections: the store's, Redis's,
+# the agents' channels of the cold starts carried out here, logs, the listener.
+RESERVED_DESCRIPTORS = 128
 
 
 GATEWAY = Server("corral gateway", "CORRAL_GATEWAY_LISTEN", "CORRAL_GATEWAY_TOKEN")
@@ -199,13 +205,24 @@ class RunningGateway:
         self.server.stop(timeout)
 
 
-def _limits(settings: Settings) -> asgiserve.Limits:
-    return asgiserve.Limits(
-        max_connections=settings.gateway_max_connections,
-        head_bytes=settings.gateway_max_head_bytes,
-        head_timeout_s=settings.gateway_read_timeout_s,
-        idle_s=KEEP_ALIVE_S,
+def _limits(settings: Settings, app: GatewayApp) -> asgiserve.Limits:
+    """The listener's bounds, kept below the descriptor limit (raised first); the
+    connections to replicas are kept within the same number."""
+    limits = asgiserve.within_descriptors(
+        asgiserve.Limits(
+            max_connections=settings.gateway_max_connections,
+            per_peer=settings.gateway_max_connections_per_peer,
+            anonymous_per_peer=settings.gateway_anonymous_per_peer,
+            head_bytes=settings.gateway_max_head_bytes,
+            head_timeout_s=settings.gateway_read_timeout_s,
+            idle_s=KEEP_ALIVE_S,
+            descriptors=2,  # a caller's connection and, while it is forwarded, a replica's
+            reserve=RESERVED_DESCRIPTORS,
+            exempt=parse_networks(settings.gateway_trusted_proxies),
+        )
     )
+    app.gateway.upstreams.sockets.limit = limits.max_connections
+    return limits
 
 
 def _options(settings: Settings) -> dict[str, Any]:
@@ -237,7 +254,9 @@ def serve_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and it
     tracing.start("corral-gateway", settings)
     app = app or build_app(db or get_database(settings.database_url), settings, queue, calls)
     try:
-        server = asgiserve.start(app, sock, _limits(settings), name="gateway", **_options(settings))
+        server = asgiserve.start(
+            app, sock, _limits(settings, app), name="gateway", **_options(settings)
+        )
     except OSError as exc:
         raise ListenRefused(str(exc)) from None
     return RunningGateway(server, host, app)
@@ -265,4 +284,4 @@ def run_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and its 
     # What start-up made (modules, settings, the app) lives as long as the process: the
     # garbage collector, run every few hundred requests, need not walk it each time.
     gc.freeze()
-    asgiserve.run(app, sock, _limits(settings), **_options(settings))
+    asgiserve.run(app, sock, _limits(settings, app), **_options(settings))

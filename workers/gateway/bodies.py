@@ -1,16 +1,22 @@
-"""Request bodies: read before anything is claimed, bounded in time, in size and in all.
+"""Request bodies: read before anything is claimed, bounded in time, in size, per peer and in all.
 
 The gateway reads a request's body whole before it claims an environment (a slow
 upload holds no environment, and an idempotent request can be sent to a second
-replica if the first fails). What that costs is bounded three ways:
+replica if the first fails). What that costs is bounded four ways:
 
 * **Per request**: over ``CORRAL_GATEWAY_MAX_BODY`` bytes, announced or counted -> 413.
 * **In all**: the bodies held at once may add up to ``CORRAL_GATEWAY_BODY_BUDGET``
-  bytes. A body takes its announced length from the budget before its first byte is
-  read (a chunked one, as it arrives) and gives it back when its request ends; one
-  that does not fit -> 503 with ``Retry-After``, at once.
+  bytes, charged as they arrive (an announced length is only a claim: a caller that
+  announces 10 MiB and sends a byte holds a byte) and given back when the request
+  ends; a piece that does not fit -> 503 with ``Retry-After``, at once.
+* **Per peer**: of the budget, the bodies of one peer address may hold
+  ``CORRAL_GATEWAY_BODY_PER_PEER`` (a proxy in ``CORRAL_GATEWAY_TRUSTED_PROXIES``
+  speaks for many callers: only the total bounds it) -> 503 with ``Retry-After``.
 * **In time**: each piece must arrive within ``CORRAL_GATEWAY_READ_TIMEOUT_S`` of the
-  last -> 408.
+  last, and once ``CORRAL_GATEWAY_BODY_GRACE_S`` have passed the body must have come
+  at ``CORRAL_GATEWAY_BODY_MIN_RATE`` bytes a second on average (Apache's
+  ``mod_reqtimeout``: each ``MinRate`` bytes buys a second more) -> 408. A caller
+  that drips a byte now and then is cut off after the grace, not held forever.
 
 Each of these answers closes the connection (the rest of the body is never read).
 """
@@ -18,27 +24,52 @@ Each of these answers closes the connection (the rest of the body is never read)
 from __future__ import annotations
 
 import asyncio
+import time
 
-from workers.gateway.asgi import RETRY_AFTER_S, Answer, ClientGone, Receive, Scope, header
+from workers.gateway.asgi import (
+    RETRY_AFTER_S,
+    Answer,
+    ClientGone,
+    Message,
+    Receive,
+    Scope,
+    header,
+)
+from workers.gateway.headers import Trusted
 
 CLOSE = {"connection": "close"}
 
 
 class Bodies:
-    """The request bodies this gateway holds, against their per-request and total limits."""
+    """The request bodies this gateway holds, against their limits per request, peer and in all."""
 
-    def __init__(self, max_body: int, budget: int, read_timeout_s: float) -> None:
+    def __init__(  # noqa: PLR0913 - the limits, by name
+        self,
+        max_body: int,
+        budget: int,
+        read_timeout_s: float,
+        *,
+        per_peer: int | None = None,
+        min_rate: int = 4096,
+        grace_s: float = 10.0,
+        trusted: Trusted | None = None,
+    ) -> None:
         self.max_body = max_body
         self.budget = budget
         self.read_timeout_s = read_timeout_s
-        self.held = 0  # bytes reserved by the bodies being read or forwarded now
+        self.per_peer = budget if per_peer is None else per_peer
+        self.min_rate = min_rate
+        self.grace_s = grace_s
+        self.trusted = trusted or Trusted("")
+        self.held = 0  # bytes held by the bodies being read or forwarded now
+        self.peers: dict[str, int] = {}  # of them, each peer's (trusted proxies': not kept)
 
     def read(self, scope: Scope, receive: Receive) -> Reading:
         """The request's body, held (and counted against the budget) inside ``async with``."""
         return Reading(self, scope, receive)
 
     async def _take(self, reading: Reading) -> bytes:
-        """Read a body whole, its bytes reserved on ``reading`` (given back on any error)."""
+        """Read a body whole, its bytes charged to ``reading`` (given back on any error)."""
         scope, receive = reading.scope, reading.receive
         announced = header(scope, b"content-length")
         size = int(announced) if announced is not None and announced.isdigit() else 0
@@ -49,25 +80,22 @@ class Bodies:
             if message["type"] == "http.disconnect":
                 raise ClientGone
             return bytes(message.get("body", b""))
+        peer = scope.get("client")
+        address = str(peer[0]) if peer else ""
+        reading.peer = None if address in self.trusted else address
         try:
-            reading.reserved = self._reserve(size, 0)
             chunks: list[bytes] = []
             got = 0
+            started = time.monotonic()
             while True:
-                try:
-                    async with asyncio.timeout(self.read_timeout_s):
-                        message = await receive()
-                except TimeoutError:
-                    raise Answer(
-                        408, f"request body not received within {self.read_timeout_s:g}s", CLOSE
-                    ) from None
+                message = await self._next(receive, started, got)
                 if message["type"] == "http.disconnect":
                     raise ClientGone
                 chunk = message.get("body", b"")
                 got += len(chunk)
                 if got > self.max_body:
                     raise Answer(413, f"request body over {self.max_body} bytes", CLOSE)
-                reading.reserved = self._reserve(got, reading.reserved)
+                self._charge(reading, len(chunk))
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
@@ -76,19 +104,55 @@ class Bodies:
             reading.release()
             raise
 
-    def _reserve(self, size: int, reserved: int) -> int:
-        """Grow a body's reservation to ``size`` bytes; the new reservation."""
-        more = size - reserved
-        if more <= 0:
-            return reserved
-        if self.held + more > self.budget:
+    async def _next(self, receive: Receive, started: float, got: int) -> Message:
+        """The next piece, within the read timeout and the body's minimum rate; else 408."""
+        due = started + self.grace_s + got / self.min_rate  # each min_rate bytes: a second more
+        wait = min(self.read_timeout_s, due - time.monotonic())
+        try:
+            if wait <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(wait):
+                return await receive()
+        except TimeoutError:
+            if wait < self.read_timeout_s:
+                raise Answer(
+                    408, f"request body slower than {self.min_rate} bytes a second", CLOSE
+                ) from None
             raise Answer(
-                503,
-                "the gateway holds as many request bodies as it may: try again",
-                {"retry-after": str(RETRY_AFTER_S), **CLOSE},
-            )
-        self.held += more
-        return size
+                408, f"request body not received within {self.read_timeout_s:g}s", CLOSE
+            ) from None
+
+    def _charge(self, reading: Reading, size: int) -> None:
+        """Take ``size`` more bytes for a body, from its peer's share and the budget; 503 if not."""
+        if not size:
+            return
+        peer = reading.peer
+        if self.held + size > self.budget:
+            self._full("the gateway holds as many request bodies as it may")
+        if peer is not None:
+            mine = self.peers.get(peer, 0) + size
+            if mine > self.per_peer:
+                self._full("the gateway holds as many request bodies of this caller as it may")
+            self.peers[peer] = mine
+        self.held += size
+        reading.held += size
+
+    @staticmethod
+    def _full(why: str) -> None:
+        raise Answer(503, f"{why}: try again", {"retry-after": str(RETRY_AFTER_S), **CLOSE})
+
+    def _release(self, reading: Reading) -> None:
+        held, reading.held = reading.held, 0
+        if not held:
+            return
+        self.held -= held
+        peer = reading.peer
+        if peer is not None:
+            left = self.peers.get(peer, 0) - held
+            if left > 0:
+                self.peers[peer] = left
+            else:
+                self.peers.pop(peer, None)
 
 
 class Reading:
@@ -97,13 +161,14 @@ class Reading:
     A class rather than a generator-based context manager: every request enters one.
     """
 
-    __slots__ = ("bodies", "receive", "reserved", "scope")
+    __slots__ = ("bodies", "held", "peer", "receive", "scope")
 
     def __init__(self, bodies: Bodies, scope: Scope, receive: Receive) -> None:
         self.bodies = bodies
         self.scope = scope
         self.receive = receive
-        self.reserved = 0  # bytes of the budget this body holds
+        self.held = 0  # bytes of the budget this body holds
+        self.peer: str | None = None  # whose share it is charged to (None: none)
 
     async def __aenter__(self) -> bytes:
         return await self.bodies._take(self)
@@ -112,6 +177,6 @@ class Reading:
         self.release()
 
     def release(self) -> None:
-        """Give the body's bytes back to the budget."""
-        self.bodies.held -= self.reserved
-        self.reserved = 0
+        """Give the body's bytes back to the budget and its peer's share."""
+        if self.held:
+            self.bodies._release(self)

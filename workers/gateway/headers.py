@@ -21,7 +21,9 @@ Toward the replica (:func:`request_head` builds the whole request head, one writ
   byte, and its query: ``%2F`` and ``%3F`` reach the replica as sent.
 
 Toward the caller (:func:`response_headers`): the replica's headers but hop-by-hop
-ones and those named in its ``Connection:``.
+ones and those named in its ``Connection:``; each ``Set-Cookie`` scoped to the function
+(:func:`scoped_cookie`). Every function shares the gateway's origin, so a cookie a
+replica sets with ``Path=/`` would otherwise go to every other function on it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+PREFIX = b"/function/"  # where the gateway serves each function (workers.gateway.upstream)
 FROM_PROXIES = frozenset(
     {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"forwarded", b"x-real-ip"}
 )
@@ -130,9 +133,40 @@ def request_head(  # noqa: PLR0913 - one request's parts, the rest by name
     return b"".join(lines)
 
 
-def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The replica's headers to send the caller: all but hop-by-hop and Connection-named."""
+def response_headers(raw: list[tuple[bytes, bytes]], function: str) -> list[tuple[bytes, bytes]]:
+    """The replica's headers to send the caller: all but hop-by-hop and Connection-named,
+    cookies scoped to ``function``."""
     named = connection_named(raw)
-    if not named:
-        return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP]
-    return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP and k.lower() not in named]
+    dropped = HOP_BY_HOP | named if named else HOP_BY_HOP
+    kept = []
+    for key, value in raw:
+        lower = key.lower()
+        if lower in dropped:
+            continue
+        kept.append((key, scoped_cookie(value, function) if lower == b"set-cookie" else value))
+    return kept
+
+
+def scoped_cookie(value: bytes, function: str) -> bytes:
+    """A ``Set-Cookie`` value with its ``Path`` under ``/function/NAME`` and no ``Domain``.
+
+    ``Path=/x`` becomes ``Path=/function/NAME/x``; none (or one not starting with ``/``)
+    ``Path=/function/NAME``, which a browser matches for ``/function/NAME`` and below,
+    never for another function (RFC 6265 5.1.4). A ``Domain`` would widen the cookie to
+    other hosts: dropped. The rest (name, value, other attributes) is kept as sent.
+    """
+    pair, *attributes = value.split(b";")
+    prefix = PREFIX + function.encode("ascii")
+    path = prefix
+    kept = [pair]
+    for attribute in attributes:
+        name, _, given = attribute.partition(b"=")
+        name = name.strip().lower()
+        if name == b"path":
+            given = given.strip()
+            if given.startswith(b"/") and given != b"/":
+                path = prefix + given
+        elif name != b"domain":
+            kept.append(attribute)
+    kept.append(b" Path=" + path)
+    return b";".join(kept)

@@ -10,7 +10,10 @@ adds its own defaults; it also costs several times more per request than this on
 * :class:`Pool` - the idle connections to one replica address, last used first. A
   connection idle for ``IDLE_S`` is closed (servers close idle connections too - Node
   after 5 s - and a request sent on a connection the server is closing is lost). A
-  connection whose server hung up while it was idle is never reused.
+  connection whose server hung up while it was idle is never reused. The pools of a
+  gateway share :class:`Sockets`: the connections they hold open in all, kept within
+  what the gateway's descriptors allow (a new one first closes an idle one, of any
+  replica, when they are at their cap).
 * :class:`Connection` - one TCP connection (``TCP_NODELAY``), an ``asyncio.Protocol``
   whose bytes go to an ``httptools`` (llhttp) response parser, one exchange at a time.
 * :class:`Exchange` (:mod:`workers.gateway.exchange`) - one request's answer as its
@@ -35,22 +38,36 @@ connection. So does a ``101`` (the gateway forwards no upgrade), and bytes that 
 a complete answer never reach the next request: the connection is closed, not reused.
 
 Errors: :class:`Broken` - the connection failed, or the replica sent what is not HTTP;
-:class:`Rejected` (a :class:`Broken`) - the answer broke a limit.
+:class:`Rejected` (a :class:`Broken`) - the answer broke a limit; :class:`Exhausted` -
+the gateway had no file descriptor free to connect with (EMFILE, ENFILE): its own
+trouble, never the replica's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import time
 from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
 
+from netplumb.descriptors import exhausted
 from workers.gateway.exchange import Broken, Budget, Exchange, Limits, Rejected
 
-__all__ = ["Broken", "Budget", "Connection", "Exchange", "Limits", "Pool", "Rejected"]
+__all__ = [
+    "Broken",
+    "Budget",
+    "Connection",
+    "Exchange",
+    "Exhausted",
+    "Limits",
+    "Pool",
+    "Rejected",
+    "Sockets",
+]
 
 IDLE_S = 4.0  # a kept-alive connection unused this long is closed, not reused
 MAX_IDLE = 64  # idle connections kept per replica address
@@ -67,6 +84,30 @@ FEED_FIRST, FEED_LEAST, FEED_MOST = 16 * 1024, 1024, 1024 * 1024
 
 class _Stop(Exception):
     """Raised in a parser callback to stop the parse (the connection is done)."""
+
+
+class Exhausted(Exception):
+    """No file descriptor was free to connect with: the gateway's trouble, not the replica's."""
+
+
+class Sockets:
+    """The connections all pools sharing it hold open, and how many they may."""
+
+    __slots__ = ("limit", "open", "pools")
+
+    def __init__(self, limit: int = sys.maxsize) -> None:
+        self.limit = limit
+        self.open = 0
+        self.pools: dict[Pool, None] = {}
+
+    def make_room(self) -> None:
+        """At the cap: close one idle connection (the oldest of a pool that has one)."""
+        if self.open < self.limit:
+            return
+        for pool in self.pools:
+            if pool.idle:
+                pool.idle[0].close()
+                return
 
 
 class Connection(asyncio.Protocol):
@@ -101,8 +142,9 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Keep the transport; Nagle off (one write per request already)."""
+        """Keep the transport (counted open); Nagle off (one write per request already)."""
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.pool.sockets.open += 1
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -206,6 +248,7 @@ class Connection(asyncio.Protocol):
         """End or fail the exchange in progress; never reuse this connection."""
         self.closed = True
         self.pool.forget(self)
+        self.pool.sockets.open -= 1
         self._stop_deadline()
         while self._backlog is not None and self._parser and self.exchange is not None:
             rest, self._backlog = self._backlog, None  # what was read comes first
@@ -373,6 +416,7 @@ class Pool:
         connect_timeout: float,
         limits: Limits | None = None,
         budget: Budget | None = None,
+        sockets: Sockets | None = None,
     ) -> None:
         parts = urlsplit(address)
         if parts.scheme != "http" or not parts.hostname:
@@ -383,6 +427,8 @@ class Pool:
         self.connect_timeout = connect_timeout
         self.limits = limits or Limits()
         self.budget = budget or Budget()
+        self.sockets = sockets or Sockets()
+        self.sockets.pools[self] = None
         self.idle: list[Connection] = []
         self.users = 0
         self.last_used = time.monotonic()
@@ -401,6 +447,7 @@ class Pool:
 
     async def _connect(self) -> Connection:
         loop = asyncio.get_running_loop()
+        self.sockets.make_room()
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(
@@ -409,6 +456,8 @@ class Pool:
         except TimeoutError:
             raise Broken(f"no connection within {self.connect_timeout:g}s", refused=True) from None
         except OSError as exc:
+            if exhausted(exc):
+                raise Exhausted(f"no file descriptor free to connect with: {exc}") from None
             raise Broken(f"cannot connect: {exc}", refused=True) from None
         return conn
 
@@ -431,7 +480,8 @@ class Pool:
             conn.close()
 
     def close(self) -> None:
-        """Close every idle connection."""
+        """Close every idle connection; the pool is not used again."""
+        self.sockets.pools.pop(self, None)
         for conn in list(self.idle):
             conn.close()
         self.idle = []

@@ -3,12 +3,13 @@
 A request goes through these steps, each with its own answer when it fails:
 
 1. **Token.** With ``CORRAL_GATEWAY_TOKEN`` set, ``Authorization: Bearer <token>``
-   is required (401 otherwise) and is not forwarded.
+   is required (401 otherwise) and is not forwarded. A request that passes marks its
+   connection as credentialed (:func:`netplumb.asgiserve.authenticated`).
 2. **Function.** Its limits (:mod:`workers.gateway.catalog`); an unknown name -> 404.
    Both come before the body: neither costs a byte of it.
 3. **Body** (:mod:`workers.gateway.bodies`). Read in full before anything is claimed,
-   so a slow upload holds no environment; bounded per request (413), in all (503) and
-   in time (408).
+   so a slow upload holds no environment; bounded per request (413), per peer and in
+   all as it arrives (503), and in time: each piece, and a minimum rate (408).
 4. **Admission** (:mod:`workers.gateway.admission`): beyond ``max_replicas x
    exec_envs`` requests the request queues; a full queue -> 429, no place within the
    cold-start timeout -> 503 with ``Retry-After``.
@@ -43,6 +44,7 @@ from collections.abc import Awaitable, Callable
 from sqlalchemy.exc import DBAPIError
 
 from config.settings import Settings, reveal
+from netplumb import asgiserve
 from workers import tracing
 from workers.autoscale.idletimes import Recorder
 from workers.dispatch import TaskQueue
@@ -106,7 +108,13 @@ class Gateway:
         self.upstreams = Upstreams(settings, self._token, self.metrics)
         self.invocations = Recorder(settings.keepalive_bin_s)  # idle times, for keep-alive
         self.bodies = Bodies(
-            settings.gateway_max_body, settings.gateway_body_budget, settings.gateway_read_timeout_s
+            settings.gateway_max_body,
+            settings.gateway_body_budget,
+            settings.gateway_read_timeout_s,
+            per_peer=settings.gateway_body_per_peer,
+            min_rate=settings.gateway_body_min_rate,
+            grace_s=settings.gateway_body_grace_s,
+            trusted=self.upstreams.trusted,
         )
         self._upkeep: list[asyncio.Task[None]] = []
         self._unlisten: Callable[[], None] = lambda: None
@@ -154,11 +162,14 @@ class Gateway:
             self.upstreams.sweep({c.address for c in self.ledger.held.values() if c.address})
 
     def authorized(self, scope: Scope) -> bool:
-        """True when no token is set or the request carries it."""
-        if self._token is None:
-            return True
-        sent = (header(scope, b"authorization") or "").encode("latin-1")
-        return hmac.compare_digest(sent, self._token)
+        """True when no token is set or the request carries it (its connection is then
+        no longer anonymous: :func:`netplumb.asgiserve.authenticated`)."""
+        if self._token is not None:
+            sent = (header(scope, b"authorization") or "").encode("latin-1")
+            if not hmac.compare_digest(sent, self._token):
+                return False
+        asgiserve.authenticated(scope)
+        return True
 
     # -- one request -----------------------------------------------------------------------
 

@@ -25,27 +25,41 @@ be sure the environment is free again for its next request.
   ``CORRAL_GATEWAY_ANSWER_HEAD_TIMEOUT_S`` of its first byte, with a 504. The
   connection is closed, the refusal counted (``corral_gateway_answers_refused_total``),
   and the replica kept: it answered, and would answer the same to a second one.
+* **Cookies**: a replica's ``Set-Cookie`` is scoped to its function: its ``Path`` goes
+  under ``/function/NAME`` (none: ``/function/NAME``) and its ``Domain`` is dropped
+  (:func:`workers.gateway.headers.scoped_cookie`), so a browser sends one function's
+  cookies to that function only, though all share the gateway's origin.
 * **Failures**: a replica that refuses connections for ``CONNECT_GRACE_S`` (a moment of
   refusal is a server still starting), or breaks the exchange before its response
   headers, is a :class:`ReplicaFailed` (the claim not handed back: the caller retires
   the replica); no complete answer within ``CORRAL_GATEWAY_TIMEOUT_S`` is a 504, an
   answer that is not HTTP a 502, and an answer that breaks after its status line went
-  out is :class:`BrokenOff` (nothing more can be said to the caller).
+  out is :class:`BrokenOff` (nothing more can be said to the caller). A connection the
+  gateway cannot make for want of a file descriptor (EMFILE, ENFILE) is its own 503
+  with ``Retry-After``: the claim goes back and the replica is not suspected.
+* **Descriptors**: the connections to all replicas together stay within
+  :attr:`Upstreams.sockets` (the gateway sets its cap to its connection cap, which its
+  descriptor limit bounds: ``workers.gateway.app``); at the cap a new one first closes
+  an idle one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
+from typing import NoReturn
 from urllib.parse import quote
 
 from config.settings import Settings
 from workers.gateway import http1
-from workers.gateway.asgi import Answer, Message, Scope, Send
+from workers.gateway.asgi import RETRY_AFTER_S, Answer, Message, Scope, Send
 from workers.gateway.headers import Trusted, request_head, response_headers
 from workers.gateway.metrics import GatewayMetrics
 from workers.replicas.claims import Claimed
+
+log = logging.getLogger(__name__)
 
 PREFIX = "/function/"
 RAW_PREFIX = PREFIX.encode()
@@ -56,6 +70,7 @@ CONNECT_GRACE_S = 2.0  # a refused connection is tried again this long before it
 # every 10 ms; some 50 us of a refused connect each.
 REFUSED_PAUSE_S = (0.001, 0.01)
 REFUSED_FAST_S = 0.1
+EXHAUSTED_LOG_S = 10.0  # descriptors exhausted: said in the log at most this often
 
 
 class ReplicaFailed(Exception):
@@ -110,8 +125,11 @@ class Relay:
     Each piece must be taken by the caller within ``timeout_s`` (:class:`CallerTooSlow`).
     """
 
-    def __init__(self, send: Send, timeout_s: float, task: asyncio.Task[object] | None) -> None:
+    def __init__(
+        self, send: Send, timeout_s: float, task: asyncio.Task[object] | None, function: str
+    ) -> None:
         self._send = send
+        self.function = function  # whose cookies the answer may set
         self.timeout_s = timeout_s
         self.answering = False  # the response has started: an error can only break it off
         self.last = b""
@@ -159,7 +177,7 @@ class Relay:
         start = {
             "type": "http.response.start",
             "status": exchange.status,
-            "headers": response_headers(exchange.headers),
+            "headers": response_headers(exchange.headers, self.function),
         }
         while (chunk := await exchange.chunk()) is not None:
             if not chunk:
@@ -189,7 +207,7 @@ class Upstreams:
     ) -> None:
         self.settings = settings
         self._token = token
-        self._trusted = Trusted(settings.gateway_trusted_proxies)
+        self.trusted = Trusted(settings.gateway_trusted_proxies)
         self.metrics = metrics or GatewayMetrics()
         self.limits = http1.Limits(
             head_bytes=settings.gateway_answer_head_max,
@@ -198,6 +216,8 @@ class Upstreams:
             read_ahead=settings.gateway_read_ahead,
         )
         self.budget = http1.Budget(settings.gateway_read_ahead_budget)  # shared by all pools
+        self.sockets = http1.Sockets()  # the connections of all pools, within a cap
+        self._exhausted_at = -EXHAUSTED_LOG_S
         self.metrics.read_ahead.set_function(lambda: self.budget.held)
         self._pools: dict[str, http1.Pool] = {}
         self._relays: set[Relay] = set()  # answers being relayed now
@@ -225,12 +245,14 @@ class Upstreams:
             once()
             raise Answer(400, "cannot forward this request: its path is not plain ASCII")
         head = request_head(
-            scope, target, pool.netloc, body, token=self._token, trusted=self._trusted
+            scope, target, pool.netloc, body, token=self._token, trusted=self.trusted
         )
         loop = self.loop
         if loop is None:
             loop = self.loop = asyncio.get_running_loop()
-        relay = Relay(send, self.settings.gateway_send_timeout_s, asyncio.current_task(loop))
+        relay = Relay(
+            send, self.settings.gateway_send_timeout_s, asyncio.current_task(loop), claimed.function
+        )
         deadline = self.settings.gateway_timeout_s
         self._relays.add(relay)
         try:
@@ -320,7 +342,7 @@ class Upstreams:
         if pool is None:
             timeout = self.settings.gateway_timeout_s
             pool = self._pools[address] = http1.Pool(
-                address, min(timeout, 5.0), self.limits, self.budget
+                address, min(timeout, 5.0), self.limits, self.budget, self.sockets
             )
         return pool
 
@@ -339,6 +361,8 @@ class Upstreams:
         while True:
             try:
                 return await pool.send(head, body, head_only=head_only)
+            except http1.Exhausted as exc:
+                self._exhausted(exc)
             except http1.Broken as exc:
                 at = time.monotonic()
                 if not exc.refused or at + pause > give_up:
@@ -346,6 +370,18 @@ class Upstreams:
             await asyncio.sleep(pause)
             if at - began > REFUSED_FAST_S:
                 pause = min(pause * 2, most)
+
+    def _exhausted(self, exc: http1.Exhausted) -> NoReturn:
+        """No descriptor to connect with: the gateway's own 503 (said in the log now and then)."""
+        now = time.monotonic()
+        if now - self._exhausted_at >= EXHAUSTED_LOG_S:
+            self._exhausted_at = now
+            log.warning("gateway: %s (answering 503 meanwhile)", exc)
+        raise Answer(
+            503,
+            "the gateway has no file descriptor free: try again",
+            {"retry-after": str(RETRY_AFTER_S)},
+        )
 
     def sweep(self, wanted: set[str]) -> None:
         """Close idle connections past their time, and pools unused but those in ``wanted``."""

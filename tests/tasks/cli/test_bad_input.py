@@ -13,13 +13,16 @@ from tests.fixtures import Env, StartAgents
 from workers.store.models import Function, Node, Operation, Replica
 
 
-def _state(env: Env) -> tuple[int, int, int, int, list[tuple[str, int, int]]]:
+def _state(env: Env) -> tuple[int, int, int, int, list[tuple[object, ...]]]:
     with env.db.read() as s:
         counts = tuple(
             s.scalar(select(func.count()).select_from(t)) or 0
             for t in (Function, Node, Replica, Operation)
         )
-        fns = [(f.name, f.min_replicas, f.max_replicas) for f in s.scalars(select(Function))]
+        fns = [
+            (f.name, f.min_replicas, f.max_replicas, f.image, f.kernel, f.kernel_args, f.labels)
+            for f in s.scalars(select(Function))
+        ]
     return (*counts, fns)  # type: ignore[return-value]
 
 
@@ -85,6 +88,19 @@ BAD = [
         "unknown placement policy 'best'",
     ),
     (["functions", "deploy", "web", "--image", "i", "--backend", "lambdo"], "needs --rootfs"),
+    # Tenant text (issue 36): printable, bounded, of its grammar; a newline in --image forged
+    # a row of `functions list`, an escape sequence repainted the operator's terminal.
+    (["functions", "deploy", "hello", "--image", "i\nnew  forged"], "image: 'i\\nnew  forged' has"),
+    (["functions", "deploy", "hello", "--kernel", "/k\x1b[2J"], "kernel: '/k\\x1b[2J' has"),
+    (["functions", "deploy", "hello", "--kernel-args", "a \u202eb"], "kernel_args: 'a \\u202eb'"),
+    (["functions", "deploy", "hello", "--initrd=-rf"], "initrd: '-rf' is not a path"),
+    (["functions", "deploy", "hello", "--image", "i" * 256], "is over 255 characters"),
+    (["functions", "deploy", "hello", "--image", "python -m evil"], "is not an image name"),
+    (["functions", "deploy", "hello", "--rootfs", "http://a b"], "rootfs: 'http://a b' is not"),
+    (["functions", "deploy", "hello", "--label", "INET_DEV=eth0;x"], "inet_dev: 'eth0;x' is not"),
+    (["functions", "deploy", "hello", "--label", "NAMESERVER=1.1.1.1;x"], "name_server: '1.1"),
+    (["functions", "deploy", "hello", "--label", "IMAGE_STORAGE=/s p"], "image_storage: '/s p'"),
+    (["functions", "deploy", "hello", "--label", "A=b\x9b2J"], "malformed label 'A'"),
     (["nodes", "add", "not a host"], "invalid agent address"),
     (["nodes", "add", "127.0.0.1:99999"], "invalid agent address"),
     (["nodes", "add", "ftp://h:1", "--kind", "lambdo"], "invalid Lambdo host address"),

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy import select
 
 from agents.faults import Fault
-from agents.lambdo import RunningLambdo, serve_lambdo
+from agents.lambdo import LIMITS, RunningLambdo, serve_lambdo
 from tasks import api
 from tests.fixtures import Env
 from tests.helpers import spawn_ok
@@ -173,6 +175,31 @@ def test_bearer_token(corral_env: Env) -> None:
         )
         assert vm.vmid
     finally:
+        host.stop()
+
+
+def test_a_host_over_its_connection_cap_answers_503_and_a_create_is_nothing_done() -> None:
+    host = serve_lambdo("127.0.0.1:0", token="s3cret")
+    held: list[socket.socket] = []
+    try:
+        for _ in range(LIMITS.max_connections):  # this address's kept-alive calls, all it may
+            sock = socket.create_connection(("127.0.0.1", host.port), timeout=10)
+            sock.sendall(b"GET /vms HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer s3cret\r\n\r\n")
+            sock.recv(4096)  # 200, or 503 past the cap
+            held.append(sock)
+        client = LambdoClient(host.url, timeout_s=5, token="s3cret")
+        for _ in range(20):  # each on a new connection, its request sent at once
+            with pytest.raises(TransientBackendError) as refused:
+                inflight.run(client.spawn("x_1", "examples.hello", [8080]))
+            assert "503" in str(refused.value) and refused.value.nothing_done, refused.value
+        assert not host.agent.calls_of("spawn")
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+        with other:  # another address is served meanwhile
+            answer = other.get(f"{host.url}/vms", headers={"authorization": "Bearer s3cret"})
+        assert answer.status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
         host.stop()
 
 

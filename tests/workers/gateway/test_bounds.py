@@ -12,12 +12,15 @@ hold their connections open.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -26,14 +29,18 @@ import psutil
 from testkit.eventually import eventually
 from testkit.services import free_port
 from tests.workers.gateway.conftest import Stack, wait_healthy
+from tests.workers.gateway.gateway_process import Gateway
 
 MiB = 1024 * 1024
 
 
-def _connect(url: str) -> socket.socket:
+def _connect(url: str, source: str = "127.0.0.1") -> socket.socket:
+    """A connection to the gateway at ``url`` from ``source`` (peers told apart by address)."""
     parts = urlsplit(url)
     assert parts.hostname == "127.0.0.1" and parts.port
-    return socket.create_connection((parts.hostname, parts.port), timeout=10)
+    return socket.create_connection(
+        (parts.hostname, parts.port), timeout=10, source_address=(source, 0)
+    )
 
 
 def _answer(sock: socket.socket, within: float) -> bytes:
@@ -98,14 +105,14 @@ def test_request_bodies_held_at_once_are_capped_in_all(stack: Stack) -> None:
     gw = stack.gateway(gateway_body_budget=1 * MiB, gateway_read_timeout_s=30.0)
     assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
     with _connect(gw.url) as first, _connect(gw.url) as second:
-        first.sendall(_post_head("/function/echo", 600 * 1024) + b"a" * 100_000)
-        eventually(  # its 600 KiB are taken from the budget before it has arrived
-            lambda: gw.app.gateway.bodies.held >= 600 * 1024, 10, "the first body's reservation"
+        first.sendall(_post_head("/function/echo", 700 * 1024) + b"a" * 600 * 1024)
+        eventually(  # its bytes are charged to the budget as they arrive
+            lambda: gw.app.gateway.bodies.held >= 600 * 1024, 10, "the first body's bytes"
         )
-        second.sendall(_post_head("/function/echo", 600 * 1024))
-        refused = _answer(second, 5)
+        second.sendall(_post_head("/function/echo", 600 * 1024) + b"b" * 500 * 1024)
+        refused = _answer(second, 5)  # the piece that does not fit: 503 at once
         assert refused.startswith(b"HTTP/1.1 503 ") and b"retry-after: 5" in refused
-        first.sendall(b"a" * (600 * 1024 - 100_000))  # the rest: answered, budget returned
+        first.sendall(b"a" * (100 * 1024))  # the rest: answered, budget returned
         first.settimeout(30)
         assert first.recv(100).startswith(b"HTTP/1.1 200 ")
     again = httpx.post(f"{gw.url}/function/echo", content=b"b" * 600 * 1024, timeout=60)
@@ -187,3 +194,133 @@ def _settled(pid: int) -> Callable[[], bool]:
         return abs(_rss_mib(pid) - before) < 1
 
     return check
+
+
+# -- trailers, slow bodies and one peer's share (issue 36) ------------------------------------
+
+
+def _chunked_post(path: str, token: str | None = None) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: gw\r\n{auth}Transfer-Encoding: chunked\r\n\r\n"
+        "5\r\nhello\r\n"
+    ).encode()
+
+
+def test_request_trailers_never_reach_the_replica(stack: Stack) -> None:
+    stack.deploy("reflect", image="examples.reflect")
+    gw = stack.gateway()
+    with _connect(gw.url) as sock:
+        sock.sendall(
+            _chunked_post("/function/reflect")
+            + b"0\r\nCookie: session=stolen\r\nX-Trailer: 1\r\n\r\n"
+        )
+        sock.settimeout(60)
+        data = b""
+        while b"}" not in data:
+            data += sock.recv(65536)
+    assert data.startswith(b"HTTP/1.1 200 "), data
+    seen = json.loads(data.partition(b"\r\n\r\n")[2])
+    assert seen["body"] == "hello"
+    assert "cookie" not in seen["headers"] and "x-trailer" not in seen["headers"], seen
+    stack.settled()
+
+
+def test_a_gateway_process_takes_4_mib_of_trailers_in_64_mib_and_forwards_none(
+    stack: Stack, tmp_path: Path
+) -> None:
+    stack.deploy("reflect", image="examples.reflect")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        env={**os.environ, "CORRAL_GATEWAY_TOKEN": "t0ken"},
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "gateway.log").open("wb"),
+    )
+    gateway = Gateway(proc, f"http://127.0.0.1:{port}", tmp_path / "gateway.log")
+    try:
+        wait_healthy(gateway.url)
+        auth = {"authorization": "Bearer t0ken"}
+        assert httpx.get(f"{gateway.url}/function/reflect", headers=auth, timeout=60).is_success
+        gateway.reset_peak()
+        base = gateway.kib("VmHWM")
+        with _connect(gateway.url) as sock:
+            sock.sendall(_chunked_post("/function/reflect", "t0ken") + b"0\r\n")
+            sent = 0
+            with contextlib.suppress(OSError):
+                for _ in range(64):  # 4 MiB of the smallest trailers there are, then their end
+                    sock.sendall(b"a:b\r\n" * 13107)
+                    sent += 65535
+                sock.sendall(b"\r\n")
+            answer = _answer(sock, 60)
+        grown = (gateway.kib("VmHWM") - base) / 1024
+        print(f"4 MiB of trailers: the gateway's peak grew {grown:.1f} MiB")
+        assert not answer.startswith(b"HTTP/1.1 200 "), answer[:200]  # nothing was forwarded
+        assert grown <= 64, f"the gateway grew {grown:.0f} MiB for {sent} bytes of trailers"
+        assert httpx.get(f"{gateway.url}/function/reflect", headers=auth, timeout=60).is_success
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_seven_dripping_bodies_leave_another_callers_post_answered(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo")
+    gw = stack.gateway()
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    with contextlib.ExitStack() as held:
+        for size in [10 * MiB] * 6 + [4 * MiB]:  # announced: the whole 64 MiB budget
+            sock = held.enter_context(_connect(gw.url, "127.0.0.2"))
+            sock.sendall(_post_head("/function/echo", size) + b"x")  # a byte, then another later
+        eventually(lambda: gw.app.gateway.bodies.held >= 7, 10, "the seven bodies being read")
+        transport = httpx.HTTPTransport(local_address="127.0.0.3")
+        with httpx.Client(transport=transport, timeout=60) as client:
+            answer = client.post(f"{gw.url}/function/echo", content=b"mine" * 1000)
+        assert answer.status_code == 200 and answer.content == b"mine" * 1000
+    stack.settled()
+
+
+def test_a_body_slower_than_the_minimum_rate_is_408_after_its_grace(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo")
+    gw = stack.gateway(
+        gateway_body_grace_s=1.0, gateway_body_min_rate=1000, gateway_read_timeout_s=60.0
+    )
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    stack.settled()
+    stop = threading.Event()
+    with _connect(gw.url) as sock:
+        sock.sendall(_post_head("/function/echo", 1000))
+
+        def drip() -> None:  # a byte every 0.2 s: each piece well within the read timeout
+            for _ in range(1000):
+                if stop.wait(0.2):
+                    return
+                with contextlib.suppress(OSError):
+                    sock.send(b"x")
+
+        dripper = threading.Thread(target=drip, daemon=True)
+        dripper.start()
+        try:
+            answer = _answer(sock, 30)
+            assert dripper.is_alive()  # cut off long before the body was in
+        finally:
+            stop.set()
+            dripper.join()
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"slower than 1000 bytes a second" in answer
+    assert stack.claims() == 0
+
+
+def test_one_peers_bodies_hold_at_most_its_share_of_the_budget(stack: Stack) -> None:
+    stack.deploy("echo", image="examples.echo")
+    gw = stack.gateway(gateway_body_per_peer=1 * MiB, gateway_read_timeout_s=30.0)
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    with _connect(gw.url, "127.0.0.2") as first, _connect(gw.url, "127.0.0.2") as second:
+        first.sendall(_post_head("/function/echo", 2 * MiB) + b"a" * 900 * 1024)
+        eventually(lambda: gw.app.gateway.bodies.held >= 900 * 1024, 10, "the first body")
+        second.sendall(_post_head("/function/echo", 300 * 1024) + b"b" * 300 * 1024)
+        refused = _answer(second, 10)  # over its peer's share: 503 at once
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"retry-after: 5" in refused
+        transport = httpx.HTTPTransport(local_address="127.0.0.3")
+        with httpx.Client(transport=transport, timeout=60) as client:  # another peer: served
+            answer = client.post(f"{gw.url}/function/echo", content=b"c" * 900 * 1024)
+        assert answer.status_code == 200 and len(answer.content) == 900 * 1024
+    stack.settled()

@@ -224,9 +224,40 @@ def test_the_replicas_hop_by_hop_headers_stop_at_the_gateway() -> None:
         (b"Set-Cookie", b"a=1"),
         (b"Set-Cookie", b"b=2"),
     ]
-    assert response_headers(raw) == [
+    assert response_headers(raw, "fn") == [
         (b"Content-Type", b"text/plain"),
-        (b"Set-Cookie", b"a=1"),
-        (b"Set-Cookie", b"b=2"),
+        (b"Set-Cookie", b"a=1; Path=/function/fn"),
+        (b"Set-Cookie", b"b=2; Path=/function/fn"),
     ]
-    assert response_headers(raw[:1] + raw[3:4]) == raw[:1]  # nothing named: hop-by-hop only
+    # nothing named: hop-by-hop only
+    assert response_headers(raw[:1] + raw[3:4], "fn") == raw[:1]
+
+
+def test_a_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> None:
+    """One origin serves every function: a cookie one sets for ``/`` must not reach another."""
+    stack.deploy("reflect", image="examples.reflect")
+    stack.deploy("other", image="examples.reflect")
+    gw = stack.gateway()
+    with httpx.Client(timeout=60) as browser:  # a cookie jar that applies Path and Domain
+        set_cookies = [
+            "session=alice; Path=/; HttpOnly",
+            "theme=dark",  # no Path: a browser would take /function's
+            "deep=1; Path=/app; Domain=127.0.0.1",
+        ]
+        first = browser.get(
+            f"{gw.url}/function/reflect", params=[("set-cookie", c) for c in set_cookies]
+        )
+        assert first.headers.get_list("set-cookie") == [
+            "session=alice; HttpOnly; Path=/function/reflect",
+            "theme=dark; Path=/function/reflect",
+            "deep=1; Path=/function/reflect/app",
+        ]
+        other = browser.get(f"{gw.url}/function/other").json()["headers"]
+        assert "cookie" not in other  # another function on the same gateway: none of them
+        mine = browser.get(f"{gw.url}/function/reflect/app/x").json()["headers"]
+        assert sorted(mine["cookie"].split("; ")) == ["deep=1", "session=alice", "theme=dark"]
+        assert browser.get(f"{gw.url}/function/reflect").json()["headers"]["cookie"] in (
+            "session=alice; theme=dark",
+            "theme=dark; session=alice",
+        )
+    stack.settled()

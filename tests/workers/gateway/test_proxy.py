@@ -76,7 +76,7 @@ def test_a_replicas_cookies_go_to_its_caller_only(stack: Stack) -> None:
     gw = stack.gateway()
     first = httpx.get(f"{gw.url}/function/reflect?set-cookie=session=alice", timeout=60)
     assert first.status_code == 200
-    assert first.headers["set-cookie"] == "session=alice"  # forwarded to its caller
+    assert first.headers["set-cookie"] == "session=alice; Path=/function/reflect"  # its caller
     second = httpx.get(f"{gw.url}/function/reflect", timeout=60)  # another caller
     assert second.status_code == 200
     assert "cookie" not in second.json()["headers"]
