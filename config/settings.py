@@ -534,7 +534,7 @@ class Settings(
     field. Rules hold between settings: the soft time limit is below the hard one and
     exceeds the longest agent call by more than a second, a statement timeout set is
     below the time between the two limits, the visibility timeout is above the hard
-    limit (and above the hard limit plus the calls' largest backoff), the panic window
+    limit, the panic window
     no longer than the stable window, the keep-alive range between 1 and 10000 bins,
     and the keep-alive head percentile below the tail.
     """
@@ -612,12 +612,14 @@ class Settings(
                 "CORRAL_VISIBILITY_TIMEOUT_S must exceed CORRAL_TASK_TIME_LIMIT_S, or a running "
                 "task's message would be handed to a second worker"
             )
-        if self.calls_backoff_max_s + self.task_time_limit_s >= self.visibility_timeout_s:
-            raise ValueError(
-                "CORRAL_VISIBILITY_TIMEOUT_S must exceed CORRAL_CALLS_BACKOFF_MAX_S plus "
-                "CORRAL_TASK_TIME_LIMIT_S: a retry waits its backoff delivered, unacknowledged"
-            )
         return self
+
+    @property
+    def longest_countdown_s(self) -> float:
+        """The longest a message may wait delivered before it runs (a countdown): a worker
+        holds it unacknowledged meanwhile, so the wait and the task's hard limit must end
+        before the visibility timeout hands it to another worker (5 s to spare)."""
+        return max(0.0, self.visibility_timeout_s - self.task_time_limit_s - 5.0)
 
     @property
     def statement_timeout_s(self) -> float:

@@ -40,16 +40,24 @@ from workers.redis_client import redis_client
 log = logging.getLogger(__name__)
 
 
+def _held(countdown: float) -> float | None:
+    """A countdown a worker may hold the message for (``Settings.longest_countdown_s``): a
+    longer wait is cut to it; an attempt's early message finds its call not due yet and is
+    sent again for the rest, an early callback is delivered that much sooner."""
+    held = min(countdown, get_settings().longest_countdown_s)
+    return held if held > 0 else None
+
+
 class CeleryCalls:
     """Calls' messages sent as Celery tasks on ``corral.invocations``."""
 
     def send(self, call_id: str, countdown: float = 0.0) -> None:
         """Send the message that runs an attempt of the call."""
-        invoke.apply_async((call_id,), countdown=countdown or None)
+        invoke.apply_async((call_id,), countdown=_held(countdown))
 
     def send_callback(self, call_id: str, countdown: float = 0.0) -> None:
         """Send the message that delivers the call's callback."""
-        call_callback.apply_async((call_id,), countdown=countdown or None)
+        call_callback.apply_async((call_id,), countdown=_held(countdown))
 
     def backlog(self) -> int | None:
         """Messages waiting in ``corral.invocations`` (kombu's list and its priority lists)."""

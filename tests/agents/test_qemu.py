@@ -363,7 +363,7 @@ def test_a_call_through_the_gateway_is_answered_by_a_real_guest(
         create_timeout_s=QEMU_BOOT_S + 10,
         task_soft_time_limit_s=QEMU_BOOT_S + 30,
         task_time_limit_s=QEMU_BOOT_S + 40,
-        visibility_timeout_s=QEMU_BOOT_S + 120,  # above the hard limit plus calls_backoff_max_s
+        visibility_timeout_s=QEMU_BOOT_S + 100,
         gateway_cold_start_timeout_s=QEMU_BOOT_S + 20,
     )
     driver = make_qemu_driver()
