@@ -98,10 +98,11 @@ def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6
 ) -> None:
     """SIGKILLed with 2 creates sent and 6 rows owned (2 calls at a time per node).
 
-    The killed worker had marked its round sent, so the redelivered spawn makes each row a
-    maybe (the seed protocol cannot tell what the agent did) and replaces it at once: 6 of
-    6. The two VMs the creates in flight made say READY before any row could take them,
-    and the registry releases them; the maybes hold their slots until their deadline.
+    The killed worker marked sent only the two creates that held the node's slots, so
+    the redelivered spawn makes those two maybes (the seed protocol cannot tell what the
+    agent did), replaces them at once and sends the four never sent: 6 of 6. The two VMs
+    the creates in flight made say READY before any row could take them, and the
+    registry releases them; the maybes hold their slots until their deadline.
     """
     limits = {**SHORT, "CORRAL_NODE_MAX_INFLIGHT": "2"}
     _env(broker_env, limits)
@@ -137,18 +138,19 @@ def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6
     _fleet_agrees(broker_env, [agent])
     # The maybes hold their slots (the node never over-commits) until their deadline: this
     # node's guests report READY (the replacements' did), so the READY window.
-    assert api.operation(op)["maybes"] == {"open": 6}
+    # (6 before: the killed worker had marked its whole round sent before the first call)
+    assert api.operation(op)["maybes"] == {"open": 2}
 
     def node() -> Node:
         with broker_env.db.read() as s:
             return s.scalars(select(Node)).one()
 
-    assert node().live == 12
+    assert node().live == 8
     eventually(lambda: node().ready_seen_at is not None, 20, "a replacement's READY")
     settings = broker_env.settings
     clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
     reap(broker_env.db, settings, holder="t")
-    assert api.operation(op)["maybes"] == {"ended": 6}
+    assert api.operation(op)["maybes"] == {"ended": 2}
     assert node().live == 6
     _fleet_agrees(broker_env, [agent])
 

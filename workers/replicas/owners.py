@@ -15,15 +15,20 @@ sends its create, so every handler of every delivery obeys the same rules:
   live is judged in SQL, by the database on its own clock
   (:func:`workers.store.db.store_now`), never by the handler's host. A row someone else owns
   is left to them: a second delivery while the owner lives changes nothing.
-* **"Sent".** Owning is not sending. Right before a round of calls its owner marks the
-  round's rows sent (``sent_at``: one ``UPDATE`` for the round, conditional on still
-  owning them, committed before any call starts); only the rows that ``UPDATE`` returned
-  are sent. The owner clears the mark of a call it knows never started (cut by the
-  budget, a node that failed too often in the batch) and of an answer that proves
-  nothing was made; an exception anywhere in a batch lets go of every row it owns and has
-  not sent (:func:`let_go`). So a row with no mark was never sent: any handler may take
-  it once its owner lapsed, on every kind of node. A row marked sent whose owner lapsed
-  had a create sent whose outcome nobody knows.
+* **"Sent".** Owning is not sending. A create is marked sent (``sent_at``) when its call
+  holds its node's call slot, right before it goes out: the calls that got slots at that
+  moment are marked together (:func:`mark_sent`: one ``UPDATE``, conditional on still
+  owning them, committed before any of them starts; :mod:`workers.replicas.calls` admits
+  them), and only the rows that ``UPDATE`` returned are sent. So a handler killed
+  mid-batch leaves marked only creates that held a slot - at most the node's in-flight
+  bound (``CORRAL_NODE_MAX_INFLIGHT``, fleet-wide), plus answers that landed in the last
+  moments before the kill and were not yet recorded - never the rows still queued behind
+  them. The owner clears the mark of an answer that proves nothing was made and of a call
+  admitted but cut before it started; an exception anywhere in a batch lets go of every
+  row it owns and has not sent (:func:`let_go`). So a row with no mark was never sent: any
+  handler may take it once its owner lapsed, on every kind of node. A row marked sent
+  whose owner lapsed had a create sent whose outcome nobody knows - unless its answer was
+  kept while the store was down (:mod:`workers.replicas.landed`): then its VM is recorded.
 * **Whose token.** A token is derived from the Celery message it handles (its task id and
   retry number, plus a nonce per run: :func:`owner_token`). A retry of the task (a higher
   retry number: the earlier run ended when it asked for the retry) takes back what the
@@ -70,8 +75,10 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers import backends
+from workers.backends import Vm
 from workers.clock import now
 from workers.errors import BackendError, Unsupported
+from workers.replicas import landed
 from workers.store.db import Database, store_now
 from workers.store.models import Function, Node, Replica, ReplicaState
 
@@ -110,6 +117,11 @@ class Budget:
     def send_until(self) -> float:
         """``time.monotonic()`` after which no new call starts (it could outlive the task)."""
         return self.started + self.soft_s - self.call_s - MARGIN_S
+
+    @property
+    def hard_at(self) -> float:
+        """``time.monotonic()`` at which the task's hard time limit ends it."""
+        return self.started + self.hard_s
 
     def own_until(self) -> datetime:
         """When ownership taken now lapses: the task's hard limit, on the store's clock."""
@@ -210,6 +222,8 @@ class Taken:
     busy: list[str] = field(default_factory=list)  # another live handler owns them
     # now ours: sent, outcome unknown, on a node that cannot deduplicate (make maybes)
     ambiguous: list[Pending] = field(default_factory=list)
+    # now ours: sent, and its answer kept while the store was down (record its VM)
+    landed: list[tuple[Pending, Vm]] = field(default_factory=list)
 
 
 # Built once: the Creating rows of some requests that have no VM yet, with node and
@@ -319,7 +333,9 @@ def take(
     A row no live handler owns is taken (one this message's earlier run owned, too); a
     row another live handler owns is left alone. Of the rows taken, those never sent -
     or sent to a node that deduplicates creates (probed here the first time) - are to
-    send; those sent to a node that cannot deduplicate are ambiguous.
+    send; those sent whose answer was kept while the store was down
+    (:mod:`workers.replicas.landed`) are to record; those sent to a node that cannot
+    deduplicate are ambiguous.
     """
     out = Taken()
     if not request_ids:
@@ -328,9 +344,14 @@ def take(
         rows = s.execute(_CANDIDATES, {"request_ids": request_ids}).all()
         wanted, earlier, unsent = _sort_candidates(rows, token, out)
         won = _take(s, wanted, token, until, earlier, unsent)
+    kept = landed.find(
+        settings, [(rid, p.node.id) for rid, p in wanted.items() if p.sent and rid in won]
+    )
     for rid, pending in wanted.items():
         if rid not in won:
             out.busy.append(pending.request_id)  # taken by another handler meanwhile
+        elif rid in kept:
+            out.landed.append((pending, kept[rid]))
         elif not pending.sent or probe_dedup(db, settings, pending.node):
             out.pending.append(pending)
         else:
@@ -384,7 +405,10 @@ def _take(  # noqa: PLR0913 - one statement's parameters
 
 
 def mark_sent(db: Database, token: str, pendings: Sequence[Pending]) -> set[str]:
-    """Mark these rows' creates sent, in one committed ``UPDATE``; the ids still ours to send."""
+    """Mark these rows' creates sent, in one committed ``UPDATE``; the ids still ours to send.
+
+    Called for the calls that hold their node's slots, right before they go out.
+    """
     if not pendings:
         return set()
     with db.transaction() as s:

@@ -188,7 +188,8 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
         )
     )
     nxt = Next()
-    creates.record(corral_env.db, settings, [(stale, backends.Vm(vm.vmid, "http://x"))], nxt)
+    late = [(stale, backends.Vm(vm.vmid, "http://x"))]
+    creates.record(corral_env.db, settings, late, nxt, Budget.of(settings))
     (row,) = replicas(corral_env)
     assert row.status == ReplicaState.CREATING and row.vmid is None
     assert row.node_id != stale.node.id and row.placements == 2
