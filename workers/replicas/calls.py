@@ -15,24 +15,23 @@ hand the rest on go ahead (the hard limit still bounds them). No call starts aft
 handler's :class:`~workers.replicas.owners.Budget` says it could outlive the task.
 
 **Admission.** A caller may ask that each call be admitted right before it starts
-(``admit``): once the call holds its node's slot, the loop hands it to the task's thread,
-which admits the calls waiting at that moment together (one store transaction for the
-group: a spawn marks their creates sent) and tells the loop which may start. So what a
-worker killed mid-batch leaves admitted and unanswered is at most the calls that held
-slots - a node's in-flight bound - never the ones still queued behind them. The thread
-serves admissions as they come, between its slices; an admission that raises stops all
-further ones (the calls already out finish and are handed on), and :attr:`Ran.error`
-holds what it raised for the caller to raise once it has recorded what landed.
+(``admit``): once the call holds its node's slot, it awaits ``admit(item)`` on the loop
+(a spawn marks its create sent there: :func:`workers.replicas.owners.mark_sent_soon`,
+grouped with every other call of the process admitted at that moment). So what a worker
+killed mid-batch leaves admitted and unanswered is at most the calls that held slots - a
+node's in-flight bound - never the ones still queued behind them. An admission that
+raises stops all further ones (the calls already out finish and are handed on), and
+:attr:`Ran.error` holds what it raised, for the caller to raise once it has recorded what
+landed.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-import time
-from collections.abc import Awaitable, Callable, Collection, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -96,19 +95,18 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
     *,
     failed: Callable[[BaseException], bool],
     on_landed: Callable[[list[tuple[T, Any]]], None] | None = None,
-    admit: Callable[[list[T]], Collection[T]] | None = None,
+    admit: Callable[[T], Awaitable[bool]] | None = None,
 ) -> Ran[T]:
     """Run every call of ``work`` (a list of items per node) within ``budget``; what happened.
 
-    ``admit(items)``, on this thread, admits calls that hold their slots (a group at a
-    time) and returns those that may start; the others are :meth:`Ran.not_ours`.
+    ``await admit(item)`` (on the loop) admits a call that holds its slots: false, it is
+    :meth:`Ran.not_ours`; raising, it and every call after it are not sent.
     """
     items = [item for group in work.values() for item in group]
     ran: Ran[T] = Ran(inflight.Batch(), items)
     landed: queue.SimpleQueue[tuple[T, Any]] = queue.SimpleQueue()
     unwound = threading.Event()
-    wake = threading.Event()
-    door = _Door(admit, ran, wake) if admit is not None else None
+    door = _Door(admit, ran) if admit is not None else None
 
     def on_result(item: T, result: inflight.Result) -> None:
         if result.error is None:
@@ -132,27 +130,21 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
             unwound.set()
 
     future = inflight.submit(body())
-    future.add_done_callback(lambda _: wake.set())
-    handed_at = time.monotonic()
     try:
-        while not future.done():
-            wake.wait(_slice())
-            wake.clear()
+        while True:
             try:
-                if door is not None:
-                    door.serve()
-                if future.done():
-                    break
-                timelimits.check("handing on the calls that landed")
-                if time.monotonic() - handed_at >= FLUSH_S:
-                    _hand_on(ran, landed, on_landed)
-                    handed_at = time.monotonic()
-            except timelimits.OutOfTime:  # delivered: the task is now wrapping up
-                ran.cut = True  # what landed and was not handed on is in ran.landed()
+                future.result(timeout=_slice())
                 break
+            except concurrent.futures.TimeoutError:
+                try:
+                    timelimits.check("handing on the calls that landed")
+                    _hand_on(ran, landed, on_landed)
+                except timelimits.OutOfTime:  # delivered: the task is now wrapping up
+                    ran.cut = True  # what landed and was not handed on is in ran.landed()
+                    break
     finally:  # never leave calls running behind the task, whatever ended the wait
         if door is not None:
-            door.close()
+            door.shut = True  # nothing more is admitted
         if not future.done():
             future.cancel()
             if not unwound.wait(CANCEL_WAIT_S):
@@ -164,85 +156,37 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
             len(items),
             len(ran.batch.started) - len(ran.batch.results),
         )
-    elif not future.cancelled():
-        future.result()  # the lanes' own failure (a bug), if any
     return ran
 
 
 class _Door(Generic[T]):
-    """Admission: calls holding their slots wait on the loop; the task's thread admits them.
+    """Admission on the loop: the caller's ``admit``, and what it said, kept in :class:`Ran`.
 
-    :meth:`ask` runs on the loop; :meth:`serve` on the task's thread, which admits every
-    call waiting at that moment at once. After an admission raised, or :meth:`close`,
-    every call is refused without asking.
+    After an admission raised (or the batch ended), every call is refused without asking.
     """
 
-    def __init__(
-        self, admit: Callable[[list[T]], Collection[T]], ran: Ran[T], wake: threading.Event
-    ) -> None:
+    def __init__(self, admit: Callable[[T], Awaitable[bool]], ran: Ran[T]) -> None:
         self.admit = admit
         self.ran = ran
-        self.wake = wake
-        self.lock = threading.Lock()
-        self.waiting: list[tuple[T, asyncio.Future[bool], asyncio.AbstractEventLoop]] = []
         self.shut = False
 
     async def ask(self, item: T) -> bool:
-        """Wait until the task's thread admits ``item`` (or refuses it)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[bool] = loop.create_future()
-        with self.lock:
-            if self.shut:
-                self.ran.unadmitted.add(id(item))
-                return False
-            self.waiting.append((item, fut, loop))
-        self.wake.set()
-        return await fut
-
-    def serve(self) -> None:
-        """Admit the calls waiting now, in one group (raises :class:`OutOfTime` past the limit)."""
-        with self.lock:
-            group, self.waiting = self.waiting, []
-        if not group:
-            return
+        """Whether ``item``'s call may start now."""
+        if self.shut:
+            self.ran.unadmitted.add(id(item))
+            return False
         try:
-            allowed = {id(item) for item in self.admit([item for item, _, _ in group])}
-        except timelimits.OutOfTime:
-            self._answer(group, set(), unadmitted=True)
-            self.close()
-            raise
+            ok = await self.admit(item)
         except Exception as exc:  # the store, say: send no more; what is out finishes
-            log.warning("admitting %d call(s) failed; sending no more: %s", len(group), exc)
-            self.ran.error = exc
-            self._answer(group, set(), unadmitted=True)
-            self.close()
-            return
-        self._answer(group, allowed, unadmitted=False)
-
-    def _answer(
-        self,
-        group: list[tuple[T, asyncio.Future[bool], asyncio.AbstractEventLoop]],
-        allowed: set[int],
-        *,
-        unadmitted: bool,
-    ) -> None:
-        for item, fut, loop in group:
-            ok = id(item) in allowed
-            if not ok:
-                (self.ran.unadmitted if unadmitted else self.ran.refused).add(id(item))
-            loop.call_soon_threadsafe(_resolve, fut, ok)
-
-    def close(self) -> None:
-        """Refuse every call from now on, and those still waiting."""
-        with self.lock:
+            if self.ran.error is None:
+                log.warning("admitting a call failed; sending no more: %s", exc)
+                self.ran.error = exc
             self.shut = True
-            group, self.waiting = self.waiting, []
-        self._answer(group, set(), unadmitted=True)
-
-
-def _resolve(fut: asyncio.Future[bool], ok: bool) -> None:
-    if not fut.done():
-        fut.set_result(ok)
+            self.ran.unadmitted.add(id(item))
+            return False
+        if not ok:
+            self.ran.refused.add(id(item))
+        return ok
 
 
 def _slice() -> float:

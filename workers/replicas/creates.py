@@ -24,10 +24,11 @@ then sorts every other answer, in one transaction:
   ``spawn_batch`` (:class:`Next`); one the time limit cut off mid-call - sent again
   later where the node deduplicates, else a maybe with a replacement.
 
-A create is marked sent (:func:`workers.replicas.owners.mark_sent`) when its call holds
-its node's slot, together with the calls that got slots at the same moment, committed
-before any of them starts (:mod:`workers.replicas.calls` admits them); a row the mark
-did not return (another delivery of the same message took it back first) is not sent.
+A create is marked sent (:func:`workers.replicas.owners.mark_sent_soon`) when its call
+holds its node's slot, together with the process's other calls that got slots at the
+same moment, committed before any of them starts (:mod:`workers.replicas.calls` admits
+them); a row the mark did not return (another delivery of the same message took it back
+first) is not sent.
 So a handler killed mid-round leaves at most a node's in-flight bound of creates sent
 with an unknown outcome. An exception anywhere lets go of every row the handler owns
 and has not sent (:func:`~workers.replicas.owners.let_go`).
@@ -43,6 +44,7 @@ handler took, or one that moved, is never changed by a stale answer.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -60,7 +62,7 @@ from workers.fleet.nodes import note_creates, probation
 from workers.operations import settle
 from workers.replicas import calls, maybes
 from workers.replicas import landed as landed_answers
-from workers.replicas.lifecycle import arrive, lock_replica
+from workers.replicas.lifecycle import arrive, lock_replica, recount
 from workers.replicas.maybes import Replaced, Settled
 from workers.replicas.moves import MAX_PLACEMENTS, Moved, fail, lock_for_moves, move
 from workers.replicas.notices import Readied
@@ -72,7 +74,7 @@ from workers.replicas.owners import (
     dedups,
     disown,
     let_go,
-    mark_sent,
+    mark_sent_soon,
     owner_token,
     probe_dedup,
     take,
@@ -80,7 +82,7 @@ from workers.replicas.owners import (
 from workers.replicas.reports import apply_early_reports
 from workers.store.db import Database, is_transient
 from workers.store.models import Node, ReplicaState
-from workers.store.states import SETTLING
+from workers.store.states import MOVES, SETTLING
 
 log = logging.getLogger(__name__)
 
@@ -284,9 +286,8 @@ def _round(  # noqa: PLR0913 - one handler's round
             if timer is not None:
                 timer.answered(p.request_id)
 
-    def admit(group: list[Pending]) -> list[Pending]:
-        marked = mark_sent(db, token, group)  # committed before any of them goes out
-        return [p for p in group if p.replica_id in marked]
+    async def admit(p: Pending) -> bool:  # on the loop, holding the node's slot
+        return await asyncio.wrap_future(mark_sent_soon(db, token, p.replica_id))
 
     def on_landed(landed: list[tuple[Pending, backends.Vm]]) -> None:
         record(db, settings, landed, nxt, budget)
@@ -520,6 +521,7 @@ def _arrivals(
     """Record new VMs (operations counted once each); returns those to release."""
     late = []
     done: dict[str, list[str]] = defaultdict(list)
+    counts: dict[str, int] = defaultdict(int)
     starting: dict[str, str] = {}  # vmid -> request id
     for p, vm in landed:
         arrived = arrive(
@@ -531,6 +533,7 @@ def _arrivals(
             settings,
             node_id=p.node.id,
             settle_op=False,
+            count=False,
         )
         if arrived is None:
             state, release = _late(s, p, vm)
@@ -539,6 +542,7 @@ def _arrivals(
                 late.append((p, vm))
             continue
         nxt.states[p.request_id] = Outcome.of(arrived)
+        counts[p.function.id] += MOVES[(ReplicaState.CREATING, arrived)].count
         stages.recorded(s, p.operation_id, p.replica_id, p.request_id)
         if arrived == ReplicaState.STARTING:
             starting[vm.vmid] = p.request_id
@@ -546,6 +550,7 @@ def _arrivals(
             readied.functions.add(p.function.name)
         if p.operation_id and arrived in SETTLING:
             done[p.operation_id].append(p.replica_id)
+    recount(s, counts)
     for op_id, parts in done.items():
         settle(s, op_id, parts=parts, ok=True)
     if starting:  # guests that said READY before their VM was recorded: Idle now

@@ -16,10 +16,11 @@ sends its create, so every handler of every delivery obeys the same rules:
   (:func:`workers.store.db.store_now`), never by the handler's host. A row someone else owns
   is left to them: a second delivery while the owner lives changes nothing.
 * **"Sent".** Owning is not sending. A create is marked sent (``sent_at``) when its call
-  holds its node's call slot, right before it goes out: the calls that got slots at that
-  moment are marked together (:func:`mark_sent`: one ``UPDATE``, conditional on still
-  owning them, committed before any of them starts; :mod:`workers.replicas.calls` admits
-  them), and only the rows that ``UPDATE`` returned are sent. So a handler killed
+  holds its node's call slot, right before it goes out (:mod:`workers.replicas.calls`
+  admits it): one thread per process marks the calls of all its batches that got slots
+  meanwhile in one transaction (:func:`mark_sent_soon`: an ``UPDATE`` per owner,
+  conditional on still owning the rows, committed before any of them starts), and only
+  the rows it returned are sent. So a handler killed
   mid-batch leaves marked only creates that held a slot - at most the node's in-flight
   bound (``CORRAL_NODE_MAX_INFLIGHT``, fleet-wide), plus answers that landed in the last
   moments before the kill and were not yet recorded - never the rows still queued behind
@@ -59,11 +60,16 @@ task's soft time limit, and its ownership lasts until the hard limit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import hashlib
 import logging
+import os
+import queue
+import threading
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -407,13 +413,98 @@ def _take(  # noqa: PLR0913 - one statement's parameters
 def mark_sent(db: Database, token: str, pendings: Sequence[Pending]) -> set[str]:
     """Mark these rows' creates sent, in one committed ``UPDATE``; the ids still ours to send.
 
-    Called for the calls that hold their node's slots, right before they go out.
+    A batch's calls use :func:`mark_sent_soon`, one call at a time as each takes its slot.
     """
     if not pendings:
         return set()
     with db.transaction() as s:
         params = {"ids": [p.replica_id for p in pendings], "token": token, "at": now()}
         return set(s.scalars(_MARK, params))
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """One create to mark sent, and where to say whether it was."""
+
+    db: Database
+    token: str
+    replica_id: str
+    done: concurrent.futures.Future[bool]
+
+
+class _Marker:
+    """The process's marks: one thread marks every create asked for meanwhile, in one
+    transaction per store (one ``UPDATE`` per owner), while the previous one commits."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.waiting: queue.SimpleQueue[_Mark] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="corral-marks", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            group = [self.waiting.get()]
+            while True:
+                try:
+                    group.append(self.waiting.get_nowait())
+                except queue.Empty:
+                    break
+            # a mark whose caller gave up waiting (its batch was cut) is not made
+            by_db: dict[Database, list[_Mark]] = defaultdict(list)
+            for mark in group:
+                if mark.done.set_running_or_notify_cancel():
+                    by_db[mark.db].append(mark)
+            for db, marks in by_db.items():
+                try:
+                    _mark_group(db, marks)
+                except BaseException as exc:  # never leave a caller waiting for ever
+                    log.exception("marking %d create(s) sent failed", len(marks))
+                    for mark in marks:
+                        if not mark.done.done():
+                            mark.done.set_exception(exc)
+
+
+def _mark_group(db: Database, marks: list[_Mark]) -> None:
+    """Mark one store's group sent in one transaction; tell each whether it was."""
+    by_token: dict[str, list[str]] = defaultdict(list)
+    for mark in marks:
+        by_token[mark.token].append(mark.replica_id)
+    try:
+        with db.transaction() as s:
+            at = now()
+            marked: set[tuple[str, str]] = set()  # (owner, row): two runs may ask for one row
+            for token, ids in by_token.items():
+                params = {"ids": ids, "token": token, "at": at}
+                marked.update(
+                    (token, rid) for rid in s.connection().execute(_MARK, params).scalars()
+                )
+    except Exception as exc:
+        for mark in marks:
+            mark.done.set_exception(exc)
+        return
+    for mark in marks:
+        mark.done.set_result((mark.token, mark.replica_id) in marked)
+
+
+_marker: _Marker | None = None
+_marker_lock = threading.Lock()
+
+
+def mark_sent_soon(db: Database, token: str, replica_id: str) -> concurrent.futures.Future[bool]:
+    """Mark one create sent, with every other the process asks for meanwhile; whether ours.
+
+    The future is true once the mark is committed (the call may go out), false if the row
+    is no longer this handler's to send; it raises what the store raised.
+    """
+    global _marker
+    with _marker_lock:
+        if _marker is None or _marker.pid != os.getpid():
+            _marker = _Marker()  # a thread does not cross a fork: a new one after it
+        marker = _marker
+    done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+    marker.waiting.put(_Mark(db, token, replica_id, done))
+    return done
 
 
 def let_go(db: Database, token: str, replica_ids: Sequence[str]) -> None:
