@@ -284,21 +284,25 @@ def test_a_worker_killed_and_started_again_frees_its_call_slots_at_start(
     first = WorkerProcess(broker_env.tmp, concurrency=1, name="w1", extra_env=limits, pool=pool)
     worker_processes.append(first.start())
     api.spawn("hello", 4)
-    eventually(lambda: created([agent]) == 4, 20, "four creates to reach the agent")
+    eventually(
+        lambda: created([agent]) == 4, 30, "four creates to reach the agent", detail=first.tail
+    )
     assert node_slots.held(client, node_id) == 4
     first.kill()
     again = WorkerProcess(broker_env.tmp, concurrency=1, name="w1", extra_env=limits, pool=pool)
     worker_processes.append(again.start())
     try:
-        eventually(
+        eventually(  # well before the leases could lapse (62 s)
             lambda: node_slots.held(client, node_id) == 0,
-            20,
+            30,
             "the killed worker's slots to be freed",
             detail=again.tail,
         )
         # and the node takes its full bound at once: four new creates in flight together
         api.spawn("hello", 4)
-        eventually(lambda: created([agent]) == 8, 20, "four more creates at once")
+        eventually(
+            lambda: created([agent]) == 8, 30, "four more creates at once", detail=again.tail
+        )
     finally:
         held.set()
 

@@ -195,12 +195,17 @@ def become(name: str) -> None:
 
 
 def _started(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks after boot), or None if it does not run here."""
+    """When process ``pid`` started (clock ticks after boot), or None if it does not run here.
+
+    A zombie (killed, not yet reaped) does not run.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = stat.rpartition(")")[2].split()  # from field 3 (state) on
+    if not fields or fields[0] in ("Z", "X"):
+        return None
     return fields[_STARTTIME] if len(fields) > _STARTTIME else ""
 
 
