@@ -33,7 +33,7 @@ A call may have to be **admitted** once it holds its slots and before it starts
 (``admit``): a create is marked sent in the store only then
 (:mod:`workers.replicas.calls`), so what a dead worker leaves marked is at most the
 calls that held a node's slots, never the ones still waiting for one. A call refused
-there is not sent (its lane's ``refused``).
+there is not sent, and counts for nothing in its lane.
 """
 
 from __future__ import annotations
@@ -313,7 +313,6 @@ class Lane:
     failures: int = 0  # in a row, in this batch
     succeeded: bool = False
     untried: list[Any] = field(default_factory=list)  # not sent: the node failed too often
-    refused: list[Any] = field(default_factory=list)  # not sent: not admitted (``admit``)
     late: list[Any] = field(default_factory=list)  # not sent: the batch's start deadline passed
     log: list[BaseException | None] = field(default_factory=list)  # outcomes, as they came
     last_error: BaseException | None = None
@@ -362,7 +361,7 @@ async def lanes(  # noqa: PLR0913 - keyword-only options with defaults
     ``source``, node slots are leased from it (:func:`slot`). With ``start_before``
     (the loop's clock: ``time.monotonic()``) no call but the batch's first starts after
     it: the rest are in their lane's ``late``. With ``admit``, a call holding its slots starts
-    only if ``await admit(item)`` is true (else it is in its lane's ``refused``). Cancelled,
+    only if ``await admit(item)`` is true (else it is not sent, and has no result). Cancelled,
     it cancels the calls in flight and returns nothing; ``batch`` (filled as it goes) then
     tells what had happened.
     """
@@ -402,8 +401,7 @@ class _LaneRun:
         try:
             async with slot(lane.node, lane.bound, self.total, self.source):
                 if self.admit is not None and not await self.admit(item):
-                    lane.refused.append(item)
-                    return
+                    return  # not sent: the caller's admit knows why
                 self.batch.started.add(id(item))
                 value = await self.call(item)
         except Exception as exc:  # the call's error, or the slot source's
