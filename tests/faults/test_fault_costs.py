@@ -32,7 +32,7 @@ from tasks import api
 from tasks.cli import main
 from tests.celery_workers import WorkerProcess
 from tests.eventually import eventually
-from tests.faults.conftest import POOLS
+from tests.faults.conftest import POOLS, SHORT, apply_limits
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn, replicas
 from tests.services import PostgresServer
@@ -43,19 +43,6 @@ from workers.fleet.nodes import upsert_node
 from workers.redis_client import redis_client
 from workers.registry.service import RunningRegistry
 from workers.store.models import LIVE_STATES, Function, Node, ReplicaState
-
-# A task's creates must end within its soft limit (calls of 2 s here), its ownership of a
-# row lapses at its hard limit, and a killed worker's message comes back after the
-# visibility timeout.
-SHORT = {
-    "CORRAL_TASK_SOFT_TIME_LIMIT_S": "4",
-    "CORRAL_TASK_TIME_LIMIT_S": "5",
-    "CORRAL_VISIBILITY_TIMEOUT_S": "6",
-}
-
-
-def _env(env: Env, extra: dict[str, str]) -> None:
-    env.set(**{k[len("CORRAL_") :].lower(): v for k, v in extra.items()})
 
 
 def _node(env: Env) -> Node:
@@ -95,7 +82,7 @@ def test_a_spawn_of_40_killed_with_4_creates_in_flight_leaves_at_most_4_maybes(
     partial; the next spawn found no capacity while the node ran 14 VMs.
     """
     limits = {**SHORT, "CORRAL_NODE_MAX_INFLIGHT": "4"}
-    _env(broker_env, limits)
+    apply_limits(broker_env, limits)
     (agent,) = start_agents(1, env=broker_env, seed_only=True, registry=registry.address)
     with broker_env.db.transaction() as s:
         s.execute(update(Node).values(capacity=50))
@@ -153,7 +140,7 @@ def test_a_store_outage_while_3_creates_land_leaves_3_vms_and_3_rows(
         "CORRAL_TASK_TIME_LIMIT_S": "25",
         "CORRAL_VISIBILITY_TIMEOUT_S": "30",
     }
-    _env(broker_env, limits)
+    apply_limits(broker_env, limits)
     (agent,) = start_agents(1, env=broker_env, seed_only=True)
     _made_vms_before(broker_env)
     held = threading.Event()
@@ -229,7 +216,7 @@ def test_a_maybe_on_a_full_node_keeps_its_part_and_its_vm_is_adopted_when_ready(
         "CORRAL_TASK_TIME_LIMIT_S": "10",
         "CORRAL_VISIBILITY_TIMEOUT_S": "12",
     }
-    _env(broker_env, limits)
+    apply_limits(broker_env, limits)
     agent.agent.inject("CreateReplica", Fault.delay(2.0))  # ...and then the agent makes its VM
     deploy_fn(broker_env, ports=[8123])
     worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=limits, pool=pool)
@@ -272,7 +259,7 @@ def test_a_worker_killed_and_started_again_frees_its_call_slots_at_start(
         "CORRAL_TASK_TIME_LIMIT_S": "75",
         "CORRAL_VISIBILITY_TIMEOUT_S": "300",  # the killed worker's spawn is not redelivered
     }
-    _env(broker_env, limits)
+    apply_limits(broker_env, limits)
     (agent,) = start_agents(1, env=broker_env, seed_only=True)
     _made_vms_before(broker_env)
     node_id = _node(broker_env).id
