@@ -114,7 +114,7 @@ def creating(
 def record_vm(env: Env, pending: Pending, vm: Vm) -> Outcome:
     """Record ``vm`` for an owned row the way a spawn handler does; what became of the row."""
     nxt = Next()
-    record(env.db, env.settings, [(pending, vm)], nxt)
+    record(env.db, env.settings, [(pending, vm)], nxt, Budget.of(env.settings))
     return nxt.states[pending.request_id]
 
 

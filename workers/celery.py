@@ -63,12 +63,13 @@ from typing import Any
 import pydantic
 from celery import Celery, Task, signals
 from celery.exceptions import TaskPredicate
+from celery.utils.log import current_process_index
 from celery.worker.request import Request
 
 from config.celery import HOUSEKEEPING, celery_config
 from config.settings import Settings, get_settings
 from workers import beat_passes, broker, clock_offsets, logs, poison, timelimits, tracing
-from workers.backends import inflight
+from workers.backends import inflight, node_slots
 from workers.errors import InputError, SchemaError
 from workers.operations import describe_error, fail_op
 from workers.redis_client import redis_client
@@ -420,6 +421,34 @@ def _fresh_resources(**_: Any) -> None:
     get_database(get_settings().database_url).dispose()
     inflight.reset()  # the loop, its channels and clients: made anew in this process
     tracing.start("corral-worker", get_settings())  # after the fork: its own exporter
+
+
+_worker_name = ""  # the starting worker's name (``w1@host``), for its pool processes
+
+
+@signals.worker_init.connect
+def _free_dead_slots(sender: Any = None, **_: Any) -> None:
+    """Free the node call slots this worker's dead processes left (a restart after a kill).
+
+    A thread (or solo) pool's calls are this process's: its leases go by ``NAME/0``. A
+    prefork child takes its own name at its start (:func:`_own_slots`).
+    """
+    global _worker_name
+    _worker_name = str(getattr(sender, "hostname", "") or "")
+    if not _worker_name:
+        return
+    if "prefork" not in _pool_of(sender):
+        node_slots.become(f"{_worker_name}/0")
+    node_slots.free_dead(get_settings().broker_url, _worker_name)
+
+
+@signals.worker_process_init.connect
+def _own_slots(**_: Any) -> None:
+    """A prefork child (a new one, or one replacing a killed one) leases as ``NAME/INDEX``."""
+    if _worker_name:
+        name = f"{_worker_name}/{current_process_index() or 0}"
+        node_slots.become(name)
+        node_slots.free_dead(get_settings().broker_url, name)
 
 
 @signals.worker_process_shutdown.connect

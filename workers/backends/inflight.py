@@ -28,6 +28,12 @@ last creates failed) is sent only as many calls as it may still fail before
 quarantine, until one succeeds; and after ``stop_after`` failures in a row in this
 batch the node's remaining calls are not sent at all (returned untried), so a
 broken node costs a batch at most a few calls, not one per replica.
+
+A call may have to be **admitted** once it holds its slots and before it starts
+(``admit``): a create is marked sent in the store only then
+(:mod:`workers.replicas.calls`), so what a dead worker leaves marked is at most the
+calls that held a node's slots, never the ones still waiting for one. A call refused
+there is not sent, and counts for nothing in its lane.
 """
 
 from __future__ import annotations
@@ -345,6 +351,7 @@ async def lanes(  # noqa: PLR0913 - keyword-only options with defaults
     source: Source | None = None,
     batch: Batch | None = None,
     start_before: float | None = None,
+    admit: Callable[[T], Awaitable[bool]] | None = None,
 ) -> tuple[dict[int, Result], dict[K, Lane]]:
     """Run every item's ``call``, node by node, with the bounds; results by ``id(item)``.
 
@@ -353,11 +360,13 @@ async def lanes(  # noqa: PLR0913 - keyword-only options with defaults
     ``on_result(item, result)`` runs (on the loop) as each call ends. With a
     ``source``, node slots are leased from it (:func:`slot`). With ``start_before``
     (the loop's clock: ``time.monotonic()``) no call but the batch's first starts after
-    it: the rest are in their lane's ``late``. Cancelled, it cancels the calls in flight and returns
-    nothing; ``batch`` (filled as it goes) then tells what had happened.
+    it: the rest are in their lane's ``late``. With ``admit``, a call holding its slots starts
+    only if ``await admit(item)`` is true (else it is not sent, and has no result). Cancelled,
+    it cancels the calls in flight and returns nothing; ``batch`` (filled as it goes) then
+    tells what had happened.
     """
     batch = batch if batch is not None else Batch()
-    run = _LaneRun(batch, call, failed, total, on_result, source, start_before)
+    run = _LaneRun(batch, call, failed, total, on_result, source, start_before, admit)
     await asyncio.gather(*(run.lane(lane_of(k), k, v) for k, v in work.items()))
     return batch.results, batch.lanes
 
@@ -373,6 +382,7 @@ class _LaneRun:
     on_result: Callable[[Any, Result], object] | None
     source: Source | None
     start_before: float | None
+    admit: Callable[[Any], Awaitable[bool]] | None = None
 
     def _ended(self, lane: Lane, item: Any, result: Result) -> None:
         self.batch.results[id(item)] = result
@@ -390,6 +400,8 @@ class _LaneRun:
         """Send one item's call inside a slot, and note how it ended."""
         try:
             async with slot(lane.node, lane.bound, self.total, self.source):
+                if self.admit is not None and not await self.admit(item):
+                    return  # not sent: the caller's admit knows why
                 self.batch.started.add(id(item))
                 value = await self.call(item)
         except Exception as exc:  # the call's error, or the slot source's

@@ -33,6 +33,7 @@ from functools import lru_cache
 from urllib.parse import urlsplit
 
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from config.settings import Settings
 from netplumb.addresses import join_hostport, split_hostport
@@ -54,6 +55,7 @@ __all__ = [
     "default_networks",
     "forget",
     "networks_of",
+    "remember",
     "replica_address",
 ]
 
@@ -122,12 +124,30 @@ def _configured(node_id: str, settings: Settings) -> list[str] | None:
 
 
 def networks_of(t: Target, settings: Settings) -> list[Network]:
-    """The networks the node ``t``'s replicas may be in (cached for :data:`TTL_S`)."""
+    """The networks the node ``t``'s replicas may be in (cached for :data:`TTL_S`).
+
+    A store that does not answer leaves the last networks known in force: a create that
+    answered must not fail its check because the store blinked (its VM would be lost).
+    """
     with _lock:
         cached = _networks.get(t.id)
     if cached is not None and time.monotonic() - cached[0] < TTL_S:
         return cached[1]
-    configured = _configured(t.id, settings)
+    try:
+        configured = _configured(t.id, settings)
+    except SQLAlchemyError:
+        if cached is None:
+            raise
+        return cached[1]
+    return _keep(t, configured, settings)
+
+
+def remember(t: Target, configured: list[str] | None, settings: Settings) -> None:
+    """Note a node's networks as its row just read says (``replica_networks``), for its calls."""
+    _keep(t, configured, settings)
+
+
+def _keep(t: Target, configured: list[str] | None, settings: Settings) -> list[Network]:
     nets = (
         parse_networks(configured) if configured else default_networks(t.kind, t.address, settings)
     )

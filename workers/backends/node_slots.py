@@ -22,6 +22,14 @@ every host agrees.
   is SIGKILLed mid-call never releases: its slots come back by themselves when
   their leases lapse. A lease handed on with less than that call time left is
   renewed first (or, if it lapsed, the call waits for a new one).
+* **Whose** - a lease's token names its holder: a worker process's stable name
+  (:func:`become`: the Celery worker's name and its pool process, ``w1@host/2``;
+  the same again when the worker or that pool process is started anew), the
+  process (pid and start time) and a sequence number. A worker that starts
+  frees the leases its dead predecessors of the same name left
+  (:func:`free_dead`), so a killed worker's slots do not block its nodes,
+  fleet-wide, until they lapse; a lease whose process still runs on this host is
+  never freed (two workers given the same name by mistake keep their own).
 
 Calls wait for slots on the process's event loop thread, never inside a database
 transaction. Without a Redis broker (``memory://``) or in eager mode (everything
@@ -34,18 +42,24 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import secrets
 import socket
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import redis
 import redis.asyncio
 
 from config.settings import Settings
 from workers.backends import inflight
 from workers.errors import TransientBackendError
+from workers.redis_client import redis_client
+
+log = logging.getLogger(__name__)
 
 SLACK_S = 2.0  # a lease outlives the longest call timeout by this much
 PREFIX = "corral:slots:"
@@ -83,6 +97,9 @@ return 1
 
 _seq = itertools.count(1)
 _holder: tuple[int, str] = (0, "")
+_identity: tuple[int, str] | None = None  # (pid, stable name) of this worker process
+WHOSE = "#"  # in a token: the stable name before it, the process after it
+_STARTTIME = 19  # /proc/PID/stat's field 22, counted from field 3
 
 
 def key(node: Hashable) -> str:
@@ -159,11 +176,77 @@ class RedisSlots:
 
 
 def _token() -> str:
-    """A lease token unique in the fleet: host, process (new after a fork), sequence."""
+    """A lease token unique in the fleet: whose (name, process; new after a fork), sequence."""
     global _holder
-    if _holder[0] != os.getpid():
-        _holder = (os.getpid(), f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}")
+    pid = os.getpid()
+    if _holder[0] != pid:
+        if _identity is not None and _identity[0] == pid:
+            _holder = (pid, f"{_identity[1]}{WHOSE}{pid}.{_started(pid)}")
+        else:
+            _holder = (pid, f"{socket.gethostname()}:{pid}:{secrets.token_hex(3)}")
     return f"{_holder[1]}:{next(_seq)}"
+
+
+def become(name: str) -> None:
+    """Take ``name`` (a worker's name and pool process: ``w1@host/0``) for this process's leases."""
+    global _identity, _holder
+    _identity = (os.getpid(), name.replace(WHOSE, "?"))
+    _holder = (0, "")
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot), or None if it does not run here.
+
+    A zombie (killed, not yet reaped) does not run.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # from field 3 (state) on
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return fields[_STARTTIME] if len(fields) > _STARTTIME else ""
+
+
+def _dead(member: str, prefix: str) -> bool:
+    """Whether a lease was taken under ``prefix`` by a process that no longer runs here."""
+    if not member.startswith(prefix) or WHOSE not in member:
+        return False
+    process = member.rpartition(WHOSE)[2].rpartition(":")[0]
+    pid_text, _, started = process.partition(".")
+    if not pid_text.isdigit():
+        return False
+    return _started(int(pid_text)) != started
+
+
+def free_dead(url: str, name: str) -> int:
+    """Free the leases that dead processes named ``name`` (or ``name/...``) left; how many.
+
+    Run when a worker (``w1@host``) or one of its pool processes (``w1@host/2``) starts:
+    a lease of a process of that name that still runs here is kept. Best effort: leases
+    not freed lapse by themselves.
+    """
+    client = redis_client(url)
+    if client is None:
+        return 0
+    prefixes = (f"{name}{WHOSE}", f"{name}/")
+    freed = 0
+    try:
+        for key_ in client.scan_iter(match=f"{PREFIX}*", count=100):
+            members = [
+                m.decode(errors="replace") if isinstance(m, bytes) else str(m)
+                for m in client.zrange(key_, 0, -1)
+            ]
+            dead = [m for m in members if any(_dead(m, p) for p in prefixes)]
+            if dead:
+                freed += int(client.zrem(key_, *dead))
+    except redis.RedisError as exc:
+        log.warning("could not free the node slots %s's dead processes left: %s", name, exc)
+        return freed
+    if freed:
+        log.info("freed %d node call slot(s) that a dead process of %s held", freed, name)
+    return freed
 
 
 def _loop_time() -> float:

@@ -31,6 +31,7 @@ it only as many calls as it may still fail until one succeeds (:func:`probation`
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 from datetime import timedelta
@@ -220,11 +221,41 @@ def remove_node(session: Session, name: str) -> None:
             or 0
         )
     if node.live > waiting:
-        raise InputError(
-            f"node {name!r} still runs {node.live} replica(s): drain it (`corral nodes drain "
-            f"{name}`) and wait, or delete them first"
-        )
+        raise InputError(_still_runs(session, node, node.live - waiting))
     delete_unlinking_replicas(session, node, Replica.node_id)
+
+
+def _still_runs(session: Session, node: Node, live: int) -> str:
+    """Why a node cannot be removed: the replicas it runs, and the maybes it holds till when.
+
+    A maybe (a create whose outcome is unknown, :mod:`workers.replicas`) holds its slot
+    until its deadline: waiting for that is all it takes.
+    """
+    maybes, until = session.execute(
+        select(func.count(), func.max(Replica.deadline_at)).where(
+            Replica.node_id == node.id, Replica.status == ReplicaState.MAYBE
+        )
+    ).one()
+    runs = live - maybes
+    if not maybes:
+        return (
+            f"node {node.name!r} still runs {runs} replica(s): drain it (`corral nodes drain "
+            f"{node.name}`) and wait, or delete them first"
+        )
+    ends = "when the reaper next passes"
+    if until is not None:
+        left = max(0, math.ceil((until - now()).total_seconds()))
+        ends = f"by {iso(until)} (in {left} s), when the reaper next passes"
+    held = (
+        f"{maybes} maybe(s) - creates whose outcome its agent cannot tell, holding their "
+        f"slots until their deadline - which end {ends}"
+    )
+    if not runs:
+        return f"node {node.name!r} runs no replica but holds {held}; remove it after that"
+    return (
+        f"node {node.name!r} still runs {runs} replica(s) and holds {held}: drain it "
+        f"(`corral nodes drain {node.name}`) and wait, or delete them first"
+    )
 
 
 def probation(node: Node, settings: Settings) -> int | None:

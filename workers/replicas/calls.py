@@ -13,6 +13,16 @@ a task that has ended. The soft limit is then delivered: the task is wrapping up
 (:func:`workers.timelimits.wrap_up`), and the transactions that record what landed and
 hand the rest on go ahead (the hard limit still bounds them). No call starts after the
 handler's :class:`~workers.replicas.owners.Budget` says it could outlive the task.
+
+**Admission.** A caller may ask that each call be admitted right before it starts
+(``admit``): once the call holds its node's slot, it awaits ``admit(item)`` on the loop
+(a spawn marks its create sent there: :func:`workers.replicas.owners.mark_sent_soon`,
+grouped with every other call of the process admitted at that moment). So what a worker
+killed mid-batch leaves admitted and unanswered is at most the calls that held slots - a
+node's in-flight bound - never the ones still queued behind them. An admission that
+raises stops all further ones (the calls already out finish and are handed on), and
+:attr:`Ran.error` holds what it raised, for the caller to raise once it has recorded what
+landed.
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ class Ran(Generic[T]):
     items: list[T]
     handed: set[int] = field(default_factory=set)  # ids already given to ``on_landed``
     cut: bool = False  # the task's soft time limit cut the batch short
+    refused: set[int] = field(default_factory=set)  # ids ``admit`` did not return: not ours
+    unadmitted: set[int] = field(default_factory=set)  # ids never admitted: admission stopped
+    error: Exception | None = None  # what an admission raised (the batch sent no more)
 
     def result(self, item: T) -> inflight.Result | None:
         """The item's result, or None if its call never ended (cut, or never sent)."""
@@ -53,6 +66,10 @@ class Ran(Generic[T]):
     def started(self, item: T) -> bool:
         """Whether the item's call was sent."""
         return id(item) in self.batch.started
+
+    def not_ours(self, item: T) -> bool:
+        """Whether admission found the item was no longer the caller's to send."""
+        return id(item) in self.refused
 
     @property
     def lanes(self) -> dict[Any, inflight.Lane]:
@@ -78,12 +95,18 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
     *,
     failed: Callable[[BaseException], bool],
     on_landed: Callable[[list[tuple[T, Any]]], None] | None = None,
+    admit: Callable[[T], Awaitable[bool]] | None = None,
 ) -> Ran[T]:
-    """Run every call of ``work`` (a list of items per node) within ``budget``; what happened."""
+    """Run every call of ``work`` (a list of items per node) within ``budget``; what happened.
+
+    ``await admit(item)`` (on the loop) admits a call that holds its slots: false, it is
+    :meth:`Ran.not_ours`; raising, it and every call after it are not sent.
+    """
     items = [item for group in work.values() for item in group]
     ran: Ran[T] = Ran(inflight.Batch(), items)
     landed: queue.SimpleQueue[tuple[T, Any]] = queue.SimpleQueue()
     unwound = threading.Event()
+    door = _Door(admit, ran) if admit is not None else None
 
     def on_result(item: T, result: inflight.Result) -> None:
         if result.error is None:
@@ -101,6 +124,7 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
                 source=node_slots.source(settings),
                 batch=ran.batch,
                 start_before=budget.send_until,
+                admit=door.ask if door is not None else None,
             )
         finally:
             unwound.set()
@@ -119,6 +143,8 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
                     ran.cut = True  # what landed and was not handed on is in ran.landed()
                     break
     finally:  # never leave calls running behind the task, whatever ended the wait
+        if door is not None:
+            door.shut = True  # nothing more is admitted
         if not future.done():
             future.cancel()
             if not unwound.wait(CANCEL_WAIT_S):
@@ -131,6 +157,36 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
             len(ran.batch.started) - len(ran.batch.results),
         )
     return ran
+
+
+class _Door(Generic[T]):
+    """Admission on the loop: the caller's ``admit``, and what it said, kept in :class:`Ran`.
+
+    After an admission raised (or the batch ended), every call is refused without asking.
+    """
+
+    def __init__(self, admit: Callable[[T], Awaitable[bool]], ran: Ran[T]) -> None:
+        self.admit = admit
+        self.ran = ran
+        self.shut = False
+
+    async def ask(self, item: T) -> bool:
+        """Whether ``item``'s call may start now."""
+        if self.shut:
+            self.ran.unadmitted.add(id(item))
+            return False
+        try:
+            ok = await self.admit(item)
+        except Exception as exc:  # the store, say: send no more; what is out finishes
+            if self.ran.error is None:
+                log.warning("admitting a call failed; sending no more: %s", exc)
+                self.ran.error = exc
+            self.shut = True
+            self.ran.unadmitted.add(id(item))
+            return False
+        if not ok:
+            self.ran.refused.add(id(item))
+        return ok
 
 
 def _slice() -> float:

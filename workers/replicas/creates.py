@@ -24,10 +24,19 @@ then sorts every other answer, in one transaction:
   ``spawn_batch`` (:class:`Next`); one the time limit cut off mid-call - sent again
   later where the node deduplicates, else a maybe with a replacement.
 
-A round's rows are marked sent (:func:`workers.replicas.owners.mark_sent`) in one
-committed ``UPDATE`` before its first call; a row the mark did not return (another
-delivery of the same message took it back first) is not sent. An exception anywhere
-lets go of every row the handler owns and has not sent (:func:`~workers.replicas.owners.let_go`).
+A create is marked sent (:func:`workers.replicas.owners.mark_sent_soon`) when its call
+holds its node's slot, together with the process's other calls that got slots at the
+same moment, committed before any of them starts (:mod:`workers.replicas.calls` admits
+them); a row the mark did not return (another delivery of the same message took it back
+first) is not sent.
+So a handler killed mid-round leaves at most a node's in-flight bound of creates sent
+with an unknown outcome. An exception anywhere lets go of every row the handler owns
+and has not sent (:func:`~workers.replicas.owners.let_go`).
+
+A VM that came back is recorded (:func:`record`) for sure: a store that refuses is asked
+again inside the task until near its hard time limit, and from the first refusal the
+answers are also kept in Redis (:mod:`workers.replicas.landed`), where whoever takes the
+row next finds and records them. A create that answered is never sent again.
 
 Every write checks the handler's token and the node it sent to, so a row another
 handler took, or one that moved, is never changed by a stale answer.
@@ -35,6 +44,7 @@ handler took, or one that moved, is never changed by a stale answer.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -45,13 +55,14 @@ from dataclasses import dataclass, field
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers import backends, stages
-from workers.backends import inflight
+from workers import backends, stages, timelimits
+from workers.backends import inflight, networks
 from workers.errors import BackendError, PermanentBackendError
 from workers.fleet.nodes import note_creates, probation
 from workers.operations import settle
 from workers.replicas import calls, maybes
-from workers.replicas.lifecycle import arrive, lock_replica
+from workers.replicas import landed as landed_answers
+from workers.replicas.lifecycle import arrive, lock_replica, recount
 from workers.replicas.maybes import Replaced, Settled
 from workers.replicas.moves import MAX_PLACEMENTS, Moved, fail, lock_for_moves, move
 from workers.replicas.notices import Readied
@@ -63,15 +74,15 @@ from workers.replicas.owners import (
     dedups,
     disown,
     let_go,
-    mark_sent,
+    mark_sent_soon,
     owner_token,
     probe_dedup,
     take,
 )
 from workers.replicas.reports import apply_early_reports
-from workers.store.db import Database
+from workers.store.db import Database, is_transient
 from workers.store.models import Node, ReplicaState
-from workers.store.states import SETTLING
+from workers.store.states import MOVES, SETTLING
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +150,7 @@ def take_to_send(  # noqa: PLR0913 - one handler's round
     """Take these requests' rows to send (an ambiguous one: a maybe, its replacement taken)."""
     until = budget.own_until()
     taken = take(db, settings, request_ids, token, until)
+    record(db, settings, taken.landed, nxt, budget)  # answers kept while the store was down
     pending = taken.pending
     replaced = replace_ambiguous(db, settings, taken.ambiguous, token, nxt)
     if replaced:
@@ -232,15 +244,14 @@ def _round(  # noqa: PLR0913 - one handler's round
     token: str,
     nxt: Next,
 ) -> list[str]:
-    """One round: every create at once, VMs recorded as they land; the moved request ids."""
-    marked = mark_sent(db, token, pendings)  # committed before the first call goes out
-    for p in pendings:
-        if p.replica_id not in marked:
-            nxt.states[p.request_id] = Outcome.OWNED_ELSEWHERE  # another delivery took it back
-    pendings = [p for p in pendings if p.replica_id in marked]
-    if not pendings:
-        return []
+    """One round: every create at once, VMs recorded as they land; the moved request ids.
+
+    Each create is marked sent as its call takes its node's slot, with the others that
+    took one at that moment (committed before any of them goes out).
+    """
     nodes = {p.node.id: p.node for p in pendings}
+    for node in nodes.values():  # what a reply's address is checked against, without the store
+        networks.remember(backends.target(node), node.replica_networks, settings)
     by_node: dict[Hashable, list[Pending]] = defaultdict(list)
     for p in pendings:
         by_node[p.node.id].append(p)
@@ -275,14 +286,29 @@ def _round(  # noqa: PLR0913 - one handler's round
             if timer is not None:
                 timer.answered(p.request_id)
 
+    async def admit(p: Pending) -> bool:  # on the loop, holding the node's slot
+        return await asyncio.wrap_future(mark_sent_soon(db, token, p.replica_id))
+
     def on_landed(landed: list[tuple[Pending, backends.Vm]]) -> None:
-        record(db, settings, landed, nxt)
+        record(db, settings, landed, nxt, budget)
 
     ran = calls.run(
-        settings, budget, by_node, lane_of, call, failed=_blames_node, on_landed=on_landed
+        settings,
+        budget,
+        by_node,
+        lane_of,
+        call,
+        failed=_blames_node,
+        on_landed=on_landed,
+        admit=admit,
     )
     nxt.cut = nxt.cut or ran.cut
-    record(db, settings, ran.landed(), nxt)
+    record(db, settings, ran.landed(), nxt, budget)
+    if ran.error is not None:
+        raise ran.error  # marking failed: what was sent is recorded; the rest is let go
+    for p in pendings:
+        if ran.not_ours(p):
+            nxt.states[p.request_id] = Outcome.OWNED_ELSEWHERE  # another delivery took it back
     _learn(db, settings, by_node, ran)
     out = _sort(by_node, ran, nxt)
     notes = [
@@ -333,8 +359,8 @@ def _sort(by_node: dict[Hashable, list[Pending]], ran: calls.Ran[Pending], nxt: 
         late = {id(p) for p in lane.late} if lane is not None else set()
         for p in group:
             result = ran.result(p)
-            if result is not None and result.error is None:
-                continue  # a VM: recorded
+            if (result is not None and result.error is None) or ran.not_ours(p):
+                continue  # a VM: recorded; or another delivery's row now
             if result is None and ran.started(p):  # cut off by the soft time limit
                 if dedups(p.node):
                     out.add(p, Then.DISOWN)
@@ -342,8 +368,10 @@ def _sort(by_node: dict[Hashable, list[Pending]], ran: calls.Ran[Pending], nxt: 
                     nxt.states[p.request_id] = Outcome.CUT_OFF
                 else:
                     out.add(p, Then.MAYBE, "cut off by the task's time limit mid-call")
-            elif result is None and (id(p) in late or ran.cut or lane is None):
-                out.add(p, Then.DISOWN)  # never sent: out of time (its sent mark goes)
+            elif result is None and (
+                id(p) in late or id(p) in ran.unadmitted or ran.cut or lane is None
+            ):
+                out.add(p, Then.DISOWN)  # never sent: out of time (a sent mark goes too)
                 nxt.rest.append(Request(p.operation_id, p.request_id))
                 nxt.states[p.request_id] = Outcome.NOT_SENT
             elif result is None:  # not sent: the node failed too often in this batch
@@ -400,17 +428,78 @@ def _outcomes(lane: inflight.Lane) -> list[str | None]:
     ]
 
 
+RECORD_MARGIN_S = 2.0  # recording is not tried again with less than this left before the hard limit
+RECORD_BACKOFF_S = (0.05, 1.0)  # between tries: from, doubling up to
+
+
 def record(
-    db: Database, settings: Settings, landed: Sequence[tuple[Pending, backends.Vm]], nxt: Next
+    db: Database,
+    settings: Settings,
+    landed: Sequence[tuple[Pending, backends.Vm]],
+    nxt: Next,
+    budget: Budget,
 ) -> None:
-    """Record VMs that came in, in one transaction; release those whose row moved or ended."""
+    """Record VMs that came in, in one transaction; release those whose row moved or ended.
+
+    A store that refuses is asked again until near the task's hard time limit; from the
+    first refusal the answers are kept in Redis (:mod:`workers.replicas.landed`) for the
+    next handler of their rows, and dropped from there once recorded.
+    """
     if not landed:
         return
     readied = Readied()
-    with db.transaction() as s:
-        late = _arrivals(s, settings, landed, nxt, readied)
+    late = _record_surely(db, settings, landed, nxt, readied, budget)
     readied.tell(settings)  # claims waiting on these functions: look now
     _release_late(settings, [(p, vm) for p, vm in late if not _kept(db, settings, p, vm, nxt)])
+
+
+def _record_surely(  # noqa: PLR0913 - one recording and its retries
+    db: Database,
+    settings: Settings,
+    landed: Sequence[tuple[Pending, backends.Vm]],
+    nxt: Next,
+    readied: Readied,
+    budget: Budget,
+) -> list[tuple[Pending, backends.Vm]]:
+    """:func:`_arrivals` in one transaction, again while the store refuses and time is left."""
+    kept = False
+    delay, most = RECORD_BACKOFF_S
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            with db.transaction() as s:
+                late = _arrivals(s, settings, landed, nxt, readied)
+        except timelimits.OutOfTime:
+            continue  # the soft limit, delivered: the task wraps up, and recording goes ahead
+        except Exception as exc:
+            if not kept:
+                answers = [landed_answers.Landed(p.replica_id, p.node.id, vm) for p, vm in landed]
+                kept = landed_answers.keep(settings, answers)
+            left = budget.hard_at - time.monotonic()
+            if not is_transient(exc) or left < RECORD_MARGIN_S + delay:
+                log.error(
+                    "could not record %d VM(s) after %d tries (%s); %s",
+                    len(landed),
+                    tries,
+                    exc,
+                    "their answers are kept in Redis for the next handler"
+                    if kept
+                    else "their rows are left to their next handler",
+                )
+                raise
+            log.warning(
+                "recording %d VM(s) failed (%s); trying again for up to %.0fs",
+                len(landed),
+                exc,
+                left - RECORD_MARGIN_S,
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, most)
+            continue
+        if kept or any(p.sent for p, _ in landed):
+            landed_answers.forget(settings, [p.replica_id for p, _ in landed])
+        return late
 
 
 def _kept(db: Database, settings: Settings, p: Pending, vm: backends.Vm, nxt: Next) -> bool:
@@ -433,6 +522,7 @@ def _arrivals(
     late = []
     done: dict[str, list[str]] = defaultdict(list)
     starts: dict[str, dict[str, str]] = defaultdict(dict)  # op -> replica -> how it started
+    counts: dict[str, int] = defaultdict(int)
     starting: dict[str, str] = {}  # vmid -> request id
     for p, vm in landed:
         arrived = arrive(
@@ -444,6 +534,7 @@ def _arrivals(
             settings,
             node_id=p.node.id,
             settle_op=False,
+            count=False,
         )
         if arrived is None:
             state, release = _late(s, p, vm)
@@ -452,6 +543,7 @@ def _arrivals(
                 late.append((p, vm))
             continue
         nxt.states[p.request_id] = Outcome.of(arrived)
+        counts[p.function.id] += MOVES[(ReplicaState.CREATING, arrived)].count
         stages.recorded(s, p.operation_id, p.replica_id, p.request_id)
         if vm.start and p.operation_id:
             starts[p.operation_id][p.replica_id] = vm.start
@@ -463,6 +555,7 @@ def _arrivals(
             done[p.operation_id].append(p.replica_id)
     for op_id, how in starts.items():
         stages.vm_starts(s, op_id, how)
+    recount(s, counts)
     for op_id, parts in done.items():
         settle(s, op_id, parts=parts, ok=True)
     if starting:  # guests that said READY before their VM was recorded: Idle now

@@ -271,14 +271,16 @@ def arrive(  # noqa: PLR0913 - one arrival's parts, the rest by name
     *,
     node_id: str,
     settle_op: bool = True,
+    count: bool = True,
 ) -> ReplicaState | None:
     """Record the VM ``(vmid, address)`` that ``node_id`` made for a Creating replica.
 
     Idle, or Starting for guest readiness: the move from Creating, in one statement.
     Returns the new state, or None when nothing changed: the row is no longer Creating,
     or no longer on that node, or has a VM, or the VM was released as an orphan. With
-    ``settle_op=False`` the caller settles the operation itself (a batch counts all its
-    arrivals in one statement).
+    ``settle_op=False`` the caller settles the operation itself, with ``count=False`` it
+    moves the function's count itself (a batch does each for all its arrivals in one
+    statement).
     """
     to = _S.STARTING if fn.readiness == "guest" else _S.IDLE
     m = MOVES[(_S.CREATING, to)]
@@ -296,7 +298,8 @@ def arrive(  # noqa: PLR0913 - one arrival's parts, the rest by name
     )
     if done.rowcount != 1:
         return None
-    recount(session, {fn.id: m.count})
+    if count:
+        recount(session, {fn.id: m.count})
     if settle_op and operation_id and m.operation == OnOperation.DONE:
         settle(session, operation_id, parts=[replica_id], ok=True)
     return to

@@ -22,8 +22,10 @@ the row after the owner lapsed: :func:`workers.replicas.owners.take`) makes the 
   from the maybe to its replacement, so the function's max bounds the replicas corral
   serves and creates: never more than max, though for a maybe's lifetime a VM of it may
   run besides them. A request gets at most ``MAX_PLACEMENTS`` rows in all (moves and
-  replacements); past that, or with no node to place it on, the maybe stays without a
-  replacement (its count given back) and its part of the operation fails.
+  replacements); past that, or with no node to place it on (a full node: the maybe
+  holds a slot itself), the maybe stays without a replacement (its count given back)
+  and **keeps its part of the operation open**: the operation waits on the maybe
+  itself (``operation_id`` stays), until its VM shows up or its deadline passes.
 
 What the node says next settles a maybe, once (every path locks the row and checks it is
 still a maybe):
@@ -33,17 +35,20 @@ still a maybe):
   (:func:`workers.replicas.reports.ready_of_maybe`), or a late answer to the create
   itself: :func:`settle_vm` *adopts* it as an ordinary replica of the function when its
   address is known (the create's answer, or a READY sent by the guest from its own IP
-  on a ``--replica-network`` of the node) and the function wants one more (below its
-  target and max); otherwise the maybe ends Deleted with the vmid, and the VM is
-  released.
+  on a ``--replica-network`` of the node) and it is still wanted: its operation waits on
+  it (a maybe with no replacement), or the function is below its target; never above
+  its max. Otherwise the maybe ends Deleted with the vmid, and the VM is released (a part
+  its operation still waited on then fails, with why).
 * **No READY in time** - on a node whose guests report READY (:func:`reports_ready`: the
   function's readiness is ``guest``, or the registry has seen a READY from a recorded
   replica of the node, ``nodes.ready_seen_at``) a maybe's deadline is
   ``CORRAL_CREATE_TIMEOUT_S + CORRAL_READY_GRACE_S`` after it was made (shortened when
   a node is first seen to report: :func:`note_ready_node`); elsewhere it is
-  ``CORRAL_CREATING_DEADLINE_S``. The reaper ends it Dead then, giving its slot back once.
+  ``CORRAL_CREATING_DEADLINE_S``. The reaper ends it Dead then, giving its slot back once
+  (and failing the part its operation waited on it for, if any).
 
-The operation finishes when its replicas do, not when its maybes do.
+The operation finishes when its replicas do, not when its maybes do - except a maybe
+without a replacement, which is the replica its operation waits for.
 """
 
 from __future__ import annotations
@@ -62,7 +67,16 @@ from workers.operations import settle
 from workers.replicas.lifecycle import born, lock_replica, ready_window, recount, transition
 from workers.replicas.owners import Pending, owns
 from workers.store.db import Database
-from workers.store.models import LIVE_STATES, Function, Node, Replica, ReplicaState, new_id
+from workers.store.models import (
+    LIVE_STATES,
+    OP_OPEN,
+    Function,
+    Node,
+    Operation,
+    Replica,
+    ReplicaState,
+    new_id,
+)
 from workers.store.states import move
 
 log = logging.getLogger(__name__)
@@ -160,11 +174,11 @@ def replace(  # noqa: PLR0913 - one row's replacement, its cap by name
 
 
 def _unreplaced(s: Session, replica: Replica, op_id: str | None, why: str) -> Replaced:
-    """A maybe with no replacement: the request's part fails (its count went with the move)."""
+    """A maybe with no replacement: its operation waits on it until its VM shows up or its
+    deadline passes (its count went with the move; adopting it counts it again)."""
     replica.error = f"{replica.error}; not replaced ({why})"
+    replica.operation_id = op_id  # the part stays open: settled when the maybe settles
     s.flush()
-    if op_id:
-        settle(s, op_id, parts=[replica.id], ok=False, error=replica.error)
     return Replaced.UNREPLACED
 
 
@@ -173,11 +187,13 @@ def settle_vm(
 ) -> Settled:
     """A VM showed up for a maybe: adopt it, or end the maybe for its VM's release.
 
-    Adopted when ``address`` (where the VM answers) is known and the function wants one
-    more replica - below its target (or min) and its max; it is then an ordinary Idle
-    replica, counted again. Otherwise the maybe ends Deleted with ``vmid``, giving its
-    slot back, and the caller releases the VM. When the row is no longer a maybe
-    (settled already): adopted if it holds this VM as a replica, else not ours.
+    Adopted when ``address`` (where the VM answers) is known and the VM is wanted - its
+    operation waits on the maybe, or the function is below its target (or min) - and the
+    function is below its max; it is then an ordinary Idle replica, counted again (and
+    the part its operation waited on is done). Otherwise the maybe ends Deleted with
+    ``vmid``, giving its slot back (a part its operation waited on fails), and the
+    caller releases the VM. When the row is no longer a maybe (settled already): adopted
+    if it holds this VM as a replica, else not ours.
     """
     with db.transaction() as s:
         maybe = lock_replica(s, replica_id)
@@ -187,25 +203,30 @@ def settle_vm(
         if s.scalar(select(Replica.id).where(Replica.vmid == vmid).limit(1)) is not None:
             return Settled.NOT_OURS  # another row's VM (recorded since the caller looked)
         maybe.vmid = vmid
-        if address is not None and _wants_one_more(s, maybe.function_id):
+        wanted = _wanted(s, maybe)
+        if address is not None and wanted:
             maybe.address = address
             maybe.error = None
             transition(s, maybe, ReplicaState.IDLE, settings)
             log.info("maybe %s: its VM %s showed up and is adopted", maybe.id, vmid)
             return Settled.ADOPTED
-        transition(
-            s,
-            maybe,
-            ReplicaState.DELETED,
-            settings,
-            error=f"maybe: its VM {vmid} showed up after its replacement; released",
+        why = (
+            "where it answers is unknown (its agent reported it)"
+            if wanted
+            else "after its replacement, or with the function at its max"
         )
-        log.info("maybe %s: its VM %s showed up; releasing it (replaced)", maybe.id, vmid)
+        error = f"maybe: its VM {vmid} showed up {why}; released"
+        if maybe.operation_id:  # the part its operation waited on it for fails
+            settle(s, maybe.operation_id, parts=[maybe.id], ok=False, error=error)
+            maybe.operation_id = None
+        transition(s, maybe, ReplicaState.DELETED, settings, error=error)
+        log.info("maybe %s: its VM %s showed up %s; releasing it", maybe.id, vmid, why)
         return Settled.RELEASED
 
 
-def _wants_one_more(s: Session, function_id: str) -> bool:
-    """Whether the function wants one more replica (below its target and max).
+def _wanted(s: Session, maybe: Replica) -> bool:
+    """Whether a maybe's VM is wanted as a replica: its operation waits on it, or the
+    function is below its target (or min); and the function is below its max.
 
     The function row is locked after the replica's: the single-replica order of
     :mod:`workers.locks`; the move to Idle then counts it.
@@ -214,12 +235,16 @@ def _wants_one_more(s: Session, function_id: str) -> bool:
         select(
             Function.replica_count, Function.target, Function.min_replicas, Function.max_replicas
         )
-        .where(Function.id == function_id)
+        .where(Function.id == maybe.function_id)
         .with_for_update(key_share=True)
     ).one_or_none()
-    if row is None or row.target is None:
+    if row is None or row.replica_count >= row.max_replicas:
         return False
-    return bool(row.replica_count < min(max(row.target, row.min_replicas), row.max_replicas))
+    if maybe.operation_id is not None:
+        waiting = s.scalar(select(Operation.status).where(Operation.id == maybe.operation_id))
+        if waiting in OP_OPEN:
+            return True
+    return row.target is not None and row.replica_count < max(row.target, row.min_replicas)
 
 
 def note_ready_node(s: Session, settings: Settings, node_id: str) -> None:

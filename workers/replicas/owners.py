@@ -15,15 +15,21 @@ sends its create, so every handler of every delivery obeys the same rules:
   live is judged in SQL, by the database on its own clock
   (:func:`workers.store.db.store_now`), never by the handler's host. A row someone else owns
   is left to them: a second delivery while the owner lives changes nothing.
-* **"Sent".** Owning is not sending. Right before a round of calls its owner marks the
-  round's rows sent (``sent_at``: one ``UPDATE`` for the round, conditional on still
-  owning them, committed before any call starts); only the rows that ``UPDATE`` returned
-  are sent. The owner clears the mark of a call it knows never started (cut by the
-  budget, a node that failed too often in the batch) and of an answer that proves
-  nothing was made; an exception anywhere in a batch lets go of every row it owns and has
-  not sent (:func:`let_go`). So a row with no mark was never sent: any handler may take
-  it once its owner lapsed, on every kind of node. A row marked sent whose owner lapsed
-  had a create sent whose outcome nobody knows.
+* **"Sent".** Owning is not sending. A create is marked sent (``sent_at``) when its call
+  holds its node's call slot, right before it goes out (:mod:`workers.replicas.calls`
+  admits it): one thread per process marks the calls of all its batches that got slots
+  meanwhile in one transaction (:func:`mark_sent_soon`: an ``UPDATE`` per owner,
+  conditional on still owning the rows, committed before any of them starts), and only
+  the rows it returned are sent. So a handler killed
+  mid-batch leaves marked only creates that held a slot - at most the node's in-flight
+  bound (``CORRAL_NODE_MAX_INFLIGHT``, fleet-wide), plus answers that landed in the last
+  moments before the kill and were not yet recorded - never the rows still queued behind
+  them. The owner clears the mark of an answer that proves nothing was made and of a call
+  admitted but cut before it started; an exception anywhere in a batch lets go of every
+  row it owns and has not sent (:func:`let_go`). So a row with no mark was never sent: any
+  handler may take it once its owner lapsed, on every kind of node. A row marked sent
+  whose owner lapsed had a create sent whose outcome nobody knows - unless its answer was
+  kept while the store was down (:mod:`workers.replicas.landed`): then its VM is recorded.
 * **Whose token.** A token is derived from the Celery message it handles (its task id and
   retry number, plus a nonce per run: :func:`owner_token`). A retry of the task (a higher
   retry number: the earlier run ended when it asked for the retry) takes back what the
@@ -54,11 +60,16 @@ task's soft time limit, and its ownership lasts until the hard limit.
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import hashlib
 import logging
+import os
+import queue
+import threading
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -70,8 +81,10 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers import backends
+from workers.backends import Vm
 from workers.clock import now
 from workers.errors import BackendError, Unsupported
+from workers.replicas import landed
 from workers.store.db import Database, store_now
 from workers.store.models import Function, Node, Replica, ReplicaState
 
@@ -110,6 +123,11 @@ class Budget:
     def send_until(self) -> float:
         """``time.monotonic()`` after which no new call starts (it could outlive the task)."""
         return self.started + self.soft_s - self.call_s - MARGIN_S
+
+    @property
+    def hard_at(self) -> float:
+        """``time.monotonic()`` at which the task's hard time limit ends it."""
+        return self.started + self.hard_s
 
     def own_until(self) -> datetime:
         """When ownership taken now lapses: the task's hard limit, on the store's clock."""
@@ -210,6 +228,8 @@ class Taken:
     busy: list[str] = field(default_factory=list)  # another live handler owns them
     # now ours: sent, outcome unknown, on a node that cannot deduplicate (make maybes)
     ambiguous: list[Pending] = field(default_factory=list)
+    # now ours: sent, and its answer kept while the store was down (record its VM)
+    landed: list[tuple[Pending, Vm]] = field(default_factory=list)
 
 
 # Built once: the Creating rows of some requests that have no VM yet, with node and
@@ -319,7 +339,9 @@ def take(
     A row no live handler owns is taken (one this message's earlier run owned, too); a
     row another live handler owns is left alone. Of the rows taken, those never sent -
     or sent to a node that deduplicates creates (probed here the first time) - are to
-    send; those sent to a node that cannot deduplicate are ambiguous.
+    send; those sent whose answer was kept while the store was down
+    (:mod:`workers.replicas.landed`) are to record; those sent to a node that cannot
+    deduplicate are ambiguous.
     """
     out = Taken()
     if not request_ids:
@@ -328,9 +350,14 @@ def take(
         rows = s.execute(_CANDIDATES, {"request_ids": request_ids}).all()
         wanted, earlier, unsent = _sort_candidates(rows, token, out)
         won = _take(s, wanted, token, until, earlier, unsent)
+    kept = landed.find(
+        settings, [(rid, p.node.id) for rid, p in wanted.items() if p.sent and rid in won]
+    )
     for rid, pending in wanted.items():
         if rid not in won:
             out.busy.append(pending.request_id)  # taken by another handler meanwhile
+        elif rid in kept:
+            out.landed.append((pending, kept[rid]))
         elif not pending.sent or probe_dedup(db, settings, pending.node):
             out.pending.append(pending)
         else:
@@ -384,12 +411,100 @@ def _take(  # noqa: PLR0913 - one statement's parameters
 
 
 def mark_sent(db: Database, token: str, pendings: Sequence[Pending]) -> set[str]:
-    """Mark these rows' creates sent, in one committed ``UPDATE``; the ids still ours to send."""
+    """Mark these rows' creates sent, in one committed ``UPDATE``; the ids still ours to send.
+
+    A batch's calls use :func:`mark_sent_soon`, one call at a time as each takes its slot.
+    """
     if not pendings:
         return set()
     with db.transaction() as s:
         params = {"ids": [p.replica_id for p in pendings], "token": token, "at": now()}
         return set(s.scalars(_MARK, params))
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """One create to mark sent, and where to say whether it was."""
+
+    db: Database
+    token: str
+    replica_id: str
+    done: concurrent.futures.Future[bool]
+
+
+class _Marker:
+    """The process's marks: one thread marks every create asked for meanwhile, in one
+    transaction per store (one ``UPDATE`` per owner), while the previous one commits."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.waiting: queue.SimpleQueue[_Mark] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="corral-marks", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            group = [self.waiting.get()]
+            while True:
+                try:
+                    group.append(self.waiting.get_nowait())
+                except queue.Empty:
+                    break
+            # a mark whose caller gave up waiting (its batch was cut) is not made
+            by_db: dict[Database, list[_Mark]] = defaultdict(list)
+            for mark in group:
+                if mark.done.set_running_or_notify_cancel():
+                    by_db[mark.db].append(mark)
+            for db, marks in by_db.items():
+                try:
+                    _mark_group(db, marks)
+                except BaseException as exc:  # never leave a caller waiting for ever
+                    log.exception("marking %d create(s) sent failed", len(marks))
+                    for mark in marks:
+                        if not mark.done.done():
+                            mark.done.set_exception(exc)
+
+
+def _mark_group(db: Database, marks: list[_Mark]) -> None:
+    """Mark one store's group sent in one transaction; tell each whether it was."""
+    by_token: dict[str, list[str]] = defaultdict(list)
+    for mark in marks:
+        by_token[mark.token].append(mark.replica_id)
+    try:
+        with db.transaction() as s:
+            at = now()
+            marked: set[tuple[str, str]] = set()  # (owner, row): two runs may ask for one row
+            for token, ids in by_token.items():
+                params = {"ids": ids, "token": token, "at": at}
+                marked.update(
+                    (token, rid) for rid in s.connection().execute(_MARK, params).scalars()
+                )
+    except Exception as exc:
+        for mark in marks:
+            mark.done.set_exception(exc)
+        return
+    for mark in marks:
+        mark.done.set_result((mark.token, mark.replica_id) in marked)
+
+
+_marker: _Marker | None = None
+_marker_lock = threading.Lock()
+
+
+def mark_sent_soon(db: Database, token: str, replica_id: str) -> concurrent.futures.Future[bool]:
+    """Mark one create sent, with every other the process asks for meanwhile; whether ours.
+
+    The future is true once the mark is committed (the call may go out), false if the row
+    is no longer this handler's to send; it raises what the store raised.
+    """
+    global _marker
+    with _marker_lock:
+        if _marker is None or _marker.pid != os.getpid():
+            _marker = _Marker()  # a thread does not cross a fork: a new one after it
+        marker = _marker
+    done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+    marker.waiting.put(_Mark(db, token, replica_id, done))
+    return done
 
 
 def let_go(db: Database, token: str, replica_ids: Sequence[str]) -> None:

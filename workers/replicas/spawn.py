@@ -12,10 +12,11 @@ from its start. A batch (:func:`run_batch`):
    transaction, owned by this handler from the start and not yet marked sent; a
    redelivered batch finds its rows and writes nothing twice;
 2. :func:`workers.replicas.creates.create` takes the rows no one else owns (those it
-   wrote are its own already), marks them sent, sends their creates at once and records
-   what came back. A create is sent at most once per row to a node that cannot
-   deduplicate it (:mod:`workers.replicas.owners`); one whose outcome is unknown there
-   becomes a maybe, replaced at once (:mod:`workers.replicas.maybes`).
+   wrote are its own already), sends their creates at once - each marked sent as its
+   call takes its node's slot - and records what came back. A create is sent at most
+   once per row to a node that cannot deduplicate it (:mod:`workers.replicas.owners`);
+   one whose outcome is unknown there becomes a maybe, replaced at once
+   (:mod:`workers.replicas.maybes`).
 
 A replica whose create hit a transport error is tried alone (``spawn_replica`` ->
 :func:`run_one`, retried with backoff); once its retries are spent :func:`give_up`
@@ -39,7 +40,7 @@ from workers.fleet.placement import reserve_gpu, reserve_node, reserve_nodes, sp
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import mark_running, settle
 from workers.replicas.checks import check_count
-from workers.replicas.creates import create, replace_ambiguous
+from workers.replicas.creates import create, record, replace_ambiguous
 from workers.replicas.lifecycle import born, transition
 from workers.replicas.moves import owned_move
 from workers.replicas.outcomes import Next, Outcome, Request
@@ -194,6 +195,9 @@ def give_up(  # noqa: PLR0913 - one create's end, where it failed by name
     nxt = Next()
     token = owner_token()
     taken = take(db, settings, [request_id], token, budget.own_until())
+    if taken.landed:  # its create answered while the store was down: record that VM
+        record(db, settings, taken.landed, nxt, budget)
+        return nxt
     if taken.ambiguous:
         replaced = replace_ambiguous(db, settings, taken.ambiguous, token, nxt)
         nxt.again += [

@@ -8,7 +8,10 @@ held must come back by themselves (workers.backends.node_slots).
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -17,6 +20,7 @@ from sqlalchemy import select
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import get_settings
 from tasks import api
+from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from testkit.services import free_port
 from tests.fixtures import Env, sqlite_only
@@ -144,3 +148,41 @@ def test_the_slots_of_a_killed_worker_lapse_by_themselves(
         client.close()
         inflight.reset()
         agent.stop(grace=0)
+
+
+def test_a_worker_started_again_frees_only_what_its_dead_processes_held(redis_url: str) -> None:
+    """Leases name their holder: a dead process of the worker's name goes, the rest stay."""
+    client = redis.Redis.from_url(redis_url)
+    done = subprocess.Popen(["true"])
+    done.wait()  # a process of this worker that ran and is gone
+    killed = subprocess.Popen(["true"])  # one killed and not reaped yet: a zombie, not running
+    stat = Path(f"/proc/{killed.pid}/stat")
+    eventually(lambda: stat.read_text().rpartition(")")[2].split()[0] == "Z", 10, "a zombie")
+    zombie = f"{killed.pid}.{stat.read_text().rpartition(')')[2].split()[19]}"
+    me = f"{os.getpid()}.{node_slots._started(os.getpid())}"
+    far = time.time() * 1000 + 60_000  # none of them lapses during the test
+    held = {
+        f"w1@h/1#{done.pid}.1:7": far,  # its dead pool process
+        f"w1@h/0#{done.pid}.1:8": far,  # its dead main process
+        f"w1@h/3#{zombie}:10": far,  # its killed pool process, not yet reaped
+        f"w1@h/2#{me}:9": far,  # a process of that name that still runs (a duplicate name)
+        f"w1@hx/0#{done.pid}.1:3": far,  # another worker whose name starts the same
+        f"w2@h/0#{done.pid}.1:4": far,  # another worker
+        "host:123:abc:5": far,  # a process that took no name
+    }
+    try:
+        client.zadd(node_slots.key("n1"), held)
+        client.zadd(node_slots.key("n2"), {f"w1@h/0#{done.pid}.1:11": far})
+        assert node_slots.free_dead(redis_url, "w1@h") == 4
+        members = client.zrange(node_slots.key("n1"), 0, -1)
+        left = {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+        freed = {f"w1@h/1#{done.pid}.1:7", f"w1@h/0#{done.pid}.1:8", f"w1@h/3#{zombie}:10"}
+        assert left == set(held) - freed
+        assert client.zcard(node_slots.key("n2")) == 0
+        # a pool process started again frees only what its own name held
+        client.zadd(node_slots.key("n1"), {f"w1@h/1#{done.pid}.1:12": far})
+        assert node_slots.free_dead(redis_url, "w1@h/2") == 0
+        assert node_slots.free_dead(redis_url, "w1@h/1") == 1
+    finally:
+        killed.wait()
+        client.close()

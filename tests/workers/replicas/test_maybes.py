@@ -274,10 +274,10 @@ def test_an_exception_in_a_batch_lets_go_of_the_rows_it_never_sent(
     op_id, fn_id, jobs = spawn_op(corral_env, 3)
     settings = corral_env.settings
 
-    def store_gone(*_: object) -> set[str]:
+    def store_gone(*_: object) -> bool:
         raise RuntimeError("the store went away")
 
-    monkeypatch.setattr(creates, "mark_sent", store_gone)
+    monkeypatch.setattr(creates, "mark_sent_soon", store_gone)
     with pytest.raises(RuntimeError, match="store went away"):
         run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
     rows = replicas(corral_env)

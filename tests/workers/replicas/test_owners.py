@@ -14,8 +14,10 @@ import time
 from datetime import timedelta
 
 import pytest
+from sqlalchemy import update
 
 from agents.faults import Fault
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import lapsed, operation, replicas
 from tests.workers.replicas.helpers import (
@@ -40,7 +42,7 @@ from workers.replicas.outcomes import Next, Outcome
 from workers.replicas.owners import Budget, Owner, Pending, mark_sent, owner_token, take
 from workers.replicas.scale import plan_scale
 from workers.replicas.spawn import give_up, place, run_batch
-from workers.store.models import Node, ReplicaState
+from workers.store.models import Node, Replica, ReplicaState
 
 
 def test_two_deliveries_of_one_batch_at_once_send_each_create_once_to_a_seed_agent(
@@ -188,7 +190,8 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
         )
     )
     nxt = Next()
-    creates.record(corral_env.db, settings, [(stale, backends.Vm(vm.vmid, "http://x"))], nxt)
+    late = [(stale, backends.Vm(vm.vmid, "http://x"))]
+    creates.record(corral_env.db, settings, late, nxt, Budget.of(settings))
     (row,) = replicas(corral_env)
     assert row.status == ReplicaState.CREATING and row.vmid is None
     assert row.node_id != stale.node.id and row.placements == 2
@@ -265,3 +268,30 @@ def test_a_delete_batch_delivered_twice_counts_each_replica_once(
     assert {r.status for r in replicas(corral_env)} == {ReplicaState.DELETED}
     assert agent.driver.list() == [] and slow_vmid
     no_drift(corral_env)
+
+
+def test_two_runs_asking_to_mark_one_row_in_one_group_only_its_owner_sends_it(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    """The process marks its calls in groups: a row two runs of one message ask to mark in
+    the same group is sent by the run that owns it, not by both (12 creates for 6 before)."""
+    start_agents(1, env=corral_env, seed_only=True)
+    op_id, fn_id, jobs = spawn_op(corral_env, 2)
+    settings, db = corral_env.settings, corral_env.db
+    until = Budget.of(settings).own_until()
+    first, second = owner_token("message-1", 0), owner_token("message-1", 0)
+    held, row = place(db, settings, op_id, fn_id, jobs, owner=Owner(first, until))
+    # a second delivery of the same message takes back the row the first has not marked
+    assert [p.replica_id for p in take(db, settings, [row.request_id], second, until).pending] == [
+        row.replica_id
+    ]
+    with db.transaction() as s:  # the store is busy: the process's marks wait in one group
+        s.execute(update(Replica).where(Replica.id == held.replica_id).values(error="busy"))
+        blocker = owners.mark_sent_soon(db, first, held.replica_id)
+        eventually(blocker.running, 10, "the marks to wait for the store")
+        theirs = owners.mark_sent_soon(db, first, row.replica_id)
+        ours = owners.mark_sent_soon(db, second, row.replica_id)
+    assert blocker.result(10) is True
+    assert (ours.result(10), theirs.result(10)) == (True, False)
+    (marked,) = [r for r in replicas(corral_env) if r.id == row.replica_id]
+    assert marked.owner == second and marked.sent_at is not None

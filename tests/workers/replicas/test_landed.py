@@ -1,0 +1,74 @@
+"""Answers that landed while the store was down: kept in Redis, recorded by the next handler.
+
+A handler that cannot record the VMs its creates made tries again until near its hard
+limit; past that it gives up, and its answers wait in Redis (``workers.replicas.landed``)
+for whoever takes the rows next. Against a real seed agent (no ``requestId``: a create
+sent twice makes two VMs), the session's Redis and PostgreSQL, which the test stops.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from sqlalchemy import update
+
+from agents.faults import Fault
+from testkit.eventually import eventually
+from testkit.services import PostgresServer
+from tests.fixtures import Env, StartAgents, postgres_only
+from tests.helpers import operation, replicas
+from tests.workers.replicas.helpers import created, no_drift, running, spawn_op
+from workers import clock
+from workers.replicas import landed
+from workers.replicas.owners import Budget
+from workers.replicas.spawn import run_batch
+from workers.store.models import Node, ReplicaState
+
+
+@postgres_only  # stops the PostgreSQL server (SQLite has no server to stop)
+def test_answers_the_store_refused_until_the_hard_limit_are_recorded_by_the_next_handler(
+    broker_env: Env, start_agents: StartAgents, postgres_server: PostgresServer
+) -> None:
+    (agent,) = start_agents(1, env=broker_env, seed_only=True)
+    with broker_env.db.transaction() as s:  # it made VMs before: its full bound at once
+        s.execute(update(Node).values(last_create_ok_at=clock.now()))
+    held = threading.Event()
+    agent.agent.inject("CreateReplica", *[Fault.delay(60, until=held)] * 3)
+    op_id, fn_id, jobs = spawn_op(broker_env, 3)
+    settings = broker_env.settings
+    budget = Budget.of(settings, soft_s=5, hard_s=6)  # gives up recording 2 s before 6 s
+    failed: list[BaseException] = []
+
+    def handler() -> None:
+        try:
+            run_batch(broker_env.db, settings, op_id, fn_id, jobs, budget)
+        except Exception as exc:
+            failed.append(exc)
+
+    first = threading.Thread(target=handler)
+    first.start()
+    try:
+        eventually(lambda: created([agent]) == 3, 20, "the three creates to go out")
+        postgres_server.stop()
+        held.set()  # they land with the store down, for longer than the handler has
+        first.join(30)
+    finally:
+        held.set()
+        postgres_server.start()
+    assert not first.is_alive() and failed, "the handler gave up with the store down"
+    rows = replicas(broker_env)
+    assert {(r.status, r.vmid) for r in rows} == {(ReplicaState.CREATING, None)}
+    kept = landed.find(settings, [(r.id, str(r.node_id)) for r in rows])
+    assert {vm.vmid for vm in kept.values()} == running([agent]) and len(kept) == 3
+    # The next handler (a redelivery once the first one's ownership lapsed) records them.
+    clock.travel(settings.task_time_limit_s)
+    nxt = run_batch(broker_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    assert set(nxt.states.values()) == {"idle"} and nxt.maybes == []
+    assert created([agent]) == 3  # 6 before: three maybes, three replacements sent
+    rows = replicas(broker_env)
+    assert {r.status for r in rows} == {ReplicaState.IDLE}
+    assert running([agent]) == {str(r.vmid) for r in rows}
+    op = operation(broker_env, op_id)
+    assert (op.status, op.done, op.failed) == ("succeeded", 3, 0)
+    assert landed.find(settings, [(r.id, str(r.node_id)) for r in rows]) == {}  # dropped
+    no_drift(broker_env)
