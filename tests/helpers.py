@@ -18,7 +18,7 @@ from tests.fixtures import Env, StartAgents
 from workers import clock
 from workers.backends import Vm
 from workers.functions import deploy, spec_from
-from workers.replicas.creates import record
+from workers.replicas.arrivals import record
 from workers.replicas.outcomes import Next, Outcome
 from workers.replicas.owners import Budget, Pending, owner_token, take
 from workers.replicas.spawn import SpawnJob, place

@@ -3,7 +3,7 @@
 The model
 ---------
 A create that answered made a VM: that is known, and a store that blinks must not turn
-it into an unknown. Its handler records the VM (:func:`workers.replicas.creates.record`)
+it into an unknown. Its handler records the VM (:func:`workers.replicas.arrivals.record`)
 and, when the store refuses, tries again inside its task until near the task's hard
 time limit. At the first refusal it also writes the answers here, on the broker's
 Redis (not the store): one key per replica, ``corral:landed:<replica id>``, holding the

@@ -39,8 +39,9 @@ from workers.fleet.health import note_failure
 from workers.fleet.placement import reserve_gpu, reserve_node, reserve_nodes, spread_nodes
 from workers.locks import lock_gpus, lock_nodes
 from workers.operations import mark_running, settle
+from workers.replicas.arrivals import record
 from workers.replicas.checks import check_count
-from workers.replicas.creates import create, record, replace_ambiguous
+from workers.replicas.creates import create, replace_ambiguous
 from workers.replicas.lifecycle import born, transition
 from workers.replicas.moves import owned_move
 from workers.replicas.outcomes import Next, Outcome, Request

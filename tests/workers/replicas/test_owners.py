@@ -36,7 +36,7 @@ from workers.maintenance import reaper
 from workers.maintenance.reaper import reap
 from workers.operations import create_operation
 from workers.registry.service import DESTROY, READY, Registry
-from workers.replicas import creates, moves, owners
+from workers.replicas import arrivals, moves, owners
 from workers.replicas.delete import delete_batch
 from workers.replicas.outcomes import Next, Outcome
 from workers.replicas.owners import Budget, Owner, Pending, mark_sent, owner_token, take
@@ -191,7 +191,7 @@ def test_a_stale_owner_can_neither_move_the_row_nor_free_its_node_twice(
     )
     nxt = Next()
     late = [(stale, backends.Vm(vm.vmid, "http://x"))]
-    creates.record(corral_env.db, settings, late, nxt, Budget.of(settings))
+    arrivals.record(corral_env.db, settings, late, nxt, Budget.of(settings))
     (row,) = replicas(corral_env)
     assert row.status == ReplicaState.CREATING and row.vmid is None
     assert row.node_id != stale.node.id and row.placements == 2
