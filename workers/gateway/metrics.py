@@ -60,14 +60,14 @@ COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0
 
 
 class Load(Protocol):
-    """What a function's load gauges read: its admission gate."""
+    """What a function's load gauges read: its admission gate (the warm path's load in)."""
 
     @property
-    def active(self) -> int:
+    def inflight(self) -> int:
         """Requests admitted now."""
 
     @property
-    def queued(self) -> int:
+    def backlog(self) -> int:
         """Requests waiting for a place now."""
 
 
@@ -171,8 +171,8 @@ class GatewayMetrics:
         if self._watched.get(function) is gate:
             return  # (every request calls this: a lookup, no gauge set per request)
         self._watched[function] = gate
-        self.inflight.labels(function).set_function(lambda: gate.active)
-        self.queue_depth.labels(function).set_function(lambda: gate.queued)
+        self.inflight.labels(function).set_function(lambda: gate.inflight)
+        self.queue_depth.labels(function).set_function(lambda: gate.backlog)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -63,6 +63,7 @@ from workers.gateway.asgi import (
 from workers.gateway.background import Background
 from workers.gateway.bodies import CLOSE, Bodies
 from workers.gateway.catalog import Catalog, FunctionInfo
+from workers.gateway.haproxy.warm import WarmPath
 from workers.gateway.ledger import Ledger
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
 from workers.gateway.traces import incoming, request_attributes
@@ -108,6 +109,8 @@ class Gateway:
         self.bodies = Bodies(
             settings.gateway_max_body, settings.gateway_body_budget, settings.gateway_read_timeout_s
         )
+        #: HAProxy in front of this gateway, carrying warm calls (None: the Python path alone).
+        self.warm: WarmPath | None = None
         self._upkeep: list[asyncio.Task[None]] = []
         self._unlisten: Callable[[], None] = lambda: None
         # The serving loop, kept: asyncio.get_running_loop() costs a getpid() system call
@@ -125,6 +128,8 @@ class Gateway:
         ]
         loop = self._loop = asyncio.get_running_loop()
         self.upstreams.loop = loop
+        if self.warm is not None:
+            self.warm.attach(self)
         self._unlisten = notices.listen_here(  # spawns carried out here: told at once
             lambda name: loop.call_soon_threadsafe(self.ledger.wake, name)
         )
@@ -141,6 +146,8 @@ class Gateway:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.warm is not None:  # what HAProxy holds comes back first
+            await self.warm.close()
         await self.background.settle()
         await self.ledger.close()
         await self.upstreams.close()

@@ -1,0 +1,208 @@
+"""HAProxy's runtime API, spoken over its unix socket: commands, and what ``show stat`` says.
+
+One connection, kept, in HAProxy's interactive mode (:class:`Runtime`). A command
+that HAProxy refuses answers a line that is not one of its success messages
+(:data:`DONE`): :meth:`Runtime.run` reports it (:class:`Refused`) with the command.
+
+:func:`parse_stat` reads ``show stat``'s CSV into :class:`Row` records: per server (and
+per backend) the counters the gateway follows - sessions now and in all, queued
+requests, refused answers, interim answers, its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+TIMEOUT_S = 5.0  # one batch of commands, its first byte sent to its last answer
+IDLE_S = 30.0  # a connection unused this long is replaced (HAProxy's stats timeout: 1 m)
+PROMPT = b"\n> "  # what ends each answer in the interactive mode
+READ_MAX = 64 * 1024 * 1024  # the longest answer read (show sess of many streams)
+# Answers HAProxy gives a command that did what it was asked (others are refusals).
+DONE = ("", "New server registered.", "Server deleted.")
+
+
+class RuntimeError_(Exception):
+    """HAProxy's runtime socket cannot be reached, or answered what cannot be read."""
+
+
+class Refused(RuntimeError_):
+    """HAProxy refused a command (its answer says why)."""
+
+    def __init__(self, command: str, answer: str) -> None:
+        super().__init__(f"haproxy refused {command!r}: {answer.strip()}")
+        self.command = command
+        self.answer = answer
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One line of ``show stat``: a server (or ``BACKEND``) of a backend."""
+
+    backend: str
+    server: str
+    queued: int  # qcur: requests waiting for a place
+    sessions: int  # scur: requests being served now
+    peak: int  # smax: the most served at once since the counters were cleared
+    total: int  # stot: requests sent to it so far
+    errors: int  # eresp: answers refused or broken (HAProxy's 502 / 504)
+    failed: int  # econ: connections that could not be made
+    interim: int  # hrsp_1xx: interim answers relayed
+    status: str  # UP, DOWN, MAINT, DRAIN, no check...
+
+    @property
+    def usable(self) -> bool:
+        """True unless HAProxy marked it down or took it out."""
+        return not self.status.startswith(("DOWN", "MAINT", "NOLB"))
+
+
+def _int(value: str) -> int:
+    return int(value) if value.isdigit() else 0
+
+
+def parse_stat(text: str) -> list[Row]:
+    """``show stat``'s CSV (header line ``# pxname,svname,...``) as rows."""
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        raise RuntimeError_(f"not show stat's output: {text[:200]!r}")
+    reader = csv.DictReader(io.StringIO("\n".join([lines[0][2:], *lines[1:]])))
+    rows = []
+    for item in reader:
+        if not item.get("pxname") or item.get("svname") == "FRONTEND":
+            continue
+        rows.append(
+            Row(
+                backend=item["pxname"],
+                server=item["svname"],
+                queued=_int(item.get("qcur", "")),
+                sessions=_int(item.get("scur", "")),
+                peak=_int(item.get("smax", "")),
+                total=_int(item.get("stot", "")),
+                errors=_int(item.get("eresp", "")),
+                failed=_int(item.get("econ", "")),
+                interim=_int(item.get("hrsp_1xx", "")),
+                status=item.get("status", ""),
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """One line of ``show sess``: a stream, its backend, server and age."""
+
+    id: str
+    backend: str
+    server: str
+    age_s: float
+
+
+_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def _age(text: str) -> float:
+    """``1h2m3s`` -> 3723.0 (HAProxy's human durations)."""
+    total, number = 0.0, ""
+    for char in text:
+        if char.isdigit():
+            number += char
+        elif char in _UNITS and number:
+            total += int(number) * _UNITS[char]
+            number = ""
+    return total
+
+
+def parse_sessions(text: str) -> list[Stream]:
+    """``show sess``'s lines as streams (those without a backend are left out)."""
+    streams = []
+    for line in text.splitlines():
+        ident, _, rest = line.partition(":")
+        fields = dict(part.split("=", 1) for part in rest.split() if "=" in part)
+        if not ident.startswith("0x") or "be" not in fields:
+            continue
+        streams.append(
+            Stream(ident, fields["be"], fields.get("srv", ""), _age(fields.get("age", "")))
+        )
+    return streams
+
+
+class Runtime:
+    """The runtime API of one HAProxy, over its unix socket, in its interactive mode.
+
+    One connection, kept: ``prompt`` first, then each command on a line of its own;
+    HAProxy answers each in turn and ends the answer with its prompt (``> `` at the
+    start of a line), which is how answers are told apart (its messages do not all end
+    with the blank line that ends them outside this mode: ``del server``'s does not).
+    Commands are written at once and their answers read in order. A connection that
+    fails is closed, and the next call opens another.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+        self._used = 0.0  # time.monotonic() of the connection's last answer
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._conn is not None and time.monotonic() - self._used > IDLE_S:
+            self.close()  # HAProxy may be closing it (stats timeout): a new one
+        if self._conn is None:
+            reader, writer = await asyncio.open_unix_connection(str(self.path), limit=READ_MAX)
+            writer.write(b"prompt\n")
+            await reader.readuntil(PROMPT)
+            self._conn = reader, writer
+        return self._conn
+
+    def close(self) -> None:
+        """Close the connection (the next call opens another)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn[1].close()
+
+    async def ask(self, *commands: str) -> list[str]:
+        """Send the commands; each one's answer, in order."""
+        for command in commands:
+            if "\n" in command or ";" in command:
+                raise ValueError(f"not one command: {command!r}")
+        if not commands:
+            return []
+        async with self._lock:
+            try:
+                async with asyncio.timeout(TIMEOUT_S):
+                    reader, writer = await self._connect()
+                    writer.write("".join(f"{c}\n" for c in commands).encode())
+                    await writer.drain()
+                    answers = []
+                    for _ in commands:
+                        data = await reader.readuntil(PROMPT)
+                        answers.append(data[: -len(PROMPT)].decode("utf-8", "replace").strip("\n"))
+                    self._used = time.monotonic()
+                    return answers
+            except (OSError, TimeoutError, EOFError, ValueError) as exc:
+                # (asyncio's IncompleteReadError is an EOFError, LimitOverrunError a ValueError)
+                self.close()
+                what = str(exc) or type(exc).__name__
+                raise RuntimeError_(f"haproxy's runtime socket: {what}") from None
+
+    async def run(self, *commands: str) -> None:
+        """Send the commands; :class:`Refused` names the first HAProxy did not do."""
+        for command, answer in zip(commands, await self.ask(*commands), strict=False):
+            if answer.strip() not in DONE:
+                raise Refused(command, answer)
+
+    async def stat(self, backends: list[str] | None = None) -> list[Row]:
+        """``show stat`` of these backends (and their servers), or of all."""
+        if backends is None:
+            return parse_stat((await self.ask("show stat"))[0])
+        if not backends:
+            return []
+        answers = await self.ask(*(f"show stat {b} 6 -1" for b in backends))
+        return [row for answer in answers for row in parse_stat(answer)]
+
+    async def sessions(self) -> list[Stream]:
+        """``show sess``: every stream now."""
+        return parse_sessions("\n".join(await self.ask("show sess")))
