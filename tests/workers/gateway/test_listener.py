@@ -57,7 +57,11 @@ def test_an_unterminated_header_value_is_431_within_a_second_and_stalls_nobody(
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-        env={**os.environ, "CORRAL_GATEWAY_TOKEN": TOKEN},
+        env={
+            **os.environ,
+            "CORRAL_GATEWAY_TOKEN": TOKEN,
+            "CORRAL_GATEWAY_DATAPLANE": stack.dataplane,
+        },
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -97,7 +101,9 @@ def test_an_unterminated_header_value_is_431_within_a_second_and_stalls_nobody(
             f"authorised calls' p50 {p50 * 1000:.1f} ms over {len(took)} calls"
         )
         print(seen)
-        assert answers == {b"HTTP/1.1 431"} and slowest < 1.0, seen
+        # (HAProxy's parser cannot tell a head past its buffer from a malformed one: 400)
+        refused = b"HTTP/1.1 400" if stack.haproxy else b"HTTP/1.1 431"
+        assert answers == {refused} and slowest < 1.0, seen
         assert p50 < 0.050, seen
     finally:
         proc.terminate()

@@ -123,6 +123,11 @@ class Layout:
         return self.dir / "activator.sock"
 
     @property
+    def relay(self) -> Path:
+        """HAProxy's own socket between the functions' backends and the activator."""
+        return self.dir / "relay.sock"
+
+    @property
     def functions(self) -> Path:
         """The map from function name to backend (empty at start: filled at run time)."""
         return self.dir / "functions.map"
@@ -221,6 +226,7 @@ def render(settings: Settings, layout: Layout, listen_fd: int) -> str:
         f"  timeout server {_seconds(_activator_timeout(settings))}",
         *_closing(),
         f"  server {ACTIVATOR} unix@{layout.activator}",
+        *_relay(settings, layout),
     ]
     for index in range(settings.gateway_warm_functions):
         lines += ["", *_pool_backend(settings, layout, backend(index))]
@@ -270,7 +276,7 @@ def _defaults(settings: Settings, layout: Layout) -> list[str]:
 CLOSING = (400, 401, 404, 408, 413, 429, 500, 502, 503, 504)
 
 
-def _closing(when: str = "") -> list[str]:
+def _closing() -> list[str]:
     """The activator's answers that close their connection close the caller's too.
 
     HAProxy keeps a caller's connection while the caller still owes its request's body
@@ -279,10 +285,9 @@ def _closing(when: str = "") -> list[str]:
     by HAProxy, with the same status, message and ``Retry-After``, and the connection
     closes at once, as the gateway's own would.
     """
-    said = f"{when}{{ var(txn.said) -m found }}"
+    said = "{ var(txn.said) -m found }"
     lines = [
-        f"  http-response set-var(txn.said) res.hdr({CLOSE})"
-        f" if {when}{{ res.hdr({CLOSE}) -m found }}",
+        f"  http-response set-var(txn.said) res.hdr({CLOSE}) if {{ res.hdr({CLOSE}) -m found }}",
         f"  http-response set-var(txn.retry) res.hdr(retry-after) if {said}"
         " { res.hdr(retry-after) -m found }",
     ]
@@ -298,7 +303,26 @@ def _closing(when: str = "") -> list[str]:
     return lines
 
 
+# Headers a warm request may not have (the activator forwards such requests by the
+# gateway's rules), and those it may have once only: matched on the list of its header
+# names (HAProxy keeps them in lower case) in one pass.
+NOT_WARM = (
+    "transfer-encoding|upgrade|expect|te|trailers?|keep-alive|proxy-connection"
+    "|proxy-authenticate|proxy-authorization"
+)
+ONCE = "authorization|host|content-length|x-forwarded-for|x-forwarded-proto|x-forwarded-host"
+ODD_NAMES = "|".join(
+    [f"(^|,)({NOT_WARM})(,|$)", *(f"(^|,){h},(.*,)?{h}(,|$)" for h in ONCE.split("|"))]
+)
+
+
 def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
+    """The listener: the token, then warm (a function's backend) or not (the activator).
+
+    Each test runs once, its outcome kept in a variable (an ACL named in several rules
+    would be evaluated again in each): ``txn.be`` the function's backend, ``txn.cold``
+    set when the request takes the activator.
+    """
     digest = token_digest(settings)
     # a body HAProxy may hold whole: the limit, and what its buffer leaves after a head
     small = min(settings.gateway_max_body, buffer_size(settings) - MAX_REWRITE - 1024)
@@ -307,8 +331,7 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
         "frontend gateway",
         f"  bind fd@{listen_fd}",
         f"  maxconn {settings.gateway_max_connections}",
-        f"  http-request del-header {PEER}",
-        f"  http-request del-header {HOST}",
+        "  http-request del-header x-corral- -m beg",
         "  acl function path_beg /function/",
     ]
     if digest:
@@ -320,48 +343,35 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
             " if function !authed",
             "  http-request deny deny_status 401 if { path /metrics/haproxy } !authed",
         ]
+    head = ""
+    if settings.gateway_answer_head_max > settings.gateway_max_head_bytes:
+        # the buffer holds heads larger than callers may send: the activator refuses them
+        room = settings.gateway_max_head_bytes - 8192
+        head = f" || {{ url,length gt 4096 }} || {{ req.hdrs,length gt {room} }}"
     lines += [
         "  http-request use-service prometheus-exporter if { path /metrics/haproxy }",
         # the function's backend, when it has one
         f"  http-request set-var(txn.be) path,field(3,/),map({layout.functions}) if function",
         "  acl warm var(txn.be) -m found",
+        "  acl cold var(txn.cold) -m bool",
         # what only the activator forwards as the gateway's rules say
-        "  acl odd req.hdr(transfer-encoding) -m found",
-        "  acl odd req.hdr(upgrade) -m found",
-        "  acl odd req.hdr(expect) -m found",
-        "  acl odd req.hdr(connection) -m reg -i ^(?!(keep-alive|close)$)",
-        *(
-            f"  acl odd req.fhdr_cnt({name}) gt 1"
-            for name in (
-                "authorization",
-                "host",
-                "content-length",
-                "x-forwarded-for",
-                "x-forwarded-proto",
-                "x-forwarded-host",
-            )
-        ),
-        f"  acl odd req.hdr_val(content-length) gt {small}",
-        "  acl body req.hdr_val(content-length) gt 0",
-    ]
-    if settings.gateway_answer_head_max > settings.gateway_max_head_bytes:
-        # the buffer holds heads larger than callers may send: the activator refuses them
-        room = settings.gateway_max_head_bytes - 8192
-        lines += ["  acl odd url,length gt 4096", f"  acl odd req.hdrs,length gt {room}"]
-    lines += [
+        "  http-request set-var(txn.cold) bool(1) if !warm"
+        f" || {{ req.hdr_names -m reg {ODD_NAMES} }}"
+        " || { req.hdr(connection) -m reg -i ^(?!(keep-alive|close)$) }"
+        f" || {{ req.hdr_val(content-length) gt {small} }}{head}",
         # a body wholly in the buffer before a replica is picked: no environment waits on it
+        "  http-request set-var(txn.size) req.hdr_val(content-length) if !cold",
+        "  acl body var(txn.size) -m int gt 0",
         f"  http-request wait-for-body time {_seconds(settings.gateway_read_timeout_s)}"
-        " if warm !odd body",
-        "  http-request set-var(txn.got) req.body_len if warm !odd body",
-        "  acl partial req.body_size,sub(txn.got) gt 0",
+        " if !cold body",
+        "  http-request set-var(txn.got) req.body_len if !cold body",
+        "  http-request set-var(txn.cold) bool(1)"
+        " if !cold body { var(txn.size),sub(txn.got) gt 0 }",
         # the activator learns the caller as HAProxy saw it
-        "  http-request set-var(txn.ahead) bool(1) if !warm || odd || body partial",
-        "  acl ahead var(txn.ahead) -m bool",
-        f"  http-request set-header {PEER} %[src] if ahead",
+        f"  http-request set-header {PEER} %[src] if cold",
         f"  http-request set-header {HOST} %[req.fhdr(host,1)]"
-        " if ahead { req.hdr(host) -m found }",
-        "  use_backend %[var(txn.be)] if warm !odd !body",
-        "  use_backend %[var(txn.be)] if warm !odd body !partial",
+        " if cold { req.hdr(host) -m found }",
+        "  use_backend %[var(txn.be)] if !cold",
         f"  default_backend {ACTIVATOR}",
     ]
     return lines
@@ -370,6 +380,23 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
 def backup(name: str) -> str:
     """The activator's server in backend ``name`` (also the ``Host`` a request to it gets)."""
     return f"{ACTIVATOR}-{name}"
+
+
+def _relay(settings: Settings, layout: Layout) -> list[str]:
+    """A listener of HAProxy's own between the backends and the activator.
+
+    What a function's backend hands the activator (no room, or a replica that could not
+    be reached) passes here, where the activator's closing answers are dealt with, so
+    the warm path does not evaluate those rules.
+    """
+    return [
+        "",
+        "listen relay",
+        f"  bind unix@{layout.relay} mode 600",
+        f"  timeout server {_seconds(_activator_timeout(settings))}",
+        *_closing(),
+        f"  server {ACTIVATOR} unix@{layout.activator}",
+    ]
 
 
 def _pool_backend(settings: Settings, layout: Layout, name: str) -> list[str]:
@@ -392,13 +419,13 @@ def _pool_backend(settings: Settings, layout: Layout, name: str) -> list[str]:
     if token_digest(settings):
         lines += ["  http-request del-header authorization if !over"]
     lines += _forwarded(settings)
+    hop = "|".join(ANSWER_HOP_BY_HOP)
     lines += [
         "  http-request set-path /%[path,field(4,/,0)] if !over",
-        *(f"  http-response del-header {h}" for h in ANSWER_HOP_BY_HOP),
+        f"  http-response del-header ^({hop})$ -m reg",
         "  http-response lua.corral_strip_named if { res.hdr(connection) -m found }",
-        *_closing("over "),
         f"  use-server {backup(name)} if over",
-        f"  server {backup(name)} unix@{layout.activator} backup",
+        f"  server {backup(name)} unix@{layout.relay} backup",
     ]
     return lines
 
@@ -408,14 +435,11 @@ def _forwarded(settings: Settings) -> list[str]:
     networks = " ".join(str(n) for n in parse_networks(settings.gateway_trusted_proxies))
     if not networks:
         return [
-            "  http-request del-header forwarded if !over",
-            "  http-request del-header x-real-ip if !over",
-            "  http-request set-var(txn.xfh) req.fhdr(host,1) if !over",
+            "  http-request del-header ^(forwarded|x-real-ip|x-forwarded-host)$ -m reg if !over",
             "  http-request set-header x-forwarded-for %[src] if !over",
             "  http-request set-header x-forwarded-proto http if !over",
-            "  http-request set-header x-forwarded-host %[var(txn.xfh)]"
-            " if !over { var(txn.xfh) -m found }",
-            "  http-request del-header x-forwarded-host if !over !{ var(txn.xfh) -m found }",
+            "  http-request set-header x-forwarded-host %[req.fhdr(host,1)]"
+            " if !over { req.hdr(host) -m found }",
         ]
     return [
         f"  acl trusted src {networks}",

@@ -124,6 +124,7 @@ class Server:
     busy_at: float = field(default_factory=time.monotonic)  # last seen in use (or added)
     suspect: str | None = None  # why its replica is retired, once it is
     deleting: bool = False  # its del server is on its way
+    closed_at: float = 0.0  # time.perf_counter() it was decided to close it
     # HAProxy's counters at the last poll
     total: int = 0
     errors: int = 0
@@ -142,7 +143,8 @@ class Route:
     function: str
     backend: str
     servers: dict[str, Server] = field(default_factory=dict)  # by replica id
-    mapped: bool = False  # the map entry is in HAProxy
+    mapped: bool = False  # the map entry is in HAProxy, or on its way
+    live: bool = False  # HAProxy has said it added the map entry (and not yet removed it)
     inflight: int = 0  # at the last poll: requests on its replicas now
     queued: int = 0  # ...and in its backend's queue
     arrivals: int = 0  # requests since the last demand sample
@@ -216,6 +218,8 @@ class Router:
         self.counts = Counts()
         self.open = True  # lending; off once the gateway stops
         self.on_poll: Callable[[], None] | None = None  # after each poll (admission's pokes)
+        #: Told how long each routing change took to reach HAProxy: ("add" | "remove", s).
+        self.changed: Callable[[str, float], None] | None = None
         # commands to send, each with what to do once HAProxy answered (None: it did it)
         self._ops: list[tuple[str, Callable[[Refused | None], None] | None]] = []
         self._kick = asyncio.Event()
@@ -269,16 +273,61 @@ class Router:
             " check observe layer4 error-limit 1 on-error mark-down",
             added,
         )
-        self._send(f"set server {address} state ready")
+        self._send(
+            f"set server {address} state ready", self._applied_server_add(time.perf_counter())
+        )
 
     def _map(self, route: Route) -> None:
-        """The function's map entry, in HAProxy while it has a ready server, else not."""
+        """The function's map entry, in HAProxy while it has a ready server, else not.
+
+        How long HAProxy takes to apply it after the decision is observed
+        (:attr:`changed`): ``add`` - the function's calls go to HAProxy's backend from
+        then on; ``remove`` - to the activator.
+        """
         wanted = bool(route.ready())
         if wanted and not route.mapped:
-            self._send(f"add map {self.functions_map} {route.function} {route.backend}")
+            self._send(
+                f"add map {self.functions_map} {route.function} {route.backend}",
+                self._applied(route, "add"),
+            )
         elif route.mapped and not wanted:
-            self._send(f"del map {self.functions_map} {route.function}")
+            self._send(
+                f"del map {self.functions_map} {route.function}", self._applied(route, "remove")
+            )
         route.mapped = wanted
+
+    def _applied_server_add(self, decided: float) -> Callable[[Refused | None], None]:
+        """A server put in HAProxy's choice: how long from the decision."""
+
+        def then(refused: Refused | None) -> None:
+            if refused is None and self.changed is not None:
+                self.changed("add", time.perf_counter() - decided)
+
+        return then
+
+    def _applied_server(self, decided: float) -> Callable[[Refused | None], None]:
+        """A server taken out of HAProxy's choice: how long from the decision."""
+
+        def then(refused: Refused | None) -> None:
+            if refused is None and self.changed is not None:
+                self.changed("remove", time.perf_counter() - decided)
+            elif refused is not None:
+                log.warning("gateway: %s", refused)
+
+        return then
+
+    def _applied(self, route: Route, change: str) -> Callable[[Refused | None], None]:
+        decided = time.perf_counter()
+
+        def then(refused: Refused | None) -> None:
+            if refused is not None:
+                log.warning("gateway: %s", refused)
+                return
+            route.live = change == "add"
+            if self.changed is not None:
+                self.changed(change, time.perf_counter() - decided)
+
+        return then
 
     def reclaim(self, function: str, count: int) -> int:
         """Ask for up to ``count`` environments HAProxy holds unused back; how many come.
@@ -360,6 +409,7 @@ class Router:
             return
         log.info("gateway: closing %s of %s in haproxy: %s", server.name, route.function, why)
         server.state = "closing"
+        server.closed_at = time.perf_counter()
         self._map(route)
         self._kick.set()
 
@@ -497,7 +547,10 @@ class Router:
             self._poll_ready(route, server, row, now)
         if server.state == "closing" and (route.queued == 0 or route.ready()):
             server.state = "draining"
-            self._send(f"set server {route.backend}/{server.name} state maint")
+            self._send(
+                f"set server {route.backend}/{server.name} state maint",
+                self._applied_server(server.closed_at),
+            )
         elif server.state == "draining" and not row.sessions and not row.queued:
             self._delete(route, server)
         return new
@@ -634,7 +687,7 @@ class Router:
             await asyncio.sleep(1.0)
             return
         for route in list(self.routes.values()):
-            route.mapped = False
+            route.mapped = route.live = False
             for server in list(route.servers.values()):
                 server.total = server.errors = server.interim = 0
                 if server.state == "ready":

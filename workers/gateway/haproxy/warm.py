@@ -25,6 +25,7 @@ import socket
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _PEER, _HOST, _CLOSE = PEER.encode(), HOST.encode(), config.CLOSE.encode()
 CLOSE_TEXT = 1024  # the most of a closing answer's text HAProxy is handed
+CHANGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 
 def choose(settings: Settings) -> Binary | None:
@@ -226,6 +228,15 @@ class WarmPath:
                 gate.poke()
 
         router.on_poll = polled
+        changes = Histogram(
+            "corral_warm_route_change_seconds",
+            "From the gateway's decision to HAProxy applying it: a replica's server, or a "
+            "function's backend, put in (add) or taken out of (remove) its choice.",
+            ["change"],
+            buckets=CHANGE_BUCKETS,
+            registry=gateway.metrics.registry,
+        )
+        router.changed = lambda change, seconds: changes.labels(change).observe(seconds)
         gateway.ledger.lender = router
         gateway.metrics.registry.register(WarmMetrics(router))
         self._task = asyncio.create_task(router.run())
