@@ -584,15 +584,21 @@ class Router:
         if server.deleting:
             return
         server.deleting = True
+        address = f"{route.backend}/{server.name}"
 
         def deleted(refused: Refused | None) -> None:
             server.deleting = False
             if refused is None:
                 self._finish(route, server)
-            else:  # idle connections not purged yet, say: the next poll tries again
-                log.debug("gateway: %s", refused)
+                return
+            log.debug("gateway: %s", refused)  # the next poll tries again
+            if "connections" in refused.answer:
+                # a connection that went idle after maint stays in the server's pool
+                # (HAProxy 2.6 purges idle ones when a server enters maint): in again
+                self._send(f"set server {address} state drain")
+                self._send(f"set server {address} state maint")
 
-        self._send(f"del server {route.backend}/{server.name}", deleted)
+        self._send(f"del server {address}", deleted)
 
     def _finish(self, route: Route, server: Server) -> None:
         """The server is gone from HAProxy: its claims go by their fates."""
@@ -680,6 +686,9 @@ class Router:
         log.error("gateway: haproxy exited; starting it again: %s", self.process.tail(500))
         self.counts.restarts += 1
         self._ops = []
+        self.runtime.close()
+        for route in self.routes.values():  # nothing of them is in the new HAProxy
+            route.mapped = route.live = False
         try:
             await asyncio.to_thread(self.process.start)
         except Exception as exc:
@@ -687,7 +696,6 @@ class Router:
             await asyncio.sleep(1.0)
             return
         for route in list(self.routes.values()):
-            route.mapped = route.live = False
             for server in list(route.servers.values()):
                 server.total = server.errors = server.interim = 0
                 if server.state == "ready":
