@@ -133,7 +133,7 @@ def run(options: UpOptions) -> int:
             stack_file,
             json.dumps({"pid": os.getpid(), "settings": published, "services": services}, indent=2),
         )
-        _summary(published, services, state, options)
+        _summary(published, services, state, options, _dataplane(logs / "gateway.log"))
         while not stop_requested:
             sup.watch_once()
             time.sleep(0.5)
@@ -375,8 +375,28 @@ def _add_lambdo_node(database: str, url: str) -> None:
         )
 
 
+DATAPLANE_WAIT_S = 10.0  # how long the gateway may take to say which data plane it runs
+
+
+def _dataplane(log: Path) -> str:
+    """The data plane the gateway says it runs (``corral gateway`` prints it once serving)."""
+    deadline = time.monotonic() + DATAPLANE_WAIT_S
+    while True:
+        with contextlib.suppress(OSError):
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("data plane: "):
+                    return line.removeprefix("data plane: ")
+        if time.monotonic() > deadline:
+            return "not said yet (see its log)"
+        time.sleep(0.05)
+
+
 def _summary(
-    published: dict[str, Any], services: dict[str, str], state: Path, options: UpOptions
+    published: dict[str, Any],
+    services: dict[str, str],
+    state: Path,
+    options: UpOptions,
+    dataplane: str,
 ) -> None:
     lines = [
         "corral is up",
@@ -386,6 +406,7 @@ def _summary(
         f"  registry         {services['registry']}",
         f"  flower           {services['flower']}",
         f"  gateway          {services['gateway']} (call {services['gateway']}/function/NAME)",
+        f"  data plane       {dataplane}",
         f"  metrics          {services['metrics']} (Prometheus)",
     ]
     if options.agents:
