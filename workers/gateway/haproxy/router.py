@@ -53,6 +53,8 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -65,7 +67,14 @@ from workers.autoscale.demand import Sample
 from workers.autoscale.idletimes import Recorder
 from workers.clock import epoch
 from workers.gateway.haproxy.config import ACTIVATOR
-from workers.gateway.haproxy.runtime import DONE, Refused, Row, Runtime, RuntimeError_
+from workers.gateway.haproxy.runtime import (
+    DONE,
+    Commands,
+    Refused,
+    Row,
+    Runtime,
+    RuntimeError_,
+)
 from workers.replicas.claims import Claimed
 
 log = logging.getLogger(__name__)
@@ -74,6 +83,7 @@ POLL_S = 0.05  # HAProxy's counters are read this often
 WATCH_S = 1.0  # streams running past the call timeout are looked for this often
 POOL_MAX_CONN = 64  # idle connections HAProxy keeps per replica
 POOL_PURGE = "5s"  # ...for this long (a dynamic server's default is 0: none kept)
+SPARE = 4  # a function keeps its peak and a quarter more lent to HAProxy
 
 Fate = Literal["return", "release", "forget"]
 
@@ -191,6 +201,65 @@ def server_name(address: str | None) -> str | None:
     return f"{ip}:{port}"
 
 
+Then = Callable[["Refused | None", float], None]  # told HAProxy's answer, and when it came
+
+
+class Writer(threading.Thread):
+    """The router's commands, sent from a thread of its own, in order, as they are made.
+
+    A routing change reaches HAProxy as fast as HAProxy answers, however busy the
+    gateway's event loop is with the calls it serves; what to do with each answer is
+    handed back to the loop (``call_soon_threadsafe``), with the time it came. Commands
+    made for an HAProxy that has died since (an older *generation*) are dropped: the
+    router gives the new one every route again.
+    """
+
+    def __init__(self, commands: Commands, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(name="haproxy-commands", daemon=True)
+        self.commands = commands
+        self.loop = loop
+        self.generation = 0
+        self.queue: queue.SimpleQueue[tuple[int, str, Then | None] | None] = queue.SimpleQueue()
+
+    def send(self, command: str, then: Then | None = None) -> None:
+        """Queue one command (any thread)."""
+        self.queue.put((self.generation, command, then))
+
+    def stop(self) -> None:
+        """End the thread once the commands queued are sent."""
+        self.queue.put(None)
+        self.join(10)
+        self.commands.close()
+
+    def run(self) -> None:
+        """Send what comes, a batch at a time, until :meth:`stop`."""
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            batch = [first]
+            with contextlib.suppress(queue.Empty):
+                while (more := self.queue.get_nowait()) is not None:
+                    batch.append(more)
+                else:
+                    self.queue.put(None)  # (stop, once this batch is sent)
+            while batch := [op for op in batch if op[0] == self.generation]:
+                try:
+                    answers = self.commands.ask(*(command for _, command, _ in batch))
+                except RuntimeError_ as exc:
+                    log.warning("gateway: %s (sent again in a moment)", exc)
+                    time.sleep(POLL_S)
+                    continue
+                at = time.perf_counter()
+                for (_, command, then), answer in zip(batch, answers, strict=True):
+                    refused = None if answer.strip() in DONE else Refused(command, answer)
+                    if then is not None:
+                        self.loop.call_soon_threadsafe(then, refused, at)
+                    elif refused is not None:
+                        log.warning("gateway: %s", refused)
+                break
+
+
 class Router:
     """The functions HAProxy carries, kept in step with what the ledger lends."""
 
@@ -205,7 +274,8 @@ class Router:
         invocations: Recorder | None = None,
     ) -> None:
         self.settings = settings
-        self.runtime = runtime
+        self.runtime = runtime  # commands
+        self.reader = Runtime(runtime.path)  # polls
         self.process = process
         self.holder = holder
         self.functions_map = functions_map
@@ -220,9 +290,9 @@ class Router:
         self.on_poll: Callable[[], None] | None = None  # after each poll (admission's pokes)
         #: Told how long each routing change took to reach HAProxy: ("add" | "remove", s).
         self.changed: Callable[[str, float], None] | None = None
-        # commands to send, each with what to do once HAProxy answered (None: it did it)
-        self._ops: list[tuple[str, Callable[[Refused | None], None] | None]] = []
-        self._kick = asyncio.Event()
+        self.writer: Writer | None = None  # started with run(), on the serving loop
+        self._early: list[tuple[str, Then | None]] = []  # commands made before run()
+        self._look = asyncio.Event()  # a poll wanted before its time
         self._streams: dict[str, float] = {}  # stream id -> first seen on a replica
         self._window = time.monotonic()  # when the keep window of the peaks began
 
@@ -260,7 +330,7 @@ class Router:
     def _add_server(self, route: Route, server: Server) -> None:
         address = f"{route.backend}/{server.name}"
 
-        def added(refused: Refused | None) -> None:
+        def added(refused: Refused | None, _at: float) -> None:
             if refused is not None:
                 log.warning("gateway: haproxy would not add %s: %s", server.name, refused)
                 self._close(route, server, "return", why="not added")
@@ -296,36 +366,36 @@ class Router:
             )
         route.mapped = wanted
 
-    def _applied_server_add(self, decided: float) -> Callable[[Refused | None], None]:
+    def _applied_server_add(self, decided: float) -> Then:
         """A server put in HAProxy's choice: how long from the decision."""
 
-        def then(refused: Refused | None) -> None:
+        def then(refused: Refused | None, at: float) -> None:
             if refused is None and self.changed is not None:
-                self.changed("add", time.perf_counter() - decided)
+                self.changed("add", at - decided)
 
         return then
 
-    def _applied_server(self, decided: float) -> Callable[[Refused | None], None]:
+    def _applied_server(self, decided: float) -> Then:
         """A server taken out of HAProxy's choice: how long from the decision."""
 
-        def then(refused: Refused | None) -> None:
+        def then(refused: Refused | None, at: float) -> None:
             if refused is None and self.changed is not None:
-                self.changed("remove", time.perf_counter() - decided)
+                self.changed("remove", at - decided)
             elif refused is not None:
                 log.warning("gateway: %s", refused)
 
         return then
 
-    def _applied(self, route: Route, change: str) -> Callable[[Refused | None], None]:
+    def _applied(self, route: Route, change: str) -> Then:
         decided = time.perf_counter()
 
-        def then(refused: Refused | None) -> None:
+        def then(refused: Refused | None, at: float) -> None:
             if refused is not None:
                 log.warning("gateway: %s", refused)
                 return
             route.live = change == "add"
             if self.changed is not None:
-                self.changed(change, time.perf_counter() - decided)
+                self.changed(change, at - decided)
 
         return then
 
@@ -354,7 +424,7 @@ class Router:
                 self._close(route, server, "return", why="its environments went back")
         if asked:
             self._map(route)
-            self._kick.set()  # look at once: they may be free already
+            self._look.set()  # look at once: they may be free already
         return asked + count - need
 
     def recall(self, claim_ids: Collection[str], *, release: bool) -> None:
@@ -411,60 +481,56 @@ class Router:
         server.state = "closing"
         server.closed_at = time.perf_counter()
         self._map(route)
-        self._kick.set()
+        if route.ready():  # others take its calls, queued ones too: out of HAProxy's choice now
+            self._drain(route, server)
+
+    def _drain(self, route: Route, server: Server) -> None:
+        """No new call for the server (maint); deleted once its last call ended."""
+        server.state = "draining"
+        self._send(
+            f"set server {route.backend}/{server.name} state maint",
+            self._applied_server(server.closed_at),
+        )
 
     # -- polling ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Forever: send commands as they come, poll the counters, watch streams and HAProxy.
+        """Forever: poll the counters, watch streams and HAProxy (commands: :class:`Writer`).
 
-        One task does all of it, in turn: the runtime socket sees one conversation at a
-        time, so a poll never reads a server whose commands are still on their way.
+        A poll may read a server whose commands are still on their way: it is not there
+        yet, or still in maintenance; only a server HAProxy marked down counts as failed.
         """
-        polled = watched = 0.0
-        while True:
-            wait = max(0.0, polled + POLL_S - time.monotonic())
-            if wait:
+        self.writer = writer = Writer(Commands(self.runtime.path), asyncio.get_running_loop())
+        writer.start()
+        for command, then in self._early:
+            writer.send(command, then)
+        self._early = []
+        try:
+            watched = 0.0
+            while True:
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait):
-                        await self._kick.wait()
-            self._kick.clear()
-            if not self.process.alive():
-                await self._restart()
-                continue
-            try:
-                await self.flush()
-                if time.monotonic() - polled >= POLL_S:
-                    polled = time.monotonic()
+                    async with asyncio.timeout(POLL_S):
+                        await self._look.wait()
+                self._look.clear()
+                if not self.process.alive():
+                    await self._restart()
+                    continue
+                try:
                     await self.poll()
-                    await self.flush()
-                if time.monotonic() - watched >= WATCH_S:
-                    watched = time.monotonic()
-                    await self.watch()
-            except RuntimeError_ as exc:
-                if self.process.alive():
-                    log.warning("gateway: haproxy's runtime socket: %s", exc)
-                    await asyncio.sleep(POLL_S)
+                    if time.monotonic() - watched >= WATCH_S:
+                        watched = time.monotonic()
+                        await self.watch()
+                except RuntimeError_ as exc:
+                    if self.process.alive():
+                        log.warning("gateway: haproxy's runtime socket: %s", exc)
+        finally:
+            await asyncio.to_thread(writer.stop)
 
-    def _send(self, command: str, then: Callable[[Refused | None], None] | None = None) -> None:
-        self._ops.append((command, then))
-        self._kick.set()
-
-    async def flush(self) -> None:
-        """Send the commands made so far, in order."""
-        while self._ops:
-            ops, self._ops = self._ops, []
-            try:
-                answers = await self.runtime.ask(*(command for command, _ in ops))
-            except RuntimeError_:
-                self._ops = ops + self._ops  # sent again (or, HAProxy restarted, made again)
-                raise
-            for (command, then), answer in zip(ops, answers, strict=True):
-                refused = None if answer.strip() in DONE else Refused(command, answer)
-                if then is not None:
-                    then(refused)
-                elif refused is not None:
-                    log.warning("gateway: %s", refused)
+    def _send(self, command: str, then: Then | None = None) -> None:
+        if self.writer is None:
+            self._early.append((command, then))
+        else:
+            self.writer.send(command, then)
 
     async def poll(self) -> None:
         """Read the counters of the backends in use and act on them."""
@@ -472,7 +538,7 @@ class Router:
         if not routes:
             self._demand_idle()
             return
-        rows = await self.runtime.stat([r.backend for r in routes])
+        rows = await self.reader.stat([r.backend for r in routes])
         by_backend: dict[str, dict[str, Row]] = {}
         for row in rows:
             by_backend.setdefault(row.backend, {})[row.server] = row
@@ -489,16 +555,24 @@ class Router:
             self.on_poll()
 
     def _trim(self, since: float) -> None:
-        """Give back environments no request used this keep window (the most used at once).
+        """Give back environments no request used this keep window, but a margin for bursts.
 
-        A server that took more claims within the window is left alone until the next.
+        Each function keeps the most its calls used at once (HAProxy's peaks, exact) and a
+        quarter more: a call beyond what HAProxy holds goes to the activator, a longer way,
+        so bursts a little above the last window's stay warm. A server that took more
+        claims within the window is left alone until the next.
         """
         for route in self.routes.values():
-            for server in route.ready():
-                unused = server.maxconn - server.peak
+            ready = route.ready()
+            peak = sum(server.peak for server in ready)
+            spare = sum(server.maxconn for server in ready) - peak - peak // SPARE
+            for server in reversed(ready):  # the last ones first: balance first fills the first
+                unused = min(spare, server.maxconn - server.peak)
                 if 0 < unused < server.maxconn and server.grown_at <= since:
                     server.surplus += unused
+                    spare -= unused
                     self._send(f"set maxconn server {route.backend}/{server.name} {server.maxconn}")
+            for server in ready:
                 server.peak = 0
         self._send("clear counters")  # HAProxy's peaks (smax) start again
 
@@ -546,17 +620,13 @@ class Router:
         if server.state == "ready":
             self._poll_ready(route, server, row, now)
         if server.state == "closing" and (route.queued == 0 or route.ready()):
-            server.state = "draining"
-            self._send(
-                f"set server {route.backend}/{server.name} state maint",
-                self._applied_server(server.closed_at),
-            )
+            self._drain(route, server)  # (the function's last: its queue served first)
         elif server.state == "draining" and not row.sessions and not row.queued:
             self._delete(route, server)
         return new
 
     def _poll_ready(self, route: Route, server: Server, row: Row, now: float) -> None:
-        if not row.usable and server.suspect is None:
+        if row.status.startswith("DOWN") and server.suspect is None:
             server.suspect = f"haproxy could not reach it ({row.status})"
             self._close(route, server, "release", why=server.suspect)
             first = server.claims[0]
@@ -586,7 +656,7 @@ class Router:
         server.deleting = True
         address = f"{route.backend}/{server.name}"
 
-        def deleted(refused: Refused | None) -> None:
+        def deleted(refused: Refused | None, _at: float) -> None:
             server.deleting = False
             if refused is None:
                 self._finish(route, server)
@@ -665,7 +735,7 @@ class Router:
         now = time.monotonic()
         seen: dict[str, float] = {}
         late = []
-        for stream in await self.runtime.sessions():
+        for stream in await self.reader.sessions():
             route = backends.get(stream.backend)
             if (
                 route is None
@@ -685,8 +755,9 @@ class Router:
         """HAProxy died: start it again and give it every route again."""
         log.error("gateway: haproxy exited; starting it again: %s", self.process.tail(500))
         self.counts.restarts += 1
-        self._ops = []
-        self.runtime.close()
+        if self.writer is not None:
+            self.writer.generation += 1  # what was on its way to the dead one: dropped
+        self.reader.close()
         for route in self.routes.values():  # nothing of them is in the new HAProxy
             route.mapped = route.live = False
         try:
@@ -713,5 +784,3 @@ class Router:
                 self._close(route, server, "return", why="the gateway stops")
                 server.state = "draining"
                 self._finish(route, server)
-        with contextlib.suppress(RuntimeError_):
-            await self.flush()

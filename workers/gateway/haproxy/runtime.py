@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import io
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,3 +207,68 @@ class Runtime:
     async def sessions(self) -> list[Stream]:
         """``show sess``: every stream now."""
         return parse_sessions("\n".join(await self.ask("show sess")))
+
+
+class Commands:
+    """HAProxy's runtime API from a thread of its own: a blocking socket, interactive mode.
+
+    The same conversation as :class:`Runtime`'s, for a caller that must not wait for an
+    event loop busy with other work (the router's writer).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._pending = b""
+        self._used = 0.0
+
+    def _read_answer(self, sock: socket.socket) -> bytes:
+        while PROMPT not in self._pending:
+            data = sock.recv(65536)
+            if not data:
+                raise EOFError("haproxy closed its runtime socket")
+            self._pending += data
+            if len(self._pending) > READ_MAX:
+                raise ValueError("an answer past READ_MAX")
+        answer, _, self._pending = self._pending.partition(PROMPT)
+        return answer
+
+    def _connect(self) -> socket.socket:
+        if self._sock is not None and time.monotonic() - self._used > IDLE_S:
+            self.close()
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(TIMEOUT_S)
+            try:
+                sock.connect(str(self.path))
+                sock.sendall(b"prompt\n")
+                self._pending = b""
+                self._read_answer(sock)
+            except BaseException:
+                sock.close()
+                raise
+            self._sock = sock
+        return self._sock
+
+    def close(self) -> None:
+        """Close the connection (the next call opens another)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def ask(self, *commands: str) -> list[str]:
+        """Send the commands; each one's answer, in order."""
+        for command in commands:
+            if "\n" in command or ";" in command:
+                raise ValueError(f"not one command: {command!r}")
+        try:
+            sock = self._connect()
+            sock.sendall("".join(f"{c}\n" for c in commands).encode())
+            answers = [
+                self._read_answer(sock).decode("utf-8", "replace").strip("\n") for _ in commands
+            ]
+        except (OSError, EOFError, ValueError) as exc:
+            self.close()
+            raise RuntimeError_(f"haproxy's runtime socket: {exc or type(exc).__name__}") from None
+        self._used = time.monotonic()
+        return answers
