@@ -123,7 +123,7 @@ def parse_sessions(text: str) -> list[Stream]:
     for line in text.splitlines():
         ident, _, rest = line.partition(":")
         fields = dict(part.split("=", 1) for part in rest.split() if "=" in part)
-        if not ident.startswith("0x") or "be" not in fields:
+        if not ident.startswith("0x") or fields.get("be", "<NONE>") == "<NONE>":
             continue
         streams.append(
             Stream(ident, fields["be"], fields.get("srv", ""), _age(fields.get("age", "")))
