@@ -110,6 +110,14 @@ def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
     warm_stack.carried(gw, "echo", 3)
 
 
+def _read_all(url: str) -> None:
+    """GET ``url`` and read its answer to the end."""
+    with httpx.stream("GET", url, timeout=30) as answer:
+        assert answer.status_code == 200
+        for _ in answer.iter_bytes():
+            pass
+
+
 def _kill_replica(stack: Stack, replica_id: str) -> None:
     (row,) = [r for r in stack.replicas("echo") if r.id == replica_id]
     (vm,) = [vm for vm in stack.agent.driver.list() if vm.vmid == row.vmid]
@@ -194,6 +202,23 @@ def test_a_function_whose_answer_haproxy_refused_takes_the_python_path(
     text = httpx.get(f"{gw.url}/metrics", timeout=10).text
     assert 'corral_warm_demoted{function="evil"} 1.0' in text
     assert 'corral_gateway_answers_refused_total{function="evil",reason="head_lines"}' in text
+
+
+def test_an_answer_past_the_call_timeout_is_cut_off_and_its_function_demoted(
+    warm_stack: Stack,
+) -> None:
+    # its head came at once and a byte of body keeps coming: HAProxy's inactivity timeout
+    # never fires, the watchdog (show sess, every second) cuts it at the call timeout
+    warm_stack.deploy("evil", image=HOSTILE, max=1, exec_envs=4)
+    gw = warm_stack.gateway(gateway_keep_s=30.0, gateway_timeout_s=2.0)
+    warm_stack.warm(gw, "evil", "/")
+    started = time.monotonic()
+    with pytest.raises(httpx.RemoteProtocolError):  # broken off, as the Python path does
+        _read_all(f"{gw.url}/function/evil/trickle")
+    assert time.monotonic() - started < 20  # (without the watchdog: never)
+    router = _router(gw)
+    eventually(lambda: "evil" in router.counts.demoted, 10, "evil demoted")
+    assert "call timeout" in router.counts.demoted["evil"]
 
 
 def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
