@@ -9,7 +9,9 @@ Requests for a function corral does not know are counted under
   HTTP status code (the gateway's own 404 / 413 / 429 / 502 / 503 / 504 included);
 * ``corral_function_duration_seconds{function}`` - arrival to the last byte sent;
 * ``corral_inflight{function}`` - requests admitted (claiming or being forwarded);
-* ``corral_queue_depth{function}`` - requests waiting for a free environment;
+  with HAProxy in front, its calls in flight too (:mod:`workers.gateway.haproxy`);
+* ``corral_queue_depth{function}`` - requests waiting for a free environment (and
+  those waiting in HAProxy's queue);
 * ``corral_cold_starts_total{function}`` - requests that found nothing Idle and
   waited for a replica to become ready;
 * ``corral_cold_start_seconds{function}`` - for those, claim start to ready;
@@ -21,6 +23,9 @@ Requests for a function corral does not know are counted under
   ``head_bytes``, ``head_lines``, ``head_timeout``, ``trailers``, ``upgrade``;
 * ``corral_gateway_read_ahead_bytes`` - what the answers read ahead of their callers
   hold now, in memory (against ``CORRAL_GATEWAY_READ_AHEAD_BUDGET``).
+
+With HAProxy in front, the warm path's own figures (``corral_warm_*``) are added to the
+same registry by :class:`workers.gateway.haproxy.warm.WarmMetrics`.
 """
 
 from __future__ import annotations
