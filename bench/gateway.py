@@ -180,7 +180,7 @@ async def _load(urls: list[str], n: int, concurrency: int) -> Run:
             latencies.append(time.perf_counter() - t0)
             errors += not ok
 
-    warm_up = max(concurrency, 200)
+    warm_up = max(concurrency * 50, 200)
 
     async def warm(i: int) -> None:  # each connection, as many at once as the run has
         for _ in range(i, warm_up, concurrency):

@@ -50,15 +50,16 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 from config.settings import Settings
 from workers import dispatch, tracing
 from workers.clock import now
 from workers.errors import CorralError
 from workers.gateway.background import Background
+from workers.gateway.lending import Lending
 from workers.gateway.pool import Pool
 from workers.gateway.traces import ColdStart
 from workers.replicas import claims
@@ -71,23 +72,6 @@ log = logging.getLogger(__name__)
 
 CLAIM_BATCH = 16  # environments one store call claims at most
 RENEW_MAX_S = 2.0  # held claims are renewed (and checked) at least this often
-RECLAIM_WAIT_S = 0.2  # a request waits this long for claims asked back from a lender
-
-
-class Lender(Protocol):
-    """Who else serves requests with the ledger's claims (the warm data plane, HAProxy)."""
-
-    def lend(self, claimed: Claimed) -> bool:
-        """Take a claim no request here waits for; False: the ledger keeps it."""
-
-    def reclaim(self, function: str, count: int) -> int:
-        """Ask for environments back (given back to the ledger when free); how many come."""
-
-    def recall(self, claim_ids: Collection[str], *, release: bool) -> None:
-        """Lent claims that must go: released to the store, or forgotten (gone from it)."""
-
-    def retired(self, replica_id: str) -> None:
-        """A replica failed here and is retired: stop sending it requests."""
 
 
 class Ledger:
@@ -118,8 +102,7 @@ class Ledger:
         # their request ends (replica retired or unusable), False = forget them (the
         # store no longer has them).
         self._unpooled: dict[str, bool] = {}
-        #: The warm data plane claims are lent to when no request here waits (or None).
-        self.lender: Lender | None = None
+        self.lending = Lending(self)  # claims lent to a warm data plane (HAProxy), if any
 
     def pool(self, name: str) -> Pool:
         """The function's pool (made on first use)."""
@@ -150,10 +133,9 @@ class Ledger:
                 refill = pool.refilling or self._refill(pool, name)
                 both: set[asyncio.Future[Any]] = {place, refill}
                 await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-                if not place.done() and refill.done() and not refill.result():
-                    # nothing Idle in the store: environments lent out come back first
-                    if await self._reclaimed(pool, name, place):
-                        continue
+                # nothing Idle in the store (what a lender holds unused comes back first)
+                nothing = not place.done() and refill.done() and not refill.result()
+                if nothing and not await self.lending.reclaimed(pool, name, place):
                     return await self._claim_or_wait(name, place, began, began_at)
             return place.result()
         except BaseException:
@@ -163,20 +145,6 @@ class Ledger:
             raise
         finally:
             pool.unwait(place)
-
-    async def _reclaimed(self, pool: Pool, name: str, place: asyncio.Future[Claimed]) -> bool:
-        """Ask the lender for environments back; True once this request was given one.
-
-        A lender that holds none of the function's says so at once; one that does hands
-        them back as they come free, and the request waits a moment for one before it
-        goes to the store again (a cold start there would make a replica for nothing).
-        """
-        if self.lender is None or not self.lender.reclaim(name, pool.wanted):
-            return False
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(RECLAIM_WAIT_S):
-                await asyncio.shield(place)
-        return place.done()
 
     def _refill(self, pool: Pool, name: str) -> asyncio.Future[bool]:
         """One store call claiming an environment for each request in line; True: got them all."""
@@ -309,7 +277,7 @@ class Ledger:
         pool = self.pool(claimed.function)
         if discard or (self.settings.gateway_keep_s <= 0 and not pool.wanted):
             self._release_soon([claimed])
-        elif pool.wanted or self.lender is None or not self.lender.lend(claimed):
+        elif pool.wanted or not self.lending.lend(claimed):
             pool.give(claimed)
 
     async def retire(self, claimed: Claimed, reason: str) -> None:
@@ -324,29 +292,14 @@ class Ledger:
         for other in self.held.values():  # in use: given back when their requests end
             if other.replica_id == claimed.replica_id:
                 self._unpooled[other.claim_id] = True
-        if self.lender is not None:
-            self.lender.retired(claimed.replica_id)
+        self.lending.retired(claimed.replica_id)
         try:
-            await self.background.shielded(self._suspect, claimed.claim_id, f"suspect: {reason}")
+            why = f"suspect: {reason}"
+            await self.background.shielded(
+                _suspect, self.db, self.settings, self.queue, claimed, why
+            )
         except CorralError as exc:  # the broker is down: the stuck sweep finishes the delete
             log.warning("gateway: could not queue the delete of %s: %s", claimed.replica_id, exc)
-
-    def release(self, claims: list[Claimed]) -> None:
-        """Give these claims back to the store (a lender is done with them)."""
-        for claimed in claims:
-            self._unpooled.pop(claimed.claim_id, None)
-        self._release_soon(claims)
-
-    def forget(self, claims: list[Claimed]) -> None:
-        """Stop holding claims the store no longer has."""
-        for claimed in claims:
-            self._unpooled.pop(claimed.claim_id, None)
-            self.held.pop(claimed.claim_id, None)
-            self.cold.pop(claimed.claim_id, None)
-
-    def retire_soon(self, claimed: Claimed, reason: str) -> None:
-        """:meth:`retire` in the background (a lender saw the replica fail)."""
-        self.background.soon(self.retire(claimed, reason))
 
     def _queue_spawn(self, op: Operation) -> str:
         """Queue the first task of a cold start's spawn, written already; the operation id.
@@ -354,11 +307,6 @@ class Ledger:
         With ``CORRAL_GATEWAY_SPAWN_HERE`` it runs here, in the gateway, if the queue can.
         """
         return dispatch.enqueue(self.db, self.queue, op, here=self.settings.gateway_spawn_here)
-
-    def _suspect(self, claim_id: str, reason: str) -> str | None:
-        """Give the claim back, retire its replica and queue its delete; the operation id."""
-        op = claims.suspect(self.db, self.settings, claim_id, reason)
-        return dispatch.enqueue(self.db, self.queue, op) if op is not None else None
 
     def _release_soon(self, released: list[Claimed]) -> None:
         """Stop holding these claims and give them back to the store in the background."""
@@ -403,9 +351,7 @@ class Ledger:
         """Drop claims the store no longer has; give back those of unusable replicas."""
         gone = {cid for cid in ids if cid not in usable and cid in self.held}
         bad = {cid for cid, ok in usable.items() if not ok and cid in self.held}
-        if self.lender is not None:  # lent ones come back to release() / forget()
-            self.lender.recall(bad, release=True)
-            self.lender.recall(gone, release=False)
+        self.lending.recall(bad, gone)  # (lent ones come back when their lender is done)
         for pool in self.pools.values():
             for claimed in pool.drop(gone):
                 del self.held[claimed.claim_id]
@@ -428,3 +374,11 @@ class Ledger:
             await self.background.store(claims.release_many, self.db, self.settings, held)
         except Exception as exc:
             log.warning("gateway: could not give back %d claims at shutdown: %s", len(held), exc)
+
+
+def _suspect(
+    db: Database, settings: Settings, queue: dispatch.TaskQueue, claimed: Claimed, reason: str
+) -> str | None:
+    """Give the claim back, retire its replica and queue its delete; the operation id."""
+    op = claims.suspect(db, settings, claimed.claim_id, reason)
+    return dispatch.enqueue(db, queue, op) if op is not None else None

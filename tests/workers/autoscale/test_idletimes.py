@@ -27,7 +27,7 @@ from workers.autoscale import idletimes
 from workers.autoscale.idletimes import Activity, Recorder, Shape, key, load, record
 from workers.autoscale.keepalive import RECENT_OOB, IdleHistogram
 from workers.gateway import serve_gateway
-from workers.gateway.haproxy.router import POLL_S
+from workers.gateway.haproxy.readings import POLL_S
 
 SHAPE = Shape(bin_s=60.0, range_s=600.0, history=10_000)  # 10 bins of a minute
 

@@ -12,16 +12,24 @@ requests, refused answers, interim answers, its state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
+import logging
+import queue
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_S = 5.0  # one batch of commands, its first byte sent to its last answer
 IDLE_S = 30.0  # a connection unused this long is replaced (HAProxy's stats timeout: 1 m)
 PROMPT = b"\n> "  # what ends each answer in the interactive mode
+RETRY_S = 0.05  # a batch of commands the socket failed is sent again this much later
 READ_MAX = 64 * 1024 * 1024  # the longest answer read (show sess of many streams)
 # Answers HAProxy gives a command that did what it was asked (others are refusals).
 DONE = ("", "New server registered.", "Server deleted.")
@@ -272,3 +280,62 @@ class Commands:
             raise RuntimeError_(f"haproxy's runtime socket: {exc or type(exc).__name__}") from None
         self._used = time.monotonic()
         return answers
+
+
+Then = Callable[["Refused | None", float], None]  # told HAProxy's answer, and when it came
+
+
+class Writer(threading.Thread):
+    """The router's commands, sent from a thread of its own, in order, as they are made.
+
+    A routing change reaches HAProxy as fast as HAProxy answers, however busy the
+    gateway's event loop is with the calls it serves; what to do with each answer is
+    handed back to the loop (``call_soon_threadsafe``), with the time it came. Commands
+    made for an HAProxy that has died since (an older *generation*) are dropped: the
+    router gives the new one every route again.
+    """
+
+    def __init__(self, commands: Commands, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(name="haproxy-commands", daemon=True)
+        self.commands = commands
+        self.loop = loop
+        self.generation = 0
+        self.queue: queue.SimpleQueue[tuple[int, str, Then | None] | None] = queue.SimpleQueue()
+
+    def send(self, command: str, then: Then | None = None) -> None:
+        """Queue one command (any thread)."""
+        self.queue.put((self.generation, command, then))
+
+    def stop(self) -> None:
+        """End the thread once the commands queued are sent."""
+        self.queue.put(None)
+        self.join(10)
+        self.commands.close()
+
+    def run(self) -> None:
+        """Send what comes, a batch at a time, until :meth:`stop`."""
+        while True:
+            first = self.queue.get()
+            if first is None:
+                return
+            batch = [first]
+            with contextlib.suppress(queue.Empty):
+                while (more := self.queue.get_nowait()) is not None:
+                    batch.append(more)
+                else:
+                    self.queue.put(None)  # (stop, once this batch is sent)
+            while batch := [op for op in batch if op[0] == self.generation]:
+                try:
+                    answers = self.commands.ask(*(command for _, command, _ in batch))
+                except RuntimeError_ as exc:
+                    log.warning("gateway: %s (sent again in a moment)", exc)
+                    time.sleep(RETRY_S)
+                    continue
+                at = time.perf_counter()
+                for (_, command, then), answer in zip(batch, answers, strict=True):
+                    refused = None if answer.strip() in DONE else Refused(command, answer)
+                    if then is not None:
+                        self.loop.call_soon_threadsafe(then, refused, at)
+                    elif refused is not None:
+                        log.warning("gateway: %s", refused)
+                break

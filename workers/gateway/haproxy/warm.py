@@ -35,6 +35,7 @@ from workers.gateway.asgi import Message, Receive, Scope, Send
 from workers.gateway.haproxy import config
 from workers.gateway.haproxy.config import HOST, PEER, Layout
 from workers.gateway.haproxy.process import Binary, Process, Unavailable, find, remove
+from workers.gateway.haproxy.readings import Readings
 from workers.gateway.haproxy.router import Router
 from workers.gateway.haproxy.runtime import Runtime
 
@@ -183,6 +184,7 @@ class WarmPath:
         config.write(settings, self.layout, listen.fileno())
         self.process = Process(binary, self.layout, listen)
         self.router: Router | None = None
+        self.readings: Readings | None = None
         self._task: asyncio.Task[None] | None = None
 
     def _bind_activator(self) -> socket.socket:
@@ -209,25 +211,25 @@ class WarmPath:
         """Route through HAProxy what the gateway's ledger lends (on the serving loop)."""
         router = self.router = Router(
             self.settings,
-            Runtime(self.layout.admin),
-            self.process,
-            gateway.ledger,
+            gateway.ledger.lending,
             [config.backend(i) for i in range(self.settings.gateway_warm_functions)],
             str(self.layout.functions),
-            gateway.invocations,
+        )
+        readings = self.readings = Readings(
+            router, Runtime(self.layout.admin), self.process, gateway.invocations
         )
         gates = gateway.catalog.gates
 
         def polled() -> None:
             for name, gate in gates.items():
-                load = router.loads.get(name)
+                load = readings.loads.get(name)
                 gate.outside.active = load.active if load else 0
                 gate.outside.queued = load.queued if load else 0
                 if load is not None:  # (its demand is reported while it is recent)
                     gate.last_used = max(gate.last_used, load.busy_at)
                 gate.poke()
 
-        router.on_poll = polled
+        readings.on_poll = polled
         changes = Histogram(
             "corral_warm_route_change_seconds",
             "From the gateway's decision to HAProxy applying it: a replica's server, or a "
@@ -237,13 +239,14 @@ class WarmPath:
             registry=gateway.metrics.registry,
         )
         router.changed = lambda change, seconds: changes.labels(change).observe(seconds)
-        gateway.ledger.lender = router
+        gateway.ledger.lending.lender = router
         gateway.metrics.registry.register(WarmMetrics(router))
-        self._task = asyncio.create_task(router.run())
+        router.start(str(self.layout.admin))
+        self._task = asyncio.create_task(readings.run())
 
     def samples(self) -> dict[str, Sample]:
         """The warm path's demand since the last call, per function."""
-        return self.router.samples() if self.router is not None else {}
+        return self.readings.samples() if self.readings is not None else {}
 
     async def close(self) -> None:
         """Give back what HAProxy holds, stop it, remove its files."""
@@ -252,7 +255,8 @@ class WarmPath:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self.router is not None:
-            await self.router.close()
+            self.router.close()
+            await asyncio.to_thread(self.router.stop)
         await asyncio.to_thread(self.stop)
 
     def stop(self) -> None:
