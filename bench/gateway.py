@@ -88,24 +88,19 @@ import psutil
 from sqlalchemy import func, select
 
 from bench import otlp_sink, relay
-from bench.options import add_counts, add_store_option, store_for
+from bench.localstack import GATEWAY, LocalStack, local_stack
+from bench.options import add_counts, add_store_option
 from bench.pinning import Pinning, split
-from config.celery import QUEUES
-from config.settings import get_settings, reset_settings
+from config.settings import get_settings
 from protos import fcdaemon_grpc, fcdaemon_pb2
-from stack.redis import free_port, redis_argv
 from tasks import api
 from workers import stages
-from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.gateway import http1
 from workers.gateway.haproxy.process import Unavailable, find
-from workers.store.db import get_database
-from workers.store.migrate import upgrade
 from workers.store.models import Claim, Function, Operation, Replica
 
-ROOT = Path(__file__).resolve().parent.parent
 GATEWAYS = ("gateway", "haproxy")  # the sides that are gateways (each on its data plane)
 
 
@@ -517,91 +512,26 @@ def _warm_readings(
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its figures."""
     args = _parse(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="corral-bench-gw-"))
-    redis_port = free_port()
-    db_url, pg_server = store_for(args, tmp)
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
-        "CORRAL_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
-        "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",
-        "CORRAL_DATABASE_URL": db_url,
-        "CORRAL_STATE_DIR": str(tmp / "state"),
-        "PYTHONPATH": str(ROOT),
-    }
-    if args.broker_hop:
-        env["CORRAL_GATEWAY_SPAWN_HERE"] = "0"
+    settings = {"CORRAL_GATEWAY_SPAWN_HERE": "0"} if args.broker_hop else {}
     sink = otlp_sink.serve(keep=0) if args.otlp else None
     if sink is not None:
-        env["CORRAL_OTLP_ENDPOINT"] = sink.endpoint
-    os.environ.update({k: v for k, v in env.items() if k.startswith("CORRAL_")})
-    reset_settings()  # settings read on import (bench.spawn's imports) are not this run's
-    configure(get_settings())  # this run's broker
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(name: str, argv: list[str], **extra: str) -> subprocess.Popen[bytes]:
-        log = (tmp / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            argv, cwd=ROOT, env={**env, **extra}, stdout=log, stderr=subprocess.STDOUT
-        )
-        procs.append(proc)
-        return proc
-
+        settings["CORRAL_OTLP_ENDPOINT"] = sink.endpoint
     try:
-        start("redis", redis_argv(tmp, redis_port))
-        db = get_database(env["CORRAL_DATABASE_URL"])
-        upgrade(db)
-        agent_port = _free_port()
-        py = sys.executable
-        start(
-            "agent",
-            [
-                py,
-                "-m",
-                "agents.fcdaemon",
-                "--listen",
-                f"127.0.0.1:{agent_port}",
-                "--driver",
-                "process",
-                "--log-level",
-                "WARNING",
-            ],
-        )
-        start(
-            "worker",
-            [
-                py,
-                "-m",
-                "stack.worker",  # `corral worker`, its users' command, with its own pool
-                "-l",
-                "WARNING",
-                "--without-gossip",
-                "--without-mingle",
-                "-Q",
-                ",".join(QUEUES),
-            ],
-        )
-        gateways = _gateways(start, py)
-        addresses = _warm_replicas(args, db, agent_port)
-        _header(args)
-        sides, proxies = _sides(args, tmp, procs, addresses, gateways)
-        meter = CpuMeter({name: p.pid for name, p in proxies.items()}, procs[1].pid)
-        _warm_readings(args, meter, sides, db)
-        if args.cold > 0:
-            urls = {name: url for name, (url, _) in gateways.items()}
-            cold, create = _cold_and_create(urls, f"127.0.0.1:{agent_port}", args.cold)
-            _report_cold(create, cold)
-            _report_stages(db, urls["gateway"], cold["gateway"])
+        with local_stack(args, "corral-bench-gw-", settings) as running:
+            gateways = _gateways(running)
+            addresses = _warm_replicas(args, running.db, running.agent_port)
+            _header(args)
+            sides, proxies = _sides(args, running, addresses, gateways)
+            meter = CpuMeter({name: p.pid for name, p in proxies.items()}, running.procs[1].pid)
+            _warm_readings(args, meter, sides, running.db)
+            if args.cold > 0:
+                urls = {name: url for name, (url, _) in gateways.items()}
+                agent = f"127.0.0.1:{running.agent_port}"
+                cold, create = _cold_and_create(urls, agent, args.cold)
+                _report_cold(create, cold)
+                _report_stages(running.db, urls["gateway"], cold["gateway"])
         return 0
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in reversed(procs):
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        if pg_server is not None:
-            pg_server.stop()
         if sink is not None:
             print(f"  tracing on: {sink.sink.count} spans reached the OTLP sink")
             sink.stop()
@@ -610,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
 Gateways = dict[str, tuple[str, subprocess.Popen[bytes]]]
 
 
-def _gateways(start: Callable[..., subprocess.Popen[bytes]], py: str) -> Gateways:
+def _gateways(running: LocalStack) -> Gateways:
     """The two gateways, each on a data plane: ``gateway`` (Python) and ``haproxy``.
 
     The haproxy side is left out, and said so, where HAProxy cannot be had.
@@ -624,8 +554,8 @@ def _gateways(start: Callable[..., subprocess.Popen[bytes]], py: str) -> Gateway
     out: Gateways = {}
     for name, plane in planes.items():
         port = _free_port()
-        argv = [py, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"]
-        proc = start(name, argv, CORRAL_GATEWAY_DATAPLANE=plane)
+        argv = [*GATEWAY, "--listen", f"127.0.0.1:{port}"]
+        proc = running.start(name, argv, CORRAL_GATEWAY_DATAPLANE=plane)
         out[name] = (f"http://127.0.0.1:{port}", proc)
     for url, _ in out.values():
         _wait_http(url + "/healthz")
@@ -633,11 +563,7 @@ def _gateways(start: Callable[..., subprocess.Popen[bytes]], py: str) -> Gateway
 
 
 def _sides(
-    args: argparse.Namespace,
-    tmp: Path,
-    procs: list[subprocess.Popen[bytes]],
-    addresses: list[str],
-    gateways: Gateways,
+    args: argparse.Namespace, running: LocalStack, addresses: list[str], gateways: Gateways
 ) -> tuple[dict[str, list[str]], dict[str, subprocess.Popen[bytes]]]:
     """What the warm runs call (direct, the relay, the gateways) and the proxies' processes.
 
@@ -647,12 +573,12 @@ def _sides(
     sides = {"direct": addresses}
     proxies = {}
     if not args.cold_only:
-        binary, why = relay.build(tmp)
+        binary, why = relay.build(running.tmp)
         if binary is None:
             print(f"  relay (the cheapest proxy, bench/relay.c) skipped: {why}")
         else:
-            floor = relay.start(binary, addresses, tmp / "relay.log")
-            procs.append(floor.proc)
+            floor = relay.start(binary, addresses, running.tmp / "relay.log")
+            running.procs.append(floor.proc)
             sides["relay"] = [floor.url]
             proxies["relay"] = floor.proc
     for name, (url, proc) in gateways.items():

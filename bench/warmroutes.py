@@ -32,37 +32,25 @@ import asyncio
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 from sqlalchemy import func, select
 
-from bench.gateway import ROOT, _free_port, _pct, _wait_http
-from bench.options import add_counts, add_store_option, store_for
-from config.celery import QUEUES
-from config.settings import get_settings, reset_settings
-from stack.redis import free_port, redis_argv
+from bench.gateway import _free_port, _pct, _wait_http
+from bench.localstack import GATEWAY, local_stack
+from bench.options import add_counts, add_store_option
+from config.settings import get_settings
 from tasks import api
-from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.gateway import http1
 from workers.gateway.haproxy.process import Unavailable, find
-from workers.store.db import get_database
-from workers.store.migrate import upgrade
 from workers.store.models import Replica, ReplicaState
-
-PY = sys.executable
-AGENT = [PY, "-m", "agents.fcdaemon", "--driver", "process", "--log-level", "WARNING"]
-WORKER = [PY, "-m", "stack.worker", "-l", "WARNING", "--without-gossip", "--without-mingle"]
-GATEWAY = [PY, "-m", "tasks.cli", "gateway"]
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -159,42 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     except Unavailable as exc:
         print(f"bench.warmroutes needs HAProxy: {exc} (apt-get install haproxy)")
         return 1
-    tmp = Path(tempfile.mkdtemp(prefix="corral-bench-routes-"))
-    redis_port = free_port()
-    db_url, pg_server = store_for(args, tmp)
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")},
-        "CORRAL_BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
-        "CORRAL_RESULT_BACKEND": f"redis://127.0.0.1:{redis_port}/1",
-        "CORRAL_DATABASE_URL": db_url,
-        "CORRAL_STATE_DIR": str(tmp / "state"),
+    settings = {
         "CORRAL_GATEWAY_DATAPLANE": "haproxy",
         "CORRAL_GATEWAY_KEEP_S": str(args.keep_ms / 1000),
-        "PYTHONPATH": str(ROOT),
     }
-    os.environ.update({k: v for k, v in env.items() if k.startswith("CORRAL_")})
-    reset_settings()
-    configure(get_settings())
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(name: str, argv: list[str]) -> None:
-        log = (tmp / f"{name}.log").open("wb")
-        procs.append(
-            subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        )
-
-    try:
-        start("redis", redis_argv(tmp, redis_port))
-        db = get_database(db_url)
-        upgrade(db)
-        agent_port, gw_port = _free_port(), _free_port()
-        start("agent", [*AGENT, "--listen", f"127.0.0.1:{agent_port}"])
-        start("worker", [*WORKER, "-Q", ",".join(QUEUES)])
-        start("gateway", [*GATEWAY, "--listen", f"127.0.0.1:{gw_port}"])
+    with local_stack(args, "corral-bench-routes-", settings) as running:
+        gw_port = _free_port()
+        running.start("gateway", [*GATEWAY, "--listen", f"127.0.0.1:{gw_port}"])
         gateway = f"http://127.0.0.1:{gw_port}"
         _wait_http(gateway + "/healthz")
         url = f"{gateway}/function/hello"
-        before = _prepare(args, db, agent_port, url)
+        before = _prepare(args, running.db, running.agent_port, url)
+        carried = _carried(httpx.get(f"{gateway}/metrics", timeout=10).text)
         stop, scales = threading.Event(), list[int]()
         churn = threading.Thread(target=_churn, args=(args, stop, scales), daemon=True)
         print(
@@ -210,18 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             stop.set()
             churn.join(120)
         metrics = httpx.get(f"{gateway}/metrics", timeout=10).text
-        _report(args, times, failed, scales, db, before, metrics)
-        return 0 if not failed else 1
-    finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in reversed(procs):
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        if pg_server is not None:
-            pg_server.stop()
+        _report(args, (times, failed, scales), running.db, (before, carried), metrics)
+    return 0 if not failed else 1
 
 
 def _prepare(args: argparse.Namespace, db: Any, agent_port: int, url: str) -> int:
@@ -252,15 +206,21 @@ def _run(work: object) -> tuple[list[float], list[str]]:
     return uvloop.run(work)  # type: ignore[arg-type]
 
 
-def _report(  # noqa: PLR0913 - one run's figures
+def _carried(metrics: str) -> float:
+    """Calls of hello HAProxy carried so far."""
+    found = re.search(r'^corral_warm_requests_total{function="hello"} (\S+)', metrics, re.M)
+    return float(found[1]) if found else 0.0
+
+
+def _report(
     args: argparse.Namespace,
-    times: list[float],
-    failed: list[str],
-    scales: list[int],
-    db: object,
-    before: int,
+    seen: tuple[list[float], list[str], list[int]],
+    db: Any,
+    before: tuple[int, float],
     metrics: str,
 ) -> None:
+    """The run's figures: failures, latency, churn, HAProxy's share, routing changes."""
+    times, failed, scales = seen
     sent = args.rate * args.seconds
     ms = 1000.0
     print(
@@ -269,15 +229,14 @@ def _report(  # noqa: PLR0913 - one run's figures
     )
     if times:
         print(f"  p50 {statistics.median(times) * ms:.2f} ms   p99 {_pct(times, 0.99) * ms:.2f} ms")
-    with db.read() as s:  # type: ignore[attr-defined]
-        made = (s.scalar(select(func.count()).select_from(Replica)) or 0) - before
+    with db.read() as s:
+        made = (s.scalar(select(func.count()).select_from(Replica)) or 0) - before[0]
         gone = s.scalar(
             select(func.count()).select_from(Replica).where(Replica.status == ReplicaState.DELETED)
         )
     print(f"  scales {len(scales)}; replicas made {made}, deleted {gone} meanwhile")
-    warm = re.search(r'^corral_warm_requests_total{function="hello"} (\S+)', metrics, re.M)
-    if warm:
-        print(f"  carried by HAProxy: {float(warm[1]) / max(1, sent):.0%} of the calls")
+    carried = _carried(metrics) - before[1]
+    print(f"  carried by HAProxy: {carried / max(1, sent):.0%} of the calls")
     for change, (count, within, mean) in _changes(metrics).items():
         print(
             f"  routing changes ({change}): {count}, within 50 ms {within:.0%}, mean "

@@ -13,11 +13,15 @@ traffic goes back to HAProxy as soon as there is room. Where HAProxy is not inst
 
 * :mod:`.config` - HAProxy's configuration: the frontend's rules (what is warm), a fixed
   pool of backends, timeouts and bounds from the gateway's settings;
-* :mod:`.runtime` - its runtime API (the unix socket): commands, ``show stat``;
+* :mod:`.runtime` - its runtime API (the unix socket): commands (sent from a thread of
+  their own), ``show stat``, ``show sess``;
 * :mod:`.process` - finding, starting, watching and stopping HAProxy;
-* :mod:`.router` - what HAProxy routes, kept in step with what the ledger lends: servers
-  added and closed, environments taken back, demand and idle times from its counters,
+* :mod:`.routes` - what is kept of each function HAProxy carries and each replica lent;
+* :mod:`.router` - what HAProxy routes, kept in step with what the ledger lends
+  (:mod:`workers.gateway.lending`): servers added and closed, environments taken back,
   functions demoted to the Python path;
+* :mod:`.readings` - HAProxy's counters every 50 ms (demand, idle times, use, failures,
+  refusals), the watchdog of answers past the call timeout, restarts;
 * :mod:`.warm` - the pieces put together for one gateway (:class:`.warm.WarmPath`), and
   the activator's side of the socket between them (:func:`.warm.behind`).
 """
