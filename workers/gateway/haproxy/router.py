@@ -188,10 +188,11 @@ class Router:
     def reclaim(self, function: str, count: int) -> int:
         """Ask for up to ``count`` environments HAProxy holds unused back; how many come.
 
-        Only environments no request used at the last poll are asked for: taking busy
-        ones would move capacity, not add it (the Python path grows the function instead,
-        or its admission gate, which counts the warm path's requests, holds the request
-        until one ends). One HAProxy starts using meanwhile comes back when a request ends.
+        Only environments HAProxy did not need this keep window are asked for: taking
+        ones it uses would move capacity, not add it (the Python path grows the function
+        instead, or its admission gate, which counts the warm path's requests, holds the
+        request until one ends). One HAProxy starts using meanwhile comes back when a
+        request ends.
         """
         route = self.routes.get(function)
         if route is None or count <= 0:
@@ -199,7 +200,9 @@ class Router:
         need = count - sum(s.owed for s in route.servers.values() if s.state == "ready")
         asked = 0
         for server in sorted(route.ready(), key=lambda s: s.busy_at):  # least used first
-            take = min(need - asked, server.maxconn - server.sessions)
+            # unused: beyond the most HAProxy used at once this keep window (a server busy
+            # to its last environment a moment ago would only make the next call overflow)
+            take = min(need - asked, server.maxconn - max(server.sessions, server.peak))
             if take <= 0:
                 continue
             server.owed += take
