@@ -1,11 +1,11 @@
 """``python -m bench``: every benchmark in turn (spawn, claims and reap, placement, gateway,
-CLI start-up)."""
+the warm path's routes under churn, CLI start-up)."""
 
 from __future__ import annotations
 
 import sys
 
-from bench import claims_reap, gateway, placement, spawn, startup
+from bench import claims_reap, gateway, placement, spawn, startup, warmroutes
 
 
 def main() -> int:
@@ -16,6 +16,7 @@ def main() -> int:
         ("claims_reap", claims_reap),
         ("placement", placement),
         ("gateway", gateway),
+        ("warmroutes", warmroutes),
         ("startup", startup),
     ):
         print(f"\n=== python -m bench.{name}", flush=True)
