@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         binary = find(get_settings().gateway_haproxy)
     except Unavailable as exc:
-        print(f"bench.warmroutes needs HAProxy: {exc} (apt-get install haproxy)")
-        return 1
+        print(f"bench.warmroutes skipped: it needs HAProxy: {exc} (apt-get install haproxy)")
+        return 0
     settings = {
         "CORRAL_GATEWAY_DATAPLANE": "haproxy",
         "CORRAL_GATEWAY_KEEP_S": str(args.keep_ms / 1000),

@@ -3,8 +3,9 @@
 A test of the gateway runs on both (``CORRAL_GATEWAY_DATAPLANE``: ``python`` and
 ``haproxy``; :mod:`workers.gateway.haproxy`). HAProxy is a system package (Debian's
 ``haproxy``, 2.6 or later): where it is missing the HAProxy side is skipped, and said
-so, unless ``CORRAL_REQUIRE_HAPROXY=1`` is set (CI sets it: ``.ci/run`` installs it),
-in which case it fails, as ``CORRAL_REQUIRE_POSTGRES`` does for PostgreSQL.
+so, unless ``CORRAL_REQUIRE_HAPROXY=1`` (``.ci/run`` installs HAProxy and sets it) or
+``CI=true`` is set, in which case it fails, as ``CORRAL_REQUIRE_POSTGRES`` does for
+PostgreSQL.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _missing() -> str | None:
 def need(dataplane: str) -> str:
     """``dataplane``, once it can run here: skips (or fails, when required) without HAProxy."""
     if dataplane == "haproxy" and (why := _missing()) is not None:
-        if os.environ.get(REQUIRE_ENV, "").strip().lower() in {"1", "true", "yes"}:
-            pytest.fail(f"HAProxy is needed: {why}, but {REQUIRE_ENV}=1 is set", pytrace=False)
+        required = os.environ.get(REQUIRE_ENV, "").strip().lower() in {"1", "true", "yes"}
+        if required or os.environ.get("CI", "").strip().lower() == "true":
+            pytest.fail(f"HAProxy is needed: {why}, but {REQUIRE_ENV} or CI is set", pytrace=False)
         pytest.skip(f"the HAProxy data plane: {why} (apt-get install haproxy)")
     return dataplane

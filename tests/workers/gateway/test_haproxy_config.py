@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from config.settings import Settings
+from config.settings import Settings, load_settings
 from tests.dataplanes import need
 from workers.gateway.haproxy import config
 from workers.gateway.haproxy.process import Process, find
@@ -42,7 +42,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def _written(tmp_path: Path, **update: Any) -> tuple[config.Layout, socket.socket, Settings]:
-    settings = Settings().model_copy(
+    settings = load_settings().model_copy(
         update={"gateway_warm_functions": 3, "state_dir": tmp_path, **update}
     )
     layout = config.Layout.make(tmp_path)
