@@ -1,11 +1,11 @@
 """``python -m bench``: every benchmark in turn (spawn, claims and reap, placement, gateway,
-asynchronous calls, CLI start-up)."""
+asynchronous calls, the warm path's routes under churn, CLI start-up)."""
 
 from __future__ import annotations
 
 import sys
 
-from bench import claims_reap, gateway, invocations, placement, spawn, startup
+from bench import claims_reap, gateway, invocations, placement, spawn, startup, warmroutes
 
 
 def main() -> int:
@@ -17,6 +17,7 @@ def main() -> int:
         ("placement", placement),
         ("gateway", gateway),
         ("invocations", invocations),
+        ("warmroutes", warmroutes),
         ("startup", startup),
     ):
         print(f"\n=== python -m bench.{name}", flush=True)

@@ -498,6 +498,25 @@ class _Calls(_Group):
     """One callback delivery, connecting and the receiver's answer included."""
 
 
+class _Dataplane(_Group):
+    """The warm data plane: a private HAProxy in front of the gateway (``workers.gateway.haproxy``).
+
+    HAProxy carries warm calls; the gateway stays behind it as the activator (cold starts,
+    queueing, every call HAProxy cannot carry), and carries everything where HAProxy is absent.
+    """
+
+    gateway_dataplane: Literal["auto", "haproxy", "python"] = "auto"
+    """Who carries warm calls: ``haproxy``, ``python`` (the gateway), ``auto`` (HAProxy if any)."""
+    gateway_haproxy: str = "haproxy"
+    """The HAProxy binary (2.6 or later): a name looked up on ``PATH``, or a path."""
+    gateway_haproxy_threads: int = Field(1, ge=1, le=64)
+    """Threads of the gateway's HAProxy."""
+    gateway_warm_functions: int = Field(128, ge=1, le=10_000)
+    """Functions HAProxy carries at once (its backends); the others take the Python path."""
+    gateway_warm_queue: int = Field(0, ge=0, le=100_000)
+    """Requests HAProxy queues per function when all its environments are busy; more: activator."""
+
+
 class _Flower(_Group):
     """Flower, the Celery monitor ``corral up`` starts."""
 
@@ -524,6 +543,7 @@ class Settings(
     _Faults,
     _Gateway,
     _Calls,
+    _Dataplane,
     _Flower,
     BaseSettings,
 ):

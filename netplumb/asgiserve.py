@@ -625,7 +625,7 @@ class BackgroundServer:
     def __init__(self, server: uvicorn.Server, sock: socket.socket, name: str) -> None:
         """Start serving ``sock``; returns once the server accepts connections."""
         self.server = server
-        self.port = int(sock.getsockname()[1])
+        self.port = int(sock.getsockname()[1]) if sock.family != socket.AF_UNIX else 0
         self.thread = threading.Thread(
             target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True
         )

@@ -147,7 +147,7 @@ def run(options: UpOptions) -> int:
             stack_file,
             json.dumps({"pid": os.getpid(), "settings": published, "services": services}, indent=2),
         )
-        _summary(published, services, state, options)
+        _summary(published, services, state, options, _dataplane(logs / "gateway.log"))
         while not stop_requested:
             sup.watch_once()
             time.sleep(0.5)
@@ -418,8 +418,28 @@ def _add_lambdo_node(database: str, url: str) -> None:
         )
 
 
+DATAPLANE_WAIT_S = 10.0  # how long the gateway may take to say which data plane it runs
+
+
+def _dataplane(log: Path) -> str:
+    """The data plane the gateway says it runs (``corral gateway`` prints it once serving)."""
+    deadline = time.monotonic() + DATAPLANE_WAIT_S
+    while True:
+        with contextlib.suppress(OSError):
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("data plane: "):
+                    return line.removeprefix("data plane: ")
+        if time.monotonic() > deadline:
+            return "not said yet (see its log)"
+        time.sleep(0.05)
+
+
 def _summary(
-    published: dict[str, Any], services: dict[str, str], state: Path, options: UpOptions
+    published: dict[str, Any],
+    services: dict[str, str],
+    state: Path,
+    options: UpOptions,
+    dataplane: str,
 ) -> None:
     lines = [
         "corral is up",
@@ -430,6 +450,7 @@ def _summary(
         f"  flower           {services['flower']} (user {published['flower_user']}, "
         f"password: flower_password in {CREDENTIALS})",
         f"  gateway          {services['gateway']} (call {services['gateway']}/function/NAME)",
+        f"  data plane       {dataplane}",
         f"  metrics          {services['metrics']} (Prometheus; bearer token: metrics_token "
         f"in {CREDENTIALS})",
         f"  credentials      {state / CREDENTIALS} (tokens and passwords of every listener)",

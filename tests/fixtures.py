@@ -159,7 +159,12 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     Parametrized: a test that uses it (through ``corral_env``, ``broker_env``...) runs
     once per store.
     """
-    if request.param == "sqlite":
+    return fresh_store(request, tmp_path, request.param)
+
+
+def fresh_store(request: pytest.FixtureRequest, tmp_path: Path, store: str) -> str:
+    """The URL of an empty, migrated ``store`` (``sqlite`` or ``postgres``) for one test."""
+    if store == "sqlite":
         path = tmp_path / "corral.sqlite"
         shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
         return f"sqlite:///{path}"

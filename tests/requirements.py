@@ -3,7 +3,8 @@
 A few features can only be tested where the machine has something pip cannot install:
 PostgreSQL's wheel (pip does install it, but a partial install may lack it), root and
 iproute2 for network namespaces (the partition tests), a C compiler (the guest
-environment's ``LD_PRELOAD`` case). On a developer's machine a test whose need is unmet
+environment's ``LD_PRELOAD`` case), QEMU and busybox (the qemu driver's real guests),
+HAProxy (the gateway's warm data plane). On a developer's machine a test whose need is unmet
 skips, saying why. Where the environment requires the need, the test fails instead, so
 a CI run cannot pass by skipping what it was meant to show: ``CI=true`` requires every
 need (``.ci/run`` installs them all and sets it), ``CORRAL_REQUIRE_<NEED>=1`` requires one
@@ -24,7 +25,9 @@ import pytest
 POSTGRES = "POSTGRES"
 NETNS = "NETNS"
 CC = "CC"
-NEEDS = (POSTGRES, NETNS, CC)
+QEMU = "QEMU"
+HAPROXY = "HAPROXY"
+NEEDS = (POSTGRES, NETNS, CC, QEMU, HAPROXY)
 _TRUE = {"1", "true", "yes"}
 
 

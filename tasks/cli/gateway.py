@@ -34,6 +34,8 @@ def cmd_gateway(args: argparse.Namespace, settings: Settings) -> int:
         queue=HereFirst(QUEUE),
         calls=CALLS,
         insecure=args.insecure,
-        on_ready=lambda url: print(f"gateway listening on {url}", flush=True),
+        on_ready=lambda url, plane: print(
+            f"gateway listening on {url}\ndata plane: {plane}", flush=True
+        ),
     )
     return 0

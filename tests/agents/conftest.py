@@ -17,6 +17,7 @@ from agents import MemoryDriver, ProcessDriver, RunningAgent, serve_fcdaemon
 from agents.qemu.driver import QemuDriver, default_cache
 from protos import fcdaemon_grpc
 from tests.agents.helpers import RecordingRegistry, start_registry
+from tests.requirements import QEMU, unmet
 
 
 @pytest.fixture
@@ -62,23 +63,15 @@ def memory_stub(memory_agent: RunningAgent) -> fcdaemon_grpc.FcServiceStub:
 
 # -- the qemu driver: real guests -----------------------------------------------------------
 
-#: Set (as ``.ci/run`` does), or ``CI=true``: a machine without QEMU fails the qemu tests
-#: instead of skipping them, as ``CORRAL_REQUIRE_POSTGRES`` does for PostgreSQL.
-REQUIRE_QEMU_ENV = "CORRAL_REQUIRE_QEMU"
 #: How long a guest may take to serve in these tests: TCG boots on 2 shared, busy cores.
 QEMU_BOOT_S = 150.0
-
-
-def qemu_required() -> bool:
-    """Whether a missing QEMU fails the tests that need it (CI) rather than skipping them."""
-    flag = os.environ.get(REQUIRE_QEMU_ENV, "").strip().lower() in {"1", "true", "yes"}
-    return flag or os.environ.get("CI", "").strip().lower() == "true"
 
 
 @pytest.fixture(scope="session")
 def qemu_cache() -> Path:
     """The qemu driver's cache, shared by every test and run (the kernel is fetched once,
-    images built once per build); skips the test where QEMU or busybox is missing."""
+    images built once per build); skips the test where QEMU or busybox is missing (fails it
+    where QEMU is required: :mod:`tests.requirements`)."""
     missing = [
         what
         for what, found in (
@@ -92,10 +85,7 @@ def qemu_cache() -> Path:
         if not found
     ]
     if missing:
-        message = f"the qemu driver needs {', '.join(missing)}"
-        if qemu_required():
-            pytest.fail(f"{message}, but {REQUIRE_QEMU_ENV}=1 or CI=true is set", pytrace=False)
-        pytest.skip(message)
+        unmet(QEMU, f"the qemu driver needs {', '.join(missing)}")
     return default_cache()
 
 

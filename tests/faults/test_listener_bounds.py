@@ -9,7 +9,9 @@ within a fixed bound over its idle figures, and once the attackers go the server
 answer a real (authorised) call.
 
 To cover another listener, add a :class:`Listener` to :data:`LISTENERS` (the gateway's
-is there too): how to start it, how to ask it something real, and which attacks apply.
+is there too, on each data plane: with HAProxy in front of it, HAProxy is attacked, and
+counted with the gateway: a listener's figures are its process and its children's):
+how to start it, how to ask it something real, and which attacks apply.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import psutil
 import pytest
 from google.protobuf import empty_pb2
 
@@ -35,6 +38,7 @@ from agents import lambdo
 from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc, resmngr_grpc, resmngr_pb2
 from testkit.eventually import eventually
 from testkit.services import free_port
+from tests.dataplanes import DATAPLANES, need
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "bounds-t0ken"
@@ -43,13 +47,18 @@ CONNECTIONS = 150  # as in the issue: 150 half-sent requests
 
 
 def _status(pid: int) -> tuple[float, int]:
-    """(resident MB, threads) of a process."""
-    fields = dict(
-        line.split(":", 1)
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-        if ":" in line
-    )
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["Threads"])
+    """(resident MB, threads) of a process and its children (the gateway's HAProxy)."""
+    rss, threads = 0.0, 0
+    for one in [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]:
+        with contextlib.suppress(OSError):
+            fields = dict(
+                line.split(":", 1)
+                for line in Path(f"/proc/{one}/status").read_text().splitlines()
+                if ":" in line
+            )
+            rss += int(fields["VmRSS"].split()[0]) / 1024
+            threads += int(fields["Threads"])
+    return rss, threads
 
 
 @contextlib.contextmanager
@@ -60,7 +69,7 @@ def _peak(pid: int) -> Iterator[list[float]]:
 
     def sample() -> None:
         while not done.is_set():
-            with contextlib.suppress(OSError, KeyError):
+            with contextlib.suppress(OSError, KeyError, psutil.Error):
                 rss, threads = _status(pid)
                 peak[0], peak[1] = max(peak[0], rss), max(peak[1], threads)
             done.wait(0.02)
@@ -432,19 +441,22 @@ LISTENERS = [
         max_rss_growth_mb=GRPC_MB,
         max_new_threads=GRPC_THREADS,
     ),
-    Listener(
-        "gateway",
-        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", "127.0.0.1:{port}"],
-        _http_ok("/metrics"),
-        [
-            aimed(http_half_sent, b"/function/hello"),
-            aimed(http_endless_headers, b"/function/hello"),
-            idle,
-            aimed(http_oversized, b"/function/hello"),
-        ],
-        env={**STORE, "CORRAL_GATEWAY_TOKEN": TOKEN},
-        prepare=[MIGRATE],
-        max_new_threads=HTTP_THREADS,
+    *(
+        Listener(
+            f"gateway-{plane}",
+            [sys.executable, "-m", "tasks.cli", "gateway", "--listen", "127.0.0.1:{port}"],
+            _http_ok("/metrics"),
+            [
+                aimed(http_half_sent, b"/function/hello"),
+                aimed(http_endless_headers, b"/function/hello"),
+                idle,
+                aimed(http_oversized, b"/function/hello"),
+            ],
+            env={**STORE, "CORRAL_GATEWAY_TOKEN": TOKEN, "CORRAL_GATEWAY_DATAPLANE": plane},
+            prepare=[MIGRATE],
+            max_new_threads=HTTP_THREADS,
+        )
+        for plane in DATAPLANES
     ),
 ]
 
@@ -460,6 +472,7 @@ class Server:
 @contextlib.contextmanager
 def _running(listener: Listener, tmp_path: Path) -> Iterator[Server]:
     """``listener`` started as its own process; stopped on the way out."""
+    need(listener.env.get("CORRAL_GATEWAY_DATAPLANE", "python"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({k: v.format(tmp=tmp_path) for k, v in listener.env.items()})

@@ -25,6 +25,7 @@ from google.protobuf import empty_pb2
 from config.celery import HOUSEKEEPING
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 from testkit.eventually import eventually
+from workers.gateway.haproxy.process import Unavailable, find
 
 ROOT = Path(__file__).resolve().parents[2]
 AWS_ID = "AKIAEXAMPLESECRET01"
@@ -106,7 +107,18 @@ def _wait_up(tmp_path: Path, up: subprocess.Popen[bytes]) -> tuple[dict[str, Any
         assert time.monotonic() < deadline, (tmp_path / "up.out").read_text()
         time.sleep(0.2)
     published = json.loads((tmp_path / ".corral" / "stack.json").read_text())
+    # it says which data plane the gateway runs: HAProxy in front of it where installed
+    plane = "python" if _no_haproxy() else "haproxy"
+    assert f"  data plane       {plane} (" in (tmp_path / "up.out").read_text()
     return published["settings"], published["services"]
+
+
+def _no_haproxy() -> bool:
+    try:
+        find("haproxy")
+    except Unavailable:
+        return True
+    return False
 
 
 def _deploy_and_scale(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:

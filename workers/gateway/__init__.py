@@ -20,7 +20,10 @@ signal the autoscaler reads).
 * :mod:`workers.gateway.background` - store calls in threads, tracked background tasks;
 * :mod:`workers.gateway.metrics` - the Prometheus metrics served at ``/metrics``;
 * :mod:`workers.gateway.traces` - requests' spans (tracing on) and cold starts' stages;
-* :mod:`workers.gateway.app` - the ASGI app, demand reports, listening rules, uvicorn.
+* :mod:`workers.gateway.app` - the ASGI app, demand reports, listening rules, uvicorn;
+* :mod:`workers.gateway.haproxy` - the warm data plane: a private HAProxy in front of
+  the gateway carries the calls of functions whose environments the gateway holds,
+  straight to their replicas; the gateway, behind it, is the activator for the rest.
 """
 
 from workers.gateway.app import (

@@ -9,6 +9,12 @@ queue. The gate also keeps what the demand signal reports
 (:class:`workers.autoscale.demand.Sample`): requests admitted and queued now, their
 time-weighted mean since the last report, and the arrivals.
 
+Requests the warm data plane carries (HAProxy: :mod:`workers.gateway.haproxy`) never
+pass the gate, but take the same environments: the gate counts them too
+(:attr:`Gate.outside`, as last read from HAProxy), so a request admitted here and one
+there never add up to more than the limit and its queue; :meth:`Gate.poke` admits the
+queue's first requests when the warm path's load has gone down.
+
 Everything here runs on the gateway's event loop: no locks.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from workers import clock
 from workers.autoscale.demand import Sample
@@ -30,12 +37,21 @@ class QueueTimeout(Exception):
     """A queued request got no place in time: answer 503."""
 
 
+@dataclass
+class Outside:
+    """A function's requests the warm data plane carries now: in flight, and queued there."""
+
+    active: int = 0
+    queued: int = 0
+
+
 class Gate:
     """One function's admission counter and queue."""
 
     def __init__(self, limit: int, queue: int) -> None:
         self.limit = limit
         self.queue = queue
+        self.outside = Outside()
         self.active = 0
         self.waiting: deque[asyncio.Future[None]] = deque()
         self.arrivals = 0
@@ -48,6 +64,16 @@ class Gate:
         """Requests waiting for a place."""
         return len(self.waiting)
 
+    @property
+    def inflight(self) -> int:
+        """Requests admitted here and in flight on the warm path."""
+        return self.active + self.outside.active
+
+    @property
+    def backlog(self) -> int:
+        """Requests queued here and on the warm path."""
+        return len(self.waiting) + self.outside.queued
+
     def _tick(self) -> None:
         t = time.monotonic()
         self._area += (self.active + len(self.waiting)) * (t - self._changed)
@@ -58,10 +84,10 @@ class Gate:
         self._tick()
         self.arrivals += 1
         self.last_used = time.monotonic()
-        if self.active < self.limit and not self.waiting:
+        if self.active + self.outside.active < self.limit and not self.waiting:
             self.active += 1
             return
-        if len(self.waiting) >= self.queue:
+        if len(self.waiting) + self.outside.queued >= self.queue:
             raise QueueFull(f"{len(self.waiting)} requests already queued")
         place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiting.append(place)
@@ -98,7 +124,11 @@ class Gate:
     def resize(self, limit: int, queue: int) -> None:
         """Apply a function's new limits; extra room admits queued requests at once."""
         self.limit, self.queue = limit, queue
-        while self.waiting and self.active < self.limit:
+        self.poke()
+
+    def poke(self) -> None:
+        """Admit queued requests while there is room (the warm path's load may have gone)."""
+        while self.waiting and self.active + self.outside.active < self.limit:
             nxt = self.waiting.popleft()
             if not nxt.done():
                 self._tick()

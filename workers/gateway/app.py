@@ -21,6 +21,11 @@ descriptors a connection, :data:`RESERVED_DESCRIPTORS` for the rest; the connect
 replicas stay within the same number); the store calls run in a bounded thread pool.
 It refuses to listen on a non-loopback address without ``CORRAL_GATEWAY_TOKEN`` unless
 told ``insecure`` (then it warns at every start).
+
+With the HAProxy data plane (:mod:`workers.gateway.haproxy`: ``CORRAL_GATEWAY_DATAPLANE``,
+HAProxy by default where it is installed) the gateway binds the port as always and hands
+it to a private HAProxy, which carries warm calls; the gateway itself serves on a unix
+socket behind it, as the activator, and its demand reports add the warm path's.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from workers.dispatch import TaskQueue
 from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
 from workers.gateway.calls import PREFIXES, CallsFront
+from workers.gateway.haproxy.process import Unavailable
+from workers.gateway.haproxy.warm import WarmPath, behind, choose, describe
 from workers.gateway.proxy import PREFIX, Gateway
 from workers.invocations.queue import CallQueue
 from workers.store.db import Database, get_database
@@ -160,6 +167,9 @@ class GatewayApp:
                     for name, gate in self.gateway.catalog.gates.items()
                     if gate.active or gate.queued or now - gate.last_used < ACTIVE_S
                 }
+                if self.gateway.warm is not None:  # what HAProxy carried meanwhile
+                    for name, warm in self.gateway.warm.samples().items():
+                        samples[name] = _added(samples.get(name), warm)
                 if not samples:
                     continue
                 try:
@@ -179,6 +189,19 @@ class GatewayApp:
             await self.gateway.background.store(idletimes.record_quietly, client, shape, seen)
 
 
+def _added(mine: demand.Sample | None, warm: demand.Sample) -> demand.Sample:
+    """One function's demand here and on the warm path, over the same interval."""
+    if mine is None:
+        return warm
+    return demand.Sample(
+        inflight=mine.inflight + warm.inflight,
+        queued=mine.queued + warm.queued,
+        concurrency=round(mine.concurrency + warm.concurrency, 3),
+        requests=mine.requests + warm.requests,
+        at=max(mine.at, warm.at),
+    )
+
+
 def build_app(
     db: Database, settings: Settings, queue: TaskQueue, calls: CallQueue | None = None
 ) -> GatewayApp:
@@ -194,15 +217,23 @@ def build_app(
 class RunningGateway:
     """A gateway served in a background thread (tests, ``corral up``)."""
 
-    def __init__(self, server: asgiserve.BackgroundServer, host: str, app: GatewayApp) -> None:
+    def __init__(
+        self, server: asgiserve.BackgroundServer, listen: socket.socket, app: GatewayApp
+    ) -> None:
         self.server = server
-        self.port = server.port
+        host, self.port = listen.getsockname()[:2]
         self.app = app
-        self.url = f"http://{join_hostport(host, server.port)}"
+        self.url = f"http://{join_hostport(host, self.port)}"
+        self.warm = app.gateway.warm
+        self.dataplane = describe(self.warm.binary if self.warm is not None else None)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop serving and wait for the thread."""
-        self.server.stop(timeout)
+        """Stop serving and wait for the thread (HAProxy, if any, stops with it)."""
+        try:
+            self.server.stop(timeout)
+        finally:
+            if self.warm is not None:
+                self.warm.stop()
 
 
 def _limits(settings: Settings, app: GatewayApp) -> asgiserve.Limits:
@@ -237,6 +268,26 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ListenRefused(f"gateway cannot listen on {host}:{port}: {exc}") from None
 
 
+def _warm_path(settings: Settings, sock: socket.socket, app: GatewayApp) -> WarmPath | None:
+    """HAProxy started on ``sock`` in front of ``app``; None: the Python path alone."""
+    try:
+        binary = choose(settings)
+    except Unavailable as exc:
+        raise ListenRefused(f"the HAProxy data plane was asked for: {exc}") from None
+    if binary is None:
+        return None
+    try:
+        warm = WarmPath(settings, binary, sock)
+        warm.start()
+    except (Unavailable, OSError) as exc:
+        if settings.gateway_dataplane == "haproxy":
+            raise ListenRefused(f"the HAProxy data plane would not start: {exc}") from None
+        log.warning("gateway: HAProxy would not start; the Python path carries every call: %s", exc)
+        return None
+    app.gateway.warm = warm
+    return warm
+
+
 def serve_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and its queue
     settings: Settings,
     listen: str | None = None,
@@ -253,13 +304,17 @@ def serve_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and it
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)
     app = app or build_app(db or get_database(settings.database_url), settings, queue, calls)
+    warm = _warm_path(settings, sock, app)
+    served, where = (behind(app, warm), warm.activator) if warm is not None else (app, sock)
     try:
         server = asgiserve.start(
-            app, sock, _limits(settings, app), name="gateway", **_options(settings)
+            served, where, _limits(settings, app), name="gateway", **_options(settings)
         )
     except OSError as exc:
+        if warm is not None:
+            warm.stop()
         raise ListenRefused(str(exc)) from None
-    return RunningGateway(server, host, app)
+    return RunningGateway(server, sock, app)
 
 
 def run_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and its queues
@@ -268,20 +323,33 @@ def run_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and its 
     *,
     queue: TaskQueue,
     insecure: bool = False,
-    on_ready: Callable[[str], None] | None = None,
+    on_ready: Callable[[str, str], None] | None = None,
     calls: CallQueue | None = None,
 ) -> None:
     """Serve a gateway in the foreground until SIGINT / SIGTERM; it asks ``queue`` for work
-    (and sends asynchronous calls to ``calls``)."""
+    (and sends asynchronous calls to ``calls``).
+
+    ``on_ready`` is told where it listens and which data plane it runs.
+    """
 
     host, port = check_listen(settings, listen or settings.gateway_listen, insecure=insecure)
     sock = _bind(host, port)
     tracing.start("corral-gateway", settings)  # spans, when CORRAL_OTLP_ENDPOINT is set
     app = build_app(get_database(settings.database_url), settings, queue, calls)
+    warm = _warm_path(settings, sock, app)
     url = f"http://{join_hostport(host, sock.getsockname()[1])}"
     if on_ready is not None:
-        on_ready(url)
+        on_ready(url, describe(warm.binary if warm is not None else None))
     # What start-up made (modules, settings, the app) lives as long as the process: the
     # garbage collector, run every few hundred requests, need not walk it each time.
     gc.freeze()
-    asgiserve.run(app, sock, _limits(settings, app), **_options(settings))
+    try:
+        if warm is None:
+            asgiserve.run(app, sock, _limits(settings, app), **_options(settings))
+        else:
+            asgiserve.run(
+                behind(app, warm), warm.activator, _limits(settings, app), **_options(settings)
+            )
+    finally:
+        if warm is not None:
+            warm.stop()

@@ -59,6 +59,7 @@ from workers import dispatch, tracing
 from workers.clock import now
 from workers.errors import CorralError
 from workers.gateway.background import Background
+from workers.gateway.lending import Lending
 from workers.gateway.pool import Pool
 from workers.gateway.traces import ColdStart
 from workers.replicas import claims
@@ -101,6 +102,7 @@ class Ledger:
         # their request ends (replica retired or unusable), False = forget them (the
         # store no longer has them).
         self._unpooled: dict[str, bool] = {}
+        self.lending = Lending(self)  # claims lent to a warm data plane (HAProxy), if any
 
     def pool(self, name: str) -> Pool:
         """The function's pool (made on first use)."""
@@ -131,8 +133,9 @@ class Ledger:
                 refill = pool.refilling or self._refill(pool, name)
                 both: set[asyncio.Future[Any]] = {place, refill}
                 await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-                if not place.done() and refill.done() and not refill.result():
-                    # nothing Idle in the store
+                # nothing Idle in the store (what a lender holds unused comes back first)
+                nothing = not place.done() and refill.done() and not refill.result()
+                if nothing and not await self.lending.reclaimed(pool, name, place):
                     return await self._claim_or_wait(name, place, began, began_at)
             return place.result()
         except BaseException:
@@ -274,7 +277,7 @@ class Ledger:
         pool = self.pool(claimed.function)
         if discard or (self.settings.gateway_keep_s <= 0 and not pool.wanted):
             self._release_soon([claimed])
-        else:
+        elif pool.wanted or not self.lending.lend(claimed):
             pool.give(claimed)
 
     async def retire(self, claimed: Claimed, reason: str) -> None:
@@ -289,8 +292,12 @@ class Ledger:
         for other in self.held.values():  # in use: given back when their requests end
             if other.replica_id == claimed.replica_id:
                 self._unpooled[other.claim_id] = True
+        self.lending.retired(claimed.replica_id)
         try:
-            await self.background.shielded(self._suspect, claimed.claim_id, f"suspect: {reason}")
+            why = f"suspect: {reason}"
+            await self.background.shielded(
+                _suspect, self.db, self.settings, self.queue, claimed, why
+            )
         except CorralError as exc:  # the broker is down: the stuck sweep finishes the delete
             log.warning("gateway: could not queue the delete of %s: %s", claimed.replica_id, exc)
 
@@ -300,11 +307,6 @@ class Ledger:
         With ``CORRAL_GATEWAY_SPAWN_HERE`` it runs here, in the gateway, if the queue can.
         """
         return dispatch.enqueue(self.db, self.queue, op, here=self.settings.gateway_spawn_here)
-
-    def _suspect(self, claim_id: str, reason: str) -> str | None:
-        """Give the claim back, retire its replica and queue its delete; the operation id."""
-        op = claims.suspect(self.db, self.settings, claim_id, reason)
-        return dispatch.enqueue(self.db, self.queue, op) if op is not None else None
 
     def _release_soon(self, released: list[Claimed]) -> None:
         """Stop holding these claims and give them back to the store in the background."""
@@ -349,6 +351,7 @@ class Ledger:
         """Drop claims the store no longer has; give back those of unusable replicas."""
         gone = {cid for cid in ids if cid not in usable and cid in self.held}
         bad = {cid for cid, ok in usable.items() if not ok and cid in self.held}
+        self.lending.recall(bad, gone)  # (lent ones come back when their lender is done)
         for pool in self.pools.values():
             for claimed in pool.drop(gone):
                 del self.held[claimed.claim_id]
@@ -371,3 +374,11 @@ class Ledger:
             await self.background.store(claims.release_many, self.db, self.settings, held)
         except Exception as exc:
             log.warning("gateway: could not give back %d claims at shutdown: %s", len(held), exc)
+
+
+def _suspect(
+    db: Database, settings: Settings, queue: dispatch.TaskQueue, claimed: Claimed, reason: str
+) -> str | None:
+    """Give the claim back, retire its replica and queue its delete; the operation id."""
+    op = claims.suspect(db, settings, claimed.claim_id, reason)
+    return dispatch.enqueue(db, queue, op) if op is not None else None

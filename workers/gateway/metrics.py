@@ -9,7 +9,9 @@ Requests for a function corral does not know are counted under
   HTTP status code (the gateway's own 404 / 413 / 429 / 502 / 503 / 504 included);
 * ``corral_function_duration_seconds{function}`` - arrival to the last byte sent;
 * ``corral_inflight{function}`` - requests admitted (claiming or being forwarded);
-* ``corral_queue_depth{function}`` - requests waiting for a free environment;
+  with HAProxy in front, its calls in flight too (:mod:`workers.gateway.haproxy`);
+* ``corral_queue_depth{function}`` - requests waiting for a free environment (and
+  those waiting in HAProxy's queue);
 * ``corral_cold_starts_total{function}`` - requests that found nothing Idle and
   waited for a replica to become ready;
 * ``corral_cold_start_seconds{function}`` - for those, claim start to ready;
@@ -21,6 +23,9 @@ Requests for a function corral does not know are counted under
   ``head_bytes``, ``head_lines``, ``head_timeout``, ``trailers``, ``upgrade``;
 * ``corral_gateway_read_ahead_bytes`` - what the answers read ahead of their callers
   hold now, in memory (against ``CORRAL_GATEWAY_READ_AHEAD_BUDGET``).
+
+With HAProxy in front, the warm path's own figures (``corral_warm_*``) are added to the
+same registry by :class:`workers.gateway.haproxy.warm.WarmMetrics`.
 """
 
 from __future__ import annotations
@@ -60,14 +65,14 @@ COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0
 
 
 class Load(Protocol):
-    """What a function's load gauges read: its admission gate."""
+    """What a function's load gauges read: its admission gate (the warm path's load in)."""
 
     @property
-    def active(self) -> int:
+    def inflight(self) -> int:
         """Requests admitted now."""
 
     @property
-    def queued(self) -> int:
+    def backlog(self) -> int:
         """Requests waiting for a place now."""
 
 
@@ -171,8 +176,8 @@ class GatewayMetrics:
         if self._watched.get(function) is gate:
             return  # (every request calls this: a lookup, no gauge set per request)
         self._watched[function] = gate
-        self.inflight.labels(function).set_function(lambda: gate.active)
-        self.queue_depth.labels(function).set_function(lambda: gate.queued)
+        self.inflight.labels(function).set_function(lambda: gate.inflight)
+        self.queue_depth.labels(function).set_function(lambda: gate.backlog)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

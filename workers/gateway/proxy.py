@@ -65,6 +65,7 @@ from workers.gateway.asgi import (
 from workers.gateway.background import Background
 from workers.gateway.bodies import CLOSE, Bodies
 from workers.gateway.catalog import Catalog, FunctionInfo
+from workers.gateway.haproxy.warm import WarmPath
 from workers.gateway.ledger import Ledger
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
 from workers.gateway.traces import incoming, request_attributes
@@ -116,6 +117,8 @@ class Gateway:
             grace_s=settings.gateway_body_grace_s,
             trusted=self.upstreams.trusted,
         )
+        #: HAProxy in front of this gateway, carrying warm calls (None: the Python path alone).
+        self.warm: WarmPath | None = None
         self._upkeep: list[asyncio.Task[None]] = []
         self._unlisten: Callable[[], None] = lambda: None
         # The serving loop, kept: asyncio.get_running_loop() costs a getpid() system call
@@ -133,6 +136,8 @@ class Gateway:
         ]
         loop = self._loop = asyncio.get_running_loop()
         self.upstreams.loop = loop
+        if self.warm is not None:
+            self.warm.attach(self)
         self._unlisten = notices.listen_here(  # spawns carried out here: told at once
             lambda name: loop.call_soon_threadsafe(self.ledger.wake, name)
         )
@@ -149,6 +154,8 @@ class Gateway:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.warm is not None:  # what HAProxy holds comes back first
+            await self.warm.close()
         await self.background.settle()
         await self.ledger.close()
         await self.upstreams.close()

@@ -1,13 +1,20 @@
 """A real data path for the gateway tests: Redis broker, a Celery worker, a process agent.
 
-``stack`` gives a migrated store (SQLite, then PostgreSQL), a real Celery worker
-(threads) on the session's Redis, one fcdaemon agent whose replicas are real processes
-serving HTTP on loopback (``examples.*``, and :data:`HOSTILE`: a replica whose answers
-attack the gateway), and :meth:`Stack.gateway` to start gateways (uvicorn, in
-threads) with settings of the test's choosing. A gateway keeps the claims it used for
-``gateway_keep_s`` (1.5 s by default) before giving them back: :meth:`Stack.settled`
-waits for that. :func:`free_port` and :func:`wait_healthy` serve the tests that run
-``corral gateway`` as a process of its own.
+``stack`` gives a migrated store, a real Celery worker (threads) on the session's Redis,
+one fcdaemon agent whose replicas are real processes serving HTTP on loopback
+(``examples.*``, and :data:`HOSTILE`: a replica whose answers attack the gateway), and
+:meth:`Stack.gateway` to start gateways (uvicorn, in threads) with settings of the
+test's choosing. A gateway keeps the claims it used for ``gateway_keep_s`` (1.5 s by
+default) before giving them back: :meth:`Stack.settled` waits for that.
+:func:`free_port` and :func:`wait_healthy` serve the tests that run ``corral gateway``
+as a process of its own.
+
+Each test runs twice, on each store and each data plane (:mod:`tests.dataplanes`) once:
+``[sqlite-haproxy]`` - SQLite, the default store, with HAProxy in front of the gateway,
+the default data plane where HAProxy is installed - and ``[postgres-python]``. The
+store's part is the same on both data planes (claims, cold starts, retiring), and the
+data plane's the same on both stores, so the two runs cover what the four would; a test
+whose gateway is a process of its own reads the data plane from :attr:`Stack.dataplane`.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +33,9 @@ from agents import ProcessDriver, RunningAgent, serve_fcdaemon
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from tests.fixtures import Env
+from testkit.eventually import eventually
+from tests.dataplanes import need
+from tests.fixtures import Env, fresh_store
 from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
 from workers.gateway import RunningGateway, serve_gateway
@@ -33,6 +43,7 @@ from workers.store.models import Claim, Replica
 
 HOSTILE = "tests.workers.gateway.hostile"  # the image of a replica whose answers attack
 CALLEE = "tests.workers.gateway.callee"  # the image of a function that records its calls
+PAIRS = (("sqlite", "haproxy"), ("postgres", "python"))  # (store, data plane) of each run
 
 
 def wait_healthy(url: str) -> None:
@@ -51,19 +62,55 @@ def wait_healthy(url: str) -> None:
 class Stack:
     """The running parts of one test's data path."""
 
-    def __init__(self, env: Env, agent: RunningAgent) -> None:
+    def __init__(self, env: Env, agent: RunningAgent, dataplane: str = "python") -> None:
         self.env = env
         self.agent = agent
+        self.dataplane = dataplane
         self.gateways: list[RunningGateway] = []
+
+    @property
+    def haproxy(self) -> bool:
+        """True when this test's gateways run HAProxy in front of them."""
+        return self.dataplane == "haproxy"
 
     def gateway(self, **overrides: Any) -> RunningGateway:
         """Start a gateway on a free loopback port (settings: the test's, plus ``overrides``);
         it sends asynchronous calls to ``corral.invocations``."""
-        base = {"gateway_cold_start_timeout_s": 30.0, "gateway_report_interval_s": 0.2}
+        base = {
+            "gateway_cold_start_timeout_s": 30.0,
+            "gateway_report_interval_s": 0.2,
+            "gateway_dataplane": self.dataplane,
+        }
         settings = self.env.settings.model_copy(update={**base, **overrides})
         running = serve_gateway(settings, "127.0.0.1:0", queue=HereFirst(QUEUE), calls=CALLS)
         self.gateways.append(running)
         return running
+
+    def warm(self, gw: RunningGateway, name: str, path: str = "") -> None:
+        """Call function ``name`` once, so that the next calls are warm: with HAProxy, until
+        HAProxy has the function's backend (the calls that follow go straight there)."""
+        answer = httpx.get(f"{gw.url}/function/{name}{path}", timeout=60)
+        assert answer.status_code == 200, answer.text
+        if gw.warm is not None:
+            router = gw.warm.router
+            assert router is not None
+            eventually(
+                lambda: (r := router.routes.get(name)) is not None and r.live and r.ready(),
+                10,
+                f"{name}'s backend in HAProxy",
+            )
+
+    def carried(self, gw: RunningGateway, name: str, calls: int) -> None:
+        """With HAProxy, wait until it has carried ``calls`` calls of ``name`` (else nothing)."""
+        if gw.warm is None:
+            return
+        router = gw.warm.router
+        assert router is not None
+        eventually(
+            lambda: router.counts.requests.get(name, 0) >= calls,
+            10,
+            f"{calls} calls of {name} carried by HAProxy",
+        )
 
     def deploy(self, name: str, image: str = "examples.hello", **fields: Any) -> None:
         """Deploy a function the process agent can run."""
@@ -101,12 +148,12 @@ class Stack:
 
 
 @contextlib.contextmanager
-def data_path(env: Env) -> Iterator[Stack]:
+def data_path(env: Env, dataplane: str = "python") -> Iterator[Stack]:
     """A process agent (registered as node ``node1``) on the store and broker of ``env``."""
     agent = serve_fcdaemon("127.0.0.1:0", driver=ProcessDriver(allow_images=[HOSTILE, CALLEE]))
     with env.db.transaction() as s:
         upsert_node(s, agent.address, name="node1", capacity=64)
-    running = Stack(env, agent)
+    running = Stack(env, agent, dataplane)
     try:
         yield running
     finally:
@@ -115,8 +162,27 @@ def data_path(env: Env) -> Iterator[Stack]:
         agent.stop(grace=0)
 
 
+@pytest.fixture(params=PAIRS, ids=[f"{store}-{plane}" for store, plane in PAIRS])
+def pairing(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """This run's store and data plane."""
+    store, plane = request.param
+    return store, need(plane)
+
+
 @pytest.fixture
-def stack(thread_worker: Env) -> Iterator[Stack]:
+def store_url(request: pytest.FixtureRequest, tmp_path: Path, pairing: tuple[str, str]) -> str:
+    """The store of this run (:data:`PAIRS`), empty and migrated."""
+    return fresh_store(request, tmp_path, pairing[0])
+
+
+@pytest.fixture
+def dataplane(pairing: tuple[str, str]) -> str:
+    """The data plane of this run (:data:`PAIRS`): ``python`` or ``haproxy``."""
+    return pairing[1]
+
+
+@pytest.fixture
+def stack(thread_worker: Env, dataplane: str) -> Iterator[Stack]:
     """Broker, worker, store, a process agent (registered as node ``node1``)."""
-    with data_path(thread_worker) as running:
+    with data_path(thread_worker, dataplane) as running:
         yield running

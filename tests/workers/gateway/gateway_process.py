@@ -1,10 +1,17 @@
 """``corral gateway`` as a process of its own, for the hostile-answer tests.
 
 :func:`gateway_process` starts one (with a token, a small read-ahead budget and a 1 s
-answer-head deadline) in front of ``evil`` - one replica whose answers attack it
-(:mod:`tests.workers.gateway.hostile`) - and ``examples.hello``, both deployed on the
-given :class:`Stack` and warm. :class:`Gateway` reads its memory from ``/proc`` and its
-refusals from ``/metrics``.
+answer-head deadline; its data plane the stack's) in front of ``evil`` - one replica
+whose answers attack it (:mod:`tests.workers.gateway.hostile`) - and ``examples.hello``,
+both deployed on the given :class:`Stack` and warm. :class:`Gateway` reads its memory
+from ``/proc`` (HAProxy's, a child of the gateway, counted in) and its refusals from
+``/metrics``; :meth:`Gateway.evil` deploys a hostile function of the test's own, warm.
+
+On the HAProxy data plane a warm function's calls go straight from HAProxy to its
+replica: the first attacks of a function meet HAProxy's bounds (502 for a head over
+its buffer or its lines, 504 for a head not complete within the call timeout, which is
+6 s here), after which the function is demoted to the Python path and meets the
+gateway's, exactly. Refusals count either way (:meth:`Gateway.refused` adds HAProxy's).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 
 from testkit.services import free_port
 from tests.workers.gateway.conftest import HOSTILE, Stack, wait_healthy
@@ -25,26 +33,47 @@ MiB = 1024 * 1024
 TOKEN = "t0ken"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 BUDGET = 16 * MiB  # CORRAL_GATEWAY_READ_AHEAD_BUDGET of these gateways
+CALL_TIMEOUT_S = 6  # CORRAL_GATEWAY_TIMEOUT_S on the HAProxy data plane (a head's bound there)
 
 
 class Gateway:
     """``corral gateway`` in a process of its own, its memory read from ``/proc``."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], url: str, log: Path, stack: Stack | None = None
+    ) -> None:
         self.proc = proc
         self.url = url
         self.log = log
+        self.stack = stack
+        self.dataplane = stack.dataplane if stack is not None else "python"
+        self.function = "evil"
+
+    def pids(self) -> list[int]:
+        """The gateway's process and its children (its HAProxy)."""
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return [self.proc.pid]
+        return [self.proc.pid, *(c.pid for c in children)]
 
     def kib(self, field: str) -> int:
-        """A ``/proc/PID/status`` figure in KiB (``VmRSS``, ``VmHWM``)."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-        raise AssertionError(f"no {field} for the gateway")
+        """A ``/proc/PID/status`` figure in KiB (``VmRSS``, ``VmHWM``), its HAProxy's added."""
+        total = 0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith(field + ":"):
+                        total += int(line.split()[1])
+        if not total:
+            raise AssertionError(f"no {field} for the gateway")
+        return total
 
     def reset_peak(self) -> None:
         """Start ``VmHWM`` again from the resident memory now."""
-        Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                Path(f"/proc/{pid}/clear_refs").write_text("5")
 
     def metric(self, line_start: str) -> float:
         """The value of the first ``/metrics`` sample whose line starts so (0 if none)."""
@@ -55,11 +84,25 @@ class Gateway:
         return 0.0
 
     def refused(self, *reasons: str) -> float:
-        """Answers of ``evil`` the gateway refused for any of ``reasons``."""
-        return sum(
-            self.metric(f'corral_gateway_answers_refused_total{{function="evil",reason="{r}"}}')
+        """Answers of the hostile function refused for any of ``reasons`` (or by HAProxy)."""
+        fn = self.function
+        return self.metric(f'corral_warm_answers_refused_total{{function="{fn}"}}') + sum(
+            self.metric(f'corral_gateway_answers_refused_total{{function="{fn}",reason="{r}"}}')
             for r in reasons
         )
+
+    def demoted(self) -> bool:
+        """True once the hostile function takes the Python path for good."""
+        return self.metric(f'corral_warm_demoted{{function="{self.function}"}}') == 1
+
+    def evil(self, name: str) -> str:
+        """Deploy hostile function ``name`` (one replica), warm: the attacks' target now."""
+        assert self.stack is not None
+        self.stack.deploy(name, image=HOSTILE, max=1, exec_envs=32)
+        answer = httpx.get(f"{self.url}/function/{name}/", headers=AUTH, timeout=60)
+        assert answer.status_code == 200, answer.text
+        self.function = name
+        return name
 
 
 @contextlib.contextmanager
@@ -75,7 +118,10 @@ def gateway_process(stack: Stack, tmp: Path) -> Iterator[Gateway]:
         "CORRAL_GATEWAY_READ_AHEAD_BUDGET": str(BUDGET),
         "CORRAL_GATEWAY_SEND_TIMEOUT_S": "120",
         "CORRAL_GATEWAY_ANSWER_HEAD_TIMEOUT_S": "1",
+        "CORRAL_GATEWAY_DATAPLANE": stack.dataplane,
     }
+    if stack.haproxy:
+        env["CORRAL_GATEWAY_TIMEOUT_S"] = str(CALL_TIMEOUT_S)
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
@@ -83,7 +129,7 @@ def gateway_process(stack: Stack, tmp: Path) -> Iterator[Gateway]:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
-    running = Gateway(proc, f"http://127.0.0.1:{port}", log)
+    running = Gateway(proc, f"http://127.0.0.1:{port}", log, stack)
     try:
         wait_healthy(running.url)
         for path in ("/function/hello", "/function/evil/"):  # both warm
@@ -91,5 +137,8 @@ def gateway_process(stack: Stack, tmp: Path) -> Iterator[Gateway]:
             assert answer.status_code == 200, answer.text
         yield running
     finally:
+        for pid in running.pids()[1:]:  # its HAProxy (which would go with it, under setpriv)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
         proc.kill()
         proc.wait(15)

@@ -9,6 +9,7 @@ survive, chosen by the request's path (``?mib=N`` sizes the attack, ``?size=N`` 
 * ``/interim`` - N MiB of ``103 Early Hints`` heads before a final 200;
 * ``/chunks`` - N MiB of body in chunks of ``size`` bytes;
 * ``/drip`` - a head one header line every 0.2 s, forever;
+* ``/trickle`` - a 200 head, then a chunk of its body every 0.2 s, forever;
 * ``/upgrade`` - a ``101 Switching Protocols``;
 * ``/extra`` - an answer, then in the same write the start of a forged one (status line
   and ``X-Forged: yes``), whose end the next request on that connection gets;
@@ -104,6 +105,11 @@ class Handler(socketserver.BaseRequestHandler):
             sock.sendall(b"HTTP/1.1 200 OK\r\n")
             while True:
                 sock.sendall(b"x-drip: 1\r\n")
+                time.sleep(0.2)
+        elif path == "/trickle":
+            sock.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            while True:
+                sock.sendall(b"1\r\nx\r\n")
                 time.sleep(0.2)
         elif path == "/upgrade":
             sock.sendall(

@@ -77,7 +77,9 @@ def test_a_request_head_over_64_kib_is_431_and_closed(stack: Stack) -> None:
     with _connect(gw.url) as sock:
         headers = "".join(f"X-Filler-{i}: {'y' * 1000}\r\n" for i in range(80))
         sock.sendall(f"GET /function/ghost HTTP/1.1\r\nHost: gw\r\n{headers}\r\n".encode())
-        assert _answer(sock, 5).startswith(b"HTTP/1.1 431 ")
+        # HAProxy's parser cannot tell a head past its buffer from a malformed one: 400
+        status = b"400" if stack.haproxy else b"431"
+        assert _answer(sock, 5).startswith(b"HTTP/1.1 " + status + b" ")
 
 
 def test_a_body_that_stops_arriving_is_408_and_claims_nothing(stack: Stack) -> None:
@@ -139,7 +141,10 @@ def test_a_caller_that_never_reads_its_answer_holds_no_environment(stack: Stack)
 
 
 def _rss_mib(pid: int) -> float:
-    return float(psutil.Process(pid).memory_info().rss) / MiB
+    """A process's resident memory and its children's (a gateway's HAProxy)."""
+    proc = psutil.Process(pid)
+    procs = [proc, *proc.children(recursive=True)]
+    return sum(float(p.memory_info().rss) for p in procs) / MiB
 
 
 def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_large(
@@ -149,7 +154,11 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-        env={**os.environ, "CORRAL_GATEWAY_TOKEN": "t0ken"},
+        env={
+            **os.environ,
+            "CORRAL_GATEWAY_TOKEN": "t0ken",
+            "CORRAL_GATEWAY_DATAPLANE": stack.dataplane,
+        },
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -52,7 +52,9 @@ def _raw(url: str, path: str, headers: list[tuple[str, str]] | None = None) -> d
 def test_an_untrusted_peers_forwarding_headers_are_replaced_not_passed_on(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()  # no trusted proxies: loopback peers are callers like any other
+    stack.warm(gw, "reflect")
     seen = httpx.get(f"{gw.url}/function/reflect", headers=SPOOFED, timeout=60).json()["headers"]
+    stack.carried(gw, "reflect", 1)
     assert seen["x-forwarded-for"] == "127.0.0.1"  # the peer, as the gateway saw it
     assert seen["x-forwarded-proto"] == "http"
     assert seen["x-forwarded-host"] == urlsplit(gw.url).netloc
@@ -65,7 +67,9 @@ def test_a_trusted_proxys_forwarding_headers_are_kept_with_the_peer_appended(
 ) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway(gateway_trusted_proxies="10.0.0.0/8, 127.0.0.1")
+    stack.warm(gw, "reflect")
     seen = httpx.get(f"{gw.url}/function/reflect", headers=SPOOFED, timeout=60).json()["headers"]
+    stack.carried(gw, "reflect", 1)
     assert seen["x-forwarded-for"] == "6.6.6.6, 127.0.0.1"
     assert seen["x-forwarded-proto"] == "https"
     assert seen["x-forwarded-host"] == "evil.example"
@@ -77,6 +81,7 @@ def test_a_trusted_proxys_forwarding_headers_are_kept_with_the_peer_appended(
 def test_hop_by_hop_and_connection_named_headers_stop_at_the_gateway(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
+    stack.warm(gw, "reflect")
     answer = httpx.get(
         f"{gw.url}/function/reflect?header=Connection:+x-replica-hop&header=X-Replica-Hop:+1"
         "&header=X-Kept:+yes",
@@ -95,12 +100,22 @@ def test_hop_by_hop_and_connection_named_headers_stop_at_the_gateway(stack: Stac
     assert seen.get("connection") in (None, "keep-alive")  # the gateway's own hop, if any
     assert answer.headers["x-kept"] == "yes"
     assert "x-replica-hop" not in answer.headers  # named in the replica's Connection:
+    # and a warm call's answer (HAProxy carries it): the replica's hop-by-hop headers go
+    plain = httpx.get(
+        f"{gw.url}/function/reflect?header=Connection:+x-replica-hop&header=X-Replica-Hop:+1"
+        "&header=Keep-Alive:+timeout%3D5&header=Proxy-Connection:+keep-alive&header=X-Kept:+yes",
+        timeout=60,
+    )
+    stack.carried(gw, "reflect", 1)
+    assert plain.headers["x-kept"] == "yes"
+    assert not {"x-replica-hop", "keep-alive", "proxy-connection"} & plain.headers.keys()
     stack.settled()
 
 
 def test_the_raw_path_reaches_the_replica_byte_for_byte(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
+    stack.warm(gw, "reflect")
     for path, query in (
         ("/a%3Fadmin=1", ""),
         ("/x%2Fy/z", "q=%2F"),
@@ -111,17 +126,20 @@ def test_the_raw_path_reaches_the_replica_byte_for_byte(stack: Stack) -> None:
         assert (seen["path"], seen["query"]) == (path, query)
     assert _raw(gw.url, "/function/reflect")["path"] == "/"
     assert _raw(gw.url, "/function/reflect?x=1")["query"] == "x=1"
+    stack.carried(gw, "reflect", 6)
     stack.settled()
 
 
 def test_accept_encoding_goes_as_the_caller_sent_it_and_nothing_is_added(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
+    stack.warm(gw, "reflect")
     bare = _raw(gw.url, "/function/reflect")["headers"]
     assert "accept-encoding" not in bare  # a caller that asked for no encoding gets none
     assert not {"user-agent", "accept", "cookie"} & bare.keys(), bare
     asked = _raw(gw.url, "/function/reflect", [("Accept-Encoding", "br;q=1.0, identity;q=0.5")])
     assert asked["headers"]["accept-encoding"] == "br;q=1.0, identity;q=0.5"
+    stack.carried(gw, "reflect", 2)
     stack.settled()
 
 

@@ -63,7 +63,11 @@ def test_an_unterminated_header_value_is_431_at_once_and_costs_the_gateway_littl
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-        env={**os.environ, "CORRAL_GATEWAY_TOKEN": TOKEN},
+        env={
+            **os.environ,
+            "CORRAL_GATEWAY_TOKEN": TOKEN,
+            "CORRAL_GATEWAY_DATAPLANE": stack.dataplane,
+        },
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -108,8 +112,10 @@ def test_an_unterminated_header_value_is_431_at_once_and_costs_the_gateway_littl
         )
         print(seen)
         # answered long before the attacker ran out of header to send (the loopback's
-        # socket buffers hold a few MiB of what was sent before the gateway closed)
-        assert answers == {b"HTTP/1.1 431"} and most < 32 * MiB, seen
+        # socket buffers hold a few MiB of what was sent before the gateway closed); HAProxy's
+        # parser cannot tell a head past its buffer from a malformed one: 400
+        refused = b"HTTP/1.1 400" if stack.haproxy else b"HTTP/1.1 431"
+        assert answers == {refused} and most < 32 * MiB, seen
         # a head copied whole at every read cost seconds of CPU per attack
         assert cpu_per_attack < 0.05, seen
     finally:

@@ -1,0 +1,150 @@
+"""HAProxy's configuration and runtime API as corral writes and speaks them, against HAProxy.
+
+No store, broker or replica: a configuration written from settings is checked by
+``haproxy -c``, and an HAProxy started on it answers the runtime commands the router
+sends (dynamic servers, the map, counters) as :mod:`workers.gateway.haproxy.runtime`
+reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+
+from config.settings import Settings, load_settings
+from tests.dataplanes import need
+from workers.gateway.haproxy import config
+from workers.gateway.haproxy.process import Process, find
+from workers.gateway.haproxy.runtime import Commands, Runtime
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "token, trusted proxies, larger answer heads": {
+        "gateway_token": SecretStr("s3cret"),
+        "gateway_trusted_proxies": "10.0.0.0/8, 127.0.0.1",
+        "gateway_answer_head_max": 128 * 1024,
+    },
+    "a warm queue, small bodies, short timeouts": {
+        "gateway_warm_queue": 4,
+        "gateway_max_body": 1000,
+        "gateway_timeout_s": 0.5,
+        "gateway_read_timeout_s": 0.25,
+    },
+}
+
+
+def _written(tmp_path: Path, **update: Any) -> tuple[config.Layout, socket.socket, Settings]:
+    settings = load_settings().model_copy(
+        update={"gateway_warm_functions": 3, "state_dir": tmp_path, **update}
+    )
+    layout = config.Layout.make(tmp_path)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    config.write(settings, layout, sock.fileno())
+    return layout, sock, settings
+
+
+@pytest.mark.parametrize("update", VARIANTS.values(), ids=VARIANTS.keys())
+def test_the_configuration_is_one_haproxy_takes(tmp_path: Path, update: dict[str, Any]) -> None:
+    need("haproxy")
+    layout, sock, _ = _written(tmp_path, **update)
+    with sock:
+        done = subprocess.run(
+            [find("haproxy").path, "-c", "-f", str(layout.config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            pass_fds=(sock.fileno(),),
+        )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARNING" not in done.stdout + done.stderr  # (rules in the order they run)
+    text = layout.config.read_text()
+    assert "s3cret" not in text  # the token is compared as its digest
+    for path in (layout.dir, layout.config, layout.functions):
+        assert path.stat().st_mode & 0o077 == 0, path  # private to the gateway's user
+
+
+def test_a_head_that_may_not_be_warm_is_told_by_its_header_names() -> None:
+    odd = re.compile(config.ODD_NAMES)
+    for names in ("host,user-agent,accept", "host,x-te,x-trailers,content-length"):
+        assert not odd.search(names), names
+    for names in (
+        "host,transfer-encoding",
+        "host,upgrade,connection",
+        "expect,host",
+        "host,te",
+        "host,trailer",
+        "host,proxy-authorization",
+        "host,authorization,accept,authorization",
+        "host,x-forwarded-for,x-forwarded-for",
+        "host,content-length,content-length",
+        "host,a,host",
+    ):
+        assert odd.search(names), names
+
+
+@pytest.fixture
+def haproxy(tmp_path: Path) -> Iterator[config.Layout]:
+    """An HAProxy on corral's configuration (no gateway behind it)."""
+    need("haproxy")
+    layout, sock, _ = _written(tmp_path)
+    process = Process(find("haproxy"), layout, sock)
+    process.start()
+    try:
+        yield layout
+    finally:
+        process.kill()
+        sock.close()
+
+
+def test_the_routers_commands_are_answered_and_told_apart(haproxy: config.Layout) -> None:
+    commands = Commands(haproxy.admin)
+    server = "127.0.0.1:9"
+    answers = commands.ask(
+        f"add server b1/{server} {server} maxconn 2 pool-max-conn 64 pool-purge-delay 5s"
+        " check observe layer4 error-limit 1 on-error mark-down",
+        f"set server b1/{server} state ready",
+        f"add map {haproxy.functions} hello b1",
+        f"set maxconn server b1/{server} 3",
+        f"set server b1/{server} state maint",
+        f"del server b1/{server}",  # (its answer ends without the usual blank line)
+        f"del server b1/{server}",
+        f"del map {haproxy.functions} hello",
+    )
+    assert answers == [
+        "New server registered.",
+        "",
+        "",
+        "",
+        "",
+        "Server deleted.",
+        "No such server.",
+        "",
+    ]
+    commands.close()
+
+
+def test_counters_and_streams_are_read(haproxy: config.Layout) -> None:
+    async def read() -> None:
+        runtime = Runtime(haproxy.admin)
+        server = "127.0.0.1:9"
+        await runtime.run(
+            f"add server b0/{server} {server} maxconn 4", f"set server b0/{server} state ready"
+        )
+        rows = {row.server: row for row in await runtime.stat(["b0"])}
+        assert set(rows) == {config.backup("b0"), server, "BACKEND"}
+        assert rows[server].sessions == rows[server].total == 0
+        assert rows[server].status == "no check"
+        assert await runtime.sessions() == []  # only the runtime's own stream, no backend
+        runtime.close()
+
+    asyncio.run(read())

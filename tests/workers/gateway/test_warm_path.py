@@ -1,0 +1,272 @@
+"""The HAProxy data plane's own behaviour: what it carries, what it gives back, how it mends.
+
+Real HTTP, HAProxy, broker, worker and process agent, on both stores (the router's
+claims go through the ledger and the store as the Python path's do). What both data
+planes share is tested on both in the other modules; here is what only the warm path
+has: calls carried by HAProxy and their environments given back, demand beyond it
+moved to the activator and back, a replica it cannot reach retired, HAProxy restarted,
+functions demoted, and routing changes while calls keep coming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tasks import api
+from testkit.eventually import eventually
+from tests.dataplanes import need
+from tests.fixtures import STORES, Env
+from tests.workers.gateway.conftest import HOSTILE, Stack, data_path
+from workers.gateway import RunningGateway
+from workers.gateway.haproxy.router import Router
+from workers.store.models import ReplicaState
+
+
+@pytest.fixture(params=STORES)
+def pairing(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """Each store, with HAProxy (the directory's pairs give one store the Python path)."""
+    return request.param, need("haproxy")
+
+
+@pytest.fixture
+def warm_stack(thread_worker: Env) -> Iterator[Stack]:
+    """Broker, worker, store and a process agent, the gateways with HAProxy in front."""
+    with data_path(thread_worker, need("haproxy")) as running:
+        yield running
+
+
+def _router(gw: RunningGateway) -> Router:
+    assert gw.warm is not None and gw.warm.router is not None
+    return gw.warm.router
+
+
+def _python_calls(gw: RunningGateway, name: str) -> float:
+    """Calls of ``name`` the gateway behind HAProxy answered itself."""
+    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("corral_function_invocations_total{") and f'"{name}"' in line
+    )
+
+
+def _get_at_once(url: str, n: int) -> list[int]:
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return [
+                a.status_code for a in await asyncio.gather(*(client.get(url) for _ in range(n)))
+            ]
+
+    return asyncio.run(run())
+
+
+def test_warm_calls_go_through_haproxy_and_their_environment_back_after_the_keep_window(
+    warm_stack: Stack,
+) -> None:
+    warm_stack.deploy("hello", max=2, exec_envs=2)
+    gw = warm_stack.gateway(gateway_keep_s=1.0)
+    assert "haproxy" in gw.dataplane
+    warm_stack.warm(gw, "hello")  # a cold start, answered by the activator
+    with httpx.Client(timeout=30) as client:
+        for _ in range(20):
+            assert client.get(f"{gw.url}/function/hello").status_code == 200
+    warm_stack.carried(gw, "hello", 20)
+    assert _python_calls(gw, "hello") == 1  # only the cold start went through the gateway
+    assert warm_stack.claims() == 1  # lent to HAProxy
+    # unused for the keep window: HAProxy's server goes, the environment back to the store
+    warm_stack.settled(10)
+    assert _router(gw).routes == {}
+    (replica,) = warm_stack.replicas("hello")
+    assert (replica.status, replica.envs_in_use) == (ReplicaState.IDLE, 0)
+
+
+def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
+    warm_stack: Stack,
+) -> None:
+    warm_stack.deploy("echo", image="examples.echo", max=3, exec_envs=1)
+    gw = warm_stack.gateway(gateway_keep_s=30.0)
+    warm_stack.warm(gw, "echo")  # one replica, its one environment lent to HAProxy
+    before = _python_calls(gw, "echo")
+    # three at once: HAProxy has room for one, the activator takes two (and starts replicas)
+    assert _get_at_once(f"{gw.url}/function/echo?delay=0.5", 3) == [200] * 3
+    assert _python_calls(gw, "echo") - before == 2
+    assert len(warm_stack.replicas("echo")) == 3
+    eventually(
+        lambda: sum(s.maxconn for s in _router(gw).routes["echo"].ready()) == 3,
+        10,
+        "the activator's environments lent to HAProxy once its calls were done",
+    )
+    # the same demand again: HAProxy carries all of it now
+    assert _get_at_once(f"{gw.url}/function/echo?delay=0.5", 3) == [200] * 3
+    assert _python_calls(gw, "echo") - before == 2
+    warm_stack.carried(gw, "echo", 3)
+
+
+def _read_all(url: str) -> None:
+    """GET ``url`` and read its answer to the end."""
+    with httpx.stream("GET", url, timeout=30) as answer:
+        assert answer.status_code == 200
+        for _ in answer.iter_bytes():
+            pass
+
+
+def _kill_replica(stack: Stack, replica_id: str) -> None:
+    (row,) = [r for r in stack.replicas("echo") if r.id == replica_id]
+    (vm,) = [vm for vm in stack.agent.driver.list() if vm.vmid == row.vmid]
+    assert vm.pid is not None
+    os.kill(vm.pid, signal.SIGKILL)
+
+
+def test_a_replica_haproxy_cannot_reach_is_retired_and_calls_go_elsewhere(
+    warm_stack: Stack,
+) -> None:
+    warm_stack.deploy("echo", image="examples.echo", max=4, exec_envs=1)
+    gw = warm_stack.gateway(gateway_keep_s=30.0)
+    assert api.wait(api.spawn("echo", 2), timeout=60)["status"] == "succeeded"
+    assert _get_at_once(f"{gw.url}/function/echo?delay=0.3", 2) == [200, 200]
+    router = _router(gw)
+    eventually(lambda: len(router.routes["echo"].ready()) == 2, 10, "both replicas lent")
+    bad = next(iter(router.routes["echo"].servers))  # the first: balance first tries it first
+    _kill_replica(warm_stack, bad)
+    # refused connections carried nothing: a POST goes to the other replica too
+    answer = httpx.post(f"{gw.url}/function/echo", content=b"once", timeout=60)
+    assert (answer.status_code, answer.content) == (200, b"once")
+    rows = eventually(
+        lambda: [r for r in warm_stack.replicas("echo") if r.id == bad and r.error],
+        10,
+        "the unreachable replica retired",
+    )
+    assert rows[0].status in (ReplicaState.DELETING, ReplicaState.DELETED)
+    assert (rows[0].error or "").startswith("suspect: haproxy could not reach it")
+    eventually(lambda: bad not in router.routes["echo"].servers, 10, "its server gone")
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
+
+
+def test_a_warm_call_whose_only_replica_fails_is_served_by_the_activator(
+    warm_stack: Stack,
+) -> None:
+    warm_stack.deploy("echo", image="examples.echo", max=3, exec_envs=1)
+    gw = warm_stack.gateway(gateway_keep_s=30.0)
+    warm_stack.warm(gw, "echo")
+    (replica,) = warm_stack.replicas("echo")
+    _kill_replica(warm_stack, replica.id)
+    # rewritten for the replica already: the backup activator puts it back as the caller
+    # sent it and serves it as the Python path does (a cold start of another replica)
+    answer = httpx.post(f"{gw.url}/function/echo?x=1", content=b"payload", timeout=60)
+    assert (answer.status_code, answer.content) == (200, b"payload")
+    assert len(warm_stack.replicas("echo")) == 2
+
+
+def test_haproxy_started_again_gets_every_route_back(warm_stack: Stack) -> None:
+    warm_stack.deploy("hello", max=2, exec_envs=2)
+    gw = warm_stack.gateway(gateway_keep_s=60.0)
+    warm_stack.warm(gw, "hello")
+    router = _router(gw)
+    assert gw.warm is not None and gw.warm.process.proc is not None
+    first = gw.warm.process.proc.pid
+    os.kill(first, signal.SIGKILL)
+    process = gw.warm.process
+    eventually(
+        lambda: process.alive() and process.pid != first and router.routes["hello"].live,
+        20,
+        "HAProxy started again, the route given to it again",
+    )
+    assert router.counts.restarts == 1
+    with httpx.Client(timeout=30) as client:  # the same port: the gateway's socket
+        for _ in range(5):
+            assert client.get(f"{gw.url}/function/hello").status_code == 200
+    warm_stack.carried(gw, "hello", 5)
+
+
+def test_a_function_whose_answer_haproxy_refused_takes_the_python_path(
+    warm_stack: Stack,
+) -> None:
+    warm_stack.deploy("evil", image=HOSTILE, max=1, exec_envs=4)
+    gw = warm_stack.gateway(gateway_keep_s=30.0)
+    warm_stack.warm(gw, "evil", "/")
+    assert httpx.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
+    router = _router(gw)
+    eventually(lambda: "evil" in router.counts.demoted, 10, "evil demoted")
+    eventually(lambda: "evil" not in router.routes, 10, "its backend given up")
+    before = _python_calls(gw, "evil")
+    assert httpx.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
+    assert _python_calls(gw, "evil") == before + 1  # refused by the gateway's own bounds
+    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    assert 'corral_warm_demoted{function="evil"} 1.0' in text
+    assert 'corral_gateway_answers_refused_total{function="evil",reason="head_lines"}' in text
+
+
+def test_an_answer_past_the_call_timeout_is_cut_off_and_its_function_demoted(
+    warm_stack: Stack,
+) -> None:
+    # its head came at once and a byte of body keeps coming: HAProxy's inactivity timeout
+    # never fires, the watchdog (show sess, every second) cuts it at the call timeout
+    warm_stack.deploy("evil", image=HOSTILE, max=1, exec_envs=4)
+    gw = warm_stack.gateway(gateway_keep_s=30.0, gateway_timeout_s=2.0)
+    warm_stack.warm(gw, "evil", "/")
+    started = time.monotonic()
+    with pytest.raises(httpx.RemoteProtocolError):  # broken off, as the Python path does
+        _read_all(f"{gw.url}/function/evil/trickle")
+    assert time.monotonic() - started < 20  # (without the watchdog: never)
+    router = _router(gw)
+    eventually(lambda: "evil" in router.counts.demoted, 10, "evil demoted")
+    assert "call timeout" in router.counts.demoted["evil"]
+
+
+def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
+    """The full figure (1,000 calls a second) is ``python -m bench.warmroutes``'s."""
+    warm_stack.deploy("hello", max=6, exec_envs=2)
+    gw = warm_stack.gateway(gateway_keep_s=0.3)
+    warm_stack.warm(gw, "hello")
+    stop = threading.Event()
+    scaled: list[str] = []
+
+    def churn() -> None:  # replicas come (scale up) and go (scale down of idle ones)
+        targets = [4, 1]
+        while not stop.is_set():
+            target = targets[len(scaled) % 2]
+            api.wait(api.scale("hello", target), timeout=60)
+            scaled.append(str(target))
+            stop.wait(0.5)
+
+    async def load(rate: float, seconds: float) -> list[int | str]:
+        out: list[int | str] = []
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def one() -> None:
+                try:
+                    out.append((await client.get(f"{gw.url}/function/hello")).status_code)
+                except httpx.HTTPError as exc:
+                    out.append(type(exc).__name__)
+
+            began, calls = time.monotonic(), []
+            while (now := time.monotonic()) - began < seconds:
+                calls.append(asyncio.ensure_future(one()))
+                await asyncio.sleep(max(0.0, began + len(calls) / rate - now))
+            await asyncio.gather(*calls)
+        return out
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        answers = asyncio.run(load(rate=100, seconds=8))
+    finally:
+        stop.set()
+        churner.join(120)
+    failed = [a for a in answers if a != 200]
+    assert answers and not failed, f"{len(failed)} of {len(answers)} failed: {set(failed)}"
+    assert len(scaled) >= 4, scaled  # it did scale up and down meanwhile
+    made = warm_stack.replicas("hello")
+    assert len(made) > 2 and any(r.status == ReplicaState.DELETED for r in made)
+    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    for change in ("add", "remove"):
+        line = f'corral_warm_route_change_seconds_count{{change="{change}"}}'
+        assert line in text and float(text.split(line, 1)[1].split()[0]) >= 2, change

@@ -1,0 +1,461 @@
+"""HAProxy's configuration, written from the gateway's settings: what is fixed at its start.
+
+Everything that changes while it runs - which function a backend serves, its servers,
+their ``maxconn`` - is programmed over the runtime socket (:mod:`.runtime`), never by a
+reload. What is fixed is written here, once:
+
+* **global**: the runtime socket (``mode 600``, level admin) in a private directory
+  (:class:`Layout`, ``0700``), one thread by default, the buffer that bounds every head
+  (``tune.bufsize``: the largest head the settings allow, plus HAProxy's room to rewrite),
+  the header lines of a head (``tune.http.maxhdr``), the Lua action that drops the
+  headers a replica's ``Connection:`` names.
+* **the frontend** on the socket the gateway bound (``bind fd@N``: the port is the
+  gateway's, kept across a restart of HAProxy). With a token, a ``/function/`` request
+  without it is answered 401 here (the token compared as a SHA-256 digest, so the
+  comparison leaks nothing of it), its body never read. A request is *warm* - sent to
+  the function's backend - only when it is plain: a function with a backend in the map
+  (``functions.map``: name -> backend), no ``Transfer-Encoding``, ``Upgrade``,
+  ``Expect``, ``Connection`` naming a header, no second ``Authorization``,
+  ``X-Forwarded-*``, ``Content-Length`` or ``Host`` line, and a body, if any, within
+  ``CORRAL_GATEWAY_MAX_BODY`` and wholly in HAProxy's buffer before a replica is picked
+  (``wait-for-body`` up to the read timeout: 408 past it). Anything else goes to the
+  activator (the Python gateway, on a unix socket), untouched but for ``x-corral-peer``
+  (the caller's address) and ``x-corral-host`` (its ``Host``).
+* **the pool of backends** ``b0`` .. ``bN-1`` (``CORRAL_GATEWAY_WARM_FUNCTIONS``), each
+  empty until a function is given one: ``balance first`` over the servers (the replicas;
+  the first fills before the next is used, so spare environments stay unused and go back
+  to the store), and the activator as the backup server (``activator-bN``). When no
+  replica server is usable, or all are busy and ``CORRAL_GATEWAY_WARM_QUEUE`` requests
+  wait already (none, by default), ``use-server`` sends the request to the activator as
+  it came. A warm request whose replica cannot be reached is sent to another (a refused
+  connection carried nothing: any method may go again), else - rewritten already - to
+  the backup activator, which knows it by the ``Host`` the backup's name gives it and
+  serves it as the Python path would (:func:`workers.gateway.haproxy.warm.behind`).
+  A warm request gets the gateway's forwarding rules
+  (:mod:`workers.gateway.headers`): ``Authorization`` dropped when there is a token,
+  ``X-Forwarded-For`` / ``-Proto`` / ``-Host`` set (kept and appended to from
+  ``CORRAL_GATEWAY_TRUSTED_PROXIES`` only), ``Forwarded`` and ``X-Real-IP`` dropped from
+  anyone else, the raw path after ``/function/NAME`` as the target and the replica's
+  address as ``Host`` (the server's name: ``http-send-name-header``). Its answer loses
+  its hop-by-hop headers.
+
+Timeouts follow the settings: a request head (and a warm body) within
+``CORRAL_GATEWAY_READ_TIMEOUT_S`` (408), an answer's head within
+``CORRAL_GATEWAY_TIMEOUT_S`` of the request (504: bytes of a head that is not complete
+do not count as activity), a caller taking no part of its answer for
+``CORRAL_GATEWAY_SEND_TIMEOUT_S`` (cut off), a place in a backend's queue within the
+cold-start timeout (503 with ``Retry-After``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from config.settings import Settings, parse_networks, reveal
+from workers.gateway.asgi import RETRY_AFTER_S
+
+PEER = "x-corral-peer"  # the caller's address, on a request HAProxy hands the activator
+HOST = "x-corral-host"  # the caller's Host, likewise (the activator's own is its server name)
+ACTIVATOR = "activator"  # the activator's own backend and server; activator-bN in backend bN
+CLOSE = "x-corral-close"  # on an activator's answer that must close its caller's connection
+MAX_REWRITE = 1024  # tune.maxrewrite: room HAProxy keeps in a buffer to add headers
+MAX_HDR = 32767  # tune.http.maxhdr's ceiling
+SOCKET_PATH_MAX = 90  # a unix socket path (sun_path: 108 bytes; HAProxy takes 97 at most)
+KEEP_ALIVE_S = 30  # an idle kept-alive caller connection (the Python listener's too)
+CONNECT_S = 5.0  # connecting to a replica
+
+# Hop-by-hop headers of an answer that HAProxy's HTTP/1 layer leaves (it handles
+# Connection and Transfer-Encoding itself): workers.gateway.headers.HOP_BY_HOP.
+ANSWER_HOP_BY_HOP = (
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "trailers",
+    "upgrade",
+)
+
+# Drops the headers an answer's Connection: names (run only when it has one).
+LUA = """\
+core.register_action("corral_strip_named", {"http-res"}, function(txn)
+  local named = txn.http:res_get_headers()["connection"]
+  if named == nil then return end
+  for _, value in pairs(named) do
+    for token in string.gmatch(value, "[^,%s]+") do
+      local name = string.lower(token)
+      if name ~= "close" and name ~= "keep-alive" then txn.http:res_del_header(name) end
+    end
+  end
+end)
+"""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one gateway's HAProxy keeps its files: a private directory (``0700``)."""
+
+    dir: Path
+
+    @classmethod
+    def make(cls, state_dir: Path) -> Layout:
+        """A new private directory in the state directory (under /tmp if its path is too long)."""
+        state_dir.mkdir(parents=True, exist_ok=True)
+        made = Path(tempfile.mkdtemp(prefix="haproxy-", dir=state_dir))
+        layout = cls(made)
+        if len(str(layout.activator)) > SOCKET_PATH_MAX:  # sun_path: 108 bytes
+            made.rmdir()
+            layout = cls(Path(tempfile.mkdtemp(prefix="corral-haproxy-")))
+        return layout
+
+    @property
+    def admin(self) -> Path:
+        """HAProxy's runtime socket (``mode 600``)."""
+        return self.dir / "admin.sock"
+
+    @property
+    def activator(self) -> Path:
+        """The Python gateway's socket, which HAProxy hands what it does not carry."""
+        return self.dir / "activator.sock"
+
+    @property
+    def relay(self) -> Path:
+        """HAProxy's own socket between the functions' backends and the activator."""
+        return self.dir / "relay.sock"
+
+    @property
+    def functions(self) -> Path:
+        """The map from function name to backend (empty at start: filled at run time)."""
+        return self.dir / "functions.map"
+
+    @property
+    def config(self) -> Path:
+        """The configuration file."""
+        return self.dir / "haproxy.cfg"
+
+    @property
+    def lua(self) -> Path:
+        """The Lua action."""
+        return self.dir / "corral.lua"
+
+    def error(self, status: int) -> Path:
+        """The answer HAProxy gives with ``status`` itself (:data:`ERRORS`)."""
+        return self.dir / f"{status}.http"
+
+    @property
+    def log(self) -> Path:
+        """HAProxy's output."""
+        return self.dir / "haproxy.log"
+
+
+def backend(index: int) -> str:
+    """The name of the pool's backend number ``index``."""
+    return f"b{index}"
+
+
+def buffer_size(settings: Settings) -> int:
+    """``tune.bufsize``: the largest head either way may have, and room to rewrite."""
+    return max(settings.gateway_max_head_bytes, settings.gateway_answer_head_max) + MAX_REWRITE
+
+
+def token_digest(settings: Settings) -> str | None:
+    """The SHA-256 of the ``Authorization`` value callers must send, in upper-case hex."""
+    token = reveal(settings.gateway_token)
+    if not token:
+        return None
+    return hashlib.sha256(f"Bearer {token}".encode()).hexdigest().upper()
+
+
+# HAProxy's own answers, plain text as the gateway's (workers.gateway.asgi.reply).
+ERRORS = {
+    400: ("Bad Request", "bad request (malformed, or its head over the limit)", {}),
+    408: ("Request Timeout", "request not received in time", {}),
+    502: ("Bad Gateway", "the replica's answer was refused or broken", {}),
+    503: (
+        "Service Unavailable",
+        "no free environment of the function in time: try again",
+        {"retry-after": str(RETRY_AFTER_S)},
+    ),
+    504: ("Gateway Timeout", "the replica did not answer in time", {}),
+}
+
+
+def error_answer(status: int) -> bytes:
+    """The raw answer HAProxy gives with ``status`` (its connection closed)."""
+    reason, message, extra = ERRORS[status]
+    body = (message + "\n").encode()
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        "content-type: text/plain; charset=utf-8",
+        f"content-length: {len(body)}",
+        *(f"{k}: {v}" for k, v in extra.items()),
+        "connection: close",
+    ]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def write(settings: Settings, layout: Layout, listen_fd: int) -> None:
+    """Write the configuration and the files it names (each ``0600``)."""
+    files = {
+        layout.config: render(settings, layout, listen_fd).encode(),
+        layout.lua: LUA.encode(),
+        layout.functions: b"",
+        **{layout.error(status): error_answer(status) for status in ERRORS},
+    }
+    for path, data in files.items():
+        path.touch(mode=0o600)
+        path.write_bytes(data)
+
+
+def _seconds(value: float) -> str:
+    return f"{max(1, round(value * 1000))}ms"
+
+
+def render(settings: Settings, layout: Layout, listen_fd: int) -> str:
+    """The whole configuration."""
+    lines = [
+        *_global(settings, layout),
+        *_defaults(settings, layout),
+        *_frontend(settings, layout, listen_fd),
+        "",
+        f"backend {ACTIVATOR}",
+        f"  timeout server {_seconds(_activator_timeout(settings))}",
+        *_closing(),
+        f"  server {ACTIVATOR} unix@{layout.activator}",
+        *_relay(settings, layout),
+    ]
+    for index in range(settings.gateway_warm_functions):
+        lines += ["", *_pool_backend(settings, layout, backend(index))]
+    return "\n".join(lines) + "\n"
+
+
+def _activator_timeout(settings: Settings) -> float:
+    """How long the activator may take to start its answer: a cold start, then the call."""
+    return settings.gateway_cold_start_timeout_s + settings.gateway_timeout_s + 10
+
+
+def _global(settings: Settings, layout: Layout) -> list[str]:
+    return [
+        "global",
+        f"  stats socket {layout.admin} mode 600 level admin",
+        "  stats timeout 1m",
+        f"  nbthread {settings.gateway_haproxy_threads}",
+        # connections both ways: every caller may have one to a replica or the activator
+        f"  maxconn {2 * settings.gateway_max_connections + 64}",
+        f"  tune.bufsize {buffer_size(settings)}",
+        f"  tune.maxrewrite {MAX_REWRITE}",
+        f"  tune.http.maxhdr {min(settings.gateway_answer_head_lines, MAX_HDR)}",
+        f"  lua-load {layout.lua}",
+    ]
+
+
+def _defaults(settings: Settings, layout: Layout) -> list[str]:
+    return [
+        "",
+        "defaults",
+        "  mode http",
+        "  option http-keep-alive",
+        "  option dontlognull",
+        "  http-reuse always",
+        f"  timeout connect {_seconds(min(CONNECT_S, settings.gateway_timeout_s))}",
+        f"  timeout client {_seconds(settings.gateway_send_timeout_s)}",
+        f"  timeout server {_seconds(settings.gateway_timeout_s)}",
+        f"  timeout http-request {_seconds(settings.gateway_read_timeout_s)}",
+        f"  timeout http-keep-alive {KEEP_ALIVE_S}s",
+        f"  timeout queue {_seconds(max(0.001, settings.gateway_cold_start_timeout_s))}",
+        *(f"  errorfile {status} {layout.error(status)}" for status in ERRORS),
+    ]
+
+
+# The statuses the activator closes its connection with (the body left unread), which
+# HAProxy then answers itself: only its own answers close a caller still owing a body.
+CLOSING = (400, 401, 404, 408, 413, 429, 500, 502, 503, 504)
+
+
+def _closing() -> list[str]:
+    """The activator's answers that close their connection close the caller's too.
+
+    HAProxy keeps a caller's connection while the caller still owes its request's body
+    (until it sends more, or its timeout), whatever the answer says, unless the answer is
+    its own: such an answer (marked ``x-corral-close: <its message>``) is answered again
+    by HAProxy, with the same status, message and ``Retry-After``, and the connection
+    closes at once, as the gateway's own would.
+    """
+    said = "{ var(txn.said) -m found }"
+    lines = [
+        f"  http-response set-var(txn.said) res.hdr({CLOSE}) if {{ res.hdr({CLOSE}) -m found }}",
+        f"  http-response set-var(txn.retry) res.hdr(retry-after) if {said}"
+        " { res.hdr(retry-after) -m found }",
+    ]
+    text = 'content-type "text/plain; charset=utf-8" lf-string "%[var(txn.said)]\\n"'
+    for status in CLOSING:
+        extra = " hdr www-authenticate Bearer" if status == 401 else ""
+        lines += [
+            f"  http-response deny status {status} {text}{extra}"
+            f' hdr retry-after "%[var(txn.retry)]" if {said} {{ status {status} }}'
+            " { var(txn.retry) -m found }",
+            f"  http-response deny status {status} {text}{extra} if {said} {{ status {status} }}",
+        ]
+    return lines
+
+
+# Headers a warm request may not have (the activator forwards such requests by the
+# gateway's rules), and those it may have once only: matched on the list of its header
+# names (HAProxy keeps them in lower case) in one pass.
+NOT_WARM = (
+    "transfer-encoding|upgrade|expect|te|trailers?|keep-alive|proxy-connection"
+    "|proxy-authenticate|proxy-authorization"
+)
+ONCE = "authorization|host|content-length|x-forwarded-for|x-forwarded-proto|x-forwarded-host"
+ODD_NAMES = "|".join(
+    [f"(^|,)({NOT_WARM})(,|$)", *(f"(^|,){h},(.*,)?{h}(,|$)" for h in ONCE.split("|"))]
+)
+
+
+def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
+    """The listener: the token, then warm (a function's backend) or not (the activator).
+
+    Each test runs once, its outcome kept in a variable (an ACL named in several rules
+    would be evaluated again in each): ``txn.be`` the function's backend, ``txn.cold``
+    set when the request takes the activator.
+    """
+    digest = token_digest(settings)
+    # a body HAProxy may hold whole: the limit, and what its buffer leaves after a head
+    small = min(settings.gateway_max_body, buffer_size(settings) - MAX_REWRITE - 1024)
+    lines = [
+        "",
+        "frontend gateway",
+        f"  bind fd@{listen_fd}",
+        f"  maxconn {settings.gateway_max_connections}",
+        "  http-request del-header x-corral- -m beg",
+        "  acl function path_beg /function/",
+    ]
+    if digest:
+        lines += [
+            f"  acl authed req.fhdr(authorization),digest(sha256),hex -m str {digest}",
+            # answered here, its body never read: as the gateway does, before the function
+            "  http-request deny status 401 content-type text/plain"
+            ' string "missing or invalid gateway token" hdr www-authenticate Bearer'
+            " if function !authed",
+            "  http-request deny deny_status 401 if { path /metrics/haproxy } !authed",
+        ]
+    head = ""
+    if settings.gateway_answer_head_max > settings.gateway_max_head_bytes:
+        # the buffer holds heads larger than callers may send: the activator refuses them
+        room = settings.gateway_max_head_bytes - 8192
+        head = f" || {{ url,length gt 4096 }} || {{ req.hdrs,length gt {room} }}"
+    lines += [
+        "  http-request use-service prometheus-exporter if { path /metrics/haproxy }",
+        # the function's backend, when it has one
+        f"  http-request set-var(txn.be) path,field(3,/),map({layout.functions}) if function",
+        "  acl warm var(txn.be) -m found",
+        "  acl cold var(txn.cold) -m bool",
+        # what only the activator forwards as the gateway's rules say
+        "  http-request set-var(txn.cold) bool(1) if !warm"
+        f" || {{ req.hdr_names -m reg {ODD_NAMES} }}"
+        " || { req.hdr(connection) -m reg -i ^(?!(keep-alive|close)$) }"
+        f" || {{ req.hdr_val(content-length) gt {small} }}{head}",
+        # a body wholly in the buffer before a replica is picked: no environment waits on it
+        "  http-request set-var(txn.size) req.hdr_val(content-length) if !cold",
+        "  acl body var(txn.size) -m int gt 0",
+        f"  http-request wait-for-body time {_seconds(settings.gateway_read_timeout_s)}"
+        " if !cold body",
+        "  http-request set-var(txn.got) req.body_len if !cold body",
+        "  http-request set-var(txn.cold) bool(1)"
+        " if !cold body { var(txn.size),sub(txn.got) gt 0 }",
+        # the activator learns the caller as HAProxy saw it
+        f"  http-request set-header {PEER} %[src] if cold",
+        f"  http-request set-header {HOST} %[req.fhdr(host,1)]"
+        " if cold { req.hdr(host) -m found }",
+        "  use_backend %[var(txn.be)] if !cold",
+        f"  default_backend {ACTIVATOR}",
+    ]
+    return lines
+
+
+def backup(name: str) -> str:
+    """The activator's server in backend ``name`` (also the ``Host`` a request to it gets)."""
+    return f"{ACTIVATOR}-{name}"
+
+
+def _relay(settings: Settings, layout: Layout) -> list[str]:
+    """A listener of HAProxy's own between the backends and the activator.
+
+    What a function's backend hands the activator (no room, or a replica that could not
+    be reached) passes here, where the activator's closing answers are dealt with, so
+    the warm path does not evaluate those rules.
+    """
+    return [
+        "",
+        "listen relay",
+        f"  bind unix@{layout.relay} mode 600",
+        f"  timeout server {_seconds(_activator_timeout(settings))}",
+        *_closing(),
+        f"  server {ACTIVATOR} unix@{layout.activator}",
+    ]
+
+
+def _pool_backend(settings: Settings, layout: Layout, name: str) -> list[str]:
+    queue = settings.gateway_warm_queue
+    lines = [
+        f"backend {name}",
+        "  balance first",
+        "  retries 1",
+        "  option redispatch 1",
+        "  http-send-name-header host",  # the replica's own address (the server's name)
+        # to the activator, as it came: no usable replica, or all busy and the queue long
+        "  http-request set-var(txn.over) bool(1)"
+        f" if {{ be_conn_free lt 0 }} || {{ be_conn_free eq 0 }} {{ queue ge {queue} }}",
+        "  acl over var(txn.over) -m bool",
+        f"  http-request set-header {PEER} %[src] if over",
+        f"  http-request set-header {HOST} %[req.fhdr(host,1)]"
+        " if over { req.hdr(host) -m found }",
+        f"  http-request set-timeout server {_seconds(_activator_timeout(settings))} if over",
+    ]
+    if token_digest(settings):
+        lines += ["  http-request del-header authorization if !over"]
+    lines += _forwarded(settings)
+    hop = "|".join(ANSWER_HOP_BY_HOP)
+    lines += [
+        "  http-request set-path /%[path,field(4,/,0)] if !over",
+        f"  http-response del-header ^({hop})$ -m reg",
+        "  http-response lua.corral_strip_named if { res.hdr(connection) -m found }",
+        f"  use-server {backup(name)} if over",
+        f"  server {backup(name)} unix@{layout.relay} backup",
+    ]
+    return lines
+
+
+def _forwarded(settings: Settings) -> list[str]:
+    """X-Forwarded-*, Forwarded, X-Real-IP on a warm request, as the gateway sets them."""
+    networks = " ".join(str(n) for n in parse_networks(settings.gateway_trusted_proxies))
+    if not networks:
+        return [
+            "  http-request del-header ^(forwarded|x-real-ip|x-forwarded-host)$ -m reg if !over",
+            "  http-request set-header x-forwarded-for %[src] if !over",
+            "  http-request set-header x-forwarded-proto http if !over",
+            "  http-request set-header x-forwarded-host %[req.fhdr(host,1)]"
+            " if !over { req.hdr(host) -m found }",
+        ]
+    return [
+        f"  acl trusted src {networks}",
+        "  http-request del-header forwarded if !over !trusted",
+        "  http-request del-header x-real-ip if !over !trusted",
+        "  http-request set-var(txn.xff) req.fhdr(x-forwarded-for) if !over trusted",
+        "  http-request set-var(txn.xfp) req.fhdr(x-forwarded-proto,1) if !over trusted",
+        "  http-request set-var(txn.xfh) req.fhdr(x-forwarded-host,1) if !over trusted",
+        "  http-request set-var(txn.xfh) req.fhdr(host,1) if !over !{ var(txn.xfh) -m found }",
+        '  http-request set-header x-forwarded-for "%[var(txn.xff)], %[src]"'
+        " if !over { var(txn.xff) -m found }",
+        "  http-request set-header x-forwarded-for %[src] if !over !{ var(txn.xff) -m found }",
+        "  http-request set-header x-forwarded-proto %[var(txn.xfp)]"
+        " if !over { var(txn.xfp) -m found }",
+        "  http-request set-header x-forwarded-proto http if !over !{ var(txn.xfp) -m found }",
+        "  http-request set-header x-forwarded-host %[var(txn.xfh)]"
+        " if !over { var(txn.xfh) -m found }",
+        "  http-request del-header x-forwarded-host if !over !{ var(txn.xfh) -m found }",
+    ]
