@@ -57,7 +57,10 @@ _REPORT_MAC_HEX = 32
 #: caps answer first); a connection with no call for 5 minutes is closed, and every
 #: connection after 30 minutes (±10 %: gRPC's jitter), its calls given 60 s to finish
 #: (more than the longest create corral waits for); a connection must finish its
-#: HTTP/2 handshake within 10 s.
+#: HTTP/2 handshake within 10 s. BDP probing is off: it grows a stream's flow-control
+#: window to megabytes, which gRPC core fills before it can refuse an oversized or
+#: unauthenticated message (120 such calls held 17-86 MB; at the fixed 64 KiB, 6-8 MB).
+#: corral's messages are small and its peers close, so the fixed window costs nothing.
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.so_reuseport", 0),
     ("grpc.max_concurrent_streams", 1024),
@@ -65,6 +68,7 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_connection_age_ms", 1_800_000),
     ("grpc.max_connection_age_grace_ms", 60_000),
     ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 
