@@ -196,13 +196,21 @@ def test_interim_heads_count_against_the_head(gateway: Gateway) -> None:
     gateway.evil("evil-interim")
     outcome = attack(gateway, "/interim?mib=64")
     if gateway.dataplane == "haproxy":
-        # HAProxy relays interim answers (each within its bounds, all within the call's
-        # time) or refuses them; either way the function is then demoted and the gateway
-        # refuses them
+        # HAProxy relays interim answers, each within its bounds; one still relaying at
+        # the call timeout is cut by the watchdog (the connection closes mid-answer: on a
+        # loaded machine 64 MiB of them can take that long). Interim answers relayed demote
+        # the function: only the two attackers' first calls go through HAProxy, the rest
+        # take the Python path, which refuses them
         relayed = outcome.answers.count("200")
-        assert relayed <= 2 and outcome.answers.count("502") == 6 - relayed, outcome
+        cut = outcome.answers.count("RemoteProtocolError")
+        refused = outcome.answers.count("502")
+        assert relayed + cut <= 2 and refused == 6 - relayed - cut, outcome
         assert gateway.demoted()
-        _counted(gateway, "head_bytes", "head_lines", expected=6 - relayed)
+        eventually(
+            lambda: refused <= gateway.refused("head_bytes", "head_lines") <= refused + cut,
+            10,
+            f"{refused} refusals",
+        )
     else:
         assert outcome.answers == ["502"] * 6  # before: the final 200, after 64 MiB of 103s
         _counted(gateway, "head_bytes", "head_lines", expected=6)
