@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from workers.errors import BackendError
-from workers.store.models import ReplicaState
+from workers.store.states import ReplicaState
 
 
 class Outcome(enum.StrEnum):

@@ -36,7 +36,8 @@ from workers.registry.service import OK, READY, Registry
 from workers.replicas import creates
 from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Owner, disown, mark_sent, owner_token, take
-from workers.replicas.spawn import SpawnJob, place, run_batch
+from workers.replicas.plan import SpawnJob
+from workers.replicas.spawn import place, run_batch
 from workers.store.models import Function, Node, Replica, ReplicaState
 
 UNAVAILABLE = Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")  # the agent did nothing
