@@ -7,11 +7,13 @@ task's backoff counted as a first retry. Signatures are built, not sent: no brok
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
 
 from tasks import replicas as replica_tasks
+from workers import replicas
 from workers.replicas.plan import DeleteBatch, DeleteOne, Message, SpawnBatch, SpawnJob, SpawnOne
 
 
@@ -54,3 +56,11 @@ def test_each_message_is_its_task_with_its_arguments(
         assert signature.options["countdown"] > 0
     else:
         assert "countdown" not in signature.options and "retries" not in signature.options
+
+
+def test_every_name_of_the_face_is_its_modules_own() -> None:
+    for name in replicas.__all__:
+        module = importlib.import_module(replicas._FACE[name])
+        assert getattr(replicas, name) is getattr(module, name), name
+    with pytest.raises(AttributeError, match="no attribute 'run_batch'"):
+        _ = replicas.run_batch  # type: ignore[attr-defined]  # not on the face

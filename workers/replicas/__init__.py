@@ -107,9 +107,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """A name of the face, from its module (imported on first use)."""
-    module = _FACE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+if not TYPE_CHECKING:  # mypy sees the imports above; the face is typed, not Any
+
+    def __getattr__(name: str) -> Any:
+        """A name of the face, from its module (imported on first use)."""
+        module = _FACE.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
