@@ -29,7 +29,8 @@ spawn path's broker and Redis clients.
    create; ``mark_sent_soon`` marks it sent as its call takes its node's slot);
 7. :mod:`workers.replicas.calls` (the batch's calls inside the task's time) ->
    ``workers/backends/inflight.py`` (bounded per node and per process, on the event loop)
-   -> ``workers/backends/__init__.py::send_create`` -> the node's backend
+   -> :mod:`workers.replicas.sends` (each call admitted - marked sent - then made) ->
+   ``workers/backends/__init__.py::send_create`` -> the node's backend
    (``workers/backends/fcdaemon.py``: the agent's **CreateReplica**);
 8. the answers: :mod:`workers.replicas.arrivals` records each VM (Idle, or Starting) via
    :mod:`workers.replicas.lifecycle` (with :mod:`workers.replicas.landed` while the store
