@@ -1,7 +1,9 @@
 """The plan of a spawn, delete or scale (workers/replicas/plan.py): the messages to send.
 
-Plain values in, plain values out: no store, no broker, no Redis. What the messages
-become on the wire (each its task's signature) is tested in tests/tasks/test_replicas.py.
+Plain values in, plain values out: no store, no broker, no Redis
+(``python -m pytest tests/workers/replicas/test_plan.py -n0`` runs it alone). What the
+messages become on the wire (each its task's signature) is tested in
+tests/tasks/test_replicas.py; the handlers that send them in test_handlers.py.
 """
 
 from __future__ import annotations
