@@ -49,6 +49,7 @@ class Post:
         while self.sent:
             m, _ = self.sent.pop(0)
             if isinstance(m, plan.SpawnBatch):
+                assert m.op_id is not None  # a spawn's batches are its operation's
                 results.append(handlers.spawn_batch(ctx, m.op_id, m.function_id, m.wire_jobs()))
             elif isinstance(m, plan.DeleteBatch):
                 results.append(handlers.delete_batch(ctx, m.op_id, list(m.replica_ids)))
