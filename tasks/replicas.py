@@ -1,48 +1,38 @@
 """Replica tasks: spawn and delete a batch at a time, scale, and single-replica retries.
 
-Each task loads its operation's inputs by id, calls the plain logic in
-:mod:`workers.replicas` (``spawn``, ``delete``, ``scale``) with its time budget, and
-queues whatever follow-up work the logic hands back: the other batches of a fan-out, a
-batch's unsent rest, a replica to try alone with backoff (``spawn_replica``,
-``delete_replica``). Every task may run twice, at once or late: the replica rows decide
-who does what (:mod:`workers.replicas.owners`), never the message.
+Each task makes one call to :mod:`workers.replicas`' face (a handler per task) and
+returns what it returns. The handler works the task's part and asks the task, through a
+:class:`~workers.replicas.Port`, to send the messages the plan made of the rest - the
+other batches of a fan-out, a batch's unsent rest, a replica to try alone with backoff
+(:mod:`workers.replicas.plan`) - and to retry the task itself. Here each such message
+becomes its task's signature, one to one. Every task may run twice, at once or late: the
+replica rows decide who does what (:mod:`workers.replicas.owners`), never the message.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from celery import Signature
 
-from workers import stages
+from workers import replicas, stages
 from workers.celery import CorralTask, app
-from workers.errors import TransientBackendError
 from workers.redis_client import redis_client
-from workers.replicas import delete as deleting
-from workers.replicas import scale as scaling
-from workers.replicas import spawn as spawning
-from workers.replicas.outcomes import Next
 
 
 @app.task(bind=True, name="corral.spawn")
 def spawn(self: CorralTask, op_id: str) -> dict[str, Any]:
     """Spawn an operation's replicas: the first batch here, the others as ``spawn_batch``."""
-    with _timed(self, op_id) as timer:
-        function_id, jobs = spawning.plan_spawn(self.db, op_id)
-        timer.mark_planned()
-        first = _fan_out(self, op_id, function_id, jobs)
-    return {"op_id": op_id, "replicas": len(jobs), "states": first.tally()}
+    with _timed(self, op_id):
+        return replicas.spawn_operation(_context(self), op_id)
 
 
 @app.task(bind=True, name="corral.spawn_batch")
 def spawn_batch(self: CorralTask, op_id: str, function_id: str, jobs: list[Any]) -> dict[str, Any]:
     """Spawn up to ``SPAWN_BATCH`` replicas: rows in one transaction, VMs at once."""
-    parsed = spawning.parse_jobs(jobs)
-    nxt = spawning.run_batch(self.db, self.settings, op_id, function_id, parsed, self.budget)
-    _follow(self, function_id, nxt)
-    return {"op_id": op_id, "replicas": len(parsed), "states": nxt.tally()}
+    return replicas.spawn_batch(_context(self), op_id, function_id, jobs)
 
 
 @app.task(bind=True, name="corral.spawn_replica")
@@ -54,76 +44,32 @@ def spawn_replica(
     node_id: str | None = None,
 ) -> dict[str, Any]:
     """Create one replica (row first, then the VM), retrying transport errors with backoff."""
-    nxt = spawning.run_one(
-        self.db, self.settings, op_id, request_id, function_id, node_id, self.budget
-    )
-    mine = nxt.retry_of(request_id)
-    if mine is not None:
-        self.retry_within_budget(request_id, mine.error)
-        error = f"{mine.error} (gave up after {self.request.retries + 1} attempts)"
-        nxt = spawning.give_up(
-            self.db, self.settings, request_id, error, self.budget, failed_on=mine.node_id
-        )
-    _follow(self, function_id, nxt)
-    return {"request_id": request_id, "state": nxt.state(request_id).value}
+    return replicas.spawn_replica(_context(self), op_id, request_id, function_id, node_id)
 
 
 @app.task(bind=True, name="corral.delete_batch")
 def delete_batch(self: CorralTask, op_id: str | None, replica_ids: list[Any]) -> dict[str, Any]:
     """Delete up to ``DELETE_BATCH`` replicas: mark, release at once, retire in one transaction."""
-    out = deleting.delete_batch(self.db, self.settings, op_id, replica_ids, self.budget)
-    _send(
-        [
-            delete_replica.si(rid, op_id).set(countdown=self.backoff(), retries=1)
-            for rid in out.retry
-        ]
-        + ([delete_batch.si(op_id, out.rest)] if out.rest else [])
-    )
-    return {"op_id": op_id, "deleted": out.done, "retrying": len(out.retry), "left": len(out.rest)}
+    return replicas.delete_batch(_context(self), op_id, replica_ids)
 
 
 @app.task(bind=True, name="corral.delete_replica")
 def delete_replica(self: CorralTask, replica_id: str, op_id: str | None = None) -> dict[str, Any]:
     """Release a replica's VM and retire its row; an already deleted replica is fine."""
-    try:
-        state, error = deleting.delete_one(self.db, self.settings, replica_id, op_id)
-    except TransientBackendError as exc:
-        self.retry_within_budget(replica_id, exc)
-        state, error = deleting.delete_one(self.db, self.settings, replica_id, op_id, error=exc)
-    return {"replica_id": replica_id, "state": state, "error": error}
+    return replicas.delete_replica(_context(self), replica_id, op_id)
 
 
 @app.task(bind=True, name="corral.release_orphan")
 def release_orphan(self: CorralTask, node_id: str, vmid: str) -> dict[str, Any]:
     """Release a VM no replica took (an orphan the registry found); retried with backoff."""
-    try:
-        state = deleting.release_orphan(self.db, self.settings, node_id, vmid)
-    except TransientBackendError as exc:
-        self.retry_within_budget(vmid, exc)
-        state = f"not released: {exc}"
-    return {"node_id": node_id, "vmid": vmid, "state": state}
+    return replicas.release_orphan(_context(self), node_id, vmid)
 
 
 @app.task(bind=True, name="corral.scale")
 def scale(self: CorralTask, op_id: str) -> dict[str, Any]:
     """Bring a function to its target: spawn the missing, delete surplus Idle replicas."""
-    with _timed(self, op_id) as timer:
-        plan = scaling.plan_scale(self.db, self.settings, op_id)
-        timer.mark_planned()
-        size = deleting.DELETE_BATCH
-        _send(
-            [
-                delete_batch.si(op_id, plan.deletes[i : i + size])
-                for i in range(0, len(plan.deletes), size)
-            ]
-        )
-        _fan_out(self, op_id, plan.function_id, plan.spawns)
-    return {
-        "op_id": op_id,
-        "spawn": len(plan.spawns),
-        "delete": len(plan.deletes),
-        "note": plan.note,
-    }
+    with _timed(self, op_id):
+        return replicas.scale_operation(_context(self), op_id)
 
 
 def _timed(task: CorralTask, op_id: str) -> contextlib.AbstractContextManager[stages.SpawnTimer]:
@@ -132,36 +78,38 @@ def _timed(task: CorralTask, op_id: str) -> contextlib.AbstractContextManager[st
     return stages.timing(op_id, sent_at, redis_client(task.settings.broker_url))
 
 
-def _fan_out(task: CorralTask, op_id: str, function_id: str, jobs: list[spawning.SpawnJob]) -> Next:
-    """Queue a spawn's other batches, then work its first here; the first's outcome."""
-    first, rest = spawning.split(jobs)
-    _send([_batch(op_id, function_id, batch) for batch in rest])  # every worker, at once
-    if not first:
-        return Next()
-    nxt = spawning.run_batch(task.db, task.settings, op_id, function_id, first, task.budget)
-    _follow(task, function_id, nxt)
-    return nxt
+class _Port:
+    """The running task as its handler sees it: messages sent as tasks, retries as Celery's."""
+
+    def __init__(self, task: CorralTask) -> None:
+        self.task = task
+
+    def send(self, messages: Sequence[replicas.Message]) -> None:
+        """Queue each message as its task, in order."""
+        _send([self._signature(m) for m in messages])
+
+    def retry(self, what: str, error: Exception) -> int:
+        """Retry the task after its backoff (raises) while retries remain; else attempts made."""
+        self.task.retry_within_budget(what, error)
+        return int(self.task.request.retries) + 1
+
+    def _signature(self, m: replicas.Message) -> Signature:
+        """A message's task signature (a retry's: after this task's backoff, its first retry)."""
+        if isinstance(m, replicas.SpawnBatch):
+            return spawn_batch.si(m.op_id, m.function_id, m.wire_jobs())
+        if isinstance(m, replicas.SpawnOne):
+            one = spawn_replica.si(m.op_id, m.request_id, m.function_id)
+            return one.set(countdown=self.task.backoff(), retries=1) if m.after_backoff else one
+        if isinstance(m, replicas.DeleteBatch):
+            return delete_batch.si(m.op_id, list(m.replica_ids))
+        return delete_replica.si(m.replica_id, m.op_id).set(
+            countdown=self.task.backoff(), retries=1
+        )
 
 
-def _batch(op_id: str | None, function_id: str, jobs: list[spawning.SpawnJob]) -> Signature:
-    return spawn_batch.si(op_id, function_id, [[j.request_id, j.node_id] for j in jobs])
-
-
-def _follow(task: CorralTask, function_id: str, nxt: Next) -> None:
-    """Queue what a spawn handler left: lone retries, moved replicas, the unsent rest."""
-    rest: dict[str | None, list[spawning.SpawnJob]] = defaultdict(list)
-    for r in nxt.rest:
-        rest[r.operation_id].append(spawning.SpawnJob(r.request_id))
-    _send(
-        [
-            spawn_replica.si(r.operation_id, r.request_id, function_id).set(
-                countdown=task.backoff(), retries=1
-            )
-            for r in nxt.retry
-        ]
-        + [spawn_replica.si(r.operation_id, r.request_id, function_id) for r in nxt.again]
-        + [_batch(op, function_id, jobs) for op, jobs in rest.items()]
-    )
+def _context(task: CorralTask) -> replicas.Context:
+    """What a handler works with: this task's store, settings, time and port."""
+    return replicas.Context(task.db, task.settings, task.budget, _Port(task))
 
 
 def _send(signatures: list[Signature]) -> None:

@@ -21,7 +21,8 @@ from workers.functions import deploy, spec_from
 from workers.replicas.arrivals import record
 from workers.replicas.outcomes import Next, Outcome
 from workers.replicas.owners import Budget, Pending, owner_token, take
-from workers.replicas.spawn import SpawnJob, place
+from workers.replicas.plan import SpawnJob
+from workers.replicas.spawn import place
 from workers.store.models import LIVE_STATES, Operation, Replica
 
 

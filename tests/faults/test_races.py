@@ -33,8 +33,9 @@ from workers.replicas import spawn as replica_logic
 from workers.replicas.claims import claim, release
 from workers.replicas.creates import create
 from workers.replicas.owners import Budget
+from workers.replicas.plan import SpawnJob
 from workers.replicas.scale import plan_scale
-from workers.replicas.spawn import SpawnJob, place, plan_spawn, run_batch
+from workers.replicas.spawn import place, plan_spawn, run_batch
 from workers.store.models import Claim, Function, Node, ReplicaState
 
 

@@ -20,7 +20,7 @@ from workers.fleet.nodes import upsert_node
 from workers.functions import get_function
 from workers.kinds import OpKind
 from workers.operations import create_operation
-from workers.replicas import spawn as spawning
+from workers.replicas import plan as spawn_plan
 from workers.store.models import Replica, ReplicaState
 
 
@@ -49,7 +49,7 @@ def test_a_spawns_other_batches_start_while_its_first_is_in_flight(
     thread_worker: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A spawn queues its other batches before it works the first one, not after."""
-    monkeypatch.setattr(spawning, "SPAWN_BATCH", 2)
+    monkeypatch.setattr(spawn_plan, "SPAWN_BATCH", 2)
     driver = MeetingDriver(4)  # each create waits until all four are under way at once
     agent = serve_fcdaemon("127.0.0.1:0", driver=driver)
     try:

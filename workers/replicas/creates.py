@@ -2,8 +2,9 @@
 
 A handler owns the rows it sends (:mod:`workers.replicas.owners`). :func:`create` takes
 the rows of some requests, sends all their creates at once (:mod:`workers.replicas.calls`:
-bounded per node and per process, within the task's time), records the VMs as they land,
-then sorts every other answer, in one transaction:
+bounded per node and per process, within the task's time; each call, its admission and
+what lands are :mod:`workers.replicas.sends`' - the runner calls back there, never
+here), records the VMs as they land, then sorts every other answer, in one transaction:
 
 * a VM - the replica becomes Idle (or Starting, when its guest reports readiness); a VM
   whose row moved or ended meanwhile is released (:func:`workers.replicas.lifecycle.arrive`
@@ -42,21 +43,18 @@ handler took, or one that moved, is never changed by a stale answer.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers import backends, stages
-from workers.backends import inflight, networks
-from workers.errors import BackendError, PermanentBackendError
-from workers.fleet.nodes import note_creates, probation
+from workers.backends import inflight
+from workers.errors import BackendError
+from workers.fleet.nodes import note_creates
 from workers.replicas import calls, maybes
 from workers.replicas.arrivals import record
 from workers.replicas.maybes import Replaced
@@ -69,27 +67,17 @@ from workers.replicas.owners import (
     dedups,
     disown,
     let_go,
-    mark_sent_soon,
     owner_token,
     probe_dedup,
     take,
 )
+from workers.replicas.sends import Sends, blames_node, request_error
 from workers.store.db import Database
 from workers.store.models import Node
 
 log = logging.getLogger(__name__)
 
-REQUEST_ERRORS = ("INVALID_ARGUMENT", "400")  # the request's fault, not the node's
 MAX_ROUNDS = 2 * MAX_PLACEMENTS  # rounds of creates one call makes (moves start a new one)
-
-
-def request_error(exc: BaseException) -> bool:
-    """Whether an agent refused the request itself (the function's fault, not the node's)."""
-    return isinstance(exc, PermanentBackendError) and exc.code in REQUEST_ERRORS
-
-
-def _blames_node(exc: BaseException) -> bool:
-    return not request_error(exc)
 
 
 def create(  # noqa: PLR0913 - the rows, and the handler's own ones by name
@@ -242,58 +230,17 @@ def _round(  # noqa: PLR0913 - one handler's round
     Each create is marked sent as its call takes its node's slot, with the others that
     took one at that moment (committed before any of them goes out).
     """
-    nodes = {p.node.id: p.node for p in pendings}
-    for node in nodes.values():  # what a reply's address is checked against, without the store
-        networks.remember(backends.target(node), node.replica_networks, settings)
-    by_node: dict[Hashable, list[Pending]] = defaultdict(list)
-    for p in pendings:
-        by_node[p.node.id].append(p)
-    sends = {
-        p.request_id: backends.create_call(p.node, p.function, p.request_id, settings)
-        for p in pendings
-    }
-
-    def lane_of(node_id: Hashable) -> inflight.Lane:
-        node = nodes[str(node_id)]
-        return inflight.Lane(
-            node_id,
-            bound=settings.node_max_inflight,
-            stop_after=max(1, settings.node_failures - node.create_failures),
-            probation=probation(node, settings),
-        )
-
-    timer = stages.current()  # the task's (this runs on the event loop's thread)
-
-    async def call(p: Pending) -> backends.Vm:
-        if timer is not None:
-            timer.sent(p.request_id, p.node.name)
-        try:
-            return await backends.send_create(sends[p.request_id], settings)
-        except BackendError:
-            raise
-        except Exception as exc:  # a client bug must not take the batch down
-            raise PermanentBackendError(
-                f"CreateReplica failed: {type(exc).__name__}: {exc}", node=p.node.name
-            ) from None
-        finally:
-            if timer is not None:
-                timer.answered(p.request_id)
-
-    async def admit(p: Pending) -> bool:  # on the loop, holding the node's slot
-        return await asyncio.wrap_future(mark_sent_soon(db, token, p.replica_id))
-
-    def on_landed(landed: list[tuple[Pending, backends.Vm]]) -> None:
-        record(db, settings, landed, nxt, budget)
-
+    sends = Sends(db, settings, budget, token, nxt, pendings)
+    nodes, by_node = sends.nodes, sends.by_node
     ran = calls.run(
         settings,
         budget,
         by_node,
-        lane_of,
-        call,
-        failed=_blames_node,
-        on_landed=on_landed,
-        admit=admit,
+        sends.lane_of,
+        sends.call,
+        failed=blames_node,
+        on_landed=sends.on_landed,
+        admit=sends.admit,
     )
     nxt.cut = nxt.cut or ran.cut
     record(db, settings, ran.landed(), nxt, budget)
@@ -417,7 +364,7 @@ def _outcomes(lane: inflight.Lane) -> list[str | None]:
     return [
         None if e is None else str(e)
         for e in lane.log
-        if e is None or (not (isinstance(e, BackendError) and e.retryable) and _blames_node(e))
+        if e is None or (not (isinstance(e, BackendError) and e.retryable) and blames_node(e))
     ]
 
 

@@ -1,7 +1,7 @@
 """Deleting replicas: mark them Deleting, release their VMs at once, retire the rows.
 
 A delete is split at the network call like every other job, a batch of up to
-:data:`DELETE_BATCH` replicas at a time (:func:`delete_batch`):
+:data:`~workers.replicas.plan.DELETE_BATCH` replicas at a time (:func:`delete_batch`):
 
 1. :func:`begin_deletes` marks the replicas Deleting in one transaction, so no claim can
    take them and no other pass picks them; a replica already gone is a delete that
@@ -57,8 +57,6 @@ from workers.store.db import Database
 from workers.store.models import FINAL_STATES, LIVE_STATES, Node, Replica, ReplicaState
 
 log = logging.getLogger(__name__)
-
-DELETE_BATCH = 100
 
 
 @dataclass(frozen=True)
@@ -249,7 +247,7 @@ def wait_for_node(db: Database, settings: Settings, errors: dict[str, str]) -> N
 def delete_batch(
     db: Database, settings: Settings, op_id: str | None, replica_ids: list[str], budget: Budget
 ) -> Deleted:
-    """Delete up to ``DELETE_BATCH`` replicas: mark, release at once, retire in one transaction."""
+    """Delete a batch of replicas: mark, release at once, retire in one transaction."""
     if (
         not isinstance(replica_ids, list | tuple)
         or not replica_ids

@@ -4,9 +4,10 @@ A spawn handler (:mod:`workers.replicas.creates`, :mod:`workers.replicas.spawn`)
 :class:`Next`: what became of each request it handled (an :class:`Outcome`: the state
 its row reached, or what happens to it next), and the work it leaves to other tasks -
 requests to try alone after a backoff (:class:`Retry`), requests moved or replaced and
-not yet tried, and those left unsent for want of time (:class:`Request`). The task
-(``tasks/replicas.py``) queues that work and returns the tally of outcomes, by their
-values, as its result.
+not yet tried, and those left unsent for want of time (:class:`Request`). The handler
+(:mod:`workers.replicas.handlers`) has that work sent as the messages
+:func:`workers.replicas.plan.follow_ups` makes of it, and returns the tally of outcomes,
+by their values, as its task's result.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from workers.errors import BackendError
-from workers.store.models import ReplicaState
+from workers.store.states import ReplicaState
 
 
 class Outcome(enum.StrEnum):

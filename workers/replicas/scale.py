@@ -25,7 +25,8 @@ from workers.kinds import OpKind
 from workers.operations import finish, maybe_finish, open_of
 from workers.replicas.checks import check_target
 from workers.replicas.lifecycle import mark_deleting
-from workers.replicas.spawn import SpawnJob, lock_op, spawn_jobs
+from workers.replicas.plan import SpawnJob, spawn_jobs
+from workers.replicas.spawn import lock_op
 from workers.store.db import Database
 from workers.store.models import OP_FINISHED, Function, Operation, Replica, ReplicaState
 

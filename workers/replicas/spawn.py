@@ -1,11 +1,12 @@
 """Spawning replicas: plan once, write the rows first, then create their VMs batch by batch.
 
 A spawn (or the growing half of a scale) is carried out in batches of up to
-:data:`SPAWN_BATCH` replicas. :func:`plan_spawn` fixes the operation's request ids once
-(stored on the operation, so every delivery works the same requests); :func:`split`
-cuts them into batches: the calling task queues all but the first as ``spawn_batch``
-tasks, then works the first itself, so a large spawn is shared by every worker process
-from its start. A batch (:func:`run_batch`):
+:data:`~workers.replicas.plan.SPAWN_BATCH` replicas. :func:`plan_spawn` fixes the
+operation's request ids once (stored on the operation, so every delivery works the same
+requests); :func:`workers.replicas.plan.fan_out` cuts them into batches: the handler
+(:mod:`workers.replicas.handlers`) sends all but the first as ``spawn_batch`` messages,
+then works the first itself, so a large spawn is shared by every worker process from its
+start. A batch (:func:`run_batch`):
 
 1. :func:`place` writes its replica rows as Creating - keyed by request id, each with a
    node slot (and GPU) reserved and counted toward the function's max - in one
@@ -26,7 +27,6 @@ counts the failure against the node and moves the replica (or ends it Dead).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import insert, select, update
@@ -46,6 +46,7 @@ from workers.replicas.lifecycle import born, transition
 from workers.replicas.moves import owned_move
 from workers.replicas.outcomes import Next, Outcome, Request
 from workers.replicas.owners import Budget, Owner, Pending, disown, owner_token, take
+from workers.replicas.plan import SpawnJob, spawn_jobs
 from workers.store.db import Database
 from workers.store.models import (
     OP_FINISHED,
@@ -59,36 +60,6 @@ from workers.store.models import (
 
 log = logging.getLogger(__name__)
 
-# Replicas per batch: rows written in one transaction and VMs asked for at once. Big
-# enough that a batch keeps many calls in flight, small enough that a large spawn is
-# shared by every worker process.
-SPAWN_BATCH = 100
-
-
-@dataclass(frozen=True)
-class SpawnJob:
-    """One replica a spawn asks for: its request id and, for ``spread``, a node."""
-
-    request_id: str
-    node_id: str | None = None
-
-
-def parse_jobs(raw: object) -> list[SpawnJob]:
-    """``[[request_id, node_id or null], ...]`` from a task message, or :class:`InputError`."""
-    if not isinstance(raw, list) or not raw:
-        raise InputError(f"jobs must be a non-empty list, got {type(raw).__name__}")
-    jobs = []
-    for item in raw:
-        if (
-            not isinstance(item, list | tuple)
-            or len(item) != 2
-            or not isinstance(item[0], str)
-            or not (item[1] is None or isinstance(item[1], str))
-        ):
-            raise InputError(f"malformed job {item!r}: expected [request_id, node_id or null]")
-        jobs.append(SpawnJob(item[0], item[1]))
-    return jobs
-
 
 def lock_op(s: Session, op_id: str) -> tuple[Operation, Function | None]:
     """Lock an operation and its function in the documented order: function, then operation."""
@@ -98,16 +69,6 @@ def lock_op(s: Session, op_id: str) -> tuple[Operation, Function | None]:
     if op is None:
         raise NotFound(f"unknown operation {op_id!r}")
     return op, fn
-
-
-def spawn_jobs(op_id: str, plan: dict[str, Any]) -> list[SpawnJob]:
-    """The jobs of a stored spawn plan: ``count`` replicas on each planned node."""
-    nodes: list[str | None] = plan.get("nodes") or [None]
-    return [
-        SpawnJob(f"{op_id}.{i}.{n}", node)
-        for n, node in enumerate(nodes)
-        for i in range(int(plan.get("count", 0)))
-    ]
 
 
 def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
@@ -137,16 +98,6 @@ def plan_spawn(db: Database, op_id: str) -> tuple[str, list[SpawnJob]]:
         op.total = len(jobs)
         mark_running(op)
         return fn.id, jobs
-
-
-def split(jobs: list[SpawnJob]) -> tuple[list[SpawnJob], list[list[SpawnJob]]]:
-    """A spawn's jobs as batches of :data:`SPAWN_BATCH`: the first, to work here, and the rest.
-
-    The caller queues the rest *before* it works the first, so every worker starts on
-    them while the first batch's creates are in flight.
-    """
-    batches = [jobs[i : i + SPAWN_BATCH] for i in range(0, len(jobs), SPAWN_BATCH)]
-    return (batches[0], batches[1:]) if batches else ([], [])
 
 
 def run_batch(  # noqa: PLR0913 - one batch of one spawn

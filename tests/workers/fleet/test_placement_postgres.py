@@ -18,7 +18,7 @@ from tests.workers.fleet.helpers import audit_gpus
 from workers.fleet.gpus import add_gpu_server
 from workers.functions import get_function
 from workers.maintenance.audit import audit
-from workers.replicas.spawn import SpawnJob
+from workers.replicas.plan import SpawnJob
 from workers.replicas.spawn import place as place_rows
 from workers.store.models import LIVE_STATES, Gpu, Node, Replica, ReplicaState
 

@@ -20,7 +20,8 @@ from workers.kinds import OpKind
 from workers.maintenance.audit import audit
 from workers.operations import create_operation
 from workers.replicas.claims import Claimed, NoIdleReplica, claim
-from workers.replicas.spawn import SpawnJob, plan_spawn
+from workers.replicas.plan import SpawnJob
+from workers.replicas.spawn import plan_spawn
 from workers.store.db import Database
 from workers.store.models import Node, Replica, ReplicaState
 

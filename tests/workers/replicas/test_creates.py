@@ -33,7 +33,8 @@ from workers.functions import deploy, get_function, spec_from
 from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.owners import Pending, owner_token, take
-from workers.replicas.spawn import parse_jobs, place
+from workers.replicas.plan import parse_jobs
+from workers.replicas.spawn import place
 from workers.store.models import Claim, Node, Replica, ReplicaState
 
 

@@ -33,7 +33,8 @@ from workers.operations import create_operation
 from workers.replicas import claims, lifecycle
 from workers.replicas.outcomes import Outcome
 from workers.replicas.owners import Budget
-from workers.replicas.spawn import SpawnJob, run_batch
+from workers.replicas.plan import SpawnJob
+from workers.replicas.spawn import run_batch
 from workers.store.models import Claim, Function, Node, Operation, Replica, ReplicaState, new_id
 from workers.store.states import (
     MOVES,

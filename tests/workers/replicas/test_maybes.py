@@ -33,10 +33,11 @@ from workers import backends, clock
 from workers.backends import fcdaemon, inflight, networks
 from workers.maintenance.reaper import reap
 from workers.registry.service import OK, READY, Registry
-from workers.replicas import creates
+from workers.replicas import creates, sends
 from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Owner, disown, mark_sent, owner_token, take
-from workers.replicas.spawn import SpawnJob, place, run_batch
+from workers.replicas.plan import SpawnJob
+from workers.replicas.spawn import place, run_batch
 from workers.store.models import Function, Node, Replica, ReplicaState
 
 UNAVAILABLE = Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")  # the agent did nothing
@@ -277,7 +278,7 @@ def test_an_exception_in_a_batch_lets_go_of_the_rows_it_never_sent(
     def store_gone(*_: object) -> bool:
         raise RuntimeError("the store went away")
 
-    monkeypatch.setattr(creates, "mark_sent_soon", store_gone)
+    monkeypatch.setattr(sends, "mark_sent_soon", store_gone)
     with pytest.raises(RuntimeError, match="store went away"):
         run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
     rows = replicas(corral_env)

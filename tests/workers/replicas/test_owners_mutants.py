@@ -14,7 +14,8 @@ from sqlalchemy import select
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from workers.replicas.owners import Budget, let_go, mark_sent, owner_token, take
-from workers.replicas.spawn import SpawnJob, place
+from workers.replicas.plan import SpawnJob
+from workers.replicas.spawn import place
 from workers.store.models import Replica
 
 

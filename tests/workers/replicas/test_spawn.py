@@ -2,9 +2,10 @@
 batch, and every delivery working the same requests.
 
 Who may send a create, and what a lost answer does, are tested in test_owners.py,
-test_creates.py and test_maybes.py; here, the spawn's own steps: jobs from a message, the
-plan stored on the operation, the batches, the rows :func:`place` writes (placed,
-counted, over the max, on a removed function) and a batch run twice.
+test_creates.py and test_maybes.py; the messages a spawn sends (jobs, batches, follow-ups)
+in test_plan.py; here, the spawn's own steps: the plan stored on the operation, the rows
+:func:`place` writes (placed, counted, over the max, on a removed function) and a batch
+run twice.
 """
 
 from __future__ import annotations
@@ -21,63 +22,10 @@ from workers.errors import InputError
 from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.owners import Budget
-from workers.replicas.spawn import (
-    SPAWN_BATCH,
-    SpawnJob,
-    parse_jobs,
-    place,
-    plan_spawn,
-    run_batch,
-    spawn_jobs,
-    split,
-)
+from workers.replicas.spawn import place, plan_spawn, run_batch
 from workers.store.models import Function, Node, ReplicaState
 
 S = ReplicaState
-
-
-def test_jobs_are_read_from_a_message() -> None:
-    assert parse_jobs([["r1", None], ("r2", "n1")]) == [SpawnJob("r1"), SpawnJob("r2", "n1")]
-
-
-@pytest.mark.parametrize(
-    ("raw", "said"),
-    [
-        ([], "jobs must be a non-empty list, got list"),
-        ("r1", "jobs must be a non-empty list, got str"),
-        ([["r1"]], "malformed job"),
-        ([["r1", None, "x"]], "malformed job"),
-        ([[1, None]], "malformed job"),
-        ([["r1", 7]], "malformed job"),
-        (["r1"], "malformed job"),
-    ],
-)
-def test_a_malformed_message_is_refused(raw: object, said: str) -> None:
-    with pytest.raises(InputError, match=said):
-        parse_jobs(raw)
-
-
-def test_a_plan_is_count_replicas_on_each_planned_node() -> None:
-    jobs = spawn_jobs("op", {"count": 2, "nodes": ["a", "b"]})
-    assert jobs == [
-        SpawnJob("op.0.0", "a"),
-        SpawnJob("op.1.0", "a"),
-        SpawnJob("op.0.1", "b"),
-        SpawnJob("op.1.1", "b"),
-    ]
-    assert spawn_jobs("op", {"count": 2}) == [SpawnJob("op.0.0"), SpawnJob("op.1.0")]
-    assert spawn_jobs("op", {"count": 1, "nodes": []}) == [SpawnJob("op.0.0")]
-
-
-@pytest.mark.parametrize(
-    ("n", "sizes"),
-    [(0, (0, [])), (1, (1, [])), (SPAWN_BATCH, (SPAWN_BATCH, [])), (250, (100, [100, 50]))],
-)
-def test_a_spawn_is_split_into_batches(n: int, sizes: tuple[int, list[int]]) -> None:
-    jobs = [SpawnJob(f"r{i}") for i in range(n)]
-    first, rest = split(jobs)
-    assert (len(first), [len(b) for b in rest]) == sizes
-    assert first + [j for b in rest for j in b] == jobs  # in order, none lost
 
 
 def _spawn_op(env: Env, fn_id: str, count: object) -> str:
