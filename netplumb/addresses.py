@@ -3,11 +3,18 @@
 Addresses come in four shapes, and IPv6 makes each of them ambiguous to a naive
 ``rsplit(":")``:
 
-* ``HOST:PORT`` and ``[V6]:PORT`` - a listen address, an fcdaemon node's address
-  (:func:`split_hostport`, strict; :func:`join_hostport` writes them back, bracketing
-  an IPv6 host);
-* ``scheme://HOST:PORT/path`` - a Lambdo host, a replica, a broker URL;
+* ``HOST:PORT`` and ``[V6]:PORT`` - a listen address (:func:`split_hostport`, which
+  takes any host text; :func:`join_hostport` writes them back, bracketing an IPv6 host);
+* ``HOST[:PORT]`` typed by an operator - an fcdaemon node, a GPU server, an AvA manager
+  (:func:`parse_hostport`: the host must be a name, an IPv4 address or a bracketed IPv6
+  address, the port 1-65535 or the caller's default);
+* ``scheme://HOST[:PORT]/path`` - a Lambdo host, a replica, a broker or database URL
+  (:func:`parse_url`: the scheme one of the caller's, the port its default if omitted);
 * a bare host: a name, an IPv4 address, ``[V6]`` or an unbracketed IPv6 address.
+
+The checking parsers raise :class:`ValueError` with a message that names what was being
+parsed and the shape expected (``invalid agent address 'x y': expected HOST:PORT``);
+callers in the control plane re-raise it as their own input error, unchanged.
 
 :func:`host_of` takes any of them and returns the host alone, never in brackets, so
 the host can be compared, resolved or checked (:func:`is_loopback`, :func:`is_wildcard`)
@@ -18,21 +25,51 @@ whichever shape it arrived in. A gRPC server names its caller as ``ipv4:1.2.3.4:
 from __future__ import annotations
 
 import ipaddress
-from urllib.parse import unquote
+import re
+from collections.abc import Mapping
+from typing import NamedTuple
+from urllib.parse import unquote, urlsplit
 
 __all__ = [
+    "HTTP_PORTS",
+    "MAX_PORT",
     "WILDCARD_HOSTS",
+    "UrlAddress",
     "host_of",
     "ip_literal",
     "is_loopback",
     "is_wildcard",
     "join_hostport",
+    "parse_hostport",
+    "parse_url",
     "peer_ip",
     "split_hostport",
 ]
 
 #: Hosts that mean "every interface" when a server binds them (compared without brackets).
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})  # noqa: S104 - recognised, not bound
+#: HTTP's schemes and their default ports.
+HTTP_PORTS = {"http": 80, "https": 443}
+#: The highest TCP port.
+MAX_PORT = 65535
+#: ``HOST[:PORT]``: a name or IPv4 address, or an IPv6 address in brackets; a port of digits.
+_HOSTPORT_RE = re.compile(
+    r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._\-]{1,253}))(?::(?P<port>\d{1,5}))?"
+)
+_NAME_RE = re.compile(r"[A-Za-z0-9._\-]{1,253}")
+
+
+class UrlAddress(NamedTuple):
+    """Where a URL points: its scheme (without a ``+driver``), host (no brackets) and port."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def hostport(self) -> str:
+        """``host:port``, an IPv6 host in brackets."""
+        return join_hostport(self.host, self.port)
 
 
 def host_of(address: str) -> str:
@@ -53,6 +90,50 @@ def split_hostport(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or int(port) > 65535:
         raise ValueError(f"expected HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def parse_hostport(
+    address: str, default_port: int | None = None, what: str = "address"
+) -> tuple[str, int]:
+    """``HOST[:PORT]`` checked, as (host without brackets, port); ValueError naming ``what``."""
+    text = address.strip() if isinstance(address, str) else ""
+    m = _HOSTPORT_RE.fullmatch(text)
+    port = int(m["port"]) if m and m["port"] else default_port
+    valid = m is not None and port is not None and 0 < port <= MAX_PORT
+    if m and m["v6"] is not None and ip_literal(m["v6"]) is None:
+        valid = False
+    if not valid or m is None or port is None:
+        shape = "HOST:PORT" if default_port is None else "HOST[:PORT]"
+        if text.count(":") > 1 and not text.startswith("["):
+            shape += " (an IPv6 host in brackets: [::1]:50051)"
+        raise ValueError(f"invalid {what} {address!r}: expected {shape}")
+    return m["v6"] if m["v6"] is not None else m["name"], port
+
+
+def parse_url(
+    url: str, default_ports: Mapping[str, int], what: str = "URL", *, bare: bool = False
+) -> UrlAddress:
+    """``scheme://HOST[:PORT]...`` checked, the port the scheme's default if omitted; with
+    ``bare`` nothing may follow but ``/``. ValueError naming ``what`` and the schemes."""
+    schemes = "|".join(default_ports)
+    problem = ValueError(f"invalid {what} {url!r}: expected {schemes}://HOST[:PORT]")
+    try:
+        parts = urlsplit(url.strip() if isinstance(url, str) else "")
+        port = parts.port
+    except ValueError:
+        raise problem from None
+    scheme = parts.scheme.lower().split("+", 1)[0]
+    host = parts.hostname or ""
+    if (
+        "://" not in url
+        or scheme not in default_ports
+        or port == 0
+        or not (_NAME_RE.fullmatch(host) or ip_literal(host) is not None)
+        or (bare and (parts.path not in ("", "/") or parts.query or parts.fragment))
+        or (bare and "@" in parts.netloc)
+    ):
+        raise problem
+    return UrlAddress(scheme, host, port or default_ports[scheme])
 
 
 def join_hostport(host: str, port: int) -> str:

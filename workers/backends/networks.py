@@ -30,13 +30,12 @@ import ipaddress
 import threading
 import time
 from functools import lru_cache
-from urllib.parse import urlsplit
 
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from config.settings import Settings
-from netplumb.addresses import join_hostport, split_hostport
+from netplumb.addresses import join_hostport, parse_url, split_hostport
 from workers.backends.base import Target, backend
 from workers.store.db import get_database
 from workers.store.models import Node
@@ -69,15 +68,11 @@ def _url_listener(url: str | None) -> tuple[str, int] | None:
     """(host, port) of a network URL (redis://, postgresql+psycopg://...); None for files."""
     if not url:
         return None
-    parts = urlsplit(url)
-    scheme = parts.scheme.split("+", 1)[0]
-    if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        return None
     try:
-        port = parts.port or _DEFAULT_PORTS[scheme]
+        _, host, port = parse_url(url, _DEFAULT_PORTS)
     except ValueError:
         return None
-    return parts.hostname, port
+    return host, port
 
 
 @lru_cache(maxsize=8)

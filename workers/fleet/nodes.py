@@ -36,14 +36,13 @@ import re
 import socket
 from datetime import timedelta
 from typing import NotRequired, TypedDict
-from urllib.parse import urlsplit
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from netplumb.addresses import join_hostport, split_hostport
+from netplumb.addresses import HTTP_PORTS, join_hostport, parse_url, split_hostport
 from workers.backends.base import backend
 from workers.clock import iso, now
 from workers.errors import InputError
@@ -52,8 +51,6 @@ from workers.names import check_name
 from workers.store.models import Node, Replica, ReplicaState
 from workers.store.rows import delete_unlinking_replicas, one_or_not_found
 from workers.untrusted import IP, ip_literal, parse_networks
-
-_SCHEME_PORTS = {"http": 80, "https": 443}
 
 
 class AddressTaken(InputError):
@@ -70,8 +67,7 @@ def _parts(address: str) -> tuple[str, str, int]:
     if "://" not in address:
         host, port = split_hostport(address)
         return "", host, port
-    url = urlsplit(address)
-    return url.scheme, url.hostname or "", url.port or _SCHEME_PORTS[url.scheme]
+    return parse_url(address, HTTP_PORTS)
 
 
 def _at(scheme: str, ip: IP, port: int) -> str:
