@@ -54,24 +54,9 @@ STAGE_BUCKETS = (
 #: ``corral_spawn_seconds``: enqueue -> Idle; a VM create takes 0.1-2 s on a real host, a
 #: cold guest longer.
 SPAWN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-#: ``corral_function_duration_seconds``: a request's arrival to its last byte.
-DURATION_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+#: ``corral_function_duration_seconds``: a request's arrival to its last byte (the stages'
+#: bounds from 1 ms, and a minute).
+DURATION_BUCKETS = (*STAGE_BUCKETS[1:], 60.0)
 #: ``corral_cold_start_seconds``: a cold start's claim to a ready replica.
 COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 #: ``corral_gateway_call_accept_seconds``: an asynchronous call's arrival to its 202.
