@@ -32,11 +32,13 @@ from urllib.parse import unquote, urlsplit
 
 __all__ = [
     "HTTP_PORTS",
+    "IP",
     "MAX_PORT",
     "WILDCARD_HOSTS",
     "UrlAddress",
     "host_of",
     "ip_literal",
+    "ip_of",
     "is_loopback",
     "is_wildcard",
     "join_hostport",
@@ -48,6 +50,8 @@ __all__ = [
 
 #: Hosts that mean "every interface" when a server binds them (compared without brackets).
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})  # noqa: S104 - recognised, not bound
+#: An IP address, either version.
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: HTTP's schemes and their default ports.
 HTTP_PORTS = {"http": 80, "https": 443}
 #: The highest TCP port.
@@ -100,7 +104,7 @@ def parse_hostport(
     m = _HOSTPORT_RE.fullmatch(text)
     port = int(m["port"]) if m and m["port"] else default_port
     valid = m is not None and port is not None and 0 < port <= MAX_PORT
-    if m and m["v6"] is not None and ip_literal(m["v6"]) is None:
+    if m and m["v6"] is not None and not _is_ip(m["v6"], 6):
         valid = False
     if not valid or m is None or port is None:
         shape = "HOST:PORT" if default_port is None else "HOST[:PORT]"
@@ -128,12 +132,20 @@ def parse_url(
         "://" not in url
         or scheme not in default_ports
         or port == 0
-        or not (_NAME_RE.fullmatch(host) or ip_literal(host) is not None)
+        or not (_NAME_RE.fullmatch(host) or _is_ip(host))
         or (bare and (parts.path not in ("", "/") or parts.query or parts.fragment))
         or (bare and "@" in parts.netloc)
     ):
         raise problem
     return UrlAddress(scheme, host, port or default_ports[scheme])
+
+
+def _is_ip(text: str, version: int | None = None) -> bool:
+    """Whether ``text`` is an IP address and nothing more (of ``version`` if given)."""
+    try:
+        return version in (None, ipaddress.ip_address(text).version)
+    except ValueError:
+        return False
 
 
 def join_hostport(host: str, port: int) -> str:
@@ -158,14 +170,21 @@ def is_wildcard(host: str) -> bool:
     return host.strip().strip("[]") in WILDCARD_HOSTS
 
 
-def ip_literal(host: str) -> str | None:
-    """``host`` as a normal IP string (an IPv4-mapped IPv6 address as IPv4); None if no IP."""
+def ip_of(address: str) -> IP | None:
+    """The IP an address's host is written as (any shape :func:`host_of` takes); None for a
+    name, never looked up. An IPv4-mapped IPv6 address is its IPv4 address."""
     try:
-        ip = ipaddress.ip_address(host.strip("[]"))
+        ip = ipaddress.ip_address(host_of(address))
     except ValueError:
         return None
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return str(mapped or ip)
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return mapped or ip
+
+
+def ip_literal(host: str) -> str | None:
+    """``host`` as a normal IP string (:func:`ip_of` written out); None if no IP."""
+    ip = ip_of(host)
+    return None if ip is None else str(ip)
 
 
 def peer_ip(peer: str) -> str | None:

@@ -8,6 +8,8 @@ from netplumb.addresses import (
     HTTP_PORTS,
     UrlAddress,
     host_of,
+    ip_literal,
+    ip_of,
     is_loopback,
     is_wildcard,
     join_hostport,
@@ -122,7 +124,7 @@ def test_parse_hostport_takes_what_an_operator_types(address: str, parsed: tuple
 @pytest.mark.parametrize(
     "bad",
     ["", "   ", "a b", "host:", "host:port", "host:0", "host:65536", "host:99999", "h:1:2",
-     "[zz::1]:1", "[::1", "::1]:1", "http://h:1", "h/x"],
+     "[zz::1]:1", "[::1", "::1]:1", "[10.0.0.5]:1", "[1.2.3.4:5]:1", "http://h:1", "h/x"],
 )  # fmt: skip
 def test_parse_hostport_refuses_anything_else_naming_what_and_the_shape(bad: str) -> None:
     with pytest.raises(ValueError, match=r"^invalid agent address .*: expected HOST\[:PORT\]"):
@@ -183,10 +185,30 @@ def test_parse_url_with_credentials_driver_and_path(url: str, parsed: UrlAddress
     "bad",
     ["", "10.0.0.5:3000", "//10.0.0.5:3000", "ftp://h:1", "http://", "http://h:0", "http://h:99999",
      "http://h:x", "http://a b:1", "http://[zz]:1", "http://h/path", "http://h/?q", "http://h/#f",
-     "http://u:p@h:1"],
+     "http://[1.2.3.4:5]:1", "http://u:p@h:1"],
 )  # fmt: skip
 def test_parse_url_bare_refuses_anything_else_naming_what_and_the_schemes(bad: str) -> None:
     with pytest.raises(
         ValueError, match=r"^invalid Lambdo host address .*: expected http\|https://HOST\[:PORT\]$"
     ):
         parse_url(bad, HTTP_PORTS, "Lambdo host address", bare=True)
+
+
+@pytest.mark.parametrize(
+    ("address", "ip"),
+    [
+        ("10.0.0.5", "10.0.0.5"),
+        ("10.0.0.5:50051", "10.0.0.5"),
+        ("[fe80::2]:50051", "fe80::2"),
+        ("http://[::1]:3000/x", "::1"),
+        ("::ffff:10.0.0.5", "10.0.0.5"),  # IPv4-mapped: its IPv4 address
+        ("[::ffff:10.0.0.5]:1", "10.0.0.5"),
+        ("node-1.example", None),  # a name is never looked up
+        ("localhost:1", None),
+        ("", None),
+    ],
+)
+def test_ip_of_any_shape_and_never_a_name(address: str, ip: str | None) -> None:
+    assert ip_literal(address) == ip
+    got = ip_of(address)
+    assert (None if got is None else str(got)) == ip

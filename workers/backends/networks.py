@@ -35,7 +35,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from config.settings import Settings
-from netplumb.addresses import join_hostport, parse_url, split_hostport
+from netplumb.addresses import ip_of, join_hostport, parse_url, split_hostport
 from workers.backends.base import Target, backend
 from workers.store.db import get_database
 from workers.store.models import Node
@@ -43,7 +43,6 @@ from workers.untrusted import (
     Listeners,
     Network,
     check_replica_address,
-    ip_literal,
     listen_networks,
     parse_networks,
 )
@@ -104,7 +103,7 @@ def default_networks(kind: str, address: str, settings: Settings) -> list[Networ
     a network of their node's - fcdaemon nodes - ``CORRAL_REPLICA_NETWORKS``).
 
     A host name is not resolved: it contributes no network."""
-    ip = ip_literal(address)
+    ip = ip_of(address)
     nets: list[Network] = [] if ip is None else [ipaddress.ip_network(ip)]
     if backend(kind).on_node_network:
         nets += parse_networks(c for c in settings.replica_networks.split(",") if c.strip())
