@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterable
 from urllib.parse import quote
 
-from netplumb.addresses import IP, host_of, ip_of, is_loopback, is_wildcard
+from netplumb.addresses import IP, host_of, ip_of, is_loopback, is_wildcard, join_hostport
 from workers.errors import PermanentBackendError
 
 __all__ = [
@@ -156,7 +156,7 @@ def check_replica_address(
     """
     ip = ip_of(host)
     networks = list(networks)
-    where = f"{host}:{port}"
+    where = join_hostport(host, port)
     if ip is None:
         raise PermanentBackendError(
             f"answered replica address {where[:80]!r}, which is not an IP address",
