@@ -56,11 +56,13 @@ IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 HTTP_PORTS = {"http": 80, "https": 443}
 #: The highest TCP port.
 MAX_PORT = 65535
+#: A host name (or an IPv4 address, which is written alike).
+_NAME = r"[A-Za-z0-9._\-]{1,253}"
+_NAME_RE = re.compile(_NAME)
 #: ``HOST[:PORT]``: a name or IPv4 address, or an IPv6 address in brackets; a port of digits.
 _HOSTPORT_RE = re.compile(
-    r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9._\-]{1,253}))(?::(?P<port>\d{1,5}))?"
+    rf"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>{_NAME}))(?::(?P<port>\d{{1,5}}))?"
 )
-_NAME_RE = re.compile(r"[A-Za-z0-9._\-]{1,253}")
 
 
 class UrlAddress(NamedTuple):
@@ -121,15 +123,16 @@ def parse_url(
     ``bare`` nothing may follow but ``/``. ValueError naming ``what`` and the schemes."""
     schemes = "|".join(default_ports)
     problem = ValueError(f"invalid {what} {url!r}: expected {schemes}://HOST[:PORT]")
+    text = url.strip() if isinstance(url, str) else ""
     try:
-        parts = urlsplit(url.strip() if isinstance(url, str) else "")
+        parts = urlsplit(text)
         port = parts.port
     except ValueError:
         raise problem from None
     scheme = parts.scheme.lower().split("+", 1)[0]
     host = parts.hostname or ""
     if (
-        "://" not in url
+        "://" not in text
         or scheme not in default_ports
         or port == 0
         or not (_NAME_RE.fullmatch(host) or _is_ip(host))

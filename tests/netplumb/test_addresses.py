@@ -146,6 +146,8 @@ def test_an_unbracketed_ipv6_address_is_refused_with_the_way_to_write_it(bare_v6
 def test_parse_hostport_refuses_what_is_not_text() -> None:
     with pytest.raises(ValueError, match="invalid GPU server address None"):
         parse_hostport(None, 50053, "GPU server address")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="invalid Lambdo host address None"):
+        parse_url(None, HTTP_PORTS, "Lambdo host address")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
