@@ -49,7 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from agents.procs import kill_group, spawn
 from netplumb import guest_env
-from netplumb.addresses import is_wildcard
+from netplumb.addresses import is_wildcard, split_hostport
 from netplumb.guest_env import parse_env_args
 
 __all__ = [
@@ -630,7 +630,10 @@ def _qemu_driver(
     from agents.qemu import driver as qemu
 
     cache = Path(args.qemu_cache) if args.qemu_cache else qemu.default_cache()
-    listen_port = str(args.listen).rpartition(":")[2] or "default"
+    try:
+        listen_port = str(split_hostport(str(args.listen))[1])
+    except ValueError:
+        listen_port = "default"
     state = Path(args.qemu_state) if args.qemu_state else cache / "run" / listen_port
     try:
         return qemu.QemuDriver(

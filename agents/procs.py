@@ -114,7 +114,10 @@ def spawn(
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace: float = 2.0) -> int | None:
-    """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds, and reap it."""
+    """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds, and reap it.
+
+    The agent's own copy of :func:`stack.supervisor.stop_process`: an agent imports nothing
+    of the stack (it runs on nodes without it), and it logs a VM that ignored SIGTERM."""
     pgid = proc.pid  # start_new_session makes the child its own group leader
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGTERM)

@@ -58,6 +58,7 @@ from sqlalchemy import func, select
 
 from agents import ProcessDriver, serve_fcdaemon
 from config.settings import get_settings, reset_settings
+from stack.supervisor import stop_process
 from testkit import terminals
 from testkit.processes import WorkerProcess, start_beat
 from testkit.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
@@ -253,12 +254,8 @@ class Fleet:
         for worker in self.workers:
             worker.stop()
         for proc in (getattr(self, "beat", None), getattr(self, "gateway", None)):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            if proc is not None:
+                stop_process(proc, 15)
         if getattr(self, "agent", None) is not None:
             self.agent.stop(grace=0)
         if self.watch:

@@ -24,6 +24,7 @@ from typing import Any
 from bench.options import store_for
 from config.celery import QUEUES
 from config.settings import get_settings, reset_settings
+from stack.supervisor import stop_process
 from testkit.services import RedisServer, free_port
 from workers.celery import configure
 from workers.store.db import get_database
@@ -58,12 +59,9 @@ class LocalStack:
     def stop(self) -> None:
         """Stop every process started, the last first."""
         for proc in reversed(self.procs):
-            proc.terminate()
+            proc.terminate()  # all at once: they stop together
         for proc in reversed(self.procs):
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 15)
 
 
 @contextlib.contextmanager

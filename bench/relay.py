@@ -19,7 +19,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+
+from netplumb.addresses import parse_url
 
 SOURCE = Path(__file__).resolve().with_name("relay.c")
 CFLAGS = ["-O2", "-Wall", "-Wextra"]
@@ -55,10 +56,7 @@ def start(binary: Path, replicas: list[str], log: Path) -> Relay:
     """Run the relay on a free 127.0.0.1 port in front of ``replicas`` (``http://HOST:PORT``)."""
     upstreams = []
     for address in replicas:
-        parts = urlsplit(address)
-        if parts.scheme != "http" or not parts.hostname or parts.port is None:
-            raise ValueError(f"the relay needs http://HOST:PORT, not {address!r}")
-        upstreams.append(f"{parts.hostname}:{parts.port}")
+        upstreams.append(parse_url(address, {"http": 80}, "replica address").hostport)
     with log.open("wb") as errors:
         proc = subprocess.Popen(
             [str(binary), "127.0.0.1:0", *upstreams], stdout=subprocess.PIPE, stderr=errors

@@ -70,6 +70,7 @@ from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from agents.lambdo import serve_lambdo
 from config.settings import get_settings, reset_settings
+from stack.supervisor import stop_process
 from tasks.api import database
 from testkit.history import Load, Tracked, compare, not_final, outcomes
 from testkit.processes import WorkerProcess, start_beat
@@ -358,12 +359,8 @@ class Fleet:
             with contextlib.suppress(Exception):
                 worker.stop(timeout=10)
         for proc in (self.beat, self.registry):
-            if proc is not None and proc.poll() is None:
-                proc.terminate()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(10)
-                if proc.poll() is None:
-                    proc.kill()
+            if proc is not None:
+                stop_process(proc, 10)
         for agent in [*self.agents, self.seed]:
             with contextlib.suppress(Exception):
                 agent.stop(grace=0)

@@ -62,6 +62,7 @@ from bench.options import add_counts, add_store_option, store_for
 from bench.plain import make_app
 from config.settings import get_settings, reset_settings
 from protos import fcdaemon_pb2, fcdaemon_pb2_grpc
+from stack.supervisor import stop_process
 from tasks import api
 from testkit.services import RedisServer
 from workers.celery import configure
@@ -155,13 +156,8 @@ def _peak_rss_mib(supervisor: int) -> dict[str, float]:
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    if proc is not None:
+        stop_process(proc, 30)
 
 
 def _wait_op(api: Any, op: str, timeout: float = 600) -> dict[str, Any]:

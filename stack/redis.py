@@ -47,11 +47,17 @@ def write_private_config(path: Path, password: str) -> Path:
 
 
 def redis_argv(
-    directory: Path, port: int, *, bind: str = "127.0.0.1", config: Path | None = None
+    directory: Path,
+    port: int,
+    *,
+    bind: str = "127.0.0.1",
+    config: Path | None = None,
+    fsync: str = "everysec",
 ) -> list[str]:
     """Command line for a persistent Redis on ``bind:port`` keeping its data in ``directory``.
 
-    ``config`` (a file from :func:`write_private_config`) is read first.
+    ``config`` (a file from :func:`write_private_config`) is read first; ``fsync`` is how
+    often the append-only file is synced (``always`` where a kill must lose no write).
     """
     return [
         redis_server_binary(),
@@ -65,7 +71,7 @@ def redis_argv(
         "--appendonly",
         "yes",
         "--appendfsync",
-        "everysec",
+        fsync,
         "--save",
         "",
         "--protected-mode",

@@ -31,6 +31,34 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def stop_process(
+    proc: subprocess.Popen[bytes], timeout: float = 10.0, *, group: bool = False
+) -> int | None:
+    """Stop a child: SIGTERM, SIGKILL after ``timeout`` s; its exit status (None if unreaped).
+
+    With ``group`` the signals go to its process group (a child started in a session of
+    its own, as :class:`Child` starts them), and the SIGKILL goes whatever the leader did,
+    for the group's stragglers: pool children, replicas, hogs. corral up, testkit and the
+    benchmarks stop their children with this; an agent's VMs are stopped by
+    :func:`agents.procs.kill_group` (an agent imports nothing of the stack)."""
+
+    def send(sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(proc.pid, sig)
+            elif proc.poll() is None:
+                proc.send_signal(sig)
+
+    if group or proc.poll() is None:
+        send(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout)
+        send(signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+    return proc.returncode
+
+
 @dataclass
 class Child:
     """One supervised process."""
@@ -70,15 +98,7 @@ class Child:
         """SIGTERM the process group, then SIGKILL it if it lingers."""
         if self.proc is None:
             return
-        pgid = self.proc.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)  # the group: pool children, replicas, hogs
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
+        stop_process(self.proc, timeout, group=True)
         if self._log is not None:
             self._log.close()  # type: ignore[attr-defined]
 

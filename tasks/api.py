@@ -79,7 +79,10 @@ from workers.store.revisions import check_schema, safe_url
 
 
 class _Later:
-    """A module imported when one of its names is first used, not when the API is imported."""
+    """A module imported when one of its names is first used, not when the API is imported.
+
+    With importlib, not kombu's ``symbol_by_name``: importing ``kombu.utils`` loads kombu,
+    which the API's store queries never load (tests/tasks/cli/test_startup.py)."""
 
     def __init__(self, name: str) -> None:
         self._name = name

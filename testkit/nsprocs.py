@@ -55,7 +55,7 @@ import redis
 from psycopg import sql
 
 from config.celery import QUEUES
-from stack.redis import redis_server_binary
+from stack.redis import redis_argv, write_private_config
 from testkit.netns import Host, Launcher
 from testkit.services import PostgresServer
 
@@ -175,20 +175,17 @@ class _Server:
 
 
 class NsRedis(_Server):
-    """The broker on its host's address, append-only, with a password (from a file, not argv)."""
+    """The broker on its host's address, append-only, with a password (from a file, not argv).
+
+    ``corral up``'s command line and private configuration (:mod:`stack.redis`), on the
+    host's address, syncing every write (the run stops it and starts it again under load)."""
 
     name = "redis-server"
     port = 6379
 
     def _argv(self) -> list[str]:
-        conf = self.directory / "redis.conf"
-        conf.touch(mode=0o600)
-        conf.write_text(
-            f"requirepass {self.password}\nbind {self.ip}\nport {self.port}\n"
-            f'dir {self.directory}\nappendonly yes\nappendfsync always\nsave ""\n'
-            "timeout 0\ndatabases 16\ndaemonize no\n"
-        )
-        return [redis_server_binary(), str(conf)]
+        conf = write_private_config(self.directory / "redis.conf", self.password)
+        return redis_argv(self.directory, self.port, bind=self.ip, config=conf, fsync="always")
 
     def url_for(self, db: int) -> str:
         """``redis://:PASSWORD@IP:6379/db``."""

@@ -20,6 +20,8 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from netplumb.addresses import host_of
+
 
 @dataclass(frozen=True)
 class Received:
@@ -95,7 +97,7 @@ class RunningSink:
 
 def serve(listen: str = "127.0.0.1:0", *, keep: int = 100_000, echo: bool = False) -> RunningSink:
     """Start a sink on ``listen`` (loopback); returns once it serves."""
-    host = listen.rsplit(":", 1)[0].strip("[]")
+    host = host_of(listen)
     if host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"the sink listens on loopback only, not {host}")
     sink = Sink(keep, echo)

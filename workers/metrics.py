@@ -85,8 +85,6 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry, make_asgi_app
 from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
@@ -99,6 +97,7 @@ from netplumb import asgiserve
 from netplumb.addresses import join_hostport, split_hostport
 from netplumb.listening import listen_refusal
 from workers import clock_offsets, logs, stages
+from workers import metric_catalog as catalog
 from workers.autoscale.keepalive import MODES
 from workers.autoscale.passes import DECISIONS_KEY, KEEPALIVE_KEY
 from workers.errors import InputError
@@ -111,8 +110,6 @@ log = logging.getLogger(__name__)
 
 REAPED_KEY = "corral:metrics:reaped"
 REAP_REASONS = ("stuck", "stale", "idle")
-# enqueue -> Idle: a VM create takes 0.1-2 s on a real host, a cold guest longer
-SPAWN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # kombu's Redis transport keeps a queue's messages of priority p > 0 in "<queue>\x06\x16<p>"
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (0, 3, 6, 9)
@@ -144,11 +141,7 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Every metric, computed now."""
-        up = GaugeMetricFamily(
-            "corral_exporter_source_up",
-            "Whether a source answered this scrape (1) or not (0).",
-            labels=["source"],
-        )
+        up = catalog.EXPORTER_SOURCE_UP.gauge_family()
         try:
             families = list(self._from_store())
         except Exception as exc:  # the store is down: say so, keep the scrape
@@ -190,79 +183,54 @@ class StoreCollector(Collector):
             spawn = self._spawn_histogram(s)
             calls = call_stats.open_calls(s)
 
-        replicas = GaugeMetricFamily(
-            "corral_replicas", "Live replicas per function and state.", labels=["function", "state"]
-        )
+        replicas = catalog.REPLICAS.gauge_family()
         for fid, name in sorted(names.items(), key=lambda kv: kv[1]):
             for state in LIVE_STATES:
                 replicas.add_metric([name, state.label], counts.get((fid, state), 0))
         yield replicas
         yield spawn
 
-        healthy = GaugeMetricFamily(
-            "corral_node_healthy",
-            "Whether a node passes its health checks (1) or not (0).",
-            labels=["node"],
-        )
-        live = GaugeMetricFamily(
-            "corral_node_replicas", "Live replicas on a node.", labels=["node"]
-        )
-        capacity = GaugeMetricFamily(
-            "corral_node_capacity", "Replicas a node may hold.", labels=["node"]
-        )
+        healthy = catalog.NODE_HEALTHY.gauge_family()
+        live = catalog.NODE_REPLICAS.gauge_family()
+        capacity = catalog.NODE_CAPACITY.gauge_family()
         for name, ok, n, cap in nodes:
             healthy.add_metric([name], 1 if ok else 0)
             live.add_metric([name], n)
             capacity.add_metric([name], cap)
         yield from (healthy, live, capacity)
 
-        finished = CounterMetricFamily(
-            "corral_operations",
-            "Finished operations by kind and outcome.",
-            labels=["kind", "status"],
-        )
-        still = GaugeMetricFamily(
-            "corral_operations_open", "Operations pending or running.", labels=["kind", "status"]
-        )
+        finished = catalog.OPERATIONS.counter_family()
+        still = catalog.OPERATIONS_OPEN.gauge_family()
         for kind, status, n in sorted(ops):
             (still if status in OP_OPEN else finished).add_metric([kind, status], n)
         yield from (finished, still)
 
-        open_calls = GaugeMetricFamily(
-            "corral_calls_open",
-            "Asynchronous calls not over yet, by status.",
-            labels=["status"],
-        )
+        open_calls = catalog.CALLS_OPEN.gauge_family()
         for call_status, waiting in sorted(calls.by_status.items()):
             open_calls.add_metric([call_status], waiting)
         yield open_calls
-        yield GaugeMetricFamily(
-            "corral_calls_queue_age_seconds",
-            "How long the oldest queued asynchronous call has waited for its first attempt.",
-            value=calls.oldest_queued_s,
-        )
+        yield catalog.CALLS_QUEUE_AGE_SECONDS.gauge_family(calls.oldest_queued_s)
 
     def _spawn_histogram(self, s: Any) -> HistogramMetricFamily:
         dt = _seconds(self.db, Replica.ready_at, Operation.created_at)
+        bounds = catalog.SPAWN_BUCKETS
         row = s.execute(
             select(
                 func.count(),
                 func.coalesce(func.sum(dt), 0.0),
-                *[func.coalesce(func.sum(case((dt <= b, 1), else_=0)), 0) for b in SPAWN_BUCKETS],
+                *[
+                    func.coalesce(func.sum(case((dt <= b, 1), else_=0)), 0)
+                    for b in catalog.SPAWN_BUCKETS
+                ],
             )
             .select_from(Replica)
             .join(Operation, Operation.id == func.substr(Replica.request_id, 1, 32))
             .where(Replica.ready_at.is_not(None), Operation.kind.in_((OpKind.SPAWN, OpKind.SCALE)))
         ).one()
         total, seconds, *cumulative = row
-        buckets = [(_le(b), float(n)) for b, n in zip(SPAWN_BUCKETS, cumulative, strict=True)]
+        buckets = [(_le(b), float(n)) for b, n in zip(bounds, cumulative, strict=True)]
         buckets.append(("+Inf", float(total)))
-        return HistogramMetricFamily(
-            "corral_spawn_seconds",
-            "Seconds from a spawn's enqueue (its operation accepted) to its replica Idle.",
-            buckets=buckets,
-            sum_value=float(seconds),
-        )
+        return catalog.SPAWN_SECONDS.histogram_family(buckets, float(seconds))
 
     def _from_redis(self, client: redis.Redis) -> Iterable[Metric]:
         pipe = client.pipeline(transaction=False)
@@ -288,37 +256,21 @@ class StoreCollector(Collector):
         yield _stages(timed)
         yield from _calls(called)
 
-        reaped = CounterMetricFamily(
-            "corral_reaped", "Replicas the reaper deleted, by reason.", labels=["reason"]
-        )
+        reaped = catalog.REAPED.counter_family()
         got = {_text(k): int(v) for k, v in reaped_raw.items()}
         for reason in sorted(set(REAP_REASONS) | set(got)):
             reaped.add_metric([reason], got.get(reason, 0))
         yield reaped
 
-        queued = GaugeMetricFamily(
-            "corral_queue_length", "Messages waiting in a Celery queue.", labels=["queue"]
-        )
+        queued = catalog.QUEUE_LENGTH.gauge_family()
         steps = len(PRIORITY_STEPS)
         for i, queue in enumerate(QUEUES):
             queued.add_metric([queue], sum(lengths[i * steps : (i + 1) * steps]))
         yield queued
-        yield GaugeMetricFamily(
-            "corral_queue_unacked",
-            "Messages delivered to workers and not yet acknowledged.",
-            value=unacked,
-        )
+        yield catalog.QUEUE_UNACKED.gauge_family(unacked)
 
-        desired = GaugeMetricFamily(
-            "corral_autoscale_desired_replicas",
-            "The autoscaler's last target for a function.",
-            labels=["function"],
-        )
-        panic = GaugeMetricFamily(
-            "corral_autoscale_panic",
-            "Whether the autoscaler is in panic mode for a function.",
-            labels=["function"],
-        )
+        desired = catalog.AUTOSCALE_DESIRED_REPLICAS.gauge_family()
+        panic = catalog.AUTOSCALE_PANIC.gauge_family()
         for name, raw in sorted((_text(k), v) for k, v in decisions.items()):
             try:
                 last = json.loads(raw)
@@ -333,31 +285,19 @@ class StoreCollector(Collector):
 
 def _workers(client: redis.Redis) -> Iterable[Metric]:
     """What the workers report of themselves: their hosts' clocks, their dropped log records."""
-    offset = GaugeMetricFamily(
-        "corral_clock_offset_seconds",
-        "How far a host's wall clock is ahead of the store's, as its workers last measured it.",
-        labels=["host"],
-    )
+    offset = catalog.CLOCK_OFFSET_SECONDS.gauge_family()
     for host, seconds in sorted(clock_offsets.offsets(client).items()):
         offset.add_metric([host], seconds)
     yield offset
-    yield CounterMetricFamily(
-        "corral_log_records_dropped",
-        "Log records workers dropped because their log's reader did not keep up.",
-        value=logs.dropped_total(client),
+    yield catalog.LOG_RECORDS_DROPPED.counter_family(
+        logs.dropped_total(client),
     )
 
 
 def _calls(raw: Mapping[bytes | str, bytes | str]) -> Iterable[Metric]:
     """The asynchronous calls' shared totals: attempts' verdicts and redrives, callbacks."""
-    calls = CounterMetricFamily(
-        "corral_calls",
-        "Asynchronous calls' attempts by verdict (succeeded, retried, dead), and redrives.",
-        labels=["outcome"],
-    )
-    delivered = CounterMetricFamily(
-        "corral_callbacks", "Callbacks of finished calls, delivered or failed.", labels=["outcome"]
-    )
+    calls = catalog.CALLS.counter_family()
+    delivered = catalog.CALLBACKS.counter_family()
     for event, n in call_stats.totals(raw).items():
         if event.startswith("callback_"):
             delivered.add_metric([event.removeprefix("callback_")], n)
@@ -368,7 +308,7 @@ def _calls(raw: Mapping[bytes | str, bytes | str]) -> Iterable[Metric]:
 
 def _stages(raw: dict[bytes, bytes]) -> Metric:
     """The cold-start stages workers and registries counted (:mod:`workers.stages`)."""
-    family = HistogramMetricFamily(stages.METRIC, stages.HELP, labels=["stage"])
+    family = catalog.COLD_START_STAGE_SECONDS.histogram_family()
     for stage, (buckets, total) in stages.histogram(raw).items():
         family.add_metric(
             [stage],
@@ -380,29 +320,11 @@ def _stages(raw: dict[bytes, bytes]) -> Metric:
 
 def _keep_alive(published: dict[bytes, bytes]) -> Iterable[Metric]:
     """The adaptive functions' keep-alive windows, as the last autoscaler pass read them."""
-    mode = GaugeMetricFamily(
-        "corral_keepalive_mode",
-        "1 for the keep-alive mode in force for an adaptive function.",
-        labels=["function", "mode"],
-    )
-    prewarm = GaugeMetricFamily(
-        "corral_keepalive_prewarm_seconds",
-        "Adaptive keep-alive: no replica needed before this, after the last call's end.",
-        labels=["function"],
-    )
-    window = GaugeMetricFamily(
-        "corral_keepalive_window_seconds",
-        "Adaptive keep-alive: a replica kept until this, after the last call's end.",
-        labels=["function"],
-    )
-    idle_times = GaugeMetricFamily(
-        "corral_keepalive_idle_times", "Idle times in a function's histogram.", labels=["function"]
-    )
-    warm = GaugeMetricFamily(
-        "corral_keepalive_warm",
-        "Adaptive keep-alive: 1 while a replica should be up.",
-        labels=["function"],
-    )
+    mode = catalog.KEEPALIVE_MODE.gauge_family()
+    prewarm = catalog.KEEPALIVE_PREWARM_SECONDS.gauge_family()
+    window = catalog.KEEPALIVE_WINDOW_SECONDS.gauge_family()
+    idle_times = catalog.KEEPALIVE_IDLE_TIMES.gauge_family()
+    warm = catalog.KEEPALIVE_WARM.gauge_family()
     for name, raw in sorted((_text(k), v) for k, v in published.items()):
         try:
             w = json.loads(raw)

@@ -67,6 +67,7 @@ from typing import Any
 import redis
 from sqlalchemy.orm import Session
 
+from workers import metric_catalog as catalog
 from workers import tracing
 from workers.clock import now
 from workers.store.models import Operation, Replica
@@ -85,25 +86,8 @@ STAGES = (
     "first_byte",
 )
 #: Bucket bounds (seconds) of ``corral_cold_start_stage_seconds``, everywhere it is served.
-BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
-METRIC = "corral_cold_start_stage_seconds"
-HELP = "Seconds a cold start spends in each stage (workers.stages)."
+BUCKETS = catalog.STAGE_BUCKETS
+METRIC = catalog.COLD_START_STAGE_SECONDS.name
 KEY = "corral:cold_start_stages"  # Redis hash: "<stage>|<le>" counts, "<stage>|sum"
 SENT_HEADER = "corral_sent_at"  # a first task's message: when it was sent (store clock, epoch s)
 SPAN_NAMES = {

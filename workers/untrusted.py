@@ -7,7 +7,7 @@ not be able to make corral store garbage, hang a worker, or fill its memory. So:
   percent-encoded wherever it goes into a URL (:func:`vmid_path`);
 * an agent's ``ip`` must parse as an IP address (:func:`check_ip`), and so must the host
   of a node's address: corral never resolves a node's name or a replica's, since a
-  name could later stand for another machine (:func:`ip_literal`, no look-up);
+  name could later stand for another machine (:func:`~netplumb.addresses.ip_of`, no look-up);
 * a replica's address must be one its node may give out: an IP inside the node's
   replica networks, and never one of the control plane's own listeners (registry,
   gateway, metrics exporter, Flower, broker, database) (:func:`check_replica_address`),
@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterable
 from urllib.parse import quote
 
-from netplumb.addresses import host_of, is_loopback, is_wildcard
+from netplumb.addresses import IP, host_of, ip_of, is_loopback, is_wildcard, join_hostport
 from workers.errors import PermanentBackendError
 
 __all__ = [
@@ -48,7 +48,6 @@ __all__ = [
     "check_replica_address",
     "check_vmid",
     "host_ips",
-    "ip_literal",
     "listen_networks",
     "parse_networks",
     "vmid_path",
@@ -91,7 +90,6 @@ def check_ip(ip: object, node: str | None = None) -> str:
 # -- replica addresses ------------------------------------------------------------------
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-IP = ipaddress.IPv4Address | ipaddress.IPv6Address
 #: (network, port) pairs a replica may never be at
 Listeners = frozenset[tuple[Network, int]]
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
@@ -110,24 +108,11 @@ def parse_networks(cidrs: Iterable[str]) -> list[Network]:
     return found
 
 
-def ip_literal(address: str) -> IP | None:
-    """The IP an address's host is written as (``h:p``, a URL, a bare host); None for a name.
-
-    Never looks a name up. An IPv4-mapped IPv6 address is its IPv4 address.
-    """
-    try:
-        ip = ipaddress.ip_address(host_of(address.strip()))
-    except ValueError:
-        return None
-    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-    return mapped or ip
-
-
 def host_ips(host: str) -> set[IP]:
     """The IPs ``host`` stands for: itself if it is one, else what it resolves to (maybe none).
 
     For corral's own listeners only (its settings); a node's or a replica's address is
-    never resolved (:func:`ip_literal`).
+    never resolved (:func:`~netplumb.addresses.ip_of`).
     """
     host = host_of(host)
     try:
@@ -169,9 +154,9 @@ def check_replica_address(
     ``host`` must be an IP (a name is never resolved) inside one of ``networks``, and
     ``host:port`` must not be one of ``listeners`` (the control plane's own servers).
     """
-    ip = ip_literal(host)
+    ip = ip_of(host)
     networks = list(networks)
-    where = f"{host}:{port}"
+    where = join_hostport(host, port)
     if ip is None:
         raise PermanentBackendError(
             f"answered replica address {where[:80]!r}, which is not an IP address",

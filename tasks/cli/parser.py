@@ -42,7 +42,10 @@ def integer(text: str) -> int:
 
 
 class Deferred:
-    """A command's handler, ``"MODULE:FUNCTION"`` in :mod:`tasks.cli`, imported when called."""
+    """A command's handler, ``"MODULE:FUNCTION"`` in :mod:`tasks.cli`, imported when called.
+
+    With importlib, not kombu's ``symbol_by_name``: importing ``kombu.utils`` loads kombu,
+    which the store's commands never load (tests/tasks/cli/test_startup.py)."""
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -23,6 +23,7 @@ from agents.drivers import (
     resolve_command,
 )
 from testkit.eventually import eventually
+from testkit.services import free_port
 from tests.agents.helpers import http_get, is_alive
 
 pytestmark = pytest.mark.timeout(30)
@@ -93,9 +94,7 @@ def test_memory_driver_with_a_port_range_hands_out_unique_ports() -> None:
 def _busy_port_with_a_free_neighbour(busy: socket.socket) -> int:
     """Bind ``busy`` to a port whose next port is free (other processes take ports too)."""
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         if port >= 65535:
             continue
         try:

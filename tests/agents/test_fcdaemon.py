@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from agents.drivers import VMSpec
 from agents.fcdaemon import RegistryReporter, main
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_pb2
 from testkit.eventually import eventually
+from testkit.services import free_port
 from tests.agents.conftest import stub_for
 from tests.agents.helpers import (
     MeetingDriver,
@@ -275,9 +275,7 @@ def test_ready_is_retried_past_the_ready_timeout_while_the_vm_lives(
 def test_register_node_is_retried_until_a_late_registry_comes_up(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     started = time.monotonic()
     running = serve_fcdaemon(registry=f"127.0.0.1:{port}", node_id="late")
     assert time.monotonic() - started < 1.0, "start must not wait for the registry"

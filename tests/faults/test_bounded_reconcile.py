@@ -15,6 +15,7 @@ import redis
 
 from agents.drivers import VMSpec
 from agents.faults import Fault
+from stack.supervisor import stop_process
 from tasks import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
@@ -69,8 +70,7 @@ def test_60_slow_orphans_are_released_across_passes_with_no_kill(
             lambda: not agent.driver.list(), 180, "every orphan released", detail=worker.tail
         )
     finally:
-        beat.terminate()
-        beat.wait(20)
+        stop_process(beat, 20)
     log = worker.log_path.read_text(errors="replace")
     assert "outlived its hard time limit" not in log, worker.tail(100)
     assert "Hard time limit" not in log, worker.tail(100)

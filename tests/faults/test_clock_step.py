@@ -22,6 +22,7 @@ import pytest
 import redis
 from sqlalchemy import select
 
+from stack.supervisor import stop_process
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.faults.test_time_limits import TASKS
@@ -132,8 +133,7 @@ def test_a_worker_600_s_ahead_of_beat_still_reaps(
             lambda: not agent.driver.list(), 90, "the idle replicas reaped", detail=worker.tail
         )
     finally:
-        beat.terminate()
-        beat.wait(20)
+        stop_process(beat, 20)
     with broker_env.db.read() as s:
         rows = list(s.scalars(select(Replica)))
     assert {row.status for row in rows} == {ReplicaState.DELETED}, [r.error for r in rows]

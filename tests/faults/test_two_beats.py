@@ -7,6 +7,7 @@ import collections
 import pytest
 from sqlalchemy import select
 
+from stack.supervisor import stop_process
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
@@ -42,8 +43,7 @@ def test_two_beats_reap_each_replica_once(
         worker.more_runs("corral.reap_pass", 4)  # further passes from both beats find nothing
     finally:
         for beat in beats:
-            beat.terminate()
-            beat.wait(20)
+            stop_process(beat, 20)
     releases = [r.vmid for agent in (a, b) for r in agent.agent.calls_of("ReleaseVMSetup")]
     assert len(releases) == 10, worker.tail()
     assert max(collections.Counter(releases).values()) == 1  # nobody released twice

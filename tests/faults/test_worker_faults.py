@@ -15,6 +15,7 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
+from stack.supervisor import stop_process
 from tasks import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
@@ -151,8 +152,7 @@ def test_broker_restart_mid_run_loses_nothing(
         except TimeoutError as exc:
             raise AssertionError(f"{exc}\n{worker.tail()}") from None
     finally:
-        beat.terminate()
-        beat.wait(20)
+        stop_process(beat, 20)
     assert view["status"] == "succeeded", (view, worker.tail())
     assert worker.proc is not None and worker.proc.poll() is None  # it reconnected
     rows = _rows(broker_env)

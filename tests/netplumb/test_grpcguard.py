@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from netplumb.addresses import peer_ip
+from netplumb.addresses import peer_ip, split_hostport
 from netplumb.grpcserve import GuardedServer, Limits
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from testkit.eventually import eventually
@@ -263,6 +263,6 @@ def test_a_connection_may_carry_at_most_1024_calls_at_once(gated: Gated) -> None
     server, address = _serve(gated)
     try:
         max_concurrent_streams = 3  # RFC 9113's SETTINGS_MAX_CONCURRENT_STREAMS
-        assert _server_settings(int(address.rsplit(":", 1)[1]))[max_concurrent_streams] == 1024
+        assert _server_settings(split_hostport(address)[1])[max_concurrent_streams] == 1024
     finally:
         server.stop(0)

@@ -23,6 +23,7 @@ import redis
 from google.protobuf import empty_pb2
 
 from config.celery import HOUSEKEEPING
+from netplumb.addresses import parse_url
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 from testkit.eventually import eventually
 from workers.gateway.haproxy.process import Unavailable, find
@@ -341,7 +342,7 @@ def _check_flower_refusals(tmp_path: Path, flower: str) -> None:
 
 def _check_redis_refusals(tmp_path: Path, broker_url: str) -> None:
     """Redis: nothing without the password; with it, no CONFIG (nor MODULE, DEBUG)."""
-    port = int(broker_url.rsplit(":", 1)[1].split("/")[0])
+    port = parse_url(broker_url, {"redis": 6379}).port
     assert ":***@" not in broker_url and "@127.0.0.1:" in broker_url  # a password in it
     stranger = redis.Redis(port=port, socket_timeout=10)
     with pytest.raises(redis.exceptions.RedisError, match=r"(?i)auth"):

@@ -7,11 +7,13 @@ exits or stays unready past its timeout is named, with the end of its log.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from stack.supervisor import Child, Supervisor
+from stack.supervisor import Child, Supervisor, stop_process
 from testkit.eventually import eventually
 
 
@@ -55,3 +57,33 @@ def test_a_child_that_exits_or_never_serves_is_named_with_its_log(tmp_path: Path
             sup.wait_ready([(slow, lambda: False, 0.2)])
     finally:
         sup.stop_all()
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie is gone too
+
+
+def test_stop_process_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        ["/bin/sh", "-c", "trap '' TERM; touch ready; while :; do sleep 0.05; done"],
+        cwd=tmp_path,
+    )
+    eventually((tmp_path / "ready").exists, 30, "the child to trap SIGTERM")
+    assert stop_process(proc, 0.2) == -signal.SIGKILL
+
+
+def test_stop_process_of_a_group_kills_what_outlives_its_leader(tmp_path: Path) -> None:
+    proc = subprocess.Popen(  # the leader exits at once; its child, in its group, stays
+        ["/bin/sh", "-c", "sh -c 'trap \"\" TERM; echo $$ > left; exec sleep 600' & exit 0"],
+        cwd=tmp_path,
+        start_new_session=True,
+    )
+    eventually(lambda: (tmp_path / "left").exists() and (tmp_path / "left").read_text(), 30)
+    left = int((tmp_path / "left").read_text())
+    proc.wait(30)
+    assert stop_process(proc, 0.2, group=True) == 0
+    eventually(lambda: _pid_gone(left), 30, "the leader's child to be killed")

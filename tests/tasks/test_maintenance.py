@@ -21,6 +21,7 @@ from agents.drivers import VMSpec
 from agents.fcdaemon import serve_fcdaemon
 from config.celery import HOUSEKEEPING, ROUTES, beat_schedule
 from config.settings import get_settings
+from stack.supervisor import stop_process
 from tasks import api, maintenance
 from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
@@ -99,8 +100,7 @@ def test_after_housekeeping_and_a_scale_the_events_are_the_scales_tasks_only(
             reaped = _wait_for_the_reap_pass(broker_env, worker)
             _wait_for_every_pass_in_the_log(worker, times=3)
         finally:
-            beat.terminate()
-            beat.wait(20)
+            stop_process(beat, 20)
         # the last events of tasks in flight: worker-offline is the worker's last event
         worker.stop()
         events.wait_for("worker-offline")

@@ -171,6 +171,8 @@ BACKENDS: dict[NodeKind, str] = {
 
 @functools.cache
 def _load(kind: NodeKind) -> NodeBackend:
+    """The backend of ``kind``, imported now (importlib, not kombu's ``symbol_by_name``:
+    ``corral nodes add`` asks for a backend and loads no kombu)."""
     module, _, name = BACKENDS[kind].partition(":")
     made: NodeBackend = getattr(importlib.import_module(module), name)()
     return made

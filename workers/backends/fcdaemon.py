@@ -17,7 +17,6 @@ AWS keys travel in the request and appear in no error message or log line.
 from __future__ import annotations
 
 import contextlib
-import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from config.redact import redact
 from config.settings import Settings, reveal
-from netplumb.addresses import host_of
+from netplumb.addresses import host_of, join_hostport, parse_hostport
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from workers.backends import inflight
 from workers.backends.base import (
@@ -327,7 +326,6 @@ def create_request(fn: Function, request_id: str, settings: Settings) -> Any:
 
 
 DEFAULT_AGENT_PORT = 50051
-HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?$")
 
 
 class FcdaemonBackend(NodeBackend):
@@ -340,10 +338,10 @@ class FcdaemonBackend(NodeBackend):
 
     def normalize_address(self, address: str) -> str:
         """``HOST:PORT`` (port 50051 when none is given)."""
-        m = HOSTPORT_RE.match(address)
-        if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
-            raise InputError(f"invalid agent address {address!r}: expected HOST:PORT")
-        return address if m.group(3) else f"{address}:{DEFAULT_AGENT_PORT}"
+        try:
+            return join_hostport(*parse_hostport(address, DEFAULT_AGENT_PORT, "agent address"))
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
     def image_of_rootfs(self, rootfs: str | None) -> str:
         """Nothing: an agent boots a kernel with an image, never a rootfs alone."""

@@ -14,7 +14,6 @@ there raises :class:`Unsupported`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ import httpx
 
 from config.redact import redact
 from config.settings import Settings, reveal
-from netplumb.addresses import host_of
+from netplumb.addresses import HTTP_PORTS, host_of, parse_url
 from workers.backends import inflight
 from workers.backends.base import (
     DEFAULT_GUEST_PORT,
@@ -218,9 +217,6 @@ def rootfs_id(fn: Function) -> str:
     return f"{fn.id}_{fn.build_version}"
 
 
-URL_RE = re.compile(r"^https?://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]{1,253})(:(\d{1,5}))?/?$")
-
-
 class LambdoBackend(NodeBackend):
     """Lambdo hosts over HTTP."""
 
@@ -231,10 +227,11 @@ class LambdoBackend(NodeBackend):
 
     def normalize_address(self, address: str) -> str:
         """``http://HOST:PORT`` (no trailing slash)."""
-        m = URL_RE.match(address)
-        if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
-            raise InputError(f"invalid Lambdo host address {address!r}: expected http://HOST:PORT")
-        return address.rstrip("/")
+        try:
+            url = parse_url(address, HTTP_PORTS, "Lambdo host address", bare=True)
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
+        return f"{url.scheme}://{address.strip().split('://', 1)[1].rstrip('/')}"
 
     def image_of_rootfs(self, rootfs: str | None) -> str:
         """The rootfs: on a Lambdo host a function's rootfs is its image."""

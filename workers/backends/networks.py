@@ -30,13 +30,12 @@ import ipaddress
 import threading
 import time
 from functools import lru_cache
-from urllib.parse import urlsplit
 
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from config.settings import Settings
-from netplumb.addresses import join_hostport, split_hostport
+from netplumb.addresses import ip_of, join_hostport, parse_url, split_hostport
 from workers.backends.base import Target, backend
 from workers.store.db import get_database
 from workers.store.models import Node
@@ -44,7 +43,6 @@ from workers.untrusted import (
     Listeners,
     Network,
     check_replica_address,
-    ip_literal,
     listen_networks,
     parse_networks,
 )
@@ -69,15 +67,11 @@ def _url_listener(url: str | None) -> tuple[str, int] | None:
     """(host, port) of a network URL (redis://, postgresql+psycopg://...); None for files."""
     if not url:
         return None
-    parts = urlsplit(url)
-    scheme = parts.scheme.split("+", 1)[0]
-    if scheme not in _DEFAULT_PORTS or not parts.hostname:
-        return None
     try:
-        port = parts.port or _DEFAULT_PORTS[scheme]
+        _, host, port = parse_url(url, _DEFAULT_PORTS)
     except ValueError:
         return None
-    return parts.hostname, port
+    return host, port
 
 
 @lru_cache(maxsize=8)
@@ -109,7 +103,7 @@ def default_networks(kind: str, address: str, settings: Settings) -> list[Networ
     a network of their node's - fcdaemon nodes - ``CORRAL_REPLICA_NETWORKS``).
 
     A host name is not resolved: it contributes no network."""
-    ip = ip_literal(address)
+    ip = ip_of(address)
     nets: list[Network] = [] if ip is None else [ipaddress.ip_network(ip)]
     if backend(kind).on_node_network:
         nets += parse_networks(c for c in settings.replica_networks.split(",") if c.strip())

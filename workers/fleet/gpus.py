@@ -35,6 +35,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from config.settings import Settings, reveal
+from netplumb.addresses import MAX_PORT, join_hostport, parse_hostport
 from protos import gpuresc_grpc
 from workers.backends.fcdaemon import RETRYABLE_CODES
 from workers.clock import iso
@@ -52,25 +53,20 @@ from workers.store.rows import delete_unlinking_replicas, one_or_not_found
 log = logging.getLogger(__name__)
 
 DEFAULT_GPURESC_PORT = 50053
-MAX_PORT = 65535
-HOSTPORT_RE = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]{1,253})(?::(\d{1,5}))?$")
 UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 
 
 def split_address(address: str, default_port: int, what: str = "GPU server") -> tuple[str, int]:
     """``HOST[:PORT]`` as (host, port), or a clear :class:`InputError`."""
-    text = address.strip() if isinstance(address, str) else ""
-    m = HOSTPORT_RE.match(text)
-    port = int(m.group(2)) if m and m.group(2) else default_port
-    if not m or not 0 < port <= MAX_PORT:
-        raise InputError(f"invalid {what} address {address!r}: expected HOST[:PORT]")
-    return m.group(1), port
+    try:
+        return parse_hostport(address, default_port, f"{what} address")
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def server_address(address: str) -> str:
     """The canonical ``host:port`` of a GPU server (port 50053 when omitted)."""
-    host, port = split_address(address, DEFAULT_GPURESC_PORT)
-    return f"{host}:{port}"
+    return join_hostport(*split_address(address, DEFAULT_GPURESC_PORT))
 
 
 def fetch_gpus(address: str, timeout_s: float, token: str | None = None) -> dict[str, int]:
@@ -111,8 +107,9 @@ def add_gpu_server(
         if mb < 0:
             raise PermanentBackendError(f"GPU server {server} reports {mb} MB for {uuid}")
     if mngr_addr is not None:
-        host, port = split_address(mngr_addr, settings.gpu_manager_port, "AvA manager")
-        mngr_addr = f"{host}:{port}"
+        mngr_addr = join_hostport(
+            *split_address(mngr_addr, settings.gpu_manager_port, "AvA manager")
+        )
     try:
         with db.transaction() as s:
             return record_gpus(s, settings, server, gpus, mngr_addr=mngr_addr)
@@ -149,7 +146,8 @@ def record_gpus(
     ours = [g for g in known if g.server == server]
     manager = mngr_addr or (ours[0].mngr_addr if ours else None)
     if manager is None:
-        manager = f"{split_address(server, DEFAULT_GPURESC_PORT)[0]}:{settings.gpu_manager_port}"
+        host = split_address(server, DEFAULT_GPURESC_PORT)[0]
+        manager = join_hostport(host, settings.gpu_manager_port)
     for i, gpu in enumerate(ours):
         if gpu.uuid not in gpus:
             log.warning("GPU %s is no longer reported by %s; kept until removed", gpu.uuid, server)

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 
 from config.settings import Settings
+from netplumb.addresses import ip_of
 from workers import backends, leases
 from workers.clock import now
 from workers.errors import BackendError
 from workers.store.db import Database
 from workers.store.models import Node
-from workers.untrusted import ip_literal
 
 log = logging.getLogger(__name__)
 LEASE = "health"
@@ -91,7 +91,7 @@ class HealthReport:
 
 
 def _probe(node: Node, settings: Settings) -> str | None:
-    if ip_literal(node.address) is None:
+    if ip_of(node.address) is None:
         return (
             f"node {node.name}: its address {node.address} names a host, which corral does "
             f"not resolve: re-add it (`corral nodes add ADDRESS --name {node.name}` resolves "

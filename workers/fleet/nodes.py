@@ -36,14 +36,13 @@ import re
 import socket
 from datetime import timedelta
 from typing import NotRequired, TypedDict
-from urllib.parse import urlsplit
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from netplumb.addresses import join_hostport, split_hostport
+from netplumb.addresses import HTTP_PORTS, ip_of, join_hostport, parse_url, split_hostport
 from workers.backends.base import backend
 from workers.clock import iso, now
 from workers.errors import InputError
@@ -51,9 +50,7 @@ from workers.kinds import NodeKind
 from workers.names import check_name
 from workers.store.models import Node, Replica, ReplicaState
 from workers.store.rows import delete_unlinking_replicas, one_or_not_found
-from workers.untrusted import IP, ip_literal, parse_networks
-
-_SCHEME_PORTS = {"http": 80, "https": 443}
+from workers.untrusted import IP, parse_networks
 
 
 class AddressTaken(InputError):
@@ -70,8 +67,7 @@ def _parts(address: str) -> tuple[str, str, int]:
     if "://" not in address:
         host, port = split_hostport(address)
         return "", host, port
-    url = urlsplit(address)
-    return url.scheme, url.hostname or "", url.port or _SCHEME_PORTS[url.scheme]
+    return parse_url(address, HTTP_PORTS)
 
 
 def _at(scheme: str, ip: IP, port: int) -> str:
@@ -84,13 +80,13 @@ def resolve_address(address: str, kind: str) -> tuple[str, str | None]:
     what is stored is the IP); also the name it was resolved from (None for an IP)."""
     address = normalize_address(address, kind)
     scheme, host, port = _parts(address)
-    if ip_literal(host) is not None:
+    if ip_of(host) is not None:
         return address, None
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
         raise InputError(f"cannot resolve node host {host!r}: {exc}") from None
-    ip = ip_literal(str(infos[0][4][0]).split("%", 1)[0]) if infos else None
+    ip = ip_of(str(infos[0][4][0]).split("%", 1)[0]) if infos else None
     if ip is None:
         raise InputError(f"node host {host!r} resolves to no IP address")
     return _at(scheme, ip, port), host
@@ -99,7 +95,7 @@ def resolve_address(address: str, kind: str) -> tuple[str, str | None]:
 def _ip_address(address: str, kind: str) -> tuple[str, str]:
     """(the address in canonical form, its ``IP:PORT``); InputError for a host name."""
     scheme, host, port = _parts(normalize_address(address, kind))
-    ip = ip_literal(host)
+    ip = ip_of(host)
     if ip is None:
         raise InputError(
             f"node address {address[:80]!r} names a host: a node is stored by IP "

@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from prometheus_client import Counter, Histogram
 from sqlalchemy.exc import DBAPIError
 
 from config.settings import reveal
+from workers import metric_catalog as catalog
 from workers import tracing
 from workers.errors import BrokerError, InputError, NotFound
 from workers.gateway.asgi import (
@@ -76,7 +76,6 @@ PREFIXES = (ASYNC_PREFIX, CALLS_PREFIX)
 CORRAL_HEADERS = frozenset({b"x-call-id", b"x-call-attempt", b"x-callback-url", b"idempotency-key"})
 #: Headers of a stored answer not replayed as they were (the body's framing is the gateway's).
 NOT_REPLAYED = HOP_BY_HOP | {b"content-length"}
-ACCEPT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 def stored_request(scope: Scope, body: bytes, *, token: bool) -> StoredRequest:
@@ -141,18 +140,8 @@ class CallsFront:
         self.settings = gateway.settings
         self._token = reveal(self.settings.gateway_token) is not None
         registry = gateway.metrics.registry
-        self.answered = Counter(
-            "corral_gateway_calls",
-            "Requests to /async-function/ the gateway answered, by status code.",
-            ["function", "code"],
-            registry=registry,
-        )
-        self.accept_seconds = Histogram(
-            "corral_gateway_call_accept_seconds",
-            "Time from a call's arrival to its 202 (stored and queued).",
-            buckets=ACCEPT_BUCKETS,
-            registry=registry,
-        )
+        self.answered = catalog.GATEWAY_CALLS.counter(registry)
+        self.accept_seconds = catalog.GATEWAY_CALL_ACCEPT_SECONDS.histogram(registry)
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve one request under ``/async-function/`` or ``/calls/`` (ASGI)."""

@@ -50,10 +50,10 @@ import socket
 import sys
 import time
 from typing import cast
-from urllib.parse import urlsplit
 
 import httptools
 
+from netplumb.addresses import parse_url
 from netplumb.descriptors import exhausted
 from workers.gateway.exchange import Broken, Budget, Exchange, Limits, Rejected
 
@@ -418,12 +418,10 @@ class Pool:
         budget: Budget | None = None,
         sockets: Sockets | None = None,
     ) -> None:
-        parts = urlsplit(address)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"cannot forward to {address!r}: only http://HOST:PORT")
-        self.host = parts.hostname
-        self.port = parts.port or 80
-        self.netloc = parts.netloc.encode("ascii")
+        url = parse_url(address, {"http": 80}, "replica address to forward to")
+        self.host = url.host
+        self.port = url.port
+        self.netloc = url.hostport.encode("ascii")
         self.connect_timeout = connect_timeout
         self.limits = limits or Limits()
         self.budget = budget or Budget()

@@ -35,33 +35,12 @@ from typing import Any, Protocol
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
 
-from workers import stages
+from workers import metric_catalog as catalog
 
 UNKNOWN = "(unknown)"
-DURATION_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
-COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 
 
 class Load(Protocol):
@@ -82,58 +61,15 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.invocations = Counter(
-            "corral_function_invocations",
-            "Requests the gateway answered, by HTTP status code.",
-            ["function", "code"],
-            registry=r,
-        )
-        self.duration = Histogram(
-            "corral_function_duration_seconds",
-            "Time from a request's arrival to the last byte of its response.",
-            ["function"],
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        )
-        self.inflight = Gauge(
-            "corral_inflight",
-            "Requests admitted: claiming an environment or being forwarded.",
-            ["function"],
-            registry=r,
-        )
-        self.queue_depth = Gauge(
-            "corral_queue_depth",
-            "Requests waiting for a free execution environment.",
-            ["function"],
-            registry=r,
-        )
-        self.cold_starts = Counter(
-            "corral_cold_starts",
-            "Requests that found no Idle replica and waited for one.",
-            ["function"],
-            registry=r,
-        )
-        self.cold_start_seconds = Histogram(
-            "corral_cold_start_seconds",
-            "For cold starts: time from the start of the claim to a ready replica.",
-            ["function"],
-            buckets=COLD_START_BUCKETS,
-            registry=r,
-        )
-        self.stages = Histogram(
-            stages.METRIC, stages.HELP, ["stage"], buckets=stages.BUCKETS, registry=r
-        )
-        self.refused = Counter(
-            "corral_gateway_answers_refused",
-            "Replicas' answers the gateway refused, by the limit they broke.",
-            ["function", "reason"],
-            registry=r,
-        )
-        self.read_ahead = Gauge(
-            "corral_gateway_read_ahead_bytes",
-            "Bytes of answers read ahead of their callers now, in memory.",
-            registry=r,
-        )
+        self.invocations = catalog.FUNCTION_INVOCATIONS.counter(r)
+        self.duration = catalog.FUNCTION_DURATION_SECONDS.histogram(r)
+        self.inflight = catalog.INFLIGHT.gauge(r)
+        self.queue_depth = catalog.QUEUE_DEPTH.gauge(r)
+        self.cold_starts = catalog.COLD_STARTS.counter(r)
+        self.cold_start_seconds = catalog.COLD_START_SECONDS.histogram(r)
+        self.stages = catalog.COLD_START_STAGE_SECONDS.histogram(r)
+        self.refused = catalog.GATEWAY_ANSWERS_REFUSED.counter(r)
+        self.read_ahead = catalog.GATEWAY_READ_AHEAD_BYTES.gauge(r)
         # Labelled children, looked up once (every request touches several).
         self._counted: dict[tuple[str, int], Any] = {}
         self._timed: dict[str, Any] = {}

@@ -47,7 +47,7 @@ import redis
 from sqlalchemy import select, update
 
 from config.settings import Settings, parse_hosts, reveal
-from netplumb.addresses import join_hostport
+from netplumb.addresses import ip_of, join_hostport
 from workers import clock, tracing
 from workers.backends.networks import control_plane, default_networks
 from workers.errors import InputError
@@ -56,7 +56,7 @@ from workers.invocations.attempts import backoff_s
 from workers.invocations.records import StoredAnswer
 from workers.store.db import Database
 from workers.store.models import Call, Node
-from workers.untrusted import IP, ip_literal, parse_networks
+from workers.untrusted import IP, parse_networks
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def check_url(url: str, settings: Settings) -> Url:
         raise CallbackRefused("X-Callback-Url may not carry credentials")
     host = parts.hostname.lower().rstrip(".")
     names, networks = parse_hosts(settings.callback_hosts)
-    ip = ip_literal(host)
+    ip = ip_of(host)
     if ip is not None:
         allowed = any(ip.version == net.version and ip in net for net in networks)
     else:
@@ -200,7 +200,7 @@ def _refusal(  # noqa: PLR0913 - one address and what it is checked against
         nets = (
             parse_networks(configured) if configured else default_networks(kind, address, settings)
         )
-        if ip_literal(address) == ip or any(ip.version == n.version and ip in n for n in nets):
+        if ip_of(address) == ip or any(ip.version == n.version and ip in n for n in nets):
             return f"node {name}'s address or replica networks"
     return None
 

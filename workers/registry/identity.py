@@ -36,9 +36,9 @@ import logging
 import secrets
 from dataclasses import dataclass
 
+from netplumb.addresses import ip_of
 from workers.errors import CorralError, InputError
 from workers.store.models import Node
-from workers.untrusted import ip_literal
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +90,22 @@ def check_claim(ip: str, peer: str | None) -> str:
     """The claimed ``ip`` in canonical form; refused if it is not an IP address, or not the
     address the caller calls from."""
     try:
-        literal = ip_literal(str(ipaddress.ip_address(ip.strip("[]"))))  # an IP, nothing more
+        literal = ip_of(str(ipaddress.ip_address(ip.strip("[]"))))  # an IP, nothing more
     except ValueError:
         raise NotAnIp(
             f"RegisterNode's ip must be an IP address, got {ip[:64]!r}: a node is known by "
             "the IP it calls from (the agent's --advertise-ip), never by a name that could "
             "later stand for another machine (behind NAT: docs/operations.md)"
         ) from None
-    if peer is not None and ip_literal(peer) != literal:  # None: a Unix socket, no peer IP
+    if peer is not None and ip_of(peer) != literal:  # None: a Unix socket, no peer IP
         raise NotThatNode(f"RegisterNode claims ip {ip[:64]!r} but calls from {peer}")
     return str(literal)
 
 
 def _from_host(node: Node, peer: str | None) -> bool:
     """Whether ``peer`` is the IP of ``node``'s address (a host name matches no peer)."""
-    here = ip_literal(node.address)
-    return peer is not None and here is not None and ip_literal(peer) == here
+    here = ip_of(node.address)
+    return peer is not None and here is not None and ip_of(peer) == here
 
 
 def admit(node: Node, address: str, caller: Caller) -> Admission:

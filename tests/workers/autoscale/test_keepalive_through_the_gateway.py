@@ -27,6 +27,7 @@ import pytest
 from sqlalchemy import select
 
 from agents import RunningAgent
+from stack.supervisor import stop_process
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from testkit.eventually import eventually
@@ -145,8 +146,7 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
                 starts.append(time.time())
                 ends.append(call("tick"))
     finally:
-        beat.terminate()
-        beat.wait(20)
+        stop_process(beat, 20)
         gateway_url = gateway.url
         cold = cold_starts(gateway_url, "tick")
         gateway.stop()

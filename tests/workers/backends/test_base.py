@@ -32,6 +32,9 @@ def test_an_unknown_kind_names_the_known_ones() -> None:
         (NodeKind.FCDAEMON, "[fe80::2]:7000", "[fe80::2]:7000"),
         (NodeKind.LAMBDO, "http://10.0.0.5:3000/", "http://10.0.0.5:3000"),
         (NodeKind.LAMBDO, "https://[::1]:3000", "https://[::1]:3000"),
+        (NodeKind.FCDAEMON, "[::1]", "[::1]:50051"),
+        (NodeKind.FCDAEMON, "node_1:7000", "node_1:7000"),
+        (NodeKind.LAMBDO, "HTTP://10.0.0.5:3000/", "http://10.0.0.5:3000"),
     ],
 )
 def test_each_backend_writes_its_addresses_one_way(
@@ -47,6 +50,11 @@ def test_each_backend_writes_its_addresses_one_way(
         (NodeKind.FCDAEMON, "h:0"),
         (NodeKind.LAMBDO, "10.0.0.5:3000"),
         (NodeKind.LAMBDO, "ftp://h:1"),
+        (NodeKind.FCDAEMON, "::1"),  # IPv6 in brackets
+        (NodeKind.FCDAEMON, "[10.0.0.5]:7000"),
+        (NodeKind.FCDAEMON, "h:65536"),
+        (NodeKind.LAMBDO, "http://h:3000/path"),
+        (NodeKind.LAMBDO, "http://user:pw@h:3000"),
     ],
 )
 def test_an_address_of_the_wrong_shape_is_refused(kind: NodeKind, address: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from agents import Fault
 from agents.gpus import serve_gpus
 from tasks import api
 from tasks.cli import main
+from testkit.services import free_port
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import gpus_by_uuid, live
@@ -109,9 +109,7 @@ def test_server_errors_become_clear_corral_errors(corral_env: Env) -> None:
         server.agent.gpus = {}
         with pytest.raises(PermanentBackendError, match="reports no GPUs"):
             add_gpu_server(corral_env.db, corral_env.settings, server.address)
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     with pytest.raises(TransientBackendError, match=f"GPU server 127.0.0.1:{port}"):
         add_gpu_server(corral_env.db, corral_env.settings, f"127.0.0.1:{port}")
     for bad in ("", "host:99999", "a b", "host:port"):

@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from sqlalchemy import func, select
 
+from netplumb.addresses import parse_url
 from tasks import api
 from tasks.cli import main
 from tasks.invocations import CALLS
@@ -253,7 +254,7 @@ def test_a_callback_to_corrals_own_listeners_or_nodes_is_refused(stack: Stack) -
     stack.env.set(callback_key=KEY, callback_hosts="127.0.0.0/8")
     stack.deploy("callee", image=CALLEE)
     gw = stack.gateway()
-    redis_port = int(stack.env.settings.broker_url.rsplit(":", 1)[1].split("/")[0])
+    redis_port = parse_url(stack.env.settings.broker_url, {"redis": 6379}).port
     targets = {
         f"http://127.0.0.2:{redis_port}/": "one of corral's own listeners",  # the broker
         "http://127.0.0.1:9/": "node node1's address",  # the agent's host

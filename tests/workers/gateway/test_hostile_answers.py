@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from netplumb.addresses import HTTP_PORTS, parse_url
 from testkit.eventually import eventually
 from testkit.services import PostgresServer, RedisServer
 from tests.celery_workers import shared_broker_env, worker_thread
@@ -246,7 +247,7 @@ def test_callers_that_never_read_two_byte_chunks_hold_the_budget_at_most(
     base = gateway.kib("VmRSS")
     done = threading.Event()
     threading.Thread(target=_watch, args=(gateway, base, done), daemon=True).start()
-    port = int(gateway.url.rsplit(":", 1)[1])
+    port = parse_url(gateway.url, HTTP_PORTS).port
     held = []
     request = (
         f"GET /function/{fn}/chunks?size=2&mib=64 HTTP/1.1\r\nHost: gw\r\n"

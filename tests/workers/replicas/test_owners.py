@@ -14,12 +14,12 @@ import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from agents.faults import Fault
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
-from tests.helpers import lapsed, operation, replicas
+from tests.helpers import deploy_fn, lapsed, operation, replicas
 from tests.workers.replicas.helpers import (
     ReleasingQueue,
     at_once,
@@ -39,8 +39,9 @@ from workers.registry.service import DESTROY, READY, Registry
 from workers.replicas import arrivals, moves, owners
 from workers.replicas.delete import delete_batch
 from workers.replicas.outcomes import Next, Outcome
-from workers.replicas.owners import Budget, Owner, Pending, mark_sent, owner_token, take
+from workers.replicas.owners import Budget, Owner, Pending, let_go, mark_sent, owner_token, take
 from workers.replicas.scale import plan_scale
+from workers.replicas.plan import SpawnJob
 from workers.replicas.spawn import give_up, place, run_batch
 from workers.store.models import Node, Replica, ReplicaState
 
@@ -295,3 +296,51 @@ def test_two_runs_asking_to_mark_one_row_in_one_group_only_its_owner_sends_it(
     assert (ours.result(10), theirs.result(10)) == (True, False)
     (marked,) = [r for r in replicas(corral_env) if r.id == row.replica_id]
     assert marked.owner == second and marked.sent_at is not None
+
+
+# ``owners.let_go`` gives up only rows never sent: a row whose create went out stays owned.
+# (A one-line mutation, ``_LET_GO`` without ``sent_at IS NULL``, went uncaught before these:
+# a handler that failed after sending some creates would give up rows whose create is out,
+# and the next handler would take them as never sent and send them again - to a seed agent,
+# a second VM.)
+
+
+def test_let_go_gives_up_the_unsent_rows_and_keeps_the_sent_ones(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env, seed_only=True)
+    fn_id = deploy_fn(corral_env, "hello", max=5)
+    settings = corral_env.settings
+    place(corral_env.db, settings, None, fn_id, [SpawnJob("sent"), SpawnJob("unsent")])
+    token = owner_token()
+    taken = take(
+        corral_env.db, settings, ["sent", "unsent"], token, Budget.of(settings).own_until()
+    )
+    pending = {p.request_id: p for p in taken.pending}
+    assert mark_sent(corral_env.db, token, [pending["sent"]]) == {pending["sent"].replica_id}
+    let_go(corral_env.db, token, [p.replica_id for p in pending.values()])  # after an error
+    with corral_env.db.read() as s:
+        rows = {r.request_id: r for r in s.scalars(select(Replica))}
+    assert (rows["unsent"].owner, rows["unsent"].owner_until, rows["unsent"].sent_at) == (
+        None,
+        None,
+        None,
+    )
+    assert rows["sent"].owner == token and rows["sent"].sent_at is not None
+    assert rows["sent"].owner_until is not None  # it lapses with its owner, as it must
+
+
+def test_let_go_gives_up_only_its_own_rows(corral_env: Env, start_agents: StartAgents) -> None:
+    start_agents(1, env=corral_env)
+    fn_id = deploy_fn(corral_env, "hello", max=5)
+    settings = corral_env.settings
+    place(corral_env.db, settings, None, fn_id, [SpawnJob("theirs")])
+    theirs = owner_token()
+    take(corral_env.db, settings, ["theirs"], theirs, Budget.of(settings).own_until())
+    let_go(corral_env.db, owner_token(), [r.id for r in _rows(corral_env)])  # another handler
+    assert [r.owner for r in _rows(corral_env)] == [theirs]
+
+
+def _rows(env: Env) -> list[Replica]:
+    with env.db.read() as s:
+        return list(s.scalars(select(Replica)))
