@@ -40,8 +40,8 @@ from workers.replicas import arrivals, moves, owners
 from workers.replicas.delete import delete_batch
 from workers.replicas.outcomes import Next, Outcome
 from workers.replicas.owners import Budget, Owner, Pending, let_go, mark_sent, owner_token, take
-from workers.replicas.scale import plan_scale
 from workers.replicas.plan import SpawnJob
+from workers.replicas.scale import plan_scale
 from workers.replicas.spawn import give_up, place, run_batch
 from workers.store.models import Node, Replica, ReplicaState
 
