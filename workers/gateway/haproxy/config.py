@@ -227,6 +227,7 @@ def render(settings: Settings, layout: Layout, listen_fd: int) -> str:
         *_closing(),
         f"  server {ACTIVATOR} unix@{layout.activator}",
         *_relay(settings, layout),
+        *_peers_table(settings),
     ]
     for index in range(settings.gateway_warm_functions):
         lines += ["", *_pool_backend(settings, layout, backend(index))]
@@ -331,6 +332,7 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
         "frontend gateway",
         f"  bind fd@{listen_fd}",
         f"  maxconn {settings.gateway_max_connections}",
+        *_per_peer(settings),
         "  http-request del-header x-corral- -m beg",
         "  acl function path_beg /function/",
     ]
@@ -375,6 +377,36 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
         f"  default_backend {ACTIVATOR}",
     ]
     return lines
+
+
+PEERS = "peers"  # the stick table counting each peer address's connections
+
+
+def _per_peer(settings: Settings) -> list[str]:
+    """At most ``CORRAL_GATEWAY_MAX_CONNECTIONS_PER_PEER`` connections from one address.
+
+    Each connection is tracked by its source address (``sc0``, in table :data:`PEERS`,
+    for the connection's life) as it is accepted; one over the cap is closed at once,
+    before HAProxy reads a byte of it. A trusted proxy speaks for many callers and
+    counts toward the total only, as on the Python path. The table holds an entry for
+    every connection the frontend may have, so none goes untracked.
+    """
+    networks = " ".join(str(n) for n in parse_networks(settings.gateway_trusted_proxies))
+    unless = " if !{ src " + networks + " }" if networks else ""
+    return [
+        f"  tcp-request connection track-sc0 src table {PEERS}{unless}",
+        "  tcp-request connection reject"
+        f" if {{ sc0_conn_cur gt {settings.gateway_max_connections_per_peer} }}",
+    ]
+
+
+def _peers_table(settings: Settings) -> list[str]:
+    return [
+        "",
+        f"backend {PEERS}",
+        f"  stick-table type ipv6 size {settings.gateway_max_connections + 1024}"
+        " expire 60s store conn_cur",
+    ]
 
 
 def backup(name: str) -> str:
