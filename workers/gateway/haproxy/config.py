@@ -37,7 +37,10 @@ reload. What is fixed is written here, once:
   ``CORRAL_GATEWAY_TRUSTED_PROXIES`` only), ``Forwarded`` and ``X-Real-IP`` dropped from
   anyone else, the raw path after ``/function/NAME`` as the target and the replica's
   address as ``Host`` (the server's name: ``http-send-name-header``). Its answer loses
-  its hop-by-hop headers.
+  its hop-by-hop headers, and each ``Set-Cookie`` is scoped to the function (a Lua
+  action, as :func:`workers.gateway.headers.scoped_cookie` does).
+* **per peer**: at most ``CORRAL_GATEWAY_MAX_CONNECTIONS_PER_PEER`` connections from
+  one address (a stick table, trusted proxies exempt); one more is closed at once.
 
 Timeouts follow the settings: a request head (and a warm body) within
 ``CORRAL_GATEWAY_READ_TIMEOUT_S`` (408), an answer's head within
@@ -91,6 +94,41 @@ core.register_action("corral_strip_named", {"http-res"}, function(txn)
       if name ~= "close" and name ~= "keep-alive" then txn.http:res_del_header(name) end
     end
   end
+end)
+
+-- Scopes each Set-Cookie to the call's function, as workers.gateway.headers.scoped_cookie
+-- does (run only when a replica's answer has one).
+local function trim(text) return (string.gsub(text, "^%s*(.-)%s*$", "%1")) end
+
+local function scoped(value, prefix)
+  local kept, path, first = {}, prefix, true
+  for part in string.gmatch(value .. ";", "([^;]*);") do
+    if first then
+      kept[#kept + 1] = part
+      first = false
+    else
+      local name, given = string.match(part, "^([^=]*)=?(.*)$")
+      name = string.lower(trim(name))
+      if name == "path" then
+        given = trim(given)
+        if string.sub(given, 1, 1) == "/" and given ~= "/" then path = prefix .. given end
+      elseif name ~= "domain" then
+        kept[#kept + 1] = part
+      end
+    end
+  end
+  kept[#kept + 1] = " Path=" .. path
+  return table.concat(kept, ";")
+end
+
+core.register_action("corral_scope_cookies", {"http-res"}, function(txn)
+  local set = txn.http:res_get_headers()["set-cookie"]
+  if set == nil then return end
+  local prefix = "/function/" .. txn:get_var("txn.fn")
+  local values = {}
+  for i = 0, #set do values[#values + 1] = set[i] end
+  txn.http:res_del_header("set-cookie")
+  for _, value in ipairs(values) do txn.http:res_add_header("set-cookie", scoped(value, prefix)) end
 end)
 """
 
@@ -353,7 +391,8 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
     lines += [
         "  http-request use-service prometheus-exporter if { path /metrics/haproxy }",
         # the function's backend, when it has one
-        f"  http-request set-var(txn.be) path,field(3,/),map({layout.functions}) if function",
+        "  http-request set-var(txn.fn) path,field(3,/) if function",
+        f"  http-request set-var(txn.be) var(txn.fn),map({layout.functions}) if function",
         "  acl warm var(txn.be) -m found",
         "  acl cold var(txn.cold) -m bool",
         # what only the activator forwards as the gateway's rules say
@@ -456,6 +495,9 @@ def _pool_backend(settings: Settings, layout: Layout, name: str) -> list[str]:
         "  http-request set-path /%[path,field(4,/,0)] if !over",
         f"  http-response del-header ^({hop})$ -m reg",
         "  http-response lua.corral_strip_named if { res.hdr(connection) -m found }",
+        # (the activator's answers are its own: scoped already)
+        "  http-response lua.corral_scope_cookies if { res.hdr(set-cookie) -m found }"
+        f" !{{ srv_name -m beg {ACTIVATOR}- }}",
         f"  use-server {backup(name)} if over",
         f"  server {backup(name)} unix@{layout.relay} backup",
     ]
