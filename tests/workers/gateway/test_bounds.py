@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import psutil
+import pytest
 
 from testkit.eventually import eventually
 from testkit.services import free_port
@@ -216,9 +217,14 @@ def _chunked_post(path: str, token: str | None = None) -> bytes:
     ).encode()
 
 
-def test_request_trailers_never_reach_the_replica(stack: Stack) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_request_trailers_never_reach_the_replica(stack: Stack, warm: bool) -> None:
+    """Warm: with HAProxy, the function has a backend (a chunked call still takes the
+    activator, which drops the trailers)."""
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
+    if warm:
+        stack.warm(gw, "reflect")
     with _connect(gw.url) as sock:
         sock.sendall(
             _chunked_post("/function/reflect")
@@ -288,13 +294,22 @@ def test_seven_dripping_bodies_leave_another_callers_post_answered(stack: Stack)
     stack.settled()
 
 
-def test_a_body_slower_than_the_minimum_rate_is_408_after_its_grace(stack: Stack) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_body_slower_than_the_minimum_rate_is_408_after_its_grace(
+    stack: Stack, warm: bool
+) -> None:
+    """Warm: with HAProxy, the function has a backend, where a body small enough is waited
+    for whole before a replica is picked, as long as the minimum rate allows (not the
+    read timeout, a minute here): HAProxy answers 408 itself."""
     stack.deploy("echo", image="examples.echo")
     gw = stack.gateway(
         gateway_body_grace_s=1.0, gateway_body_min_rate=1000, gateway_read_timeout_s=60.0
     )
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
-    stack.settled()
+    if warm:
+        stack.warm(gw, "echo")
+    else:
+        assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+        stack.settled()
     stop = threading.Event()
     with _connect(gw.url) as sock:
         sock.sendall(_post_head("/function/echo", 1000))
@@ -314,8 +329,13 @@ def test_a_body_slower_than_the_minimum_rate_is_408_after_its_grace(stack: Stack
         finally:
             stop.set()
             dripper.join()
-    assert answer.startswith(b"HTTP/1.1 408 ") and b"slower than 1000 bytes a second" in answer
-    assert stack.claims() == 0
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    if not (warm and stack.haproxy):  # (HAProxy's own 408 says the request did not come)
+        assert b"slower than 1000 bytes a second" in answer
+    if warm:
+        stack.settled()
+    else:
+        assert stack.claims() == 0
 
 
 def test_one_peers_bodies_hold_at_most_its_share_of_the_budget(stack: Stack) -> None:

@@ -7,8 +7,8 @@ reload. What is fixed is written here, once:
 * **global**: the runtime socket (``mode 600``, level admin) in a private directory
   (:class:`Layout`, ``0700``), one thread by default, the buffer that bounds every head
   (``tune.bufsize``: the largest head the settings allow, plus HAProxy's room to rewrite),
-  the header lines of a head (``tune.http.maxhdr``), the Lua action that drops the
-  headers a replica's ``Connection:`` names.
+  the header lines of a head (``tune.http.maxhdr``), the Lua actions that drop the
+  headers a replica's ``Connection:`` names and scope its cookies.
 * **the frontend** on the socket the gateway bound (``bind fd@N``: the port is the
   gateway's, kept across a restart of HAProxy). With a token, a ``/function/`` request
   without it is answered 401 here (the token compared as a SHA-256 digest, so the
@@ -18,7 +18,8 @@ reload. What is fixed is written here, once:
   ``Expect``, ``Connection`` naming a header, no second ``Authorization``,
   ``X-Forwarded-*``, ``Content-Length`` or ``Host`` line, and a body, if any, within
   ``CORRAL_GATEWAY_MAX_BODY`` and wholly in HAProxy's buffer before a replica is picked
-  (``wait-for-body`` up to the read timeout: 408 past it). Anything else goes to the
+  (``wait-for-body``, as long as ``CORRAL_GATEWAY_BODY_MIN_RATE`` after its grace
+  allows: :func:`body_waits`; 408 past it). Anything else goes to the
   activator (the Python gateway, on a unix socket), untouched but for ``x-corral-peer``
   (the caller's address) and ``x-corral-host`` (its ``Host``).
 * **the pool of backends** ``b0`` .. ``bN-1`` (``CORRAL_GATEWAY_WARM_FUNCTIONS``), each
@@ -67,6 +68,7 @@ CLOSE = "x-corral-close"  # on an activator's answer that must close its caller'
 MAX_REWRITE = 1024  # tune.maxrewrite: room HAProxy keeps in a buffer to add headers
 MAX_HDR = 32767  # tune.http.maxhdr's ceiling
 SOCKET_PATH_MAX = 90  # a unix socket path (sun_path: 108 bytes; HAProxy takes 97 at most)
+MAX_BODY_WAITS = 16  # size classes of a warm body's wait (body_waits)
 KEEP_ALIVE_S = 30  # an idle kept-alive caller connection (the Python listener's too)
 CONNECT_S = 5.0  # connecting to a replica
 
@@ -365,6 +367,8 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
     digest = token_digest(settings)
     # a body HAProxy may hold whole: the limit, and what its buffer leaves after a head
     small = min(settings.gateway_max_body, buffer_size(settings) - MAX_REWRITE - 1024)
+    waits = body_waits(settings, small)
+    small = waits[-1][0] if waits else 0  # the largest body HAProxy waits for
     lines = [
         "",
         "frontend gateway",
@@ -403,8 +407,7 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
         # a body wholly in the buffer before a replica is picked: no environment waits on it
         "  http-request set-var(txn.size) req.hdr_val(content-length) if !cold",
         "  acl body var(txn.size) -m int gt 0",
-        f"  http-request wait-for-body time {_seconds(settings.gateway_read_timeout_s)}"
-        " if !cold body",
+        *_body_waits(waits),
         "  http-request set-var(txn.got) req.body_len if !cold body",
         "  http-request set-var(txn.cold) bool(1)"
         " if !cold body { var(txn.size),sub(txn.got) gt 0 }",
@@ -446,6 +449,39 @@ def _peers_table(settings: Settings) -> list[str]:
         f"  stick-table type ipv6 size {settings.gateway_max_connections + 1024}"
         " expire 60s store conn_cur",
     ]
+
+
+def body_waits(settings: Settings, small: int) -> list[tuple[int, float]]:
+    """How long HAProxy waits for a warm body, by size: (largest size, seconds), ascending.
+
+    The gateway's rule (:mod:`workers.gateway.bodies`): once its grace is over, a body
+    must have come at ``CORRAL_GATEWAY_BODY_MIN_RATE`` on average. A body of ``size``
+    at that rate is whole by ``size / rate`` (or the grace), so HAProxy waits that long,
+    rounded up to the grace doubled as often as needed (at most twice the time the rule
+    gives it); one not whole by then came slower than the rule allows, and HAProxy
+    answers 408 as the gateway would. A body larger than the last size (whose wait
+    would pass the read timeout, or than ``small``, what HAProxy may hold) is not warm.
+    """
+    rate = settings.gateway_body_min_rate
+    wait = max(settings.gateway_body_grace_s, 0.001)
+    waits: list[tuple[int, float]] = []
+    while wait <= settings.gateway_read_timeout_s and len(waits) < MAX_BODY_WAITS:
+        size = min(small, int(rate * wait))
+        waits.append((size, wait))
+        if size >= small:
+            break
+        wait *= 2
+    return waits
+
+
+def _body_waits(waits: list[tuple[int, float]]) -> list[str]:
+    lines, least = [], 0
+    for size, wait in waits:
+        within = f" {{ var(txn.size) -m int gt {least} }}" if least else ""
+        within += f" {{ var(txn.size) -m int le {size} }}" if size < waits[-1][0] else ""
+        lines.append(f"  http-request wait-for-body time {_seconds(wait)} if !cold body{within}")
+        least = size
+    return lines
 
 
 def backup(name: str) -> str:
