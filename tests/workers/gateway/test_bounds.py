@@ -11,6 +11,7 @@ hold their connections open.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -352,4 +353,30 @@ def test_one_peers_bodies_hold_at_most_its_share_of_the_budget(stack: Stack) -> 
         with httpx.Client(transport=transport, timeout=60) as client:  # another peer: served
             answer = client.post(f"{gw.url}/function/echo", content=b"c" * 900 * 1024)
         assert answer.status_code == 200 and len(answer.content) == 900 * 1024
+    stack.settled()
+
+
+def test_each_peer_has_its_own_connection_caps_on_either_data_plane(stack: Stack) -> None:
+    """Ten callers, each from its own address, each within its caps: all served at once.
+
+    Behind HAProxy every call the activator takes comes from HAProxy, over one socket:
+    the per-peer caps are HAProxy's there, never the activator's over all callers."""
+    stack.deploy("echo", image="examples.echo", max=1, exec_envs=1)
+    gw = stack.gateway(
+        gateway_max_connections=64,
+        gateway_max_connections_per_peer=4,
+        gateway_anonymous_per_peer=2,
+    )
+
+    async def call(n: int) -> int:
+        transport = httpx.AsyncHTTPTransport(local_address=f"127.0.0.{n + 2}")
+        async with httpx.AsyncClient(transport=transport, timeout=60) as client:
+            answer = await client.get(f"{gw.url}/function/echo?delay=0.5")
+            return answer.status_code
+
+    async def all_at_once() -> list[int]:
+        return list(await asyncio.gather(*(call(n) for n in range(10))))
+
+    # one environment: the activator queues nine of them (no backend in HAProxy yet)
+    assert asyncio.run(all_at_once()) == [200] * 10
     stack.settled()
