@@ -580,7 +580,12 @@ SMALL_GATEWAY = {
     "CORRAL_GATEWAY_MAX_CONNECTIONS_PER_PEER": "48",
     "CORRAL_GATEWAY_ANONYMOUS_PER_PEER": "16",
 }
-HEALTHY_PATH = {"lambdo": b"/vms", "metrics": b"/metrics", "gateway-python": b"/metrics"}
+HEALTHY_PATH = {
+    "lambdo": b"/vms",
+    "metrics": b"/metrics",
+    "gateway-python": b"/metrics",
+    "gateway-haproxy": b"/metrics",
+}
 
 
 def _from(address: str, port: int) -> socket.socket | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -236,9 +237,14 @@ class RunningGateway:
                 self.warm.stop()
 
 
-def _limits(settings: Settings, app: GatewayApp) -> asgiserve.Limits:
+def _limits(settings: Settings, app: GatewayApp, *, activator: bool = False) -> asgiserve.Limits:
     """The listener's bounds, kept below the descriptor limit (raised first); the
-    connections to replicas are kept within the same number."""
+    connections to replicas are kept within the same number.
+
+    ``activator``: the activator's socket behind HAProxy, whose every connection comes from
+    HAProxy. HAProxy caps each caller's connections (``config``), so here they have the
+    total alone: a per-peer cap would cap all callers together.
+    """
     limits = asgiserve.within_descriptors(
         asgiserve.Limits(
             max_connections=settings.gateway_max_connections,
@@ -253,6 +259,9 @@ def _limits(settings: Settings, app: GatewayApp) -> asgiserve.Limits:
         )
     )
     app.gateway.upstreams.sockets.limit = limits.max_connections
+    if activator:
+        most = limits.max_connections
+        return dataclasses.replace(limits, per_peer=most, anonymous_per_peer=most)
     return limits
 
 
@@ -306,10 +315,9 @@ def serve_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and it
     app = app or build_app(db or get_database(settings.database_url), settings, queue, calls)
     warm = _warm_path(settings, sock, app)
     served, where = (behind(app, warm), warm.activator) if warm is not None else (app, sock)
+    limits = _limits(settings, app, activator=warm is not None)
     try:
-        server = asgiserve.start(
-            served, where, _limits(settings, app), name="gateway", **_options(settings)
-        )
+        server = asgiserve.start(served, where, limits, name="gateway", **_options(settings))
     except OSError as exc:
         if warm is not None:
             warm.stop()
@@ -347,9 +355,8 @@ def run_gateway(  # noqa: PLR0913 - keyword-only options with defaults, and its 
         if warm is None:
             asgiserve.run(app, sock, _limits(settings, app), **_options(settings))
         else:
-            asgiserve.run(
-                behind(app, warm), warm.activator, _limits(settings, app), **_options(settings)
-            )
+            limits = _limits(settings, app, activator=True)
+            asgiserve.run(behind(app, warm), warm.activator, limits, **_options(settings))
     finally:
         if warm is not None:
             warm.stop()

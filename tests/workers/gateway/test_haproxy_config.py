@@ -148,3 +148,31 @@ def test_counters_and_streams_are_read(haproxy: config.Layout) -> None:
         runtime.close()
 
     asyncio.run(read())
+
+
+@pytest.mark.parametrize(
+    ("grace", "rate", "read"),
+    [(10.0, 4096, 15.0), (1.0, 1000, 60.0), (0.0, 4096, 15.0), (20, 1, 15)],
+)
+def test_haproxy_waits_for_a_warm_body_no_less_than_the_minimum_rate_allows(
+    grace: float, rate: int, read: float
+) -> None:
+    """A body HAProxy answers 408 for is one the gateway's rate rule refuses too."""
+    settings = load_settings().model_copy(
+        update={
+            "gateway_body_grace_s": grace,
+            "gateway_body_min_rate": rate,
+            "gateway_read_timeout_s": read,
+        }
+    )
+    waits = config.body_waits(settings, 96 * 1024)
+    least = 0
+    for size, wait in waits:
+        assert least < size <= 96 * 1024 and wait <= read
+        assert size <= rate * max(grace, wait)  # at the minimum rate it is whole by then
+        assert wait <= 2 * max(
+            grace, size / rate, 0.001
+        )  # and refused within twice the rule's time
+        least = size
+    if grace > read:
+        assert waits == []  # no body is warm: the activator alone may wait past the read timeout

@@ -21,7 +21,13 @@ from urllib.parse import urlsplit
 import httpx
 
 from tests.workers.gateway.conftest import Stack
-from workers.gateway.headers import Trusted, connection_named, request_head, response_headers
+from workers.gateway.headers import (
+    Trusted,
+    connection_named,
+    request_head,
+    response_headers,
+    scoped_cookie,
+)
 
 SPOOFED = {
     "X-Forwarded-For": "6.6.6.6",
@@ -278,4 +284,29 @@ def test_a_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> None:
             "session=alice; theme=dark",
             "theme=dark; session=alice",
         )
+    stack.settled()
+
+
+def test_a_warm_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> None:
+    """The same scoping on a warm call: with HAProxy, one it carries itself."""
+    stack.deploy("reflect", image="examples.reflect")
+    gw = stack.gateway()
+    stack.warm(gw, "reflect")
+    given = [
+        "session=alice; Path=/; HttpOnly",
+        "theme=dark",
+        "deep=1; Path=/app; Domain=127.0.0.1",
+        "odd=1;path=nothing; secure",
+    ]
+    answer = httpx.get(
+        f"{gw.url}/function/reflect", params=[("set-cookie", c) for c in given], timeout=60
+    )
+    stack.carried(gw, "reflect", 1)  # with HAProxy: this call was warm
+    assert answer.headers.get_list("set-cookie") == [
+        scoped_cookie(c.encode(), "reflect").decode() for c in given
+    ]
+    assert (
+        answer.headers.get_list("set-cookie")[0]
+        == "session=alice; HttpOnly; Path=/function/reflect"
+    )
     stack.settled()

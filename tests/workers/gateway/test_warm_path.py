@@ -19,12 +19,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 
 from tasks import api
 from testkit.eventually import eventually
 from tests.dataplanes import need
 from tests.fixtures import STORES, Env
 from tests.workers.gateway.conftest import HOSTILE, Stack, data_path
+from workers.autoscale import demand
 from workers.gateway import RunningGateway
 from workers.gateway.haproxy.router import Router
 from workers.store.models import ReplicaState
@@ -56,6 +58,13 @@ def _python_calls(gw: RunningGateway, name: str) -> float:
         for line in text.splitlines()
         if line.startswith("corral_function_invocations_total{") and f'"{name}"' in line
     )
+
+
+def _warm_calls(gw: RunningGateway, name: str) -> float:
+    """Calls of ``name`` HAProxy carried to its replicas (``corral_warm_requests_total``)."""
+    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    line = f'corral_warm_requests_total{{function="{name}"}} '
+    return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
 
 
 def _get_at_once(url: str, n: int) -> list[int]:
@@ -110,6 +119,41 @@ def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
     warm_stack.carried(gw, "echo", 3)
 
 
+def test_calls_handed_to_the_activator_are_counted_once(warm_stack: Stack) -> None:
+    """HAProxy's counters and the activator's together: each call once, in the demand the
+    autoscaler reads and in the metrics, whichever path it took."""
+    warm_stack.deploy("echo", image="examples.echo", max=3, exec_envs=1)
+    gw = warm_stack.gateway(gateway_keep_s=30.0)
+    warm_stack.warm(gw, "echo")  # one environment lent to HAProxy
+    client = redis.Redis.from_url(warm_stack.env.settings.broker_url)
+    before = _python_calls(gw, "echo") + _warm_calls(gw, "echo")
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:  # every report while the calls run (the gateway's: every 0.2 s)
+        while not done.wait(0.05):
+            now = demand.read(client, ["echo"])["echo"]
+            if now is not None:
+                seen.append(now.inflight + now.queued)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        # one on HAProxy's replica, two handed to the activator by the function's backend
+        assert _get_at_once(f"{gw.url}/function/echo?delay=3", 3) == [200] * 3
+    finally:
+        done.set()
+        watcher.join()
+        client.close()
+    assert max(seen) == 3, seen  # neither twice (HAProxy's and the activator's) nor lost
+    assert _python_calls(gw, "echo") - before >= 1  # (the activator did take some)
+    eventually(
+        lambda: _python_calls(gw, "echo") + _warm_calls(gw, "echo") - before == 3,
+        10,
+        "each call counted once in the metrics",
+    )
+
+
 def _read_all(url: str) -> None:
     """GET ``url`` and read its answer to the end."""
     with httpx.stream("GET", url, timeout=30) as answer:
@@ -160,9 +204,18 @@ def test_a_warm_call_whose_only_replica_fails_is_served_by_the_activator(
     _kill_replica(warm_stack, replica.id)
     # rewritten for the replica already: the backup activator puts it back as the caller
     # sent it and serves it as the Python path does (a cold start of another replica)
+    before = _python_calls(gw, "echo") + _warm_calls(gw, "echo")
     answer = httpx.post(f"{gw.url}/function/echo?x=1", content=b"payload", timeout=60)
     assert (answer.status_code, answer.content) == (200, b"payload")
     assert len(warm_stack.replicas("echo")) == 2
+    route = _router(gw).routes.get("echo")
+    eventually(  # HAProxy's counters of the dead replica's server read, and it closed
+        lambda: route is None or all(s.replica_id != replica.id for s in route.ready()),
+        10,
+        "the dead replica's server closed",
+    )
+    # the call was counted once: by the activator, which served it
+    assert _python_calls(gw, "echo") + _warm_calls(gw, "echo") - before == 1
 
 
 def test_haproxy_started_again_gets_every_route_back(warm_stack: Stack) -> None:

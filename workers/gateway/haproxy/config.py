@@ -7,8 +7,8 @@ reload. What is fixed is written here, once:
 * **global**: the runtime socket (``mode 600``, level admin) in a private directory
   (:class:`Layout`, ``0700``), one thread by default, the buffer that bounds every head
   (``tune.bufsize``: the largest head the settings allow, plus HAProxy's room to rewrite),
-  the header lines of a head (``tune.http.maxhdr``), the Lua action that drops the
-  headers a replica's ``Connection:`` names.
+  the header lines of a head (``tune.http.maxhdr``), the Lua actions that drop the
+  headers a replica's ``Connection:`` names and scope its cookies.
 * **the frontend** on the socket the gateway bound (``bind fd@N``: the port is the
   gateway's, kept across a restart of HAProxy). With a token, a ``/function/`` request
   without it is answered 401 here (the token compared as a SHA-256 digest, so the
@@ -18,7 +18,8 @@ reload. What is fixed is written here, once:
   ``Expect``, ``Connection`` naming a header, no second ``Authorization``,
   ``X-Forwarded-*``, ``Content-Length`` or ``Host`` line, and a body, if any, within
   ``CORRAL_GATEWAY_MAX_BODY`` and wholly in HAProxy's buffer before a replica is picked
-  (``wait-for-body`` up to the read timeout: 408 past it). Anything else goes to the
+  (``wait-for-body``, as long as ``CORRAL_GATEWAY_BODY_MIN_RATE`` after its grace
+  allows: :func:`body_waits`; 408 past it). Anything else goes to the
   activator (the Python gateway, on a unix socket), untouched but for ``x-corral-peer``
   (the caller's address) and ``x-corral-host`` (its ``Host``).
 * **the pool of backends** ``b0`` .. ``bN-1`` (``CORRAL_GATEWAY_WARM_FUNCTIONS``), each
@@ -37,7 +38,10 @@ reload. What is fixed is written here, once:
   ``CORRAL_GATEWAY_TRUSTED_PROXIES`` only), ``Forwarded`` and ``X-Real-IP`` dropped from
   anyone else, the raw path after ``/function/NAME`` as the target and the replica's
   address as ``Host`` (the server's name: ``http-send-name-header``). Its answer loses
-  its hop-by-hop headers.
+  its hop-by-hop headers, and each ``Set-Cookie`` is scoped to the function (a Lua
+  action, as :func:`workers.gateway.headers.scoped_cookie` does).
+* **per peer**: at most ``CORRAL_GATEWAY_MAX_CONNECTIONS_PER_PEER`` connections from
+  one address (a stick table, trusted proxies exempt); one more is closed at once.
 
 Timeouts follow the settings: a request head (and a warm body) within
 ``CORRAL_GATEWAY_READ_TIMEOUT_S`` (408), an answer's head within
@@ -64,6 +68,7 @@ CLOSE = "x-corral-close"  # on an activator's answer that must close its caller'
 MAX_REWRITE = 1024  # tune.maxrewrite: room HAProxy keeps in a buffer to add headers
 MAX_HDR = 32767  # tune.http.maxhdr's ceiling
 SOCKET_PATH_MAX = 90  # a unix socket path (sun_path: 108 bytes; HAProxy takes 97 at most)
+MAX_BODY_WAITS = 16  # size classes of a warm body's wait (body_waits)
 KEEP_ALIVE_S = 30  # an idle kept-alive caller connection (the Python listener's too)
 CONNECT_S = 5.0  # connecting to a replica
 
@@ -91,6 +96,41 @@ core.register_action("corral_strip_named", {"http-res"}, function(txn)
       if name ~= "close" and name ~= "keep-alive" then txn.http:res_del_header(name) end
     end
   end
+end)
+
+-- Scopes each Set-Cookie to the call's function, as workers.gateway.headers.scoped_cookie
+-- does (run only when a replica's answer has one).
+local function trim(text) return (string.gsub(text, "^%s*(.-)%s*$", "%1")) end
+
+local function scoped(value, prefix)
+  local kept, path, first = {}, prefix, true
+  for part in string.gmatch(value .. ";", "([^;]*);") do
+    if first then
+      kept[#kept + 1] = part
+      first = false
+    else
+      local name, given = string.match(part, "^([^=]*)=?(.*)$")
+      name = string.lower(trim(name))
+      if name == "path" then
+        given = trim(given)
+        if string.sub(given, 1, 1) == "/" and given ~= "/" then path = prefix .. given end
+      elseif name ~= "domain" then
+        kept[#kept + 1] = part
+      end
+    end
+  end
+  kept[#kept + 1] = " Path=" .. path
+  return table.concat(kept, ";")
+end
+
+core.register_action("corral_scope_cookies", {"http-res"}, function(txn)
+  local set = txn.http:res_get_headers()["set-cookie"]
+  if set == nil then return end
+  local prefix = "/function/" .. txn:get_var("txn.fn")
+  local values = {}
+  for i = 0, #set do values[#values + 1] = set[i] end
+  txn.http:res_del_header("set-cookie")
+  for _, value in ipairs(values) do txn.http:res_add_header("set-cookie", scoped(value, prefix)) end
 end)
 """
 
@@ -227,6 +267,7 @@ def render(settings: Settings, layout: Layout, listen_fd: int) -> str:
         *_closing(),
         f"  server {ACTIVATOR} unix@{layout.activator}",
         *_relay(settings, layout),
+        *_peers_table(settings),
     ]
     for index in range(settings.gateway_warm_functions):
         lines += ["", *_pool_backend(settings, layout, backend(index))]
@@ -326,11 +367,14 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
     digest = token_digest(settings)
     # a body HAProxy may hold whole: the limit, and what its buffer leaves after a head
     small = min(settings.gateway_max_body, buffer_size(settings) - MAX_REWRITE - 1024)
+    waits = body_waits(settings, small)
+    small = waits[-1][0] if waits else 0  # the largest body HAProxy waits for
     lines = [
         "",
         "frontend gateway",
         f"  bind fd@{listen_fd}",
         f"  maxconn {settings.gateway_max_connections}",
+        *_per_peer(settings),
         "  http-request del-header x-corral- -m beg",
         "  acl function path_beg /function/",
     ]
@@ -351,7 +395,8 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
     lines += [
         "  http-request use-service prometheus-exporter if { path /metrics/haproxy }",
         # the function's backend, when it has one
-        f"  http-request set-var(txn.be) path,field(3,/),map({layout.functions}) if function",
+        "  http-request set-var(txn.fn) path,field(3,/) if function",
+        f"  http-request set-var(txn.be) var(txn.fn),map({layout.functions}) if function",
         "  acl warm var(txn.be) -m found",
         "  acl cold var(txn.cold) -m bool",
         # what only the activator forwards as the gateway's rules say
@@ -362,8 +407,7 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
         # a body wholly in the buffer before a replica is picked: no environment waits on it
         "  http-request set-var(txn.size) req.hdr_val(content-length) if !cold",
         "  acl body var(txn.size) -m int gt 0",
-        f"  http-request wait-for-body time {_seconds(settings.gateway_read_timeout_s)}"
-        " if !cold body",
+        *_body_waits(waits),
         "  http-request set-var(txn.got) req.body_len if !cold body",
         "  http-request set-var(txn.cold) bool(1)"
         " if !cold body { var(txn.size),sub(txn.got) gt 0 }",
@@ -374,6 +418,69 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
         "  use_backend %[var(txn.be)] if !cold",
         f"  default_backend {ACTIVATOR}",
     ]
+    return lines
+
+
+PEERS = "peers"  # the stick table counting each peer address's connections
+
+
+def _per_peer(settings: Settings) -> list[str]:
+    """At most ``CORRAL_GATEWAY_MAX_CONNECTIONS_PER_PEER`` connections from one address.
+
+    Each connection is tracked by its source address (``sc0``, in table :data:`PEERS`,
+    for the connection's life) as it is accepted; one over the cap is closed at once,
+    before HAProxy reads a byte of it. A trusted proxy speaks for many callers and
+    counts toward the total only, as on the Python path. The table holds an entry for
+    every connection the frontend may have, so none goes untracked.
+    """
+    networks = " ".join(str(n) for n in parse_networks(settings.gateway_trusted_proxies))
+    unless = " if !{ src " + networks + " }" if networks else ""
+    return [
+        f"  tcp-request connection track-sc0 src table {PEERS}{unless}",
+        "  tcp-request connection reject"
+        f" if {{ sc0_conn_cur gt {settings.gateway_max_connections_per_peer} }}",
+    ]
+
+
+def _peers_table(settings: Settings) -> list[str]:
+    return [
+        "",
+        f"backend {PEERS}",
+        f"  stick-table type ipv6 size {settings.gateway_max_connections + 1024}"
+        " expire 60s store conn_cur",
+    ]
+
+
+def body_waits(settings: Settings, small: int) -> list[tuple[int, float]]:
+    """How long HAProxy waits for a warm body, by size: (largest size, seconds), ascending.
+
+    The gateway's rule (:mod:`workers.gateway.bodies`): once its grace is over, a body
+    must have come at ``CORRAL_GATEWAY_BODY_MIN_RATE`` on average. A body of ``size``
+    at that rate is whole by ``size / rate`` (or the grace), so HAProxy waits that long,
+    rounded up to the grace doubled as often as needed (at most twice the time the rule
+    gives it); one not whole by then came slower than the rule allows, and HAProxy
+    answers 408 as the gateway would. A body larger than the last size (whose wait
+    would pass the read timeout, or than ``small``, what HAProxy may hold) is not warm.
+    """
+    rate = settings.gateway_body_min_rate
+    wait = max(settings.gateway_body_grace_s, 0.001)
+    waits: list[tuple[int, float]] = []
+    while wait <= settings.gateway_read_timeout_s and len(waits) < MAX_BODY_WAITS:
+        size = min(small, int(rate * wait))
+        waits.append((size, wait))
+        if size >= small:
+            break
+        wait *= 2
+    return waits
+
+
+def _body_waits(waits: list[tuple[int, float]]) -> list[str]:
+    lines, least = [], 0
+    for size, wait in waits:
+        within = f" {{ var(txn.size) -m int gt {least} }}" if least else ""
+        within += f" {{ var(txn.size) -m int le {size} }}" if size < waits[-1][0] else ""
+        lines.append(f"  http-request wait-for-body time {_seconds(wait)} if !cold body{within}")
+        least = size
     return lines
 
 
@@ -424,6 +531,9 @@ def _pool_backend(settings: Settings, layout: Layout, name: str) -> list[str]:
         "  http-request set-path /%[path,field(4,/,0)] if !over",
         f"  http-response del-header ^({hop})$ -m reg",
         "  http-response lua.corral_strip_named if { res.hdr(connection) -m found }",
+        # (the activator's answers are its own: scoped already)
+        "  http-response lua.corral_scope_cookies if { res.hdr(set-cookie) -m found }"
+        f" !{{ srv_name -m beg {ACTIVATOR}- }}",
         f"  use-server {backup(name)} if over",
         f"  server {backup(name)} unix@{layout.relay} backup",
     ]

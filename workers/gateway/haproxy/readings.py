@@ -183,8 +183,16 @@ class Readings:
         self.router.sync_map(route)
 
     def _poll_server(self, route: Route, server: Server, row: Row, now: float) -> int:
-        """Act on one server's counters; the requests it took since the last poll."""
-        new = max(0, row.total - server.total)
+        """Act on one server's counters; the requests it took since the last poll.
+
+        A server is marked down by its first connection that could not be made
+        (``observe layer4``), and the request it failed is sent to another server or the
+        activator, which count it; HAProxy counts it in the server's ``stot`` and nowhere
+        else (not ``econ``, ``wretr`` or ``wredis``). So what a server that is down now
+        took since the last poll is not counted: those are the requests it failed (one it
+        took just before its failure, in the same poll, is not counted either).
+        """
+        new = 0 if row.status.startswith("DOWN") else max(0, row.total - server.total)
         errors, interim = max(0, row.errors - server.errors), max(0, row.interim - server.interim)
         server.total, server.errors, server.interim = row.total, row.errors, row.interim
         server.peak = max(server.peak, row.peak, row.sessions)
