@@ -619,6 +619,11 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: How long a server may take to start accepting, its app's start-up included (15 s was
+#: once not enough for a gateway with HAProxy in a test suite at load 27 on 2 cores).
+STARTUP_S = 60.0
+
+
 class BackgroundServer:
     """A guarded server on a loop of its own, in a thread; :meth:`stop` ends it."""
 
@@ -630,11 +635,16 @@ class BackgroundServer:
             target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True
         )
         self.thread.start()
-        deadline = time.monotonic() + 15
+        where = f"port {self.port}" if self.port else f"{sock.getsockname()!s}"
+        deadline = time.monotonic() + STARTUP_S
         while not server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
+            if not self.thread.is_alive():
                 sock.close()
-                raise OSError(f"{name} did not start on port {self.port}")
+                raise OSError(f"{name} did not start on {where}: its start-up failed (logged)")
+            if time.monotonic() > deadline:
+                server.should_exit = True
+                sock.close()
+                raise OSError(f"{name} did not start on {where} within {STARTUP_S:g} s")
             time.sleep(0.01)
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -54,6 +54,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+
 from config.settings import Settings
 from workers import dispatch, tracing
 from workers.clock import now
@@ -65,13 +67,16 @@ from workers.gateway.traces import ColdStart
 from workers.replicas import claims
 from workers.replicas.claims import Claimed, NoIdleReplica
 from workers.replicas.coldstarts import ClaimAttempt
-from workers.store.db import Database
+from workers.store.db import Database, is_transient
 from workers.store.models import Operation
 
 log = logging.getLogger(__name__)
 
 CLAIM_BATCH = 16  # environments one store call claims at most
 RENEW_MAX_S = 2.0  # held claims are renewed (and checked) at least this often
+#: a claim step the store refused for now (a lock wait past ``lock_timeout``, a dropped
+#: connection) is tried again after this pause, while the cold-start timeout allows
+STORE_PAUSE_S = 0.2
 
 
 class Ledger:
@@ -208,7 +213,16 @@ class Ledger:
             while True:
                 # Made before the step: a notice that comes while it runs is not missed.
                 told = self._told.setdefault(name, asyncio.Event())
-                got = await self._step(attempt)
+                try:
+                    got = await self._step(attempt)
+                except DBAPIError as exc:
+                    late = time.monotonic() - began + STORE_PAUSE_S
+                    if not is_transient(exc) or late > settings.gateway_cold_start_timeout_s:
+                        raise
+                    why = str(exc.orig).split("\n", 1)[0]
+                    log.info("gateway: claiming %s: the store refused for now (%s)", name, why)
+                    await asyncio.sleep(STORE_PAUSE_S)
+                    continue
                 if isinstance(got, Claimed):
                     self.held[got.claim_id] = got
                     if cold:

@@ -43,6 +43,9 @@ from workers.store.models import Claim, Replica
 
 HOSTILE = "tests.workers.gateway.hostile"  # the image of a replica whose answers attack
 CALLEE = "tests.workers.gateway.callee"  # the image of a function that records its calls
+#: how long a test waits for HAProxy to be programmed (at once on a quiet machine; the
+#: commands go from a thread of the gateway's, which a machine at load 27 has held past 10 s)
+WARM_WAIT_S = 30.0
 PAIRS = (("sqlite", "haproxy"), ("postgres", "python"))  # (store, data plane) of each run
 
 
@@ -96,7 +99,7 @@ class Stack:
             assert router is not None
             eventually(
                 lambda: (r := router.routes.get(name)) is not None and r.live and r.ready(),
-                10,
+                WARM_WAIT_S,
                 f"{name}'s backend in HAProxy",
             )
 
@@ -108,7 +111,7 @@ class Stack:
         assert router is not None
         eventually(
             lambda: router.counts.requests.get(name, 0) >= calls,
-            10,
+            WARM_WAIT_S,
             f"{calls} calls of {name} carried by HAProxy",
         )
 

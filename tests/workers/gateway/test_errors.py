@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from pydantic import SecretStr
+from sqlalchemy import text
 
 from tasks import api
 from tasks.cli import main
@@ -57,6 +59,36 @@ def test_no_replica_within_the_cold_start_timeout_is_503_with_retry_after(stack:
     assert "no ready replica of never after 1s" in answer.text
     assert 1.0 <= time.monotonic() - started < 10
     assert stack.creates() == 1 and stack.claims() == 0
+
+
+@pytest.mark.parametrize("pairing", [("postgres", "python")], ids=["postgres-python"])
+def test_a_lock_held_past_the_lock_timeout_delays_a_cold_start_instead_of_failing_it(
+    stack: Stack,
+) -> None:
+    """PostgreSQL only: SQLite has no row locks (its busy timeout is a whole-store wait)."""
+    stack.deploy("hello")
+    gw = stack.gateway()
+    hold_s = stack.env.settings.db_lock_timeout_s + 1.5
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:  # another transaction holding the function's row
+        with stack.env.db.transaction() as s:
+            s.execute(text("SELECT id FROM functions WHERE name = 'hello' FOR UPDATE"))
+            held.set()
+            done.wait(hold_s)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        started = time.monotonic()
+        answer = httpx.get(f"{gw.url}/function/hello", timeout=60)
+        # before: 503 "the store is unavailable" at the lock timeout, with 20 s still left
+        assert answer.status_code == 200, answer.text
+        assert time.monotonic() - started >= stack.env.settings.db_lock_timeout_s
+    finally:
+        done.set()
+        thread.join(30)
 
 
 def _kill_process_of(stack: Stack, vmid: str) -> None:

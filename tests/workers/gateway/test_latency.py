@@ -51,4 +51,6 @@ def test_fifty_keepalive_calls_through_the_gateway_and_direct_never_stall(stack:
                 break
         else:
             raise AssertionError(f"{where}: (p50, max ms, slow calls) of each round: {rounds}")
-        assert statistics.median(times) < 5.0, (where, statistics.median(times))
+        # stalled, every call waits the timer out; a machine at load 27 has made direct's
+        # median 5 ms, never 20
+        assert statistics.median(times) < STALL_MS / 2, (where, statistics.median(times))

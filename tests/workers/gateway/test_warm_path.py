@@ -25,7 +25,7 @@ from tasks import api
 from testkit.eventually import eventually
 from tests.dataplanes import need
 from tests.fixtures import STORES, Env
-from tests.workers.gateway.conftest import HOSTILE, Stack, data_path
+from tests.workers.gateway.conftest import HOSTILE, WARM_WAIT_S, Stack, data_path
 from workers.autoscale import demand
 from workers.gateway import RunningGateway
 from workers.gateway.haproxy.router import Router
@@ -110,7 +110,7 @@ def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
     assert len(warm_stack.replicas("echo")) == 3
     eventually(
         lambda: sum(s.maxconn for s in _router(gw).routes["echo"].ready()) == 3,
-        10,
+        WARM_WAIT_S,
         "the activator's environments lent to HAProxy once its calls were done",
     )
     # the same demand again: HAProxy carries all of it now
@@ -149,7 +149,7 @@ def test_calls_handed_to_the_activator_are_counted_once(warm_stack: Stack) -> No
     assert _python_calls(gw, "echo") - before >= 1  # (the activator did take some)
     eventually(
         lambda: _python_calls(gw, "echo") + _warm_calls(gw, "echo") - before == 3,
-        10,
+        WARM_WAIT_S,
         "each call counted once in the metrics",
     )
 
@@ -185,7 +185,7 @@ def test_a_replica_haproxy_cannot_reach_is_retired_and_calls_go_elsewhere(
     assert (answer.status_code, answer.content) == (200, b"once")
     rows = eventually(
         lambda: [r for r in warm_stack.replicas("echo") if r.id == bad and r.error],
-        10,
+        WARM_WAIT_S,
         "the unreachable replica retired",
     )
     assert rows[0].status in (ReplicaState.DELETING, ReplicaState.DELETED)
@@ -276,7 +276,9 @@ def test_an_answer_past_the_call_timeout_is_cut_off_and_its_function_demoted(
 
 def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
     """The full figure (1,000 calls a second) is ``python -m bench.warmroutes``'s."""
-    warm_stack.deploy("hello", max=6, exec_envs=2)
+    # calls of 50 ms at 100 a second: some 5 at once, so HAProxy needs the replicas scaled
+    # up (hello's answer at once needs one, whatever the machine: no route changes to see)
+    warm_stack.deploy("hello", image="examples.echo", max=6, exec_envs=2)
     gw = warm_stack.gateway(gateway_keep_s=0.3)
     warm_stack.warm(gw, "hello")
     stop = threading.Event()
@@ -296,7 +298,8 @@ def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
 
             async def one() -> None:
                 try:
-                    out.append((await client.get(f"{gw.url}/function/hello")).status_code)
+                    answer = await client.get(f"{gw.url}/function/hello?delay=0.05")
+                    out.append(answer.status_code)
                 except httpx.HTTPError as exc:
                     out.append(type(exc).__name__)
 
