@@ -79,6 +79,32 @@ RENEW_MAX_S = 2.0  # held claims are renewed (and checked) at least this often
 STORE_PAUSE_S = 0.2
 
 
+async def _refused(exc: DBAPIError, name: str, until: float) -> None:
+    """Pause before a claim step the store refused for now; ``exc`` again if not transient or
+    ``until`` (monotonic) comes first."""
+    if not is_transient(exc) or time.monotonic() + STORE_PAUSE_S > until:
+        raise exc
+    why = str(exc.orig).split("\n", 1)[0]
+    log.info("gateway: claiming %s: the store refused for now (%s)", name, why)
+    await asyncio.sleep(STORE_PAUSE_S)
+
+
+def _attempt(ledger: Ledger, name: str) -> ClaimAttempt:
+    """A claim attempt for one request of ``name``, on the gateway's timeouts."""
+    settings = ledger.settings
+    return ClaimAttempt(
+        ledger.db,
+        settings,
+        name,
+        cold_start_timeout=settings.gateway_cold_start_timeout_s,
+        ttl_s=settings.gateway_claim_ttl_s,
+        queue=ledger._queue_spawn,
+        wait_at_max=True,
+        tried=True,
+        told=ledger.told,
+    )
+
+
 class Ledger:
     """Every claim this gateway holds, the function pools, and their upkeep."""
 
@@ -100,12 +126,10 @@ class Ledger:
         self.pools: dict[str, Pool] = {}
         #: Claims cold starts brought, not yet used by a request (workers.gateway.traces).
         self.cold: dict[str, ColdStart] = {}
-        # Per function, what its claims waiting on a cold start wait on between two looks:
-        # set (and dropped) by wake(), on a notice (workers.replicas.notices).
+        # Per function, what its cold-start waiters wait on between looks: set by wake()
         self._told: dict[str, asyncio.Event] = {}
-        # Claims in use that must not go back to their pool: True = release them when
-        # their request ends (replica retired or unusable), False = forget them (the
-        # store no longer has them).
+        # Claims in use kept from their pool: True = release at the request's end (retired,
+        # unusable), False = forget them (the store no longer has them)
         self._unpooled: dict[str, bool] = {}
         self.lending = Lending(self)  # claims lent to a warm data plane (HAProxy), if any
 
@@ -196,17 +220,7 @@ class Ledger:
     async def _claim(self, name: str, began: float, began_at: datetime) -> Claimed:
         """One request's claim attempt, cold start included, step by step in the threads."""
         settings = self.settings
-        attempt = ClaimAttempt(
-            self.db,
-            settings,
-            name,
-            cold_start_timeout=settings.gateway_cold_start_timeout_s,
-            ttl_s=settings.gateway_claim_ttl_s,
-            queue=self._queue_spawn,
-            wait_at_max=True,
-            tried=True,
-            told=self.told,
-        )
+        attempt = _attempt(self, name)
         cold = False
         got: Claimed | float | None = None
         try:
@@ -216,12 +230,7 @@ class Ledger:
                 try:
                     got = await self._step(attempt)
                 except DBAPIError as exc:
-                    late = time.monotonic() - began + STORE_PAUSE_S
-                    if not is_transient(exc) or late > settings.gateway_cold_start_timeout_s:
-                        raise
-                    why = str(exc.orig).split("\n", 1)[0]
-                    log.info("gateway: claiming %s: the store refused for now (%s)", name, why)
-                    await asyncio.sleep(STORE_PAUSE_S)
+                    await _refused(exc, name, began + settings.gateway_cold_start_timeout_s)
                     continue
                 if isinstance(got, Claimed):
                     self.held[got.claim_id] = got

@@ -113,16 +113,21 @@ def _watch(gw: Gateway, base_kib: int, done: threading.Event) -> None:
         time.sleep(0.05)
 
 
+ATTACK_MOST_S = 90.0  # an attack's calls end by then (each is cut at the call timeout)
+
+
 def _hello_p50(gw: Gateway, calls: int, more: threading.Event | None = None) -> float:
     """Call hello ``calls`` times (and on while ``more`` is unset); the p50 of their times."""
     times: list[float] = []
+    # a time, not a count: on a quiet machine 10,000 calls took less than a call timeout
+    ends = time.monotonic() + ATTACK_MOST_S
     with httpx.Client(headers=AUTH, timeout=30) as client:
         while len(times) < calls or (more is not None and not more.is_set()):
             started = time.perf_counter()
             answer = client.get(f"{gw.url}/function/hello")
             times.append(time.perf_counter() - started)
             assert answer.status_code == 200, answer.text
-            assert len(times) < 10_000, "the attack never ended"
+            assert time.monotonic() < ends or len(times) < calls, "the attack never ended"
     return statistics.median(times)
 
 
@@ -233,9 +238,17 @@ def test_a_head_that_drips_is_answered_504_at_the_head_deadline(gateway: Gateway
     gateway.evil("evil-drip")
     started = time.monotonic()
     outcome = attack(gateway, "/drip", attackers=1, rounds=1)
-    # the gateway's head deadline is 1 s; HAProxy's is the call timeout (6 s here)
-    assert outcome.answers == ["504"] and time.monotonic() - started < CALL_TIMEOUT_S + 4
-    _counted(gateway, "head_timeout", expected=1)
+    assert time.monotonic() - started < CALL_TIMEOUT_S + 4
+    if gateway.dataplane == "haproxy":
+        # a head that drips is never idle for HAProxy's timeouts: the watchdog cuts the call
+        # at the call timeout (6 s here) and HAProxy answers 502 (504 where its own server
+        # timeout came first), and the function is demoted
+        assert outcome.answers in (["502"], ["504"]), outcome
+        if outcome.answers == ["502"]:  # the watchdog's cut demotes the function
+            eventually(gateway.demoted, 10, "the function demoted")
+    else:  # the gateway's head deadline is 1 s
+        assert outcome.answers == ["504"], outcome
+        _counted(gateway, "head_timeout", expected=1)
 
 
 def test_callers_that_never_read_two_byte_chunks_hold_the_budget_at_most(
