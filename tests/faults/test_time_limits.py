@@ -239,7 +239,9 @@ def test_a_spawn_waiting_on_a_node_lock_ends_the_wait_before_its_hard_limit_and_
         )
     view = api.wait(op, timeout=60)  # retried: the lock is free now
     assert (view["status"], view["done"], view["failed"]) == ("succeeded", 2, 0), view
-    assert len(agent.agent.calls_of("CreateReplica")) == 2
+    # two creates (one more call of one of them, past its 0.5 s on a loaded machine, is
+    # the same request id, which this agent deduplicates) and two VMs
+    assert len({c.requestId for c in agent.agent.calls_of("CreateReplica")}) == 2
     assert len(agent.driver.list()) == 2
     log = _log(worker)
     assert "outlived its hard time limit" not in log and "Hard time limit" not in log, log
