@@ -144,7 +144,9 @@ def _exercise(  # noqa: PLR0913 - one run's parts
     t0 = time.monotonic()
     load = Load(fleet.db, FUNCTIONS, results, args.rate, args.seed, t0)
     callers = checker.Callers(fleet, checker.call_deadline(settings), t0)
-    sampler = checker.Sampler(fleet, t0, checker.vm_grace(settings))
+    sampler = checker.Sampler(
+        fleet, t0, checker.vm_grace(settings), inflight_bound=settings.node_max_inflight
+    )
     nem = nemesis.Nemesis(net, fleet, faults, t0, say)
     threads = [threading.Thread(target=t, daemon=True) for t in (load.run, sampler.run, nem.run)]
     for t in threads:
@@ -184,6 +186,7 @@ def _exercise(  # noqa: PLR0913 - one run's parts
         "rows_over_capacity": sampler.rows_over,
         "vms_over_capacity": vms_over,
         **callers.anomalies(),
+        **checker.cost_anomalies(fleet, settings, sampler),
         "nemesis_failed": [f"{d.fault}: {d.error}" for d in nem.done if d.error],
     }
     results.figures = {
