@@ -187,8 +187,8 @@ class Sampler:
     # samples with more VMs than capacity: (node, capacity, seconds into the run, vmids)
     crowded: list[tuple[str, int, float, frozenset[str]]] = field(default_factory=list)
     # each sample's time (the store's clock), free slots of each placeable node (backend,
-    # node: free), and each node's part (name: capacity/live rows/maybes/VMs; "-": not
-    # placeable)
+    # node: free), and each node's part (name: capacity/slots taken/live rows/maybes/VMs;
+    # "-": not placeable)
     free: list[tuple[datetime, dict[tuple[str, str], int], str]] = field(default_factory=list)
     inflight_bound: int = 16
 
@@ -206,7 +206,8 @@ class Sampler:
         with self.fleet.db().read() as s:
             stamp = clock.now()
             nodes = {
-                n.id: (n.name, n.capacity, _placeable(n, stamp)) for n in s.scalars(select(Node))
+                n.id: (n.name, n.capacity, _placeable(n, stamp), n.live)
+                for n in s.scalars(select(Node))
             }
             rows = dict(
                 s.execute(
@@ -226,7 +227,7 @@ class Sampler:
         self.samples += 1
         free: dict[tuple[str, str], int] = {}
         parts = []
-        for node_id, (name, capacity, placeable) in nodes.items():
+        for node_id, (name, capacity, placeable, live) in nodes.items():
             n_rows, running = rows.get(node_id, 0), frozenset(vms.get(name, ()))
             self.peak_rows[name] = max(self.peak_rows[name], n_rows)
             self.peak_vms[name] = max(self.peak_vms[name], len(running))
@@ -236,7 +237,8 @@ class Sampler:
                 self.crowded.append((name, capacity, at, running))
             n_maybes = maybes.get(node_id, 0)
             parts.append(
-                f"{name}{'' if placeable else '-'} {capacity}/{n_rows}/{n_maybes}/{len(running)}"
+                f"{name}{'' if placeable else '-'} "
+                f"{capacity}/{live}/{n_rows}/{n_maybes}/{len(running)}"
             )
             if placeable is not None:
                 held = n_rows - n_maybes + min(n_maybes, self.inflight_bound)
@@ -414,7 +416,7 @@ def no_capacity_while_free(
     backend, error, nodes its rows were on)``) while every sample from a second before they
     began until they ended (one at least) saw a free slot of their backend on a node other
     than theirs (a move avoids the node it leaves); with the last of those samples (each
-    node's capacity / live rows / maybes / VMs)."""
+    node's capacity / slots taken / live rows / maybes / VMs)."""
     out = []
     for op_id, began, ended, backend, error, theirs in failures:
         if not _NO_CAPACITY.search(error or ""):
@@ -571,6 +573,16 @@ def operations(fleet: Fleet) -> list[tuple[str, str, datetime, datetime | None]]
                 select(Operation.id, Operation.kind, Operation.created_at, Operation.finished_at)
             )
         ]
+
+
+def longest_op(fleet: Fleet) -> tuple[float, str]:
+    """The longest any finished operation took (seconds) and its kind."""
+    took = [
+        ((finished - created).total_seconds(), kind)
+        for _id, kind, created, finished in operations(fleet)
+        if finished is not None
+    ]
+    return max(took, default=(0.0, "-"))
 
 
 def cost_anomalies(fleet: Fleet, settings: Settings, sampler: Sampler) -> dict[str, list[str]]:

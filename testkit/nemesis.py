@@ -16,8 +16,8 @@ whatever an interrupted run left):
 ``freeze AGENT``          SIGSTOP of the agent (its VMs run on), SIGCONT at the end
 ``redis``                 the broker stopped, then started on the same address
 ``postgres``              the store restarted
-``skew WORKER``           the worker host's wall clock ``offset_s`` off (libfaketime; the
-                          monotonic clock runs on), put right at the end
+``skew WORKER``           the worker host's wall clock ``offset_s`` off (its Python's
+                          ``time.time``; the monotonic clock runs on), put right at the end
 ``stall WORKER``          the worker's log pipe not read (its writes block once the
                           pipe's 4 KiB are full), read again at the end
 ``spawns FUNCTION``       not a fault: ``count`` replicas of the function asked for at
@@ -50,6 +50,7 @@ from testkit.nsprocs import AGENT_PORT, REPLICA_PORT_MASK, Layout
 
 PARTITIONS = ("isolate", "cut", "unreachable")
 KINDS = (*PARTITIONS, "kill", "freeze", "redis", "postgres", "skew", "stall", "spawns")
+CI_SEED_CREATE_DELAY_S = 4.0  # the short run's seed agent: each create takes this long
 SKEWS_S = (-8.0, 8.0, 30.0, 600.0)  # a clock a little off either way, and far ahead
 LONG_S = (65.0, 85.0)  # a partition longer than the soak's dead grace (60 s): replicas lost
 
@@ -131,11 +132,11 @@ def schedule(seed: int, duration_s: float, lay: Layout) -> list[Fault]:
 
 
 def ci_schedule(duration_s: float, lay: Layout) -> list[Fault]:
-    """The short run's faults: the last worker's clock 8 s ahead for most of the run; an
-    agent that speaks only the seed protocol frozen while creates are in flight to it and
-    every worker killed 4 s into the freeze (so a create one handler sent, another may
-    send again) - the harness asks for two replicas per agent of a round-robin function as
-    it freezes, so creates are in flight to it; the first worker's log pipe stalled 12 s;
+    """The short run's faults: the last worker's clock 8 s ahead for most of the run; two
+    replicas per agent of a round-robin function asked for, and every worker killed 4 s
+    later, while creates are in flight to the agent that speaks only the seed protocol
+    (the short run starts it with a create delay) - so a create one handler sent, another
+    may send again; that agent frozen at once; the first worker's log pipe stalled 12 s;
     the agent's host isolated; the first worker cut from Redis."""
     d = round(duration_s / 5, 1)
     agent = lay.agent_names[-1]
@@ -146,9 +147,9 @@ def ci_schedule(duration_s: float, lay: Layout) -> list[Fault]:
 
     return [
         Fault(2.0, "skew", (last,), round(duration_s - 10, 1), 8.0),
-        Fault(at(0.1), "freeze", (agent,), d),
-        Fault(at(0.1) + 0.2, "spawns", ("pt-b",), count=lay.agents * 2),
-        Fault(at(0.1) + 4.0, "kill", tuple(lay.worker_names)),
+        Fault(at(0.1), "spawns", ("pt-b",), count=lay.agents * 2),
+        Fault(at(0.1) + CI_SEED_CREATE_DELAY_S, "kill", tuple(lay.worker_names)),
+        Fault(at(0.1) + 4.5, "freeze", (agent,), d),
         Fault(at(0.4), "stall", (first,), 12.0),
         Fault(at(0.45), "isolate", (agent,), d),
         Fault(at(0.7), "cut", (first, "redis"), d),

@@ -11,8 +11,9 @@ only their own tokens.
 The process faults are here too: workers SIGKILLed (``corral worker``'s process group;
 its Celery worker dies with it) and new ones started on the same hosts, an agent frozen
 (SIGSTOP) and thawed, Redis stopped and started, PostgreSQL restarted, a worker host's
-clock set off (:meth:`Fleet.skew`: every worker runs under libfaketime, its offset read
-from a file of its host's, ``+0`` but during a skew; the monotonic clock is left alone)
+clock set off (:meth:`Fleet.skew`: every worker's Python reads its wall clock through
+``testkit/skewclock/sitecustomize.py``, offset by the seconds in a file of its host's,
+``+0`` but during a skew; the monotonic clock is left alone)
 and a worker's log pipe left unread (:meth:`Fleet.stall`: a worker's output reaches its
 log through a small pipe the harness reads).
 :meth:`Fleet.dead` lists processes that died without the nemesis killing them.
@@ -21,7 +22,6 @@ log through a small pipe the harness reads).
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import signal
 import subprocess
@@ -85,14 +85,8 @@ FUNCTIONS: dict[str, dict[str, Any]] = {
         "rootfs": "https://objects.example/pt/rootfs.ext4",
     },
 }
-#: libfaketime, as Debian installs it (the multi-threaded build: workers run threads).
-FAKETIME_LIBS = "/usr/lib/*/faketime/libfaketimeMT.so.1"
-
-
-def faketime_lib() -> str | None:
-    """The libfaketime the workers run under, or None where it is not installed."""
-    found = sorted(glob.glob(FAKETIME_LIBS))
-    return found[0] if found else None
+#: The directory whose ``sitecustomize`` offsets a worker's wall clock (``PT_CLOCK_FILE``).
+SKEWCLOCK = ROOT / "testkit" / "skewclock"
 
 
 #: The functions the gateway callers call (one on fcdaemon nodes, one on the Lambdo host).
@@ -110,9 +104,11 @@ class Fleet:
         tmp: Path,
         say: Callable[[str], None],
         inject: str | None = None,
+        seed_delay: float = 0.0,
     ) -> None:
         self.layout, self.net, self.launcher, self.tmp, self.say = layout, net, launcher, tmp, say
         self.inject = inject
+        self.seed_delay = seed_delay  # seconds each create takes on a seed-only agent
         self.logs = tmp / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
@@ -205,7 +201,7 @@ class Fleet:
             "--port-range", "{}-{}".format(*REPLICA_PORTS),
             "--replica-ip", lay.replica_ip(host),
             "--heartbeat", "2",
-            *(["--seed-only"] if lay.seed(host) else []),
+            *(["--seed-only", "--create-delay", str(self.seed_delay)] if lay.seed(host) else []),
         ]  # fmt: skip
         env = self._child_env(
             CORRAL_AGENT_TOKEN=self.tokens["agent"], CORRAL_REGISTRY_TOKEN=self.tokens["registry"]
@@ -254,18 +250,10 @@ class Fleet:
         return self.tmp / f"clock-{host}"
 
     def _clock_env(self, host: str) -> dict[str, str]:
-        lib = faketime_lib()
-        if lib is None:
-            return {}
         clock_file = self._clock_file(host)
         if not clock_file.exists():
             clock_file.write_text("+0\n")
-        return {
-            "LD_PRELOAD": lib,
-            "FAKETIME_TIMESTAMP_FILE": str(clock_file),
-            "FAKETIME_CACHE_DURATION": "1",  # the file read again every second
-            "DONT_FAKE_MONOTONIC": "1",
-        }
+        return {"PT_CLOCK_FILE": str(clock_file)}
 
     def _worker(self, host: str) -> Proc:
         with self.lock:
@@ -273,7 +261,8 @@ class Fleet:
             name = f"{host}g{self.generation}"
         log = self.logs / f"{host}.log"
         size = log.stat().st_size if log.exists() else 0  # its "ready." comes after this
-        env = self._child_env(**self.env, **self._clock_env(host))
+        env = {**self._child_env(**self.env, **self._clock_env(host))}
+        env["PYTHONPATH"] = f"{SKEWCLOCK}{os.pathsep}{env['PYTHONPATH']}"
         proc = Proc(host, host, worker_argv(name, self.inject), env, log, piped=True)
         proc.start(self.launcher)
         with self.lock:
@@ -294,9 +283,7 @@ class Fleet:
             fresh.wait_ready(120)
 
     def skew(self, host: str, offset_s: float, seconds: float, stop: threading.Event) -> None:
-        """Set the clock of ``host``'s workers ``offset_s`` off for ``seconds`` (libfaketime)."""
-        if faketime_lib() is None:
-            raise RuntimeError(f"libfaketime is not installed ({FAKETIME_LIBS})")
+        """Set the wall clock of ``host``'s workers ``offset_s`` off for ``seconds``."""
         clock_file = self._clock_file(host)
         clock_file.write_text(f"{offset_s:+.0f}\n")
         try:

@@ -52,17 +52,18 @@ from testkit.netns import (
     cleanup_stale,
     run_namespaces,
 )
-from testkit.nsfleet import Fleet, faketime_lib
+from testkit.nsfleet import SKEWCLOCK, Fleet
 from testkit.nsprocs import Layout, NsPostgres, Proc
 from testkit.services import make_shared_tempdir
 from tests.fixtures import NO_BROKER
-from tests.requirements import NETNS, needs, unmet
+from tests.requirements import NETNS, needs
 from workers.gateway import serve_gateway
 from workers.gateway.asgi import RETRY_AFTER_S
 from workers.store.db import Database, is_transient
 from workers.store.migrate import upgrade
 
 ROOT = Path(__file__).resolve().parents[2]
+CI_CREATE_DELAY_S = nemesis.CI_SEED_CREATE_DELAY_S
 why = available()
 needs_netns = needs(NETNS, None if why is None else f"no network namespaces here: {why}")
 
@@ -88,22 +89,23 @@ def test_the_schedule_is_the_seeds_and_a_twenty_minute_run_meets_the_bar() -> No
     assert not [f for f in faults if f.kind == "isolate" and f.targets == ("gw",)]
 
 
-def test_the_ci_schedule_kills_every_worker_while_a_seed_agent_is_frozen() -> None:
+def test_the_ci_schedule_kills_every_worker_while_creates_are_in_flight() -> None:
     lay = Layout(workers=2, agents=3, seed_only=1)
     faults = nemesis.ci_schedule(45.0, lay)
     assert [(f.kind, f.targets) for f in faults] == [
         ("skew", ("w2",)),
-        ("freeze", ("fc3",)),
         ("spawns", ("pt-b",)),
         ("kill", ("w1", "w2")),
+        ("freeze", ("fc3",)),
         ("stall", ("w1",)),
         ("isolate", ("fc3",)),
         ("cut", ("w1", "redis")),
     ]
     assert lay.seed("fc3")
-    freeze, spawns, kill = faults[1:4]
-    assert freeze.at_s < spawns.at_s < kill.at_s < freeze.at_s + freeze.duration_s
-    assert spawns.count == 6  # round-robin: two on each agent, the frozen one's in flight
+    spawns, kill, freeze = faults[1:4]
+    assert spawns.at_s < kill.at_s < spawns.at_s + 2 * CI_CREATE_DELAY_S  # creates in flight
+    assert kill.at_s < freeze.at_s < kill.at_s + 1
+    assert spawns.count == 6  # round-robin: two on each agent
     assert all(f.at_s + f.duration_s < 45.0 for f in faults)
     assert str(faults[0]) == "skew w2 +8s for 35s"
 
@@ -227,11 +229,9 @@ def test_a_stalled_log_pipe_blocks_the_writer_until_it_is_read_again(tmp_path: P
 
 
 def test_a_skew_moves_a_workers_wall_clock_and_not_its_monotonic_clock(tmp_path: Path) -> None:
-    if faketime_lib() is None:
-        unmet(NETNS, "libfaketime is not installed (the partition run's clock skews use it)")
     fleet = Fleet(Layout(workers=1), None, None, tmp_path, print)  # type: ignore[arg-type]
-    env = {**os.environ, **fleet._clock_env("w1")}
-    show = "import time; print(time.time(), time.monotonic())"
+    env = {**os.environ, **fleet._clock_env("w1"), "PYTHONPATH": str(SKEWCLOCK)}
+    show = "import time; time.sleep(0.01); print(time.time(), time.monotonic())"
 
     def clocks() -> tuple[float, float]:
         out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True,
