@@ -39,7 +39,7 @@ What a fault may cost is bounded too (judged at the end, each kind with its evid
   could have been in flight to it - after a kill or a freeze only the calls that had
   started become maybes;
 * ``no_capacity_while_free`` (:func:`no_capacity_while_free`): no operation failed "no
-  capacity" while every sample around it saw a free slot on a node it could use, free
+  capacity" while every sample during it saw two free slots on nodes it could use, free
   by the VMs running there and by the rows that are not maybes (and maybes up to the
   in-flight bound);
 * ``hard_limit_restarts``: ``corral worker`` never had to kill its worker because a
@@ -405,6 +405,7 @@ def maybes_of(fleet: Fleet) -> list[tuple[str, datetime, str]]:
         ]
 
 
+FREE_SLOTS = 2
 _NO_CAPACITY = re.compile(r"no capacity for \S+ on any healthy")  # (not: on node N)
 
 
@@ -414,9 +415,10 @@ def no_capacity_while_free(
 ) -> list[str]:
     """Operations that failed "no capacity" on any node (``(op, created at, finished at,
     backend, error, nodes its rows were on)``) while every sample from a second before they
-    began until they ended (one at least) saw a free slot of their backend on a node other
-    than theirs (a move avoids the node it leaves); with the last of those samples (each
-    node's capacity / slots taken / live rows / maybes / VMs)."""
+    began until they ended (one at least) saw :data:`FREE_SLOTS` free slots of their
+    backend on nodes other than theirs (a move avoids the node it leaves; one slot freed
+    and taken again between two samples is not evidence); with the last of those samples
+    (each node's capacity / slots taken / live rows / maybes / VMs)."""
     out = []
     for op_id, began, ended, backend, error, theirs in failures:
         if not _NO_CAPACITY.search(error or ""):
@@ -429,7 +431,7 @@ def no_capacity_while_free(
             for t, f, parts in free
             if (began - t).total_seconds() <= 1.0 and t <= ended
         ]
-        if seen and min(n for n, _ in seen) >= 1:
+        if seen and min(n for n, _ in seen) >= FREE_SLOTS:
             out.append(
                 f"op {op_id} {began:%H:%M:%S}-{ended:%H:%M:%S}: {error[:100]!r} while "
                 f"{backend} nodes had {min(n for n, _ in seen)}+ slots free ({seen[-1][1]})"
