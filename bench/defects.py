@@ -91,27 +91,37 @@ def _no_inflight_bound() -> None:
 def _half_full() -> None:
     from sqlalchemy import func, select
 
+    from workers.clock import now
     from workers.errors import CapacityError
     from workers.fleet import placement
     from workers.store.models import Node
 
-    original = placement.reserve_node
-
-    def reserve_node(session: Any, fn: Any, policy: str, *args: Any, **kwargs: Any) -> Any:
+    def refuse_past_half(session: Any, fn: Any) -> None:
         live, capacity = session.execute(
             select(
                 func.coalesce(func.sum(Node.live), 0), func.coalesce(func.sum(Node.capacity), 0)
-            ).where(*placement._placeable(fn.backend))
+            ).where(*placement._placeable(fn.backend)),
+            {"now": now()},
         ).one()
         if 2 * live >= capacity:
             raise CapacityError(f"no capacity for {fn.name} on any healthy {fn.backend} node")
-        return original(session, fn, policy, *args, **kwargs)
+
+    one, many = placement.reserve_node, placement.reserve_nodes
+
+    def reserve_node(session: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_past_half(session, fn)
+        return one(session, fn, *args, **kwargs)
+
+    def reserve_nodes(session: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_past_half(session, fn)
+        return many(session, fn, *args, **kwargs)
 
     import workers.replicas.maybes
     import workers.replicas.moves
     import workers.replicas.spawn  # noqa: F401 - imports reserve_node by name
 
-    _replace(original, reserve_node)
+    _replace(one, reserve_node)
+    _replace(many, reserve_nodes)
 
 
 def _hang_health() -> None:
