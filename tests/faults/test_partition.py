@@ -471,7 +471,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.postgres
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_the_short_partition_run_has_no_anomaly_and_leaves_nothing(tmp_path: Path) -> None:
     links_before = _links()
     out = tmp_path / "partition.json"
@@ -483,7 +483,7 @@ def test_the_short_partition_run_has_no_anomaly_and_leaves_nothing(tmp_path: Pat
         text=True,
     )
     try:
-        stdout, _ = run.communicate(timeout=280)
+        stdout, _ = run.communicate(timeout=400)
     finally:
         run.kill()
     tail = stdout[-4000:]
