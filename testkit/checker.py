@@ -406,6 +406,7 @@ def maybes_of(fleet: Fleet) -> list[tuple[str, datetime, str]]:
 
 
 FREE_SLOTS = 2
+SAMPLED_S = 1.5  # samples come once a second: one on each side of an operation within this
 _NO_CAPACITY = re.compile(r"no capacity for \S+ on any healthy")  # (not: on node N)
 
 
@@ -415,26 +416,26 @@ def no_capacity_while_free(
 ) -> list[str]:
     """Operations that failed "no capacity" on any node (``(op, created at, finished at,
     backend, error, nodes its rows were on)``) while every sample from a second before they
-    began until they ended (one at least) saw :data:`FREE_SLOTS` free slots of their
-    backend on nodes other than theirs (a move avoids the node it leaves; one slot freed
-    and taken again between two samples is not evidence); with the last of those samples
-    (each node's capacity / slots taken / live rows / maybes / VMs)."""
+    began until a second after they ended - one before and one after, at least - saw
+    :data:`FREE_SLOTS` free slots of their backend on nodes other than theirs (a move
+    avoids the node it leaves; slots taken and freed again between two samples are no
+    evidence); with the last of those samples (each node's capacity / slots taken / live
+    rows / maybes / VMs)."""
     out = []
     for op_id, began, ended, backend, error, theirs in failures:
         if not _NO_CAPACITY.search(error or ""):
             continue
         seen = [
-            (
-                sum(n for (kind, node), n in f.items() if kind == backend and node not in theirs),
-                parts,
-            )
-            for t, f, parts in free
-            if (began - t).total_seconds() <= 1.0 and t <= ended
+            (sum(n for (kd, node), n in f.items() if kd == backend and node not in theirs), t, p)
+            for t, f, p in free
+            if (began - t).total_seconds() <= SAMPLED_S and (t - ended).total_seconds() <= SAMPLED_S
         ]
-        if seen and min(n for n, _ in seen) >= FREE_SLOTS:
+        before = any(t <= began for _, t, _p in seen)
+        after = any(t >= ended for _, t, _p in seen)
+        if before and after and min(n for n, _t, _p in seen) >= FREE_SLOTS:
             out.append(
                 f"op {op_id} {began:%H:%M:%S}-{ended:%H:%M:%S}: {error[:100]!r} while "
-                f"{backend} nodes had {min(n for n, _ in seen)}+ slots free ({seen[-1][1]})"
+                f"{backend} nodes had {min(n for n, _t, _p in seen)}+ slots free ({seen[-1][2]})"
             )
     return out
 

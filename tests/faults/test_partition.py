@@ -145,7 +145,9 @@ def test_no_capacity_while_every_sample_saw_a_free_slot_is_an_anomaly() -> None:
     ]
     found = checker.no_capacity_while_free(failures, free)
     assert len(found) == 1 and found[0].startswith("op half-full "), found
-    assert "3+ slots free (sample 11)" in found[0]
+    assert "3+ slots free (sample 13)" in found[0]
+    only_before = [("now", _at(29.5), _at(29.6), "fcdaemon", fc, none)]  # no sample after
+    assert checker.no_capacity_while_free(only_before, [(_at(29), free_at(3), "x")]) == []
 
 
 def test_a_request_id_that_made_two_vms_or_a_vm_that_served_two_ids_is_found() -> None:
