@@ -36,6 +36,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
+from agents.fcdaemon import serve_fcdaemon
 from config.settings import get_settings
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
@@ -254,6 +255,86 @@ def test_a_skew_moves_a_workers_wall_clock_and_not_its_monotonic_clock(tmp_path:
         skew.join()
     assert fleet._clock_file("w1").read_text() == "+0\n"
     assert abs(clocks()[0]) < 30
+
+
+# A skewed worker calling a real agent: its health probe and its reconcile listing
+# (workers.backends), with the partition run's timeouts, from a process whose time.time is
+# off as a skewed worker's is; it prints what it was told and how long each call took.
+_CALLS_WHILE_SKEWED = """
+import sys, time
+from config.settings import get_settings
+from workers import backends
+from workers.store.models import Node
+settings = get_settings()
+node = Node(id="n1", name="n1", kind="fcdaemon", address=sys.argv[1], capacity=4)
+for what, call in (("probe", backends.probe), ("list", backends.list_vms)):
+    began = time.monotonic()
+    try:
+        out = repr(call(node, settings))
+    except Exception as exc:
+        out = type(exc).__name__ + ": " + str(exc)[:200]
+    print(what, round(time.monotonic() - began, 1), out, flush=True)
+"""
+
+
+def _skewed_calls(tmp_path: Path, offset: str, address: str) -> dict[str, tuple[float, str]]:
+    """Run :data:`_CALLS_WHILE_SKEWED` with this host's clock ``offset``; what each call got."""
+    fleet = Fleet(Layout(workers=1), None, None, tmp_path, print)  # type: ignore[arg-type]
+    fleet._clock_file("w1").write_text(f"{offset}\n")
+    env = {
+        **os.environ,
+        **fleet._clock_env("w1"),
+        "PYTHONPATH": f"{SKEWCLOCK}{os.pathsep}{ROOT}",
+        "CORRAL_RPC_TIMEOUT_S": "5",
+        "CORRAL_HEALTH_TIMEOUT_S": "1",
+        "CORRAL_BROKER_URL": NO_BROKER,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _CALLS_WHILE_SKEWED, address],
+        env=env, capture_output=True, text=True, timeout=90, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    calls = {}
+    for line in out.stdout.splitlines():
+        what, took, told = line.split(" ", 2)
+        calls[what] = (float(took), told)
+    return calls
+
+
+def test_a_worker_whose_clock_is_behind_still_reaches_its_agents(tmp_path: Path) -> None:
+    """gRPC's Python makes a call's deadline from ``time.time()`` and its C core judges it
+    by the real clock: a skew of Python's clock alone put every deadline off by it (8 s
+    behind: every health probe and release with a shorter timeout failed at once with
+    DEADLINE_EXCEEDED, the partition run's over-capacity nodes). A host whose clock is
+    off is off for both, so gRPC keeps the real clock in the skewed worker."""
+    agent = serve_fcdaemon("127.0.0.1:0")
+    try:
+        calls = _skewed_calls(tmp_path, "-8", agent.address)
+    finally:
+        agent.stop()
+    assert calls["probe"][1] == "True", calls
+    assert calls["list"][1] == "[]", calls
+
+
+def test_a_worker_whose_clock_is_ahead_gives_up_on_a_silent_agent_in_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """600 s ahead, a call to an agent that never answers waited until something other
+    than its deadline ended it (the partition run's delete_replica and reconcile_pass
+    killed at their 20 s hard limit, waiting on a frozen or cut-off agent)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections complete in the backlog; nothing ever answers
+    try:
+        calls = _skewed_calls(tmp_path, "+600", f"127.0.0.1:{silent.getsockname()[1]}")
+    finally:
+        silent.close()
+    # each ends at its own timeout (1 s, 5 s), well before a 20 s hard limit; before, each
+    # waited for gRPC's 20 s connect timeout (a connected agent that froze: 605 s)
+    for what in ("probe", "list"):
+        took, told = calls[what]
+        assert told.startswith("TransientBackendError"), calls
+        assert took < 15, calls
 
 
 def test_vms_over_capacity_count_only_runs_past_the_grace() -> None:
