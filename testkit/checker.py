@@ -62,7 +62,7 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, select
 
 from config.settings import Settings
 from testkit.history import compare
@@ -407,6 +407,13 @@ def maybes_of(fleet: Fleet) -> list[tuple[str, datetime, str]]:
 
 FREE_SLOTS = 2
 SAMPLED_S = 1.5  # samples come once a second: one on each side of an operation within this
+# A sample's time is the harness's reading of the store's clock, an operation's a worker's:
+# each process measures the store's clock to within half a round trip, so two readings of
+# one moment may disagree by this much on a loaded machine. A sample counts as before or
+# after an operation only this far from it (the partition run's first 20 minutes: five
+# spawns that took or found fc6's last two slots at 01:05:28.1-28.3 were judged against
+# a sample stamped after them that read the store before their rows).
+CLOCKS_AGREE_S = 1.0
 _NO_CAPACITY = re.compile(r"no capacity for \S+ on any healthy")  # (not: on node N)
 
 
@@ -415,29 +422,44 @@ def no_capacity_while_free(
     free: list[tuple[datetime, dict[tuple[str, str], int], str]],
 ) -> list[str]:
     """Operations that failed "no capacity" on any node (``(op, created at, finished at,
-    backend, error, nodes its rows were on)``) while every sample from a second before they
-    began until a second after they ended - one before and one after, at least - saw
-    :data:`FREE_SLOTS` free slots of their backend on nodes other than theirs (a move
-    avoids the node it leaves; slots taken and freed again between two samples are no
-    evidence); with the last of those samples (each node's capacity / slots taken / live
-    rows / maybes / VMs)."""
+    backend, error, nodes its rows were on)``) while every sample around them - one before
+    they began and one after they ended, at least, each :data:`CLOCKS_AGREE_S` away, and
+    every sample in between within :data:`SAMPLED_S` more - saw :data:`FREE_SLOTS` free
+    slots of their backend on nodes other than theirs (a move avoids the node it leaves;
+    slots taken and freed again between two samples are no evidence); with the last of
+    those samples (each node's capacity / slots taken / live rows / maybes / VMs)."""
     out = []
+    reach = SAMPLED_S + CLOCKS_AGREE_S
     for op_id, began, ended, backend, error, theirs in failures:
         if not _NO_CAPACITY.search(error or ""):
             continue
         seen = [
             (sum(n for (kd, node), n in f.items() if kd == backend and node not in theirs), t, p)
             for t, f, p in free
-            if (began - t).total_seconds() <= SAMPLED_S and (t - ended).total_seconds() <= SAMPLED_S
+            if (began - t).total_seconds() <= reach and (t - ended).total_seconds() <= reach
         ]
-        before = any(t <= began for _, t, _p in seen)
-        after = any(t >= ended for _, t, _p in seen)
+        before = any((began - t).total_seconds() >= CLOCKS_AGREE_S for _, t, _p in seen)
+        after = any((t - ended).total_seconds() >= CLOCKS_AGREE_S for _, t, _p in seen)
         if before and after and min(n for n, _t, _p in seen) >= FREE_SLOTS:
             out.append(
                 f"op {op_id} {began:%H:%M:%S}-{ended:%H:%M:%S}: {error[:100]!r} while "
                 f"{backend} nodes had {min(n for n, _t, _p in seen)}+ slots free ({seen[-1][2]})"
             )
     return out
+
+
+def nodes_of_ops(
+    ops: set[str], replicas: Iterable[tuple[str | None, str | None, str, str]]
+) -> dict[str, set[str]]:
+    """The nodes each of ``ops`` put rows on, from ``(operation id, maybe of, request id,
+    node)`` of every replica: an operation's own rows are found by their request ids
+    (``<op>.<n>...``), since a row's operation id is cleared once it ends."""
+    on: dict[str, set[str]] = {}
+    for op_id, maybe_of, request_id, node in replicas:
+        for op in {op_id, maybe_of, request_id.split(".", 1)[0]}:
+            if op in ops:
+                on.setdefault(op, set()).add(node)
+    return on
 
 
 def capacity_failures(
@@ -460,16 +482,10 @@ def capacity_failures(
             .join(Function, Function.id == Operation.function_id)
             .where(Operation.error.contains("no capacity"))
         ).all()
-        ids = [r[0] for r in rows]
-        on: dict[str, set[str]] = {}
-        for op_id, maybe_of, node in s.execute(
-            select(Replica.operation_id, Replica.maybe_of, Node.name)
-            .join(Node, Node.id == Replica.node_id)
-            .where(or_(Replica.operation_id.in_(ids), Replica.maybe_of.in_(ids)))
-        ):
-            for op in (op_id, maybe_of):
-                if op is not None:
-                    on.setdefault(op, set()).add(node)
+        every = select(Replica.operation_id, Replica.maybe_of, Replica.request_id, Node.name)
+        on = nodes_of_ops(
+            {r[0] for r in rows}, s.execute(every.join(Node, Node.id == Replica.node_id)).all()
+        )
     return [
         (op, began, ended, backends.get(fn, "fcdaemon"), err or "", frozenset(on.get(op, ())))
         for op, began, ended, fn, err in rows

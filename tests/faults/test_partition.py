@@ -146,9 +146,48 @@ def test_no_capacity_while_every_sample_saw_a_free_slot_is_an_anomaly() -> None:
     ]
     found = checker.no_capacity_while_free(failures, free)
     assert len(found) == 1 and found[0].startswith("op half-full "), found
-    assert "3+ slots free (sample 13)" in found[0]
+    assert "3+ slots free (sample 14)" in found[0]
     only_before = [("now", _at(29.5), _at(29.6), "fcdaemon", fc, none)]  # no sample after
     assert checker.no_capacity_while_free(only_before, [(_at(29), free_at(3), "x")]) == []
+
+
+def test_a_sample_stamped_after_a_refusal_but_read_before_it_is_no_evidence() -> None:
+    """The partition run's first 20 minutes, 01:05:28: a scale took fc6's last two slots
+    and failed its other three spawns, four spawns right after it found no room; a sample
+    the harness stamped 0.2 s after them had read fc6 before their rows (each process
+    reads the store's clock to within half a round trip), the next came 1.6 s later."""
+
+    def fc6(free: int) -> dict[tuple[str, str], int]:
+        return {("fcdaemon", "fc6"): free, ("fcdaemon", "fc1"): 0}
+
+    free = [(_at(27.0), fc6(2), "27"), (_at(28.55), fc6(2), "28.55"), (_at(30.1), fc6(0), "30")]
+    error = "no capacity for pt-a on any healthy fcdaemon node"
+    failures = [
+        ("scale", _at(28.086), _at(28.176), "fcdaemon", "3 of 5 failed; first: " + error,
+         frozenset({"fc6"})),
+        ("spawn", _at(28.317), _at(28.343), "fcdaemon", error, frozenset()),
+    ]  # fmt: skip
+    assert checker.no_capacity_while_free(failures, free) == []
+    # room on fc6 all along is still found
+    free_all_along = [(t, fc6(2), p) for t, _f, p in free]
+    found = checker.no_capacity_while_free(failures[1:], free_all_along)
+    assert len(found) == 1 and found[0].startswith("op spawn "), found
+
+
+def test_an_operations_nodes_are_found_by_its_request_ids_once_its_rows_let_it_go() -> None:
+    replicas = [
+        (None, None, "op1.0", "fc6"),  # ended: its operation id cleared
+        (None, None, "op1.2.1", "fc2"),
+        ("op2", None, "op7.0", "fc1"),  # deleted by op2
+        (None, "op3", "op9.1~abc", "fc3"),  # a maybe of op3 and op9
+        (None, None, "op8.0", "fc4"),
+    ]
+    assert checker.nodes_of_ops({"op1", "op2", "op3", "op9"}, replicas) == {
+        "op1": {"fc6", "fc2"},
+        "op2": {"fc1"},
+        "op3": {"fc3"},
+        "op9": {"fc3"},
+    }
 
 
 def test_a_request_id_that_made_two_vms_or_a_vm_that_served_two_ids_is_found() -> None:
