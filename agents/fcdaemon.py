@@ -364,8 +364,12 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         hogs: HogPool | None = None,
         on_created: Callable[[VM], object] | None = None,
         seed_only: bool = False,
+        create_delay: float = 0.0,
     ) -> None:
         """``on_created(vm)`` runs after each new replica (used to report READY).
+
+        ``create_delay`` seconds pass before each create starts its VM (a slow host: fault
+        runs hold creates in flight with it).
 
         ``seed_only`` makes the agent speak only the seed protocol, as faas-backend's
         agent does: ``requestId`` is ignored (a create sent twice makes two VMs) and
@@ -373,6 +377,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
         """
         self.driver = driver
         self.seed_only = seed_only
+        self.create_delay = create_delay
         self.hogs = hogs or HogPool()
         self.on_created = on_created
         #: The variables the agent adds to a guest's environment, by vmid (its registry's).
@@ -450,6 +455,7 @@ class FcAgent(GrpcFaultHooks, fcdaemon_grpc.FcServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "cpu and mem must not be negative")
         if request.guestPort > 65535:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "guestPort must be below 65536")
+        time.sleep(self.create_delay)  # 0 but on a host made slow
         rid = "" if self.seed_only else request.requestId
         with self._creating.hold(rid):
             existing = self._existing(rid) if rid else None
@@ -628,6 +634,7 @@ def serve_fcdaemon(  # noqa: PLR0913 - a server's options, by name with defaults
     tls: tuple[bytes, bytes] | None = None,
     require_token: str | None = None,
     seed_only: bool = False,
+    create_delay: float = 0.0,
 ) -> RunningAgent:
     """Start a node agent on ``listen`` (default driver: :class:`MemoryDriver`).
 
@@ -641,7 +648,7 @@ def serve_fcdaemon(  # noqa: PLR0913 - a server's options, by name with defaults
     server, port = agent_server(
         "fcdaemon", listen, max_workers=max_workers, require_token=require_token, tls=tls
     )
-    agent = FcAgent(driver, hogs=HogPool(max_hogs), seed_only=seed_only)
+    agent = FcAgent(driver, hogs=HogPool(max_hogs), seed_only=seed_only, create_delay=create_delay)
     server.add(fcdaemon_grpc.add_FcServiceServicer_to_server, agent)
     reporter: RegistryReporter | None = None
     if registry:
@@ -730,6 +737,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="speak only the seed protocol: ignore requestId, no ListReplicas (as "
         "faas-backend's agent)",
     )
+    parser.add_argument(
+        "--create-delay",
+        type=float,
+        default=0.0,
+        help="seconds each create waits before starting its VM (a slow host, for fault runs)",
+    )
     return parser
 
 
@@ -759,6 +772,7 @@ def serve_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             tls=tls,
             require_token=args.require_token,
             seed_only=args.seed_only,
+            create_delay=args.create_delay,
         ),
         on_failure=driver.close,
     )

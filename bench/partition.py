@@ -15,8 +15,9 @@ What it does, in order:
 3. for ``--minutes``: the load generator (:class:`testkit.history.Load`: spawn, scale,
    delete, claim, re-deploy), gateway callers and a capacity sampler
    (:mod:`testkit.checker`) record a history while the nemesis (:mod:`testkit.nemesis`)
-   partitions hosts, heals them, kills workers, freezes agents and restarts Redis and
-   PostgreSQL on a schedule drawn from ``--seed``;
+   partitions hosts, heals them, kills workers, freezes agents, sets a worker's clock
+   off, stalls a worker's log pipe and restarts Redis and PostgreSQL on a schedule drawn
+   from ``--seed``;
 4. heals everything, stops the load, waits ``--quiet`` seconds, then checks the final
    state against the history until it is clean or ``--settle`` seconds have passed;
 5. prints the figures (operations, calls, faults, anomalies) and tears everything down
@@ -51,7 +52,14 @@ from testkit.nsfleet import FUNCTIONS, Fleet
 from testkit.nsprocs import Layout
 from testkit.services import make_shared_tempdir
 
-CI = {"minutes": 0.75, "agents": 3, "seed_only": 1, "quiet": 10.0, "settle": 60.0}
+CI = {
+    "minutes": 0.75,
+    "agents": 3,
+    "seed_only": 1,
+    "quiet": 10.0,
+    "settle": 60.0,
+    "seed_create_delay": nemesis.CI_SEED_CREATE_DELAY_S,
+}
 
 
 @dataclass
@@ -111,7 +119,9 @@ def run(args: argparse.Namespace, say: Any = print) -> Results:
         net.create(lay.hosts())
         launcher = Launcher(net)
         net.move_here("ctl")
-        fleet = Fleet(lay, net, launcher, tmp, say, inject=args.inject)
+        fleet = Fleet(
+            lay, net, launcher, tmp, say, inject=args.inject, seed_delay=args.seed_create_delay
+        )
         say(f"starting corral on {len(net.hosts)} hosts (logs under {tmp / 'logs'})")
         fleet.start()
         say(f"fleet up after {time.monotonic() - began:.0f}s; {len(faults)} faults scheduled")
@@ -144,7 +154,9 @@ def _exercise(  # noqa: PLR0913 - one run's parts
     t0 = time.monotonic()
     load = Load(fleet.db, FUNCTIONS, results, args.rate, args.seed, t0)
     callers = checker.Callers(fleet, checker.call_deadline(settings), t0)
-    sampler = checker.Sampler(fleet, t0, checker.vm_grace(settings))
+    sampler = checker.Sampler(
+        fleet, t0, checker.vm_grace(settings), inflight_bound=settings.node_max_inflight
+    )
     nem = nemesis.Nemesis(net, fleet, faults, t0, say)
     threads = [threading.Thread(target=t, daemon=True) for t in (load.run, sampler.run, nem.run)]
     for t in threads:
@@ -184,6 +196,7 @@ def _exercise(  # noqa: PLR0913 - one run's parts
         "rows_over_capacity": sampler.rows_over,
         "vms_over_capacity": vms_over,
         **callers.anomalies(),
+        **checker.cost_anomalies(fleet, settings, sampler),
         "nemesis_failed": [f"{d.fault}: {d.error}" for d in nem.done if d.error],
     }
     results.figures = {
@@ -209,6 +222,8 @@ def _exercise(  # noqa: PLR0913 - one run's parts
         "vms_over_capacity_s": vm_excess,
         "worker_exits": list(fleet.exits),
         "hard_limit_restarts": fleet.hard_limit_restarts(),
+        "op_bound_s": checker.op_bound(settings),
+        "longest_op": [round(checker.longest_op(fleet)[0], 1), checker.longest_op(fleet)[1]],
         "settled_after_s": None if settled is None else round(settled, 1),
         "wall_s": round(time.monotonic() - began, 1),
     }
@@ -233,6 +248,8 @@ def report(results: Results) -> str:
         f"{f['vms_over_capacity_s']})",
         f"workers that exited by themselves (restarted): {f['worker_exits']}; restarted by "
         f"corral worker at a hard time limit: {f['hard_limit_restarts']}",
+        f"longest operation: {f['longest_op'][0]}s ({f['longest_op'][1]}; bound "
+        f"{f['op_bound_s']:g}s)",
         f"settled after the quiet period: {f['settled_after_s']}s; wall {f['wall_s']}s",
         "anomalies (all must be 0):",
     ]
@@ -253,6 +270,12 @@ def parser() -> argparse.ArgumentParser:
         "--agents", type=int, default=6, help="fcdaemon agent hosts (plus a Lambdo host)"
     )
     p.add_argument("--seed-only", type=int, default=2, help="of which speak only the seed protocol")
+    p.add_argument(
+        "--seed-create-delay",
+        type=float,
+        default=0.0,
+        help="seconds each create takes on the seed-only agents (fcdaemon --create-delay)",
+    )
     p.add_argument("--workers", type=int, default=2, help="worker hosts")
     p.add_argument("--capacity", type=int, default=4, help="each node's capacity")
     p.add_argument("--rate", type=float, default=2.0, help="load actions per second")

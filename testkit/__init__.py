@@ -9,7 +9,8 @@ checks it; nothing in corral itself imports it). It holds:
 * :mod:`testkit.eventually`: the one way to wait for a condition;
 * the namespace rig of the partition run: hosts in network namespaces
   (:mod:`testkit.netns`), corral's processes on them (:mod:`testkit.nsprocs`,
-  :mod:`testkit.nsfleet`), the faults (:mod:`testkit.nemesis`), the load and its history
+  :mod:`testkit.nsfleet`; ``testkit/skewclock``: a worker's wall clock set off), the faults
+  (:mod:`testkit.nemesis`), the load and its history
   (:mod:`testkit.history`) and the checks (:mod:`testkit.checker`);
 * the soak's settings and fault schedule (:mod:`testkit.soak_plan`), a keep-alive trace
   replayed through the fleet's policy (:mod:`testkit.keepalive_replay`), a populated fleet

@@ -31,6 +31,23 @@ transient error past its retries is an outcome, that is a bug); ``db_check``:
 killing and restarting its worker at a task's hard time limit is by design, and only
 counted); and ``seed_creates_twice`` (:func:`seed_creates_twice`), from the agents' own
 history: no seed-protocol agent carried out one row's create twice.
+
+What a fault may cost is bounded too (judged at the end, each kind with its evidence):
+
+* ``maybes_beyond_inflight`` (:func:`maybes_beyond_inflight`): a node never has more
+  creates of unknown outcome from one moment than ``CORRAL_NODE_MAX_INFLIGHT`` calls
+  could have been in flight to it - after a kill or a freeze only the calls that had
+  started become maybes;
+* ``no_capacity_while_free`` (:func:`no_capacity_while_free`): no operation failed "no
+  capacity" while every sample during it saw two free slots on nodes it could use, free
+  by the VMs running there and by the rows that are not maybes (and maybes up to the
+  in-flight bound);
+* ``hard_limit_restarts``: ``corral worker`` never had to kill its worker because a
+  task outlived its hard time limit (its kill line in the worker's log);
+* ``request_ids_twice`` (:func:`request_ids_twice`): on an agent that deduplicates
+  creates, one request id never made two VMs, and one VM never served two requests;
+* ``ops_slow`` (:func:`ops_slow`): every operation finished within :func:`op_bound` of
+  its creation.
 """
 
 from __future__ import annotations
@@ -39,7 +56,9 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -47,7 +66,8 @@ from sqlalchemy import func, select
 
 from config.settings import Settings
 from testkit.history import compare
-from testkit.nsfleet import CALLED, Fleet
+from testkit.nsfleet import CALLED, FUNCTIONS, Fleet
+from workers import clock
 from workers.replicas.maybes import MARK
 from workers.store.models import (
     LIVE_STATES,
@@ -166,6 +186,11 @@ class Sampler:
     peak_vms: Counter[str] = field(default_factory=Counter)
     # samples with more VMs than capacity: (node, capacity, seconds into the run, vmids)
     crowded: list[tuple[str, int, float, frozenset[str]]] = field(default_factory=list)
+    # each sample's time (the store's clock), free slots of each placeable node (backend,
+    # node: free), and each node's part (name: capacity/slots taken/live rows/maybes/VMs;
+    # "-": not placeable)
+    free: list[tuple[datetime, dict[tuple[str, str], int], str]] = field(default_factory=list)
+    inflight_bound: int = 16
 
     def run(self) -> None:
         """Sample until :attr:`stop`."""
@@ -179,7 +204,11 @@ class Sampler:
         """One sample."""
         vms = self.fleet.vms()
         with self.fleet.db().read() as s:
-            nodes = {n.id: (n.name, n.capacity) for n in s.scalars(select(Node))}
+            stamp = clock.now()
+            nodes = {
+                n.id: (n.name, n.capacity, _placeable(n, stamp), n.live)
+                for n in s.scalars(select(Node))
+            }
             rows = dict(
                 s.execute(
                     select(Replica.node_id, func.count())
@@ -187,9 +216,18 @@ class Sampler:
                     .group_by(Replica.node_id)
                 ).all()
             )
+            maybes = dict(
+                s.execute(
+                    select(Replica.node_id, func.count())
+                    .where(Replica.status.in_(LIVE_STATES), Replica.request_id.contains(MARK))
+                    .group_by(Replica.node_id)
+                ).all()
+            )
         at = time.monotonic() - self.t0
         self.samples += 1
-        for node_id, (name, capacity) in nodes.items():
+        free: dict[tuple[str, str], int] = {}
+        parts = []
+        for node_id, (name, capacity, placeable, live) in nodes.items():
             n_rows, running = rows.get(node_id, 0), frozenset(vms.get(name, ()))
             self.peak_rows[name] = max(self.peak_rows[name], n_rows)
             self.peak_vms[name] = max(self.peak_vms[name], len(running))
@@ -197,6 +235,15 @@ class Sampler:
                 self.rows_over.append(f"{name}: {n_rows} > {capacity} at {at:.0f}s")
             if len(running) > capacity:
                 self.crowded.append((name, capacity, at, running))
+            n_maybes = maybes.get(node_id, 0)
+            parts.append(
+                f"{name}{'' if placeable else '-'} "
+                f"{capacity}/{live}/{n_rows}/{n_maybes}/{len(running)}"
+            )
+            if placeable is not None:
+                held = n_rows - n_maybes + min(n_maybes, self.inflight_bound)
+                free[placeable, name] = max(0, capacity - max(len(running), held))
+        self.free.append((stamp, free, ", ".join(sorted(parts))))
 
     def vms_over(self) -> tuple[list[str], dict[str, int]]:
         """Runs of samples with more VMs than capacity longer than the grace; and the longest
@@ -218,6 +265,15 @@ class Sampler:
                     f"{since[name]:.0f}s, at {at:.0f}s"
                 )
         return over, dict(longest)
+
+
+def _placeable(node: Node, at: datetime) -> str | None:
+    """The node's backend if placement may use it now (healthy, not draining, not in
+    quarantine), else None."""
+    quarantined = node.quarantined_until is not None and node.quarantined_until > at
+    if not node.healthy or node.draining or quarantined:
+        return None
+    return str(getattr(node.kind, "value", node.kind))
 
 
 _BUG = re.compile(
@@ -306,6 +362,260 @@ def seed_creates_twice(fleet: Fleet) -> list[str]:
         for (host, rid), vms in twice.items()
         if len(vms) > bore[rid]
     ]
+
+
+def maybes_beyond_inflight(
+    maybes: Iterable[tuple[str, datetime, str]], bound: int, window_s: float
+) -> list[str]:
+    """Nodes with more maybes sent within ``window_s`` of one another than ``bound`` calls
+    could have had in flight, from ``(node, sent_at, request id)`` of every maybe ever made."""
+    by_node: dict[str, list[tuple[datetime, str]]] = {}
+    for node, sent_at, request_id in maybes:
+        by_node.setdefault(node, []).append((sent_at, request_id))
+    out = []
+    for node, sent in sorted(by_node.items()):
+        sent.sort()
+        first = 0
+        worst: list[tuple[datetime, str]] = []
+        for last in range(len(sent)):
+            while (sent[last][0] - sent[first][0]).total_seconds() > window_s:
+                first += 1
+            if last - first + 1 > max(bound, len(worst)):
+                worst = sent[first : last + 1]
+        if worst:
+            ids = [rid.split(MARK, 1)[0] for _, rid in worst]
+            out.append(
+                f"{node}: {len(worst)} maybes sent within {window_s:g}s (bound {bound}) "
+                f"from {worst[0][0]:%H:%M:%S}: {ids[:6]}"
+            )
+    return out
+
+
+def maybes_of(fleet: Fleet) -> list[tuple[str, datetime, str]]:
+    """Every maybe the store has (whatever its state now): node, when sent, request id."""
+    with fleet.db().read() as s:
+        return [
+            (name, sent_at, rid)
+            for name, sent_at, rid in s.execute(
+                select(Node.name, Replica.sent_at, Replica.request_id)
+                .join(Node, Node.id == Replica.node_id)
+                .where(Replica.request_id.contains(MARK))
+            )
+            if sent_at is not None
+        ]
+
+
+FREE_SLOTS = 2
+SAMPLED_S = 1.5  # samples come once a second: one on each side of an operation within this
+# A sample's time is the harness's reading of the store's clock, an operation's a worker's:
+# each process measures the store's clock to within half a round trip, so two readings of
+# one moment may disagree by this much on a loaded machine. A sample counts as before or
+# after an operation only this far from it (the partition run's first 20 minutes: five
+# spawns that took or found fc6's last two slots at 01:05:28.1-28.3 were judged against
+# a sample stamped after them that read the store before their rows).
+CLOCKS_AGREE_S = 1.0
+_NO_CAPACITY = re.compile(r"no capacity for \S+ on any healthy")  # (not: on node N)
+
+
+def no_capacity_while_free(
+    failures: Iterable[tuple[str, datetime, datetime, str, str, frozenset[str]]],
+    free: list[tuple[datetime, dict[tuple[str, str], int], str]],
+) -> list[str]:
+    """Operations that failed "no capacity" on any node (``(op, created at, finished at,
+    backend, error, nodes its rows were on)``) while every sample around them - one before
+    they began and one after they ended, at least, each :data:`CLOCKS_AGREE_S` away, and
+    every sample in between within :data:`SAMPLED_S` more - saw :data:`FREE_SLOTS` free
+    slots of their backend on nodes other than theirs (a move avoids the node it leaves;
+    slots taken and freed again between two samples are no evidence); with the last of
+    those samples (each node's capacity / slots taken / live rows / maybes / VMs)."""
+    out = []
+    reach = SAMPLED_S + CLOCKS_AGREE_S
+    for op_id, began, ended, backend, error, theirs in failures:
+        if not _NO_CAPACITY.search(error or ""):
+            continue
+        seen = [
+            (sum(n for (kd, node), n in f.items() if kd == backend and node not in theirs), t, p)
+            for t, f, p in free
+            if (began - t).total_seconds() <= reach and (t - ended).total_seconds() <= reach
+        ]
+        before = any((began - t).total_seconds() >= CLOCKS_AGREE_S for _, t, _p in seen)
+        after = any((t - ended).total_seconds() >= CLOCKS_AGREE_S for _, t, _p in seen)
+        if before and after and min(n for n, _t, _p in seen) >= FREE_SLOTS:
+            out.append(
+                f"op {op_id} {began:%H:%M:%S}-{ended:%H:%M:%S}: {error[:100]!r} while "
+                f"{backend} nodes had {min(n for n, _t, _p in seen)}+ slots free ({seen[-1][2]})"
+            )
+    return out
+
+
+def nodes_of_ops(
+    ops: set[str], replicas: Iterable[tuple[str | None, str | None, str, str]]
+) -> dict[str, set[str]]:
+    """The nodes each of ``ops`` put rows on, from ``(operation id, maybe of, request id,
+    node)`` of every replica: an operation's own rows are found by their request ids
+    (``<op>.<n>...``), since a row's operation id is cleared once it ends."""
+    on: dict[str, set[str]] = {}
+    for op_id, maybe_of, request_id, node in replicas:
+        for op in {op_id, maybe_of, request_id.split(".", 1)[0]}:
+            if op in ops:
+                on.setdefault(op, set()).add(node)
+    return on
+
+
+def capacity_failures(
+    fleet: Fleet,
+) -> list[tuple[str, datetime, datetime, str, str, frozenset[str]]]:
+    """Operations of the run's functions that ended with "no capacity" in their error,
+    each with the nodes its rows were on."""
+    from workers.store.models import Function
+
+    backends = {name: str(spec.get("backend", "fcdaemon")) for name, spec in FUNCTIONS.items()}
+    with fleet.db().read() as s:
+        rows = s.execute(
+            select(
+                Operation.id,
+                Operation.created_at,
+                Operation.finished_at,
+                Function.name,
+                Operation.error,
+            )
+            .join(Function, Function.id == Operation.function_id)
+            .where(Operation.error.contains("no capacity"))
+        ).all()
+        every = select(Replica.operation_id, Replica.maybe_of, Replica.request_id, Node.name)
+        on = nodes_of_ops(
+            {r[0] for r in rows}, s.execute(every.join(Node, Node.id == Replica.node_id)).all()
+        )
+    return [
+        (op, began, ended, backends.get(fn, "fcdaemon"), err or "", frozenset(on.get(op, ())))
+        for op, began, ended, fn, err in rows
+        if ended is not None
+    ]
+
+
+_MADE = re.compile(r"CreateReplica image=\S+ requestId=(\S+): (\S+) at ")
+_ALREADY = re.compile(r"CreateReplica requestId=(\S+): already running as (\S+)")
+
+
+def request_ids_twice(logs: Mapping[str, str], rows: Iterable[tuple[str, str, str]]) -> list[str]:
+    """From the logs of agents that deduplicate creates (by node) and ``(node, vmid,
+    request id)`` of every row: a request id that made more than one VM on a node, or a VM
+    that answered more than one request (rows of different request ids holding one VM)."""
+    out = []
+    for node, text in sorted(logs.items()):
+        made: dict[str, set[str]] = {}
+        for rid, vmid in _MADE.findall(text):
+            made.setdefault(rid, set()).add(vmid)
+        out += [
+            f"{node}: requestId {rid} made {len(vms)} VMs: {sorted(vms)[:4]}"
+            for rid, vms in made.items()
+            if len(vms) > 1
+        ]
+        answered: dict[str, set[str]] = {}
+        for rid, vmid in _ALREADY.findall(text):
+            answered.setdefault(vmid, set()).add(rid)
+        for rid, vmids in made.items():
+            for vmid in vmids:
+                answered.setdefault(vmid, set()).add(rid)
+        out += [
+            f"{node}: VM {vmid} answered {len(rids)} request ids: {sorted(rids)[:4]}"
+            for vmid, rids in answered.items()
+            if len(rids) > 1
+        ]
+    held: dict[tuple[str, str], set[str]] = {}
+    for node, vmid, request_id in rows:
+        if node in logs and vmid:
+            held.setdefault((node, vmid), set()).add(request_id.split(MARK, 1)[0])
+    out += [
+        f"{node}: VM {vmid} held by rows of {len(rids)} request ids: {sorted(rids)[:4]}"
+        for (node, vmid), rids in held.items()
+        if len(rids) > 1
+    ]
+    return out
+
+
+def extended_history(fleet: Fleet) -> tuple[dict[str, str], list[tuple[str, str, str]]]:
+    """The logs of the agents that deduplicate creates (by node name), and every row's
+    ``(node, vmid, request id)``."""
+    lay = fleet.layout
+    logs = {
+        lay.node_name(host): fleet.procs[host].log.read_text(errors="replace")
+        for host in lay.agent_names
+        if not lay.seed(host)
+    }
+    with fleet.db().read() as s:
+        rows = [
+            (name, vmid, rid)
+            for name, vmid, rid in s.execute(
+                select(Node.name, Replica.vmid, Replica.request_id).join(
+                    Node, Node.id == Replica.node_id
+                )
+            )
+            if vmid is not None
+        ]
+    return logs, rows
+
+
+def op_bound(settings: Settings) -> float:
+    """The longest an operation may take under the nemesis: its message back after a
+    worker's visibility timeout and redriven, a maybe it waits on to its creating
+    deadline, and three tasks run to their hard time limit."""
+    return (
+        settings.visibility_timeout_s
+        + settings.redrive_after_s
+        + settings.creating_deadline_s
+        + 3 * settings.task_time_limit_s
+        + SLACK_S
+    )
+
+
+def ops_slow(
+    ops: Iterable[tuple[str, str, datetime, datetime | None]], bound_s: float, at: datetime
+) -> list[str]:
+    """Operations (``(id, kind, created at, finished at or None)``) that took, or have been
+    open, longer than ``bound_s``."""
+    out = []
+    for op_id, kind, created, finished in ops:
+        took = ((finished or at) - created).total_seconds()
+        if took > bound_s:
+            state = "finished" if finished is not None else "still open"
+            out.append(f"{kind} {op_id}: {state} after {took:.0f}s (bound {bound_s:g}s)")
+    return out
+
+
+def operations(fleet: Fleet) -> list[tuple[str, str, datetime, datetime | None]]:
+    """Every operation: id, kind, created and finished at."""
+    with fleet.db().read() as s:
+        return [
+            (op_id, str(getattr(kind, "value", kind)), created, finished)
+            for op_id, kind, created, finished in s.execute(
+                select(Operation.id, Operation.kind, Operation.created_at, Operation.finished_at)
+            )
+        ]
+
+
+def longest_op(fleet: Fleet) -> tuple[float, str]:
+    """The longest any finished operation took (seconds) and its kind."""
+    took = [
+        ((finished - created).total_seconds(), kind)
+        for _id, kind, created, finished in operations(fleet)
+        if finished is not None
+    ]
+    return max(took, default=(0.0, "-"))
+
+
+def cost_anomalies(fleet: Fleet, settings: Settings, sampler: Sampler) -> dict[str, list[str]]:
+    """What the faults cost beyond their bounds, by kind (empty lists where nothing)."""
+    logs, rows = extended_history(fleet)
+    return {
+        "maybes_beyond_inflight": maybes_beyond_inflight(
+            maybes_of(fleet), settings.node_max_inflight, settings.create_timeout_s / 2
+        ),
+        "no_capacity_while_free": no_capacity_while_free(capacity_failures(fleet), sampler.free),
+        "hard_limit_restarts": fleet.hard_limit_restarts(),
+        "request_ids_twice": request_ids_twice(logs, rows),
+        "ops_slow": ops_slow(operations(fleet), op_bound(settings), clock.now()),
+    }
 
 
 def _story(db: Any, orphan: str) -> str:

@@ -11,18 +11,26 @@ whatever an interrupted run left):
 ``unreachable AGENT``     the agent reaches everyone (the registry takes its heartbeats
                           and READYs), no one reaches it or its replicas (its listeners'
                           answers are dropped)
-``kill WORKER``           SIGKILL of the worker's process group; a new worker starts on
-                          the same host at once
+``kill WORKER...``        SIGKILL of each worker's process group; new workers start on
+                          the same hosts at once
 ``freeze AGENT``          SIGSTOP of the agent (its VMs run on), SIGCONT at the end
 ``redis``                 the broker stopped, then started on the same address
 ``postgres``              the store restarted
+``skew WORKER``           the worker host's wall clock ``offset_s`` off (its Python's
+                          ``time.time``; the monotonic clock runs on), put right at the end
+``stall WORKER``          the worker's log pipe not read (its writes block once the
+                          pipe's 4 KiB are full), read again at the end
+``spawns FUNCTION``       not a fault: ``count`` replicas of the function asked for at
+                          once (the CI schedule's, so that creates are in flight to the
+                          agent it has just frozen; a round-robin function reaches it)
 ========================  ==============================================================
 
 The first four are *partitions*. The ``ctl`` host (the harness) is never cut from the
 gateway, so every gateway call the harness makes can be judged by its answer. The
 schedule is a pure function of the seed and the layout (:func:`schedule`); the CI
-schedule (:func:`ci_schedule`) is fixed: an agent host isolated, then a worker cut from
-Redis.
+schedule (:func:`ci_schedule`) is fixed: a seed agent frozen while creates are in
+flight and every worker killed meanwhile, a worker's clock off, its log pipe stalled,
+the seed agent's host isolated, then a worker cut from Redis.
 """
 
 from __future__ import annotations
@@ -35,12 +43,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tasks import api
 from testkit.netns import Block, Network
 from testkit.nsfleet import Fleet
 from testkit.nsprocs import AGENT_PORT, REPLICA_PORT_MASK, Layout
 
 PARTITIONS = ("isolate", "cut", "unreachable")
-KINDS = (*PARTITIONS, "kill", "freeze", "redis", "postgres")
+KINDS = (*PARTITIONS, "kill", "freeze", "redis", "postgres", "skew", "stall", "spawns")
+CI_SEED_CREATE_DELAY_S = 4.0  # the short run's seed agent: each create takes this long
+SKEWS_S = (-8.0, 8.0, 30.0, 600.0)  # a clock a little off either way, and far ahead
 LONG_S = (65.0, 85.0)  # a partition longer than the soak's dead grace (60 s): replicas lost
 
 
@@ -52,11 +63,15 @@ class Fault:
     kind: str
     targets: tuple[str, ...] = ()
     duration_s: float = 0.0
+    offset_s: float = 0.0  # a skew's
+    count: int = 0  # spawns'
 
     def __str__(self) -> str:
         who = " ".join(self.targets)
+        off = f" {self.offset_s:+.0f}s" if self.kind == "skew" else ""
+        off += f" x{self.count}" if self.kind == "spawns" else ""
         took = f" for {self.duration_s:.0f}s" if self.duration_s else ""
-        return f"{self.kind}{' ' + who if who else ''}{took}"
+        return f"{self.kind}{' ' + who if who else ''}{off}{took}"
 
 
 def _pairs(lay: Layout) -> list[tuple[str, str]]:
@@ -72,8 +87,9 @@ def _pairs(lay: Layout) -> list[tuple[str, str]]:
 
 def schedule(seed: int, duration_s: float, lay: Layout) -> list[Fault]:
     """The faults of a run of ``duration_s`` seconds: a partition every 12-30 s (a few past
-    the dead grace), a worker kill every 40-90 s, a freeze every 45-120 s, Redis and
-    PostgreSQL every 200-350 s; each stream drawn from its own generator of ``seed``."""
+    the dead grace), a worker kill every 40-90 s, a freeze every 45-120 s, a clock skew and
+    a log stall every 60-150 s, Redis and PostgreSQL every 200-350 s; each stream drawn
+    from its own generator of ``seed``."""
     end = duration_s - 5.0
     isolatable = [*lay.agent_names, "lb", *lay.worker_names, "beat", "reg", "redis", "pg"]
     out: list[Fault] = []
@@ -101,6 +117,13 @@ def schedule(seed: int, duration_s: float, lay: Layout) -> list[Fault]:
     for rng, t in stream("freeze", (20, 60), (45, 120)):
         who = rng.choice([*lay.agent_names, "lb"])
         out.append(Fault(round(t, 1), "freeze", (who,), round(min(rng.uniform(3, 20), end - t), 1)))
+    for rng, t in stream("skew", (30, 90), (60, 150)):
+        d = round(min(rng.uniform(20, 90), end - t), 1)
+        who = (rng.choice(lay.worker_names),)
+        out.append(Fault(round(t, 1), "skew", who, d, rng.choice(SKEWS_S)))
+    for rng, t in stream("stall", (30, 90), (60, 150)):
+        d = round(min(rng.uniform(5, 15), end - t), 1)
+        out.append(Fault(round(t, 1), "stall", (rng.choice(lay.worker_names),), d))
     for rng, t in stream("redis", (60, 150), (200, 350)):
         out.append(Fault(round(t, 1), "redis", (), round(rng.uniform(3, 10), 1)))
     for _rng, t in stream("postgres", (100, 200), (200, 350)):
@@ -109,13 +132,27 @@ def schedule(seed: int, duration_s: float, lay: Layout) -> list[Fault]:
 
 
 def ci_schedule(duration_s: float, lay: Layout) -> list[Fault]:
-    """The short run's faults: an agent host (one that speaks only the seed protocol)
-    isolated, then the first worker cut from Redis - each for a quarter of the run."""
-    d = round(duration_s / 4, 1)
+    """The short run's faults: the last worker's clock 8 s ahead for most of the run; two
+    replicas per agent of a round-robin function asked for, and every worker killed 4 s
+    later, while creates are in flight to the agent that speaks only the seed protocol
+    (the short run starts it with a create delay) - so a create one handler sent, another
+    may send again; that agent frozen at once; the first worker's log pipe stalled 12 s;
+    the agent's host isolated; the first worker cut from Redis."""
+    d = round(duration_s / 5, 1)
     agent = lay.agent_names[-1]
+    first, last = lay.worker_names[0], lay.worker_names[-1]
+
+    def at(share: float) -> float:
+        return round(duration_s * share, 1)
+
     return [
-        Fault(round(duration_s * 0.15, 1), "isolate", (agent,), d),
-        Fault(round(duration_s * 0.55, 1), "cut", (lay.worker_names[0], "redis"), d),
+        Fault(2.0, "skew", (last,), round(duration_s - 10, 1), 8.0),
+        Fault(at(0.1), "spawns", ("pt-b",), count=lay.agents * 2),
+        Fault(at(0.1) + CI_SEED_CREATE_DELAY_S, "kill", tuple(lay.worker_names)),
+        Fault(at(0.1) + 4.5, "freeze", (agent,), d),
+        Fault(at(0.4), "stall", (first,), 12.0),
+        Fault(at(0.45), "isolate", (agent,), d),
+        Fault(at(0.7), "cut", (first, "redis"), d),
     ]
 
 
@@ -184,9 +221,15 @@ class Nemesis:
                     self.net.unblock(block)
         elif kind == "kill":
             with self._kill_lock:
-                self.fleet.kill_worker(who[0])
+                self.fleet.kill_workers(who)
         elif kind == "freeze":
             self.fleet.freeze(who[0], d, self.stop)
+        elif kind == "skew":
+            self.fleet.skew(who[0], fault.offset_s, d, self.stop)
+        elif kind == "stall":
+            self.fleet.stall(who[0], d, self.stop)
+        elif kind == "spawns":
+            api.spawn(who[0], fault.count)
         elif kind == "redis":
             self.fleet.restart_redis(d, self.stop)
         elif kind == "postgres":
@@ -223,4 +266,5 @@ class Nemesis:
 def counts(done: list[Done]) -> dict[str, int]:
     """Faults carried out, by kind, and ``partitions`` in all (failed ones not counted)."""
     by: Counter[str] = Counter(d.fault.kind for d in done if d.error is None)
-    return {**{k: by[k] for k in KINDS}, "partitions": sum(by[k] for k in PARTITIONS)}
+    faults = [k for k in KINDS if k != "spawns"]
+    return {**{k: by[k] for k in faults}, "partitions": sum(by[k] for k in PARTITIONS)}

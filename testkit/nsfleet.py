@@ -8,9 +8,14 @@ the same ``CORRAL_*`` environment (:data:`PT_ENV`: the soak's short intervals, s
 fault leaves behind is repaired within a quiet period), except the agents, which get
 only their own tokens.
 
-The process faults are here too: a worker SIGKILLed (``corral worker``'s process group;
-its Celery worker dies with it) and a new one started on the same host, an agent frozen
-(SIGSTOP) and thawed, Redis stopped and started, PostgreSQL restarted.
+The process faults are here too: workers SIGKILLed (``corral worker``'s process group;
+its Celery worker dies with it) and new ones started on the same hosts, an agent frozen
+(SIGSTOP) and thawed, Redis stopped and started, PostgreSQL restarted, a worker host's
+clock set off (:meth:`Fleet.skew`: every worker's Python reads its wall clock through
+``testkit/skewclock/sitecustomize.py``, offset by the seconds in a file of its host's,
+``+0`` but during a skew; the monotonic clock is left alone)
+and a worker's log pipe left unread (:meth:`Fleet.stall`: a worker's output reaches its
+log through a small pipe the harness reads).
 :meth:`Fleet.dead` lists processes that died without the nemesis killing them.
 """
 
@@ -59,6 +64,9 @@ PT_ENV = {
     "CORRAL_GATEWAY_TIMEOUT_S": "10",
     "CORRAL_GATEWAY_COLD_START_TIMEOUT_S": "15",
     "CORRAL_EAGER": "0",
+    # below a node's capacity, so that a kill or a freeze that left more maybes on a node
+    # than calls could have been in flight to it shows (checker.maybes_beyond_inflight)
+    "CORRAL_NODE_MAX_INFLIGHT": "2",
 }
 FUNCTIONS: dict[str, dict[str, Any]] = {
     "pt-a": {"image": "examples.hello", "kernel": "/k", "min": 1, "max": 10, "exec_envs": 2},
@@ -77,6 +85,10 @@ FUNCTIONS: dict[str, dict[str, Any]] = {
         "rootfs": "https://objects.example/pt/rootfs.ext4",
     },
 }
+#: The directory whose ``sitecustomize`` offsets a worker's wall clock (``PT_CLOCK_FILE``).
+SKEWCLOCK = ROOT / "testkit" / "skewclock"
+
+
 #: The functions the gateway callers call (one on fcdaemon nodes, one on the Lambdo host).
 CALLED = ("pt-a", "pt-l")
 
@@ -92,9 +104,11 @@ class Fleet:
         tmp: Path,
         say: Callable[[str], None],
         inject: str | None = None,
+        seed_delay: float = 0.0,
     ) -> None:
         self.layout, self.net, self.launcher, self.tmp, self.say = layout, net, launcher, tmp, say
         self.inject = inject
+        self.seed_delay = seed_delay  # seconds each create takes on a seed-only agent
         self.logs = tmp / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.lock = threading.Lock()
@@ -187,7 +201,7 @@ class Fleet:
             "--port-range", "{}-{}".format(*REPLICA_PORTS),
             "--replica-ip", lay.replica_ip(host),
             "--heartbeat", "2",
-            *(["--seed-only"] if lay.seed(host) else []),
+            *(["--seed-only", "--create-delay", str(self.seed_delay)] if lay.seed(host) else []),
         ]  # fmt: skip
         env = self._child_env(
             CORRAL_AGENT_TOKEN=self.tokens["agent"], CORRAL_REGISTRY_TOKEN=self.tokens["registry"]
@@ -231,26 +245,57 @@ class Fleet:
             raise RuntimeError(f"corral {' '.join(args)}: {done.stdout}{done.stderr}")
         return done
 
+    def _clock_file(self, host: str) -> Path:
+        """The offset of ``host``'s clock that libfaketime reads (``+0``: none)."""
+        return self.tmp / f"clock-{host}"
+
+    def _clock_env(self, host: str) -> dict[str, str]:
+        clock_file = self._clock_file(host)
+        if not clock_file.exists():
+            clock_file.write_text("+0\n")
+        return {"PT_CLOCK_FILE": str(clock_file)}
+
     def _worker(self, host: str) -> Proc:
         with self.lock:
             self.generation += 1
             name = f"{host}g{self.generation}"
         log = self.logs / f"{host}.log"
         size = log.stat().st_size if log.exists() else 0  # its "ready." comes after this
-        proc = self._proc(host, host, worker_argv(name, self.inject), self._child_env(**self.env))
+        env = {**self._child_env(**self.env, **self._clock_env(host))}
+        env["PYTHONPATH"] = f"{SKEWCLOCK}{os.pathsep}{env['PYTHONPATH']}"
+        proc = Proc(host, host, worker_argv(name, self.inject), env, log, piped=True)
+        proc.start(self.launcher)
+        with self.lock:
+            self.procs[host] = proc
         proc.ready = lambda: b" ready." in log.read_bytes()[size:]
         return proc
 
     # -- faults ------------------------------------------------------------------------
 
-    def kill_worker(self, host: str) -> None:
-        """SIGKILL the worker on ``host`` (its whole group) and start a new one there."""
+    def kill_workers(self, hosts: tuple[str, ...]) -> None:
+        """SIGKILL the workers on ``hosts`` (each its whole group), then start new ones there."""
+        with self.lock:
+            procs = [self.procs[host] for host in hosts]
+            self.killed.update(p.pid for p in procs if p.popen is not None)
+        for proc in procs:
+            proc.kill()
+        for fresh in [self._worker(host) for host in hosts]:
+            fresh.wait_ready(120)
+
+    def skew(self, host: str, offset_s: float, seconds: float, stop: threading.Event) -> None:
+        """Set the wall clock of ``host``'s workers ``offset_s`` off for ``seconds``."""
+        clock_file = self._clock_file(host)
+        clock_file.write_text(f"{offset_s:+.0f}\n")
+        try:
+            stop.wait(seconds)
+        finally:
+            clock_file.write_text("+0\n")
+
+    def stall(self, host: str, seconds: float, stop: threading.Event) -> None:
+        """Leave the log pipe of ``host``'s worker unread for ``seconds``."""
         with self.lock:
             proc = self.procs[host]
-            if proc.popen is not None:
-                self.killed.add(proc.pid)
-        proc.kill()
-        self._worker(host).wait_ready(120)
+        proc.stall(seconds, stop)
 
     def freeze(self, host: str, seconds: float, stop: threading.Event) -> None:
         """SIGSTOP the agent on ``host`` (its VMs run on) for ``seconds``, then SIGCONT."""

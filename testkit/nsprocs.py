@@ -36,6 +36,7 @@ which cannot list its VMs.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import secrets
@@ -43,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +66,7 @@ AGENT_PORT = 50051
 LAMBDO_PORT = 3000
 REPLICA_PORTS = (20480, 24575)  # one u32 mask: 0x5000/0xf000
 REPLICA_PORT_MASK = (0x5000, 0xF000)
+PIPE_BYTES = 4096  # a piped process's pipe: full after a few dozen log lines
 _SIGTERM = signal.SIGTERM  # Proc.signal hides the module inside Proc
 
 
@@ -302,17 +305,47 @@ class Proc:
     log: Path
     ready: Callable[[], bool] | None = None
     popen: subprocess.Popen[bytes] | None = None
+    # Its output through a pipe the harness reads (and can stop reading: :meth:`stall`),
+    # not straight into its log file.
+    piped: bool = False
     _out: IO[bytes] | None = field(default=None, repr=False)
+    _reading: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def start(self, launcher: Launcher, cwd: Path = ROOT, user: int | None = None) -> Proc:
         """Start it (not waiting until it serves), as ``user`` if given."""
         self._out = self.log.open("ab")
         self.popen = launcher.popen(
             self.host, self.argv, env=self.env, cwd=cwd, stdin=subprocess.DEVNULL,
-            stdout=self._out, stderr=subprocess.STDOUT, user=user, group=_gid(user),
-            extra_groups=[] if user is not None else None,
+            stdout=subprocess.PIPE if self.piped else self._out, stderr=subprocess.STDOUT,
+            user=user, group=_gid(user), extra_groups=[] if user is not None else None,
         )  # fmt: skip
+        if self.piped and self.popen.stdout is not None:
+            pipe = self.popen.stdout
+            with contextlib.suppress(OSError):  # a small pipe: a stall blocks its writes soon
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            self._reading.set()
+            threading.Thread(target=self._pump, args=(pipe,), daemon=True).start()
         return self
+
+    def _pump(self, pipe: IO[bytes]) -> None:
+        """Copy its output to its log while :attr:`_reading` is set, until it closes."""
+        out = self._out
+        while self._reading.wait() and (chunk := os.read(pipe.fileno(), 65536)):
+            with contextlib.suppress(ValueError, OSError):  # the log closed by kill()
+                assert out is not None
+                out.write(chunk)
+                out.flush()
+        pipe.close()
+
+    def stall(self, seconds: float, stop: threading.Event) -> None:
+        """Stop reading its output for ``seconds`` (its writes block once the pipe is full)."""
+        if not self.piped:
+            raise RuntimeError(f"{self.name}: its output is not piped; nothing to stall")
+        self._reading.clear()
+        try:
+            stop.wait(seconds)
+        finally:
+            self._reading.set()
 
     def wait_ready(self, timeout: float = 90.0) -> Proc:
         """Wait until ``ready()`` holds; raise with the log's tail if it exits or times out."""
@@ -344,6 +377,7 @@ class Proc:
 
     def kill(self) -> None:
         """SIGKILL its whole process group (a crash) and reap it."""
+        self._reading.set()  # a stalled pump reads to the end
         self.signal(signal.SIGCONT, group=True)
         self.signal(signal.SIGKILL, group=True)
         if self.popen is not None:
