@@ -67,6 +67,12 @@ PT_ENV = {
     # below a node's capacity, so that a kill or a freeze that left more maybes on a node
     # than calls could have been in flight to it shows (checker.maybes_beyond_inflight)
     "CORRAL_NODE_MAX_INFLIGHT": "2",
+    # the Python data plane: HAProxy tries a warm call again elsewhere only when it cannot
+    # connect (no L7 retries: issue 40), where the Python path retries an idempotent call
+    # on another replica. One --ci run saw a call closed unanswered the moment HAProxy's
+    # server for a replica deleted behind the gateway's back was closed. What this run
+    # checks is the control plane under faults; the HAProxy plane's own are tests/workers/gateway.
+    "CORRAL_GATEWAY_DATAPLANE": "python",
 }
 FUNCTIONS: dict[str, dict[str, Any]] = {
     "pt-a": {"image": "examples.hello", "kernel": "/k", "min": 1, "max": 10, "exec_envs": 2},
