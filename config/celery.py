@@ -170,9 +170,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # died comes back soon after its visibility timeout.
             "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 5)),
             "unacked_restore_throttle": 1,
-            # a publish to a broker that vanished without closing the socket fails
-            # instead of hanging forever
-            "socket_timeout": 30,
+            # a publish to a broker that vanished without closing the socket fails in
+            # seconds (Redis answers in milliseconds): a running task's publishes must
+            # end before its hard limit (workers.broker.within)
+            "socket_timeout": 5,
             "socket_connect_timeout": 5,
         },
         "result_backend_transport_options": {"retry_policy": {"max_retries": 10}},

@@ -29,6 +29,7 @@ context manager or ``stop()``, and, as a last resort, by mirakuru's ``atexit`` h
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -39,7 +40,7 @@ import signal
 import stat
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self, TypeVar
@@ -136,6 +137,18 @@ class _Server:
     def is_running(self) -> bool:
         """Return True if the server process is alive."""
         return self.pid is not None
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Stop the server (SIGSTOP) for the block: its sockets stay open, nothing is answered."""
+        pid = self.pid
+        if pid is None:
+            raise RuntimeError(f"{self.name} is not running")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def start(self) -> None:
         """Start the server (implemented by subclasses)."""

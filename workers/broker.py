@@ -22,21 +22,37 @@ page, which picks its Redis client by URL scheme).
 
 :func:`restore` puts the messages a dead worker held back on their queues at once, by
 their delivery tags, instead of after the visibility timeout (:mod:`stack.worker`).
+
+A publish made by a running task (a retry, a hand-off, a child task) must end before
+that task's hard limit, or the supervisor kills the worker and every task on it with
+it. kombu retries a publish to a broker it cannot reach as its retry policy says
+(``task_publish_retry_policy``: a dozen attempts), each attempt bounded by the
+transport's socket timeouts, and nothing bounds the whole. :func:`within` turns a retry
+policy into one that gives up - :class:`PublishOutOfTime` - when another attempt could
+end past the task's hard limit: a publish then takes at most the time left, plus one
+attempt when it started with less than that left. The task gives its own message back
+instead (:class:`workers.celery.CorralTask`): it runs again once the broker is back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis
 from kombu.connection import Connection
+from kombu.exceptions import OperationalError
 from kombu.transport import TRANSPORT_ALIASES
 from kombu.transport import redis as kombu_redis
 
-__all__ = ["Channel", "Transport", "install", "restore"]
+__all__ = ["Channel", "PublishOutOfTime", "Transport", "attempt_s", "install", "restore", "within"]
 
 SCHEMES = ("redis", "rediss")
+
+
+class PublishOutOfTime(OperationalError):
+    """The broker did not take a message, and another attempt could outlast the task."""
 
 
 class Channel(kombu_redis.Channel):
@@ -78,3 +94,29 @@ def restore(url: str, tags: Iterable[str], options: dict[str, Any]) -> int:
         for tag in held:
             channel.qos.restore_by_tag(tag, client=client)
     return len(held)
+
+
+def attempt_s(options: Mapping[str, Any]) -> float:
+    """The longest one publish attempt may take under these transport options."""
+    return float(options.get("socket_timeout") or 0) + float(
+        options.get("socket_connect_timeout") or 0
+    )
+
+
+def within(policy: Mapping[str, Any] | None, hard_at: float, attempt: float) -> dict[str, Any]:
+    """``policy`` (kombu's retry policy) made to give up before ``hard_at`` (``time.monotonic()``).
+
+    kombu calls the policy's ``errback(exc, interval)`` after each failed attempt, before it
+    waits ``interval`` and tries again; this one raises :class:`PublishOutOfTime` when
+    that wait and one more ``attempt`` would reach ``hard_at``.
+    """
+
+    def give_up_in_time(exc: Exception, interval: float) -> None:
+        left = hard_at - time.monotonic()
+        if interval + attempt >= left:
+            raise PublishOutOfTime(
+                f"the broker did not take the message ({exc}); {max(left, 0):.1f}s left "
+                "before the task's hard time limit"
+            ) from exc
+
+    return {**(policy or {}), "errback": give_up_in_time}

@@ -62,9 +62,10 @@ from typing import Any
 
 import pydantic
 from celery import Celery, Task, signals
-from celery.exceptions import TaskPredicate
+from celery.exceptions import Reject, TaskPredicate
 from celery.utils.log import current_process_index
 from celery.worker.request import Request
+from kombu.exceptions import OperationalError as BrokerUnreachable
 
 from config.celery import HOUSEKEEPING, celery_config
 from config.settings import Settings, get_settings
@@ -82,6 +83,17 @@ log = logging.getLogger(__name__)
 
 TASK_MODULES = ["tasks.replicas", "tasks.maintenance", "tasks.hogs", "tasks.invocations"]
 _running = threading.local()  # the budget of the task this thread runs (CorralTask.budget)
+
+
+@contextlib.contextmanager
+def budgeted(budget: Budget) -> Iterator[Budget]:
+    """Run the body as a task with ``budget`` (its sends bounded by it), restoring the outer one."""
+    outer = getattr(_running, "budget", None)  # an eager task run inside another
+    _running.budget = budget
+    try:
+        yield budget
+    finally:
+        _running.budget = outer
 
 
 class Runs(enum.Enum):
@@ -236,9 +248,15 @@ class CorralTask(Task):  # type: ignore[misc]
             return self._reject(op_id, poison.given_up(killed))
         if self._superseded():
             return {"skipped": True, "reason": "superseded: a later pass of its kind started"}
-        outer = getattr(_running, "budget", None)  # an eager task run inside another
         hard, soft = self.request.timelimit or (None, None)
-        budget = _running.budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
+        budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
+        with budgeted(budget):
+            return self._run(budget, op_id, args, kwargs)
+
+    def _run(
+        self, budget: Budget, op_id: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run the task under its limits, then deal with what it raised."""
         try:
             with self._limits(budget):
                 inject_fault(self.settings, self.name)
@@ -247,6 +265,17 @@ class CorralTask(Task):  # type: ignore[misc]
             return self._reject(op_id, str(exc))
         except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
             raise
+        except BrokerUnreachable as exc:
+            # A message this task sends could not be queued in its time: give this task's
+            # own message back (idempotent: it carries on where it stopped) rather than
+            # fail its operation over a broker that is away. If the broker cannot take
+            # the reject either, the visibility timeout brings the message back.
+            log.warning(
+                "task %s: the broker would not take its messages (%s); its message goes back",
+                self.request.id,
+                exc,
+            )
+            raise Reject(exc, requeue=True) from None
         except OutOfTime as exc:
             # Past the soft limit at a safe point (the agent calls themselves end cleanly
             # there: workers.replicas.calls). The operation is not failed: the task is
@@ -264,8 +293,6 @@ class CorralTask(Task):  # type: ignore[misc]
                 self.retry_within_budget("hit a transient database error", exc)
             self._fail(op_id, exc)
             raise
-        finally:
-            _running.budget = outer
 
     def _kills(self) -> int:
         """How often this message's task was killed at its hard limit (looked up if redelivered)."""
@@ -337,6 +364,33 @@ class CorralTask(Task):  # type: ignore[misc]
             except Exception:  # the op id itself may be junk
                 log.exception("could not mark operation %r failed", op_id)
         return {"error": message}
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """Queue this task; from inside a running task, given up before its hard limit."""
+        budget = getattr(_running, "budget", None)
+        if isinstance(budget, Budget) and not self.app.conf.task_always_eager:
+            attempt = broker.attempt_s(self.app.conf.broker_transport_options or {})
+            hard_at = budget.started + budget.hard_s
+            options["retry_policy"] = broker.within(options.get("retry_policy"), hard_at, attempt)
+        return super().apply_async(args, kwargs, **options)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's retry, except that a retry the broker would not take gives the message back.
+
+        Celery drops the message then (``Reject(requeue=False)``): a task whose retry was
+        lost would never run again, and a release or a delete with it.
+        """
+        try:
+            return super().retry(*args, **kwargs)
+        except Reject as rejected:
+            if rejected.requeue:
+                raise
+            log.warning(
+                "task %s: its retry could not be queued (%s); its message goes back",
+                self.request.id,
+                rejected.reason,
+            )
+            raise Reject(rejected.reason, requeue=True) from None
 
     def retry_within_budget(self, what: str, exc: Exception | None = None) -> None:
         """Retry this task after :meth:`backoff` unless ``CORRAL_RETRY_MAX`` retries are spent.

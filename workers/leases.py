@@ -34,14 +34,13 @@ from datetime import datetime, timedelta
 from typing import cast
 
 from sqlalchemy import Table, delete, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers import timelimits
 from workers.clock import now
 from workers.errors import InputError
-from workers.store.db import Database, store_now
+from workers.store.db import Database, insert_for, store_now
 from workers.store.models import Lease
 
 PASS_SLACK_S = 5.0  # a pass's lease outlives its task's hard limit by this much
@@ -97,7 +96,7 @@ def take(session: Session, name: str, holder: str, ttl_s: float) -> bool:
     if took is not None:
         return True
     values = {"name": name, "holder": holder, "expires_at": expires}
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    insert = insert_for(session)
     stmt = insert(table).values(**values).on_conflict_do_nothing()
     # RETURNING names the row only if this statement wrote it (a driver's rowcount for
     # ON CONFLICT DO NOTHING is not to be trusted: psycopg reports -1 for it).
@@ -111,7 +110,7 @@ def first_seen(session: Session, name: str, holder: str, ttl_s: float) -> dateti
     """
     _check(name, holder, ttl_s)
     conn = session.connection()
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    insert = insert_for(session)
     conn.execute(
         insert(LEASES)
         .values(name=name, holder=holder, expires_at=now() + timedelta(seconds=ttl_s))

@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from typing import Any, TypedDict, cast
 
 from sqlalchemy import ColumnElement, Table, and_, bindparam, case, delete, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
 
@@ -40,7 +39,7 @@ from config.redact import redact, redact_params
 from workers.clock import iso, now
 from workers.errors import InputError, NotFound
 from workers.kinds import OpKind
-from workers.store.db import Database
+from workers.store.db import Database, insert_for
 from workers.store.models import OP_FINISHED, OP_OPEN, Operation, OpPart, OpStatus
 
 FINISHED = OP_FINISHED  # the one definition is on the status type (workers.store.models)
@@ -231,7 +230,7 @@ def _first_time(session: Session, op_id: str, parts: Sequence[str]) -> int:
     if not unique:
         return 0
     conn = session.connection()
-    insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    insert = insert_for(session)
     stmt = (
         insert(OP_PARTS)
         .values([{"operation_id": op_id, "part": part} for part in unique])

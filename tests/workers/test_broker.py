@@ -10,17 +10,24 @@ error (after which the worker reconnects). The end-to-end proof is
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.transport import redis as kombu_redis
 
+from config.settings import get_settings, reset_settings
+from tasks.replicas import noop
 from testkit.services import RedisServer
-from workers.broker import Transport
-from workers.celery import app
+from tests.fixtures import Env
+from workers.broker import PublishOutOfTime, Transport
+from workers.celery import app, budgeted, configure
+from workers.replicas.owners import Budget
 
 DB = 13  # a database of its own on the session's Redis
 
@@ -85,3 +92,39 @@ def test_redis_urls_keep_their_scheme_and_use_corrals_transport() -> None:
         assert issubclass(type(tls.transport), Transport)
     with Connection("memory://") as memory:
         assert not isinstance(memory.transport, Transport)
+
+
+# -- a running task's publishes end before its hard limit ----------------------------------
+
+HARD_S = 12.0  # the task's hard limit: above one attempt (5 s), below two plus kombu's waits
+
+
+def test_a_tasks_publish_to_a_frozen_broker_gives_up_before_its_hard_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A broker that stopped answering without closing its sockets (a frozen process, a
+    # partition): kombu's retries, a socket timeout each, used to outlast any hard limit
+    # (past 150 s), and the supervisor then killed the worker with every task on it.
+    with RedisServer(tmp_path / "redis") as server:
+        env = Env(monkeypatch, tmp_path)
+        env.set(broker_url=server.url, database_url=f"sqlite:///{tmp_path}/s.db", eager="0")
+        try:
+            noop.apply_async()  # the producer's connection is made: the freeze hits a publish
+            settings = env.settings
+            budget = Budget(time.monotonic(), settings.task_soft_time_limit_s, HARD_S, 1.0)
+
+            def publish() -> float:
+                with budgeted(budget), pytest.raises(PublishOutOfTime, match="hard time limit"):
+                    noop.apply_async()
+                return time.monotonic() - budget.started
+
+            with server.frozen(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+                took = pool.submit(publish)
+                # unanswered by the hard limit (and a margin): the bound did not hold
+                done, _ = concurrent.futures.wait([took], timeout=HARD_S + 10)
+                assert done, "the publish was still blocked past the task's hard limit"
+            assert took.result() < HARD_S
+            noop.apply_async()  # the broker is back: publishing works again
+        finally:
+            reset_settings()
+            configure(get_settings())

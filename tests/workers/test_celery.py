@@ -6,18 +6,22 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import json
+import time
 
 import pytest
+from celery.exceptions import Reject
 from kombu.message import Message
 
 from config.celery import celery_config
 from config.settings import load_settings
 from tasks.queues import Call, carry_out
+from tasks.replicas import release_orphan
 from testkit.eventually import eventually
 from tests.faults import limit_tasks
-from tests.fixtures import Env
+from tests.fixtures import NO_BROKER, Env
 from workers import leases, timelimits
-from workers.celery import CorralRequest, Runs, app, backoff_s, runs
+from workers.celery import CorralRequest, Runs, app, backoff_s, budgeted, runs
+from workers.replicas.owners import Budget
 
 
 def test_each_wait_is_half_to_all_of_its_doubling_capped_ceiling() -> None:
@@ -113,3 +117,29 @@ def test_a_worker_declares_its_pool_and_its_tasks_run_there(
     eventually(lambda: "where pool: reported" in caplog.text, 20, "the task in the pool")
     # In the same process, a task its caller carries out is inline all the same.
     assert carry_out(Call(limit_tasks.where, ("here",)))["runs"] == "inline"
+
+
+# -- a retry the broker will not take gives the message back -----------------------------------
+
+
+def test_a_retry_the_broker_refuses_gives_the_message_back_before_the_hard_limit(
+    corral_env: Env,
+) -> None:
+    # Celery drops a message whose retry it could not publish (Reject, requeue=False):
+    # a release_orphan lost that way left its VM running on an agent that cannot list
+    # its VMs, where nothing else would release it. Here the broker refuses every
+    # connection; kombu's retries alone take about 20 s.
+    corral_env.set(broker_url=NO_BROKER, eager="0")
+    task = release_orphan
+    hard_s = 3.0
+    budget = Budget(time.monotonic(), 1.0, hard_s, 0.5)
+    task.push_request(
+        id="t-1", args=["node", "vm-1"], kwargs={}, retries=0, is_eager=False, called_directly=False
+    )
+    try:
+        with budgeted(budget), pytest.raises(Reject) as rejected:
+            task.retry(countdown=1, max_retries=5)
+    finally:
+        task.pop_request()
+    assert rejected.value.requeue is True  # given back, never dropped
+    assert time.monotonic() - budget.started < hard_s

@@ -39,6 +39,11 @@ ends failed, "skipped", never succeeded):
 
    A node that answers UNIMPLEMENTED / 404 cannot list: it is skipped, and the
    report says so the first time (``nodes.can_list`` remembers).
+
+   The orphans kept in the store (:mod:`workers.replicas.orphans`: ones the registry
+   found, on any node, whose release is due because its message did not conclude it)
+   are released with the listed ones, in the same batch and bounds; one whose release
+   fails again is put off.
 2. Idle replicas on draining nodes are marked Deleting, their deletes asked of the queue
    the pass is handed (:class:`workers.dispatch.TaskQueue`), and replaced elsewhere.
 3. Functions below their min get a spawn for the difference (queued by the
@@ -63,6 +68,7 @@ from workers.errors import BackendError, Unsupported
 from workers.kinds import OpKind
 from workers.locks import lock_functions
 from workers.operations import finish, open_of
+from workers.replicas import orphans as kept_orphans
 from workers.replicas.delete import Doomed, release_all
 from workers.replicas.lifecycle import lock_replica, transition
 from workers.replicas.owners import Budget
@@ -154,7 +160,7 @@ def reconcile(  # noqa: PLR0913 - the pass's parts, the rest by name
         orphans: list[tuple[Node, backends.ListedVm]] = []
         for node, listed in zip(nodes, _list_all(settings, nodes), strict=True):
             orphans += _reconcile_node(db, settings, _Seen(node, before[node.id], listed), report)
-        _destroy_orphans(settings, orphans, report, budget)
+        _destroy_orphans(db, settings, orphans, report, budget)
         _drain(db, settings, report, queue)
         report.top_up = below_min(db, settings)
     finally:
@@ -275,27 +281,39 @@ def _listing(
 
 
 def _destroy_orphans(
+    db: Database,
     settings: Settings,
     orphans: list[tuple[Node, backends.ListedVm]],
     report: ReconcileReport,
     budget: Budget | None,
 ) -> None:
-    """Release orphan VMs past their grace: at most a batch, all at once within each node's
-    bound, none started past the pass's soft limit; what is left waits for the next pass."""
-    batch = orphans[: settings.reconcile_batch]
-    report.more = len(orphans) > len(batch)
-    report.orphans_left = len(orphans) - len(batch)
+    """Release orphan VMs past their grace, and kept orphans due again: at most a batch, all
+    at once within each node's bound, none started past the pass's soft limit; what is
+    left waits for the next pass."""
+    found = [(node, vm.vmid) for node, vm in orphans]
+    kept = [(d.node, d.vmid) for d in kept_orphans.due(db, settings.reconcile_batch)]
+    listed = {(node.id, vmid) for node, vmid in found}
+    every = found + [(node, vmid) for node, vmid in kept if (node.id, vmid) not in listed]
+    batch = every[: settings.reconcile_batch]
+    report.more = len(every) > len(batch)
+    report.orphans_left = len(every) - len(batch)
     doomed = {
-        f"{node.name}/{vm.vmid}": Doomed(f"{node.name}/{vm.vmid}", vm.vmid, node)
-        for node, vm in batch
+        f"{node.name}/{vmid}": (node, Doomed(f"{node.name}/{vmid}", vmid, node))
+        for node, vmid in batch
     }
-    for key, released in release_all(settings, list(doomed.values()), budget).items():
+    done = release_all(settings, [d for _, d in doomed.values()], budget)
+    for key, released in done.items():
+        node, d = doomed[key]
+        vmid = str(d.vmid)
         if released is None:  # not sent in the pass's time: the next pass
             report.orphans_left += 1
+            kept_orphans.put_off(db, node.id, vmid, None)
         elif isinstance(released, BackendError):
             report.errors.append(f"orphan {key}: {released}")
+            kept_orphans.put_off(db, node.id, vmid, str(released))
         else:  # released, or gone already
             report.orphans_destroyed.append(key)
+            kept_orphans.end(db, node.id, vmid)
             log.warning("destroyed orphan VM %s", key)
     if report.orphans_left:
         log.info("reconcile left %d orphan VM(s) to the next pass", report.orphans_left)

@@ -27,7 +27,8 @@
 The deletes and releases the registry decides on are asked of the
 :class:`~workers.dispatch.TaskQueue` it is handed (``corral registry`` hands it the Celery
 one), and a queue that cannot take one is logged: the reaper's stuck sweep finishes a
-delete, reconcile destroys an orphan where the node can list its VMs.
+delete, and reconcile releases an orphan it kept (:mod:`workers.replicas.orphans`) on any
+node, or one it finds where the node can list its VMs.
 
 A READY is accepted only from that replica's IP or its node's IP, a FINISHED only from
 the replica's own IP (when the peer's address is known); any other caller is refused
@@ -390,7 +391,7 @@ class Registry:
         """Have an orphan VM (one no replica took) released on a node."""
         try:
             self.queue.release_orphan(node_id, vmid)
-        except Exception as exc:  # reconcile destroys it where the node can list its VMs
+        except Exception as exc:  # kept in the store: reconcile releases it (replicas.orphans)
             log.warning("could not queue the release of orphan %s: %s", vmid, exc)
 
     def manager_info(self, vmid: str, peer: str | None = None) -> tuple[str, str, int] | None:

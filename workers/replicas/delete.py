@@ -50,7 +50,7 @@ from workers.errors import (
 )
 from workers.fleet.health import note_failure
 from workers.operations import settle
-from workers.replicas import calls
+from workers.replicas import calls, orphans
 from workers.replicas.lifecycle import lock_replica, retire_deleting, transition
 from workers.replicas.owners import Budget
 from workers.store.db import Database
@@ -312,7 +312,11 @@ def delete_one(
 
 
 def release_orphan(db: Database, settings: Settings, node_id: str, vmid: str) -> str:
-    """Release a VM no replica took, unless a live row on that node has it after all."""
+    """Release a VM no replica took, unless a live row on that node has it after all.
+
+    Either way the kept orphan ends (:mod:`workers.replicas.orphans`); a release that
+    raises leaves it for reconcile.
+    """
     with db.read() as s:
         node = s.get(Node, node_id)
         taken = s.scalar(
@@ -321,9 +325,11 @@ def release_orphan(db: Database, settings: Settings, node_id: str, vmid: str) ->
             )
         )
     if node is None:
-        return "no such node"
+        return "no such node"  # its kept orphans went with it
     if taken is not None:
+        orphans.end(db, node_id, vmid)
         return "taken"
     released = backends.release_vm(node, vmid, settings)  # TransientBackendError: retried
+    orphans.end(db, node_id, vmid)
     log.warning("released orphan VM %s on %s", vmid, node.name)
     return "released" if released else "already gone"

@@ -65,6 +65,7 @@ from workers.errors import CapacityError
 from workers.fleet.placement import free_node, reserve_gpu, reserve_node
 from workers.operations import settle
 from workers.replicas.lifecycle import born, lock_replica, ready_window, recount, transition
+from workers.replicas.orphans import note as note_orphan
 from workers.replicas.owners import Pending, owns
 from workers.store.db import Database
 from workers.store.models import (
@@ -220,6 +221,8 @@ def settle_vm(
             settle(s, maybe.operation_id, parts=[maybe.id], ok=False, error=error)
             maybe.operation_id = None
         transition(s, maybe, ReplicaState.DELETED, settings, error=error)
+        if maybe.node_id is not None:  # kept until released (workers.replicas.orphans)
+            note_orphan(s, settings, maybe.node_id, vmid)
         log.info("maybe %s: its VM %s showed up %s; releasing it", maybe.id, vmid, why)
         return Settled.RELEASED
 

@@ -55,6 +55,7 @@ from workers.leases import MAX_HOLDER, keyed_name, take
 from workers.replicas import maybes
 from workers.replicas.lifecycle import TOMBSTONE, tombstone_name, transition
 from workers.replicas.notices import Readied
+from workers.replicas.orphans import note as note_orphan
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, Function, Lease, Node, Replica, ReplicaState
 from workers.untrusted import parse_networks
@@ -216,6 +217,8 @@ def orphans(db: Database, settings: Settings, at: datetime | None = None) -> lis
                 for nid, address in nodes
                 if peer != UNKNOWN_PEER and peer in address_ips(address)
             ]
+            for node_id in behind:  # kept until released (workers.replicas.orphans)
+                note_orphan(s, settings, node_id, vmid)
             out.append(Orphan(vmid, behind))
             log.warning(
                 "VM %s said READY from %s and no replica took it within %gs: an "

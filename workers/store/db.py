@@ -58,6 +58,7 @@ from sqlalchemy import (
     event,
     text,
 )
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
@@ -111,6 +112,12 @@ def store_now() -> _StoreNow:
     ``clock.travel``.
     """
     return _StoreNow(bindparam(None, callable_=clock.offset_s, type_=Float))
+
+
+def insert_for(session: Session) -> Any:
+    """The store's own ``insert`` (PostgreSQL's or SQLite's), which has ON CONFLICT DO NOTHING."""
+    dialect = session.connection().dialect.name
+    return postgresql.insert if dialect == "postgresql" else sqlite.insert
 
 
 class _After(FunctionElement[datetime]):

@@ -442,6 +442,27 @@ class OpPart(Base):
     part: Mapped[str] = mapped_column(String(128), primary_key=True)
 
 
+class OrphanRelease(Base):
+    """A VM no replica took, to be released on its node: kept until the release concludes.
+
+    :mod:`workers.replicas.orphans` writes it where an orphan is found and ends it when the
+    node released the VM (or no longer has it, or a live row took it after all).
+    """
+
+    __tablename__ = "orphan_releases"
+
+    node_id: Mapped[str] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    vmid: Mapped[str] = mapped_column(String(128), primary_key=True)
+    noted_at: Mapped[datetime] = mapped_column(DateTime, default=now)
+    due_at: Mapped[datetime] = mapped_column(DateTime)  # when reconcile may release it
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+    __table_args__ = (Index("ix_orphan_releases_due", "due_at"),)
+
+
 class Lease(Base):
     """A named lock with an expiry: one reap or reconcile pass at a time."""
 
