@@ -48,8 +48,8 @@ from stack.credentials import FILE as CREDENTIALS
 from stack.credentials import Credentials, load_or_make
 from stack.redis import free_port, redis_argv, write_private_config
 from stack.supervisor import Child, Supervisor
+from workers.base.kinds import NodeKind
 from workers.fleet.nodes import upsert_node
-from workers.kinds import NodeKind
 from workers.store.db import get_database
 from workers.store.migrate import safe_url, upgrade
 from workers.store.models import Node

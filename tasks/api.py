@@ -2,7 +2,7 @@
 
 Operations - :func:`spawn`, :func:`scale`, :func:`delete`, :func:`hogs`, :func:`reap`,
 :func:`reconcile` - validate their input against the store (unknown function, bad
-count, target outside [min, max] raise :class:`~workers.errors.InputError` and change
+count, target outside [min, max] raise :class:`~workers.base.errors.InputError` and change
 nothing), write an operation record, queue the task that carries it out and return the
 operation id. :func:`wait` follows an operation to its end::
 
@@ -42,7 +42,8 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings, get_settings
 from workers import dispatch
-from workers.errors import BrokerError, InputError
+from workers.base.errors import BrokerError, InputError
+from workers.base.kinds import OpKind
 from workers.fleet import nodes as fleet
 from workers.fleet.nodes import NodeView, node_view
 from workers.functions import (
@@ -58,7 +59,6 @@ from workers.functions import deploy as deploy_spec
 from workers.functions import remove_function as remove_function_row
 from workers.invocations import records as call_records
 from workers.invocations.records import CallView
-from workers.kinds import OpKind
 from workers.operations import (
     OperationView,
     create_operation,
@@ -95,8 +95,8 @@ if TYPE_CHECKING:
     import redis
 
     from tasks import invocations, maintenance
-    from workers import redis_client as redis_clients
     from workers.autoscale import idletimes
+    from workers.base import redis_client as redis_clients
     from workers.fleet import gpus as gpu_inventory
     from workers.fleet import hogs as fleet_hogs
     from workers.fleet.gpus import GpuView
@@ -113,7 +113,7 @@ else:
     maintenance = _Later("tasks.maintenance")
     invocations = _Later("tasks.invocations")
     call_stats = _Later("workers.invocations.stats")
-    redis_clients = _Later("workers.redis_client")
+    redis_clients = _Later("workers.base.redis_client")
     idletimes = _Later("workers.autoscale.idletimes")
     gpu_inventory = _Later("workers.fleet.gpus")
     fleet_hogs = _Later("workers.fleet.hogs")

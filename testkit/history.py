@@ -35,7 +35,7 @@ from sqlalchemy import select
 
 from config.settings import get_settings
 from tasks import api
-from workers.errors import InputError
+from workers.base.errors import InputError
 from workers.functions import deploy, spec_from
 from workers.replicas.claims import NoIdleReplica
 from workers.store.db import Database

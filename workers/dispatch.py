@@ -37,8 +37,8 @@ from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
 
-from workers.errors import BrokerError, CorralError
-from workers.kinds import OpKind
+from workers.base.errors import BrokerError, CorralError
+from workers.base.kinds import OpKind
 from workers.operations import fail_op
 from workers.store.db import Database
 from workers.store.models import Operation

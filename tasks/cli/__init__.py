@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     from config.settings import ConfigError, get_settings  # after parsing: see above
-    from workers.errors import CorralError, SchemaError
+    from workers.base.errors import CorralError, SchemaError
 
     try:
         settings = get_settings()

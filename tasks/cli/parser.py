@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from workers.kinds import NODE_KINDS, NodeKind
+from workers.base.kinds import NODE_KINDS, NodeKind
 
 # typing is for mypy only here: importing it is a twentieth of what `corral --help` costs.
 TYPE_CHECKING = False

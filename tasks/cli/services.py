@@ -11,9 +11,9 @@ from pathlib import Path
 from config.settings import Settings, reveal
 from stack.up import AlreadyRunning, UpOptions, run
 from tasks.api import database
-from workers.errors import CorralError
-from workers.metrics import serve
-from workers.redis_client import redis_client
+from workers.base.errors import CorralError
+from workers.base.redis_client import redis_client
+from workers.observability.exporter import serve
 from workers.registry.service import check_listen, serve_registry
 
 

@@ -22,8 +22,8 @@ from testkit.processes import WorkerProcess, start_beat
 from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
 from workers import leases
+from workers.base.poison import KEY_PREFIX
 from workers.maintenance.reconcile import LEASE
-from workers.poison import KEY_PREFIX
 
 ORPHANS = 60
 RELEASE_S = 1.2

@@ -25,7 +25,7 @@ from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
 from tests.workers.replicas.helpers import created, no_drift, running
-from workers import clock
+from workers.base import clock
 from workers.maintenance.reaper import reap
 from workers.registry.service import RunningRegistry
 from workers.store.models import Node, ReplicaState

@@ -10,7 +10,7 @@ from sqlalchemy.engine import make_url
 from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
-from workers.errors import InputError, NotFound
+from workers.base.errors import InputError, NotFound
 from workers.functions import spec_from
 
 

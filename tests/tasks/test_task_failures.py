@@ -17,7 +17,7 @@ from tasks.cli import main
 from tasks.replicas import spawn
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, spawn_ok
-from workers.kinds import OpKind
+from workers.base.kinds import OpKind
 from workers.operations import create_operation, describe_error, settle
 from workers.store.models import OP_FINISHED, OP_OPEN, Function, Operation, OpStatus
 

@@ -16,7 +16,8 @@ from tasks.queues import Call, carry_out
 from testkit.eventually import eventually
 from tests.faults import limit_tasks
 from tests.fixtures import Env
-from workers import leases, timelimits
+from workers import leases
+from workers.base import timelimits
 from workers.celery import CorralRequest, Runs, app, backoff_s, runs
 
 

@@ -26,7 +26,7 @@ from tests.fixtures import Env
 from workers.backends import inflight
 from workers.backends.fcdaemon import AgentClient, TlsFiles
 from workers.backends.lambdo import LambdoClient
-from workers.errors import BackendError
+from workers.base.errors import BackendError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Function, Node, Operation, Replica
@@ -284,7 +284,7 @@ def test_the_stack_file_is_trusted_only_if_ours_and_private(
 def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
     caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="workers.untrusted")
+    caplog.set_level(logging.WARNING, logger="workers.base.untrusted")
     AgentClient("127.0.0.1:1", token="t", shared=False)  # loopback: fine
     LambdoClient("http://127.0.0.1:1", token="t")
     assert caplog.text == ""

@@ -35,8 +35,8 @@ from sqlalchemy import ScalarSelect, and_, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
-from workers.errors import CorralError, InputError, NotFound
+from workers.base.clock import now
+from workers.base.errors import CorralError, InputError, NotFound
 from workers.functions import get_function
 from workers.operations import FINISHED, get_operation
 from workers.replicas.claims import (

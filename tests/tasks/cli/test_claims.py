@@ -11,7 +11,7 @@ from tasks.cli import main
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent
 from tests.workers.replicas.helpers import by_id, one_node_idle, released, spawn_idle
-from workers import clock
+from workers.base import clock
 from workers.store.models import ReplicaState
 
 

@@ -26,7 +26,7 @@ from testkit.services import free_port
 from tests.fixtures import Env, sqlite_only
 from tests.workers.replicas.test_creates import Counter, CountingDriver
 from workers.backends import inflight, node_slots
-from workers.errors import TransientBackendError
+from workers.base.errors import TransientBackendError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Node

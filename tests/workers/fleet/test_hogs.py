@@ -16,7 +16,7 @@ from tasks import api
 from tasks.cli import main
 from tests.fixtures import Env, StartAgents
 from tests.helpers import result_of
-from workers.errors import InputError
+from workers.base.errors import InputError
 from workers.fleet.hogs import HogRequest, run_hogs
 from workers.fleet.nodes import upsert_node
 from workers.store.models import Node

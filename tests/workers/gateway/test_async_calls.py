@@ -32,9 +32,9 @@ from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from tests.workers.gateway.conftest import CALLEE, Stack
 from tests.workers.invocations.receiver import Receiver
-from workers import tracing
 from workers.gateway import serve_gateway
 from workers.invocations import callbacks
+from workers.observability import tracing
 from workers.store.models import Call, CallStatus
 
 

@@ -17,8 +17,8 @@ import redis
 from tasks import api
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
-from workers import clock
 from workers.autoscale import demand
+from workers.base import clock
 from workers.replicas import claims
 from workers.store.models import Claim, ReplicaState
 

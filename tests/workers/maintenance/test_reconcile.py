@@ -18,7 +18,8 @@ from tasks.maintenance import QUEUE
 from tasks.maintenance import reconcile as reconcile_task
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, one_agent, replicas
-from workers import clock, leases
+from workers import leases
+from workers.base import clock
 from workers.fleet.nodes import upsert_node
 from workers.maintenance.reconcile import reconcile
 from workers.store.models import Function, Node, ReplicaState

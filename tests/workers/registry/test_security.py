@@ -30,8 +30,8 @@ from testkit.eventually import eventually
 from tests.fixtures import Env
 from tests.grpc_calls import code_of, half_sent
 from tests.helpers import creating, record_vm
-from workers import clock
 from workers.backends import Vm
+from workers.base import clock
 from workers.fleet.health import check_health
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from

@@ -16,9 +16,10 @@ from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import one_agent, operation
 from tests.workers.replicas.helpers import spawn_idle
-from workers import clock, leases
+from workers import leases
 from workers.autoscale import demand
-from workers.kinds import OpKind
+from workers.base import clock
+from workers.base.kinds import OpKind
 from workers.maintenance import redrive
 from workers.maintenance.reaper import reap
 from workers.replicas.claims import claim

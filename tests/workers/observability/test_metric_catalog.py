@@ -1,14 +1,14 @@
-"""Every metric corral serves is defined once, in workers.metric_catalog, as what it serves."""
+"""Every metric corral serves is defined once, in the metric catalog, as what it serves."""
 
 from __future__ import annotations
 
 import redis
 
 from tests.fixtures import Env
-from workers import metric_catalog as catalog
-from workers import stages
 from workers.gateway.metrics import GatewayMetrics
-from workers.metrics import StoreCollector
+from workers.observability import metric_catalog as catalog
+from workers.observability import stages
+from workers.observability.exporter import StoreCollector
 
 
 def test_names_are_unique_and_histograms_have_rising_buckets() -> None:

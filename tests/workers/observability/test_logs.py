@@ -17,7 +17,7 @@ import redis
 
 from testkit.eventually import eventually
 from tests.fixtures import Env, sqlite_only
-from workers import logs
+from workers.observability import logs
 
 BOUND = 50
 

@@ -38,7 +38,7 @@ Where they go:
   gateway itself) and the registry's in one Redis hash (:data:`KEY`) that every process
   adds to and ``corral metrics`` serves
   (:func:`histogram`), as ``corral_reaped_total`` is kept;
-* with tracing on (:mod:`workers.tracing`), each is a span too.
+* with tracing on (:mod:`workers.observability.tracing`), each is a span too.
 
 How each VM started, where its node says (a ``qemu`` agent: ``boot`` for a cold boot,
 ``restore`` from a snapshot; ``CreateReply.start``), is stored on its operation as
@@ -50,7 +50,7 @@ so the code that sends creates and records VMs marks it without being handed it)
 marks it at each step; when the task ends, the timer's spans are recorded and its stages
 observed, once: a second delivery of the task finds the stages stored and observes
 nothing again. Times within one process are ``time.monotonic``; across processes
-(queue, ready, claim) the store's clock (:mod:`workers.clock`).
+(queue, ready, claim) the store's clock (:mod:`workers.base.clock`).
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ from typing import Any
 import redis
 from sqlalchemy.orm import Session
 
-from workers import metric_catalog as catalog
-from workers import tracing
-from workers.clock import now
+from workers.base.clock import now
+from workers.observability import metric_catalog as catalog
+from workers.observability import tracing
 from workers.store.models import Operation, Replica
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ in two parts:
   comes (a C call that does not return) is ended by killing its process.
   In a prefork pool billiard's parent kills the child at ``CORRAL_TASK_TIME_LIMIT_S``
   (Celery's own, kept; the message is given back and the kill counted,
-  :mod:`workers.poison`). A thread pool runs under ``corral worker``
+  :mod:`workers.base.poison`). A thread pool runs under ``corral worker``
   (:mod:`stack.worker`), a supervisor outside the worker process: the worker reports
   each task's start, hard limit and end to it over a pipe (:func:`reported`: one
   ``os.write`` of a short line per event, atomic below ``PIPE_BUF``, under no lock), and

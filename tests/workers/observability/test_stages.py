@@ -1,4 +1,4 @@
-"""A spawn's cold-start stages, stored on its operation once (workers.stages)."""
+"""A spawn's cold-start stages, stored on its operation once (workers.observability.stages)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from tasks.cli import main
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, one_agent, operation, record_vm, result_of, spawn_ok
-from workers import clock, stages
 from workers.backends import Vm
+from workers.base import clock
+from workers.base.kinds import OpKind
 from workers.fleet.nodes import upsert_node
-from workers.kinds import OpKind
+from workers.observability import stages
 from workers.operations import create_operation
 from workers.registry.service import OK, READY, Registry
 from workers.store.models import Replica

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from urllib.parse import quote
 
 from netplumb.addresses import IP, host_of, ip_of, is_loopback, is_wildcard, join_hostport
-from workers.errors import PermanentBackendError
+from workers.base.errors import PermanentBackendError
 
 __all__ = [
     "IP",

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers import timelimits
-from workers.timelimits import Deadline, OutOfTime
+from workers.base import timelimits
+from workers.base.timelimits import Deadline, OutOfTime
 
 
 def test_nothing_is_refused_outside_a_task_or_before_its_deadline() -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import redis
 
 from config.settings import get_settings
-from workers.redis_client import redis_client
+from workers.base.redis_client import redis_client
 
 MAX_RECORDS = 10_000
 DROPPED_KEY = "corral:metrics:log_records_dropped"

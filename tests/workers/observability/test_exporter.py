@@ -19,19 +19,20 @@ from sqlalchemy import select, update
 from tasks import api
 from testkit.services import free_port
 from tests.fixtures import Env, StartAgents
-from workers import clock, clock_offsets, logs
 from workers.autoscale.decision import Window
 from workers.autoscale.passes import run_pass, state_key
-from workers.errors import InputError
+from workers.base import clock
+from workers.base.errors import InputError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.invocations import attempts, records
 from workers.invocations import stats as call_stats
 from workers.invocations.records import StoredRequest
-from workers.metrics import RunningExporter, count_reaped, serve
+from workers.observability import clock_offsets, logs
+from workers.observability.exporter import RunningExporter, count_reaped, serve
 from workers.store.models import Call, Function, Node, Operation, Replica, ReplicaState
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 T0 = datetime(2026, 11, 30, 12, 0, 0)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

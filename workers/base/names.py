@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from workers.errors import InputError
+from workers.base.errors import InputError
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 

@@ -49,7 +49,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from config.settings import Settings
-from workers.errors import CorralError
+from workers.base.errors import CorralError
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -31,7 +31,7 @@ From Redis:
   (stuck, stale, idle); the reap task adds each pass's counts to one Redis hash
   (:func:`count_reaped`), so every worker process adds to the same total;
 * ``corral_cold_start_stage_seconds{stage}`` - the cold-start stages that workers and
-  registries time (:mod:`workers.stages`: queue, plan, placement, agent_call, record,
+  registries time (:mod:`workers.observability.stages`: queue, plan, placement, agent_call, record,
   ready), counted in one Redis hash every process adds to (the gateway serves its own
   stages, ask, claim and first_byte, in its ``/metrics``);
 * ``corral_queue_length{queue}`` - messages waiting in each of corral's Celery
@@ -56,10 +56,10 @@ From Redis:
 and what the workers report of themselves:
 
 * ``corral_clock_offset_seconds{host}`` - how far a host's wall clock is from the store's,
-  as its workers last measured it (:mod:`workers.clock_offsets`; corral reads no host's
-  clock, this is for operators);
+  as its workers last measured it (:mod:`workers.observability.clock_offsets`; corral reads
+  no host's clock, this is for operators);
 * ``corral_log_records_dropped_total`` - log records workers dropped because their log's
-  reader did not keep up (:mod:`workers.logs`: logging never blocks a task).
+  reader did not keep up (:mod:`workers.observability.logs`: logging never blocks a task).
 
 ``corral_exporter_source_up{source}`` says whether the store and Redis answered
 this scrape; a source that fails leaves its metrics out instead of failing the scrape.
@@ -96,13 +96,13 @@ from config.celery import QUEUES
 from netplumb import asgiserve
 from netplumb.addresses import join_hostport, split_hostport
 from netplumb.listening import listen_refusal
-from workers import clock_offsets, logs, stages
-from workers import metric_catalog as catalog
 from workers.autoscale.keepalive import MODES
 from workers.autoscale.passes import DECISIONS_KEY, KEEPALIVE_KEY
-from workers.errors import InputError
+from workers.base.errors import InputError
+from workers.base.kinds import OpKind
 from workers.invocations import stats as call_stats
-from workers.kinds import OpKind
+from workers.observability import clock_offsets, logs, stages
+from workers.observability import metric_catalog as catalog
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, OP_OPEN, Function, Node, Operation, Replica
 
@@ -307,7 +307,7 @@ def _calls(raw: Mapping[bytes | str, bytes | str]) -> Iterable[Metric]:
 
 
 def _stages(raw: dict[bytes, bytes]) -> Metric:
-    """The cold-start stages workers and registries counted (:mod:`workers.stages`)."""
+    """The cold-start stages that workers and registries counted (workers.observability.stages)."""
     family = catalog.COLD_START_STAGE_SECONDS.histogram_family()
     for stage, (buckets, total) in stages.histogram(raw).items():
         family.add_metric(

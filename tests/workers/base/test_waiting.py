@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from workers.waiting import hand_over
+from workers.base.waiting import hand_over
 
 
 def test_the_first_waiter_still_waiting_gets_the_value() -> None:

@@ -21,7 +21,7 @@ from tasks import api
 from tests.fixtures import Env
 from workers.backends import inflight
 from workers.backends.lambdo import LambdoClient
-from workers.errors import PermanentBackendError, TransientBackendError
+from workers.base.errors import PermanentBackendError, TransientBackendError
 from workers.fleet.health import check_health
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from

@@ -3,7 +3,7 @@
 The model
 ---------
 corral serves metrics from two kinds of places: the exporter (``corral metrics``,
-:mod:`workers.metrics`) computes them at scrape time from the store and Redis, and
+:mod:`workers.observability.exporter`) computes them at scrape time from the store and Redis, and
 each gateway (:mod:`workers.gateway.metrics`, :mod:`workers.gateway.calls`) counts
 what it answers in a registry of its own. Both build their metrics from the
 :class:`Spec` values here, so a metric's name, labels and histogram buckets are
@@ -16,7 +16,7 @@ HAProxy's warm-path figures (``corral_warm_*``) are defined beside the code that
 HAProxy, :class:`workers.gateway.haproxy.warm.WarmMetrics`.
 
 This module imports prometheus_client only when a metric is made, so the modules that
-only name a metric or its buckets (:mod:`workers.stages`) load none of it.
+only name a metric or its buckets (:mod:`workers.observability.stages`) load none of it.
 """
 
 from __future__ import annotations
@@ -123,12 +123,12 @@ class Spec:
 COLD_START_STAGE_SECONDS = Spec(
     "corral_cold_start_stage_seconds",
     "histogram",
-    "Seconds a cold start spends in each stage (workers.stages).",
+    "Seconds a cold start spends in each stage (workers.observability.stages).",
     ("stage",),
     STAGE_BUCKETS,
 )
 
-# The exporter (workers.metrics), from the store -----------------------------------------
+# The exporter (workers.observability.exporter), from the store ------------------------------
 EXPORTER_SOURCE_UP = Spec(
     "corral_exporter_source_up",
     "gauge",

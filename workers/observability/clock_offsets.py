@@ -1,6 +1,6 @@
 """How far each host's wall clock is from the store's, as its workers measured it, for operators.
 
-corral reads no host's wall clock (:mod:`workers.clock`): every process measures the
+corral reads no host's wall clock (:mod:`workers.base.clock`): every process measures the
 store's clock and counts on its monotonic clock in between, so a host whose clock is
 off changes nothing. It is still worth seeing - an NTP daemon that stopped, a clock a
 container inherited wrong - so each worker process, after a task, publishes its latest
@@ -17,7 +17,7 @@ import socket
 
 import redis
 
-from workers import clock
+from workers.base import clock
 
 KEY = "corral:metrics:clock_offset"
 STALE_S = 600.0
