@@ -92,8 +92,8 @@ from bench.localstack import GATEWAY, LocalStack, local_stack
 from bench.options import add_counts, add_store_option
 from bench.pinning import Pinning, split
 from config.settings import get_settings
+from corral import api
 from protos import fcdaemon_grpc, fcdaemon_pb2
-from tasks import api
 from testkit import otlp_sink
 from testkit.services import free_port
 from workers.fleet.nodes import upsert_node

@@ -57,7 +57,7 @@ Reliability, chosen on purpose:
   for messages.
 * results are not stored (``task_ignore_result``): the outcome of every request
   is its operation record in the database, which ``corral ops`` and
-  ``tasks.api.wait`` read; producers therefore never subscribe to the result
+  ``corral.api.wait`` read; producers therefore never subscribe to the result
   backend. The backend (``CORRAL_RESULT_BACKEND``) stays configured for tasks
   that ask for a result explicitly and for tools that expect one.
 * worker task events are on (``worker_send_task_events``) so Flower shows every

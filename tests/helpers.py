@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from agents.fcdaemon import RunningAgent
 from config.celery import QUEUES
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from workers.backends import Vm
 from workers.base import clock

@@ -15,8 +15,8 @@ import redis
 
 from agents.drivers import VMSpec
 from agents.faults import Fault
+from corral import api
 from stack.supervisor import stop_process
-from tasks import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.faults.conftest import POOLS

@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from tests.faults.conftest import POOLS, SHORT, apply_limits

@@ -28,8 +28,8 @@ from sqlalchemy import select, update
 from agents.drivers import MemoryDriver
 from agents.faults import Fault
 from agents.fcdaemon import RegistryReporter, RunningAgent, serve_fcdaemon
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from testkit.services import PostgresServer

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import select, text
 
 from agents.faults import Fault
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from tasks.replicas import scale, spawn
 from tests.fixtures import Env, StartAgents

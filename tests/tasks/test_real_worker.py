@@ -9,7 +9,7 @@ import redis
 from sqlalchemy import select
 
 from agents import serve_fcdaemon
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from tests.agents.helpers import MeetingDriver

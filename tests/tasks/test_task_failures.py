@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tasks.replicas import spawn
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, spawn_ok

@@ -19,9 +19,9 @@ from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from agents.lambdo import serve_lambdo
 from config.settings import load_settings
+from corral import api
+from corral.cli import main
 from protos import fcdaemon_pb2
-from tasks import api
-from tasks.cli import main
 from tests.fixtures import Env
 from workers.backends import inflight
 from workers.backends.fcdaemon import AgentClient, TlsFiles
@@ -51,7 +51,7 @@ def test_a_bad_url_with_a_password_never_prints_it(tmp_path: Path, variable: str
     env.update({variable: url, "CORRAL_STATE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)})
     for argv in (["functions", "list"], ["db", "check"]):
         done = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", *argv],
+            [sys.executable, "-m", "corral.cli", *argv],
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -177,7 +177,7 @@ def test_a_bad_setting_names_the_variable_and_never_a_secret(tmp_path: Path) -> 
         ({"CORRAL_NODE_CAPACITY": "-1", "CORRAL_METRICS_TOKEN": "m" * 3}, "CORRAL_NODE_CAPACITY"),
     ):
         done = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", "nodes", "list"],
+            [sys.executable, "-m", "corral.cli", "nodes", "list"],
             cwd=tmp_path,
             env={**env, **bad},
             capture_output=True,

@@ -14,7 +14,7 @@ sees invocations in two places, and both record:
   last activity is counted locally as an idle time of bin 0 (it is one whatever
   other gateways saw); only the rare start after a longer local silence is sent
   with its time, to be measured against what *every* gateway saw;
-* **the claim API** - :func:`tasks.api.claim` is a start and :func:`tasks.api.release`
+* **the claim API** - :func:`corral.api.claim` is a start and :func:`corral.api.release`
   an end, each recorded as it happens (the gateway's own claims are held across
   requests, so its invocations are its requests, not its claims).
 

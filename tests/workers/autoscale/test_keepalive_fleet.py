@@ -17,7 +17,7 @@ import pytest
 import redis
 from sqlalchemy import select, update
 
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
 from tests.workers.observability.test_exporter import scrape, value

@@ -12,7 +12,7 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from workers.autoscale import demand
 from workers.autoscale.passes import LOCK_KEY, ScaleFn, run_pass, state_key

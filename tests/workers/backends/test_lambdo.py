@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.lambdo import LIMITS, RunningLambdo, serve_lambdo
-from tasks import api
+from corral import api
 from tests.fixtures import Env
 from tests.helpers import spawn_ok
 from workers.backends import inflight

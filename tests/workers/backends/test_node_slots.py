@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import get_settings
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from testkit.services import free_port

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 import redis
 from sqlalchemy import select, text
 
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import one_agent, operation
 from tests.workers.replicas.helpers import spawn_idle

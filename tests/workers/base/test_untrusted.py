@@ -16,8 +16,8 @@ from agents.drivers import MemoryDriver, VMSpec
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from agents.lambdo import serve_lambdo
+from corral import api
 from protos import fcdaemon_pb2
-from tasks import api
 from tests.fixtures import Env
 from workers.backends import inflight
 from workers.backends.lambdo import LambdoClient

@@ -9,8 +9,8 @@ import pytest
 
 from agents import Fault
 from agents.gpus import serve_gpus
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from testkit.services import free_port
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok

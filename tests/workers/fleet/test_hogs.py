@@ -12,8 +12,8 @@ from sqlalchemy import update
 
 from agents import Fault
 from agents.fcdaemon import RunningAgent
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tests.fixtures import Env, StartAgents
 from tests.helpers import result_of
 from workers.base.errors import InputError

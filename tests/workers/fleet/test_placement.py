@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import select, update
 
-from tasks import api
+from corral import api
 from testkit.fleets import decide, populate
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok

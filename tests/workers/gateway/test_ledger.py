@@ -14,7 +14,7 @@ from datetime import timedelta
 import httpx
 import redis
 
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.autoscale import demand

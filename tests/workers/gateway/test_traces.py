@@ -22,7 +22,7 @@ from pydantic import SecretStr
 
 from agents import ProcessDriver, serve_fcdaemon
 from config.settings import ConfigError
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from testkit import otlp_sink

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select, update
 
 from agents.faults import Fault, FaultPlan
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, replicas, result_of
 from tests.workers.replicas.helpers import (

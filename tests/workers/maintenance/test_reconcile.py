@@ -12,8 +12,8 @@ from sqlalchemy import select
 from agents.drivers import VM, MemoryDriver, VMSpec
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tasks.maintenance import QUEUE
 from tasks.maintenance import reconcile as reconcile_task
 from tests.fixtures import Env, StartAgents

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select
 
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import broker_drained, deploy_fn, one_agent, operation, result_of, spawn_ok

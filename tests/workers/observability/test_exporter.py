@@ -16,7 +16,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select, update
 
-from tasks import api
+from corral import api
 from testkit.services import free_port
 from tests.fixtures import Env, StartAgents
 from workers.autoscale.decision import Window
@@ -256,7 +256,7 @@ def test_corral_metrics_command_serves_until_terminated(env: Env, redis_url: str
     port = free_port()
     environ = {**os.environ, "PYTHONPATH": str(ROOT)}
     refused = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "metrics", "--listen", "0.0.0.0:0"],
+        [sys.executable, "-m", "corral.cli", "metrics", "--listen", "0.0.0.0:0"],
         env=environ,
         cwd=ROOT,
         capture_output=True,
@@ -265,7 +265,7 @@ def test_corral_metrics_command_serves_until_terminated(env: Env, redis_url: str
     )
     assert refused.returncode == 1 and "CORRAL_METRICS_TOKEN" in refused.stderr
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "metrics", "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "metrics", "--listen", f"127.0.0.1:{port}"],
         env=environ,
         cwd=ROOT,
         stdout=subprocess.PIPE,

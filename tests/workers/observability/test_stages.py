@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import select
 
 import tasks.replicas
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, one_agent, operation, record_vm, result_of, spawn_ok

@@ -15,6 +15,7 @@ from sqlalchemy import select
 
 from agents.drivers import ProcessDriver
 from agents.fcdaemon import serve_fcdaemon
+from corral.cli import main
 from netplumb.grpcserve import report_token
 from protos import (
     fcdaemon_grpc,
@@ -24,7 +25,6 @@ from protos import (
     resmngr_grpc,
     resmngr_pb2,
 )
-from tasks.cli import main
 from tasks.maintenance import QUEUE
 from testkit.eventually import eventually
 from tests.fixtures import Env

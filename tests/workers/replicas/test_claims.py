@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from tests.workers.replicas.helpers import by_id, claim_race, one_node_idle, spawn_idle

@@ -9,7 +9,7 @@ import pytest
 from alembic import command
 from sqlalchemy import select, text
 
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.workers.replicas.helpers import at_once, by_id, one_node_idle

@@ -20,7 +20,7 @@ from agents.drivers import VM, MemoryDriver, VMSpec
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings
-from tasks import api
+from corral import api
 from tasks.replicas import delete_batch, spawn_batch
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents

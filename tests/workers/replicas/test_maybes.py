@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents

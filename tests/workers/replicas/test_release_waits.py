@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import select, update
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas

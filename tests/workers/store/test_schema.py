@@ -14,7 +14,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, select, text
 
 from config.settings import reset_settings
-from tasks.cli import main
+from corral.cli import main
 from workers.base.clock import now
 from workers.celery import _check_schema
 from workers.store.db import Database

@@ -1,4 +1,4 @@
-"""The ``claim``, ``release`` and ``reap`` commands through ``tasks.cli.main``."""
+"""The ``claim``, ``release`` and ``reap`` commands through ``corral.cli.main``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from tasks.cli import main
+from corral.cli import main
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent
 from tests.workers.replicas.helpers import by_id, one_node_idle, released, spawn_idle

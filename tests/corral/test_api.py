@@ -7,8 +7,8 @@ import json
 import pytest
 from sqlalchemy.engine import make_url
 
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tests.fixtures import Env, StartAgents
 from workers.base.errors import InputError, NotFound
 from workers.functions import spec_from

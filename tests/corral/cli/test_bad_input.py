@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from tasks.cli import main
+from corral.cli import main
 from tests.fixtures import Env, StartAgents
 from workers.store.models import Function, Node, Operation, Replica
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from tasks.cli import build_parser
+from corral.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[3]
 RUN = """
 import contextlib, io, json, sys
-from tasks.cli import main
+from corral.cli import main
 out = io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
     try:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from agents.faults import Fault
+from corral.cli import main
 from protos import fcdaemon_pb2
-from tasks.cli import main
 from tests.fixtures import Env, StartAgents
 
 

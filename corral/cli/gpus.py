@@ -3,7 +3,7 @@
 ``gpus add HOST[:PORT]`` asks a GPU server's AvA manager for its GPUs
 (``gpuresc.GPUResc``, port 50053 by default) and records them with their memory,
 worker slots and worker ports; ``gpus list`` shows what replicas hold of each
-(``gpus remove`` shares :func:`tasks.cli.core.cmd_remove` with ``nodes remove``).
+(``gpus remove`` shares :func:`corral.cli.core.cmd_remove` with ``nodes remove``).
 ``hogs start N`` / ``hogs stop N`` queue a request for CPU-hog processes on one
 node (``--node``) or every healthy agent, and with ``--wait`` report per node
 what happened.
@@ -17,9 +17,9 @@ import sys
 from typing import Any
 
 from config.settings import Settings
-from tasks import api
-from tasks.api import GpuView
-from tasks.cli._output import emit, table
+from corral import api
+from corral.api import GpuView
+from corral.cli._output import emit, table
 
 GPU_COLUMNS = ["server", "uuid", "memory", "slots", "ports", "mngr_addr"]
 

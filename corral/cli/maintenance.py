@@ -16,9 +16,9 @@ import sys
 from collections.abc import Callable
 
 from config.settings import Settings
-from tasks import api
-from tasks.api import OperationView
-from tasks.cli._output import emit, table
+from corral import api
+from corral.api import OperationView
+from corral.cli._output import emit, table
 
 
 def _reap_text(view: OperationView) -> str:

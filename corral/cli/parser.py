@@ -1,7 +1,7 @@
 """What the ``corral`` command line accepts: every command, its arguments and its handler.
 
 A handler is named, not imported: ``"core:cmd_spawn"`` is ``cmd_spawn`` in
-:mod:`tasks.cli.core`, imported only when that command runs (:class:`Deferred`). The
+:mod:`corral.cli.core`, imported only when that command runs (:class:`Deferred`). The
 handler modules load the settings, the store and the producer API: a ``corral --help``
 or a usage error needs none of that, and this module imports only argparse.
 
@@ -42,10 +42,10 @@ def integer(text: str) -> int:
 
 
 class Deferred:
-    """A command's handler, ``"MODULE:FUNCTION"`` in :mod:`tasks.cli`, imported when called.
+    """A command's handler, ``"MODULE:FUNCTION"`` in :mod:`corral.cli`, imported when called.
 
     With importlib, not kombu's ``symbol_by_name``: importing ``kombu.utils`` loads kombu,
-    which the store's commands never load (tests/tasks/cli/test_startup.py)."""
+    which the store's commands never load (tests/corral/cli/test_startup.py)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -53,7 +53,7 @@ class Deferred:
     def __call__(self, args: argparse.Namespace, settings: Settings) -> int:
         """Import the handler's module and run it."""
         module, function = self.name.split(":")
-        run: Handler = getattr(importlib.import_module(f"tasks.cli.{module}"), function)
+        run: Handler = getattr(importlib.import_module(f"corral.cli.{module}"), function)
         return run(args, settings)
 
 

@@ -6,7 +6,7 @@ count, target outside [min, max] raise :class:`~workers.base.errors.InputError` 
 nothing), write an operation record, queue the task that carries it out and return the
 operation id. :func:`wait` follows an operation to its end::
 
-    from tasks import api
+    from corral import api
     op = api.spawn("hello", 3)
     print(api.wait(op, timeout=60)["status"])
 
@@ -26,7 +26,7 @@ is one query. What loads Celery (the Celery queue and the tasks, :data:`tasks.ma
 the first operation queued; in eager mode the tasks run here), gRPC and the agent
 clients (requests, CPU hogs, the reaper's checks, the GPU inventory) or Alembic
 (:func:`upgrade_db`) is imported when first used (:class:`_Later`).
-``tests/tasks/cli/test_startup.py`` checks what each command imports.
+``tests/corral/cli/test_startup.py`` checks what each command imports.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class _Later:
     """A module imported when one of its names is first used, not when the API is imported.
 
     With importlib, not kombu's ``symbol_by_name``: importing ``kombu.utils`` loads kombu,
-    which the API's store queries never load (tests/tasks/cli/test_startup.py)."""
+    which the API's store queries never load (tests/corral/cli/test_startup.py)."""
 
     def __init__(self, name: str) -> None:
         self._name = name

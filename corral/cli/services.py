@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 from config.settings import Settings, reveal
+from corral.api import database
 from stack.up import AlreadyRunning, UpOptions, run
-from tasks.api import database
 from workers.base.errors import CorralError
 from workers.base.redis_client import redis_client
 from workers.observability.exporter import serve

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 
 from config.settings import Settings
-from tasks import api
-from tasks.api import ReleaseView
-from tasks.cli._output import emit
+from corral import api
+from corral.api import ReleaseView
+from corral.cli._output import emit
 
 
 def cmd_claim(args: argparse.Namespace, settings: Settings) -> int:

@@ -7,8 +7,8 @@ import io
 import pytest
 from rich.console import Console
 
-from tasks.api import OperationView
-from tasks.cli import _output
+from corral.api import OperationView
+from corral.cli import _output
 
 ROWS = [
     {"name": "hello", "live": 3, "error": None},

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 from config.settings import Settings
-from tasks import api
-from tasks.cli._output import emit, kv, table
+from corral import api
+from corral.cli._output import emit, kv, table
 
 CALL_COLUMNS = (
     "id",

@@ -7,8 +7,8 @@ import json
 import pytest
 from sqlalchemy import select, update
 
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tests.fixtures import Env, StartAgents
 from tests.helpers import spawn_ok
 from workers.store.models import Function, Gpu, Node

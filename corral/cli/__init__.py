@@ -6,12 +6,12 @@ status 1; usage errors exit 2. ``spawn``, ``delete`` and ``scale`` print the
 operation id, or with ``--wait`` follow it to the end (a progress bar on a
 terminal) and exit non-zero if it failed.
 
-:mod:`tasks.cli.parser` declares every command and names its handler; the
+:mod:`corral.cli.parser` declares every command and names its handler; the
 handlers live in one module per group (``core``, ``claims``, ``maintenance``,
-``gpus``, ``services``, ``agent``, ``gateway``) and call :mod:`tasks.api` for everything they
+``gpus``, ``services``, ``agent``, ``gateway``) and call :mod:`corral.api` for everything they
 show or change. A handler's module is imported only when its command runs, and the
 settings (pydantic) only once the command line has parsed: ``corral --help`` and a usage
-error load argparse and nothing else of note. ``tests/tasks/cli/test_startup.py`` checks
+error load argparse and nothing else of note. ``tests/corral/cli/test_startup.py`` checks
 what each command imports.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from tasks.cli.parser import build_parser
+from corral.cli.parser import build_parser
 
 __all__ = ["build_parser", "main"]
 

@@ -16,7 +16,7 @@ import argparse
 import logging
 
 from config.settings import Settings
-from tasks import api
+from corral import api
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst

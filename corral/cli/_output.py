@@ -34,8 +34,8 @@ from rich.text import Text
 
 from config.redact import escape_controls
 from config.settings import Settings
-from tasks import api
-from tasks.api import OperationView
+from corral import api
+from corral.api import OperationView
 
 
 def emit(args: argparse.Namespace, data: Any, human: Callable[[Any], str]) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from config.settings import Settings
-from tasks import api
-from tasks.cli._output import emit, kv, table, wait_and_report
+from corral import api
+from corral.cli._output import emit, kv, table, wait_and_report
 from workers.base.errors import InputError
 from workers.functions import FunctionSpec, parse_pairs, spec_from, spec_from_toml
 
