@@ -3,6 +3,7 @@ FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY config config
+COPY corral corral
 COPY tasks tasks
 COPY workers workers
 COPY agents agents

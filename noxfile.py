@@ -16,6 +16,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 CHECKED = [
     "config",
+    "corral",
     "tasks",
     "workers",
     "stack",

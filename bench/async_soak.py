@@ -193,7 +193,7 @@ class Fleet:
             )
             deploy(s, spec, get_settings())
         self.gateway = subprocess.Popen(
-            [sys.executable, "-m", "tasks.cli", "gateway"],
+            [sys.executable, "-m", "corral.cli", "gateway"],
             cwd=ROOT,
             env={**os.environ, **self.env},
             stdout=(self.logs / "gateway.log").open("wb"),

@@ -43,7 +43,7 @@ from sqlalchemy import Table, insert, update
 from agents.drivers import VMSpec
 from agents.fcdaemon import serve_fcdaemon
 from config.settings import load_settings
-from workers.clock import now
+from workers.base.clock import now
 from workers.maintenance.reaper import reap
 from workers.replicas.claims import claim, release
 from workers.store.db import Database

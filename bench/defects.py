@@ -91,8 +91,8 @@ def _no_inflight_bound() -> None:
 def _half_full() -> None:
     from sqlalchemy import func, select
 
-    from workers.clock import now
-    from workers.errors import CapacityError
+    from workers.base.clock import now
+    from workers.base.errors import CapacityError
     from workers.fleet import placement
     from workers.store.models import Node
 

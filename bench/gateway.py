@@ -35,7 +35,7 @@ little next to what it measures.
    the gateway to a function at zero replicas (claim, spawn - carried out in the gateway
    unless ``--broker-hop`` - and forward); one such pair first, untimed (a process's first
    cold start also pays for what it sets up once). It prints each cold-start stage's p50 and p99
-   (:mod:`workers.stages`: the spawn's from its operation, the gateway's from its
+   (:mod:`workers.observability.stages`: the spawn's from its operation, the gateway's from its
    ``/metrics``).
 
 With ``--pin [CPUS]`` the warm runs (1 and 2) are run twice: on shared cores, as
@@ -92,15 +92,15 @@ from bench.localstack import GATEWAY, LocalStack, local_stack
 from bench.options import add_counts, add_store_option
 from bench.pinning import Pinning, split
 from config.settings import get_settings
+from corral import api
 from protos import fcdaemon_grpc, fcdaemon_pb2
-from tasks import api
 from testkit import otlp_sink
 from testkit.services import free_port
-from workers import stages
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.gateway import http1
 from workers.gateway.haproxy.process import Unavailable, find
+from workers.observability import stages
 from workers.store.models import Claim, Function, Operation, Replica
 
 GATEWAYS = ("gateway", "haproxy")  # the sides that are gateways (each on its data plane)
@@ -738,7 +738,7 @@ def _report_cold_side(create: list[float], cold: list[float]) -> None:
 
 
 def _report_stages(db: Any, gateway: str, cold: list[float]) -> None:
-    """Where the cold starts' time went: each stage's p50 / p99 (workers.stages)."""
+    """Where the cold starts' time went: each stage's p50 / p99 (workers.observability.stages)."""
     with db.read() as s:
         stored = [
             op.result["stages"]

@@ -5,7 +5,7 @@ PostgreSQL with ``--postgres``), one reference fcdaemon agent whose replicas are
 processes, and one ``corral worker`` (its users' command, its own pool), each with its
 log in the run's temporary directory; :meth:`LocalStack.start` starts more (the
 gateways). Everything it started is stopped when the block ends. This process's
-settings are the run's (its broker, its store), so ``tasks.api`` reaches them.
+settings are the run's (its broker, its store), so ``corral.api`` reaches them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 AGENT = [PY, "-m", "agents.fcdaemon", "--driver", "process", "--log-level", "WARNING"]
 WORKER = [PY, "-m", "stack.worker", "-l", "WARNING", "--without-gossip", "--without-mingle"]
-GATEWAY = [PY, "-m", "tasks.cli", "gateway"]
+GATEWAY = [PY, "-m", "corral.cli", "gateway"]
 
 
 @dataclass

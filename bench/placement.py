@@ -40,8 +40,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from testkit.fleets import decide, populate
+from workers.base.kinds import POLICIES
 from workers.fleet.placement import FITS
-from workers.kinds import POLICIES
 from workers.store.db import Database
 from workers.store.migrate import upgrade
 from workers.store.models import Node

@@ -70,8 +70,8 @@ from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from agents.lambdo import serve_lambdo
 from config.settings import get_settings, reset_settings
+from corral.api import database
 from stack.supervisor import stop_process
-from tasks.api import database
 from testkit.history import Load, Tracked, compare, not_final, outcomes
 from testkit.processes import WorkerProcess, start_beat
 from testkit.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
@@ -216,7 +216,7 @@ class Fleet:
         upgrade(self._db())
         database()
         self.registry = subprocess.Popen(
-            [sys.executable, "-m", "tasks.cli", "registry"],
+            [sys.executable, "-m", "corral.cli", "registry"],
             cwd=ROOT,
             env={**os.environ, **self.env},
             stdout=(self.logs / "registry.log").open("wb"),

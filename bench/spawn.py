@@ -61,9 +61,9 @@ from celery.result import ResultSet
 from bench.options import add_counts, add_store_option, store_for
 from bench.plain import make_app
 from config.settings import get_settings, reset_settings
+from corral import api
 from protos import fcdaemon_pb2, fcdaemon_pb2_grpc
 from stack.supervisor import stop_process
-from tasks import api
 from testkit.services import RedisServer
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node

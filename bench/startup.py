@@ -11,8 +11,8 @@ SQLAlchemy's ORM, pydantic-settings (the settings), the SQLite driver and rich (
 table on a terminal). The figure is the ratio of the medians (and of the fastest
 runs, less sensitive to a busy machine); the aim is at most 1.5. The rest of a
 command's time is corral's own modules and its work (building the parser of every
-command, one query): ``python -X importtime -m tasks.cli nodes list`` shows where it
-goes. ``tests/tasks/cli/test_startup.py`` checks what the commands import.
+command, one query): ``python -X importtime -m corral.cli nodes list`` shows where it
+goes. ``tests/corral/cli/test_startup.py`` checks what the commands import.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from bench.gateway import _pct, _wait_http
 from bench.localstack import GATEWAY, local_stack
 from bench.options import add_counts, add_store_option
 from config.settings import get_settings
-from tasks import api
+from corral import api
 from testkit.services import free_port
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from

@@ -35,7 +35,7 @@ Reliability, chosen on purpose:
   visibility timeout.
 * ``task_acks_on_timeout`` off - a prefork child killed at its hard time limit has its
   message given back, not acknowledged, and the kill counted: a message killed three
-  times is given up and its operation failed with that reason (:mod:`workers.poison`),
+  times is given up and its operation failed with that reason (:mod:`workers.base.poison`),
   as in a thread pool under ``corral worker``. Acknowledged, a spawn stuck in a lock
   wait stayed ``running`` with no rows until redrive.
 * ``worker_prefetch_multiplier = 1`` - a worker holds one unacknowledged message
@@ -48,7 +48,7 @@ Reliability, chosen on purpose:
   few seconds (``unacked_restore_interval`` / ``unacked_restore_throttle``)
   instead of its default of every 100 s.
 * retries with exponential backoff and jitter are done per task, for transport
-  errors only (:class:`workers.errors.TransientBackendError`); bad input and
+  errors only (:class:`workers.base.errors.TransientBackendError`); bad input and
   permanent agent answers fail at once.
 * ``broker_connection_retry_on_startup`` and unlimited connection retries: a
   worker outlives a broker restart. ``redis://`` brokers use
@@ -57,7 +57,7 @@ Reliability, chosen on purpose:
   for messages.
 * results are not stored (``task_ignore_result``): the outcome of every request
   is its operation record in the database, which ``corral ops`` and
-  ``tasks.api.wait`` read; producers therefore never subscribe to the result
+  ``corral.api.wait`` read; producers therefore never subscribe to the result
   backend. The backend (``CORRAL_RESULT_BACKEND``) stays configured for tasks
   that ask for a result explicitly and for tools that expect one.
 * worker task events are on (``worker_send_task_events``) so Flower shows every
@@ -159,7 +159,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,
         # Celery's soft limit raises into the task wherever it is: off. The soft limit is a
-        # deadline the task checks itself (workers.timelimits); the hard one is Celery's
+        # deadline the task checks itself (workers.base.timelimits); the hard one is Celery's
         # in prefork and `corral worker`'s in a thread pool.
         "task_soft_time_limit": None,
         "task_time_limit": settings.task_time_limit_s,

@@ -48,8 +48,8 @@ from stack.credentials import FILE as CREDENTIALS
 from stack.credentials import Credentials, load_or_make
 from stack.redis import free_port, redis_argv, write_private_config
 from stack.supervisor import Child, Supervisor
+from workers.base.kinds import NodeKind
 from workers.fleet.nodes import upsert_node
-from workers.kinds import NodeKind
 from workers.store.db import get_database
 from workers.store.migrate import safe_url, upgrade
 from workers.store.models import Node
@@ -198,11 +198,11 @@ def _start(
 
     with launch.together():  # each needs only the broker and the store
         launch.start(
-            "registry", [PY, "-m", "tasks.cli", "registry"], ready=lambda: _port_open(reg_port)
+            "registry", [PY, "-m", "corral.cli", "registry"], ready=lambda: _port_open(reg_port)
         )
         _start_celery(launch, options, credentials, flower_port)
-        services["gateway"] = _start_http(launch, "gateway", ["tasks.cli", "gateway"], "")
-        services["metrics"] = _start_http(launch, "metrics", ["tasks.cli", "metrics"], "/metrics")
+        services["gateway"] = _start_http(launch, "gateway", ["corral.cli", "gateway"], "")
+        services["metrics"] = _start_http(launch, "metrics", ["corral.cli", "metrics"], "/metrics")
     if options.agents:
         services.update(_start_agents(launch, database, reg_port, options.driver))
     return published, services

@@ -4,7 +4,7 @@
 stays outside it. Celery enforces a hard time limit only in its prefork pool (billiard's
 parent kills the child); in a thread pool nothing inside the process can end a thread
 stuck in a C call, and an exception raised into it would land anywhere
-(:mod:`workers.timelimits`). So the worker reports, over a pipe to this process, every
+(:mod:`workers.base.timelimits`). So the worker reports, over a pipe to this process, every
 task it starts - which thread, which task, how long it may run - and ends, and every
 message it takes from the broker and acknowledges (its delivery tag). This process keeps
 the deadlines and, when one passes with its task still running:
@@ -14,7 +14,7 @@ the deadlines and, when one passes with its task still running:
 2. writes one line naming the task to its stderr, without blocking: ``os.write`` (no
    ``logging``, no lock) on a descriptor of its own that does not wait - a line that
    does not fit in a stalled pipe is dropped, and the kill stands;
-3. counts the kill of that task in the broker's Redis (:mod:`workers.poison`: a message
+3. counts the kill of that task in the broker's Redis (:mod:`workers.base.poison`: a message
    killed three times is given up when it comes back, its operation failed) and puts
    every message the worker held, unacknowledged, back on its queue at once
    (:func:`workers.broker.restore`, kombu's own restore by delivery tag), so the killed
@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stack.supervisor import die_with_parent
-from workers import timelimits
+from workers.base import timelimits
 
 POLL_S = 0.2  # how often a worker's exit is noticed when no report arrives
 MAX_BUFFER = 64 * 1024  # unparsed report bytes kept; a line longer than this is dropped
@@ -342,8 +342,9 @@ def _hand_back(worker: _Running, outlived: list[_Task]) -> None:
     try:
         from config.celery import celery_config
         from config.settings import get_settings
-        from workers import broker, poison
-        from workers.redis_client import redis_client
+        from workers import broker
+        from workers.base import poison
+        from workers.base.redis_client import redis_client
 
         settings = get_settings()
         client = redis_client(settings.broker_url)

@@ -30,12 +30,12 @@ from config.celery import INVOCATIONS
 from config.settings import get_settings
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from workers.base.redis_client import redis_client
 from workers.celery import CorralTask, app
 from workers.gateway import stored
 from workers.invocations import attempts, callbacks, sweep
 from workers.invocations.attempts import Outcome, Verdict
-from workers.metrics import PRIORITY_SEP, PRIORITY_STEPS
-from workers.redis_client import redis_client
+from workers.observability.exporter import PRIORITY_SEP, PRIORITY_STEPS
 
 log = logging.getLogger(__name__)
 

@@ -37,16 +37,16 @@ from tasks import replicas as replica_tasks
 from tasks.queues import Call, CeleryQueue, Tasks
 from workers import dispatch, leases
 from workers.autoscale.passes import run_pass
+from workers.base.errors import CorralError
+from workers.base.kinds import OpKind
+from workers.base.redis_client import redis_client
 from workers.celery import CorralTask, app
 from workers.dispatch import Work
-from workers.errors import CorralError
 from workers.fleet import health
-from workers.kinds import OpKind
 from workers.maintenance import reap_report, reaper, redrive
 from workers.maintenance import reconcile as reconciler
-from workers.metrics import count_reaped
+from workers.observability.exporter import count_reaped
 from workers.operations import record_pass
-from workers.redis_client import redis_client
 from workers.replicas.lost import mark_lost
 from workers.replicas.requests import request_scale, request_spawn
 from workers.store.db import Database

@@ -8,7 +8,7 @@ uses, built from the task modules.
 
 * :class:`CeleryQueue` sends a message: the task's own ``apply_async``, routed by name to
   its queue (``config.celery.ROUTES``) as ``delay()`` is; a first task's message says when
-  it was sent (:data:`workers.stages.SENT_HEADER`, its ``queue`` stage). In eager mode
+  it was sent (:data:`workers.observability.stages.SENT_HEADER`, its ``queue`` stage). In eager mode
   (``CORRAL_EAGER``, tests) Celery runs it at once, in the caller's thread. It has nowhere
   to run a task here: :meth:`~CeleryQueue.run_here` sends it.
 * :class:`InProcessQueue` carries each task out in the caller's thread (:func:`carry_out`):
@@ -51,12 +51,13 @@ from celery import Signature, signals, states
 from celery.app.trace import build_tracer
 
 from config.settings import get_settings
-from workers import stages, timelimits
 from workers.backends import inflight
 from workers.backends.base import backend
+from workers.base import timelimits
+from workers.base.kinds import NODE_KINDS
 from workers.celery import CorralTask, inject_fault, inline
 from workers.dispatch import Work
-from workers.kinds import NODE_KINDS
+from workers.observability import stages
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from celery import Signature
 
-from workers import replicas, stages
+from workers import replicas
+from workers.base.redis_client import redis_client
 from workers.celery import CorralTask, app
-from workers.redis_client import redis_client
+from workers.observability import stages
 
 
 @app.task(bind=True, name="corral.spawn")
@@ -73,7 +74,7 @@ def scale(self: CorralTask, op_id: str) -> dict[str, Any]:
 
 
 def _timed(task: CorralTask, op_id: str) -> contextlib.AbstractContextManager[stages.SpawnTimer]:
-    """Time this first task's spawn stages (:mod:`workers.stages`)."""
+    """Time this first task's spawn stages (:mod:`workers.observability.stages`)."""
     sent_at = (task.request.headers or {}).get(stages.SENT_HEADER)
     return stages.timing(op_id, sent_at, redis_client(task.settings.broker_url))
 

@@ -67,7 +67,7 @@ from sqlalchemy import func, select
 from config.settings import Settings
 from testkit.history import compare
 from testkit.nsfleet import CALLED, FUNCTIONS, Fleet
-from workers import clock
+from workers.base import clock
 from workers.replicas.maybes import MARK
 from workers.store.models import (
     LIVE_STATES,

@@ -34,8 +34,8 @@ from typing import Any, Protocol
 from sqlalchemy import select
 
 from config.settings import get_settings
-from tasks import api
-from workers.errors import InputError
+from corral import api
+from workers.base.errors import InputError
 from workers.functions import deploy, spec_from
 from workers.replicas.claims import NoIdleReplica
 from workers.store.db import Database

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks import api
+from corral import api
 from testkit.netns import Block, Network
 from testkit.nsfleet import Fleet
 from testkit.nsprocs import AGENT_PORT, REPLICA_PORT_MASK, Layout

@@ -157,7 +157,7 @@ class Fleet:
         reset_settings()
         configure(get_settings())
         upgrade(self.db())
-        self._corral("reg", ["-m", "tasks.cli", "registry"], port=50052)
+        self._corral("reg", ["-m", "corral.cli", "registry"], port=50052)
         agents = [self._agent(a) for a in lay.agent_names] + [self._lambdo()]
         for proc in agents:
             proc.wait_ready(60)
@@ -171,7 +171,7 @@ class Fleet:
         schedule = str(self.tmp / "beat-schedule")
         beat = ["-m", "celery", "-A", "workers", "beat", "-l", "INFO", "--max-interval", "1"]
         self._corral("beat", [*beat, "-s", schedule])
-        self._corral("gw", ["-m", "tasks.cli", "gateway"], port=8080)
+        self._corral("gw", ["-m", "corral.cli", "gateway"], port=8080)
 
     def db(self) -> Database:
         """The store, as the harness reaches it."""
@@ -243,7 +243,7 @@ class Fleet:
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run ``corral ARGS`` on the harness's host, as an operator would."""
         done = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", *args],
+            [sys.executable, "-m", "corral.cli", *args],
             cwd=ROOT, env=self._child_env(**self.env), capture_output=True, text=True,
             timeout=120, check=False,
         )  # fmt: skip

@@ -426,7 +426,7 @@ def vms_by_host(inodes: dict[int, str]) -> dict[str, set[str]]:
 def worker_argv(name: str, inject: str | None) -> list[str]:
     """``corral worker`` (the app's thread pool under its time-limit supervisor) as an operator
     runs it (through a defect with ``inject``)."""
-    worker = ["-m", "tasks.cli", "worker", "-l", "INFO", "-n", f"{name}@%h",
+    worker = ["-m", "corral.cli", "worker", "-l", "INFO", "-n", f"{name}@%h",
               "-Q", ",".join(QUEUES), "--without-gossip", "--without-mingle"]  # fmt: skip
     return _python(worker, inject)
 

@@ -79,7 +79,7 @@ class WorkerProcess:
             [
                 sys.executable,
                 "-m",
-                "tasks.cli",
+                "corral.cli",
                 "worker",
                 *(["-P", self.pool] if self.pool else []),
                 *(["--include", self.include] if self.include else []),

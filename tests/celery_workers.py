@@ -23,7 +23,7 @@ from config.settings import get_settings, reset_settings
 from testkit.processes import WorkerProcess
 from testkit.services import RedisServer
 from tests.fixtures import Env, _apply
-from workers import clock
+from workers.base import clock
 from workers.celery import app, configure
 
 

@@ -48,8 +48,8 @@ from sqlalchemy import select, text
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings, get_settings, reset_settings
 from testkit.processes import FAST
-from workers import clock
 from workers.backends import inflight
+from workers.base import clock
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.store.db import Database, get_database

@@ -13,10 +13,10 @@ from sqlalchemy import select
 
 from agents.fcdaemon import RunningAgent
 from config.celery import QUEUES
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
-from workers import clock
 from workers.backends import Vm
+from workers.base import clock
 from workers.functions import deploy, spec_from
 from workers.replicas.arrivals import record
 from workers.replicas.outcomes import Next, Outcome

@@ -11,6 +11,10 @@ convention; importing :mod:`workers` itself builds nothing.
 * :mod:`workers.operations`: operation records, their statuses, settling and finishing them.
 * :mod:`workers.maintenance`: reaper, reconcile, audit, redrive (beat's passes).
 * :mod:`workers.autoscale`, :mod:`workers.gateway`, :mod:`workers.registry`,
-  :mod:`workers.metrics`: the data path and what agents, guests and Prometheus talk to.
+  :mod:`workers.observability.exporter`: the data path and what agents, guests and
+  Prometheus talk to.
+* :mod:`workers.observability`: metrics, traces, logs and clock offsets, in one place.
 * :mod:`workers.store`: the SQL store.
+* :mod:`workers.base`: the basics all of these stand on (errors, the clock, kinds and
+  names, checks on what the network sends, time limits); they import nothing above them.
 """

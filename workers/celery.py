@@ -20,11 +20,11 @@ after :func:`backoff_s` (exponential, equal jitter) within the task's retry budg
 (``CORRAL_RETRY_MAX``), the whole task again: tasks are idempotent and the
 failed transaction was rolled back.
 
-Time limits (:mod:`workers.timelimits`): Celery's soft limit is off in every pool (it
+Time limits (:mod:`workers.base.timelimits`): Celery's soft limit is off in every pool (it
 raises ``SoftTimeLimitExceeded`` into the task wherever it is, :class:`CorralRequest`
 drops it even from a message that asks for one). A task runs under a deadline - its
 start plus its soft limit - that its work checks where stopping is clean; past it, the
-work raises :class:`~workers.timelimits.OutOfTime`, and the task is retried within its
+work raises :class:`~workers.base.timelimits.OutOfTime`, and the task is retried within its
 budget or, with none left, left to redrive: its operation is not failed. The hard limit
 is enforced from outside: billiard's parent in prefork, ``corral worker``
 (:mod:`stack.worker`) in a thread (or solo) pool, to which the task reports its start
@@ -41,7 +41,7 @@ before a task carried out there is set up, :func:`tasks.queues.carry_out`).
 
 Per-process resources - the database engine, gRPC channels and the HTTP client -
 are dropped in ``worker_process_init`` so each prefork child makes its own (and
-starts its own tracing, :mod:`workers.tracing`, when ``CORRAL_OTLP_ENDPOINT`` is
+starts its own tracing, :mod:`workers.observability.tracing`, when ``CORRAL_OTLP_ENDPOINT`` is
 set); a worker refuses to start on an un-migrated database.
 """
 
@@ -69,15 +69,17 @@ from kombu.exceptions import OperationalError as BrokerUnreachable
 
 from config.celery import HOUSEKEEPING, celery_config
 from config.settings import Settings, get_settings
-from workers import beat_passes, broker, clock_offsets, logs, poison, timelimits, tracing
+from workers import beat_passes, broker
 from workers.backends import inflight, node_slots
-from workers.errors import InputError, SchemaError
+from workers.base import poison, timelimits
+from workers.base.errors import InputError, SchemaError
+from workers.base.redis_client import redis_client
+from workers.base.timelimits import OutOfTime
+from workers.observability import clock_offsets, logs, tracing
 from workers.operations import describe_error, fail_op
-from workers.redis_client import redis_client
 from workers.replicas.owners import Budget
 from workers.store.db import Database, get_database, is_transient
 from workers.store.revisions import check_schema
-from workers.timelimits import OutOfTime
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +140,7 @@ class CorralRequest(Request):  # type: ignore[misc]
     worker takes it and when it is acknowledged or given back (:func:`timelimits.received`,
     :func:`timelimits.settled`): what the worker holds when it dies is put back on its
     queue at once (:mod:`stack.worker`). A prefork child killed at its hard limit has its
-    kill counted (:mod:`workers.poison`) and its message given back (``task_acks_on_timeout``
+    kill counted (:mod:`workers.base.poison`) and its message given back (``task_acks_on_timeout``
     is off), not acknowledged.
     """
 
@@ -174,7 +176,7 @@ class CorralRequest(Request):  # type: ignore[misc]
 
 
 def count_kill(task_id: str) -> None:
-    """Count one kill of ``task_id`` at its hard limit (:mod:`workers.poison`); never raises."""
+    """Count a kill of ``task_id`` at its hard limit (:mod:`workers.base.poison`); never raises."""
     client = redis_client(get_settings().broker_url)
     if client is None:
         return
@@ -458,7 +460,7 @@ def configure(settings: Settings) -> None:
     app.conf.update(celery_config(settings))
     # A task's hard limit was copied from the config when it was bound, and travels in
     # every message it sends (workers enforce a message's own limit): follow the new one.
-    # Celery's soft limit stays off (workers.timelimits).
+    # Celery's soft limit stays off (workers.base.timelimits).
     for task in app.tasks.values():
         if isinstance(task, CorralTask):
             type(task).time_limit = settings.task_time_limit_s
@@ -549,7 +551,7 @@ def _trace_unforked(sender: Any = None, **_: Any) -> None:
 
 @signals.task_postrun.connect
 def _publish_clock_offset(task: Any = None, **_: Any) -> None:
-    """After a task, publish a new measurement of the host clock (:mod:`workers.clock_offsets`)."""
+    """After a task, publish the host's new clock offset (workers.observability.clock_offsets)."""
     if task is None or task.request.is_eager:
         return  # a worker's tasks only: an eager caller is no worker
     client = redis_client(get_settings().broker_url)
@@ -577,7 +579,7 @@ def _number_pass(sender: Any = None, headers: dict[str, Any] | None = None, **_:
 
 @signals.celeryd_after_setup.connect
 def _bounded_logs(**_: Any) -> None:
-    """A worker started from the command line logs through a bounded queue (:mod:`workers.logs`).
+    """A command-line worker logs through a bounded queue (:mod:`workers.observability.logs`).
 
     Sent once the worker's logging is set up and before its pool starts; a test's worker
     in a thread (``celery.contrib.testing``) is not such a worker and keeps its handlers.

@@ -4,7 +4,7 @@
 an import never goes up; so the logic never sends a task itself, by object or by name.
 What needs work done - the gateway's cold start, the registry answering DESTROY,
 reconcile draining a node, the maintenance passes - is *handed* a :class:`TaskQueue`
-by whoever starts it (``corral gateway`` / ``corral registry`` in :mod:`tasks.cli`, the
+by whoever starts it (``corral gateway`` / ``corral registry`` in :mod:`corral.cli`, the
 Celery tasks, tests) and asks it for one of four things:
 
 * :meth:`TaskQueue.send` - queue the first task of an operation written already;
@@ -37,8 +37,8 @@ from typing import Any, Protocol
 
 from sqlalchemy.orm import Session
 
-from workers.errors import BrokerError, CorralError
-from workers.kinds import OpKind
+from workers.base.errors import BrokerError, CorralError
+from workers.base.kinds import OpKind
 from workers.operations import fail_op
 from workers.store.db import Database
 from workers.store.models import Operation

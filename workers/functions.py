@@ -39,10 +39,10 @@ from config.redact import MASK
 from config.settings import Settings
 from netplumb import guest_env
 from workers.backends.base import backend
-from workers.clock import iso, now
-from workers.errors import InputError
-from workers.kinds import POLICIES, NodeKind
-from workers.names import check_name
+from workers.base.clock import iso, now
+from workers.base.errors import InputError
+from workers.base.kinds import POLICIES, NodeKind
+from workers.base.names import check_name
 from workers.store.models import LIVE_STATES, Function, Replica, ReplicaState
 from workers.store.rows import one_or_not_found
 

@@ -18,7 +18,7 @@ done (:func:`release` deletes the row only if it still holds it), and a crashed
 holder's lease lapses after ``ttl_s`` - for a housekeeping pass, just after its task's
 hard limit (:func:`pass_ttl`). Whether a lease has lapsed is judged by the
 database on its own clock (:func:`workers.store.db.store_now`), whatever this host's
-says; its expiry is written from :mod:`workers.clock` (the same clock, measured), so
+says; its expiry is written from :mod:`workers.base.clock` (the same clock, measured), so
 tests can let a lease expire with ``clock.travel``.
 """
 
@@ -37,9 +37,9 @@ from sqlalchemy import Table, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers import timelimits
-from workers.clock import now
-from workers.errors import InputError
+from workers.base import timelimits
+from workers.base.clock import now
+from workers.base.errors import InputError
 from workers.store.db import Database, insert_for, store_now
 from workers.store.models import Lease
 

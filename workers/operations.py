@@ -36,9 +36,9 @@ from sqlalchemy.exc import StatementError
 from sqlalchemy.orm import Session
 
 from config.redact import redact, redact_params
-from workers.clock import iso, now
-from workers.errors import InputError, NotFound
-from workers.kinds import OpKind
+from workers.base.clock import iso, now
+from workers.base.errors import InputError, NotFound
+from workers.base.kinds import OpKind
 from workers.store.db import Database, insert_for
 from workers.store.models import OP_FINISHED, OP_OPEN, Operation, OpPart, OpStatus
 

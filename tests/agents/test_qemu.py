@@ -29,9 +29,9 @@ from agents import RunningAgent, serve_fcdaemon
 from agents.drivers import DriverError, VMSpec
 from agents.procs import is_alive
 from agents.qemu.driver import QemuDriver
+from corral import api
 from netplumb.grpcserve import report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2
-from tasks import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from testkit.eventually import eventually

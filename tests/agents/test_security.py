@@ -61,7 +61,7 @@ def fcdaemon_cli(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         [
             sys.executable,
             "-m",
-            "tasks.cli",
+            "corral.cli",
             "agent",
             "fcdaemon",
             "--listen",
@@ -195,7 +195,7 @@ AGENTS: list[tuple[list[str], str, dict[str, str]]] = [
 
 def _run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tasks.cli", *argv],
+        [sys.executable, "-m", "corral.cli", *argv],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -236,7 +236,7 @@ def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
     ):
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tasks.cli", *argv, "--listen", f"0.0.0.0:{port}", *extra],
+            [sys.executable, "-m", "corral.cli", *argv, "--listen", f"0.0.0.0:{port}", *extra],
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,

@@ -20,7 +20,7 @@ from config.settings import (
     reset_settings,
     reveal,
 )
-from tasks.cli import main
+from corral.cli import main
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from tests.fixtures import Env
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.gateway.metrics import GatewayMetrics
-from workers.metrics import serve
+from workers.observability.exporter import serve
 from workers.store.models import Operation
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

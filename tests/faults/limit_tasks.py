@@ -29,7 +29,8 @@ from typing import Any
 from celery import signals
 
 from config.settings import get_settings
-from workers import clock, leases, timelimits
+from workers import leases
+from workers.base import clock, timelimits
 from workers.celery import CorralTask, app, runs
 from workers.store.db import get_database
 

@@ -15,15 +15,15 @@ import redis
 
 from agents.drivers import VMSpec
 from agents.faults import Fault
+from corral import api
 from stack.supervisor import stop_process
-from tasks import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
 from workers import leases
+from workers.base.poison import KEY_PREFIX
 from workers.maintenance.reconcile import LEASE
-from workers.poison import KEY_PREFIX
 
 ORPHANS = 60
 RELEASE_S = 1.2

@@ -28,9 +28,10 @@ from testkit.processes import WorkerProcess, start_beat
 from tests.faults.test_time_limits import TASKS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, spawn_ok
-from workers import clock_offsets, leases
+from workers import leases
 from workers.celery import app
 from workers.maintenance.reaper import LEASE
+from workers.observability import clock_offsets
 from workers.replicas.claims import claim
 from workers.store.models import Claim, Replica, ReplicaState
 

@@ -16,13 +16,13 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from tests.faults.conftest import POOLS, SHORT, apply_limits
 from tests.fixtures import Env, StartAgents
 from tests.helpers import broker_drained, deploy_fn, replicas
-from workers import clock
+from workers.base import clock
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
 from workers.registry.service import RunningRegistry

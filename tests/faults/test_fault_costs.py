@@ -28,8 +28,8 @@ from sqlalchemy import select, update
 from agents.drivers import MemoryDriver
 from agents.faults import Fault
 from agents.fcdaemon import RegistryReporter, RunningAgent, serve_fcdaemon
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from testkit.services import PostgresServer
@@ -37,10 +37,10 @@ from tests.faults.conftest import POOLS, SHORT, apply_limits
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn, replicas
 from tests.workers.replicas.helpers import created, no_drift, running
-from workers import clock
 from workers.backends import networks, node_slots
+from workers.base import clock
+from workers.base.redis_client import redis_client
 from workers.fleet.nodes import upsert_node
-from workers.redis_client import redis_client
 from workers.registry.service import RunningRegistry
 from workers.store.models import LIVE_STATES, Function, Node, ReplicaState
 

@@ -22,10 +22,10 @@ from tests.faults.conftest import POOLS
 from tests.faults.test_time_limits import TASKS
 from tests.fixtures import Env
 from tests.helpers import broker_drained, operation
+from workers.base.kinds import OpKind
+from workers.base.poison import MAX_KILLS
 from workers.celery import app
-from workers.kinds import OpKind
 from workers.operations import create_operation
-from workers.poison import MAX_KILLS
 from workers.store.models import OpStatus
 
 LIMITS = {

@@ -348,7 +348,7 @@ STORE = {
     "CORRAL_DATABASE_URL": "sqlite:///{tmp}/corral.sqlite",
     "CORRAL_BROKER_URL": "redis://127.0.0.1:1/0",
 }
-MIGRATE = [sys.executable, "-m", "tasks.cli", "db", "upgrade"]
+MIGRATE = [sys.executable, "-m", "corral.cli", "db", "upgrade"]
 # 120 oversized calls push about 470 MB at a server; gRPC core takes in each stream's
 # flow-control window before it refuses the call. With BDP probing off (SERVER_OPTIONS)
 # a window stays 64 KiB: 6-8 MB at the peak here (17-34 MB, 86 once under load, with it on)
@@ -379,7 +379,7 @@ LISTENERS = [
     ),
     Listener(
         "metrics",
-        [sys.executable, "-m", "tasks.cli", "metrics", "--listen", "127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "metrics", "--listen", "127.0.0.1:{port}"],
         _http_ok("/metrics"),
         HTTP_ATTACKS,
         max_new_threads=HTTP_THREADS,
@@ -388,7 +388,7 @@ LISTENERS = [
     ),
     Listener(
         "registry",
-        [sys.executable, "-m", "tasks.cli", "registry", "--listen", "127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "registry", "--listen", "127.0.0.1:{port}"],
         _registry_ok,
         [
             grpc_half_sent("/resmngr.ResMngrService/UpdateStatus"),
@@ -445,7 +445,7 @@ LISTENERS = [
     *(
         Listener(
             f"gateway-{plane}",
-            [sys.executable, "-m", "tasks.cli", "gateway", "--listen", "127.0.0.1:{port}"],
+            [sys.executable, "-m", "corral.cli", "gateway", "--listen", "127.0.0.1:{port}"],
             _http_ok("/metrics"),
             [
                 aimed(http_half_sent, b"/function/hello"),

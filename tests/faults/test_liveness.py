@@ -18,14 +18,14 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from tests.faults.conftest import POOLS
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
 from tests.workers.replicas.helpers import created, no_drift, running
-from workers import clock
+from workers.base import clock
 from workers.maintenance.reaper import reap
 from workers.registry.service import RunningRegistry
 from workers.store.models import Node, ReplicaState

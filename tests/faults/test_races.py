@@ -17,15 +17,16 @@ import pytest
 from sqlalchemy import select, text
 
 from agents.faults import Fault
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from tasks.replicas import scale, spawn
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, operation, replicas, spawn_ok
 from tests.workers.replicas.helpers import at_once
-from workers import backends, clock, leases
+from workers import backends, leases
+from workers.base import clock
+from workers.base.kinds import OpKind
 from workers.fleet import health, placement
-from workers.kinds import OpKind
 from workers.maintenance.reaper import reap
 from workers.maintenance.reconcile import below_min, reconcile
 from workers.operations import create_operation, fail_operation

@@ -11,9 +11,9 @@ import trustme
 from sqlalchemy import select
 
 from agents.fcdaemon import serve_fcdaemon
+from corral import api
+from corral.cli import main
 from protos import resmngr_grpc, resmngr_pb2
-from tasks import api
-from tasks.cli import main
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env
 from workers.fleet.nodes import upsert_node

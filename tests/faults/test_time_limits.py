@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from tests.fixtures import Env, StartAgents, postgres_only

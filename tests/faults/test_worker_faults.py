@@ -15,8 +15,8 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
+from corral import api
 from stack.supervisor import stop_process
-from tasks import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from testkit.services import RedisServer

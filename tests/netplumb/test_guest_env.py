@@ -22,8 +22,8 @@ import pytest
 from agents.drivers import ProcessDriver
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from agents.lambdo import RunningLambdo, serve_lambdo
+from corral.cli import main
 from protos import fcdaemon_grpc, fcdaemon_pb2
-from tasks.cli import main
 from tests.fixtures import Env
 from tests.requirements import CC, unmet
 from workers.store.models import Function

@@ -12,7 +12,7 @@ import yaml
 
 from config.celery import CONTROL_QUEUES, INVOCATIONS, QUEUES, ROUTES
 from config.settings import Settings
-from tasks.cli import build_parser
+from corral.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

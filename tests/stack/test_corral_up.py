@@ -44,7 +44,7 @@ def _env() -> dict[str, str]:
 
 def _corral(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", *args],
+        [sys.executable, "-m", "corral.cli", *args],
         cwd=cwd,
         env=_env(),
         capture_output=True,
@@ -414,7 +414,7 @@ def _check_private(state: Path) -> None:
 def test_corral_up_end_to_end(tmp_path: Path) -> None:
     up_log = (tmp_path / "up.out").open("w")
     up = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "up"],
+        [sys.executable, "-m", "corral.cli", "up"],
         cwd=tmp_path,
         env=_env(),
         stdout=up_log,

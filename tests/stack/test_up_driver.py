@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from corral.cli.parser import build_parser
 from stack.up import UpOptions, _fcdaemon_driver
-from tasks.cli.parser import build_parser
 
 
 def test_the_default_stack_runs_replicas_as_processes(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import select
 
 from agents.faults import Fault
+from corral import api
 from protos import fcdaemon_pb2
-from tasks import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent
 from tests.helpers import replicas as replica_rows

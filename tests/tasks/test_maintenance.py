@@ -21,8 +21,9 @@ from agents.drivers import VMSpec
 from agents.fcdaemon import serve_fcdaemon
 from config.celery import HOUSEKEEPING, ROUTES, beat_schedule
 from config.settings import get_settings
+from corral import api
 from stack.supervisor import stop_process
-from tasks import api, maintenance
+from tasks import maintenance
 from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn

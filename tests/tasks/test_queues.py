@@ -20,8 +20,8 @@ from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import calls, deploy_fn, operation, queued, replicas
 from workers import dispatch
+from workers.base.kinds import OpKind
 from workers.dispatch import TaskQueue, Work
-from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.requests import request_delete, request_spawn
 from workers.store.models import OpStatus, ReplicaState

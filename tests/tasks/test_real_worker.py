@@ -9,16 +9,16 @@ import redis
 from sqlalchemy import select
 
 from agents import serve_fcdaemon
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from tests.agents.helpers import MeetingDriver
 from tests.fixtures import Env, StartAgents
 from tests.helpers import broker_drained, deploy_fn, one_agent, spawn_ok
+from workers.base.kinds import OpKind
 from workers.celery import app
 from workers.fleet.nodes import upsert_node
 from workers.functions import get_function
-from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas import plan as spawn_plan
 from workers.store.models import Replica, ReplicaState

@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tasks.replicas import spawn
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, spawn_ok
-from workers.kinds import OpKind
+from workers.base.kinds import OpKind
 from workers.operations import create_operation, describe_error, settle
 from workers.store.models import OP_FINISHED, OP_OPEN, Function, Operation, OpStatus
 

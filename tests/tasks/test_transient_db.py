@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import one_agent, spawn_ok

@@ -19,7 +19,8 @@ from tasks.replicas import release_orphan
 from testkit.eventually import eventually
 from tests.faults import limit_tasks
 from tests.fixtures import NO_BROKER, Env
-from workers import leases, timelimits
+from workers import leases
+from workers.base import timelimits
 from workers.celery import CorralRequest, Runs, app, backoff_s, budgeted, runs
 from workers.replicas.owners import Budget
 

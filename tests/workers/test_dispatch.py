@@ -21,10 +21,11 @@ from config.celery import ROUTES
 from tasks.maintenance import QUEUE, first_task
 from tests.fixtures import Env
 from tests.helpers import calls, deploy_fn, operation, queued
-from workers import dispatch, stages
+from workers import dispatch
+from workers.base.errors import BrokerError, InputError
+from workers.base.kinds import OpKind
 from workers.dispatch import Work
-from workers.errors import BrokerError, InputError
-from workers.kinds import OpKind
+from workers.observability import stages
 from workers.operations import create_operation
 from workers.replicas.requests import request_spawn
 from workers.store.models import Operation, OpStatus

@@ -6,8 +6,9 @@ import pytest
 
 from tests.fixtures import Env
 from tests.workers.replicas.helpers import race_for_lease
-from workers import clock, leases
-from workers.errors import InputError
+from workers import leases
+from workers.base import clock
+from workers.base.errors import InputError
 
 
 def test_acquire_renew_release(corral_env: Env) -> None:

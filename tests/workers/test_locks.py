@@ -18,8 +18,8 @@ from sqlalchemy.exc import DBAPIError
 
 from testkit.eventually import eventually
 from tests.fixtures import Env, postgres_only
+from workers.base.kinds import NodeKind
 from workers.fleet.nodes import upsert_node
-from workers.kinds import NodeKind
 from workers.locks import lock_nodes
 from workers.store.db import is_transient
 from workers.store.models import Node

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from workers.functions import spec_from
 

@@ -19,14 +19,14 @@ from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
 from agents.lambdo import serve_lambdo
 from config.settings import load_settings
+from corral import api
+from corral.cli import main
 from protos import fcdaemon_pb2
-from tasks import api
-from tasks.cli import main
 from tests.fixtures import Env
 from workers.backends import inflight
 from workers.backends.fcdaemon import AgentClient, TlsFiles
 from workers.backends.lambdo import LambdoClient
-from workers.errors import BackendError
+from workers.base.errors import BackendError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Function, Node, Operation, Replica
@@ -51,7 +51,7 @@ def test_a_bad_url_with_a_password_never_prints_it(tmp_path: Path, variable: str
     env.update({variable: url, "CORRAL_STATE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)})
     for argv in (["functions", "list"], ["db", "check"]):
         done = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", *argv],
+            [sys.executable, "-m", "corral.cli", *argv],
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -177,7 +177,7 @@ def test_a_bad_setting_names_the_variable_and_never_a_secret(tmp_path: Path) -> 
         ({"CORRAL_NODE_CAPACITY": "-1", "CORRAL_METRICS_TOKEN": "m" * 3}, "CORRAL_NODE_CAPACITY"),
     ):
         done = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", "nodes", "list"],
+            [sys.executable, "-m", "corral.cli", "nodes", "list"],
             cwd=tmp_path,
             env={**env, **bad},
             capture_output=True,
@@ -284,7 +284,7 @@ def test_the_stack_file_is_trusted_only_if_ours_and_private(
 def test_a_token_or_aws_keys_in_plain_text_off_loopback_are_warned(
     caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="workers.untrusted")
+    caplog.set_level(logging.WARNING, logger="workers.base.untrusted")
     AgentClient("127.0.0.1:1", token="t", shared=False)  # loopback: fine
     LambdoClient("http://127.0.0.1:1", token="t")
     assert caplog.text == ""

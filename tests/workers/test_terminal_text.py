@@ -13,9 +13,9 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
+from corral import api
+from corral.cli import main
 from protos import fcdaemon_pb2
-from tasks import api
-from tasks.cli import main
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
@@ -63,7 +63,7 @@ def test_tenant_text_is_listed_and_shown_escaped(
     corral_env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Issue 36 (8): what a tenant gave reached the terminal raw through ``functions
-    list/show``. Deploys now refuse it (tests/tasks/cli/test_bad_input.py); rows an older
+    list/show``. Deploys now refuse it (tests/corral/cli/test_bad_input.py); rows an older
     corral stored as given are printed escaped."""
     deploy_fn(corral_env)
     with corral_env.db.transaction() as s:

@@ -11,8 +11,8 @@ import pytest
 
 from agents import MemoryDriver, RunningAgent, serve_fcdaemon
 from agents.drivers import VM, VMSpec
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tests.fixtures import Env
 from tests.helpers import deploy_fn, spawn_ok
 from workers.backends import inflight

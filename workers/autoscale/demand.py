@@ -18,7 +18,7 @@ keeps a time-weighted average of their sum over its report interval
 :func:`read` adds up the fresh samples of all gateways into one :class:`Demand`
 for each function it is asked about (the autoscaler asks about the functions in the
 store); the autoscaler turns that into a replica target. Timestamps are seconds since
-the epoch on the store's clock (:func:`workers.clock.epoch`): gateways and beat run on
+the epoch on the store's clock (:func:`workers.base.clock.epoch`): gateways and beat run on
 different hosts, and a host whose own clock is off must not make a sample look stale or
 fresh.
 """
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from workers import clock
+from workers.base import clock
 
 PREFIX = "corral:demand:"
 

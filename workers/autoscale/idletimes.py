@@ -14,7 +14,7 @@ sees invocations in two places, and both record:
   last activity is counted locally as an idle time of bin 0 (it is one whatever
   other gateways saw); only the rare start after a longer local silence is sent
   with its time, to be measured against what *every* gateway saw;
-* **the claim API** - :func:`tasks.api.claim` is a start and :func:`tasks.api.release`
+* **the claim API** - :func:`corral.api.claim` is a start and :func:`corral.api.release`
   an end, each recorded as it happens (the gateway's own claims are held across
   requests, so its invocations are its requests, not its claims).
 
@@ -36,7 +36,7 @@ fixed keep-alive. It expires after :data:`TTL_S` without a write.
 (:class:`workers.autoscale.keepalive.Plan`) for the reaper, the autoscaler, ``corral
 functions show`` and the metrics.
 
-Timestamps are seconds since the epoch on the store's clock (:func:`workers.clock.epoch`),
+Timestamps are seconds since the epoch on the store's clock (:func:`workers.base.clock.epoch`),
 as for the demand signal: recorders and readers run on different hosts.
 """
 
@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 import redis
 
 from config.settings import Settings
-from workers import clock as store_clock
 from workers.autoscale.keepalive import (
     RECENT_OOB,
     IdleHistogram,
@@ -60,6 +59,7 @@ from workers.autoscale.keepalive import (
     bins_for,
     windows,
 )
+from workers.base import clock as store_clock
 
 log = logging.getLogger(__name__)
 

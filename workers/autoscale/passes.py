@@ -57,13 +57,13 @@ import redis
 from sqlalchemy import func, select
 
 from config.settings import Settings
-from workers import clock
 from workers.autoscale import decision as decision_mod
 from workers.autoscale import demand as demand_mod
 from workers.autoscale import idletimes
 from workers.autoscale.keepalive import Plan
-from workers.errors import CorralError
-from workers.kinds import OpKind
+from workers.base import clock
+from workers.base.errors import CorralError
+from workers.base.kinds import OpKind
 from workers.operations import open_of
 from workers.store.db import Database
 from workers.store.models import Function, Operation, Replica, ReplicaState

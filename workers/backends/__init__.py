@@ -1,7 +1,7 @@
 """One interface over the kinds of node: fcdaemon agents (gRPC) and Lambdo hosts (HTTP).
 
 Each kind of node has one backend (:class:`~workers.backends.base.NodeBackend`), named in
-one table, :data:`BACKENDS`, by its :class:`~workers.kinds.NodeKind` and loaded on first
+one table, :data:`BACKENDS`, by its :class:`~workers.base.kinds.NodeKind` and loaded on first
 use (kombu's transport aliases are the model); :func:`backend` picks it. Callers never
 look at ``node.kind`` themselves: they call the functions here, or ask the node's
 backend a fact (``backend(node.kind).runs_hogs``).
@@ -99,7 +99,7 @@ def release_vm(node: Node, vmid: str, settings: Settings) -> bool:
 
 
 def list_vms(node: Node, settings: Settings) -> list[ListedVm]:
-    """The VMs ``node`` runs; raises :class:`workers.errors.Unsupported` if it cannot say."""
+    """The VMs ``node`` runs; raises :class:`workers.base.errors.Unsupported` if it cannot say."""
     t = target(node)
     return inflight.run(backend(t.kind).list_vms(t, settings))
 

@@ -6,7 +6,7 @@ The model
 A *backend* is the code that speaks one kind of node's protocol (kombu's transports are
 the model): :mod:`workers.backends.fcdaemon` speaks gRPC to node agents,
 :mod:`workers.backends.lambdo` HTTP to Lambdo hosts. Each is one class behind this
-interface, registered under its :class:`~workers.kinds.NodeKind` in one table
+interface, registered under its :class:`~workers.base.kinds.NodeKind` in one table
 (:data:`BACKENDS`, loaded on first use by :func:`backend`), and callers reach them only through
 :mod:`workers.backends`, which picks the backend by the node's kind: nothing else looks
 at ``node.kind``.
@@ -20,7 +20,7 @@ A backend answers three kinds of question:
   whether a function has what a replica on such a node needs;
 * **calls** to a node (coroutines on the process's event loop,
   :mod:`workers.backends.inflight`): create, release, list, probe, hogs. Each has a
-  deadline and raises :mod:`workers.errors` types; each backend has one async client.
+  deadline and raises :mod:`workers.base.errors` types; each backend has one async client.
 
 Calls take a :class:`Target` (a node row as plain data, safe to hand to the loop's
 thread) and answer with plain data: :class:`Created`, :class:`ListedVm`.
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from config.settings import Settings
-from workers.errors import InputError
-from workers.kinds import NODE_KINDS, NodeKind
+from workers.base.errors import InputError
+from workers.base.kinds import NODE_KINDS, NodeKind
 from workers.store.models import Function, Node
 
 __all__ = [
@@ -135,7 +135,7 @@ class NodeBackend(Protocol):
     on_node_network: ClassVar[bool]
 
     def normalize_address(self, address: str) -> str:
-        """``address`` in canonical form; :class:`~workers.errors.InputError` if malformed."""
+        """``address`` in canonical form; :class:`~workers.base.errors.InputError` if malformed."""
 
     def image_of_rootfs(self, rootfs: str | None) -> str:
         """The image a function deployed without one gets from its rootfs ("" if none)."""
@@ -153,7 +153,7 @@ class NodeBackend(Protocol):
         """Tear one VM down; False when the node says it was already gone."""
 
     async def list_vms(self, t: Target, settings: Settings) -> list[ListedVm]:
-        """The VMs the node runs; :class:`~workers.errors.Unsupported` if it cannot say."""
+        """The VMs the node runs; :class:`~workers.base.errors.Unsupported` if it cannot say."""
 
     async def probe(self, t: Target, settings: Settings) -> bool:
         """Whether the node answers its health probe (raises BackendError when unreachable)."""

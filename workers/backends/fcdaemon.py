@@ -7,7 +7,7 @@ address per process, made there on first use and closed when the loop is reset (
 prefork child never shares one with its parent), plus a channel of its own for each
 health probe. Synchronous callers run a call on that loop (``inflight.run``).
 
-Every call carries a deadline; gRPC status codes become :mod:`workers.errors`
+Every call carries a deadline; gRPC status codes become :mod:`workers.base.errors`
 types: UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED and ABORTED are
 retryable, NOT_FOUND on release means the VM is already gone, UNIMPLEMENTED means
 the agent lacks an extension, anything else is permanent.
@@ -41,7 +41,7 @@ from workers.backends.base import (
     Target,
     guest_port,
 )
-from workers.errors import (
+from workers.base.errors import (
     BackendError,
     InputError,
     PermanentBackendError,
@@ -49,9 +49,9 @@ from workers.errors import (
     Unsupported,
     VmGone,
 )
-from workers.kinds import NodeKind
+from workers.base.kinds import NodeKind
+from workers.base.untrusted import check_ip, check_vmid, warn_plaintext
 from workers.store.models import Function
-from workers.untrusted import check_ip, check_vmid, warn_plaintext
 
 RETRYABLE_CODES = frozenset(
     {

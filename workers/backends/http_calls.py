@@ -1,9 +1,9 @@
 """HTTP calls to backends with a total deadline and a bounded body.
 
 A Lambdo host (or any HTTP backend) is someone else's server: it must not hang a
-worker nor fill its memory (:mod:`workers.untrusted` says what else is checked). So
+worker nor fill its memory (:mod:`workers.base.untrusted` says what else is checked). So
 every call has a total deadline, not only a per-read one, and its body is read up to
-``max_body`` (:data:`workers.untrusted.MAX_BODY`, 1 MiB, by default):
+``max_body`` (:data:`workers.base.untrusted.MAX_BODY`, 1 MiB, by default):
 :func:`abounded_request` runs the whole call, body included, under ``asyncio.timeout``
 on an ``httpx.AsyncClient``, so a host that drips a byte a second times out too.
 """
@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 
 from config.redact import redact
-from workers.errors import PermanentBackendError, TransientBackendError
-from workers.untrusted import MAX_BODY
+from workers.base.errors import PermanentBackendError, TransientBackendError
+from workers.base.untrusted import MAX_BODY
 
 
 @dataclass(frozen=True)

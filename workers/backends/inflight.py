@@ -57,7 +57,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from workers.waiting import hand_over
+from workers.base.waiting import hand_over
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)

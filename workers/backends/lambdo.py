@@ -6,7 +6,7 @@ living on the process's event loop (:mod:`workers.backends.inflight`, which make
 anew after a fork). Synchronous callers run a call on that loop (``inflight.run``).
 
 Every call has a total deadline and a capped body (:mod:`workers.backends.http_calls`);
-answers map to :mod:`workers.errors`: connection trouble, timeouts and 5xx are retryable
+answers map to :mod:`workers.base.errors`: connection trouble, timeouts and 5xx are retryable
 (a 500's plain-text body becomes the error message), 4xx are permanent, 404 on destroy
 means the VM is already gone. ``GET /vms`` is an extension some hosts serve; a 404
 there raises :class:`Unsupported`.
@@ -33,15 +33,15 @@ from workers.backends.base import (
     Target,
 )
 from workers.backends.http_calls import HttpCall, abounded_request
-from workers.errors import (
+from workers.base.errors import (
     InputError,
     PermanentBackendError,
     TransientBackendError,
     Unsupported,
 )
-from workers.kinds import NodeKind
+from workers.base.kinds import NodeKind
+from workers.base.untrusted import check_vmid, vmid_path, warn_plaintext
 from workers.store.models import Function
-from workers.untrusted import check_vmid, vmid_path, warn_plaintext
 
 MAX_ERROR_TEXT = 500
 

@@ -14,7 +14,7 @@ control plane's own metrics exporter, say. So every create's address passes
   name them (a wildcard listen counts as loopback and this machine's own addresses).
 
 Anything else fails the create as an *untrusted* reply
-(:class:`~workers.errors.PermanentBackendError`, code ``untrusted``); the VM it made is
+(:class:`~workers.base.errors.PermanentBackendError`, code ``untrusted``); the VM it made is
 an orphan that reconcile releases. Nothing here is ever resolved: a node's address holds
 the IP it registered from (or that ``corral nodes add`` resolved once), and a replica's
 address must be an IP, so a name that later points elsewhere moves nothing. A node whose
@@ -37,15 +37,15 @@ from sqlalchemy.exc import SQLAlchemyError
 from config.settings import Settings
 from netplumb.addresses import ip_of, join_hostport, parse_url, split_hostport
 from workers.backends.base import Target, backend
-from workers.store.db import get_database
-from workers.store.models import Node
-from workers.untrusted import (
+from workers.base.untrusted import (
     Listeners,
     Network,
     check_replica_address,
     listen_networks,
     parse_networks,
 )
+from workers.store.db import get_database
+from workers.store.models import Node
 
 __all__ = [
     "TTL_S",
@@ -163,7 +163,7 @@ def _check(t: Target, host: str, port: int, settings: Settings) -> None:
 async def replica_address(t: Target, host: str, port: int, settings: Settings) -> str:
     """``http://host:port`` of a new replica of node ``t``, if the node may give that address.
 
-    Raises :class:`~workers.errors.PermanentBackendError` (``untrusted``) otherwise.
+    Raises :class:`~workers.base.errors.PermanentBackendError` (``untrusted``) otherwise.
     """
     await asyncio.to_thread(_check, t, host, port, settings)
     return f"http://{join_hostport(host, port)}"

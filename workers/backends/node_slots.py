@@ -56,8 +56,8 @@ import redis.asyncio
 
 from config.settings import Settings
 from workers.backends import inflight
-from workers.errors import TransientBackendError
-from workers.redis_client import redis_client
+from workers.base.errors import TransientBackendError
+from workers.base.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 

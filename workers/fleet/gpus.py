@@ -38,8 +38,8 @@ from config.settings import Settings, reveal
 from netplumb.addresses import MAX_PORT, join_hostport, parse_hostport
 from protos import gpuresc_grpc
 from workers.backends.fcdaemon import RETRYABLE_CODES
-from workers.clock import iso
-from workers.errors import (
+from workers.base.clock import iso
+from workers.base.errors import (
     BackendError,
     InputError,
     PermanentBackendError,

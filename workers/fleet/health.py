@@ -32,8 +32,8 @@ from sqlalchemy import select
 from config.settings import Settings
 from netplumb.addresses import ip_of
 from workers import backends, leases
-from workers.clock import now
-from workers.errors import BackendError
+from workers.base.clock import now
+from workers.base.errors import BackendError
 from workers.store.db import Database
 from workers.store.models import Node
 

@@ -27,10 +27,10 @@ from sqlalchemy import select
 
 from config.settings import Settings
 from workers import backends
-from workers.errors import BackendError, InputError
+from workers.base.errors import BackendError, InputError
+from workers.base.kinds import NodeKind
 from workers.fleet.health import note_failure
 from workers.fleet.nodes import get_node
-from workers.kinds import NodeKind
 from workers.operations import finish, mark_running
 from workers.store.db import Database
 from workers.store.models import OP_FINISHED, Node, Operation

@@ -44,13 +44,13 @@ from sqlalchemy.orm import Session
 from config.settings import Settings
 from netplumb.addresses import HTTP_PORTS, ip_of, join_hostport, parse_url, split_hostport
 from workers.backends.base import backend
-from workers.clock import iso, now
-from workers.errors import InputError
-from workers.kinds import NodeKind
-from workers.names import check_name
+from workers.base.clock import iso, now
+from workers.base.errors import InputError
+from workers.base.kinds import NodeKind
+from workers.base.names import check_name
+from workers.base.untrusted import IP, parse_networks
 from workers.store.models import Node, Replica, ReplicaState
 from workers.store.rows import delete_unlinking_replicas, one_or_not_found
-from workers.untrusted import IP, parse_networks
 
 
 class AddressTaken(InputError):

@@ -36,11 +36,11 @@ from sqlalchemy import ColumnElement, CursorResult, bindparam, case, func, or_, 
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from workers.clock import now
-from workers.errors import CapacityError
+from workers.base.clock import now
+from workers.base.errors import CapacityError
 from workers.store.models import Function, Gpu, Node, Replica
 
-# The policies a function may name (workers.kinds.POLICIES) are carried out in _candidate.
+# The policies a function may name (workers.base.kinds.POLICIES) are carried out in _candidate.
 FITS = ("best", "first")
 MAX_ATTEMPTS = 16
 

@@ -25,8 +25,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from workers import clock
 from workers.autoscale.demand import Sample
+from workers.base import clock
 
 
 class QueueFull(Exception):

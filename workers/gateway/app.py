@@ -52,16 +52,16 @@ from config.settings import Settings, parse_networks, reveal
 from netplumb import asgiserve
 from netplumb.addresses import join_hostport
 from netplumb.listening import Server, listen_address
-from workers import tracing
 from workers.autoscale import demand, idletimes
+from workers.base.errors import CorralError
 from workers.dispatch import TaskQueue
-from workers.errors import CorralError
 from workers.gateway.asgi import Receive, Scope, Send
 from workers.gateway.calls import PREFIXES, CallsFront
 from workers.gateway.haproxy.process import Unavailable
 from workers.gateway.haproxy.warm import WarmPath, behind, choose, describe
 from workers.gateway.proxy import PREFIX, Gateway
 from workers.invocations.queue import CallQueue
+from workers.observability import tracing
 from workers.store.db import Database, get_database
 
 log = logging.getLogger(__name__)

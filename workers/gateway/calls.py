@@ -41,9 +41,7 @@ from urllib.parse import quote
 from sqlalchemy.exc import DBAPIError
 
 from config.settings import reveal
-from workers import metric_catalog as catalog
-from workers import tracing
-from workers.errors import BrokerError, InputError, NotFound
+from workers.base.errors import BrokerError, InputError, NotFound
 from workers.gateway.asgi import (
     RETRY_AFTER_S,
     Answer,
@@ -64,6 +62,8 @@ from workers.gateway.traces import incoming
 from workers.invocations import callbacks, records
 from workers.invocations.queue import CallQueue
 from workers.invocations.records import Accepted, CallView, StoredAnswer, StoredRequest
+from workers.observability import metric_catalog as catalog
+from workers.observability import tracing
 from workers.store.db import Database, is_transient
 from workers.store.models import Call, CallStatus
 

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from workers.errors import CorralError, NotFound
+from workers.base.errors import CorralError, NotFound
 from workers.functions import get_function
 from workers.gateway.admission import Gate
 from workers.gateway.background import Background

@@ -21,7 +21,7 @@ function's max waits for a release), and an environment another request returns
 meanwhile serves it first. Between two looks at the store a waiting claim sleeps until
 it is told that a replica of its function is ready (:meth:`Ledger.wake`, on a notice:
 :mod:`workers.replicas.notices`), or for its pause at most. It raises
-:class:`workers.errors.NotFound` for a function the store does not know and
+:class:`workers.base.errors.NotFound` for a function the store does not know and
 :class:`workers.replicas.claims.NoIdleReplica` when nothing is ready within the
 cold-start timeout.
 
@@ -57,13 +57,14 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from config.settings import Settings
-from workers import dispatch, tracing
-from workers.clock import now
-from workers.errors import CorralError
+from workers import dispatch
+from workers.base.clock import now
+from workers.base.errors import CorralError
 from workers.gateway.background import Background
 from workers.gateway.lending import Lending
 from workers.gateway.pool import Pool
 from workers.gateway.traces import ColdStart
+from workers.observability import tracing
 from workers.replicas import claims
 from workers.replicas.claims import Claimed, NoIdleReplica
 from workers.replicas.coldstarts import ClaimAttempt

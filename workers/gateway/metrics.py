@@ -38,7 +38,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from workers import metric_catalog as catalog
+from workers.observability import metric_catalog as catalog
 
 UNKNOWN = "(unknown)"
 

@@ -33,8 +33,8 @@ import asyncio
 import time
 from collections import deque
 
+from workers.base.waiting import hand_over
 from workers.replicas.claims import Claimed
-from workers.waiting import hand_over
 
 
 class Pool:

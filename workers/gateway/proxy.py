@@ -45,10 +45,10 @@ from sqlalchemy.exc import DBAPIError
 
 from config.settings import Settings, reveal
 from netplumb import asgiserve
-from workers import tracing
 from workers.autoscale.idletimes import Recorder
+from workers.base.errors import InputError, NotFound
+from workers.base.redis_client import redis_client
 from workers.dispatch import TaskQueue
-from workers.errors import InputError, NotFound
 from workers.gateway.admission import QueueFull, QueueTimeout
 from workers.gateway.asgi import (
     RETRY_AFTER_S,
@@ -70,7 +70,7 @@ from workers.gateway.ledger import Ledger
 from workers.gateway.metrics import UNKNOWN, GatewayMetrics
 from workers.gateway.traces import incoming, request_attributes
 from workers.gateway.upstream import PREFIX, BrokenOff, ReplicaFailed, Upstreams
-from workers.redis_client import redis_client
+from workers.observability import tracing
 from workers.replicas import notices
 from workers.replicas.claims import NoIdleReplica
 from workers.store.db import Database, is_transient

@@ -33,13 +33,14 @@ import time
 from urllib.parse import unquote_to_bytes
 
 from config.settings import Settings, reveal
-from workers import timelimits, tracing
 from workers.backends import inflight
+from workers.base import timelimits
+from workers.base.errors import InputError
 from workers.dispatch import TaskQueue
-from workers.errors import InputError
 from workers.gateway.app import GatewayApp, build_app
 from workers.gateway.asgi import Message, Scope
 from workers.invocations.attempts import Answer, Attempt
+from workers.observability import tracing
 from workers.store.db import Database
 
 log = logging.getLogger(__name__)

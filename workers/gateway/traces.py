@@ -1,13 +1,13 @@
 """What the gateway tells of its requests: their spans, and a cold start's stages.
 
-With tracing on (:mod:`workers.tracing`) each ``/function/...`` request is a SERVER
+With tracing on (:mod:`workers.observability.tracing`) each ``/function/...`` request is a SERVER
 span (:func:`incoming` continues a caller's trace from its ``traceparent`` header), and
 a request that waits for a claim from the store has a ``claim`` span under it
 (:meth:`workers.gateway.ledger.Ledger.acquire`).
 
 A request whose claim found nothing Idle waits for a replica to be made
 (:mod:`workers.replicas.claims`). The gateway times three of the cold start's stages
-(:mod:`workers.stages` names them all):
+(:mod:`workers.observability.stages` names them all):
 
 * ``ask`` - from the claim finding nothing in the gateway's pool to its spawn being
   asked for (the operation written and its task sent), when this request asked;
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
-from workers import tracing
-from workers.clock import now
+from workers.base.clock import now
 from workers.gateway.asgi import Message, Scope, Send
+from workers.observability import tracing
 from workers.store.db import Database
 from workers.store.models import Replica
 

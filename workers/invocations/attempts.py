@@ -27,10 +27,10 @@ import redis
 from sqlalchemy import DateTime, and_, bindparam, case, func, or_, select, update
 
 from config.settings import Settings
-from workers import tracing
-from workers.clock import now
+from workers.base.clock import now
 from workers.invocations import stats
 from workers.invocations.records import StoredRequest
+from workers.observability import tracing
 from workers.store.db import Database, store_now
 from workers.store.models import CALL_OPEN, Call, CallStatus, new_id
 

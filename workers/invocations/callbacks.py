@@ -48,15 +48,16 @@ from sqlalchemy import select, update
 
 from config.settings import Settings, parse_hosts, reveal
 from netplumb.addresses import ip_of, join_hostport
-from workers import clock, tracing
 from workers.backends.networks import control_plane, default_networks
-from workers.errors import InputError
+from workers.base import clock
+from workers.base.errors import InputError
+from workers.base.untrusted import IP, parse_networks
 from workers.invocations import stats
 from workers.invocations.attempts import backoff_s
 from workers.invocations.records import StoredAnswer
+from workers.observability import tracing
 from workers.store.db import Database
 from workers.store.models import Call, Node
-from workers.untrusted import IP, parse_networks
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import iso, now
-from workers.errors import InputError, NotFound
-from workers.names import check_name
+from workers.base.clock import iso, now
+from workers.base.errors import InputError, NotFound
+from workers.base.names import check_name
 from workers.store.db import Database, seconds_after
 from workers.store.models import CALL_FINISHED, Call, CallStatus, Function, new_id
 
@@ -158,7 +158,7 @@ def accept(  # noqa: PLR0913 - the request, the rest by name
 ) -> Accepted:
     """Store a call of ``function`` (queued), or find the one its ``key`` names already.
 
-    Raises :class:`~workers.errors.NotFound` for an unknown function.
+    Raises :class:`~workers.base.errors.NotFound` for an unknown function.
     """
     key = check_key(key)
     check_name(function)

@@ -16,7 +16,7 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from workers.clock import now
+from workers.base.clock import now
 from workers.store.models import CALL_OPEN, Call, CallStatus
 
 KEY = "corral:metrics:calls"

@@ -31,7 +31,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import InstrumentedAttribute
 
 from config.settings import Settings
-from workers.clock import now
+from workers.base.clock import now
 from workers.invocations.queue import CallQueue
 from workers.invocations.records import purge
 from workers.store.db import Database, store_now

@@ -80,8 +80,8 @@ from config.settings import Settings
 from workers import leases
 from workers.autoscale import idletimes
 from workers.autoscale.keepalive import Plan
-from workers.clock import iso, now
-from workers.errors import BackendError, InputError, TransientBackendError, check_seconds
+from workers.base.clock import iso, now
+from workers.base.errors import BackendError, InputError, TransientBackendError, check_seconds
 from workers.fleet.health import note_failure
 from workers.locks import lock_functions
 from workers.maintenance.reap_report import Reaped, ReapReport
@@ -181,7 +181,7 @@ class _Pass:
                 return
             query = select(Replica).where(
                 Replica.status == state,
-                # judged by the database, on its own clock (workers.clock)
+                # judged by the database, on its own clock (workers.base.clock)
                 Replica.deadline_at <= store_now(),
                 # a create still owned by a live handler may yet be recorded
                 or_(Replica.owner_until.is_(None), Replica.owner_until <= store_now()),

@@ -62,10 +62,11 @@ from sqlalchemy import delete, select
 
 from config.settings import Settings
 from workers import backends, leases
-from workers.clock import now
+from workers.base.clock import now
+from workers.base.errors import BackendError, Unsupported
+from workers.base.kinds import OpKind
+from workers.base.untrusted import VMID_RE
 from workers.dispatch import TaskQueue
-from workers.errors import BackendError, Unsupported
-from workers.kinds import OpKind
 from workers.locks import lock_functions
 from workers.operations import finish, open_of
 from workers.replicas import orphans as kept_orphans
@@ -84,7 +85,6 @@ from workers.store.models import (
     Replica,
     ReplicaState,
 )
-from workers.untrusted import VMID_RE
 
 log = logging.getLogger(__name__)
 LEASE = "reconcile"

@@ -41,9 +41,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
+from workers.base.clock import now
+from workers.base.kinds import OpKind
 from workers.dispatch import TaskQueue, Work
-from workers.kinds import OpKind
 from workers.operations import fail_operation
 from workers.store.db import Database
 from workers.store.models import OP_OPEN, Operation

@@ -37,7 +37,7 @@ import secrets
 from dataclasses import dataclass
 
 from netplumb.addresses import ip_of
-from workers.errors import CorralError, InputError
+from workers.base.errors import CorralError, InputError
 from workers.store.models import Node
 
 log = logging.getLogger(__name__)

@@ -65,13 +65,14 @@ from netplumb.addresses import join_hostport, peer_ip
 from netplumb.grpcserve import GuardedServer, Limits, bearer_of, report_vmid
 from netplumb.listening import Server, listen_address
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
-from workers import stages, tracing
-from workers.clock import now
+from workers.base.clock import now
+from workers.base.errors import CorralError, InputError
+from workers.base.kinds import NodeKind
+from workers.base.untrusted import VMID_RE
 from workers.dispatch import TaskQueue
-from workers.errors import CorralError, InputError
 from workers.fleet.gpus import manager_info
 from workers.fleet.nodes import AddressTaken, default_name, normalize_address, upsert_node
-from workers.kinds import NodeKind
+from workers.observability import stages, tracing
 from workers.registry.identity import (
     Admission,
     Caller,
@@ -87,7 +88,6 @@ from workers.replicas.lifecycle import lock_replica, transition
 from workers.replicas.notices import Readied
 from workers.store.db import Database, get_database
 from workers.store.models import LIVE_STATES, Node, Replica, ReplicaState
-from workers.untrusted import VMID_RE
 
 log = logging.getLogger(__name__)
 

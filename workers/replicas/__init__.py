@@ -10,7 +10,7 @@ spawn path's broker and Redis clients.
 
 **A spawn, from ``corral scale hello 3`` to the agent's CreateReplica**, module by module:
 
-1. ``tasks/cli`` -> ``tasks/api.py::scale`` -> :mod:`workers.replicas.requests`
+1. ``corral/cli`` -> ``corral/api.py::scale`` -> :mod:`workers.replicas.requests`
    (``request_scale``: the operation row, its target checked by
    :mod:`workers.replicas.checks`) -> :mod:`workers.dispatch` (written, then its first
    task queued) -> ``tasks/queues.py`` (the ``corral.scale`` message);

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers import backends, stages, timelimits
-from workers.errors import BackendError
+from workers import backends
+from workers.base import timelimits
+from workers.base.errors import BackendError
+from workers.observability import stages
 from workers.operations import settle
 from workers.replicas import landed as landed_answers
 from workers.replicas import maybes

@@ -5,12 +5,12 @@ per node and per process) while the task's thread waits in short slices: every
 :data:`FLUSH_S` it hands the calls that succeeded meanwhile to the caller, which records
 them (a guest's READY must find its vmid without waiting for the batch's slowest call).
 Each slice is also where the running task's soft time limit is checked
-(:mod:`workers.timelimits`): past it, :func:`run` cancels the calls still in flight (on
+(:mod:`workers.base.timelimits`): past it, :func:`run` cancels the calls still in flight (on
 the event loop: cancelling is cooperative, nothing is raised into a thread) and returns
 what it knows - the calls that ended, the ones that were started and cut off (their
 outcome is unknown), the ones never started - instead of letting the calls run on behind
 a task that has ended. The soft limit is then delivered: the task is wrapping up
-(:func:`workers.timelimits.wrap_up`), and the transactions that record what landed and
+(:func:`workers.base.timelimits.wrap_up`), and the transactions that record what landed and
 hand the rest on go ahead (the hard limit still bounds them). No call starts after the
 handler's :class:`~workers.replicas.owners.Budget` says it could outlive the task.
 
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from config.settings import Settings
-from workers import timelimits
 from workers.backends import inflight, node_slots
+from workers.base import timelimits
 from workers.replicas.owners import Budget
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ disagree about what is valid.
 
 from __future__ import annotations
 
-from workers.errors import InputError
+from workers.base.errors import InputError
 from workers.functions import MAX_REPLICAS
 from workers.store.models import Function
 

@@ -63,10 +63,10 @@ from sqlalchemy import ColumnElement, Exists, bindparam, case, delete, insert, s
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
-from workers.errors import CorralError, InputError, NotFound, check_seconds
-from workers.kinds import OpKind
-from workers.names import check_name
+from workers.base.clock import now
+from workers.base.errors import CorralError, InputError, NotFound, check_seconds
+from workers.base.kinds import OpKind
+from workers.base.names import check_name
 from workers.operations import create_operation
 from workers.replicas.lifecycle import (
     batch_params,

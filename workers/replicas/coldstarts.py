@@ -3,7 +3,7 @@
 The model
 ---------
 When nothing is Idle, a producer may wait for a new replica
-(:func:`tasks.api.claim` with a cold-start timeout, or the gateway). Concurrent waiters of one
+(:func:`corral.api.claim` with a cold-start timeout, or the gateway). Concurrent waiters of one
 function *share* spawns: each waiter is a lease-like row ``cw:<function>:<token>``
 in the ``leases`` table (it expires by itself if the waiting process dies, and is
 deleted in the very transaction whose claim serves it), each spawn a waiter asked
@@ -18,7 +18,7 @@ caller queues the operation's first task once it has committed (a process that d
 in between leaves an open operation, which redrive sends again).
 
 :class:`ClaimAttempt` is one caller's whole claim, cold start included, as a series
-of short steps (each a few store calls, never a sleep): :func:`tasks.api.claim`
+of short steps (each a few store calls, never a sleep): :func:`corral.api.claim`
 runs them with ``time.sleep`` between, the gateway each step in a thread and, between
 them, until it is told a replica of the function is ready
 (:mod:`workers.replicas.notices`) or the pause is over: both share one mechanism.
@@ -35,8 +35,8 @@ from sqlalchemy import ScalarSelect, and_, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
-from workers.errors import CorralError, InputError, NotFound
+from workers.base.clock import now
+from workers.base.errors import CorralError, InputError, NotFound
 from workers.functions import get_function
 from workers.operations import FINISHED, get_operation
 from workers.replicas.claims import (

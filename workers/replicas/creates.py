@@ -53,7 +53,7 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from workers.backends import inflight
-from workers.errors import BackendError
+from workers.base.errors import BackendError
 from workers.fleet.nodes import note_creates
 from workers.replicas import calls, maybes
 from workers.replicas.arrivals import record

@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session, lazyload
 from config.settings import Settings
 from workers import backends
 from workers.backends import inflight
-from workers.errors import (
+from workers.base.errors import (
     BackendError,
     InputError,
     NotFound,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from config.settings import Settings
-from workers import stages
-from workers.errors import TransientBackendError
+from workers.base.errors import TransientBackendError
+from workers.observability import stages
 from workers.replicas import delete as deleting
 from workers.replicas import plan
 from workers.replicas import scale as scaling
@@ -129,7 +129,7 @@ def scale_operation(ctx: Context, op_id: str) -> dict[str, Any]:
 
 
 def _planned() -> None:
-    """Mark the plan's end on the running spawn's timer (:mod:`workers.stages`), if any."""
+    """Mark the plan's end on the spawn's timer (:mod:`workers.observability.stages`), if any."""
     timer = stages.current()
     if timer is not None:
         timer.mark_planned()

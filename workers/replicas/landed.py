@@ -35,7 +35,7 @@ import redis
 
 from config.settings import Settings
 from workers.backends import Vm
-from workers.redis_client import redis_client
+from workers.base.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from sqlalchemy.orm import Session, lazyload
 from sqlalchemy.orm.attributes import set_committed_value
 
 from config.settings import Settings
-from workers.clock import now
+from workers.base.clock import now
 from workers.fleet.placement import free_gpu, free_node, free_nodes
 from workers.functions import idle_timeout
 from workers.leases import keyed_name

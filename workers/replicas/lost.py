@@ -24,7 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
+from workers.base.clock import now
 from workers.locks import lock_functions
 from workers.operations import settle
 from workers.replicas.delete import WAITS, release_waits

@@ -60,8 +60,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
-from workers.errors import CapacityError
+from workers.base.clock import now
+from workers.base.errors import CapacityError
 from workers.fleet.placement import free_node, reserve_gpu, reserve_node
 from workers.operations import settle
 from workers.replicas.lifecycle import born, lock_replica, ready_window, recount, transition

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.errors import CapacityError
+from workers.base.errors import CapacityError
 from workers.fleet.nodes import note_creates
 from workers.fleet.placement import free_node, reserve_node
 from workers.locks import lock_gpus, lock_nodes

@@ -19,7 +19,7 @@ and a notice that is lost (Redis away, a gateway that subscribed late) only mean
 claim looks again on its own schedule, as it did before notices.
 
 :class:`Readied` gathers what a transaction made ready - the functions to announce and
-the ``ready`` stages to observe (:mod:`workers.stages`) - for its caller to tell once
+the ``ready`` stages to observe (:mod:`workers.observability.stages`) - for its caller to tell once
 the transaction has committed.
 """
 
@@ -34,8 +34,8 @@ import redis
 import redis.asyncio
 
 from config.settings import Settings
-from workers import stages
-from workers.redis_client import redis_client
+from workers.base.redis_client import redis_client
+from workers.observability import stages
 
 log = logging.getLogger(__name__)
 

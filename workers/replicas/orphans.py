@@ -34,7 +34,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
+from workers.base.clock import now
 from workers.store.db import Database, insert_for
 from workers.store.models import LIVE_STATES, Node, OrphanRelease, Replica
 

@@ -16,7 +16,7 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from workers.errors import BackendError
+from workers.base.errors import BackendError
 from workers.store.states import ReplicaState
 
 

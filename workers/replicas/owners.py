@@ -10,7 +10,7 @@ sends its create, so every handler of every delivery obeys the same rules:
 * **Taking a row.** Before sending a create a handler *takes* the Creating row in a
   committed transaction: one conditional ``UPDATE`` sets ``owner`` (a token of this
   handler) and ``owner_until`` (when its task's hard time limit kills it, on the
-  store's clock: :mod:`workers.clock`) where no live handler owns it - so of two
+  store's clock: :mod:`workers.base.clock`) where no live handler owns it - so of two
   handlers exactly one wins, on SQLite and PostgreSQL alike. Whether an owner is still
   live is judged in SQL, by the database on its own clock
   (:func:`workers.store.db.store_now`), never by the handler's host. A row someone else owns
@@ -82,8 +82,8 @@ from sqlalchemy.orm import Session
 from config.settings import Settings
 from workers import backends
 from workers.backends import Vm
-from workers.clock import now
-from workers.errors import BackendError, Unsupported
+from workers.base.clock import now
+from workers.base.errors import BackendError, Unsupported
 from workers.replicas import landed
 from workers.store.db import Database, store_now
 from workers.store.models import Function, Node, Replica, ReplicaState

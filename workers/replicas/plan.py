@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.errors import InputError
+from workers.base.errors import InputError
 from workers.replicas.outcomes import Next
 
 # Replicas per batch: rows written in one transaction and VMs asked for at once. Big

@@ -46,19 +46,20 @@ from sqlalchemy.orm import Session
 
 from config.settings import Settings
 from netplumb.addresses import host_of, ip_literal
-from workers import backends, stages
+from workers import backends
 from workers.backends import inflight
 from workers.backends.networks import replica_address
-from workers.clock import now
-from workers.errors import BackendError
+from workers.base.clock import now
+from workers.base.errors import BackendError
+from workers.base.untrusted import parse_networks
 from workers.leases import MAX_HOLDER, keyed_name, take
+from workers.observability import stages
 from workers.replicas import maybes
 from workers.replicas.lifecycle import TOMBSTONE, tombstone_name, transition
 from workers.replicas.notices import Readied
 from workers.replicas.orphans import note as note_orphan
 from workers.store.db import Database
 from workers.store.models import LIVE_STATES, Function, Lease, Node, Replica, ReplicaState
-from workers.untrusted import parse_networks
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Each function validates the request in the caller's transaction - an unknown function
 or replica, a bad count, a target outside [min, max] or a spawn past the function's max
-raise :class:`~workers.errors.InputError` and write nothing - and returns the operation
+raise :class:`~workers.base.errors.InputError` and write nothing - and returns the operation
 row; the caller queues its first task (:func:`workers.dispatch.submit` does both).
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from workers.errors import InputError
+from workers.base.errors import InputError
+from workers.base.kinds import OpKind
 from workers.fleet.placement import spread_nodes
 from workers.functions import get_function
-from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.checks import check_count, check_target
 from workers.replicas.views import get_replica

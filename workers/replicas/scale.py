@@ -19,9 +19,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
-from workers.errors import InputError
-from workers.kinds import OpKind
+from workers.base.clock import now
+from workers.base.errors import InputError
+from workers.base.kinds import OpKind
 from workers.operations import finish, maybe_finish, open_of
 from workers.replicas.checks import check_target
 from workers.replicas.lifecycle import mark_deleting

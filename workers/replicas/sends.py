@@ -27,10 +27,11 @@ from collections import defaultdict
 from collections.abc import Hashable
 
 from config.settings import Settings
-from workers import backends, stages
+from workers import backends
 from workers.backends import inflight, networks
-from workers.errors import BackendError, PermanentBackendError
+from workers.base.errors import BackendError, PermanentBackendError
 from workers.fleet.nodes import probation
+from workers.observability import stages
 from workers.replicas.arrivals import record
 from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Pending, mark_sent_soon

@@ -33,8 +33,8 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
-from workers.clock import now
-from workers.errors import CapacityError, InputError, NotFound
+from workers.base.clock import now
+from workers.base.errors import CapacityError, InputError, NotFound
 from workers.fleet.health import note_failure
 from workers.fleet.placement import reserve_gpu, reserve_node, reserve_nodes, spread_nodes
 from workers.locks import lock_gpus, lock_nodes

@@ -7,8 +7,8 @@ from typing import TypedDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from workers.clock import iso
-from workers.errors import NotFound
+from workers.base.clock import iso
+from workers.base.errors import NotFound
 from workers.store.models import LIVE_STATES, Replica, ReplicaState
 
 

@@ -4,7 +4,7 @@ Importing it loads SQLAlchemy and the models, not Alembic: :mod:`workers.store.m
 is imported by what migrates.
 """
 
-from workers.errors import SchemaError
+from workers.base.errors import SchemaError
 from workers.store.db import Database, get_database
 from workers.store.models import (
     COUNTED_STATES,

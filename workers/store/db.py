@@ -25,13 +25,13 @@ timeout, so its waits add up to one lock timeout, not one per row (a placement l
 every node waited 11 s with a 2.5 s lock timeout).
 
 The first transaction the running task starts past its soft time limit is refused
-(:func:`workers.timelimits.check`: :class:`~workers.timelimits.OutOfTime` is raised
+(:func:`workers.base.timelimits.check`: :class:`~workers.base.timelimits.OutOfTime` is raised
 before any connection is taken; the task's way out then goes ahead), and the connection
 a transaction took goes back to the pool when it ends, however it ends: committed,
 rolled back on any exception, and on a ``BaseException`` (an interrupt, a generator
 closed mid-transaction) invalidated rather than returned with its state unknown.
 
-The database's clock is the one every expiry is judged on (:mod:`workers.clock`): the
+The database's clock is the one every expiry is judged on (:mod:`workers.base.clock`): the
 first transaction a process opens, and one every ``clock.SYNC_EVERY_S`` after, asks the
 server for its time once; between two, the process counts on its monotonic clock. An
 expiry that decides who owns something can be judged by the database itself:
@@ -67,7 +67,7 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
 from config.settings import get_settings
-from workers import clock, timelimits
+from workers.base import clock, timelimits
 
 #: Seconds kept for a task's way out after a wait its time cut short: the error, the rollback,
 #: the retry. A transaction starting with less left than this waits MIN_WAIT_S at most.
@@ -226,7 +226,7 @@ class Database:
             yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
     def _sync_clock(self, session: Session) -> None:
-        """Measure the server's clock against this host's (:mod:`workers.clock`)."""
+        """Measure the server's clock against this host's (:mod:`workers.base.clock`)."""
 
         def server_time() -> datetime:
             if self.is_sqlite:

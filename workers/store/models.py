@@ -29,8 +29,8 @@ the gateway would forward it, its attempts, and the one terminal record it ends 
 
 The status and kind columns are read as their enums (``Replica.status`` as
 :class:`ReplicaState`, ``Operation.status`` as :class:`OpStatus`, ``Operation.kind`` as
-:class:`~workers.kinds.OpKind`, ``Node.kind`` and ``Function.backend`` as
-:class:`~workers.kinds.NodeKind`) and store the members' plain values, so a value that
+:class:`~workers.base.kinds.OpKind`, ``Node.kind`` and ``Function.backend`` as
+:class:`~workers.base.kinds.NodeKind`) and store the members' plain values, so a value that
 names no member never reaches the database.
 """
 
@@ -59,8 +59,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-from workers.clock import now
-from workers.kinds import NodeKind, OpKind
+from workers.base.clock import now
+from workers.base.kinds import NodeKind, OpKind
 from workers.store.states import COUNTED_STATES as COUNTED_STATES
 from workers.store.states import FINAL_STATES as FINAL_STATES
 from workers.store.states import LIVE_STATES as LIVE_STATES

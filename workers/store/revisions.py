@@ -17,7 +17,7 @@ from pathlib import Path
 from sqlalchemy import inspect, text
 from sqlalchemy.engine import make_url
 
-from workers.errors import SchemaError
+from workers.base.errors import SchemaError
 from workers.store.db import Database
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Select, update
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
-from workers.errors import NotFound
+from workers.base.errors import NotFound
 from workers.store.models import Replica
 
 __all__ = ["delete_unlinking_replicas", "one_or_not_found"]

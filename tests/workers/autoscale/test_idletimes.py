@@ -19,7 +19,7 @@ import redis
 from sqlalchemy import select
 
 from agents import RunningAgent
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from tests.dataplanes import DATAPLANES, need

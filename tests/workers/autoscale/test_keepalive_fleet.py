@@ -17,17 +17,17 @@ import pytest
 import redis
 from sqlalchemy import select, update
 
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
+from tests.workers.observability.test_exporter import scrape, value
 from tests.workers.replicas.helpers import spawn_idle
-from tests.workers.test_metrics import scrape, value
 from workers.autoscale import idletimes
 from workers.autoscale.idletimes import Activity, Shape, record
 from workers.autoscale.passes import KEEPALIVE_KEY, ScaleFn, SpawnFn, run_pass
 from workers.maintenance import reaper
 from workers.maintenance.reap_report import ReapReport
-from workers.metrics import serve
+from workers.observability.exporter import serve
 from workers.store.models import Function, Operation, Replica, ReplicaState
 
 PREWARM_S = 9 * 60 * 0.9

@@ -37,8 +37,8 @@ from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from workers.autoscale import idletimes
 from workers.autoscale.idletimes import Activity, Shape
+from workers.base.redis_client import redis_client
 from workers.gateway import serve_gateway
-from workers.redis_client import redis_client
 from workers.store.models import Function, Replica, ReplicaState
 
 KEEPALIVE = {

@@ -12,11 +12,11 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from workers.autoscale import demand
 from workers.autoscale.passes import LOCK_KEY, ScaleFn, run_pass, state_key
-from workers.errors import InputError
+from workers.base.errors import InputError
 from workers.functions import deploy, function_view, spec_from
 from workers.store.models import Function, Operation, Replica, ReplicaState
 

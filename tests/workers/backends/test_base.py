@@ -7,8 +7,8 @@ import pytest
 from workers.backends import BACKENDS, backend
 from workers.backends.fcdaemon import FcdaemonBackend
 from workers.backends.lambdo import LambdoBackend
-from workers.errors import InputError
-from workers.kinds import NodeKind
+from workers.base.errors import InputError
+from workers.base.kinds import NodeKind
 
 
 def test_every_node_kind_has_its_backend_in_the_table() -> None:

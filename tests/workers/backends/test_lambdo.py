@@ -12,12 +12,12 @@ from sqlalchemy import select
 
 from agents.faults import Fault
 from agents.lambdo import LIMITS, RunningLambdo, serve_lambdo
-from tasks import api
+from corral import api
 from tests.fixtures import Env
 from tests.helpers import spawn_ok
 from workers.backends import inflight
 from workers.backends.lambdo import LambdoClient
-from workers.errors import InputError, PermanentBackendError, TransientBackendError
+from workers.base.errors import InputError, PermanentBackendError, TransientBackendError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Function, Replica, ReplicaState

@@ -14,9 +14,9 @@ from sqlalchemy import select
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from agents.lambdo import serve_lambdo
+from corral import api
+from corral.cli import main
 from protos import fcdaemon_pb2
-from tasks import api
-from tasks.cli import main
 from tests.fixtures import Env, postgres_only
 from workers.backends import networks
 from workers.fleet.nodes import upsert_node

@@ -19,14 +19,14 @@ from sqlalchemy import select
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import get_settings
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from testkit.services import free_port
 from tests.fixtures import Env, sqlite_only
 from tests.workers.replicas.test_creates import Counter, CountingDriver
 from workers.backends import inflight, node_slots
-from workers.errors import TransientBackendError
+from workers.base.errors import TransientBackendError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Node

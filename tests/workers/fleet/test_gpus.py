@@ -9,13 +9,13 @@ import pytest
 
 from agents import Fault
 from agents.gpus import serve_gpus
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from testkit.services import free_port
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import gpus_by_uuid, live
-from workers.errors import InputError, NotFound, PermanentBackendError, TransientBackendError
+from workers.base.errors import InputError, NotFound, PermanentBackendError, TransientBackendError
 from workers.fleet.gpus import add_gpu_server, list_gpus, remove_gpu, server_address
 
 pytestmark = pytest.mark.timeout(60)

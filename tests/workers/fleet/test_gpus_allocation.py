@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy import select
 
 from agents.gpus import RunningGpus, serve_gpus
+from corral import api
+from corral.cli import main
 from protos import mngrinfo_grpc, mngrinfo_pb2
-from tasks import api
-from tasks.cli import main
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, spawn_ok

@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import select, update
 
 from agents.fcdaemon import serve_fcdaemon
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from workers.fleet.health import check_health

@@ -12,11 +12,11 @@ from sqlalchemy import update
 
 from agents import Fault
 from agents.fcdaemon import RunningAgent
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tests.fixtures import Env, StartAgents
 from tests.helpers import result_of
-from workers.errors import InputError
+from workers.base.errors import InputError
 from workers.fleet.hogs import HogRequest, run_hogs
 from workers.fleet.nodes import upsert_node
 from workers.store.models import Node

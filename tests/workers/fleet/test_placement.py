@@ -8,13 +8,13 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import select, update
 
-from tasks import api
+from corral import api
 from testkit.fleets import decide, populate
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import live, per_node
-from workers import clock
-from workers.errors import CapacityError, InputError
+from workers.base import clock
+from workers.base.errors import CapacityError, InputError
 from workers.fleet.placement import reserve_gpu, spread_nodes
 from workers.store.models import Function, Gpu, Node, Replica, ReplicaState
 

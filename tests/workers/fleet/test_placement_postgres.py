@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import func, select
 
 from agents.gpus import serve_gpus
-from tasks import api
+from corral import api
 from testkit.processes import WorkerProcess
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn

@@ -124,7 +124,7 @@ def gateway_process(stack: Stack, tmp: Path) -> Iterator[Gateway]:
         env["CORRAL_GATEWAY_TIMEOUT_S"] = str(CALL_TIMEOUT_S)
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+            [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -20,9 +20,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from sqlalchemy import func, select
 
+from corral import api
+from corral.cli import main
 from netplumb.addresses import parse_url
-from tasks import api
-from tasks.cli import main
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
@@ -32,9 +32,9 @@ from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from tests.workers.gateway.conftest import CALLEE, Stack
 from tests.workers.invocations.receiver import Receiver
-from workers import tracing
 from workers.gateway import serve_gateway
 from workers.invocations import callbacks
+from workers.observability import tracing
 from workers.store.models import Call, CallStatus
 
 

@@ -182,7 +182,7 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
     stack.deploy("echo", image="examples.echo")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
         env={
             **os.environ,
             "CORRAL_GATEWAY_TOKEN": "t0ken",
@@ -275,7 +275,7 @@ def test_a_gateway_process_takes_4_mib_of_trailers_in_64_mib_and_forwards_none(
     stack.deploy("reflect", image="examples.reflect")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
         env={**os.environ, "CORRAL_GATEWAY_TOKEN": "t0ken"},
         stdout=subprocess.DEVNULL,
         stderr=(tmp_path / "gateway.log").open("wb"),

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from agents import ProcessDriver, RunningAgent, serve_fcdaemon
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HERE_THREADS, HereFirst
 from tests.fixtures import Env

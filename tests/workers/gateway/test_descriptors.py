@@ -85,7 +85,7 @@ def test_a_gateway_at_256_descriptors_retires_no_replica_and_cold_starts_again(
     (other,) = stack.replicas("other")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
         env={
             **os.environ,
             "CORRAL_GATEWAY_TOKEN": TOKEN,
@@ -152,7 +152,7 @@ def test_a_gateway_at_256_descriptors_retires_no_replica_and_cold_starts_again(
 def test_a_gateway_raises_its_soft_descriptor_limit_to_the_hard_one(stack: Stack) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024)),

@@ -14,8 +14,8 @@ import pytest
 from pydantic import SecretStr
 from sqlalchemy import text
 
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.gateway import ListenRefused, check_listen

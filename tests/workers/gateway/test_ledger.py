@@ -14,11 +14,11 @@ from datetime import timedelta
 import httpx
 import redis
 
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
-from workers import clock
 from workers.autoscale import demand
+from workers.base import clock
 from workers.replicas import claims
 from workers.store.models import Claim, ReplicaState
 

@@ -62,7 +62,7 @@ def test_an_unterminated_header_value_is_431_at_once_and_costs_the_gateway_littl
     stack.deploy("hello")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tasks.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
         env={
             **os.environ,
             "CORRAL_GATEWAY_TOKEN": TOKEN,

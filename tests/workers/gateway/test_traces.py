@@ -3,7 +3,7 @@
 The data path runs for real on loopback: the gateway (uvicorn), a Celery worker on the
 session's Redis, corral's registry, and an fcdaemon agent whose replicas are processes
 that report READY to the registry once their HTTP port answers (guest readiness). Spans
-go to the SDK's in-memory exporter (:func:`workers.tracing.use`).
+go to the SDK's in-memory exporter (:func:`workers.observability.tracing.use`).
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from pydantic import SecretStr
 
 from agents import ProcessDriver, serve_fcdaemon
 from config.settings import ConfigError
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from testkit import otlp_sink
 from testkit.eventually import eventually
 from tests.fixtures import Env
 from tests.workers.replicas.helpers import deploy_fn
-from workers import stages, tracing
+from workers.base.redis_client import redis_client
 from workers.gateway import RunningGateway, serve_gateway
-from workers.metrics import StoreCollector
-from workers.redis_client import redis_client
+from workers.observability import stages, tracing
+from workers.observability.exporter import StoreCollector
 from workers.registry.service import serve_registry
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import redis
 
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from tests.dataplanes import need
 from tests.fixtures import STORES, Env

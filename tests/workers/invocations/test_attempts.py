@@ -16,7 +16,7 @@ from sqlalchemy import update
 from testkit import terminals
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
-from workers import clock
+from workers.base import clock
 from workers.invocations import attempts, records
 from workers.invocations.attempts import Answer, Attempt, Outcome, Verdict
 from workers.invocations.records import StoredRequest

@@ -12,7 +12,7 @@ from config.settings import ConfigError, Settings, load_settings
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
 from tests.workers.invocations.receiver import Receiver
-from workers import clock
+from workers.base import clock
 from workers.fleet.nodes import upsert_node
 from workers.invocations import attempts, callbacks, records
 from workers.invocations.attempts import Answer, Attempt

@@ -10,8 +10,8 @@ from sqlalchemy import func, select, update
 
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
-from workers import clock
-from workers.errors import InputError, NotFound
+from workers.base import clock
+from workers.base.errors import InputError, NotFound
 from workers.invocations import records
 from workers.invocations.records import StoredRequest
 from workers.store.models import Call, CallStatus

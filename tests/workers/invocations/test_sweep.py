@@ -13,7 +13,7 @@ from sqlalchemy import select, update
 from tasks.invocations import CALLS
 from tests.fixtures import Env
 from tests.helpers import deploy_fn
-from workers import clock
+from workers.base import clock
 from workers.invocations import attempts, records, sweep
 from workers.invocations.attempts import Attempt
 from workers.invocations.records import StoredRequest

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select, update
 
 from agents.faults import Fault, FaultPlan
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, replicas, result_of
 from tests.workers.replicas.helpers import (
@@ -21,8 +21,9 @@ from tests.workers.replicas.helpers import (
     released,
     spawn_idle,
 )
-from workers import clock, leases
-from workers.errors import InputError
+from workers import leases
+from workers.base import clock
+from workers.base.errors import InputError
 from workers.maintenance.reap_report import Reaped, ReapReport
 from workers.maintenance.reaper import LEASE, reap
 from workers.replicas.claims import claim, release

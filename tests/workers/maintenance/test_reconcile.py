@@ -12,13 +12,14 @@ from sqlalchemy import select
 from agents.drivers import VM, MemoryDriver, VMSpec
 from agents.faults import Fault
 from agents.fcdaemon import serve_fcdaemon
-from tasks import api
-from tasks.cli import main
+from corral import api
+from corral.cli import main
 from tasks.maintenance import QUEUE
 from tasks.maintenance import reconcile as reconcile_task
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, one_agent, replicas
-from workers import clock, leases
+from workers import leases
+from workers.base import clock
 from workers.fleet.nodes import upsert_node
 from workers.maintenance.reconcile import reconcile
 from workers.store.models import Function, Node, ReplicaState

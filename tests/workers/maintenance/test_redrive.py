@@ -11,12 +11,12 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import select
 
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import broker_drained, deploy_fn, one_agent, operation, result_of, spawn_ok
-from workers import clock
-from workers.kinds import OpKind
+from workers.base import clock
+from workers.base.kinds import OpKind
 from workers.maintenance import redrive
 from workers.operations import create_operation, settle
 from workers.store.models import Operation, Replica, ReplicaState

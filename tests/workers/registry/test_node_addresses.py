@@ -19,10 +19,10 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
 
 from agents.fcdaemon import RunningAgent, build_parser, serve_fcdaemon
+from corral import api
+from corral.cli import main
 from netplumb.addresses import join_hostport
 from protos import resmngr_grpc, resmngr_pb2
-from tasks import api
-from tasks.cli import main
 from tasks.maintenance import QUEUE
 from testkit.eventually import eventually
 from tests.fixtures import Env

@@ -15,6 +15,7 @@ from sqlalchemy import select
 
 from agents.drivers import ProcessDriver
 from agents.fcdaemon import serve_fcdaemon
+from corral.cli import main
 from netplumb.grpcserve import report_token
 from protos import (
     fcdaemon_grpc,
@@ -24,14 +25,13 @@ from protos import (
     resmngr_grpc,
     resmngr_pb2,
 )
-from tasks.cli import main
 from tasks.maintenance import QUEUE
 from testkit.eventually import eventually
 from tests.fixtures import Env
 from tests.grpc_calls import code_of, half_sent
 from tests.helpers import creating, record_vm
-from workers import clock
 from workers.backends import Vm
+from workers.base import clock
 from workers.fleet.health import check_health
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from

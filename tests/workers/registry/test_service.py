@@ -9,8 +9,8 @@ import grpc
 import pytest
 from sqlalchemy import select
 
+from corral import api
 from protos import resmngr_grpc, resmngr_pb2
-from tasks import api
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating

@@ -16,7 +16,7 @@ from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn as deploy_fn  # re-exported: tests/gateway imports it here
 from tests.helpers import replicas, spawn_ok
 from workers import leases
-from workers.kinds import OpKind
+from workers.base.kinds import OpKind
 from workers.maintenance.audit import audit
 from workers.operations import create_operation
 from workers.replicas.claims import Claimed, NoIdleReplica, claim

@@ -1,7 +1,7 @@
 """A batch cut by the soft time limit: calls cancelled, landed VMs recorded, the rest handed on.
 
 The soft limit is a deadline the batch checks between its wait slices
-(:mod:`workers.timelimits`). These tests run a real batch against real agents under a
+(:mod:`workers.base.timelimits`). These tests run a real batch against real agents under a
 deadline and pull the deadline in once the batch is where the test wants it.
 """
 
@@ -17,8 +17,8 @@ from sqlalchemy import select
 from agents.faults import Fault
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
-from workers import timelimits
-from workers.kinds import OpKind
+from workers.base import timelimits
+from workers.base.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.owners import Budget
 from workers.replicas.spawn import plan_spawn, run_batch

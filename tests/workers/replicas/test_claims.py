@@ -6,12 +6,12 @@ from datetime import timedelta
 
 import pytest
 
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from tests.workers.replicas.helpers import by_id, claim_race, one_node_idle, spawn_idle
-from workers import clock
-from workers.errors import InputError, NotFound
+from workers.base import clock
+from workers.base.errors import InputError, NotFound
 from workers.replicas.claims import NoIdleReplica, claim, release
 from workers.replicas.delete import begin_delete
 from workers.store.models import ReplicaState

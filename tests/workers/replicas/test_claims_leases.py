@@ -9,12 +9,12 @@ import pytest
 from alembic import command
 from sqlalchemy import select, text
 
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.workers.replicas.helpers import at_once, by_id, one_node_idle
-from workers import clock
-from workers.errors import InputError
+from workers.base import clock
+from workers.base.errors import InputError
 from workers.maintenance.reaper import reap
 from workers.registry.service import FINISHED, KEEP_ALIVE, Registry
 from workers.replicas.claims import claim, expire, release

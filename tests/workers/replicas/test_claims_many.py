@@ -9,8 +9,8 @@ import pytest
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from tests.workers.replicas.helpers import at_once, by_id, one_node_idle
-from workers import clock
-from workers.errors import InputError, NotFound
+from workers.base import clock
+from workers.base.errors import InputError, NotFound
 from workers.replicas.claims import (
     Claimed,
     NoIdleReplica,

@@ -19,7 +19,8 @@ from tests.workers.replicas.helpers import (
     spawn_idle,
 )
 from tests.workers.replicas.pg_child import THREADS, claimer
-from workers import clock, leases
+from workers import leases
+from workers.base import clock
 from workers.maintenance.reaper import reap
 from workers.store.models import ReplicaState
 

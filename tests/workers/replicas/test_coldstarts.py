@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from agents.faults import Fault
-from tasks import api
+from corral import api
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent, replicas
 from tests.workers.replicas.helpers import at_once, by_id, created, one_node_idle

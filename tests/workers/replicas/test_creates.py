@@ -20,17 +20,18 @@ from agents.drivers import VM, MemoryDriver, VMSpec
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from config.settings import Settings
-from tasks import api
+from corral import api
 from tasks.replicas import delete_batch, spawn_batch
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import lapsed, result_of
-from workers import backends, clock
+from workers import backends
 from workers.backends import fcdaemon, inflight
 from workers.backends.fcdaemon import CreatedVm
+from workers.base import clock
+from workers.base.kinds import OpKind
 from workers.fleet.nodes import node_view, note_creates, upsert_node
 from workers.functions import deploy, get_function, spec_from
-from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.owners import Pending, owner_token, take
 from workers.replicas.plan import parse_jobs

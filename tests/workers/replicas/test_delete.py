@@ -23,8 +23,8 @@ from tests.workers.replicas.helpers import (
     running,
     spawn_op,
 )
-from workers.errors import InputError, NotFound, TransientBackendError
-from workers.kinds import OpKind
+from workers.base.errors import InputError, NotFound, TransientBackendError
+from workers.base.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.delete import (
     WAITS,

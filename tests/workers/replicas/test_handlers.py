@@ -16,7 +16,7 @@ import pytest
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
 from tests.workers.replicas.helpers import no_drift
-from workers.kinds import OpKind
+from workers.base.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas import handlers, plan
 from workers.replicas.owners import Budget

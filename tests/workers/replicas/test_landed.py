@@ -18,7 +18,7 @@ from testkit.services import PostgresServer
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import operation, replicas
 from tests.workers.replicas.helpers import created, no_drift, running, spawn_op
-from workers import clock
+from workers.base import clock
 from workers.replicas import landed
 from workers.replicas.owners import Budget
 from workers.replicas.spawn import run_batch

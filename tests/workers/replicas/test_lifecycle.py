@@ -26,8 +26,8 @@ from config.settings import get_settings
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation
 from tests.workers.replicas.helpers import no_drift, spawn_op
-from workers import clock
-from workers.kinds import OpKind
+from workers.base import clock
+from workers.base.kinds import OpKind
 from workers.maintenance.reaper import reap
 from workers.operations import create_operation
 from workers.replicas import claims, lifecycle

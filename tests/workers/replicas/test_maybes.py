@@ -15,7 +15,7 @@ from sqlalchemy import select, update
 
 from agents.faults import Fault
 from agents.fcdaemon import RunningAgent
-from tasks import api
+from corral import api
 from tasks.maintenance import QUEUE
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
@@ -29,8 +29,9 @@ from tests.workers.replicas.helpers import (
     running,
     spawn_op,
 )
-from workers import backends, clock
+from workers import backends
 from workers.backends import fcdaemon, inflight, networks
+from workers.base import clock
 from workers.maintenance.reaper import reap
 from workers.registry.service import OK, READY, Registry
 from workers.replicas import creates, sends

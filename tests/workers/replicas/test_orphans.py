@@ -12,7 +12,7 @@ from agents.fcdaemon import RunningAgent
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
-from workers import clock
+from workers.base import clock
 from workers.maintenance.reconcile import reconcile
 from workers.replicas import reports
 from workers.replicas.delete import release_orphan

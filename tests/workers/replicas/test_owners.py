@@ -29,9 +29,10 @@ from tests.workers.replicas.helpers import (
     running,
     spawn_op,
 )
-from workers import backends, clock
+from workers import backends
 from workers.backends import fcdaemon, inflight
-from workers.kinds import OpKind
+from workers.base import clock
+from workers.base.kinds import OpKind
 from workers.maintenance import reaper
 from workers.maintenance.reaper import reap
 from workers.operations import create_operation

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.errors import InputError, TransientBackendError
+from workers.base.errors import InputError, TransientBackendError
 from workers.replicas.outcomes import Next, Request, Retry
 from workers.replicas.plan import (
     DELETE_BATCH,

@@ -16,16 +16,16 @@ import pytest
 from sqlalchemy import select, update
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
-from tasks import api
+from corral import api
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
 from tests.workers.replicas.helpers import no_drift, nodes, running, spawn_idle
-from workers import clock
 from workers.backends import inflight
-from workers.errors import TransientBackendError
+from workers.base import clock
+from workers.base.errors import TransientBackendError
+from workers.base.kinds import OpKind
 from workers.fleet.health import check_health
-from workers.kinds import OpKind
 from workers.maintenance.reaper import reap
 from workers.operations import create_operation
 from workers.replicas.delete import WAITS, delete_one

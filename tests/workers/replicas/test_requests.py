@@ -8,9 +8,9 @@ from sqlalchemy import func, select
 
 from tests.fixtures import Env
 from tests.helpers import creating, deploy_fn
-from workers.errors import InputError, NotFound
+from workers.base.errors import InputError, NotFound
+from workers.base.kinds import OpKind
 from workers.fleet.nodes import upsert_node
-from workers.kinds import OpKind
 from workers.replicas.requests import request_delete, request_scale, request_spawn
 from workers.store.models import Operation, OpStatus
 

@@ -12,8 +12,8 @@ from sqlalchemy import delete, select, update
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation
 from tests.workers.replicas.helpers import by_id, idle_on, no_drift
-from workers.errors import InputError
-from workers.kinds import OpKind
+from workers.base.errors import InputError
+from workers.base.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas import claims
 from workers.replicas.scale import plan_scale, planned_requests, unplaced

@@ -18,8 +18,8 @@ from sqlalchemy import delete, select
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, operation, replicas
 from tests.workers.replicas.helpers import created, no_drift, spawn_op
-from workers.errors import InputError
-from workers.kinds import OpKind
+from workers.base.errors import InputError
+from workers.base.kinds import OpKind
 from workers.operations import create_operation
 from workers.replicas.owners import Budget
 from workers.replicas.spawn import place, plan_spawn, run_batch

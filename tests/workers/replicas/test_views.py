@@ -6,8 +6,8 @@ import pytest
 
 from tests.fixtures import Env
 from tests.helpers import creating, deploy_fn
-from workers import clock
-from workers.errors import NotFound
+from workers.base import clock
+from workers.base.errors import NotFound
 from workers.fleet.nodes import upsert_node
 from workers.replicas.lifecycle import lock_replica, transition
 from workers.replicas.views import get_replica, list_replicas, replica_view

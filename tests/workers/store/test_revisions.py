@@ -8,7 +8,7 @@ import pytest
 from alembic.script import ScriptDirectory
 
 from tests.fixtures import Env
-from workers.errors import SchemaError
+from workers.base.errors import SchemaError
 from workers.store import revisions
 from workers.store.db import Database
 from workers.store.migrate import alembic_config, upgrade

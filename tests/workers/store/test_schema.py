@@ -14,9 +14,9 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, select, text
 
 from config.settings import reset_settings
-from tasks.cli import main
+from corral.cli import main
+from workers.base.clock import now
 from workers.celery import _check_schema
-from workers.clock import now
 from workers.store.db import Database
 from workers.store.migrate import alembic_config, head_revision, upgrade
 from workers.store.models import Base, Operation

@@ -7,8 +7,8 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import StatementError
 
 from tests.fixtures import Env
+from workers.base.kinds import OpKind
 from workers.functions import deploy, spec_from
-from workers.kinds import OpKind
 from workers.operations import create_operation
 from workers.store.models import Operation, OpStatus, Replica, ReplicaState
 

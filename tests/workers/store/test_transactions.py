@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session
 
 from testkit.eventually import eventually
 from tests.fixtures import Env, postgres_only, sqlite_only
-from workers import leases, timelimits
+from workers import leases
+from workers.base import timelimits
 from workers.store.db import WAY_OUT_S, Database, get_database, is_transient
 
 IDLE_IN_TRANSACTION = text(

@@ -36,7 +36,7 @@ from typing import Protocol
 from config.settings import Settings
 from workers.autoscale.demand import Sample
 from workers.autoscale.idletimes import Recorder
-from workers.clock import epoch
+from workers.base.clock import epoch
 from workers.gateway.haproxy.config import ACTIVATOR
 from workers.gateway.haproxy.router import Router
 from workers.gateway.haproxy.routes import Load, Route, Server

@@ -13,7 +13,7 @@ def upgrade() -> None:
     op.add_column("nodes", sa.Column("credential_hash", sa.String(length=64), nullable=True))
     op.add_column("nodes", sa.Column("repointed_at", sa.DateTime(), nullable=True))
     op.add_column("nodes", sa.Column("repointed_from", sa.String(length=255), nullable=True))
-    # None: the node kind's default networks (workers.untrusted.replica_networks)
+    # None: the node kind's default networks (workers.base.untrusted.replica_networks)
     op.add_column("nodes", sa.Column("replica_networks", sa.JSON(), nullable=True))
 
 

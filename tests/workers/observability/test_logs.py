@@ -1,0 +1,92 @@
+"""A worker's log records go out through a bounded queue: a stalled sink never blocks a logger.
+
+A sink that blocks in its write (a stalled pipe) holds up only the listener thread: a
+thread that logs past the queue's bound drops records instead of waiting, and once the
+sink takes lines again the listener says how many were dropped and adds them to the
+fleet's total in Redis (the metric ``corral_log_records_dropped_total``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from testkit.eventually import eventually
+from tests.fixtures import Env, sqlite_only
+from workers.observability import logs
+
+BOUND = 50
+
+
+class _StalledSink(logging.Handler):
+    """A handler whose writes wait until it is let go, as a write to a full pipe does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.go.wait()
+        self.lines.append(self.format(record))
+
+
+@pytest.fixture
+def bounded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A small bound, and a queue and listener of this test's own."""
+    monkeypatch.setattr(logs, "MAX_RECORDS", BOUND)
+    monkeypatch.setattr(logs, "_process", None)
+    yield
+    monkeypatch.setattr(logs, "_process", None)
+
+
+@sqlite_only  # no store: one run is enough
+def test_a_stalled_sink_drops_and_counts_records_instead_of_blocking_the_thread_that_logs(
+    broker_env: Env, bounded: None
+) -> None:
+    sink = _StalledSink()
+    sink.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("corral.test.logs")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logs.BoundedHandler(sink)
+    logger.addHandler(handler)
+    client = redis.Redis.from_url(broker_env.settings.broker_url)
+    before = logs.dropped_total(client)
+    sent = 3 * BOUND
+    try:
+        done = threading.Event()
+
+        def log_them() -> None:
+            for n in range(sent):
+                logger.info("line %d", n)
+            done.set()
+
+        threading.Thread(target=log_them, daemon=True).start()
+        # the sink takes nothing, and yet every call returns: none waits for it
+        assert done.wait(30), "a thread that logs waited for the stalled sink"
+        assert sink.lines == []
+
+        sink.go.set()
+        note = "log record(s) dropped: the log's reader did not keep up"
+
+        def accounted() -> bool:  # each record written, or counted in a report
+            reports = [int(line.split()[0]) for line in sink.lines if note in line]
+            return len(sink.lines) - len(reports) + sum(reports) == sent
+
+        eventually(accounted, 30, "every record written or counted")
+        written = [line for line in sink.lines if note not in line]
+        (report,) = [line for line in sink.lines if note in line]
+        dropped = int(report.split()[0])
+        assert written[0] == "INFO corral.test.logs: line 0"  # formatted as the sink would
+        assert written == [f"INFO corral.test.logs: line {n}" for n in range(len(written))]
+        assert BOUND <= len(written) <= BOUND + 1  # the queue, and the one in the sink's hands
+        assert logs.dropped_total(client) == before + dropped  # the fleet's total
+    finally:
+        sink.go.set()
+        logger.removeHandler(handler)
+        client.close()

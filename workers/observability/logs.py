@@ -1,0 +1,183 @@
+"""A worker's log records go out through a bounded queue: logging never blocks a task.
+
+Python's logging writes in the thread that logs, under the handler's lock, with a
+blocking ``write()``. When what reads a worker's stdout stalls - a log shipper that
+stops reading its pipe, a disk that throttles its writers - the thread in ``write()``
+blocks, every other thread that logs waits behind its lock, and a task waiting there
+reaches no safe point: it meets its hard time limit and its worker is killed (12 s of a
+stalled pipe did that to a worker of churning tasks).
+
+So when a worker starts (:func:`install`, from ``workers.celery``) every handler of its
+loggers is put behind one bounded queue (:class:`logging.handlers.QueueHandler`, one
+:class:`~logging.handlers.QueueListener` thread per process). A thread that logs formats
+its record as the handler would - in its own context, so a task's name and id are its
+own - and puts it on the queue without waiting; the listener writes the records out, in
+order. When the queue is full (:data:`MAX_RECORDS`: the sink has not taken a line for
+that long), the record is dropped and counted: once the listener writes again it says
+how many were dropped, and adds them to a total in the broker's Redis (:data:`DROPPED_KEY`,
+exported as ``corral_log_records_dropped_total``). A forked child (a prefork pool's)
+starts with an empty queue and a listener of its own: nothing taken across the fork.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import os
+import queue
+import threading
+import time
+from logging.handlers import QueueHandler, QueueListener
+from typing import Any
+
+import redis
+
+from config.settings import get_settings
+from workers.base.redis_client import redis_client
+
+MAX_RECORDS = 10_000
+DROPPED_KEY = "corral:metrics:log_records_dropped"
+FLUSH_AT_EXIT_S = 2.0
+_AS_IS = logging.Formatter("%(message)s")
+_SINK = "corral_sink"  # the attribute a queued record carries its handler in
+
+
+class _Listener(QueueListener):
+    """Writes each queued record to the handler it was formatted for; reports drops."""
+
+    def handle(self, record: logging.LogRecord) -> None:
+        """Write one record out (this thread may wait on the sink; no task does)."""
+        sink = record.__dict__.pop(_SINK, None)
+        if isinstance(sink, logging.Handler):
+            sink.handle(record)
+            _report_drops(sink)
+
+
+class _Process:
+    """This process's queue and listener (a forked child makes its own)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.queue: queue.Queue[Any] = queue.Queue(MAX_RECORDS)
+        self.listener = _Listener(self.queue)
+        self.listener.start()
+        self.dropped = 0  # not yet reported
+        self.lock = threading.Lock()  # around ``dropped`` only, never held across a wait
+
+
+_process: _Process | None = None
+_making = threading.Lock()
+
+
+def _current() -> _Process:
+    global _process
+    process = _process
+    if process is None or process.pid != os.getpid():
+        with _making:
+            process = _process
+            if process is None or process.pid != os.getpid():
+                process = _process = _Process()
+    return process
+
+
+def _after_fork_in_child() -> None:
+    """A forked child takes nothing of its parent's: no queue, no listener, no held lock."""
+    global _process, _making
+    _process = None
+    _making = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class BoundedHandler(QueueHandler):
+    """Stands in for one handler: formats a record as it would, and queues it without waiting."""
+
+    def __init__(self, sink: logging.Handler) -> None:
+        super().__init__(None)  # type: ignore[arg-type]  # the process's queue, per process
+        self.sink = sink
+        self.sink_format = sink.formatter or logging.Formatter()
+        self.setLevel(sink.level)
+        sink.setFormatter(_AS_IS)  # records reach it formatted already
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        """The record as its sink would write it, formatted here, in the logging thread."""
+        text = self.sink_format.format(record)
+        out = copy.copy(record)
+        out.msg = out.message = text
+        out.args = out.exc_info = out.exc_text = out.stack_info = None
+        setattr(out, _SINK, self.sink)
+        return out
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        """Queue the record; when the queue is full, drop it and count it."""
+        process = _current()
+        try:
+            process.queue.put_nowait(record)
+        except queue.Full:
+            with process.lock:
+                process.dropped += 1
+
+
+def _report_drops(sink: logging.Handler) -> None:
+    """Say how many records were dropped since the last report, and add them to the total."""
+    process = _process
+    if process is None or not process.dropped:
+        return
+    with process.lock:
+        dropped, process.dropped = process.dropped, 0
+    note = logging.LogRecord(
+        "corral.logs",
+        logging.WARNING,
+        __file__,
+        0,
+        f"{dropped} log record(s) dropped: the log's reader did not keep up",
+        None,
+        None,
+    )
+    sink.handle(note)
+    _add_to_total(dropped)
+
+
+def _add_to_total(dropped: int) -> None:
+    """Add ``dropped`` to the fleet's total in the broker's Redis (best effort)."""
+    try:
+        client = redis_client(get_settings().broker_url)
+        if client is not None:
+            client.incrby(DROPPED_KEY, dropped)
+    except Exception:  # noqa: S110 - a metric: never worth a log line about the log
+        pass
+
+
+def dropped_total(client: redis.Redis) -> int:
+    """The fleet's total of dropped log records (``client``: the broker's Redis)."""
+    value = client.get(DROPPED_KEY)
+    return int(value) if isinstance(value, bytes | str | int) else 0
+
+
+def install() -> int:
+    """Put every handler of this process's loggers behind the bounded queue; how many."""
+    known = logging.root.manager.loggerDict.values()
+    loggers = [logging.getLogger(), *(lg for lg in known if isinstance(lg, logging.Logger))]
+    moved = 0
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            if isinstance(handler, BoundedHandler | logging.NullHandler):
+                continue
+            logger.removeHandler(handler)
+            logger.addHandler(BoundedHandler(handler))
+            moved += 1
+    _current()
+    return moved
+
+
+@atexit.register
+def _flush() -> None:
+    """At exit, give the listener a moment to write what is queued (never waits long)."""
+    process = _process
+    if process is None or process.pid != os.getpid():
+        return
+    deadline = time.monotonic() + FLUSH_AT_EXIT_S
+    while not process.queue.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
