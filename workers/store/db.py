@@ -42,6 +42,7 @@ expiry that decides who owns something can be judged by the database itself:
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,7 +60,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
@@ -341,6 +342,63 @@ PG_NETWORK: dict[str, int] = {
 }
 
 
+def network_bounds() -> tuple[int, int]:
+    """libpq's ``connect_timeout`` (s) and the socket's ``TCP_USER_TIMEOUT`` (ms) for a
+    connection this thread takes now: :data:`PG_NETWORK`'s, cut to the running task's time
+    left less :data:`WAY_OUT_S` (libpq waits 2 s at least)."""
+    connect, user_ms = PG_NETWORK["connect_timeout"], PG_NETWORK["tcp_user_timeout"]
+    left = timelimits.hard_left()
+    if left is None:
+        return connect, user_ms
+    room = left - WAY_OUT_S
+    return max(2, min(connect, int(room))), max(500, min(user_ms, int(room * 1000)))
+
+
+def _bound_socket(dbapi_conn: Any, user_ms: int) -> None:
+    """Give a connection's socket this ``TCP_USER_TIMEOUT``, and keep-alives within it."""
+    with socket.socket(fileno=os.dup(dbapi_conn.fileno())) as sock:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return  # a unix socket: no network to wait on
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_ms)
+        idle = max(1, min(PG_NETWORK["keepalives_idle"], user_ms // 2000))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1 if idle < 5 else 2)
+
+
+def _bound_by_the_task(engine: Engine) -> None:
+    """No network wait of a PostgreSQL connection outlasts the task that takes it.
+
+    :data:`PG_NETWORK` bounds a connect to 5 s and an unanswered send to 10 s; a task
+    with less time left would be killed at its hard limit first (a worker recording
+    landed VMs after its store was cut off was, in the partition run). So a connection
+    is made with ``connect_timeout`` cut to the time left, and one taken from the pool
+    gets its socket's ``TCP_USER_TIMEOUT`` (and keep-alives) cut to it before it is
+    pinged - corral's own ping on checkout, which SQLAlchemy's ``pool_pre_ping`` would
+    make before any checkout hook could bound it - and set back outside a task.
+    """
+
+    @event.listens_for(engine, "do_connect")
+    def _connect(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+        cparams["connect_timeout"] = network_bounds()[0]
+
+    @event.listens_for(engine, "connect")
+    def _fresh(_dbapi_conn: Any, record: Any) -> None:
+        record.info["corral_fresh"] = True
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        user_ms = network_bounds()[1]
+        if record.info.get("corral_user_ms") != user_ms:
+            _bound_socket(dbapi_conn, user_ms)
+            record.info["corral_user_ms"] = user_ms
+        if record.info.pop("corral_fresh", False):
+            return  # just made: nothing to ping
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as exc:  # dead (the server restarted, the network cut): a new one
+            raise DisconnectionError(f"a pooled connection failed its ping: {exc}") from exc
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         return _sqlite_engine(url)
@@ -349,7 +407,6 @@ def _make_engine(url: str) -> Engine:
     # hide_parameters: a database error's text (logged, or an operation's error) never
     # carries the statement's parameters, which may hold a function's secrets.
     kwargs: dict[str, Any] = {
-        "pool_pre_ping": True,
         "pool_size": 5,
         "max_overflow": 10,
         "hide_parameters": True,
@@ -362,7 +419,9 @@ def _make_engine(url: str) -> Engine:
             **PG_NETWORK,
         },
     }
-    return create_engine(url, **kwargs)
+    engine = create_engine(url, **kwargs)
+    _bound_by_the_task(engine)
+    return engine
 
 
 def _sqlite_engine(url: str) -> Engine:

@@ -10,6 +10,8 @@ connections and PostgreSQL's ``pg_stat_activity``.
 
 from __future__ import annotations
 
+import os
+import socket
 import sqlite3
 import threading
 import time
@@ -25,7 +27,14 @@ from testkit.eventually import eventually
 from tests.fixtures import Env, postgres_only, sqlite_only
 from workers import leases
 from workers.base import timelimits
-from workers.store.db import WAY_OUT_S, Database, get_database, is_transient
+from workers.store.db import (
+    PG_NETWORK,
+    WAY_OUT_S,
+    Database,
+    get_database,
+    is_transient,
+    network_bounds,
+)
 
 IDLE_IN_TRANSACTION = text(
     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
@@ -205,6 +214,34 @@ def test_a_transaction_in_a_task_runs_under_the_time_left(store_env: Env) -> Non
     ((statement, lock),) = shown
     assert statement == lock and statement.endswith("ms"), shown  # both cut to the time left
     assert 0 < int(statement.removesuffix("ms")) <= (HARD_S - WAY_OUT_S) * 1000
+
+
+@postgres_only
+def test_a_connection_a_task_takes_waits_on_the_network_only_its_time_left(
+    store_env: Env,
+) -> None:
+    # A store cut off mid-transaction (unanswered sends) fails a connection after libpq's
+    # TCP_USER_TIMEOUT, 10 s: a task with less left was killed at its hard limit first (a
+    # worker recording landed VMs, in the partition run). Inside a task the socket's
+    # timeout is cut to the time left; outside one it is PG_NETWORK's again.
+    db = store_env.db
+
+    def user_timeout_ms() -> int:
+        with db.read() as s:
+            fd = s.connection().connection.dbapi_connection.fileno()  # type: ignore[union-attr]
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+
+    before = user_timeout_ms()
+    seen: list[int] = []
+    assert _in_a_task_of(HARD_S, lambda: seen.append(user_timeout_ms())) is None
+    assert before == PG_NETWORK["tcp_user_timeout"]
+    assert 0 < seen[0] <= (HARD_S - WAY_OUT_S) * 1000 < before
+    assert user_timeout_ms() == PG_NETWORK["tcp_user_timeout"]  # the same pooled connection
+    start = time.monotonic()
+    with timelimits.running(timelimits.Deadline(start + 1, hard_at=start + HARD_S)):
+        assert network_bounds()[0] == 2  # libpq's connect_timeout: 2 s at least
+    assert network_bounds() == (PG_NETWORK["connect_timeout"], PG_NETWORK["tcp_user_timeout"])
 
 
 @sqlite_only  # SQLite's one write lock, held by another connection past the hard limit
