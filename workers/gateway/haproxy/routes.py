@@ -59,6 +59,7 @@ class Server:
     total: int = 0
     errors: int = 0
     interim: int = 0
+    retried: int = 0
 
     @property
     def maxconn(self) -> int:
