@@ -24,7 +24,6 @@ from tests.dataplanes import need
 from workers.gateway.haproxy import config
 from workers.gateway.haproxy.process import Process, find
 from workers.gateway.haproxy.runtime import Commands, Runtime
-from workers.gateway.proxy import IDEMPOTENT
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -91,11 +90,6 @@ def test_a_head_that_may_not_be_warm_is_told_by_its_header_names() -> None:
         "host,a,host",
     ):
         assert odd.search(names), names
-
-
-def test_haproxy_sends_again_what_the_python_path_sends_again() -> None:
-    """The methods of a call sent to another replica after its replica closed it unanswered."""
-    assert set(config.IDEMPOTENT) == IDEMPOTENT
 
 
 @pytest.fixture

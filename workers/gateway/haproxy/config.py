@@ -29,11 +29,8 @@ reload. What is fixed is written here, once:
   replica server is usable, or all are busy and ``CORRAL_GATEWAY_WARM_QUEUE`` requests
   wait already (none, by default), ``use-server`` sends the request to the activator as
   it came. A warm request whose replica cannot be reached is sent to another (a refused
-  connection carried nothing: any method may go again), and so is one whose replica
-  closed it without a byte of answer when its method is idempotent (:data:`IDEMPOTENT`,
-  the Python path's rule: ``retry-on empty-response``, for which HAProxy copies each such
-  request's buffer - ``tune.bufsize`` bytes - as it sends it); else - rewritten already -
-  to the backup activator, which knows it by the ``Host`` the backup's name gives it and
+  connection carried nothing: any method may go again), else - rewritten already - to
+  the backup activator, which knows it by the ``Host`` the backup's name gives it and
   serves it as the Python path would (:func:`workers.gateway.haproxy.warm.behind`).
   A warm request gets the gateway's forwarding rules
   (:mod:`workers.gateway.headers`): ``Authorization`` dropped when there is a token,
@@ -347,10 +344,6 @@ def _closing() -> list[str]:
     return lines
 
 
-# Methods a call may be sent again with, to another replica, when its replica closed
-# without answering: workers.gateway.proxy.IDEMPOTENT (the Python path's rule).
-IDEMPOTENT = ("GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE")
-
 # Headers a warm request may not have (the activator forwards such requests by the
 # gateway's rules), and those it may have once only: matched on the list of its header
 # names (HAProxy keeps them in lower case) in one pass.
@@ -518,13 +511,12 @@ def _pool_backend(settings: Settings, layout: Layout, name: str) -> list[str]:
     lines = [
         f"backend {name}",
         "  balance first",
-        # a call whose replica could not be reached (any method: nothing was sent) or
-        # closed it without a byte of answer (an idempotent one: HAProxy keeps a copy) is
-        # sent again, to another replica with room (else to the same one: if that cannot
-        # be reached, the second retry finds it marked down and takes the backup)
-        "  retries 2",
+        # a call whose replica cannot be reached goes to another (any method: nothing was
+        # sent). No L7 retry (retry-on empty-response) for one closed unanswered: HAProxy
+        # 2.6 copies each request's whole buffer (tune.bufsize: 65 KiB) to keep it for a
+        # retry, some 13-15 us a warm request (docs/security.md)
+        "  retries 1",
         "  option redispatch 1",
-        "  retry-on conn-failure empty-response",
         "  http-send-name-header host",  # the replica's own address (the server's name)
         # to the activator, as it came: no usable replica, or all busy and the queue long
         "  http-request set-var(txn.over) bool(1)"
@@ -534,7 +526,6 @@ def _pool_backend(settings: Settings, layout: Layout, name: str) -> list[str]:
         f"  http-request set-header {HOST} %[req.fhdr(host,1)]"
         " if over { req.hdr(host) -m found }",
         f"  http-request set-timeout server {_seconds(_activator_timeout(settings))} if over",
-        f"  http-request disable-l7-retry if over || !{{ method {' '.join(IDEMPOTENT)} }}",
     ]
     if token_digest(settings):
         lines += ["  http-request del-header authorization if !over"]

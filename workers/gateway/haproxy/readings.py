@@ -12,8 +12,7 @@ function (:mod:`.routes`):
 * **each server**: environments the Python path asked back handed over once HAProxy no
   longer uses them; those a keep window's peak (HAProxy's ``smax``, exact; cleared each
   window) and a quarter more did not need given back to the store; a server unused for
-  the keep window closed; one HAProxy marked down, or that closed a call without
-  answering (the call sent to another replica), closed and its replica retired as
+  the keep window closed; one HAProxy marked down closed and its replica retired as
   suspect; a draining one deleted once its last request ended; answers HAProxy refused
   (``eresp``) or interim answers (``hrsp_1xx``) demote its function.
 
@@ -191,15 +190,11 @@ class Readings:
         activator, which count it; HAProxy counts it in the server's ``stot`` and nowhere
         else (not ``econ``, ``wretr`` or ``wredis``). So what a server that is down now
         took since the last poll is not counted: those are the requests it failed (one it
-        took just before its failure, in the same poll, is not counted either). A call it
-        closed without answering, sent again to another server (``wretr``), is counted
-        where it was served, and its replica retired as suspect, as the Python path does.
+        took just before its failure, in the same poll, is not counted either).
         """
-        retried = max(0, row.retried - server.retried)
-        new = 0 if row.status.startswith("DOWN") else max(0, row.total - server.total - retried)
+        new = 0 if row.status.startswith("DOWN") else max(0, row.total - server.total)
         errors, interim = max(0, row.errors - server.errors), max(0, row.interim - server.interim)
         server.total, server.errors, server.interim = row.total, row.errors, row.interim
-        server.retried = row.retried
         server.peak = max(server.peak, row.peak, row.sessions)
         server.sessions = row.sessions
         if row.sessions or new:
@@ -214,20 +209,16 @@ class Readings:
         if interim:
             self.router.demote(route.function, f"{server.name} sent interim (1xx) answers")
         if server.state == "ready":
-            self._poll_ready(route, server, row, now, retried)
+            self._poll_ready(route, server, row, now)
         if server.state == "closing" and (route.queued == 0 or route.ready()):
             self.router.drain(route, server)  # (the function's last: its queue served first)
         elif server.state == "draining" and not row.sessions and not row.queued:
             self.router.delete(route, server)
         return new
 
-    def _poll_ready(self, route: Route, server: Server, row: Row, now: float, retried: int) -> None:
-        if server.suspect is None and (row.status.startswith("DOWN") or retried):
-            server.suspect = (
-                f"haproxy could not reach it ({row.status})"
-                if row.status.startswith("DOWN")
-                else f"it closed {retried} call(s) without answering (sent to another replica)"
-            )
+    def _poll_ready(self, route: Route, server: Server, row: Row, now: float) -> None:
+        if row.status.startswith("DOWN") and server.suspect is None:
+            server.suspect = f"haproxy could not reach it ({row.status})"
             self.router.close_server(route, server, "release", why=server.suspect)
             first = server.claims[0]
             server.fates[first.claim_id] = "forget"  # the suspect call gives it back

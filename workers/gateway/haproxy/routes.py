@@ -59,7 +59,6 @@ class Server:
     total: int = 0
     errors: int = 0
     interim: int = 0
-    retried: int = 0
 
     @property
     def maxconn(self) -> int:

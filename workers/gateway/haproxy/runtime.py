@@ -6,7 +6,7 @@ that HAProxy refuses answers a line that is not one of its success messages
 
 :func:`parse_stat` reads ``show stat``'s CSV into :class:`Row` records: per server (and
 per backend) the counters the gateway follows - sessions now and in all, queued
-requests, refused answers, calls sent again elsewhere, interim answers, its state.
+requests, refused answers, interim answers, its state.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ class Row:
     total: int  # stot: requests sent to it so far
     errors: int  # eresp: answers refused or broken (HAProxy's 502 / 504)
     failed: int  # econ: connections that could not be made
-    retried: int  # wretr: calls sent again elsewhere (its replica closed without answering)
     interim: int  # hrsp_1xx: interim answers relayed
     status: str  # UP, DOWN, MAINT, DRAIN, no check...
 
@@ -94,7 +93,6 @@ def parse_stat(text: str) -> list[Row]:
                 total=_int(item.get("stot", "")),
                 errors=_int(item.get("eresp", "")),
                 failed=_int(item.get("econ", "")),
-                retried=_int(item.get("wretr", "")),
                 interim=_int(item.get("hrsp_1xx", "")),
                 status=item.get("status", ""),
             )
