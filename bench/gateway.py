@@ -49,9 +49,11 @@ elsewhere).
 
 It prints, per concurrency, requests/s and p50 / p99 of each side, the CPU a request
 costs each proxy (the haproxy side's: HAProxy and the gateway behind it, which reads its
-counters), the replicas and the client, the latency the relay and the gateways add
-(their p50 and p99 minus those of direct), their throughput ratios to direct, and the
-gateways' to the relay (how far each is from the floor any proxy has here); the aims
+counters, and each part apart), the replicas and the client (with this client, over
+the timed requests only, not the warm-up, whose first calls claim the gateways'
+environments: the cold path's cost, not a warm request's), the latency the relay and
+the gateways add (their p50 and p99 minus those of direct), their throughput ratios to
+direct, and the gateways' to the relay (how far each is from the floor any proxy has here); the aims
 (issue 24) for the Python gateway are at most 2 ms added at p50 at one connection and a
 ratio gateway / direct of at least 0.8 at ``--concurrency``; for the haproxy side
 (issue 40) at most 0.3 ms added at p50 at one connection, at least 0.5 of direct and
@@ -142,8 +144,15 @@ class Run:
         return cls(rps, statistics.median(latencies), _pct(latencies, 0.99), errors, requests)
 
 
-async def _load(urls: list[str], n: int, concurrency: int) -> Run:
-    """``n`` GETs, ``concurrency`` connections, connection i on ``urls[i % len(urls)]``."""
+Timed = Callable[[int], None]  # told, as the timed part of a run begins, how many it sends
+
+
+async def _load(urls: list[str], n: int, concurrency: int, timed: Timed) -> Run:
+    """``n`` GETs, ``concurrency`` connections, connection i on ``urls[i % len(urls)]``.
+
+    Every connection is warmed first (and the gateways' environments); ``timed`` is
+    called as the ``n`` timed GETs begin, so CPU is counted over those only.
+    """
     pools: dict[str, http1.Pool] = {}
     heads: dict[str, bytes] = {}
     for url in urls:
@@ -180,6 +189,7 @@ async def _load(urls: list[str], n: int, concurrency: int) -> Run:
     # every connection warm first, and the gateways' environments too: on the haproxy
     # side, those the activator claimed for calls HAProxy had no room for are lent to it
     await asyncio.gather(*(warm(i) for i in range(concurrency)))
+    timed(n)
     started = time.perf_counter()
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
     elapsed = time.perf_counter() - started
@@ -189,7 +199,11 @@ async def _load(urls: list[str], n: int, concurrency: int) -> Run:
 
 
 class CpuMeter:
-    """CPU time of each proxy, the replicas and this process, per request of a run."""
+    """CPU time of each proxy, the replicas and this process, per request of a run.
+
+    A gateway's CPU is its process's and its children's (its HAProxy); a proxy with
+    children has them counted apart too, as ``NAME/children``.
+    """
 
     def __init__(self, proxies: dict[str, int], agent_pid: int) -> None:
         self.proxies = {name: psutil.Process(pid) for name, pid in proxies.items()}
@@ -212,29 +226,40 @@ class CpuMeter:
             except psutil.NoSuchProcess:
                 return [proc]
 
+        trees = {name: tree(proc) for name, proc in self.proxies.items()}
         return {
-            **{name: cpu(tree(proc)) for name, proc in self.proxies.items()},
+            **{name: cpu(procs) for name, procs in trees.items()},
+            **{f"{name}/children": cpu(procs[1:]) for name, procs in trees.items() if procs[1:]},
             "replicas": cpu(self.agent.children(recursive=True)),
             "client": time.process_time(),
         }
 
-    def measure(self, run: Callable[[], Run | None]) -> Run | None:
-        """Run ``run`` and attach each group's CPU microseconds a request."""
-        before = self._now()
-        result = run()
+    def measure(self, run: Callable[[Timed], Run | None]) -> Run | None:
+        """Run ``run`` and attach each group's CPU microseconds a request.
+
+        A run that calls the :data:`Timed` it is given has its CPU counted from then,
+        over the requests it said; else over the whole run and all it sent.
+        """
+        start: list[Any] = [self._now(), None]
+
+        def timed(requests: int) -> None:
+            start[:] = [self._now(), requests]
+
+        result = run(timed)
         if result is None:
             return None
         after = self._now()
-        result.cpu_us = {k: (after[k] - before[k]) * 1e6 / result.requests for k in before}
+        before, requests = start[0], start[1] or result.requests
+        result.cpu_us = {k: (after[k] - before.get(k, 0.0)) * 1e6 / requests for k in after}
         return result
 
 
-def _run_load(urls: list[str], n: int, concurrency: int) -> Run:
+def _run_load(urls: list[str], n: int, concurrency: int, timed: Timed) -> Run:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(_load(urls, n, concurrency))
-    return uvloop.run(_load(urls, n, concurrency))
+        return asyncio.run(_load(urls, n, concurrency, timed))
+    return uvloop.run(_load(urls, n, concurrency, timed))
 
 
 _WRK_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
@@ -251,7 +276,9 @@ end
 """
 
 
-def _wrk(urls: list[str], connections: int, seconds: int, threads: int) -> Run | None:
+def _wrk(
+    urls: list[str], connections: int, seconds: int, threads: int, _timed: Timed | None = None
+) -> Run | None:
     """One ``wrk`` run, thread i on ``urls[i % len(urls)]`` (None when wrk is not installed)."""
     wrk = shutil.which("wrk")
     if wrk is None:
@@ -447,7 +474,7 @@ def _warm_runs(
     if args.cold_only:
         return warm
 
-    def run(side: str, load: Callable[[], Run | None]) -> Run | None:
+    def run(side: str, load: Callable[[Timed], Run | None]) -> Run | None:
         _settled(db, side)
         if side != "haproxy":
             return meter.measure(load)
@@ -657,7 +684,7 @@ def _report_warm(reading: str, warm: list[Row]) -> None:
         direct = runs["direct"]
         cpu = {side: run.cpu_us for side, run in runs.items() if run.cpu_us}
         if len(cpu) == len(runs):
-            proxies = [f"{side} {cpu[side][side]:4.0f} us" for side in runs if side != "direct"]
+            proxies = [_proxy_cpu(side, cpu[side]) for side in runs if side != "direct"]
             groups = ["replicas"] + (["client"] if row.tool == "client" else [])
             print(
                 f"{tag} CPU a request: "
@@ -687,6 +714,15 @@ def _report_warm(reading: str, warm: list[Row]) -> None:
                 f"{tag} {side} adds p50 {added:6.2f} ms, p99 "
                 f"{(run.p99 - direct.p99) * ms:6.2f} ms; ratio to direct {ratio:.2f}{aim}"
             )
+
+
+def _proxy_cpu(side: str, cpu: dict[str, float]) -> str:
+    """A proxy's CPU a request; a gateway with HAProxy says which part was HAProxy's."""
+    text = f"{side} {cpu[side]:4.0f} us"
+    children = cpu.get(f"{side}/children")
+    if side == "haproxy" and children is not None:
+        text += f" (HAProxy {children:.0f}, its gateway {cpu[side] - children:.0f})"
+    return text
 
 
 def _haproxy_aims(row: Row, run: Run, ratio: float, added: float, runs: dict[str, Run]) -> str:

@@ -11,6 +11,9 @@ survive, chosen by the request's path (``?mib=N`` sizes the attack, ``?size=N`` 
 * ``/drip`` - a head one header line every 0.2 s, forever;
 * ``/trickle`` - a 200 head, then a chunk of its body every 0.2 s, forever;
 * ``/upgrade`` - a ``101 Switching Protocols``;
+* ``/hangup?flag=PATH`` - the connection closed without a byte of answer, by the first
+  replica to make file PATH; ``ok`` from any other (a call sent again elsewhere);
+* ``/slow`` - ``ok`` after half a second;
 * ``/extra`` - an answer, then in the same write the start of a forged one (status line
   and ``X-Forged: yes``), whose end the next request on that connection gets;
 * anything else - ``ok`` (``Content-Length``), kept alive.
@@ -120,8 +123,22 @@ class Handler(socketserver.BaseRequestHandler):
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst" + FORGED_START)
             return True
         else:
-            sock.sendall(OK)
+            self.unreliable(sock, path, asked)
         return False
+
+    def unreliable(self, sock: socket.socket, path: str, asked: dict[str, list[str]]) -> None:
+        """``/hangup`` and ``/slow``; anything else: ``ok``."""
+        if path == "/hangup":
+            try:
+                os.close(os.open(asked["flag"][0], os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            except FileExistsError:
+                sock.sendall(OK)
+            else:
+                sock.shutdown(socket.SHUT_RDWR)  # the next read ends the connection
+            return
+        if path == "/slow":
+            time.sleep(0.5)
+        sock.sendall(OK)
 
 
 class Server(socketserver.ThreadingTCPServer):

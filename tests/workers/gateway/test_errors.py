@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ from sqlalchemy import text
 from corral import api
 from corral.cli import main
 from testkit.eventually import eventually
-from tests.workers.gateway.conftest import Stack
+from tests.workers.gateway.conftest import HOSTILE, WARM_WAIT_S, Stack
 from workers.gateway import ListenRefused, check_listen
 from workers.store.models import ReplicaState
 
@@ -118,6 +119,52 @@ def test_a_replica_that_fails_is_retired_and_an_idempotent_request_retried(stack
     assert (rows[bad.id].error or "").startswith("suspect: ")
     assert api.release(held["claim_id"])["released"]
     stack.settled()
+
+
+def test_a_warm_idempotent_call_whose_replica_closes_unanswered_is_answered_by_another(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The Python path sends it to another claim and retires the replica that closed it.
+
+    HAProxy does not (no L7 retry: what it costs, docs/security.md): the call is a 502
+    and its function takes the Python path from then on (the answer counts as refused)."""
+    stack.deploy("hostile", image=HOSTILE, max=2, exec_envs=1)
+    gw = stack.gateway(gateway_keep_s=60.0)
+    assert api.wait(api.spawn("hostile", 2), timeout=60)["status"] == "succeeded"
+    slow = f"{gw.url}/function/hostile/slow"
+
+    async def both() -> list[int]:  # the gateway takes both environments
+        async with httpx.AsyncClient(timeout=60) as client:
+            return [a.status_code for a in await asyncio.gather(client.get(slow), client.get(slow))]
+
+    assert asyncio.run(both()) == [200, 200]
+    if gw.warm is not None:  # both lent to HAProxy: the next call is warm
+        router = gw.warm.router
+        assert router is not None
+        eventually(
+            lambda: (r := router.routes.get("hostile")) is not None and len(r.ready()) == 2,
+            WARM_WAIT_S,
+            "both replicas lent to HAProxy",
+        )
+    flag = tmp_path / "hung-up"
+    answer = httpx.get(f"{gw.url}/function/hostile/hangup?flag={flag}", timeout=60)
+    assert flag.exists()  # a replica did close it unanswered
+    if gw.warm is not None:
+        assert gw.warm.router is not None
+        assert answer.status_code == 502
+        demoted = gw.warm.router.counts.demoted
+        eventually(lambda: "hostile" in demoted, WARM_WAIT_S, "hostile demoted")
+        assert httpx.get(f"{gw.url}/function/hostile", timeout=60).status_code == 200
+        return
+    assert (answer.status_code, answer.text) == (200, "ok")  # another replica answered
+    (retired,) = eventually(
+        lambda: [r for r in stack.replicas("hostile") if r.error],
+        WARM_WAIT_S,
+        "the replica that closed the call retired",
+    )
+    assert (retired.error or "").startswith("suspect: ")
+    assert retired.status in (ReplicaState.DELETING, ReplicaState.DELETED)
+    assert httpx.get(f"{gw.url}/function/hostile", timeout=60).status_code == 200
 
 
 def test_a_non_idempotent_request_to_a_failed_replica_is_502_without_retry(stack: Stack) -> None:

@@ -511,6 +511,10 @@ def _pool_backend(settings: Settings, layout: Layout, name: str) -> list[str]:
     lines = [
         f"backend {name}",
         "  balance first",
+        # a call whose replica cannot be reached goes to another (any method: nothing was
+        # sent). No L7 retry (retry-on empty-response) for one closed unanswered: HAProxy
+        # 2.6 copies each request's whole buffer (tune.bufsize: 65 KiB) to keep it for a
+        # retry, some 13-15 us a warm request (docs/security.md)
         "  retries 1",
         "  option redispatch 1",
         "  http-send-name-header host",  # the replica's own address (the server's name)

@@ -63,6 +63,16 @@ POOL_MAX_CONN = 64  # idle connections HAProxy keeps per replica
 POOL_PURGE = "5s"  # ...for this long (a dynamic server's default is 0: none kept)
 
 
+def add_server(backend: str, name: str, maxconn: int) -> str:
+    """The command that adds replica ``name`` (``IP:PORT``) to ``backend``, as it is lent."""
+    return (
+        f"add server {backend}/{name} {name} maxconn {maxconn}"
+        f" pool-max-conn {POOL_MAX_CONN} pool-purge-delay {POOL_PURGE}"
+        # marked down by its first failed connection (no health check is ever sent)
+        " check observe layer4 error-limit 1 on-error mark-down"
+    )
+
+
 def timed(router: Router, change: str, decided: float, route: Route | None = None) -> Then:
     """What to do with HAProxy's answer to a routing change decided at ``decided``.
 
@@ -156,13 +166,7 @@ class Router:
                 self.close_server(route, server, "return", why="not added")
                 self._finish(route, server)
 
-        self.send(
-            f"add server {address} {server.name} maxconn {server.maxconn}"
-            f" pool-max-conn {POOL_MAX_CONN} pool-purge-delay {POOL_PURGE}"
-            # marked down by its first failed connection (no health check is ever sent)
-            " check observe layer4 error-limit 1 on-error mark-down",
-            added,
-        )
+        self.send(add_server(route.backend, server.name, server.maxconn), added)
         self.send(f"set server {address} state ready", timed(self, "add", time.perf_counter()))
 
     def sync_map(self, route: Route) -> None:
