@@ -211,7 +211,8 @@ class Readings:
         if server.state == "ready":
             self._poll_ready(route, server, row, now)
         if server.state == "closing" and (route.queued == 0 or route.ready()):
-            self.router.drain(route, server)  # (the function's last: its queue served first)
+            # the function's last: its queue served first (its map entry went at the close)
+            self.router.drain(route, server, left_choice=not route.ready())
         elif server.state == "draining" and not row.sessions and not row.queued:
             self.router.delete(route, server)
         return new

@@ -268,12 +268,17 @@ class Router:
         if route.ready():  # others take its calls, queued ones too: out of HAProxy's choice now
             self.drain(route, server)
 
-    def drain(self, route: Route, server: Server) -> None:
-        """No new call for the server (maint); deleted once its last call ended."""
+    def drain(self, route: Route, server: Server, *, left_choice: bool = False) -> None:
+        """No new call for the server (maint); deleted once its last call ended.
+
+        ``left_choice``: the server is already out of HAProxy's choice - the function's
+        last, whose map entry went when it closed (that removal was timed), drained now
+        that the calls queued for it were served - so this is no routing change to time.
+        """
         server.state = "draining"
         self.send(
             f"set server {route.backend}/{server.name} state maint",
-            timed(self, "remove", server.closed_at),
+            None if left_choice else timed(self, "remove", server.closed_at),
         )
 
     def send(self, command: str, then: Then | None = None) -> None:
