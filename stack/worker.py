@@ -9,8 +9,11 @@ task it starts - which thread, which task, how long it may run - and ends, and e
 message it takes from the broker and acknowledges (its delivery tag). This process keeps
 the deadlines and, when one passes with its task still running:
 
-1. SIGKILLs the worker's process group (the worker and any pool processes), first:
-   nothing it does before can delay the kill;
+1. asks the worker for every thread's stack (:data:`~workers.base.timelimits.STACKS_SIGNAL`:
+   Python's faulthandler writes them to the worker's stderr, in C, taking no lock) and
+   SIGKILLs the worker's process group (the worker and any pool processes)
+   :data:`STACKS_S` later, whatever the worker does meanwhile: the log says where the
+   task was stuck, and nothing delays the kill longer;
 2. writes one line naming the task to its stderr, without blocking: ``os.write`` (no
    ``logging``, no lock) on a descriptor of its own that does not wait - a line that
    does not fit in a stalled pipe is dropped, and the kill stands;
@@ -50,6 +53,7 @@ from stack.supervisor import die_with_parent
 from workers.base import timelimits
 
 POLL_S = 0.2  # how often a worker's exit is noticed when no report arrives
+STACKS_S = 0.2  # how long a worker past a hard limit has to write its stacks before the kill
 MAX_BUFFER = 64 * 1024  # unparsed report bytes kept; a line longer than this is dropped
 MAX_TRACKED = 10_000  # tasks, or held messages, tracked at once (a worker runs a few dozen)
 MAX_SAY = 4096  # one line to stderr: PIPE_BUF, so a pipe takes it whole or not at all
@@ -218,6 +222,12 @@ class _Running:
         nearest = min((task.due for task in self.tasks.values()), default=float("inf"))
         return max(0.0, min(POLL_S, nearest - time.monotonic()))
 
+    def dump_stacks(self) -> None:
+        """Ask the worker to write its threads' stacks; give it :data:`STACKS_S` to."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, timelimits.STACKS_SIGNAL)
+            time.sleep(STACKS_S)
+
     def kill(self) -> None:
         """SIGKILL the worker's process group and wait for the worker to end."""
         with contextlib.suppress(ProcessLookupError):
@@ -319,7 +329,8 @@ def _watch(worker: _Running) -> list[_Task]:
                 worker.read()
         overdue = worker.overdue()
         if overdue:
-            worker.kill()  # first: nothing below may delay it
+            worker.dump_stacks()  # at most STACKS_S, then the kill
+            worker.kill()  # nothing below may delay it
             for task in overdue:
                 _say(
                     f"task {task.task} outlived its hard time limit of {task.hard_s:g}s: "

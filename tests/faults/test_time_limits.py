@@ -117,6 +117,8 @@ def _stuck_and_ended(worker: WorkerProcess, pool: str, marker: Path, starts: int
     if pool == "threads":  # the supervisor kills the worker and starts it again
         line = f"task corral.test.stuck[{sent.id}] outlived its hard time limit of 3s"
         eventually(lambda: line in _log(worker), 60, "the kill", detail=worker.tail)
+        # its stack, written before the kill, says where it was stuck
+        assert re.search(r"File \S+limit_tasks\.py\S*, line \d+ in stuck", _log(worker))
         eventually(lambda: worker.worker_pid() not in (None, before), 30, "a new worker")
         eventually(
             lambda: _log(worker).count(" ready.") == starts, 60, "the restart", detail=worker.tail

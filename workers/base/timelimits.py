@@ -51,15 +51,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import faulthandler
 import os
 import re
+import signal
 import stat
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 WATCH_FD_ENV = "CORRAL_WORKER_WATCH_FD"
+#: The signal a supervisor sends a worker whose task outlived its hard limit, just before
+#: it kills it: the worker writes every thread's stack to its stderr (faulthandler, in C,
+#: no lock), so the log says where the task was stuck.
+STACKS_SIGNAL = signal.SIGRTMIN + 1
 MAX_LINE = 512  # a report line, well below PIPE_BUF (4096): one write, never interleaved
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@\-]")
 
@@ -177,6 +184,10 @@ def attach() -> bool:
     except OSError:
         return False
     _report_fd = fd
+    stderr = sys.__stderr__
+    if stderr is not None:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            faulthandler.register(STACKS_SIGNAL, file=stderr, all_threads=True)
     return True
 
 
