@@ -61,9 +61,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, DisconnectionError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import QueuePool, StaticPool
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
@@ -365,6 +366,35 @@ def _bound_socket(dbapi_conn: Any, user_ms: int) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1 if idle < 5 else 2)
 
 
+class TaskBoundPool(QueuePool):
+    """SQLAlchemy's queue pool, whose wait for a free connection ends before the running
+    task's hard limit (less :data:`WAY_OUT_S`): the pool's own timeout (30 s) outside one.
+
+    The wait is the pool's ``_timeout``, read once per checkout: here it is computed for
+    the thread that checks out. A wait that runs out raises SQLAlchemy's ``TimeoutError``,
+    which a task retries like a lost connection (:func:`is_transient`).
+    """
+
+    _configured: float = 30.0
+
+    @property
+    def _timeout(self) -> float:
+        left = timelimits.hard_left()
+        if left is None:
+            return self._configured
+        return max(MIN_WAIT_S, min(self._configured, left - WAY_OUT_S))
+
+    @_timeout.setter
+    def _timeout(self, value: float) -> None:
+        self._configured = value
+
+    def recreate(self) -> QueuePool:
+        """A new pool like this one, with this one's configured timeout."""
+        pool = super().recreate()
+        pool._timeout = self._configured
+        return pool
+
+
 def _bound_by_the_task(engine: Engine) -> None:
     """No network wait of a PostgreSQL connection outlasts the task that takes it.
 
@@ -407,6 +437,7 @@ def _make_engine(url: str) -> Engine:
     # hide_parameters: a database error's text (logged, or an operation's error) never
     # carries the statement's parameters, which may hold a function's secrets.
     kwargs: dict[str, Any] = {
+        "poolclass": TaskBoundPool,
         "pool_size": 5,
         "max_overflow": 10,
         "hide_parameters": True,
@@ -469,6 +500,8 @@ TRANSIENT_SQLSTATES = frozenset({"40P01", "40001", "55P03", "57014", "57P01", "5
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a database error may pass if the transaction is simply tried again."""
+    if isinstance(exc, PoolTimeout):  # no connection free in the time left: later, maybe
+        return True
     if not isinstance(exc, DBAPIError):
         return False
     if exc.connection_invalidated:  # the connection was lost mid-statement

@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager as ContextManager
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from testkit.eventually import eventually
@@ -31,6 +32,7 @@ from workers.store.db import (
     PG_NETWORK,
     WAY_OUT_S,
     Database,
+    TaskBoundPool,
     get_database,
     is_transient,
     network_bounds,
@@ -242,6 +244,32 @@ def test_a_connection_a_task_takes_waits_on_the_network_only_its_time_left(
     with timelimits.running(timelimits.Deadline(start + 1, hard_at=start + HARD_S)):
         assert network_bounds()[0] == 2  # libpq's connect_timeout: 2 s at least
     assert network_bounds() == (PG_NETWORK["connect_timeout"], PG_NETWORK["tcp_user_timeout"])
+
+
+@postgres_only
+def test_a_task_waits_for_a_free_pooled_connection_only_its_time_left(store_env: Env) -> None:
+    # Every connection of the pool taken (threads stuck connecting to a store cut off):
+    # the pool's own wait is 30 s, past a task's hard limit.
+    db = store_env.db
+    pool = db.engine.pool
+    assert isinstance(pool, TaskBoundPool)
+    held = [db.engine.connect() for _ in range(pool.size() + 10)]  # pool_size + max_overflow
+
+    def read() -> None:
+        with db.read() as s:
+            s.scalar(text("SELECT 1"))
+
+    try:
+        started = time.monotonic()
+        exc = _in_a_task_of(HARD_S, read)
+        assert isinstance(exc, PoolTimeout) and is_transient(exc), exc  # retried by the task
+        assert time.monotonic() - started < HARD_S + 1
+    finally:
+        for conn in held:
+            conn.close()
+    with db.read() as s:  # outside a task, with connections free again: as before
+        assert s.scalar(text("SELECT 1")) == 1
+    assert pool.timeout() == 30
 
 
 @sqlite_only  # SQLite's one write lock, held by another connection past the hard limit
