@@ -213,19 +213,22 @@ class _Pass:
         elif state == ReplicaState.MAYBE:
             error = f"maybe ended: no sign of its VM by its deadline ({replica.error})"
         else:
-            transition(self.s, replica, ReplicaState.STARTING_LIMIT, self.settings)
+            limit = ReplicaState.STARTING_LIMIT  # (no deadline: the settings are not read)
+            transition(self.s, replica, limit, self.settings)  # pragma: no mutate
             error = (
                 f"stuck in starting: the guest did not report ready within "
                 f"{self.settings.boot_deadline_s:g}s"
             )
         log.info("replica %s %s (since %s)", replica.id, error, since)
         detail = error.split(":")[0]
-        if replica.vmid is None or replica.node is None:
-            self._mark(replica, "stuck", detail, error)
+        # No VM: Dead at once ('and' would end the same: release_all takes no VM as gone).
+        if replica.vmid is None or replica.node is None:  # pragma: no mutate
+            self._mark(replica, "stuck", detail)
             self.victims[-1].retired = True
             self.victims[-1].reaped.outcome = "retired"
             self.victims[-1].reaped.error = error
-            transition(self.s, replica, ReplicaState.DEAD, self.settings, error=error)
+            dead = ReplicaState.DEAD  # (no deadline: the settings are not read)
+            transition(self.s, replica, dead, self.settings, error=error)  # pragma: no mutate
             return
         transition(self.s, replica, ReplicaState.DELETING, self.settings)
         self._mark(replica, "stuck", detail, error)
@@ -256,7 +259,7 @@ class _Pass:
     def _may_delete(self, fn: Function) -> bool:
         """Whether one more of ``fn``'s replicas may go without going below its floor."""
         floor = keep_at_least(fn)
-        if floor <= 0:
+        if floor <= 0:  # pragma: no mutate - '< 0': the count would allow every replica
             return True
         if fn.id not in self._allow:
             self._allow[fn.id] = max(0, self._counted(fn) - floor)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -176,7 +177,9 @@ def test_stale_builds_removed_and_replaced_when_at_min(
     assert by_id(corral_env)[fresh[0].id].status == ReplicaState.IDLE
 
 
-def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) -> None:
+def test_stuck_replicas_are_retired(
+    corral_env: Env, start_agents: StartAgents, caplog: pytest.LogCaptureFixture
+) -> None:
     agents = start_agents(1)
     deploy_fn(corral_env)
     deploy_fn(corral_env, "booting", readiness="guest")
@@ -193,9 +196,13 @@ def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) 
     begin_delete(corral_env.db, corral_env.settings, doomed.id)
     assert _live_on_nodes(corral_env) == 3
 
+    since = by_id(corral_env)[booting.id].updated_at  # when it became Starting
+    assert since is not None and since != booting.created_at
     clock.travel(corral_env.settings.boot_deadline_s + 1)
-    report = _reap(corral_env)
+    with caplog.at_level(logging.INFO, logger="workers.maintenance.reaper"):
+        report = _reap(corral_env)
     boot_error = "stuck in starting: the guest did not report ready within 60s"
+    assert f"replica {booting.id} {boot_error} (since {since})" in caplog.messages
     assert report.deleted == [
         Reaped(booting.id, "booting", "stuck", "stuck in starting", booting.vmid, "node1",
                "retired", boot_error)
@@ -288,7 +295,8 @@ def test_release_failures(corral_env: Env, start_agents: StartAgents) -> None:
     for d in failed:
         assert rows[d.replica_id].status == ReplicaState.DEAD
         assert "reconcile" in (rows[d.replica_id].error or "")
-        assert "node rebooting" in (rows[d.replica_id].error or "")
+        assert (rows[d.replica_id].error or "").startswith(d.error or "-")
+        assert "node rebooting" in (d.error or "").split("; ")[0]  # the release's own error
     assert _live_on_nodes(corral_env) == 0
 
     # A VM the node no longer has counts as released; other answers as they come.
@@ -390,3 +398,24 @@ def test_the_stuck_sweep_stops_at_the_batch(corral_env: Env, start_agents: Start
     report = _reap(corral_env, batch=1)
     assert [d.replica_id for d in report.deleted] == [first.replica_id]  # the oldest deadline
     assert report.more
+
+
+def test_a_stuck_replica_whose_release_fails_ends_dead_with_both_errors(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env, "booting", readiness="guest")
+    with corral_env.db.transaction() as s:  # it lists its VMs: reconcile finds the orphan
+        s.execute(update(Node).values(can_list=True))
+    api.spawn("booting", 1)
+    (booting,) = replicas(corral_env, "booting")
+    agent.agent.inject("ReleaseVMSetup", Fault.abort(grpc.StatusCode.UNAVAILABLE, "rebooting"))
+    clock.travel(corral_env.settings.boot_deadline_s + 1)
+    (reaped,) = _reap(corral_env).deleted
+    stuck = "stuck in starting: the guest did not report ready within 60s; "
+    assert (reaped.reason, reaped.outcome) == ("stuck", "failed")
+    assert reaped.error is not None and reaped.error.startswith(stuck), reaped.error
+    assert "rebooting" in reaped.error
+    assert reaped.error.endswith("; reconcile will destroy the VM once the node answers")
+    row = by_id(corral_env)[booting.id]
+    assert (row.status, row.error) == (ReplicaState.DEAD, reaped.error)
