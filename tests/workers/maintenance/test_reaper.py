@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -58,6 +59,8 @@ def test_idle_past_timeout_deleted_counting_from_last_use_or_readiness(
     assert {d.replica_id for d in report.deleted} == set(never)
     assert {d.reason for d in report.deleted} == {"idle"}
     assert {d.outcome for d in report.deleted} == {"deleted"}
+    for d in report.deleted:  # idle since it became ready: 61 s, and the test's own time
+        assert re.fullmatch(r"idle 6[1-9]s", d.detail), d.detail
     assert released(agents) == {vmid: 1 for vmid in never.values()}
     rows = by_id(corral_env)
     assert all(rows[rid].status == ReplicaState.DELETED for rid in never)
@@ -161,6 +164,12 @@ def test_stale_builds_removed_and_replaced_when_at_min(
     report = _reap(corral_env)  # no time passes: staleness alone is enough
     assert {d.replica_id for d in report.deleted} == {r.id for r in old}
     assert {d.reason for d in report.deleted} == {"stale"}
+    with corral_env.db.read() as s:
+        build = s.scalars(select(Function.build_version).where(Function.name == "hello")).one()
+    assert {d.detail for d in report.deleted} == {
+        f"build {r.build_version}, current {build}" for r in old
+    }
+    assert old[0].build_version != build
     assert report.kept_for_min == {"pinned": 1}
     assert report.replace == {"pinned": 1}
     assert released(agents) == {r.vmid: 1 for r in old}
@@ -268,6 +277,9 @@ def test_batch_limit(corral_env: Env, start_agents: StartAgents) -> None:
         sizes.append((len(report.deleted), report.more))
     assert sizes == [(3, True), (3, True), (1, False)]
     assert released(agents) == {r.vmid: 1 for r in idle}
+    spawn_idle(corral_env, "hello", 1)
+    clock.travel(11)
+    assert [len(_reap(corral_env, batch=1).deleted) for _ in range(2)] == [1, 0]
 
     corral_env.set(reap_batch=2)
     spawn_idle(corral_env, "hello", 5)
@@ -419,3 +431,35 @@ def test_a_stuck_replica_whose_release_fails_ends_dead_with_both_errors(
     assert reaped.error.endswith("; reconcile will destroy the VM once the node answers")
     row = by_id(corral_env)[booting.id]
     assert (row.status, row.error) == (ReplicaState.DEAD, reaped.error)
+
+
+def test_rows_kept_for_min_use_none_of_the_batch_the_pass_reads_on_past_them(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "pinned", idle_timeout=10, min=2)
+    deploy_fn(corral_env, "other", idle_timeout=10)
+    spawn_idle(corral_env, "pinned", 2)
+    clock.travel(1)  # idle past their timeout a second after pinned's: read after them
+    others = spawn_idle(corral_env, "other", 2)
+    clock.travel(11)
+    report = _reap(corral_env, batch=2)  # the first page is the two kept: a second one
+    assert sorted(d.replica_id for d in report.deleted) == sorted(r.id for r in others)
+    assert report.kept_for_min == {"pinned": 2}
+    assert report.more
+
+
+def test_a_pass_reads_at_most_ten_rows_per_unit_of_batch(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "pinned", idle_timeout=10, min=10)
+    deploy_fn(corral_env, "other", idle_timeout=10)
+    spawn_idle(corral_env, "pinned", 10)
+    clock.travel(1)
+    (other,) = spawn_idle(corral_env, "other", 1)
+    clock.travel(11)
+    report = _reap(corral_env, batch=1)  # ten rows kept for min: the pass stops there
+    assert (report.deleted, report.kept_for_min) == ([], {"pinned": 10})
+    report = _reap(corral_env, batch=2)  # twenty: it reaches the other
+    assert [d.replica_id for d in report.deleted] == [other.id]
