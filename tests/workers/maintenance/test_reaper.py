@@ -6,6 +6,7 @@ import logging
 import re
 import threading
 import time
+from datetime import timedelta
 
 import grpc
 import pytest
@@ -403,9 +404,16 @@ def test_a_stuck_create_still_owned_by_a_live_handler_is_left_to_it(
 def test_the_stuck_sweep_stops_at_the_batch(corral_env: Env, start_agents: StartAgents) -> None:
     start_agents(1, env=corral_env)
     fn_id = deploy_fn(corral_env)
-    first = creating(corral_env, fn_id, "req-1")
+    later = creating(corral_env, fn_id, "req-1")  # recorded first
     clock.travel(1)
-    creating(corral_env, fn_id, "req-2")
+    first = creating(corral_env, fn_id, "req-2")
+    with corral_env.db.transaction() as s:  # its deadline moved before the other's
+        due = s.scalar(select(Replica.deadline_at).where(Replica.id == later.replica_id))
+        s.execute(
+            update(Replica)
+            .where(Replica.id == first.replica_id)
+            .values(deadline_at=due - timedelta(seconds=1))
+        )
     clock.travel(corral_env.settings.creating_deadline_s + corral_env.settings.task_time_limit_s)
     report = _reap(corral_env, batch=1)
     assert [d.replica_id for d in report.deleted] == [first.replica_id]  # the oldest deadline
@@ -463,3 +471,39 @@ def test_a_pass_reads_at_most_ten_rows_per_unit_of_batch(
     assert (report.deleted, report.kept_for_min) == ([], {"pinned": 10})
     report = _reap(corral_env, batch=2)  # twenty: it reaches the other
     assert [d.replica_id for d in report.deleted] == [other.id]
+
+
+def test_a_delete_whose_node_is_gone_is_finished_by_the_stuck_sweep(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents, (doomed,) = idle_on(corral_env, start_agents, 1, 1)
+    begin_delete(corral_env.db, corral_env.settings, doomed.id)  # its worker died here
+    with corral_env.db.transaction() as s:  # and its node was removed since
+        s.execute(update(Replica).where(Replica.id == doomed.id).values(node_id=None))
+        s.add(Node(name="sick", address="127.0.0.1:9", capacity=1, healthy=False))
+    clock.travel(corral_env.settings.creating_deadline_s + 1)  # a Deleting row's deadline
+    report = _reap(corral_env)
+    assert [(d.replica_id, d.detail) for d in report.deleted] == [(doomed.id, "stuck in deleting")]
+    assert by_id(corral_env)[doomed.id].status == ReplicaState.DELETED
+    assert released(agents) == {}  # no node to ask
+
+
+def test_stale_means_an_older_build_of_its_own_function_and_no_environment_in_use(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "zeta", exec_envs=2)  # built first: an older build than alpha's
+    clock.travel(1)
+    deploy_fn(corral_env, "alpha")
+    spawn_idle(corral_env, "zeta", 2)
+    spawn_idle(corral_env, "alpha", 2)
+    assert _reap(corral_env).deleted == []  # each of its own function's current build
+    busy = claim(corral_env.db, corral_env.settings, "zeta", ttl_s=86_400).replica_id
+    deploy_fn(corral_env, "alpha", env={"BUILD": "2"})
+    deploy_fn(corral_env, "zeta", exec_envs=2, env={"BUILD": "2"})  # written last
+    assert [d.function for d in _reap(corral_env, batch=1).deleted] == ["alpha"]  # by name
+    report = _reap(corral_env)
+    assert sorted(d.function for d in report.deleted) == ["alpha", "zeta"]
+    assert busy not in {d.replica_id for d in report.deleted}  # one of its two envs in use
+    row = by_id(corral_env)[busy]
+    assert (row.status, row.envs_in_use) == (ReplicaState.IDLE, 1)
