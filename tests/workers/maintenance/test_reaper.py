@@ -6,7 +6,7 @@ import logging
 import re
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import grpc
 import pytest
@@ -409,6 +409,7 @@ def test_the_stuck_sweep_stops_at_the_batch(corral_env: Env, start_agents: Start
     first = creating(corral_env, fn_id, "req-2")
     with corral_env.db.transaction() as s:  # its deadline moved before the other's
         due = s.scalar(select(Replica.deadline_at).where(Replica.id == later.replica_id))
+        assert due is not None
         s.execute(
             update(Replica)
             .where(Replica.id == first.replica_id)
@@ -507,3 +508,38 @@ def test_stale_means_an_older_build_of_its_own_function_and_no_environment_in_us
     assert busy not in {d.replica_id for d in report.deleted}  # one of its two envs in use
     row = by_id(corral_env)[busy]
     assert (row.status, row.envs_in_use) == (ReplicaState.IDLE, 1)
+
+
+def test_bad_options_are_refused_before_anything_is_done(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents, idle = idle_on(corral_env, start_agents, 1, 1, idle_timeout=10)
+    clock.travel(11)
+    year = 365 * 86_400
+    with pytest.raises(InputError) as refused:
+        _reap(corral_env, idle_timeout=year + 1)
+    assert str(refused.value) == f"idle timeout must be between 0 and one year, got {year + 1}"
+    for batch in (0, True, 1.5, "2"):
+        with pytest.raises(InputError) as refused:
+            _reap(corral_env, batch=batch)
+        assert str(refused.value) == f"reap batch must be a positive integer, got {batch!r}"
+    assert released(agents) == {} and leases.current(corral_env.db, LEASE) is None
+    before = clock.now()
+    report = _reap(corral_env, idle_timeout=year, batch=3)  # a year is allowed
+    assert (report.holder, report.batch, report.idle_timeout) == ("test", 3, year)
+    assert report.deleted == [] and report.started_at is not None
+    started = datetime.fromisoformat(report.started_at).replace(tzinfo=None)
+    assert before - timedelta(seconds=1) <= started <= clock.now()
+    assert [d.replica_id for d in _reap(corral_env).deleted] == [idle[0].id]
+
+
+def test_a_stale_replica_at_the_functions_max_asks_for_no_replacement(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "pinned", min=1, max=1)
+    spawn_idle(corral_env, "pinned", 1)
+    deploy_fn(corral_env, "pinned", min=1, max=1, env={"BUILD": "2"})
+    report = _reap(corral_env)
+    assert (report.deleted, report.kept_for_min) == ([], {"pinned": 1})
+    assert report.replace == {}  # a fresh one would go past the max
