@@ -19,9 +19,9 @@ what changed since (a mutant of a function whose code changed is tested again); 
 tests were added, ``--recheck`` tests again every mutant not killed; ``--fresh`` starts
 over, and is needed after a module is added to ``only_mutate`` (mutmut takes its earlier
 plain copy in ``mutants/`` for an already mutated file) or the test selection changes
-(mutmut then forgets every result anyway). Naming modules (``python -m testkit.mutation workers/maintenance/reaper.py``) tests
-only theirs: a long run can be done a module at a time. docs/benchmarks.md ("Mutation
-testing") has the last scores.
+(mutmut then forgets every result anyway). Naming modules (``python -m testkit.mutation
+workers/maintenance/reaper.py``) tests only theirs: a long run can be done a module at a
+time. docs/benchmarks.md ("Mutation testing") has the last scores.
 """
 
 from __future__ import annotations
