@@ -179,12 +179,13 @@ class _Pass:
         ):
             if self.left <= 0:  # pragma: no mutate - a shortcut: none left, none taken
                 return
+            lapsed = Replica.owner_until <= store_now()  # pragma: no mutate - as the deadline
             query = select(Replica).where(
                 Replica.status == state,
                 # judged by the database, on its own clock (workers.clock)
                 Replica.deadline_at <= store_now(),  # pragma: no mutate - '<': a microsecond
                 # a create still owned by a live handler may yet be recorded
-                or_(Replica.owner_until.is_(None), Replica.owner_until <= store_now()),
+                or_(Replica.owner_until.is_(None), lapsed),
             )
             if state == ReplicaState.DELETING:  # a release waits for its node to answer
                 unhealthy = select(Node.id).where(Node.healthy.is_(False))
@@ -341,9 +342,11 @@ class _Pass:
             base = (
                 select(Replica)
                 .where(
-                    Replica.status == ReplicaState.IDLE,
-                    Replica.reap_at <= self.at,
-                    Replica.envs_in_use == 0,
+                    # (not mutated: reap_at and idle_since are NULL outside Idle and while
+                    # an environment is in use; status and '<=' keep to the index)
+                    Replica.status == ReplicaState.IDLE,  # pragma: no mutate
+                    Replica.reap_at <= self.at,  # pragma: no mutate
+                    Replica.envs_in_use == 0,  # pragma: no mutate
                 )
                 .order_by(Replica.reap_at)  # pragma: no mutate - the index's order here
             )
@@ -354,9 +357,9 @@ class _Pass:
             base = (
                 select(Replica)
                 .where(
-                    Replica.status == ReplicaState.IDLE,
-                    Replica.idle_since <= cutoff,
-                    Replica.envs_in_use == 0,
+                    Replica.status == ReplicaState.IDLE,  # pragma: no mutate - as above
+                    Replica.idle_since <= cutoff,  # pragma: no mutate
+                    Replica.envs_in_use == 0,  # pragma: no mutate
                 )
                 .order_by(Replica.idle_since)  # pragma: no mutate - the index's order here
             )

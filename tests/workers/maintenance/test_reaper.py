@@ -255,12 +255,14 @@ def test_concurrent_passes_delete_each_replica_once(
 
 
 def test_a_held_lease_skips_the_pass_until_it_expires(
-    corral_env: Env, start_agents: StartAgents
+    corral_env: Env, start_agents: StartAgents, caplog: pytest.LogCaptureFixture
 ) -> None:
     agents, idle = idle_on(corral_env, start_agents, 1, 3, idle_timeout=10)
     assert leases.acquire(corral_env.db, LEASE, "crashed-worker", 120)
     clock.travel(11)
-    report = _reap(corral_env)
+    with caplog.at_level(logging.INFO, logger="workers.maintenance.reaper"):
+        report = _reap(corral_env)
+    assert "reap pass test skipped: lease held by crashed-worker" in caplog.messages
     assert report.skipped and report.held_by == "crashed-worker"
     assert report.deleted == [] and released(agents) == {}
     clock.travel(120)  # the crashed holder's lease lapses
@@ -543,3 +545,15 @@ def test_a_stale_replica_at_the_functions_max_asks_for_no_replacement(
     report = _reap(corral_env)
     assert (report.deleted, report.kept_for_min) == ([], {"pinned": 1})
     assert report.replace == {}  # a fresh one would go past the max
+
+
+def test_a_pass_first_gives_back_the_environments_of_expired_claims(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    _, (replica,) = idle_on(corral_env, start_agents, 1, 1, idle_timeout=3600)
+    claim(corral_env.db, corral_env.settings, "hello", ttl_s=5)  # its caller died with it
+    assert by_id(corral_env)[replica.id].status == ReplicaState.ALLOCATED
+    clock.travel(6)
+    report = _reap(corral_env)
+    assert (report.claims_expired, report.deleted) == (1, [])
+    assert by_id(corral_env)[replica.id].status == ReplicaState.IDLE
