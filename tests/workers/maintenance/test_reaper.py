@@ -532,7 +532,13 @@ def test_bad_options_are_refused_before_anything_is_done(
     assert report.deleted == [] and report.started_at is not None
     started = datetime.fromisoformat(report.started_at).replace(tzinfo=None)
     assert before - timedelta(seconds=1) <= started <= clock.now()
-    assert [d.replica_id for d in _reap(corral_env).deleted] == [idle[0].id]
+    report = _reap(corral_env, batch=2)
+    assert [d.replica_id for d in report.deleted] == [idle[0].id]
+    assert not report.more  # one of the two left: the pass found all there was
+    steps = ("select_s", "release_s", "finish_s")
+    assert set(report.timings) == {*steps, "total_s"}
+    assert all(isinstance(t, float) and t >= 0 for t in report.timings.values())
+    assert sum(report.timings[s] for s in steps) <= report.timings["total_s"] + 1e-5
 
 
 def test_a_stale_replica_at_the_functions_max_asks_for_no_replacement(
