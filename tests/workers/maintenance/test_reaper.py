@@ -563,3 +563,26 @@ def test_a_pass_first_gives_back_the_environments_of_expired_claims(
     report = _reap(corral_env)
     assert (report.claims_expired, report.deleted) == (1, [])
     assert by_id(corral_env)[replica.id].status == ReplicaState.IDLE
+
+
+def test_a_release_the_node_refuses_ends_the_replica_dead_with_the_nodes_error(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    corral_env.set(node_max_inflight="1")  # one call at a time: the refusals in order
+    (agent,), (a, b) = idle_on(corral_env, start_agents, 1, 2, idle_timeout=10)
+    clock.travel(11)
+    agent.agent.inject(
+        "ReleaseVMSetup", *[Fault.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such disk")] * 2
+    )
+    report = _reap(corral_env)
+    assert {d.replica_id: d.outcome for d in report.deleted} == {a.id: "failed", b.id: "failed"}
+    rows = by_id(corral_env)
+    for d in report.deleted:
+        assert d.error is not None and "no such disk" in d.error
+        assert "reconcile" not in d.error  # not a transport failure: nothing to retry
+        assert (rows[d.replica_id].status, rows[d.replica_id].error) == (
+            ReplicaState.DEAD,
+            d.error,
+        )
+    with corral_env.db.read() as s:  # a refusal is an answer: the node is not counted a miss
+        assert s.scalars(select(Node.misses)).one() == 0
