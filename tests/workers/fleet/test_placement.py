@@ -15,7 +15,8 @@ from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import live, per_node
 from workers import clock
 from workers.errors import CapacityError, InputError
-from workers.fleet.placement import MAX_ATTEMPTS, reserve_gpu, spread_nodes
+from workers.fleet.placement import MAX_ATTEMPTS, reserve_gpu, reserve_nodes, spread_nodes
+from workers.locks import lock_nodes
 from workers.store.models import Function, Gpu, Node, Replica, ReplicaState
 
 pytestmark = pytest.mark.timeout(60)
@@ -332,3 +333,30 @@ def test_spread_puts_replicas_on_every_placeable_node_of_its_kind_by_name(
     with corral_env.db.read() as s:
         fn = s.scalars(select(Function).where(Function.name == "f")).one()
         assert [names[i] for i in spread_nodes(s, fn)] == ["node0", "node1", "node4"]
+
+
+def test_a_batch_takes_the_least_loaded_nodes_one_slot_at_a_time_up_to_capacity(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(3, env=corral_env)
+    deploy_fn(corral_env, "f")
+    loads = {"node1": (3, 4), "node2": (0, 1), "node3": (1, 4)}  # live, capacity
+    with corral_env.db.transaction() as s:
+        for name, (live, capacity) in loads.items():
+            s.execute(update(Node).where(Node.name == name).values(live=live, capacity=capacity))
+
+    def reserve(n: int) -> list[str]:
+        with corral_env.db.transaction() as s:
+            fn = s.scalars(select(Function).where(Function.name == "f")).one()
+            lock_nodes(s, fn.backend)
+            return [node.name for node in reserve_nodes(s, fn, n)]
+
+    assert reserve(2) == ["node2", "node3"]  # node2's one slot, then the next least loaded
+    assert reserve(3) == ["node3", "node1", "node3"]  # 2/4 and 3/4: ties by name
+    with corral_env.db.read() as s:
+        assert {n.name: n.live for n in s.scalars(select(Node))} == {
+            "node1": 4,
+            "node2": 1,
+            "node3": 4,
+        }
+    assert reserve(1) == []  # all full
