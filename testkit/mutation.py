@@ -17,7 +17,11 @@ was not killed - ``mutmut show NAME`` shows its diff - and exits 1 when the whol
 ``--aim`` (90 % by default). mutmut keeps its results in ``mutants/`` and runs again only
 what changed since (a mutant of a function whose code changed is tested again); after
 tests were added, ``--recheck`` tests again every mutant not killed; ``--fresh`` starts
-over. docs/benchmarks.md ("Mutation testing") has the last scores.
+over, and is needed after a module is added to ``only_mutate`` (mutmut takes its earlier
+plain copy in ``mutants/`` for an already mutated file) or the test selection changes
+(mutmut then forgets every result anyway). Naming modules (``python -m testkit.mutation
+workers/maintenance/reaper.py``) tests only theirs: a long run can be done a module at a
+time. docs/benchmarks.md ("Mutation testing") has the last scores.
 """
 
 from __future__ import annotations
@@ -104,6 +108,18 @@ def report(all_scores: list[Score]) -> str:
     return "\n".join(lines)
 
 
+def to_test(paths: list[str], recheck: bool, mutants: Path = MUTANTS) -> list[str]:
+    """What to name to mutmut for ``paths``: their mutants not yet tested (or, to recheck,
+    not detected); a module never generated yet, all of its mutants (a pattern)."""
+    names: list[str] = []
+    for score in scores(paths, mutants):
+        if not (mutants / f"{score.path}.meta").exists():
+            names.append(score.path.removesuffix(".py").replace("/", ".") + ".*")
+        else:
+            names += [n for n, outcome in score.undetected if recheck or outcome == "not checked"]
+    return names
+
+
 def whole_percent(all_scores: list[Score]) -> float:
     """Detected mutants of every module, as a percentage of all."""
     total = sum(s.total for s in all_scores)
@@ -126,13 +142,22 @@ def main(argv: list[str] | None = None) -> int:
         help="test again only the mutants not killed last time (after tests were added)",
     )
     parser.add_argument("--jobs", type=int, help="mutants tested at once (default: the CPUs)")
+    parser.add_argument(
+        "only", nargs="*", metavar="MODULE", help="test only these of only_mutate (paths)"
+    )
     args = parser.parse_args(argv)
+    unknown = set(args.only) - set(modules())
+    if unknown:
+        parser.error(f"not in [tool.mutmut] only_mutate: {', '.join(sorted(unknown))}")
     if not args.report_only:
         if args.fresh:
             shutil.rmtree(MUTANTS, ignore_errors=True)
         jobs = ["--max-children", str(args.jobs)] if args.jobs else []
-        names = [n for s in scores(modules()) for n, _ in s.undetected] if args.recheck else []
-        if names or not args.recheck:  # no names: mutmut runs what it has not yet
+        if args.only:
+            names = to_test(args.only, args.recheck)
+        else:
+            names = [n for s in scores(modules()) for n, _ in s.undetected] if args.recheck else []
+        if names or not (args.recheck or args.only):  # no names: what mutmut has not run
             run = [sys.executable, "-m", "mutmut", "run", *jobs, *names]
             done = subprocess.run(run, cwd=ROOT, check=False)
             if done.returncode != 0:

@@ -45,12 +45,14 @@ FITS = ("best", "first")
 MAX_ATTEMPTS = 16
 
 
-_PLACEABLE: tuple[ColumnElement[bool], ...] = (
+# A node that may be given replicas (at ``now``: a bind parameter): healthy, not draining,
+# not quarantined; placeable when it has a free slot too.
+_USABLE: tuple[ColumnElement[bool], ...] = (
     Node.healthy.is_(True),
     Node.draining.is_(False),
-    Node.live < Node.capacity,
     or_(Node.quarantined_until.is_(None), Node.quarantined_until <= bindparam("now")),
 )
+_PLACEABLE: tuple[ColumnElement[bool], ...] = (*_USABLE, Node.live < Node.capacity)
 
 
 def _placeable(kind: str) -> list[ColumnElement[bool]]:
@@ -245,28 +247,25 @@ def reserve_gpu(session: Session, fn: Function, fit: str) -> GpuGrant:
             query = query.order_by(Gpu.created_at, Gpu.first_port, Gpu.uuid)
         else:
             query = query.order_by(Gpu.mem_free_mb, Gpu.uuid)
-        gpu = session.scalars(query.limit(1)).first()
+        gpu = session.scalars(query.limit(1)).first()  # pragma: no mutate - first() reads one
         if gpu is None:
             break
+        # The UPDATE checks again what the SELECT read: only a concurrent grant makes them
+        # differ (test_placement_postgres.py races them; the mutation run leaves it out).
+        still_fits = (Gpu.mem_free_mb >= need, Gpu.slots_free >= 1)  # pragma: no mutate
         took = _rowcount(
             session.execute(
                 update(Gpu)
-                .where(Gpu.id == gpu.id, Gpu.mem_free_mb >= need, Gpu.slots_free >= 1)
+                .where(Gpu.id == gpu.id, *still_fits)
                 .values(mem_free_mb=Gpu.mem_free_mb - need, slots_free=Gpu.slots_free - 1)
-                .execution_options(synchronize_session=False)
+                .execution_options(synchronize_session=False)  # pragma: no mutate - None: same
             )
         )
         if took:
             # The UPDATE holds the GPU's row lock until commit, so the slots read
             # here include every committed grant and no concurrent one can pick
             # the same slot (the unique index on (gpu_id, gpu_slot) backs this up).
-            used = set(
-                session.scalars(
-                    select(Replica.gpu_slot).where(
-                        Replica.gpu_id == gpu.id, Replica.gpu_slot.is_not(None)
-                    )
-                )
-            )
+            used = set(session.scalars(select(Replica.gpu_slot).where(Replica.gpu_id == gpu.id)))
             slot = next((s for s in range(gpu.slots_total) if s not in used), None)
             if slot is not None:
                 return GpuGrant(gpu.id, slot, need)
@@ -283,21 +282,11 @@ def free_gpu(session: Session, gpu_id: str, mem_mb: int) -> None:
         update(Gpu)
         .where(Gpu.id == gpu_id)
         .values(mem_free_mb=Gpu.mem_free_mb + mem_mb, slots_free=Gpu.slots_free + 1)
-        .execution_options(synchronize_session=False)
+        .execution_options(synchronize_session=False)  # pragma: no mutate - None: same
     )
 
 
 def spread_nodes(session: Session, fn: Function) -> list[str]:
     """Ids of every node a ``spread`` spawn puts replicas on."""
-    return list(
-        session.scalars(
-            select(Node.id)
-            .where(
-                Node.kind == fn.backend,
-                Node.healthy.is_(True),
-                Node.draining.is_(False),
-                or_(Node.quarantined_until.is_(None), Node.quarantined_until <= now()),
-            )
-            .order_by(Node.name)
-        )
-    )
+    query = select(Node.id).where(Node.kind == fn.backend, *_USABLE).order_by(Node.name)
+    return list(session.scalars(query, {"now": now()}))

@@ -15,7 +15,8 @@ from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import live, per_node
 from workers.base import clock
 from workers.base.errors import CapacityError, InputError
-from workers.fleet.placement import reserve_gpu, spread_nodes
+from workers.fleet.placement import MAX_ATTEMPTS, reserve_gpu, reserve_nodes, spread_nodes
+from workers.locks import lock_nodes
 from workers.store.models import Function, Gpu, Node, Replica, ReplicaState
 
 pytestmark = pytest.mark.timeout(60)
@@ -279,6 +280,20 @@ def test_a_gpu_whose_slots_replicas_hold_is_given_back_and_another_taken(
     assert free == {"g-lying": (3_000, 1), "g-true": (5_000, 3)}  # g-lying's given back
 
 
+@pytest.mark.parametrize("fit", ["best", "first"])
+def test_gpus_short_of_memory_or_slots_use_none_of_the_attempts(corral_env: Env, fit: str) -> None:
+    deploy_fn(corral_env, "f", gpu_mem=3_000)
+    short = [(f"g-short-{i:02}", 2_999, 4, 4000 + 4 * i) for i in range(MAX_ATTEMPTS)]
+    full = [(f"g-full-{i:02}", 3_000, 0, 4100 + 4 * i) for i in range(MAX_ATTEMPTS)]
+    # more GPUs that cannot take it than a reservation makes attempts, each ahead of the
+    # one that can in either order (less free memory; recorded earlier)
+    _gpus(corral_env, *short, *full, ("g-fits", 9_000, 4, 4200))
+    uuid, slot, free = _reserve(corral_env, fit)
+    assert (uuid, slot) == ("g-fits", 0)
+    assert free["g-fits"] == (6_000, 3)
+    assert all(free[g[0]] == (g[1], g[2]) for g in (*short, *full))
+
+
 def test_no_gpu_that_fits_is_a_capacity_error_that_changes_nothing(corral_env: Env) -> None:
     deploy_fn(corral_env, "f", gpu_mem=3_000)
     _gpus(corral_env, ("g-small", 2_000, 4, 4000), ("g-full", 9_000, 0, 4004))
@@ -300,6 +315,8 @@ def test_spread_puts_replicas_on_every_placeable_node_of_its_kind_by_name(
     deploy_fn(corral_env, "f")
     with corral_env.db.transaction() as s:
         s.add(Node(name="aa-lambdo", kind="lambdo", address="127.0.0.1:9", capacity=4))
+        kind = s.scalars(select(Node.kind).where(Node.name == "node1")).one()
+        s.add(Node(name="node0", kind=kind, address="127.0.0.1:9", capacity=4))  # added last
         s.execute(update(Node).where(Node.name == "node2").values(healthy=False))
         s.execute(update(Node).where(Node.name == "node3").values(draining=True))
         s.execute(
@@ -310,9 +327,36 @@ def test_spread_puts_replicas_on_every_placeable_node_of_its_kind_by_name(
     with corral_env.db.read() as s:
         fn = s.scalars(select(Function).where(Function.name == "f")).one()
         names = {n.id: n.name for n in s.scalars(select(Node))}
-        assert [names[i] for i in spread_nodes(s, fn)] == ["node1"]
+        assert [names[i] for i in spread_nodes(s, fn)] == ["node0", "node1"]
     with corral_env.db.transaction() as s:  # the quarantine is over: node4 again, in order
         s.execute(update(Node).values(quarantined_until=clock.now() - timedelta(seconds=1)))
     with corral_env.db.read() as s:
         fn = s.scalars(select(Function).where(Function.name == "f")).one()
-        assert [names[i] for i in spread_nodes(s, fn)] == ["node1", "node4"]
+        assert [names[i] for i in spread_nodes(s, fn)] == ["node0", "node1", "node4"]
+
+
+def test_a_batch_takes_the_least_loaded_nodes_one_slot_at_a_time_up_to_capacity(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(3, env=corral_env)
+    deploy_fn(corral_env, "f")
+    loads = {"node1": (3, 4), "node2": (0, 1), "node3": (1, 4)}  # live, capacity
+    with corral_env.db.transaction() as s:
+        for name, (live, capacity) in loads.items():
+            s.execute(update(Node).where(Node.name == name).values(live=live, capacity=capacity))
+
+    def reserve(n: int) -> list[str]:
+        with corral_env.db.transaction() as s:
+            fn = s.scalars(select(Function).where(Function.name == "f")).one()
+            lock_nodes(s, fn.backend)
+            return [node.name for node in reserve_nodes(s, fn, n)]
+
+    assert reserve(2) == ["node2", "node3"]  # node2's one slot, then the next least loaded
+    assert reserve(3) == ["node3", "node1", "node3"]  # 2/4 and 3/4: ties by name
+    with corral_env.db.read() as s:
+        assert {n.name: n.live for n in s.scalars(select(Node))} == {
+            "node1": 4,
+            "node2": 1,
+            "node3": 4,
+        }
+    assert reserve(1) == []  # all full

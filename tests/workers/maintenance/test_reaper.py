@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
+from datetime import datetime, timedelta
 
 import grpc
 import pytest
@@ -58,6 +61,8 @@ def test_idle_past_timeout_deleted_counting_from_last_use_or_readiness(
     assert {d.replica_id for d in report.deleted} == set(never)
     assert {d.reason for d in report.deleted} == {"idle"}
     assert {d.outcome for d in report.deleted} == {"deleted"}
+    for d in report.deleted:  # idle since it became ready: 61 s, and the test's own time
+        assert re.fullmatch(r"idle 6[1-9]s", d.detail), d.detail
     assert released(agents) == {vmid: 1 for vmid in never.values()}
     rows = by_id(corral_env)
     assert all(rows[rid].status == ReplicaState.DELETED for rid in never)
@@ -161,6 +166,12 @@ def test_stale_builds_removed_and_replaced_when_at_min(
     report = _reap(corral_env)  # no time passes: staleness alone is enough
     assert {d.replica_id for d in report.deleted} == {r.id for r in old}
     assert {d.reason for d in report.deleted} == {"stale"}
+    with corral_env.db.read() as s:
+        build = s.scalars(select(Function.build_version).where(Function.name == "hello")).one()
+    assert {d.detail for d in report.deleted} == {
+        f"build {r.build_version}, current {build}" for r in old
+    }
+    assert old[0].build_version != build
     assert report.kept_for_min == {"pinned": 1}
     assert report.replace == {"pinned": 1}
     assert released(agents) == {r.vmid: 1 for r in old}
@@ -177,7 +188,9 @@ def test_stale_builds_removed_and_replaced_when_at_min(
     assert by_id(corral_env)[fresh[0].id].status == ReplicaState.IDLE
 
 
-def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) -> None:
+def test_stuck_replicas_are_retired(
+    corral_env: Env, start_agents: StartAgents, caplog: pytest.LogCaptureFixture
+) -> None:
     agents = start_agents(1)
     deploy_fn(corral_env)
     deploy_fn(corral_env, "booting", readiness="guest")
@@ -194,14 +207,19 @@ def test_stuck_replicas_are_retired(corral_env: Env, start_agents: StartAgents) 
     begin_delete(corral_env.db, corral_env.settings, doomed.id)
     assert _live_on_nodes(corral_env) == 3
 
+    since = by_id(corral_env)[booting.id].updated_at  # when it became Starting
+    assert since is not None and since != booting.created_at
     clock.travel(corral_env.settings.boot_deadline_s + 1)
-    report = _reap(corral_env)
+    with caplog.at_level(logging.INFO, logger="workers.maintenance.reaper"):
+        report = _reap(corral_env)
     boot_error = "stuck in starting: the guest did not report ready within 60s"
+    assert f"replica {booting.id} {boot_error} (since {since})" in caplog.messages
     assert report.deleted == [
         Reaped(booting.id, "booting", "stuck", "stuck in starting", booting.vmid, "node1",
                "retired", boot_error)
     ]  # fmt: skip
     assert report.counts == {"stuck": 1, "stale": 0, "idle": 0}
+    assert f"reap pass test: {report.counts}" in caplog.messages
     clock.travel(corral_env.settings.creating_deadline_s)
     report = _reap(corral_env)
     create_error = "stuck in creating: no answer from the node within 300s"
@@ -239,12 +257,14 @@ def test_concurrent_passes_delete_each_replica_once(
 
 
 def test_a_held_lease_skips_the_pass_until_it_expires(
-    corral_env: Env, start_agents: StartAgents
+    corral_env: Env, start_agents: StartAgents, caplog: pytest.LogCaptureFixture
 ) -> None:
     agents, idle = idle_on(corral_env, start_agents, 1, 3, idle_timeout=10)
     assert leases.acquire(corral_env.db, LEASE, "crashed-worker", 120)
     clock.travel(11)
-    report = _reap(corral_env)
+    with caplog.at_level(logging.INFO, logger="workers.maintenance.reaper"):
+        report = _reap(corral_env)
+    assert "reap pass test skipped: lease held by crashed-worker" in caplog.messages
     assert report.skipped and report.held_by == "crashed-worker"
     assert report.deleted == [] and released(agents) == {}
     clock.travel(120)  # the crashed holder's lease lapses
@@ -262,6 +282,9 @@ def test_batch_limit(corral_env: Env, start_agents: StartAgents) -> None:
         sizes.append((len(report.deleted), report.more))
     assert sizes == [(3, True), (3, True), (1, False)]
     assert released(agents) == {r.vmid: 1 for r in idle}
+    spawn_idle(corral_env, "hello", 1)
+    clock.travel(11)
+    assert [len(_reap(corral_env, batch=1).deleted) for _ in range(2)] == [1, 0]
 
     corral_env.set(reap_batch=2)
     spawn_idle(corral_env, "hello", 5)
@@ -285,11 +308,14 @@ def test_release_failures(corral_env: Env, start_agents: StartAgents) -> None:
     # in this pass: the other VMs fail with the same error, without a call.
     assert len(agent.agent.calls_of("ReleaseVMSetup")) == 2
     assert len(failed) == 5 and report.failed == 5
+    with corral_env.db.read() as s:  # one miss for the node, however many releases failed
+        assert s.scalars(select(Node.misses)).one() == 1
     rows = by_id(corral_env)
     for d in failed:
         assert rows[d.replica_id].status == ReplicaState.DEAD
         assert "reconcile" in (rows[d.replica_id].error or "")
-        assert "node rebooting" in (rows[d.replica_id].error or "")
+        assert (rows[d.replica_id].error or "").startswith(d.error or "-")
+        assert "node rebooting" in (d.error or "").split("; ")[0]  # the release's own error
     assert _live_on_nodes(corral_env) == 0
 
     # A VM the node no longer has counts as released; other answers as they come.
@@ -384,10 +410,184 @@ def test_a_stuck_create_still_owned_by_a_live_handler_is_left_to_it(
 def test_the_stuck_sweep_stops_at_the_batch(corral_env: Env, start_agents: StartAgents) -> None:
     start_agents(1, env=corral_env)
     fn_id = deploy_fn(corral_env)
-    first = creating(corral_env, fn_id, "req-1")
+    later = creating(corral_env, fn_id, "req-1")  # recorded first
     clock.travel(1)
-    creating(corral_env, fn_id, "req-2")
+    first = creating(corral_env, fn_id, "req-2")
+    with corral_env.db.transaction() as s:  # its deadline moved before the other's
+        due = s.scalar(select(Replica.deadline_at).where(Replica.id == later.replica_id))
+        assert due is not None
+        s.execute(
+            update(Replica)
+            .where(Replica.id == first.replica_id)
+            .values(deadline_at=due - timedelta(seconds=1))
+        )
     clock.travel(corral_env.settings.creating_deadline_s + corral_env.settings.task_time_limit_s)
     report = _reap(corral_env, batch=1)
     assert [d.replica_id for d in report.deleted] == [first.replica_id]  # the oldest deadline
     assert report.more
+
+
+def test_a_stuck_replica_whose_release_fails_ends_dead_with_both_errors(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1)
+    deploy_fn(corral_env, "booting", readiness="guest")
+    with corral_env.db.transaction() as s:  # it lists its VMs: reconcile finds the orphan
+        s.execute(update(Node).values(can_list=True))
+    api.spawn("booting", 1)
+    (booting,) = replicas(corral_env, "booting")
+    agent.agent.inject("ReleaseVMSetup", Fault.abort(grpc.StatusCode.UNAVAILABLE, "rebooting"))
+    clock.travel(corral_env.settings.boot_deadline_s + 1)
+    (reaped,) = _reap(corral_env).deleted
+    stuck = "stuck in starting: the guest did not report ready within 60s; "
+    assert (reaped.reason, reaped.outcome) == ("stuck", "failed")
+    assert reaped.error is not None and reaped.error.startswith(stuck), reaped.error
+    assert "rebooting" in reaped.error
+    assert reaped.error.endswith("; reconcile will destroy the VM once the node answers")
+    row = by_id(corral_env)[booting.id]
+    assert (row.status, row.error) == (ReplicaState.DEAD, reaped.error)
+
+
+def test_rows_kept_for_min_use_none_of_the_batch_the_pass_reads_on_past_them(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "pinned", idle_timeout=10, min=2)
+    deploy_fn(corral_env, "other", idle_timeout=10)
+    spawn_idle(corral_env, "pinned", 2)
+    clock.travel(1)  # idle past their timeout a second after pinned's: read after them
+    others = spawn_idle(corral_env, "other", 2)
+    clock.travel(11)
+    report = _reap(corral_env, batch=2)  # the first page is the two kept: a second one
+    assert sorted(d.replica_id for d in report.deleted) == sorted(r.id for r in others)
+    assert report.kept_for_min == {"pinned": 2}
+    assert report.more
+
+
+def test_a_pass_reads_at_most_ten_rows_per_unit_of_batch(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "pinned", idle_timeout=10, min=10)
+    deploy_fn(corral_env, "other", idle_timeout=10)
+    spawn_idle(corral_env, "pinned", 10)
+    clock.travel(1)
+    (other,) = spawn_idle(corral_env, "other", 1)
+    clock.travel(11)
+    report = _reap(corral_env, batch=1)  # ten rows kept for min: the pass stops there
+    assert (report.deleted, report.kept_for_min) == ([], {"pinned": 10})
+    report = _reap(corral_env, batch=2)  # twenty: it reaches the other
+    assert [d.replica_id for d in report.deleted] == [other.id]
+
+
+def test_a_delete_whose_node_is_gone_is_finished_by_the_stuck_sweep(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents, (doomed,) = idle_on(corral_env, start_agents, 1, 1)
+    begin_delete(corral_env.db, corral_env.settings, doomed.id)  # its worker died here
+    with corral_env.db.transaction() as s:  # and its node was removed since
+        s.execute(update(Replica).where(Replica.id == doomed.id).values(node_id=None))
+        s.add(Node(name="sick", address="127.0.0.1:9", capacity=1, healthy=False))
+    clock.travel(corral_env.settings.creating_deadline_s + 1)  # a Deleting row's deadline
+    report = _reap(corral_env)
+    assert [(d.replica_id, d.detail) for d in report.deleted] == [(doomed.id, "stuck in deleting")]
+    assert by_id(corral_env)[doomed.id].status == ReplicaState.DELETED
+    assert released(agents) == {}  # no node to ask
+
+
+def test_stale_means_an_older_build_of_its_own_function_and_no_environment_in_use(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "zeta", exec_envs=2)  # built first: an older build than alpha's
+    clock.travel(1)
+    deploy_fn(corral_env, "alpha")
+    spawn_idle(corral_env, "zeta", 2)
+    spawn_idle(corral_env, "alpha", 2)
+    assert _reap(corral_env).deleted == []  # each of its own function's current build
+    busy = claim(corral_env.db, corral_env.settings, "zeta", ttl_s=86_400).replica_id
+    deploy_fn(corral_env, "alpha", env={"BUILD": "2"})
+    deploy_fn(corral_env, "zeta", exec_envs=2, env={"BUILD": "2"})  # written last
+    assert [d.function for d in _reap(corral_env, batch=1).deleted] == ["alpha"]  # by name
+    report = _reap(corral_env)
+    assert sorted(d.function for d in report.deleted) == ["alpha", "zeta"]
+    assert busy not in {d.replica_id for d in report.deleted}  # one of its two envs in use
+    row = by_id(corral_env)[busy]
+    assert (row.status, row.envs_in_use) == (ReplicaState.IDLE, 1)
+
+
+def test_bad_options_are_refused_before_anything_is_done(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    agents, idle = idle_on(corral_env, start_agents, 1, 1, idle_timeout=10)
+    clock.travel(11)
+    year = 365 * 86_400
+    with pytest.raises(InputError) as refused:
+        _reap(corral_env, idle_timeout=year + 1)
+    assert str(refused.value) == f"idle timeout must be between 0 and one year, got {year + 1}"
+    for batch in (0, True, 1.5, "2"):
+        with pytest.raises(InputError) as refused:
+            _reap(corral_env, batch=batch)
+        assert str(refused.value) == f"reap batch must be a positive integer, got {batch!r}"
+    assert released(agents) == {} and leases.current(corral_env.db, LEASE) is None
+    before = clock.now()
+    report = _reap(corral_env, idle_timeout=year, batch=3)  # a year is allowed
+    assert (report.holder, report.batch, report.idle_timeout) == ("test", 3, year)
+    assert report.deleted == [] and report.started_at is not None
+    started = datetime.fromisoformat(report.started_at).replace(tzinfo=None)
+    assert before - timedelta(seconds=1) <= started <= clock.now()
+    report = _reap(corral_env, batch=2)
+    assert [d.replica_id for d in report.deleted] == [idle[0].id]
+    assert not report.more  # one of the two left: the pass found all there was
+    steps = ("select_s", "release_s", "finish_s")
+    assert set(report.timings) == {*steps, "total_s"}
+    assert all(isinstance(t, float) and t >= 0 for t in report.timings.values())
+    assert sum(report.timings[s] for s in steps) <= report.timings["total_s"] + 1e-5
+    assert report.timings["total_s"] < 3600  # a duration, not a clock's reading
+
+
+def test_a_stale_replica_at_the_functions_max_asks_for_no_replacement(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "pinned", min=1, max=1)
+    spawn_idle(corral_env, "pinned", 1)
+    deploy_fn(corral_env, "pinned", min=1, max=1, env={"BUILD": "2"})
+    report = _reap(corral_env)
+    assert (report.deleted, report.kept_for_min) == ([], {"pinned": 1})
+    assert report.replace == {}  # a fresh one would go past the max
+
+
+def test_a_pass_first_gives_back_the_environments_of_expired_claims(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    _, (replica,) = idle_on(corral_env, start_agents, 1, 1, idle_timeout=3600)
+    claim(corral_env.db, corral_env.settings, "hello", ttl_s=5)  # its caller died with it
+    assert by_id(corral_env)[replica.id].status == ReplicaState.ALLOCATED
+    clock.travel(6)
+    report = _reap(corral_env)
+    assert (report.claims_expired, report.deleted) == (1, [])
+    assert by_id(corral_env)[replica.id].status == ReplicaState.IDLE
+
+
+def test_a_release_the_node_refuses_ends_the_replica_dead_with_the_nodes_error(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    corral_env.set(node_max_inflight="1")  # one call at a time: the refusals in order
+    (agent,), (a, b) = idle_on(corral_env, start_agents, 1, 2, idle_timeout=10)
+    clock.travel(11)
+    agent.agent.inject(
+        "ReleaseVMSetup", *[Fault.abort(grpc.StatusCode.INVALID_ARGUMENT, "no such disk")] * 2
+    )
+    report = _reap(corral_env)
+    assert {d.replica_id: d.outcome for d in report.deleted} == {a.id: "failed", b.id: "failed"}
+    rows = by_id(corral_env)
+    for d in report.deleted:
+        assert d.error is not None and "no such disk" in d.error
+        assert "reconcile" not in d.error  # not a transport failure: nothing to retry
+        assert (rows[d.replica_id].status, rows[d.replica_id].error) == (
+            ReplicaState.DEAD,
+            d.error,
+        )
+    with corral_env.db.read() as s:  # a refusal is an answer: the node is not counted a miss
+        assert s.scalars(select(Node.misses)).one() == 0
