@@ -46,30 +46,32 @@ def _live_on_nodes(env: Env) -> int:
 def test_idle_past_timeout_deleted_counting_from_last_use_or_readiness(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    agents, (a, b, c) = idle_on(corral_env, start_agents, 2, 3, idle_timeout=60)
-    clock.travel(30)
+    # Ten minutes, so that the test's own seconds on a loaded machine (added to the
+    # clock's travels) cannot move a replica across the timeout: 10 s to spare.
+    agents, (a, b, c) = idle_on(corral_env, start_agents, 2, 3, idle_timeout=600)
+    clock.travel(300)
     lent = claim(corral_env.db, corral_env.settings, "hello")
     used = lent.replica_id
     release(corral_env.db, corral_env.settings, lent.claim_id)  # its idle clock restarts now
     never = {r.id: r.vmid for r in (a, b, c) if r.id != used}
     assert len(never) == 2
 
-    clock.travel(29)  # never-used: idle 59 s, used: idle 29 s
+    clock.travel(290)  # never-used: idle 590 s, used: idle 290 s
     assert _reap(corral_env).deleted == []
-    clock.travel(2)  # never-used: 61 s, used: 31 s
+    clock.travel(20)  # never-used: 610 s, used: 310 s
     report = _reap(corral_env)
     assert {d.replica_id for d in report.deleted} == set(never)
     assert {d.reason for d in report.deleted} == {"idle"}
     assert {d.outcome for d in report.deleted} == {"deleted"}
-    for d in report.deleted:  # idle since it became ready: 61 s, and the test's own time
-        assert re.fullmatch(r"idle 6[1-9]s", d.detail), d.detail
+    for d in report.deleted:  # idle since it became ready: 610 s, and the test's own time
+        assert re.fullmatch(r"idle 6[12]\ds", d.detail), d.detail
     assert released(agents) == {vmid: 1 for vmid in never.values()}
     rows = by_id(corral_env)
     assert all(rows[rid].status == ReplicaState.DELETED for rid in never)
     assert rows[used].status == ReplicaState.IDLE
     assert _live_on_nodes(corral_env) == 1
 
-    clock.travel(30)  # the used one reaches 61 s idle
+    clock.travel(300)  # the used one reaches 610 s idle
     report = _reap(corral_env)
     assert [d.replica_id for d in report.deleted] == [used]
     assert sum(released(agents).values()) == 3
