@@ -87,26 +87,42 @@ def sync_due() -> bool:
     return _synced_at is None or time.monotonic() - _synced_at >= SYNC_EVERY_S
 
 
-def sync(read_db_time: Callable[[], datetime]) -> timedelta:
+def synced() -> bool:
+    """Whether this process has measured the database's clock at least once."""
+    return _synced_at is not None
+
+
+def sync(read_db_time: Callable[[], datetime], wait_s: float = -1) -> timedelta | None:
     """Measure the database's clock (``read_db_time`` asks it once); its distance to ours.
 
     It also notes how far this host's wall clock is from the store's (:func:`host_offset`).
+    One thread measures at a time; another waits for it ``wait_s`` at most (-1: as long as
+    it takes), then measures, or goes on with the estimate it has: None.
     """
+    if not _sync_lock.acquire(timeout=wait_s):
+        return None
+    try:
+        return _measure(read_db_time)
+    finally:
+        _sync_lock.release()
+
+
+def _measure(read_db_time: Callable[[], datetime]) -> timedelta:
+    """One measurement of the database's clock, under the sync lock."""
     global _anchor, _synced_at, _measured, _measurements
-    with _sync_lock:
-        before = time.monotonic()
-        db_time = read_db_time()
-        after = time.monotonic()
-        host = _host()
-        mid = (before + after) / 2
-        mono, base, _ = _anchor
-        drift = db_time - (base + timedelta(seconds=mid - mono))
-        _anchor = _anchor_at(db_time, mid)
-        _synced_at = after
-        offset = (host - timedelta(seconds=after - mid) - db_time).total_seconds()
-        _measurements += 1
-        _measured = (_measurements, offset)
-        return drift
+    before = time.monotonic()
+    db_time = read_db_time()
+    after = time.monotonic()
+    host = _host()
+    mid = (before + after) / 2
+    mono, base, _ = _anchor
+    drift = db_time - (base + timedelta(seconds=mid - mono))
+    _anchor = _anchor_at(db_time, mid)
+    _synced_at = after
+    offset = (host - timedelta(seconds=after - mid) - db_time).total_seconds()
+    _measurements += 1
+    _measured = (_measurements, offset)
+    return drift
 
 
 def host_offset() -> tuple[int, float] | None:

@@ -67,7 +67,9 @@ from typing import Any
 import redis
 from sqlalchemy.orm import Session
 
+from workers.base import timelimits
 from workers.base.clock import now
+from workers.base.redis_client import TIMEOUT_S
 from workers.observability import metric_catalog as catalog
 from workers.observability import tracing
 from workers.store.models import Operation, Replica
@@ -350,8 +352,17 @@ def observe(client: redis.Redis, stages: Mapping[str, float]) -> None:
 
 
 def observe_quietly(client: redis.Redis | None, stages: Mapping[str, float]) -> None:
-    """:func:`observe`, where a statistic is not worth failing the caller over."""
+    """:func:`observe`, where a statistic is not worth failing the caller over.
+
+    Nor worth a task's hard limit: a task with less time left than Redis may take to
+    answer (:data:`~workers.base.redis_client.TIMEOUT_S`, to connect and to answer) does
+    without it.
+    """
     if client is None or not stages:
+        return
+    left = timelimits.hard_left()
+    if left is not None and left < 2 * TIMEOUT_S:
+        log.debug("cold-start stages not counted: %.1fs left before the hard limit", left)
         return
     try:
         observe(client, stages)

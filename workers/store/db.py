@@ -238,7 +238,13 @@ class Database:
                 raise TypeError(f"the server's time came back as {type(value).__name__}")
             return value
 
-        clock.sync(server_time)
+        # A thread that finds another measuring goes on at once with the estimate it has
+        # (a measurement waits on the store: with the store away, threads queued here
+        # one connect timeout after another past their hard limits); before the first
+        # measurement it waits, but only its task's time left.
+        left = timelimits.hard_left()
+        wait = -1.0 if left is None else max(0.0, left - WAY_OUT_S)
+        clock.sync(server_time, 0.0 if clock.synced() else wait)
 
     def dispose(self) -> None:
         """Close this process's connections."""

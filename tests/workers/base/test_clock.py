@@ -7,6 +7,8 @@ would; the first transaction measures the store's clock again and cancels the sk
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 import redis
@@ -123,3 +125,32 @@ def test_the_stores_clock_in_sql_is_the_servers_and_follows_travel(corral_env: E
         travelled = s.scalar(select(store_now()))
     assert isinstance(travelled, datetime)
     assert abs(travelled - _server_time(corral_env) - timedelta(seconds=61)) < timedelta(seconds=1)
+
+
+def test_a_thread_finding_the_store_clock_measured_by_another_goes_on_at_once() -> None:
+    # With the store away, a measurement waits on it (a connect timeout): every other
+    # thread's transaction queued behind it, one timeout after another, past their
+    # tasks' hard limits (the partition run). Once the clock was measured, they go on.
+    started, release = threading.Event(), threading.Event()
+
+    def slow_store() -> datetime:
+        started.set()
+        release.wait(10)
+        return datetime.now(UTC).replace(tzinfo=None)
+
+    clock.sync(lambda: datetime.now(UTC).replace(tzinfo=None))  # measured once
+    assert clock.synced()
+    measuring = threading.Thread(target=clock.sync, args=(slow_store,))
+    measuring.start()
+    try:
+        assert started.wait(10)
+        t0 = time.monotonic()
+        assert clock.sync(slow_store, 0.0) is None  # not measured: the estimate stands
+        assert time.monotonic() - t0 < 1.0
+        t0 = time.monotonic()
+        assert clock.sync(slow_store, 0.2) is None  # a wait given: that long at most
+        assert 0.2 <= time.monotonic() - t0 < 1.2
+    finally:
+        release.set()
+        measuring.join(10)
+        clock.reset()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from sqlalchemy import select
@@ -11,11 +12,13 @@ import tasks.replicas
 from corral import api
 from corral.cli import main
 from tasks.maintenance import QUEUE
+from testkit.services import RedisServer
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, one_agent, operation, record_vm, result_of, spawn_ok
 from workers.backends import Vm
-from workers.base import clock
+from workers.base import clock, timelimits
 from workers.base.kinds import OpKind
+from workers.base.redis_client import TIMEOUT_S
 from workers.fleet.nodes import upsert_node
 from workers.observability import stages
 from workers.operations import create_operation
@@ -87,3 +90,22 @@ def test_a_ready_that_came_before_the_record_is_a_ready_stage_of_zero(store_env:
     assert stored["ready"] == 0.0 and set(stored) == (WORKER_STAGES - {"queue"}) | {"ready"}
     with store_env.db.read() as s:
         assert s.scalar(select(Replica.vmid)) == "vm-2"
+
+
+def test_a_task_near_its_hard_limit_does_not_wait_on_redis_for_a_statistic(
+    redis_server: RedisServer,
+) -> None:
+    # A scale whose broker went away recorded its stages in its last 2.3 s, and Redis's
+    # 5 s read timeout carried it past its hard limit (the partition run).
+    client = redis_server.client(5)
+    client.delete(stages.KEY)
+    now = time.monotonic()
+    near = timelimits.Deadline(now - 1, hard_at=now + TIMEOUT_S)  # less than two timeouts
+    with timelimits.running(near):
+        stages.observe_quietly(client, {"ask": 0.01})
+    assert client.hgetall(stages.KEY) == {}  # not waited on: not counted
+    far = timelimits.Deadline(now + 60, hard_at=now + 90)
+    with timelimits.running(far):
+        stages.observe_quietly(client, {"ask": 0.01})
+    assert client.hgetall(stages.KEY) != {}
+    client.delete(stages.KEY)
