@@ -39,10 +39,9 @@ separated) that raise :class:`FaultInjected` before running: how the tests make
 a task fail unexpectedly in a real worker (``NAME@here``: in the caller's process,
 before a task carried out there is set up, :func:`tasks.queues.carry_out`).
 
-Per-process resources - the database engine, gRPC channels and the HTTP client -
-are dropped in ``worker_process_init`` so each prefork child makes its own (and
-starts its own tracing, :mod:`workers.observability.tracing`, when ``CORRAL_OTLP_ENDPOINT`` is
-set); a worker refuses to start on an un-migrated database.
+Per-process resources (the store's engine, gRPC channels, the HTTP client) are dropped
+in ``worker_process_init``: each prefork child makes its own (and starts its own tracing,
+:mod:`workers.observability.tracing`); a worker refuses an un-migrated database.
 """
 
 from __future__ import annotations
@@ -171,21 +170,8 @@ class CorralRequest(Request):  # type: ignore[misc]
     def on_timeout(self, soft: bool, timeout: float) -> None:
         """Past the hard limit (billiard kills the child): count the kill, give the message back."""
         if not soft:
-            count_kill(str(self.id))
+            poison.count_kill_quietly(redis_client(get_settings().broker_url), str(self.id))
         super().on_timeout(soft, timeout)
-
-
-def count_kill(task_id: str) -> None:
-    """Count a kill of ``task_id`` at its hard limit (:mod:`workers.base.poison`); never raises."""
-    client = redis_client(get_settings().broker_url)
-    if client is None:
-        return
-    try:
-        killed = poison.count_kill(client, task_id)
-    except Exception as exc:  # the message comes back all the same; counted at its next kill
-        log.warning("could not count the kill of task %s: %s", task_id, exc)
-    else:
-        log.warning("task %s killed at its hard time limit (%d times)", task_id, killed)
 
 
 class CorralTask(Task):  # type: ignore[misc]
@@ -268,15 +254,9 @@ class CorralTask(Task):  # type: ignore[misc]
         except TaskPredicate:  # Retry, Ignore, Reject: Celery's own control flow
             raise
         except BrokerUnreachable as exc:
-            # A message this task sends could not be queued in its time: give this task's
-            # own message back (idempotent: it carries on where it stopped) rather than
-            # fail its operation over a broker that is away. If the broker cannot take
-            # the reject either, the visibility timeout brings the message back.
-            log.warning(
-                "task %s: the broker would not take its messages (%s); its message goes back",
-                self.request.id,
-                exc,
-            )
+            # Its messages could not be queued in its time: its own goes back (the task is
+            # idempotent), or, with the broker away, comes back after the visibility timeout.
+            log.warning("task %s: messages not queued (%s); it goes back", self.request.id, exc)
             raise Reject(exc, requeue=True) from None
         except OutOfTime as exc:
             # Past the soft limit at a safe point (the agent calls themselves end cleanly
@@ -377,21 +357,15 @@ class CorralTask(Task):  # type: ignore[misc]
         return super().apply_async(args, kwargs, **options)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's retry, except that a retry the broker would not take gives the message back.
-
-        Celery drops the message then (``Reject(requeue=False)``): a task whose retry was
-        lost would never run again, and a release or a delete with it.
-        """
+        """Celery's retry, except that a retry the broker would not take gives the message back
+        (Celery drops it: the task, a release or a delete, would never run again)."""
         try:
             return super().retry(*args, **kwargs)
         except Reject as rejected:
             if rejected.requeue:
                 raise
-            log.warning(
-                "task %s: its retry could not be queued (%s); its message goes back",
-                self.request.id,
-                rejected.reason,
-            )
+            why = rejected.reason
+            log.warning("task %s: retry not queued (%s); it goes back", self.request.id, why)
             raise Reject(rejected.reason, requeue=True) from None
 
     def retry_within_budget(self, what: str, exc: Exception | None = None) -> None:
@@ -415,13 +389,9 @@ class CorralTask(Task):  # type: ignore[misc]
 def backoff_s(settings: Settings, retries: int) -> float:
     """Seconds to wait before retry ``retries + 1``: exponential, capped, equal jitter.
 
-    The ceiling is ``CORRAL_RETRY_BACKOFF_S`` doubled per retry already made, at most
-    ``CORRAL_RETRY_BACKOFF_MAX_S``; the wait is drawn between half the ceiling and all of
-    it (*equal* jitter). Not full jitter (zero to the ceiling): a task's retries are the
-    time an agent that is down, or a lock holder, has to come back, and full jitter
-    could spend the whole budget in a fraction of a second. With the defaults (0.5 s,
-    five retries) the waits add up to at least 7.75 s; half of each is still random, so
-    the retries of calls that failed together spread out.
+    ``CORRAL_RETRY_BACKOFF_S`` doubled per retry made, at most ``CORRAL_RETRY_BACKOFF_MAX_S``,
+    drawn between half and all of it: full jitter could spend a budget meant for an agent
+    to come back in a fraction of a second (the defaults give at least 7.75 s in all).
     """
     ceiling = min(settings.retry_backoff_max_s, settings.retry_backoff_s * (2**retries))
     return random.uniform(ceiling / 2, ceiling)  # noqa: S311 - retry jitter, not a secret

@@ -127,7 +127,9 @@ def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6
     # The maybes hold their slots (the node never over-commits) until their deadline: this
     # node's guests report READY (the replacements' did), so the READY window.
     # (6 before: the killed worker had marked its whole round sent before the first call)
-    assert api.operation(op)["maybes"] == {"open": 2}
+    # (Or a maybe's VM said READY once no create was in flight and settled it: released.)
+    maybes = api.operation(op)["maybes"]
+    assert sum(maybes.values()) == 2 and set(maybes) <= {"open", "released"}, maybes
 
     def node() -> Node:
         with broker_env.db.read() as s:

@@ -23,6 +23,8 @@ comes back all the same, and is counted at its next kill).
 
 from __future__ import annotations
 
+import logging
+
 import redis
 
 KEY_PREFIX = "corral:kills:"
@@ -55,3 +57,17 @@ def given_up(killed: int) -> str:
         f"killed at its hard time limit {killed} times (CORRAL_TASK_TIME_LIMIT_S); "
         "given up, its message acknowledged"
     )
+
+
+def count_kill_quietly(client: redis.Redis | None, task_id: str) -> None:
+    """:func:`count_kill`, logged; never raises (the message comes back all the same)."""
+    if client is None:
+        return
+    try:
+        killed = count_kill(client, task_id)
+    except Exception as exc:  # counted at its next kill
+        logging.getLogger(__name__).warning("could not count the kill of task %s: %s", task_id, exc)
+    else:
+        logging.getLogger(__name__).warning(
+            "task %s killed at its hard time limit (%d times)", task_id, killed
+        )

@@ -83,7 +83,10 @@ def test_a_stalled_sink_drops_and_counts_records_instead_of_blocking_the_thread_
         (report,) = [line for line in sink.lines if note in line]
         dropped = int(report.split()[0])
         assert written[0] == "INFO corral.test.logs: line 0"  # formatted as the sink would
-        assert written == [f"INFO corral.test.logs: line {n}" for n in range(len(written))]
+        # in the order logged, none twice; which were dropped depends on when the handler's
+        # thread took its first record (the slot it freed may take a later one)
+        numbers = [int(line.rsplit(" ", 1)[1]) for line in written]
+        assert numbers == sorted(set(numbers))
         assert BOUND <= len(written) <= BOUND + 1  # the queue, and the one in the sink's hands
         assert logs.dropped_total(client) == before + dropped  # the fleet's total
     finally:
