@@ -36,8 +36,13 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 NOFILE = 256
 
 
-def _at_256() -> None:  # in the gateway's process, before it runs: `ulimit -n 256`
-    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+def _limited(soft: int, hard: int) -> list[str]:
+    """The command prefix that runs a program with these descriptor limits (``ulimit -n``).
+
+    util-linux's ``prlimit``, not a ``preexec_fn``: Python run between fork and exec in a
+    process with gRPC threads can die before the exec.
+    """
+    return ["prlimit", f"--nofile={soft}:{hard}", "--"]
 
 
 def _started(port: int) -> None:
@@ -85,7 +90,10 @@ def test_a_gateway_at_256_descriptors_retires_no_replica_and_cold_starts_again(
     (other,) = stack.replicas("other")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        [
+            *_limited(NOFILE, NOFILE),
+            *[sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        ],
         env={
             **os.environ,
             "CORRAL_GATEWAY_TOKEN": TOKEN,
@@ -93,7 +101,6 @@ def test_a_gateway_at_256_descriptors_retires_no_replica_and_cold_starts_again(
         },
         stdout=subprocess.DEVNULL,
         stderr=(tmp_path / "gateway.log").open("wb"),
-        preexec_fn=_at_256,
     )
     flood: list[socket.socket] = []
     try:
@@ -152,10 +159,12 @@ def test_a_gateway_at_256_descriptors_retires_no_replica_and_cold_starts_again(
 def test_a_gateway_raises_its_soft_descriptor_limit_to_the_hard_one(stack: Stack) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        [
+            *_limited(256, 1024),
+            *[sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024)),
     )
     try:
         _started(port)
