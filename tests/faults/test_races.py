@@ -69,16 +69,19 @@ def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
     place(corral_env.db, settings, None, _fn_id(corral_env), [SpawnJob("req-1")])
     listing = backends.list_vms
 
+    landed: list[dict[str, str]] = []
+
     def list_then_spawn_lands(node: Node, s: Any) -> Any:
         vms = listing(node, s)  # the node is listed before the VM exists...
-        assert create(corral_env.db, settings, ["req-1"], Budget.of(settings)).states == {
-            "req-1": "idle"
-        }
+        landed.append(create(corral_env.db, settings, ["req-1"], Budget.of(settings)).states)
         return vms  # ...and the spawn records its VM before reconcile reads the rows
 
     monkeypatch.setattr(backends, "list_vms", list_then_spawn_lands)
     first = reconcile(corral_env.db, settings, holder="t", queue=QUEUE)
     monkeypatch.setattr(backends, "list_vms", listing)
+    # the race took place: the node was listed (once, no error) and the VM landed meanwhile
+    assert landed == [{"req-1": "idle"}], first
+    assert first.nodes_checked == ["node1"], first
     second = reconcile(corral_env.db, settings, holder="t", queue=QUEUE)
 
     assert first.vanished == [] and second.vanished == []
