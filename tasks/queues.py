@@ -256,6 +256,10 @@ class HereFirst:
         for i in range(max(threads, 1)):  # ahead of the first cold start, off its path
             self._pool.submit(_warm, queue.tasks, ready, i == 0)
 
+    def close(self) -> None:
+        """Stop its threads once the tasks running on them end (nothing queued is run)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     @property
     def busy(self) -> int:
         """Threads carrying a first task out now."""

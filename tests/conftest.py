@@ -8,6 +8,11 @@ short ones at the end, so that no long test is left to run alone while the other
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 
 from tests import requirements
@@ -30,3 +35,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skip or fail a test whose ``needs`` are unmet (tests.requirements)."""
     requirements.check(item)
+
+
+#: This process's network namespace (its main thread's, as the tests start).
+HOME_NETNS = os.stat("/proc/thread-self/ns/net").st_ino
+
+
+def threads_elsewhere() -> list[str]:
+    """Threads of this process in another network namespace than it started in (name, tid)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if os.stat(task / "ns" / "net").st_ino != HOME_NETNS:
+                name = names.get(int(task.name)) or (task / "comm").read_text().strip()
+                out.append(f"{name} ({task.name})")
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left_in_a_namespace() -> Iterator[None]:
+    """Fail the test that leaves a thread in another network namespace once its fixtures end.
+
+    A thread started inside a test's namespace (``testkit.netns``) stays there: a gRPC or
+    HTTP client running on it would reach that namespace's loopback, not this one's, and
+    a later test's agents would refuse it.
+    """
+    yield
+    left = threads_elsewhere()
+    assert not left, f"threads left in another network namespace: {left}"

@@ -58,6 +58,7 @@ from testkit.nsprocs import Layout, NsPostgres, Proc
 from testkit.services import make_shared_tempdir
 from tests.fixtures import NO_BROKER
 from tests.requirements import NETNS, needs
+from workers.backends import inflight
 from workers.gateway import serve_gateway
 from workers.gateway.asgi import RETRY_AFTER_S
 from workers.store.db import Database, is_transient
@@ -563,7 +564,8 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
     with net.entered("cl"):  # the gateway's threads start here: they are on host cl
         db = Database(settings.database_url)
         upgrade(db)
-        gateway = serve_gateway(settings, "127.0.0.1:0", queue=HereFirst(QUEUE), db=db)
+        queue = HereFirst(QUEUE)  # its threads, and the process's call loop, start on cl too
+        gateway = serve_gateway(settings, "127.0.0.1:0", queue=queue, db=db)
         url = f"{gateway.url}/function/nothing-by-this-name"
         try:
             with db.read() as s:
@@ -588,6 +590,10 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
         finally:
             gateway.stop()
             db.dispose()
+            # threads left on cl would make this process's later calls there: a later
+            # test's agents refused every create (conftest's namespace check)
+            queue.close()
+            inflight.reset()
 
 
 @needs_netns
