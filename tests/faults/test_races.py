@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -69,7 +70,7 @@ def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
     place(corral_env.db, settings, None, _fn_id(corral_env), [SpawnJob("req-1")])
     listing = backends.list_vms
 
-    landed: list[dict[str, str]] = []
+    landed: list[Mapping[str, str]] = []
 
     def list_then_spawn_lands(node: Node, s: Any) -> Any:
         vms = listing(node, s)  # the node is listed before the VM exists...
