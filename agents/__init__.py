@@ -29,8 +29,9 @@ scripted faults (``agent.inject(op, Fault.abort(...), Fault.delay(...), ...)``, 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from config import lazy
 
 if TYPE_CHECKING:
     from agents.drivers import (
@@ -50,24 +51,20 @@ if TYPE_CHECKING:
 # Imported lazily (PEP 562), so ``python -m agents.fcdaemon`` does not import the
 # module it is about to run, and importing one agent does not import the others.
 _EXPORTS = {
-    "VM": "agents.drivers",
-    "DriverError": "agents.drivers",
-    "ImageNotFound": "agents.drivers",
-    "MemoryDriver": "agents.drivers",
-    "ProcessDriver": "agents.drivers",
-    "VMDriver": "agents.drivers",
-    "VMSpec": "agents.drivers",
-    "Fault": "agents.faults",
-    "FaultPlan": "agents.faults",
-    "FcAgent": "agents.fcdaemon",
-    "RunningAgent": "agents.fcdaemon",
-    "serve_fcdaemon": "agents.fcdaemon",
-    "GpuAgent": "agents.gpus",
-    "RunningGpus": "agents.gpus",
-    "serve_gpus": "agents.gpus",
-    "LambdoAgent": "agents.lambdo",
-    "RunningLambdo": "agents.lambdo",
-    "serve_lambdo": "agents.lambdo",
+    **lazy.names_in(
+        "agents.drivers",
+        "VM",
+        "DriverError",
+        "ImageNotFound",
+        "MemoryDriver",
+        "ProcessDriver",
+        "VMDriver",
+        "VMSpec",
+    ),
+    **lazy.names_in("agents.faults", "Fault", "FaultPlan"),
+    **lazy.names_in("agents.fcdaemon", "FcAgent", "RunningAgent", "serve_fcdaemon"),
+    **lazy.names_in("agents.gpus", "GpuAgent", "RunningGpus", "serve_gpus"),
+    **lazy.names_in("agents.lambdo", "LambdoAgent", "RunningLambdo", "serve_lambdo"),
 }
 
 __all__ = [
@@ -92,17 +89,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module on first use.
-
-    importlib, not kombu's ``symbol_by_name`` as the workers' lazy imports: importing
-    ``kombu.utils`` loads about 0.1 s of kombu, which an agent process never needs."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'agents' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # mypy sees the imports above: the names are typed, not Any
+    __getattr__ = lazy.module_getattr(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -25,14 +25,13 @@ Importing the API loads the settings and the store, and no more: ``corral nodes 
 is one query. What loads Celery (the Celery queue and the tasks, :data:`tasks.maintenance.QUEUE`:
 the first operation queued; in eager mode the tasks run here), gRPC and the agent
 clients (requests, CPU hogs, the reaper's checks, the GPU inventory) or Alembic
-(:func:`upgrade_db`) is imported when first used (:class:`_Later`).
+(:func:`upgrade_db`) is imported when first used (:class:`config.lazy.LazyModule`).
 ``tests/corral/cli/test_startup.py`` checks what each command imports.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Generic, NotRequired, TypedDict, TypeVar,
 
 from sqlalchemy.orm import Session
 
+from config.lazy import LazyModule, module_getattr
 from config.settings import Settings, get_settings
 from workers import dispatch
 from workers.base.errors import BrokerError, InputError
@@ -77,20 +77,6 @@ from workers.store.db import Database, get_database
 from workers.store.models import OP_FINISHED, Operation
 from workers.store.revisions import check_schema, safe_url
 
-
-class _Later:
-    """A module imported when one of its names is first used, not when the API is imported.
-
-    With importlib, not kombu's ``symbol_by_name``: importing ``kombu.utils`` loads kombu,
-    which the API's store queries never load (tests/corral/cli/test_startup.py)."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(importlib.import_module(self._name), attr)
-
-
 if TYPE_CHECKING:
     import redis
 
@@ -109,31 +95,31 @@ if TYPE_CHECKING:
     from workers.store import migrate
 else:
     # Celery; the agent clients and gRPC; Alembic; Redis; what one group of calls needs
-    redis = _Later("redis")
-    maintenance = _Later("tasks.maintenance")
-    invocations = _Later("tasks.invocations")
-    call_stats = _Later("workers.invocations.stats")
-    redis_clients = _Later("workers.base.redis_client")
-    idletimes = _Later("workers.autoscale.idletimes")
-    gpu_inventory = _Later("workers.fleet.gpus")
-    fleet_hogs = _Later("workers.fleet.hogs")
-    counters = _Later("workers.maintenance.audit")
-    reaper = _Later("workers.maintenance.reaper")
-    redrive = _Later("workers.maintenance.redrive")
-    claims = _Later("workers.replicas.claims")
-    coldstarts = _Later("workers.replicas.coldstarts")
-    requests = _Later("workers.replicas.requests")
-    migrate = _Later("workers.store.migrate")
-
-# Names the API exports from modules it imports when first used.
-_EXPORTED_LATER = {"GpuView": gpu_inventory, "Audit": counters, "RESENDABLE": redrive}
-
-
-def __getattr__(name: str) -> Any:
-    """An exported name of a module imported on first use (``GpuView``, ``Audit``...)."""
-    if name in _EXPORTED_LATER:
-        return getattr(_EXPORTED_LATER[name], name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    redis = LazyModule("redis")
+    maintenance = LazyModule("tasks.maintenance")
+    invocations = LazyModule("tasks.invocations")
+    call_stats = LazyModule("workers.invocations.stats")
+    redis_clients = LazyModule("workers.base.redis_client")
+    idletimes = LazyModule("workers.autoscale.idletimes")
+    gpu_inventory = LazyModule("workers.fleet.gpus")
+    fleet_hogs = LazyModule("workers.fleet.hogs")
+    counters = LazyModule("workers.maintenance.audit")
+    reaper = LazyModule("workers.maintenance.reaper")
+    redrive = LazyModule("workers.maintenance.redrive")
+    claims = LazyModule("workers.replicas.claims")
+    coldstarts = LazyModule("workers.replicas.coldstarts")
+    requests = LazyModule("workers.replicas.requests")
+    migrate = LazyModule("workers.store.migrate")
+    # Names the API exports from modules it imports when first used (mypy sees the imports
+    # above: the names are typed, and a misspelt one is an error, not Any).
+    __getattr__ = module_getattr(
+        __name__,
+        {
+            "GpuView": "workers.fleet.gpus:GpuView",
+            "Audit": "workers.maintenance.audit:Audit",
+            "RESENDABLE": "workers.maintenance.redrive:RESENDABLE",
+        },
+    )
 
 
 __all__ = [

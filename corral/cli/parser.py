@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -42,18 +41,17 @@ def integer(text: str) -> int:
 
 
 class Deferred:
-    """A command's handler, ``"MODULE:FUNCTION"`` in :mod:`corral.cli`, imported when called.
-
-    With importlib, not kombu's ``symbol_by_name``: importing ``kombu.utils`` loads kombu,
-    which the store's commands never load (tests/corral/cli/test_startup.py)."""
+    """A command's handler, ``"MODULE:FUNCTION"`` in :mod:`corral.cli`, imported when called
+    (:func:`config.lazy.attribute`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
     def __call__(self, args: argparse.Namespace, settings: Settings) -> int:
         """Import the handler's module and run it."""
-        module, function = self.name.split(":")
-        run: Handler = getattr(importlib.import_module(f"corral.cli.{module}"), function)
+        from config import lazy  # here: `corral --help` and a usage error run no handler
+
+        run: Handler = lazy.attribute(f"corral.cli.{self.name}")
         return run(args, settings)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from config import lazy
 from tasks import replicas as replica_tasks
 from workers import replicas
 from workers.replicas.plan import DeleteBatch, DeleteOne, Message, SpawnBatch, SpawnJob, SpawnOne
@@ -60,7 +61,8 @@ def test_each_message_is_its_task_with_its_arguments(
 
 def test_every_name_of_the_face_is_its_modules_own() -> None:
     for name in replicas.__all__:
-        module = importlib.import_module(replicas._FACE[name])
-        assert getattr(replicas, name) is getattr(module, name), name
+        module, attr = lazy.split(replicas._FACE[name])
+        assert attr == name
+        assert getattr(replicas, name) is getattr(importlib.import_module(module), name), name
     with pytest.raises(AttributeError, match="no attribute 'run_batch'"):
         _ = replicas.run_batch  # type: ignore[attr-defined]  # not on the face

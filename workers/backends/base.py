@@ -29,11 +29,11 @@ thread) and answer with plain data: :class:`Created`, :class:`ListedVm`.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from config import lazy
 from config.settings import Settings
 from workers.base.errors import InputError
 from workers.base.kinds import NODE_KINDS, NodeKind
@@ -171,10 +171,8 @@ BACKENDS: dict[NodeKind, str] = {
 
 @functools.cache
 def _load(kind: NodeKind) -> NodeBackend:
-    """The backend of ``kind``, imported now (importlib, not kombu's ``symbol_by_name``:
-    ``corral nodes add`` asks for a backend and loads no kombu)."""
-    module, _, name = BACKENDS[kind].partition(":")
-    made: NodeBackend = getattr(importlib.import_module(module), name)()
+    """The backend of ``kind``, imported now."""
+    made: NodeBackend = lazy.attribute(BACKENDS[kind])()
     return made
 
 

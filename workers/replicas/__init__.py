@@ -52,8 +52,9 @@ lost nodes (:mod:`~workers.replicas.lost`) and views (:mod:`~workers.replicas.vi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from config import lazy
 
 if TYPE_CHECKING:
     from workers.replicas.handlers import (
@@ -71,22 +72,20 @@ if TYPE_CHECKING:
 
 # The face: each name, and the module it is imported from on first use.
 _FACE = {
-    **dict.fromkeys(
-        (
-            "Context",
-            "Port",
-            "spawn_operation",
-            "spawn_batch",
-            "spawn_replica",
-            "delete_batch",
-            "delete_replica",
-            "release_orphan",
-            "scale_operation",
-        ),
+    **lazy.names_in(
         "workers.replicas.handlers",
+        "Context",
+        "Port",
+        "spawn_operation",
+        "spawn_batch",
+        "spawn_replica",
+        "delete_batch",
+        "delete_replica",
+        "release_orphan",
+        "scale_operation",
     ),
-    **dict.fromkeys(
-        ("Message", "SpawnBatch", "SpawnOne", "DeleteBatch", "DeleteOne"), "workers.replicas.plan"
+    **lazy.names_in(
+        "workers.replicas.plan", "Message", "SpawnBatch", "SpawnOne", "DeleteBatch", "DeleteOne"
     ),
 }
 
@@ -109,12 +108,4 @@ __all__ = [
 
 
 if not TYPE_CHECKING:  # mypy sees the imports above; the face is typed, not Any
-
-    def __getattr__(name: str) -> Any:
-        """A name of the face, from its module (imported on first use)."""
-        module = _FACE.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value
-        return value
+    __getattr__ = lazy.module_getattr(__name__, _FACE)
