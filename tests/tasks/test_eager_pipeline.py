@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from sqlalchemy import select
 from agents.faults import Fault
 from corral import api
 from protos import fcdaemon_pb2
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent
 from tests.helpers import replicas as replica_rows
@@ -152,15 +152,14 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
     """Delete while the agent is still creating: the late VM is torn down, no orphan."""
     agent = one_agent(corral_env, start_agents)
     agent.agent.inject("CreateReplica", Fault.delay(1.0))  # the agent answers late
-    spawning = threading.Thread(target=lambda: api.wait(api.spawn("hello", 1), timeout=10))
+    spawning = threading.Thread(target=lambda: api.wait(api.spawn("hello", 1), timeout=120))
     spawning.start()
-    deadline = time.monotonic() + 5
-    while not agent.agent.calls_of("CreateReplica") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    eventually(lambda: agent.agent.calls_of("CreateReplica"), 30, "the create to go out")
     (creating,) = replica_rows(corral_env)
     assert creating.status == ReplicaState.CREATING and creating.owner is not None
-    assert api.wait(api.delete(creating.id), timeout=10)["status"] == "succeeded"
-    spawning.join(10)
+    assert api.wait(api.delete(creating.id), timeout=60)["status"] == "succeeded"
+    spawning.join(120)  # (eager: the spawn, its late VM's release included, runs in the thread)
+    assert not spawning.is_alive()
     assert agent.driver.list() == []
     (call,) = agent.agent.calls_of("ReleaseVMSetup")  # the late VM, released by the spawn
     (row,) = replica_rows(corral_env)
