@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stack.supervisor import die_with_parent
+from testkit.services import setpriv
 
 PREFIX = "corral-pt"
 NETNS_DIR = Path("/var/run/netns")
@@ -341,10 +341,13 @@ class Launcher:
         self._thread = threading.Thread(target=self._serve, name="launcher", daemon=True)
         self._thread.start()
 
-    def popen(self, host: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        """``subprocess.Popen(argv, **kwargs)`` inside ``host``, in its own session."""
+    def popen(
+        self, host: str, argv: list[str], *, user: int | None = None, **kwargs: Any
+    ) -> subprocess.Popen[bytes]:
+        """``subprocess.Popen(argv, **kwargs)`` inside ``host``, in its own session, as
+        ``user`` if given, killed when the launcher ends."""
         done: Future[subprocess.Popen[bytes]] = Future()
-        self._jobs.put((host, argv, kwargs, done))
+        self._jobs.put((host, [*setpriv(user, die_with_parent=True), *argv], kwargs, done))
         return done.result(timeout=60)
 
     def _serve(self) -> None:
@@ -352,9 +355,8 @@ class Launcher:
             host, argv, kwargs, done = job
             try:
                 with self.net.entered(host):
-                    proc = subprocess.Popen(
-                        argv, start_new_session=True, preexec_fn=die_with_parent, **kwargs
-                    )
+                    # no preexec_fn, no user=: subprocess vforks (services.setpriv)
+                    proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
                 done.set_result(proc)
             except BaseException as exc:  # handed to the caller
                 done.set_exception(exc)

@@ -59,7 +59,7 @@ from psycopg import sql
 from config.celery import QUEUES
 from stack.redis import redis_argv, write_private_config
 from testkit.netns import Host, Launcher
-from testkit.services import PostgresServer
+from testkit.services import PostgresServer, setpriv
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_PORT = 50051
@@ -240,13 +240,12 @@ class NsPostgres(_Server):
             os.chown(pwfile, self.run_as, _gid(self.run_as) or 0)
         try:
             subprocess.run(
-                [str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
+                [*setpriv(self.run_as),
+                 str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
                  "--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={pwfile}",
                  "-E", "UTF8", "--locale=C", "--no-sync"],
                 stdin=subprocess.DEVNULL, capture_output=True, cwd=self.directory,
-                env={**os.environ, "LC_ALL": "C", "LANG": "C"}, user=self.run_as,
-                group=_gid(self.run_as), extra_groups=[] if self.run_as is not None else None,
-                check=True, timeout=300,
+                env={**os.environ, "LC_ALL": "C", "LANG": "C"}, check=True, timeout=300,
             )  # fmt: skip
         finally:
             pwfile.unlink()
@@ -317,7 +316,7 @@ class Proc:
         self.popen = launcher.popen(
             self.host, self.argv, env=self.env, cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE if self.piped else self._out, stderr=subprocess.STDOUT,
-            user=user, group=_gid(user), extra_groups=[] if user is not None else None,
+            user=user,
         )  # fmt: skip
         if self.piped and self.popen.stdout is not None:
             pipe = self.popen.stdout

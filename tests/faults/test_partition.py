@@ -31,6 +31,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from sqlalchemy import text
@@ -56,6 +57,7 @@ from testkit.netns import (
 from testkit.nsfleet import SKEWCLOCK, Fleet
 from testkit.nsprocs import Layout, NsPostgres, Proc
 from testkit.services import make_shared_tempdir
+from tests.conftest import threads_elsewhere
 from tests.fixtures import NO_BROKER
 from tests.requirements import NETNS, needs
 from workers.backends import inflight
@@ -468,6 +470,30 @@ def test_cuts_cut_only_what_they_name_and_heal_restores_all(
         "every host reaching every other after heal",
     )
     assert net.faulty == []
+
+
+@needs_netns
+def test_a_process_started_in_a_host_leaves_none_of_this_processes_threads_there() -> None:
+    """A fork made inside a host, with gRPC's threads running, started them again there
+    (its fork handlers run in the forking thread): every later agent call of the process
+    was refused. The launcher forks no more (setpriv instead of a preexec_fn)."""
+    agent = serve_fcdaemon("127.0.0.1:0", advertise_ip="127.0.0.1")
+    channel = grpc.insecure_channel(agent.address)  # gRPC's threads running, as in the suite
+    grpc.channel_ready_future(channel).result(timeout=30)
+    net = Network(str(os.getpid()))
+    launcher = None
+    try:
+        net.create([Host("x", "10.231.0.10")])
+        launcher = Launcher(net)
+        sleepers = [launcher.popen("x", ["sleep", "600"]) for _ in range(5)]
+        assert threads_elsewhere() == []  # gRPC's event_engine and lifeguard were, before
+        assert sorted(net.pids("x")) == sorted(p.pid for p in sleepers)
+    finally:
+        channel.close()
+        agent.stop(grace=0)
+        if launcher is not None:
+            launcher.close()
+        cleanup(net.run, keep=os.getpid())
 
 
 @needs_netns
