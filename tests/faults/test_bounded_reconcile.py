@@ -19,7 +19,7 @@ from corral import api
 from stack.supervisor import stop_process
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
-from tests.faults.conftest import POOLS
+from tests.faults.conftest import POOL_PER_STORE
 from tests.fixtures import Env, StartAgents
 from workers import leases
 from workers.base.poison import KEY_PREFIX
@@ -45,7 +45,7 @@ def _env(env: Env) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@POOLS
+@POOL_PER_STORE
 def test_60_slow_orphans_are_released_across_passes_with_no_kill(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess], pool: str
 ) -> None:
