@@ -64,9 +64,28 @@ def shared_broker_env(tmp: Path, store_url: str, redis: RedisServer) -> Iterator
     configure(get_settings())
 
 
+#: The in-process worker's BRPOP timeout (kombu's ``polling_interval``; 1 s by default).
+#: A message ends a BRPOP at once whatever it is; the timeout is how long the worker's
+#: stop waits for its last BRPOP to return: a second at the end of every test, else.
+STOP_POLL_S = 0.1
+
+
 @contextlib.contextmanager
 def worker_thread() -> Iterator[None]:
     """A real Celery worker (thread pool) on the broker in force, in this process."""
+    options = app.conf.broker_transport_options or {}
+    app.conf.broker_transport_options = {**options, "polling_interval": STOP_POLL_S}
+    try:
+        with _started_worker():
+            yield
+    finally:  # the options in force now (the test may have set others), less this one
+        now = dict(app.conf.broker_transport_options or {})
+        now.pop("polling_interval", None)
+        app.conf.broker_transport_options = now
+
+
+@contextlib.contextmanager
+def _started_worker() -> Iterator[None]:
     with start_worker(
         app,
         pool="threads",
