@@ -110,10 +110,14 @@ def thread_worker(broker_env: Env) -> Iterator[Env]:
 
 @pytest.fixture
 def worker_processes(broker_env: Env, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
-    """A list to append started :class:`WorkerProcess` objects to; all stopped afterwards."""
+    """A list to append started :class:`WorkerProcess` objects to; all killed afterwards.
+
+    Killed (:meth:`WorkerProcess.kill`), not stopped warm: the test is over and its broker
+    and store are the next test's only once emptied, so a warm stop (seconds: the
+    worker's last BRPOP, a prefork pool's children) would wait for nothing. Tests that
+    check what a warm stop does stop their workers themselves.
+    """
     started: list[WorkerProcess] = []
     yield started
-    for worker in started:  # all at once: a prefork worker's warm stop takes seconds
-        worker.ask_to_stop()
     for worker in started:
-        worker.stop()
+        worker.kill()
