@@ -59,7 +59,7 @@ from psycopg import sql
 from config.celery import QUEUES
 from stack.redis import redis_argv, write_private_config
 from testkit.netns import Host, Launcher
-from testkit.services import PostgresServer, setpriv
+from testkit.services import PostgresServer, one_attempt, setpriv
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT_PORT = 50051
@@ -199,7 +199,11 @@ class NsRedis(_Server):
         return redis.Redis.from_url(self.url_for(db), socket_timeout=5, socket_connect_timeout=2)
 
     def _ready(self) -> bool:
-        with contextlib.suppress(redis.RedisError), self.client() as client:
+        # one attempt (the caller polls): redis-py's default retries back off for seconds
+        probe = redis.Redis.from_url(
+            self.url_for(0), socket_timeout=5, socket_connect_timeout=2, retry=one_attempt()
+        )
+        with contextlib.suppress(redis.RedisError), probe as client:
             return bool(client.ping())
         return False
 

@@ -51,6 +51,8 @@ from mirakuru import Executor
 from mirakuru.exceptions import AlreadyRunning, ProcessExitedWithError
 from mirakuru.exceptions import TimeoutExpired as StartTimeout
 from pytest_postgresql.janitor import DatabaseJanitor
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from stack.redis import free_port, redis_argv
 
@@ -95,6 +97,11 @@ class _SessionLeader(Executor):
         if kwargs.pop("preexec_fn", None) is not None:
             kwargs["start_new_session"] = True
         return kwargs
+
+
+def one_attempt() -> Retry:
+    """A redis-py retry policy of no retry: for readiness probes, whose callers poll again."""
+    return Retry(NoBackoff(), 0)
 
 
 def _start_on_a_port(make: Callable[[int], E], port: int | None, log: Path) -> E:
@@ -210,8 +217,12 @@ class _Redis(_SessionLeader):
         return self.after_start_check()
 
     def after_start_check(self) -> bool:
-        """Return True once the server answers PING."""
-        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=1)
+        """Return True once the server answers PING.
+
+        One attempt: redis-py's default retries (backing off 1 s, 2 s...) made each probe of
+        a port nobody listens on yet - the check before every start - take seconds.
+        """
+        client = redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=1, retry=one_attempt())
         try:
             return bool(client.ping())
         except redis.RedisError:

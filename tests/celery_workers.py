@@ -64,9 +64,28 @@ def shared_broker_env(tmp: Path, store_url: str, redis: RedisServer) -> Iterator
     configure(get_settings())
 
 
+#: The in-process worker's BRPOP timeout (kombu's ``polling_interval``; 1 s by default).
+#: A message ends a BRPOP at once whatever it is; the timeout is how long the worker's
+#: stop waits for its last BRPOP to return: a second at the end of every test, else.
+STOP_POLL_S = 0.1
+
+
 @contextlib.contextmanager
 def worker_thread() -> Iterator[None]:
     """A real Celery worker (thread pool) on the broker in force, in this process."""
+    options = app.conf.broker_transport_options or {}
+    app.conf.broker_transport_options = {**options, "polling_interval": STOP_POLL_S}
+    try:
+        with _started_worker():
+            yield
+    finally:  # the options in force now (the test may have set others), less this one
+        now = dict(app.conf.broker_transport_options or {})
+        now.pop("polling_interval", None)
+        app.conf.broker_transport_options = now
+
+
+@contextlib.contextmanager
+def _started_worker() -> Iterator[None]:
     with start_worker(
         app,
         pool="threads",
@@ -91,10 +110,14 @@ def thread_worker(broker_env: Env) -> Iterator[Env]:
 
 @pytest.fixture
 def worker_processes(broker_env: Env, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
-    """A list to append started :class:`WorkerProcess` objects to; all stopped afterwards."""
+    """A list to append started :class:`WorkerProcess` objects to; all killed afterwards.
+
+    Killed (:meth:`WorkerProcess.kill`), not stopped warm: the test is over and its broker
+    and store are the next test's only once emptied, so a warm stop (seconds: the
+    worker's last BRPOP, a prefork pool's children) would wait for nothing. Tests that
+    check what a warm stop does stop their workers themselves.
+    """
     started: list[WorkerProcess] = []
     yield started
-    for worker in started:  # all at once: a prefork worker's warm stop takes seconds
-        worker.ask_to_stop()
     for worker in started:
-        worker.stop()
+        worker.kill()

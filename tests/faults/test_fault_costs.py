@@ -33,7 +33,7 @@ from corral.cli import main
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from testkit.services import PostgresServer
-from tests.faults.conftest import POOLS, SHORT, apply_limits
+from tests.faults.conftest import POOL_PER_STORE, POOLS, SHORT, apply_limits
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn, replicas
 from tests.workers.replicas.helpers import created, no_drift, running
@@ -197,7 +197,7 @@ def off_node_guests(broker_env: Env, registry: RunningRegistry) -> Iterator[Runn
 
 
 @pytest.mark.timeout(180)
-@POOLS
+@POOL_PER_STORE
 def test_a_maybe_on_a_full_node_keeps_its_part_and_its_vm_is_adopted_when_ready(
     broker_env: Env,
     off_node_guests: RunningAgent,
@@ -239,7 +239,7 @@ def test_a_maybe_on_a_full_node_keeps_its_part_and_its_vm_is_adopted_when_ready(
 
 
 @pytest.mark.timeout(180)
-@POOLS
+@POOL_PER_STORE
 def test_a_worker_killed_and_started_again_frees_its_call_slots_at_start(
     broker_env: Env,
     start_agents: StartAgents,

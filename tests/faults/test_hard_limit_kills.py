@@ -18,7 +18,7 @@ import pytest
 
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
-from tests.faults.conftest import POOLS
+from tests.faults.conftest import POOL_PER_STORE
 from tests.faults.test_time_limits import TASKS
 from tests.fixtures import Env
 from tests.helpers import broker_drained, operation
@@ -54,7 +54,7 @@ def _killed(pool: str, task_id: str) -> re.Pattern[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@POOLS
+@POOL_PER_STORE
 def test_a_poison_message_is_failed_after_3_kills_and_its_neighbours_finish_within_seconds(
     broker_env: Env, worker_processes: list[WorkerProcess], tmp_path: Path, pool: str
 ) -> None:

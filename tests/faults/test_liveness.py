@@ -21,7 +21,7 @@ from agents.fcdaemon import RunningAgent
 from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
-from tests.faults.conftest import POOLS
+from tests.faults.conftest import POOL_PER_STORE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
 from tests.workers.replicas.helpers import created, no_drift, running
@@ -46,7 +46,7 @@ def _live(env: Env) -> int:
 
 
 @pytest.mark.timeout(120)
-@POOLS
+@POOL_PER_STORE
 def test_a_seed_agent_answering_unavailable_twice_still_spawns_within_15_s(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess], pool: str
 ) -> None:
@@ -77,7 +77,7 @@ def test_a_seed_agent_answering_unavailable_twice_still_spawns_within_15_s(
 
 
 @pytest.mark.timeout(120)
-@POOLS
+@POOL_PER_STORE
 def test_a_create_whose_answer_is_lost_ends_with_n_replicas_and_no_vm_without_a_row(
     broker_env: Env,
     start_agents: StartAgents,

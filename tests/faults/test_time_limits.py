@@ -22,6 +22,7 @@ from sqlalchemy import text
 from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
+from tests.faults.conftest import POOL_PER_STORE
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import broker_drained, deploy_fn
 from workers.celery import app
@@ -181,7 +182,7 @@ FULL_PIPE = 60_000  # unread bytes of a full pipe (64 KiB) less a page: writers 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@POOLS
+@POOL_PER_STORE
 def test_a_12_s_stall_of_the_log_pipe_kills_nothing(
     broker_env: Env, worker_processes: list[WorkerProcess], pool: str
 ) -> None:

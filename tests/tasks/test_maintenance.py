@@ -30,11 +30,13 @@ from tests.helpers import deploy_fn
 from workers.celery import app
 from workers.store.models import Node, Operation
 
+# Every housekeeping pass every half second (the test waits for each to run three times).
 FAST_BEAT = {
     "CORRAL_HEALTH_INTERVAL_S": "0.5",
     "CORRAL_REAP_INTERVAL_S": "0.5",
     "CORRAL_RECONCILE_INTERVAL_S": "0.5",
     "CORRAL_AUTOSCALE_INTERVAL_S": "0.5",
+    "CORRAL_CALLS_SWEEP_INTERVAL_S": "0.5",
 }
 
 

@@ -23,6 +23,7 @@ from workers.autoscale.decision import Window
 from workers.autoscale.passes import run_pass, state_key
 from workers.base import clock
 from workers.base.errors import InputError
+from workers.base.redis_client import redis_client
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.invocations import attempts, records
@@ -211,9 +212,8 @@ def test_the_reaper_and_the_autoscaler_feed_their_metrics(
 
 
 def test_a_source_that_does_not_answer_is_reported_not_fatal(env: Env) -> None:
-    dead = redis.Redis(
-        host="127.0.0.1", port=free_port(), socket_timeout=0.5, socket_connect_timeout=0.5
-    )
+    # the client `corral metrics` passes (one attempt), for a port nobody listens on
+    dead = redis_client(f"redis://127.0.0.1:{free_port()}/0")
     running = serve(env.db, dead, "127.0.0.1:0")
     try:
         got = scrape(running.url)
