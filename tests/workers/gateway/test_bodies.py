@@ -143,3 +143,33 @@ def test_no_body_announced_reads_the_one_message_and_holds_nothing() -> None:
             assert body == b"" and bodies.held == 0
 
     asyncio.run(run())
+
+
+def test_a_peers_bodies_hold_at_most_its_share_and_give_it_back_once() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=100, budget=100, read_timeout_s=5, per_peer=10)
+
+        def of(peer: str, size: int) -> tuple[dict[str, Any], Receive]:
+            scope = _scope(content_length=str(size)) | {"client": (peer, 40000)}
+            return scope, _pieces(b"x" * size)
+
+        first = bodies.read(*of("10.0.0.1", 6))
+        async with first:
+            with pytest.raises(Answer) as refused:
+                async with bodies.read(*of("10.0.0.1", 5)):
+                    pass
+            async with bodies.read(*of("10.0.0.2", 5)):  # another peer has its own share
+                assert bodies.peers == {"10.0.0.1": 6, "10.0.0.2": 5} and bodies.held == 11
+            assert bodies.peers == {"10.0.0.1": 6} and bodies.held == 6
+        assert (bodies.peers, bodies.held, first.held) == ({}, 0, 0)
+        first.release()  # given back once: releasing again changes nothing
+        assert (bodies.peers, bodies.held) == ({}, 0)
+        async with bodies.read(*of("10.0.0.1", 10)):  # the whole share is the peer's again
+            assert bodies.peers == {"10.0.0.1": 10}
+        answer = refused.value
+        assert (answer.status, answer.message) == (
+            503,
+            "the gateway holds as many request bodies of this caller as it may: try again",
+        )
+
+    asyncio.run(run())
