@@ -148,7 +148,7 @@ class Bodies:
         self.held -= held
         peer = reading.peer
         if peer is not None:
-            left = self.peers.get(peer, 0) - held
+            left = self.peers[peer] - held  # charged in _charge, so it is there
             if left > 0:
                 self.peers[peer] = left
             else:

@@ -161,6 +161,9 @@ def test_a_peers_bodies_hold_at_most_its_share_and_give_it_back_once() -> None:
             async with bodies.read(*of("10.0.0.2", 5)):  # another peer has its own share
                 assert bodies.peers == {"10.0.0.1": 6, "10.0.0.2": 5} and bodies.held == 11
             assert bodies.peers == {"10.0.0.1": 6} and bodies.held == 6
+            async with bodies.read(*of("10.0.0.1", 4)):  # the rest of the peer's share
+                assert bodies.peers == {"10.0.0.1": 10}
+            assert bodies.peers == {"10.0.0.1": 6}  # what its other body holds is kept
         assert (bodies.peers, bodies.held, first.held) == ({}, 0, 0)
         first.release()  # given back once: releasing again changes nothing
         assert (bodies.peers, bodies.held) == ({}, 0)
