@@ -112,6 +112,7 @@ def test_a_body_that_stops_arriving_is_408_and_gives_its_bytes_back() -> None:
             408,
             "request body not received within 0.05s",
         )
+        assert slow.value.headers == {"connection": "close"}  # the rest is never read
         assert bodies.held == 0
 
     asyncio.run(stalls())
@@ -153,17 +154,17 @@ def test_a_peers_bodies_hold_at_most_its_share_and_give_it_back_once() -> None:
             scope = _scope(content_length=str(size)) | {"client": (peer, 40000)}
             return scope, _pieces(b"x" * size)
 
-        first = bodies.read(*of("10.0.0.1", 6))
+        first = bodies.read(*of("10.0.0.1", 1))
         async with first:
             with pytest.raises(Answer) as refused:
-                async with bodies.read(*of("10.0.0.1", 5)):
+                async with bodies.read(*of("10.0.0.1", 10)):
                     pass
             async with bodies.read(*of("10.0.0.2", 5)):  # another peer has its own share
-                assert bodies.peers == {"10.0.0.1": 6, "10.0.0.2": 5} and bodies.held == 11
-            assert bodies.peers == {"10.0.0.1": 6} and bodies.held == 6
-            async with bodies.read(*of("10.0.0.1", 4)):  # the rest of the peer's share
+                assert bodies.peers == {"10.0.0.1": 1, "10.0.0.2": 5} and bodies.held == 6
+            assert bodies.peers == {"10.0.0.1": 1} and bodies.held == 1
+            async with bodies.read(*of("10.0.0.1", 9)):  # the rest of the peer's share
                 assert bodies.peers == {"10.0.0.1": 10}
-            assert bodies.peers == {"10.0.0.1": 6}  # what its other body holds is kept
+            assert bodies.peers == {"10.0.0.1": 1}  # the byte its other body holds is kept
         assert (bodies.peers, bodies.held, first.held) == ({}, 0, 0)
         first.release()  # given back once: releasing again changes nothing
         assert (bodies.peers, bodies.held) == ({}, 0)
@@ -174,5 +175,33 @@ def test_a_peers_bodies_hold_at_most_its_share_and_give_it_back_once() -> None:
             503,
             "the gateway holds as many request bodies of this caller as it may: try again",
         )
+
+    asyncio.run(run())
+
+
+def test_a_body_behind_the_minimum_rate_after_its_grace_is_408_and_closes() -> None:
+    async def run() -> None:
+        # no grace: the first piece is already due (a second more per min_rate bytes read)
+        bodies = Bodies(max_body=100, budget=100, read_timeout_s=5, min_rate=1000, grace_s=0)
+        with pytest.raises(Answer) as slow:
+            async with bodies.read(_scope(content_length="10"), _pieces(b"x" * 10)):
+                pass
+        answer = slow.value
+        assert (answer.status, answer.message, answer.headers) == (
+            408,
+            "request body slower than 1000 bytes a second",
+            {"connection": "close"},
+        )
+        assert bodies.held == 0
+
+    asyncio.run(run())
+
+
+def test_a_body_that_arrives_within_a_short_read_timeout_is_read() -> None:
+    async def run() -> None:
+        # every piece is there at once: no wait, whatever the timeout (under a second here)
+        bodies = Bodies(max_body=100, budget=100, read_timeout_s=0.5)
+        async with bodies.read(_scope(content_length="6"), _pieces(b"abc", b"def")) as body:
+            assert body == b"abcdef"
 
     asyncio.run(run())
