@@ -376,6 +376,7 @@ class _Pass:
             cutoff = plan.release_before(at)
             if cutoff is None:
                 continue
+            since = datetime.fromtimestamp(cutoff, UTC).replace(tzinfo=None)  # the store's UTC
             warm = plan.warm(at)
             note = (
                 "; keep-alive: the next call is not due"
@@ -386,11 +387,13 @@ class _Pass:
                 select(Replica)
                 .where(
                     Replica.function_id == fn_id,
-                    Replica.status == ReplicaState.IDLE,
-                    Replica.idle_since <= datetime.fromtimestamp(cutoff, UTC).replace(tzinfo=None),
-                    Replica.envs_in_use == 0,
+                    # (not mutated, as in idle(): idle_since is NULL outside Idle and while an
+                    # environment is in use; '<' differs only at the very microsecond)
+                    Replica.status == ReplicaState.IDLE,  # pragma: no mutate
+                    Replica.idle_since <= since,  # pragma: no mutate
+                    Replica.envs_in_use == 0,  # pragma: no mutate
                 )
-                .order_by(Replica.idle_since),
+                .order_by(Replica.idle_since),  # pragma: no mutate - the index's order here
                 "idle",
                 note,
             )
