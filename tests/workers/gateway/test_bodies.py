@@ -82,16 +82,21 @@ def test_a_body_that_fills_the_budget_exactly_fits_and_one_byte_more_is_refused(
 
 
 def test_a_body_over_the_limit_is_413_announced_or_counted() -> None:
+    async def never() -> dict[str, Any]:
+        raise AssertionError("an announced body over the limit is refused before it is read")
+
     async def run() -> None:
         bodies = Bodies(max_body=5, budget=100, read_timeout_s=5)
         for scope, receive in (
-            (_scope(content_length="6"), _pieces(b"x" * 6)),
+            (_scope(content_length="6"), never),
             (_scope(transfer_encoding="chunked"), _pieces(b"xxx", b"xxx")),
         ):
             with pytest.raises(Answer) as over:
                 async with bodies.read(scope, receive):
                     pass
-            assert (over.value.status, over.value.message) == (413, "request body over 5 bytes")
+            answer = over.value
+            assert (answer.status, answer.message) == (413, "request body over 5 bytes")
+            assert answer.headers == {"connection": "close"}
             assert bodies.held == 0
 
     asyncio.run(run())
@@ -203,5 +208,14 @@ def test_a_body_that_arrives_within_a_short_read_timeout_is_read() -> None:
         bodies = Bodies(max_body=100, budget=100, read_timeout_s=0.5)
         async with bodies.read(_scope(content_length="6"), _pieces(b"abc", b"def")) as body:
             assert body == b"abcdef"
+
+    asyncio.run(run())
+
+
+def test_with_no_body_allowed_an_empty_chunked_body_is_still_read() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=0, budget=100, read_timeout_s=5)
+        async with bodies.read(_scope(transfer_encoding="chunked"), _pieces(b"")) as body:
+            assert body == b"" and bodies.held == 0
 
     asyncio.run(run())
