@@ -137,6 +137,9 @@ def test_idle_times_redis_cannot_read_leave_the_fixed_rule_and_say_why(
     spawn_idle(corral_env, "tick", 1)
     nowhere = redis.Redis(unix_socket_path=str(tmp_path / "no-redis.sock"))
     with caplog.at_level(logging.WARNING, logger="workers.maintenance.reaper"):
+        # an operator's idle timeout decides alone: the idle times are not even read
+        reap(corral_env.db, corral_env.settings, holder="op", idle_timeout=600, idle_times=nowhere)
+        assert caplog.records == []
         report = reap(corral_env.db, corral_env.settings, holder="test", idle_times=nowhere)
     assert report.deleted == [] and report.keep_alive == {}  # its 600 s hold
     (warning,) = [r for r in caplog.records if r.name == "workers.maintenance.reaper"]
