@@ -219,3 +219,17 @@ def test_with_no_body_allowed_an_empty_chunked_body_is_still_read() -> None:
             assert body == b"" and bodies.held == 0
 
     asyncio.run(run())
+
+
+def test_with_no_body_announced_the_one_message_is_what_is_read() -> None:
+    async def read(message: dict[str, Any]) -> bytes:
+        async def receive() -> dict[str, Any]:
+            return message
+
+        async with Bodies(max_body=100, budget=0, read_timeout_s=5).read(_scope(), receive) as b:
+            return b
+
+    assert asyncio.run(read({"type": "http.request"})) == b""  # no body key: none
+    assert asyncio.run(read({"type": "http.request", "body": b"hi"})) == b"hi"
+    with pytest.raises(ClientGone):
+        asyncio.run(read({"type": "http.disconnect"}))
