@@ -15,6 +15,7 @@ import pytest
 
 from workers.gateway.asgi import RETRY_AFTER_S, Answer, ClientGone
 from workers.gateway.bodies import Bodies
+from workers.gateway.headers import Trusted
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
@@ -233,3 +234,26 @@ def test_with_no_body_announced_the_one_message_is_what_is_read() -> None:
     assert asyncio.run(read({"type": "http.request", "body": b"hi"})) == b"hi"
     with pytest.raises(ClientGone):
         asyncio.run(read({"type": "http.disconnect"}))
+
+
+def test_a_trusted_proxys_bodies_and_a_peerless_ones_are_bounded_by_the_total() -> None:
+    async def run() -> None:
+        bodies = Bodies(
+            max_body=100, budget=100, read_timeout_s=5, per_peer=4, trusted=Trusted("10.0.0.9/32")
+        )
+        proxy = _scope(content_length="10") | {"client": ("10.0.0.9", 40000)}
+        # pieces without a body key (an empty piece) are read as empty
+        pieces = [{"type": "http.request", "body": b"x" * 10, "more_body": True},
+                  {"type": "http.request", "more_body": False}]  # fmt: skip
+
+        async def receive() -> dict[str, Any]:
+            return pieces.pop(0)
+
+        async with bodies.read(proxy, receive) as body:  # over the share: a proxy has none
+            assert (body, bodies.held, bodies.peers) == (b"x" * 10, 10, {})
+            async with bodies.read(_scope(content_length="3"), _pieces(b"abc")):  # no client
+                assert bodies.peers == {"": 3}
+        assert (bodies.held, bodies.peers) == (0, {})
+        assert (bodies.min_rate, bodies.grace_s) == (4096, 10.0)  # the defaults: Apache's
+
+    asyncio.run(run())
