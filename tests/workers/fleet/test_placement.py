@@ -388,7 +388,7 @@ def test_a_batch_breaks_ties_by_name_and_fills_every_free_slot(corral_env: Env) 
     assert reserve(4) == [("node0", 4)] * 3  # the rest of node0, to its last slot
 
 
-def _fill_before_the_update(s: Session, fill: Callable[[Session], None]) -> None:
+def _fill_before_the_update(s: Session, fill: Callable[[Session], object]) -> None:
     """Run ``fill`` on ``s``'s connection just before its next UPDATE: what a concurrent
     transaction would have committed between the choice and the taking."""
     filled: list[bool] = []
