@@ -117,7 +117,8 @@ def test_control_characters_are_escaped_once(raw: str, shown: str) -> None:
 @pytest.mark.parametrize(
     "name",
     ["AWS_SECRET_ACCESS_KEY", "agent-token", "Password", "x_api_key", "Authorization",
-     "aws_access_key_id", "db_credentials", "BASIC_AUTH", "apikey", "passwd"],
+     "aws_access_key_id", "db_credentials", "BASIC_AUTH", "apikey", "passwd",
+     "X-Api-Key", "aws-access-key-id", "Basic-Auth"],  # a dash reads as an underscore
 )  # fmt: skip
 def test_secret_names(name: str) -> None:
     assert is_secret_name(name)

@@ -95,7 +95,8 @@ def _rowcount(result: Any) -> int:
 
 def _candidate(session: Session, fn: Function, policy: str, skip: Sequence[str]) -> Node | None:
     at = {"now": now()}
-    if policy in ("loadbalance", "spread") and not skip:
+    # (not mutated: the prebuilt query is the else branch's below, kept for speed)
+    if policy in ("loadbalance", "spread") and not skip:  # pragma: no mutate
         return session.scalars(_LEAST_LOADED, {"backend": fn.backend, **at}).first()
     where = [*_placeable(fn.backend)]
     if skip:
@@ -177,7 +178,10 @@ def reserve_nodes(session: Session, fn: Function, n: int) -> list[Node]:
     # Only the n least loaded can be chosen: a node outside them becomes the least loaded
     # only once each of the n has been chosen at least once, i.e. after n choices.
     nodes = session.scalars(
-        select(Node).where(*_placeable(fn.backend)).order_by(Node.live, Node.name).limit(n),
+        select(Node)
+        .where(*_placeable(fn.backend))
+        .order_by(Node.live, Node.name)
+        .limit(n),  # pragma: no mutate - no limit reads them all: the n least loaded are chosen
         {"now": now()},
     ).all()
     heap = [(node.live, node.name, i) for i, node in enumerate(nodes)]

@@ -376,6 +376,7 @@ class _Pass:
             cutoff = plan.release_before(at)
             if cutoff is None:
                 continue
+            since = datetime.fromtimestamp(cutoff, UTC).replace(tzinfo=None)  # the store's UTC
             warm = plan.warm(at)
             note = (
                 "; keep-alive: the next call is not due"
@@ -386,11 +387,13 @@ class _Pass:
                 select(Replica)
                 .where(
                     Replica.function_id == fn_id,
-                    Replica.status == ReplicaState.IDLE,
-                    Replica.idle_since <= datetime.fromtimestamp(cutoff, UTC).replace(tzinfo=None),
-                    Replica.envs_in_use == 0,
+                    # (not mutated, as in idle(): idle_since is NULL outside Idle and while an
+                    # environment is in use; '<' differs only at the very microsecond)
+                    Replica.status == ReplicaState.IDLE,  # pragma: no mutate
+                    Replica.idle_since <= since,  # pragma: no mutate
+                    Replica.envs_in_use == 0,  # pragma: no mutate
                 )
-                .order_by(Replica.idle_since),
+                .order_by(Replica.idle_since),  # pragma: no mutate - the index's order here
                 "idle",
                 note,
             )
@@ -552,23 +555,24 @@ def _release_all(db: Database, settings: Settings, victims: list[_Victim]) -> No
                 v.reaped.outcome = "waiting"
                 v.reaped.error = waiting[v.doomed.replica_id] = f"{outcome}; {WAITS}"
                 continue
-            _outcome(
-                v,
-                released=False,
-                error=f"{outcome}; reconcile will destroy the VM once the node answers",
-            )
+            _failed(v, f"{outcome}; reconcile will destroy the VM once the node answers")
         elif isinstance(outcome, BackendError):
-            _outcome(v, released=False, error=str(outcome))
+            _failed(v, str(outcome))
         else:
-            _outcome(v, released=outcome)
+            _released(v, released=outcome)
     wait_for_node(db, settings, waiting)
 
 
-def _outcome(v: _Victim, *, released: bool, error: str | None = None) -> None:
-    if error is not None:
-        v.error = f"{v.error}; {error}" if v.error else error
-        v.reaped.outcome = "failed"
-    elif v.error is not None:  # stuck: VM released, the row still ends Dead
+def _failed(v: _Victim, error: str) -> None:
+    """The victim's VM could not be released: it ends Dead with why."""
+    v.error = f"{v.error}; {error}" if v.error else error
+    v.reaped.outcome = "failed"
+    v.reaped.error = v.error
+
+
+def _released(v: _Victim, *, released: bool) -> None:
+    """The victim's VM was released (or was already gone)."""
+    if v.error is not None:  # stuck: VM released, the row still ends Dead
         v.reaped.outcome = "retired"
     else:
         v.reaped.outcome = "deleted" if released else "gone"

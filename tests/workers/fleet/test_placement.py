@@ -6,7 +6,8 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
+from sqlalchemy.orm import Session
 
 from corral import api
 from testkit.fleets import decide, populate
@@ -360,3 +361,71 @@ def test_a_batch_takes_the_least_loaded_nodes_one_slot_at_a_time_up_to_capacity(
             "node3": 4,
         }
     assert reserve(1) == []  # all full
+
+
+def _nodes(env: Env, **loads: tuple[int, int]) -> None:
+    """Nodes of ``f``'s kind (live, capacity), added in the order given."""
+    with env.db.transaction() as s:
+        kind = s.scalars(select(Function.backend).where(Function.name == "f")).one()
+        for name, (live, capacity) in loads.items():
+            s.add(Node(name=name, kind=kind, address="127.0.0.1:9", live=live, capacity=capacity))
+
+
+def test_a_batch_breaks_ties_by_name_and_fills_every_free_slot(corral_env: Env) -> None:
+    deploy_fn(corral_env, "f")
+    _nodes(corral_env, node2=(0, 4), node1=(0, 4), node0=(0, 4))  # added against name order
+
+    def reserve(n: int) -> list[tuple[str, int]]:
+        with corral_env.db.transaction() as s:
+            fn = s.scalars(select(Function).where(Function.name == "f")).one()
+            lock_nodes(s, fn.backend)
+            # each node as the session holds it after: its live count with the slots taken
+            return [(node.name, node.live) for node in reserve_nodes(s, fn, n)]
+
+    assert reserve(1) == [("node0", 1)]  # of three equally loaded, the first by name
+    with corral_env.db.transaction() as s:
+        s.execute(update(Node).where(Node.name != "node0").values(live=Node.capacity))
+    assert reserve(4) == [("node0", 4)] * 3  # the rest of node0, to its last slot
+
+
+def _fill_before_the_update(s: Session, fill: Callable[[Session], object]) -> None:
+    """Run ``fill`` on ``s``'s connection just before its next UPDATE: what a concurrent
+    transaction would have committed between the choice and the taking."""
+    filled: list[bool] = []
+
+    def before(_conn: object, clause: object, *_args: object) -> None:
+        if getattr(clause, "is_update", False) and not filled:
+            filled.append(True)
+            fill(s)
+
+    event.listen(s.connection(), "before_execute", before)
+
+
+def test_a_batch_whose_nodes_filled_meanwhile_is_refused_rather_than_overbooked(
+    corral_env: Env,
+) -> None:
+    deploy_fn(corral_env, "f")
+    _nodes(corral_env, node1=(0, 2))
+    with corral_env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        _fill_before_the_update(s, lambda s: s.execute(update(Node).values(live=Node.capacity)))
+        with pytest.raises(RuntimeError) as refused:
+            reserve_nodes(s, fn, 1)  # not under the node locks: another took the slot
+    assert str(refused.value) == "reserve_nodes needs the backend's node locks held"
+
+
+def test_a_gpu_granted_meanwhile_is_checked_again_and_another_taken(corral_env: Env) -> None:
+    deploy_fn(corral_env, "f", gpu_mem=3_000)
+    ids = _gpus(corral_env, ("g-best", 3_000, 4, 4000), ("g-next", 8_000, 4, 4004))
+
+    def granted(s: Session) -> None:  # a concurrent grant takes g-best's memory
+        s.execute(update(Gpu).where(Gpu.uuid == "g-best").values(mem_free_mb=0, slots_free=3))
+
+    with corral_env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        _fill_before_the_update(s, granted)
+        grant = reserve_gpu(s, fn, "best")
+    with corral_env.db.read() as s:
+        free = {g.uuid: (g.mem_free_mb, g.slots_free) for g in s.scalars(select(Gpu))}
+    assert (grant.gpu_id, grant.slot) == (ids["g-next"], 0)
+    assert free == {"g-best": (0, 3), "g-next": (5_000, 3)}

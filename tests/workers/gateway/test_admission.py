@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from workers.gateway.admission import Gate, QueueFull, QueueTimeout
+from workers.base.clock import epoch
+from workers.gateway import admission
+from workers.gateway.admission import Gate, Outside, QueueFull, QueueTimeout
 
 
 async def _settle() -> None:
@@ -161,5 +163,67 @@ def test_a_sample_reports_now_and_the_time_weighted_mean_then_starts_afresh() ->
         await waiter
         second = gate.sample()
         assert (second.inflight, second.queued, second.requests) == (2, 0, 0)
+
+    asyncio.run(scenario())
+
+
+class _Clock:
+    """The gate's ``time.monotonic``, moved by the test."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+def test_a_fresh_gates_first_sample_weighs_admitted_and_queued_by_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(admission, "time", clock)  # the gate's clock only, not the loop's
+
+    async def scenario() -> None:
+        gate = Gate(limit=2, queue=4)
+        assert gate.last_used == clock.t  # a new gate counts as just used
+        clock.t += 5
+        empty = gate.sample()  # nothing yet: nothing counted
+        assert (empty.concurrency, empty.requests) == (0.0, 0)
+        await gate.enter(1.0)
+        assert gate.last_used == clock.t
+        clock.t += 11  # one in the gate for 11 s
+        await gate.enter(1.0)
+        clock.t += 10  # two for 10 s
+        waiter = asyncio.create_task(gate.enter(5.0))
+        await _settle()
+        clock.t += 10  # two, and one queued, for 10 s
+        before = epoch()
+        first = gate.sample()
+        assert (first.inflight, first.queued, first.requests) == (2, 1, 3)
+        assert first.concurrency == 1.968  # (11 + 20 + 30) / 31 s, to the thousandth
+        assert before <= first.at <= epoch()  # when, on the wall clock
+        gate.leave()
+        await waiter
+        assert gate.last_used == clock.t
+
+    asyncio.run(scenario())
+
+
+def test_the_warm_paths_requests_take_places_and_queue_room_here_too() -> None:
+    async def scenario() -> None:
+        gate = Gate(limit=2, queue=2)
+        gate.outside = Outside(active=2, queued=1)  # HAProxy carries two, queues one
+        waiter = asyncio.create_task(gate.enter(5.0))
+        await _settle()
+        assert (gate.active, gate.queued, gate.inflight, gate.backlog) == (0, 1, 2, 2)
+        with pytest.raises(QueueFull):  # one here and one there fill the queue of 2
+            await gate.enter(5.0)
+        gate.poke()  # no room yet: the warm path holds both places
+        await _settle()
+        assert (gate.active, gate.queued) == (0, 1)
+        gate.outside = Outside(active=1, queued=0)  # the warm path's load went down
+        gate.poke()
+        await waiter
+        assert (gate.active, gate.queued, gate.inflight, gate.backlog) == (1, 0, 2, 0)
 
     asyncio.run(scenario())

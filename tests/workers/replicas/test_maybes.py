@@ -9,6 +9,8 @@ on SQLite and PostgreSQL, and checks what the agents run against the rows and co
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
+
 import grpc
 import pytest
 from sqlalchemy import select, update
@@ -19,7 +21,7 @@ from corral import api
 from tasks.maintenance import QUEUE
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
-from tests.helpers import lapsed, operation, replicas
+from tests.helpers import deploy_fn, lapsed, operation, replicas
 from tests.workers.replicas.helpers import (
     ReleasingQueue,
     at_once,
@@ -35,7 +37,8 @@ from workers.base import clock
 from workers.maintenance.reaper import reap
 from workers.registry.service import OK, READY, Registry
 from workers.replicas import creates, sends
-from workers.replicas.maybes import Settled, settle_vm
+from workers.replicas.lifecycle import ready_window
+from workers.replicas.maybes import Settled, note_ready_node, settle_vm
 from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Owner, disown, mark_sent, owner_token, take
 from workers.replicas.plan import SpawnJob
@@ -334,3 +337,65 @@ def test_a_maybes_vm_is_adopted_only_below_the_target_and_the_max(
         count = s.scalar(select(Function.replica_count))
     assert count == (2 if settled == Settled.ADOPTED else 1)
     no_drift(corral_env)
+
+
+def test_a_maybe_with_no_node_for_a_replacement_keeps_its_part_of_the_operation_open(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True, capacity=1)
+    agent.agent.inject("CreateReplica", UNAVAILABLE)  # the maybe holds the node's one slot
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    (maybe,) = _maybes(corral_env)
+    assert (maybe.operation_id, maybe.maybe_of) == (op_id, op_id)  # the operation waits on it
+    assert maybe.error is not None and maybe.error.startswith("maybe: its create on node1 ")
+    assert maybe.error.endswith(
+        "; not replaced (no node for a replacement: no capacity for hello on any healthy "
+        "fcdaemon node)"
+    )
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed) == ("running", 0, 0)
+    no_drift(corral_env)
+
+
+def test_a_node_first_seen_to_report_ready_shortens_its_maybes_deadlines_once(
+    corral_env: Env,
+) -> None:
+    settings = corral_env.settings
+    fn_id = deploy_fn(corral_env, "hello")
+    far = clock.now() + timedelta(hours=1)
+    near = clock.now() + timedelta(seconds=1)  # sooner than a READY could come: kept
+    with corral_env.db.transaction() as s:
+        kind = s.scalars(select(Function.backend).where(Function.id == fn_id)).one()
+        for name in ("a", "b"):
+            s.add(Node(name=name, kind=kind, address="127.0.0.1:9", capacity=8))
+    ids = {n.name: n.id for n in nodes(corral_env).values()}
+    rows = {  # request id: (state, node, deadline)
+        "far": (ReplicaState.MAYBE, "a", far),
+        "near": (ReplicaState.MAYBE, "a", near),
+        "creating": (ReplicaState.CREATING, "a", far),
+        "elsewhere": (ReplicaState.MAYBE, "b", far),
+    }
+    with corral_env.db.transaction() as s:
+        for rid, (state, node, deadline) in rows.items():
+            s.add(Replica(request_id=rid, function_id=fn_id, build_version="b",
+                          status=int(state), node_id=ids[node], deadline_at=deadline))  # fmt: skip
+
+    def note() -> tuple[dict[str, datetime | None], dict[str, datetime | None]]:
+        with corral_env.db.transaction() as s:
+            note_ready_node(s, settings, ids["a"])
+        seen = {n.name: n.ready_seen_at for n in nodes(corral_env).values()}
+        return seen, {r.request_id: r.deadline_at for r in replicas(corral_env)}
+
+    seen, deadlines = note()
+    at = seen["a"]
+    assert at is not None and seen["b"] is None
+    assert deadlines == {
+        "far": at + ready_window(settings),
+        "near": near,
+        "creating": far,
+        "elsewhere": far,
+    }
+    clock.travel(60)
+    assert note() == (seen, deadlines)  # only the first READY of a node shortens them

@@ -9,9 +9,11 @@ the agents run, and the rows and counters corral keeps.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select, update
@@ -44,6 +46,7 @@ from workers.replicas.owners import Budget, Owner, Pending, let_go, mark_sent, o
 from workers.replicas.plan import SpawnJob
 from workers.replicas.scale import plan_scale
 from workers.replicas.spawn import give_up, place, run_batch
+from workers.store.db import Database
 from workers.store.models import Node, Replica, ReplicaState
 
 
@@ -345,3 +348,50 @@ def test_let_go_gives_up_only_its_own_rows(corral_env: Env, start_agents: StartA
 def _rows(env: Env) -> list[Replica]:
     with env.db.read() as s:
         return list(s.scalars(select(Replica)))
+
+
+# -- tokens, and whose rows a token may take back (plain functions) -------------------------
+
+
+def test_a_token_carries_its_retry_number_in_hex() -> None:
+    for retries in (0, 9, 10, 26, 255, 4096):
+        assert owners._retry_of(owner_token("message-1", retries)) == retries
+    assert owners._retry_of(owner_token("message-1", 10**6)) == 16**owners.RETRY_CHARS - 1
+    assert owners._retry_of("k" * 32) == -1  # a token that does not say
+
+
+def test_a_run_takes_back_from_its_earlier_runs_and_a_twins_unsent_rows_only() -> None:
+    first, second, later = (owner_token("message-1", n) for n in (0, 0, 1))
+    other = owner_token("message-2", 0)
+    unsaid = first[: owners.KEY_CHARS] + "zzzz" + first[owners.KEY_CHARS + 4 :]
+    reclaim = owners._reclaim
+    assert reclaim(first, first, True) == owners.Reclaim.EARLIER  # its own
+    assert reclaim(first, later, True) == owners.Reclaim.EARLIER  # the retry takes it back
+    assert reclaim(unsaid, first, True) == owners.Reclaim.EARLIER  # a run that does not say
+    assert reclaim(first, second, False) == owners.Reclaim.UNSENT  # a twin: only unsent
+    for sent in (True, False):
+        assert reclaim(first, second, sent) is (None if sent else owners.Reclaim.UNSENT)
+        assert reclaim(later, first, sent) is None  # never from a later run
+        assert reclaim(other, first, sent) is None  # nor another message's
+
+
+def test_the_process_marks_with_one_daemon_thread(corral_env: Env) -> None:
+    owners.mark_sent_soon(corral_env.db, owner_token(), "no-such-row").result(10)
+    marker = owners._marker
+    assert marker is not None
+    assert owners.mark_sent_soon(corral_env.db, owner_token(), "no-such-row").result(10) is False
+    assert owners._marker is marker  # the same thread, as long as the process lives
+    # it never keeps the process from exiting, and shows by its name in a thread dump
+    assert (marker.thread.name, marker.thread.daemon) == ("corral-marks", True)
+
+
+def test_let_go_on_a_store_that_fails_says_so_and_raises_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = Database(f"sqlite:///{tmp_path / 'no-schema.sqlite'}")  # no replicas table
+    with caplog.at_level(logging.WARNING, logger="workers.replicas.owners"):
+        let_go(broken, owner_token(), ["r1", "r2"])
+    (warning,) = [r for r in caplog.records if r.name == "workers.replicas.owners"]
+    assert warning.getMessage().startswith("could not give up 2 unsent row(s): (sqlite3.")
+    assert "no such table: replicas" in warning.getMessage()
+    broken.dispose()
