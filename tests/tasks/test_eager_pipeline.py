@@ -151,13 +151,17 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
 ) -> None:
     """Delete while the agent is still creating: the late VM is torn down, no orphan."""
     agent = one_agent(corral_env, start_agents)
-    agent.agent.inject("CreateReplica", Fault.delay(1.0))  # the agent answers late
+    made = threading.Event()  # the agent answers late: once the delete is done, not before
+    agent.agent.inject("CreateReplica", Fault.delay(120, until=made))
     spawning = threading.Thread(target=lambda: api.wait(api.spawn("hello", 1), timeout=120))
     spawning.start()
     eventually(lambda: agent.agent.calls_of("CreateReplica"), 30, "the create to go out")
     (creating,) = replica_rows(corral_env)
     assert creating.status == ReplicaState.CREATING and creating.owner is not None
-    assert api.wait(api.delete(creating.id), timeout=60)["status"] == "succeeded"
+    try:  # (a 1 s delay let a slow delete come after the VM: a quiet CI run's failure)
+        assert api.wait(api.delete(creating.id), timeout=60)["status"] == "succeeded"
+    finally:
+        made.set()
     spawning.join(120)  # (eager: the spawn, its late VM's release included, runs in the thread)
     assert not spawning.is_alive()
     assert agent.driver.list() == []
