@@ -5,7 +5,10 @@ again inside the task until near its hard time limit, and from the first refusal
 answers are also kept in Redis (:mod:`workers.replicas.landed`), where whoever takes the
 row next finds and records them. A create that answered is never sent again. A VM whose
 row moved or ended meanwhile is released (:func:`workers.replicas.lifecycle.arrive` is
-conditional on the node); what the arrivals settle is settled with them.
+conditional on the node), and kept as an orphan (:mod:`workers.replicas.orphans`) in the
+transaction that found it late, until its release is done: on an agent that speaks only
+the seed protocol nothing else would ever find it again. What the arrivals settle is
+settled with them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from workers.base.errors import BackendError
 from workers.observability import stages
 from workers.operations import settle
 from workers.replicas import landed as landed_answers
-from workers.replicas import maybes
+from workers.replicas import maybes, orphans
 from workers.replicas.lifecycle import arrive, lock_replica, recount
 from workers.replicas.maybes import Settled
 from workers.replicas.notices import Readied
@@ -62,7 +65,7 @@ def record(
     readied = Readied()
     late = _record_surely(db, settings, landed, nxt, readied, budget)
     readied.tell(settings)  # claims waiting on these functions: look now
-    _release_late(settings, [(p, vm) for p, vm in late if not _kept(db, settings, p, vm, nxt)])
+    _release_late(db, settings, [(p, vm) for p, vm in late if not _kept(db, settings, p, vm, nxt)])
 
 
 def _record_surely(  # noqa: PLR0913 - one recording and its retries
@@ -120,6 +123,8 @@ def _kept(db: Database, settings: Settings, p: Pending, vm: backends.Vm, nxt: Ne
         return False
     kept = maybes.settle_vm(db, settings, p.replica_id, vm.vmid, vm.address) == Settled.ADOPTED
     nxt.states[p.request_id] = Outcome.MAYBE_ADOPTED if kept else Outcome.MAYBE_RELEASED
+    if kept:  # a live row holds it: no orphan after all
+        _forget(db, p.node.id, vm.vmid)
     return kept
 
 
@@ -151,7 +156,8 @@ def _arrivals(
         if arrived is None:
             state, release = _late(s, p, vm)
             nxt.states[p.request_id] = state
-            if release:
+            if release:  # kept until released, whatever becomes of this task
+                orphans.note(s, settings, p.node.id, vm.vmid)
                 late.append((p, vm))
             continue
         nxt.states[p.request_id] = Outcome.of(arrived)
@@ -186,8 +192,10 @@ def _late(s: Session, pending: Pending, vm: backends.Vm) -> tuple[Outcome, bool]
     return Outcome.of(replica.state), True
 
 
-def _release_late(settings: Settings, late: list[tuple[Pending, backends.Vm]]) -> None:
-    """Release VMs no row took: nothing runs without a row."""
+def _release_late(
+    db: Database, settings: Settings, late: list[tuple[Pending, backends.Vm]]
+) -> None:
+    """Release VMs no row took (nothing runs without a row); a failed release is kept."""
     for pending, vm in late:
         log.info(
             "replica %s: VM %s on %s came too late for its row; releasing it",
@@ -197,5 +205,15 @@ def _release_late(settings: Settings, late: list[tuple[Pending, backends.Vm]]) -
         )
         try:
             backends.release_vm(pending.node, vm.vmid, settings)
-        except BackendError as exc:
+        except BackendError as exc:  # its kept orphan row: reconcile releases it when due
             log.warning("release of %s failed (reconcile will retry): %s", vm.vmid, exc)
+            continue
+        _forget(db, pending.node.id, vm.vmid)
+
+
+def _forget(db: Database, node_id: str, vmid: str) -> None:
+    """End a kept orphan whose release is done; one left behind is released again, harmlessly."""
+    try:
+        orphans.end(db, node_id, vmid)
+    except Exception as exc:  # the store is away: reconcile's release finds it already gone
+        log.warning("could not forget released orphan %s on %s: %s", vmid, node_id, exc)

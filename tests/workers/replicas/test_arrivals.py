@@ -1,0 +1,69 @@
+"""Recording VMs that came back (:mod:`workers.replicas.arrivals`): a VM too late for its row
+is released, and kept as an orphan until it is, on an agent that speaks only the seed
+protocol (no ``ListReplicas``: reconcile cannot find it there by listing)."""
+
+from __future__ import annotations
+
+import grpc
+from sqlalchemy import select
+
+from agents.drivers import VMSpec
+from agents.faults import Fault
+from agents.fcdaemon import RunningAgent
+from tasks.maintenance import QUEUE
+from tests.fixtures import Env, StartAgents
+from tests.helpers import creating, deploy_fn, record_vm, replicas
+from workers.backends import Vm
+from workers.base import clock
+from workers.maintenance.reconcile import reconcile
+from workers.replicas.delete import delete_one
+from workers.replicas.outcomes import Outcome
+from workers.store.models import OrphanRelease, ReplicaState
+
+
+def _kept(env: Env) -> list[tuple[str, str]]:
+    with env.db.read() as s:
+        return [(k.node_id, k.vmid) for k in s.scalars(select(OrphanRelease))]
+
+
+def _late_vm(env: Env, agent: RunningAgent) -> tuple[str, Outcome]:
+    """A VM of ``agent`` whose row was deleted while its create was out, then recorded."""
+    fn_id = deploy_fn(env, "hello")
+    pending = creating(env, fn_id, "req-late")
+    vm = agent.driver.start(VMSpec(image="examples.hello"))  # the create, on the agent
+    assert delete_one(env.db, env.settings, pending.replica_id, None) == ("deleted", None)
+    state = record_vm(env, pending, Vm(vm.vmid, "http://127.0.0.1:20001"))
+    (row,) = replicas(env)
+    assert (row.status, row.vmid) == (ReplicaState.DELETED, None)  # no row took the VM
+    return vm.vmid, state
+
+
+def test_a_late_vm_is_released_and_nothing_is_kept(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    vmid, state = _late_vm(corral_env, agent)
+    assert state == Outcome.of(ReplicaState.DELETED)
+    assert agent.driver.list() == []
+    assert [r.vmid for r in agent.agent.calls_of("ReleaseVMSetup")] == [vmid]
+    assert _kept(corral_env) == []  # released: its kept orphan ended
+
+
+def test_a_late_vm_whose_release_fails_is_kept_until_reconcile_releases_it(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    # The release fails (in the partition run: the in-flight slots' Redis cut off); the
+    # seed agent cannot list its VMs, so the kept row is all that remembers this one.
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    agent.agent.inject("ReleaseVMSetup", Fault.abort(grpc.StatusCode.UNAVAILABLE, "cut"))
+    vmid, _ = _late_vm(corral_env, agent)
+    assert [vm.vmid for vm in agent.driver.list()] == [vmid]  # still running
+    (kept,) = _kept(corral_env)
+    assert kept[1] == vmid
+    early = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
+    assert early.orphans_destroyed == []  # not due while a task could still be releasing it
+    clock.travel(corral_env.settings.task_time_limit_s + 1)
+    report = reconcile(corral_env.db, corral_env.settings, holder="t", queue=QUEUE)
+    assert report.nodes_checked == []  # it cannot list: the kept row found the VM
+    assert report.orphans_destroyed == [f"node1/{vmid}"]
+    assert agent.driver.list() == [] and _kept(corral_env) == []
