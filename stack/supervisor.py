@@ -3,8 +3,11 @@
 Each child runs in its own session (so a terminal's Ctrl-C reaches only
 ``corral up``, which then stops the children in the right order) and gets
 ``PR_SET_PDEATHSIG`` = SIGKILL, so even if ``corral up`` itself is killed no child
-outlives it. Stopping sends SIGTERM to the child's process group, waits, then
-SIGKILLs whatever is left of the group.
+outlives it: set after exec by util-linux's ``setpriv --pdeathsig`` (so ``subprocess``
+can vfork: Python run between fork and exec in a process with threads, gRPC's among
+them, can crash the child), by a ``preexec_fn`` where there is no ``setpriv``.
+Stopping sends SIGTERM to the child's process group, waits, then SIGKILLs whatever is
+left of the group.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -29,6 +33,14 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the prctl took effect
         os._exit(1)
+
+
+def with_parent_death(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``argv`` and the ``preexec_fn`` that make a child be SIGKILLed when its parent dies."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return argv, die_with_parent
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv], None
 
 
 def stop_process(
@@ -77,15 +89,16 @@ class Child:
         """Start (or restart) the process, appending to its log."""
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open while the child runs
         self._log = log
+        argv, preexec = with_parent_death(self.argv)
         self.proc = subprocess.Popen(  # noqa: S603 - corral's own commands (stack.up)
-            self.argv,
+            argv,
             env=self.env,
             cwd=self.cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=preexec,
         )
         self.started_at = time.monotonic()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,35 @@ def test_stop_process_of_a_group_kills_what_outlives_its_leader(tmp_path: Path) 
     proc.wait(30)
     assert stop_process(proc, 0.2, group=True) == 0
     eventually(lambda: _pid_gone(left), 30, "the leader's child to be killed")
+
+
+_PARENT = """
+import sys, time
+from pathlib import Path
+from stack.supervisor import Child
+here = Path(sys.argv[1])
+argv = ["/bin/sh", "-c", "echo $$ > child; exec sleep 600"]
+Child("sleeper", argv, {}, here / "c.log", here).start()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("setpriv", [True, False], ids=["setpriv", "preexec_fn"])
+def test_a_child_dies_with_its_supervisor_even_one_killed_without_a_word(
+    tmp_path: Path, setpriv: bool
+) -> None:
+    env = dict(os.environ)
+    if not setpriv:  # a PATH without util-linux's setpriv: the preexec_fn's prctl instead
+        env["PATH"] = str(tmp_path)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(tmp_path)], cwd=Path.cwd(), env=env
+    )
+    try:
+        pid_file = tmp_path / "child"
+        eventually(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the child")
+        child = int(pid_file.read_text())
+        assert not _pid_gone(child)
+    finally:
+        parent.kill()  # SIGKILL: no stop_all, no atexit; only the kernel can tell the child
+        parent.wait(30)
+    eventually(lambda: _pid_gone(child), 30, "the child of a killed supervisor to die")
