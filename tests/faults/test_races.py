@@ -99,6 +99,7 @@ def test_a_vm_recorded_while_its_node_is_listed_is_neither_vanished_nor_orphan(
 def test_deleting_a_creating_or_starting_replica_settles_its_spawn(
     corral_env: Env, start_agents: StartAgents, readiness: str
 ) -> None:
+    corral_env.set(create_timeout_s="30")  # no deadline while the create is held
     agent = one_agent(corral_env, start_agents, readiness=readiness)
     settings = corral_env.settings
     spawn_op = _new_op(corral_env, OpKind.SPAWN, count=1)

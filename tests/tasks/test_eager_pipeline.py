@@ -150,6 +150,9 @@ def test_a_vm_that_arrives_after_its_replica_was_deleted_is_released(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
     """Delete while the agent is still creating: the late VM is torn down, no orphan."""
+    # no deadline while the create is held (the tests' 2 s passed on a loaded machine before
+    # the delete was done: the create was retried, and the VM was the deadline's orphan)
+    corral_env.set(create_timeout_s="30")
     agent = one_agent(corral_env, start_agents)
     made = threading.Event()  # the agent answers late: once the delete is done, not before
     agent.agent.inject("CreateReplica", Fault.delay(120, until=made))

@@ -470,17 +470,26 @@ def test_one_caller_cannot_fill_the_early_ready_slots(
     assert reply.action == Reply.OK
 
 
-def test_an_early_ready_nobody_records_expires(store: Env, registry: RunningRegistry) -> None:
-    _guest_spawn(store, "127.0.0.1:50051", "req-never")
-    reply = _stub(registry).UpdateStatus(
-        resmngr_pb2.StatusUpdateRequest(vmid="vm-never", status=READY), timeout=5, metadata=TOKEN
-    )
-    assert reply.action == Reply.OK
-    registry.registry.sweep()  # not recorded yet: still waiting
-    assert registry.registry.pending == {"vm-never"}
-    clock.travel(store.settings.create_timeout_s + store.settings.ready_grace_s + 1)
-    registry.registry.sweep()
-    assert registry.registry.pending == set()
+def test_an_early_ready_nobody_records_expires(store: Env) -> None:
+    # A wait of its own no loaded machine outlasts between the report and the first sweep
+    # (the fixture's 2 + 5 s went by there once: the READY had expired already).
+    settings = store.set(registry_token="reg-t0ken", ready_grace_s="40", health_misses="1")
+    registry = serve_registry(settings, "127.0.0.1:0", queue=QUEUE)
+    try:
+        _guest_spawn(store, "127.0.0.1:50051", "req-never")
+        reply = _stub(registry).UpdateStatus(
+            resmngr_pb2.StatusUpdateRequest(vmid="vm-never", status=READY),
+            timeout=5,
+            metadata=TOKEN,
+        )
+        assert reply.action == Reply.OK
+        registry.registry.sweep()  # not recorded yet: still waiting
+        assert registry.registry.pending == {"vm-never"}
+        clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
+        registry.registry.sweep()
+        assert registry.registry.pending == set()
+    finally:
+        registry.stop(0)
     with store.db.read() as s:
         assert s.scalars(select(Lease.name).where(Lease.name.startswith("ready:"))).all() == []
 

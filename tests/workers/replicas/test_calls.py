@@ -59,7 +59,9 @@ def soft_limit_when() -> Iterator[SoftLimitWhen]:
 def test_a_batch_cut_by_the_soft_limit_records_what_landed_and_never_sends_twice_blindly(
     corral_env: Env, start_agents: StartAgents, soft_limit_when: SoftLimitWhen, seed_only: bool
 ) -> None:
-    corral_env.set(node_max_inflight="2")
+    # no create deadline while the two are held (2 s, the tests' own, passed on a loaded
+    # machine before the cut: the creates were retried, and the cut found nothing in flight)
+    corral_env.set(node_max_inflight="2", create_timeout_s="30")
     (agent,) = start_agents(1, env=corral_env, seed_only=seed_only)
     held = threading.Event()  # the last two sent stay in flight until the batch was cut
     agent.agent.inject(

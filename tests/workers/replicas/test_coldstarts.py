@@ -78,6 +78,9 @@ def test_four_cold_starts_of_two_env_replicas_share_spawns(
 def test_cold_starts_count_a_spawn_already_in_flight(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
+    # slow, but never past its deadline (the tests' 2 s was, on a loaded machine: the
+    # create was sent again, and the agent counted five)
+    corral_env.set(create_timeout_s="30")
     agent = one_agent(corral_env, start_agents)
     agent.agent.inject("CreateReplica", Fault.delay(1.5))  # someone's slow spawn
     background = threading.Thread(target=lambda: api.spawn("hello", 1))
