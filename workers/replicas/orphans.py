@@ -3,7 +3,9 @@
 The model
 ---------
 An orphan is a VM no replica took: a READY no spawn recorded in time, a maybe's VM that
-showed up after its replacement (:mod:`workers.replicas.reports`). On an agent that can
+showed up after its replacement (:mod:`workers.replicas.reports`), a create's answer
+that came after its row was deleted or moved (:mod:`workers.replicas.arrivals`, whose
+own release ends the row at once). On an agent that can
 list its VMs, reconcile would find it again; on one that speaks only the seed protocol
 (no ``ListReplicas``) the report was the only sign of it, and a release message lost
 in transit - its retry unpublished while the broker was away, a worker cut off holding
