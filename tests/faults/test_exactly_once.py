@@ -135,12 +135,16 @@ def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6
         with broker_env.db.read() as s:
             return s.scalars(select(Node)).one()
 
-    assert node().live == 8
+    def open_maybes_hold_their_slots() -> bool:  # (a maybe may settle between the reads)
+        return node().live == 6 + api.operation(op)["maybes"].get("open", 0)
+
+    eventually(open_maybes_hold_their_slots, 20, "6 slots and one for each open maybe")
     eventually(lambda: node().ready_seen_at is not None, 20, "a replacement's READY")
     settings = broker_env.settings
     clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
     reap(broker_env.db, settings, holder="t")
-    assert api.operation(op)["maybes"] == {"ended": 2}
+    ended = api.operation(op)["maybes"]  # released by a READY (a loaded run: both), or ended
+    assert sum(ended.values()) == 2 and set(ended) <= {"ended", "released"}, ended
     assert node().live == 6
     _fleet_agrees(broker_env, [agent])
 
