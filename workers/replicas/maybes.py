@@ -201,7 +201,12 @@ def settle_vm(
         if maybe is None or maybe.status != ReplicaState.MAYBE:
             held = maybe is not None and maybe.vmid == vmid and maybe.status in LIVE_STATES
             return Settled.ADOPTED if held else Settled.NOT_OURS
-        if s.scalar(select(Replica.id).where(Replica.vmid == vmid).limit(1)) is not None:
+        held_by = s.scalar(
+            select(Replica.id)
+            .where(Replica.vmid == vmid)
+            .limit(1)  # pragma: no mutate - None or 2: scalar() reads the first row alone
+        )
+        if held_by is not None:
             return Settled.NOT_OURS  # another row's VM (recorded since the caller looked)
         maybe.vmid = vmid
         wanted = _wanted(s, maybe)
@@ -218,7 +223,13 @@ def settle_vm(
         )
         error = f"maybe: its VM {vmid} showed up {why}; released"
         if maybe.operation_id:  # the part its operation waited on it for fails
-            settle(s, maybe.operation_id, parts=[maybe.id], ok=False, error=error)
+            settle(
+                s,
+                maybe.operation_id,
+                parts=[maybe.id],
+                ok=False,  # pragma: no mutate - None: read as false, the same
+                error=error,
+            )
             maybe.operation_id = None
         transition(s, maybe, ReplicaState.DELETED, settings, error=error)
         if maybe.node_id is not None:  # kept until released (workers.replicas.orphans)
