@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,31 @@ def test_a_module_not_in_only_mutate_is_refused(capsys: pytest.CaptureFixture[st
         mutation.main(["--report-only", "workers/nope.py"])
     assert refused.value.code == 2
     assert "not in [tool.mutmut] only_mutate: workers/nope.py" in capsys.readouterr().err
+
+
+@dataclass
+class _Item:
+    nodeid: str
+
+
+def test_a_mutants_own_module_tests_run_first_then_the_quickest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # mutmut's working directory: its stats beside it
+    slow, quick = "tests/a/test_other.py::test_slow", "tests/a/test_other.py::test_quick"
+    own_slow, own_quick = "tests/w/test_bodies.py::test_x", "tests/w/test_bodies.py::test_y"
+    durations = {slow: 9.0, quick: 0.1, own_slow: 5.0, own_quick: 1.0}
+    Path("mutmut-stats.json").write_text(json.dumps({"duration_by_test": durations}))
+    ids = [slow, own_slow, quick, own_quick]
+    for mutant in ("w.bodies.x_f__mutmut_2", "w.bodies.x\u01c1Bodies\u01c1_take__mutmut_7"):
+        items = [_Item(i) for i in ids]
+        mutation.kill_order(items, mutant)
+        assert [i.nodeid for i in items] == [own_quick, own_slow, quick, slow]
+    for run in ("", "stats", "fail"):  # not a mutant: the order stays
+        items = [_Item(i) for i in ids]
+        mutation.kill_order(items, run)
+        assert [i.nodeid for i in items] == ids
+    Path("mutmut-stats.json").unlink()  # no stats: its own module's first all the same
+    items = [_Item(i) for i in ids]
+    mutation.kill_order(items, "w.bodies.x_f__mutmut_2")
+    assert [i.nodeid for i in items] == [own_slow, own_quick, slow, quick]
