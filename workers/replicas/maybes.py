@@ -76,7 +76,6 @@ from workers.store.models import (
     Operation,
     Replica,
     ReplicaState,
-    new_id,
 )
 from workers.store.states import move
 
@@ -150,7 +149,6 @@ def replace(  # noqa: PLR0913 - one row's replacement, its cap by name
     except CapacityError as exc:
         return _unreplaced(s, replica, op_id, f"no node for a replacement: {exc}")
     row = Replica(
-        id=new_id(),
         request_id=request_id,
         function_id=fn.id,
         operation_id=op_id,

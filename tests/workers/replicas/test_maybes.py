@@ -444,6 +444,43 @@ def test_a_maybe_with_no_node_for_a_replacement_keeps_its_part_of_the_operation_
     no_drift(corral_env)
 
 
+def test_a_request_made_a_maybe_on_its_last_placement_is_not_replaced_and_waits_on_it(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    agent.agent.inject("CreateReplica", UNAVAILABLE, UNAVAILABLE, UNAVAILABLE)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    assert len(nxt.maybes) == 3 and created([agent]) == 3
+    maybes = sorted(_maybes(corral_env), key=lambda r: r.placements)
+    assert [r.placements for r in maybes] == [1, 2, 3] and _idle(corral_env) == []
+    last = maybes[-1]
+    assert last.request_id.startswith(f"{jobs[0].request_id}~")
+    assert last.error is not None and last.error.endswith("; not replaced (tried 3 times)")
+    assert (last.operation_id, last.maybe_of) == (op_id, op_id)  # the operation waits on it
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed) == ("running", 0, 0)
+    no_drift(corral_env)
+
+
+def test_a_replacement_is_placed_by_the_placement_policy_in_force(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    corral_env.set(placement="pack")  # the function names none: the setting's
+    first, _ = start_agents(2, env=corral_env, seed_only=True)
+    first.agent.inject("CreateReplica", UNAVAILABLE)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    (maybe,) = _maybes(corral_env)
+    (replica,) = _idle(corral_env)
+    by_id = {n.id: name for name, n in nodes(corral_env).items()}
+    # packed next to the maybe (fewest live would take the empty node)
+    assert by_id[str(maybe.node_id)] == by_id[str(replica.node_id)] == "node1"
+    no_drift(corral_env)
+
+
 def test_a_node_first_seen_to_report_ready_shortens_its_maybes_deadlines_once(
     corral_env: Env,
 ) -> None:
