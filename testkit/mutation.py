@@ -31,6 +31,8 @@ under mutmut, tests/conftest.py runs a mutant's likeliest killers first
 from __future__ import annotations
 
 import argparse
+import ast
+import hashlib
 import json
 import os
 import re
@@ -43,10 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from mutmut.mutation.trampoline_templates import mangle_function_name
 from mutmut.stats import status_by_exit_code
 
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
+TEXTS = "corral-function-texts.json"  # in mutants/: each mutated function's text, hashed
 DETECTED = {"killed", "timeout"}
 
 
@@ -127,6 +131,58 @@ def to_test(paths: list[str], recheck: bool, mutants: Path = MUTANTS) -> list[st
     return names
 
 
+def function_texts(source: str) -> dict[str, str]:
+    """Each function of ``source`` by mutmut's key (``x_f``, ``x\u01c1Class\u01c1f``): its lines,
+    comments included, hashed."""
+    lines = source.splitlines()
+    out: dict[str, str] = {}
+
+    def visit(body: list[ast.stmt], cls: str) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                key = mangle_function_name(name=node.name, class_name=cls or None)
+                text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+                out[key] = hashlib.sha256(text.encode()).hexdigest()[:12]
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, f"{cls}.{node.name}" if cls else node.name)
+
+    visit(ast.parse(source).body, "")
+    return out
+
+
+def forget_recommented(paths: list[str], root: Path = ROOT, mutants: Path = MUTANTS) -> list[str]:
+    """Have mutmut test again every function of ``paths`` whose text changed since the last
+    run though its code did not; the functions (``path:key``).
+
+    mutmut keys a result by the mutant's number in its function and keeps the results of
+    a function whose code (its AST, comments left out) is unchanged; a ``# pragma: no
+    mutate`` added there renumbers the mutants after it, and the results would be read
+    against the wrong mutants. So the function's results are forgotten here (``None``:
+    not checked), before mutmut runs.
+    """
+    store = mutants / TEXTS
+    known: dict[str, dict[str, str]] = json.loads(store.read_text()) if store.exists() else {}
+    forgotten: list[str] = []
+    for path in paths:
+        texts = function_texts((root / path).read_text())
+        before, meta_path = known.get(path), mutants / f"{path}.meta"
+        if before is not None and meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            codes = meta["exit_code_by_key"]
+            changed = {k for k in before.keys() | texts.keys() if before.get(k) != texts.get(k)}
+            prefix = path.removesuffix(".py").replace("/", ".") + "."
+            for name in codes:
+                key = name.removeprefix(prefix).rpartition("__mutmut_")[0]
+                if key in changed:
+                    codes[name] = None
+            forgotten += [f"{path}:{key}" for key in sorted(changed)]
+            meta_path.write_text(json.dumps(meta, indent=4))
+        known[path] = texts
+    mutants.mkdir(exist_ok=True)
+    store.write_text(json.dumps(known, indent=1))
+    return forgotten
+
+
 def whole_percent(all_scores: list[Score]) -> float:
     """Detected mutants of every module, as a percentage of all."""
     total = sum(s.total for s in all_scores)
@@ -188,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         if args.fresh:
             shutil.rmtree(MUTANTS, ignore_errors=True)
+        for changed in forget_recommented(modules()):
+            print(f"comments changed, tested again: {changed}", file=sys.stderr)
         jobs = ["--max-children", str(args.jobs)] if args.jobs else []
         if args.only:
             names = to_test(args.only, args.recheck)

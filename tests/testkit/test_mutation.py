@@ -64,3 +64,30 @@ def test_a_mutants_own_module_tests_run_first_then_the_quickest(
     items = [_Item(i) for i in ids]
     mutation.kill_order(items, "w.bodies.x_f__mutmut_2")
     assert [i.nodeid for i in items] == [own_slow, own_quick, slow, quick]
+
+
+def test_a_function_whose_comments_changed_is_tested_again(tmp_path: Path) -> None:
+    root, mutants = tmp_path / "src", tmp_path / "mutants"
+    (root / "a").mkdir(parents=True)
+    source = root / "a" / "b.py"
+    source.write_text(
+        "def f(x):\n    return x < 1\n\n\nclass C:\n    def g(self):\n        return 2\n"
+    )
+    codes: dict[str, int | None] = {
+        "a.b.x_f__mutmut_1": 1,
+        "a.b.x_f__mutmut_2": 0,
+        "a.b.x\u01c1C\u01c1g__mutmut_1": 1,
+    }
+    _results(mutants, "a/b.py", codes)
+    assert mutation.forget_recommented(["a/b.py"], root, mutants) == []  # the first: as is
+    assert mutation.forget_recommented(["a/b.py"], root, mutants) == []  # nothing changed
+    # a pragma on f: mutmut's hash of its code is the same, its mutants are not
+    source.write_text(source.read_text().replace("x < 1\n", "x < 1  # pragma: no mutate\n"))
+    assert mutation.forget_recommented(["a/b.py"], root, mutants) == ["a/b.py:x_f"]
+    meta = json.loads((mutants / "a/b.py.meta").read_text())
+    assert meta["exit_code_by_key"] == {
+        **codes,
+        "a.b.x_f__mutmut_1": None,
+        "a.b.x_f__mutmut_2": None,
+    }
+    assert mutation.forget_recommented(["a/b.py"], root, mutants) == []
