@@ -97,7 +97,7 @@ class Bodies:
                     raise Answer(413, f"request body over {self.max_body} bytes", CLOSE)
                 self._charge(reading, len(chunk))
                 chunks.append(chunk)
-                if not message.get("more_body", False):
+                if not message.get("more_body", False):  # pragma: no mutate - None: as False
                     break
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         except BaseException:
