@@ -170,7 +170,9 @@ class Reading:
         self.scope = scope
         self.receive = receive
         self.held = 0  # bytes of the budget this body holds
-        self.peer: str | None = None  # whose share it is charged to (None: none)
+        # whose share it is charged to (None: none); (not mutated: _take sets it before
+        # it charges anything, and nothing reads it before)
+        self.peer: str | None = None  # pragma: no mutate
 
     async def __aenter__(self) -> bytes:
         return await self.bodies._take(self)
