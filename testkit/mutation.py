@@ -84,6 +84,12 @@ def modules(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
         return list(tomllib.load(f)["tool"]["mutmut"]["only_mutate"])
 
 
+def source_paths(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The trees mutmut copies: ``[tool.mutmut] source_paths``."""
+    with pyproject.open("rb") as f:
+        return list(tomllib.load(f)["tool"]["mutmut"]["source_paths"])
+
+
 def scores(paths: list[str], mutants: Path = MUTANTS) -> list[Score]:
     """Each module's outcomes, read from mutmut's results (``mutants/<path>.meta``)."""
     out = []
@@ -183,6 +189,28 @@ def forget_recommented(paths: list[str], root: Path = ROOT, mutants: Path = MUTA
     return forgotten
 
 
+def refresh_copies(
+    mutated: list[str], sources: list[str], root: Path = ROOT, mutants: Path = MUTANTS
+) -> list[str]:
+    """Bring mutmut's plain copies of the modules not mutated up to date; those copied.
+
+    mutmut copies the source tree into ``mutants/`` only where a file is missing there, so
+    an edit to a module it does not mutate (one the mutated ones import, testkit/) would
+    leave the tests running against its old copy.
+    """
+    copied: list[str] = []
+    for top in sources:
+        for copy in sorted((mutants / top).rglob("*")):
+            rel = copy.relative_to(mutants).as_posix()
+            source = root / rel
+            plain = rel not in mutated and "__pycache__" not in rel and copy.is_file()
+            plain = plain and source.is_file()
+            if plain and copy.read_bytes() != source.read_bytes():
+                shutil.copy2(source, copy)
+                copied.append(rel)
+    return copied
+
+
 def whole_percent(all_scores: list[Score]) -> float:
     """Detected mutants of every module, as a percentage of all."""
     total = sum(s.total for s in all_scores)
@@ -246,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(MUTANTS, ignore_errors=True)
         for changed in forget_recommented(modules()):
             print(f"comments changed, tested again: {changed}", file=sys.stderr)
+        refresh_copies(modules(), source_paths())
         jobs = ["--max-children", str(args.jobs)] if args.jobs else []
         if args.only:
             names = to_test(args.only, args.recheck)

@@ -91,3 +91,20 @@ def test_a_function_whose_comments_changed_is_tested_again(tmp_path: Path) -> No
         "a.b.x_f__mutmut_2": None,
     }
     assert mutation.forget_recommented(["a/b.py"], root, mutants) == []
+
+
+def test_a_plain_copy_of_a_module_edited_since_is_brought_up_to_date(tmp_path: Path) -> None:
+    root, mutants = tmp_path / "src", tmp_path / "mutants"
+    for tree in (root, mutants):
+        (tree / "a").mkdir(parents=True)
+        (tree / "a" / "same.py").write_text("x = 1\n")
+    (root / "a" / "edited.py").write_text("x = 2\n")
+    (mutants / "a" / "edited.py").write_text("x = 1\n")
+    (root / "a" / "mutated.py").write_text("x = 2\n")
+    (mutants / "a" / "mutated.py").write_text("x = 1  # its mutants\n")
+    (mutants / "a" / "mutated.py.meta").write_text("{}")  # mutmut's own: no source
+    copied = mutation.refresh_copies(["a/mutated.py"], ["a"], root, mutants)
+    assert copied == ["a/edited.py"]
+    assert (mutants / "a" / "edited.py").read_text() == "x = 2\n"
+    assert (mutants / "a" / "mutated.py").read_text() == "x = 1  # its mutants\n"
+    assert mutation.refresh_copies(["a/mutated.py"], ["a"], root, mutants) == []
