@@ -189,6 +189,46 @@ def forget_recommented(paths: list[str], root: Path = ROOT, mutants: Path = MUTA
     return forgotten
 
 
+def selected_test_files(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The test files mutmut runs: ``[tool.mutmut] pytest_add_cli_args_test_selection``."""
+    with pyproject.open("rb") as f:
+        selection = tomllib.load(f)["tool"]["mutmut"]["pytest_add_cli_args_test_selection"]
+    return [str(s) for s in selection if str(s).endswith(".py")]
+
+
+def forget_edited_tests(files: list[str], root: Path = ROOT, mutants: Path = MUTANTS) -> list[str]:
+    """Have mutmut map again the tests of every test file edited since the last run; those files.
+
+    mutmut learns which functions each test calls once, when it first sees the test
+    (``mutants/mutmut-stats.json``): a test edited since to call a function it did not is
+    never run against that function's mutants, which then survive. The edited files'
+    tests are dropped from the stats, so mutmut takes them for new tests and maps them.
+    """
+    store, stats_path = mutants / TEXTS, mutants / "mutmut-stats.json"
+    known: dict[str, dict[str, str]] = json.loads(store.read_text()) if store.exists() else {}
+    before = known.get("tests", {})
+    now = {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:12] for f in files}
+    edited = sorted(f for f in files if f in before and before[f] != now[f])
+    if edited and stats_path.exists():
+        stats = json.loads(stats_path.read_text())
+
+        def gone(test: str) -> bool:
+            return test.split("::")[0] in edited
+
+        stats["duration_by_test"] = {
+            t: d for t, d in stats["duration_by_test"].items() if not gone(t)
+        }
+        stats["tests_by_mangled_function_name"] = {
+            f: [t for t in tests if not gone(t)]
+            for f, tests in stats["tests_by_mangled_function_name"].items()
+        }
+        stats_path.write_text(json.dumps(stats, indent=4))
+    known["tests"] = now
+    mutants.mkdir(exist_ok=True)
+    store.write_text(json.dumps(known, indent=1))
+    return edited
+
+
 def refresh_copies(
     mutated: list[str], sources: list[str], root: Path = ROOT, mutants: Path = MUTANTS
 ) -> list[str]:
@@ -275,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         for changed in forget_recommented(modules()):
             print(f"comments changed, tested again: {changed}", file=sys.stderr)
         refresh_copies(modules(), source_paths())
+        for edited in forget_edited_tests(selected_test_files()):
+            print(f"tests edited, mapped again: {edited}", file=sys.stderr)
         jobs = ["--max-children", str(args.jobs)] if args.jobs else []
         if args.only:
             names = to_test(args.only, args.recheck)

@@ -108,3 +108,26 @@ def test_a_plain_copy_of_a_module_edited_since_is_brought_up_to_date(tmp_path: P
     assert (mutants / "a" / "edited.py").read_text() == "x = 2\n"
     assert (mutants / "a" / "mutated.py").read_text() == "x = 1  # its mutants\n"
     assert mutation.refresh_copies(["a/mutated.py"], ["a"], root, mutants) == []
+
+
+def test_the_tests_of_an_edited_test_file_are_mapped_again(tmp_path: Path) -> None:
+    root, mutants = tmp_path / "src", tmp_path / "mutants"
+    (root / "tests").mkdir(parents=True)
+    mutants.mkdir()
+    edited, same = root / "tests" / "test_a.py", root / "tests" / "test_b.py"
+    edited.write_text("def test_x(): ...\n")
+    same.write_text("def test_y(): ...\n")
+    x, y = "tests/test_a.py::test_x", "tests/test_b.py::test_y"
+    stats = {
+        "duration_by_test": {x: 1.0, y: 2.0},
+        "tests_by_mangled_function_name": {"m.x_f": [x, y]},
+    }
+    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    files = ["tests/test_a.py", "tests/test_b.py"]
+    assert mutation.forget_edited_tests(files, root, mutants) == []  # the first: as is
+    edited.write_text("def test_x(): assert f()\n")
+    assert mutation.forget_edited_tests(files, root, mutants) == ["tests/test_a.py"]
+    kept = json.loads((mutants / "mutmut-stats.json").read_text())
+    assert kept["duration_by_test"] == {y: 2.0}  # mutmut takes test_x for a new test
+    assert kept["tests_by_mangled_function_name"] == {"m.x_f": [y]}
+    assert mutation.forget_edited_tests(files, root, mutants) == []
