@@ -228,8 +228,10 @@ def settle_vm(
                 ok=False,  # pragma: no mutate - None: read as false, the same
                 error=error,
             )
-            maybe.operation_id = None
-        transition(s, maybe, ReplicaState.DELETED, settings, error=error)
+            # (not mutated: '' reads as no operation too, and the move clears it)
+            maybe.operation_id = None  # pragma: no mutate
+        # (not mutated: Deleted has no deadline and no idle clock: the settings are not read)
+        transition(s, maybe, ReplicaState.DELETED, settings, error=error)  # pragma: no mutate
         if maybe.node_id is not None:  # kept until released (workers.replicas.orphans)
             note_orphan(s, settings, maybe.node_id, vmid)
         log.info("maybe %s: its VM %s showed up %s; releasing it", maybe.id, vmid, why)

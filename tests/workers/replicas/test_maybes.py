@@ -21,7 +21,7 @@ from corral import api
 from tasks.maintenance import QUEUE
 from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, lapsed, operation, replicas, result_of
+from tests.helpers import creating, deploy_fn, lapsed, operation, replicas, result_of
 from tests.workers.replicas.helpers import (
     ReleasingQueue,
     at_once,
@@ -40,17 +40,20 @@ from workers.replicas import creates, sends
 from workers.replicas.lifecycle import ready_window
 from workers.replicas.maybes import (
     MAX_REQUEST_ID,
+    Replaced,
     Settled,
     maybe_request_id,
     note_ready_node,
+    replace,
     reports_ready,
     settle_vm,
 )
+from workers.replicas.moves import lock_for_moves
 from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Owner, disown, mark_sent, owner_token, take
 from workers.replicas.plan import SpawnJob
 from workers.replicas.spawn import place, run_batch
-from workers.store.models import Function, Node, Replica, ReplicaState
+from workers.store.models import Function, Node, OrphanRelease, Replica, ReplicaState
 
 UNAVAILABLE = Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")  # the agent did nothing
 
@@ -441,6 +444,29 @@ def test_a_maybe_with_no_node_for_a_replacement_keeps_its_part_of_the_operation_
     op = operation(corral_env, op_id)
     assert (op.status, op.done, op.failed) == ("failed", 0, 1)
     assert result_of(op)["errors"] == [f"{error}; released"]
+    with corral_env.db.read() as s:  # its VM is kept as an orphan until released
+        noted = [(o.node_id, o.vmid) for o in s.scalars(select(OrphanRelease))]
+    assert noted == [(maybe.node_id, "vm-late")]
+    no_drift(corral_env)
+
+
+def test_a_row_another_handler_owns_is_not_made_a_maybe(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env, seed_only=True)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    pending = creating(corral_env, fn_id, jobs[0].request_id, op_id=op_id)  # another's row
+    settings = corral_env.settings
+    with corral_env.db.transaction() as s:
+        lock_for_moves(s, [pending])
+        got = replace(s, settings, pending, owner_token(), "cut", max_placements=3)
+    assert got == Replaced.LOST
+    (row,) = replicas(corral_env)
+    assert (row.status, row.request_id, row.error) == (
+        ReplicaState.CREATING,
+        jobs[0].request_id,
+        None,
+    )
     no_drift(corral_env)
 
 
