@@ -53,7 +53,7 @@ from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Owner, disown, mark_sent, owner_token, take
 from workers.replicas.plan import SpawnJob
 from workers.replicas.spawn import place, run_batch
-from workers.store.models import Function, Node, OrphanRelease, Replica, ReplicaState
+from workers.store.models import Function, Gpu, Node, OrphanRelease, Replica, ReplicaState
 
 UNAVAILABLE = Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")  # the agent did nothing
 
@@ -447,6 +447,57 @@ def test_a_maybe_with_no_node_for_a_replacement_keeps_its_part_of_the_operation_
     with corral_env.db.read() as s:  # its VM is kept as an orphan until released
         noted = [(o.node_id, o.vmid) for o in s.scalars(select(OrphanRelease))]
     assert noted == [(maybe.node_id, "vm-late")]
+    no_drift(corral_env)
+
+
+@pytest.mark.parametrize("gpu_left", [True, False], ids=["gpu-left", "gpu-full"])
+def test_a_replacement_is_a_fresh_creating_row_with_the_functions_envs_and_its_own_gpu(
+    corral_env: Env, start_agents: StartAgents, gpu_left: bool
+) -> None:
+    start_agents(1, env=corral_env, seed_only=True)
+    corral_env.set(gpu_fit="first")  # the GPU recorded first, not the fullest that fits
+    gpus = [("first", 5000), ("exact", 1000)] if gpu_left else [("first", 1000)]
+    with corral_env.db.transaction() as s:  # room for the first row's grant, and one more?
+        for i, (uuid, mem) in enumerate(gpus):
+            s.add(Gpu(uuid=uuid, server="gs:1", mngr_addr="gm:1", mem_total_mb=mem,
+                      mem_free_mb=mem, slots_total=4, slots_free=4, first_port=4000 + 4 * i,
+                      created_at=datetime(2030, 1, 1, 0, 0, i)))  # fmt: skip
+    op_id, fn_id, jobs = spawn_op(corral_env, 1, exec_envs=2, gpu_mem=1000)
+    db, settings, token = corral_env.db, corral_env.settings, owner_token()
+    place(db, settings, op_id, fn_id, jobs)
+    (sent,) = take(
+        db, settings, [jobs[0].request_id], token, Budget.of(settings).own_until()
+    ).pending
+    assert mark_sent(db, token, [sent]) == {sent.replica_id}
+    with db.transaction() as s:  # its answer was cut
+        lock_for_moves(s, [sent])
+        got = replace(s, settings, sent, token, "cut", max_placements=3)
+    rows = {r.id: r for r in replicas(corral_env)}
+    maybe = rows.pop(sent.replica_id)
+    assert maybe.status == ReplicaState.MAYBE
+    if gpu_left:
+        assert got == Replaced.REPLACED
+        (fresh,) = rows.values()
+        assert (fresh.status, fresh.request_id, fresh.operation_id, fresh.placements) == (
+            ReplicaState.CREATING,
+            jobs[0].request_id,
+            op_id,
+            2,
+        )
+        assert (fresh.envs_total, fresh.gpu_mem_mb, fresh.owner, fresh.sent_at) == (
+            2,
+            1000,
+            None,
+            None,
+        )
+        assert fresh.gpu_id == maybe.gpu_id and fresh.gpu_slot != maybe.gpu_slot  # "first"
+        assert fresh.deadline_at is not None and fresh.deadline_at > clock.now()
+    else:
+        assert got == Replaced.UNREPLACED and rows == {}
+        assert maybe.error is not None and maybe.error.endswith(
+            "; not replaced (no GPU for a replacement: no GPU capacity for hello (1000 MB))"
+        )
+        assert nodes(corral_env)["node1"].live == 1  # the replacement's slot given back
     no_drift(corral_env)
 
 
