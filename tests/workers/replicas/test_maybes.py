@@ -498,6 +498,7 @@ def test_a_replacement_is_a_fresh_creating_row_with_the_functions_envs_and_its_o
             "; not replaced (no GPU for a replacement: no GPU capacity for hello (1000 MB))"
         )
         assert nodes(corral_env)["node1"].live == 1  # the replacement's slot given back
+        assert maybe.operation_id == op_id  # the operation waits on the maybe itself
     no_drift(corral_env)
 
 
