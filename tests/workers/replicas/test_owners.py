@@ -17,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from agents.faults import Fault
 from testkit.eventually import eventually
@@ -423,6 +423,32 @@ def test_a_group_that_raises_past_every_handler_tells_its_callers_and_the_thread
     assert mark("r2").result(10) is True  # an answer given stands
     monkeypatch.undo()
     assert mark("no-such-row").result(10) is False  # the thread marks on
+
+
+# SQLite only: the store is kept busy by its database write lock (rows that do not exist
+# take no row lock on PostgreSQL); how the marks are grouped does not depend on the store.
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_the_marks_asked_for_while_the_store_is_busy_are_made_in_one_transaction(
+    corral_env: Env,
+) -> None:
+    marker = owners._Marker()
+    db = corral_env.db
+    commits: list[object] = []
+    listener = commits.append
+    event.listen(db.engine, "commit", listener)
+    try:
+        with db.transaction() as s:  # the store is busy: the marks asked for meanwhile wait
+            s.execute(update(Replica).values(error="busy"))
+            done: list[concurrent.futures.Future[bool]] = []
+            for n in range(4):
+                done.append(concurrent.futures.Future())
+                marker.waiting.put(owners._Mark(db, owner_token(), f"no-such-row-{n}", done[-1]))
+                if n == 0:
+                    eventually(done[0].running, 10, "the first mark to wait for the store")
+        assert [d.result(10) for d in done] == [False] * 4
+        assert len(commits) == 3  # the busy one, the first mark, then the three others at once
+    finally:
+        event.remove(db.engine, "commit", listener)
 
 
 def test_let_go_on_a_store_that_fails_says_so_and_raises_nothing(
