@@ -22,12 +22,20 @@ plain copy in ``mutants/`` for an already mutated file) or the test selection ch
 (mutmut then forgets every result anyway). Naming modules (``python -m testkit.mutation
 workers/maintenance/reaper.py``) tests only theirs: a long run can be done a module at a
 time. docs/benchmarks.md ("Mutation testing") has the last scores.
+
+mutmut stops a mutant's tests at the first failure (``-x``), so their order is its speed:
+under mutmut, tests/conftest.py runs a mutant's likeliest killers first
+(:func:`kill_order`: its module's own test file, then the quickest tests).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import hashlib
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,11 +43,14 @@ import tomllib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
+from mutmut.mutation.trampoline_templates import mangle_function_name
 from mutmut.stats import status_by_exit_code
 
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
+TEXTS = "corral-function-texts.json"  # in mutants/: each mutated function's text, hashed
 DETECTED = {"killed", "timeout"}
 
 
@@ -71,6 +82,12 @@ def modules(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """The modules mutated: ``[tool.mutmut] only_mutate``."""
     with pyproject.open("rb") as f:
         return list(tomllib.load(f)["tool"]["mutmut"]["only_mutate"])
+
+
+def source_paths(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The trees mutmut copies: ``[tool.mutmut] source_paths``."""
+    with pyproject.open("rb") as f:
+        return list(tomllib.load(f)["tool"]["mutmut"]["source_paths"])
 
 
 def scores(paths: list[str], mutants: Path = MUTANTS) -> list[Score]:
@@ -120,10 +137,153 @@ def to_test(paths: list[str], recheck: bool, mutants: Path = MUTANTS) -> list[st
     return names
 
 
+def function_texts(source: str) -> dict[str, str]:
+    """Each function of ``source`` by mutmut's key (``x_f``, ``x\u01c1Class\u01c1f``): its lines,
+    comments included, hashed."""
+    lines = source.splitlines()
+    out: dict[str, str] = {}
+
+    def visit(body: list[ast.stmt], cls: str) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                key = mangle_function_name(name=node.name, class_name=cls or None)
+                text = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+                out[key] = hashlib.sha256(text.encode()).hexdigest()[:12]
+            elif isinstance(node, ast.ClassDef):
+                visit(node.body, f"{cls}.{node.name}" if cls else node.name)
+
+    visit(ast.parse(source).body, "")
+    return out
+
+
+def forget_recommented(paths: list[str], root: Path = ROOT, mutants: Path = MUTANTS) -> list[str]:
+    """Have mutmut test again every function of ``paths`` whose text changed since the last
+    run though its code did not; the functions (``path:key``).
+
+    mutmut keys a result by the mutant's number in its function and keeps the results of
+    a function whose code (its AST, comments left out) is unchanged; a ``# pragma: no
+    mutate`` added there renumbers the mutants after it, and the results would be read
+    against the wrong mutants. So the function's results are forgotten here (``None``:
+    not checked), before mutmut runs.
+    """
+    store = mutants / TEXTS
+    known: dict[str, dict[str, str]] = json.loads(store.read_text()) if store.exists() else {}
+    forgotten: list[str] = []
+    for path in paths:
+        texts = function_texts((root / path).read_text())
+        before, meta_path = known.get(path), mutants / f"{path}.meta"
+        if before is not None and meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            codes = meta["exit_code_by_key"]
+            changed = {k for k in before.keys() | texts.keys() if before.get(k) != texts.get(k)}
+            prefix = path.removesuffix(".py").replace("/", ".") + "."
+            for name in codes:
+                key = name.removeprefix(prefix).rpartition("__mutmut_")[0]
+                if key in changed:
+                    codes[name] = None
+            forgotten += [f"{path}:{key}" for key in sorted(changed)]
+            meta_path.write_text(json.dumps(meta, indent=4))
+        known[path] = texts
+    mutants.mkdir(exist_ok=True)
+    store.write_text(json.dumps(known, indent=1))
+    return forgotten
+
+
+def selected_test_files(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The test files mutmut runs: ``[tool.mutmut] pytest_add_cli_args_test_selection``."""
+    with pyproject.open("rb") as f:
+        selection = tomllib.load(f)["tool"]["mutmut"]["pytest_add_cli_args_test_selection"]
+    return [str(s) for s in selection if str(s).endswith(".py")]
+
+
+def forget_edited_tests(files: list[str], root: Path = ROOT, mutants: Path = MUTANTS) -> list[str]:
+    """Have mutmut map again the tests of every test file edited since the last run; those files.
+
+    mutmut learns which functions each test calls once, when it first sees the test
+    (``mutants/mutmut-stats.json``): a test edited since to call a function it did not is
+    never run against that function's mutants, which then survive. The edited files'
+    tests are dropped from the stats, so mutmut takes them for new tests and maps them.
+    """
+    store, stats_path = mutants / TEXTS, mutants / "mutmut-stats.json"
+    known: dict[str, dict[str, str]] = json.loads(store.read_text()) if store.exists() else {}
+    before = known.get("tests", {})
+    now = {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:12] for f in files}
+    edited = sorted(f for f in files if f in before and before[f] != now[f])
+    if edited and stats_path.exists():
+        stats = json.loads(stats_path.read_text())
+
+        def gone(test: str) -> bool:
+            return test.split("::")[0] in edited
+
+        stats["duration_by_test"] = {
+            t: d for t, d in stats["duration_by_test"].items() if not gone(t)
+        }
+        stats["tests_by_mangled_function_name"] = {
+            f: [t for t in tests if not gone(t)]
+            for f, tests in stats["tests_by_mangled_function_name"].items()
+        }
+        stats_path.write_text(json.dumps(stats, indent=4))
+    known["tests"] = now
+    mutants.mkdir(exist_ok=True)
+    store.write_text(json.dumps(known, indent=1))
+    return edited
+
+
+def refresh_copies(
+    mutated: list[str], sources: list[str], root: Path = ROOT, mutants: Path = MUTANTS
+) -> list[str]:
+    """Bring mutmut's plain copies of the modules not mutated up to date; those copied.
+
+    mutmut copies the source tree into ``mutants/`` only where a file is missing there, so
+    an edit to a module it does not mutate (one the mutated ones import, testkit/) would
+    leave the tests running against its old copy.
+    """
+    copied: list[str] = []
+    for top in sources:
+        for copy in sorted((mutants / top).rglob("*")):
+            rel = copy.relative_to(mutants).as_posix()
+            source = root / rel
+            plain = rel not in mutated and "__pycache__" not in rel and copy.is_file()
+            plain = plain and source.is_file()
+            if plain and copy.read_bytes() != source.read_bytes():
+                shutil.copy2(source, copy)
+                copied.append(rel)
+    return copied
+
+
 def whole_percent(all_scores: list[Score]) -> float:
     """Detected mutants of every module, as a percentage of all."""
     total = sum(s.total for s in all_scores)
     return 100.0 * sum(s.detected for s in all_scores) / total if total else 100.0
+
+
+class _Item(Protocol):
+    @property
+    def nodeid(self) -> str: ...
+
+
+_T = TypeVar("_T", bound=_Item)
+
+
+def kill_order(items: list[_T], mutant: str | None = None) -> None:
+    """Under mutmut (``MUTANT_UNDER_TEST`` names a mutant), sort ``items`` so that the
+    tests of the mutant's module's own test file run first, then the quickest (mutmut's
+    recorded durations): a mutant is killed at its first failure. Otherwise unchanged."""
+    mutant = os.environ.get("MUTANT_UNDER_TEST", "") if mutant is None else mutant
+    if "__mutmut_" not in mutant:  # the stats, clean and forced-fail runs, or no mutmut
+        return
+    module = re.split(r"\.x[_\u01c1]", mutant, maxsplit=1)[0].rpartition(".")[2]
+    own = f"test_{module}.py"
+    try:  # mutmut runs the tests in mutants/, next to its stats
+        durations = json.loads(Path("mutmut-stats.json").read_text())["duration_by_test"]
+    except (OSError, ValueError, KeyError):
+        durations = {}
+    items.sort(
+        key=lambda item: (
+            item.nodeid.split("::")[0].rpartition("/")[2] != own,
+            durations.get(item.nodeid, 0.0),
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         if args.fresh:
             shutil.rmtree(MUTANTS, ignore_errors=True)
+        for changed in forget_recommented(modules()):
+            print(f"comments changed, tested again: {changed}", file=sys.stderr)
+        refresh_copies(modules(), source_paths())
+        for edited in forget_edited_tests(selected_test_files()):
+            print(f"tests edited, mapped again: {edited}", file=sys.stderr)
         jobs = ["--max-children", str(args.jobs)] if args.jobs else []
         if args.only:
             names = to_test(args.only, args.recheck)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit.mutation import kill_order
 from tests import requirements
 
 pytest_plugins = ["tests.services", "tests.fixtures", "tests.celery_workers"]
@@ -30,6 +31,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith("tests/stack/"):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    kill_order(items)  # under mutmut: a mutant's likeliest killers first
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

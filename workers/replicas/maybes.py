@@ -76,7 +76,6 @@ from workers.store.models import (
     Operation,
     Replica,
     ReplicaState,
-    new_id,
 )
 from workers.store.states import move
 
@@ -150,7 +149,6 @@ def replace(  # noqa: PLR0913 - one row's replacement, its cap by name
     except CapacityError as exc:
         return _unreplaced(s, replica, op_id, f"no node for a replacement: {exc}")
     row = Replica(
-        id=new_id(),
         request_id=request_id,
         function_id=fn.id,
         operation_id=op_id,
@@ -201,7 +199,12 @@ def settle_vm(
         if maybe is None or maybe.status != ReplicaState.MAYBE:
             held = maybe is not None and maybe.vmid == vmid and maybe.status in LIVE_STATES
             return Settled.ADOPTED if held else Settled.NOT_OURS
-        if s.scalar(select(Replica.id).where(Replica.vmid == vmid).limit(1)) is not None:
+        held_by = s.scalar(
+            select(Replica.id)
+            .where(Replica.vmid == vmid)
+            .limit(1)  # pragma: no mutate - None or 2: scalar() reads the first row alone
+        )
+        if held_by is not None:
             return Settled.NOT_OURS  # another row's VM (recorded since the caller looked)
         maybe.vmid = vmid
         wanted = _wanted(s, maybe)
@@ -218,9 +221,17 @@ def settle_vm(
         )
         error = f"maybe: its VM {vmid} showed up {why}; released"
         if maybe.operation_id:  # the part its operation waited on it for fails
-            settle(s, maybe.operation_id, parts=[maybe.id], ok=False, error=error)
-            maybe.operation_id = None
-        transition(s, maybe, ReplicaState.DELETED, settings, error=error)
+            settle(
+                s,
+                maybe.operation_id,
+                parts=[maybe.id],
+                ok=False,  # pragma: no mutate - None: read as false, the same
+                error=error,
+            )
+            # (not mutated: '' reads as no operation too, and the move clears it)
+            maybe.operation_id = None  # pragma: no mutate
+        # (not mutated: Deleted has no deadline and no idle clock: the settings are not read)
+        transition(s, maybe, ReplicaState.DELETED, settings, error=error)  # pragma: no mutate
         if maybe.node_id is not None:  # kept until released (workers.replicas.orphans)
             note_orphan(s, settings, maybe.node_id, vmid)
         log.info("maybe %s: its VM %s showed up %s; releasing it", maybe.id, vmid, why)

@@ -257,3 +257,21 @@ def test_a_trusted_proxys_bodies_and_a_peerless_ones_are_bounded_by_the_total() 
         assert (bodies.min_rate, bodies.grace_s) == (4096, 10.0)  # the defaults: Apache's
 
     asyncio.run(run())
+
+
+def test_a_piece_without_more_body_is_the_last() -> None:
+    async def run() -> None:
+        bodies = Bodies(max_body=100, budget=100, read_timeout_s=5)
+        said: list[dict[str, Any]] = [
+            {"type": "http.request", "body": b"ab", "more_body": True},
+            {"type": "http.request", "body": b"c"},
+        ]
+        pieces = iter(said)
+
+        async def receive() -> dict[str, Any]:
+            return next(pieces)  # a third read would raise StopIteration
+
+        async with bodies.read(_scope(transfer_encoding="chunked"), receive) as body:
+            assert body == b"abc" and bodies.held == 3
+
+    asyncio.run(run())

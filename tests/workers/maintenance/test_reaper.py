@@ -563,13 +563,16 @@ def test_a_stale_replica_at_the_functions_max_asks_for_no_replacement(
 def test_a_pass_first_gives_back_the_environments_of_expired_claims(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    _, (replica,) = idle_on(corral_env, start_agents, 1, 1, idle_timeout=3600)
+    _, (replica,) = idle_on(corral_env, start_agents, 1, 1)  # the default idle timeout
     claim(corral_env.db, corral_env.settings, "hello", ttl_s=5)  # its caller died with it
     assert by_id(corral_env)[replica.id].status == ReplicaState.ALLOCATED
     clock.travel(6)
     report = _reap(corral_env)
     assert (report.claims_expired, report.deleted) == (1, [])
-    assert by_id(corral_env)[replica.id].status == ReplicaState.IDLE
+    back = by_id(corral_env)[replica.id]
+    assert back.status == ReplicaState.IDLE and back.idle_since is not None
+    # its idle clock starts again, to the settings' idle timeout (the function has none)
+    assert back.reap_at == back.idle_since + timedelta(seconds=corral_env.settings.idle_timeout_s)
 
 
 def test_a_release_the_node_refuses_ends_the_replica_dead_with_the_nodes_error(

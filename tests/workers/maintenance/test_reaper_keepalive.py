@@ -22,6 +22,7 @@ from sqlalchemy import select, update
 
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, replicas
+from tests.workers.autoscale.test_keepalive_fleet import history
 from tests.workers.replicas.helpers import spawn_idle
 from workers.autoscale.keepalive import Plan, Windows, fixed
 from workers.base import clock
@@ -147,3 +148,32 @@ def test_idle_times_redis_cannot_read_leave_the_fixed_rule_and_say_why(
         "reap: could not read idle times, keep-alive falls back to fixed: Error "
     )
     assert "no-redis.sock" in warning.getMessage()
+
+
+def test_a_pass_reads_the_windows_from_redis_and_judges_the_others_by_their_timeout(
+    corral_env: Env, start_agents: StartAgents, redis_url: str
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    start_agents(1, env=corral_env)
+    deploy_fn(corral_env, "tick", keep_alive="adaptive")  # every 10 min: the next is far
+    deploy_fn(corral_env, "plain", idle_timeout=60)
+    deploy_fn(corral_env, "kept", idle_timeout=3600)
+    (tick,) = spawn_idle(corral_env, "tick", 1)
+    (plain,) = spawn_idle(corral_env, "plain", 1)
+    (kept,) = spawn_idle(corral_env, "kept", 1)
+    history(client, corral_env, "tick", every=600, calls=8, last_end=time.time() - 5)
+    _idle_for(corral_env, 120, plain.id, kept.id)
+    with corral_env.db.transaction() as s:  # plain's timeout passed; tick's fixed one did not
+        s.execute(
+            update(Replica)
+            .where(Replica.id == plain.id)
+            .values(reap_at=clock.now() - timedelta(seconds=1))
+        )
+    report = reap(corral_env.db, corral_env.settings, holder="test", idle_times=client)
+    assert report.keep_alive["tick"]["mode"] == "histogram"
+    assert sorted((d.function, d.reason) for d in report.deleted) == [
+        ("plain", "idle"),
+        ("tick", "idle"),
+    ]
+    assert _status(corral_env, "kept") == {kept.id: ReplicaState.IDLE}
+    assert {tick.id, plain.id} == {d.replica_id for d in report.deleted}

@@ -20,7 +20,7 @@ from agents.fcdaemon import RunningAgent, spec_from_request
 from corral import api
 from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
-from tests.helpers import deploy_fn, lapsed, operation, replicas
+from tests.helpers import creating, deploy_fn, lapsed, operation, replicas, result_of
 from tests.workers.replicas.helpers import (
     ReleasingQueue,
     at_once,
@@ -37,12 +37,22 @@ from workers.maintenance.reaper import reap
 from workers.registry.service import OK, READY, Registry
 from workers.replicas import creates, sends
 from workers.replicas.lifecycle import ready_window
-from workers.replicas.maybes import Settled, note_ready_node, settle_vm
+from workers.replicas.maybes import (
+    MAX_REQUEST_ID,
+    Replaced,
+    Settled,
+    maybe_request_id,
+    note_ready_node,
+    replace,
+    reports_ready,
+    settle_vm,
+)
+from workers.replicas.moves import lock_for_moves
 from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Owner, disown, mark_sent, owner_token, take
 from workers.replicas.plan import SpawnJob
 from workers.replicas.spawn import place, run_batch
-from workers.store.models import Function, Node, Replica, ReplicaState
+from workers.store.models import Function, Gpu, Node, OrphanRelease, Replica, ReplicaState
 
 UNAVAILABLE = Fault.abort(grpc.StatusCode.UNAVAILABLE, "busy")  # the agent did nothing
 
@@ -144,6 +154,30 @@ def test_a_maybe_on_a_node_whose_guests_report_ready_waits_only_as_long_as_a_rea
     no_drift(corral_env)
 
 
+def test_a_maybe_made_on_a_node_known_to_report_ready_waits_only_for_a_ready_and_says_why(
+    corral_env: Env, start_agents: StartAgents, caplog: pytest.LogCaptureFixture
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    agent.agent.inject("CreateReplica", UNAVAILABLE)
+    with corral_env.db.transaction() as s:  # a guest of the node was seen to say READY
+        s.execute(update(Node).values(ready_seen_at=clock.now()))
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    with caplog.at_level("WARNING", logger="workers.replicas.maybes"):
+        run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    (maybe,) = _maybes(corral_env)
+    assert maybe.deadline_at is not None
+    assert maybe.deadline_at <= clock.now() + ready_window(settings)  # not the creating one
+    head = "maybe: its create on node1 went out, outcome unknown ("
+    assert maybe.error is not None and maybe.error.startswith(head)
+    why = maybe.error[len(head) :].split("); replaced by ")[0]
+    assert why and f"replica {maybe.id} on node1 is a maybe: {why}" in caplog.messages
+    clock.travel(settings.create_timeout_s + settings.ready_grace_s + 1)
+    reap(corral_env.db, settings, holder="t")
+    assert _maybes(corral_env) == []
+    no_drift(corral_env)
+
+
 def _lost_answer(env: Env, agent: RunningAgent, count: int) -> tuple[str, str, str]:
     """A spawn of ``count`` whose first create's answer is lost (the agent makes the VM after
     corral's deadline): (operation, function, the VM no row has) once the agent made it."""
@@ -237,6 +271,8 @@ def test_a_retry_of_the_same_message_takes_back_what_its_earlier_run_left(
     written = place(corral_env.db, settings, op_id, fn_id, jobs, owner=Owner(earlier, until))
     sent = next(p for p in written if p.request_id == ids[0])
     assert mark_sent(corral_env.db, earlier, [sent]) == {sent.replica_id}
+    (sent_at,) = [r.sent_at for r in replicas(corral_env) if r.id == sent.replica_id]
+    assert sent_at is not None
     inflight.run(  # its one create went out and made a VM; its answer was lost
         fcdaemon.client(backends.target(sent.node), settings).create_replica(
             fcdaemon.create_request(sent.function, sent.request_id, settings)
@@ -253,6 +289,8 @@ def test_a_retry_of_the_same_message_takes_back_what_its_earlier_run_left(
     nxt = creates.create(corral_env.db, settings, ids, Budget.of(settings), owner=retry)
     assert nxt.states == dict.fromkeys(ids, "idle") and len(nxt.maybes) == 1
     assert created([agent]) == 3 and len(running([agent])) == 3
+    (maybe,) = _maybes(corral_env)  # it keeps when its create went out
+    assert (maybe.id, maybe.sent_at) == (sent.replica_id, sent_at)
     assert operation(corral_env, op_id).status == "succeeded"
     no_drift(corral_env)
 
@@ -322,26 +360,63 @@ def _late_vm(env: Env, agent: RunningAgent) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("target", "most", "settled"),
+    ("limits", "settled"),
     [
-        (1, 20, Settled.RELEASED),  # at its target (one replica: the maybe's replacement)
-        (3, 1, Settled.RELEASED),  # below its target, but at its max
-        (2, 20, Settled.ADOPTED),  # below both: wanted
+        ((1, 20), Settled.RELEASED),  # at its target (one replica: the maybe's replacement)
+        ((3, 1), Settled.RELEASED),  # below its target, but at its max
+        ((2, 20), Settled.ADOPTED),  # below both: wanted
     ],
     ids=["at-target", "at-max", "wanted"],
 )
 def test_a_maybes_vm_is_adopted_only_below_the_target_and_the_max(
-    corral_env: Env, start_agents: StartAgents, target: int, most: int, settled: Settled
+    corral_env: Env,
+    start_agents: StartAgents,
+    caplog: pytest.LogCaptureFixture,
+    limits: tuple[int, int],
+    settled: Settled,
 ) -> None:
+    target, most = limits
     (agent,) = start_agents(1, env=corral_env, seed_only=True)
     maybe_id, vmid = _late_vm(corral_env, agent)
+    db, settings, address = corral_env.db, corral_env.settings, "http://127.0.0.1:9"
     with corral_env.db.transaction() as s:
         s.execute(update(Function).values(target=target, max_replicas=most))
-    got = settle_vm(corral_env.db, corral_env.settings, maybe_id, vmid, "http://127.0.0.1:9")
+    (replacement,) = _idle(corral_env)
+    assert replacement.vmid is not None  # another row's VM is never the maybe's
+    assert settle_vm(db, settings, maybe_id, replacement.vmid, address) == Settled.NOT_OURS
+    (maybe,) = _maybes(corral_env)
+    assert (maybe.id, maybe.vmid) == (maybe_id, None)
+
+    with caplog.at_level("INFO", logger="workers.replicas.maybes"):
+        got = settle_vm(db, settings, maybe_id, vmid, address)
     assert got == settled
     with corral_env.db.read() as s:
         count = s.scalar(select(Function.replica_count))
     assert count == (2 if settled == Settled.ADOPTED else 1)
+    (row,) = [r for r in replicas(corral_env) if r.id == maybe_id]
+    if settled == Settled.ADOPTED:
+        assert (row.status, row.vmid, row.address, row.error) == (
+            ReplicaState.IDLE,
+            vmid,
+            address,
+            None,
+        )
+        said = f"maybe {maybe_id}: its VM {vmid} showed up and is adopted"
+    else:
+        why = "after its replacement, or with the function at its max"
+        assert (row.status, row.vmid, row.address) == (ReplicaState.DELETED, vmid, None)
+        assert row.error == f"maybe: its VM {vmid} showed up {why}; released"
+        said = f"maybe {maybe_id}: its VM {vmid} showed up {why}; releasing it"
+    assert said in caplog.messages
+    no_drift(corral_env)
+    # settled once: the same VM again is what became of it; another VM is never its
+    again = Settled.ADOPTED if settled == Settled.ADOPTED else Settled.NOT_OURS
+    assert settle_vm(db, settings, maybe_id, vmid, address) == again
+    assert settle_vm(db, settings, maybe_id, "vm-other", address) == Settled.NOT_OURS
+    assert settle_vm(db, settings, "no-such-row", vmid, address) == Settled.NOT_OURS
+    assert [(r.status, r.vmid) for r in replicas(corral_env) if r.id == maybe_id] == [
+        (row.status, vmid)
+    ]
     no_drift(corral_env)
 
 
@@ -362,6 +437,131 @@ def test_a_maybe_with_no_node_for_a_replacement_keeps_its_part_of_the_operation_
     )
     op = operation(corral_env, op_id)
     assert (op.status, op.done, op.failed) == ("running", 0, 0)
+    no_drift(corral_env)
+    # its VM shows up, wanted though the function wants none (its operation waits on it),
+    # but where it answers is unknown: released, and the part it was waited on for fails
+    with corral_env.db.transaction() as s:
+        s.execute(update(Function).values(target=0))
+    assert settle_vm(corral_env.db, settings, maybe.id, "vm-late", None) == Settled.RELEASED
+    error = "maybe: its VM vm-late showed up where it answers is unknown (its agent reported it)"
+    (ended,) = [r for r in replicas(corral_env) if r.id == maybe.id]
+    assert (ended.status, ended.vmid, ended.operation_id) == (ReplicaState.DELETED, "vm-late", None)
+    assert ended.error == f"{error}; released"
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed) == ("failed", 0, 1)
+    assert result_of(op)["errors"] == [f"{error}; released"]
+    with corral_env.db.read() as s:  # its VM is kept as an orphan until released
+        noted = [(o.node_id, o.vmid) for o in s.scalars(select(OrphanRelease))]
+    assert noted == [(maybe.node_id, "vm-late")]
+    no_drift(corral_env)
+
+
+@pytest.mark.parametrize("gpu_left", [True, False], ids=["gpu-left", "gpu-full"])
+def test_a_replacement_is_a_fresh_creating_row_with_the_functions_envs_and_its_own_gpu(
+    corral_env: Env, start_agents: StartAgents, gpu_left: bool
+) -> None:
+    start_agents(1, env=corral_env, seed_only=True)
+    corral_env.set(gpu_fit="first")  # the GPU recorded first, not the fullest that fits
+    gpus = [("first", 5000), ("exact", 1000)] if gpu_left else [("first", 1000)]
+    with corral_env.db.transaction() as s:  # room for the first row's grant, and one more?
+        for i, (uuid, mem) in enumerate(gpus):
+            s.add(Gpu(uuid=uuid, server="gs:1", mngr_addr="gm:1", mem_total_mb=mem,
+                      mem_free_mb=mem, slots_total=4, slots_free=4, first_port=4000 + 4 * i,
+                      created_at=datetime(2030, 1, 1, 0, 0, i)))  # fmt: skip
+    op_id, fn_id, jobs = spawn_op(corral_env, 1, exec_envs=2, gpu_mem=1000)
+    db, settings, token = corral_env.db, corral_env.settings, owner_token()
+    place(db, settings, op_id, fn_id, jobs)
+    (sent,) = take(
+        db, settings, [jobs[0].request_id], token, Budget.of(settings).own_until()
+    ).pending
+    assert mark_sent(db, token, [sent]) == {sent.replica_id}
+    with db.transaction() as s:  # its answer was cut
+        lock_for_moves(s, [sent])
+        got = replace(s, settings, sent, token, "cut", max_placements=3)
+    rows = {r.id: r for r in replicas(corral_env)}
+    maybe = rows.pop(sent.replica_id)
+    assert maybe.status == ReplicaState.MAYBE
+    if gpu_left:
+        assert got == Replaced.REPLACED
+        (fresh,) = rows.values()
+        assert (fresh.status, fresh.request_id, fresh.operation_id, fresh.placements) == (
+            ReplicaState.CREATING,
+            jobs[0].request_id,
+            op_id,
+            2,
+        )
+        assert (fresh.envs_total, fresh.gpu_mem_mb, fresh.owner, fresh.sent_at) == (
+            2,
+            1000,
+            None,
+            None,
+        )
+        assert fresh.gpu_id == maybe.gpu_id and fresh.gpu_slot != maybe.gpu_slot  # "first"
+        assert fresh.deadline_at is not None and fresh.deadline_at > clock.now()
+    else:
+        assert got == Replaced.UNREPLACED and rows == {}
+        assert maybe.error is not None and maybe.error.endswith(
+            "; not replaced (no GPU for a replacement: no GPU capacity for hello (1000 MB))"
+        )
+        assert nodes(corral_env)["node1"].live == 1  # the replacement's slot given back
+        assert maybe.operation_id == op_id  # the operation waits on the maybe itself
+    no_drift(corral_env)
+
+
+def test_a_row_another_handler_owns_is_not_made_a_maybe(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env, seed_only=True)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    pending = creating(corral_env, fn_id, jobs[0].request_id, op_id=op_id)  # another's row
+    settings = corral_env.settings
+    with corral_env.db.transaction() as s:
+        lock_for_moves(s, [pending])
+        got = replace(s, settings, pending, owner_token(), "cut", max_placements=3)
+    assert got == Replaced.LOST
+    (row,) = replicas(corral_env)
+    assert (row.status, row.request_id, row.error) == (
+        ReplicaState.CREATING,
+        jobs[0].request_id,
+        None,
+    )
+    no_drift(corral_env)
+
+
+def test_a_request_made_a_maybe_on_its_last_placement_is_not_replaced_and_waits_on_it(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    agent.agent.inject("CreateReplica", UNAVAILABLE, UNAVAILABLE, UNAVAILABLE)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    nxt = run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    assert len(nxt.maybes) == 3 and created([agent]) == 3
+    maybes = sorted(_maybes(corral_env), key=lambda r: r.placements)
+    assert [r.placements for r in maybes] == [1, 2, 3] and _idle(corral_env) == []
+    last = maybes[-1]
+    assert last.request_id.startswith(f"{jobs[0].request_id}~")
+    assert last.error is not None and last.error.endswith("; not replaced (tried 3 times)")
+    assert (last.operation_id, last.maybe_of) == (op_id, op_id)  # the operation waits on it
+    op = operation(corral_env, op_id)
+    assert (op.status, op.done, op.failed) == ("running", 0, 0)
+    no_drift(corral_env)
+
+
+def test_a_replacement_is_placed_by_the_placement_policy_in_force(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    corral_env.set(placement="pack")  # the function names none: the setting's
+    first, _ = start_agents(2, env=corral_env, seed_only=True)
+    first.agent.inject("CreateReplica", UNAVAILABLE)
+    op_id, fn_id, jobs = spawn_op(corral_env, 1)
+    settings = corral_env.settings
+    run_batch(corral_env.db, settings, op_id, fn_id, jobs, Budget.of(settings))
+    (maybe,) = _maybes(corral_env)
+    (replica,) = _idle(corral_env)
+    by_id = {n.id: name for name, n in nodes(corral_env).items()}
+    # packed next to the maybe (fewest live would take the empty node)
+    assert by_id[str(maybe.node_id)] == by_id[str(replica.node_id)] == "node1"
     no_drift(corral_env)
 
 
@@ -405,3 +605,26 @@ def test_a_node_first_seen_to_report_ready_shortens_its_maybes_deadlines_once(
     }
     clock.travel(60)
     assert note() == (seen, deadlines)  # only the first READY of a node shortens them
+
+
+def test_a_maybes_request_id_keeps_as_much_of_the_original_as_fits_its_column() -> None:
+    row = "r" * 32
+    assert maybe_request_id("spawn-1", row) == f"spawn-1~{row}"
+    long = "x" * MAX_REQUEST_ID  # the column's length: cut to fit with the mark and row id
+    said = maybe_request_id(long, row)
+    assert len(said) == MAX_REQUEST_ID and said == f"{long[: MAX_REQUEST_ID - 33]}~{row}"
+
+
+@pytest.mark.parametrize(
+    ("readiness", "seen", "reports"),
+    [
+        ("guest", None, True),  # the function's guests say READY
+        ("agent", clock.now(), True),  # a guest on the node was seen to say it
+        ("agent", None, False),  # neither: the agent's answer is all there is
+    ],
+)
+def test_a_node_reports_ready_for_a_guest_function_or_once_seen_to(
+    readiness: str, seen: datetime | None, reports: bool
+) -> None:
+    node = Node(name="n", kind="fcdaemon", address="127.0.0.1:9", ready_seen_at=seen)
+    assert reports_ready(node, Function(name="f", readiness=readiness)) is reports

@@ -9,6 +9,7 @@ the agents run, and the rows and counters corral keeps.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from agents.faults import Fault
 from testkit.eventually import eventually
@@ -383,6 +384,71 @@ def test_the_process_marks_with_one_daemon_thread(corral_env: Env) -> None:
     assert owners._marker is marker  # the same thread, as long as the process lives
     # it never keeps the process from exiting, and shows by its name in a thread dump
     assert (marker.thread.name, marker.thread.daemon) == ("corral-marks", True)
+
+
+class _Halt(BaseException):
+    """What no ``except Exception`` catches (as KeyboardInterrupt or SystemExit)."""
+
+
+def test_a_group_that_raises_past_every_handler_tells_its_callers_and_the_thread_goes_on(
+    corral_env: Env, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = owners._Marker()  # a thread of its own: a fresh process's first mark
+    assert (marker.thread.name, marker.thread.daemon) == ("corral-marks", True)
+    db, token = corral_env.db, owner_token()
+
+    def mark(replica_id: str) -> concurrent.futures.Future[bool]:
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        marker.waiting.put(owners._Mark(db, token, replica_id, done))
+        return done
+
+    def halt(_: Database, marks: list[owners._Mark]) -> None:
+        raise _Halt("the store call was cut")
+
+    monkeypatch.setattr(owners, "_mark_group", halt)
+    with (
+        caplog.at_level(logging.ERROR, logger="workers.replicas.owners"),
+        pytest.raises(_Halt, match="was cut"),
+    ):
+        mark("r1").result(10)  # never left waiting
+    (said,) = [r for r in caplog.records if r.name == "workers.replicas.owners"]
+    assert said.getMessage() == "marking 1 create(s) sent failed"
+    assert said.exc_info is not None and said.exc_info[0] is _Halt
+
+    def told_then_halt(_: Database, marks: list[owners._Mark]) -> None:
+        marks[0].done.set_result(True)
+        raise _Halt("after the answer")
+
+    monkeypatch.setattr(owners, "_mark_group", told_then_halt)
+    assert mark("r2").result(10) is True  # an answer given stands
+    monkeypatch.undo()
+    assert mark("no-such-row").result(10) is False  # the thread marks on
+
+
+# SQLite only: the store is kept busy by its database write lock (rows that do not exist
+# take no row lock on PostgreSQL); how the marks are grouped does not depend on the store.
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_the_marks_asked_for_while_the_store_is_busy_are_made_in_one_transaction(
+    corral_env: Env,
+) -> None:
+    marker = owners._Marker()
+    db = corral_env.db
+    commits: list[object] = []
+    listener = commits.append
+    event.listen(db.engine, "commit", listener)
+    try:
+        with db.transaction() as s:  # the store is busy: the marks asked for meanwhile wait
+            s.execute(update(Replica).values(error="busy"))
+            done: list[concurrent.futures.Future[bool]] = []
+            for n in range(4):
+                done.append(concurrent.futures.Future())
+                marker.waiting.put(owners._Mark(db, owner_token(), f"no-such-row-{n}", done[-1]))
+                if n == 0:
+                    eventually(done[0].running, 10, "the first mark to wait for the store")
+        assert [d.result(10) for d in done] == [False] * 4
+        assert len(commits) == 3  # the busy one, the first mark, then the three others at once
+    finally:
+        event.remove(db.engine, "commit", listener)
 
 
 def test_let_go_on_a_store_that_fails_says_so_and_raises_nothing(
