@@ -506,17 +506,23 @@ class PostgresServer(_Server):
         self._initdb()
         self._run(self._executor_on)
 
-    def _janitor(self, name: str) -> DatabaseJanitor:
-        if not _DB_NAME_RE.match(name):
-            raise ValueError(f"invalid database name {name!r} (want [a-z_][a-z0-9_]*, <= 63)")
+    def _janitor(self, name: str, template: str | None = None) -> DatabaseJanitor:
+        for one in (name, template or name):
+            if not _DB_NAME_RE.match(one):
+                raise ValueError(f"invalid database name {one!r} (want [a-z_][a-z0-9_]*, <= 63)")
         assert self.port is not None
         return DatabaseJanitor(
-            user=self.superuser, host=LOOPBACK, port=self.port, dbname=name, connection_timeout=10
+            user=self.superuser,
+            host=LOOPBACK,
+            port=self.port,
+            dbname=name,
+            template_dbname=template,
+            connection_timeout=10,
         )
 
-    def create_database(self, name: str) -> str:
-        """Create an empty database `name` and return its SQLAlchemy URL."""
-        self._janitor(name).init()
+    def create_database(self, name: str, template: str | None = None) -> str:
+        """Create database `name` (empty, or a copy of database `template`); return its URL."""
+        self._janitor(name, template).init()
         return self.url_for(name)
 
     def drop_database(self, name: str) -> None:

@@ -12,10 +12,10 @@ build on it, so a test that asks for one of them runs twice, as
 SQLite is a fresh file per test (a copy of one migrated at the start of the
 session). PostgreSQL is the session's server (started
 once, ``tests/services.py``) with one migrated database per test module
-(``pg_module_url``), emptied (``TRUNCATE``) before each test: no per-test
-``CREATE DATABASE`` or migration. Nothing to do to adopt it: request
-``corral_env`` (or ``broker_env``...) as before. Select one store with
-``-k sqlite`` / ``-k postgres``, or ``-m postgres``.
+(``pg_module_url``: a copy of one migrated at the start of the session), emptied
+(``TRUNCATE``) before each test: no per-test ``CREATE DATABASE`` or migration.
+Nothing to do to adopt it: request ``corral_env`` (or ``broker_env``...) as before.
+Select one store with ``-k sqlite`` / ``-k postgres``, or ``-m postgres``.
 
 A test that is inherently single-store says so with a decorator and a comment
 saying why::
@@ -106,14 +106,24 @@ sqlite_only = pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
 postgres_only = pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 
 
-@pytest.fixture(scope="module")
-def pg_module_url(postgres_server: Any) -> Iterator[str]:
-    """One migrated PostgreSQL database for the test module, dropped after it."""
-    name = f"corral_m_{uuid.uuid4().hex[:16]}"
-    url = postgres_server.create_database(name)
-    db = get_database(url)
+@pytest.fixture(scope="session")
+def pg_template(postgres_server: Any) -> str:
+    """The name of a migrated, empty PostgreSQL database, made once; module databases are
+    copies of it (``CREATE DATABASE ... TEMPLATE``: a file copy, where migrating runs every
+    revision's DDL)."""
+    name = f"corral_t_{uuid.uuid4().hex[:16]}"
+    db = get_database(postgres_server.create_database(name))
     upgrade(db)
-    db.dispose()
+    db.dispose()  # a template with a connection open cannot be copied
+    return name
+
+
+@pytest.fixture(scope="module")
+def pg_module_url(postgres_server: Any, pg_template: str) -> Iterator[str]:
+    """One migrated PostgreSQL database for the test module (a copy of the session's
+    template), dropped after it."""
+    name = f"corral_m_{uuid.uuid4().hex[:16]}"
+    url = postgres_server.create_database(name, template=pg_template)
     try:
         yield url
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -279,9 +280,10 @@ Attack = Callable[[int, list[socket.socket]], None]
 class Listener:
     """A server to attack: how to start it, a real call that must work, the attacks that apply.
 
-    ``argv`` and ``env`` get ``{port}`` / ``{tmp}`` filled in; ``prepare`` runs first
-    (a database to migrate...); ``healthy(port)`` is one authorised call that must
-    succeed once the attack is over.
+    ``argv`` and ``env`` get ``{port}`` / ``{tmp}`` filled in; ``store``: it starts on
+    a migrated store (:data:`STORE`'s SQLite file, a copy of the session's migrated
+    template); ``healthy(port)`` is one authorised call that must succeed once the attack
+    is over.
     """
 
     name: str
@@ -289,7 +291,7 @@ class Listener:
     healthy: Callable[[int], object]
     attacks: list[Attack]
     env: dict[str, str] = field(default_factory=dict)
-    prepare: list[list[str]] = field(default_factory=list)
+    store: bool = False
     max_rss_growth_mb: float = 30.0
     max_new_threads: int = 40
 
@@ -348,7 +350,6 @@ STORE = {
     "CORRAL_DATABASE_URL": "sqlite:///{tmp}/corral.sqlite",
     "CORRAL_BROKER_URL": "redis://127.0.0.1:1/0",
 }
-MIGRATE = [sys.executable, "-m", "corral.cli", "db", "upgrade"]
 # 120 oversized calls push about 470 MB at a server; gRPC core takes in each stream's
 # flow-control window before it refuses the call. With BDP probing off (SERVER_OPTIONS)
 # a window stays 64 KiB: 6-8 MB at the peak here (17-34 MB, 86 once under load, with it on)
@@ -384,7 +385,7 @@ LISTENERS = [
         HTTP_ATTACKS,
         max_new_threads=HTTP_THREADS,
         env={**STORE, "CORRAL_METRICS_TOKEN": TOKEN},
-        prepare=[MIGRATE],
+        store=True,
     ),
     Listener(
         "registry",
@@ -397,7 +398,7 @@ LISTENERS = [
             grpc_flood("/resmngr.ResMngrService/UpdateStatus"),
         ],
         env={**STORE, "CORRAL_REGISTRY_TOKEN": TOKEN},
-        prepare=[MIGRATE],
+        store=True,
         max_rss_growth_mb=GRPC_MB,
         max_new_threads=GRPC_THREADS,
     ),
@@ -454,7 +455,7 @@ LISTENERS = [
                 aimed(http_oversized, b"/function/hello"),
             ],
             env={**STORE, "CORRAL_GATEWAY_TOKEN": TOKEN, "CORRAL_GATEWAY_DATAPLANE": plane},
-            prepare=[MIGRATE],
+            store=True,
             max_new_threads=HTTP_THREADS,
         )
         for plane in DATAPLANES
@@ -471,15 +472,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def _running(listener: Listener, tmp_path: Path) -> Iterator[Server]:
+def _running(listener: Listener, tmp_path: Path, template: Path) -> Iterator[Server]:
     """``listener`` started as its own process; stopped on the way out."""
     need(listener.env.get("CORRAL_GATEWAY_DATAPLANE", "python"))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({k: v.format(tmp=tmp_path) for k, v in listener.env.items()})
     env["CORRAL_STATE_DIR"] = str(tmp_path / "state")
-    for argv in listener.prepare:
-        subprocess.run(argv, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    if listener.store:
+        shutil.copyfile(template, tmp_path / "corral.sqlite")
     argv = [a.format(port=port) for a in listener.argv]
     proc = subprocess.Popen(
         argv,
@@ -509,9 +510,11 @@ def _running(listener: Listener, tmp_path: Path) -> Iterator[Server]:
 
 
 @pytest.fixture(params=LISTENERS, ids=[listener.name for listener in LISTENERS])
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Listener, Server]]:
+def server(
+    request: pytest.FixtureRequest, tmp_path: Path, sqlite_template: Path
+) -> Iterator[tuple[Listener, Server]]:
     listener: Listener = request.param
-    with _running(listener, tmp_path) as running:
+    with _running(listener, tmp_path, sqlite_template) as running:
         yield listener, running
 
 
@@ -600,12 +603,12 @@ PER_PEER = [listener for listener in LISTENERS if listener.name in HEALTHY_PATH]
 
 @pytest.fixture(params=PER_PEER, ids=[listener.name for listener in PER_PEER])
 def http_server(
-    request: pytest.FixtureRequest, tmp_path: Path
+    request: pytest.FixtureRequest, tmp_path: Path, sqlite_template: Path
 ) -> Iterator[tuple[Listener, Server]]:
     listener: Listener = request.param
     if listener.name.startswith("gateway"):
         listener = dataclasses.replace(listener, env={**listener.env, **SMALL_GATEWAY})
-    with _running(listener, tmp_path) as running:
+    with _running(listener, tmp_path, sqlite_template) as running:
         yield listener, running
 
 
