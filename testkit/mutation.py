@@ -45,9 +45,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from mutmut.mutation.trampoline_templates import mangle_function_name
-from mutmut.stats import status_by_exit_code
-
 ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
 TEXTS = "corral-function-texts.json"  # in mutants/: each mutated function's text, hashed
@@ -92,6 +89,8 @@ def source_paths(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
 
 def scores(paths: list[str], mutants: Path = MUTANTS) -> list[Score]:
     """Each module's outcomes, read from mutmut's results (``mutants/<path>.meta``)."""
+    from mutmut.stats import status_by_exit_code  # (mutmut only here: tests import kill_order)
+
     out = []
     for path in paths:
         score = Score(path)
@@ -140,6 +139,8 @@ def to_test(paths: list[str], recheck: bool, mutants: Path = MUTANTS) -> list[st
 def function_texts(source: str) -> dict[str, str]:
     """Each function of ``source`` by mutmut's key (``x_f``, ``x\u01c1Class\u01c1f``): its lines,
     comments included, hashed."""
+    from mutmut.mutation.trampoline_templates import mangle_function_name  # (as in scores)
+
     lines = source.splitlines()
     out: dict[str, str] = {}
 
