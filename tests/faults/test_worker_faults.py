@@ -23,6 +23,7 @@ from testkit.services import RedisServer
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn, one_agent
 from workers.fleet.health import check_health
+from workers.replicas.owners import probe_dedup
 from workers.store.models import Node, Replica, ReplicaState
 
 SHORT = {  # a short visibility timeout so redelivery happens within the test
@@ -52,6 +53,13 @@ def test_worker_killed_mid_spawn_completes_with_exactly_one_vm(
 ) -> None:
     broker_env.set(**{k[len("CORRAL_") :].lower(): v for k, v in SHORT.items()})
     agent = one_agent(broker_env, start_agents)
+    # Learn now, as the first reconcile pass would, that the node deduplicates creates: the
+    # redelivery then sends its create again. Left to the second worker, a probe slower than
+    # the tests' 2 s RPC deadline (a fresh process on a loaded machine) makes the row a maybe
+    # and places a replacement - safe, but another path (tests/workers/replicas/test_owners.py).
+    with broker_env.db.read() as s:
+        node = s.scalars(select(Node)).one()
+    assert probe_dedup(broker_env.db, broker_env.settings, node)
     agent.agent.inject("CreateReplica", Fault.delay(2.0))  # a slow agent
     first = WorkerProcess(broker_env.tmp, concurrency=1, name="first", extra_env=SHORT)
     worker_processes.append(first.start())
