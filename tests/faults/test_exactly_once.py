@@ -153,11 +153,21 @@ def test_a_worker_killed_with_rows_owned_but_unsent_ends_its_spawn_6_of_6_with_6
 def test_a_batch_that_would_outlive_its_task_ends_in_time_and_hands_on_the_rest(
     broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
 ) -> None:
-    """Creates of 1 s, two at a time: the batch of 8 would run past the 4 s soft limit."""
-    limits = {**SHORT, "CORRAL_NODE_MAX_INFLIGHT": "2"}
+    """Creates of 2 s, two at a time: the batch of 8 would run past the 8 s soft limit.
+
+    Each create's deadline (6 s) is 4 s past its delay: a seed agent's create cut off by
+    its deadline on a loaded machine would make a maybe (and a ninth create).
+    """
+    limits = {
+        "CORRAL_TASK_SOFT_TIME_LIMIT_S": "8",
+        "CORRAL_TASK_TIME_LIMIT_S": "9",
+        "CORRAL_VISIBILITY_TIMEOUT_S": "10",
+        "CORRAL_CREATE_TIMEOUT_S": "6",
+        "CORRAL_NODE_MAX_INFLIGHT": "2",
+    }
     apply_limits(broker_env, limits)
     (agent,) = start_agents(1, env=broker_env, seed_only=True)
-    agent.agent.inject("CreateReplica", *[Fault.delay(1.0)] * 8)
+    agent.agent.inject("CreateReplica", *[Fault.delay(2.0)] * 8)
     deploy_fn(broker_env)
     worker = WorkerProcess(broker_env.tmp, concurrency=1, extra_env=limits, pool="threads")
     worker_processes.append(worker.start())
