@@ -56,6 +56,18 @@ def _lent(gw: RunningGateway, name: str) -> int:
     return 0 if route is None else sum(s.maxconn for s in route.ready())
 
 
+def _lending(gw: RunningGateway, stack: Stack, name: str) -> str:
+    """What HAProxy has of ``name`` and what the store holds: a failed wait's detail."""
+    route = _router(gw).routes.get(name)
+    servers = [] if route is None else list(route.servers.values())
+    told = [(s.name, s.state, len(s.claims), s.owed, s.surplus, s.suspect) for s in servers]
+    return (
+        f"servers {told};"
+        f" replicas {[(r.id[:8], r.status.name, r.envs_in_use) for r in stack.replicas(name)]};"
+        f" claims {stack.claims()}"
+    )
+
+
 def _python_calls(gw: RunningGateway, name: str) -> float:
     """Calls of ``name`` the gateway behind HAProxy answered itself."""
     text = httpx.get(f"{gw.url}/metrics", timeout=10).text
@@ -118,6 +130,7 @@ def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
         lambda: _lent(gw, "echo") == 3,
         WARM_WAIT_S,
         "the activator's environments lent to HAProxy once its calls were done",
+        detail=lambda: _lending(gw, warm_stack, "echo"),
     )
     # the same demand again: HAProxy carries all of it now
     assert _get_at_once(f"{gw.url}/function/echo?delay=0.5", 3) == [200] * 3
