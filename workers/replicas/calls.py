@@ -23,6 +23,11 @@ node's in-flight bound - never the ones still queued behind them. An admission t
 raises stops all further ones (the calls already out finish and are handed on), and
 :attr:`Ran.error` holds what it raised, for the caller to raise once it has recorded what
 landed.
+
+**What the caller could not take.** If ``on_landed`` raises (the store refused until the
+hand-off gave up), the batch ends there; the calls that succeeded after the ones it was
+given - waiting their turn, or ending as the batch unwinds - go to ``on_dropped`` (a spawn
+keeps them in Redis for the next handler of their rows), never nowhere.
 """
 
 from __future__ import annotations
@@ -96,11 +101,13 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
     failed: Callable[[BaseException], bool],
     on_landed: Callable[[list[tuple[T, Any]]], None] | None = None,
     admit: Callable[[T], Awaitable[bool]] | None = None,
+    on_dropped: Callable[[list[tuple[T, Any]]], None] | None = None,
 ) -> Ran[T]:
     """Run every call of ``work`` (a list of items per node) within ``budget``; what happened.
 
     ``await admit(item)`` (on the loop) admits a call that holds its slots: false, it is
-    :meth:`Ran.not_ours`; raising, it and every call after it are not sent.
+    :meth:`Ran.not_ours`; raising, it and every call after it are not sent. If
+    ``on_landed`` raises, the successes it was not given go to ``on_dropped``.
     """
     items = [item for group in work.values() for item in group]
     ran: Ran[T] = Ran(inflight.Batch(), items)
@@ -130,6 +137,7 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
             unwound.set()
 
     future = inflight.submit(body())
+    raised = False
     try:
         while True:
             try:
@@ -142,6 +150,9 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
                 except timelimits.OutOfTime:  # delivered: the task is now wrapping up
                     ran.cut = True  # what landed and was not handed on is in ran.landed()
                     break
+    except BaseException:
+        raised = True
+        raise
     finally:  # never leave calls running behind the task, whatever ended the wait
         if door is not None:
             door.shut = True  # nothing more is admitted
@@ -149,6 +160,8 @@ def run(  # noqa: PLR0913 - a batch's parts, the rest by name
             future.cancel()
             if not unwound.wait(CANCEL_WAIT_S):
                 log.warning("calls of a cut batch did not unwind within %gs", CANCEL_WAIT_S)
+        if raised:
+            _drop(landed, on_dropped)
     if ran.cut:
         log.warning(
             "soft time limit: %d of %d calls ended, %d cut off, the rest not sent",
@@ -205,12 +218,34 @@ def _hand_on(
     """Give the calls that succeeded since last time to ``on_landed``."""
     if on_landed is None:
         return
-    new = []
-    while True:
-        try:
-            new.append(landed.get_nowait())
-        except queue.Empty:
-            break
+    new = _drain(landed)
     if new:
         on_landed(new)
         ran.handed.update(id(item) for item, _ in new)
+
+
+def _drop(
+    landed: queue.SimpleQueue[tuple[T, Any]],
+    on_dropped: Callable[[list[tuple[T, Any]]], None] | None,
+) -> None:
+    """Give the successes never handed on to ``on_dropped``; its failure is logged, not raised."""
+    left = _drain(landed)
+    if not left:
+        return
+    if on_dropped is None:
+        log.error("%d call(s) succeeded after the batch failed; nobody takes them", len(left))
+        return
+    try:
+        on_dropped(left)
+    except Exception:  # the batch's own error is the one to raise
+        log.exception("%d call(s) that succeeded after the batch failed were lost", len(left))
+
+
+def _drain(landed: queue.SimpleQueue[tuple[T, Any]]) -> list[tuple[T, Any]]:
+    """Everything in the queue now."""
+    out = []
+    while True:
+        try:
+            out.append(landed.get_nowait())
+        except queue.Empty:
+            return out

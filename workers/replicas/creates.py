@@ -241,6 +241,7 @@ def _round(  # noqa: PLR0913 - one handler's round
         failed=blames_node,
         on_landed=sends.on_landed,
         admit=sends.admit,
+        on_dropped=sends.on_dropped,
     )
     nxt.cut = nxt.cut or ran.cut
     record(db, settings, ran.landed(), nxt, budget)

@@ -13,7 +13,10 @@ a :class:`Sends` made for that round - never into ``creates`` itself:
 * :meth:`Sends.call` - the create itself (:func:`workers.backends.send_create`, its stages
   timed), a client bug made a permanent error so it cannot take the batch down;
 * :meth:`Sends.on_landed` - the VMs that came back meanwhile, recorded
-  (:mod:`workers.replicas.arrivals`).
+  (:mod:`workers.replicas.arrivals`);
+* :meth:`Sends.on_dropped` - those that came back after recording gave up (the store
+  refused until near the hard limit), kept in Redis for the next handler of their rows
+  (:mod:`workers.replicas.landed`).
 
 :func:`blames_node` says which errors count against a node: all but an answer that blames
 the request itself (:func:`request_error`: INVALID_ARGUMENT, HTTP 400 - every node would
@@ -32,6 +35,7 @@ from workers.backends import inflight, networks
 from workers.base.errors import BackendError, PermanentBackendError
 from workers.fleet.nodes import probation
 from workers.observability import stages
+from workers.replicas import landed as kept
 from workers.replicas.arrivals import record
 from workers.replicas.outcomes import Next
 from workers.replicas.owners import Budget, Pending, mark_sent_soon
@@ -108,3 +112,7 @@ class Sends:
     def on_landed(self, landed: list[tuple[Pending, backends.Vm]]) -> None:
         """Record the VMs that came back meanwhile."""
         record(self.db, self.settings, landed, self.nxt, self.budget)
+
+    def on_dropped(self, landed: list[tuple[Pending, backends.Vm]]) -> None:
+        """Keep for the next handler the VMs that came back after recording gave up."""
+        kept.keep(self.settings, [kept.Landed(p.replica_id, p.node.id, vm) for p, vm in landed])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from agents.faults import Fault
 from testkit.eventually import eventually
@@ -22,7 +22,7 @@ from workers.base import clock
 from workers.replicas import landed
 from workers.replicas.owners import Budget
 from workers.replicas.spawn import run_batch
-from workers.store.models import Node, ReplicaState
+from workers.store.models import Node, Replica, ReplicaState
 
 
 @postgres_only  # stops the PostgreSQL server (SQLite has no server to stop)
@@ -36,8 +36,12 @@ def test_answers_the_store_refused_until_the_hard_limit_are_recorded_by_the_next
     (agent,) = start_agents(1, env=broker_env, seed_only=True)
     with broker_env.db.transaction() as s:  # it made VMs before: its full bound at once
         s.execute(update(Node).values(last_create_ok_at=clock.now()))
-    held = threading.Event()
-    agent.agent.inject("CreateReplica", *[Fault.delay(60, until=held)] * 3)
+    # One answer lands first; the other two while its recording is being refused: the
+    # handler gives up holding them unrecorded (before, they were lost, not kept)
+    first_held, held = threading.Event(), threading.Event()
+    agent.agent.inject(
+        "CreateReplica", Fault.delay(60, until=first_held), *[Fault.delay(60, until=held)] * 2
+    )
     op_id, fn_id, jobs = spawn_op(broker_env, 3)
     settings = broker_env.settings
     budget = Budget.of(settings, soft_s=12, hard_s=13)  # gives up recording 2 s before 13 s
@@ -53,10 +57,16 @@ def test_answers_the_store_refused_until_the_hard_limit_are_recorded_by_the_next
     first.start()
     try:
         eventually(lambda: created([agent]) == 3, 20, "the three creates to go out")
+        with broker_env.db.read() as s:
+            ids = [(str(r.id), str(r.node_id)) for r in s.scalars(select(Replica))]
         postgres_server.stop()
-        held.set()  # they land with the store down, for longer than the handler has
+        first_held.set()  # it lands with the store down, for longer than the handler has
+        eventually(lambda: landed.find(settings, ids), 20, "the first answer kept in Redis")
+        held.set()  # these land while its recording is refused
+        eventually(lambda: len(agent.driver.list()) == 3, 20, "the other two VMs made")
         first.join(30)
     finally:
+        first_held.set()
         held.set()
         postgres_server.start()
     assert not first.is_alive() and failed, "the handler gave up with the store down"
