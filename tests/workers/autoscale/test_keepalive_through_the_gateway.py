@@ -69,6 +69,19 @@ def live(env: Env, name: str) -> int:
     return sum(1 for r in rows(env, name) if r.status in LIVE)
 
 
+def _passes_until_let_go(env: Env, worker: WorkerProcess, name: str) -> int:
+    """Reap passes that ended before ``name``'s first replica left the live states.
+
+    The reaper's own cadence is the clock: on a loaded machine its passes come late, and
+    a bound in seconds measured the machine (5.9 s, with two suites side by side).
+    """
+    before = worker.succeeded("corral.reap_pass")
+    eventually(
+        lambda: rows(env, name)[0].status not in LIVE, 60, "the first replica let go", poll=0.05
+    )
+    return worker.succeeded("corral.reap_pass") - before
+
+
 def naive(epoch: float) -> datetime:
     return datetime.fromtimestamp(epoch, UTC).replace(tzinfo=None)
 
@@ -145,7 +158,10 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
             # -- tick: every 5.5 s
             ends = [call("tick")]
             starts: list[float] = []
+            passes = -1  # the reap passes that ended between the fourth call and its let-go
             for k in range(1, 5):
+                if k == 4:  # the fourth call just ended: counted in reap passes, not seconds
+                    passes = _passes_until_let_go(broker_env, worker, "tick")
                 time.sleep(max(0.0, ends[0] + PERIOD_S * k - time.time()))
                 if k == 4:  # the fifth call: before it, the reaper and the pre-warm acted
                     replaced = rows(broker_env, "tick")
@@ -166,7 +182,10 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
     first, *later = replaced
     assert first.status in (ReplicaState.DELETED, ReplicaState.DELETING), replaced
     assert first.last_used_at is not None and first.retired_at is not None
-    assert (first.retired_at - first.last_used_at).total_seconds() < 3
+    # let go by the first passes after its use: one may have read the store before the call
+    # ended, or the idle times before the gateway reported them; passes beat sent while the
+    # worker was busy end in a burst (1 seen; kept, it would have outlived the wait)
+    assert 0 <= passes <= 4, passes
     # ...and one was started after that end and ready before the fifth call
     assert len(later) == 1, later
     prewarmed = later[0]
