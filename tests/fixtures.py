@@ -92,6 +92,13 @@ class Env:
         return get_database(get_settings().database_url)
 
 
+# Eager tests' calls to an agent wait this long: FAST's 2 s was met by agents in the test's
+# own process starved of the CPU (two suites side by side), and a create past its deadline
+# is a transient failure, retried or a maybe. Tests of a deadline set their own (0.1-0.5
+# s); worker processes, and the tests that drive them, keep FAST's.
+EAGER_CALLS: dict[str, Any] = {"create_timeout_s": "5", "rpc_timeout_s": "5"}
+
+
 def _apply(env: Env, url: str, *, migrate: bool = True, **extra: Any) -> Env:
     base = {k[len("CORRAL_") :].lower(): v for k, v in FAST.items()}
     env.set(**{**base, "broker_url": NO_BROKER, "database_url": url, "eager": "1", **extra})
@@ -189,7 +196,7 @@ def fresh_store(request: pytest.FixtureRequest, tmp_path: Path, store: str) -> s
 @pytest.fixture
 def corral_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -> Iterator[Env]:
     """Eager Celery on an empty, migrated store: SQLite and PostgreSQL in turn."""
-    env = _apply(Env(monkeypatch, tmp_path), store_url, migrate=False)  # migrated already
+    env = _apply(Env(monkeypatch, tmp_path), store_url, migrate=False, **EAGER_CALLS)
     # Celery keeps "inside a task: .get() would block" in one global flag that each eager
     # apply_async sets and restores; threads queueing eager tasks at once (the cold-start
     # tests) can restore it out of order and leave it set, failing every later .get().
@@ -210,7 +217,7 @@ def store_env(corral_env: Env) -> Env:
 @pytest.fixture
 def pg_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, pg_url: str) -> Iterator[Env]:
     """Eager Celery on a fresh, migrated PostgreSQL database."""
-    env = _apply(Env(monkeypatch, tmp_path), pg_url)
+    env = _apply(Env(monkeypatch, tmp_path), pg_url, **EAGER_CALLS)
     with allow_join_result():  # as in corral_env
         yield env
     env.db.dispose()

@@ -98,7 +98,7 @@ def test_a_request_head_that_never_ends_is_408_and_closed(stack: Stack) -> None:
         started = time.monotonic()
         assert _answer(half, 5).startswith(b"HTTP/1.1 408 ")
         assert _answer(silent, 5).startswith(b"HTTP/1.1 408 ")
-        assert time.monotonic() - started < 4
+        assert time.monotonic() - started < 8  # the 1 s deadline, on a machine maybe loaded
 
 
 def test_a_request_head_over_64_kib_is_431_and_closed(stack: Stack) -> None:
