@@ -9,6 +9,7 @@ this process, nothing reaches the broker but what the task itself queues (a retr
 from __future__ import annotations
 
 import logging
+import threading
 
 import grpc
 import pytest
@@ -84,18 +85,24 @@ def test_a_retry_of_a_task_carried_out_here_is_queued_not_run_again_at_once(
 def test_the_gateways_queue_carries_out_here_while_a_thread_is_free_and_sends_the_rest(
     broker_env: Env, start_agents: StartAgents
 ) -> None:
-    start_agents(1, env=broker_env)
+    broker_env.set(create_timeout_s="30")  # the first spawn's create is held below
+    (agent,) = start_agents(1, env=broker_env)
     deploy_fn(broker_env)
     queue = HereFirst(QUEUE, threads=1)
+    held = threading.Event()  # the first spawn holds the thread until the others are sent
+    agent.agent.inject("CreateReplica", Fault.delay(60, until=held))
 
     def spawn(here: bool) -> str:
         return dispatch.submit(
             broker_env.db, queue, lambda s: request_spawn(s, "hello", 1), here=here
         )
 
-    first = spawn(here=True)  # takes the one thread at once
-    second = spawn(here=True)  # none free: sent, saying when
-    third = spawn(here=False)  # not asked to run here: sent
+    try:
+        first = spawn(here=True)  # takes the one thread at once
+        second = spawn(here=True)  # none free: sent, saying when
+        third = spawn(here=False)  # not asked to run here: sent
+    finally:
+        held.set()
     eventually(lambda: queue.busy == 0, 20, "the spawn carried out here to end")
     assert operation(broker_env, first).status == OpStatus.SUCCEEDED
     assert calls(queued(broker_env, "corral.spawn")) == [
