@@ -58,11 +58,12 @@ def _lent(gw: RunningGateway, name: str) -> int:
 
 def _lending(gw: RunningGateway, stack: Stack, name: str) -> str:
     """What HAProxy has of ``name`` and what the store holds: a failed wait's detail."""
-    route = _router(gw).routes.get(name)
+    router = _router(gw)
+    route = router.routes.get(name)
     servers = [] if route is None else list(route.servers.values())
     told = [(s.name, s.state, len(s.claims), s.owed, s.surplus, s.suspect) for s in servers]
     return (
-        f"servers {told};"
+        f"servers {told}; demoted {router.counts.demoted.get(name)!r};"
         f" replicas {[(r.id[:8], r.status.name, r.envs_in_use) for r in stack.replicas(name)]};"
         f" claims {stack.claims()}"
     )
