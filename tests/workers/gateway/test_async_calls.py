@@ -215,7 +215,10 @@ def test_a_callback_is_delivered_signed(stack: Stack, tmp_path: Path) -> None:
     try:
         url = f"http://127.0.0.2:{receiver.port}/hook?token=s3cret"
         call_id = httpx.post(
-            f"{gw.url}/async-function/callee", content=b"hi", headers={"X-Callback-Url": url}
+            f"{gw.url}/async-function/callee",
+            content=b"hi",
+            headers={"X-Callback-Url": url},
+            timeout=30,
         ).headers["x-call-id"]
         eventually(lambda: receiver.got, 60, "the callback delivered")
         (headers, body, path) = receiver.got[0]
@@ -292,7 +295,8 @@ def test_a_full_calls_queue_is_answered_429(broker_env: Env) -> None:
 def test_calls_are_listed_shown_and_purged_from_the_command_line(stack: Stack) -> None:
     stack.deploy("callee", image=CALLEE)
     gw = stack.gateway()
-    call_id = httpx.post(f"{gw.url}/async-function/callee", content=b"hi").headers["x-call-id"]
+    accepted = httpx.post(f"{gw.url}/async-function/callee", content=b"hi", timeout=30)
+    call_id = accepted.headers["x-call-id"]
     _finished(stack, call_id)
 
     def run(*argv: str) -> object:

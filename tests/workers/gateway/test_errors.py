@@ -195,7 +195,11 @@ def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
         """Until the gateway's metric ``name`` for echo reads ``value``."""
         line = f'{name}{{function="echo"}} {value:.1f}'
         metrics = f"{gw.url}/metrics"
-        await asyncio.to_thread(eventually, lambda: line in httpx.get(metrics).text, 10, line)
+
+        def shown() -> bool:
+            return line in httpx.get(metrics, timeout=30).text
+
+        await asyncio.to_thread(eventually, shown, 10, line)
 
     async def run() -> list[int]:
         async with httpx.AsyncClient(timeout=60) as client:

@@ -227,13 +227,14 @@ def test_a_source_that_does_not_answer_is_reported_not_fatal(env: Env) -> None:
 def test_a_token_guards_every_request(corral_env: Env) -> None:
     running = serve(corral_env.db, None, "127.0.0.1:0", token="s3cret-token")
     try:
-        assert httpx.get(running.url).status_code == 401
-        wrong = httpx.get(running.url, headers={"Authorization": "Bearer nope"})
+        assert httpx.get(running.url, timeout=30).status_code == 401
+        wrong = httpx.get(running.url, headers={"Authorization": "Bearer nope"}, timeout=30)
         assert wrong.status_code == 401 and "s3cret" not in wrong.text
         got = scrape(running.url, headers={"Authorization": "Bearer s3cret-token"})
         assert value(got, "corral_exporter_source_up", source="store") == 1
         other = running.url.replace("/metrics", "/other")
-        assert httpx.get(other, headers={"Authorization": "Bearer s3cret-token"}).status_code == 404
+        bearer = {"Authorization": "Bearer s3cret-token"}
+        assert httpx.get(other, headers=bearer, timeout=30).status_code == 404
     finally:
         running.stop()
 
