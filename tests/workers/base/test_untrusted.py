@@ -71,7 +71,8 @@ DRIP_S = 60  # how long the dripping server takes to send its head
 
 def drip(conn: socket.socket, stop: threading.Event) -> None:
     """Headers one byte every 0.2 s, for up to a minute: each read is quick, the whole is not."""
-    data = b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * (int(DRIP_S / 0.2) - 24)
+    head = b"HTTP/1.1 200 OK\r\nX-Pad: "
+    data = head + b"a" * (int(DRIP_S / 0.2) - len(head))
     for byte in data:
         if stop.wait(0.2):
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from sqlalchemy import select, update
+from sqlalchemy import update
 
 from agents.faults import Fault
 from testkit.eventually import eventually
@@ -22,7 +22,7 @@ from workers.base import clock
 from workers.replicas import landed
 from workers.replicas.owners import Budget
 from workers.replicas.spawn import run_batch
-from workers.store.models import Node, Replica, ReplicaState
+from workers.store.models import Node, ReplicaState
 
 
 @postgres_only  # stops the PostgreSQL server (SQLite has no server to stop)
@@ -57,8 +57,7 @@ def test_answers_the_store_refused_until_the_hard_limit_are_recorded_by_the_next
     first.start()
     try:
         eventually(lambda: created([agent]) == 3, 20, "the three creates to go out")
-        with broker_env.db.read() as s:
-            ids = [(str(r.id), str(r.node_id)) for r in s.scalars(select(Replica))]
+        ids = [(r.id, str(r.node_id)) for r in replicas(broker_env)]
         postgres_server.stop()
         first_held.set()  # it lands with the store down, for longer than the handler has
         eventually(lambda: landed.find(settings, ids), 20, "the first answer kept in Redis")
