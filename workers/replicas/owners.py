@@ -380,7 +380,7 @@ def _sort_candidates(
     for rid, request_id, node, fn, op_id, placements, owner, live, sent_at in rows:
         sent = sent_at is not None
         if owner is not None and live:
-            how = _reclaim(owner, token, sent)
+            how = _reclaim(owner, token, sent)  # pragma: no mutate - _TAKE checks sent_at too
             if how is None:
                 out.busy.append(request_id)
                 continue

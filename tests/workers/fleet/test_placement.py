@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 
 import pytest
@@ -16,7 +16,13 @@ from tests.helpers import deploy_fn, spawn_ok
 from tests.workers.fleet.helpers import live, per_node
 from workers.base import clock
 from workers.base.errors import CapacityError, InputError
-from workers.fleet.placement import MAX_ATTEMPTS, reserve_gpu, reserve_nodes, spread_nodes
+from workers.fleet.placement import (
+    MAX_ATTEMPTS,
+    reserve_gpu,
+    reserve_node,
+    reserve_nodes,
+    spread_nodes,
+)
 from workers.locks import lock_nodes
 from workers.store.models import Function, Gpu, Node, Replica, ReplicaState
 
@@ -386,6 +392,35 @@ def test_a_batch_breaks_ties_by_name_and_fills_every_free_slot(corral_env: Env) 
     with corral_env.db.transaction() as s:
         s.execute(update(Node).where(Node.name != "node0").values(live=Node.capacity))
     assert reserve(4) == [("node0", 4)] * 3  # the rest of node0, to its last slot
+
+
+def _reserve_one(env: Env, policy: str, avoid: Sequence[str] = ()) -> str:
+    """The name of the node ``reserve_node`` takes a slot on for ``f`` (not one of ``avoid``)."""
+    with env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        ids = list(s.scalars(select(Node.id).where(Node.name.in_(avoid))))
+        return reserve_node(s, fn, policy, avoid=ids).name
+
+
+def test_pack_takes_the_fullest_node_with_room_whatever_its_name(corral_env: Env) -> None:
+    deploy_fn(corral_env, "f")
+    _nodes(corral_env, node1=(0, 4), node2=(2, 4))
+    assert [_reserve_one(corral_env, "pack") for _ in range(3)] == ["node2", "node2", "node1"]
+
+
+@pytest.mark.parametrize("policy", ["loadbalance", "spread"])
+def test_a_node_to_avoid_leaves_the_least_loaded_of_the_rest(corral_env: Env, policy: str) -> None:
+    deploy_fn(corral_env, "f")
+    _nodes(corral_env, node1=(3, 8), node2=(1, 8), node3=(0, 8))
+    assert _reserve_one(corral_env, policy, avoid=["node3"]) == "node2"  # not the first by name
+
+
+def test_random_is_not_the_least_loaded_node_every_time(corral_env: Env) -> None:
+    deploy_fn(corral_env, "f")
+    _nodes(corral_env, node1=(0, 64), node2=(30, 64), node3=(30, 64))
+    picks = {_reserve_one(corral_env, "random") for _ in range(12)}
+    # by load, all twelve would go to node1; at random that has probability 3**-12 (2e-6)
+    assert picks - {"node1"}
 
 
 def _fill_before_the_update(s: Session, fill: Callable[[Session], object]) -> None:

@@ -15,7 +15,9 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from sqlalchemy import event, select, update
 
@@ -344,6 +346,75 @@ def test_let_go_gives_up_only_its_own_rows(corral_env: Env, start_agents: StartA
     take(corral_env.db, settings, ["theirs"], theirs, Budget.of(settings).own_until())
     let_go(corral_env.db, owner_token(), [r.id for r in _rows(corral_env)])  # another handler
     assert [r.owner for r in _rows(corral_env)] == [theirs]
+
+
+def test_a_twin_that_marked_its_row_sent_meanwhile_keeps_it_and_its_placements_come_along(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    start_agents(1, env=corral_env)
+    fn_id = deploy_fn(corral_env, "hello", max=5)
+    settings = corral_env.settings
+    place(corral_env.db, settings, None, fn_id, [SpawnJob("raced"), SpawnJob("moved")])
+    with corral_env.db.transaction() as s:  # a row already tried on two other nodes
+        s.execute(update(Replica).where(Replica.request_id == "moved").values(placements=3))
+    twin, mine = owner_token("message-1", 0), owner_token("message-1", 0)
+    until = Budget.of(settings).own_until()
+    take(corral_env.db, settings, ["raced"], twin, until)
+    raced = next(r.id for r in _rows(corral_env) if r.request_id == "raced")
+    marked: list[bool] = []
+
+    def twin_marks(conn: Any, clause: Any, *_: Any) -> None:
+        """The twin marks its row sent between this run's read and its UPDATE."""
+        if getattr(clause, "is_update", False) and not marked:
+            marked.append(True)
+            conn.execute(update(Replica).where(Replica.id == raced).values(sent_at=clock.now()))
+
+    event.listen(corral_env.db.engine, "before_execute", twin_marks)
+    try:
+        taken = take(corral_env.db, settings, ["raced", "moved"], mine, until)
+    finally:
+        event.remove(corral_env.db.engine, "before_execute", twin_marks)
+    assert marked and taken.busy == ["raced"]  # unsent when read, sent when taken: the twin's
+    assert [(p.request_id, p.placements) for p in taken.pending] == [("moved", 3)]
+    owner = {r.request_id: r.owner for r in _rows(corral_env)}
+    assert owner == {"raced": twin, "moved": mine}
+
+
+def test_a_probe_asks_each_node_once_and_keeps_its_answer_on_that_nodes_row(
+    corral_env: Env, start_agents: StartAgents, caplog: pytest.LogCaptureFixture
+) -> None:
+    (extended,) = start_agents(1, env=corral_env)  # node1
+    start_agents(1, env=corral_env, seed_only=True)  # node2
+    (busy,) = start_agents(1, env=corral_env)  # node3: cannot answer the first time
+    busy.agent.inject("ListReplicas", Fault.abort(grpc.StatusCode.INTERNAL, "not now"))
+    settings = corral_env.settings
+
+    def probe(name: str) -> bool:
+        return owners.probe_dedup(corral_env.db, settings, nodes(corral_env)[name])
+
+    def kept() -> dict[str, bool | None]:
+        return {name: node.can_list for name, node in nodes(corral_env).items()}
+
+    with caplog.at_level(logging.INFO, logger="workers.replicas.owners"):
+        assert probe("node3") is False
+        assert kept() == {"node1": None, "node2": None, "node3": None}  # asked again later
+        assert probe("node1") is True
+        assert kept() == {"node1": True, "node2": None, "node3": None}
+        assert probe("node2") is False
+        assert kept() == {"node1": True, "node2": False, "node3": None}
+        assert probe("node3") is True
+        assert kept() == {"node1": True, "node2": False, "node3": True}
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.replicas.owners"]
+    assert lines[0].startswith("node node3 did not say whether it deduplicates creates: ")
+    assert "not now" in lines[0]
+    assert lines[1:] == [
+        "node node1 deduplicates creates (requestId)",
+        "node node2 speaks only the seed protocol",
+        "node node3 deduplicates creates (requestId)",
+    ]
+    asked = [len(a.agent.calls_of("ListReplicas")) for a in (extended, busy)]
+    assert [probe(name) for name in ("node1", "node2", "node3")] == [True, False, True]
+    assert [len(a.agent.calls_of("ListReplicas")) for a in (extended, busy)] == asked  # kept
 
 
 def _rows(env: Env) -> list[Replica]:

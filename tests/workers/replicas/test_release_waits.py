@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select, update
 
+from agents.faults import Fault
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from corral import api
 from testkit.eventually import eventually
@@ -171,4 +172,61 @@ def test_a_seed_node_gone_for_good_can_be_removed_and_its_waiting_rows_retire(
     report = reap(store_env.db, settings, holder="t")
     assert [(d.replica_id, d.outcome) for d in report.deleted] == [(replica.id, "gone")]
     assert _status(store_env, replica.id) == ReplicaState.DELETED
+    no_drift(store_env)
+
+
+@pytest.mark.timeout(60)
+def test_idle_replicas_reaped_while_their_seed_node_is_away_each_wait_saying_why(
+    store_env: Env, start_agents: StartAgents
+) -> None:
+    (agent,) = start_agents(1, env=store_env, seed_only=True)
+    deploy_fn(store_env)
+    idle = spawn_idle(store_env, "hello", 2)
+    _cannot_list(store_env, "node1")
+    _cut_off(agent)
+    settings = store_env.settings
+    clock.travel(settings.idle_timeout_s + 1)
+    report = reap(store_env.db, settings, holder="t")
+    assert sorted((d.replica_id, d.outcome) for d in report.deleted) == sorted(
+        (r.id, "waiting") for r in idle
+    )
+    for d in report.deleted:
+        assert d.error is not None and d.error.endswith(f"; {WAITS}")
+        assert "ReleaseVMSetup" in d.error
+    assert {_status(store_env, r.id) for r in idle} == {ReplicaState.DELETING}
+    node = nodes(store_env)["node1"]
+    assert node.misses == 1  # one miss a pass, however many releases failed
+    assert node.last_error is not None and "ReleaseVMSetup" in node.last_error
+
+
+@pytest.mark.timeout(60)
+def test_a_release_the_pass_has_no_time_left_to_send_stays_deleting_for_the_next_pass(
+    store_env: Env, start_agents: StartAgents
+) -> None:
+    # a pass sends no release later than 5 - 2.9 - 1 = 1.1 s after it began to release
+    store_env.set(
+        task_soft_time_limit_s=5,
+        task_time_limit_s=7,
+        create_timeout_s=2.9,
+        rpc_timeout_s=2.9,
+        lambdo_timeout_s=2.9,
+        node_max_inflight=1,  # one release at a time
+    )
+    (agent,) = start_agents(1, env=store_env)
+    deploy_fn(store_env)
+    idle = {r.id for r in spawn_idle(store_env, "hello", 2)}
+    agent.agent.inject("ReleaseVMSetup", Fault.delay(2.5))  # the first outlasts the sending time
+    settings = store_env.settings
+    clock.travel(settings.idle_timeout_s + 1)
+    report = reap(store_env.db, settings, holder="t")
+    outcomes = {d.replica_id: d.outcome for d in report.deleted}
+    assert set(outcomes) == idle and sorted(outcomes.values()) == ["deleted", "left"]
+    (left,) = [rid for rid, outcome in outcomes.items() if outcome == "left"]
+    assert _status(store_env, left) == ReplicaState.DELETING
+    assert len(agent.agent.calls_of("ReleaseVMSetup")) == 1 and len(running([agent])) == 1
+
+    clock.travel(settings.creating_deadline_s + 1)
+    report = reap(store_env.db, settings, holder="t")
+    assert [(d.replica_id, d.outcome) for d in report.deleted] == [(left, "deleted")]
+    assert _status(store_env, left) == ReplicaState.DELETED and running([agent]) == set()
     no_drift(store_env)
