@@ -138,9 +138,10 @@ def reserve_node(
     for _ in range(MAX_ATTEMPTS):
         if pinned is not None:
             node = session.get(Node, pinned)
+            if node is not None:
+                pinned_name = node.name  # the error below names it as operators know it
             if node is None or pinned in tried:
                 break
-            pinned_name = node.name
         else:
             node = _candidate(session, fn, policy, tried)
             if node is None:

@@ -436,6 +436,49 @@ def _fill_before_the_update(s: Session, fill: Callable[[Session], object]) -> No
     event.listen(s.connection(), "before_execute", before)
 
 
+def test_a_node_filled_between_the_choice_and_the_taking_is_passed_over_for_the_next(
+    corral_env: Env,
+) -> None:
+    deploy_fn(corral_env, "f")
+    _nodes(corral_env, node1=(0, 2), node2=(1, 2))
+    with corral_env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        _fill_before_the_update(
+            s, lambda s: s.execute(update(Node).where(Node.name == "node1").values(live=2))
+        )
+        node = reserve_node(s, fn, "roundrobin")
+        # the session holds what the UPDATE wrote: its slot taken, the function's last node
+        assert (node.name, node.live, fn.rr_last_node) == ("node2", 2, "node2")
+    with corral_env.db.read() as s:
+        assert {name: live for name, live in s.execute(select(Node.name, Node.live))} == {
+            "node1": 2,
+            "node2": 2,
+        }
+        assert s.scalar(select(Function.rr_last_node)) == "node2"
+
+
+def test_a_pinned_node_that_is_full_missing_or_avoided_is_a_capacity_error_naming_it(
+    corral_env: Env,
+) -> None:
+    deploy_fn(corral_env, "f")
+    _nodes(corral_env, full=(2, 2), free=(0, 2))
+    with corral_env.db.transaction() as s:
+        fn = s.scalars(select(Function).where(Function.name == "f")).one()
+        ids = {name: id_ for name, id_ in s.execute(select(Node.name, Node.id))}
+        with pytest.raises(CapacityError, match=r"^no capacity for f on node full$"):
+            reserve_node(s, fn, "loadbalance", pinned=ids["full"])
+        with pytest.raises(CapacityError, match=r"^no capacity for f on node no-such-node$"):
+            reserve_node(s, fn, "loadbalance", pinned="no-such-node")
+        with pytest.raises(CapacityError, match=r"^no capacity for f on node free$"):
+            reserve_node(s, fn, "loadbalance", pinned=ids["free"], avoid=[ids["free"]])
+        assert reserve_node(s, fn, "loadbalance", pinned=ids["free"]).live == 1
+    with corral_env.db.read() as s:
+        assert {name: live for name, live in s.execute(select(Node.name, Node.live))} == {
+            "full": 2,
+            "free": 1,
+        }
+
+
 def test_a_batch_whose_nodes_filled_meanwhile_is_refused_rather_than_overbooked(
     corral_env: Env,
 ) -> None:

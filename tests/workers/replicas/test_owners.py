@@ -19,7 +19,9 @@ from typing import Any
 
 import grpc
 import pytest
+from celery import Celery, Task
 from sqlalchemy import event, select, update
+from sqlalchemy.exc import OperationalError
 
 from agents.faults import Fault
 from testkit.eventually import eventually
@@ -445,6 +447,29 @@ def test_a_run_takes_back_from_its_earlier_runs_and_a_twins_unsent_rows_only() -
         assert reclaim(first, second, sent) is (None if sent else owners.Reclaim.UNSENT)
         assert reclaim(later, first, sent) is None  # never from a later run
         assert reclaim(other, first, sent) is None  # nor another message's
+
+
+def test_a_token_made_in_a_task_carries_its_message_and_its_retry_number() -> None:
+    app = Celery("tokens", set_as_current=False)
+
+    @app.task(bind=True)  # type: ignore[untyped-decorator]
+    def make(self: Task) -> str:
+        return owner_token()
+
+    assert owners._current_message() == (None, 0)  # outside a task
+    token = make.apply(task_id="message-7", retries=3).get()
+    run = owners.KEY_CHARS + owners.RETRY_CHARS
+    assert token[:run] == owner_token("message-7", 3)[:run]  # its message's, then retry 3
+    assert owners._retry_of(token) == 3
+    again = make.apply(task_id="message-7", retries=3).get()
+    assert again[:run] == token[:run] and again != token  # a redelivery: same key, new nonce
+
+
+def test_a_mark_the_store_refuses_raises_the_stores_error_to_its_caller(tmp_path: Path) -> None:
+    broken = Database(f"sqlite:///{tmp_path / 'no-schema.sqlite'}")  # no replicas table
+    with pytest.raises(OperationalError, match="no such table: replicas"):
+        owners.mark_sent_soon(broken, owner_token(), "r1").result(10)
+    broken.dispose()
 
 
 def test_the_process_marks_with_one_daemon_thread(corral_env: Env) -> None:
