@@ -432,6 +432,20 @@ def test_a_token_carries_its_retry_number_in_hex() -> None:
         assert owners._retry_of(owner_token("message-1", retries)) == retries
     assert owners._retry_of(owner_token("message-1", 10**6)) == 16**owners.RETRY_CHARS - 1
     assert owners._retry_of("k" * 32) == -1  # a token that does not say
+    assert {len(owner_token("message-1", n)) for n in (0, 10**6)} == {32}  # the owner column's
+
+
+def test_a_budget_is_the_settings_limits_unless_given_its_own(corral_env: Env) -> None:
+    settings = corral_env.settings
+    own = Budget.of(settings, started=5.0, soft_s=3.0, hard_s=4.0)
+    assert own == Budget(started=5.0, soft_s=3.0, hard_s=4.0, call_s=settings.call_timeout_s)
+    before = time.monotonic()
+    default = Budget.of(settings)
+    assert before <= default.started <= time.monotonic()
+    assert (default.soft_s, default.hard_s) == (
+        settings.task_soft_time_limit_s,
+        settings.task_time_limit_s,
+    )
 
 
 def test_a_run_takes_back_from_its_earlier_runs_and_a_twins_unsent_rows_only() -> None:
@@ -453,8 +467,8 @@ def test_a_token_made_in_a_task_carries_its_message_and_its_retry_number() -> No
     app = Celery("tokens", set_as_current=False)
 
     @app.task(bind=True)  # type: ignore[untyped-decorator]
-    def make(self: Task) -> str:
-        return owner_token()
+    def make(self: Task, retries: int | None = None) -> str:
+        return owner_token(retries=retries)
 
     assert owners._current_message() == (None, 0)  # outside a task
     token = make.apply(task_id="message-7", retries=3).get()
@@ -463,6 +477,8 @@ def test_a_token_made_in_a_task_carries_its_message_and_its_retry_number() -> No
     assert owners._retry_of(token) == 3
     again = make.apply(task_id="message-7", retries=3).get()
     assert again[:run] == token[:run] and again != token  # a redelivery: same key, new nonce
+    said = make.apply((5,), task_id="message-7", retries=3).get()  # a retry number it is given
+    assert said[: owners.KEY_CHARS] == token[: owners.KEY_CHARS] and owners._retry_of(said) == 5
 
 
 def test_a_mark_the_store_refuses_raises_the_stores_error_to_its_caller(tmp_path: Path) -> None:
