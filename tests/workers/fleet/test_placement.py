@@ -415,6 +415,13 @@ def test_a_node_to_avoid_leaves_the_least_loaded_of_the_rest(corral_env: Env, po
     assert _reserve_one(corral_env, policy, avoid=["node3"]) == "node2"  # not the first by name
 
 
+def test_roundrobin_goes_by_name_whatever_the_load(corral_env: Env) -> None:
+    deploy_fn(corral_env, "f")
+    _nodes(corral_env, node1=(5, 8), node2=(0, 8))
+    picks = [_reserve_one(corral_env, "roundrobin") for _ in range(3)]
+    assert picks == ["node1", "node2", "node1"]  # by load, node2 would take all three
+
+
 def test_random_is_not_the_least_loaded_node_every_time(corral_env: Env) -> None:
     deploy_fn(corral_env, "f")
     _nodes(corral_env, node1=(0, 64), node2=(30, 64), node3=(30, 64))
