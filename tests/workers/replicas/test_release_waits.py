@@ -203,19 +203,20 @@ def test_idle_replicas_reaped_while_their_seed_node_is_away_each_wait_saying_why
 def test_a_release_the_pass_has_no_time_left_to_send_stays_deleting_for_the_next_pass(
     store_env: Env, start_agents: StartAgents
 ) -> None:
-    # a pass sends no release later than 5 - 2.9 - 1 = 1.1 s after it began to release
+    # A pass sends no release later than 7 - 4.5 - 1 = 1.5 s after it began to release; the
+    # first release takes 3 s, well inside its 4.5 s deadline, so the second is never sent.
     store_env.set(
-        task_soft_time_limit_s=5,
-        task_time_limit_s=7,
-        create_timeout_s=2.9,
-        rpc_timeout_s=2.9,
-        lambdo_timeout_s=2.9,
+        task_soft_time_limit_s=7,
+        task_time_limit_s=9,
+        create_timeout_s=4.5,
+        rpc_timeout_s=4.5,
+        lambdo_timeout_s=4.5,
         node_max_inflight=1,  # one release at a time
     )
     (agent,) = start_agents(1, env=store_env)
     deploy_fn(store_env)
     idle = {r.id for r in spawn_idle(store_env, "hello", 2)}
-    agent.agent.inject("ReleaseVMSetup", Fault.delay(2.5))  # the first outlasts the sending time
+    agent.agent.inject("ReleaseVMSetup", Fault.delay(3.0))
     settings = store_env.settings
     clock.travel(settings.idle_timeout_s + 1)
     report = reap(store_env.db, settings, holder="t")
