@@ -414,6 +414,9 @@ def test_a_probe_asks_each_node_once_and_keeps_its_answer_on_that_nodes_row(
         "node node2 speaks only the seed protocol",
         "node node3 deduplicates creates (requestId)",
     ]
+    node = nodes(corral_env)["node2"]
+    node.can_list = None  # a copy read before the answer was kept: it is asked, and told
+    assert owners.probe_dedup(corral_env.db, settings, node) is False and node.can_list is False
     asked = [len(a.agent.calls_of("ListReplicas")) for a in (extended, busy)]
     assert [probe(name) for name in ("node1", "node2", "node3")] == [True, False, True]
     assert [len(a.agent.calls_of("ListReplicas")) for a in (extended, busy)] == asked  # kept
