@@ -22,6 +22,7 @@ __all__ = [
     "children_of",
     "http_get",
     "is_alive",
+    "listening_on",
     "start_registry",
 ]
 
@@ -41,6 +42,35 @@ def http_get(
         return None
     finally:
         conn.close()
+
+
+def listening_on(pids: list[int], port: int) -> set[str]:
+    """The IPv4 addresses on which these processes hold a listening TCP socket at ``port``.
+
+    Read from ``/proc``, not by connecting: another test's server may hold the same port
+    number on another loopback address, and would answer a connection.
+    """
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = fd.readlink().name
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found: set[str] = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, state, inode = fields[1], fields[3], fields[9]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port and inode in inodes:
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return found
 
 
 def children_of(pid: int) -> list[int]:

@@ -32,6 +32,7 @@ from tests.agents.helpers import (
     children_of,
     http_get,
     is_alive,
+    listening_on,
     same_bucket_ids,
     start_registry,
 )
@@ -470,7 +471,11 @@ def test_replicas_get_and_listen_on_the_replica_ip(tmp_path: Path) -> None:
         listed = stub.ListReplicas(empty_pb2.Empty(), timeout=10).replicas
         assert [(r.vmid, r.ip) for r in listed] == [(reply.vmid, "127.0.0.2")]
         eventually(lambda: http_get("127.0.0.2", reply.port), what="replica on 127.0.0.2")
-        assert not http_get("127.0.0.1", reply.port)  # bound to the replica IP only
+        # bound to the replica IP only (asking 127.0.0.1 could reach another test's server)
+        tree = [proc.pid]
+        for pid in tree:  # the agent, its children and theirs
+            tree.extend(children_of(pid))
+        assert listening_on(tree, reply.port) == {"127.0.0.2"}
     finally:
         proc.kill()
         proc.wait()
