@@ -394,6 +394,12 @@ def test_a_batch_breaks_ties_by_name_and_fills_every_free_slot(corral_env: Env) 
     assert reserve(4) == [("node0", 4)] * 3  # the rest of node0, to its last slot
 
 
+def _lives(env: Env) -> dict[str, int]:
+    """Each node's taken slots, by name, as the store has them."""
+    with env.db.read() as s:
+        return {name: live for name, live in s.execute(select(Node.name, Node.live))}
+
+
 def _reserve_one(env: Env, policy: str, avoid: Sequence[str] = ()) -> str:
     """The name of the node ``reserve_node`` takes a slot on for ``f`` (not one of ``avoid``)."""
     with env.db.transaction() as s:
@@ -456,11 +462,8 @@ def test_a_node_filled_between_the_choice_and_the_taking_is_passed_over_for_the_
         node = reserve_node(s, fn, "roundrobin")
         # the session holds what the UPDATE wrote: its slot taken, the function's last node
         assert (node.name, node.live, fn.rr_last_node) == ("node2", 2, "node2")
+    assert _lives(corral_env) == {"node1": 2, "node2": 2}
     with corral_env.db.read() as s:
-        assert {name: live for name, live in s.execute(select(Node.name, Node.live))} == {
-            "node1": 2,
-            "node2": 2,
-        }
         assert s.scalar(select(Function.rr_last_node)) == "node2"
 
 
@@ -479,11 +482,7 @@ def test_a_pinned_node_that_is_full_missing_or_avoided_is_a_capacity_error_namin
         with pytest.raises(CapacityError, match=r"^no capacity for f on node free$"):
             reserve_node(s, fn, "loadbalance", pinned=ids["free"], avoid=[ids["free"]])
         assert reserve_node(s, fn, "loadbalance", pinned=ids["free"]).live == 1
-    with corral_env.db.read() as s:
-        assert {name: live for name, live in s.execute(select(Node.name, Node.live))} == {
-            "full": 2,
-            "free": 1,
-        }
+    assert _lives(corral_env) == {"full": 2, "free": 1}
 
 
 def test_a_batch_whose_nodes_filled_meanwhile_is_refused_rather_than_overbooked(
