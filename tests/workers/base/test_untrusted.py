@@ -131,10 +131,12 @@ def test_a_hung_probe_does_not_stall_the_health_pass(
         with corral_env.db.transaction() as s:
             upsert_node(s, server.url, name="dripping", kind="lambdo")
             upsert_node(s, good.url, name="good", kind="lambdo")
-        corral_env.set(health_timeout_s="0.5", health_misses="1")
+        # 3 s: long enough for a healthy agent on a loaded CI box (0.5 s once was not),
+        # far below the drip's minute
+        corral_env.set(health_timeout_s="3", health_misses="1")
         started = time.monotonic()
         report = check_health(corral_env.db, corral_env.settings)
-        assert time.monotonic() - started < DRIP_S / 4  # 0.5 s each, not the drip's minute
+        assert time.monotonic() - started < DRIP_S / 4  # 3 s each, not the drip's minute
         assert report.healthy == ["good"] and report.missed == ["dripping"]
         with corral_env.db.read() as s:
             healthy = {n.name: n.healthy for n in s.scalars(select(Node))}
