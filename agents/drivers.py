@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from agents.portlocks import host_ports
 from agents.procs import kill_group, spawn
 from netplumb import guest_env
 from netplumb.addresses import is_wildcard, split_hostport
@@ -180,7 +181,8 @@ def validate_ports(spec: VMSpec) -> list[int]:
 
 
 # Ports claimed by any allocator of this process, so two agents in one process (tests,
-# the local stack) never hand out the same port before either child has bound it.
+# the local stack) never hand out the same port before either child has bound it;
+# agents in other processes see the claim through agents.portlocks.
 _CLAIMED: set[int] = set()
 _CLAIMED_LOCK = threading.Lock()
 
@@ -201,15 +203,26 @@ class PortAllocator:
             raise ValueError(f"bad port range {low}-{high}")
         self.low, self.high, self.host = low, high, host
         self._check_bind = check_bind
-        # Real ports are shared process-wide; fake ones only within this allocator.
+        # Real ports are shared process-wide, and claimed host-wide (other agent processes
+        # of this user see the claim before the replica binds); fake ones only here.
         self._claimed = _CLAIMED if check_bind else set()
         self._lock = _CLAIMED_LOCK if check_bind else threading.Lock()
+        self._host = host_ports() if check_bind else None
         # Start at a random point so separate agent processes rarely race for a port.
         self._next = random.randint(low, high)  # noqa: S311 - a starting point, not a secret
 
-    def _bindable(self, port: int) -> bool:
-        if not self._check_bind:
+    def _take(self, port: int) -> bool:
+        """Claim a port no one here holds: host-wide first, then a bind must succeed."""
+        if self._host is None:
             return True
+        if not self._host.take(port):
+            return False  # another agent process claimed it; its replica may not bind yet
+        if self._bindable(port):
+            return True
+        self._host.give(port)
+        return False
+
+    def _bindable(self, port: int) -> bool:
         host = "0.0.0.0" if is_wildcard(self.host) else self.host  # noqa: S104 - probes the host the operator chose
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -228,7 +241,7 @@ class PortAllocator:
                     raise BadSpec(
                         f"host port {want} is outside this host's range {self.low}-{self.high}"
                     )
-                if want in self._claimed or not self._bindable(want):
+                if want in self._claimed or not self._take(want):
                     raise DriverError(f"host port {want} is in use")
                 self._claimed.add(want)
                 return want
@@ -236,7 +249,7 @@ class PortAllocator:
             for _ in range(size):
                 port = self._next
                 self._next = self.low if port >= self.high else port + 1
-                if port in self._claimed or not self._bindable(port):
+                if port in self._claimed or not self._take(port):
                     continue
                 self._claimed.add(port)
                 return port
@@ -257,12 +270,17 @@ class PortAllocator:
     def claim(self, ports: Iterable[int]) -> None:
         """Mark ports as taken by what already listens on them (a VM adopted after a restart)."""
         with self._lock:
-            self._claimed.update(ports)
+            for port in ports:
+                self._claimed.add(port)
+                if self._host is not None:
+                    self._host.take(port)  # its VM listens there: no one else can have it
 
     def release(self, ports: Iterable[int]) -> None:
         """Give ports back."""
         with self._lock:
             for port in ports:
+                if port in self._claimed and self._host is not None:
+                    self._host.give(port)
                 self._claimed.discard(port)
 
 

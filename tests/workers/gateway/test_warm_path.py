@@ -312,7 +312,10 @@ def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
             scaled.append(str(target))
             stop.wait(0.5)
 
-    async def load(rate: float, seconds: float) -> list[int | str]:
+    def enough(elapsed: float) -> bool:  # 8 s of load, and on until the churn scaled 4 times
+        return elapsed >= 60 or (elapsed >= 8 and len(scaled) >= 4)
+
+    async def load(rate: float) -> list[int | str]:
         out: list[int | str] = []
         async with httpx.AsyncClient(timeout=30) as client:
 
@@ -324,7 +327,7 @@ def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
                     out.append(type(exc).__name__)
 
             began, calls = time.monotonic(), []
-            while (now := time.monotonic()) - began < seconds:
+            while not enough((now := time.monotonic()) - began):
                 calls.append(asyncio.ensure_future(one()))
                 await asyncio.sleep(max(0.0, began + len(calls) / rate - now))
             await asyncio.gather(*calls)
@@ -333,13 +336,14 @@ def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
     churner = threading.Thread(target=churn)
     churner.start()
     try:
-        answers = asyncio.run(load(rate=100, seconds=8))
+        answers = asyncio.run(load(rate=100))
     finally:
         stop.set()
         churner.join(120)
     failed = [a for a in answers if a != 200]
     assert answers and not failed, f"{len(failed)} of {len(answers)} failed: {set(failed)}"
-    assert len(scaled) >= 4, scaled  # it did scale up and down meanwhile
+    assert len(scaled) >= 4, scaled  # it did scale up and down meanwhile (a loaded CI box
+    # once managed 3 in a fixed 8 s: the load now lasts until the churn has done 4)
     assert len(warm_stack.replicas("hello")) > 2
     # A scale-down removes only replicas no call holds: on a loaded machine every one it
     # looked at was serving or kept, and no replica had gone by the end. Quiet now, one does.
