@@ -20,6 +20,7 @@ from protos import resmngr_grpc, resmngr_pb2
 __all__ = [
     "RecordingRegistry",
     "children_of",
+    "descendants_of",
     "http_get",
     "is_alive",
     "listening_on",
@@ -87,6 +88,14 @@ def children_of(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
             kids.append(int(entry.name))
     return kids
+
+
+def descendants_of(pid: int) -> list[int]:
+    """``pid`` and every live process below it (children, theirs, ...)."""
+    tree = [pid]
+    for parent in tree:  # the list grows as it is walked
+        tree.extend(children_of(parent))
+    return tree
 
 
 Action: TypeAlias = resmngr_pb2.StatusUpdateReply.Action.ValueType

@@ -30,6 +30,7 @@ from tests.agents.helpers import (
     MeetingDriver,
     RecordingRegistry,
     children_of,
+    descendants_of,
     http_get,
     is_alive,
     listening_on,
@@ -74,11 +75,13 @@ def test_release_stops_the_process_and_unknown_vmid_is_not_found(
     reply = create(process_stub)
     pid = pid_of(process_agent, reply.vmid)
     eventually(lambda: http_get(reply.ip, reply.port), what="replica HTTP")
+    assert listening_on(descendants_of(os.getpid()), reply.port) == {"127.0.0.1"}
 
     process_stub.ReleaseVMSetup(fcdaemon_pb2.ReleaseRequest(vmid=reply.vmid), timeout=10)
 
     assert not is_alive(pid)
-    assert http_get(reply.ip, reply.port, timeout=0.5) is None
+    # nothing of ours listens there (asking the port could reach another test's server)
+    assert listening_on(descendants_of(os.getpid()), reply.port) == set()
     assert process_stub.ListReplicas(empty_pb2.Empty()).replicas == []
     with pytest.raises(grpc.RpcError) as err:
         process_stub.ReleaseVMSetup(fcdaemon_pb2.ReleaseRequest(vmid=reply.vmid), timeout=10)
@@ -472,10 +475,7 @@ def test_replicas_get_and_listen_on_the_replica_ip(tmp_path: Path) -> None:
         assert [(r.vmid, r.ip) for r in listed] == [(reply.vmid, "127.0.0.2")]
         eventually(lambda: http_get("127.0.0.2", reply.port), what="replica on 127.0.0.2")
         # bound to the replica IP only (asking 127.0.0.1 could reach another test's server)
-        tree = [proc.pid]
-        for pid in tree:  # the agent, its children and theirs
-            tree.extend(children_of(pid))
-        assert listening_on(tree, reply.port) == {"127.0.0.2"}
+        assert listening_on(descendants_of(proc.pid), reply.port) == {"127.0.0.2"}
     finally:
         proc.kill()
         proc.wait()

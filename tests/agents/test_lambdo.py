@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,7 +15,14 @@ import pytest
 from agents import Fault, ProcessDriver, RunningLambdo, serve_lambdo
 from agents.lambdo import main
 from testkit.eventually import eventually
-from tests.agents.helpers import MeetingDriver, http_get, is_alive, same_bucket_ids
+from tests.agents.helpers import (
+    MeetingDriver,
+    descendants_of,
+    http_get,
+    is_alive,
+    listening_on,
+    same_bucket_ids,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,10 +88,12 @@ def test_spawn_process_listens_on_the_host_port_of_the_first_requested_port(
         assert http_get("127.0.0.1", host) == (200, b"hello from corral\n")
         (vm,) = process_lambdo.driver.list()
         assert vm.pid is not None and is_alive(vm.pid)
+        assert listening_on(descendants_of(os.getpid()), host) == {"127.0.0.1"}
 
         assert c.delete(f"/destroy/{data['id']}").status_code == 204
         assert not is_alive(vm.pid)
-        assert http_get("127.0.0.1", host, timeout=0.5) is None
+        # nothing of ours listens there (asking the port could reach another test's server)
+        assert listening_on(descendants_of(os.getpid()), host) == set()
         again = c.delete(f"/destroy/{data['id']}")
         assert again.status_code == 404
         assert again.headers["content-type"].startswith("text/plain")

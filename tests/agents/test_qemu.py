@@ -37,7 +37,7 @@ from tasks.queues import HereFirst
 from testkit.eventually import eventually
 from testkit.services import free_port
 from tests.agents.conftest import QEMU_BOOT_S, MakeQemuDriver, kill_processes_naming, stub_for
-from tests.agents.helpers import RecordingRegistry, http_get
+from tests.agents.helpers import RecordingRegistry, descendants_of, http_get, listening_on
 from tests.fixtures import Env
 from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
@@ -132,10 +132,12 @@ def test_a_guest_starts_reports_ready_serves_and_is_released(
     # the same request id again: the same VM, not a second one
     assert create(stub, request_id="req-1").vmid == reply.vmid
 
+    assert listening_on(descendants_of(os.getpid()), reply.port) == {"127.0.0.1"}
     stub.ReleaseVMSetup(fcdaemon_pb2.ReleaseRequest(vmid=reply.vmid), timeout=30)
     assert not is_alive(vm.pid)
     assert listed(stub) == []
-    assert http_get("127.0.0.1", reply.port, timeout=1) is None
+    # nothing of ours listens there (asking the port could reach another test's server)
+    assert listening_on(descendants_of(os.getpid()), reply.port) == set()
     assert list(qemu_state.iterdir()) == []  # its sockets and record went with it
     with pytest.raises(grpc.RpcError) as gone:
         stub.ReleaseVMSetup(fcdaemon_pb2.ReleaseRequest(vmid=reply.vmid), timeout=10)
