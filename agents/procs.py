@@ -16,11 +16,9 @@ long-lived spawner thread (:func:`spawn`), which lives as long as the agent proc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
-from config.processes import pid_exists
+from config.processes import end_group, pid_exists
 
 __all__ = ["is_alive", "kill_group", "spawn"]
 
@@ -116,19 +114,13 @@ def spawn(
 def kill_group(proc: subprocess.Popen[bytes], grace: float = 2.0) -> int | None:
     """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds, and reap it.
 
-    The agent's own copy of :func:`stack.supervisor.stop_process`: an agent imports nothing
-    of the stack (it runs on nodes without it), and it logs a VM that ignored SIGTERM."""
-    pgid = proc.pid  # start_new_session makes the child its own group leader
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        log.warning("pid %d ignored SIGTERM for %.1fs; sending SIGKILL", proc.pid, grace)
-    # Kill stragglers of the group as well (a leader that exited may leave children).
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-    return proc.wait()
+    Nothing is signalled for a child already reaped: its group id may be another
+    process's by now (:func:`config.processes.end_group`). A VM that ignored SIGTERM is
+    logged."""
+    code, lingered = end_group(proc, grace)
+    if lingered and grace > 0:
+        log.warning("pid %d ignored SIGTERM for %.1fs; sent SIGKILL", proc.pid, grace)
+    return code
 
 
 def is_alive(pid: int) -> bool:

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from config.processes import end_group
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -50,22 +52,21 @@ def stop_process(
 
     With ``group`` the signals go to its process group (a child started in a session of
     its own, as :class:`Child` starts them), and the SIGKILL goes whatever the leader did,
-    for the group's stragglers: pool children, replicas, hogs. corral up, testkit and the
-    benchmarks stop their children with this; an agent's VMs are stopped by
+    for the group's stragglers: pool children, replicas, hogs; never for a child already
+    reaped, whose group id may be another process's now
+    (:func:`config.processes.end_group`). corral up, testkit and the benchmarks stop
+    their children with this; an agent's VMs are stopped by
     :func:`agents.procs.kill_group` (an agent imports nothing of the stack)."""
-
-    def send(sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if group:
-                os.killpg(proc.pid, sig)
-            elif proc.poll() is None:
-                proc.send_signal(sig)
-
-    if group or proc.poll() is None:
-        send(signal.SIGTERM)
+    if group:
+        return end_group(proc, timeout)[0]
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout)
-        send(signal.SIGKILL)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
     return proc.returncode

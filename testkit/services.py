@@ -98,6 +98,18 @@ class _SessionLeader(Executor):
             kwargs["start_new_session"] = True
         return kwargs
 
+    def stop(self, stop_signal: int | None = None, expected_returncode: int | None = None) -> Self:
+        """Stop the server; one that ended already is not signalled by its group id.
+
+        mirakuru's ``stop`` sends ``killpg`` to the server's pid even after a check
+        reaped it; by then the number may be another process's group
+        (:mod:`config.processes`). What the server left is still found by mirakuru's
+        mark in the environment and killed.
+        """
+        if self.process is not None and self.process.poll() is not None:
+            return self.kill()  # kills only what carries its mark, and forgets the process
+        return super().stop(stop_signal, expected_returncode)
+
 
 def one_attempt() -> Retry:
     """A redis-py retry policy of no retry: for readiness probes, whose callers poll again."""
