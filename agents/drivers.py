@@ -49,6 +49,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from agents.portlocks import host_ports
 from agents.procs import kill_group, spawn
+from config.processes import exited
 from netplumb import guest_env
 from netplumb.addresses import is_wildcard, split_hostport
 from netplumb.guest_env import parse_env_args
@@ -514,7 +515,7 @@ class ProcessDriver:
         host = "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
+            if exited(proc):
                 return False
             with contextlib.suppress(OSError), socket.create_connection((host, vm.port), 0.5):
                 return True
@@ -527,7 +528,7 @@ class ProcessDriver:
             rep = self._replicas.get(vmid)
         if rep is None:
             return None
-        if rep.proc.poll() is not None:
+        if exited(rep.proc):  # unreaped: its group's stragglers can still be killed safely
             self._forget_dead(vmid)
             return None
         return dataclasses.replace(rep.vm, port_mapping=list(rep.vm.port_mapping))
@@ -560,7 +561,7 @@ class ProcessDriver:
             reps = list(self._replicas.values())
         live: list[VM] = []
         for rep in reps:
-            if rep.proc.poll() is None:
+            if not exited(rep.proc):
                 live.append(dataclasses.replace(rep.vm, port_mapping=list(rep.vm.port_mapping)))
             else:
                 self._forget_dead(rep.vm.vmid)

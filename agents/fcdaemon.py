@@ -66,6 +66,7 @@ from agents.runtime import (
     http_answers,
     serve_until_signalled,
 )
+from config.processes import exited
 from netplumb.addresses import is_loopback, join_hostport, split_hostport
 from netplumb.grpcserve import GuardedServer, report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
@@ -120,7 +121,7 @@ class HogPool:
         self._lock = threading.Lock()
 
     def _prune(self) -> None:
-        dead = [p for p in self._procs if p.poll() is not None]
+        dead = [p for p in self._procs if exited(p)]  # unreaped until kill_group
         for proc in dead:
             self._procs.remove(proc)
             kill_group(proc, grace=0.0)

@@ -172,6 +172,29 @@ def test_process_driver_ready_timeout_waits_for_the_port(
         driver.close()
 
 
+def test_a_replica_that_exits_on_its_own_is_dropped_and_what_it_left_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    left = tmp_path / "left"
+    code = (  # a child in its process group that ignores SIGTERM, then the replica exits
+        "import pathlib, signal, subprocess\n"
+        "child = subprocess.Popen(['sh', '-c', 'trap \"\" TERM; exec sleep 600'])\n"
+        f"pathlib.Path({str(left)!r}).write_text(str(child.pid))\n"
+    )
+    env = _allowed_module(tmp_path, monkeypatch, "leaves", code)
+    driver = ProcessDriver((20000, 29999), env=env, allow_images=["leaves"])
+    try:
+        vm = driver.start(VMSpec(image="leaves"))
+        straggler = int(eventually(lambda: left.exists() and left.read_text(), what="its child"))
+        assert vm.pid is not None
+        eventually(lambda: driver.list() == [], 30, "the replica dropped")
+        # seen ended unreaped, so its group was still surely its own when it was killed
+        eventually(lambda: not is_alive(straggler), 30, "what it left killed")
+        assert not is_alive(vm.pid)
+    finally:
+        driver.close()
+
+
 def test_echo_example_echoes_and_delays() -> None:
     driver = ProcessDriver((20000, 29999), ready_timeout=10)
     try:
