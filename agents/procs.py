@@ -114,9 +114,9 @@ def spawn(
 def kill_group(proc: subprocess.Popen[bytes], grace: float = 2.0) -> int | None:
     """SIGTERM the child's process group, SIGKILL it after ``grace`` seconds, and reap it.
 
-    Nothing is signalled for a child already reaped: its group id may be another
-    process's by now (:func:`config.processes.end_group`). A VM that ignored SIGTERM is
-    logged."""
+    For a child already reaped, only what it left is killed, and only while its pid is
+    free: its group id may be another process's by now (:func:`config.processes.end_group`).
+    A VM that ignored SIGTERM is logged."""
     code, lingered = end_group(proc, grace)
     if lingered and grace > 0:
         log.warning("pid %d ignored SIGTERM for %.1fs; sent SIGKILL", proc.pid, grace)

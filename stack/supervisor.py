@@ -52,9 +52,9 @@ def stop_process(
 
     With ``group`` the signals go to its process group (a child started in a session of
     its own, as :class:`Child` starts them), and the SIGKILL goes whatever the leader did,
-    for the group's stragglers: pool children, replicas, hogs; never for a child already
-    reaped, whose group id may be another process's now
-    (:func:`config.processes.end_group`). corral up, testkit and the benchmarks stop
+    for the group's stragglers: pool children, replicas, hogs; for a child already reaped,
+    only while its pid is free (its group id may be another process's by now:
+    :func:`config.processes.end_group`). corral up, testkit and the benchmarks stop
     their children with this; an agent's VMs are stopped by
     :func:`agents.procs.kill_group` (an agent imports nothing of the stack)."""
     if group:
