@@ -6,11 +6,13 @@ gateway waits for is lent to it instead of kept idle in the pool, and the lender
 claims back through :class:`Lending`: to the ledger (:meth:`Lending.give_back`: a
 waiting request, or lent again), to the store (:meth:`Lending.release`), or dropped
 (:meth:`Lending.forget`: the store no longer has them); a replica it saw fail is
-retired as suspect (:meth:`Lending.retire_soon`). The ledger tells the lender what it
-must know: claims its renewal found unusable or gone (:meth:`Lending.recall`), a
-replica the Python path retired (:meth:`Lending.retired`), and a request that found
-nothing in the pool nor Idle in the store, which asks for environments back first
-(:meth:`Lending.reclaimed`). Without a lender every method is a no-op.
+retired as suspect (:meth:`Lending.retire_soon`); and once a replica's closing server
+is gone, the claims of it the pool kept meanwhile are offered again
+(:meth:`Lending.offer`). The ledger tells the lender what it must know: claims its
+renewal found unusable or gone (:meth:`Lending.recall`), a replica the Python path
+retired (:meth:`Lending.retired`), and a request that found nothing in the pool nor
+Idle in the store, which asks for environments back first (:meth:`Lending.reclaimed`).
+Without a lender every method is a no-op.
 
 Everything here runs on the gateway's event loop: no locks.
 """
@@ -90,6 +92,17 @@ class Lending:
     def give_back(self, claimed: Claimed) -> None:
         """A claim the lender is done with: to a waiting request, else lent again or kept."""
         self.ledger.give_back(claimed)
+
+    def offer(self, function: str, replica_id: str) -> None:
+        """Lend again the idle claims of a replica whose old server the lender has closed.
+
+        A claim given back while that server was still closing stayed in the pool (a
+        lender takes none of a replica while its server closes); without this it waited
+        there for a request of the Python path, and the function stayed off the warm path.
+        """
+        pool = self.ledger.pools.get(function)
+        if self.lender is not None and pool is not None and not pool.wanted:
+            pool.hand_out(replica_id, self.lender.lend)
 
     def release(self, claims: list[Claimed]) -> None:
         """Give these claims back to the store."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 from workers.base.waiting import hand_over
 from workers.replicas.claims import Claimed
@@ -91,6 +92,14 @@ class Pool:
     def drop_replica(self, replica_id: str) -> list[Claimed]:
         """Take out the idle claims of one replica (to be released)."""
         return self.drop({c.claim_id for c, _ in self.idle if c.replica_id == replica_id})
+
+    def hand_out(self, replica_id: str, taker: Callable[[Claimed], bool]) -> None:
+        """Offer the idle claims of one replica to ``taker``; those it refuses stay idle."""
+        kept: list[tuple[Claimed, float]] = []
+        for claimed, at in self.idle:
+            if claimed.replica_id != replica_id or not taker(claimed):
+                kept.append((claimed, at))
+        self.idle = kept
 
     def drain(self) -> list[Claimed]:
         """Take out every idle claim."""

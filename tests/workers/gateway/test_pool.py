@@ -69,3 +69,19 @@ def test_a_failed_replica_leaves_with_all_its_idle_claims() -> None:
     assert [c.claim_id for c, _ in pool.idle] == ["b1"]
     assert pool.drop({"b1", "zz"})[0].claim_id == "b1"
     assert pool.idle == []
+
+
+def test_hand_out_offers_one_replicas_idle_claims_and_keeps_what_is_refused() -> None:
+    pool = Pool()
+    for cid, replica in (("a1", "r1"), ("b1", "r2"), ("a2", "r1")):
+        pool.give(_claim(cid, replica))
+    stamps = {c.claim_id: at for c, at in pool.idle}
+    offered: list[str] = []
+
+    def taker(claimed: Claimed) -> bool:
+        offered.append(claimed.claim_id)
+        return claimed.claim_id == "a1"  # takes one, refuses the other
+
+    pool.hand_out("r1", taker)
+    assert offered == ["a1", "a2"]  # only r1's
+    assert [(c.claim_id, at) for c, at in pool.idle] == [("b1", stamps["b1"]), ("a2", stamps["a2"])]

@@ -11,6 +11,7 @@ functions demoted, and routing changes while calls keep coming.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -39,8 +40,11 @@ def pairing(request: pytest.FixtureRequest) -> tuple[str, str]:
 
 
 @pytest.fixture
-def warm_stack(thread_worker: Env) -> Iterator[Stack]:
-    """Broker, worker, store and a process agent, the gateways with HAProxy in front."""
+def warm_stack(thread_worker: Env, caplog: pytest.LogCaptureFixture) -> Iterator[Stack]:
+    """Broker, worker, store and a process agent, the gateways with HAProxy in front.
+
+    The router's INFO lines (each server closed, and why) go with a failure's report."""
+    caplog.set_level(logging.INFO, logger="workers.gateway.haproxy.router")
     with data_path(thread_worker, need("haproxy")) as running:
         yield running
 

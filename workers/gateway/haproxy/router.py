@@ -22,6 +22,8 @@ never one fresh from the store.
   request ended (:mod:`.readings` sees it). Then its claims go where their *fate* says:
   back to the ledger (``return``), to the store (``release``), or dropped (``forget``:
   the store no longer has them). A function with no server left gives its backend back.
+  Claims of the replica the ledger got back while its server closed (the lender takes
+  none of a replica then) are offered again (:meth:`Holder.offer`).
 * **Why a server closes**: unused for ``CORRAL_GATEWAY_KEEP_S``; its replica unusable or
   its claims gone (the ledger's renewal: :meth:`Router.recall`); HAProxy marked it down
   (its replica retired as suspect, as the Python path retires one that fails); the
@@ -327,6 +329,8 @@ class Router:
             if route.mapped:
                 self.send(f"del map {self.functions_map} {route.function}")
             self.free.append(route.backend)
+        # claims of the replica given back while it closed stayed in the pool: lend them
+        self.holder.offer(route.function, server.replica_id)
 
     def lost(self) -> None:
         """HAProxy died: nothing of the routes is in it any more."""

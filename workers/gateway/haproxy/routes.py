@@ -36,6 +36,9 @@ class Holder(Protocol):
     def retire_soon(self, claimed: Claimed, reason: str) -> None:
         """Retire the claim's replica as suspect (in the background)."""
 
+    def offer(self, function: str, replica_id: str) -> None:
+        """The replica's closed server is gone: lend the claims of it kept meanwhile again."""
+
 
 @dataclass
 class Server:
