@@ -60,6 +60,12 @@ def _lent(gw: RunningGateway, name: str) -> int:
     return 0 if route is None else sum(s.maxconn for s in route.ready())
 
 
+def _peak(gw: RunningGateway, name: str) -> int:
+    """The most calls of ``name`` a ready server of it had at once this keep window."""
+    route = _router(gw).routes.get(name)
+    return 0 if route is None else max((s.peak for s in route.ready()), default=0)
+
+
 def _lending(gw: RunningGateway, stack: Stack, name: str) -> str:
     """What HAProxy has of ``name`` and what the store holds: a failed wait's detail."""
     router = _router(gw)
@@ -126,6 +132,12 @@ def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
     warm_stack.deploy("echo", image="examples.echo", max=3, exec_envs=1)
     gw = warm_stack.gateway(gateway_keep_s=30.0)
     warm_stack.warm(gw, "echo")  # one replica, its one environment lent to HAProxy
+    # ...and used there, as the router has seen: an environment HAProxy used this keep
+    # window is not asked back. (A CI run failed here, most likely so: asked back on
+    # counters older than the call just started on it, it went to the activator, and a
+    # cold start's claim made meanwhile stayed in the activator's pool, as fresh ones do.)
+    assert httpx.get(f"{gw.url}/function/echo?delay=0.5", timeout=30).status_code == 200
+    eventually(lambda: _peak(gw, "echo") >= 1, WARM_WAIT_S, "the router to see the call")
     before = _python_calls(gw, "echo")
     # three at once: HAProxy has room for one, the activator takes two (and starts replicas)
     assert _get_at_once(f"{gw.url}/function/echo?delay=0.5", 3) == [200] * 3
@@ -140,7 +152,7 @@ def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
     # the same demand again: HAProxy carries all of it now
     assert _get_at_once(f"{gw.url}/function/echo?delay=0.5", 3) == [200] * 3
     assert _python_calls(gw, "echo") - before == 2
-    warm_stack.carried(gw, "echo", 3)
+    warm_stack.carried(gw, "echo", 1 + 1 + 3)
 
 
 def test_calls_handed_to_the_activator_are_counted_once(warm_stack: Stack) -> None:
