@@ -50,8 +50,11 @@ def _node(env: Env) -> Node:
         return s.scalars(select(Node)).one()
 
 
-def _maybes(env: Env) -> int:
-    return sum(1 for r in replicas(env) if r.maybe_of is not None)
+def _maybes(env: Env) -> tuple[int, list[str]]:
+    """The maybes the kill left (their owner lapsed after sending), and the others' errors."""
+    errors = [r.error or "" for r in replicas(env) if r.maybe_of is not None]
+    of_the_kill = [e for e in errors if "its owner lapsed after sending it" in e]
+    return len(of_the_kill), [e for e in errors if e not in of_the_kill]
 
 
 def _made_vms_before(env: Env) -> None:
@@ -105,14 +108,21 @@ def test_a_spawn_of_40_killed_with_4_creates_in_flight_leaves_at_most_4_maybes(
         view,
         second.tail(),
     )
-    assert _maybes(broker_env) <= 4, api.operation(op)["maybes"]
-    assert created([agent]) == 40 + _maybes(broker_env)  # each replacement sent once
-    # the node takes five more at once: 40 replicas and at most 4 maybes leave room for them
-    more = api.wait(api.spawn("hello", 5), timeout=60)
-    assert (more["status"], more["done"]) == ("succeeded", 5), (more, second.tail())
+    of_the_kill, others = _maybes(broker_env)
+    assert of_the_kill <= 4, api.operation(op)["maybes"]
+    # On a loaded machine a create of the second worker can pass its deadline (2 s): a
+    # maybe too, but the cost of that call, not of the kill (cis26, beside another suite).
+    assert all("CreateReplica failed" in e for e in others), others
+    maybes = of_the_kill + len(others)
+    assert created([agent]) == 40 + maybes  # each replacement sent once
+    # the node takes five more at once (or what is left of its 50 after such late
+    # creates): the maybes hold their slots, the kill lost none
+    rest = min(5, 50 - 40 - maybes)
+    more = api.wait(api.spawn("hello", rest), timeout=60)
+    assert (more["status"], more["done"]) == ("succeeded", rest), (more, second.tail())
     # the VMs the killed worker's creates made said READY: released, none without a row
     eventually(lambda: _fleet_agrees(broker_env, agent), 30, "no VM without a row")
-    assert len(running([agent])) == 45
+    assert len(running([agent])) == 40 + rest
     no_drift(broker_env)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -65,8 +68,13 @@ def created(agents: Iterable[RunningAgent]) -> int:
     return sum(len(agent.agent.calls_of("CreateReplica")) for agent in agents)
 
 
-def at_once(n: int, work: Callable[[int], T], timeout: float = 30.0) -> list[T]:
-    """Run ``work(0) .. work(n - 1)`` in ``n`` threads released together; their results."""
+def at_once(n: int, work: Callable[[int], T], timeout: float = 60.0) -> list[T]:
+    """Run ``work(0) .. work(n - 1)`` in ``n`` threads released together; their results.
+
+    Every thread must be done within ``timeout``: a test never judges a race on part of
+    its racers, nor leaves one running into the next test (cis26: two racers of
+    ``test_race_has_one_winner`` reached the store after its teardown had closed it).
+    """
     barrier = threading.Barrier(n)
     results: list[T] = []
 
@@ -74,11 +82,19 @@ def at_once(n: int, work: Callable[[int], T], timeout: float = 30.0) -> list[T]:
         barrier.wait()
         results.append(work(i))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    threads = [threading.Thread(target=one, args=(i,), name=f"racer-{i}") for i in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(timeout)
+        t.join(max(0.0, deadline - time.monotonic()))
+    frames = sys._current_frames()
+    stuck = {
+        t.name: "".join(traceback.format_stack(frames[t.ident]))
+        for t in threads
+        if t.is_alive() and t.ident in frames
+    }
+    assert not stuck, f"racers still running after {timeout:g} s: {stuck}"
     return results
 
 
