@@ -23,6 +23,9 @@ from workers.functions import deploy, spec_from
 from workers.store.models import Function, Replica, ReplicaState
 
 ROOTFS = "https://objects.example/functions/6f1c/rootfs.ext4"
+# a call these tests do not time: a spawn starts a replica process, seconds on a loaded
+# machine (cis27, three suites at once: 2 s was too little)
+CALL_S = 15.0
 
 
 @pytest.fixture
@@ -66,7 +69,7 @@ def test_spawn_sends_rootfs_id_and_records_the_mapped_port(
     assert replica.vmid == vm.vmid
     # port_mapping came back in reverse order; the address must use the host port mapped
     # to the function's guest port (its first port, 9000), not the first pair's.
-    (listed,) = inflight.run(LambdoClient(lambdo.url, timeout_s=2).list_vms())
+    (listed,) = inflight.run(LambdoClient(lambdo.url, timeout_s=CALL_S).list_vms())
     assert listed.vmid == vm.vmid
     assert replica.address == f"http://127.0.0.1:{listed.port_mapping[9000]}"
     assert listed.port_mapping[9000] != listed.port_mapping[8080]
@@ -144,7 +147,7 @@ def test_slow_answer_past_the_timeout(lambdo: RunningLambdo) -> None:
 
 
 def test_client_maps_unordered_pairs_and_rejects_garbage(lambdo: RunningLambdo) -> None:
-    client = LambdoClient(lambdo.url, node="lambdo1", timeout_s=2)
+    client = LambdoClient(lambdo.url, node="lambdo1", timeout_s=CALL_S)
     vm = inflight.run(client.spawn("x_1", "examples.hello", [8080, 9090, 7070]))
     assert sorted(vm.port_mapping) == [7070, 8080, 9090]
     assert all(10000 <= h <= 19999 for h in vm.port_mapping.values())
@@ -167,9 +170,11 @@ def test_bearer_token(corral_env: Env) -> None:
     host = serve_lambdo("127.0.0.1:0", token="s3cret")
     try:
         with pytest.raises(PermanentBackendError, match="401"):
-            inflight.run(LambdoClient(host.url, timeout_s=2).spawn("x_1", "examples.hello", [8080]))
+            inflight.run(
+                LambdoClient(host.url, timeout_s=CALL_S).spawn("x_1", "examples.hello", [8080])
+            )
         vm = inflight.run(
-            LambdoClient(host.url, timeout_s=2, token="s3cret").spawn(
+            LambdoClient(host.url, timeout_s=CALL_S, token="s3cret").spawn(
                 "x_1", "examples.hello", [8080]
             )
         )
