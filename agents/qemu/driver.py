@@ -142,6 +142,7 @@ class QemuDriver:
         max_images: int = 8,
         max_snapshots: int = 8,
         max_snapshot_bytes: int = 4 << 30,
+        snapshot_dir: Path | None = None,
         qemu: str | None = None,
         python: str | None = None,
         busybox: str | None = None,
@@ -175,7 +176,10 @@ class QemuDriver:
         self.images = ImageCache(self.cache, self.kernel, self.runtime, max_images)
         self._secret = cache_secret(self.cache)
         self.snapshots = Snapshots(
-            self.cache, max_snapshots=max_snapshots, max_bytes=max_snapshot_bytes
+            self.cache,
+            max_snapshots=max_snapshots,
+            max_bytes=max_snapshot_bytes,
+            directory=snapshot_dir,
         )
         if accel == "auto":
             self.accel, why = probe_accel(self.cache, self.qemu, self.kernel, self.runtime.busybox)

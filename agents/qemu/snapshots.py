@@ -83,9 +83,17 @@ def _reason(old: dict[str, object], new: SnapshotKey) -> str:
 class Snapshots:
     """The snapshot store of one cache directory."""
 
-    def __init__(self, cache: Path, *, max_snapshots: int = 8, max_bytes: int = 4 << 30) -> None:
-        """Keep at most ``max_snapshots`` snapshots and ``max_bytes`` of them."""
-        self.directory = cache / "snapshots"
+    def __init__(
+        self,
+        cache: Path,
+        *,
+        max_snapshots: int = 8,
+        max_bytes: int = 4 << 30,
+        directory: Path | None = None,
+    ) -> None:
+        """Keep at most ``max_snapshots`` snapshots and ``max_bytes`` of them, in
+        ``directory`` (default: the cache's ``snapshots``)."""
+        self.directory = directory or cache / "snapshots"
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_snapshots = max(1, max_snapshots)
         self.max_bytes = max_bytes

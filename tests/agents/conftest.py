@@ -119,15 +119,22 @@ MakeQemuDriver = Callable[..., QemuDriver]
 
 
 @pytest.fixture
-def make_qemu_driver(qemu_cache: Path, qemu_state: Path) -> Iterator[MakeQemuDriver]:
-    """Make qemu drivers on this test's state directory (TCG: the same on every host);
-    every one is closed at the end."""
+def make_qemu_driver(
+    qemu_cache: Path, qemu_state: Path, tmp_path: Path
+) -> Iterator[MakeQemuDriver]:
+    """Make qemu drivers on this test's state directory and snapshot store (TCG: the same
+    on every host); every one is closed at the end.
+
+    The kernel and images come from the shared cache; the snapshots do not: a test that
+    spoils a snapshot must not spoil it for the same test of another suite running beside
+    this one (cis51: two suites at once, one restored the other's broken snapshot)."""
     made: list[QemuDriver] = []
 
     def make(**options: Any) -> QemuDriver:
         settings: dict[str, Any] = {
             "cache": qemu_cache,
             "state": qemu_state,
+            "snapshot_dir": tmp_path / "snapshots",
             "accel": "tcg",
             "boot_timeout": QEMU_BOOT_S,
             **options,
