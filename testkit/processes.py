@@ -70,6 +70,7 @@ class WorkerProcess:
         self._asked = False  # a warm shutdown was asked for
         self._reading = threading.Event()  # the log pipe is being read
         self._reading.set()
+        self._copier: threading.Thread | None = None
 
     def start(self, timeout: float = 30.0) -> WorkerProcess:
         """Start the worker and wait until it says it is ready."""
@@ -101,9 +102,10 @@ class WorkerProcess:
             start_new_session=True,
         )
         if self.proc.stdout is not None:
-            threading.Thread(
+            self._copier = threading.Thread(
                 target=self._copy_log, args=(self.proc.stdout, self._log), daemon=True
-            ).start()
+            )
+            self._copier.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -171,11 +173,16 @@ class WorkerProcess:
         )
 
     def tail(self, n: int = 60) -> str:
-        """The last lines of the worker's log."""
+        """The last lines of the worker's log (and, for a ``log_pipe`` worker, its pipe's state)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+            text = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
-            return ""
+            text = ""
+        if self.log_pipe and self.proc is not None and self.proc.poll() is None:
+            copier = self._copier is not None and self._copier.is_alive()
+            pipe = f"{self.unread_log_bytes()} bytes unread in the log pipe, copier alive: {copier}"
+            text += f"\n[{pipe}, reading: {self._reading.is_set()}]"
+        return text
 
     def worker_pid(self) -> int | None:
         """The pid of the Celery worker the supervisor runs now (None: none)."""
