@@ -1,9 +1,9 @@
 """Shared fixtures: real services (tests.services) plus a migrated store and the Celery app.
 
 Tests that start a broker, worker processes or a whole stack are marked ``slow`` here, by
-the fixtures they use, so the fast local loop (``nox -s fast``) can leave them out. The
-long tests run first, dealt evenly across the xdist workers (``-n``) by their expected
-times (testkit.ordering), so that no long test is left to run alone at the end.
+the fixtures they use, so the fast local loop (``nox -s fast``) can leave them out. Slow
+tests also run first: the xdist workers (``-n``) start on the long ones and share out the
+short ones at the end, so that no long test is left to run alone while the other waits.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from testkit import ordering
 from testkit.mutation import kill_order
 from tests import requirements
 
@@ -25,22 +24,13 @@ SLOW_FIXTURES = frozenset({"broker_env", "thread_worker", "worker_processes"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark tests that need a broker, worker processes or a whole stack as ``slow``; order
-    the longest first, dealt across the xdist workers."""
+    """Mark tests that need a broker, worker processes or a whole stack as ``slow``; run
+    them first."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith("tests/stack/"):
             item.add_marker(pytest.mark.slow)
-    durations = ordering.load()
-    weights = [
-        durations.get(
-            ordering.key(item.nodeid),
-            ordering.UNKNOWN_SLOW_S if item.get_closest_marker("slow") else ordering.UNKNOWN_S,
-        )
-        for item in items
-    ]
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    items[:] = [items[i] for i in ordering.deal(weights, workers)]
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     kill_order(items)  # under mutmut: a mutant's likeliest killers first
 
 
