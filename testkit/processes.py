@@ -180,7 +180,11 @@ class WorkerProcess:
             text = ""
         if self.log_pipe and self.proc is not None and self.proc.poll() is None:
             copier = self._copier is not None and self._copier.is_alive()
-            pipe = f"{self.unread_log_bytes()} bytes unread in the log pipe, copier alive: {copier}"
+            try:
+                unread: int | str = self.unread_log_bytes()
+            except (OSError, ValueError) as exc:  # the pipe closed meanwhile
+                unread = f"unknown ({exc})"
+            pipe = f"{unread} bytes unread in the log pipe, copier alive: {copier}"
             text += f"\n[{pipe}, reading: {self._reading.is_set()}]"
         return text
 
