@@ -46,11 +46,19 @@ def serving(env: Env) -> int:
         return len(s.scalars(select(Replica).where(Replica.status.in_(SERVING))).all())
 
 
-def targets(env: Env) -> list[int]:
-    """The targets the scale operations asked for so far."""
+def scale_ops(env: Env) -> list[Operation]:
+    """The scale operations so far, oldest first."""
     with env.db.read() as s:
-        ops = s.scalars(select(Operation).where(Operation.kind == "scale")).all()
-        return [op.params["target"] for op in ops]
+        return list(
+            s.scalars(
+                select(Operation).where(Operation.kind == "scale").order_by(Operation.created_at)
+            )
+        )
+
+
+def targets(env: Env) -> list[int]:
+    """The targets the scale operations asked for so far, oldest first."""
+    return [op.params["target"] for op in scale_ops(env)]
 
 
 @pytest.mark.slow
@@ -97,10 +105,9 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
     try:
         for c in clients:
             c.start()
-        # 4 clients, 6 replicas: the autoscaler. Its decision is waited for, not the sixth
-        # replica: on a loaded machine the gateway's cold starts can make six first, and
-        # load stopped then ends the test before the decision (cis27, three suites at
-        # once: targets [3, 1, 0])
+        # 4 clients, 6 replicas: the autoscaler. The load runs until it asks for 6 (what
+        # the end checks), not only until six serve: cold starts may make six first.
+        # (cis72, quiet, still saw no fresh demand for 120 s - open, see the docs' history.)
         eventually(lambda: 6 in targets(broker_env), 120, "a target of 6", detail=worker.tail)
         eventually(lambda: serving(broker_env) >= 6, 120, "6 replicas", detail=worker.tail)
         assert serving(broker_env) == 6, worker.tail()
@@ -115,10 +122,8 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
         beat.wait(20)
         gateway.stop()
     with broker_env.db.read() as s:
-        ops = s.scalars(
-            select(Operation).where(Operation.kind == "scale").order_by(Operation.created_at)
-        ).all()
         target = s.scalar(select(Function.target))
+    ops = scale_ops(broker_env)
     asked = [op.params["target"] for op in ops]
     assert 6 in asked and asked[-1] == 0 and target == 0, asked
     assert all(op.status == "succeeded" for op in ops), [(o.params, o.error) for o in ops]
