@@ -161,33 +161,30 @@ class GatewayApp:
         try:
             while True:
                 await asyncio.sleep(interval)
-                await self._record_idle_times(client)
-                now = time.monotonic()
-                samples = {
-                    name: gate.sample()
-                    for name, gate in self.gateway.catalog.gates.items()
-                    if gate.active or gate.queued or now - gate.last_used < ACTIVE_S
-                }
-                if self.gateway.warm is not None:  # what HAProxy carried meanwhile
-                    for name, warm in self.gateway.warm.samples().items():
-                        samples[name] = _added(samples.get(name), warm)
-                if not samples:
-                    continue
                 try:
-                    await self.gateway.background.store(
-                        demand.report, client, self.gateway_id, samples
-                    )
-                except Exception as exc:  # Redis away: the next interval tries again
+                    await self._report_once(client)
+                except Exception as exc:  # Redis away, or a bug: the next interval tries again
                     log.warning("gateway: demand report failed: %s", exc)
         finally:
             client.close()
 
-    async def _record_idle_times(self, client: redis.Redis) -> None:
-        """Hand the invocations seen since the last report to the keep-alive histograms."""
+    async def _report_once(self, client: redis.Redis) -> None:
+        """Report the invocations seen and each active function's demand sample, once."""
         seen = self.gateway.invocations.take()
-        if seen:
+        if seen:  # for the keep-alive histograms
             shape = idletimes.Shape.from_settings(self.gateway.settings)
-            await self.gateway.background.store(idletimes.record_quietly, client, shape, seen)
+            await self.gateway.background.report(idletimes.record_quietly, client, shape, seen)
+        now = time.monotonic()
+        samples = {
+            name: gate.sample()
+            for name, gate in self.gateway.catalog.gates.items()
+            if gate.active or gate.queued or now - gate.last_used < ACTIVE_S
+        }
+        if self.gateway.warm is not None:  # what HAProxy carried meanwhile
+            for name, warm in self.gateway.warm.samples().items():
+                samples[name] = _added(samples.get(name), warm)
+        if samples:
+            await self.gateway.background.report(demand.report, client, self.gateway_id, samples)
 
 
 def _added(mine: demand.Sample | None, warm: demand.Sample) -> demand.Sample:

@@ -2,7 +2,12 @@
 
 The store is synchronous (SQLAlchemy): every store call runs in a bounded thread pool
 (``CORRAL_GATEWAY_STORE_THREADS``; one on SQLite, which takes one write at a time
-anyway) while the event loop serves other requests. Some work must finish even when
+anyway) while the event loop serves other requests. The demand and idle-time reports go
+to Redis through a thread of their own (:meth:`Background.report`): a statistic must not
+wait in line behind store calls (on SQLite the one store thread may wait for the
+database's write lock for up to ``CORRAL_DB_LOCK_TIMEOUT_S``, call after call, and a
+sample that waited behind them is stale when it lands: the autoscaler sees no demand).
+Some work must finish even when
 the request that started it is cancelled (giving a claim back, queueing a suspect
 replica's delete): :meth:`Background.shielded` runs it as a tracked task the request
 no longer owns. :meth:`Background.close` waits for every tracked task, then for the
@@ -24,11 +29,16 @@ class Background:
 
     def __init__(self, threads: int) -> None:
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="gateway-store")
+        self._reports = ThreadPoolExecutor(1, thread_name_prefix="gateway-report")
         self._tasks: set[asyncio.Future[Any]] = set()
 
     async def store(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a (synchronous) store call in the thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
+
+    async def report(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a (synchronous) Redis report in the reports' own thread, never behind the store."""
+        return await asyncio.get_running_loop().run_in_executor(self._reports, fn, *args)
 
     async def shielded(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store call that completes even if the caller is cancelled meanwhile."""
@@ -57,5 +67,6 @@ class Background:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def close(self) -> None:
-        """Wait for the running store calls and stop the threads."""
+        """Wait for the running store calls and reports, and stop the threads."""
         self._threads.shutdown(wait=True)
+        self._reports.shutdown(wait=True)

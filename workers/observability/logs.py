@@ -15,7 +15,10 @@ own - and puts it on the queue without waiting; the listener writes the records 
 order. When the queue is full (:data:`MAX_RECORDS`: the sink has not taken a line for
 that long), the record is dropped and counted: once the listener writes again it says
 how many were dropped, and adds them to a total in the broker's Redis (:data:`DROPPED_KEY`,
-exported as ``corral_log_records_dropped_total``). A forked child (a prefork pool's)
+exported as ``corral_log_records_dropped_total``). A record whose handler raises is
+dropped and counted the same way, and the report names the error: the listener thread
+never ends on one (its end would silence the worker's log for good, with the traceback
+itself lost in the queue it no longer reads). A forked child (a prefork pool's)
 starts with an empty queue and a listener of its own: nothing taken across the fork.
 """
 
@@ -49,9 +52,13 @@ class _Listener(QueueListener):
     def handle(self, record: logging.LogRecord) -> None:
         """Write one record out (this thread may wait on the sink; no task does)."""
         sink = record.__dict__.pop(_SINK, None)
-        if isinstance(sink, logging.Handler):
+        if not isinstance(sink, logging.Handler):
+            return
+        try:
             sink.handle(record)
             _report_drops(sink)
+        except Exception as exc:  # this thread must go on: its end would lose every later line
+            _count_dropped(f"{type(exc).__name__}: {exc}")
 
 
 class _Process:
@@ -63,7 +70,8 @@ class _Process:
         self.listener = _Listener(self.queue)
         self.listener.start()
         self.dropped = 0  # not yet reported
-        self.lock = threading.Lock()  # around ``dropped`` only, never held across a wait
+        self.failure: str | None = None  # the last error a sink raised, not yet reported
+        self.lock = threading.Lock()  # around the two above only, never held across a wait
 
 
 _process: _Process | None = None
@@ -112,12 +120,19 @@ class BoundedHandler(QueueHandler):
 
     def enqueue(self, record: logging.LogRecord) -> None:
         """Queue the record; when the queue is full, drop it and count it."""
-        process = _current()
         try:
-            process.queue.put_nowait(record)
+            _current().queue.put_nowait(record)
         except queue.Full:
-            with process.lock:
-                process.dropped += 1
+            _count_dropped()
+
+
+def _count_dropped(failure: str | None = None) -> None:
+    """Count one record dropped (``failure``: the error its sink raised, if that was why)."""
+    process = _current()
+    with process.lock:
+        process.dropped += 1
+        if failure is not None:
+            process.failure = failure
 
 
 def _report_drops(sink: logging.Handler) -> None:
@@ -127,17 +142,12 @@ def _report_drops(sink: logging.Handler) -> None:
         return
     with process.lock:
         dropped, process.dropped = process.dropped, 0
-    note = logging.LogRecord(
-        "corral.logs",
-        logging.WARNING,
-        __file__,
-        0,
-        f"{dropped} log record(s) dropped: the log's reader did not keep up",
-        None,
-        None,
-    )
-    sink.handle(note)
+        failure, process.failure = process.failure, None
     _add_to_total(dropped)
+    text = f"{dropped} log record(s) dropped: the log's reader did not keep up"
+    if failure is not None:
+        text += f", or its handler failed (the last time: {failure})"
+    sink.handle(logging.LogRecord("corral.logs", logging.WARNING, __file__, 0, text, None, None))
 
 
 def _add_to_total(dropped: int) -> None:

@@ -34,8 +34,9 @@ FAST_AUTOSCALE = {
     "CORRAL_AUTOSCALE_STABLE_WINDOW_S": "4",
     "CORRAL_AUTOSCALE_PANIC_WINDOW_S": "1",
     # the default: at 2 s a loaded CI run (load 9-11) saw the gateway's fresh samples as
-    # stale (its reports late, or the two processes' estimates of the store's clock apart)
-    # and scaled to 3, 1, 0 under a steady load of 4 (cold starts made the 6)
+    # stale and scaled to 3, 1, 0 under a steady load of 4 (cold starts made the 6). Its
+    # reports were late: on SQLite they waited behind the store's one thread, busy with
+    # store calls waiting for the write lock (they have a thread of their own now)
     "CORRAL_AUTOSCALE_DEMAND_STALE_S": "10",
 }
 SERVING = (ReplicaState.IDLE, ReplicaState.ALLOCATED)
@@ -107,7 +108,6 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
             c.start()
         # 4 clients, 6 replicas: the autoscaler. The load runs until it asks for 6 (what
         # the end checks), not only until six serve: cold starts may make six first.
-        # (cis72, quiet, still saw no fresh demand for 120 s - open, see the docs' history.)
         eventually(lambda: 6 in targets(broker_env), 120, "a target of 6", detail=worker.tail)
         eventually(lambda: serving(broker_env) >= 6, 120, "6 replicas", detail=worker.tail)
         assert serving(broker_env) == 6, worker.tail()

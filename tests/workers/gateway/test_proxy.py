@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 
 import httpx
 import pytest
 import redis
+from sqlalchemy import text
 
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
@@ -174,4 +176,35 @@ def test_each_gateway_reports_its_demand_to_redis(stack: Stack) -> None:
     after = eventually(reported(0), 10, "demand seen to fall")
     assert after is not None
     assert (after.inflight, after.queued, after.gateways) == (0, 0, 2)
+    client.close()
+
+
+def test_a_request_waiting_on_the_store_is_reported_while_it_waits(stack: Stack) -> None:
+    """Demand reports have a thread of their own: on SQLite the store has one, and here it
+    waits for the database's write lock (the test holds it) on behalf of a request. Behind
+    it a report would land only once the lock is free, stale: the autoscaler saw no demand
+    for 120 s under a steady load (test_through_the_gateway[sqlite])."""
+    stack.deploy("echo", image="examples.echo", max=1)
+    gw = stack.gateway()
+    client = redis.Redis.from_url(stack.env.settings.broker_url)
+    answers: list[int] = []
+
+    def call() -> None:
+        answers.append(httpx.get(f"{gw.url}/function/echo", timeout=60).status_code)
+
+    def waiting_reported() -> demand.Demand | None:
+        seen = demand.read(client, ["echo"])["echo"]
+        return seen if seen.gateways == 1 and seen.inflight + seen.queued >= 1 else None
+
+    caller = threading.Thread(target=call, daemon=True)
+    # the write lock on SQLite (BEGIN IMMEDIATE), the function's row on PostgreSQL: the
+    # request's claim waits for it (the store's busy timeout, 30 s, is longer than this)
+    with stack.env.db.transaction() as s:
+        s.execute(text("UPDATE functions SET target = target WHERE name = 'echo'"))
+        caller.start()
+        seen = eventually(waiting_reported, 10, "the waiting request in a fresh report")
+        assert answers == [], "the request was answered while the store was locked"
+    caller.join(60)
+    assert answers == [200]
+    assert seen is not None and seen.last_request_at is not None
     client.close()

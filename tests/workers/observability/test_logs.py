@@ -8,6 +8,7 @@ fleet's total in Redis (the metric ``corral_log_records_dropped_total``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -44,21 +45,31 @@ def bounded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(logs, "_process", None)
 
 
+@contextlib.contextmanager
+def _logger_to(sink: logging.Handler, name: str) -> Iterator[logging.Logger]:
+    """A logger of its own whose one handler is ``sink``, behind the bounded queue."""
+    logger = logging.getLogger(name)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler = logs.BoundedHandler(sink)
+    logger.addHandler(handler)
+    try:
+        yield logger
+    finally:
+        logger.removeHandler(handler)
+
+
 @sqlite_only  # no store: one run is enough
 def test_a_stalled_sink_drops_and_counts_records_instead_of_blocking_the_thread_that_logs(
     broker_env: Env, bounded: None
 ) -> None:
     sink = _StalledSink()
     sink.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("corral.test.logs")
-    logger.propagate = False
-    logger.setLevel(logging.INFO)
-    handler = logs.BoundedHandler(sink)
-    logger.addHandler(handler)
     client = redis.Redis.from_url(broker_env.settings.broker_url)
     before = logs.dropped_total(client)
     sent = 3 * BOUND
-    try:
+    with _logger_to(sink, "corral.test.logs") as logger, contextlib.ExitStack() as undo:
+        undo.callback(sink.go.set)  # a failure must not leave the listener waiting
         done = threading.Event()
 
         def log_them() -> None:
@@ -89,7 +100,36 @@ def test_a_stalled_sink_drops_and_counts_records_instead_of_blocking_the_thread_
         assert numbers == sorted(set(numbers))
         assert BOUND <= len(written) <= BOUND + 1  # the queue, and the one in the sink's hands
         assert logs.dropped_total(client) == before + dropped  # the fleet's total
-    finally:
-        sink.go.set()
-        logger.removeHandler(handler)
-        client.close()
+    client.close()
+
+
+class _BrokenFilter(logging.Filter):
+    """A filter that raises on some records (a handler's own code failing, not its pipe)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "boom" in record.getMessage():
+            raise ValueError("a broken filter")
+        return True
+
+
+@sqlite_only  # no store: one run is enough
+def test_a_record_whose_handler_raises_is_dropped_and_counted_and_the_next_is_written(
+    broker_env: Env, bounded: None
+) -> None:
+    sink = _StalledSink()
+    sink.go.set()
+    sink.addFilter(_BrokenFilter())
+    client = redis.Redis.from_url(broker_env.settings.broker_url)
+    before = logs.dropped_total(client)
+    with _logger_to(sink, "corral.test.logs.broken") as logger:
+        for line in ("first", "boom", "after"):
+            logger.info(line)
+        eventually(lambda: len(sink.lines) >= 3, 10, "the lines after the failure")
+        first, after, note = sink.lines
+        assert (first, after) == ("first", "after")  # the listener outlived the failure
+        assert note == (
+            "1 log record(s) dropped: the log's reader did not keep up, or its handler "
+            "failed (the last time: ValueError: a broken filter)"
+        )
+        assert logs.dropped_total(client) == before + 1
+    client.close()
