@@ -35,6 +35,7 @@ import httpx
 from sqlalchemy import select
 
 from config.settings import get_settings, reset_settings
+from testkit import loopback
 from testkit.netns import Launcher, Network
 from testkit.nsprocs import (
     AGENT_PORT,
@@ -336,7 +337,7 @@ class Fleet:
 
     def gateway(self) -> httpx.Client:
         """A client of the gateway, with its token."""
-        return httpx.Client(
+        return loopback.Client(
             base_url=f"http://{self.layout.ip('gw')}:8080",
             headers={"Authorization": f"Bearer {self.tokens['gateway']}"},
         )

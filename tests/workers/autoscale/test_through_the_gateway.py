@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import pytest
 from sqlalchemy import select
 
 from agents import RunningAgent
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit import loopback
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env
@@ -96,7 +96,7 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
     codes: list[int] = []
 
     def client() -> None:
-        with httpx.Client(timeout=90) as http:
+        with loopback.Client(timeout=90) as http:
             while not stop.is_set():
                 codes.append(
                     http.post(f"{gateway.url}/function/echo?delay=2", content=b"x").status_code

@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from corral import api
+from testkit import loopback
 from testkit.eventually import eventually
 from tests.dataplanes import need
 from tests.fixtures import STORES, Env
@@ -81,7 +82,7 @@ def _lending(gw: RunningGateway, stack: Stack, name: str) -> str:
 
 def _python_calls(gw: RunningGateway, name: str) -> float:
     """Calls of ``name`` the gateway behind HAProxy answered itself."""
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = loopback.get(f"{gw.url}/metrics", timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -91,14 +92,14 @@ def _python_calls(gw: RunningGateway, name: str) -> float:
 
 def _warm_calls(gw: RunningGateway, name: str) -> float:
     """Calls of ``name`` HAProxy carried to its replicas (``corral_warm_requests_total``)."""
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = loopback.get(f"{gw.url}/metrics", timeout=10).text
     line = f'corral_warm_requests_total{{function="{name}"}} '
     return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
 
 
 def _get_at_once(url: str, n: int) -> list[int]:
     async def run() -> list[int]:
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with loopback.AsyncClient(timeout=60) as client:
             return [
                 a.status_code for a in await asyncio.gather(*(client.get(url) for _ in range(n)))
             ]
@@ -113,7 +114,7 @@ def test_warm_calls_go_through_haproxy_and_their_environment_back_after_the_keep
     gw = warm_stack.gateway(gateway_keep_s=1.0)
     assert "haproxy" in gw.dataplane
     warm_stack.warm(gw, "hello")  # a cold start, answered by the activator
-    with httpx.Client(timeout=30) as client:
+    with loopback.Client(timeout=30) as client:
         for _ in range(20):
             assert client.get(f"{gw.url}/function/hello").status_code == 200
     warm_stack.carried(gw, "hello", 20)
@@ -136,7 +137,7 @@ def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
     # window is not asked back. (A CI run failed here, most likely so: asked back on
     # counters older than the call just started on it, it went to the activator, and a
     # cold start's claim made meanwhile stayed in the activator's pool, as fresh ones do.)
-    assert httpx.get(f"{gw.url}/function/echo?delay=0.5", timeout=30).status_code == 200
+    assert loopback.get(f"{gw.url}/function/echo?delay=0.5", timeout=30).status_code == 200
     eventually(lambda: _peak(gw, "echo") >= 1, WARM_WAIT_S, "the router to see the call")
     before = _python_calls(gw, "echo")
     # three at once: HAProxy has room for one, the activator takes two (and starts replicas)
@@ -217,7 +218,7 @@ def test_a_replica_haproxy_cannot_reach_is_retired_and_calls_go_elsewhere(
     bad = next(iter(router.routes["echo"].servers))  # the first: balance first tries it first
     _kill_replica(warm_stack, bad)
     # refused connections carried nothing: a POST goes to the other replica too
-    answer = httpx.post(f"{gw.url}/function/echo", content=b"once", timeout=60)
+    answer = loopback.post(f"{gw.url}/function/echo", content=b"once", timeout=60)
     assert (answer.status_code, answer.content) == (200, b"once")
     rows = eventually(
         lambda: [r for r in warm_stack.replicas("echo") if r.id == bad and r.error],
@@ -227,7 +228,7 @@ def test_a_replica_haproxy_cannot_reach_is_retired_and_calls_go_elsewhere(
     assert rows[0].status in (ReplicaState.DELETING, ReplicaState.DELETED)
     assert (rows[0].error or "").startswith("suspect: haproxy could not reach it")
     eventually(lambda: bad not in router.routes["echo"].servers, 10, "its server gone")
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
+    assert loopback.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
 
 
 def test_a_warm_call_whose_only_replica_fails_is_served_by_the_activator(
@@ -241,7 +242,7 @@ def test_a_warm_call_whose_only_replica_fails_is_served_by_the_activator(
     # rewritten for the replica already: the backup activator puts it back as the caller
     # sent it and serves it as the Python path does (a cold start of another replica)
     before = _python_calls(gw, "echo") + _warm_calls(gw, "echo")
-    answer = httpx.post(f"{gw.url}/function/echo?x=1", content=b"payload", timeout=60)
+    answer = loopback.post(f"{gw.url}/function/echo?x=1", content=b"payload", timeout=60)
     assert (answer.status_code, answer.content) == (200, b"payload")
     assert len(warm_stack.replicas("echo")) == 2
     route = _router(gw).routes.get("echo")
@@ -269,7 +270,7 @@ def test_haproxy_started_again_gets_every_route_back(warm_stack: Stack) -> None:
         "HAProxy started again, the route given to it again",
     )
     assert router.counts.restarts == 1
-    with httpx.Client(timeout=30) as client:  # the same port: the gateway's socket
+    with loopback.Client(timeout=30) as client:  # the same port: the gateway's socket
         for _ in range(5):
             assert client.get(f"{gw.url}/function/hello").status_code == 200
     warm_stack.carried(gw, "hello", 5)
@@ -281,14 +282,14 @@ def test_a_function_whose_answer_haproxy_refused_takes_the_python_path(
     warm_stack.deploy("evil", image=HOSTILE, max=1, exec_envs=4)
     gw = warm_stack.gateway(gateway_keep_s=30.0)
     warm_stack.warm(gw, "evil", "/")
-    assert httpx.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
+    assert loopback.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
     router = _router(gw)
     eventually(lambda: "evil" in router.counts.demoted, 10, "evil demoted")
     eventually(lambda: "evil" not in router.routes, 10, "its backend given up")
     before = _python_calls(gw, "evil")
-    assert httpx.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
+    assert loopback.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
     assert _python_calls(gw, "evil") == before + 1  # refused by the gateway's own bounds
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = loopback.get(f"{gw.url}/metrics", timeout=10).text
     assert 'corral_warm_demoted{function="evil"} 1.0' in text
     assert 'corral_gateway_answers_refused_total{function="evil",reason="head_lines"}' in text
 
@@ -333,7 +334,7 @@ def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
 
     async def load(rate: float) -> list[int | str]:
         out: list[int | str] = []
-        async with httpx.AsyncClient(timeout=30) as client:
+        async with loopback.AsyncClient(timeout=30) as client:
 
             async def one() -> None:
                 try:
@@ -372,7 +373,7 @@ def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
             [(r.status.name, r.envs_in_use, r.error) for r in warm_stack.replicas("hello")]
         ),
     )
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = loopback.get(f"{gw.url}/metrics", timeout=10).text
     for change in ("add", "remove"):
         line = f'corral_warm_route_change_seconds_count{{change="{change}"}}'
         assert line in text and float(text.split(line, 1)[1].split()[0]) >= 2, change
