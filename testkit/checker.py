@@ -39,9 +39,9 @@ What a fault may cost is bounded too (judged at the end, each kind with its evid
   could have been in flight to it - after a kill or a freeze only the calls that had
   started become maybes;
 * ``no_capacity_while_free`` (:func:`no_capacity_while_free`): no operation failed "no
-  capacity" while every sample during it saw two free slots on nodes it could use, free
-  by the VMs running there and by the rows that are not maybes (and maybes up to the
-  in-flight bound);
+  capacity" while every sample during it saw two free slots on nodes it could use, the
+  same nodes free in each, free by the VMs running there and by the rows that are not
+  maybes (and maybes up to the in-flight bound);
 * ``hard_limit_restarts``: ``corral worker`` never had to kill its worker because a
   task outlived its hard time limit (its kill line in the worker's log);
 * ``request_ids_twice`` (:func:`request_ids_twice`): on an agent that deduplicates
@@ -422,28 +422,37 @@ def no_capacity_while_free(
     free: list[tuple[datetime, dict[tuple[str, str], int], str]],
 ) -> list[str]:
     """Operations that failed "no capacity" on any node (``(op, created at, finished at,
-    backend, error, nodes its rows were on)``) while every sample around them - one before
+    backend, error, nodes its rows were on)``) while the samples around them - one before
     they began and one after they ended, at least, each :data:`CLOCKS_AGREE_S` away, and
     every sample in between within :data:`SAMPLED_S` more - saw :data:`FREE_SLOTS` free
-    slots of their backend on nodes other than theirs (a move avoids the node it leaves;
-    slots taken and freed again between two samples are no evidence); with the last of
-    those samples (each node's capacity / slots taken / live rows / maybes / VMs)."""
+    slots of their backend on nodes other than theirs (a move avoids the node it leaves),
+    counting each node at the least it had free in any of them: slots free on one node in
+    one sample and on another in the next are no evidence (the partition run, cis86: one
+    node filled and another emptied within a second, and a spawn placed in between found
+    none, while every sample had seen two free somewhere); with the last of those samples
+    (each node's capacity / slots taken / live rows / maybes / VMs)."""
     out = []
     reach = SAMPLED_S + CLOCKS_AGREE_S
     for op_id, began, ended, backend, error, theirs in failures:
         if not _NO_CAPACITY.search(error or ""):
             continue
         seen = [
-            (sum(n for (kd, node), n in f.items() if kd == backend and node not in theirs), t, p)
+            (t, f, p)
             for t, f, p in free
             if (began - t).total_seconds() <= reach and (t - ended).total_seconds() <= reach
         ]
-        before = any((began - t).total_seconds() >= CLOCKS_AGREE_S for _, t, _p in seen)
-        after = any((t - ended).total_seconds() >= CLOCKS_AGREE_S for _, t, _p in seen)
-        if before and after and min(n for n, _t, _p in seen) >= FREE_SLOTS:
+        before = any((began - t).total_seconds() >= CLOCKS_AGREE_S for t, _f, _p in seen)
+        after = any((t - ended).total_seconds() >= CLOCKS_AGREE_S for t, _f, _p in seen)
+        if not (before and after):
+            continue
+        nodes = {node for _t, f, _p in seen for kind, node in f if kind == backend}
+        all_along = sum(
+            min(f.get((backend, node), 0) for _t, f, _p in seen) for node in nodes - theirs
+        )
+        if all_along >= FREE_SLOTS:
             out.append(
                 f"op {op_id} {began:%H:%M:%S}-{ended:%H:%M:%S}: {error[:100]!r} while "
-                f"{backend} nodes had {min(n for n, _t, _p in seen)}+ slots free ({seen[-1][2]})"
+                f"{backend} nodes had {all_along}+ slots free ({seen[-1][2]})"
             )
     return out
 

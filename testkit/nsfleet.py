@@ -35,7 +35,6 @@ import httpx
 from sqlalchemy import select
 
 from config.settings import get_settings, reset_settings
-from testkit import loopback
 from testkit.netns import Launcher, Network
 from testkit.nsprocs import (
     AGENT_PORT,
@@ -337,7 +336,7 @@ class Fleet:
 
     def gateway(self) -> httpx.Client:
         """A client of the gateway, with its token."""
-        return loopback.Client(
+        return httpx.Client(
             base_url=f"http://{self.layout.ip('gw')}:8080",
             headers={"Authorization": f"Bearer {self.tokens['gateway']}"},
         )

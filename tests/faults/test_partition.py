@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
@@ -40,7 +41,7 @@ from agents.fcdaemon import serve_fcdaemon
 from config.settings import get_settings
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from testkit import checker, loopback, nemesis
+from testkit import checker, nemesis
 from testkit.eventually import eventually
 from testkit.netns import (
     NETNS_DIR,
@@ -174,6 +175,26 @@ def test_a_sample_stamped_after_a_refusal_but_read_before_it_is_no_evidence() ->
     free_all_along = [(t, fc6(2), p) for t, _f, p in free]
     found = checker.no_capacity_while_free(failures[1:], free_all_along)
     assert len(found) == 1 and found[0].startswith("op spawn "), found
+
+
+def test_free_slots_that_move_from_node_to_node_between_samples_are_no_evidence() -> None:
+    """The partition run (cis86, 01:21:53-58): a spawn waited in the queue while its
+    workers were killed and ran at :58.30. fc3's last two slots went at :57.99 and :58.27,
+    fc1 and fc2 freed theirs from :58.56: the samples a second apart each saw two free,
+    never on one node, and the spawn, placed in between, rightly found none."""
+
+    def nodes(fc1: int, fc2: int, fc3: int) -> dict[tuple[str, str], int]:
+        return {("fcdaemon", "fc1"): fc1, ("fcdaemon", "fc2"): fc2, ("fcdaemon", "fc3"): fc3}
+
+    free = [(_at(t), nodes(0, 0, 2), f"{t}") for t in (51.5, 52.5, 53.5, 54.5, 55.5, 56.5, 57.5)]
+    free += [(_at(t), nodes(2, 1, 0), f"{t}") for t in (58.7, 59.7, 60.7)]
+    error = "no capacity for pt-b on any healthy fcdaemon node"
+    spawn = [("spawn", _at(53.94), _at(58.33), "fcdaemon", error, frozenset[str]())]
+    assert checker.no_capacity_while_free(spawn, free) == []
+    # fc3's two slots free all along are still found
+    fc3_free = [(t, {**f, ("fcdaemon", "fc3"): 2}, p) for t, f, p in free]
+    found = checker.no_capacity_while_free(spawn, fc3_free)
+    assert len(found) == 1 and "2+ slots free (60.7)" in found[0], found
 
 
 def test_an_operations_nodes_are_found_by_its_request_ids_once_its_rows_let_it_go() -> None:
@@ -606,7 +627,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
         try:
             with db.read() as s:
                 assert s.scalar(text("SELECT 1")) == 1  # a pooled connection, in use below
-            assert loopback.get(url, timeout=30).status_code == 404  # the store says so
+            assert httpx.get(url, timeout=30).status_code == 404  # the store says so
             net.link("pg", False)  # the store's cable out: nothing answers, nothing refuses
             for what in ("a pooled connection", "a new connection"):
                 started = time.monotonic()
@@ -615,7 +636,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
                 took = time.monotonic() - started
                 assert took < 30, f"{what}: {took:.0f}s"
                 assert is_transient(caught.value)  # the task retries it
-                answer = loopback.get(url, timeout=60)
+                answer = httpx.get(url, timeout=60)
                 assert answer.status_code == 503, answer.text
                 assert answer.headers["retry-after"] == str(RETRY_AFTER_S)
                 assert "the store is unavailable" in answer.text
@@ -623,7 +644,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
             # a connection begun during the cut may still be closed by the server after it
             # (its startup timed out there): the store answers again, as a retried task sees
             eventually(lambda: _answers(db), 30, "the store answering again")
-            eventually(lambda: loopback.get(url, timeout=30).status_code == 404, 30, "a 404 again")
+            eventually(lambda: httpx.get(url, timeout=30).status_code == 404, 30, "a 404 again")
         finally:
             gateway.stop()
             db.dispose()

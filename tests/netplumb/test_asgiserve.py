@@ -26,7 +26,6 @@ from uvicorn.server import ServerState
 
 from netplumb import asgiserve
 from netplumb.asgiserve import Limits, Receive, Scope, Send
-from testkit import loopback
 
 TOKEN = b"Bearer t0ken"
 LIMITS = Limits(max_connections=8, head_bytes=4096, head_timeout_s=0.5, idle_s=1)
@@ -298,7 +297,7 @@ def test_a_refused_connection_is_answered_503_that_its_caller_reads() -> None:
     limits = Limits(max_connections=1, evict_after_s=60)
     with served(limits) as port, _from("127.0.0.2", port):
         transport = httpx.HTTPTransport(local_address="127.0.0.2")
-        with loopback.Client(transport=transport, timeout=10) as client:
+        with httpx.Client(transport=transport, timeout=10) as client:
             statuses = set()
             for _ in range(20):  # a request sent at once, a 1 MiB body with it
                 answer = client.post(

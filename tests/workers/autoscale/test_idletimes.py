@@ -13,6 +13,7 @@ import random
 import time
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from sqlalchemy import select
@@ -21,7 +22,6 @@ from agents import RunningAgent
 from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from testkit import loopback
 from tests.dataplanes import DATAPLANES, need
 from tests.fixtures import NO_BROKER, Env, StartAgents
 from tests.workers.replicas.helpers import deploy_fn
@@ -282,7 +282,7 @@ def test_requests_through_the_gateway_are_recorded(
         queue=HereFirst(QUEUE),
     )
     try:
-        with loopback.Client(timeout=60) as http:
+        with httpx.Client(timeout=60) as http:
             # the idle times between requests are what is measured (the gateway's monotonic
             # clock): these pauses are the test's input, in bin 1, then out of bounds
             for pause in (1.8, 4.2, 0.0):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
+import httpx
 import pytest
 from sqlalchemy import select
 
@@ -30,7 +31,6 @@ from agents import RunningAgent
 from stack.supervisor import stop_process
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from testkit import loopback
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env
@@ -88,7 +88,7 @@ def naive(epoch: float) -> datetime:
 
 def cold_starts(url: str, name: str) -> float:
     """The gateway's ``corral_cold_starts_total`` for one function."""
-    text = loopback.get(f"{url}/metrics", timeout=10).text
+    text = httpx.get(f"{url}/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith(f'corral_cold_starts_total{{function="{name}"}}'):
             return float(line.split()[-1])
@@ -134,7 +134,7 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
         queue=HereFirst(QUEUE),
     )
     try:
-        with loopback.Client(timeout=60) as http:
+        with httpx.Client(timeout=60) as http:
 
             def call(name: str) -> float:
                 """One call; returns when its answer ended."""

@@ -13,7 +13,6 @@ from sqlalchemy import select
 from agents.faults import Fault
 from agents.lambdo import LIMITS, RunningLambdo, serve_lambdo
 from corral import api
-from testkit import loopback
 from tests.fixtures import Env
 from tests.helpers import spawn_ok
 from workers.backends import inflight
@@ -199,7 +198,7 @@ def test_a_host_over_its_connection_cap_answers_503_and_a_create_is_nothing_done
                 inflight.run(client.spawn("x_1", "examples.hello", [8080]))
             assert "503" in str(refused.value) and refused.value.nothing_done, refused.value
         assert not host.agent.calls_of("spawn")
-        other = loopback.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"))
         with other:  # another address is served meanwhile
             answer = other.get(f"{host.url}/vms", headers={"authorization": "Bearer s3cret"})
         assert answer.status_code == 200

@@ -20,6 +20,9 @@ whose gateway is a process of its own reads the data plane from :attr:`Stack.dat
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +36,6 @@ from agents import ProcessDriver, RunningAgent, serve_fcdaemon
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from testkit import loopback
 from testkit.eventually import eventually
 from tests.dataplanes import need
 from tests.fixtures import Env, fresh_store
@@ -55,7 +57,7 @@ def wait_healthy(url: str) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            if loopback.get(f"{url}/healthz", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -93,7 +95,7 @@ class Stack:
     def warm(self, gw: RunningGateway, name: str, path: str = "") -> None:
         """Call function ``name`` once, so that the next calls are warm: with HAProxy, until
         HAProxy has the function's backend (the calls that follow go straight there)."""
-        answer = loopback.get(f"{gw.url}/function/{name}{path}", timeout=60)
+        answer = httpx.get(f"{gw.url}/function/{name}{path}", timeout=60)
         assert answer.status_code == 200, answer.text
         if gw.warm is not None:
             router = gw.warm.router
@@ -146,9 +148,35 @@ class Stack:
         """The function's replica rows, oldest first."""
         return replicas(self.env, name)
 
+    def kill_vm(self, vmid: str) -> None:
+        """Kill a replica's process behind corral's back; return once its port refuses.
+
+        A SIGKILL is delivered, not done, when ``kill`` returns, and a process whose
+        first thread has exited may still hold its socket in another: a call sent at once
+        (cis86, cis96, two suites at once) was accepted by the socket of a process not yet
+        gone, then cut off - a 502, where the test meant a refused connection, which a
+        proxy may try elsewhere since it carried nothing.
+        """
+        (vm,) = [vm for vm in self.agent.driver.list() if vm.vmid == vmid]
+        assert vm.pid is not None
+        os.kill(vm.pid, signal.SIGKILL)
+        where = (vm.ip, vm.port)
+        eventually(lambda: _refused(where), 10, f"the killed replica's port {vm.port} to refuse")
+
     def creates(self) -> int:
         """CreateReplica calls the agent served."""
         return len(self.agent.agent.calls_of("CreateReplica"))
+
+
+def _refused(where: tuple[str, int]) -> bool:
+    """True if a connection to ``where`` is refused now (nothing listens there)."""
+    try:
+        socket.create_connection(where, timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 @contextlib.contextmanager

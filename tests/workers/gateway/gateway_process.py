@@ -23,9 +23,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 
-from testkit import loopback
 from testkit.services import free_port
 from tests.workers.gateway.conftest import HOSTILE, Stack, wait_healthy
 
@@ -77,7 +77,7 @@ class Gateway:
 
     def metric(self, line_start: str) -> float:
         """The value of the first ``/metrics`` sample whose line starts so (0 if none)."""
-        text = loopback.get(f"{self.url}/metrics", headers=AUTH, timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", headers=AUTH, timeout=10).text
         for line in text.splitlines():
             if line.startswith(line_start):
                 return float(line.rsplit(" ", 1)[1])
@@ -99,7 +99,7 @@ class Gateway:
         """Deploy hostile function ``name`` (one replica), warm: the attacks' target now."""
         assert self.stack is not None
         self.stack.deploy(name, image=HOSTILE, max=1, exec_envs=32)
-        answer = loopback.get(f"{self.url}/function/{name}/", headers=AUTH, timeout=60)
+        answer = httpx.get(f"{self.url}/function/{name}/", headers=AUTH, timeout=60)
         assert answer.status_code == 200, answer.text
         self.function = name
         return name
@@ -133,7 +133,7 @@ def gateway_process(stack: Stack, tmp: Path) -> Iterator[Gateway]:
     try:
         wait_healthy(running.url)
         for path in ("/function/hello", "/function/evil/"):  # both warm
-            answer = loopback.get(running.url + path, headers=AUTH, timeout=60)
+            answer = httpx.get(running.url + path, headers=AUTH, timeout=60)
             assert answer.status_code == 200, answer.text
         yield running
     finally:

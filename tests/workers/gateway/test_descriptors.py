@@ -25,7 +25,6 @@ from pathlib import Path
 
 import httpx
 
-from testkit import loopback
 from testkit.eventually import eventually
 from testkit.services import free_port
 from tests.helpers import spawn_ok
@@ -51,7 +50,7 @@ def _started(port: int) -> None:
 
     def healthy() -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            return loopback.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
         return False
 
     eventually(healthy, 120, "the gateway to start", poll=0.1)

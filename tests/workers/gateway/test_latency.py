@@ -11,7 +11,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from testkit import loopback
+import httpx
+
 from tests.workers.gateway.conftest import Stack
 
 CALLS = 50
@@ -25,7 +26,7 @@ STRAYS = CALLS // 5
 def _keepalive_calls(url: str, n: int) -> list[float]:
     """``n`` sequential GETs of ``url`` on one kept-alive connection; each one's milliseconds."""
     times: list[float] = []
-    with loopback.Client(timeout=10) as client:
+    with httpx.Client(timeout=10) as client:
         assert client.get(url).status_code == 200  # the connection is made here
         for _ in range(n):
             started = time.perf_counter()
@@ -38,7 +39,7 @@ def _keepalive_calls(url: str, n: int) -> list[float]:
 def test_fifty_keepalive_calls_through_the_gateway_and_direct_never_stall(stack: Stack) -> None:
     stack.deploy("hello", max=1)
     gw = stack.gateway(gateway_keep_s=30.0)
-    assert loopback.get(f"{gw.url}/function/hello", timeout=60).status_code == 200  # warm
+    assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200  # warm
     (replica,) = stack.replicas("hello")
     assert replica.address
 

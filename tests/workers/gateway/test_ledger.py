@@ -6,15 +6,13 @@ Real HTTP, Redis broker, Celery worker and process agent, on SQLite and PostgreS
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from datetime import timedelta
 
+import httpx
 import redis
 
 from corral import api
-from testkit import loopback
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.autoscale import demand
@@ -27,7 +25,7 @@ def _get_at_once(url: str, n: int) -> list[int]:
     """``n`` GETs of ``url`` at once; their status codes."""
 
     async def run() -> list[int]:
-        async with loopback.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=60) as client:
             answers = await asyncio.gather(*(client.get(url) for _ in range(n)))
             return [a.status_code for a in answers]
 
@@ -42,10 +40,10 @@ def _rows(stack: Stack) -> list[Claim]:
 def test_a_second_request_reuses_the_held_claim_without_a_new_claim_row(stack: Stack) -> None:
     stack.deploy("hello", max=2)
     gw = stack.gateway(gateway_keep_s=5.0)
-    assert loopback.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
+    assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
     (first,) = _rows(stack)
     for _ in range(5):
-        assert loopback.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
+        assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
     (again,) = _rows(stack)
     assert (again.id, again.created_at) == (first.id, first.created_at)  # the same claim row
     assert set(gw.app.gateway.ledger.held) == {first.id}
@@ -70,7 +68,7 @@ def test_the_keep_window_gives_unused_environments_back(stack: Stack) -> None:
     # a keep window long enough that "right after" the four calls is within it also on a
     # busy machine (at 1 s a loaded run read the four claims, then an idle replica)
     gw = stack.gateway(gateway_keep_s=4.0)
-    assert loopback.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # cold start
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # cold start
     assert _get_at_once(f"{gw.url}/function/echo?delay=0.3", 4) == [200] * 4
     assert stack.claims() == 4  # all four held right after
     (replica,) = stack.replicas("echo")
@@ -80,7 +78,7 @@ def test_the_keep_window_gives_unused_environments_back(stack: Stack) -> None:
     ended = [0.0]
 
     def one_kept() -> set[str]:
-        assert loopback.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
+        assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
         ended[0] = time.monotonic()
         kept = {c.id for c in _rows(stack)}
         return kept if len(kept) == 1 else set()
@@ -101,7 +99,7 @@ def test_held_claims_are_renewed_past_their_ttl_in_use_and_idle(stack: Stack) ->
     gw = stack.gateway(gateway_claim_ttl_s=2.0, gateway_keep_s=60.0)
 
     async def slow_request_while_reaping() -> tuple[int, int]:
-        async with loopback.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=60) as client:
             call = asyncio.ensure_future(client.get(f"{gw.url}/function/echo?delay=5"))
             expired = 0
             while not call.done():  # the reaper's expiry sweep, again and again
@@ -120,14 +118,8 @@ def test_held_claims_are_renewed_past_their_ttl_in_use_and_idle(stack: Stack) ->
     )
     assert claims.expire(stack.env.db, stack.env.settings) == 0
     assert still.id == held.id
-    assert loopback.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
+    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
     assert {c.id for c in _rows(stack)} == {held.id}  # and it serves again
-
-
-def _kill_process_of(stack: Stack, vmid: str) -> None:
-    (vm,) = [vm for vm in stack.agent.driver.list() if vm.vmid == vmid]
-    assert vm.pid is not None
-    os.kill(vm.pid, signal.SIGKILL)
 
 
 def test_a_failed_replica_leaves_the_pool_with_all_its_claims(stack: Stack) -> None:
@@ -138,8 +130,8 @@ def test_a_failed_replica_leaves_the_pool_with_all_its_claims(stack: Stack) -> N
     assert _get_at_once(f"{gw.url}/function/echo?delay=0.5", 2) == [200, 200]
     assert [c.replica_id for c in _rows(stack)] == [bad.id, bad.id]  # both held, idle
     assert bad.vmid is not None
-    _kill_process_of(stack, bad.vmid)
-    answer = loopback.get(f"{gw.url}/function/echo", timeout=60)
+    stack.kill_vm(bad.vmid)
+    answer = httpx.get(f"{gw.url}/function/echo", timeout=60)
     assert answer.status_code == 200  # tried on a pooled claim of bad, then elsewhere
     rows = {r.id: r for r in stack.replicas("echo")}
     assert rows[bad.id].status in (ReplicaState.DELETING, ReplicaState.DELETED)
@@ -154,7 +146,7 @@ def test_a_failed_replica_leaves_the_pool_with_all_its_claims(stack: Stack) -> N
 def test_a_replica_retired_elsewhere_leaves_the_pool_at_the_next_renewal(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect", max=3, exec_envs=2)
     gw = stack.gateway(gateway_keep_s=60.0, gateway_claim_ttl_s=1.5)
-    first = loopback.get(f"{gw.url}/function/reflect", timeout=60)
+    first = httpx.get(f"{gw.url}/function/reflect", timeout=60)
     assert first.status_code == 200
     (replica,) = stack.replicas("reflect")
     other = api.claim("reflect")  # its second environment, claimed by someone else...
@@ -162,7 +154,7 @@ def test_a_replica_retired_elsewhere_leaves_the_pool_at_the_next_renewal(stack: 
     api.suspect(other["claim_id"], "suspect: seen failing elsewhere")  # ...who retires it
     # renewal (every 0.5 s) saw it Deleting or gone
     eventually(lambda: gw.app.gateway.ledger.held == {}, 10, "the retired replica's claim out")
-    answer = loopback.get(f"{gw.url}/function/reflect", timeout=60)
+    answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)
     assert answer.status_code == 200
     assert answer.headers["x-reflect-vmid"] != first.headers["x-reflect-vmid"]
 

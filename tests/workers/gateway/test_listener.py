@@ -26,7 +26,6 @@ import time
 import httpx
 import psutil
 
-from testkit import loopback
 from testkit.eventually import eventually
 from testkit.services import free_port
 from tests.workers.gateway.conftest import Stack
@@ -82,7 +81,7 @@ def test_an_unterminated_header_value_is_431_at_once_and_costs_the_gateway_littl
             attacks.append(_unterminated_value(port))
 
     try:
-        with loopback.Client(base_url=url, headers=auth, timeout=20) as client:
+        with httpx.Client(base_url=url, headers=auth, timeout=20) as client:
             eventually(lambda: _answers(client, "/healthz"), 60, "the gateway to listen")
             eventually(lambda: _answers(client, "/function/hello"), 60, "a warm replica")
             gateway = psutil.Process(proc.pid)
