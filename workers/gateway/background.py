@@ -5,13 +5,12 @@ The store is synchronous (SQLAlchemy): every store call runs in a bounded thread
 anyway) while the event loop serves other requests. The demand and idle-time reports go
 to Redis through a thread of their own (:meth:`Background.report`): a statistic must not
 wait in line behind store calls (on SQLite the one store thread may wait for the
-database's write lock for up to ``CORRAL_DB_LOCK_TIMEOUT_S``, call after call, and a
-sample that waited behind them is stale when it lands: the autoscaler sees no demand).
-Some work must finish even when
-the request that started it is cancelled (giving a claim back, queueing a suspect
-replica's delete): :meth:`Background.shielded` runs it as a tracked task the request
-no longer owns. :meth:`Background.close` waits for every tracked task, then for the
-threads.
+database's write lock for up to its busy timeout, 30 s, call after call, and a sample
+that waited behind them is stale when it lands: the autoscaler sees no demand). Some
+work must finish even when the request that started it is cancelled (giving a claim
+back, queueing a suspect replica's delete): :meth:`Background.shielded` runs it as a
+tracked task the request no longer owns. :meth:`Background.close` waits for every
+tracked task, then for the threads.
 """
 
 from __future__ import annotations
