@@ -175,7 +175,7 @@ def _refused(where: tuple[str, int]) -> bool:
     except ConnectionRefusedError:
         return True
     except OSError:
-        return False
+        pass  # a timeout: something still holds it
     return False
 
 

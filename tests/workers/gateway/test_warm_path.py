@@ -30,7 +30,7 @@ from tests.workers.gateway.conftest import HOSTILE, WARM_WAIT_S, Stack, data_pat
 from workers.autoscale import demand
 from workers.gateway import RunningGateway
 from workers.gateway.haproxy.router import Router
-from workers.gateway.haproxy.runtime import Commands
+from workers.gateway.haproxy.runtime import Commands, parse_stat
 from workers.store.models import ReplicaState
 
 
@@ -70,27 +70,8 @@ def _haproxy_view(gw: RunningGateway, name: str) -> str:
         (stat,) = commands.ask("show stat")
     finally:
         commands.close()
-    header, *rows = stat.splitlines()
-    names = header.lstrip("# ").split(",")
-    keep = [
-        "svname",
-        "status",
-        "scur",
-        "stot",
-        "econ",
-        "eresp",
-        "wretr",
-        "wredis",
-        "idle_conn_cur",
-        "hrsp_2xx",
-        "hrsp_5xx",
-    ]
-    lines = [" ".join(keep)]
-    for row in rows:
-        values = dict(zip(names, row.split(","), strict=False))
-        if route is not None and values.get("pxname") == route.backend:
-            lines.append(" ".join(values.get(k, "?") or "-" for k in keep))
-    return "\n".join(lines)
+    mine = [r for r in parse_stat(stat) if route is not None and r.backend == route.backend]
+    return "\n".join(str(row) for row in mine)
 
 
 def _peak(gw: RunningGateway, name: str) -> int:
