@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery.result import allow_join_result
 from sqlalchemy import select, text
 
 from agents.fcdaemon import RunningAgent, serve_fcdaemon
@@ -197,11 +196,7 @@ def fresh_store(request: pytest.FixtureRequest, tmp_path: Path, store: str) -> s
 def corral_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, store_url: str) -> Iterator[Env]:
     """Eager Celery on an empty, migrated store: SQLite and PostgreSQL in turn."""
     env = _apply(Env(monkeypatch, tmp_path), store_url, migrate=False, **EAGER_CALLS)
-    # Celery keeps "inside a task: .get() would block" in one global flag that each eager
-    # apply_async sets and restores; threads queueing eager tasks at once (the cold-start
-    # tests) can restore it out of order and leave it set, failing every later .get().
-    with allow_join_result():
-        yield env
+    yield env
     env.db.dispose()
     clock.reset()
     reset_settings()
@@ -218,8 +213,7 @@ def store_env(corral_env: Env) -> Env:
 def pg_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, pg_url: str) -> Iterator[Env]:
     """Eager Celery on a fresh, migrated PostgreSQL database."""
     env = _apply(Env(monkeypatch, tmp_path), pg_url, **EAGER_CALLS)
-    with allow_join_result():  # as in corral_env
-        yield env
+    yield env
     env.db.dispose()
     clock.reset()
     reset_settings()

@@ -604,6 +604,7 @@ def _answers(db: Database) -> bool:
         return False
 
 
+@pytest.mark.long(35)
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.postgres
@@ -654,6 +655,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
             inflight.reset()
 
 
+@pytest.mark.long(95)
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.postgres

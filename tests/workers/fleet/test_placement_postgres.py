@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 
 from agents.gpus import serve_gpus
 from corral import api
+from corral.api import OperationView
 from testkit.processes import WorkerProcess
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn
@@ -63,6 +64,19 @@ def _check_invariants(env: Env) -> tuple[int, int]:
     return live_gpu, len(dead)
 
 
+def _wait_all(env: Env, ops: list[str], workers: list[WorkerProcess]) -> list[OperationView]:
+    """Each operation's record once finished; on a timeout, what the workers and rows say."""
+    try:
+        return [api.wait(op, timeout=45) for op in ops]
+    except TimeoutError as exc:
+        with env.db.read() as s:
+            states = dict(
+                s.execute(select(Replica.status, func.count()).group_by(Replica.status)).all()
+            )
+        tails = "\n".join(f"--- {w.name}\n{w.tail(30)}" for w in workers)
+        raise AssertionError(f"{exc}\nreplicas by state: {states}\n{tails}") from exc
+
+
 @postgres_only  # concurrent prefork writers: SQLite serializes them, PostgreSQL races them
 @pytest.mark.timeout(120)
 def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
@@ -96,7 +110,7 @@ def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
     with ThreadPoolExecutor(1) as auditor:
         audits = auditor.submit(audit_loop)
         try:
-            views = [api.wait(op, timeout=45) for op in ops]
+            views = _wait_all(env, ops, workers)
         finally:
             stop.set()
         assert audits.result() == []
@@ -111,7 +125,7 @@ def test_sixty_gpu_spawns_on_four_prefork_workers_never_overcommit(
     with env.db.read() as s:
         live_ids = list(s.scalars(select(Replica.id).where(Replica.status.in_(LIVE_STATES))))
     ops = [api.delete(rid) for rid in live_ids] + [api.spawn(name, 20) for name in FUNCTIONS]
-    views = [api.wait(op, timeout=45) for op in ops]
+    views = _wait_all(env, ops, workers)
     assert all(v["status"] in ("succeeded", "partial", "failed") for v in views)
     assert all(v["status"] == "succeeded" for v in views[: len(live_ids)]), views
     placed = sum(v["done"] for v in views[len(live_ids) :])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -12,6 +11,7 @@ from sqlalchemy import select
 from corral import api
 from protos import resmngr_grpc, resmngr_pb2
 from tasks.maintenance import QUEUE
+from testkit.eventually import eventually
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating
 from workers.functions import deploy, spec_from
@@ -125,15 +125,20 @@ def test_ready_that_beats_the_create_reply_is_not_destroyed(
         assert replica is not None
         replica.vmid, replica.address = "early-vm", "http://127.0.0.1:8080"
         transition(s, replica, ReplicaState.STARTING, corral_env.settings)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def status() -> ReplicaState | None:
         with corral_env.db.read() as s:
-            if s.get(Replica, pending.replica_id).status == ReplicaState.IDLE:  # type: ignore[union-attr]
-                break
-        time.sleep(0.1)
-    with corral_env.db.read() as s:
-        assert s.get(Replica, pending.replica_id).status == ReplicaState.IDLE  # type: ignore[union-attr]
-    assert registry.registry.pending == set()
+            replica = s.get(Replica, pending.replica_id)
+            return None if replica is None else replica.status
+
+    # The sweep commits the row's READY, then forgets the report: wait for both (cis121,
+    # two suites at once, read the row Idle while the report was still remembered).
+    eventually(
+        lambda: status() == ReplicaState.IDLE and not registry.registry.pending,
+        timeout=20,
+        what="the sweep to apply the early READY and forget it",
+        detail=lambda: f"status {status()}, pending {registry.registry.pending}",
+    )
 
 
 def test_finished_on_a_stale_build_is_destroy(
