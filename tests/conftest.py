@@ -2,8 +2,8 @@
 
 Tests that start a broker, worker processes or a whole stack are marked ``slow`` here, by
 the fixtures they use, so the fast local loop (``nox -s fast``) can leave them out. Slow
-tests also run first, and the ones marked ``long`` first of all, one share of them per
-xdist worker (``tests.ordering``): no long test is left to run alone at the end.
+tests also run first: the xdist workers (``-n``) start on the long ones and share out the
+short ones at the end, so that no long test is left to run alone while the other waits.
 """
 
 from __future__ import annotations
@@ -18,30 +18,21 @@ from celery.result import allow_join_result
 
 from testkit.mutation import kill_order
 from tests import requirements
-from tests.ordering import spread_long
 
 pytest_plugins = ["tests.services", "tests.fixtures", "tests.celery_workers"]
 
 SLOW_FIXTURES = frozenset({"broker_env", "thread_worker", "worker_processes"})
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark tests that need a broker, worker processes or a whole stack as ``slow``; run
-    them first, the ``long`` ones at the head of each xdist worker's share."""
+    them first."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith("tests/stack/"):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    workerinput = getattr(config, "workerinput", None)  # set in an xdist worker only
-    workers = int(workerinput["workercount"]) if workerinput else 1
-    items[:] = spread_long(items, workers, _long_seconds)
     kill_order(items)  # under mutmut: a mutant's likeliest killers first
-
-
-def _long_seconds(item: pytest.Item) -> float | None:
-    mark = item.get_closest_marker("long")
-    return None if mark is None else float(mark.args[0])
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -326,7 +326,6 @@ def test_a_snapshot_of_another_build_is_refused_and_the_guest_boots_cold(
     assert len([p for p in slot.iterdir() if p.is_dir() and not p.name.startswith(".")]) == 1
 
 
-@pytest.mark.long(20)
 def test_a_snapshot_that_fails_to_restore_is_deleted_and_the_guest_boots_cold(
     make_qemu_driver: MakeQemuDriver,
 ) -> None:

@@ -61,7 +61,6 @@ def _statuses(env: Env, ids: list[str]) -> dict[str, tuple[CallStatus, int]]:
         return {cid: (CallStatus(status), attempts) for cid, status, attempts in rows}
 
 
-@pytest.mark.long(15)
 @pytest.mark.timeout(240)
 def test_a_worker_killed_with_calls_running_loses_none(
     broker_env: Env,

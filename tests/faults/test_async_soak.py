@@ -18,7 +18,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-@pytest.mark.long(25)
 @pytest.mark.slow
 def test_a_short_async_soak_loses_no_call(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"

@@ -46,7 +46,6 @@ def _env(env: Env) -> None:
     env.set(**{k[len("CORRAL_") :].lower(): v for k, v in PASSES.items()})
 
 
-@pytest.mark.long(20)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @POOL_PER_STORE

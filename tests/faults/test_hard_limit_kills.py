@@ -52,7 +52,6 @@ def _killed(pool: str, task_id: str) -> re.Pattern[str]:
     return re.compile(rf"Hard time limit \(3\.0s\) exceeded for corral\.test\.poison\[{task_id}\]")
 
 
-@pytest.mark.long(15)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @POOL_PER_STORE

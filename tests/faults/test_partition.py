@@ -604,7 +604,6 @@ def _answers(db: Database) -> bool:
         return False
 
 
-@pytest.mark.long(35)
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.postgres
@@ -655,7 +654,6 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
             inflight.reset()
 
 
-@pytest.mark.long(95)
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.postgres

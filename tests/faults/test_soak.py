@@ -48,7 +48,6 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
 
 
-@pytest.mark.long(75)
 @pytest.mark.slow
 def test_a_short_soak_keeps_every_invariant(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"

@@ -135,7 +135,6 @@ def _stuck_and_ended(worker: WorkerProcess, pool: str, marker: Path, starts: int
         )
 
 
-@pytest.mark.long(20)
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @POOLS
@@ -181,7 +180,6 @@ STALL_S = 12  # how long the log's reader stops reading: the fault itself, not a
 FULL_PIPE = 60_000  # unread bytes of a full pipe (64 KiB) less a page: writers wait now
 
 
-@pytest.mark.long(20)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @POOL_PER_STORE

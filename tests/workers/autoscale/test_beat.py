@@ -89,7 +89,6 @@ def wait_for(env: Env, want: dict[str, int], timeout: float, worker: WorkerProce
     )
 
 
-@pytest.mark.long(15)
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sustained_demand_scales_up_and_back_down_after_the_windows(

@@ -76,7 +76,6 @@ def test_leases_are_granted_in_chunks_up_to_the_bound_and_given_back(redis_url: 
         client.close()
 
 
-@pytest.mark.long(15)
 @pytest.mark.timeout(240)
 def test_two_worker_processes_keep_one_agent_within_the_bound(
     broker_env: Env, worker_processes: list[WorkerProcess]
