@@ -64,14 +64,15 @@ def _lent(gw: RunningGateway, name: str) -> int:
 def _haproxy_view(gw: RunningGateway, name: str) -> str:
     """HAProxy's counters of ``name``'s backend (``show stat``: a failure's detail)."""
     route = _router(gw).routes.get(name)
+    if route is None:
+        return f"no route for {name}"
     assert gw.warm is not None
     commands = Commands(gw.warm.layout.admin)
     try:
         (stat,) = commands.ask("show stat")
     finally:
         commands.close()
-    mine = [r for r in parse_stat(stat) if route is not None and r.backend == route.backend]
-    return "\n".join(str(row) for row in mine)
+    return "\n".join(str(row) for row in parse_stat(stat) if row.backend == route.backend)
 
 
 def _peak(gw: RunningGateway, name: str) -> int:
