@@ -548,7 +548,10 @@ def serve_lambdo(  # noqa: PLR0913 - a server's options, by name with defaults
     driver = driver if driver is not None else drivers.MemoryDriver(port_range=DEFAULT_PORT_RANGE)
     agent = LambdoAgent(driver, token=token, default_image=default_image, port_order=port_order)
     bind = host or "0.0.0.0"  # noqa: S104 - --listen without a host; off loopback needs the token
-    sock = asgiserve.bind(bind, port)
+    try:
+        sock = asgiserve.bind(bind, port)
+    except OSError as exc:  # said as the gRPC agents say it (netplumb.grpcserve)
+        raise OSError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}") from None
     pool = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="lambdo-call")
     try:
         server = asgiserve.start(

@@ -32,9 +32,10 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -187,9 +188,9 @@ def _start(
         + ("" if before == after else f" (migrated from {before or 'empty'})")
     )
 
-    reg_port = free_port(DEFAULT_PORTS["registry"])
+    reg_port = launch.port(DEFAULT_PORTS["registry"])
     published["registry_listen"] = services["registry"] = f"127.0.0.1:{reg_port}"
-    flower_port = free_port(base.flower_port or DEFAULT_PORTS["flower"])
+    flower_port = launch.port(base.flower_port or DEFAULT_PORTS["flower"])
     published["flower_port"] = flower_port
     services["flower"] = f"http://127.0.0.1:{flower_port}/"
     for key, value in published.items():
@@ -221,6 +222,23 @@ class _Launch:
     state: Path
     logs: Path
     _waits: list[tuple[Child, Callable[[], bool] | None, float]] | None = None
+    _claims: list[int] = field(default_factory=list)
+
+    def port(self, preferred: int) -> int:
+        """``preferred`` unless in use or claimed by another ``corral up``; else any free port.
+
+        A port is free only until its child binds it, a second later: two stacks starting
+        at once would both find the default free. The claim (an exclusive ``flock`` on
+        ``corral-ports-<uid>/<port>`` in the temporary directory, held while this stack
+        runs) keeps a second stack to another port.
+        """
+        fd = _claim(preferred)
+        if fd is not None:
+            if free_port(preferred) == preferred:
+                self._claims.append(fd)
+                return preferred
+            os.close(fd)
+        return free_port()
 
     def start(
         self,
@@ -250,12 +268,30 @@ class _Launch:
             self._waits = None
 
 
+def _claim(port: int) -> int | None:
+    """An open descriptor holding ``port``'s claim, or None if another process holds it."""
+    folder = Path(tempfile.gettempdir()) / f"corral-ports-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        if folder.stat().st_uid != os.getuid():
+            raise PermissionError(folder)  # another user's folder: its claims mean nothing
+        fd = os.open(folder / str(port), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:  # no private folder to claim in: the port is only checked free
+        return os.open(os.devnull, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _start_redis(launch: _Launch, credentials: Credentials) -> str:
     """Start the embedded Redis (a password, no ``CONFIG``...: :mod:`stack.redis`); its URL."""
     data = launch.state / "redis"
     data.mkdir(exist_ok=True)
     config = write_private_config(data / "corral.conf", credentials.redis_password)
-    port = free_port(DEFAULT_PORTS["redis"])
+    port = launch.port(DEFAULT_PORTS["redis"])
     launch.start(
         "redis",
         redis_argv(data, port, config=config),
@@ -335,7 +371,7 @@ def _start_celery(
 
 def _start_http(launch: _Launch, name: str, module_args: list[str], path: str) -> str:
     """Start one of corral's HTTP services on a loopback port; its URL."""
-    port = free_port(DEFAULT_PORTS[name])
+    port = launch.port(DEFAULT_PORTS[name])
     launch.start(
         name,
         [PY, "-m", *module_args, "--listen", f"127.0.0.1:{port}"],
@@ -363,7 +399,7 @@ def _start_agents(
     """Start a local fcdaemon agent and Lambdo host, registered as nodes; their addresses."""
     driver_args, ready_s = _fcdaemon_driver(driver, launch.state)
     with launch.together():  # the agent registers through the registry, up by now
-        fc_port = free_port(DEFAULT_PORTS["fcdaemon"])
+        fc_port = launch.port(DEFAULT_PORTS["fcdaemon"])
         launch.start(
             "fcdaemon",
             [
@@ -381,7 +417,7 @@ def _start_agents(
             ready=lambda: _node_registered(database, "local-fcdaemon"),
             timeout=ready_s,
         )
-        lb_port = free_port(DEFAULT_PORTS["lambdo"])
+        lb_port = launch.port(DEFAULT_PORTS["lambdo"])
         lambdo = f"http://127.0.0.1:{lb_port}"
         launch.start(
             "lambdo",

@@ -25,7 +25,10 @@ def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
     database(settings)  # refuse an un-migrated store before listening
     from tasks.maintenance import QUEUE  # Celery and the tasks: for this command only
 
-    running = serve_registry(settings, args.listen, queue=QUEUE, insecure=args.insecure)
+    try:
+        running = serve_registry(settings, args.listen, queue=QUEUE, insecure=args.insecure)
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        raise CorralError(f"registry {exc}") from None
     print(f"registry listening on {args.listen or settings.registry_listen}", flush=True)
     _until_signalled()
     running.stop(2.0)
@@ -35,13 +38,17 @@ def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_metrics(args: argparse.Namespace, settings: Settings) -> int:
     """Serve the control plane's Prometheus metrics until SIGINT / SIGTERM."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    running = serve(
-        database(settings),
-        redis_client(settings.broker_url),
-        args.listen or settings.metrics_listen,
-        token=reveal(settings.metrics_token),
-        insecure=args.insecure,
-    )
+    listen = args.listen or settings.metrics_listen
+    try:
+        running = serve(
+            database(settings),
+            redis_client(settings.broker_url),
+            listen,
+            token=reveal(settings.metrics_token),
+            insecure=args.insecure,
+        )
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        raise CorralError(f"metrics cannot listen on {listen}: {exc.strerror or exc}") from None
     print(f"metrics at {running.url}", flush=True)
     _until_signalled()
     running.stop()

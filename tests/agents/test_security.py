@@ -41,10 +41,20 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+class PortLost(Exception):
+    """The child could not bind the port chosen for it: another socket took it first."""
+
+
+def _wait_port(
+    port: int, proc: subprocess.Popen[bytes], timeout: float = 60, lost: str | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1].decode()
+        if proc.poll() is not None:
+            err = proc.communicate()[1].decode()
+            if lost is not None and lost in err:
+                raise PortLost(err)
+            raise AssertionError(err)
         try:
             socket.create_connection(("127.0.0.1", port), 0.5).close()
             return
@@ -234,21 +244,50 @@ def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
         (["--insecure"], migrated),
         ([], {**migrated, variable: "a-long-enough-token"}),
     ):
+        err = _serve_off_loopback([*argv, *extra], env, tmp_path)
+        warned = "WITHOUT a token (--insecure)" in err
+        assert warned == bool(extra), err
+
+
+def _serve_off_loopback(argv: list[str], env: dict[str, str], cwd: Path) -> str:
+    """Start ``corral ARGV`` on 0.0.0.0, wait until it serves, stop it; its stderr.
+
+    The port is chosen free a moment before the child binds it on every address, and the
+    suite's own connections take ephemeral ports meanwhile: a child that says it cannot
+    listen is started again on another port (twice at most); any other exit fails.
+    """
+    for _ in range(3):
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "corral.cli", *argv, "--listen", f"0.0.0.0:{port}", *extra],
-            cwd=tmp_path,
+            [sys.executable, "-m", "corral.cli", *argv, "--listen", f"0.0.0.0:{port}"],
+            cwd=cwd,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
         try:
-            _wait_port(port, proc)
+            _wait_port(port, proc, lost=f"cannot listen on 0.0.0.0:{port}")
+        except PortLost:
+            continue
         finally:
             proc.terminate()
-            _, err = proc.communicate(timeout=30)
-        warned = "WITHOUT a token (--insecure)" in err.decode()
-        assert warned == bool(extra), err.decode()
+        return proc.communicate(timeout=30)[1].decode()
+    raise AssertionError("three free ports were each taken before the child bound them")
+
+
+@pytest.mark.parametrize(("argv", "variable", "_"), AGENTS, ids=lambda v: str(v))
+def test_a_taken_port_is_one_clear_error(
+    argv: list[str], variable: str, _: object, migrated: dict[str, str], tmp_path: Path
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**migrated, variable: "a-long-enough-token"}
+        done = _run([*argv, "--listen", f"127.0.0.1:{port}"], env, tmp_path)
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_default_listen_addresses_are_loopback() -> None:

@@ -57,6 +57,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from workers.base.errors import BackendError
 from workers.base.waiting import hand_over
 
 T = TypeVar("T")
@@ -226,6 +227,20 @@ class _Gate:
         if self.flushing is None:
             self.flushing = asyncio.ensure_future(self._flush())
 
+    def lapse(self, lease: Lease) -> None:
+        """A call ended that may still run on the node: its lease is left to lapse, not given back.
+
+        A source's lease lapses by itself at most :data:`~workers.backends.node_slots.SLACK_S`
+        after the call's deadline (it was taken or renewed for the call's whole time), so the
+        node's bound still counts the call the agent may still be carrying out. Without a
+        source the slot is this process's only and comes back at once.
+        """
+        if self.source is None:
+            self.give(lease)
+            return
+        self.in_use -= 1
+        self.freed.set()
+
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # leases freed in the same pass go back together
         try:
@@ -298,8 +313,25 @@ async def slot(
         lease = await gate.take(per_node)
         try:
             yield
-        finally:
-            gate.give(lease)
+        except BaseException as exc:
+            if _may_still_run(exc):
+                gate.lapse(lease)
+            else:
+                gate.give(lease)
+            raise
+        gate.give(lease)
+
+
+def _may_still_run(exc: BaseException) -> bool:
+    """Whether a call that ended with ``exc`` may still be running on its node.
+
+    A call cancelled, or sent and never answered (a deadline, a connection lost mid-call:
+    ``nothing_done`` False), may still hold the agent's attention; an answer or an error
+    before sending proves the agent is done with it.
+    """
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    return isinstance(exc, BackendError) and not exc.nothing_done
 
 
 @dataclass

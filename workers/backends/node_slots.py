@@ -16,7 +16,11 @@ every host agrees.
   When none are free it asks again after 2 ms, backing off to 25 ms.
 * **Hand on, release** - a call that ends hands its lease to the next call of the
   same process waiting for that node (no round trip); with none waiting the lease
-  is removed (``ZREM``, those freed together in one command).
+  is removed (``ZREM``, those freed together in one command). A call that may still
+  run on the agent (its deadline passed, its connection was lost mid-call, it was
+  cancelled) neither hands on nor releases: its lease lapses, at most
+  :data:`SLACK_S` after the call's deadline, so the agent is not sent a call more
+  while it still works on that one.
 * **Lapse** - a lease lives for the longest call timeout (create, RPC, Lambdo)
   plus :data:`SLACK_S`; a call's own deadline ends it before that. A worker that
   is SIGKILLed mid-call never releases: its slots come back by themselves when

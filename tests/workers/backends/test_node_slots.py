@@ -8,6 +8,8 @@ held must come back by themselves (workers.backends.node_slots).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import time
@@ -26,7 +28,7 @@ from testkit.services import free_port
 from tests.fixtures import Env, sqlite_only
 from tests.workers.replicas.test_creates import Counter, CountingDriver
 from workers.backends import inflight, node_slots
-from workers.base.errors import TransientBackendError
+from workers.base.errors import PermanentBackendError, TransientBackendError
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Node
@@ -76,6 +78,43 @@ def test_leases_are_granted_in_chunks_up_to_the_bound_and_given_back(redis_url: 
         client.close()
 
 
+def test_a_call_that_may_still_run_keeps_its_slot_until_its_lease_lapses(redis_url: str) -> None:
+    """An answer gives the slot back at once; a deadline or a cancel leaves the lease to lapse."""
+    slots = node_slots.RedisSlots(redis_url, ttl_s=3.0)
+    client = redis.Redis.from_url(redis_url)
+
+    async def ends_with(exc: BaseException) -> None:
+        with contextlib.suppress(type(exc)):
+            async with inflight.slot("n1", 1, 8, slots):
+                raise exc
+
+    async def cancelled() -> None:
+        async def call() -> None:
+            async with inflight.slot("n2", 1, 8, slots):
+                await asyncio.sleep(30)
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(call(), 0.1)
+
+    def settled() -> None:  # the loop has run what the calls left behind (a release)
+        inflight.run(asyncio.sleep(0.05), timeout=30)
+
+    try:
+        inflight.run(ends_with(PermanentBackendError("refused", node="n1")), timeout=30)
+        settled()
+        assert node_slots.held(client, "n1") == 0  # the agent answered: given back at once
+        unanswered = TransientBackendError("deadline", node="n1", nothing_done=False)
+        inflight.run(ends_with(unanswered), timeout=30)
+        inflight.run(cancelled(), timeout=30)
+        settled()
+        assert node_slots.held(client, "n1") == 1  # may still run there: not given back
+        assert node_slots.held(client, "n2") == 1
+        eventually(lambda: node_slots.held(client, "n1") + node_slots.held(client, "n2") == 0)
+    finally:
+        inflight.reset()
+        client.close()
+
+
 @pytest.mark.timeout(240)
 def test_two_worker_processes_keep_one_agent_within_the_bound(
     broker_env: Env, worker_processes: list[WorkerProcess]
@@ -100,8 +139,8 @@ def test_two_worker_processes_keep_one_agent_within_the_bound(
         assert agent.driver.list() == []
         assert 1 < counter.peak[id(agent.driver)] <= 4
         client = redis.Redis.from_url(get_settings().broker_url)
-        try:
-            assert node_slots.held(client, node_id) == 0  # every lease given back
+        try:  # every lease given back, or lapsed (a call past its deadline: up to 4 s)
+            eventually(lambda: node_slots.held(client, node_id) == 0, timeout=15)
         finally:
             client.close()
     finally:
