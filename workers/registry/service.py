@@ -134,6 +134,9 @@ class Registry:
         self.pending: set[str] = set()
         self._caller_of: dict[str, str] = {}  # pending vmid -> who reported it
         self._per_caller: Counter[str] = Counter()
+        #: pending vmids whose report is not stored yet: the sweep, which forgets a pending
+        #: vmid with no stored report, leaves them be
+        self._storing: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     def register_node(
@@ -264,7 +267,15 @@ class Registry:
                 self.pending.add(vmid)
                 self._caller_of[vmid] = caller
                 self._per_caller[caller] += 1
-        if not reports.remember(self.db, self.settings, vmid, peer):
+            self._storing[vmid] += 1
+        try:
+            stored = reports.remember(self.db, self.settings, vmid, peer)
+        finally:
+            with self._lock:
+                self._storing[vmid] -= 1
+                if self._storing[vmid] <= 0:
+                    del self._storing[vmid]
+        if not stored:
             log.warning(
                 "early READY for %s from %s: another peer's report is already held", vmid, peer
             )
@@ -274,7 +285,7 @@ class Registry:
     def sweep(self) -> None:
         """Apply remembered READYs whose VM got recorded; forget the ones that expired."""
         with self._lock:
-            vmids = set(self.pending)
+            vmids = self.pending - self._storing.keys()
         if not vmids:
             return
         waiting = reports.apply_reports(self.db, self.settings, vmids)

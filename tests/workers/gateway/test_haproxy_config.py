@@ -22,7 +22,7 @@ from pydantic import SecretStr
 from config.settings import Settings, load_settings
 from tests.dataplanes import need
 from workers.gateway.haproxy import config
-from workers.gateway.haproxy.process import Process, find
+from workers.gateway.haproxy.process import Process, find, remove
 from workers.gateway.haproxy.runtime import Commands, Runtime
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -41,11 +41,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+_made: list[config.Layout] = []
+
+
+@pytest.fixture(autouse=True)
+def _layouts_removed() -> Iterator[None]:
+    """Each layout a test wrote is removed after it (under /tmp when tmp_path is too long)."""
+    yield
+    while _made:
+        remove(_made.pop())
+
+
 def _written(tmp_path: Path, **update: Any) -> tuple[config.Layout, socket.socket, Settings]:
     settings = load_settings().model_copy(
         update={"gateway_warm_functions": 3, "state_dir": tmp_path, **update}
     )
     layout = config.Layout.make(tmp_path)
+    _made.append(layout)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()

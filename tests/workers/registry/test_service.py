@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from tests.fixtures import Env, StartAgents
 from tests.helpers import creating
 from workers.functions import deploy, spec_from
 from workers.registry.service import RunningRegistry, serve_registry
+from workers.replicas import reports
 from workers.replicas.lifecycle import transition
 from workers.store.models import Function, Node, Replica, ReplicaState
 
@@ -139,6 +141,36 @@ def test_ready_that_beats_the_create_reply_is_not_destroyed(
         what="the sweep to apply the early READY and forget it",
         detail=lambda: f"status {status()}, pending {registry.registry.pending}",
     )
+
+
+def test_a_sweep_while_an_early_ready_is_being_stored_keeps_it(
+    corral_env: Env,
+    registry: RunningRegistry,
+    start_agents: StartAgents,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sweep forgets a remembered vmid with no stored report: not one whose report is
+    being stored right then (cis220, two suites at once: pending was empty after the OK)."""
+    start_agents(1)
+    _guest_function(corral_env)
+    with corral_env.db.read() as s:
+        fn_id = s.scalars(select(Function.id)).one()
+    creating(corral_env, fn_id, "req-early")
+    store = reports.remember
+    swept: list[set[str]] = []
+
+    def sweep_then_store(*args: Any) -> bool:  # the sweep thread's pass, at the worst moment
+        registry.registry.sweep()
+        swept.append(set(registry.registry.pending))
+        return bool(store(*args))
+
+    monkeypatch.setattr(reports, "remember", sweep_then_store)
+    reply = _stub(registry).UpdateStatus(
+        resmngr_pb2.StatusUpdateRequest(vmid="early-vm", status=READY), timeout=10
+    )
+    assert reply.action == Reply.OK
+    assert swept == [{"early-vm"}]
+    assert registry.registry.pending == {"early-vm"}
 
 
 def test_finished_on_a_stale_build_is_destroy(
