@@ -9,7 +9,10 @@ unless that port is taken) and the Prometheus exporter (``corral metrics``,
 127.0.0.1:9808 unless taken); once they all serve, an fcdaemon agent (which registers
 itself through the registry) and a Lambdo host (added as a node), both with the process
 driver (``--driver qemu``: the fcdaemon agent's replicas are QEMU microVMs instead), at
-once. Stop order is the reverse of the start order. Everything lives under the
+once. A default port is used only when nothing listens there and no other ``corral up``
+on this machine claims it (two stacks starting at once would both find it free): each
+stack claims the defaults it takes while it runs (:meth:`_Launch.port`); any free port
+otherwise. Stop order is the reverse of the start order. Everything lives under the
 state directory (``.corral/`` in the working directory by default): data, logs, the lock
 that keeps a second ``corral up`` out, the stack's credentials (:mod:`stack.credentials`)
 and ``stack.json``, from which the CLI run in the same directory learns the broker,

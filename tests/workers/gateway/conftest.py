@@ -167,6 +167,14 @@ class Stack:
         """CreateReplica calls the agent served."""
         return len(self.agent.agent.calls_of("CreateReplica"))
 
+    def vms_asked(self) -> int:
+        """VMs the agent was asked for: its creates' distinct request ids.
+
+        A create past its deadline is sent again with its request id, and the agent
+        (which dedups) answers it with the same VM: two calls, one VM.
+        """
+        return len({call.requestId for call in self.agent.agent.calls_of("CreateReplica")})
+
 
 def _refused(where: tuple[str, int]) -> bool:
     """True if a connection to ``where`` is refused now (nothing listens there)."""

@@ -108,10 +108,12 @@ def test_two_hundred_concurrent_first_requests_start_at_most_max_replicas(stack:
     refused = {a.text for a in answers if a.status_code != 200}
     assert [a.status_code for a in answers] == [200] * 200, refused
     assert [a.text for a in answers] == [f"request {i}" for i in range(200)]
-    assert 1 <= stack.creates() <= 4  # VMs the agent was asked for
+    # VMs the agent was asked for (cis232, two suites at once: a create past its deadline was
+    # sent again with its request id, five calls for four VMs)
+    assert 1 <= stack.vms_asked() <= 4
     stack.settled()
     made = [r for r in stack.replicas("echo") if r.status not in FINAL_STATES]
-    assert len(made) == stack.creates()
+    assert len(made) == stack.vms_asked()
     assert all((r.status, r.envs_in_use) == (ReplicaState.IDLE, 0) for r in made)
     # A spawn two gateways asked for at once beyond max fails before any VM is made.
     failed = [r for r in stack.replicas("echo") if r.id not in {m.id for m in made}]
