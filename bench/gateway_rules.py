@@ -43,6 +43,7 @@ from bench.options import add_counts
 from config.settings import get_settings
 from testkit.services import free_port
 from workers.gateway.haproxy import config
+from workers.gateway.haproxy.layout import Layout
 from workers.gateway.haproxy.process import Process, Unavailable, find
 from workers.gateway.haproxy.router import add_server
 from workers.gateway.haproxy.runtime import DONE, Commands
@@ -128,7 +129,7 @@ class Variant:
 
 def _start(name: str, edit: Edit, tmp: Path, replicas: list[int], envs: int) -> Variant:
     """HAProxy on the edited configuration, its backend given the replicas."""
-    layout = config.Layout(tmp / re.sub(r"\W+", "-", name))
+    layout = Layout(tmp / re.sub(r"\W+", "-", name))
     layout.dir.mkdir(mode=0o700)
     listen = socket.socket()
     listen.bind(("127.0.0.1", 0))

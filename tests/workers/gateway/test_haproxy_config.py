@@ -22,7 +22,8 @@ from pydantic import SecretStr
 from config.settings import Settings, load_settings
 from tests.dataplanes import need
 from workers.gateway.haproxy import config
-from workers.gateway.haproxy.process import Process, find, remove
+from workers.gateway.haproxy.layout import Layout
+from workers.gateway.haproxy.process import Process, find
 from workers.gateway.haproxy.runtime import Commands, Runtime
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -41,7 +42,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-_made: list[config.Layout] = []
+_made: list[Layout] = []
 
 
 @pytest.fixture(autouse=True)
@@ -49,14 +50,14 @@ def _layouts_removed() -> Iterator[None]:
     """Each layout a test wrote is removed after it (under /tmp when tmp_path is too long)."""
     yield
     while _made:
-        remove(_made.pop())
+        _made.pop().remove()
 
 
-def _written(tmp_path: Path, **update: Any) -> tuple[config.Layout, socket.socket, Settings]:
+def _written(tmp_path: Path, **update: Any) -> tuple[Layout, socket.socket, Settings]:
     settings = load_settings().model_copy(
         update={"gateway_warm_functions": 3, "state_dir": tmp_path, **update}
     )
-    layout = config.Layout.make(tmp_path)
+    layout = Layout.make(tmp_path)
     _made.append(layout)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -105,7 +106,7 @@ def test_a_head_that_may_not_be_warm_is_told_by_its_header_names() -> None:
 
 
 @pytest.fixture
-def haproxy(tmp_path: Path) -> Iterator[config.Layout]:
+def haproxy(tmp_path: Path) -> Iterator[Layout]:
     """An HAProxy on corral's configuration (no gateway behind it)."""
     need("haproxy")
     layout, sock, _ = _written(tmp_path)
@@ -118,7 +119,7 @@ def haproxy(tmp_path: Path) -> Iterator[config.Layout]:
         sock.close()
 
 
-def test_the_routers_commands_are_answered_and_told_apart(haproxy: config.Layout) -> None:
+def test_the_routers_commands_are_answered_and_told_apart(haproxy: Layout) -> None:
     commands = Commands(haproxy.admin)
     server = "127.0.0.1:9"
     answers = commands.ask(
@@ -145,7 +146,7 @@ def test_the_routers_commands_are_answered_and_told_apart(haproxy: config.Layout
     commands.close()
 
 
-def test_counters_and_streams_are_read(haproxy: config.Layout) -> None:
+def test_counters_and_streams_are_read(haproxy: Layout) -> None:
     async def read() -> None:
         runtime = Runtime(haproxy.admin)
         server = "127.0.0.1:9"

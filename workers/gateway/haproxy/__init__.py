@@ -11,6 +11,8 @@ whose environments, once its requests are done with them, are lent to HAProxy: w
 traffic goes back to HAProxy as soon as there is room. Where HAProxy is not installed
 (or ``CORRAL_GATEWAY_DATAPLANE=python``) the gateway carries every call, as before.
 
+* :mod:`.layout` - the private directory of each gateway's HAProxy, locked while the
+  gateway lives, and those of dead gateways removed;
 * :mod:`.config` - HAProxy's configuration: the frontend's rules (what is warm), a fixed
   pool of backends, timeouts and bounds from the gateway's settings;
 * :mod:`.runtime` - its runtime API (the unix socket): commands (sent from a thread of

@@ -5,7 +5,7 @@ their ``maxconn`` - is programmed over the runtime socket (:mod:`.runtime`), nev
 reload. What is fixed is written here, once:
 
 * **global**: the runtime socket (``mode 600``, level admin) in a private directory
-  (:class:`Layout`, ``0700``), one thread by default, the buffer that bounds every head
+  (:class:`.layout.Layout`, ``0700``), one thread by default, the buffer that bounds every head
   (``tune.bufsize``: the largest head the settings allow, plus HAProxy's room to rewrite),
   the header lines of a head (``tune.http.maxhdr``), the Lua actions that drop the
   headers a replica's ``Connection:`` names and scope its cookies.
@@ -54,12 +54,10 @@ cold-start timeout (503 with ``Retry-After``).
 from __future__ import annotations
 
 import hashlib
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 
 from config.settings import Settings, parse_networks, reveal
 from workers.gateway.asgi import RETRY_AFTER_S
+from workers.gateway.haproxy.layout import Layout
 
 PEER = "x-corral-peer"  # the caller's address, on a request HAProxy hands the activator
 HOST = "x-corral-host"  # the caller's Host, likewise (the activator's own is its server name)
@@ -67,7 +65,6 @@ ACTIVATOR = "activator"  # the activator's own backend and server; activator-bN 
 CLOSE = "x-corral-close"  # on an activator's answer that must close its caller's connection
 MAX_REWRITE = 1024  # tune.maxrewrite: room HAProxy keeps in a buffer to add headers
 MAX_HDR = 32767  # tune.http.maxhdr's ceiling
-SOCKET_PATH_MAX = 90  # a unix socket path (sun_path: 108 bytes; HAProxy takes 97 at most)
 MAX_BODY_WAITS = 16  # size classes of a warm body's wait (body_waits)
 KEEP_ALIVE_S = 30  # an idle kept-alive caller connection (the Python listener's too)
 CONNECT_S = 5.0  # connecting to a replica
@@ -133,63 +130,6 @@ core.register_action("corral_scope_cookies", {"http-res"}, function(txn)
   for _, value in ipairs(values) do txn.http:res_add_header("set-cookie", scoped(value, prefix)) end
 end)
 """
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where one gateway's HAProxy keeps its files: a private directory (``0700``)."""
-
-    dir: Path
-
-    @classmethod
-    def make(cls, state_dir: Path) -> Layout:
-        """A new private directory in the state directory (under /tmp if its path is too long)."""
-        state_dir.mkdir(parents=True, exist_ok=True)
-        made = Path(tempfile.mkdtemp(prefix="haproxy-", dir=state_dir))
-        layout = cls(made)
-        if len(str(layout.activator)) > SOCKET_PATH_MAX:  # sun_path: 108 bytes
-            made.rmdir()
-            layout = cls(Path(tempfile.mkdtemp(prefix="corral-haproxy-")))
-        return layout
-
-    @property
-    def admin(self) -> Path:
-        """HAProxy's runtime socket (``mode 600``)."""
-        return self.dir / "admin.sock"
-
-    @property
-    def activator(self) -> Path:
-        """The Python gateway's socket, which HAProxy hands what it does not carry."""
-        return self.dir / "activator.sock"
-
-    @property
-    def relay(self) -> Path:
-        """HAProxy's own socket between the functions' backends and the activator."""
-        return self.dir / "relay.sock"
-
-    @property
-    def functions(self) -> Path:
-        """The map from function name to backend (empty at start: filled at run time)."""
-        return self.dir / "functions.map"
-
-    @property
-    def config(self) -> Path:
-        """The configuration file."""
-        return self.dir / "haproxy.cfg"
-
-    @property
-    def lua(self) -> Path:
-        """The Lua action."""
-        return self.dir / "corral.lua"
-
-    def error(self, status: int) -> Path:
-        """The answer HAProxy gives with ``status`` itself (:data:`ERRORS`)."""
-        return self.dir / f"{status}.http"
-
-    @property
-    def log(self) -> Path:
-        """HAProxy's output."""
-        return self.dir / "haproxy.log"
 
 
 def backend(index: int) -> str:

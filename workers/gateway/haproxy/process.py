@@ -20,7 +20,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from workers.gateway.haproxy.config import Layout
+from workers.gateway.haproxy.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +144,3 @@ class Process:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(STOP_S)
-
-
-def remove(layout: Layout) -> None:
-    """Remove the layout's directory and files."""
-    shutil.rmtree(layout.dir, ignore_errors=True)

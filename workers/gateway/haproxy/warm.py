@@ -5,7 +5,7 @@ HAProxy when it is asked for or, with ``auto``, installed (2.6 or later); else t
 Python gateway alone, as before. :class:`WarmPath` owns what the HAProxy data plane
 adds to a gateway:
 
-* the private directory (:class:`.config.Layout`) with HAProxy's configuration, its
+* the private directory (:class:`.layout.Layout`) with HAProxy's configuration, its
   runtime socket and the activator's unix socket, on which the Python gateway serves
   instead of the port: it answers what HAProxy hands it (:func:`behind` gives its
   requests back the caller's address and ``Host``);
@@ -33,8 +33,9 @@ from config.settings import Settings, reveal
 from workers.autoscale.demand import Sample
 from workers.gateway.asgi import Message, Receive, Scope, Send
 from workers.gateway.haproxy import config
-from workers.gateway.haproxy.config import HOST, PEER, Layout
-from workers.gateway.haproxy.process import Binary, Process, Unavailable, find, remove
+from workers.gateway.haproxy.config import HOST, PEER
+from workers.gateway.haproxy.layout import Layout
+from workers.gateway.haproxy.process import Binary, Process, Unavailable, find
 from workers.gateway.haproxy.readings import Readings
 from workers.gateway.haproxy.router import Router
 from workers.gateway.haproxy.runtime import Runtime
@@ -267,7 +268,7 @@ class WarmPath:
     def close_files(self) -> None:
         """Close the activator's socket and remove the directory."""
         self.activator.close()
-        remove(self.layout)
+        self.layout.remove()
 
 
 class WarmMetrics(Collector):
