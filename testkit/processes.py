@@ -27,6 +27,7 @@ from typing import IO
 
 from config.celery import QUEUES
 from testkit.eventually import eventually
+from workers.base import timelimits
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {
@@ -113,7 +114,30 @@ class WorkerProcess:
             if b" ready." in self.log_path.read_bytes():
                 return self
             time.sleep(0.1)
-        raise TimeoutError(f"worker not ready after {timeout}s:\n{self.tail()}")
+        raise TimeoutError(f"worker not ready after {timeout}s:\n{self._stacks_and_kill()}")
+
+    def _stacks_and_kill(self) -> str:
+        """A worker that did not start: its threads' stacks into its log, then SIGKILL; the tail.
+
+        Killed here because the test never got it to kill: left running, it would take
+        the next tests' messages from the broker they share (one such start once failed
+        the three tests after it).
+        """
+        worker = self.worker_pid()
+        if worker is not None:  # the worker and its pool processes write their stacks
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker, timelimits.STACKS_SIGNAL)
+            sizes = [-1]
+
+            def written() -> bool:  # the log has stopped growing
+                sizes.append(self.log_path.stat().st_size)
+                return sizes[-1] == sizes[-2]
+
+            with contextlib.suppress(AssertionError):
+                eventually(written, 5, "the stacks", poll=0.3)
+        tail = self.tail(200)
+        self.kill()
+        return tail
 
     def _copy_log(self, pipe: IO[bytes], log: IO[bytes]) -> None:
         """Copy the worker's output to its log while reading is not stalled, until it ends."""

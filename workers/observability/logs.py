@@ -15,11 +15,15 @@ own - and puts it on the queue without waiting; the listener writes the records 
 order. When the queue is full (:data:`MAX_RECORDS`: the sink has not taken a line for
 that long), the record is dropped and counted: once the listener writes again it says
 how many were dropped, and adds them to a total in the broker's Redis (:data:`DROPPED_KEY`,
-exported as ``corral_log_records_dropped_total``). A record whose handler raises is
-dropped and counted the same way, and the report names the error: the listener thread
-never ends on one (its end would silence the worker's log for good, with the traceback
-itself lost in the queue it no longer reads). A forked child (a prefork pool's)
-starts with an empty queue and a listener of its own: nothing taken across the fork.
+exported as ``corral_log_records_dropped_total``). A record whose handler raises, or
+whose write fails (a pipe nobody reads any more), is dropped and counted the same way,
+and the report names the error: the listener thread never ends on one (its end would
+silence the worker's log for good, with the traceback itself lost in the queue it no
+longer reads), and never writes about it elsewhere. Logging's own ``handleError`` prints
+the error to ``sys.stderr``, which in a Celery worker is a logger: each failed write made
+the next record, and a worker whose stdout pipe had lost its reader spent a core on that
+loop for good. A forked child (a prefork pool's) starts with an empty queue and a
+listener of its own: nothing taken across the fork.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import copy
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from logging.handlers import QueueHandler, QueueListener
@@ -54,9 +59,12 @@ class _Listener(QueueListener):
         sink = record.__dict__.pop(_SINK, None)
         if not isinstance(sink, logging.Handler):
             return
+        process = _current()
+        process.sink_failed = False
         try:
             sink.handle(record)
-            _report_drops(sink)
+            if not process.sink_failed:  # (a report would fail as the record did)
+                _report_drops(sink)
         except Exception as exc:  # this thread must go on: its end would lose every later line
             _count_dropped(f"{type(exc).__name__}: {exc}")
 
@@ -71,6 +79,7 @@ class _Process:
         self.listener.start()
         self.dropped = 0  # not yet reported
         self.failure: str | None = None  # the last error a sink raised, not yet reported
+        self.sink_failed = False  # the listener's last write failed (its thread's only)
         self.lock = threading.Lock()  # around the two above only, never held across a wait
 
 
@@ -108,6 +117,7 @@ class BoundedHandler(QueueHandler):
         self.sink_format = sink.formatter or logging.Formatter()
         self.setLevel(sink.level)
         sink.setFormatter(_AS_IS)  # records reach it formatted already
+        sink.handleError = _sink_failed  # type: ignore[method-assign]  # counted, not printed
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         """The record as its sink would write it, formatted here, in the logging thread."""
@@ -124,6 +134,13 @@ class BoundedHandler(QueueHandler):
             _current().queue.put_nowait(record)
         except queue.Full:
             _count_dropped()
+
+
+def _sink_failed(record: logging.LogRecord) -> None:
+    """A sink's write of ``record`` failed (its ``handleError``): count it, write nothing."""
+    exc = sys.exc_info()[1]
+    _count_dropped(f"{type(exc).__name__}: {exc}" if exc is not None else "its write failed")
+    _current().sink_failed = True
 
 
 def _count_dropped(failure: str | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -254,7 +255,6 @@ def test_a_malformed_listen_address_is_refused(corral_env: Env, listen: str) -> 
 @pytest.mark.timeout(60)
 def test_corral_metrics_command_serves_until_terminated(env: Env, redis_url: str) -> None:
     known_rows(env)
-    port = free_port()
     environ = {**os.environ, "PYTHONPATH": str(ROOT)}
     refused = subprocess.run(
         [sys.executable, "-m", "corral.cli", "metrics", "--listen", "0.0.0.0:0"],
@@ -266,7 +266,9 @@ def test_corral_metrics_command_serves_until_terminated(env: Env, redis_url: str
     )
     assert refused.returncode == 1 and "CORRAL_METRICS_TOKEN" in refused.stderr
     proc = subprocess.Popen(
-        [sys.executable, "-m", "corral.cli", "metrics", "--listen", f"127.0.0.1:{port}"],
+        # port 0: it says the port it bound (a port found free here may be taken by
+        # another process before it binds it: it once ended at once, saying nothing)
+        [sys.executable, "-m", "corral.cli", "metrics", "--listen", "127.0.0.1:0"],
         env=environ,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -274,10 +276,14 @@ def test_corral_metrics_command_serves_until_terminated(env: Env, redis_url: str
         text=True,
     )
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.strip() == f"metrics at http://127.0.0.1:{port}/metrics", proc.stderr
-        got = scrape(f"http://127.0.0.1:{port}/metrics")
+        assert proc.stdout is not None and proc.stderr is not None
+        said = re.fullmatch(
+            r"metrics at (http://127\.0\.0\.1:\d+/metrics)", proc.stdout.readline().strip()
+        )
+        if said is None:  # it ended (its stdout closed): its stderr says why
+            proc.wait(20)
+            pytest.fail(f"corral metrics did not start: {proc.stderr.read()[-2000:]}")
+        got = scrape(said[1])
         assert value(got, "corral_replicas", function="alpha", state="idle") == 2
         assert value(got, "corral_exporter_source_up", source="redis") == 1
     finally:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
 import redis
+from celery.utils.log import LoggingProxy
 
 from testkit.eventually import eventually
 from tests.fixtures import Env, sqlite_only
@@ -133,3 +136,26 @@ def test_a_record_whose_handler_raises_is_dropped_and_counted_and_the_next_is_wr
         )
         assert logs.dropped_total(client) == before + 1
     client.close()
+
+
+@sqlite_only  # no store: one run is enough
+def test_a_sink_whose_writes_fail_counts_its_records_and_makes_no_more(
+    broker_env: Env, bounded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read, write = os.pipe()
+    os.close(read)  # nobody reads the pipe any more: each write fails (EPIPE)
+    stream = os.fdopen(write, "w")
+    sink = logging.StreamHandler(stream)
+    with _logger_to(sink, "corral.test.logs.epipe") as logger:
+        # as in a Celery worker, what is written to stderr is logged: logging's own report
+        # of a failed write went there, and came back as one more record to write
+        monkeypatch.setattr(sys, "stderr", LoggingProxy(logger, logging.WARNING))
+        for n in range(5):
+            logger.info("line %d", n)
+        process = logs._current()
+        eventually(lambda: process.queue.unfinished_tasks == 0, 10, "the queue to drain")
+        assert process.dropped == 5, process.dropped  # each record once, nothing more
+        assert process.failure is not None and "BrokenPipeError" in process.failure
+    monkeypatch.undo()
+    with contextlib.suppress(OSError):
+        stream.close()
