@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -261,7 +262,7 @@ def _serve_off_loopback(argv: list[str], env: dict[str, str], cwd: Path) -> str:
         proc = subprocess.Popen(
             [sys.executable, "-m", "corral.cli", *argv, "--listen", f"0.0.0.0:{port}"],
             cwd=cwd,
-            env=env,
+            env={**env, "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
@@ -271,7 +272,12 @@ def _serve_off_loopback(argv: list[str], env: dict[str, str], cwd: Path) -> str:
             continue
         finally:
             proc.terminate()
-        return proc.communicate(timeout=30)[1].decode()
+        try:
+            return proc.communicate(timeout=30)[1].decode()
+        except subprocess.TimeoutExpired:  # (seen once, with a registry: where does it wait?)
+            proc.send_signal(signal.SIGABRT)
+            err = proc.communicate(timeout=30)[1].decode(errors="replace")
+            raise AssertionError(f"{argv[0]} did not end within 30 s of SIGTERM:\n{err}") from None
     raise AssertionError("three free ports were each taken before the child bound them")
 
 
