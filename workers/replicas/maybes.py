@@ -219,7 +219,8 @@ def settle_vm(
             if wanted
             else "after its replacement, or with the function at its max"
         )
-        error = f"maybe: its VM {vmid} showed up {why}; released"
+        # what made it a maybe stays: a deadline's cost is told from a kill's
+        error = f"maybe: its VM {vmid} showed up {why}; released (it was a {maybe.error})"
         if maybe.operation_id:  # the part its operation waited on it for fails
             settle(
                 s,

@@ -386,6 +386,8 @@ def test_a_maybes_vm_is_adopted_only_below_the_target_and_the_max(
     assert settle_vm(db, settings, maybe_id, replacement.vmid, address) == Settled.NOT_OURS
     (maybe,) = _maybes(corral_env)
     assert (maybe.id, maybe.vmid) == (maybe_id, None)
+    before = maybe.error
+    assert before is not None and before.startswith("maybe: its create on ")
 
     with caplog.at_level("INFO", logger="workers.replicas.maybes"):
         got = settle_vm(db, settings, maybe_id, vmid, address)
@@ -405,7 +407,8 @@ def test_a_maybes_vm_is_adopted_only_below_the_target_and_the_max(
     else:
         why = "after its replacement, or with the function at its max"
         assert (row.status, row.vmid, row.address) == (ReplicaState.DELETED, vmid, None)
-        assert row.error == f"maybe: its VM {vmid} showed up {why}; released"
+        # what made it a maybe is kept (a deadline's cost is told from a kill's)
+        assert row.error == f"maybe: its VM {vmid} showed up {why}; released (it was a {before})"
         said = f"maybe {maybe_id}: its VM {vmid} showed up {why}; releasing it"
     assert said in caplog.messages
     no_drift(corral_env)
@@ -446,10 +449,10 @@ def test_a_maybe_with_no_node_for_a_replacement_keeps_its_part_of_the_operation_
     error = "maybe: its VM vm-late showed up where it answers is unknown (its agent reported it)"
     (ended,) = [r for r in replicas(corral_env) if r.id == maybe.id]
     assert (ended.status, ended.vmid, ended.operation_id) == (ReplicaState.DELETED, "vm-late", None)
-    assert ended.error == f"{error}; released"
+    assert ended.error == f"{error}; released (it was a {maybe.error})"
     op = operation(corral_env, op_id)
     assert (op.status, op.done, op.failed) == ("failed", 0, 1)
-    assert result_of(op)["errors"] == [f"{error}; released"]
+    assert result_of(op)["errors"] == [ended.error]
     with corral_env.db.read() as s:  # its VM is kept as an orphan until released
         noted = [(o.node_id, o.vmid) for o in s.scalars(select(OrphanRelease))]
     assert noted == [(maybe.node_id, "vm-late")]
