@@ -15,17 +15,15 @@ import contextlib
 import http.client
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from types import FrameType
 from typing import Protocol, Self
 
 from netplumb.addresses import host_of, is_wildcard, join_hostport, split_hostport
 from netplumb.listening import refuse_to_listen
+from netplumb.signals import until_signalled, wait_for
 
 __all__ = [
     "AgentMain",
@@ -40,7 +38,6 @@ __all__ = [
     "parse_agent_args",
     "parse_port_range",
     "serve_until_signalled",
-    "until_signalled",
 ]
 
 
@@ -180,26 +177,6 @@ def agent_main(
     return main
 
 
-@contextmanager
-def until_signalled() -> Iterator[threading.Event]:
-    """Yield an Event set by SIGINT/SIGTERM; restore the previous handlers afterwards."""
-    stop = threading.Event()
-
-    def _handler(signum: int, frame: FrameType | None) -> None:
-        logging.getLogger("agents").info("received %s; stopping", signal.Signals(signum).name)
-        stop.set()
-
-    previous: dict[signal.Signals, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, _handler)
-    try:
-        yield stop
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
-
-
 class Stoppable(Protocol):
     """A running server that can be stopped."""
 
@@ -251,8 +228,7 @@ def serve_until_signalled(
                 on_failure()
             return 1
         try:
-            while not stop.wait(1.0):
-                pass
+            wait_for(stop)
         finally:
             running.stop()
     return 0

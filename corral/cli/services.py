@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
 from pathlib import Path
 
 from config.settings import Settings, reveal
 from corral.api import database
+from netplumb.signals import until_signalled, wait_for
 from stack.up import AlreadyRunning, UpOptions, run
 from workers.base.errors import CorralError
 from workers.base.redis_client import redis_client
@@ -57,10 +56,8 @@ def cmd_metrics(args: argparse.Namespace, settings: Settings) -> int:
 
 def _until_signalled() -> None:
     """Block until SIGINT or SIGTERM."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    with until_signalled() as stop:
+        wait_for(stop)
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
