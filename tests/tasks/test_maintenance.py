@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,8 +135,17 @@ def _wait_for_the_reap_pass(env: Env, worker: WorkerProcess) -> list[Operation]:
             reaped = list(s.scalars(select(Operation).where(Operation.kind == "reap")))
         if sum(op.total for op in reaped) >= 2:
             return reaped
-        assert time.monotonic() < deadline, worker.tail()
+        beat = env.tmp / "beat-events.log"  # (once beat sent no pass in 30 s, or none came)
+        assert time.monotonic() < deadline, f"{worker.tail()}\nbeat:\n{_tail(beat)}"
         time.sleep(0.2)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    """The last lines of a log file (empty if there is none)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def _wait_for_every_pass_in_the_log(worker: WorkerProcess, *, times: int) -> None:

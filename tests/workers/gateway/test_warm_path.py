@@ -224,7 +224,9 @@ def test_a_replica_haproxy_cannot_reach_is_retired_and_calls_go_elsewhere(
     warm_stack.deploy("echo", image="examples.echo", max=4, exec_envs=1)
     gw = warm_stack.gateway(gateway_keep_s=30.0)
     assert api.wait(api.spawn("echo", 2), timeout=60)["status"] == "succeeded"
-    assert _get_at_once(f"{gw.url}/function/echo?delay=0.3", 2) == [200, 200]
+    # two calls at once, long enough to overlap on a loaded machine: one environment each
+    # (at 0.3 s one environment once served both, one after the other: one replica lent)
+    assert _get_at_once(f"{gw.url}/function/echo?delay=2", 2) == [200, 200]
     router = _router(gw)
     eventually(lambda: _lent(gw, "echo") == 2, 10, "both replicas lent")  # one each
     bad = next(iter(router.routes["echo"].servers))  # the first: balance first tries it first
