@@ -62,7 +62,7 @@ _DB_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 E = TypeVar("E", bound="_SessionLeader")
 
 
-def _tail(path: Path, lines: int = 40) -> str:
+def log_tail(path: Path, lines: int = 40) -> str:
     """Return the last lines of a log file (or a note if it is missing)."""
     try:
         text = path.read_text(errors="replace")
@@ -127,7 +127,7 @@ def _start_on_a_port(make: Callable[[int], E], port: int | None, log: Path) -> E
         except (AlreadyRunning, ProcessExitedWithError, StartTimeout) as exc:
             executor.kill()
             error = exc
-    raise RuntimeError(f"server did not start on {LOOPBACK}:\n{_tail(log)}") from error
+    raise RuntimeError(f"server did not start on {LOOPBACK}:\n{log_tail(log)}") from error
 
 
 class _Server:
@@ -478,7 +478,7 @@ class PostgresServer(_Server):
                 timeout=300,
             )
         if result.returncode != 0:
-            raise RuntimeError(f"initdb failed (exit {result.returncode}):\n{_tail(log)}")
+            raise RuntimeError(f"initdb failed (exit {result.returncode}):\n{log_tail(log)}")
 
     def argv(self, port: int, listen: str = LOOPBACK) -> list[str]:
         """The ``postgres`` command line of this cluster, on ``listen``:``port``."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from corral import api
 from stack.supervisor import stop_process
 from tasks import maintenance
 from testkit.processes import WorkerProcess, start_beat
+from testkit.services import log_tail
 from tests.fixtures import Env, StartAgents
 from tests.helpers import deploy_fn
 from workers.celery import app
@@ -136,16 +136,8 @@ def _wait_for_the_reap_pass(env: Env, worker: WorkerProcess) -> list[Operation]:
         if sum(op.total for op in reaped) >= 2:
             return reaped
         beat = env.tmp / "beat-events.log"  # (once beat sent no pass in 30 s, or none came)
-        assert time.monotonic() < deadline, f"{worker.tail()}\nbeat:\n{_tail(beat)}"
+        assert time.monotonic() < deadline, f"{worker.tail()}\nbeat:\n{log_tail(beat)}"
         time.sleep(0.2)
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    """The last lines of a log file (empty if there is none)."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def _wait_for_every_pass_in_the_log(worker: WorkerProcess, *, times: int) -> None:

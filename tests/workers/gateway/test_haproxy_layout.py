@@ -22,12 +22,12 @@ from workers.gateway.haproxy import layout as layout_mod
 from workers.gateway.haproxy.layout import MARK, PREFIXES, SWEEP_MAX, Layout, sweep
 
 HOLDER = """
-import sys, time
+import sys, threading
 from pathlib import Path
 from workers.gateway.haproxy.layout import Layout
 made = Layout.make(Path(sys.argv[1]))
 print(made.dir, flush=True)
-time.sleep(120)
+threading.Event().wait()  # holds the layout until it is killed
 """
 
 
