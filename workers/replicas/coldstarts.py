@@ -11,7 +11,8 @@ for is a row ``cs:<function>:<token>`` whose holder is the spawn's operation id.
 :func:`plan_cold_start` - one transaction, with the function row locked so
 decisions for one function are serialised - counts the waiters and the
 environments already on their way (replicas of the current build in Creating /
-Starting, and waiter-requested spawns not finished yet, each counted once) and
+Starting, and waiter-requested spawns not finished yet, each counted once), all in
+one statement so that a claim committing meanwhile is seen whole or not at all, and
 asks for one more spawn only when waiters outnumber them and nothing is Idle: it
 writes the spawn's operation and its ``cs:`` row in that same transaction, and the
 caller queues the operation's first task once it has committed (a process that dies
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ScalarSelect, and_, delete, func, or_, select
+from sqlalchemy import ColumnElement, Select, and_, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings
@@ -49,7 +50,16 @@ from workers.replicas.claims import (
 )
 from workers.replicas.requests import spawn_of
 from workers.store.db import Database
-from workers.store.models import Function, Lease, Operation, OpStatus, Replica, ReplicaState, new_id
+from workers.store.models import (
+    OP_OPEN,
+    Function,
+    Lease,
+    Operation,
+    OpStatus,
+    Replica,
+    ReplicaState,
+    new_id,
+)
 
 WAITER_PREFIX = "cw"
 SPAWN_PREFIX = "cs"
@@ -65,17 +75,10 @@ def _range(prefix: str, function_id: str) -> tuple[str, str]:
     return f"{prefix}:{function_id}:", f"{prefix}:{function_id};"
 
 
-def _leases(session: Session, function_id: str) -> tuple[list[Lease], list[Lease]]:
-    """The function's waiter rows and spawn rows, in one read."""
-    ranges = [_range(prefix, function_id) for prefix in (WAITER_PREFIX, SPAWN_PREFIX)]
-    rows = session.scalars(
-        select(Lease).where(or_(*(and_(Lease.name >= lo, Lease.name < hi) for lo, hi in ranges)))
-    )
-    waiters: list[Lease] = []
-    spawns: list[Lease] = []
-    for row in rows:
-        (waiters if row.name.startswith(ranges[0][0]) else spawns).append(row)
-    return waiters, spawns
+def _in_range(prefix: str, function_id: str) -> ColumnElement[bool]:
+    """SQL: the lease is one of the function's ``<prefix>:`` rows."""
+    lo, hi = _range(prefix, function_id)
+    return and_(Lease.name >= lo, Lease.name < hi)
 
 
 def join_waiters(db: Database, function_name: str, wait_s: float) -> Waiter:
@@ -116,18 +119,70 @@ def leave_waiters(db: Database, waiter: Waiter) -> None:
         s.execute(delete(Lease).where(Lease.name == waiter.token))
 
 
-def in_flight_envs(fn: Function, spawn_ops: set[str]) -> ScalarSelect[int]:
-    """SQL: environments of the current build already on their way (Creating or Starting)."""
-    query = select(func.coalesce(func.sum(Replica.envs_total), 0)).where(
+def _open_spawns(function_id: str, at: datetime) -> Select[str]:
+    """SQL: the operations of the function's spawn rows still coming (unexpired, not over)."""
+    return (
+        select(Lease.holder)
+        .join(Operation, Operation.id == Lease.holder)
+        .where(
+            _in_range(SPAWN_PREFIX, function_id),
+            Lease.expires_at > at,
+            Operation.status.in_(OP_OPEN),
+        )
+    )
+
+
+def _counts(fn: Function, at: datetime) -> Select[int, int, int, bool, int]:
+    """SQL, one statement so one snapshot: waiters, spawns coming, other envs coming, idle,
+    and all the function's waiter and spawn rows (more than the first two: some to sweep).
+
+    One statement matters on PostgreSQL (READ COMMITTED: each statement sees the newest
+    commits). Read apart, a waiter's claim committing between the reads made the plan
+    count that waiter still waiting but its replica no longer free: one spawn too many.
+    Each spawn has one row (written with its operation), so rows count spawns.
+    """
+    spawns = _open_spawns(fn.id, at)
+    waiters = select(func.count()).where(_in_range(WAITER_PREFIX, fn.id), Lease.expires_at > at)
+    spawning = select(func.count()).select_from(spawns.subquery())
+    others = select(func.coalesce(func.sum(Replica.envs_total), 0)).where(
         Replica.function_id == fn.id,
         Replica.status.in_((ReplicaState.CREATING, ReplicaState.STARTING)),
         Replica.build_version == fn.build_version,
+        # those of a spawn row are counted through it
+        or_(Replica.operation_id.is_(None), Replica.operation_id.not_in(spawns)),
     )
-    if spawn_ops:  # these are counted through their spawn rows already
-        query = query.where(
-            (Replica.operation_id.is_(None)) | Replica.operation_id.not_in(spawn_ops)
+    rows = select(func.count()).where(
+        or_(_in_range(WAITER_PREFIX, fn.id), _in_range(SPAWN_PREFIX, fn.id))
+    )
+    return select(
+        waiters.scalar_subquery(),
+        spawning.scalar_subquery(),
+        others.scalar_subquery(),
+        idle_clause(fn),
+        rows.scalar_subquery(),
+    )
+
+
+def _sweep(s: Session, function_id: str, at: datetime) -> None:
+    """Delete the function's lapsed waiter rows and the rows of spawns no longer coming."""
+    s.execute(
+        delete(Lease)
+        .where(
+            or_(
+                and_(_in_range(WAITER_PREFIX, function_id), Lease.expires_at <= at),
+                and_(
+                    _in_range(SPAWN_PREFIX, function_id),
+                    or_(
+                        Lease.expires_at <= at,
+                        Lease.holder.not_in(
+                            select(Operation.id).where(Operation.status.in_(OP_OPEN))
+                        ),
+                    ),
+                ),
+            )
         )
-    return query.scalar_subquery()
+        .execution_options(synchronize_session=False)
+    )
 
 
 @dataclass(frozen=True)
@@ -159,17 +214,11 @@ def _plan(
     ``joining``: the waiter's own row is not written yet (the caller adds it after).
     """
     at = now()
-    rows, spawns = _leases(s, fn.id)
-    alive = {row.name for row in rows if row.expires_at > at}
-    if joining:
-        alive.add(waiter.token)
-    spawn_ops, over = _spawns_coming(s, spawns, at)
-    over += [row.name for row in rows if row.expires_at <= at]
-    if over:  # by name: a waiter that leaves deletes its own row, maybe first
-        s.execute(delete(Lease).where(Lease.name.in_(over)))
-    waiters = len(alive)
-    on_the_way, idle = s.execute(select(in_flight_envs(fn, spawn_ops), idle_clause(fn))).one()
-    coming = len(spawn_ops) * fn.exec_envs + int(on_the_way or 0)
+    waiters, spawning, on_the_way, idle, rows = s.execute(_counts(fn, at)).one()
+    if rows > waiters + spawning:  # lapsed waiters, spawns over: their rows go
+        _sweep(s, fn.id, at)
+    waiters += int(joining)
+    coming = spawning * fn.exec_envs + int(on_the_way or 0)
     if waiters <= coming or idle:
         return ColdStartPlan(waiters, coming, None, idle)
     try:
@@ -186,22 +235,6 @@ def _plan(
         )
     )
     return ColdStartPlan(waiters, coming, op)
-
-
-def _spawns_coming(s: Session, spawns: list[Lease], at: datetime) -> tuple[set[str], list[str]]:
-    """The open spawn operations of these spawn rows, and the rows of those over."""
-    ops: dict[str, str] = {}
-    if spawns:
-        ids = [r.holder for r in spawns]
-        rows = s.execute(select(Operation.id, Operation.status).where(Operation.id.in_(ids)))
-        ops = {op_id: status for op_id, status in rows}
-    spawn_ops, over = set(), []
-    for row in spawns:
-        if row.expires_at <= at or ops.get(row.holder, OpStatus.SUCCEEDED.value) in FINISHED:
-            over.append(row.name)
-        else:
-            spawn_ops.add(row.holder)
-    return spawn_ops, over
 
 
 class ClaimAttempt:

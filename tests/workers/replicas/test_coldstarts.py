@@ -7,18 +7,18 @@ import time
 from collections import Counter
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select, update
 
 from agents.faults import Fault
 from corral import api
-from tests.fixtures import Env, StartAgents
+from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import deploy_fn, one_agent, replicas
 from tests.workers.replicas.helpers import at_once, by_id, created, one_node_idle
 from workers.operations import fail_op
 from workers.replicas import coldstarts
-from workers.replicas.claims import NoIdleReplica
+from workers.replicas.claims import NoIdleReplica, claim
 from workers.replicas.coldstarts import ClaimTimeout
-from workers.store.models import Lease, Operation, ReplicaState
+from workers.store.models import Lease, Operation, Replica, ReplicaState
 
 
 def _claim_all(n: int, timeout: float = 20.0) -> tuple[list[api.ClaimView], list[str]]:
@@ -163,3 +163,51 @@ def test_spawn_decisions_count_waiters_and_spawns_in_flight(corral_env: Env) -> 
         ops = {op.id: op for op in s.scalars(select(Operation))}
     assert spawns == {again.spawn.id}  # the failed ones' rows are gone; one row per spawn
     assert ops[again.spawn.id].kind == "spawn" and ops[again.spawn.id].params["count"] == 1
+
+
+@postgres_only
+def test_a_claim_committed_mid_plan_asks_for_no_extra_spawn(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    # cis (CI, stop 51): four claimers asked for four spawns with one replica already
+    # coming. A plan read the waiters, a waiter's claim committed (its row gone, its
+    # replica no longer free), then the plan read what was coming: it counted the served
+    # waiter as still waiting and asked for a spawn nobody needed. Here that claim is made
+    # to commit right after the plan's first read of the leases table.
+    db, settings = corral_env.db, corral_env.settings
+    free, coming = one_node_idle(corral_env, start_agents, 2)
+    with db.transaction() as s:
+        s.execute(
+            update(Replica).where(Replica.id == coming.id).values(status=ReplicaState.CREATING)
+        )
+    with db.read() as s:
+        before = set(s.scalars(select(Operation.id)))
+    served = coldstarts.join_waiters(db, "hello", 30)
+    planner = coldstarts.join_waiters(db, "hello", 30)
+    in_plan = threading.local()
+    claimed: list[str] = []
+
+    def claim_between(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        if not getattr(in_plan, "on", False) or claimed:
+            return
+        if statement.lstrip().upper().startswith("SELECT") and "leases" in statement:
+            other = threading.Thread(
+                target=lambda: claimed.append(
+                    claim(db, settings, "hello", waiter=served).replica_id
+                )
+            )
+            other.start()
+            other.join(10)
+
+    event.listen(db.engine, "after_cursor_execute", claim_between)
+    try:
+        in_plan.on = True
+        plan = coldstarts.plan_cold_start(db, settings, planner)
+    finally:
+        in_plan.on = False
+        event.remove(db.engine, "after_cursor_execute", claim_between)
+    assert claimed == [free.id]  # the claim did commit while the plan ran
+    # One waiter left and one replica coming (or, seen before the claim, one Idle).
+    assert plan.spawn is None, plan
+    with db.read() as s:
+        assert set(s.scalars(select(Operation.id))) == before  # nothing asked for
