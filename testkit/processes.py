@@ -271,7 +271,9 @@ def start_beat(tmp: Path, name: str, extra_env: dict[str, str]) -> subprocess.Po
             str(tmp / f"beat-{name}.schedule"),
         ],
         cwd=ROOT,
-        env={**os.environ, **FAST, **extra_env},
+        # PYTHONFAULTHANDLER: a SIGABRT writes every thread's stack to the log (a test whose
+        # beat never starts asks for them: see tests/tasks/test_maintenance.py)
+        env={**os.environ, **FAST, **extra_env, "PYTHONFAULTHANDLER": "1"},
         stdout=log,
         stderr=subprocess.STDOUT,
     )
