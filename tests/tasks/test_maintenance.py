@@ -146,12 +146,13 @@ def _wait_for_the_reap_pass(
 
 
 def _beat_log(env: Env, beat: subprocess.Popen[bytes]) -> str:
-    """The end of beat's log; every thread's stack in it if beat never said it started.
+    """The end of beat's log; every thread's stack in it if beat never sent a pass.
 
-    (cis370, cis410 and cis420: beat printed that it was starting, then nothing for 30 s.)
+    (cis370, cis410 and cis420: beat printed that it was starting, then nothing for 30 s;
+    cis440: still importing corral's modules, compiling them from source.)
     """
     log = env.tmp / "beat-events.log"
-    if b"beat: Starting" not in log.read_bytes() and beat.poll() is None:
+    if b"Sending due task" not in log.read_bytes() and beat.poll() is None:
         beat.send_signal(signal.SIGABRT)  # faulthandler (start_beat) writes the stacks
         with contextlib.suppress(subprocess.TimeoutExpired):
             beat.wait(10)

@@ -133,8 +133,10 @@ def _open_spawns(function_id: str, at: datetime) -> Select[str]:
 
 
 def _counts(fn: Function, at: datetime) -> Select[int, int, int, bool, int]:
-    """SQL, one statement so one snapshot: waiters, spawns coming, other envs coming, idle,
-    and all the function's waiter and spawn rows (more than the first two: some to sweep).
+    """SQL, in one statement: waiters, spawns coming, other envs coming, Idle, and rows.
+
+    ``rows`` counts all the function's waiter and spawn rows: more than the first two
+    means some have lapsed or their spawn is over (:func:`_sweep`).
 
     One statement matters on PostgreSQL (READ COMMITTED: each statement sees the newest
     commits). Read apart, a waiter's claim committing between the reads made the plan

@@ -169,7 +169,7 @@ def test_spawn_decisions_count_waiters_and_spawns_in_flight(corral_env: Env) -> 
 def test_a_claim_committed_mid_plan_asks_for_no_extra_spawn(
     corral_env: Env, start_agents: StartAgents
 ) -> None:
-    # cis (CI, stop 51): four claimers asked for four spawns with one replica already
+    # CI (stop 51): four claimers asked for four spawns with one replica already
     # coming. A plan read the waiters, a waiter's claim committed (its row gone, its
     # replica no longer free), then the plan read what was coming: it counted the served
     # waiter as still waiting and asked for a spawn nobody needed. Here that claim is made
