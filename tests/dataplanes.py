@@ -11,10 +11,26 @@ from __future__ import annotations
 
 from functools import cache
 
+import pytest
+
 from tests.requirements import HAPROXY, unmet
 from workers.gateway.haproxy.process import Unavailable, find
 
 DATAPLANES = ("python", "haproxy")
+PAIRS = (("sqlite", "haproxy"), ("postgres", "python"))  # (store, data plane) of each run
+PLANE_PER_STORE = pytest.mark.parametrize(
+    ("store_url", "dataplane"),
+    PAIRS,
+    indirect=["store_url"],
+    ids=[f"{store}-{plane}" for store, plane in PAIRS],
+)
+"""Each data plane once and each store once: SQLite, the default store, behind HAProxy, the
+default data plane where it is installed, and PostgreSQL behind the Python gateway.
+
+The store's part is the same on both data planes (claims, cold starts, retiring) and the
+data plane's the same on both stores, so the two runs cover what the four would. The
+``dataplane`` argument is the name; a test passes it through :func:`need`.
+"""
 
 
 @cache

@@ -22,7 +22,7 @@ from agents import RunningAgent
 from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from tests.dataplanes import DATAPLANES, need
+from tests.dataplanes import PLANE_PER_STORE, need
 from tests.fixtures import NO_BROKER, Env, StartAgents
 from tests.workers.replicas.helpers import deploy_fn
 from workers.autoscale import idletimes
@@ -256,7 +256,7 @@ def test_claims_and_releases_are_invocations(
 # -- the gateway -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dataplane", DATAPLANES)
+@PLANE_PER_STORE
 def test_requests_through_the_gateway_are_recorded(
     thread_worker: Env, agent: RunningAgent, client: redis.Redis, dataplane: str
 ) -> None:

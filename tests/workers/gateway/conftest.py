@@ -37,7 +37,7 @@ from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from testkit.eventually import eventually
-from tests.dataplanes import need
+from tests.dataplanes import PAIRS, need
 from tests.fixtures import Env, fresh_store
 from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
@@ -49,7 +49,6 @@ CALLEE = "tests.workers.gateway.callee"  # the image of a function that records 
 #: how long a test waits for HAProxy to be programmed (at once on a quiet machine; the
 #: commands go from a thread of the gateway's, which a machine at load 27 has held past 10 s)
 WARM_WAIT_S = 30.0
-PAIRS = (("sqlite", "haproxy"), ("postgres", "python"))  # (store, data plane) of each run
 
 
 def wait_healthy(url: str) -> None:
