@@ -1,11 +1,11 @@
-"""corral's own processes for tests and benchmarks: ``corral worker`` and ``celery beat``.
+"""corral's own processes for tests and benchmarks: ``corral worker``, ``celery beat``, listeners.
 
 :class:`WorkerProcess` runs ``corral worker`` - ``celery -A workers worker`` under its
 supervisor, as operators run it (the app's own pool, threads, unless asked for prefork) -
 as a child process, which a test can SIGKILL and replace; :func:`start_beat` runs
 ``celery -A workers beat``. Both take their settings from the environment, on top of
 :data:`FAST`: retries and RPC deadlines short enough that a test's faults are met within
-its waits.
+its waits. :func:`start_listening` runs a command that listens on port 0 and says where.
 """
 
 from __future__ import annotations
@@ -277,3 +277,35 @@ def start_beat(tmp: Path, name: str, extra_env: dict[str, str]) -> subprocess.Po
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+
+
+#: what a listener of corral's says once it listens (``fcdaemon listening on 127.0.0.1:PORT``)
+LISTENING = re.compile(r"listening on (\S+:\d+)")
+
+
+def start_listening(
+    argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path, timeout: float = 60
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``argv`` (listening on port 0), output to ``log_path``; it and its ``HOST:PORT``.
+
+    Port 0, not a port found free a moment before: another process may bind that one
+    first, and a probe of the port then reaches that process (cis473: a gRPC call answered
+    by another suite's HTTP server) - only the listener's own words say where it is.
+    """
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def said() -> str | None:
+        found = LISTENING.search(log_path.read_text(errors="replace"))
+        if found is None and proc.poll() is not None:
+            raise AssertionError(f"{argv} ended before it listened:\n{log_path.read_text()}")
+        return found[1] if found else None
+
+    try:
+        address = eventually(said, timeout, f"`{' '.join(argv[1:])}` to say where it listens")
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        raise
+    assert address is not None  # (eventually returns a truthy value)
+    return proc, address

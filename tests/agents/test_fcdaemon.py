@@ -24,6 +24,7 @@ from agents.drivers import VMSpec
 from agents.fcdaemon import RegistryReporter, main
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_pb2
 from testkit.eventually import eventually
+from testkit.processes import start_listening
 from testkit.services import free_port
 from tests.agents.conftest import stub_for
 from tests.agents.helpers import (
@@ -423,32 +424,22 @@ def test_health_service_reports_serving(memory_agent: RunningAgent) -> None:
 
 def _start_agent_process(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     log_path = tmp_path / "agent.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "agents.fcdaemon",
-                "--listen",
-                "127.0.0.1:0",
-                "--driver",
-                "process",
-                *extra,
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-
-    def address() -> str | None:
-        assert proc.poll() is None, log_path.read_text()
-        found = re.search(r"fcdaemon listening on (\S+:\d+)", log_path.read_text())
-        return found.group(1) if found else None
-
-    found = eventually(address, timeout=10, what="agent start")
-    assert found is not None
+    proc, found = start_listening(
+        [
+            sys.executable,
+            "-m",
+            "agents.fcdaemon",
+            "--listen",
+            "127.0.0.1:0",
+            "--driver",
+            "process",
+            *extra,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        log_path=log_path,
+        timeout=10,
+    )
     return proc, found, log_path
 
 

@@ -31,10 +31,13 @@ from netplumb.addresses import is_loopback, split_hostport
 from netplumb.grpcserve import report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc
 from testkit.eventually import eventually
+from testkit.processes import start_listening
 from testkit.services import free_port
 from tests.grpc_calls import code_of, half_sent
 
 ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "corral.cli"]
+FCDAEMON = [sys.executable, "-m", "agents.fcdaemon"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -67,27 +70,14 @@ def _wait_port(
 @pytest.fixture
 def fcdaemon_cli(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """``corral agent fcdaemon --driver process`` as an operator starts it: (address, cwd)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "corral.cli",
-            "agent",
-            "fcdaemon",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--driver",
-            "process",
-        ],
+    proc, address = start_listening(
+        [*CLI, "agent", "fcdaemon", "--listen", "127.0.0.1:0", "--driver", "process"],
         cwd=ROOT,
         env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        log_path=tmp_path / "agent.log",
     )
     try:
-        _wait_port(port, proc)
-        yield f"127.0.0.1:{port}", tmp_path
+        yield address, tmp_path
     finally:
         proc.terminate()
         proc.wait(30)
@@ -161,27 +151,14 @@ def test_allow_image_lets_an_operator_add_a_module(tmp_path: Path) -> None:
         "import os, pathlib\npathlib.Path(os.environ['OUT']).write_text('ran')\n"
     )
     out = tmp_path / "out.txt"
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "agents.fcdaemon",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--driver",
-            "process",
-            "--allow-image",
-            "myfn",
-        ],
+    proc, address = start_listening(
+        [*FCDAEMON, "--listen", "127.0.0.1:0", "--driver", "process", "--allow-image", "myfn"],
         cwd=ROOT,
         env=_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        log_path=tmp_path / "agent.log",
     )
     try:
-        _wait_port(port, proc)
-        stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(address))
         stub.CreateReplica(
             fcdaemon_pb2.CreateRequest(imageName="myfn", kernelArgs=f"--env=OUT={out}"), timeout=30
         )
