@@ -6,8 +6,8 @@ one fcdaemon agent whose replicas are real processes serving HTTP on loopback
 :meth:`Stack.gateway` to start gateways (uvicorn, in threads) with settings of the
 test's choosing. A gateway keeps the claims it used for ``gateway_keep_s`` (1.5 s by
 default) before giving them back: :meth:`Stack.settled` waits for that.
-:func:`free_port` and :func:`wait_healthy` serve the tests that run ``corral gateway``
-as a process of its own.
+:func:`gateway_process_on_port_0` and :func:`wait_healthy` serve the tests that run
+``corral gateway`` as a process of its own.
 
 Each test runs twice, on each store and each data plane (:mod:`tests.dataplanes`) once:
 ``[sqlite-haproxy]`` - SQLite, the default store, with HAProxy in front of the gateway,
@@ -23,6 +23,8 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +39,7 @@ from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
 from testkit.eventually import eventually
+from testkit.processes import ROOT, start_listening
 from tests.dataplanes import PAIRS, need
 from tests.fixtures import Env, fresh_store
 from tests.helpers import deploy_fn, replicas
@@ -49,6 +52,18 @@ CALLEE = "tests.workers.gateway.callee"  # the image of a function that records 
 #: how long a test waits for HAProxy to be programmed (at once on a quiet machine; the
 #: commands go from a thread of the gateway's, which a machine at load 27 has held past 10 s)
 WARM_WAIT_S = 30.0
+
+
+def gateway_process_on_port_0(
+    log_path: Path, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``corral gateway`` as a process of its own on a port it picks; it and its URL.
+
+    ``prefix``: a command it runs under (``prlimit``); its output goes to ``log_path``.
+    """
+    argv = [*prefix, sys.executable, "-m", "corral.cli", "gateway", "--listen", "127.0.0.1:0"]
+    env = dict(os.environ) if env is None else env
+    return start_listening(argv, cwd=ROOT, env=env, log_path=log_path, timeout=120)
 
 
 def wait_healthy(url: str) -> None:

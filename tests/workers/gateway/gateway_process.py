@@ -19,15 +19,13 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
 
-from testkit.services import free_port
-from tests.workers.gateway.conftest import HOSTILE, Stack, wait_healthy
+from tests.workers.gateway.conftest import HOSTILE, Stack, gateway_process_on_port_0, wait_healthy
 
 MiB = 1024 * 1024
 TOKEN = "t0ken"
@@ -110,7 +108,6 @@ def gateway_process(stack: Stack, tmp: Path) -> Iterator[Gateway]:
     """A gateway process; ``evil`` (one hostile replica) and ``hello`` deployed and warm."""
     stack.deploy("evil", image=HOSTILE, max=1, exec_envs=32)
     stack.deploy("hello", image="examples.hello", max=1, exec_envs=4)
-    port = free_port()
     log = tmp / "gateway.log"
     env = {
         **os.environ,
@@ -122,14 +119,8 @@ def gateway_process(stack: Stack, tmp: Path) -> Iterator[Gateway]:
     }
     if stack.haproxy:
         env["CORRAL_GATEWAY_TIMEOUT_S"] = str(CALL_TIMEOUT_S)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    running = Gateway(proc, f"http://127.0.0.1:{port}", log, stack)
+    proc, url = gateway_process_on_port_0(log, env)
+    running = Gateway(proc, url, log, stack)
     try:
         wait_healthy(running.url)
         for path in ("/function/hello", "/function/evil/"):  # both warm

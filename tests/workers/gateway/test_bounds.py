@@ -16,8 +16,6 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,8 +27,7 @@ import psutil
 import pytest
 
 from testkit.eventually import eventually
-from testkit.services import free_port
-from tests.workers.gateway.conftest import Stack, wait_healthy
+from tests.workers.gateway.conftest import Stack, gateway_process_on_port_0, wait_healthy
 from tests.workers.gateway.gateway_process import Gateway
 
 MiB = 1024 * 1024
@@ -180,18 +177,14 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
     stack: Stack,
 ) -> None:
     stack.deploy("echo", image="examples.echo")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-        env={
+    proc, url = gateway_process_on_port_0(
+        stack.env.tmp / "gateway.log",
+        {
             **os.environ,
             "CORRAL_GATEWAY_TOKEN": "t0ken",
             "CORRAL_GATEWAY_DATAPLANE": stack.dataplane,
         },
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
     )
-    url = f"http://127.0.0.1:{port}"
     held: list[socket.socket] = []
     try:
         wait_healthy(url)
@@ -273,14 +266,9 @@ def test_a_gateway_process_takes_4_mib_of_trailers_in_64_mib_and_forwards_none(
     stack: Stack, tmp_path: Path
 ) -> None:
     stack.deploy("reflect", image="examples.reflect")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-        env={**os.environ, "CORRAL_GATEWAY_TOKEN": "t0ken"},
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "gateway.log").open("wb"),
-    )
-    gateway = Gateway(proc, f"http://127.0.0.1:{port}", tmp_path / "gateway.log")
+    log = tmp_path / "gateway.log"
+    proc, url = gateway_process_on_port_0(log, {**os.environ, "CORRAL_GATEWAY_TOKEN": "t0ken"})
+    gateway = Gateway(proc, url, log)
     try:
         wait_healthy(gateway.url)
         auth = {"authorization": "Bearer t0ken"}

@@ -17,8 +17,6 @@ import http.client
 import os
 import resource
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +24,8 @@ from pathlib import Path
 import httpx
 
 from testkit.eventually import eventually
-from testkit.services import free_port
 from tests.helpers import spawn_ok
-from tests.workers.gateway.conftest import Stack
+from tests.workers.gateway.conftest import Stack, gateway_process_on_port_0
 from workers.store.models import LIVE_STATES
 
 TOKEN = "t0ken"
@@ -88,20 +85,12 @@ def test_a_gateway_at_256_descriptors_retires_no_replica_and_cold_starts_again(
     spawn_ok("other", 1)
     (reflect,) = stack.replicas("reflect")
     (other,) = stack.replicas("other")
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            *_limited(NOFILE, NOFILE),
-            *[sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-        ],
-        env={
-            **os.environ,
-            "CORRAL_GATEWAY_TOKEN": TOKEN,
-            "CORRAL_GATEWAY_COLD_START_TIMEOUT_S": "5",
-        },
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "gateway.log").open("wb"),
+    proc, url = gateway_process_on_port_0(
+        tmp_path / "gateway.log",
+        {**os.environ, "CORRAL_GATEWAY_TOKEN": TOKEN, "CORRAL_GATEWAY_COLD_START_TIMEOUT_S": "5"},
+        prefix=tuple(_limited(NOFILE, NOFILE)),
     )
+    port = int(url.rsplit(":", 1)[1])
     flood: list[socket.socket] = []
     try:
         _started(port)
@@ -157,17 +146,11 @@ def test_a_gateway_at_256_descriptors_retires_no_replica_and_cold_starts_again(
 
 
 def test_a_gateway_raises_its_soft_descriptor_limit_to_the_hard_one(stack: Stack) -> None:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            *_limited(256, 1024),
-            *[sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc, url = gateway_process_on_port_0(
+        stack.env.tmp / "gateway.log", prefix=tuple(_limited(256, 1024))
     )
     try:
-        _started(port)
+        _started(int(url.rsplit(":", 1)[1]))
         assert _soft_limit(proc.pid) == 1024
     finally:
         proc.terminate()

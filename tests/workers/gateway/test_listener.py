@@ -18,8 +18,6 @@ import contextlib
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
@@ -27,8 +25,7 @@ import httpx
 import psutil
 
 from testkit.eventually import eventually
-from testkit.services import free_port
-from tests.workers.gateway.conftest import Stack
+from tests.workers.gateway.conftest import Stack, gateway_process_on_port_0
 
 TOKEN = "listener-t0ken"
 MiB = 1024 * 1024
@@ -60,18 +57,11 @@ def test_an_unterminated_header_value_is_431_at_once_and_costs_the_gateway_littl
     stack: Stack,
 ) -> None:
     stack.deploy("hello")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "corral.cli", "gateway", "--listen", f"127.0.0.1:{port}"],
-        env={
-            **os.environ,
-            "CORRAL_GATEWAY_TOKEN": TOKEN,
-            "CORRAL_GATEWAY_DATAPLANE": stack.dataplane,
-        },
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc, url = gateway_process_on_port_0(
+        stack.env.tmp / "gateway.log",
+        {**os.environ, "CORRAL_GATEWAY_TOKEN": TOKEN, "CORRAL_GATEWAY_DATAPLANE": stack.dataplane},
     )
-    url = f"http://127.0.0.1:{port}"
+    port = int(url.rsplit(":", 1)[1])
     auth = {"Authorization": f"Bearer {TOKEN}"}
     attacks: list[tuple[int, bytes]] = []
     stop = threading.Event()
