@@ -183,7 +183,7 @@ AGENTS: list[tuple[list[str], str, dict[str, str]]] = [
 
 def _run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "corral.cli", *argv],
+        [*CLI, *argv],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -237,7 +237,7 @@ def _serve_off_loopback(argv: list[str], env: dict[str, str], cwd: Path) -> str:
     for _ in range(3):
         port = free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "corral.cli", *argv, "--listen", f"0.0.0.0:{port}"],
+            [*CLI, *argv, "--listen", f"0.0.0.0:{port}"],
             cwd=cwd,
             env={**env, "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack
             stdout=subprocess.PIPE,
