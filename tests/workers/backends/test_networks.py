@@ -23,12 +23,15 @@ from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
 from workers.store.models import Node, Replica
 
-# where this test's control plane listens (none of these ports is bound: the settings say so)
+# where this test's control plane listens (none of these ports is bound: the settings say
+# so). All lie below the fake hosts' port ranges (Lambdo 10000-19999, fcdaemon 20000-29999):
+# an honest answer must never land on one by chance. (They once lay inside Lambdo's range,
+# and a fresh CI run's honest Lambdo spawn failed in 1.3 s, as a listener collision would.)
 LISTENERS = {
-    "metrics_listen": "127.0.0.1:19808",
-    "gateway_listen": "127.0.0.1:18080",
-    "registry_listen": "0.0.0.0:15052",
-    "flower_port": "15555",
+    "metrics_listen": "127.0.0.1:9808",
+    "gateway_listen": "127.0.0.1:8088",
+    "registry_listen": "0.0.0.0:5052",
+    "flower_port": "5555",
 }
 
 
@@ -52,14 +55,14 @@ def agent(env: Env) -> Iterator[RunningAgent]:
 
 def _spawn_fails_untrusted(env: Env, why: str) -> None:
     view = api.wait(api.spawn("victim", 1), timeout=30)
-    assert view["status"] == "failed" and why in (view["error"] or ""), view
+    assert view["status"] == "failed" and why in (view["error"] or ""), view["error"]
     with env.db.read() as s:
         assert [r.address for r in s.scalars(select(Replica))] == [None]
 
 
 @pytest.mark.parametrize(
     "port",
-    [19808, 18080, 15052, 15555, 1],
+    [9808, 8088, 5052, 5555, 1],
     ids=["metrics", "gateway", "registry-wildcard", "flower", "broker"],
 )
 def test_an_agent_cannot_point_a_replica_at_corrals_own_listeners(
@@ -105,17 +108,17 @@ def test_a_replica_outside_its_nodes_networks_is_untrusted_until_the_operator_li
     networks.forget()  # another process would see it within networks.TTL_S
     agent.agent.inject("CreateReplica", Fault.reply(reply))
     view = api.wait(api.spawn("victim", 1), timeout=30)
-    assert view["status"] == "succeeded", view
+    assert view["status"] == "succeeded", view["error"]
     with env.db.read() as s:
         assert "http://10.9.8.7:8080" in [r.address for r in s.scalars(select(Replica))]
     assert json.loads(_nodes_json(capsys))[0]["replica_networks"] == ["10.9.8.0/24", "127.0.0.1/32"]
     # a listener stays refused inside a listed network
     agent.agent.inject(
         "CreateReplica",
-        Fault.reply(fcdaemon_pb2.CreateReply(vmid="v2", ip="127.0.0.1", port=18080)),
+        Fault.reply(fcdaemon_pb2.CreateReply(vmid="v2", ip="127.0.0.1", port=8088)),
     )
     view = api.wait(api.spawn("victim", 1), timeout=30)
-    assert view["status"] == "failed" and "own listeners" in (view["error"] or ""), view
+    assert view["status"] == "failed" and "own listeners" in (view["error"] or ""), view["error"]
 
 
 def _nodes_json(capsys: pytest.CaptureFixture[str]) -> str:
@@ -137,11 +140,11 @@ def test_a_lambdo_host_cannot_map_a_replica_onto_a_listener(env: Env) -> None:
                 env.settings,
             )
         host.agent.inject(
-            "spawn", Fault.reply(200, json.dumps({"id": "v1", "port_mapping": [[18080, 8080]]}))
+            "spawn", Fault.reply(200, json.dumps({"id": "v1", "port_mapping": [[8088, 8080]]}))
         )
         _spawn_fails_untrusted(env, "one of corral's own listeners")
         view = api.wait(api.spawn("victim", 1), timeout=30)  # an honest answer is fine
-        assert view["status"] == "succeeded", view
+        assert view["status"] == "succeeded", view["error"]
     finally:
         host.stop()
 
