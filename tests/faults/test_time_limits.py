@@ -17,15 +17,19 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import select, text
 
+from agents.drivers import VMSpec
 from corral import api
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from tests.faults.conftest import POOL_PER_STORE
 from tests.fixtures import Env, StartAgents, postgres_only
 from tests.helpers import broker_drained, deploy_fn
+from workers.backends import node_slots
+from workers.base.redis_client import redis_client
 from workers.celery import app
+from workers.store.models import Node
 
 TASKS = "tests.faults.limit_tasks"
 # The worker's limits: soft 1.2 s (agent calls of 0.1 s fit in it), hard 3 s; no retries,
@@ -248,4 +252,41 @@ def test_a_spawn_waiting_on_a_node_lock_ends_the_wait_before_its_hard_limit_and_
     assert len(agent.driver.list()) == 2
     log = _log(worker)
     assert "outlived its hard time limit" not in log and "Hard time limit" not in log, log
+    assert worker.tree() == tree  # nothing was killed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_release_waiting_for_its_nodes_call_slot_ends_the_wait_at_its_soft_limit(
+    broker_env: Env, start_agents: StartAgents, worker_processes: list[WorkerProcess]
+) -> None:
+    """The partition run (cis493): releases of orphans on an isolated agent waited for its
+    call slots, held by calls that never answered, until their hard limit killed the
+    worker and every task it ran. The wait ends at the soft limit and the task is retried;
+    once the slot is free the release is done, with no kill."""
+    limits = {**LIMITS, "CORRAL_RETRY_MAX": "20", "CORRAL_NODE_MAX_INFLIGHT": "1"}
+    _env(broker_env, limits)
+    (agent,) = start_agents(1, env=broker_env)
+    vm = agent.driver.start(VMSpec(image="examples.hello"))  # a VM no replica took
+    with broker_env.db.read() as s:
+        node_id = s.scalars(select(Node.id)).one()
+    redis = redis_client(broker_env.settings.broker_url)
+    assert redis is not None
+    now_s, _us = redis.time()  # a lease lapses at its score, in ms of Redis's clock
+    redis.zadd(node_slots.key(node_id), {"a call that never answered": (now_s + 600) * 1000})
+    worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=limits, pool="threads")
+    worker_processes.append(worker.start())
+    tree = worker.tree()
+    app.send_task("corral.release_orphan", args=(node_id, vm.vmid))
+    eventually(
+        lambda: _log(worker).count("an agent call cut off") >= 2,
+        30,
+        "the release's slot waits to end at its soft limit, twice",
+        detail=worker.tail,
+    )
+    assert vm.vmid in {v.vmid for v in agent.driver.list()}  # nothing was sent meanwhile
+    redis.zrem(node_slots.key(node_id), "a call that never answered")
+    eventually(lambda: agent.driver.list() == [], 30, "the release", detail=worker.tail)
+    log = _log(worker)
+    assert "outlived its hard time limit" not in log, worker.tail(100)
     assert worker.tree() == tree  # nothing was killed

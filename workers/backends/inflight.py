@@ -57,6 +57,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from workers.base import timelimits
 from workers.base.errors import BackendError
 from workers.base.waiting import hand_over
 
@@ -98,8 +99,33 @@ def _get() -> _Loop:
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-    """Run ``coro`` on this process's loop and wait for its result."""
-    return submit(coro).result(timeout)
+    """Run ``coro`` on this process's loop and wait for its result, within the running task's time.
+
+    In a task the wait ends at its soft limit (or, wrapping up, just before its hard one):
+    ``coro`` is cancelled - its node's slot lapses as for any call cut short - and
+    :class:`~workers.base.timelimits.OutOfTime` raised, so a call stuck behind a frozen
+    node's slots retries the task instead of outliving its hard limit (which kills the
+    worker and every task it runs). ``timeout`` ends it too (``TimeoutError``).
+    """
+    try:
+        timelimits.check("an agent call")
+    except timelimits.OutOfTime:
+        coro.close()  # never started
+        raise
+    future = submit(coro)
+    left = timelimits.wait_left()
+    cut = left is not None and (timeout is None or left < timeout)
+    try:
+        return future.result(max(0.0, left) if cut and left is not None else timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        if not cut:
+            raise
+        deadline = timelimits.current()
+        wrapping = deadline is not None and deadline.wrapping_up
+        when = "near its hard time limit" if wrapping else "past its soft time limit"
+        timelimits.wrap_up()
+        raise timelimits.OutOfTime(f"the task is {when}: an agent call cut off") from None
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

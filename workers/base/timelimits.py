@@ -26,7 +26,10 @@ in two parts:
   task, never the gateway.
 * **No wait outlasts the hard limit.** The deadline also knows when the hard limit
   falls (:func:`hard_left`): a store transaction's statement and lock timeouts are cut
-  to the time left (:mod:`workers.store.db`), the way out after the soft limit included.
+  to the time left (:mod:`workers.store.db`), the way out after the soft limit included;
+  a wait for an agent call (:func:`workers.backends.inflight.run`: a release, a listing,
+  its node's call slot first) ends at the soft limit, or once the task is wrapping up
+  :data:`WAY_OUT_S` before the hard one (:func:`wait_left`), and the call is cancelled.
 * **The hard limit is enforced from outside the work.** Work stuck where no safe point
   comes (a C call that does not return) is ended by killing its process.
   In a prefork pool billiard's parent kills the child at ``CORRAL_TASK_TIME_LIMIT_S``
@@ -67,6 +70,9 @@ WATCH_FD_ENV = "CORRAL_WORKER_WATCH_FD"
 #: it kills it: the worker writes every thread's stack to its stderr (faulthandler, in C,
 #: no lock), so the log says where the task was stuck.
 STACKS_SIGNAL = signal.SIGRTMIN + 1
+#: Seconds kept for a task's way out after a wait its time cut short: the error, the rollback,
+#: the retry.
+WAY_OUT_S = 0.5
 MAX_LINE = 512  # a report line, well below PIPE_BUF (4096): one write, never interleaved
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@\-]")
 
@@ -125,6 +131,18 @@ def hard_left() -> float | None:
     """
     deadline = _deadline.get()
     return None if deadline is None else deadline.hard_left()
+
+
+def wait_left() -> float | None:
+    """Seconds a wait in the running task may last (may be negative): to its soft limit, or
+    once it is wrapping up, to :data:`WAY_OUT_S` before its hard limit; None: no bound."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return None
+    if not deadline.wrapping_up:
+        return deadline.left()
+    left = deadline.hard_left()
+    return None if left is None else left - WAY_OUT_S
 
 
 def passed() -> bool:

@@ -71,9 +71,8 @@ from sqlalchemy.sql.functions import FunctionElement
 from config.settings import get_settings
 from workers.base import clock, timelimits
 
-#: Seconds kept for a task's way out after a wait its time cut short: the error, the rollback,
-#: the retry. A transaction starting with less left than this waits MIN_WAIT_S at most.
-WAY_OUT_S = 0.5
+# A transaction starting with less than WAY_OUT_S left waits MIN_WAIT_S at most.
+WAY_OUT_S = timelimits.WAY_OUT_S
 MIN_WAIT_S = 0.001  # PostgreSQL reads 0 as "no timeout": never cut to it
 SQLITE_BUSY_S = 30.0  # SQLite's busy timeout outside a task
 _SET_WAITS = text(

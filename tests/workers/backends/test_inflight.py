@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
+import time
 from collections.abc import Hashable, Sequence
 
 import pytest
 
+from workers.backends import inflight
 from workers.backends.inflight import Lease, _Gate
+from workers.base import timelimits
+from workers.base.timelimits import Deadline, OutOfTime
 
 
 class SlowSource:
@@ -87,3 +93,61 @@ def test_no_more_than_the_bound_run_at_once(bound: int) -> None:
         return peak
 
     assert asyncio.run(scene()) == bound
+
+
+class _Call:
+    """A call that takes ``seconds``, noting whether it started, finished or was cancelled."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = threading.Event()
+        self.cancelled = threading.Event()
+        self.finished = False
+
+    async def run(self) -> str:
+        self.started.set()
+        try:
+            await asyncio.sleep(self.seconds)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        self.finished = True
+        return "answered"
+
+
+def test_a_call_outlasting_the_tasks_soft_limit_is_cancelled_there_and_the_task_wraps_up() -> None:
+    call = _Call(30)
+    deadline = Deadline(time.monotonic() + 0.2, hard_at=time.monotonic() + 30)
+    began = time.monotonic()
+    with timelimits.running(deadline), pytest.raises(OutOfTime, match="past its soft time"):
+        inflight.run(call.run())
+    assert time.monotonic() - began < 5  # at the soft limit, not the call's 30 s
+    assert call.cancelled.wait(5) and not call.finished
+    assert deadline.wrapping_up  # delivered: the way out goes ahead
+
+
+def test_wrapping_up_a_call_may_run_until_just_before_the_hard_limit() -> None:
+    now = time.monotonic()
+    deadline = Deadline(now - 1, hard_at=now + 0.3 + timelimits.WAY_OUT_S, wrapping_up=True)
+    with timelimits.running(deadline):
+        assert inflight.run(_Call(0.05).run()) == "answered"  # the way out's calls go ahead
+        call = _Call(30)
+        with pytest.raises(OutOfTime, match="near its hard time limit"):
+            inflight.run(call.run())
+    assert time.monotonic() - now < 5 and call.cancelled.wait(5)
+
+
+def test_past_the_soft_limit_a_call_is_refused_before_it_starts() -> None:
+    call = _Call(0)
+    past = Deadline(time.monotonic() - 0.001, hard_at=time.monotonic() + 30)
+    with timelimits.running(past), pytest.raises(OutOfTime, match="an agent call not started"):
+        inflight.run(call.run())
+    assert not call.started.is_set()
+
+
+def test_outside_a_task_a_call_runs_to_its_end_or_its_own_timeout() -> None:
+    assert inflight.run(_Call(0.3).run()) == "answered"
+    call = _Call(30)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        inflight.run(call.run(), timeout=0.1)
+    assert call.cancelled.wait(5)
