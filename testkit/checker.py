@@ -41,7 +41,9 @@ What a fault may cost is bounded too (judged at the end, each kind with its evid
 * ``no_capacity_while_free`` (:func:`no_capacity_while_free`): no operation failed "no
   capacity" while every sample during it saw two free slots on nodes it could use, the
   same nodes free in each, free by the VMs running there and by the rows that are not
-  maybes (and maybes up to the in-flight bound);
+  maybes (and maybes up to the in-flight bound) - and the store's own record of its
+  rows (:class:`SlotHistory`) says those slots were free at the moment placement
+  refused, too: samples a second apart miss a slot taken and another freed between them;
 * ``hard_limit_restarts``: ``corral worker`` never had to kill its worker because a
   task outlived its hard time limit (its kill line in the worker's log);
 * ``request_ids_twice`` (:func:`request_ids_twice`): on an agent that deduplicates
@@ -70,6 +72,7 @@ from testkit.nsfleet import CALLED, FUNCTIONS, Fleet
 from workers.base import clock
 from workers.replicas.maybes import MARK
 from workers.store.models import (
+    FINAL_STATES,
     LIVE_STATES,
     OP_FINISHED,
     Claim,
@@ -417,9 +420,65 @@ CLOCKS_AGREE_S = 1.0
 _NO_CAPACITY = re.compile(r"no capacity for \S+ on any healthy")  # (not: on node N)
 
 
+@dataclass(frozen=True)
+class SlotHistory:
+    """Which rows held which node's slots when, from the store: each row holds a slot of
+    its node from its creation to its final transition (its last update), and each
+    placement refused "no capacity" when its row was failed for it (by operation)."""
+
+    capacity: Mapping[tuple[str, str], int]  # (backend, node) -> slots
+    held: list[tuple[str, str, datetime, datetime | None]]  # backend, node, from, to (None: live)
+    refused: Mapping[str, list[datetime]]  # operation -> when its placements were refused
+
+    def free_at(self, at: datetime, nodes: Iterable[tuple[str, str]]) -> int:
+        """Slots free on ``nodes`` at ``at`` by the rows, counting every row that held one
+        within :data:`CLOCKS_AGREE_S` of it (each time is one worker's reading of the
+        store's clock): a slot that changed hands then counts as taken."""
+        taken: Counter[tuple[str, str]] = Counter()
+        for backend, node, began, ended in self.held:
+            if (began - at).total_seconds() <= CLOCKS_AGREE_S and (
+                ended is None or (at - ended).total_seconds() <= CLOCKS_AGREE_S
+            ):
+                taken[(backend, node)] += 1
+        return sum(max(0, self.capacity.get(n, 0) - taken[n]) for n in nodes)
+
+
+def slot_history(fleet: Fleet) -> SlotHistory:
+    """The run's :class:`SlotHistory`, read from the store."""
+    final = {int(state) for state in FINAL_STATES}
+    with fleet.db().read() as s:
+        names = {
+            n.id: (str(getattr(n.kind, "value", n.kind)), n.name, n.capacity)
+            for n in s.scalars(select(Node))
+        }
+        rows = s.execute(
+            select(
+                Replica.node_id,
+                Replica.status,
+                Replica.created_at,
+                Replica.updated_at,
+                Replica.retired_at,
+                Replica.request_id,
+                Replica.error,
+            )
+        ).all()
+    held: list[tuple[str, str, datetime, datetime | None]] = []
+    refused: dict[str, list[datetime]] = {}
+    for node_id, status, created, updated, retired, request_id, error in rows:
+        if node_id in names:
+            ended = updated if int(status) in final else None
+            kind, name, _capacity = names[node_id]
+            held.append((kind, name, created, ended))
+        elif _NO_CAPACITY.search(error or ""):
+            refused.setdefault(request_id.split(".", 1)[0], []).append(retired or updated)
+    capacity = {(kind, name): slots for kind, name, slots in names.values()}
+    return SlotHistory(capacity, held, refused)
+
+
 def no_capacity_while_free(
     failures: Iterable[tuple[str, datetime, datetime, str, str, frozenset[str]]],
     free: list[tuple[datetime, dict[tuple[str, str], int], str]],
+    history: SlotHistory | None = None,
 ) -> list[str]:
     """Operations that failed "no capacity" on any node (``(op, created at, finished at,
     backend, error, nodes its rows were on)``) while the samples around them - one before
@@ -430,7 +489,12 @@ def no_capacity_while_free(
     one sample and on another in the next are no evidence (the partition run, cis86: one
     node filled and another emptied within a second, and a spawn placed in between found
     none, while every sample had seen two free somewhere); with the last of those samples
-    (each node's capacity / slots taken / live rows / maybes / VMs)."""
+    (each node's capacity / slots taken / live rows / maybes / VMs). With a ``history``,
+    an operation whose placements were refused when its rows say those nodes were full
+    is no anomaly either: samples a second apart miss a slot taken and another freed
+    between them (cis493: a spawn took fc1's and fc2's last slots at :15.52, two more
+    were refused at :15.63, scale-downs freed three from :15.67; the samples at :15 and
+    :16 each saw two free)."""
     out = []
     reach = SAMPLED_S + CLOCKS_AGREE_S
     for op_id, began, ended, backend, error, theirs in failures:
@@ -449,6 +513,11 @@ def no_capacity_while_free(
         all_along = sum(
             min(f.get((backend, node), 0) for _t, f, _p in seen) for node in nodes - theirs
         )
+        refused = history.refused.get(op_id, []) if history is not None else []
+        if history is not None and refused:
+            usable = {(backend, node) for node in nodes - theirs}
+            if min(history.free_at(at, usable) for at in refused) < FREE_SLOTS:
+                continue  # the rows held those slots when placement refused
         if all_along >= FREE_SLOTS:
             out.append(
                 f"op {op_id} {began:%H:%M:%S}-{ended:%H:%M:%S}: {error[:100]!r} while "
@@ -620,7 +689,9 @@ def cost_anomalies(fleet: Fleet, settings: Settings, sampler: Sampler) -> dict[s
         "maybes_beyond_inflight": maybes_beyond_inflight(
             maybes_of(fleet), settings.node_max_inflight, settings.create_timeout_s / 2
         ),
-        "no_capacity_while_free": no_capacity_while_free(capacity_failures(fleet), sampler.free),
+        "no_capacity_while_free": no_capacity_while_free(
+            capacity_failures(fleet), sampler.free, slot_history(fleet)
+        ),
         "hard_limit_restarts": fleet.hard_limit_restarts(),
         "request_ids_twice": request_ids_twice(logs, rows),
         "ops_slow": ops_slow(operations(fleet), op_bound(settings), clock.now()),

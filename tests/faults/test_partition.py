@@ -197,6 +197,47 @@ def test_free_slots_that_move_from_node_to_node_between_samples_are_no_evidence(
     assert len(found) == 1 and "2+ slots free (60.7)" in found[0], found
 
 
+def test_a_slot_taken_and_another_freed_between_two_samples_is_no_evidence() -> None:
+    """The partition run (cis493, 18:40:15): a spawn took fc1's and fc2's last slots at
+    :15.52, a spawn of pt-a was refused at :15.63, scale-downs freed three slots from
+    :15.67; the samples at :15.0 and :16.0 each saw a slot free on both nodes. The rows
+    say both nodes were full when placement refused."""
+
+    def nodes(fc1: int, fc2: int) -> dict[tuple[str, str], int]:
+        return {("fcdaemon", "fc1"): fc1, ("fcdaemon", "fc2"): fc2}
+
+    free = [(_at(13.0), nodes(1, 1), "13"), (_at(15.0), nodes(1, 1), "15")]
+    free += [(_at(16.0), nodes(1, 2), "16"), (_at(17.0), nodes(1, 2), "17")]
+    error = "no capacity for pt-a on any healthy fcdaemon node"
+    spawn = [("spawn", _at(14.05), _at(15.65), "fcdaemon", error, frozenset[str]())]
+    capacity = {("fcdaemon", "fc1"): 4, ("fcdaemon", "fc2"): 4}
+    before: list[tuple[str, str, datetime, datetime | None]] = [  # three rows on each node,
+        ("fcdaemon", "fc1", _at(1), None),  # one or two of them retiring later
+        ("fcdaemon", "fc1", _at(2), None),
+        ("fcdaemon", "fc1", _at(3), _at(15.68)),
+        ("fcdaemon", "fc2", _at(1), None),
+        ("fcdaemon", "fc2", _at(2), _at(15.83)),
+        ("fcdaemon", "fc2", _at(3), _at(15.87)),
+    ]
+    took: list[tuple[str, str, datetime, datetime | None]] = [
+        ("fcdaemon", "fc1", _at(15.52), None),
+        ("fcdaemon", "fc2", _at(15.52), None),
+    ]
+    refused = {"spawn": [_at(15.63)]}
+    assert checker.no_capacity_while_free(spawn, free) != []  # the samples alone: an anomaly
+    full = checker.SlotHistory(capacity, before + took, refused)
+    assert full.free_at(_at(15.63), capacity) == 0
+    assert checker.no_capacity_while_free(spawn, free, full) == []
+    # had nothing taken those slots, the refusal is still found
+    room = checker.SlotHistory(capacity, before, refused)
+    assert room.free_at(_at(15.63), capacity) == 2
+    found = checker.no_capacity_while_free(spawn, free, room)
+    assert len(found) == 1 and found[0].startswith("op spawn "), found
+    # a slot freed long before the refusal is free; one freed within the clocks' margin is not
+    assert room.free_at(_at(20.0), capacity) == 5
+    assert room.free_at(_at(16.5), capacity) == 2
+
+
 def test_an_operations_nodes_are_found_by_its_request_ids_once_its_rows_let_it_go() -> None:
     replicas = [
         (None, None, "op1.0", "fc6"),  # ended: its operation id cleared
