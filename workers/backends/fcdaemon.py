@@ -92,12 +92,19 @@ class AgentVm(CreatedVm):
     created_unix: float
 
 
-def new_channel(address: str, tls: TlsFiles | None = None) -> Any:
-    """A new ``grpc.aio`` channel to ``address``, to be made on the event loop that uses it."""
+def new_channel(address: str, tls: TlsFiles | None = None, *, fresh: bool = False) -> Any:
+    """A new ``grpc.aio`` channel to ``address``, to be made on the event loop that uses it.
+
+    ``fresh``: with connections of its own. gRPC otherwise shares connections (subchannels)
+    among a process's channels to one address with the same options, so a new channel
+    finds the shared one's connection in reconnect backoff after a failure, and fails at
+    once with the last failure's error, though the peer is back.
+    """
     options = [
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.enable_retries", 0),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.use_local_subchannel_pool", int(fresh)),
     ]
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
@@ -194,7 +201,7 @@ class AgentClient:
         return self._stub_made
 
     def _new_channel(self) -> Any:
-        return new_channel(self.address, self._tls)
+        return new_channel(self.address, self._tls, fresh=not self._shared)
 
     async def close(self) -> None:
         """Close the channel if this client owns it (``shared=False``)."""

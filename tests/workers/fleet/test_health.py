@@ -42,6 +42,8 @@ def test_health_marks_a_dead_node_after_misses_and_back_when_it_answers(
     back = serve_fcdaemon(f"127.0.0.1:{port}")
     try:
         third = check_health(store_env.db, store_env.settings)
-        assert third.recovered == ["node1"]
+        with store_env.db.read() as s:
+            why = s.scalars(select(Node.last_error).where(Node.name == "node1")).one()
+        assert third.recovered == ["node1"], (third, why)
     finally:
         back.stop(grace=0)
