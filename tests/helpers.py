@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from sqlalchemy import select
@@ -24,6 +25,24 @@ from workers.replicas.owners import Budget, Pending, owner_token, take
 from workers.replicas.plan import SpawnJob
 from workers.replicas.spawn import place
 from workers.store.models import LIVE_STATES, Operation, Replica
+
+R = TypeVar("R")
+#: ``grpc.max_reconnect_backoff_ms`` of corral's agent channels (workers.backends.fcdaemon)
+RECONNECT_BACKOFF_S = 2.0
+
+
+def passes_until_heard(run: Callable[[], R], missed: Callable[[R], object]) -> list[R]:
+    """Health passes (``run``) until one no longer ``missed`` the node that is back, or 9 s.
+
+    The process's connection to its address may sit in gRPC's reconnect backoff from the
+    misses (2 s at most): a pass then counts one more miss, and a later one hears it.
+    """
+    passes = [run()]
+    give_up = time.monotonic() + 2 * RECONNECT_BACKOFF_S + 5
+    while missed(passes[-1]) and time.monotonic() < give_up:
+        time.sleep(0.25)  # the backoff runs out on gRPC's timer: no event to wait on here
+        passes.append(run())
+    return passes
 
 
 def broker_drained(env: Env) -> bool:

@@ -92,19 +92,12 @@ class AgentVm(CreatedVm):
     created_unix: float
 
 
-def new_channel(address: str, tls: TlsFiles | None = None, *, fresh: bool = False) -> Any:
-    """A new ``grpc.aio`` channel to ``address``, to be made on the event loop that uses it.
-
-    ``fresh``: with connections of its own. gRPC otherwise shares connections (subchannels)
-    among a process's channels to one address with the same options, so a new channel
-    finds the shared one's connection in reconnect backoff after a failure, and fails at
-    once with the last failure's error, though the peer is back.
-    """
+def new_channel(address: str, tls: TlsFiles | None = None) -> Any:
+    """A new ``grpc.aio`` channel to ``address``, to be made on the event loop that uses it."""
     options = [
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.enable_retries", 0),
         ("grpc.max_reconnect_backoff_ms", 2_000),
-        ("grpc.use_local_subchannel_pool", int(fresh)),
     ]
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
@@ -159,9 +152,11 @@ class AgentClient:
     Make it anywhere; call it from coroutines running on :mod:`workers.backends.inflight`'s
     loop (synchronous code: ``inflight.run(client.release(vmid))``). Its channel is the
     process's shared one to the address, made on the loop on first use; with
-    ``shared=False`` it is one of its own, closed by :meth:`close` - a probe's, since a
-    shared channel may sit in reconnect backoff after failures and would report a node
-    that is back as still down.
+    ``shared=False`` it is one of its own, closed by :meth:`close` - a probe's. gRPC still
+    shares the connection itself (the subchannel) among a process's channels to one
+    address: a probe that connects readies it for the calls after it, and a probe in the
+    moments after a node is back may find it in reconnect backoff (at most
+    ``grpc.max_reconnect_backoff_ms``, 2 s) and count a miss; the next pass hears it.
     """
 
     def __init__(  # noqa: PLR0913 - keyword-only options with defaults
@@ -201,7 +196,7 @@ class AgentClient:
         return self._stub_made
 
     def _new_channel(self) -> Any:
-        return new_channel(self.address, self._tls, fresh=not self._shared)
+        return new_channel(self.address, self._tls)
 
     async def close(self) -> None:
         """Close the channel if this client owns it (``shared=False``)."""
