@@ -45,6 +45,17 @@ def passes_until_heard(run: Callable[[], R], missed: Callable[[R], object]) -> l
     return passes
 
 
+def broker_state(url: str) -> str:
+    """What the broker's Redis holds, for a failure's message: each key, its type and size."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    parts = []
+    for key in sorted(client.keys("*"))[:40]:
+        kind = str(client.type(key))
+        size = {"list": client.llen, "hash": client.hlen, "zset": client.zcard, "set": client.scard}
+        parts.append(f"{key!r} ({kind} {size.get(kind, client.strlen)(key)})")
+    return "broker: " + (", ".join(parts) or "empty")
+
+
 def broker_drained(env: Env) -> bool:
     """Whether every message sent to the broker has run: none queued, none unacknowledged.
 

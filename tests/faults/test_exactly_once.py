@@ -21,7 +21,7 @@ from testkit.eventually import eventually
 from testkit.processes import WorkerProcess
 from tests.faults.conftest import POOLS, SHORT, apply_limits
 from tests.fixtures import Env, StartAgents
-from tests.helpers import broker_drained, deploy_fn, replicas
+from tests.helpers import broker_drained, broker_state, deploy_fn, replicas
 from workers.base import clock
 from workers.maintenance.audit import audit
 from workers.maintenance.reaper import reap
@@ -62,7 +62,9 @@ def test_a_spawn_message_delivered_twice_at_once_sends_each_create_once(
     deploy_fn(broker_env)
     op = api.spawn("hello", 6)  # queued; no worker runs yet
     client = redis.Redis.from_url(redis_url)
-    (message,) = client.lrange("corral.spawn", 0, -1)
+    queued = client.lrange("corral.spawn", 0, -1)
+    assert len(queued) == 1, broker_state(redis_url)
+    (message,) = queued
     client.rpush("corral.spawn", message)  # the broker hands the same message out twice
     worker = WorkerProcess(broker_env.tmp, concurrency=2, extra_env=SHORT, pool=pool)
     worker_processes.append(worker.start())

@@ -19,6 +19,7 @@ from tasks.replicas import release_orphan
 from testkit.eventually import eventually
 from tests.faults import limit_tasks
 from tests.fixtures import NO_BROKER, Env
+from tests.helpers import broker_state
 from workers import leases
 from workers.base import timelimits
 from workers.celery import CorralRequest, Runs, app, backoff_s, budgeted, runs
@@ -114,8 +115,13 @@ def test_a_worker_declares_its_pool_and_its_tasks_run_there(
     thread_worker: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A thread pool: each task is reported to its supervisor (none here: nothing written).
-    limit_tasks.where.apply_async(("pool",), queue="corral.maintenance")
-    eventually(lambda: "where pool: reported" in caplog.text, 20, "the task in the pool")
+    sent = limit_tasks.where.apply_async(("pool",), queue="corral.maintenance")
+    eventually(
+        lambda: "where pool: reported" in caplog.text,
+        20,
+        "the task in the pool",
+        detail=lambda: f"task {sent.id}; {broker_state(thread_worker.settings.broker_url)}",
+    )
     # In the same process, a task its caller carries out is inline all the same.
     assert carry_out(Call(limit_tasks.where, ("here",)))["runs"] == "inline"
 
