@@ -18,6 +18,7 @@ from corral import api
 from tests.fixtures import Env, StartAgents
 from workers.backends import Vm
 from workers.base import clock
+from workers.celery import app
 from workers.functions import deploy, spec_from
 from workers.replicas.arrivals import record
 from workers.replicas.outcomes import Next, Outcome
@@ -53,7 +54,8 @@ def broker_state(url: str) -> str:
         kind = str(client.type(key))
         size = {"list": client.llen, "hash": client.hlen, "zset": client.zcard, "set": client.scard}
         parts.append(f"{key!r} ({kind} {size.get(kind, client.strlen)(key)})")
-    return "broker: " + (", ".join(parts) or "empty")
+    eager = app.conf.task_always_eager  # a task carried out here never reaches the broker
+    return f"broker: {', '.join(parts) or 'empty'}; this process's app eager: {eager}"
 
 
 def broker_drained(env: Env) -> bool:
