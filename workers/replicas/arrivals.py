@@ -205,7 +205,7 @@ def _release_late(
         )
         try:
             backends.release_vm(pending.node, vm.vmid, settings)
-        except BackendError as exc:  # its kept orphan row: reconcile releases it when due
+        except (BackendError, timelimits.OutOfTime) as exc:  # its kept orphan row: reconcile
             log.warning("release of %s failed (reconcile will retry): %s", vm.vmid, exc)
             continue
         _forget(db, pending.node.id, vm.vmid)

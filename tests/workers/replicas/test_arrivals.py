@@ -4,6 +4,8 @@ protocol (no ``ListReplicas``: reconcile cannot find it there by listing)."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 from sqlalchemy import select
 
@@ -14,7 +16,8 @@ from tasks.maintenance import QUEUE
 from tests.fixtures import Env, StartAgents
 from tests.helpers import creating, deploy_fn, record_vm, replicas
 from workers.backends import Vm
-from workers.base import clock
+from workers.base import clock, timelimits
+from workers.base.timelimits import Deadline
 from workers.maintenance.reconcile import reconcile
 from workers.replicas.delete import delete_one
 from workers.replicas.outcomes import Outcome
@@ -67,3 +70,20 @@ def test_a_late_vm_whose_release_fails_is_kept_until_reconcile_releases_it(
     assert report.nodes_checked == []  # it cannot list: the kept row found the VM
     assert report.orphans_destroyed == [f"node1/{vmid}"]
     assert agent.driver.list() == [] and _kept(corral_env) == []
+
+
+def test_a_late_vm_whose_release_outlasts_the_tasks_time_is_kept_and_the_task_goes_on(
+    corral_env: Env, start_agents: StartAgents
+) -> None:
+    # The release waits past the task's soft limit (an agent that does not answer): the
+    # wait is cut there, and the VM is left to its kept row as for a release that failed.
+    (agent,) = start_agents(1, env=corral_env, seed_only=True)
+    agent.agent.inject("ReleaseVMSetup", Fault.delay(5))
+    now = time.monotonic()
+    deadline = Deadline(now + 1.0, hard_at=now + 30)
+    with timelimits.running(deadline):
+        vmid, state = _late_vm(corral_env, agent)  # returns: nothing raised out of it
+    assert state == Outcome.of(ReplicaState.DELETED)
+    assert time.monotonic() - now < 5  # cut at the soft limit, not the agent's 5 s
+    assert deadline.wrapping_up
+    assert [k[1] for k in _kept(corral_env)] == [vmid]  # reconcile releases it when due
