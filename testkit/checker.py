@@ -490,8 +490,8 @@ def no_capacity_while_free(
     node filled and another emptied within a second, and a spawn placed in between found
     none, while every sample had seen two free somewhere); with the last of those samples
     (each node's capacity / slots taken / live rows / maybes / VMs). With a ``history``,
-    an operation whose placements were refused when its rows say those nodes were full
-    is no anomaly either: samples a second apart miss a slot taken and another freed
+    an operation whose placements were each refused when the rows say those nodes were
+    full is no anomaly either: samples a second apart miss a slot taken and another freed
     between them (cis493: a spawn took fc1's and fc2's last slots at :15.52, two more
     were refused at :15.63, scale-downs freed three from :15.67; the samples at :15 and
     :16 each saw two free)."""
@@ -516,8 +516,8 @@ def no_capacity_while_free(
         refused = history.refused.get(op_id, []) if history is not None else []
         if history is not None and refused:
             usable = {(backend, node) for node in nodes - theirs}
-            if min(history.free_at(at, usable) for at in refused) < FREE_SLOTS:
-                continue  # the rows held those slots when placement refused
+            if max(history.free_at(at, usable) for at in refused) < FREE_SLOTS:
+                continue  # the rows held those slots each time placement refused
         if all_along >= FREE_SLOTS:
             out.append(
                 f"op {op_id} {began:%H:%M:%S}-{ended:%H:%M:%S}: {error[:100]!r} while "

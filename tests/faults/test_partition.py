@@ -228,6 +228,9 @@ def test_a_slot_taken_and_another_freed_between_two_samples_is_no_evidence() -> 
     full = checker.SlotHistory(capacity, before + took, refused)
     assert full.free_at(_at(15.63), capacity) == 0
     assert checker.no_capacity_while_free(spawn, free, full) == []
+    # one refusal when the nodes were full does not excuse another when they were not
+    twice = checker.SlotHistory(capacity, before + took, {"spawn": [_at(15.63), _at(20.0)]})
+    assert len(checker.no_capacity_while_free(spawn, free, twice)) == 1
     # had nothing taken those slots, the refusal is still found
     room = checker.SlotHistory(capacity, before, refused)
     assert room.free_at(_at(15.63), capacity) == 2
