@@ -17,6 +17,7 @@ from config.celery import QUEUES
 from corral import api
 from tests.fixtures import Env, StartAgents
 from workers.backends import Vm
+from workers.backends.fcdaemon import MAX_RECONNECT_BACKOFF_S
 from workers.base import clock
 from workers.celery import app
 from workers.functions import deploy, spec_from
@@ -28,8 +29,6 @@ from workers.replicas.spawn import place
 from workers.store.models import LIVE_STATES, Operation, Replica
 
 R = TypeVar("R")
-#: ``grpc.max_reconnect_backoff_ms`` of corral's agent channels (workers.backends.fcdaemon)
-RECONNECT_BACKOFF_S = 2.0
 
 
 def passes_until_heard(run: Callable[[], R], missed: Callable[[R], object]) -> list[R]:
@@ -39,7 +38,7 @@ def passes_until_heard(run: Callable[[], R], missed: Callable[[R], object]) -> l
     misses (2 s at most): a pass then counts one more miss, and a later one hears it.
     """
     passes = [run()]
-    give_up = time.monotonic() + 2 * RECONNECT_BACKOFF_S + 5
+    give_up = time.monotonic() + 2 * MAX_RECONNECT_BACKOFF_S + 5
     while missed(passes[-1]) and time.monotonic() < give_up:
         time.sleep(0.25)  # the backoff runs out on gRPC's timer: no event to wait on here
         passes.append(run())
@@ -49,10 +48,10 @@ def passes_until_heard(run: Callable[[], R], missed: Callable[[R], object]) -> l
 def broker_state(url: str) -> str:
     """What the broker's Redis holds, for a failure's message: each key, its type and size."""
     client = redis.Redis.from_url(url, decode_responses=True)
+    size = {"list": client.llen, "hash": client.hlen, "zset": client.zcard, "set": client.scard}
     parts = []
     for key in sorted(client.keys("*"))[:40]:
         kind = str(client.type(key))
-        size = {"list": client.llen, "hash": client.hlen, "zset": client.zcard, "set": client.scard}
         parts.append(f"{key!r} ({kind} {size.get(kind, client.strlen)(key)})")
     eager = app.conf.task_always_eager  # a task carried out here never reaches the broker
     return f"broker: {', '.join(parts) or 'empty'}; this process's app eager: {eager}"

@@ -92,12 +92,16 @@ class AgentVm(CreatedVm):
     created_unix: float
 
 
+#: The longest a channel waits before connecting again after a failure (gRPC's default is 120 s).
+MAX_RECONNECT_BACKOFF_S = 2.0
+
+
 def new_channel(address: str, tls: TlsFiles | None = None) -> Any:
     """A new ``grpc.aio`` channel to ``address``, to be made on the event loop that uses it."""
     options = [
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.enable_retries", 0),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
+        ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000)),
     ]
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
@@ -156,7 +160,7 @@ class AgentClient:
     shares the connection itself (the subchannel) among a process's channels to one
     address: a probe that connects readies it for the calls after it, and a probe in the
     moments after a node is back may find it in reconnect backoff (at most
-    ``grpc.max_reconnect_backoff_ms``, 2 s) and count a miss; the next pass hears it.
+    :data:`MAX_RECONNECT_BACKOFF_S`) and count a miss; the next pass hears it.
     """
 
     def __init__(  # noqa: PLR0913 - keyword-only options with defaults
