@@ -355,9 +355,7 @@ def _start_celery(
         [
             PY,
             "-m",
-            "celery",
-            "-A",
-            "workers",
+            "workers.command",
             "beat",
             "-l",
             "INFO",

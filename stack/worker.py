@@ -1,9 +1,11 @@
 """``corral worker``: a Celery worker under a supervisor that enforces its tasks' hard time limits.
 
-``corral worker [OPTIONS]`` runs ``celery -A workers worker [OPTIONS]`` as its child and
-stays outside it. Celery enforces a hard time limit only in its prefork pool (billiard's
-parent kills the child); in a thread pool nothing inside the process can end a thread
-stuck in a C call, and an exception raised into it would land anywhere
+``corral worker [OPTIONS]`` runs ``celery -A workers worker [OPTIONS]`` as its child (as
+``python -m workers.command worker``: the same command without Celery's other commands and
+plugins, :mod:`workers.command`) and stays outside it. Celery enforces a hard time limit
+only in its prefork pool (billiard's parent kills the child); in a thread pool nothing
+inside the process can end a thread stuck in a C call, and an exception raised into it
+would land anywhere
 (:mod:`workers.base.timelimits`). So the worker reports, over a pipe to this process, every
 task it starts - which thread, which task, how long it may run - and ends, and every
 message it takes from the broker and acknowledges (its delivery tag). This process keeps
@@ -75,7 +77,7 @@ def _own_group_and_die_with_parent() -> None:
 
 def celery_argv(options: Sequence[str]) -> list[str]:
     """The worker command ``corral worker`` supervises."""
-    return [sys.executable, "-m", "celery", "-A", "workers", "worker", *options]
+    return [sys.executable, "-m", "workers.command", "worker", *options]
 
 
 def pool_option(options: Sequence[str]) -> str | None:

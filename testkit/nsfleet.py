@@ -169,7 +169,7 @@ class Fleet:
         for proc in workers:
             proc.wait_ready(120)
         schedule = str(self.tmp / "beat-schedule")
-        beat = ["-m", "celery", "-A", "workers", "beat", "-l", "INFO", "--max-interval", "1"]
+        beat = ["-m", "workers.command", "beat", "-l", "INFO", "--max-interval", "1"]
         self._corral("beat", [*beat, "-s", schedule])
         self._corral("gw", ["-m", "corral.cli", "gateway"], port=8080)
 

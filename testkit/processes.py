@@ -3,9 +3,10 @@
 :class:`WorkerProcess` runs ``corral worker`` - ``celery -A workers worker`` under its
 supervisor, as operators run it (the app's own pool, threads, unless asked for prefork) -
 as a child process, which a test can SIGKILL and replace; :func:`start_beat` runs
-``celery -A workers beat``. Both take their settings from the environment, on top of
-:data:`FAST`: retries and RPC deadlines short enough that a test's faults are met within
-its waits. :func:`start_listening` runs a command that listens on port 0 and says where.
+``celery -A workers beat`` (by :mod:`workers.command`, as ``corral up`` does). Both take
+their settings from the environment, on top of :data:`FAST`: retries and RPC deadlines
+short enough that a test's faults are met within its waits. :func:`start_listening` runs
+a command that listens on port 0 and says where.
 """
 
 from __future__ import annotations
@@ -259,9 +260,7 @@ def start_beat(tmp: Path, name: str, extra_env: dict[str, str]) -> subprocess.Po
         [
             sys.executable,
             "-m",
-            "celery",
-            "-A",
-            "workers",
+            "workers.command",
             "beat",
             "-l",
             "INFO",

@@ -1,7 +1,9 @@
 """What executes tasks: the logic the Celery tasks call, in one sub-package per domain.
 
 ``celery -A workers worker|beat|flower`` finds the app in :mod:`workers.celery` by Celery's
-convention; importing :mod:`workers` itself builds nothing.
+convention (``python -m workers.command worker|beat``, :mod:`workers.command`, runs the
+same commands without loading Celery's others); importing :mod:`workers` itself builds
+nothing.
 
 * :mod:`workers.celery`, :mod:`workers.broker`: the Celery glue; :mod:`workers.dispatch`: the
   ``TaskQueue`` port the logic asks for work through (implemented in :mod:`tasks.queues`).

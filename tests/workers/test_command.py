@@ -1,0 +1,78 @@
+"""``python -m workers.command``: Celery's worker and beat commands, without the rest of its CLI.
+
+Each case runs a fresh interpreter, as ``corral worker`` starts its worker. The commands
+behave as under ``celery -A workers`` (options, usage errors, ``CELERY_WORKER_*``
+variables); what they load is read from ``sys.modules``. The worker itself runs in every
+test that starts a ``corral worker`` (``testkit/processes.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Loaded by Celery's umbrella command line for its other commands and its plugins (Flower's
+# registers one), never by the worker or beat.
+UNUSED = ("celery.bin.celery", "flower", "tornado", "prompt_toolkit", "click_repl")
+LOADED = """
+import json, sys
+from workers import command
+try:
+    command.main(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("name", ["worker", "beat"])
+def test_the_command_is_celerys_own_on_corrals_app_and_loads_none_of_the_others(
+    name: str,
+) -> None:
+    run = _run(sys.executable, "-c", LOADED, name, "--help")
+    assert run.returncode == 0, run.stderr
+    usage, _, modules = run.stdout.rpartition("\n[")
+    assert f"Usage: celery -A workers {name} [OPTIONS]" in usage
+    loaded = set(json.loads("[" + modules))
+    assert "workers.celery" in loaded  # the app, found as -A workers finds it
+    assert not loaded & set(UNUSED), sorted(loaded & set(UNUSED))
+    # where Celery's umbrella command is loaded, so are they (what this test guards)
+    umbrella = _run(sys.executable, "-c", "import celery.bin.celery, sys; print(list(sys.modules))")
+    assert "'flower'" in umbrella.stdout and "'prompt_toolkit'" in umbrella.stdout
+
+
+@pytest.mark.parametrize(
+    "argv", [[], ["flower"], ["worker", "--no-such-option"]], ids=["none", "other", "bad-option"]
+)
+def test_anything_but_worker_or_beat_and_a_bad_option_are_usage_errors(argv: list[str]) -> None:
+    run = _run(sys.executable, "-m", "workers.command", *argv)
+    assert run.returncode == 2, run.stderr
+    assert ("usage" in run.stderr.lower()) and "Traceback" not in run.stderr
+
+
+def test_celery_worker_variables_reach_the_worker_as_under_celerys_command() -> None:
+    # An invalid value in CELERY_WORKER_LOGLEVEL is refused before the worker starts, by
+    # Celery's own option check: the variable is read, under the same name as
+    # `celery -A workers worker` reads it.
+    env = {"CELERY_WORKER_LOGLEVEL": "NOT-A-LEVEL"}
+    ours = _run(sys.executable, "-m", "workers.command", "worker", env=env)
+    celerys = _run(sys.executable, "-m", "celery", "-A", "workers", "worker", env=env)
+    assert ours.returncode == celerys.returncode == 2, (ours.stderr, celerys.stderr)
+    assert "NOT-A-LEVEL" in ours.stderr and "NOT-A-LEVEL" in celerys.stderr
