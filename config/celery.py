@@ -175,6 +175,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # end before its hard limit (workers.broker.within)
             "socket_timeout": 5,
             "socket_connect_timeout": 5,
+            # kombu's Redis transport: a BRPOP's timeout (a message ends it at once); a
+            # closing channel reads the answer of the one in flight, lest a message it
+            # popped be lost, so a warm stop waits up to this long
+            "polling_interval": settings.broker_poll_s,
         },
         "result_backend_transport_options": {"retry_policy": {"max_retries": 10}},
         "result_expires": 24 * 3600,

@@ -127,6 +127,9 @@ class _Reliability(_Group):
     """Tasks one worker runs at once (threads, or prefork processes), unless ``-c`` says."""
     visibility_timeout_s: int = Field(300, gt=0)
     """Seconds before Redis hands an unacknowledged message on again; above the hard limit."""
+    broker_poll_s: float = Field(1.0, gt=0, le=10)
+    """How long an idle worker's wait for a message (Redis BRPOP) lasts before it asks again;
+    a warm stop waits for the one in flight."""
     retry_max: int = Field(5, ge=0, le=100)
     """Retries of a transport error (or a transient database error) before the task gives up."""
     retry_backoff_s: SecondsOrZero = 0.5

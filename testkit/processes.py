@@ -39,6 +39,8 @@ FAST = {
     "CORRAL_CREATE_TIMEOUT_S": "2",
     "CORRAL_LAMBDO_TIMEOUT_S": "2",
     "CORRAL_HEALTH_TIMEOUT_S": "0.5",
+    # a worker's warm stop waits for its BRPOP in flight: a second at every stop, else
+    "CORRAL_BROKER_POLL_S": "0.1",
 }
 
 

@@ -38,6 +38,7 @@ def test_defaults() -> None:
     assert s.backend_url == s.broker_url
     assert (s.reap_interval_s, s.idle_timeout_s, s.reap_batch) == (60, 600, 100)
     assert s.visibility_timeout_s > s.task_time_limit_s > s.task_soft_time_limit_s
+    assert s.broker_poll_s == 1.0  # kombu's own BRPOP timeout
 
 
 def test_the_statement_timeout_fits_between_the_soft_and_the_hard_limit_unless_set() -> None:

@@ -21,6 +21,7 @@ from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.transport import redis as kombu_redis
 
+from config.celery import celery_config
 from config.settings import get_settings, reset_settings
 from tasks.replicas import noop
 from testkit.services import RedisServer
@@ -71,6 +72,15 @@ def test_closing_a_detached_channel_is_a_connection_error(
     assert len(unacked) == 1  # the message is kept for the visibility-timeout sweep
     (payload, _exchange, _routing_key) = json.loads(next(iter(unacked.values())))
     assert json.loads(base64.b64decode(payload["body"])) == {"n": 1}
+
+
+@pytest.mark.parametrize("poll", [1.0, 0.1])
+def test_the_broker_poll_is_the_brpop_timeout_of_the_redis_transport(poll: float) -> None:
+    # the most a warm stop waits for the BRPOP in flight: kombu takes it from polling_interval
+    settings = get_settings().model_copy(update={"broker_poll_s": poll})
+    options = celery_config(settings)["broker_transport_options"]
+    with Connection("redis://127.0.0.1:1/0", transport_options=options) as connection:
+        assert connection.transport.brpop_timeout == poll
 
 
 def test_kombus_own_channel_still_has_the_bug(broker_url: str) -> None:
