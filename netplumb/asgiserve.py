@@ -109,7 +109,12 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 CONNECTION = "netplumb.connection"  # where a request's scope["state"] holds its connection
 LINGER_S = 1.0  # after an early answer, how long the caller's unread bytes are drained
-LINGER_BYTES = 64 * 1024  # and how many at most
+# and how many at most: the rest of a refused request's body in flight, up to 1 MiB, is
+# read through, so the connection ends with the answer and a FIN. Closed with bytes unread
+# it ends in a reset, and a proxy relaying the body (HAProxy, the gateway's warm plane)
+# may lose the answer with it: one 503 of a 300 KiB body reached its caller as nothing
+# (64 KiB then; read and dropped, the bytes cost time, never memory).
+LINGER_BYTES = 1024 * 1024
 LINGERING_MOST = 64  # connections of one server lingering at once; past that, closed at once
 EVICT_SCAN = 16  # connections looked at, oldest first, for one to make room
 _REQUEST_START = re.compile(rb"[^\r\n]")  # llhttp skips blank lines before a request
