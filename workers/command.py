@@ -47,7 +47,8 @@ def _freeze(**_: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``worker`` or ``beat`` with ``argv``'s options on the app; exits with its status.
 
-    As on Celery's own command line, a bad option is a usage error (status 2).
+    As on Celery's own command line, a bad option is a usage error (status 2); a bad
+    setting is one line naming it (status 1).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in COMMANDS:
@@ -58,7 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from celery import signals
     from celery.bin.base import CLIContext
 
-    from workers.celery import app
+    from config.settings import ConfigError
+
+    try:
+        from workers.celery import app  # the app is built from the settings
+    except ConfigError as exc:  # one line, as the corral command says it
+        print(f"corral {name}: error: {exc}", file=sys.stderr)
+        return 1
 
     signals.worker_init.connect(_freeze, weak=False)
     signals.beat_init.connect(_freeze, weak=False)

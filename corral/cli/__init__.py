@@ -10,9 +10,10 @@ terminal) and exit non-zero if it failed.
 handlers live in one module per group (``core``, ``claims``, ``maintenance``,
 ``gpus``, ``services``, ``agent``, ``gateway``) and call :mod:`corral.api` for everything they
 show or change. A handler's module is imported only when its command runs, and the
-settings (pydantic) only once the command line has parsed: ``corral --help`` and a usage
-error load argparse and nothing else of note. ``tests/corral/cli/test_startup.py`` checks
-what each command imports.
+settings (pydantic) only once the command line has parsed, and only for a command that
+takes them: ``corral --help`` and a usage error load argparse and nothing else of note,
+``corral worker`` (a supervisor) and ``corral agent`` no settings.
+``tests/corral/cli/test_startup.py`` checks what each command imports.
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``corral`` command line; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    from config.settings import ConfigError, get_settings  # after parsing: see above
-    from workers.base.errors import CorralError, SchemaError
-
     try:
-        settings = get_settings()
-        return int(args.handler(args, settings))
-    except (ConfigError, SchemaError, CorralError, TimeoutError) as exc:
-        print(f"corral: error: {exc}", file=sys.stderr)
-        return 1
+        return int(args.handler(args))  # the settings loaded if it takes them: see above
     except KeyboardInterrupt:
         print("corral: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # imported here: a command that ends well never loads what it did not need
+        from config.settings import ConfigError
+        from workers.base.errors import CorralError, SchemaError
+
+        if not isinstance(exc, (ConfigError, SchemaError, CorralError, TimeoutError)):
+            raise
+        print(f"corral: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

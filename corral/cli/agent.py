@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 
 from agents.__main__ import main as agent_main
-from config.settings import Settings
 
 
-def cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
+def cmd_agent(args: argparse.Namespace) -> int:
     """Run a reference agent (fcdaemon, lambdo or gpus)."""
     return agent_main([args.kind, *args.rest])

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from config.settings import Settings
 
 Handler = Callable[[argparse.Namespace, "Settings"], int]
+#: a command that runs another program with its own settings (an agent, the worker's
+#: supervisor) takes none: the settings are not loaded for it (pydantic: some 0.15 s)
+BareHandler = Callable[[argparse.Namespace], int]
 
 
 def integer(text: str) -> int:
@@ -42,17 +45,23 @@ def integer(text: str) -> int:
 
 class Deferred:
     """A command's handler, ``"MODULE:FUNCTION"`` in :mod:`corral.cli`, imported when called
-    (:func:`config.lazy.attribute`)."""
+    (:func:`config.lazy.attribute`), and given the settings unless it takes none."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, settings: bool = True) -> None:
         self.name = name
+        self.settings = settings
 
-    def __call__(self, args: argparse.Namespace, settings: Settings) -> int:
-        """Import the handler's module and run it."""
+    def __call__(self, args: argparse.Namespace) -> int:
+        """Import the handler's module, load the settings if it takes them, and run it."""
         from config import lazy  # here: `corral --help` and a usage error run no handler
 
+        if not self.settings:
+            bare: BareHandler = lazy.attribute(f"corral.cli.{self.name}")
+            return bare(args)
+        from config.settings import get_settings
+
         run: Handler = lazy.attribute(f"corral.cli.{self.name}")
-        return run(args, settings)
+        return run(args, get_settings())
 
 
 @functools.cache
@@ -103,12 +112,20 @@ class Commands:
     def _skip(self, name: str) -> bool:
         return self.only is not None and name != self.only
 
-    def add(
-        self, name: str, handler: str, help: str, *, listing: bool = False, wraps: bool = False
+    def add(  # noqa: PLR0913 - options by name
+        self,
+        name: str,
+        handler: str,
+        help: str,
+        *,
+        listing: bool = False,
+        wraps: bool = False,
+        settings: bool = True,
     ) -> argparse.ArgumentParser:
         """A new command ``name`` run by ``handler``.
 
         ``wraps``: the command passes every argument (``-h`` too) on to the program it wraps.
+        ``settings=False``: the handler takes none (:data:`BareHandler`), and none are loaded.
         """
         if self._skip(name):
             self.sub.add_parser(name, help=help, formatter_class=Formatter)
@@ -122,7 +139,7 @@ class Commands:
             # no option of its own: "-c 4" is the wrapped program's, not an unknown one
             **({"prefix_chars": "+", "add_help": False} if wraps else {}),
         )
-        p.set_defaults(handler=Deferred(handler))
+        p.set_defaults(handler=Deferred(handler, settings=settings))
         if listing:
             p.add_argument("--json", action="store_true", help="print one JSON document")
         return p
@@ -478,9 +495,15 @@ def _add_services(top: Commands) -> None:
         "worker:cmd_worker",
         "run `celery -A workers worker` under a supervisor that enforces hard time limits",
         wraps=True,
+        settings=False,  # the worker loads them; its supervisor needs none
     )
     p.add_argument("options", nargs=argparse.REMAINDER, help="the Celery worker's own options")
-    p = top.add("agent", "agent:cmd_agent", "run a reference agent: fcdaemon, lambdo or gpus")
+    p = top.add(
+        "agent",
+        "agent:cmd_agent",
+        "run a reference agent: fcdaemon, lambdo or gpus",
+        settings=False,  # an agent is configured by its own options and variables
+    )
     p.add_argument("kind", choices=["fcdaemon", "lambdo", "gpus"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the agent's own options")
     p = top.add(

@@ -76,3 +76,14 @@ def test_celery_worker_variables_reach_the_worker_as_under_celerys_command() -> 
     celerys = _run(sys.executable, "-m", "celery", "-A", "workers", "worker", env=env)
     assert ours.returncode == celerys.returncode == 2, (ours.stderr, celerys.stderr)
     assert "NOT-A-LEVEL" in ours.stderr and "NOT-A-LEVEL" in celerys.stderr
+
+
+def test_a_bad_setting_is_one_line_naming_it_through_corral_worker_too() -> None:
+    # `corral worker` loads no settings itself (its supervisor needs none): the worker says
+    env = {"CORRAL_TASK_TIME_LIMIT_S": "abc"}
+    for argv in (["-m", "workers.command", "worker"], ["-m", "corral.cli", "worker"]):
+        run = _run(sys.executable, *argv, env=env)
+        assert run.returncode == 1, run.stderr
+        lines = [line for line in run.stderr.splitlines() if "CORRAL_TASK_TIME_LIMIT_S" in line]
+        assert lines and lines[0].startswith("corral worker: error: bad setting"), run.stderr
+        assert "Traceback" not in run.stderr

@@ -75,7 +75,8 @@ def _corral(env: dict[str, str], *args: str) -> dict[str, Any]:
         cwd=Path(env["CORRAL_STATE_DIR"]).parent,
     )
     assert done.returncode == 0, done.stderr
-    result: dict[str, Any] = json.loads(done.stdout)
+    # the last line: a program the command ran (the worker) writes to the same stdout
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
     return result
 
 
@@ -99,6 +100,16 @@ def test_listings_load_the_store_and_nothing_heavy(
     assert ran["status"] == 0, ran
     assert {"sqlalchemy", "pydantic"} <= set(ran["modules"])
     assert not HEAVY & set(ran["modules"]), sorted(HEAVY & set(ran["modules"]))
+
+
+def test_the_worker_supervisor_and_an_agent_load_no_settings(store: dict[str, str]) -> None:
+    # each runs a program that loads its own: `corral worker --help` is Celery's worker's
+    ran = _corral(store, "worker", "--help")
+    assert ran["status"] == 0, ran
+    assert not {"pydantic", "sqlalchemy", "celery"} & set(ran["modules"])
+    agent = _corral(store, "agent", "fcdaemon", "--help")
+    assert agent["status"] == 0 and "--listen" in agent["out"], agent
+    assert not {"pydantic", "sqlalchemy", "celery"} & set(agent["modules"])
 
 
 def test_what_uses_celery_or_alembic_loads_it(store: dict[str, str]) -> None:
