@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from stack.supervisor import die_with_parent
 from workers.base import timelimits
 
-POLL_S = 0.2  # how often a worker's exit is noticed when no report arrives
+POLL_S = 0.2  # how often the deadlines are looked at (and, without a pidfd, the worker's exit)
 STACKS_S = 0.2  # how long a worker past a hard limit has to write its stacks before the kill
 MAX_BUFFER = 64 * 1024  # unparsed report bytes kept; a line longer than this is dropped
 MAX_TRACKED = 10_000  # tasks, or held messages, tracked at once (a worker runs a few dozen)
@@ -173,6 +173,7 @@ class _Running:
     buffer: bytes = b""
     status: int | None = None
     closed: bool = False  # every write end is closed: the worker and its children are gone
+    exited: int | None = None  # a pidfd: readable once the worker has exited (Linux 5.3+)
 
     def read(self) -> None:
         """Take in what the worker reported since the last read."""
@@ -239,10 +240,24 @@ class _Running:
             if self.status is None:
                 time.sleep(0.01)
 
+    def wait(self) -> None:
+        """Wait for a report, the worker's exit or the next look (:meth:`wait_s`), then read."""
+        watched = [] if self.closed else [self.reports]
+        if self.exited is not None:  # the exit itself wakes the wait, not the next look
+            watched.append(self.exited)
+        if not watched:
+            time.sleep(self.wait_s())
+            return
+        ready, _, _ = select.select(watched, [], [], self.wait_s())
+        if self.reports in ready:
+            self.read()
+
     def close(self) -> None:
-        """Close the pipe's read end."""
-        with contextlib.suppress(OSError):
-            os.close(self.reports)
+        """Close the pipe's read end (and the pidfd)."""
+        for fd in (self.reports, self.exited):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
 
 def _reap(worker: _Running) -> None:
@@ -273,7 +288,10 @@ def _start(options: Sequence[str]) -> _Running:
         )
     finally:
         os.close(write_end)  # the worker holds it now: its end is the pipe's end
-    return _Running(proc, read_end)
+    exited = None
+    with contextlib.suppress(AttributeError, OSError):  # no pidfd: the wait polls
+        exited = os.pidfd_open(proc.pid)
+    return _Running(proc, read_end, exited=exited)
 
 
 class _Signals:
@@ -323,12 +341,7 @@ def supervise(options: Sequence[str]) -> int:
 def _watch(worker: _Running) -> list[_Task]:
     """Watch one worker until it ends (no task) or tasks outlive their hard limit (killed)."""
     while True:
-        if worker.closed:
-            time.sleep(worker.wait_s())
-        else:
-            ready, _, _ = select.select([worker.reports], [], [], worker.wait_s())
-            if ready:
-                worker.read()
+        worker.wait()
         overdue = worker.overdue()
         if overdue:
             worker.dump_stacks()  # at most STACKS_S, then the kill
