@@ -38,7 +38,6 @@ from agents import ProcessDriver, RunningAgent, serve_fcdaemon
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.processes import ROOT, start_listening
 from tests.dataplanes import PAIRS, need
@@ -72,7 +71,7 @@ def wait_healthy(url: str) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            if httpcalls.get(f"{url}/healthz", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -110,7 +109,7 @@ class Stack:
     def warm(self, gw: RunningGateway, name: str, path: str = "") -> None:
         """Call function ``name`` once, so that the next calls are warm: with HAProxy, until
         HAProxy has the function's backend (the calls that follow go straight there)."""
-        answer = httpcalls.get(f"{gw.url}/function/{name}{path}", timeout=60)
+        answer = httpx.get(f"{gw.url}/function/{name}{path}", timeout=60)
         assert answer.status_code == 200, answer.text
         if gw.warm is not None:
             router = gw.warm.router
