@@ -41,7 +41,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -61,7 +60,13 @@ from config.settings import get_settings, reset_settings
 from stack.supervisor import stop_process
 from testkit import terminals
 from testkit.processes import WorkerProcess, start_beat
-from testkit.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
+from testkit.services import (
+    PostgresServer,
+    RedisServer,
+    free_port,
+    make_shared_tempdir,
+    remove_trees,
+)
 from workers.celery import configure
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
@@ -423,8 +428,8 @@ def run(  # noqa: PLR0913 - the soak's knobs
         results.wall_s = time.monotonic() - began
     finally:
         fleet.stop()
-    if results.ok:
-        shutil.rmtree(tmp, ignore_errors=True)  # kept (its logs) when a check failed
+    if results.ok:  # kept (its logs, its database) when a check failed
+        remove_trees(tmp, fleet.pg.directory if hasattr(fleet, "pg") else None)
     return results
 
 

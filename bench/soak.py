@@ -74,7 +74,13 @@ from corral.api import database
 from stack.supervisor import stop_process
 from testkit.history import Load, Tracked, compare, not_final, outcomes
 from testkit.processes import WorkerProcess, start_beat
-from testkit.services import PostgresServer, RedisServer, free_port, make_shared_tempdir
+from testkit.services import (
+    PostgresServer,
+    RedisServer,
+    free_port,
+    make_shared_tempdir,
+    remove_trees,
+)
 from testkit.soak_plan import FAULT_KINDS, SOAK_ENV, FaultEvent, schedule
 from workers import backends
 from workers.celery import configure
@@ -557,6 +563,8 @@ def run(
         results.wall_s = time.monotonic() - began
     finally:
         fleet.stop()
+    if results.ok:  # kept (its logs, its database) when a check failed
+        remove_trees(tmp, fleet.pg.directory if hasattr(fleet, "pg") else None)
     return results
 
 

@@ -71,6 +71,13 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def remove_trees(*paths: Path | None) -> None:
+    """Remove these directories and all they hold, where they exist (None: skipped)."""
+    for path in paths:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def make_shared_tempdir(prefix: str) -> Path:
     """Create a fresh directory under /tmp that other users may traverse (mode 0o755)."""
     base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
