@@ -55,6 +55,7 @@ import inspect
 import logging
 import random
 import threading
+import time
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -213,6 +214,8 @@ class CorralTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the task after checking its arguments; bad input fails the operation."""
+        # its time counts from here: the pool's hard limit counts from just before the call
+        started = time.monotonic()
         try:
             bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -237,7 +240,7 @@ class CorralTask(Task):  # type: ignore[misc]
         if self._superseded():
             return {"skipped": True, "reason": "superseded: a later pass of its kind started"}
         hard, soft = self.request.timelimit or (None, None)
-        budget = Budget.of(self.settings, soft_s=soft, hard_s=hard)
+        budget = Budget.of(self.settings, started=started, soft_s=soft, hard_s=hard)
         with budgeted(budget):
             return self._run(budget, op_id, args, kwargs)
 

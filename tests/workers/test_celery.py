@@ -22,7 +22,7 @@ from tests.fixtures import NO_BROKER, Env
 from tests.helpers import broker_state
 from workers import leases
 from workers.base import timelimits
-from workers.celery import CorralRequest, Runs, app, backoff_s, budgeted, runs
+from workers.celery import CorralRequest, CorralTask, Runs, app, backoff_s, budgeted, runs
 from workers.replicas.owners import Budget
 
 
@@ -93,6 +93,23 @@ def test_a_task_past_its_deadline_ends_at_a_safe_point_without_failing_or_wedgin
         assert leases.first_seen(s, "churn-7", "reader", 60) is not None
     pool_ = corral_env.db.engine.pool
     assert pool_.checkedout() == 0  # type: ignore[attr-defined]
+
+
+def test_a_tasks_time_counts_from_its_call_with_its_checks_before_the_body(
+    corral_env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A prefork pool's hard limit counts from just before the call: checks that take time
+    # (a redelivered message's kills looked up in Redis) come out of the task's time, or
+    # its waits, cut to the time it thinks is left, end past the pool's kill (cis609).
+    corral_env.set(task_soft_time_limit_s="40", task_time_limit_s="60")
+
+    def slow_kills(_: CorralTask) -> int:
+        time.sleep(0.3)
+        return 0
+
+    monkeypatch.setattr(CorralTask, "_kills", slow_kills)
+    result = limit_tasks.where.apply(("checks",)).get(timeout=30)
+    assert 0 < result["left"] <= 40 - 0.3
 
 
 # -- where a task runs: declared, never guessed --------------------------------------------

@@ -111,14 +111,25 @@ class Stack:
         HAProxy has the function's backend (the calls that follow go straight there)."""
         answer = httpx.get(f"{gw.url}/function/{name}{path}", timeout=60)
         assert answer.status_code == 200, answer.text
-        if gw.warm is not None:
-            router = gw.warm.router
-            assert router is not None
-            eventually(
-                lambda: (r := router.routes.get(name)) is not None and r.live and r.ready(),
-                WARM_WAIT_S,
-                f"{name}'s backend in HAProxy",
-            )
+        self.routed(gw, name)
+
+    def routed(self, gw: RunningGateway, name: str) -> None:
+        """With HAProxy, wait until its map sends ``name``'s calls to a ready server.
+
+        A call only the activator forwards (odd headers, a large body) takes its replica's
+        environment back from HAProxy when no other is free; the function's backend comes
+        back once that server is closed and the environment lent again (cis605: a warm
+        call sent at once took the Python path).
+        """
+        if gw.warm is None:
+            return
+        router = gw.warm.router
+        assert router is not None
+        eventually(
+            lambda: (r := router.routes.get(name)) is not None and r.live and bool(r.ready()),
+            WARM_WAIT_S,
+            f"{name}'s backend in HAProxy",
+        )
 
     def carried(self, gw: RunningGateway, name: str, calls: int) -> None:
         """With HAProxy, wait until it has carried ``calls`` calls of ``name`` (else nothing)."""
