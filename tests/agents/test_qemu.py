@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import httpx
 import pytest
 from google.protobuf import empty_pb2
 
@@ -34,6 +33,7 @@ from netplumb.grpcserve import report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.services import free_port
 from tests.agents.conftest import QEMU_BOOT_S, MakeQemuDriver, kill_processes_naming, stub_for
@@ -377,7 +377,7 @@ def test_a_call_through_the_gateway_is_answered_by_a_real_guest(
         deploy_fn(broker_env, "who", image=IMAGE, mem=256)
         gateway = serve_gateway(settings, "127.0.0.1:0", queue=HereFirst(QUEUE))
         try:
-            answer = httpx.get(f"{gateway.url}/function/who", timeout=QEMU_BOOT_S + 30)
+            answer = httpcalls.get(f"{gateway.url}/function/who", timeout=QEMU_BOOT_S + 30)
         finally:
             gateway.stop()
         assert answer.status_code == 200, answer.text

@@ -6,10 +6,10 @@ import json
 import re
 from pathlib import Path
 
-import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from testkit import httpcalls
 from tests.fixtures import Env
 from workers.fleet.nodes import upsert_node
 from workers.functions import deploy, spec_from
@@ -40,7 +40,7 @@ def test_every_metric_the_dashboard_queries_exists(corral_env: Env) -> None:
         )
     running = serve(corral_env.db, None, "127.0.0.1:0")
     try:
-        text = httpx.get(running.url, timeout=10).text
+        text = httpcalls.get(running.url, timeout=10).text
     finally:
         running.stop()
     exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}

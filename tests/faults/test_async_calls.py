@@ -15,7 +15,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy import select
 
@@ -23,7 +22,7 @@ from agents import ProcessDriver, serve_fcdaemon
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from testkit import terminals
+from testkit import httpcalls, terminals
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env
@@ -83,7 +82,7 @@ def test_a_worker_killed_with_calls_running_loses_none(
         worker_processes.append(first.start())
         ids = []
         for _ in range(CALLS_SENT):
-            accepted = httpx.post(f"{gateway.url}/async-function/callee?delay=2", timeout=30)
+            accepted = httpcalls.post(f"{gateway.url}/async-function/callee?delay=2", timeout=30)
             assert accepted.status_code == 202, accepted.text
             ids.append(accepted.headers["x-call-id"])
 

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import httpx
 import psutil
 import pytest
 from google.protobuf import empty_pb2
 
 from agents import lambdo
 from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc, resmngr_grpc, resmngr_pb2
+from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.services import free_port
 from tests.dataplanes import DATAPLANES, need
@@ -298,7 +298,7 @@ class Listener:
 
 def _http_ok(path: str) -> Callable[[int], object]:
     def healthy(port: int) -> object:
-        resp = httpx.get(
+        resp = httpcalls.get(
             f"http://127.0.0.1:{port}{path}",
             timeout=10,
             headers={"Authorization": f"Bearer {TOKEN}"},

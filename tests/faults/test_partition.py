@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
@@ -41,7 +40,7 @@ from agents.fcdaemon import serve_fcdaemon
 from config.settings import get_settings
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from testkit import checker, nemesis
+from testkit import checker, httpcalls, nemesis
 from testkit.eventually import eventually
 from testkit.netns import (
     NETNS_DIR,
@@ -671,7 +670,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
         try:
             with db.read() as s:
                 assert s.scalar(text("SELECT 1")) == 1  # a pooled connection, in use below
-            assert httpx.get(url, timeout=30).status_code == 404  # the store says so
+            assert httpcalls.get(url, timeout=30).status_code == 404  # the store says so
             net.link("pg", False)  # the store's cable out: nothing answers, nothing refuses
             for what in ("a pooled connection", "a new connection"):
                 started = time.monotonic()
@@ -680,7 +679,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
                 took = time.monotonic() - started
                 assert took < 30, f"{what}: {took:.0f}s"
                 assert is_transient(caught.value)  # the task retries it
-                answer = httpx.get(url, timeout=60)
+                answer = httpcalls.get(url, timeout=60)
                 assert answer.status_code == 503, answer.text
                 assert answer.headers["retry-after"] == str(RETRY_AFTER_S)
                 assert "the store is unavailable" in answer.text
@@ -688,7 +687,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
             # a connection begun during the cut may still be closed by the server after it
             # (its startup timed out there): the store answers again, as a retried task sees
             eventually(lambda: _answers(db), 30, "the store answering again")
-            eventually(lambda: httpx.get(url, timeout=30).status_code == 404, 30, "a 404 again")
+            eventually(lambda: httpcalls.get(url, timeout=30).status_code == 404, 30, "a 404 again")
         finally:
             gateway.stop()
             db.dispose()

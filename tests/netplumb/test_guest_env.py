@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 
 from agents.drivers import ProcessDriver
@@ -24,6 +23,7 @@ from agents.fcdaemon import RunningAgent, serve_fcdaemon
 from agents.lambdo import RunningLambdo, serve_lambdo
 from corral.cli import main
 from protos import fcdaemon_grpc, fcdaemon_pb2
+from testkit import httpcalls
 from tests.fixtures import Env
 from tests.requirements import CC, unmet
 from workers.store.models import Function
@@ -124,14 +124,14 @@ def test_lambdo_refuses_code_in_the_spawn_env(
         "requestedPorts": [8080],
         "env": vector(tmp_path, marker),
     }
-    resp = httpx.post(f"{lambdo.url}/spawn", json=body, timeout=30)
+    resp = httpcalls.post(f"{lambdo.url}/spawn", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert "is refused" in resp.text
     assert lambdo.driver.list() == []
 
     def hello() -> None:
         plain = {"rootfs": {"id": "f_2", "location": "examples.hello"}, "requestedPorts": [8080]}
-        assert httpx.post(f"{lambdo.url}/spawn", json=plain, timeout=30).status_code == 200
+        assert httpcalls.post(f"{lambdo.url}/spawn", json=plain, timeout=30).status_code == 200
 
     _never_appears(marker, hello)
 
@@ -159,7 +159,7 @@ def test_guests_never_inherit_the_agents_environment(
         ),
         timeout=30,
     )
-    resp = httpx.post(
+    resp = httpcalls.post(
         f"{lambdo.url}/spawn",
         timeout=30,
         json={

@@ -25,6 +25,7 @@ from google.protobuf import empty_pb2
 from config.celery import HOUSEKEEPING
 from netplumb.addresses import parse_url
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
+from testkit import httpcalls
 from testkit.eventually import eventually
 from workers.gateway.haproxy.process import Unavailable, find
 
@@ -167,21 +168,21 @@ def _deploy_and_scale(tmp_path: Path) -> dict[str, list[dict[str, Any]]]:
 def _call(tmp_path: Path, by_fn: dict[str, list[dict[str, Any]]], gateway: str) -> None:
     """A claimed replica answers; the gateway calls a function and 404s an unknown one."""
     claimed = json.loads(_corral(tmp_path, "claim", "web", "--json").stdout)
-    answer = httpx.get(claimed["address"], timeout=10)
+    answer = httpcalls.get(claimed["address"], timeout=10)
     assert answer.status_code == 200 and "hello from corral" in answer.text
-    assert "hello from corral" in httpx.get(by_fn["hello"][0]["address"], timeout=10).text
+    assert "hello from corral" in httpcalls.get(by_fn["hello"][0]["address"], timeout=10).text
     _corral(tmp_path, "release", claimed["claim_id"])
     assert f"gateway          {gateway}" in (tmp_path / "up.out").read_text()
-    called = httpx.get(f"{gateway}/function/hello", timeout=60)
+    called = httpcalls.get(f"{gateway}/function/hello", timeout=60)
     assert called.status_code == 200 and called.text == "hello from corral\n"
-    assert httpx.get(f"{gateway}/function/nope", timeout=10).status_code == 404
+    assert httpcalls.get(f"{gateway}/function/nope", timeout=10).status_code == 404
     # an asynchronous call: 202 at once, run by the invoker worker, its answer kept
-    accepted = httpx.post(f"{gateway}/async-function/hello", content=b"work", timeout=30)
+    accepted = httpcalls.post(f"{gateway}/async-function/hello", content=b"work", timeout=30)
     assert accepted.status_code == 202, accepted.text
     call = f"{gateway}/calls/{accepted.headers['x-call-id']}"
 
     def answered() -> httpx.Response | None:
-        read = httpx.get(call, timeout=10)
+        read = httpcalls.get(call, timeout=10)
         return read if read.status_code == 200 else None
 
     done = eventually(answered, 60, "the call's answer")
@@ -201,7 +202,7 @@ def _check_flower(tmp_path: Path, flower: str) -> None:
     auth = _flower_auth(tmp_path)
 
     def listed() -> set[str]:
-        tasks = httpx.get(f"{flower}/api/tasks", timeout=10, auth=auth).json()
+        tasks = httpcalls.get(f"{flower}/api/tasks", timeout=10, auth=auth).json()
         names = {t.get("name") for t in tasks.values()}
         return names if {"corral.scale", "corral.reap", "corral.invoke"} <= names else set()
 
@@ -209,8 +210,8 @@ def _check_flower(tmp_path: Path, flower: str) -> None:
     names = eventually(listed, 30, "the scale, the operator's reap and the call listed in Flower")
     # beat's passes (health every 5 s, autoscale every 2 s, ...) ran all along, unlisted
     assert not names & set(HOUSEKEEPING), names
-    flower_text = httpx.get(f"{flower}/api/tasks", timeout=10, auth=auth).text
-    broker_page = httpx.get(f"{flower}/broker", timeout=10, auth=auth)  # queues, from Redis
+    flower_text = httpcalls.get(f"{flower}/api/tasks", timeout=10, auth=auth).text
+    broker_page = httpcalls.get(f"{flower}/broker", timeout=10, auth=auth)  # queues, from Redis
     assert broker_page.status_code == 200 and "corral.spawn" in broker_page.text
     assert AWS_ID not in flower_text and AWS_SECRET not in flower_text
     assert not any(secret in broker_page.text + flower_text for secret in _secrets(tmp_path))
@@ -229,7 +230,7 @@ def _check_metrics(tmp_path: Path) -> None:
     token = {"Authorization": f"Bearer {_credentials(tmp_path)['metrics_token']}"}
 
     def counted() -> tuple[str, dict[str, float]] | None:
-        metrics = httpx.get(services["metrics"], timeout=10, headers=token).text
+        metrics = httpcalls.get(services["metrics"], timeout=10, headers=token).text
         values = {
             line.split(" ")[0]: float(line.split(" ")[1])
             for line in metrics.splitlines()
@@ -298,28 +299,28 @@ def _check_http_refusals(tmp_path: Path, services: dict[str, str], web_vmid: str
     """The Lambdo host and the exporter refuse a caller without their tokens."""
     lambdo = services["lambdo"]
     spawn = {"rootfs": {"id": "x", "location": "examples.hello"}, "requestedPorts": [8080]}
-    assert httpx.post(f"{lambdo}/spawn", json=spawn, timeout=10).status_code == 401
-    assert httpx.delete(f"{lambdo}/destroy/{web_vmid}", timeout=10).status_code == 401
-    assert httpx.get(f"{lambdo}/vms", timeout=10).status_code == 401
-    assert httpx.get(services["metrics"], timeout=10).status_code == 401
+    assert httpcalls.post(f"{lambdo}/spawn", json=spawn, timeout=10).status_code == 401
+    assert httpcalls.delete(f"{lambdo}/destroy/{web_vmid}", timeout=10).status_code == 401
+    assert httpcalls.get(f"{lambdo}/vms", timeout=10).status_code == 401
+    assert httpcalls.get(services["metrics"], timeout=10).status_code == 401
     wrong = {"Authorization": "Bearer " + _credentials(tmp_path)["agent_token"]}  # another's
-    assert httpx.get(services["metrics"], timeout=10, headers=wrong).status_code == 401
+    assert httpcalls.get(services["metrics"], timeout=10, headers=wrong).status_code == 401
 
 
 def _check_flower_refusals(tmp_path: Path, flower: str) -> None:
     """Flower: no API without the stack's user and password, no cross-site POST even with
     them (a browser that has logged in sends them along), no other Host, no CORS."""
     auth = _flower_auth(tmp_path)
-    workers = httpx.get(f"{flower}/api/workers?refresh=1", timeout=30, auth=auth)
+    workers = httpcalls.get(f"{flower}/api/workers?refresh=1", timeout=30, auth=auth)
     assert workers.status_code == 200, workers.text
     worker = next(iter(workers.json()))  # corral@host
     shutdown = f"{flower}/api/worker/shutdown/{worker}"
     rate_limit = f"{flower}/api/task/rate-limit/{worker}"
     limit = {"taskname": "corral.spawn", "ratelimit": "1/h"}
     answers = [
-        httpx.get(f"{flower}/api/workers", timeout=10),
-        httpx.post(shutdown, timeout=10),
-        httpx.post(rate_limit, data=limit, timeout=10),
+        httpcalls.get(f"{flower}/api/workers", timeout=10),
+        httpcalls.post(shutdown, timeout=10),
+        httpcalls.post(rate_limit, data=limit, timeout=10),
     ]
     assert [a.status_code for a in answers] == [401, 401, 401]
     for headers in (
@@ -327,17 +328,17 @@ def _check_flower_refusals(tmp_path: Path, flower: str) -> None:
         {"Origin": "http://evil.example"},  # a browser without fetch metadata
     ):
         for url, data in ((shutdown, None), (rate_limit, limit)):
-            refused = httpx.post(url, data=data, auth=auth, headers=headers, timeout=10)
+            refused = httpcalls.post(url, data=data, auth=auth, headers=headers, timeout=10)
             assert refused.status_code == 403, refused.text
             answers.append(refused)
-    rebound = httpx.get(
+    rebound = httpcalls.get(
         f"{flower}/api/workers", auth=auth, headers={"Host": "evil.example"}, timeout=10
     )
     assert rebound.status_code == 403
     answers.append(rebound)
     assert not [a for a in answers if "access-control-allow-origin" in a.headers]
     # the worker is still there (a shutdown that went through would have stopped it)
-    assert worker in httpx.get(f"{flower}/api/workers?refresh=1", timeout=30, auth=auth).json()
+    assert worker in httpcalls.get(f"{flower}/api/workers?refresh=1", timeout=30, auth=auth).json()
 
 
 def _check_redis_refusals(tmp_path: Path, broker_url: str) -> None:

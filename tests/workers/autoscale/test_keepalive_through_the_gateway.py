@@ -31,6 +31,7 @@ from agents import RunningAgent
 from stack.supervisor import stop_process
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env
@@ -88,7 +89,7 @@ def naive(epoch: float) -> datetime:
 
 def cold_starts(url: str, name: str) -> float:
     """The gateway's ``corral_cold_starts_total`` for one function."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    text = httpcalls.get(f"{url}/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith(f'corral_cold_starts_total{{function="{name}"}}'):
             return float(line.split()[-1])

@@ -38,6 +38,7 @@ from agents import ProcessDriver, RunningAgent, serve_fcdaemon
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.processes import ROOT, start_listening
 from tests.dataplanes import PAIRS, need
@@ -71,7 +72,7 @@ def wait_healthy(url: str) -> None:
     deadline = time.monotonic() + 30
     while True:
         try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+            if httpcalls.get(f"{url}/healthz", timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -109,7 +110,7 @@ class Stack:
     def warm(self, gw: RunningGateway, name: str, path: str = "") -> None:
         """Call function ``name`` once, so that the next calls are warm: with HAProxy, until
         HAProxy has the function's backend (the calls that follow go straight there)."""
-        answer = httpx.get(f"{gw.url}/function/{name}{path}", timeout=60)
+        answer = httpcalls.get(f"{gw.url}/function/{name}{path}", timeout=60)
         assert answer.status_code == 200, answer.text
         self.routed(gw, name)
 

@@ -22,9 +22,9 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import psutil
 
+from testkit import httpcalls
 from tests.workers.gateway.conftest import HOSTILE, Stack, gateway_process_on_port_0, wait_healthy
 
 MiB = 1024 * 1024
@@ -75,7 +75,7 @@ class Gateway:
 
     def metric(self, line_start: str) -> float:
         """The value of the first ``/metrics`` sample whose line starts so (0 if none)."""
-        text = httpx.get(f"{self.url}/metrics", headers=AUTH, timeout=10).text
+        text = httpcalls.get(f"{self.url}/metrics", headers=AUTH, timeout=10).text
         for line in text.splitlines():
             if line.startswith(line_start):
                 return float(line.rsplit(" ", 1)[1])
@@ -97,7 +97,7 @@ class Gateway:
         """Deploy hostile function ``name`` (one replica), warm: the attacks' target now."""
         assert self.stack is not None
         self.stack.deploy(name, image=HOSTILE, max=1, exec_envs=32)
-        answer = httpx.get(f"{self.url}/function/{name}/", headers=AUTH, timeout=60)
+        answer = httpcalls.get(f"{self.url}/function/{name}/", headers=AUTH, timeout=60)
         assert answer.status_code == 200, answer.text
         self.function = name
         return name
@@ -124,7 +124,7 @@ def gateway_process(stack: Stack, tmp: Path) -> Iterator[Gateway]:
     try:
         wait_healthy(running.url)
         for path in ("/function/hello", "/function/evil/"):  # both warm
-            answer = httpx.get(running.url + path, headers=AUTH, timeout=60)
+            answer = httpcalls.get(running.url + path, headers=AUTH, timeout=60)
             assert answer.status_code == 200, answer.text
         yield running
     finally:

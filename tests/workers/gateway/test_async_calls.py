@@ -12,7 +12,6 @@ import io
 import json
 from pathlib import Path
 
-import httpx
 import redis
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -26,6 +25,7 @@ from netplumb.addresses import parse_url
 from tasks.invocations import CALLS
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.celery_workers import worker_thread
 from tests.fixtures import Env
@@ -79,7 +79,7 @@ def test_a_call_is_accepted_then_its_answer_is_stored(stack: Stack, tmp_path: Pa
     ledger = tmp_path / "ledger"
     stack.deploy("callee", image=CALLEE, env={"CALLEE_LEDGER": str(ledger)})
     gw = stack.gateway()
-    accepted = httpx.post(
+    accepted = httpcalls.post(
         f"{gw.url}/async-function/callee/some/path?x=1",
         content=b"payload",
         headers={"X-Custom": "yes", "X-Call-Id": "forged"},
@@ -93,7 +93,7 @@ def test_a_call_is_accepted_then_its_answer_is_stored(stack: Stack, tmp_path: Pa
 
     call = _finished(stack, call_id)
     assert (call.status, call.attempts, call.answer_status) == (CallStatus.SUCCEEDED, 1, 200)
-    shown = httpx.get(f"{gw.url}/calls/{call_id}", timeout=10)
+    shown = httpcalls.get(f"{gw.url}/calls/{call_id}", timeout=10)
     assert shown.status_code == 200
     assert shown.headers["x-call-status"] == "succeeded"
     assert shown.headers["x-call-attempts"] == "1"
@@ -107,20 +107,22 @@ def test_a_call_is_accepted_then_its_answer_is_stored(stack: Stack, tmp_path: Pa
 def test_a_pending_call_reads_202_and_an_unknown_one_404(stack: Stack, tmp_path: Path) -> None:
     stack.deploy("callee", image=CALLEE, env={"CALLEE_LEDGER": str(tmp_path / "ledger")})
     gw = stack.gateway()
-    call_id = httpx.post(f"{gw.url}/async-function/callee?delay=2", timeout=30).headers["x-call-id"]
-    pending = httpx.get(f"{gw.url}/calls/{call_id}", timeout=10)
+    call_id = httpcalls.post(f"{gw.url}/async-function/callee?delay=2", timeout=30).headers[
+        "x-call-id"
+    ]
+    pending = httpcalls.get(f"{gw.url}/calls/{call_id}", timeout=10)
     assert pending.status_code == 202
     assert pending.json()["status"] in ("queued", "running")
-    assert httpx.get(f"{gw.url}/calls/{'0' * 32}", timeout=10).status_code == 404
-    assert httpx.get(f"{gw.url}/calls/not-an-id", timeout=10).status_code == 404
-    assert httpx.get(f"{gw.url}/calls/{call_id}/more", timeout=10).status_code == 404
+    assert httpcalls.get(f"{gw.url}/calls/{'0' * 32}", timeout=10).status_code == 404
+    assert httpcalls.get(f"{gw.url}/calls/not-an-id", timeout=10).status_code == 404
+    assert httpcalls.get(f"{gw.url}/calls/{call_id}/more", timeout=10).status_code == 404
     assert _finished(stack, call_id).status == CallStatus.SUCCEEDED
     stack.settled()
 
 
 def test_an_unknown_function_is_404_at_once_and_nothing_is_queued(stack: Stack) -> None:
     gw = stack.gateway()
-    answer = httpx.post(f"{gw.url}/async-function/nosuch", content=b"x" * 1000, timeout=10)
+    answer = httpcalls.post(f"{gw.url}/async-function/nosuch", content=b"x" * 1000, timeout=10)
     assert answer.status_code == 404
     assert "unknown function" in answer.text
     assert _count(stack) == 0
@@ -134,7 +136,7 @@ def test_an_unknown_function_is_404_at_once_and_nothing_is_queued(stack: Stack) 
 def test_only_post_is_accepted(stack: Stack, tmp_path: Path) -> None:
     stack.deploy("callee", image=CALLEE)
     gw = stack.gateway()
-    answer = httpx.get(f"{gw.url}/async-function/callee", timeout=10)
+    answer = httpcalls.get(f"{gw.url}/async-function/callee", timeout=10)
     assert answer.status_code == 405 and answer.headers["allow"] == "POST"
     assert _count(stack) == 0
 
@@ -144,14 +146,16 @@ def test_the_same_idempotency_key_twice_runs_once(stack: Stack, tmp_path: Path) 
     stack.deploy("callee", image=CALLEE, env={"CALLEE_LEDGER": str(ledger)})
     gw = stack.gateway()
     key = {"Idempotency-Key": "order-42"}
-    first = httpx.post(f"{gw.url}/async-function/callee", headers=key, content=b"a", timeout=30)
-    second = httpx.post(f"{gw.url}/async-function/callee", headers=key, content=b"b", timeout=30)
+    first = httpcalls.post(f"{gw.url}/async-function/callee", headers=key, content=b"a", timeout=30)
+    second = httpcalls.post(
+        f"{gw.url}/async-function/callee", headers=key, content=b"b", timeout=30
+    )
     assert first.status_code == second.status_code == 202
     assert first.headers["x-call-id"] == second.headers["x-call-id"]
     assert second.headers["idempotent-replayed"] == "true"
     call = _finished(stack, first.headers["x-call-id"])
     assert json.loads(call.answer_body or b"{}")["body"] == "a"  # the first request's
-    other = httpx.post(
+    other = httpcalls.post(
         f"{gw.url}/async-function/callee", headers={"Idempotency-Key": "order-43"}, timeout=30
     )
     _finished(stack, other.headers["x-call-id"])
@@ -166,7 +170,9 @@ def test_a_failing_call_is_retried_then_answered(stack: Stack, tmp_path: Path) -
     ledger = tmp_path / "ledger"
     stack.deploy("callee", image=CALLEE, env={"CALLEE_LEDGER": str(ledger)}, call_attempts=3)
     gw = stack.gateway()
-    call_id = httpx.post(f"{gw.url}/async-function/callee?fail=1", timeout=30).headers["x-call-id"]
+    call_id = httpcalls.post(f"{gw.url}/async-function/callee?fail=1", timeout=30).headers[
+        "x-call-id"
+    ]
     call = _finished(stack, call_id)
     assert (call.status, call.attempts, call.answer_status) == (CallStatus.SUCCEEDED, 2, 200)
     assert _ledger(ledger) == [(call_id, 1), (call_id, 2)]
@@ -181,13 +187,13 @@ def test_a_call_answered_500_is_retried_then_dead_then_redriven_and_answered(
     env = {"CALLEE_LEDGER": str(ledger), "CALLEE_STATUS": "500"}
     stack.deploy("callee", image=CALLEE, env=env, call_attempts=2)
     gw = stack.gateway()
-    call_id = httpx.post(f"{gw.url}/async-function/callee", timeout=30).headers["x-call-id"]
+    call_id = httpcalls.post(f"{gw.url}/async-function/callee", timeout=30).headers["x-call-id"]
     dead = _finished(stack, call_id)
     assert (dead.status, dead.attempts, dead.answer_status) == (CallStatus.DEAD, 2, 500)
     assert dead.error is not None and dead.error.startswith(
         "gave up after 2 attempts: answered 500"
     )
-    shown = httpx.get(f"{gw.url}/calls/{call_id}", timeout=10)
+    shown = httpcalls.get(f"{gw.url}/calls/{call_id}", timeout=10)
     assert (shown.status_code, shown.headers["x-call-status"]) == (500, "dead")  # its last answer
 
     stack.deploy("callee", image=CALLEE, env={**env, "CALLEE_STATUS": "200"}, call_attempts=2)
@@ -200,7 +206,7 @@ def test_a_call_answered_500_is_retried_then_dead_then_redriven_and_answered(
     assert call.status == CallStatus.SUCCEEDED, call.error
     assert (call.attempts, call.attempt_limit, call.redrives, call.answer_status) == (3, 4, 1, 200)
     assert _ledger(ledger) == [(call_id, 1), (call_id, 2), (call_id, 3)]
-    assert httpx.get(f"{gw.url}/calls/{call_id}", timeout=10).status_code == 200
+    assert httpcalls.get(f"{gw.url}/calls/{call_id}", timeout=10).status_code == 200
     stack.settled()
 
 
@@ -214,7 +220,7 @@ def test_a_callback_is_delivered_signed(stack: Stack, tmp_path: Path) -> None:
     receiver = Receiver()
     try:
         url = f"http://127.0.0.2:{receiver.port}/hook?token=s3cret"
-        call_id = httpx.post(
+        call_id = httpcalls.post(
             f"{gw.url}/async-function/callee",
             content=b"hi",
             headers={"X-Callback-Url": url},
@@ -246,7 +252,7 @@ def test_a_callback_host_off_the_allow_list_is_refused_at_once(stack: Stack) -> 
     stack.deploy("callee", image=CALLEE)
     gw = stack.gateway()
     for url in ("http://example.com/hook", "http://127.0.0.3/hook", "ftp://127.0.0.2/x"):
-        answer = httpx.post(
+        answer = httpcalls.post(
             f"{gw.url}/async-function/callee", headers={"X-Callback-Url": url}, timeout=10
         )
         assert answer.status_code == 400, url
@@ -263,7 +269,7 @@ def test_a_callback_to_corrals_own_listeners_or_nodes_is_refused(stack: Stack) -
         "http://127.0.0.1:9/": "node node1's address",  # the agent's host
     }
     for url, why in targets.items():
-        call_id = httpx.post(
+        call_id = httpcalls.post(
             f"{gw.url}/async-function/callee", headers={"X-Callback-Url": url}, timeout=10
         ).headers["x-call-id"]
         call = _callback_over(stack, call_id)
@@ -279,12 +285,12 @@ def test_a_full_calls_queue_is_answered_429(broker_env: Env) -> None:
     deploy_fn(broker_env, "fn")
     gateway = serve_gateway(broker_env.settings, "127.0.0.1:0", queue=HereFirst(QUEUE), calls=CALLS)
     try:
-        assert httpx.post(f"{gateway.url}/async-function/fn", timeout=10).status_code == 202
-        full = httpx.post(f"{gateway.url}/async-function/fn", content=b"x", timeout=10)
+        assert httpcalls.post(f"{gateway.url}/async-function/fn", timeout=10).status_code == 202
+        full = httpcalls.post(f"{gateway.url}/async-function/fn", content=b"x", timeout=10)
         assert full.status_code == 429 and full.headers["retry-after"]
         with broker_env.db.read() as s:
             assert s.scalar(select(func.count()).select_from(Call)) == 1  # nothing stored
-        text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+        text = httpcalls.get(f"{gateway.url}/metrics", timeout=10).text
         assert 'corral_gateway_calls_total{code="429",function="fn"} 1.0' in text
         assert 'corral_gateway_calls_total{code="202",function="fn"} 1.0' in text
         assert "corral_gateway_call_accept_seconds_count 1.0" in text
@@ -295,7 +301,7 @@ def test_a_full_calls_queue_is_answered_429(broker_env: Env) -> None:
 def test_calls_are_listed_shown_and_purged_from_the_command_line(stack: Stack) -> None:
     stack.deploy("callee", image=CALLEE)
     gw = stack.gateway()
-    accepted = httpx.post(f"{gw.url}/async-function/callee", content=b"hi", timeout=30)
+    accepted = httpcalls.post(f"{gw.url}/async-function/callee", content=b"hi", timeout=30)
     call_id = accepted.headers["x-call-id"]
     _finished(stack, call_id)
 
@@ -331,9 +337,9 @@ def test_a_calls_attempts_are_spans_of_the_callers_trace(stack: Stack) -> None:
         stack.deploy("callee", image=CALLEE)
         gw = stack.gateway()
         parent = {"traceparent": f"00-{CALLER_TRACE}-00f067aa0ba902b7-01"}
-        call_id = httpx.post(f"{gw.url}/async-function/callee", headers=parent, timeout=30).headers[
-            "x-call-id"
-        ]
+        call_id = httpcalls.post(
+            f"{gw.url}/async-function/callee", headers=parent, timeout=30
+        ).headers["x-call-id"]
         _finished(stack, call_id)
 
         def spans() -> dict[str, ReadableSpan] | None:
@@ -369,13 +375,13 @@ def test_an_answer_is_kept_up_to_its_bound_and_marked_cut(stack: Stack) -> None:
     stack.env.set(calls_answer_max=40)
     stack.deploy("callee", image=CALLEE)
     gw = stack.gateway()
-    call_id = httpx.post(f"{gw.url}/async-function/callee", content=b"x" * 500, timeout=30).headers[
-        "x-call-id"
-    ]
+    call_id = httpcalls.post(
+        f"{gw.url}/async-function/callee", content=b"x" * 500, timeout=30
+    ).headers["x-call-id"]
     call = _finished(stack, call_id)
     assert call.status == CallStatus.SUCCEEDED
     assert call.answer_truncated and len(call.answer_body or b"") == 40
-    shown = httpx.get(f"{gw.url}/calls/{call_id}", timeout=10)
+    shown = httpcalls.get(f"{gw.url}/calls/{call_id}", timeout=10)
     assert shown.headers["x-call-answer-truncated"] == "true"
     assert len(shown.content) == 40 and shown.headers["content-length"] == "40"
     stack.settled()
@@ -387,7 +393,9 @@ def test_a_call_whose_function_was_removed_before_it_ran_is_dead_at_once(
     deploy_fn(broker_env, "fn")
     gateway = serve_gateway(broker_env.settings, "127.0.0.1:0", queue=HereFirst(QUEUE), calls=CALLS)
     try:
-        call_id = httpx.post(f"{gateway.url}/async-function/fn", timeout=10).headers["x-call-id"]
+        call_id = httpcalls.post(f"{gateway.url}/async-function/fn", timeout=10).headers[
+            "x-call-id"
+        ]
     finally:
         gateway.stop()
     api.remove_function("fn")

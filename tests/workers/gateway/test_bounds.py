@@ -26,6 +26,7 @@ import httpx
 import psutil
 import pytest
 
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack, gateway_process_on_port_0, wait_healthy
 from tests.workers.gateway.gateway_process import Gateway
@@ -111,7 +112,7 @@ def test_a_request_head_over_64_kib_is_431_and_closed(stack: Stack) -> None:
 def test_a_body_that_stops_arriving_is_408_and_claims_nothing(stack: Stack) -> None:
     stack.deploy("echo", image="examples.echo")
     gw = stack.gateway(gateway_read_timeout_s=1.0)
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
     stack.settled()
     with _connect(gw.url) as sock:
         sock.sendall(_post_head("/function/echo", 1000) + b"only ten b")
@@ -131,7 +132,7 @@ def test_an_unknown_function_is_404_before_its_body_is_read(stack: Stack) -> Non
 def test_request_bodies_held_at_once_are_capped_in_all(stack: Stack) -> None:
     stack.deploy("echo", image="examples.echo")
     gw = stack.gateway(gateway_body_budget=1 * MiB, gateway_read_timeout_s=30.0)
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
     with _connect(gw.url) as first, _connect(gw.url) as second:
         first.sendall(_post_head("/function/echo", 700 * 1024) + b"a" * 600 * 1024)
         eventually(  # its bytes are charged to the budget as they arrive
@@ -146,7 +147,7 @@ def test_request_bodies_held_at_once_are_capped_in_all(stack: Stack) -> None:
     # given back once its answer is sent (or its caller gone), not as its head arrives here
     # (cis604: a body posted at once met the first one's bytes still held, and a 503)
     eventually(lambda: gw.app.gateway.bodies.held == 0, 10, "the budget given back")
-    again = httpx.post(f"{gw.url}/function/echo", content=b"b" * 600 * 1024, timeout=60)
+    again = httpcalls.post(f"{gw.url}/function/echo", content=b"b" * 600 * 1024, timeout=60)
     assert again.status_code == 200 and len(again.content) == 600 * 1024
     stack.settled()
 
@@ -154,7 +155,7 @@ def test_request_bodies_held_at_once_are_capped_in_all(stack: Stack) -> None:
 def test_a_caller_that_never_reads_its_answer_holds_no_environment(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway(gateway_keep_s=0.0, gateway_send_timeout_s=1.0, gateway_timeout_s=60.0)
-    assert httpx.get(f"{gw.url}/function/reflect", timeout=60).status_code == 200  # warm
+    assert httpcalls.get(f"{gw.url}/function/reflect", timeout=60).status_code == 200  # warm
     stack.settled()
     with _connect(gw.url) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -163,7 +164,7 @@ def test_a_caller_that_never_reads_its_answer_holds_no_environment(stack: Stack)
         eventually(lambda: stack.claims() > 0, 10, "the unread call's claim")
         # ...and given back after the send timeout (the call timeout, 60 s, is not what frees it)
         eventually(lambda: stack.claims() == 0, 8, "the claim of a caller that never reads")
-    answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)  # the replica serves again
+    answer = httpcalls.get(f"{gw.url}/function/reflect", timeout=60)  # the replica serves again
     assert answer.status_code == 200
     assert len(stack.replicas("reflect")) == 1
     stack.settled()
@@ -210,7 +211,7 @@ def test_a_gateway_process_keeps_its_memory_under_unauthenticated_half_sent_and_
         eventually(_settled(proc.pid), 30, "the gateway's memory to settle")
         grown = _rss_mib(proc.pid) - base
         assert grown < 128, f"the gateway grew {grown:.0f} MiB"  # 64 MiB budget + buffers
-        assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+        assert httpcalls.get(f"{url}/healthz", timeout=5).status_code == 200
     finally:
         for sock in held:
             sock.close()
@@ -275,7 +276,7 @@ def test_a_gateway_process_takes_4_mib_of_trailers_in_64_mib_and_forwards_none(
     try:
         wait_healthy(gateway.url)
         auth = {"authorization": "Bearer t0ken"}
-        assert httpx.get(f"{gateway.url}/function/reflect", headers=auth, timeout=60).is_success
+        assert httpcalls.get(f"{gateway.url}/function/reflect", headers=auth, timeout=60).is_success
         gateway.reset_peak()
         base = gateway.kib("VmHWM")
         with _connect(gateway.url) as sock:
@@ -291,7 +292,7 @@ def test_a_gateway_process_takes_4_mib_of_trailers_in_64_mib_and_forwards_none(
         print(f"4 MiB of trailers: the gateway's peak grew {grown:.1f} MiB")
         assert not answer.startswith(b"HTTP/1.1 200 "), answer[:200]  # nothing was forwarded
         assert grown <= 64, f"the gateway grew {grown:.0f} MiB for {sent} bytes of trailers"
-        assert httpx.get(f"{gateway.url}/function/reflect", headers=auth, timeout=60).is_success
+        assert httpcalls.get(f"{gateway.url}/function/reflect", headers=auth, timeout=60).is_success
     finally:
         proc.terminate()
         proc.wait(15)
@@ -300,7 +301,7 @@ def test_a_gateway_process_takes_4_mib_of_trailers_in_64_mib_and_forwards_none(
 def test_seven_dripping_bodies_leave_another_callers_post_answered(stack: Stack) -> None:
     stack.deploy("echo", image="examples.echo")
     gw = stack.gateway()
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
     with contextlib.ExitStack() as held:
         for size in [10 * MiB] * 6 + [4 * MiB]:  # announced: the whole 64 MiB budget
             sock = held.enter_context(_connect(gw.url, "127.0.0.2"))
@@ -327,7 +328,7 @@ def test_a_body_slower_than_the_minimum_rate_is_408_after_its_grace(
     if warm:
         stack.warm(gw, "echo")
     else:
-        assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+        assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
         stack.settled()
     stop = threading.Event()
     with _connect(gw.url) as sock:
@@ -360,7 +361,7 @@ def test_a_body_slower_than_the_minimum_rate_is_408_after_its_grace(
 def test_one_peers_bodies_hold_at_most_its_share_of_the_budget(stack: Stack) -> None:
     stack.deploy("echo", image="examples.echo")
     gw = stack.gateway(gateway_body_per_peer=1 * MiB, gateway_read_timeout_s=30.0)
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
+    assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # known
     with _connect(gw.url, "127.0.0.2") as first, _connect(gw.url, "127.0.0.2") as second:
         first.sendall(_post_head("/function/echo", 2 * MiB) + b"a" * 900 * 1024)
         eventually(lambda: gw.app.gateway.bodies.held >= 900 * 1024, 10, "the first body")

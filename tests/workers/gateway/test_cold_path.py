@@ -12,7 +12,6 @@ import json
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 import redis
 
@@ -20,6 +19,7 @@ from agents import ProcessDriver, RunningAgent, serve_fcdaemon
 from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HERE_THREADS, HereFirst
+from testkit import httpcalls
 from tests.fixtures import Env
 from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
@@ -53,7 +53,7 @@ def test_the_gateway_carries_out_its_cold_start_and_is_told_when_it_is_ready(
     )
     try:
         started = time.monotonic()
-        answer = httpx.get(f"{gateway.url}/function/hello", timeout=60)
+        answer = httpcalls.get(f"{gateway.url}/function/hello", timeout=60)
         took = time.monotonic() - started
     finally:
         gateway.stop()
@@ -84,7 +84,7 @@ def test_a_cold_start_not_carried_out_here_waits_in_the_broker_for_a_worker(
         queue=queue,
     )
     try:
-        answer = httpx.get(f"{gateway.url}/function/hello", timeout=60)
+        answer = httpcalls.get(f"{gateway.url}/function/hello", timeout=60)
     finally:
         gateway.stop()
     assert answer.status_code == 503  # its spawn's message waits for a worker

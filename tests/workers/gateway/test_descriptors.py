@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.helpers import spawn_ok
 from tests.workers.gateway.conftest import Stack, gateway_process_on_port_0
@@ -47,7 +48,7 @@ def _started(port: int) -> None:
 
     def healthy() -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            return httpcalls.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
         return False
 
     eventually(healthy, 120, "the gateway to start", poll=0.1)

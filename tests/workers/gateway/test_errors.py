@@ -15,6 +15,7 @@ from sqlalchemy import text
 
 from corral import api
 from corral.cli import main
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import HOSTILE, WARM_WAIT_S, Stack
 from workers.gateway import ListenRefused, check_listen
@@ -24,7 +25,7 @@ from workers.store.models import ReplicaState
 def test_unknown_function_is_404_and_starts_nothing(stack: Stack) -> None:
     gw = stack.gateway()
     for path in ("/function/ghost", "/function/ghost/x?y=1", "/function/Not_A_Name"):
-        answer = httpx.get(gw.url + path, timeout=30)
+        answer = httpcalls.get(gw.url + path, timeout=30)
         assert answer.status_code == 404, path
         assert "unknown function" in answer.text or "function name" in answer.text
     assert stack.creates() == 0
@@ -33,16 +34,16 @@ def test_unknown_function_is_404_and_starts_nothing(stack: Stack) -> None:
 def test_a_body_over_the_limit_is_413_before_anything_is_claimed(stack: Stack) -> None:
     stack.deploy("echo", image="examples.echo")
     gw = stack.gateway(gateway_max_body=1000)
-    ok = httpx.post(f"{gw.url}/function/echo", content=b"x" * 1000, timeout=60)
+    ok = httpcalls.post(f"{gw.url}/function/echo", content=b"x" * 1000, timeout=60)
     assert ok.status_code == 200 and ok.content == b"x" * 1000
-    announced = httpx.post(f"{gw.url}/function/echo", content=b"x" * 1001, timeout=30)
+    announced = httpcalls.post(f"{gw.url}/function/echo", content=b"x" * 1001, timeout=30)
     assert announced.status_code == 413
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
         for _ in range(20):
             yield b"y" * 100
 
-    streamed = httpx.post(f"{gw.url}/function/echo", content=chunked(), timeout=30)
+    streamed = httpcalls.post(f"{gw.url}/function/echo", content=chunked(), timeout=30)
     assert streamed.status_code == 413
     assert stack.creates() == 1
     stack.settled()
@@ -52,7 +53,7 @@ def test_no_replica_within_the_cold_start_timeout_is_503_with_retry_after(stack:
     stack.deploy("never", readiness="guest")  # no guest ever says READY here
     gw = stack.gateway(gateway_cold_start_timeout_s=1.0)
     started = time.monotonic()
-    answer = httpx.get(f"{gw.url}/function/never", timeout=30)
+    answer = httpcalls.get(f"{gw.url}/function/never", timeout=30)
     assert answer.status_code == 503
     assert int(answer.headers["retry-after"]) > 0
     assert "no ready replica of never after 1s" in answer.text
@@ -84,7 +85,7 @@ def test_a_lock_held_past_the_lock_timeout_delays_a_cold_start_instead_of_failin
     try:
         assert held.wait(10)
         started = time.monotonic()
-        answer = httpx.get(f"{gw.url}/function/hello", timeout=60)
+        answer = httpcalls.get(f"{gw.url}/function/hello", timeout=60)
         # before: 503 "the store is unavailable" at the lock timeout, with 20 s still left
         assert answer.status_code == 200, answer.text
         assert time.monotonic() - started >= stack.env.settings.db_lock_timeout_s
@@ -105,7 +106,7 @@ def test_a_replica_that_fails_is_retired_and_an_idempotent_request_retried(stack
     assert bad.vmid is not None
     stack.kill_vm(bad.vmid)
 
-    answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)
+    answer = httpcalls.get(f"{gw.url}/function/reflect", timeout=60)
     assert answer.status_code == 200  # served by a replica other than the dead one
     assert answer.headers["x-reflect-vmid"] not in (bad.vmid, "")
     rows = {r.id: r for r in stack.replicas("reflect")}
@@ -141,14 +142,14 @@ def test_a_warm_idempotent_call_whose_replica_closes_unanswered_is_answered_by_a
             "both replicas lent to HAProxy",
         )
     flag = tmp_path / "hung-up"
-    answer = httpx.get(f"{gw.url}/function/hostile/hangup?flag={flag}", timeout=60)
+    answer = httpcalls.get(f"{gw.url}/function/hostile/hangup?flag={flag}", timeout=60)
     assert flag.exists()  # a replica did close it unanswered
     if gw.warm is not None:
         assert gw.warm.router is not None
         assert answer.status_code == 502
         demoted = gw.warm.router.counts.demoted
         eventually(lambda: "hostile" in demoted, WARM_WAIT_S, "hostile demoted")
-        assert httpx.get(f"{gw.url}/function/hostile", timeout=60).status_code == 200
+        assert httpcalls.get(f"{gw.url}/function/hostile", timeout=60).status_code == 200
         return
     assert (answer.status_code, answer.text) == (200, "ok")  # another replica answered
     (retired,) = eventually(
@@ -158,7 +159,7 @@ def test_a_warm_idempotent_call_whose_replica_closes_unanswered_is_answered_by_a
     )
     assert (retired.error or "").startswith("suspect: ")
     assert retired.status in (ReplicaState.DELETING, ReplicaState.DELETED)
-    assert httpx.get(f"{gw.url}/function/hostile", timeout=60).status_code == 200
+    assert httpcalls.get(f"{gw.url}/function/hostile", timeout=60).status_code == 200
 
 
 def test_a_non_idempotent_request_to_a_failed_replica_is_502_without_retry(stack: Stack) -> None:
@@ -168,7 +169,7 @@ def test_a_non_idempotent_request_to_a_failed_replica_is_502_without_retry(stack
     (bad,) = stack.replicas("reflect")
     assert bad.vmid is not None
     stack.kill_vm(bad.vmid)
-    answer = httpx.post(f"{gw.url}/function/reflect", content=b"once", timeout=60)
+    answer = httpcalls.post(f"{gw.url}/function/reflect", content=b"once", timeout=60)
     assert answer.status_code == 502
     assert "failed to answer" in answer.text
     assert stack.creates() == 1  # not tried again: no cold start for a second replica
@@ -180,7 +181,7 @@ def test_a_non_idempotent_request_to_a_failed_replica_is_502_without_retry(stack
 def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
     stack.deploy("echo", image="examples.echo", max=1, exec_envs=1)
     gw = stack.gateway(gateway_queue=2)
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # warm
+    assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # warm
 
     async def gauge(name: str, value: int) -> None:
         """Until the gateway's metric ``name`` for echo reads ``value``."""
@@ -188,7 +189,7 @@ def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
         metrics = f"{gw.url}/metrics"
 
         def shown() -> bool:
-            return line in httpx.get(metrics, timeout=30).text
+            return line in httpcalls.get(metrics, timeout=30).text
 
         await asyncio.to_thread(eventually, shown, 10, line)
 
@@ -217,7 +218,7 @@ def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
 def test_a_call_past_the_timeout_is_504_and_releases(stack: Stack) -> None:
     stack.deploy("echo", image="examples.echo")
     gw = stack.gateway(gateway_timeout_s=1.0)
-    answer = httpx.get(f"{gw.url}/function/echo?delay=5", timeout=30)
+    answer = httpcalls.get(f"{gw.url}/function/echo?delay=5", timeout=30)
     assert answer.status_code == 504
     stack.settled()
     (row,) = stack.replicas("echo")
@@ -227,17 +228,17 @@ def test_a_call_past_the_timeout_is_504_and_releases(stack: Stack) -> None:
 def test_a_token_is_required_and_not_forwarded(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway(gateway_token=SecretStr("s3cret"))
-    assert httpx.get(f"{gw.url}/function/reflect", timeout=30).status_code == 401
+    assert httpcalls.get(f"{gw.url}/function/reflect", timeout=30).status_code == 401
     wrong = {"Authorization": "Bearer nope"}
-    assert httpx.get(f"{gw.url}/function/reflect", headers=wrong, timeout=30).status_code == 401
-    assert httpx.get(f"{gw.url}/metrics", timeout=30).status_code == 401
-    assert httpx.get(f"{gw.url}/healthz", timeout=30).status_code == 200
+    assert httpcalls.get(f"{gw.url}/function/reflect", headers=wrong, timeout=30).status_code == 401
+    assert httpcalls.get(f"{gw.url}/metrics", timeout=30).status_code == 401
+    assert httpcalls.get(f"{gw.url}/healthz", timeout=30).status_code == 200
     assert stack.creates() == 0
     right = {"Authorization": "Bearer s3cret"}
-    answer = httpx.get(f"{gw.url}/function/reflect", headers=right, timeout=60)
+    answer = httpcalls.get(f"{gw.url}/function/reflect", headers=right, timeout=60)
     assert answer.status_code == 200
     assert "authorization" not in answer.json()["headers"]
-    assert httpx.get(f"{gw.url}/metrics", headers=right, timeout=30).status_code == 200
+    assert httpcalls.get(f"{gw.url}/metrics", headers=right, timeout=30).status_code == 200
 
 
 def test_no_listening_off_loopback_without_a_token(

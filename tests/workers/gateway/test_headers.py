@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from testkit import httpcalls
 from tests.workers.gateway.conftest import Stack
 from workers.gateway.headers import (
     Trusted,
@@ -59,7 +60,9 @@ def test_an_untrusted_peers_forwarding_headers_are_replaced_not_passed_on(stack:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()  # no trusted proxies: loopback peers are callers like any other
     stack.warm(gw, "reflect")
-    seen = httpx.get(f"{gw.url}/function/reflect", headers=SPOOFED, timeout=60).json()["headers"]
+    seen = httpcalls.get(f"{gw.url}/function/reflect", headers=SPOOFED, timeout=60).json()[
+        "headers"
+    ]
     stack.carried(gw, "reflect", 1)
     assert seen["x-forwarded-for"] == "127.0.0.1"  # the peer, as the gateway saw it
     assert seen["x-forwarded-proto"] == "http"
@@ -74,7 +77,9 @@ def test_a_trusted_proxys_forwarding_headers_are_kept_with_the_peer_appended(
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway(gateway_trusted_proxies="10.0.0.0/8, 127.0.0.1")
     stack.warm(gw, "reflect")
-    seen = httpx.get(f"{gw.url}/function/reflect", headers=SPOOFED, timeout=60).json()["headers"]
+    seen = httpcalls.get(f"{gw.url}/function/reflect", headers=SPOOFED, timeout=60).json()[
+        "headers"
+    ]
     stack.carried(gw, "reflect", 1)
     assert seen["x-forwarded-for"] == "6.6.6.6, 127.0.0.1"
     assert seen["x-forwarded-proto"] == "https"
@@ -88,7 +93,7 @@ def test_hop_by_hop_and_connection_named_headers_stop_at_the_gateway(stack: Stac
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
     stack.warm(gw, "reflect")
-    answer = httpx.get(
+    answer = httpcalls.get(
         f"{gw.url}/function/reflect?header=Connection:+x-replica-hop&header=X-Replica-Hop:+1"
         "&header=X-Kept:+yes",
         headers={
@@ -108,7 +113,7 @@ def test_hop_by_hop_and_connection_named_headers_stop_at_the_gateway(stack: Stac
     assert "x-replica-hop" not in answer.headers  # named in the replica's Connection:
     # and a warm call's answer (HAProxy carries it): the replica's hop-by-hop headers go
     stack.routed(gw, "reflect")  # the call above took the environment back from HAProxy
-    plain = httpx.get(
+    plain = httpcalls.get(
         f"{gw.url}/function/reflect?header=Connection:+x-replica-hop&header=X-Replica-Hop:+1"
         "&header=Keep-Alive:+timeout%3D5&header=Proxy-Connection:+keep-alive&header=X-Kept:+yes",
         timeout=60,
@@ -299,7 +304,7 @@ def test_a_warm_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> Non
         "deep=1; Path=/app; Domain=127.0.0.1",
         "odd=1;path=nothing; secure",
     ]
-    answer = httpx.get(
+    answer = httpcalls.get(
         f"{gw.url}/function/reflect", params=[("set-cookie", c) for c in given], timeout=60
     )
     stack.carried(gw, "reflect", 1)  # with HAProxy: this call was warm

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
-
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from tests.workers.gateway.gateway_process import AUTH, gateway_process
@@ -20,7 +19,7 @@ def test_a_101_is_refused_without_a_traceback_and_its_replica_kept(
     stack: Stack, tmp_path: Path
 ) -> None:
     with gateway_process(stack, tmp_path) as gateway:
-        answer = httpx.get(f"{gateway.url}/function/evil/upgrade", headers=AUTH, timeout=30)
+        answer = httpcalls.get(f"{gateway.url}/function/evil/upgrade", headers=AUTH, timeout=30)
         log = gateway.log.read_text(errors="replace")
         assert "Traceback" not in log and "HttpParserUpgrade" not in log, log[-2000:]
         assert answer.status_code == 502

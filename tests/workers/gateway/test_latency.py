@@ -13,6 +13,7 @@ import time
 
 import httpx
 
+from testkit import httpcalls
 from tests.workers.gateway.conftest import Stack
 
 CALLS = 50
@@ -39,7 +40,7 @@ def _keepalive_calls(url: str, n: int) -> list[float]:
 def test_fifty_keepalive_calls_through_the_gateway_and_direct_never_stall(stack: Stack) -> None:
     stack.deploy("hello", max=1)
     gw = stack.gateway(gateway_keep_s=30.0)
-    assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200  # warm
+    assert httpcalls.get(f"{gw.url}/function/hello", timeout=60).status_code == 200  # warm
     (replica,) = stack.replicas("hello")
     assert replica.address
 

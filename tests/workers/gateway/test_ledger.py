@@ -13,6 +13,7 @@ import httpx
 import redis
 
 from corral import api
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.autoscale import demand
@@ -40,10 +41,10 @@ def _rows(stack: Stack) -> list[Claim]:
 def test_a_second_request_reuses_the_held_claim_without_a_new_claim_row(stack: Stack) -> None:
     stack.deploy("hello", max=2)
     gw = stack.gateway(gateway_keep_s=5.0)
-    assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
+    assert httpcalls.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
     (first,) = _rows(stack)
     for _ in range(5):
-        assert httpx.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
+        assert httpcalls.get(f"{gw.url}/function/hello", timeout=60).status_code == 200
     (again,) = _rows(stack)
     assert (again.id, again.created_at) == (first.id, first.created_at)  # the same claim row
     assert set(gw.app.gateway.ledger.held) == {first.id}
@@ -68,7 +69,7 @@ def test_the_keep_window_gives_unused_environments_back(stack: Stack) -> None:
     # a keep window long enough that "right after" the four calls is within it also on a
     # busy machine (at 1 s a loaded run read the four claims, then an idle replica)
     gw = stack.gateway(gateway_keep_s=4.0)
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # cold start
+    assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200  # cold start
     assert _get_at_once(f"{gw.url}/function/echo?delay=0.3", 4) == [200] * 4
     assert stack.claims() == 4  # all four held right after
     (replica,) = stack.replicas("echo")
@@ -78,7 +79,7 @@ def test_the_keep_window_gives_unused_environments_back(stack: Stack) -> None:
     ended = [0.0]
 
     def one_kept() -> set[str]:
-        assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
+        assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
         ended[0] = time.monotonic()
         kept = {c.id for c in _rows(stack)}
         return kept if len(kept) == 1 else set()
@@ -118,7 +119,7 @@ def test_held_claims_are_renewed_past_their_ttl_in_use_and_idle(stack: Stack) ->
     )
     assert claims.expire(stack.env.db, stack.env.settings) == 0
     assert still.id == held.id
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
+    assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
     assert {c.id for c in _rows(stack)} == {held.id}  # and it serves again
 
 
@@ -131,7 +132,7 @@ def test_a_failed_replica_leaves_the_pool_with_all_its_claims(stack: Stack) -> N
     assert [c.replica_id for c in _rows(stack)] == [bad.id, bad.id]  # both held, idle
     assert bad.vmid is not None
     stack.kill_vm(bad.vmid)
-    answer = httpx.get(f"{gw.url}/function/echo", timeout=60)
+    answer = httpcalls.get(f"{gw.url}/function/echo", timeout=60)
     assert answer.status_code == 200  # tried on a pooled claim of bad, then elsewhere
     rows = {r.id: r for r in stack.replicas("echo")}
     assert rows[bad.id].status in (ReplicaState.DELETING, ReplicaState.DELETED)
@@ -146,7 +147,7 @@ def test_a_failed_replica_leaves_the_pool_with_all_its_claims(stack: Stack) -> N
 def test_a_replica_retired_elsewhere_leaves_the_pool_at_the_next_renewal(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect", max=3, exec_envs=2)
     gw = stack.gateway(gateway_keep_s=60.0, gateway_claim_ttl_s=1.5)
-    first = httpx.get(f"{gw.url}/function/reflect", timeout=60)
+    first = httpcalls.get(f"{gw.url}/function/reflect", timeout=60)
     assert first.status_code == 200
     (replica,) = stack.replicas("reflect")
     other = api.claim("reflect")  # its second environment, claimed by someone else...
@@ -154,7 +155,7 @@ def test_a_replica_retired_elsewhere_leaves_the_pool_at_the_next_renewal(stack: 
     api.suspect(other["claim_id"], "suspect: seen failing elsewhere")  # ...who retires it
     # renewal (every 0.5 s) saw it Deleting or gone
     eventually(lambda: gw.app.gateway.ledger.held == {}, 10, "the retired replica's claim out")
-    answer = httpx.get(f"{gw.url}/function/reflect", timeout=60)
+    answer = httpcalls.get(f"{gw.url}/function/reflect", timeout=60)
     assert answer.status_code == 200
     assert answer.headers["x-reflect-vmid"] != first.headers["x-reflect-vmid"]
 

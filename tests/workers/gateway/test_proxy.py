@@ -12,6 +12,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack
 from workers.autoscale import demand
@@ -30,17 +31,17 @@ def test_a_function_at_zero_replicas_is_answered_by_a_cold_start(stack: Stack) -
     stack.deploy("hello", max=3)
     gw = stack.gateway()
     assert stack.replicas("hello") == []
-    first = httpx.get(f"{gw.url}/function/hello", timeout=60)
+    first = httpcalls.get(f"{gw.url}/function/hello", timeout=60)
     assert first.status_code == 200 and first.text == "hello from corral\n"
     assert stack.claims() == 1  # kept by the gateway for its next request...
     stack.settled()  # ...and given back after its keep window
     (replica,) = stack.replicas("hello")
     assert (replica.status, replica.envs_in_use) == (ReplicaState.IDLE, 0)
-    second = httpx.get(f"{gw.url}/function/hello/any/path?x=1", timeout=60)
+    second = httpcalls.get(f"{gw.url}/function/hello/any/path?x=1", timeout=60)
     assert second.status_code == 200
     assert len(stack.replicas("hello")) == 1 and stack.creates() == 1  # warm: no new replica
 
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = httpcalls.get(f"{gw.url}/metrics", timeout=10).text
     assert _metric(text, 'corral_function_invocations_total{code="200",function="hello"}') == 2
     assert _metric(text, 'corral_cold_starts_total{function="hello"}') == 1
     assert _metric(text, 'corral_cold_start_seconds_count{function="hello"}') == 1
@@ -52,7 +53,7 @@ def test_a_function_at_zero_replicas_is_answered_by_a_cold_start(stack: Stack) -
 def test_method_path_query_headers_and_body_are_forwarded(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
-    answer = httpx.request(
+    answer = httpcalls.request(
         "PATCH",
         f"{gw.url}/function/reflect/a/b%20c?q=1&q=2&x=%2F",
         headers={"X-Custom": "yes", "Connection": "keep-alive"},
@@ -76,13 +77,13 @@ def test_a_replicas_cookies_go_to_its_caller_only(stack: Stack) -> None:
     """The gateway's own HTTP client keeps no cookie: none reaches another caller."""
     stack.deploy("reflect", image="examples.reflect")
     gw = stack.gateway()
-    first = httpx.get(f"{gw.url}/function/reflect?set-cookie=session=alice", timeout=60)
+    first = httpcalls.get(f"{gw.url}/function/reflect?set-cookie=session=alice", timeout=60)
     assert first.status_code == 200
     assert first.headers["set-cookie"] == "session=alice; Path=/function/reflect"  # its caller
-    second = httpx.get(f"{gw.url}/function/reflect", timeout=60)  # another caller
+    second = httpcalls.get(f"{gw.url}/function/reflect", timeout=60)  # another caller
     assert second.status_code == 200
     assert "cookie" not in second.json()["headers"]
-    third = httpx.get(f"{gw.url}/function/reflect", cookies={"mine": "1"}, timeout=60)
+    third = httpcalls.get(f"{gw.url}/function/reflect", cookies={"mine": "1"}, timeout=60)
     assert third.json()["headers"]["cookie"] == "mine=1"  # a caller's own cookies go through
 
 
@@ -136,7 +137,7 @@ def test_a_client_that_goes_away_releases_its_claim(stack: Stack) -> None:
     # then): there the environment comes back once it has answered, not at once
     delay = 4 if stack.haproxy else 20
     with pytest.raises(httpx.ReadTimeout):
-        httpx.get(f"{gw.url}/function/echo?delay={delay}", timeout=1.0)  # gives up after 1 s
+        httpcalls.get(f"{gw.url}/function/echo?delay={delay}", timeout=1.0)  # gives up after 1 s
     # given back after its last use: HAProxy's once unused a whole window of its peaks (up
     # to two keep windows); the Python path's a keep window after the client went, long
     # before the replica would have answered, which it would have held the environment until
@@ -144,12 +145,12 @@ def test_a_client_that_goes_away_releases_its_claim(stack: Stack) -> None:
     (row,) = stack.replicas("echo")
     assert (row.id, row.status, row.envs_in_use) == (replica.id, ReplicaState.IDLE, 0)
     stack.carried(gw, "echo", 1)
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = httpcalls.get(f"{gw.url}/metrics", timeout=10).text
     if stack.haproxy:  # carried by HAProxy
         assert _metric(text, 'corral_warm_requests_total{function="echo"}') == 1
     else:
         assert _metric(text, 'corral_function_invocations_total{code="499",function="echo"}') == 1
-    again = httpx.get(f"{gw.url}/function/echo", timeout=60)  # the environment serves again
+    again = httpcalls.get(f"{gw.url}/function/echo", timeout=60)  # the environment serves again
     assert again.status_code == 200 and len(stack.replicas("echo")) == 1
 
 
@@ -203,7 +204,7 @@ def test_a_request_waiting_on_the_store_is_reported_while_it_waits(stack: Stack)
     answers: list[int] = []
 
     def call() -> None:
-        answers.append(httpx.get(f"{gw.url}/function/echo", timeout=60).status_code)
+        answers.append(httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code)
 
     def waiting_reported() -> demand.Demand | None:
         seen = demand.read(client, ["echo"])["echo"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 import redis
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -25,7 +24,7 @@ from config.settings import ConfigError
 from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
-from testkit import otlp_sink
+from testkit import httpcalls, otlp_sink
 from testkit.eventually import eventually
 from tests.fixtures import Env
 from tests.workers.replicas.helpers import deploy_fn
@@ -155,7 +154,7 @@ def test_a_cold_start_is_one_trace_from_request_to_first_byte(
     spans: InMemorySpanExporter,
     redis_url: str,
 ) -> None:
-    answer = httpx.get(
+    answer = httpcalls.get(
         f"{data_path.url}/function/traced",
         timeout=60,
         headers={"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"},
@@ -198,7 +197,7 @@ def test_a_cold_start_is_one_trace_from_request_to_first_byte(
     }
     for stage in WORKER_STAGES:
         assert samples[stage, f"{stages.METRIC}_count"] == 1, stage
-    text = httpx.get(f"{data_path.url}/metrics", timeout=10).text
+    text = httpcalls.get(f"{data_path.url}/metrics", timeout=10).text
     for stage in GATEWAY_STAGES:
         assert _metric(text, f'{stages.METRIC}_count{{stage="{stage}"}}') == 1, stage
 
@@ -212,10 +211,11 @@ def test_a_caller_without_the_token_opens_no_span(
     parent = {"traceparent": f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"}
     try:
         path = f"{gateway.url}/function/ghost/{'p' * 60_000}"
-        assert httpx.get(path, headers=parent, timeout=10).status_code == 401
+        assert httpcalls.get(path, headers=parent, timeout=10).status_code == 401
         token = {**parent, "authorization": "Bearer t0ken"}
         assert (
-            httpx.get(f"{gateway.url}/function/ghost", headers=token, timeout=10).status_code == 404
+            httpcalls.get(f"{gateway.url}/function/ghost", headers=token, timeout=10).status_code
+            == 404
         )
     finally:
         gateway.stop()

@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from corral import api
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.dataplanes import need
 from tests.fixtures import STORES, Env
@@ -96,7 +97,7 @@ def _lending(gw: RunningGateway, stack: Stack, name: str) -> str:
 
 def _python_calls(gw: RunningGateway, name: str) -> float:
     """Calls of ``name`` the gateway behind HAProxy answered itself."""
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = httpcalls.get(f"{gw.url}/metrics", timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -106,7 +107,7 @@ def _python_calls(gw: RunningGateway, name: str) -> float:
 
 def _warm_calls(gw: RunningGateway, name: str) -> float:
     """Calls of ``name`` HAProxy carried to its replicas (``corral_warm_requests_total``)."""
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = httpcalls.get(f"{gw.url}/metrics", timeout=10).text
     line = f'corral_warm_requests_total{{function="{name}"}} '
     return sum(float(x[len(line) :]) for x in text.splitlines() if x.startswith(line))
 
@@ -156,7 +157,7 @@ def test_demand_beyond_haproxy_goes_to_the_activator_and_comes_back_warm(
     # window is not asked back. (A CI run failed here, most likely so: asked back on
     # counters older than the call just started on it, it went to the activator, and a
     # cold start's claim made meanwhile stayed in the activator's pool, as fresh ones do.)
-    assert httpx.get(f"{gw.url}/function/echo?delay=0.5", timeout=30).status_code == 200
+    assert httpcalls.get(f"{gw.url}/function/echo?delay=0.5", timeout=30).status_code == 200
     eventually(lambda: _peak(gw, "echo") >= 1, WARM_WAIT_S, "the router to see the call")
     before = _python_calls(gw, "echo")
     # three at once: HAProxy has room for one, the activator takes two (and starts replicas)
@@ -212,7 +213,7 @@ def test_calls_handed_to_the_activator_are_counted_once(warm_stack: Stack) -> No
 
 def _read_all(url: str) -> None:
     """GET ``url`` and read its answer to the end."""
-    with httpx.stream("GET", url, timeout=30) as answer:
+    with httpcalls.stream("GET", url, timeout=30) as answer:
         assert answer.status_code == 200
         for _ in answer.iter_bytes():
             pass
@@ -234,7 +235,7 @@ def test_a_replica_haproxy_cannot_reach_is_retired_and_calls_go_elsewhere(
     assert row.vmid is not None
     warm_stack.kill_vm(row.vmid)
     # refused connections carried nothing: a POST goes to the other replica too
-    answer = httpx.post(f"{gw.url}/function/echo", content=b"once", timeout=60)
+    answer = httpcalls.post(f"{gw.url}/function/echo", content=b"once", timeout=60)
     # (cis86, two suites at once: HAProxy's own 502 once - the counters say which server)
     assert (answer.status_code, answer.content) == (200, b"once"), _haproxy_view(gw, "echo")
     rows = eventually(
@@ -245,7 +246,7 @@ def test_a_replica_haproxy_cannot_reach_is_retired_and_calls_go_elsewhere(
     assert rows[0].status in (ReplicaState.DELETING, ReplicaState.DELETED)
     assert (rows[0].error or "").startswith("suspect: haproxy could not reach it")
     eventually(lambda: bad not in router.routes["echo"].servers, 10, "its server gone")
-    assert httpx.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
+    assert httpcalls.get(f"{gw.url}/function/echo", timeout=60).status_code == 200
 
 
 def test_a_warm_call_whose_only_replica_fails_is_served_by_the_activator(
@@ -260,7 +261,7 @@ def test_a_warm_call_whose_only_replica_fails_is_served_by_the_activator(
     # rewritten for the replica already: the backup activator puts it back as the caller
     # sent it and serves it as the Python path does (a cold start of another replica)
     before = _python_calls(gw, "echo") + _warm_calls(gw, "echo")
-    answer = httpx.post(f"{gw.url}/function/echo?x=1", content=b"payload", timeout=60)
+    answer = httpcalls.post(f"{gw.url}/function/echo?x=1", content=b"payload", timeout=60)
     assert (answer.status_code, answer.content) == (200, b"payload")
     assert len(warm_stack.replicas("echo")) == 2
     route = _router(gw).routes.get("echo")
@@ -300,14 +301,14 @@ def test_a_function_whose_answer_haproxy_refused_takes_the_python_path(
     warm_stack.deploy("evil", image=HOSTILE, max=1, exec_envs=4)
     gw = warm_stack.gateway(gateway_keep_s=30.0)
     warm_stack.warm(gw, "evil", "/")
-    assert httpx.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
+    assert httpcalls.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
     router = _router(gw)
     eventually(lambda: "evil" in router.counts.demoted, 10, "evil demoted")
     eventually(lambda: "evil" not in router.routes, 10, "its backend given up")
     before = _python_calls(gw, "evil")
-    assert httpx.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
+    assert httpcalls.get(f"{gw.url}/function/evil/bomb?mib=1", timeout=30).status_code == 502
     assert _python_calls(gw, "evil") == before + 1  # refused by the gateway's own bounds
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = httpcalls.get(f"{gw.url}/metrics", timeout=10).text
     assert 'corral_warm_demoted{function="evil"} 1.0' in text
     assert 'corral_gateway_answers_refused_total{function="evil",reason="head_lines"}' in text
 
@@ -391,7 +392,7 @@ def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
             [(r.status.name, r.envs_in_use, r.error) for r in warm_stack.replicas("hello")]
         ),
     )
-    text = httpx.get(f"{gw.url}/metrics", timeout=10).text
+    text = httpcalls.get(f"{gw.url}/metrics", timeout=10).text
     for change in ("add", "remove"):
         line = f'corral_warm_route_change_seconds_count{{change="{change}"}}'
         assert line in text and float(text.split(line, 1)[1].split()[0]) >= 2, change

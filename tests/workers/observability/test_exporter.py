@@ -11,13 +11,13 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select, update
 
 from corral import api
+from testkit import httpcalls
 from testkit.services import free_port
 from tests.fixtures import Env, StartAgents
 from workers.autoscale.decision import Window
@@ -41,7 +41,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def scrape(url: str, **kw: object) -> Samples:
-    reply = httpx.get(url, timeout=10, **kw)  # type: ignore[arg-type]
+    reply = httpcalls.get(url, timeout=10, **kw)
     assert reply.status_code == 200, reply.text
     out: Samples = {}
     for family in text_string_to_metric_families(reply.text):
@@ -228,14 +228,14 @@ def test_a_source_that_does_not_answer_is_reported_not_fatal(env: Env) -> None:
 def test_a_token_guards_every_request(corral_env: Env) -> None:
     running = serve(corral_env.db, None, "127.0.0.1:0", token="s3cret-token")
     try:
-        assert httpx.get(running.url, timeout=30).status_code == 401
-        wrong = httpx.get(running.url, headers={"Authorization": "Bearer nope"}, timeout=30)
+        assert httpcalls.get(running.url, timeout=30).status_code == 401
+        wrong = httpcalls.get(running.url, headers={"Authorization": "Bearer nope"}, timeout=30)
         assert wrong.status_code == 401 and "s3cret" not in wrong.text
         got = scrape(running.url, headers={"Authorization": "Bearer s3cret-token"})
         assert value(got, "corral_exporter_source_up", source="store") == 1
         other = running.url.replace("/metrics", "/other")
         bearer = {"Authorization": "Bearer s3cret-token"}
-        assert httpx.get(other, headers=bearer, timeout=30).status_code == 404
+        assert httpcalls.get(other, headers=bearer, timeout=30).status_code == 404
     finally:
         running.stop()
 
