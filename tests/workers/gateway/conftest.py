@@ -20,6 +20,7 @@ whose gateway is a process of its own reads the data plane from :attr:`Stack.dat
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -170,6 +171,25 @@ class Stack:
             time.sleep(0.05)
         return time.monotonic() - started
 
+    def finish(self, timeout: float = 20.0) -> None:
+        """End the test: once no request of this test's gateways holds a claim, stop them
+        (they give back every claim they hold); then wait until the store holds none.
+
+        What :meth:`settled` shows without waiting out the keep window: a claim a request
+        kept, or one the store still has after its gateway gave back all it held, fails
+        the test. Claims of a gateway of another process (a worker's) still go back after
+        their keep window. A test of the keep window itself waits with :meth:`settled`.
+        """
+        for gw in self.gateways:
+            eventually(
+                functools.partial(_none_in_use, gw),
+                timeout,
+                "every request of the gateway to give its claim back",
+                detail=functools.partial(_in_use_said, gw),
+            )
+            gw.stop()
+        self.settled(timeout)
+
     def replicas(self, name: str) -> list[Replica]:
         """The function's replica rows, oldest first."""
         return replicas(self.env, name)
@@ -200,6 +220,28 @@ class Stack:
         (which dedups) answers it with the same VM: two calls, one VM.
         """
         return len({call.requestId for call in self.agent.agent.calls_of("CreateReplica")})
+
+
+def in_use(gw: RunningGateway) -> int:
+    """Claims the gateway holds with a request on them now: neither idle nor lent to HAProxy."""
+    ledger = gw.app.gateway.ledger
+    idle = sum(len(pool.idle) for pool in list(ledger.pools.values()))
+    router = gw.warm.router if gw.warm is not None else None
+    lent = 0
+    if router is not None:
+        servers = [
+            s for route in list(router.routes.values()) for s in list(route.servers.values())
+        ]
+        lent = sum(len(server.claims) for server in servers)
+    return len(ledger.held) - idle - lent
+
+
+def _none_in_use(gw: RunningGateway) -> bool:
+    return in_use(gw) == 0
+
+
+def _in_use_said(gw: RunningGateway) -> str:
+    return f"{in_use(gw)} claims in use"
 
 
 def _refused(where: tuple[str, int]) -> bool:

@@ -101,7 +101,7 @@ def test_a_call_is_accepted_then_its_answer_is_stored(stack: Stack, tmp_path: Pa
     assert answer["call_id"] == call_id and answer["attempt"] == 1  # the replica saw both
     assert answer["body"] == "payload"
     assert _ledger(ledger) == [(call_id, 1)]
-    stack.settled()  # the worker's gateway gives its claim back too
+    stack.finish()  # the worker's gateway gives its claim back too
 
 
 def test_a_pending_call_reads_202_and_an_unknown_one_404(stack: Stack, tmp_path: Path) -> None:
@@ -117,7 +117,7 @@ def test_a_pending_call_reads_202_and_an_unknown_one_404(stack: Stack, tmp_path:
     assert httpcalls.get(f"{gw.url}/calls/not-an-id", timeout=10).status_code == 404
     assert httpcalls.get(f"{gw.url}/calls/{call_id}/more", timeout=10).status_code == 404
     assert _finished(stack, call_id).status == CallStatus.SUCCEEDED
-    stack.settled()
+    stack.finish()
 
 
 def test_an_unknown_function_is_404_at_once_and_nothing_is_queued(stack: Stack) -> None:
@@ -163,7 +163,7 @@ def test_the_same_idempotency_key_twice_runs_once(stack: Stack, tmp_path: Path) 
     assert sorted(_ledger(ledger)) == sorted(
         [(first.headers["x-call-id"], 1), (other.headers["x-call-id"], 1)]
     )
-    stack.settled()
+    stack.finish()
 
 
 def test_a_failing_call_is_retried_then_answered(stack: Stack, tmp_path: Path) -> None:
@@ -176,7 +176,7 @@ def test_a_failing_call_is_retried_then_answered(stack: Stack, tmp_path: Path) -
     call = _finished(stack, call_id)
     assert (call.status, call.attempts, call.answer_status) == (CallStatus.SUCCEEDED, 2, 200)
     assert _ledger(ledger) == [(call_id, 1), (call_id, 2)]
-    stack.settled()
+    stack.finish()
 
 
 def test_a_call_answered_500_is_retried_then_dead_then_redriven_and_answered(
@@ -207,7 +207,7 @@ def test_a_call_answered_500_is_retried_then_dead_then_redriven_and_answered(
     assert (call.attempts, call.attempt_limit, call.redrives, call.answer_status) == (3, 4, 1, 200)
     assert _ledger(ledger) == [(call_id, 1), (call_id, 2), (call_id, 3)]
     assert httpcalls.get(f"{gw.url}/calls/{call_id}", timeout=10).status_code == 200
-    stack.settled()
+    stack.finish()
 
 
 KEY = "callback-k3y"
@@ -244,7 +244,7 @@ def test_a_callback_is_delivered_signed(stack: Stack, tmp_path: Path) -> None:
         assert shown["callback"]["url"] == f"http://127.0.0.2:{receiver.port}/hook?***"
     finally:
         receiver.close()
-    stack.settled()
+    stack.finish()
 
 
 def test_a_callback_host_off_the_allow_list_is_refused_at_once(stack: Stack) -> None:
@@ -276,7 +276,7 @@ def test_a_callback_to_corrals_own_listeners_or_nodes_is_refused(stack: Stack) -
         assert call.callback_state == "failed"
         assert call.callback_error is not None and why in call.callback_error, call.callback_error
         assert call.callback_attempts == 1  # refused, not retried
-    stack.settled()
+    stack.finish()
 
 
 def test_a_full_calls_queue_is_answered_429(broker_env: Env) -> None:
@@ -322,7 +322,7 @@ def test_calls_are_listed_shown_and_purged_from_the_command_line(stack: Stack) -
     assert run("calls", "purge", "--json") == {"purged": 0}  # finished just now: kept
     assert run("calls", "purge", "--older-than", "0", "--json") == {"purged": 1}
     assert _count(stack) == 0
-    stack.settled()
+    stack.finish()
 
 
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -368,7 +368,7 @@ def test_a_calls_attempts_are_spans_of_the_callers_trace(stack: Stack) -> None:
     finally:
         tracing.stop()
         provider.shutdown()
-    stack.settled()
+    stack.finish()
 
 
 def test_an_answer_is_kept_up_to_its_bound_and_marked_cut(stack: Stack) -> None:
@@ -384,7 +384,7 @@ def test_an_answer_is_kept_up_to_its_bound_and_marked_cut(stack: Stack) -> None:
     shown = httpcalls.get(f"{gw.url}/calls/{call_id}", timeout=10)
     assert shown.headers["x-call-answer-truncated"] == "true"
     assert len(shown.content) == 40 and shown.headers["content-length"] == "40"
-    stack.settled()
+    stack.finish()
 
 
 def test_a_call_whose_function_was_removed_before_it_ran_is_dead_at_once(

@@ -149,7 +149,7 @@ def test_request_bodies_held_at_once_are_capped_in_all(stack: Stack) -> None:
     eventually(lambda: gw.app.gateway.bodies.held == 0, 10, "the budget given back")
     again = httpcalls.post(f"{gw.url}/function/echo", content=b"b" * 600 * 1024, timeout=60)
     assert again.status_code == 200 and len(again.content) == 600 * 1024
-    stack.settled()
+    stack.finish()
 
 
 def test_a_caller_that_never_reads_its_answer_holds_no_environment(stack: Stack) -> None:
@@ -167,7 +167,7 @@ def test_a_caller_that_never_reads_its_answer_holds_no_environment(stack: Stack)
     answer = httpcalls.get(f"{gw.url}/function/reflect", timeout=60)  # the replica serves again
     assert answer.status_code == 200
     assert len(stack.replicas("reflect")) == 1
-    stack.settled()
+    stack.finish()
 
 
 def _rss_mib(pid: int) -> float:
@@ -263,7 +263,7 @@ def test_request_trailers_never_reach_the_replica(stack: Stack, warm: bool) -> N
     seen = json.loads(data.partition(b"\r\n\r\n")[2])
     assert seen["body"] == "hello"
     assert "cookie" not in seen["headers"] and "x-trailer" not in seen["headers"], seen
-    stack.settled()
+    stack.finish()
 
 
 def test_a_gateway_process_takes_4_mib_of_trailers_in_64_mib_and_forwards_none(
@@ -311,7 +311,7 @@ def test_seven_dripping_bodies_leave_another_callers_post_answered(stack: Stack)
         with httpx.Client(transport=transport, timeout=60) as client:
             answer = client.post(f"{gw.url}/function/echo", content=b"mine" * 1000)
         assert answer.status_code == 200 and answer.content == b"mine" * 1000
-    stack.settled()
+    stack.finish()
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
@@ -372,7 +372,7 @@ def test_one_peers_bodies_hold_at_most_its_share_of_the_budget(stack: Stack) -> 
         with httpx.Client(transport=transport, timeout=60) as client:  # another peer: served
             answer = client.post(f"{gw.url}/function/echo", content=b"c" * 900 * 1024)
         assert answer.status_code == 200 and len(answer.content) == 900 * 1024
-    stack.settled()
+    stack.finish()
 
 
 def test_each_peer_has_its_own_connection_caps_on_either_data_plane(stack: Stack) -> None:
@@ -398,4 +398,4 @@ def test_each_peer_has_its_own_connection_caps_on_either_data_plane(stack: Stack
 
     # one environment: the activator queues nine of them (no backend in HAProxy yet)
     assert asyncio.run(all_at_once()) == [200] * 10
-    stack.settled()
+    stack.finish()

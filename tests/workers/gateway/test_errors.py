@@ -46,7 +46,7 @@ def test_a_body_over_the_limit_is_413_before_anything_is_claimed(stack: Stack) -
     streamed = httpcalls.post(f"{gw.url}/function/echo", content=chunked(), timeout=30)
     assert streamed.status_code == 413
     assert stack.creates() == 1
-    stack.settled()
+    stack.finish()
 
 
 def test_no_replica_within_the_cold_start_timeout_is_503_with_retry_after(stack: Stack) -> None:
@@ -113,7 +113,7 @@ def test_a_replica_that_fails_is_retired_and_an_idempotent_request_retried(stack
     assert rows[bad.id].status in (ReplicaState.DELETING, ReplicaState.DELETED)
     assert (rows[bad.id].error or "").startswith("suspect: ")
     assert api.release(held["claim_id"])["released"]
-    stack.settled()
+    stack.finish()
 
 
 def test_a_warm_idempotent_call_whose_replica_closes_unanswered_is_answered_by_another(
@@ -212,7 +212,7 @@ def test_requests_beyond_the_queue_are_429(stack: Stack) -> None:
 
     assert asyncio.run(run()) == [429, 200, 200, 200]
     assert stack.creates() == 1
-    stack.settled()
+    stack.finish()
 
 
 def test_a_call_past_the_timeout_is_504_and_releases(stack: Stack) -> None:

@@ -68,7 +68,7 @@ def test_an_untrusted_peers_forwarding_headers_are_replaced_not_passed_on(stack:
     assert seen["x-forwarded-proto"] == "http"
     assert seen["x-forwarded-host"] == urlsplit(gw.url).netloc
     assert "forwarded" not in seen and "x-real-ip" not in seen
-    stack.settled()
+    stack.finish()
 
 
 def test_a_trusted_proxys_forwarding_headers_are_kept_with_the_peer_appended(
@@ -86,7 +86,7 @@ def test_a_trusted_proxys_forwarding_headers_are_kept_with_the_peer_appended(
     assert seen["x-forwarded-host"] == "evil.example"
     assert seen["forwarded"] == "for=6.6.6.6;proto=https"
     assert seen["x-real-ip"] == "6.6.6.6"
-    stack.settled()
+    stack.finish()
 
 
 def test_hop_by_hop_and_connection_named_headers_stop_at_the_gateway(stack: Stack) -> None:
@@ -121,7 +121,7 @@ def test_hop_by_hop_and_connection_named_headers_stop_at_the_gateway(stack: Stac
     stack.carried(gw, "reflect", 1)
     assert plain.headers["x-kept"] == "yes"
     assert not {"x-replica-hop", "keep-alive", "proxy-connection"} & plain.headers.keys()
-    stack.settled()
+    stack.finish()
 
 
 def test_the_raw_path_reaches_the_replica_byte_for_byte(stack: Stack) -> None:
@@ -139,7 +139,7 @@ def test_the_raw_path_reaches_the_replica_byte_for_byte(stack: Stack) -> None:
     assert _raw(gw.url, "/function/reflect")["path"] == "/"
     assert _raw(gw.url, "/function/reflect?x=1")["query"] == "x=1"
     stack.carried(gw, "reflect", 6)
-    stack.settled()
+    stack.finish()
 
 
 def test_accept_encoding_goes_as_the_caller_sent_it_and_nothing_is_added(stack: Stack) -> None:
@@ -152,7 +152,7 @@ def test_accept_encoding_goes_as_the_caller_sent_it_and_nothing_is_added(stack: 
     asked = _raw(gw.url, "/function/reflect", [("Accept-Encoding", "br;q=1.0, identity;q=0.5")])
     assert asked["headers"]["accept-encoding"] == "br;q=1.0, identity;q=0.5"
     stack.carried(gw, "reflect", 2)
-    stack.settled()
+    stack.finish()
 
 
 # -- the rules themselves --------------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_a_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> None:
             "session=alice; theme=dark",
             "theme=dark; session=alice",
         )
-    stack.settled()
+    stack.finish()
 
 
 def test_a_warm_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> None:
@@ -315,4 +315,4 @@ def test_a_warm_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> Non
         answer.headers.get_list("set-cookie")[0]
         == "session=alice; HttpOnly; Path=/function/reflect"
     )
-    stack.settled()
+    stack.finish()

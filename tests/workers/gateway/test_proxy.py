@@ -70,7 +70,7 @@ def test_method_path_query_headers_and_body_are_forwarded(stack: Stack) -> None:
     assert seen["headers"]["x-forwarded-for"] == "127.0.0.1"
     assert seen["headers"]["x-forwarded-host"] == gw.url.removeprefix("http://")
     assert answer.headers["x-reflect-vmid"] == seen["vmid"] != ""
-    stack.settled()
+    stack.finish()
 
 
 def test_a_replicas_cookies_go_to_its_caller_only(stack: Stack) -> None:
