@@ -222,6 +222,12 @@ async def _close_replay(_resources: object = None) -> None:
         await replay.close()
 
 
+def current() -> Replay | None:
+    """This process's replay, if it has one (started by an attempt, not yet closed)."""
+    replay = _current
+    return replay if replay is not None and replay.pid == os.getpid() else None
+
+
 def close() -> None:
     """Close this process's replay, if it has one: its claims given back (a worker stopping)."""
     if _current is None:

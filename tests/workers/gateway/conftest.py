@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,9 @@ from tests.dataplanes import PAIRS, need
 from tests.fixtures import Env, fresh_store
 from tests.helpers import deploy_fn, replicas
 from workers.fleet.nodes import upsert_node
-from workers.gateway import RunningGateway, serve_gateway
+from workers.gateway import RunningGateway, serve_gateway, stored
+from workers.gateway.haproxy.router import Router
+from workers.gateway.ledger import Ledger
 from workers.store.models import Claim, Replica
 
 HOSTILE = "tests.workers.gateway.hostile"  # the image of a replica whose answers attack
@@ -172,22 +174,30 @@ class Stack:
         return time.monotonic() - started
 
     def finish(self, timeout: float = 20.0) -> None:
-        """End the test: once no request of this test's gateways holds a claim, stop them
-        (they give back every claim they hold); then wait until the store holds none.
+        """End the test: once no request of this test's gateways, nor an attempt of this
+        process's calls' gateway (the in-process worker's), holds a claim, close them (they
+        give back every claim they hold); then wait until the store holds none.
 
         What :meth:`settled` shows without waiting out the keep window: a claim a request
         kept, or one the store still has after its gateway gave back all it held, fails
-        the test. Claims of a gateway of another process (a worker's) still go back after
-        their keep window. A test of the keep window itself waits with :meth:`settled`.
+        the test. A worker process's claims still go back after its keep window. A test of
+        the keep window itself waits with :meth:`settled`.
         """
-        for gw in self.gateways:
+        ledgers: list[tuple[Ledger, Router | None, Callable[[], None]]] = [
+            (gw.app.gateway.ledger, gw.warm.router if gw.warm else None, gw.stop)
+            for gw in self.gateways
+        ]
+        replay = stored.current()
+        if replay is not None:
+            ledgers.append((replay.app.gateway.ledger, None, stored.close))
+        for ledger, router, close in ledgers:
             eventually(
-                functools.partial(_none_in_use, gw),
+                functools.partial(_none_in_use, ledger, router),
                 timeout,
                 "every request of the gateway to give its claim back",
-                detail=functools.partial(_in_use_said, gw),
+                detail=functools.partial(_in_use_said, ledger, router),
             )
-            gw.stop()
+            close()
         self.settled(timeout)
 
     def replicas(self, name: str) -> list[Replica]:
@@ -222,11 +232,10 @@ class Stack:
         return len({call.requestId for call in self.agent.agent.calls_of("CreateReplica")})
 
 
-def in_use(gw: RunningGateway) -> int:
-    """Claims the gateway holds with a request on them now: neither idle nor lent to HAProxy."""
-    ledger = gw.app.gateway.ledger
+def in_use(ledger: Ledger, router: Router | None = None) -> int:
+    """Claims a gateway's ledger holds with a request on them now: neither idle nor lent to
+    HAProxy (``router``)."""
     idle = sum(len(pool.idle) for pool in list(ledger.pools.values()))
-    router = gw.warm.router if gw.warm is not None else None
     lent = 0
     if router is not None:
         servers = [
@@ -236,12 +245,12 @@ def in_use(gw: RunningGateway) -> int:
     return len(ledger.held) - idle - lent
 
 
-def _none_in_use(gw: RunningGateway) -> bool:
-    return in_use(gw) == 0
+def _none_in_use(ledger: Ledger, router: Router | None) -> bool:
+    return in_use(ledger, router) == 0
 
 
-def _in_use_said(gw: RunningGateway) -> str:
-    return f"{in_use(gw)} claims in use"
+def _in_use_said(ledger: Ledger, router: Router | None) -> str:
+    return f"{in_use(ledger, router)} claims in use"
 
 
 def _refused(where: tuple[str, int]) -> bool:
