@@ -57,9 +57,10 @@ def _router(gw: RunningGateway) -> Router:
 
 
 def _lent(gw: RunningGateway, name: str) -> int:
-    """Connections HAProxy may open to ``name``'s ready servers (0 while it routes none)."""
+    """Connections HAProxy may open to ``name``'s ready servers (0 while it routes none:
+    no route, or its map entry not yet in HAProxy - calls go to the activator then)."""
     route = _router(gw).routes.get(name)  # a route comes and goes with its servers
-    return 0 if route is None else sum(s.maxconn for s in route.ready())
+    return 0 if route is None or not route.live else sum(s.maxconn for s in route.ready())
 
 
 def _haproxy_view(gw: RunningGateway, name: str) -> str:
