@@ -20,7 +20,7 @@ from celery.contrib.testing.worker import start_worker
 
 from config.celery import QUEUES
 from config.settings import get_settings, reset_settings
-from testkit.processes import FAST, WorkerProcess
+from testkit.processes import WorkerProcess
 from testkit.services import RedisServer
 from tests.fixtures import Env, _apply
 from workers.base import clock
@@ -64,25 +64,15 @@ def shared_broker_env(tmp: Path, store_url: str, redis: RedisServer) -> Iterator
     configure(get_settings())
 
 
-#: The in-process worker's BRPOP timeout (kombu's ``polling_interval``,
-#: ``CORRAL_BROKER_POLL_S``; 1 s by default), the worker processes' (:data:`FAST`). A
-#: message ends a BRPOP at once whatever it is; the timeout is how long the worker's stop
-#: waits for its last BRPOP to return: a second at the end of every test, else.
-STOP_POLL_S = float(FAST["CORRAL_BROKER_POLL_S"])
-
-
 @contextlib.contextmanager
 def worker_thread() -> Iterator[None]:
-    """A real Celery worker (thread pool) on the broker in force, in this process."""
-    options = app.conf.broker_transport_options or {}
-    app.conf.broker_transport_options = {**options, "polling_interval": STOP_POLL_S}
-    try:
-        with _started_worker():
-            yield
-    finally:  # the options in force now (the test may have set others), less this one
-        now = dict(app.conf.broker_transport_options or {})
-        now.pop("polling_interval", None)
-        app.conf.broker_transport_options = now
+    """A real Celery worker (thread pool) on the broker in force, in this process.
+
+    Its BRPOP timeout is the settings' ``CORRAL_BROKER_POLL_S``, 0.1 s in every test's
+    (:data:`testkit.processes.FAST`): a worker's stop waits for its last BRPOP to return.
+    """
+    with _started_worker():
+        yield
 
 
 @contextlib.contextmanager
