@@ -1,11 +1,13 @@
 """The settings reference, ``docs/settings.md``, written from :mod:`config.settings`.
 
 Every setting is a field of one of the groups that :class:`~config.settings.Settings`
-derives from, described by the string on the line below it, which pydantic keeps as
-the field's description (``use_attribute_docstrings``). This module reads each field's
-description, type, bounds and default from the model (``model_fields``) and writes one
-table per group, in the order the groups are declared, each headed by the group's
-docstring. A setting without its string is an error here, not a blank cell.
+derives from, described by the string on the line below it. This module reads those
+strings from each group's source (:func:`described`: here, not at every import of the
+settings, where pydantic's ``use_attribute_docstrings`` would parse the source of every
+group in every process, some 45 ms each), and each field's type, bounds and default from
+the model (``model_fields``), and writes one table per group, in the order the groups
+are declared, each headed by the group's docstring. A setting without its string is an
+error here, not a blank cell.
 
 ``python -m config.docs`` rewrites the file; ``python -m config.docs --check`` exits 1
 while the file differs from what the code says. ``tests/config/test_docs.py`` runs the
@@ -15,9 +17,11 @@ check, so CI fails when a setting changes and its reference does not.
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
 import re
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -114,6 +118,37 @@ def _groups(model: type[BaseSettings]) -> list[type[Any]]:
     return [base for base in model.__bases__ if base is not BaseSettings]
 
 
+def described(model: type[BaseSettings]) -> dict[str, str]:
+    """Each setting of ``model`` with a string on the line below it in its group's source."""
+    found: dict[str, str] = {}
+    for group in _groups(model):
+        for name, text in _strings(group).items():
+            found.setdefault(name, text)
+    return found
+
+
+def _strings(cls: type[Any]) -> dict[str, str]:
+    """The fields of ``cls``'s own body that a string follows, and that string."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source (a class made at run time)
+        return {}
+    tree = ast.parse(source).body[0]
+    if not isinstance(tree, ast.ClassDef):
+        return {}
+    found: dict[str, str] = {}
+    for field, after in zip(tree.body, tree.body[1:], strict=False):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            found[field.target.id] = inspect.cleandoc(after.value.value)
+    return found
+
+
 def render(model: type[BaseSettings] = Settings) -> str:
     """The Markdown reference of every setting of ``model``, one table per group."""
     prefix = model.model_config.get("env_prefix") or ""
@@ -123,6 +158,7 @@ def render(model: type[BaseSettings] = Settings) -> str:
         lines += [markdown(paragraph), ""] if paragraph else []
     missing: list[str] = []
     seen: set[str] = set()
+    strings = described(model)
     for group in _groups(model):
         title, _, rest = _doc(group).partition("\n")
         lines += [f"## {markdown(title).rstrip('.')}", ""]
@@ -134,12 +170,13 @@ def render(model: type[BaseSettings] = Settings) -> str:
             if info is None or name in seen:
                 continue
             seen.add(name)
-            if not info.description:
+            meaning = info.description or strings.get(name)
+            if not meaning:
                 missing.append(name)
                 continue
             lines.append(
                 f"| `{prefix}{name.upper()}` | {default(info)} | "
-                f"{accepts(name, info)} | {_one_line(info.description)} |"
+                f"{accepts(name, info)} | {_one_line(meaning)} |"
             )
         lines.append("")
     missing += sorted(set(model.model_fields) - seen)

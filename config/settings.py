@@ -28,7 +28,6 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
@@ -77,16 +76,14 @@ def is_secret(info: FieldInfo) -> bool:
 class _Group(BaseModel):
     """A group of settings, one section of the reference.
 
-    Each field is described by the string on the line below it: pydantic keeps it as
-    the field's description (``use_attribute_docstrings``: pydantic reads each class's
-    own source, so every group derives from this one for the setting), and
-    :mod:`config.docs` writes the reference from the fields. A secret is a
+    Each field is described by the string on the line below it, which
+    :mod:`config.docs` reads from the group's source when it writes the reference (not
+    pydantic's ``use_attribute_docstrings``, which would parse the source of every group
+    at every import of the settings). A secret is a
     :class:`~pydantic.SecretStr`, shown masked in every dump of the settings (``repr``,
     ``model_dump``, JSON, a validation error); its reader takes the value with
     :func:`reveal` where it hands it on.
     """
-
-    model_config = ConfigDict(use_attribute_docstrings=True)
 
 
 class _Places(_Group):
@@ -566,7 +563,6 @@ class Settings(
         env_prefix=ENV_PREFIX,
         extra="ignore",
         frozen=True,
-        use_attribute_docstrings=True,
         hide_input_in_errors=True,  # a ValidationError's text never shows a value
     )
 
