@@ -126,6 +126,15 @@ class WorkerProcess:
         the next tests' messages from the broker they share (one such start once failed
         the three tests after it).
         """
+        tail = self.stacks()
+        self.kill()
+        return tail
+
+    def stacks(self) -> str:
+        """The worker's and its pool processes' thread stacks, written into its log; the tail.
+
+        A failed wait's detail: where a worker that went silent is stuck (cis617).
+        """
         worker = self.worker_pid()
         if worker is not None:  # the worker and its pool processes write their stacks
             with contextlib.suppress(ProcessLookupError):
@@ -138,9 +147,7 @@ class WorkerProcess:
 
             with contextlib.suppress(AssertionError):
                 eventually(written, 5, "the stacks", poll=0.3)
-        tail = self.tail(200)
-        self.kill()
-        return tail
+        return self.tail(200)
 
     def _copy_log(self, pipe: IO[bytes], log: IO[bytes]) -> None:
         """Copy the worker's output to its log while reading is not stalled, until it ends."""

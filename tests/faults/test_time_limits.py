@@ -110,7 +110,7 @@ def _probe(worker: WorkerProcess, tag: str) -> list[int]:
         lambda: pattern.findall(_log(worker)),
         60,
         f"probe {tag} to log",
-        detail=worker.tail,
+        detail=worker.stacks,  # (cis617: a worker that went silent; where it is stuck)
     )
     return [int(n) for n in found]
 
