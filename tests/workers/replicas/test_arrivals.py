@@ -21,6 +21,7 @@ from workers.base.timelimits import Deadline
 from workers.maintenance.reconcile import reconcile
 from workers.replicas.delete import delete_one
 from workers.replicas.outcomes import Outcome
+from workers.replicas.owners import Pending
 from workers.store.models import OrphanRelease, ReplicaState
 
 
@@ -29,16 +30,27 @@ def _kept(env: Env) -> list[tuple[str, str]]:
         return [(k.node_id, k.vmid) for k in s.scalars(select(OrphanRelease))]
 
 
-def _late_vm(env: Env, agent: RunningAgent) -> tuple[str, Outcome]:
-    """A VM of ``agent`` whose row was deleted while its create was out, then recorded."""
+def _deleted_while_creating(env: Env, agent: RunningAgent) -> tuple[Pending, str]:
+    """A replica's row deleted while its create was out, and the VM that create made."""
     fn_id = deploy_fn(env, "hello")
     pending = creating(env, fn_id, "req-late")
     vm = agent.driver.start(VMSpec(image="examples.hello"))  # the create, on the agent
     assert delete_one(env.db, env.settings, pending.replica_id, None) == ("deleted", None)
-    state = record_vm(env, pending, Vm(vm.vmid, "http://127.0.0.1:20001"))
+    return pending, vm.vmid
+
+
+def _recorded(env: Env, pending: Pending, vmid: str) -> Outcome:
+    """Record the late VM: no row takes it."""
+    state = record_vm(env, pending, Vm(vmid, "http://127.0.0.1:20001"))
     (row,) = replicas(env)
     assert (row.status, row.vmid) == (ReplicaState.DELETED, None)  # no row took the VM
-    return vm.vmid, state
+    return state
+
+
+def _late_vm(env: Env, agent: RunningAgent) -> tuple[str, Outcome]:
+    """A VM of ``agent`` whose row was deleted while its create was out, then recorded."""
+    pending, vmid = _deleted_while_creating(env, agent)
+    return vmid, _recorded(env, pending, vmid)
 
 
 def test_a_late_vm_is_released_and_nothing_is_kept(
@@ -79,10 +91,11 @@ def test_a_late_vm_whose_release_outlasts_the_tasks_time_is_kept_and_the_task_go
     # wait is cut there, and the VM is left to its kept row as for a release that failed.
     (agent,) = start_agents(1, env=corral_env, seed_only=True)
     agent.agent.inject("ReleaseVMSetup", Fault.delay(5))
+    pending, vmid = _deleted_while_creating(corral_env, agent)  # before the task's time
     now = time.monotonic()
     deadline = Deadline(now + 1.0, hard_at=now + 30)
     with timelimits.running(deadline):
-        vmid, state = _late_vm(corral_env, agent)  # returns: nothing raised out of it
+        state = _recorded(corral_env, pending, vmid)  # returns: nothing raised out of it
     assert state == Outcome.of(ReplicaState.DELETED)
     assert time.monotonic() - now < 5  # cut at the soft limit, not the agent's 5 s
     assert deadline.wrapping_up
