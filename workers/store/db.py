@@ -155,6 +155,8 @@ class Database:
         self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._sessions: sessionmaker[Session] | None = None
+        self._options: dict[str, Any] = {}  # what the engine was made with (the settings')
+        self._disposed = False  # its connections were closed: look at the settings again
 
     @property
     def is_sqlite(self) -> bool:
@@ -163,17 +165,28 @@ class Database:
 
     @property
     def engine(self) -> Engine:
-        """This process's engine, created on first use after start or fork."""
-        if self._engine is None or self._pid != os.getpid():
+        """This process's engine, created on first use after start or fork.
+
+        :meth:`dispose` closes its connections but keeps it - and the statements it has
+        compiled, SQLAlchemy's cache, which a new engine starts without - unless the
+        settings it was made with have changed since.
+        """
+        if self._engine is None or self._pid != os.getpid() or self._disposed:
             with self._lock:
+                if self._disposed and self._engine is not None and self._pid == os.getpid():
+                    self._disposed = False
+                    if _engine_options(self.url) != self._options:
+                        self._engine = None
                 if self._engine is None or self._pid != os.getpid():
                     if self._engine is not None:
                         # Inherited from the parent: drop the pool without closing
                         # the parent's connections.
                         self._engine.dispose(close=False)
-                    self._engine = _make_engine(self.url)
+                    self._options = _engine_options(self.url)
+                    self._engine = _make_engine(self.url, self._options)
                     self._sessions = sessionmaker(self._engine, expire_on_commit=False)
                     self._pid = os.getpid()
+                    self._disposed = False
         return self._engine
 
     def session(self) -> Session:
@@ -246,11 +259,14 @@ class Database:
         clock.sync(server_time, 0.0 if clock.synced() else wait)
 
     def dispose(self) -> None:
-        """Close this process's connections."""
+        """Close this process's connections (the next use takes new ones, with the settings
+        then in force)."""
         if self._engine is not None and self._pid == os.getpid():
             self._engine.dispose()
-        self._engine = None
-        self._sessions = None
+            self._disposed = True
+        else:
+            self._engine = None
+            self._sessions = None
 
 
 def wait_bounds() -> tuple[float, float]:
@@ -434,11 +450,23 @@ def _bound_by_the_task(engine: Engine) -> None:
             raise DisconnectionError(f"a pooled connection failed its ping: {exc}") from exc
 
 
-def _make_engine(url: str) -> Engine:
+def _engine_options(url: str) -> dict[str, Any]:
+    """What an engine for ``url`` is made with that comes from the settings in force."""
+    if url.startswith("sqlite"):
+        return {}
+    settings = get_settings()
+    return {
+        "options": pg_options(
+            settings.db_lock_timeout_s,
+            settings.statement_timeout_s,
+            settings.db_idle_in_transaction_timeout_s,
+        )
+    }
+
+
+def _make_engine(url: str, options: dict[str, Any]) -> Engine:
     if url.startswith("sqlite"):
         return _sqlite_engine(url)
-
-    settings = get_settings()
     # hide_parameters: a database error's text (logged, or an operation's error) never
     # carries the statement's parameters, which may hold a function's secrets.
     kwargs: dict[str, Any] = {
@@ -446,14 +474,7 @@ def _make_engine(url: str) -> Engine:
         "pool_size": 5,
         "max_overflow": 10,
         "hide_parameters": True,
-        "connect_args": {
-            "options": pg_options(
-                settings.db_lock_timeout_s,
-                settings.statement_timeout_s,
-                settings.db_idle_in_transaction_timeout_s,
-            ),
-            **PG_NETWORK,
-        },
+        "connect_args": {**options, **PG_NETWORK},
     }
     engine = create_engine(url, **kwargs)
     _bound_by_the_task(engine)

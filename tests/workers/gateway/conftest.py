@@ -287,9 +287,9 @@ def pairing(request: pytest.FixtureRequest) -> tuple[str, str]:
 
 
 @pytest.fixture
-def store_url(request: pytest.FixtureRequest, tmp_path: Path, pairing: tuple[str, str]) -> str:
+def store_url(request: pytest.FixtureRequest, pairing: tuple[str, str]) -> str:
     """The store of this run (:data:`PAIRS`), empty and migrated."""
-    return fresh_store(request, tmp_path, pairing[0])
+    return fresh_store(request, pairing[0])
 
 
 @pytest.fixture
