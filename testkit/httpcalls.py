@@ -4,9 +4,10 @@
 reads and parses every CA certificate of the machine (``SSL_CERT_FILE``, or certifi's
 bundle) even for ``http://`` - some 20 ms of CPU each time. The tests call corral's
 listeners that way thousands of times, most of them in loops that wait for a condition.
-These functions are httpx's, given one TLS context made once per process (the same
-default verification) unless the call names its own ``verify``; each call still has a
-client, and so a connection, of its own, as before.
+These functions (and :func:`client`, for a test's own client) are httpx's, given one
+TLS context made once per process (the same default verification) unless the call names
+its own ``verify``; each call still has a client, and so a connection, of its own, as
+before.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def delete(url: str | httpx.URL, **kwargs: Any) -> httpx.Response:
     return request("DELETE", url, **kwargs)
 
 
+def client(**kwargs: Any) -> httpx.Client:
+    """``httpx.Client``: for a test's many calls on its own connections."""
+    kwargs.setdefault("verify", _tls())
+    return httpx.Client(**kwargs)
+
+
 def stream(
     method: str, url: str | httpx.URL, **kwargs: Any
 ) -> AbstractContextManager[httpx.Response]:
@@ -54,4 +61,4 @@ def stream(
     return httpx.stream(method, url, **kwargs)
 
 
-__all__ = ["delete", "get", "post", "request", "stream"]
+__all__ = ["client", "delete", "get", "post", "request", "stream"]

@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agents.drivers import (
@@ -22,6 +21,7 @@ from agents.drivers import (
     parse_env_args,
     resolve_command,
 )
+from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.services import free_port
 from tests.agents.helpers import http_get, is_alive
@@ -199,7 +199,7 @@ def test_echo_example_echoes_and_delays() -> None:
     driver = ProcessDriver((20000, 29999), ready_timeout=10)
     try:
         vm = driver.start(VMSpec(image="echo", env={"ECHO_DELAY": "1"}))
-        with httpx.Client(base_url=f"http://127.0.0.1:{vm.port}", timeout=5) as c:
+        with httpcalls.client(base_url=f"http://127.0.0.1:{vm.port}", timeout=5) as c:
             t0 = time.monotonic()
             assert c.get("/").status_code == 200
             assert time.monotonic() - t0 < 1  # GET ignores ECHO_DELAY (readiness probes)

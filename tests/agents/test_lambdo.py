@@ -14,6 +14,7 @@ import pytest
 
 from agents import Fault, ProcessDriver, RunningLambdo, serve_lambdo
 from agents.lambdo import main
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.agents.helpers import (
     MeetingDriver,
@@ -47,7 +48,7 @@ def lambdo() -> Iterator[RunningLambdo]:
 @pytest.fixture
 def client(lambdo: RunningLambdo) -> Iterator[httpx.Client]:
     """An HTTP client for :func:`lambdo`."""
-    with httpx.Client(base_url=lambdo.url, timeout=10) as c:
+    with httpcalls.client(base_url=lambdo.url, timeout=10) as c:
         yield c
 
 
@@ -76,7 +77,7 @@ def test_spawn_maps_every_requested_port(client: httpx.Client, lambdo: RunningLa
 def test_spawn_process_listens_on_the_host_port_of_the_first_requested_port(
     process_lambdo: RunningLambdo,
 ) -> None:
-    with httpx.Client(base_url=process_lambdo.url, timeout=15) as c:
+    with httpcalls.client(base_url=process_lambdo.url, timeout=15) as c:
         resp = c.post("/spawn", json=spawn_body([9000, 8080], location="examples.hello"))
         assert resp.status_code == 200, resp.text
         data = resp.json()
@@ -102,7 +103,7 @@ def test_spawn_process_listens_on_the_host_port_of_the_first_requested_port(
 def test_spawn_of_an_object_store_url_runs_the_default_image(
     process_lambdo: RunningLambdo,
 ) -> None:
-    with httpx.Client(base_url=process_lambdo.url, timeout=15) as c:
+    with httpcalls.client(base_url=process_lambdo.url, timeout=15) as c:
         data = c.post("/spawn", json=spawn_body([8080])).json()
     ((host, guest),) = data["port_mapping"]
     assert guest == 8080
@@ -112,7 +113,7 @@ def test_spawn_of_an_object_store_url_runs_the_default_image(
 def test_spawn_of_an_unrunnable_image_is_a_plain_text_400(
     process_lambdo: RunningLambdo,
 ) -> None:
-    with httpx.Client(base_url=process_lambdo.url, timeout=15) as c:
+    with httpcalls.client(base_url=process_lambdo.url, timeout=15) as c:
         resp = c.post("/spawn", json=spawn_body(image="no-such-binary-xyz"))
     assert resp.status_code == 400
     assert resp.headers["content-type"].startswith("text/plain")
@@ -199,7 +200,7 @@ def test_spawns_of_different_request_ids_run_side_by_side() -> None:
     running = serve_lambdo(driver=MeetingDriver(len(same)))
     try:
         with (
-            httpx.Client(base_url=running.url, timeout=30) as http,
+            httpcalls.client(base_url=running.url, timeout=30) as http,
             concurrent.futures.ThreadPoolExecutor(len(same)) as pool,
         ):
             answers = list(
@@ -220,19 +221,19 @@ def test_a_caller_that_hangs_up_mid_call_leaves_no_traceback_and_its_vm_runs(
     capsys.readouterr()
     with (
         caplog.at_level(logging.INFO),
-        httpx.Client(base_url=lambdo.url, timeout=0.2) as impatient,
+        httpcalls.client(base_url=lambdo.url, timeout=0.2) as impatient,
         pytest.raises(httpx.ReadTimeout),
     ):
         impatient.post("/spawn", json=spawn_body())  # gone before its answer
     eventually(lambda: len(lambdo.driver.list()) == 1, 10, "the spawn to finish")
-    with httpx.Client(base_url=lambdo.url, timeout=10) as c:
+    with httpcalls.client(base_url=lambdo.url, timeout=10) as c:
         assert c.get("/vms").status_code == 200
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert "Traceback" not in capsys.readouterr().err
 
 
 def test_bearer_token_is_required_when_configured() -> None:
-    with serve_lambdo(token="t0ken") as running, httpx.Client(base_url=running.url) as c:
+    with serve_lambdo(token="t0ken") as running, httpcalls.client(base_url=running.url) as c:
         assert c.get("/vms").status_code == 401
         assert c.get("/vms", headers={"Authorization": "Bearer wrong"}).status_code == 401
         denied = c.post("/spawn", json=spawn_body())

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from google.protobuf import empty_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,6 +29,7 @@ from config.settings import Settings
 from netplumb.addresses import is_loopback, split_hostport
 from netplumb.grpcserve import report_token
 from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc
+from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.processes import start_listening
 from testkit.services import free_port
@@ -119,7 +119,7 @@ def test_lambdo_rootfs_image_is_allow_listed_too(tmp_path: Path) -> None:
     driver = ProcessDriver((10000, 19999), ready_timeout=10)
     running = serve_lambdo("127.0.0.1:0", driver=driver)
     try:
-        with httpx.Client(base_url=running.url, timeout=30) as c:
+        with httpcalls.client(base_url=running.url, timeout=30) as c:
             for path, body in (
                 (
                     "/spawn",

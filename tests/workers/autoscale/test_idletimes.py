@@ -13,7 +13,6 @@ import random
 import time
 from typing import Any
 
-import httpx
 import pytest
 import redis
 from sqlalchemy import select
@@ -22,6 +21,7 @@ from agents import RunningAgent
 from corral import api
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit import httpcalls
 from tests.dataplanes import PLANE_PER_STORE, need
 from tests.fixtures import NO_BROKER, Env, StartAgents
 from tests.workers.replicas.helpers import deploy_fn
@@ -286,7 +286,7 @@ def test_requests_through_the_gateway_are_recorded(
         queue=HereFirst(QUEUE),
     )
     try:
-        with httpx.Client(timeout=60) as http:
+        with httpcalls.client(timeout=60) as http:
             # the idle times between requests are what is measured (the gateway's monotonic
             # clock): these pauses are the test's input, in bin 1, then out of bounds
             for pause in (2.8, 6.8, 0.0):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-import httpx
 import pytest
 from sqlalchemy import select
 
@@ -135,7 +134,7 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
         queue=HereFirst(QUEUE),
     )
     try:
-        with httpx.Client(timeout=60) as http:
+        with httpcalls.client(timeout=60) as http:
 
             def call(name: str) -> float:
                 """One call; returns when its answer ended."""

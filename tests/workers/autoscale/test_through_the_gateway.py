@@ -19,7 +19,6 @@ import collections
 import json
 import threading
 
-import httpx
 import pytest
 import redis
 from sqlalchemy import select
@@ -27,6 +26,7 @@ from sqlalchemy import select
 from agents import RunningAgent
 from tasks.maintenance import QUEUE
 from tasks.queues import HereFirst
+from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env
@@ -108,7 +108,7 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
     codes: list[int] = []
 
     def client() -> None:
-        with httpx.Client(timeout=90) as http:
+        with httpcalls.client(timeout=90) as http:
             while not stop.is_set():
                 codes.append(
                     http.post(f"{gateway.url}/function/echo?delay=2", content=b"x").status_code

@@ -18,8 +18,6 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
 from testkit import httpcalls
 from tests.workers.gateway.conftest import Stack
 from workers.gateway.headers import (
@@ -268,7 +266,7 @@ def test_a_replicas_cookies_are_scoped_to_its_function(stack: Stack) -> None:
     stack.deploy("reflect", image="examples.reflect")
     stack.deploy("other", image="examples.reflect")
     gw = stack.gateway()
-    with httpx.Client(timeout=60) as browser:  # a cookie jar that applies Path and Domain
+    with httpcalls.client(timeout=60) as browser:  # a cookie jar that applies Path and Domain
         set_cookies = [
             "session=alice; Path=/; HttpOnly",
             "theme=dark",  # no Path: a browser would take /function's

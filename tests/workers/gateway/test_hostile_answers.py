@@ -37,6 +37,7 @@ import httpx
 import pytest
 
 from netplumb.addresses import HTTP_PORTS, parse_url
+from testkit import httpcalls
 from testkit.eventually import eventually
 from testkit.services import PostgresServer, RedisServer
 from tests.celery_workers import shared_broker_env, worker_thread
@@ -121,7 +122,7 @@ def _hello_p50(gw: Gateway, calls: int, more: threading.Event | None = None) -> 
     times: list[float] = []
     # a time, not a count: on a quiet machine 10,000 calls took less than a call timeout
     ends = time.monotonic() + ATTACK_MOST_S
-    with httpx.Client(headers=AUTH, timeout=30) as client:
+    with httpcalls.client(headers=AUTH, timeout=30) as client:
         while len(times) < calls or (more is not None and not more.is_set()):
             started = time.perf_counter()
             answer = client.get(f"{gw.url}/function/hello")
@@ -142,7 +143,7 @@ def attack(gw: Gateway, path: str, attackers: int = 2, rounds: int = 3) -> Outco
     done, attacked = threading.Event(), threading.Event()
 
     def attacker() -> None:
-        with httpx.Client(headers=AUTH, timeout=60) as client:
+        with httpcalls.client(headers=AUTH, timeout=60) as client:
             for _ in range(rounds):
                 try:
                     answers.append(str(client.get(gw.url + path).status_code))
@@ -300,7 +301,7 @@ def test_callers_that_read_two_byte_chunks_leave_the_loop_to_others(gateway: Gat
     got: list[int] = []
 
     def reader() -> None:
-        with httpx.Client(headers=AUTH, timeout=60) as client:
+        with httpcalls.client(headers=AUTH, timeout=60) as client:
             while not stop.is_set():
                 path = f"{gateway.url}/function/{fn}/chunks?size=2&mib=4"
                 with client.stream("GET", path) as answer:
@@ -324,7 +325,7 @@ def test_callers_that_read_two_byte_chunks_leave_the_loop_to_others(gateway: Gat
 
 def test_bytes_after_an_answer_never_reach_the_next_request(gateway: Gateway) -> None:
     fn = gateway.evil("evil-extra")
-    with httpx.Client(headers=AUTH, timeout=30) as client:
+    with httpcalls.client(headers=AUTH, timeout=30) as client:
         assert client.get(f"{gateway.url}/function/{fn}/extra").text == "first"
         after = client.get(f"{gateway.url}/function/{fn}/")
     assert (after.text, after.headers.get("x-forged")) == ("ok", None)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import httpx
-
 from testkit import httpcalls
 from tests.workers.gateway.conftest import Stack
 
@@ -27,7 +25,7 @@ STRAYS = CALLS // 5
 def _keepalive_calls(url: str, n: int) -> list[float]:
     """``n`` sequential GETs of ``url`` on one kept-alive connection; each one's milliseconds."""
     times: list[float] = []
-    with httpx.Client(timeout=10) as client:
+    with httpcalls.client(timeout=10) as client:
         assert client.get(url).status_code == 200  # the connection is made here
         for _ in range(n):
             started = time.perf_counter()

@@ -24,6 +24,7 @@ import time
 import httpx
 import psutil
 
+from testkit import httpcalls
 from testkit.eventually import eventually
 from tests.workers.gateway.conftest import Stack, gateway_process_on_port_0
 
@@ -71,7 +72,7 @@ def test_an_unterminated_header_value_is_431_at_once_and_costs_the_gateway_littl
             attacks.append(_unterminated_value(port))
 
     try:
-        with httpx.Client(base_url=url, headers=auth, timeout=20) as client:
+        with httpcalls.client(base_url=url, headers=auth, timeout=20) as client:
             eventually(lambda: _answers(client, "/healthz"), 60, "the gateway to listen")
             eventually(lambda: _answers(client, "/function/hello"), 60, "a warm replica")
             gateway = psutil.Process(proc.pid)

@@ -133,7 +133,7 @@ def test_warm_calls_go_through_haproxy_and_their_environment_back_after_the_keep
     gw = warm_stack.gateway(gateway_keep_s=KEEP_S)
     assert "haproxy" in gw.dataplane
     warm_stack.warm(gw, "hello")  # a cold start, answered by the activator
-    with httpx.Client(timeout=30) as client:
+    with httpcalls.client(timeout=30) as client:
         for _ in range(20):
             assert client.get(f"{gw.url}/function/hello").status_code == 200
     # lent to HAProxy: read at once, within the keep window of the last call (cis232, two
@@ -290,7 +290,7 @@ def test_haproxy_started_again_gets_every_route_back(warm_stack: Stack) -> None:
         "HAProxy started again, the route given to it again",
     )
     assert router.counts.restarts == 1
-    with httpx.Client(timeout=30) as client:  # the same port: the gateway's socket
+    with httpcalls.client(timeout=30) as client:  # the same port: the gateway's socket
         for _ in range(5):
             assert client.get(f"{gw.url}/function/hello").status_code == 200
     warm_stack.carried(gw, "hello", 5)
