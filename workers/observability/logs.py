@@ -14,8 +14,10 @@ its record as the handler would - in its own context, so a task's name and id ar
 own - and puts it on the queue without waiting; the listener writes the records out, in
 order. When the queue is full (:data:`MAX_RECORDS`: the sink has not taken a line for
 that long), the record is dropped and counted: once the listener writes again it says
-how many were dropped, and adds them to a total in the broker's Redis (:data:`DROPPED_KEY`,
-exported as ``corral_log_records_dropped_total``). A record whose handler raises, or
+how many were dropped, and a thread of its own adds them to a total in the broker's Redis
+(:data:`DROPPED_KEY`, exported as ``corral_log_records_dropped_total``): the listener
+never waits on the network, so a broker that does not answer (each command may wait
+seconds for it) holds up no line. A record whose handler raises, or
 whose write fails (a pipe nobody reads any more), is dropped and counted the same way,
 and the report names the error: the listener thread never ends on one (its end would
 silence the worker's log for good, with the traceback itself lost in the queue it no
@@ -47,6 +49,7 @@ from workers.base.redis_client import redis_client
 MAX_RECORDS = 10_000
 DROPPED_KEY = "corral:metrics:log_records_dropped"
 FLUSH_AT_EXIT_S = 2.0
+SEND_AGAIN_S = 1.0  # after a failed try to add the drops to the fleet's total
 _AS_IS = logging.Formatter("%(message)s")
 _SINK = "corral_sink"  # the attribute a queued record carries its handler in
 
@@ -80,7 +83,10 @@ class _Process:
         self.dropped = 0  # not yet reported
         self.failure: str | None = None  # the last error a sink raised, not yet reported
         self.sink_failed = False  # the listener's last write failed (its thread's only)
-        self.lock = threading.Lock()  # around the two above only, never held across a wait
+        self.unsent = 0  # reported, not yet added to the fleet's total
+        self.lock = threading.Lock()  # around the counts above only, never held across a wait
+        self.wake = threading.Event()  # the sender has counts to add
+        self.sender: threading.Thread | None = None
 
 
 _process: _Process | None = None
@@ -160,21 +166,42 @@ def _report_drops(sink: logging.Handler) -> None:
     with process.lock:
         dropped, process.dropped = process.dropped, 0
         failure, process.failure = process.failure, None
-    _add_to_total(dropped)
+        process.unsent += dropped
+        if process.sender is None:
+            process.sender = threading.Thread(
+                target=_send_totals, args=(process,), name="corral-log-drops", daemon=True
+            )
+            process.sender.start()
+    process.wake.set()
     text = f"{dropped} log record(s) dropped: the log's reader did not keep up"
     if failure is not None:
         text += f", or its handler failed (the last time: {failure})"
     sink.handle(logging.LogRecord("corral.logs", logging.WARNING, __file__, 0, text, None, None))
 
 
-def _add_to_total(dropped: int) -> None:
-    """Add ``dropped`` to the fleet's total in the broker's Redis (best effort)."""
+def _send_totals(process: _Process) -> None:
+    """The sender's thread: add the reported drops to the fleet's total, as they come."""
+    while True:
+        process.wake.wait()
+        process.wake.clear()
+        with process.lock:
+            dropped, process.unsent = process.unsent, 0
+        if dropped and not _add_to_total(dropped):  # kept, and tried again a while later
+            with process.lock:
+                process.unsent += dropped
+            time.sleep(SEND_AGAIN_S)
+            process.wake.set()
+
+
+def _add_to_total(dropped: int) -> bool:
+    """Add ``dropped`` to the fleet's total in the broker's Redis; whether it was."""
     try:
         client = redis_client(get_settings().broker_url)
         if client is not None:
             client.incrby(DROPPED_KEY, dropped)
-    except Exception:  # noqa: S110 - a metric: never worth a log line about the log
-        pass
+    except Exception:  # a metric: never worth a log line about the log
+        return False
+    return True
 
 
 def dropped_total(client: redis.Redis) -> int:
@@ -201,10 +228,11 @@ def install() -> int:
 
 @atexit.register
 def _flush() -> None:
-    """At exit, give the listener a moment to write what is queued (never waits long)."""
+    """At exit, give the listener a moment to write what is queued, and the sender to send
+    its counts (never waits long)."""
     process = _process
     if process is None or process.pid != os.getpid():
         return
     deadline = time.monotonic() + FLUSH_AT_EXIT_S
-    while not process.queue.empty() and time.monotonic() < deadline:
+    while (not process.queue.empty() or process.unsent) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -20,6 +20,7 @@ import redis
 from celery.utils.log import LoggingProxy
 
 from testkit.eventually import eventually
+from testkit.services import RedisServer
 from tests.fixtures import Env, sqlite_only
 from workers.observability import logs
 
@@ -102,7 +103,9 @@ def test_a_stalled_sink_drops_and_counts_records_instead_of_blocking_the_thread_
         numbers = [int(line.rsplit(" ", 1)[1]) for line in written]
         assert numbers == sorted(set(numbers))
         assert BOUND <= len(written) <= BOUND + 1  # the queue, and the one in the sink's hands
-        assert logs.dropped_total(client) == before + dropped  # the fleet's total
+        eventually(  # the fleet's total, added by the sender's thread
+            lambda: logs.dropped_total(client) == before + dropped, 10, "the fleet's total"
+        )
     client.close()
 
 
@@ -134,7 +137,38 @@ def test_a_record_whose_handler_raises_is_dropped_and_counted_and_the_next_is_wr
             "1 log record(s) dropped: the log's reader did not keep up, or its handler "
             "failed (the last time: ValueError: a broken filter)"
         )
-        assert logs.dropped_total(client) == before + 1
+        eventually(lambda: logs.dropped_total(client) == before + 1, 10, "the fleet's total")
+    client.close()
+
+
+@sqlite_only  # no store: one run is enough
+def test_a_broker_that_does_not_answer_holds_up_no_line_and_gets_the_total_once_it_does(
+    broker_env: Env, redis_server: RedisServer, bounded: None
+) -> None:
+    # Adding the drops to the fleet's total waits for the broker (3 s at most each time);
+    # the listener must not: every line after the report is written while it is away.
+    sink = _StalledSink()
+    client = redis.Redis.from_url(broker_env.settings.broker_url)
+    before = logs.dropped_total(client)
+    with _logger_to(sink, "corral.test.logs.away") as logger, contextlib.ExitStack() as undo:
+        undo.callback(sink.go.set)
+        for n in range(2 * BOUND):  # the sink takes none: half of them dropped
+            logger.info("before %d", n)
+        with redis_server.frozen():
+            sink.go.set()
+            eventually(  # the queue written out (the report among its lines)
+                lambda: sum(line.startswith("before") for line in sink.lines) >= BOUND,
+                2,
+                "the queued lines",
+            )
+            logger.info("after")
+            eventually(lambda: "after" in sink.lines, 2, "the line after the report")
+            reports = [line for line in sink.lines if "dropped" in line]
+            assert len(reports) == 1, sink.lines
+        dropped = int(reports[0].split()[0])
+        eventually(  # sent once the broker answers again
+            lambda: logs.dropped_total(client) == before + dropped, 15, "the fleet's total"
+        )
     client.close()
 
 
