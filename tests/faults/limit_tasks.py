@@ -14,12 +14,13 @@ Work that meets its time limits, and a way to step the worker's host clock:
 * ``corral.test.wait_for``: waits at safe points until a file exists (a neighbour of the
   poison message, in flight when it is killed);
 * ``corral.test.step_clock``: steps this process's host clock (``clock.step_host``);
-* ``corral.test.where``: says where it runs (:func:`workers.celery.runs`) and how long its
-  deadline leaves it.
+* ``corral.test.where``: says where it runs (:func:`workers.celery.runs`), how long its
+  deadline leaves it, and its process's garbage collector's state.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -101,11 +102,22 @@ def step_clock(self: CorralTask, seconds: float) -> None:
 
 @app.task(bind=True, name="corral.test.where")
 def where(self: CorralTask, tag: str) -> dict[str, object]:
-    """Say where this task runs and how long its deadline leaves it (logged, and returned)."""
+    """Say where this task runs, how long its deadline leaves it, and whether collection is on."""
     deadline = timelimits.current()
     left = deadline.left() if deadline is not None else None
-    log.warning("where %s: %s", tag, runs().value)
-    return {"runs": runs().value, "left": left}
+    log.warning(
+        "where %s: %s, collecting %s, %d frozen",
+        tag,
+        runs().value,
+        gc.isenabled(),
+        gc.get_freeze_count(),
+    )
+    return {
+        "runs": runs().value,
+        "left": left,
+        "gc": gc.isenabled(),
+        "frozen": gc.get_freeze_count(),
+    }
 
 
 @signals.task_postrun.connect

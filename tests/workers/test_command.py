@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from testkit.eventually import eventually
+from testkit.processes import WorkerProcess
+from tests.fixtures import Env
+from workers.celery import app
+
 ROOT = Path(__file__).resolve().parents[2]
 # Loaded by Celery's umbrella command line for its other commands and its plugins (Flower's
 # registers one), never by the worker or beat.
+TASKS = "tests.faults.limit_tasks"
 UNUSED = ("celery.bin.celery", "flower", "tornado", "prompt_toolkit", "click_repl")
 LOADED = """
 import json, sys
@@ -87,3 +94,22 @@ def test_a_bad_setting_is_one_line_naming_it_through_corral_worker_too() -> None
         lines = [line for line in run.stderr.splitlines() if "CORRAL_TASK_TIME_LIMIT_S" in line]
         assert lines and lines[0].startswith("corral worker: error: bad setting"), run.stderr
         assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # no store work: one run
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_running_worker_collects_garbage_with_what_it_loaded_at_start_frozen(
+    broker_env: Env, worker_processes: list[WorkerProcess], pool: str
+) -> None:
+    # Collection is paused while the worker imports what it runs, and must be on again
+    # once it runs tasks (in a prefork child too), with the start's objects frozen.
+    worker = WorkerProcess(broker_env.tmp, concurrency=1, pool=pool, include=TASKS)
+    worker_processes.append(worker.start())
+    app.send_task("corral.test.where", args=(pool,))
+    pattern = re.compile(rf"where {pool}: \S+, collecting (\w+), (\d+) frozen")
+    found = eventually(
+        lambda: pattern.search(worker.log_path.read_text()), 30, "the task", detail=worker.tail
+    )
+    assert found is not None
+    assert found.group(1) == "True", found.group(0)
+    assert int(found.group(2)) > 100_000, found.group(0)  # the app, the tasks, Celery
