@@ -113,3 +113,31 @@ def test_a_running_worker_collects_garbage_with_what_it_loaded_at_start_frozen(
     assert found is not None
     assert found.group(1) == "True", found.group(0)
     assert int(found.group(2)) > 100_000, found.group(0)  # the app, the tasks, Celery
+
+
+BEAT_STARTED = """
+import gc, os, sys
+from workers import command
+
+def started(**kw):  # what beat_init calls, then a line and the end of the process
+    freeze(**kw)
+    line = f"collecting {gc.isenabled()}, {gc.get_freeze_count()} frozen\\n"
+    os.write(1, line.encode())  # (beat's sys.stdout is a logger by then)
+    os._exit(0)
+
+freeze, command._freeze = command._freeze, started
+command.main(["beat", "-l", "WARNING", "-s", sys.argv[1]])
+"""
+
+
+def test_beat_collects_garbage_once_started_with_what_it_loaded_frozen(tmp_path: Path) -> None:
+    # a broker that refuses (loopback, port 1): beat starts before it sends anything
+    env = {
+        "CORRAL_BROKER_URL": "redis://127.0.0.1:1/0",
+        "CORRAL_DATABASE_URL": f"sqlite:///{tmp_path / 'beat.sqlite'}",
+    }
+    run = _run(sys.executable, "-c", BEAT_STARTED, str(tmp_path / "schedule"), env=env)
+    assert run.returncode == 0, run.stderr
+    found = re.search(r"collecting (\w+), (\d+) frozen", run.stdout)
+    assert found is not None, (run.stdout, run.stderr)
+    assert found.group(1) == "True" and int(found.group(2)) > 100_000, found.group(0)
