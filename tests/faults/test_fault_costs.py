@@ -50,6 +50,10 @@ def _node(env: Env) -> Node:
         return s.scalars(select(Node)).one()
 
 
+#: what a maybe's error says when a call's own time made it, not the kill
+CALL_COSTS = ("CreateReplica failed", "cut off by the task's time limit mid-call")
+
+
 def _maybes(env: Env) -> tuple[int, list[str]]:
     """The maybes the kill left (their owner lapsed after sending), and the others' errors."""
     errors = [r.error or "" for r in replicas(env) if r.maybe_of is not None]
@@ -110,10 +114,11 @@ def test_a_spawn_of_40_killed_with_4_creates_in_flight_leaves_at_most_4_maybes(
     )
     of_the_kill, others = _maybes(broker_env)
     assert of_the_kill <= 4, api.operation(op)["maybes"]
-    # On a loaded machine a create of the second worker can pass its deadline (2 s): a
-    # maybe too, but the cost of that call, not of the kill (cis26, beside another suite);
-    # one whose VM showed up later keeps that reason in its error (cis350: it was lost).
-    assert all("CreateReplica failed" in e for e in others), others
+    # On a loaded machine a create of the second worker can pass its deadline (2 s), or
+    # its batch its task's 4 s soft limit (cis626, beside another suite): a maybe too, but
+    # the cost of that call, not of the kill (cis26); one whose VM showed up later keeps
+    # that reason in its error (cis350: it was lost).
+    assert all(any(cost in e for cost in CALL_COSTS) for e in others), others
     maybes = of_the_kill + len(others)
     assert created([agent]) == 40 + maybes  # each replacement sent once
     # the node takes five more at once (or what is left of its 50 after such late
