@@ -10,10 +10,11 @@ build on it, so a test that asks for one of them runs twice, as
   (``tests/celery_workers.py``) - the session's Redis and real workers on it.
 
 SQLite is a fresh file per test (a copy of one migrated at the start of the
-session). PostgreSQL is the session's server (started
-once, ``tests/services.py``) with one migrated database per test module
-(``pg_module_url``: a copy of one migrated at the start of the session), emptied
-(``TRUNCATE``) before each test: no per-test ``CREATE DATABASE`` or migration.
+session), always at the same path in a process (``sqlite_path``), so the process's
+engine - and the statements it has compiled - serves every test. PostgreSQL is the
+session's server (started once, ``tests/services.py``) with one migrated database per
+test module (``pg_module_url``: a copy of one migrated at the start of the session),
+emptied (``DELETE``) before each test: no per-test ``CREATE DATABASE`` or migration.
 Nothing to do to adopt it: request ``corral_env`` (or ``broker_env``...) as before.
 Select one store with ``-k sqlite`` / ``-k postgres``, or ``-m postgres``.
 
