@@ -44,6 +44,15 @@ FAST = {
 }
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is not a zombie (its files are closed)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 class WorkerProcess:
     """``corral worker`` (a Celery worker and its supervisor) as a child process."""
 
@@ -234,14 +243,23 @@ class WorkerProcess:
         return pids[0] if pids else None
 
     def kill(self) -> None:
-        """SIGKILL the worker, its pool processes and its supervisor at once (a crash)."""
+        """SIGKILL the worker, its pool processes and its supervisor at once (a crash); return
+        once they are all gone.
+
+        The worker is not this process's child: only its supervisor can be waited for. A
+        killed process closes its sockets late in its exit, after its memory is torn down,
+        and until then Redis may hand its BRPOP the next test's message (cis627: a spawn
+        sent 0.45 s after a prefork worker's kill never reached its queue).
+        """
         if self.proc is not None and self.proc.poll() is None:
+            tree = self.tree()
             worker = self.worker_pid()
             if worker is not None:  # the worker's own process group: it and its pool
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(worker, signal.SIGKILL)
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+            eventually(lambda: not any(alive(pid) for pid in tree), 10, "the killed worker's end")
 
     def ask_to_stop(self) -> None:
         """Begin a warm shutdown (SIGTERM) without waiting for it: :meth:`stop` waits."""

@@ -27,6 +27,7 @@ from netplumb.addresses import parse_url
 from protos import fcdaemon_grpc, fcdaemon_pb2, resmngr_grpc, resmngr_pb2
 from testkit import httpcalls
 from testkit.eventually import eventually
+from testkit.processes import alive
 from workers.gateway.haproxy.process import Unavailable, find
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,14 +75,6 @@ def _descendants(pid: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _credentials(tmp_path: Path) -> dict[str, str]:
@@ -462,7 +455,7 @@ def test_corral_up_end_to_end(tmp_path: Path) -> None:
     assert up.returncode == 0, text
     secrets = _secrets(tmp_path)
     assert "stopped; nothing left running" in text
-    eventually(lambda: not [p for p in started if _alive(p)], 10, "every process it started gone")
+    eventually(lambda: not [p for p in started if alive(p)], 10, "every process it started gone")
     for log in (tmp_path / ".corral" / "logs").iterdir():
         content = log.read_text(errors="replace")
         assert AWS_ID not in content and AWS_SECRET not in content, log.name

@@ -17,17 +17,8 @@ import pytest
 
 from stack.worker import pool_option, worker_env
 from testkit.eventually import eventually
-from testkit.processes import WorkerProcess
+from testkit.processes import WorkerProcess, alive
 from tests.fixtures import Env
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]  # noqa: SIM115
-    return status != "Z"
 
 
 @pytest.mark.slow
@@ -42,7 +33,7 @@ def test_a_worker_ends_with_its_supervisor_and_a_warm_stop_passes_through(
     os.kill(first.proc.pid, signal.SIGKILL)  # the supervisor alone dies
     first.proc.wait(10)
     orphan = pid
-    eventually(lambda: not _alive(orphan), 10, "the worker to die with its supervisor")
+    eventually(lambda: not alive(orphan), 10, "the worker to die with its supervisor")
 
     second = WorkerProcess(broker_env.tmp, name="stopped").start()
     worker_processes.append(second)
@@ -50,7 +41,7 @@ def test_a_worker_ends_with_its_supervisor_and_a_warm_stop_passes_through(
     assert pid is not None and second.proc is not None
     second.proc.send_signal(signal.SIGTERM)  # passed on: Celery's warm shutdown
     assert second.proc.wait(30) == 0, second.tail()
-    assert not _alive(pid)
+    assert not alive(pid)
     assert "restarting" not in second.tail() and "started again" not in second.tail()
 
 
