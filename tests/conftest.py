@@ -2,8 +2,8 @@
 
 Tests that start a broker, worker processes or a whole stack are marked ``slow`` here, by
 the fixtures they use, so the fast local loop (``nox -s fast``) can leave them out. Slow
-tests also run first: the xdist workers (``-n``) start on the long ones and share out the
-short ones at the end, so that no long test is left to run alone while the other waits.
+tests also run first, and the ``long`` ones head the xdist workers' runs (tests.order), so
+that the workers share out the short ones at the end and no long test is left to run alone.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from celery.result import allow_join_result
 
 from testkit.mutation import kill_order
 from tests import requirements
+from tests.order import dealt
 
 pytest_plugins = ["tests.services", "tests.fixtures", "tests.celery_workers"]
 
@@ -26,13 +27,21 @@ SLOW_FIXTURES = frozenset({"broker_env", "thread_worker", "worker_processes"})
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark tests that need a broker, worker processes or a whole stack as ``slow``; run
-    them first."""
+    them first, the ``long`` ones at the head of each xdist worker's run."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith("tests/stack/"):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    items[:] = dealt(items, workers, _long_seconds)
     kill_order(items)  # under mutmut: a mutant's likeliest killers first
+
+
+def _long_seconds(item: pytest.Item) -> float:
+    """How long a ``@pytest.mark.long(SECONDS)`` test runs; 0 for the others."""
+    mark = item.get_closest_marker("long")
+    return float(mark.args[0]) if mark is not None else 0.0
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

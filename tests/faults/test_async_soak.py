@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.long(30)
 def test_a_short_async_soak_loses_no_call(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     run = subprocess.run(

@@ -650,6 +650,7 @@ def _answers(db: Database) -> bool:
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.long(35)
 @pytest.mark.timeout(150)
 def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answers_503(
     store_host: tuple[Network, NsPostgres],
@@ -700,6 +701,7 @@ def test_a_store_behind_a_cut_fails_statements_in_seconds_and_the_gateway_answer
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.long(110)
 @pytest.mark.timeout(420)
 def test_the_short_partition_run_has_no_anomaly_and_leaves_nothing(tmp_path: Path) -> None:
     links_before = _links()

@@ -49,6 +49,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long(70)
 def test_a_short_soak_keeps_every_invariant(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     run = subprocess.run(

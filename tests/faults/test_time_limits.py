@@ -140,6 +140,7 @@ def _stuck_and_ended(worker: WorkerProcess, pool: str, marker: Path, starts: int
 
 
 @pytest.mark.slow
+@pytest.mark.long(25)
 @pytest.mark.timeout(400)
 @POOLS
 def test_a_hundred_soft_limits_in_busy_tasks_wedge_nothing_and_every_hard_limit_fires(
@@ -185,6 +186,7 @@ FULL_PIPE = 60_000  # unread bytes of a full pipe (64 KiB) less a page: writers 
 
 
 @pytest.mark.slow
+@pytest.mark.long(20)
 @pytest.mark.timeout(300)
 @POOL_PER_STORE
 def test_a_12_s_stall_of_the_log_pipe_kills_nothing(

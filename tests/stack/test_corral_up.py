@@ -404,6 +404,7 @@ def _check_private(state: Path) -> None:
         assert path.stat().st_mode & 0o077 == 0, f"{path} is {oct(path.stat().st_mode)}"
 
 
+@pytest.mark.long(110)
 @pytest.mark.timeout(420)
 def test_corral_up_end_to_end(tmp_path: Path) -> None:
     up_log = (tmp_path / "up.out").open("w")

@@ -114,6 +114,7 @@ def cold_starts(url: str, name: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.long(30)
 @pytest.mark.timeout(240)
 def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
     broker_env: Env,

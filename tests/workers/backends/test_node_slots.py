@@ -115,6 +115,7 @@ def test_a_call_that_may_still_run_keeps_its_slot_until_its_lease_lapses(redis_u
         client.close()
 
 
+@pytest.mark.long(20)
 @pytest.mark.timeout(240)
 def test_two_worker_processes_keep_one_agent_within_the_bound(
     broker_env: Env, worker_processes: list[WorkerProcess]

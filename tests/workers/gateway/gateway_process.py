@@ -55,10 +55,13 @@ class Gateway:
             return [self.proc.pid]
         return [self.proc.pid, *(c.pid for c in children)]
 
-    def kib(self, field: str) -> int:
-        """A ``/proc/PID/status`` figure in KiB (``VmRSS``, ``VmHWM``), its HAProxy's added."""
+    def kib(self, field: str, pids: list[int] | None = None) -> int:
+        """A ``/proc/PID/status`` figure in KiB (``VmRSS``, ``VmHWM``), its HAProxy's added.
+
+        ``pids``: :meth:`pids` listed before (listing them reads every process's ``stat``).
+        """
         total = 0
-        for pid in self.pids():
+        for pid in self.pids() if pids is None else pids:
             with contextlib.suppress(OSError):
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                     if line.startswith(field + ":"):
