@@ -16,32 +16,23 @@ from pathlib import Path
 import pytest
 from celery.result import allow_join_result
 
-from testkit.mutation import kill_order
 from tests import requirements
-from tests.order import dealt
 
-pytest_plugins = ["tests.services", "tests.fixtures", "tests.celery_workers"]
+pytest_plugins = ["tests.services", "tests.fixtures", "tests.celery_workers", "tests.order"]
 
 SLOW_FIXTURES = frozenset({"broker_env", "thread_worker", "worker_processes"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark tests that need a broker, worker processes or a whole stack as ``slow``; run
-    them first, the ``long`` ones at the head of each xdist worker's run."""
+    """Mark tests that need a broker, worker processes or a whole stack as ``slow``.
+
+    Before ``-m`` deselects (this conftest's hook runs before pytest's own); the order
+    they run in is set once the selection is made (tests.order).
+    """
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith("tests/stack/"):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    items[:] = dealt(items, workers, _long_seconds)
-    kill_order(items)  # under mutmut: a mutant's likeliest killers first
-
-
-def _long_seconds(item: pytest.Item) -> float:
-    """How long a ``@pytest.mark.long(SECONDS)`` test runs; 0 for the others."""
-    mark = item.get_closest_marker("long")
-    return float(mark.args[0]) if mark is not None else 0.0
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

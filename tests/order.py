@@ -12,13 +12,19 @@ as before, and the few that run for tens of seconds (``@pytest.mark.long(SECONDS
 how long one runs on the CI machine) are dealt out to the heads of the runs, longest first,
 each to the run whose head is shortest so far: each worker starts on its share of them,
 and what is moved at the end are the short ones. Elsewhere the collected order (modules
-together, for their fixtures) is kept.
+together, for their fixtures) is kept. The order is made of what ``-k`` and ``-m`` left
+(the hook runs last), so that the runs it plans are the runs xdist deals.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
+
+import pytest
+
+from testkit.mutation import kill_order
 
 _T = TypeVar("_T")
 
@@ -53,3 +59,18 @@ def dealt(items: Sequence[_T], workers: int, seconds: Callable[[_T], float]) -> 
         out += head + rest[taken : taken + fill]
         taken += fill
     return out + rest[taken:]
+
+
+def _long_seconds(item: pytest.Item) -> float:
+    """How long a ``@pytest.mark.long(SECONDS)`` test runs; 0 for the others."""
+    mark = item.get_closest_marker("long")
+    return float(mark.args[0]) if mark is not None else 0.0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the ``slow`` tests first, the ``long`` ones at the heads of the workers' runs."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    items[:] = dealt(items, workers, _long_seconds)
+    kill_order(items)  # under mutmut: a mutant's likeliest killers first
