@@ -24,7 +24,13 @@ the headers arrive) and a call reaches a thread only once its message is in hand
   has not arrived by then is answered DEADLINE_EXCEEDED and forgotten;
 * then the handler: a synchronous one (the servicers corral has) runs on the server's
   thread pool with a :class:`ThreadContext` (``abort`` raises; the guard sends the
-  status), an ``async`` one (the health service) on the loop, never on the pool.
+  status), an ``async`` one (the health service) on the loop, never on the pool;
+* **never begun past its deadline**: a call whose client's deadline passed before a
+  thread took it (a server behind its work) is answered DEADLINE_EXCEEDED and its
+  handler never runs. Its client has given up and may already have sent the next call
+  in its place: corral's node slots lapse 2 s after a call's deadline, and a create begun
+  later than that would be one more than the node's bound (cis635: 5 creates at once
+  on an agent bound to 4, in a process starved for seconds).
 
 :class:`~netplumb.grpcserve.GuardedServer` runs a server with this guard.
 """
@@ -48,7 +54,15 @@ import grpc.aio
 
 from netplumb.addresses import peer_ip
 
-__all__ = ["OPEN_SERVICES", "CallAborted", "Guard", "Limits", "ThreadContext", "bearer_of"]
+__all__ = [
+    "OPEN_SERVICES",
+    "CallAborted",
+    "Guard",
+    "Limits",
+    "NotBegun",
+    "ThreadContext",
+    "bearer_of",
+]
 
 log = logging.getLogger("netplumb.grpcguard")
 
@@ -94,6 +108,20 @@ class CallAborted(Exception):
         super().__init__(code, details)
         self.code = code
         self.details = details
+
+
+class NotBegun(CallAborted):
+    """A call whose deadline passed before a thread took it: its handler never ran."""
+
+
+def _begin(behavior: Callable[[Any, Any], Any], request: Any, context: ThreadContext) -> Any:
+    """Run a synchronous handler on a pool thread, unless its caller's deadline has passed."""
+    if not context.is_active():
+        raise NotBegun(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "the call's deadline passed before the server began it: nothing was done",
+        )
+    return behavior(request, context)
 
 
 class ThreadContext:
@@ -316,7 +344,7 @@ class Guard(grpc.aio.ServerInterceptor):
         metadata = tuple(context.invocation_metadata() or ())
         sync_context = ThreadContext(metadata, context.peer(), deadline)
         try:
-            work = self._pool.submit(behavior, request, sync_context)
+            work = self._pool.submit(_begin, behavior, request, sync_context)
         except RuntimeError:  # the pool is shut down: the server is stopping
             self._give_back(caller)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
@@ -330,4 +358,6 @@ class Guard(grpc.aio.ServerInterceptor):
         try:
             return await asyncio.wrap_future(work)
         except CallAborted as aborted:
+            if isinstance(aborted, NotBegun):
+                self._note_refusal("deadline passed before the call was begun", context.peer())
             await context.abort(aborted.code, aborted.details)

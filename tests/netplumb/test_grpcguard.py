@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -198,6 +199,42 @@ def test_a_place_is_held_until_its_thread_is_done(gated: Gated) -> None:
         gated.gate.set()
         eventually(lambda: not server.guard.held, 5, "the place given back")
         _list(address)
+    finally:
+        server.stop(0)
+
+
+def test_a_call_whose_deadline_passed_while_it_waited_for_a_thread_is_never_begun(
+    gated: Gated,
+) -> None:
+    """Its client has given up (and may have sent another in its place): nothing is done.
+
+    The server's loop is held meanwhile, as a starved process's is: it cannot hear the
+    client give up, so the call is still queued for the thread when the thread frees.
+    """
+    server, address = _serve(gated, workers=1)
+    try:
+        (slow,) = _busy(gated, address, 1)  # the one thread, held at the gate
+        stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(address))
+        late = stub.ListReplicas.future(empty_pb2.Empty(), timeout=0.5, metadata=AUTH)
+        eventually(lambda: sum(server.guard.held.values()) == 2, 10, "the late call queued")
+        loop_held = threading.Event()
+
+        def hold_the_loop() -> None:
+            loop_held.set()
+            time.sleep(2.0)  # the fault: the loop runs nothing else for 2 s
+
+        server._loop.call_soon_threadsafe(hold_the_loop)
+        loop_held.wait(10)
+        # the client gives up on its own clock; the server's loop cannot hear it
+        assert eventually(lambda: code_of(late), 10, "the late call to end") == (
+            grpc.StatusCode.DEADLINE_EXCEEDED
+        )
+        gated.gate.set()  # the thread is free, and the late call is still queued for it
+        eventually(lambda: not server.guard.held, 10, "both places given back")
+        assert len(gated.seen) == 1  # the late call's handler never ran
+        assert slow.result(10) is not None
+        _list(address)  # and the next call is served
+        assert len(gated.seen) == 2
     finally:
         server.stop(0)
 
