@@ -9,9 +9,10 @@ whose replicas serve HTTP. The windows are short so the test is quick: 1-second 
 * ``tick`` is called 5.5 s after each of its calls ends. Its first call is a cold start;
   its next three find the replica the fixed keep-alive kept. Then its histogram says the
   next call comes 5 to 6 s after the last ends (pre-warm window 4 s, keep-alive window
-  7.2 s): the reaper lets the replica go right after the fourth call, the autoscaler
-  starts one 4 s later, before the fifth call is due, and the fifth call (made once that
-  replica is ready: its boot time is the machine's) is served by it - no cold start.
+  7.2 s): the reaper lets the replica go right after the fourth call, the autoscaler's
+  first pass after 4 s starts one (on a quiet machine, before the fifth call is due), and
+  the fifth call (made once that replica is ready: its boot time is the machine's) is
+  served by it - no cold start.
 * ``rare`` was called every 45 s before (its history is recorded as the gateway records
   it): right after its call through the gateway the reaper lets its replica go (one comes
   back 36 s later, before its next call would be due), where ``plain``, called as rarely
@@ -21,6 +22,7 @@ whose replicas serve HTTP. The windows are short so the test is quick: 1-second 
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import UTC, datetime
 
@@ -50,6 +52,7 @@ KEEPALIVE = {
     "autoscale_interval_s": "0.25",
     "reap_interval_s": "0.5",
 }
+PREWARM_AT_S = 4.0  # after a call's end: idle times of 5 s (their bin) less the 0.2 margin
 PERIOD_S = 5.5
 RARE_LET_GO_S = 30  # rare's pre-warm comes 36 s after its call; nothing may come before 30 s
 RARE_EVERY_S = 45
@@ -70,29 +73,58 @@ def live(env: Env, name: str) -> int:
     return sum(1 for r in rows(env, name) if r.status in LIVE)
 
 
-def _passes_until_let_go(env: Env, worker: WorkerProcess, name: str) -> int:
-    """Reap passes that ended before ``name``'s first replica left the live states.
+def _passes_until_let_go(env: Env, worker: WorkerProcess, name: str) -> tuple[int, int]:
+    """Reap passes that ended before ``name``'s first replica left the live states, and
+    where the worker's log stood as it began (for :func:`_prewarmed`).
 
     The reaper's own cadence is the clock: on a loaded machine its passes come late, and
     a bound in seconds measured the machine (5.9 s, with two suites side by side).
     """
+    mark = worker.log_path.stat().st_size
     before = worker.succeeded("corral.reap_pass")
     eventually(
         lambda: rows(env, name)[0].status not in LIVE, 60, "the first replica let go", poll=0.05
     )
-    return worker.succeeded("corral.reap_pass") - before
+    return worker.succeeded("corral.reap_pass") - before, mark
 
 
-def _prewarmed_by(env: Env, worker: WorkerProcess, name: str, due: float) -> list[Replica]:
-    """``name``'s replicas once the one pre-warmed after its first is ready; placed by ``due``.
+_PASS = re.compile(
+    r"^\[(?P<at>[\d-]+ [\d:,]+): [^\]]*\] Task corral\.autoscale\[(?P<id>[^\]]+)\] "
+    r"(?P<what>received|succeeded in [\d.]+s: \{'skipped': (?P<skipped>\w+))",
+    re.MULTILINE,
+)
 
-    The placement is the autoscaler's prediction, and must come before the call is due;
-    the boot is the machine's (on a loaded one, cis622, it took more than the 1.5 s left).
+
+def _prewarmed(
+    env: Env, worker: WorkerProcess, name: str, since: int, point: float
+) -> list[Replica]:
+    """``name``'s replicas once the one pre-warmed after its first is ready.
+
+    The pre-warm is the autoscaler's prediction: the first autoscale pass that begins
+    after ``point`` (epoch seconds) decides it. On a quiet machine that is at 4.25 s after
+    the call, well before the next is due at 5.5 s; on a loaded one the passes and the
+    spawn come late (cis636, two suites: a pass of 0.6 s, the row after the call was
+    due), and a bound in seconds measured the machine. So the passes are the clock: every
+    pass that ended before the decision (``since``: an offset in the worker's log) and was
+    not skipped was received before the point. The boot is the machine's (cis622).
     """
-    placed = rows(env, name)[1:]
-    assert len(placed) == 1 and placed[0].created_at < naive(due), placed
+    decided = f"keep-alive {name}: pre-warming one replica"
+
+    def log() -> str:
+        return worker.log_path.read_bytes()[since:].decode(errors="replace")
+
+    eventually(lambda: decided in log(), 60, f"{name}'s pre-warm", detail=worker.tail)
+    received: dict[str, float] = {}
+    last = None  # when the last pass that ran and did not pre-warm was received
+    for found in _PASS.finditer(log().split(decided, 1)[0]):
+        at = datetime.strptime(found["at"], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if found["what"] == "received":
+            received[found["id"]] = at
+        elif found["skipped"] == "False" and found["id"] in received:
+            last = received[found["id"]]
+    assert last is None or last < point + 0.05, (last, point)  # log times: to the ms
     eventually(
-        lambda: rows(env, name)[1].ready_at is not None,
+        lambda: len(rows(env, name)) > 1 and rows(env, name)[1].ready_at is not None,
         60,
         "the pre-warmed replica ready",
         detail=worker.tail,
@@ -177,17 +209,19 @@ def test_a_regular_function_is_prewarmed_and_a_rare_one_let_go_after_use(
             # -- tick: 5.5 s after each call ends
             ends = [call("tick")]
             starts: list[float] = []
-            passes = -1  # the reap passes that ended between the fourth call and its let-go
+            passes = log_mark = -1  # reap passes between the fourth call and its let-go
             for k in range(1, 5):
                 if k == 4:  # the fourth call just ended: counted in reap passes, not seconds
-                    passes = _passes_until_let_go(broker_env, worker, "tick")
+                    passes, log_mark = _passes_until_let_go(broker_env, worker, "tick")
                 # 5.5 s after the last call ended, not after the first: an idle time is
                 # from an end to the next start, and on a loaded machine (cis31, two suites)
                 # calls of a second and more cut a start-to-start period's gaps below the
                 # 4 s pre-warm point - the fifth call came before its pre-warm
                 time.sleep(max(0.0, ends[-1] + PERIOD_S - time.time()))
                 if k == 4:  # the fifth call: before it, the reaper and the pre-warm acted
-                    replaced = _prewarmed_by(broker_env, worker, "tick", ends[-1] + PERIOD_S)
+                    replaced = _prewarmed(
+                        broker_env, worker, "tick", log_mark, ends[-1] + PREWARM_AT_S
+                    )
                 starts.append(time.time())
                 ends.append(call("tick"))
     finally:
