@@ -288,21 +288,17 @@ def test_callers_that_never_read_two_byte_chunks_hold_the_budget_at_most(
             sock.sendall(request)  # and never a byte read
             held.append(sock)
         samples: list[int] = []
+        read_ahead: list[float] = []  # the gauge at each look: within the bound at every one
 
-        def steady() -> bool:  # no more growth over the last second (or a runaway)
+        def steady() -> bool:  # read ahead, and no more growth over the last second
             samples.append(gateway.kib("VmRSS"))
+            read_ahead.append(gateway.metric("corral_gateway_read_ahead_bytes"))
             assert gateway.proc.poll() is None, "the gateway was killed: it ran away"
-            return len(samples) > 10 and samples[-1] - samples[-11] < 1024
+            return max(read_ahead) > 0 and len(samples) > 10 and samples[-1] - samples[-11] < 1024
 
-        # the replica's answers reach the gateway first (its cold start, on a loaded
-        # machine, is flat memory that looks steady: cis637 measured before any came)
-        eventually(
-            lambda: gateway.metric("corral_gateway_read_ahead_bytes") > 0,
-            60,
-            "the answers to be read ahead",
-        )
+        # a single look once the memory settled saw 0 twice beside another suite (cis637,
+        # cis640; the memory flat before any answer came, or the gauge at 0 by then)
         eventually(steady, 60, "the gateway's memory to stop growing", poll=0.1)
-        held_now = gateway.metric("corral_gateway_read_ahead_bytes")
         p50 = _hello_p50(gateway, 40)
         grown = (gateway.kib("VmHWM") - base) / 1024
     finally:
@@ -310,7 +306,7 @@ def test_callers_that_never_read_two_byte_chunks_hold_the_budget_at_most(
         for sock in held:
             sock.close()
     _bounded(Outcome([], p50, quiet, grown))
-    assert 0 < held_now <= BUDGET + 20 * 256 * 1024  # past the budget: a read each at most
+    assert 0 < max(read_ahead) <= BUDGET + 20 * 256 * 1024  # past the budget: a read each
 
 
 def test_callers_that_read_two_byte_chunks_leave_the_loop_to_others(gateway: Gateway) -> None:
