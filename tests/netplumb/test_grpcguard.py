@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -217,19 +216,24 @@ def test_a_call_whose_deadline_passed_while_it_waited_for_a_thread_is_never_begu
         stub = fcdaemon_grpc.FcServiceStub(grpc.insecure_channel(address))
         late = stub.ListReplicas.future(empty_pb2.Empty(), timeout=0.5, metadata=AUTH)
         eventually(lambda: sum(server.guard.held.values()) == 2, 10, "the late call queued")
-        loop_held = threading.Event()
+        loop_held, release = threading.Event(), threading.Event()
 
-        def hold_the_loop() -> None:
+        def hold_the_loop() -> None:  # the fault: the loop runs nothing else until released
             loop_held.set()
-            time.sleep(2.0)  # the fault: the loop runs nothing else for 2 s
+            release.wait(30)
 
         server._loop.call_soon_threadsafe(hold_the_loop)
-        loop_held.wait(10)
-        # the client gives up on its own clock; the server's loop cannot hear it
-        assert eventually(lambda: code_of(late), 10, "the late call to end") == (
-            grpc.StatusCode.DEADLINE_EXCEEDED
-        )
-        gated.gate.set()  # the thread is free, and the late call is still queued for it
+        try:
+            loop_held.wait(10)
+            # the client gives up on its own clock; the server's loop cannot hear it
+            assert eventually(lambda: code_of(late), 10, "the late call to end") == (
+                grpc.StatusCode.DEADLINE_EXCEEDED
+            )
+            gated.gate.set()  # the thread is free, and the late call is still queued for it
+            # the pool's one thread takes its queue in order: past this, the late call's turn
+            server.pool.submit(lambda: None).result(10)
+        finally:
+            release.set()
         eventually(lambda: not server.guard.held, 10, "both places given back")
         assert len(gated.seen) == 1  # the late call's handler never ran
         assert slow.result(10) is not None
