@@ -24,7 +24,7 @@ from testkit.processes import WorkerProcess, start_beat
 from tests.fixtures import Env, StartAgents
 from workers.autoscale import demand
 from workers.functions import deploy, spec_from
-from workers.store.models import Function, Operation, Replica, ReplicaState
+from workers.store.models import OP_OPEN, Function, Operation, Replica, ReplicaState
 
 STABLE_S = 4.0
 FAST_AUTOSCALE = {
@@ -73,6 +73,16 @@ def idle(env: Env) -> dict[str, int]:
         if status == ReplicaState.IDLE:
             out[name] = out.get(name, 0) + 1
     return out
+
+
+def open_scales(env: Env) -> int:
+    """How many scale operations are still open (pending or running)."""
+    with env.db.read() as s:
+        return len(
+            s.scalars(
+                select(Operation.id).where(Operation.kind == "scale", Operation.status.in_(OP_OPEN))
+            ).all()
+        )
 
 
 def wait_for(env: Env, want: dict[str, int], timeout: float, worker: WorkerProcess) -> None:
@@ -133,6 +143,12 @@ def test_sustained_demand_scales_up_and_back_down_after_the_windows(
         wait_for(broker_env, {"steady": 1, "zero": 0, "plain": 0}, 90, worker)
         worker.more_runs("corral.autoscale", 4)  # and it stays there
         assert idle(broker_env) == {"steady": 1}
+        eventually(  # an operation finishes with its deletes, after its replicas leave IDLE
+            lambda: open_scales(broker_env) == 0,
+            60,
+            "the scale operations to finish",
+            detail=worker.tail,
+        )
     finally:
         gateway.stopped.set()
         beat.terminate()
@@ -145,7 +161,7 @@ def test_sustained_demand_scales_up_and_back_down_after_the_windows(
         ).all()
         targets = {n: t for n, t in s.execute(select(Function.name, Function.target))}
     assert targets == {"steady": 1, "zero": 0, "plain": None}
-    assert all(op.status == "succeeded" for op in ops), [(o.params, o.error) for o in ops]
+    assert all(op.status == "succeeded" for op in ops), [(o.params, o.status, o.error) for o in ops]
     by_fn: dict[str, list[Operation]] = {}
     for op in ops:
         by_fn.setdefault(names[op.function_id or ""], []).append(op)

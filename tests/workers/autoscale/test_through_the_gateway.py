@@ -33,7 +33,7 @@ from tests.fixtures import Env
 from workers.autoscale.passes import DECISIONS_KEY
 from workers.functions import deploy, spec_from
 from workers.gateway import serve_gateway
-from workers.store.models import Function, Operation, Replica, ReplicaState
+from workers.store.models import Function, Operation, OpStatus, Replica, ReplicaState
 
 FAST_AUTOSCALE = {
     "CORRAL_AUTOSCALE_INTERVAL_S": "0.5",
@@ -143,6 +143,14 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
             c.join(100)
         assert codes and set(codes) == {200}, sorted(set(codes))
         eventually(lambda: serving(broker_env) == 0, 90, "back to zero", detail=worker.tail)
+        # none serves once the last scale's deletes have begun (DELETING is not serving);
+        # its operation finishes with its deletes, later
+        eventually(
+            lambda: all(OpStatus(op.status).finished for op in scale_ops(broker_env)),
+            60,
+            "the scale operations to finish",
+            detail=worker.tail,
+        )
     finally:
         stop.set()
         beat.terminate()
@@ -155,5 +163,5 @@ def test_gateway_load_scales_past_cold_starts_and_back_to_zero(
     asked = [op.params["target"] for op in ops]
     assert asked and asked[-1] == 0 and target == 0, asked
     assert all(n <= 6 for n in asked), asked  # never past the max
-    assert all(op.status == "succeeded" for op in ops), [(o.params, o.error) for o in ops]
+    assert all(op.status == "succeeded" for op in ops), [(o.params, o.status, o.error) for o in ops]
     assert agent.driver.list() == []  # every VM the load made is gone
