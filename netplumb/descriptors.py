@@ -11,9 +11,10 @@ keeps its connection caps below what that leaves, with a reserve for everything 
 from __future__ import annotations
 
 import errno
+import os
 import resource
 
-__all__ = ["EXHAUSTED", "exhausted", "raise_limit"]
+__all__ = ["EXHAUSTED", "exhausted", "none_free", "raise_limit"]
 
 #: The errors of a call that found no descriptor (the process's, or the system's) free.
 EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE})
@@ -34,3 +35,18 @@ def raise_limit() -> int:
 def exhausted(exc: BaseException) -> bool:
     """True when ``exc`` says no descriptor was free (EMFILE, ENFILE)."""
     return isinstance(exc, OSError) and exc.errno in EXHAUSTED
+
+
+def none_free() -> bool:
+    """True when this process cannot open a descriptor now (EMFILE, ENFILE).
+
+    What a failed call that names no errno cannot say: a database driver's connect, or a
+    file it could not open. Asked after such a failure, it tells the process's own want of
+    descriptors from the other side's trouble.
+    """
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return exc.errno in EXHAUSTED
+    os.close(fd)
+    return False

@@ -306,6 +306,33 @@ def start_beat(tmp: Path, name: str, extra_env: dict[str, str]) -> subprocess.Po
 
 
 #: what a listener of corral's says once it listens (``fcdaemon listening on 127.0.0.1:PORT``)
+#: Takes every descriptor a process may open, at a soft limit of 64 (``held``; ``errno``: why
+#: the last open failed).
+_EXHAUST = """
+import os, resource
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError as exc:
+    errno = exc.errno
+"""
+
+
+def run_without_descriptors(before: str, after: str) -> subprocess.CompletedProcess[str]:
+    """Run Python ``before``, then ``after`` once the process holds every descriptor it may.
+
+    ``after`` sees ``held``, the descriptors taken (``os.close(held.pop())`` frees one), and
+    ``errno``, the error of the open that found none free.
+    """
+    script = "\n".join((before, _EXHAUST, after))
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
 LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 

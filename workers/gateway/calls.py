@@ -53,6 +53,7 @@ from workers.gateway.asgi import (
     has_body,
     header,
     reply,
+    store_unavailable,
 )
 from workers.gateway.bodies import CLOSE
 from workers.gateway.headers import HOP_BY_HOP, connection_named
@@ -250,12 +251,10 @@ class CallsFront:
         except InputError as exc:
             raise Answer(400, str(exc)) from None
         except DBAPIError as exc:
-            if not is_transient(exc):
+            error = str(exc.orig).split("\n")[0]
+            if (answer := store_unavailable(error, transient=is_transient(exc))) is None:
                 raise
-            log.warning("gateway: the store is unavailable: %s", str(exc.orig).split("\n")[0])
-            raise Answer(
-                503, "the store is unavailable", {"retry-after": str(RETRY_AFTER_S)}
-            ) from None
+            raise answer from None
 
     def _write_and_send(
         self,

@@ -61,6 +61,7 @@ from workers.gateway.asgi import (
     has_body,
     header,
     reply,
+    store_unavailable,
 )
 from workers.gateway.background import Background
 from workers.gateway.bodies import CLOSE, Bodies
@@ -232,12 +233,10 @@ class Gateway:
             except NoIdleReplica as exc:  # timed out, or the cold start failed
                 raise Answer(503, str(exc), {"retry-after": str(RETRY_AFTER_S)}) from None
             except DBAPIError as exc:
-                if not is_transient(exc):
+                error = str(exc.orig).split("\n")[0]
+                if (answer := store_unavailable(error, transient=is_transient(exc))) is None:
                     raise
-                log.warning("gateway: the store is unavailable: %s", str(exc.orig).split("\n")[0])
-                raise Answer(
-                    503, "the store is unavailable", {"retry-after": str(RETRY_AFTER_S)}
-                ) from None
+                raise answer from None
         except Answer as answer:
             extra = {} if state["read"] or not has_body(scope) else CLOSE  # body left unread
             await reply(tracked, answer.status, answer.message, {**answer.headers, **extra})

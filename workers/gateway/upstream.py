@@ -54,7 +54,7 @@ from urllib.parse import quote
 
 from config.settings import Settings
 from workers.gateway import http1
-from workers.gateway.asgi import RETRY_AFTER_S, Answer, Message, Scope, Send
+from workers.gateway.asgi import NO_DESCRIPTOR, RETRY_AFTER_S, Answer, Message, Scope, Send
 from workers.gateway.headers import Trusted, request_head, response_headers
 from workers.gateway.metrics import GatewayMetrics
 from workers.replicas.claims import Claimed
@@ -377,11 +377,7 @@ class Upstreams:
         if now - self._exhausted_at >= EXHAUSTED_LOG_S:
             self._exhausted_at = now
             log.warning("gateway: %s (answering 503 meanwhile)", exc)
-        raise Answer(
-            503,
-            "the gateway has no file descriptor free: try again",
-            {"retry-after": str(RETRY_AFTER_S)},
-        )
+        raise Answer(503, NO_DESCRIPTOR, {"retry-after": str(RETRY_AFTER_S)})
 
     def sweep(self, wanted: set[str]) -> None:
         """Close idle connections past their time, and pools unused but those in ``wanted``."""

@@ -6,7 +6,8 @@ from eight loopback addresses open 400 connections: the gateway's caps, kept bel
 descriptor limit, leave it the descriptors its forwarding needs, and a caller's request
 goes through. Then the test takes the process's descriptors away for real (its soft
 limit lowered below what it has open, ``prlimit``): a request whose replica needs a new
-connection is the gateway's own 503 - the replica is not retired as a suspect - and once
+connection is the gateway's own 503 - the replica is not retired as a suspect; so is one
+whose store call needs a new connection (cis647: PostgreSQL's pool opened one) - and once
 the limit is back the same replica answers and a cold start (the process's first) works.
 """
 
