@@ -305,7 +305,6 @@ def start_beat(tmp: Path, name: str, extra_env: dict[str, str]) -> subprocess.Po
     )
 
 
-#: what a listener of corral's says once it listens (``fcdaemon listening on 127.0.0.1:PORT``)
 #: Takes every descriptor a process may open, at a soft limit of 64 (``held``; ``errno``: why
 #: the last open failed).
 _EXHAUST = """
@@ -333,6 +332,7 @@ def run_without_descriptors(before: str, after: str) -> subprocess.CompletedProc
     )
 
 
+#: what a listener of corral's says once it listens (``fcdaemon listening on 127.0.0.1:PORT``)
 LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 

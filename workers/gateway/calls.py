@@ -252,9 +252,9 @@ class CallsFront:
             raise Answer(400, str(exc)) from None
         except DBAPIError as exc:
             error = str(exc.orig).split("\n")[0]
-            if (answer := store_unavailable(error, transient=is_transient(exc))) is None:
+            if (unavailable := store_unavailable(error, transient=is_transient(exc))) is None:
                 raise
-            raise answer from None
+            raise unavailable from None
 
     def _write_and_send(
         self,

@@ -234,9 +234,9 @@ class Gateway:
                 raise Answer(503, str(exc), {"retry-after": str(RETRY_AFTER_S)}) from None
             except DBAPIError as exc:
                 error = str(exc.orig).split("\n")[0]
-                if (answer := store_unavailable(error, transient=is_transient(exc))) is None:
+                if (unavailable := store_unavailable(error, transient=is_transient(exc))) is None:
                     raise
-                raise answer from None
+                raise unavailable from None
         except Answer as answer:
             extra = {} if state["read"] or not has_body(scope) else CLOSE  # body left unread
             await reply(tracked, answer.status, answer.message, {**answer.headers, **extra})
