@@ -173,6 +173,9 @@ def _exercise(  # noqa: PLR0913 - one run's parts
         callers.stop.set()
         nem.heal_all()
     say(f"[{time.monotonic() - t0:6.1f}s] healed; load stopped; quiet for {args.quiet:g}s")
+    # the load's last action ends first: a claim it was still making would be held after
+    # every other was released (cis656: 22 claimed, 21 released, one claim row left)
+    threads[0].join(checker.call_deadline(settings) + 15)
     load.release_all(within_s=30)
     for t in threads:
         if t is not threads[1]:
