@@ -284,11 +284,15 @@ def test_haproxy_started_again_gets_every_route_back(warm_stack: Stack) -> None:
     first = gw.warm.process.proc.pid
     os.kill(first, signal.SIGKILL)
     process = gw.warm.process
-    eventually(
-        lambda: process.alive() and process.pid != first and router.routes["hello"].live,
-        20,
-        "HAProxy started again, the route given to it again",
-    )
+
+    def started_again() -> bool:
+        # one read of the pid: None while the killed one dies and before its successor
+        # starts (cis659: `alive()`, then `pid` read a moment later, saw the killed process
+        # alive and then gone - None, not the first - while its route was still marked live)
+        pid = process.pid
+        return pid is not None and pid != first and router.routes["hello"].live
+
+    eventually(started_again, 20, "HAProxy started again, the route given to it again")
     assert router.counts.restarts == 1
     with httpcalls.client(timeout=30) as client:  # the same port: the gateway's socket
         for _ in range(5):
