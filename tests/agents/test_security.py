@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,28 +42,6 @@ FCDAEMON = [sys.executable, "-m", "agents.fcdaemon"]
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     return {**env, **extra}
-
-
-class PortLost(Exception):
-    """The child could not bind the port chosen for it: another socket took it first."""
-
-
-def _wait_port(
-    port: int, proc: subprocess.Popen[bytes], timeout: float = 60, lost: str | None = None
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.communicate()[1].decode()
-            if lost is not None and lost in err:
-                raise PortLost(err)
-            raise AssertionError(err)
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.5).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"nothing listens on {port}")
 
 
 @pytest.fixture
@@ -228,33 +205,41 @@ def test_insecure_starts_off_loopback_with_a_warning_and_a_token_starts_quietly(
 
 
 def _serve_off_loopback(argv: list[str], env: dict[str, str], cwd: Path) -> str:
-    """Start ``corral ARGV`` on 0.0.0.0, wait until it serves, stop it; its stderr.
+    """Start ``corral ARGV`` on 0.0.0.0, wait until it serves, stop it; its output.
 
-    The port is chosen free a moment before the child binds it on every address, and the
-    suite's own connections take ephemeral ports meanwhile: a child that says it cannot
-    listen is started again on another port (twice at most); any other exit fails.
+    Served is the child's own ``listening on`` line, not a connection to the port: the
+    port is chosen free a moment before the child binds it, and another test's listener
+    may take it first - a probe then reaches that one while the child has said nothing
+    (cis662: the output read empty). A child that says it cannot listen is started again
+    on another port (twice at most); any other exit fails.
     """
+    log = cwd / "serve.log"
     for _ in range(3):
         port = free_port()
-        proc = subprocess.Popen(
-            [*CLI, *argv, "--listen", f"0.0.0.0:{port}"],
-            cwd=cwd,
-            env={**env, "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
         try:
-            _wait_port(port, proc, lost=f"cannot listen on 0.0.0.0:{port}")
-        except PortLost:
-            continue
+            proc, _address = start_listening(
+                [*CLI, *argv, "--listen", f"0.0.0.0:{port}"],
+                cwd=cwd,
+                env={**env, "PYTHONFAULTHANDLER": "1"},  # SIGABRT: every thread's stack
+                log_path=log,
+            )
+        except AssertionError as exc:
+            if f"cannot listen on 0.0.0.0:{port}" in str(exc):
+                continue
+            raise
+        try:  # it serves: a connection to the port it said it holds
+            socket.create_connection(("127.0.0.1", port), 5).close()
         finally:
             proc.terminate()
         try:
-            return proc.communicate(timeout=30)[1].decode()
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:  # (seen once, with a registry: where does it wait?)
             proc.send_signal(signal.SIGABRT)
-            err = proc.communicate(timeout=30)[1].decode(errors="replace")
-            raise AssertionError(f"{argv[0]} did not end within 30 s of SIGTERM:\n{err}") from None
+            proc.wait(timeout=30)
+            raise AssertionError(
+                f"{argv[0]} did not end within 30 s of SIGTERM:\n{log.read_text(errors='replace')}"
+            ) from None
+        return log.read_text(errors="replace")
     raise AssertionError("three free ports were each taken before the child bound them")
 
 
