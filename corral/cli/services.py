@@ -28,7 +28,8 @@ def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
         running = serve_registry(settings, args.listen, queue=QUEUE, insecure=args.insecure)
     except OSError as exc:  # the port is taken, or the address is not this host's
         raise CorralError(f"registry {exc}") from None
-    print(f"registry listening on {args.listen or settings.registry_listen}", flush=True)
+    host = (args.listen or settings.registry_listen).rsplit(":", 1)[0]
+    print(f"registry listening on {host}:{running.port}", flush=True)  # port 0: the one taken
     _until_signalled()
     running.stop(2.0)
     return 0
@@ -48,7 +49,7 @@ def cmd_metrics(args: argparse.Namespace, settings: Settings) -> int:
         )
     except OSError as exc:  # the port is taken, or the address is not this host's
         raise CorralError(f"metrics cannot listen on {listen}: {exc.strerror or exc}") from None
-    print(f"metrics at {running.url}", flush=True)
+    print(f"metrics listening on {running.url}", flush=True)
     _until_signalled()
     running.stop()
     return 0

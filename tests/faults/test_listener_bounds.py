@@ -38,7 +38,7 @@ from agents import lambdo
 from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc, resmngr_grpc, resmngr_pb2
 from testkit import httpcalls
 from testkit.eventually import eventually
-from testkit.services import free_port
+from testkit.processes import start_listening
 from tests.dataplanes import DATAPLANES, need
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -280,7 +280,8 @@ Attack = Callable[[int, list[socket.socket]], None]
 class Listener:
     """A server to attack: how to start it, a real call that must work, the attacks that apply.
 
-    ``argv`` and ``env`` get ``{port}`` / ``{tmp}`` filled in; ``store``: it starts on
+    ``argv`` listens on port 0 and the server says where (``listening on``); ``env`` gets
+    ``{tmp}`` filled in; ``store``: it starts on
     a migrated store (:data:`STORE`'s SQLite file, a copy of the session's migrated
     template); ``healthy(port)`` is one authorised call that must succeed once the attack
     is over.
@@ -368,7 +369,7 @@ LISTENERS = [
             "-m",
             "agents.lambdo",
             "--listen",
-            "127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--driver",
             "memory",
             "--token",
@@ -380,7 +381,7 @@ LISTENERS = [
     ),
     Listener(
         "metrics",
-        [sys.executable, "-m", "corral.cli", "metrics", "--listen", "127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "metrics", "--listen", "127.0.0.1:0"],
         _http_ok("/metrics"),
         HTTP_ATTACKS,
         max_new_threads=HTTP_THREADS,
@@ -389,7 +390,7 @@ LISTENERS = [
     ),
     Listener(
         "registry",
-        [sys.executable, "-m", "corral.cli", "registry", "--listen", "127.0.0.1:{port}"],
+        [sys.executable, "-m", "corral.cli", "registry", "--listen", "127.0.0.1:0"],
         _registry_ok,
         [
             grpc_half_sent("/resmngr.ResMngrService/UpdateStatus"),
@@ -409,7 +410,7 @@ LISTENERS = [
             "-m",
             "agents.fcdaemon",
             "--listen",
-            "127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--driver",
             "memory",
             "--require-token",
@@ -432,7 +433,7 @@ LISTENERS = [
             "-m",
             "agents.gpus",
             "--listen",
-            "127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--gpus",
             "GPU-1:1000",
             "--require-token",
@@ -446,7 +447,7 @@ LISTENERS = [
     *(
         Listener(
             f"gateway-{plane}",
-            [sys.executable, "-m", "corral.cli", "gateway", "--listen", "127.0.0.1:{port}"],
+            [sys.executable, "-m", "corral.cli", "gateway", "--listen", "127.0.0.1:0"],
             _http_ok("/metrics"),
             [
                 aimed(http_half_sent, b"/function/hello"),
@@ -475,24 +476,20 @@ class Server:
 def _running(listener: Listener, tmp_path: Path, template: Path) -> Iterator[Server]:
     """``listener`` started as its own process; stopped on the way out."""
     need(listener.env.get("CORRAL_GATEWAY_DATAPLANE", "python"))
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CORRAL_")}
     env.update({k: v.format(tmp=tmp_path) for k, v in listener.env.items()})
     env["CORRAL_STATE_DIR"] = str(tmp_path / "state")
     if listener.store:
         shutil.copyfile(template, tmp_path / "corral.sqlite")
-    argv = [a.format(port=port) for a in listener.argv]
-    proc = subprocess.Popen(
-        argv,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "stderr.log").open("wb"),
-    )
+    # port 0 and the server's own words: a port found free a moment before may be another
+    # test's by the time the server binds it (cis662)
+    log = tmp_path / "listener.log"
+    proc, address = start_listening(listener.argv, cwd=tmp_path, env=env, log_path=log)
+    port = int(address.rsplit(":", 1)[1])
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, (tmp_path / "stderr.log").read_text()
+            assert proc.poll() is None, log.read_text(errors="replace")
             try:
                 listener.healthy(port)
                 break

@@ -581,5 +581,5 @@ def serve_registry(
         tls = (settings.registry_tls_key.read_bytes(), settings.registry_tls_cert.read_bytes())
     port = server.bind(address, tls)
     server.start()
-    log.info("registry listening on %s (port %d)", address, port)
+    log.info("registry listening on %s:%d", address.rsplit(":", 1)[0], port)
     return RunningRegistry(server, port, registry)

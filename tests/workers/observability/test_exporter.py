@@ -278,7 +278,8 @@ def test_corral_metrics_command_serves_until_terminated(env: Env, redis_url: str
     try:
         assert proc.stdout is not None and proc.stderr is not None
         said = re.fullmatch(
-            r"metrics at (http://127\.0\.0\.1:\d+/metrics)", proc.stdout.readline().strip()
+            r"metrics listening on (http://127\.0\.0\.1:\d+/metrics)",
+            proc.stdout.readline().strip(),
         )
         if said is None:  # it ended (its stdout closed): its stderr says why
             proc.wait(20)
