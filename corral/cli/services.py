@@ -28,8 +28,7 @@ def cmd_registry(args: argparse.Namespace, settings: Settings) -> int:
         running = serve_registry(settings, args.listen, queue=QUEUE, insecure=args.insecure)
     except OSError as exc:  # the port is taken, or the address is not this host's
         raise CorralError(f"registry {exc}") from None
-    host = (args.listen or settings.registry_listen).rsplit(":", 1)[0]
-    print(f"registry listening on {host}:{running.port}", flush=True)  # port 0: the one taken
+    print(f"registry listening on {running.listening}", flush=True)
     _until_signalled()
     running.stop(2.0)
     return 0

@@ -35,6 +35,7 @@ import pytest
 from google.protobuf import empty_pb2
 
 from agents import lambdo
+from netplumb.addresses import split_hostport
 from protos import fcdaemon_grpc, fcdaemon_pb2, gpuresc_grpc, resmngr_grpc, resmngr_pb2
 from testkit import httpcalls
 from testkit.eventually import eventually
@@ -485,7 +486,7 @@ def _running(listener: Listener, tmp_path: Path, template: Path) -> Iterator[Ser
     # test's by the time the server binds it (cis662)
     log = tmp_path / "listener.log"
     proc, address = start_listening(listener.argv, cwd=tmp_path, env=env, log_path=log)
-    port = int(address.rsplit(":", 1)[1])
+    _, port = split_hostport(address)  # (the gateway says a URL: its port ends it too)
     try:
         deadline = time.monotonic() + 60
         while True:

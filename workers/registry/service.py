@@ -61,7 +61,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from config.settings import Settings, reveal
-from netplumb.addresses import join_hostport, peer_ip
+from netplumb.addresses import host_of, join_hostport, peer_ip
 from netplumb.grpcserve import GuardedServer, Limits, bearer_of, report_vmid
 from netplumb.listening import Server, listen_address
 from protos import mngrinfo_grpc, mngrinfo_pb2, resmngr_grpc, resmngr_pb2
@@ -510,11 +510,14 @@ class RunningRegistry:
 
     SWEEP_S = 0.5
 
-    def __init__(self, server: GuardedServer, port: int, registry: Registry) -> None:
+    def __init__(
+        self, server: GuardedServer, port: int, registry: Registry, listening: str
+    ) -> None:
         self.server = server
         self.port = port
         self.registry = registry
         self.address = f"127.0.0.1:{port}"
+        self.listening = listening  # HOST:PORT it listens on (port 0: the port it took)
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="registry-sweep", daemon=True)
         self._sweeper.start()
@@ -581,5 +584,6 @@ def serve_registry(
         tls = (settings.registry_tls_key.read_bytes(), settings.registry_tls_cert.read_bytes())
     port = server.bind(address, tls)
     server.start()
-    log.info("registry listening on %s:%d", address.rsplit(":", 1)[0], port)
-    return RunningRegistry(server, port, registry)
+    running = RunningRegistry(server, port, registry, join_hostport(host_of(address), port))
+    log.info("registry listening on %s", running.listening)
+    return running
