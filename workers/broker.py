@@ -1,4 +1,4 @@
-"""The Redis broker transport: kombu's, with one fix for losing the broker mid-poll.
+"""The Redis broker transport: kombu's, where a closed channel is a lost connection.
 
 When the broker goes away, a Celery worker drops its connection in two steps:
 ``Connection.collect()`` closes the channels and then detaches the transport from
@@ -14,6 +14,18 @@ This transport raises a connection error there instead. kombu and Celery
 expect that and carry on: the worker reconnects, and the messages it held stay
 in Redis's unacked set, so kombu's sweep puts them back after the visibility
 timeout (tasks are idempotent, so a redelivery is harmless).
+
+A publish can meet a closed channel too. Celery declares a task's queue as part of
+its publish (``declare=[queue]``, a Redis ``SADD`` on a connection's first publish),
+and kombu runs that declare under a retry loop of its own: when the broker is lost
+there, the loop reconnects, which closes the channel the publish took a moment
+before, and the publish then goes on with that closed channel. kombu's channel
+fails with ``AttributeError`` again (``'NoneType' object has no attribute
+'client'``), which the publish's own retry loop does not retry, so the task failed.
+Here a closed channel, like a detached transport, fails as a lost connection when
+it needs a Redis pool (every command it sends after its close does): the publish's
+retry loop reconnects once more and publishes on a fresh channel, nothing sent
+twice (the message had not reached Redis).
 
 :func:`install` (called when the Celery app is created) maps the ``redis`` and
 ``rediss`` URL schemes to this transport in kombu's alias table, so broker URLs
@@ -56,9 +68,13 @@ class PublishOutOfTime(OperationalError):
 
 
 class Channel(kombu_redis.Channel):
-    """kombu's Redis channel, which never opens a pool for a closed transport."""
+    """kombu's Redis channel, which never opens a pool once it or its transport is closed."""
 
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+        if self.connection is None:  # this channel was closed
+            raise redis.exceptions.ConnectionError(
+                "the broker channel is closed (its connection was lost and made again)"
+            )
         if self.connection.client is None:
             raise redis.exceptions.ConnectionError("the broker connection is already closed")
         params: dict[str, Any] = super()._connparams(asynchronous=asynchronous)

@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kombu.connection import Connection
@@ -109,32 +110,92 @@ def test_redis_urls_keep_their_scheme_and_use_corrals_transport() -> None:
 HARD_S = 12.0  # the task's hard limit: above one attempt (5 s), below two plus kombu's waits
 
 
-def test_a_tasks_publish_to_a_frozen_broker_gives_up_before_its_hard_limit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A broker that stopped answering without closing its sockets (a frozen process, a
-    # partition): kombu's retries, a socket timeout each, used to outlast any hard limit
-    # (past 150 s), and the supervisor then killed the worker with every task on it.
+@pytest.fixture
+def own_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RedisServer]:
+    """A Redis of the test's own (it is stopped or frozen), corral's app publishing to it."""
     with RedisServer(tmp_path / "redis") as server:
         env = Env(monkeypatch, tmp_path)
         env.set(broker_url=server.url, database_url=f"sqlite:///{tmp_path}/s.db", eager="0")
         try:
-            noop.apply_async()  # the producer's connection is made: the freeze hits a publish
-            settings = env.settings
-            budget = Budget(time.monotonic(), settings.task_soft_time_limit_s, HARD_S, 1.0)
-
-            def publish() -> float:
-                with budgeted(budget), pytest.raises(PublishOutOfTime, match="hard time limit"):
-                    noop.apply_async()
-                return time.monotonic() - budget.started
-
-            with server.frozen(), concurrent.futures.ThreadPoolExecutor(1) as pool:
-                took = pool.submit(publish)
-                # unanswered by the hard limit (and a margin): the bound did not hold
-                done, _ = concurrent.futures.wait([took], timeout=HARD_S + 10)
-                assert done, "the publish was still blocked past the task's hard limit"
-            assert took.result() < HARD_S
-            noop.apply_async()  # the broker is back: publishing works again
+            yield server
         finally:
             reset_settings()
             configure(get_settings())
+
+
+def test_a_tasks_publish_to_a_frozen_broker_gives_up_before_its_hard_limit(
+    own_broker: RedisServer,
+) -> None:
+    # A broker that stopped answering without closing its sockets (a frozen process, a
+    # partition): kombu's retries, a socket timeout each, used to outlast any hard limit
+    # (past 150 s), and the supervisor then killed the worker with every task on it.
+    noop.apply_async()  # the producer's connection is made: the freeze hits a publish
+    budget = Budget(time.monotonic(), get_settings().task_soft_time_limit_s, HARD_S, 1.0)
+
+    def publish() -> float:
+        with budgeted(budget), pytest.raises(PublishOutOfTime, match="hard time limit"):
+            noop.apply_async()
+        return time.monotonic() - budget.started
+
+    with own_broker.frozen(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        took = pool.submit(publish)
+        # unanswered by the hard limit (and a margin): the bound did not hold
+        done, _ = concurrent.futures.wait([took], timeout=HARD_S + 10)
+        assert done, "the publish was still blocked past the task's hard limit"
+    assert took.result() < HARD_S
+    noop.apply_async()  # the broker is back: publishing works again
+
+
+# -- a publish whose queue declare lost the broker -----------------------------------------
+
+
+def _broker_back_on_first_failure(server: RedisServer, seen: list[str]) -> Any:
+    """A retry policy's errback that starts the stopped broker the first time kombu reports."""
+
+    def errback(exc: Exception, interval: float) -> None:
+        seen.append(type(exc).__name__)
+        if not server.is_running():
+            server.start()
+
+    return errback
+
+
+def test_a_publish_whose_queue_declare_lost_the_broker_is_sent_once_when_it_is_back(
+    own_broker: RedisServer,
+) -> None:
+    # cis672's partition run: a scale's fan-out failed with AttributeError ('NoneType' object
+    # has no attribute 'client') when the broker was cut during the queue declare of its
+    # connection's first publish; kombu's declare retry reconnected and closed the channel
+    # the publish went on with.
+    seen: list[str] = []
+    policy = {"max_retries": 5, "errback": _broker_back_on_first_failure(own_broker, seen)}
+    with app.producer_or_acquire() as producer:
+        assert producer.channel is not None  # made: the broker answered its ping
+        own_broker.stop()  # the publish's first command is its queue's declare
+        noop.apply_async(producer=producer, retry_policy=policy)
+    queue = app.amqp.router.route({}, noop.name)["queue"].name
+    assert own_broker.client().llen(queue) == 1  # sent, and once
+    assert seen == ["ConnectionError", "ConnectionError"]  # the declare's loss, the closed channel
+
+
+def test_kombus_own_channel_still_publishes_on_the_channel_its_declare_closed(
+    tmp_path: Path,
+) -> None:
+    """If this fails, kombu fixed it upstream and ``Channel._connparams`` can go."""
+    queue = Queue("q", Exchange("q", type="direct"), routing_key="q")
+    with (
+        RedisServer(tmp_path / "redis") as server,
+        Connection(server.url, transport=kombu_redis.Transport) as connection,
+    ):
+        producer = connection.Producer()
+        assert producer.channel is not None
+        server.stop()
+        seen: list[str] = []
+        policy = {"max_retries": 5, "errback": _broker_back_on_first_failure(server, seen)}
+        with pytest.raises(AttributeError, match="client"):
+            # Celery's publish of a task: the default exchange, the queue declared
+            producer.publish(
+                {}, exchange="", routing_key="q", declare=[queue], retry=True, retry_policy=policy
+            )
+        assert server.client().llen("q") == 0
+        assert seen == ["ConnectionError"]  # one loss, then the closed channel's AttributeError
