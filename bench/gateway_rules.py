@@ -134,7 +134,7 @@ def _start(name: str, edit: Edit, tmp: Path, replicas: list[int], envs: int) -> 
     listen = socket.socket()
     listen.bind(("127.0.0.1", 0))
     listen.listen(1024)
-    config.write(get_settings(), layout, listen.fileno())
+    config.write(get_settings(), layout)
     layout.config.write_text(edit(layout.config.read_text()))
     layout.functions.write_text(f"{FUNCTION} {config.backend(0)}\n")
     process = Process(find(get_settings().gateway_haproxy), layout, listen)

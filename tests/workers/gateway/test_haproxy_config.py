@@ -9,7 +9,9 @@ reads them.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import resource
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -62,7 +64,7 @@ def _written(tmp_path: Path, **update: Any) -> tuple[Layout, socket.socket, Sett
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    config.write(settings, layout, sock.fileno())
+    config.write(settings, layout)
     return layout, sock, settings
 
 
@@ -76,7 +78,7 @@ def test_the_configuration_is_one_haproxy_takes(tmp_path: Path, update: dict[str
             capture_output=True,
             text=True,
             timeout=30,
-            pass_fds=(sock.fileno(),),
+            stdin=sock.fileno(),  # as Process passes it: config.LISTEN_FD
         )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "WARNING" not in done.stdout + done.stderr  # (rules in the order they run)
@@ -117,6 +119,30 @@ def haproxy(tmp_path: Path) -> Iterator[Layout]:
     finally:
         process.kill()
         sock.close()
+
+
+def test_haproxy_takes_the_gateways_socket_whatever_its_number_in_the_gateway(
+    tmp_path: Path,
+) -> None:
+    # cis677: a gateway in a process holding some 460 descriptors passed its socket as
+    # fd@464, above HAProxy's socket limit (about twice its maxconn: 2 x 64 + 64 there), and
+    # HAProxy would not start ("not enough free sockets"). It is HAProxy's stdin now.
+    need("haproxy")
+    layout, sock, settings = _written(tmp_path, gateway_max_connections=64)
+    high = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 4096) - 1
+    assert high > 4 * (2 * settings.gateway_max_connections + 64), "the limit is too low here"
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(high)  # free: the socket is put there, not over another descriptor
+    os.dup2(sock.fileno(), high, inheritable=False)
+    with sock, socket.socket(fileno=high) as far:
+        process = Process(find("haproxy"), layout, far)
+        process.start()
+        try:
+            with socket.create_connection(far.getsockname(), timeout=10) as caller:
+                caller.sendall(b"GET /function/none HTTP/1.1\r\nHost: gw\r\n\r\n")
+                assert caller.recv(64).startswith(b"HTTP/1.1 ")  # HAProxy answers on the port
+        finally:
+            process.kill()
 
 
 def test_the_routers_commands_are_answered_and_told_apart(haproxy: Layout) -> None:

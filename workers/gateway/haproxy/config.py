@@ -9,7 +9,7 @@ reload. What is fixed is written here, once:
   (``tune.bufsize``: the largest head the settings allow, plus HAProxy's room to rewrite),
   the header lines of a head (``tune.http.maxhdr``), the Lua actions that drop the
   headers a replica's ``Connection:`` names and scope its cookies.
-* **the frontend** on the socket the gateway bound (``bind fd@N``: the port is the
+* **the frontend** on the socket the gateway bound (``bind fd@0``: the port is the
   gateway's, kept across a restart of HAProxy). With a token, a ``/function/`` request
   without it is answered 401 here (the token compared as a SHA-256 digest, so the
   comparison leaks nothing of it), its body never read. A request is *warm* - sent to
@@ -58,6 +58,12 @@ import hashlib
 from config.settings import Settings, parse_networks, reveal
 from workers.gateway.asgi import RETRY_AFTER_S
 from workers.gateway.haproxy.layout import Layout
+
+# The gateway's listening socket is HAProxy's stdin (:class:`.process.Process` passes it
+# there, as inetd passes a socket). HAProxy refuses a listener whose descriptor is at or
+# above its socket limit (about twice its maxconn), and the number the socket has in the
+# gateway can be anything: a process holding hundreds of descriptors had it at 464.
+LISTEN_FD = 0
 
 PEER = "x-corral-peer"  # the caller's address, on a request HAProxy hands the activator
 HOST = "x-corral-host"  # the caller's Host, likewise (the activator's own is its server name)
@@ -178,10 +184,10 @@ def error_answer(status: int) -> bytes:
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
-def write(settings: Settings, layout: Layout, listen_fd: int) -> None:
+def write(settings: Settings, layout: Layout) -> None:
     """Write the configuration and the files it names (each ``0600``)."""
     files = {
-        layout.config: render(settings, layout, listen_fd).encode(),
+        layout.config: render(settings, layout).encode(),
         layout.lua: LUA.encode(),
         layout.functions: b"",
         **{layout.error(status): error_answer(status) for status in ERRORS},
@@ -195,12 +201,12 @@ def _seconds(value: float) -> str:
     return f"{max(1, round(value * 1000))}ms"
 
 
-def render(settings: Settings, layout: Layout, listen_fd: int) -> str:
+def render(settings: Settings, layout: Layout) -> str:
     """The whole configuration."""
     lines = [
         *_global(settings, layout),
         *_defaults(settings, layout),
-        *_frontend(settings, layout, listen_fd),
+        *_frontend(settings, layout),
         "",
         f"backend {ACTIVATOR}",
         f"  timeout server {_seconds(_activator_timeout(settings))}",
@@ -297,7 +303,7 @@ ODD_NAMES = "|".join(
 )
 
 
-def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
+def _frontend(settings: Settings, layout: Layout) -> list[str]:
     """The listener: the token, then warm (a function's backend) or not (the activator).
 
     Each test runs once, its outcome kept in a variable (an ACL named in several rules
@@ -312,7 +318,7 @@ def _frontend(settings: Settings, layout: Layout, listen_fd: int) -> list[str]:
     lines = [
         "",
         "frontend gateway",
-        f"  bind fd@{listen_fd}",
+        f"  bind fd@{LISTEN_FD}",
         f"  maxconn {settings.gateway_max_connections}",
         *_per_peer(settings),
         "  http-request del-header x-corral- -m beg",

@@ -1,7 +1,7 @@
 """The gateway's HAProxy process: found, started on the gateway's socket, watched, stopped.
 
 HAProxy runs in the foreground (``-db``) as a child of the gateway, on the listening
-socket the gateway bound (passed to it: ``bind fd@N``), so the port is the gateway's
+socket the gateway bound (passed to it as its stdin: ``bind fd@0``), so the port is the gateway's
 whatever HAProxy does: if it dies, the gateway starts it again on the same socket
 (callers wait in the kernel's backlog meanwhile) and programs it again from what it
 holds (:mod:`.router`). Where ``setpriv`` is installed HAProxy is started under
@@ -86,10 +86,9 @@ class Process:
         with self.layout.log.open("ab") as out:
             self.proc = subprocess.Popen(  # noqa: S603 - the operator's own HAProxy, no shell
                 argv,
-                stdin=subprocess.DEVNULL,
+                stdin=self.listen.fileno(),  # config.LISTEN_FD, whatever its number here
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                pass_fds=(self.listen.fileno(),),
                 start_new_session=True,  # a Ctrl-C is the gateway's, which stops HAProxy
             )
         self.starts += 1

@@ -182,7 +182,7 @@ class WarmPath:
         self.binary = binary
         self.layout = Layout.make(settings.state_dir)
         self.activator = self._bind_activator()
-        config.write(settings, self.layout, listen.fileno())
+        config.write(settings, self.layout)
         self.process = Process(binary, self.layout, listen)
         self.router: Router | None = None
         self.readings: Readings | None = None
