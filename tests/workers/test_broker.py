@@ -13,9 +13,8 @@ import base64
 import concurrent.futures
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kombu.connection import Connection
@@ -85,7 +84,7 @@ def test_the_broker_poll_is_the_brpop_timeout_of_the_redis_transport(poll: float
 
 
 def test_kombus_own_channel_still_has_the_bug(broker_url: str) -> None:
-    """If this fails, kombu fixed it upstream and :mod:`workers.broker` can go."""
+    """If this fails, kombu fixed it and the detached-transport check in ``_connparams`` can go."""
     with Connection(broker_url, transport=kombu_redis.Transport) as connection:
         channel = _channel_holding_one_message(connection)
         _detach(channel)
@@ -149,7 +148,9 @@ def test_a_tasks_publish_to_a_frozen_broker_gives_up_before_its_hard_limit(
 # -- a publish whose queue declare lost the broker -----------------------------------------
 
 
-def _broker_back_on_first_failure(server: RedisServer, seen: list[str]) -> Any:
+def _broker_back_on_first_failure(
+    server: RedisServer, seen: list[str]
+) -> Callable[[Exception, float], None]:
     """A retry policy's errback that starts the stopped broker the first time kombu reports."""
 
     def errback(exc: Exception, interval: float) -> None:
@@ -181,7 +182,7 @@ def test_a_publish_whose_queue_declare_lost_the_broker_is_sent_once_when_it_is_b
 def test_kombus_own_channel_still_publishes_on_the_channel_its_declare_closed(
     tmp_path: Path,
 ) -> None:
-    """If this fails, kombu fixed it upstream and ``Channel._connparams`` can go."""
+    """If this fails, kombu fixed it and the closed-channel check in ``_connparams`` can go."""
     queue = Queue("q", Exchange("q", type="direct"), routing_key="q")
     with (
         RedisServer(tmp_path / "redis") as server,
