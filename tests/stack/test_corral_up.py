@@ -382,14 +382,20 @@ def _readme_quickstart(gateway: str) -> str:
 def _check_quickstart(tmp_path: Path, gateway: str) -> None:
     """The README's quickstart works as written, in the stack's directory."""
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
-    done = subprocess.run(
-        ["bash", "-e", "-c", _readme_quickstart(gateway)],
-        cwd=tmp_path,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    # each command traced with the time it began: a failure or a timeout shows where it stood
+    script = "PS4='+ $EPOCHREALTIME '; set -x\n" + _readme_quickstart(gateway)
+    try:
+        done = subprocess.run(
+            ["bash", "-e", "-c", script],
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    except subprocess.TimeoutExpired as late:
+        output = [part.decode(errors="replace") for part in (late.stdout, late.stderr) if part]
+        pytest.fail(f"the quickstart ran past {late.timeout} s:\n" + "\n".join(output))
     assert done.returncode == 0, done.stdout + done.stderr
     # 2 through the gateway, 1 from the claimed address, and the asynchronous call's
     # stored answer if it was done when it was asked for
