@@ -391,7 +391,7 @@ def _check_quickstart(tmp_path: Path, gateway: str) -> None:
             env=_env(),
             capture_output=True,
             text=True,
-            timeout=420,  # a bound on a hang: ~15 s quiet, ~55 s on a third of the CPU
+            timeout=420,  # a bound on a hang: 11-15 s quiet, 85-145 s beside a second suite
         )
     except subprocess.TimeoutExpired as late:
         output = [part.decode(errors="replace") for part in (late.stdout, late.stderr) if part]

@@ -123,13 +123,13 @@ def test_two_worker_processes_keep_one_agent_within_the_bound(
     broker_env.set(node_max_inflight="4")
     counter = Counter()
     agent, node_id = _one_counting_agent(broker_env, counter, 0.05)
+    # The default deadlines, not FAST's 2 s: a slot is a lease that lapses at the longest
+    # call timeout plus 2 s, and a worker stalled past that (6.7 s beside a second suite,
+    # cis693: a peak of 5) lets its slot go while its call may still be at the agent - the
+    # bound is then a lapse's, which the killed-worker test below is about.
+    timeouts = {"CORRAL_CREATE_TIMEOUT_S": "30", "CORRAL_RPC_TIMEOUT_S": "10"}
     try:
         for name in ("w1", "w2"):
-            # The default deadlines, not FAST's 2 s: a slot is a lease that lapses at the
-            # longest call timeout plus 2 s, and a worker stalled past that (6.7 s beside a
-            # second suite, cis693) lets its slot go while its call may still be at the
-            # agent - the bound is then a lapse's, which the test below is about.
-            timeouts = {"CORRAL_CREATE_TIMEOUT_S": "30", "CORRAL_RPC_TIMEOUT_S": "10"}
             worker = WorkerProcess(broker_env.tmp, concurrency=2, name=name, extra_env=timeouts)
             worker_processes.append(worker.start())
         # four batches of 100: each of the four pool processes sends its own at once
