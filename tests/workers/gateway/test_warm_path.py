@@ -386,16 +386,27 @@ def test_no_call_fails_while_replicas_come_and_go(warm_stack: Stack) -> None:
     assert len(scaled) >= 4, scaled  # it did scale up and down meanwhile (a loaded CI box
     # once managed 3 in a fixed 8 s: the load now lasts until the churn has done 4)
     assert len(warm_stack.replicas("hello")) > 2
+
     # A scale-down removes only replicas no call holds: on a loaded machine every one it
-    # looked at was serving or kept, and no replica had gone by the end. Quiet now, one does.
-    api.wait(api.scale("hello", 1), timeout=60)
+    # looked at was serving or kept, and no replica had gone by the end. So the last one
+    # waits for the gateway to give its holds back, which it does a report at a time: beside
+    # a second suite (cis699) it came while all four were still held and removed none.
+    def held() -> list[tuple[str, int, str | None]]:
+        return [(r.status.name, r.envs_in_use, r.error) for r in warm_stack.replicas("hello")]
+
+    eventually(
+        lambda: not any(envs for _, envs, _ in held()),
+        WARM_WAIT_S,
+        "the gateway's holds given back",
+        detail=lambda: repr(held()),
+    )
+    view = api.wait(api.scale("hello", 1), timeout=60)
+    assert view["status"] == "succeeded", view
     eventually(  # the scale-downs' deletes end (a loaded machine had them still Deleting)
         lambda: any(r.status == ReplicaState.DELETED for r in warm_stack.replicas("hello")),
         WARM_WAIT_S,
         "a replica of the churn deleted",
-        detail=lambda: repr(
-            [(r.status.name, r.envs_in_use, r.error) for r in warm_stack.replicas("hello")]
-        ),
+        detail=lambda: f"{held()!r}\nthe last scale-down: {view['result']}",
     )
     text = httpcalls.get(f"{gw.url}/metrics", timeout=10).text
     for change in ("add", "remove"):
